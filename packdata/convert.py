@@ -1,0 +1,471 @@
+"""Source folder -> parallel reads -> one writer per shard -> manifest, atomically.
+
+The pack is written into a hidden sibling, ``.NAME.partial``, and renamed into
+place only once its manifest is written, so a reader never sees a half pack.
+Every commit is followed by a checkpoint (``progress.json``) that records how far
+the sorted walk got; ``resume=True`` cuts the shard and index back to the last
+checkpoint and carries on, giving the same content as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+from tqdm import tqdm
+
+from packdata.errors import ConfigError, SourceError
+from packdata.formats import FORMATS, format_from_path, shard_writer
+from packdata.index import SampleIndexWriter
+from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, write_manifest
+from packdata.records import Sample
+from packdata.sources import Skip, Source, SourceFile, scan_source
+
+__all__ = ["ConvertResult", "convert", "partial_path"]
+
+SKIP_REPORT = "skipped.jsonl"
+_PROGRESS = "progress.json"
+_COMMIT_BYTES = 128 << 20
+_COMMIT_SAMPLES = 20_000
+DEFAULT_TFRECORD_SHARD_BYTES = 256 * 10**6
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did: counts, bytes and time, and every skip by reason."""
+
+    pack: Path
+    format: str
+    kind: str
+    found: int
+    packed: int
+    skipped: dict[str, int]
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    shards: int
+    resumed: bool = False
+    reencoded: int = 0
+    skip_examples: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        out = asdict(self)
+        out["pack"] = str(self.pack)
+        return out
+
+
+def partial_path(dst: str | os.PathLike) -> Path:
+    """The hidden sibling a conversion into ``dst`` writes before renaming."""
+    dst = Path(dst)
+    return dst.parent / f".{dst.name}.partial"
+
+
+@dataclass
+class _Options:
+    format: str
+    kind: str
+    on_error: str
+    verify_images: bool
+    max_side: int | None
+    quality: int
+    shard_size: int | None
+    shard_samples: int | None
+
+
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_dst == real_src or real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+        raise ConfigError("destination is inside the source folder", path=dst,
+                          hint="Write the pack outside the folder being packed")
+    if real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+        raise ConfigError("the source folder is inside the destination", path=dst,
+                          hint="Choose a destination that does not contain the source")
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise ConfigError("destination already exists", path=dst,
+                              hint="Pass --overwrite to replace it, or choose another path")
+        if not (dst / MANIFEST_NAME).is_file():
+            raise ConfigError("destination exists and is not a packdata pack; refusing to replace it",
+                              path=dst, hint="Remove it yourself or choose another path")
+
+
+def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
+    """Read one file, validate it and re-encode it when asked; runs in the read pool.
+
+    Returns the sample (or why it is skipped) and whether it was re-encoded.
+    """
+    try:
+        with open(entry.path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return Skip(entry.key, "unreadable", exc.strerror or str(exc)), False
+    if not data:
+        return Skip(entry.key, "empty", "file has 0 bytes"), False
+    if opts.kind == "text":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return Skip(entry.key, "not UTF-8 text", str(exc)), False
+        return Sample(entry.key, entry.label, data, "text"), False
+    reencode = False
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
+            if opts.verify_images or reencode:
+                img.load()
+            if reencode:
+                data = _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
+    except UnidentifiedImageError:
+        return Skip(entry.key, "corrupt image", "not a recognised image format"), False
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        return Skip(entry.key, "corrupt image", str(exc)), False
+    return Sample(entry.key, entry.label, data, "image"), reencode
+
+
+def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
+    img = img.convert("RGB")
+    img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def _pipeline(
+    entries: Iterator[SourceFile | Skip], pool: ThreadPoolExecutor, opts: _Options, depth: int
+) -> Iterator[tuple[SourceFile | Skip, Sample | Skip, bool]]:
+    """Read files in the pool, yielding results in walk order, ``depth`` reads ahead."""
+    pending: deque[tuple[SourceFile | Skip, Future | None]] = deque()
+
+    def resolve(item: tuple[SourceFile | Skip, Future | None]) -> tuple[SourceFile | Skip, Sample | Skip, bool]:
+        entry, future = item
+        if future is None:
+            return entry, entry, False  # type: ignore[return-value]
+        return (entry, *future.result())
+
+    for entry in entries:
+        future = pool.submit(_load, entry, opts) if isinstance(entry, SourceFile) else None
+        pending.append((entry, future))
+        if len(pending) >= depth:
+            yield resolve(pending.popleft())
+    while pending:
+        yield resolve(pending.popleft())
+
+
+class _Checkpoint:
+    """The resumable state of a conversion, saved in ``progress.json``."""
+
+    def __init__(self, path: Path, options: dict[str, Any]) -> None:
+        self.path = path
+        self.options = options
+        self.files_done = 0
+        self.samples_done = 0
+        self.walk = hashlib.sha256()
+        self.skip_report_bytes = 0
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+        self.bytes_in = 0
+        self.reencoded = 0
+        self.shards: list[ShardInfo] = []
+        self.shard_first = 0
+        self.shard_bytes = 0
+        self.walk_expected = ""
+
+    def save(self) -> None:
+        state = {
+            "options": self.options, "files_done": self.files_done, "samples_done": self.samples_done,
+            "walk_sha256": self.walk.hexdigest(), "skip_report_bytes": self.skip_report_bytes,
+            "skipped": dict(self.skipped), "skip_examples": self.skip_examples, "bytes_in": self.bytes_in,
+            "reencoded": self.reencoded, "shards": [asdict(s) for s in self.shards],
+            "shard_first": self.shard_first, "shard_bytes": self.shard_bytes,
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def load(self) -> dict[str, Any]:
+        state = json.loads(self.path.read_text(encoding="utf-8"))
+        if state["options"] != self.options:
+            raise ConfigError(
+                f"the interrupted conversion used other options ({state['options']})",
+                path=self.path.parent, hint="Resume with the same options, or start again with --overwrite",
+            )
+        for name in ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes"):
+            setattr(self, name, state[name])
+        self.skipped = Counter(state["skipped"])
+        self.skip_examples = state["skip_examples"]
+        self.shards = [ShardInfo(**s) for s in state["shards"]]
+        self.walk_expected = state["walk_sha256"]
+        return state
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    format: str | None = None,
+    kind: str = "auto",
+    workers: int | None = None,
+    on_error: str = "skip",
+    verify_images: bool = False,
+    max_side: int | None = None,
+    quality: int = 90,
+    shard_size: int | None = None,
+    shard_samples: int | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+) -> ConvertResult:
+    """Pack the files of ``src`` into a pack at ``dst``.
+
+    Args:
+        src: the source folder; ImageFolder class subfolders give labels. Never modified.
+        dst: the pack to create (``out.lmdb``; a folder for TFRecord).
+        format: ``"lmdb"`` or ``"tfrecord"``; by default from ``dst``'s suffix.
+        kind: ``"image"``, ``"text"`` or ``"auto"``.
+        workers: parallel reader threads (default: 4 per CPU, at most 32).
+        on_error: ``"skip"`` corrupt, empty or unreadable files (listed in the
+            summary and in ``skipped.jsonl``), or ``"fail"`` at the first.
+        verify_images: fully decode every image (catches truncated files).
+        max_side: re-encode images whose longer side is larger to this size, as JPEG.
+        quality: JPEG quality of re-encoded images.
+        shard_size: start a new shard before one would exceed this many bytes.
+        shard_samples: at most this many samples per shard.
+        overwrite: replace an existing pack at ``dst``.
+        resume: continue an interrupted conversion into ``dst``.
+        progress: show a progress bar on stderr.
+
+    Returns:
+        A :class:`ConvertResult`.
+
+    Raises:
+        SourceError: ``src`` is missing, has no usable files, or (with
+            ``on_error="fail"``) holds a bad file.
+        ConfigError: ``dst`` exists, is inside ``src``, or options contradict.
+    """
+    started = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    fmt = format or format_from_path(os.fspath(dst)) or "lmdb"
+    if fmt not in FORMATS:
+        raise ConfigError(f"format should be one of {', '.join(FORMATS)}, but got format={fmt!r}")
+    if on_error not in ("skip", "fail"):
+        raise ConfigError(f"on_error should be 'skip' or 'fail', but got on_error={on_error!r}")
+    if max_side is not None and max_side < 1:
+        raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
+    if fmt == "tfrecord" and shard_size is None and shard_samples is None:
+        shard_size = DEFAULT_TFRECORD_SHARD_BYTES
+    source = scan_source(src, kind)
+    _check_paths(src, dst, overwrite)
+    opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
+    partial = partial_path(dst)
+    checkpoint = _Checkpoint(partial / _PROGRESS, asdict(opts))
+    resumed = resume and checkpoint.path.is_file()
+    if resumed:
+        checkpoint.load()
+    elif partial.exists():
+        if not overwrite and not resume:
+            raise ConfigError(
+                f"an interrupted conversion into {dst} is in {partial}", path=dst,
+                hint="Pass --resume to continue it, or --overwrite to start again",
+            )
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    workers = workers or min(32, 4 * (os.cpu_count() or 1))
+
+    packer = _Packer(source, partial, opts, checkpoint, resumed)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-read") as pool:
+            try:
+                packer.run(pool, depth=max(32, 8 * workers), progress=progress)
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    except SourceError:
+        packer.close_files()
+        shutil.rmtree(partial)  # a deliberate stop: nothing to resume
+        raise
+    finally:
+        packer.close_files()
+    if checkpoint.samples_done == 0:
+        shutil.rmtree(partial)
+        reasons = ", ".join(f"{n} {r}" for r, n in checkpoint.skipped.items()) or "none"
+        raise SourceError(f"no usable {source.kind} files (skipped: {reasons})", path=src,
+                          hint="Check the folder and --kind")
+    manifest = packer.finish()
+    _publish(partial, dst)
+    return ConvertResult(
+        pack=dst, format=fmt, kind=source.kind, found=checkpoint.files_done,
+        packed=checkpoint.samples_done, skipped=dict(checkpoint.skipped), bytes_in=checkpoint.bytes_in,
+        bytes_out=manifest.total_bytes, seconds=time.perf_counter() - started,
+        shards=len(manifest.shards), resumed=resumed, reencoded=checkpoint.reencoded,
+        skip_examples=checkpoint.skip_examples,
+    )
+
+
+class _Packer:
+    """The single writer: consumes read results in walk order, rolls shards, checkpoints."""
+
+    def __init__(self, source: Source, partial: Path, opts: _Options, cp: _Checkpoint, resumed: bool) -> None:
+        self.source, self.partial, self.opts, self.cp = source, partial, opts, cp
+        self.writer_cls = shard_writer(opts.format)
+        resume_at = cp.samples_done if resumed else None
+        self.index = SampleIndexWriter(partial, resume_at=resume_at)
+        report = partial / SKIP_REPORT
+        report.touch()
+        if resumed:
+            os.truncate(report, cp.skip_report_bytes)
+        self.report = open(report, "ab")
+        self.writer = self._open_shard(resume_at)
+        self.batch: list[tuple[int, Sample]] = []
+        self.batch_bytes = 0
+        self.shard_samples = cp.samples_done - cp.shard_first
+
+    def _open_shard(self, resume_at: int | None = None):
+        path = self.partial / self.writer_cls.shard_name(len(self.cp.shards))
+        return self.writer_cls(path, resume_at=resume_at)
+
+    def run(self, pool: ThreadPoolExecutor, depth: int, progress: bool) -> None:
+        entries = self._entries()
+        bar = tqdm(desc="packing", unit=" files", unit_scale=True, disable=not progress,
+                   initial=self.cp.files_done, dynamic_ncols=True)
+        last_bytes, last_time = self.cp.bytes_in, time.perf_counter()
+        with bar:
+            for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
+                self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+                self.cp.files_done += 1
+                if isinstance(result, Skip):
+                    self._skip(result, is_read_error=isinstance(entry, SourceFile))
+                else:
+                    self._add(result)
+                    self.cp.reencoded += reencoded
+                bar.update()
+                now = time.perf_counter()
+                if now - last_time > 1.0:
+                    bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
+                    last_bytes, last_time = self.cp.bytes_in, now
+            self._commit()
+
+    def _entries(self) -> Iterator[SourceFile | Skip]:
+        """The walk, with the part an interrupted run already packed verified and dropped."""
+        walk = self.source.walk()
+        if self.cp.files_done:
+            check = hashlib.sha256()
+            for _, entry in zip(range(self.cp.files_done), walk):
+                check.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+            if check.hexdigest() != self.cp.walk_expected:
+                raise SourceError(
+                    "the source folder changed since the interrupted conversion", path=self.source.root,
+                    hint="Start again with --overwrite",
+                )
+            self.cp.walk = check
+        return walk
+
+    def _skip(self, skip: Skip, is_read_error: bool) -> None:
+        if is_read_error and self.opts.on_error == "fail":
+            detail = f": {skip.detail}" if skip.detail else ""
+            raise SourceError(f"{skip.reason}{detail}", path=self.source.root / skip.key,
+                              hint="Fix or remove the file, or pass --on-error skip")
+        self.cp.skipped[skip.reason] += 1
+        line = {"key": skip.key, "reason": skip.reason, "detail": skip.detail}
+        if is_read_error and len(self.cp.skip_examples) < 20:
+            self.cp.skip_examples.append(line)
+        self.report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+
+    def _add(self, sample: Sample) -> None:
+        size = len(sample.data)
+        limit_bytes, limit_samples = self.opts.shard_size, self.opts.shard_samples
+        if self.shard_samples and (
+            (limit_samples and self.shard_samples >= limit_samples)
+            or (limit_bytes and self.cp.shard_bytes + size > limit_bytes)
+        ):
+            self._roll_shard()
+        index = self.cp.samples_done
+        self.batch.append((index, sample))
+        self.index.append(sample.key, sample.label, size)
+        self.cp.samples_done += 1
+        self.cp.bytes_in += size
+        self.shard_samples += 1
+        self.cp.shard_bytes += size
+        self.batch_bytes += size
+        if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
+            self._commit()
+
+    def _commit(self) -> None:
+        """Write the batch, make everything durable, then record the checkpoint."""
+        if self.batch:
+            self.writer.write(self.batch)
+            self.batch, self.batch_bytes = [], 0
+        self.writer.sync()
+        self.index.flush()
+        self.report.flush()
+        os.fsync(self.report.fileno())
+        self.cp.skip_report_bytes = self.report.tell()
+        self.cp.save()
+
+    def _roll_shard(self) -> None:
+        self._commit()
+        nbytes, digest = self.writer.close()
+        name = self.writer_cls.shard_name(len(self.cp.shards))
+        self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
+        self.cp.shard_first = self.cp.samples_done
+        self.shard_samples = self.cp.shard_bytes = 0
+        self.writer = self._open_shard()
+        self.cp.save()
+
+    def close_files(self) -> None:
+        """Close the skip report and the index files (safe to call twice)."""
+        if not self.report.closed:
+            self.report.close()
+            self.index.close()
+
+    def finish(self) -> Manifest:
+        """Close the last shard, give shards their final names, write the manifest."""
+        nbytes, digest = self.writer.close()
+        name = self.writer_cls.shard_name(len(self.cp.shards))
+        shards = [*self.cp.shards, ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest)]
+        shards = self.writer_cls.finalize(self.partial, shards)
+        opts = self.opts
+        manifest = Manifest(
+            format=opts.format, kind=self.source.kind, classes=self.source.classes,
+            num_samples=self.cp.samples_done, shards=shards,
+            index={"dir": "index"}, fields=[opts.kind, "label", "key"],
+            reencode={"max_side": opts.max_side, "quality": opts.quality, "count": self.cp.reencoded}
+            if opts.max_side else None,
+            skipped={"count": sum(self.cp.skipped.values()), "by_reason": dict(self.cp.skipped),
+                     "report": SKIP_REPORT},
+            source={"files_found": self.cp.files_done, "bytes": self.cp.bytes_in},
+        )
+        (self.partial / _PROGRESS).unlink()
+        write_manifest(self.partial, manifest)
+        return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: Path, dst: Path) -> None:
+    """Rename the finished pack into place; an old pack at ``dst`` is replaced."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(partial, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old)

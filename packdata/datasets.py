@@ -1,0 +1,176 @@
+"""Torch datasets over a pack: drop-ins for ``torchvision.datasets.ImageFolder``.
+
+Datasets here know torch and the manifest, never the source folder. They hold
+only paths, options and small plain data; every file handle, LMDB environment
+and memory map opens lazily in the process that reads, so a dataset pickles
+cheaply to ``spawn``-ed workers and a forked worker never uses its parent's
+handles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from packdata.decode import DecodeFn, resolve_decoder
+from packdata.errors import PackFormatError
+from packdata.formats.lmdb import LMDBShardReader
+from packdata.index import INDEX_DIR, KeyList, SampleIndex
+from packdata.manifest import Manifest, read_manifest
+from packdata.records import RecordError, record_payload
+
+__all__ = ["LMDBDataset", "PackInfo"]
+
+
+class PackInfo:
+    """What every pack dataset shares: the manifest, classes and the sample index.
+
+    The index (labels, keys, sizes) is memory-mapped on first use in each
+    process and dropped when pickled, so workers share its pages with the page
+    cache instead of each holding a copy.
+    """
+
+    def __init__(self, path: str | os.PathLike, expected_format: str | None = None) -> None:
+        self.path = Path(path)
+        self.manifest: Manifest = read_manifest(self.path)
+        if expected_format and self.manifest.format != expected_format:
+            raise PackFormatError(
+                f"pack is in {self.manifest.format} format, not {expected_format}",
+                path=self.path,
+                hint=f"Open it with the {self.manifest.format} dataset instead",
+            )
+        self.classes: list[str] = list(self.manifest.classes)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._index: SampleIndex | None = None
+
+    @property
+    def index(self) -> SampleIndex:
+        """The memory-mapped sample index of this pack."""
+        if self._index is None:
+            directory = self.path / self.manifest.index.get("dir", INDEX_DIR)
+            try:
+                self._index = SampleIndex(directory, self.manifest.num_samples)
+            except (OSError, ValueError) as exc:
+                raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory,
+                                      hint="Convert the pack again") from exc
+        return self._index
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_index"] = None
+        return state
+
+
+class LMDBDataset(Dataset):
+    """Map-style dataset over an LMDB pack: ``ds[i] -> (sample, label)``.
+
+    A drop-in for ``torchvision.datasets.ImageFolder``: ``classes``,
+    ``class_to_idx``, ``targets`` and ``keys`` (paths relative to the source)
+    come from the manifest and index without reading a record.
+
+    Workers: nothing is opened in ``__init__`` but the manifest. Each process
+    opens its own read-only LMDB handle (``lock=False``) on first access and
+    reopens after a fork, so it works with ``num_workers > 0`` under ``fork``
+    and ``spawn``, with ``persistent_workers=True``, after ``ds[0]`` in the
+    parent, and next to a second dataset over the same pack in one process
+    (they share one environment per shard). Decoding runs in the worker.
+
+    Args:
+        path: the pack (directory with ``manifest.json``).
+        transform: applied to the decoded sample.
+        target_transform: applied to the label.
+        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        readahead: let the kernel read ahead on page faults; leave off for random
+            access (values are prefetched one by one instead).
+        verify: check each record's CRC-32 as it is read (costs about 20 us per 100 KB).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        decode: str | DecodeFn = "pil",
+        *,
+        readahead: bool = False,
+        verify: bool = False,
+    ) -> None:
+        self.pack = PackInfo(path, "lmdb")
+        self.path = self.pack.path
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = resolve_decoder(decode)
+        self.readahead = readahead
+        self.verify = verify
+        shards = self.pack.manifest.shards
+        self._first = [s.first_index for s in shards]
+        self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
+        self._readers: list[LMDBShardReader | None] = []
+        self._pid = -1
+
+    @property
+    def classes(self) -> list[str]:
+        return self.pack.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return self.pack.class_to_idx
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label (int32, memory-mapped), without reading records."""
+        return self.pack.index.labels
+
+    @property
+    def keys(self) -> KeyList:
+        """Every sample's key: its path relative to the source folder."""
+        return self.pack.index.keys
+
+    def __len__(self) -> int:
+        return self.pack.manifest.num_samples
+
+    def _reader(self, shard: int) -> LMDBShardReader:
+        if self._pid != os.getpid():
+            self._readers = [None] * len(self._shard_paths)
+            self._pid = os.getpid()
+        reader = self._readers[shard]
+        if reader is None:
+            reader = self._readers[shard] = LMDBShardReader(self._shard_paths[shard], readahead=self.readahead)
+        return reader
+
+    def raw(self, index: int) -> tuple[bytes, int]:
+        """The stored bytes and label of sample ``index``, undecoded."""
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a pack of {n} samples")
+        index %= n
+        shard = bisect.bisect_right(self._first, index) - 1
+        try:
+            return record_payload(self._reader(shard).get(index), check_crc=self.verify)
+        except RecordError as exc:
+            raise PackFormatError(f"record {index} is damaged: {exc}", path=self._shard_paths[shard],
+                                  hint="Run `packdata verify` on the pack") from exc
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        data, label = self.raw(index)
+        sample = self.decode(data)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        target: Any = label
+        if self.target_transform is not None:
+            target = self.target_transform(label)
+        return sample, target
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_readers"], state["_pid"] = [], -1
+        return state
+
+    def __repr__(self) -> str:
+        return f"LMDBDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

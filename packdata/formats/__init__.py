@@ -1,0 +1,37 @@
+"""Storage formats: one writer and one reader per format, no torch."""
+
+from __future__ import annotations
+
+__all__ = ["FORMATS", "format_from_path", "shard_writer"]
+
+FORMATS = ("lmdb", "tfrecord")
+
+
+def format_from_path(path: str) -> str | None:
+    """The format a destination's suffix names (``out.lmdb`` -> ``"lmdb"``), or None."""
+    lowered = path.rstrip("/").lower()
+    if lowered.endswith(".lmdb"):
+        return "lmdb"
+    if lowered.endswith((".tfrecord", ".tfrecords")):
+        return "tfrecord"
+    return None
+
+
+def shard_writer(fmt: str) -> type:
+    """The shard writer class of format ``fmt``.
+
+    A writer is constructed as ``cls(path, resume_at=None)``, takes batches of
+    ``(global index, Sample)`` in :meth:`write`, makes them durable in
+    :meth:`sync` and returns ``(bytes, sha256)`` from :meth:`close`. Its static
+    ``shard_name(number)`` names shard files and ``finalize(pack, shards)``
+    gives them their final names once the shard count is known.
+    """
+    if fmt == "lmdb":
+        from packdata.formats.lmdb import LMDBShardWriter
+
+        return LMDBShardWriter
+    if fmt == "tfrecord":
+        from packdata.formats.tfrecord import TFRecordShardWriter
+
+        return TFRecordShardWriter
+    raise ValueError(f"format should be one of {', '.join(FORMATS)}, but got format={fmt!r}")

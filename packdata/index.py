@@ -1,0 +1,120 @@
+"""The sample index: every sample's key, label and payload size, without records.
+
+Three flat little-endian files in the pack's ``index/`` folder, so a sampler or
+``targets`` never reads a record and any tool reads them with ``numpy.fromfile``:
+
+- ``labels.i32``: int32 label per sample (-1: no class folder);
+- ``sizes.i64``: int64 payload byte length per sample;
+- ``keys.utf8`` + ``key_offsets.i64``: the keys, UTF-8, concatenated; sample
+  ``i``'s key is ``keys[offsets[i]:offsets[i + 1]]`` (``num_samples + 1`` offsets).
+
+The writer appends as samples are packed (memory stays flat whatever the
+dataset size) and can be cut back to a committed count when a conversion resumes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import overload
+
+import numpy as np
+
+__all__ = ["INDEX_DIR", "KeyList", "SampleIndex", "SampleIndexWriter"]
+
+INDEX_DIR = "index"
+_LABELS, _SIZES, _KEYS, _OFFSETS = "labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"
+FILES = (_LABELS, _SIZES, _KEYS, _OFFSETS)
+
+
+class SampleIndexWriter:
+    """Appends keys, labels and sizes to the index files of a pack being written."""
+
+    def __init__(self, pack: str | os.PathLike, *, resume_at: int | None = None) -> None:
+        self.dir = Path(pack) / INDEX_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+        self._key_end = 0
+        if resume_at is not None:
+            self._truncate(resume_at)
+        self._files = {name: open(self.dir / name, "ab") for name in FILES}
+        if self.count == 0 and self._files[_OFFSETS].tell() == 0:
+            self._files[_OFFSETS].write(np.int64(0).tobytes())
+
+    def _truncate(self, n: int) -> None:
+        offsets = np.fromfile(self.dir / _OFFSETS, dtype="<i8") if (self.dir / _OFFSETS).exists() else np.zeros(1, "<i8")
+        if len(offsets) < n + 1:
+            raise ValueError(f"{self.dir}: index holds {len(offsets) - 1} samples, cannot resume at {n}")
+        self._key_end = int(offsets[n])
+        for name, size in ((_LABELS, 4 * n), (_SIZES, 8 * n), (_OFFSETS, 8 * (n + 1)), (_KEYS, self._key_end)):
+            os.truncate(self.dir / name, size)
+        self.count = n
+
+    def append(self, key: str, label: int, size: int) -> None:
+        """Add one sample's entry."""
+        encoded = key.encode("utf-8")
+        self._key_end += len(encoded)
+        self._files[_KEYS].write(encoded)
+        self._files[_OFFSETS].write(np.int64(self._key_end).tobytes())
+        self._files[_LABELS].write(np.int32(label).tobytes())
+        self._files[_SIZES].write(np.int64(size).tobytes())
+        self.count += 1
+
+    def flush(self) -> None:
+        """Push everything written so far to disk (before a checkpoint)."""
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        self.flush()
+        for f in self._files.values():
+            f.close()
+
+
+class KeyList(Sequence[str]):
+    """Read-only sequence of keys over the index files (decoded on access)."""
+
+    def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
+        self._blob = blob
+        self._offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"key index {i} out of range for {n} samples")
+        i %= n
+        return self._blob[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+
+
+class SampleIndex:
+    """The index of a finished pack, memory-mapped (shared by forked workers)."""
+
+    def __init__(self, directory: str | os.PathLike, num_samples: int) -> None:
+        directory = Path(directory)
+        self.labels = self._map(directory / _LABELS, "<i4", num_samples)
+        self.sizes = self._map(directory / _SIZES, "<i8", num_samples)
+        offsets = self._map(directory / _OFFSETS, "<i8", num_samples + 1)
+        blob = self._map(directory / _KEYS, "u1", int(offsets[-1]))
+        self.keys = KeyList(blob, offsets)
+
+    @staticmethod
+    def _map(path: Path, dtype: str, count: int) -> np.ndarray:
+        expected = count * np.dtype(dtype).itemsize
+        actual = path.stat().st_size
+        if actual != expected:
+            raise ValueError(f"{path}: {actual} bytes, expected {expected}")
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))

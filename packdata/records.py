@@ -1,0 +1,99 @@
+"""One sample <-> bytes: the LMDB value encoding.
+
+An LMDB value is one self-describing record, little-endian, no pickle::
+
+    offset  size  field
+    0       4     magic b"PDR1" (packdata record, version 1)
+    4       1     kind: 0 = image, 1 = text
+    5       4     label, int32 (-1 when the source had no class folders)
+    9       4     CRC-32 (zlib) of the payload
+    13      2     K, the key's length in bytes, uint16
+    15      K     key: path relative to the source root, UTF-8, POSIX separators
+    15+K    ...   payload: the file's bytes (unchanged unless re-encoded)
+
+Any tool can read it with ``struct.unpack_from("<4sBiIH", value)``.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+__all__ = [
+    "KINDS",
+    "RECORD_MAGIC",
+    "RecordError",
+    "Sample",
+    "decode_record",
+    "encode_record",
+    "record_payload",
+]
+
+RECORD_MAGIC = b"PDR1"
+KINDS = ("image", "text")
+_HEADER = struct.Struct("<4sBiIH")
+_MAX_KEY = 0xFFFF
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One source file as fields: its encoded bytes, label, key and kind."""
+
+    key: str
+    label: int
+    data: bytes
+    kind: str = "image"
+
+
+class RecordError(ValueError):
+    """A value is not a valid packdata record (the caller adds where it was)."""
+
+
+def encode_record(sample: Sample) -> bytes:
+    """Encode ``sample`` as one LMDB value (layout in the module docstring)."""
+    key = sample.key.encode("utf-8")
+    if len(key) > _MAX_KEY:
+        raise RecordError(f"key is {len(key)} bytes long, but at most {_MAX_KEY} fit")
+    header = _HEADER.pack(
+        RECORD_MAGIC, KINDS.index(sample.kind), sample.label, zlib.crc32(sample.data), len(key)
+    )
+    return b"".join((header, key, sample.data))
+
+
+def _header(value: bytes | memoryview) -> tuple[int, int, int, int]:
+    if len(value) < _HEADER.size:
+        raise RecordError(f"record is {len(value)} bytes, shorter than its {_HEADER.size}-byte header")
+    magic, kind, label, crc, key_len = _HEADER.unpack_from(value)
+    if magic != RECORD_MAGIC:
+        raise RecordError(f"record starts with {bytes(magic)!r}, expected {RECORD_MAGIC!r}")
+    if kind >= len(KINDS) or _HEADER.size + key_len > len(value):
+        raise RecordError("record header is damaged")
+    return kind, label, crc, key_len
+
+
+def record_payload(value: bytes | memoryview, *, check_crc: bool = False) -> tuple[bytes, int]:
+    """Return ``(payload, label)`` of a record, copying only the payload.
+
+    Raises:
+        RecordError: the value is not a packdata record, or its CRC does not match.
+    """
+    _, label, crc, key_len = _header(value)
+    payload = bytes(value[_HEADER.size + key_len :])
+    if check_crc and zlib.crc32(payload) != crc:
+        raise RecordError("payload CRC-32 does not match: the record is damaged")
+    return payload, label
+
+
+def decode_record(value: bytes | memoryview, *, check_crc: bool = True) -> Sample:
+    """Decode a whole record into a :class:`Sample`, checking its CRC by default."""
+    kind, label, crc, key_len = _header(value)
+    start = _HEADER.size
+    try:
+        key = bytes(value[start : start + key_len]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError("record key is not valid UTF-8") from exc
+    payload = bytes(value[start + key_len :])
+    if check_crc and zlib.crc32(payload) != crc:
+        raise RecordError("payload CRC-32 does not match: the record is damaged")
+    return Sample(key=key, label=label, data=payload, kind=KINDS[kind])

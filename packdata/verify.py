@@ -1,0 +1,110 @@
+"""``packdata info`` and ``packdata verify``: what a pack holds, and whether it is intact."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from packdata.errors import PackFormatError
+from packdata.index import SampleIndex
+from packdata.manifest import Manifest, ShardInfo, file_sha256, read_manifest
+from packdata.records import RecordError, Sample, decode_record
+
+__all__ = ["VerifyResult", "pack_info", "verify_pack"]
+
+
+def pack_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest facts of a pack, as JSON-ready data."""
+    manifest = read_manifest(path)
+    info = manifest.to_dict()
+    info["path"] = os.fspath(path)
+    info["total_bytes"] = manifest.total_bytes
+    return info
+
+
+@dataclass
+class VerifyResult:
+    """A verified pack: how many records and bytes were checked."""
+
+    path: Path
+    records: int
+    bytes: int
+    shards: int
+
+
+def _shard_data_file(manifest: Manifest, pack: Path, shard: ShardInfo) -> Path:
+    if manifest.format == "lmdb":
+        from packdata.formats.lmdb import DATA_FILE
+
+        return shard.path(pack) / DATA_FILE
+    return shard.path(pack)
+
+
+def _samples(manifest: Manifest, pack: Path, shard: ShardInfo) -> Iterator[tuple[int, Sample]]:
+    """``(global index, sample)`` of every record of a shard, in order, CRCs checked."""
+    if manifest.format == "lmdb":
+        from packdata.formats.lmdb import LMDBShardReader
+
+        reader = LMDBShardReader(shard.path(pack), readahead=True)
+        try:
+            for i, value in reader.items():
+                try:
+                    yield i, decode_record(value, check_crc=True)
+                except RecordError as exc:
+                    raise PackFormatError(f"record {i} is damaged: {exc}", path=shard.path(pack)) from exc
+        finally:
+            reader.close()
+    else:
+        from packdata.formats.tfrecord import iter_shard_samples
+
+        yield from iter_shard_samples(shard.path(pack), shard.first_index)
+
+
+def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResult:
+    """Read every record of a pack and check it against the manifest and index.
+
+    Checks each shard's byte size and SHA-256, each record's CRC, that indices
+    run without gaps, and that every record's key and label equal the index.
+
+    Raises:
+        PackFormatError: naming the first bad shard or record.
+    """
+    pack = Path(path)
+    manifest = read_manifest(pack)
+    index = SampleIndex(pack / manifest.index.get("dir", "index"), manifest.num_samples)
+    checked = nbytes = 0
+    with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True,
+              disable=not progress) as bar:
+        for shard in manifest.shards:
+            data_file = _shard_data_file(manifest, pack, shard)
+            if not data_file.is_file():
+                raise PackFormatError("shard file is missing", path=data_file, hint="Convert or stage the pack again")
+            size = data_file.stat().st_size
+            if size != shard.bytes:
+                raise PackFormatError(f"shard is {size} bytes, the manifest says {shard.bytes}", path=data_file,
+                                      hint="The shard is truncated or was replaced: convert or stage again")
+            if file_sha256(data_file) != shard.sha256:
+                raise PackFormatError("shard checksum does not match the manifest", path=data_file,
+                                      hint="The shard is damaged: convert or stage again")
+            expected = shard.first_index
+            for i, sample in _samples(manifest, pack, shard):
+                if i != expected:
+                    raise PackFormatError(f"record {expected} is missing (found {i} next)", path=data_file)
+                if sample.key != index.keys[i] or sample.label != int(index.labels[i]):
+                    raise PackFormatError(f"record {i} (key {sample.key!r}) does not match the sample index",
+                                          path=data_file, hint="Convert the pack again")
+                expected += 1
+                nbytes += len(sample.data)
+                bar.update()
+            if expected != shard.first_index + shard.num_samples:
+                raise PackFormatError(
+                    f"shard holds {expected - shard.first_index} records, the manifest says {shard.num_samples}",
+                    path=data_file,
+                )
+            checked += expected - shard.first_index
+    return VerifyResult(pack, checked, nbytes, len(manifest.shards))
