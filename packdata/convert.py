@@ -319,14 +319,13 @@ class _Packer:
     def __init__(self, source: Source, partial: Path, opts: _Options, cp: _Checkpoint, resumed: bool) -> None:
         self.source, self.partial, self.opts, self.cp = source, partial, opts, cp
         self.writer_cls = shard_writer(opts.format)
-        resume_at = cp.samples_done if resumed else None
-        self.index = SampleIndexWriter(partial, resume_at=resume_at)
+        self.index = SampleIndexWriter(partial, resume_at=cp.samples_done if resumed else None)
         report = partial / SKIP_REPORT
         report.touch()
         if resumed:
             os.truncate(report, cp.skip_report_bytes)
         self.report = open(report, "ab")
-        self.writer = self._open_shard(resume_at)
+        self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
         self.shard_samples = cp.samples_done - cp.shard_first
@@ -390,8 +389,7 @@ class _Packer:
             or (limit_bytes and self.cp.shard_bytes + size > limit_bytes)
         ):
             self._roll_shard()
-        index = self.cp.samples_done
-        self.batch.append((index, sample))
+        self.batch.append((self.shard_samples, sample))
         self.index.append(sample.key, sample.label, size)
         self.cp.samples_done += 1
         self.cp.bytes_in += size

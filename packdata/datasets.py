@@ -152,7 +152,7 @@ class LMDBDataset(Dataset):
         index %= n
         shard = bisect.bisect_right(self._first, index) - 1
         try:
-            return record_payload(self._reader(shard).get(index), check_crc=self.verify)
+            return record_payload(self._reader(shard).get(index - self._first[shard]), check_crc=self.verify)
         except RecordError as exc:
             raise PackFormatError(f"record {index} is damaged: {exc}", path=self._shard_paths[shard],
                                   hint="Run `packdata verify` on the pack") from exc

@@ -52,7 +52,8 @@ def _samples(manifest: Manifest, pack: Path, shard: ShardInfo) -> Iterator[tuple
 
         reader = LMDBShardReader(shard.path(pack), readahead=True)
         try:
-            for i, value in reader.items():
+            for local, value in reader.items():
+                i = shard.first_index + local
                 try:
                     yield i, decode_record(value, check_crc=True)
                 except RecordError as exc:

@@ -21,7 +21,8 @@ def shard_writer(fmt: str) -> type:
     """The shard writer class of format ``fmt``.
 
     A writer is constructed as ``cls(path, resume_at=None)``, takes batches of
-    ``(global index, Sample)`` in :meth:`write`, makes them durable in
+    ``(index within the shard, Sample)`` in :meth:`write` (``resume_at`` is the
+    index within the shard of the first record to drop), makes them durable in
     :meth:`sync` and returns ``(bytes, sha256)`` from :meth:`close`. Its static
     ``shard_name(number)`` names shard files and ``finalize(pack, shards)``
     gives them their final names once the shard count is known.

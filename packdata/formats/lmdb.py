@@ -2,8 +2,9 @@
 
 A shard is an ordinary LMDB environment directory (``data.mdb``) that
 ``mdb_stat`` and ``lmdb.open(path, readonly=True)`` open. Keys are 8-byte
-big-endian global sample indices, so they sort in sample order and every put
-uses append mode; values are :mod:`packdata.records` records.
+big-endian sample indices within the shard (global index minus the shard's
+``first_index``), so they sort in sample order, every put uses append mode, and
+a shard is self-contained: it can be written by its own task and staged alone; values are :mod:`packdata.records` records.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def encode_key(index: int) -> bytes:
-    """The LMDB key of global sample ``index``: 8 bytes, big-endian."""
+    """The LMDB key of the record at ``index`` within its shard: 8 bytes, big-endian."""
     return _KEY.pack(index)
 
 
@@ -74,7 +75,7 @@ class LMDBShardWriter:
         return shards
 
     def _truncate(self, first_dropped: int) -> None:
-        """Delete every record at or after global index ``first_dropped``."""
+        """Delete every record at or after index ``first_dropped``."""
         with self._env.begin(write=True) as txn:
             cursor = txn.cursor()
             if cursor.set_range(encode_key(first_dropped)):
@@ -93,7 +94,7 @@ class LMDBShardWriter:
             self._map_size = size
 
     def write(self, items: list[tuple[int, Sample]]) -> None:
-        """Append ``(global index, sample)`` pairs in one transaction, growing the map as needed."""
+        """Append ``(index in shard, sample)`` pairs in one transaction, growing the map as needed."""
         records = [(index, encode_record(sample)) for index, sample in items]
         payload = sum(len(v) + self._page for _, v in records)  # overflow pages round up
         self._grow_to(self._used_bytes() + 2 * payload + (16 << 20))
@@ -151,7 +152,7 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
 
 
 class LMDBShardReader:
-    """Reads records of one shard by global index.
+    """Reads records of one shard by their index within the shard.
 
     Opened lazily in the process that uses it. With ``readahead=False`` (the
     default) the kernel reads no neighbouring pages on a fault, which suits
@@ -173,7 +174,7 @@ class LMDBShardReader:
         self._prefetch = not readahead
 
     def get(self, index: int) -> memoryview:
-        """The record at global ``index``, valid until the reader closes."""
+        """The record at ``index`` within the shard, valid until the reader closes."""
         value = self._txn.get(encode_key(index))
         if value is None:
             raise PackFormatError(f"record {index} is missing", path=self.path,
@@ -183,7 +184,7 @@ class LMDBShardReader:
         return value
 
     def items(self):
-        """Iterate ``(global index, record)`` in key order."""
+        """Iterate ``(index in shard, record)`` in key order."""
         for key, value in self._txn.cursor():
             yield _KEY.unpack(key)[0], value
 
