@@ -12,7 +12,7 @@ from typing import Any
 
 from PIL import Image
 
-__all__ = ["DecodeFn", "decode_pil", "decode_text", "resolve_decoder"]
+__all__ = ["DecodeFn", "DecodeJPEG", "decode_pil", "decode_text", "resolve_decoder"]
 
 DecodeFn = Callable[[bytes], Any]
 
@@ -21,6 +21,49 @@ def decode_pil(data: bytes) -> Image.Image:
     """Decode image bytes into an RGB PIL image, as ImageFolder's loader does."""
     with Image.open(io.BytesIO(data)) as img:
         return img.convert("RGB")
+
+
+class DecodeJPEG:
+    """Decode an image at reduced size: JPEG DCT scaling straight to what is needed.
+
+    A JPEG decoder can scale by 1/2, 1/4 or 1/8 while decoding (PIL's
+    ``Image.draft``), doing a fraction of the work of a full decode followed by
+    a resize. This decoder picks the smallest such scale whose result is still
+    at least ``min_size``, so a 224 px training crop never decodes more pixels
+    than it needs: a 1024x768 JPEG asked for 256 decodes at 512x384.
+    Non-JPEG images (PNG, WebP, ...) decode normally at full size.
+
+    The model sees what a resize to the reduced size followed by the usual
+    transform would give; with ``RandomResizedCrop`` small crops of a large
+    image are upsampled from fewer source pixels, so ask for the crop size or
+    somewhat more (``min_size=256`` for a 224 crop keeps small crops sharp).
+
+    Args:
+        min_size: the shorter side the decoded image must at least have, or
+            ``(height, width)`` it must at least cover.
+    """
+
+    def __init__(self, min_size: int | tuple[int, int] = 224) -> None:
+        height, width = (min_size, min_size) if isinstance(min_size, int) else min_size
+        if int(height) < 1 or int(width) < 1:
+            raise ValueError(f"min_size should be positive, but got min_size={min_size!r}")
+        self.min_size = (int(height), int(width))
+
+    def __call__(self, data: bytes) -> Image.Image:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format == "JPEG":
+                height, width = self.min_size
+                img.draft("RGB", (width, height))
+            return img.convert("RGB")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DecodeJPEG) and other.min_size == self.min_size
+
+    def __hash__(self) -> int:
+        return hash(("DecodeJPEG", self.min_size))
+
+    def __repr__(self) -> str:
+        return f"DecodeJPEG(min_size={self.min_size})"
 
 
 def decode_text(data: bytes) -> str:

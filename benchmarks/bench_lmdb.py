@@ -1,0 +1,195 @@
+"""Foundation benchmark: convert vs tar, raw reads vs naive py-lmdb and the folder, decode ceiling.
+
+One run, side by side, on a generated dataset (default 20,000 images)::
+
+    .venv/bin/python benchmarks/bench_lmdb.py [--images 20000] [--data bench-data]
+
+Cold-cache figures need root (``/proc/sys/vm/drop_caches``); without it they are skipped.
+Every figure is printed as a ratio to the thing users would use instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from packdata import LMDBDataset, convert
+from packdata.decode import decode_pil
+from packdata.formats.lmdb import encode_key
+from packdata.sample import make_sample_images
+from packdata.transforms import standard_transform
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class NaiveLMDB(Dataset):
+    """The py-lmdb reader most projects write: a txn per item, readahead off."""
+
+    def __init__(self, shard: str, n: int) -> None:
+        self.shard, self.n, self.env = shard, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        if self.env is None:
+            self.env = lmdb.open(self.shard, readonly=True, lock=False, readahead=False, meminit=False)
+        with self.env.begin() as txn:
+            return txn.get(encode_key(i))
+
+
+class FolderBytes(Dataset):
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> bytes:
+        with open(self.files[i], "rb") as f:
+            return f.read()
+
+
+class Decoded(Dataset):
+    """Decode + standard transform over any bytes source: a pack, the folder, or memory."""
+
+    def __init__(self, get_bytes, n: int) -> None:
+        self.get_bytes, self.n, self.transform = get_bytes, n, standard_transform(224)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.transform(decode_pil(self.get_bytes(i)))
+
+
+class _PackBytes:
+    def __init__(self, ds: LMDBDataset) -> None:
+        self.ds = ds
+
+    def __call__(self, i: int) -> bytes:
+        return self.ds.raw(i)[0]
+
+
+class _MemoryBytes:
+    def __init__(self, blobs: list[bytes]) -> None:
+        self.blobs = blobs
+
+    def __call__(self, i: int) -> bytes:
+        return self.blobs[i]
+
+
+def read_rate(get, order: list[int]) -> float:
+    start = time.perf_counter()
+    total = 0
+    for i in order:
+        total += len(get(i))
+    return len(order) / (time.perf_counter() - start)
+
+
+def loader_rate(ds: Dataset, batches: int, workers: int = 2, batch_size: int = 64) -> float:
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                        multiprocessing_context="fork", prefetch_factor=4)
+    it = iter(loader)
+    for _ in range(3):  # warm-up: workers started, first batches out
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    elapsed = time.perf_counter() - start
+    del it
+    return batches * batch_size / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--data", type=Path, default=Path("bench-data"))
+    parser.add_argument("--cold-samples", type=int, default=4000)
+    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    src = args.data / f"images-{args.images}"
+    if not src.exists():
+        print(f"generating {args.images} images into {src} ...", file=sys.stderr)
+        make_sample_images(src.with_suffix(".tmp"), num_images=args.images)
+        os.replace(src.with_suffix(".tmp"), src)
+    files = sorted(str(p) for p in src.rglob("*.jpg"))
+    results: dict[str, float] = {}
+
+    # 1. convert vs tar -cf, both from a cold cache and including the final sync
+    cold = drop_caches()
+    tar_path = args.data / "images.tar"
+    start = time.perf_counter()
+    subprocess.run(["tar", "-cf", str(tar_path), "-C", str(src), "."], check=True)
+    os.sync()
+    results["tar_seconds"] = time.perf_counter() - start
+    tar_path.unlink()
+    pack = args.data / "images.lmdb"
+    shutil.rmtree(pack, ignore_errors=True)
+    drop_caches()
+    start = time.perf_counter()
+    convert(src, pack, progress=False)
+    os.sync()
+    results["convert_seconds"] = time.perf_counter() - start
+    results["convert_over_tar"] = results["convert_seconds"] / results["tar_seconds"]
+
+    # 2. raw bytes, one process, random order
+    ds = LMDBDataset(pack, decode="bytes")
+    keys = list(ds.keys)
+    folder_files = [str(src / k) for k in keys]
+    naive = NaiveLMDB(str(pack / "shard-00000.lmdb"), len(ds))
+    folder = FolderBytes(folder_files)
+    order = list(range(len(ds)))
+    random.Random(0).shuffle(order)
+    readers = {"packdata": lambda i: ds.raw(i)[0], "naive_lmdb": naive.__getitem__, "folder": folder.__getitem__}
+    for name, get in readers.items():
+        read_rate(get, order)  # warm the page cache
+        results[f"warm_{name}"] = read_rate(get, order)
+    results["warm_packdata_over_naive"] = results["warm_packdata"] / results["warm_naive_lmdb"]
+    results["warm_packdata_over_folder"] = results["warm_packdata"] / results["warm_folder"]
+    if cold:
+        sub = order[: args.cold_samples]
+        for name, get in readers.items():
+            drop_caches()
+            results[f"cold_{name}"] = read_rate(get, sub)
+        results["cold_packdata_over_folder"] = results["cold_packdata"] / results["cold_folder"]
+        results["cold_packdata_over_naive"] = results["cold_packdata"] / results["cold_naive_lmdb"]
+
+    # 3. decoded DataLoader throughput, 2 workers, against the in-memory decode ceiling
+    blobs = [ds.raw(i)[0] for i in range(len(ds))]
+    results["decoded_ceiling"] = loader_rate(Decoded(_MemoryBytes(blobs), len(blobs)), args.batches)
+    del blobs
+    results["decoded_packdata"] = loader_rate(Decoded(_PackBytes(ds), len(ds)), args.batches)
+    results["decoded_folder"] = loader_rate(Decoded(folder.__getitem__, len(ds)), args.batches)
+    results["decoded_packdata_over_ceiling"] = results["decoded_packdata"] / results["decoded_ceiling"]
+    results["decoded_folder_over_ceiling"] = results["decoded_folder"] / results["decoded_ceiling"]
+
+    width = max(map(len, results))
+    for name, value in results.items():
+        print(f"{name:<{width}}  {value:12.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

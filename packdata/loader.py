@@ -1,0 +1,260 @@
+"""Helpers around ``torch.utils.data.DataLoader`` that make a fast loader pay off.
+
+- :func:`worker_init_fn`: one compute thread per worker, so ``N`` workers on
+  ``N`` cores do not each start ``N`` OpenMP/MKL threads (oversubscription
+  that makes more workers slower);
+- :func:`fast_collate`: stacks ``uint8`` images into one NCHW ``uint8`` tensor
+  (4x less to copy and pin than float32; normalise on the device);
+- :class:`CUDAPrefetcher`: copies the next batch to the GPU on a side stream
+  while the current one computes; passes batches through without CUDA;
+- :class:`BackgroundPrefetcher`: a thread that keeps the next batches ready.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["BackgroundPrefetcher", "CUDAPrefetcher", "fast_collate", "list_collate", "worker_init_fn"]
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """Limit a DataLoader worker to one compute thread.
+
+    Pass as ``DataLoader(..., worker_init_fn=packdata.worker_init_fn)``. It
+    calls ``torch.set_num_threads(1)`` and sets ``OMP_NUM_THREADS``,
+    ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``NUMEXPR_NUM_THREADS`` to
+    1 in the worker (libraries that start their thread pool later, such as
+    OpenCV or numexpr imported by the dataset, read them), and
+    ``cv2.setNumThreads(1)`` when OpenCV is already imported. Parallelism
+    comes from the workers themselves; the main process keeps its threads.
+
+    Args:
+        worker_id: the worker's number (unused; the DataLoader passes it).
+    """
+    del worker_id
+    torch.set_num_threads(1)
+    for name in _THREAD_VARIABLES:
+        os.environ[name] = "1"
+    import sys
+
+    cv2 = sys.modules.get("cv2")
+    if cv2 is not None:  # pragma: no cover - OpenCV is not a dependency
+        cv2.setNumThreads(1)
+
+
+def _image_array(sample: Any) -> np.ndarray:
+    """A sample as a ``uint8`` HWC array (PIL image, numpy array or CHW tensor)."""
+    if isinstance(sample, torch.Tensor):
+        if sample.dtype != torch.uint8 or sample.ndim != 3:
+            raise TypeError(f"fast_collate expects uint8 CHW tensors, but got {sample.dtype} of shape {tuple(sample.shape)}")
+        return sample.permute(1, 2, 0).numpy()
+    array = np.asarray(sample)
+    if array.dtype != np.uint8:
+        raise TypeError(f"fast_collate expects uint8 images, but got dtype={array.dtype}")
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3:
+        raise TypeError(f"fast_collate expects HWC images, but got shape {array.shape}")
+    return array
+
+
+def fast_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collate ``(image, label)`` pairs into a ``uint8`` NCHW tensor and int64 labels.
+
+    Images are ``uint8`` HWC numpy arrays (see
+    :class:`packdata.transforms.ToUint8Array`), PIL images, or ``uint8`` CHW
+    tensors, all of one size. Nothing is converted to float on the CPU: a batch
+    of 256 images of 224x224 is 38 MB instead of 154 MB to move, pin and copy.
+    On the device: ``x = x.float().div_(255).sub_(mean).div_(std)``.
+
+    Args:
+        batch: the samples of one batch.
+
+    Returns:
+        ``(images, labels)``: a ``(N, C, H, W)`` uint8 tensor and a ``(N,)`` int64 tensor.
+
+    Raises:
+        TypeError: a sample is not a uint8 image.
+        ValueError: the batch is empty or the images differ in size.
+    """
+    if not batch:
+        raise ValueError("fast_collate got an empty batch")
+    first = _image_array(batch[0][0])
+    height, width, channels = first.shape
+    out = torch.empty((len(batch), channels, height, width), dtype=torch.uint8)
+    view = out.numpy()
+    labels = torch.empty(len(batch), dtype=torch.int64)
+    for i, (sample, label) in enumerate(batch):
+        array = first if i == 0 else _image_array(sample)
+        if array.shape != first.shape:
+            raise ValueError(
+                f"fast_collate needs images of one size, but sample {i} is {array.shape} and sample 0 is {first.shape}"
+            )
+        view[i] = array.transpose(2, 0, 1)
+        labels[i] = int(label)
+    return out, labels
+
+
+def list_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[list[Any], torch.Tensor]:
+    """Collate ``(sample, label)`` pairs into a list of samples and int64 labels.
+
+    For samples the default collate cannot stack: PIL images, bytes, images of
+    different sizes.
+    """
+    return [sample for sample, _ in batch], torch.tensor([int(label) for _, label in batch], dtype=torch.int64)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _record_stream(obj: Any, stream: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.record_stream(stream)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _record_stream(v, stream)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _record_stream(v, stream)
+
+
+class CUDAPrefetcher:
+    """Copy the next batch host->device on a side CUDA stream while this one computes.
+
+    ``for images, labels in CUDAPrefetcher(loader, "cuda"):`` yields batches
+    whose tensors are already on the device. The copy of batch ``i + 1`` is
+    issued with ``non_blocking=True`` on a separate stream as soon as batch
+    ``i`` is handed out, so it overlaps the training step; it only overlaps
+    when the loader pins memory (``pin_memory=True``). Tensors nested in
+    tuples, lists and dicts are moved; anything else passes as it is.
+
+    Without CUDA (or with a CPU ``device``) it passes batches through
+    unchanged, so the same training script runs on a laptop.
+
+    Args:
+        loader: any iterable of batches, normally a DataLoader.
+        device: the target device; default ``"cuda"`` when available.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: str | torch.device | None = None) -> None:
+        self.loader = loader
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.enabled = self.device.type == "cuda" and torch.cuda.is_available()
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.enabled:
+            yield from self.loader
+            return
+        stream = torch.cuda.Stream(device=self.device)
+        iterator = iter(self.loader)
+
+        def preload() -> Any:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return _END
+            with torch.cuda.stream(stream):
+                return _to_device(batch, self.device)
+
+        upcoming = preload()
+        while upcoming is not _END:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            batch = upcoming
+            _record_stream(batch, torch.cuda.current_stream(self.device))
+            upcoming = preload()
+            yield batch
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class BackgroundPrefetcher:
+    """Iterate over ``iterable`` in a background thread, ``depth`` items ahead.
+
+    What ``prefetch_generator.BackgroundGenerator`` does: while the consumer
+    works on one item, a daemon thread already produces the next ones (useful
+    around a ``DataLoader`` with ``num_workers=0``, a CUDA copy, or any
+    generator that releases the GIL). Items come out in order; an exception
+    raised by the iterable is raised again in the consumer, at the position
+    where it happened. Leaving the loop early stops the thread.
+
+    Each ``iter()`` starts a new thread over a new ``iter(iterable)``.
+
+    Args:
+        iterable: what to iterate over.
+        depth: how many items to hold ready (at least 1).
+    """
+
+    def __init__(self, iterable: Iterable[Any], depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"depth should be at least 1, but got depth={depth}")
+        self.iterable = iterable
+        self.depth = depth
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        items: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    items.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for item in self.iterable:
+                    if not put(item):
+                        return
+            except BaseException as exc:
+                put(_Failure(exc))
+                return
+            put(_END)
+
+        thread = threading.Thread(target=produce, name="packdata-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = items.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.exc
+                yield item
+        finally:
+            stop.set()
+            thread.join(timeout=5)

@@ -1,0 +1,238 @@
+"""Batches of text under a token budget, from the lengths in the pack's index.
+
+Padding a batch to its longest sample wastes compute on pad tokens, and a fixed
+batch size either runs out of memory on long samples or starves the device on
+short ones. :class:`TokenBucketSampler` builds batches whose padded size
+(samples x longest sample) stays under ``max_tokens``, grouping samples of
+similar length. It reads the lengths from the pack's sample index
+(``dataset.pack.index.sizes``: every payload's byte length, stored at pack
+time), so it starts instantly and never reads a record.
+
+Lengths are UTF-8 **bytes**: exact for byte-level models, and an upper bound
+on characters. For a subword tokenizer, pass ``length_scale`` (about 0.25 for
+English BPE: 4 bytes per token) or your own ``lengths`` array of token counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from packdata.errors import ConfigError
+
+__all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
+
+
+def sample_lengths(dataset: Any) -> np.ndarray:
+    """Every sample's payload length in bytes, from a pack dataset's index (no record read).
+
+    Args:
+        dataset: a pack dataset (anything with ``.pack.index.sizes``), or a
+            sequence of lengths.
+
+    Raises:
+        TypeError: ``dataset`` has no stored lengths.
+    """
+    pack = getattr(dataset, "pack", None)
+    if pack is not None and hasattr(pack, "index"):
+        return np.asarray(pack.index.sizes, dtype=np.int64)
+    if isinstance(dataset, (np.ndarray, Sequence, torch.Tensor)):
+        return np.asarray(dataset, dtype=np.int64)
+    raise TypeError(
+        f"lengths should be a pack dataset (with .pack.index.sizes) or a sequence of lengths, "
+        f"but got {type(dataset).__name__}"
+    )
+
+
+class TokenBucketSampler(Sampler[list[int]]):
+    """Batch sampler: batches of similar-length samples, each under a token budget.
+
+    Use as ``DataLoader(ds, batch_sampler=TokenBucketSampler(ds, max_tokens=8192),
+    collate_fn=packdata.pad_collate)``. Every batch satisfies
+    ``len(batch) * max(lengths[batch]) <= max_tokens`` (its size once padded),
+    and each epoch yields every sample exactly once.
+
+    Each epoch it shuffles the samples (seeded by ``seed`` and
+    :meth:`set_epoch`), cuts the order into buckets of ``bucket_size`` samples,
+    sorts each bucket by length, packs it greedily into batches, and shuffles
+    the batch order, so batches are tight but not in length order.
+
+    With several ranks (``num_replicas``), every rank builds the same batches
+    and takes every ``num_replicas``-th one; the batch count is cut to a
+    multiple of ``num_replicas`` (``drop_last=True``) or padded by repeating
+    batches from the start (``drop_last=False``) so all ranks step together.
+
+    Args:
+        lengths: a pack dataset (its index gives the lengths) or a sequence of lengths.
+        max_tokens: the budget of a padded batch.
+        length_scale: multiply byte lengths by this (e.g. 0.25 for about 4 bytes per
+            token); lengths are rounded up.
+        max_samples: at most this many samples per batch.
+        bucket_size: samples sorted together; larger buckets pad less but mix less.
+        shuffle: shuffle samples and batches each epoch; otherwise keep index order.
+        seed: base seed of the shuffle.
+        oversize: what to do with a sample longer than ``max_tokens``: ``"error"``
+            (default) or ``"alone"`` (a batch of its own, over budget).
+        num_replicas: number of distributed ranks.
+        rank: this rank.
+        drop_last: with several ranks, drop the batches that do not divide evenly.
+
+    Raises:
+        ConfigError: a sample is longer than ``max_tokens`` and ``oversize="error"``.
+    """
+
+    def __init__(
+        self,
+        lengths: Any,
+        max_tokens: int,
+        *,
+        length_scale: float = 1.0,
+        max_samples: int | None = None,
+        bucket_size: int = 1000,
+        shuffle: bool = True,
+        seed: int = 0,
+        oversize: str = "error",
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens should be at least 1, but got max_tokens={max_tokens}")
+        if length_scale <= 0:
+            raise ValueError(f"length_scale should be positive, but got length_scale={length_scale}")
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size should be at least 1, but got bucket_size={bucket_size}")
+        if oversize not in ("error", "alone"):
+            raise ValueError(f"oversize should be 'error' or 'alone', but got oversize={oversize!r}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank should be in [0, num_replicas), but got rank={rank}, num_replicas={num_replicas}")
+        raw = sample_lengths(lengths)
+        self.lengths = np.maximum(np.ceil(raw * length_scale), 1).astype(np.int64) if len(raw) else raw
+        self.max_tokens = int(max_tokens)
+        self.max_samples = max_samples
+        self.bucket_size = bucket_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.oversize = oversize
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        too_long = np.flatnonzero(self.lengths > self.max_tokens)
+        if len(too_long) and oversize == "error":
+            first = int(too_long[0])
+            raise ConfigError(
+                f"{len(too_long)} samples are longer than max_tokens={self.max_tokens} "
+                f"(sample {first} has {int(self.lengths[first])}, the longest {int(self.lengths.max())})",
+                hint="Raise max_tokens, truncate long samples, or pass oversize='alone' to give each its own batch",
+            )
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler)."""
+        self.epoch = epoch
+
+    def _pack(self, order: np.ndarray) -> list[list[int]]:
+        batches: list[list[int]] = []
+        cap = self.max_samples or len(order) or 1
+        lengths = self.lengths
+        for start in range(0, len(order), self.bucket_size):
+            bucket = order[start : start + self.bucket_size]
+            bucket = bucket[np.argsort(lengths[bucket], kind="stable")]
+            batch: list[int] = []
+            longest = 0
+            for index in bucket.tolist():
+                length = int(lengths[index])
+                grown = max(longest, length)
+                if batch and ((len(batch) + 1) * grown > self.max_tokens or len(batch) >= cap):
+                    batches.append(batch)
+                    batch, grown = [], length
+                batch.append(index)
+                longest = grown
+            if batch:
+                batches.append(batch)
+        return batches
+
+    def batches(self) -> list[list[int]]:
+        """All batches of this epoch for every rank (before splitting by rank)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        n = len(self.lengths)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        batches = self._pack(order)
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._cache = (self.epoch, batches)
+        return batches
+
+    def _rank_batches(self) -> list[list[int]]:
+        batches = self.batches()
+        if self.num_replicas == 1:
+            return batches
+        if self.drop_last:
+            usable = len(batches) - len(batches) % self.num_replicas
+            batches = batches[:usable]
+        else:
+            total = math.ceil(len(batches) / self.num_replicas) * self.num_replicas
+            batches = batches + batches[: total - len(batches)]
+        return batches[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._rank_batches()
+
+    def __len__(self) -> int:
+        return len(self._rank_batches())
+
+
+def _as_codes(sample: Any) -> torch.Tensor:
+    if isinstance(sample, torch.Tensor):
+        return sample.reshape(-1)
+    if isinstance(sample, str):
+        sample = sample.encode("utf-8")
+    if isinstance(sample, (bytes, bytearray, memoryview)):
+        return torch.frombuffer(bytearray(sample), dtype=torch.uint8) if len(sample) else torch.zeros(0, dtype=torch.uint8)
+    return torch.as_tensor(sample).reshape(-1)
+
+
+class PadCollate:
+    """Pad variable-length samples to the batch's longest: ``(padded, lengths, labels)``.
+
+    Samples are 1-D tensors or sequences of token ids, or ``str``/``bytes``
+    (taken as UTF-8 byte values, for byte-level models; tokenize in the
+    dataset's ``transform`` otherwise). ``padded`` is ``(N, longest)`` of the
+    samples' dtype (``uint8`` for bytes) or ``dtype``; ``lengths`` and
+    ``labels`` are int64 ``(N,)``.
+
+    Args:
+        pad_value: the value padding positions get.
+        dtype: cast the padded tensor to this dtype.
+    """
+
+    def __init__(self, pad_value: int = 0, dtype: torch.dtype | None = None) -> None:
+        self.pad_value = pad_value
+        self.dtype = dtype
+
+    def __call__(self, batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not batch:
+            raise ValueError("pad_collate got an empty batch")
+        codes = [_as_codes(sample) for sample, _ in batch]
+        lengths = torch.tensor([len(c) for c in codes], dtype=torch.int64)
+        dtype = self.dtype or codes[0].dtype
+        padded = torch.full((len(codes), int(lengths.max()) if len(codes) else 0), self.pad_value, dtype=dtype)
+        for i, c in enumerate(codes):
+            padded[i, : len(c)] = c.to(dtype)
+        labels = torch.tensor([int(label) for _, label in batch], dtype=torch.int64)
+        return padded, lengths, labels
+
+    def __repr__(self) -> str:
+        return f"PadCollate(pad_value={self.pad_value}, dtype={self.dtype})"
+
+
+pad_collate = PadCollate()
+"""The default :class:`PadCollate`: pad with 0, keep the samples' dtype."""

@@ -1,0 +1,179 @@
+"""The standard training transform, without torchvision: crop, flip, uint8 tensor.
+
+``standard_transform(224)`` does what ``torchvision.transforms.Compose([
+RandomResizedCrop(224), RandomHorizontalFlip(), PILToTensor()])`` does, with
+PIL and numpy only: a random crop of 8-100 % of the area at an aspect ratio of
+3/4 to 4/3, resized to 224x224 in one PIL call (crop box and resize together,
+so only the crop is resampled), a horizontal flip half the time, and a
+``uint8`` CHW tensor. Normalisation is left to the device, where it is cheap.
+
+Every transform is a small picklable class, so a dataset holding one can go to
+``spawn``-ed workers. Randomness comes from ``torch``'s generator, which the
+DataLoader seeds differently in every worker (numpy's global generator is not
+reseeded by older torch versions, and forked workers would repeat its draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+__all__ = [
+    "Compose",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "ToUint8Array",
+    "ToUint8Tensor",
+    "standard_transform",
+]
+
+
+def _rand() -> float:
+    return float(torch.rand(()).item())
+
+
+class Compose:
+    """Apply transforms one after another."""
+
+    def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, x: Any) -> Any:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+    def __repr__(self) -> str:
+        return f"Compose({self.transforms!r})"
+
+
+class RandomResizedCrop:
+    """Crop a random area and aspect ratio of a PIL image and resize it to ``size``.
+
+    The same sampling as torchvision's ``RandomResizedCrop`` (ten tries, then a
+    central crop clamped to the allowed ratios).
+
+    Args:
+        size: output side (square) or ``(height, width)``.
+        scale: range of the crop's area as a fraction of the image's.
+        ratio: range of the crop's aspect ratio (width / height).
+        resample: PIL resampling filter.
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int] = 224,
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        resample: int = Image.Resampling.BILINEAR,
+    ) -> None:
+        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if min(self.size) < 1:
+            raise ValueError(f"size should be positive, but got size={size!r}")
+        if not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError(f"scale should satisfy 0 < min <= max <= 1, but got scale={scale!r}")
+        if not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"ratio should satisfy 0 < min <= max, but got ratio={ratio!r}")
+        self.scale = scale
+        self.ratio = ratio
+        self.resample = resample
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """A random crop box ``(left, top, right, bottom)`` for an image of this size."""
+        area = width * height
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        for _ in range(10):
+            target = area * (self.scale[0] + _rand() * (self.scale[1] - self.scale[0]))
+            aspect = math.exp(log_lo + _rand() * (log_hi - log_lo))
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                left = int(_rand() * (width - w + 1))
+                top = int(_rand() * (height - h + 1))
+                return left, top, left + w, top + h
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            w, h = width, round(width / self.ratio[0])
+        elif in_ratio > self.ratio[1]:
+            w, h = round(height * self.ratio[1]), height
+        else:
+            w, h = width, height
+        left, top = (width - w) // 2, (height - h) // 2
+        return left, top, left + w, top + h
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        box = self.box(*img.size)
+        height, width = self.size
+        return img.resize((width, height), self.resample, box=box)
+
+    def __repr__(self) -> str:
+        return f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio})"
+
+
+class RandomHorizontalFlip:
+    """Mirror a PIL image left to right with probability ``p``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"p should be in [0, 1], but got p={p!r}")
+        self.p = p
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        if _rand() < self.p:
+            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return img
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p})"
+
+
+def _as_hwc(img: Image.Image | np.ndarray) -> np.ndarray:
+    array = np.asarray(img, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return array
+
+
+class ToUint8Array:
+    """PIL image -> ``uint8`` numpy array, HWC (what :func:`packdata.fast_collate` stacks)."""
+
+    def __call__(self, img: Image.Image) -> np.ndarray:
+        return _as_hwc(img)
+
+    def __repr__(self) -> str:
+        return "ToUint8Array()"
+
+
+class ToUint8Tensor:
+    """PIL image -> ``uint8`` CHW tensor (like torchvision's ``PILToTensor``), no float conversion."""
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        array = np.ascontiguousarray(_as_hwc(img).transpose(2, 0, 1))
+        return torch.from_numpy(array)
+
+    def __repr__(self) -> str:
+        return "ToUint8Tensor()"
+
+
+def standard_transform(size: int = 224, *, flip: bool = True, output: str = "tensor") -> Compose:
+    """Random resized crop to ``size``, horizontal flip, then a ``uint8`` image.
+
+    Args:
+        size: output side in pixels.
+        flip: add the random horizontal flip.
+        output: ``"tensor"`` (CHW ``uint8`` tensor, for the default collate) or
+            ``"array"`` (HWC ``uint8`` numpy array, for :func:`packdata.fast_collate`).
+    """
+    if output not in ("tensor", "array"):
+        raise ValueError(f"output should be 'tensor' or 'array', but got output={output!r}")
+    steps: list[Callable[[Any], Any]] = [RandomResizedCrop(size)]
+    if flip:
+        steps.append(RandomHorizontalFlip())
+    steps.append(ToUint8Tensor() if output == "tensor" else ToUint8Array())
+    return Compose(steps)

@@ -1,0 +1,85 @@
+"""Shared fixtures: small deterministic image and text folders."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def _jpeg(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "JPEG") -> bytes:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    x = np.linspace(0, 1, w)[None, :, None]
+    y = np.linspace(0, 1, h)[:, None, None]
+    colour = rng.uniform(0, 255, (1, 1, 3))
+    pixels = (colour * x + (255 - colour) * y).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt, quality=85)
+    return out.getvalue()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file's relative path -> SHA-256 (to prove a folder was not touched)."""
+    return {
+        os.path.relpath(os.path.join(d, f), root): hashlib.sha256(Path(d, f).read_bytes()).hexdigest()
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """ImageFolder tree: 3 classes x 6 images, odd names, one unlabelled image at the root."""
+    root = tmp_path / "images"
+    names = ["a.jpg", "b.JPEG", "c d.png", "ünïcode.jpg", "e.Jpg", "f.webp"]
+    for c, cls in enumerate(["cat", "dog", "zebra"]):
+        (root / cls).mkdir(parents=True)
+        for i, name in enumerate(names):
+            fmt = {".png": "PNG", ".webp": "WEBP"}.get(Path(name).suffix.lower(), "JPEG")
+            (root / cls / name).write_bytes(_jpeg(10 * c + i, fmt=fmt))
+    (root / "root.jpg").write_bytes(_jpeg(99))
+    return root
+
+
+@pytest.fixture
+def bad_files(image_folder: Path) -> Path:
+    """The image folder plus a corrupt, an empty, a hidden and a non-image file."""
+    (image_folder / "cat" / "corrupt.jpg").write_bytes(b"this is not a jpeg")
+    (image_folder / "dog" / "empty.jpg").write_bytes(b"")
+    (image_folder / "dog" / ".hidden.jpg").write_bytes(_jpeg(5))
+    (image_folder / "zebra" / "notes.txt").write_text("not an image")
+    return image_folder
+
+
+@pytest.fixture
+def text_folder(tmp_path: Path) -> Path:
+    root = tmp_path / "texts"
+    for c, cls in enumerate(["neg", "pos"]):
+        (root / cls).mkdir(parents=True)
+        for i in range(10):
+            (root / cls / f"doc{i:02d}.txt").write_text(f"class {cls} document {i} café " * (i + 1), encoding="utf-8")
+    return root
+
+
+def expected_samples(root: Path, extensions: set[str]) -> dict[str, tuple[bytes, int]]:
+    """key -> (bytes, label) by ImageFolder rules, computed independently of packdata."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    out = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if not path.is_file() or any(part.startswith(".") for part in rel.split("/")):
+            continue
+        if path.suffix.lower() not in extensions or path.stat().st_size == 0:
+            continue
+        label = classes.index(rel.split("/")[0]) if "/" in rel else -1
+        out[rel] = (path.read_bytes(), label)
+    return out
+
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp"}

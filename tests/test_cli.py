@@ -1,0 +1,68 @@
+"""The CLI through click's CliRunner: exit codes, one-line errors, stdout vs stderr."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from packdata.cli import main
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_convert_info_verify(bad_files: Path, tmp_path: Path) -> None:
+    dst = str(tmp_path / "out.lmdb")
+    result = _run("convert", str(bad_files), dst, "-q")
+    assert result.exit_code == 0, result.output
+    assert "packed 19 of 23 files" in result.output
+    assert "SKIPPED 4 files: 1 corrupt image, 1 empty, 1 hidden, 1 not image" in result.output
+    assert "cat/corrupt.jpg: corrupt image" in result.output
+    info = _run("info", dst, "--json")
+    assert info.exit_code == 0 and json.loads(info.output)["num_samples"] == 19
+    assert "samples:  19" in _run("info", dst).output
+    verified = _run("verify", dst, "-q")
+    assert verified.exit_code == 0 and "ok: 19 records" in verified.output
+
+
+def test_convert_json_summary(image_folder: Path, tmp_path: Path) -> None:
+    result = _run("convert", str(image_folder), str(tmp_path / "out.lmdb"), "-q", "--json")
+    summary = json.loads(result.output)
+    assert summary["packed"] == 19 and summary["format"] == "lmdb" and summary["skipped"] == {}
+
+
+def test_errors_are_one_line_with_exit_1(image_folder: Path, tmp_path: Path) -> None:
+    dst = str(tmp_path / "out.lmdb")
+    assert _run("convert", str(image_folder), dst, "-q").exit_code == 0
+    again = _run("convert", str(image_folder), dst, "-q")
+    assert again.exit_code == 1
+    assert again.output.strip().splitlines() == [
+        f"Error: {dst}: destination already exists. Pass --overwrite to replace it, or choose another path"
+    ]
+    missing = _run("info", str(tmp_path / "nope"))
+    assert missing.exit_code == 1 and "no such pack" in missing.output
+
+
+def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out.lmdb"
+    _run("convert", str(image_folder), str(dst), "-q")
+    data = dst / "shard-00000.lmdb" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    result = _run("verify", str(dst), "-q")
+    assert result.exit_code == 1 and "checksum does not match" in result.output and "data.mdb" in result.output
+
+
+def test_bad_options_exit_2(image_folder: Path, tmp_path: Path) -> None:
+    result = _run("convert", str(image_folder), str(tmp_path / "o.lmdb"), "--shard-size", "3 apples")
+    assert result.exit_code == 2 and "invalid size" in result.output
+    assert _run("convert", str(image_folder), str(tmp_path / "o.lmdb"), "--workers", "0").exit_code == 2
+
+
+def test_help_teaches() -> None:
+    result = _run("convert", "--help")
+    assert result.exit_code == 0 and "Examples:" in result.output and "--resume" in result.output

@@ -1,0 +1,233 @@
+"""convert: round trip, skips and their report, refusals, atomicity, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+from conftest import IMAGE_EXTS, _jpeg, expected_samples, tree_digest
+from PIL import Image
+
+from packdata import ConfigError, LMDBDataset, SourceError, convert, verify_pack
+from packdata.convert import partial_path
+from packdata.formats.lmdb import encode_key
+from packdata.records import decode_record
+
+
+def _pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
+    ds = LMDBDataset(pack, decode="bytes")
+    return {ds.keys[i]: ds[i] for i in range(len(ds))}
+
+
+def test_round_trip_every_byte_key_and_label(image_folder: Path, tmp_path: Path) -> None:
+    before = tree_digest(image_folder)
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    expected = expected_samples(image_folder, IMAGE_EXTS)
+    assert result.packed == len(expected) == 19
+    assert _pack_contents(tmp_path / "out.lmdb") == expected
+    assert tree_digest(image_folder) == before  # the source is never touched
+
+
+def test_order_is_sorted_and_classes_follow_imagefolder(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    ds = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    keys = list(ds.keys)
+    assert ds.classes == ["cat", "dog", "zebra"]
+    assert ds.class_to_idx == {"cat": 0, "dog": 1, "zebra": 2}
+    assert keys == sorted(keys, key=lambda k: k.split("/")) and keys[0] == "cat/a.jpg"
+    assert ds.targets[keys.index("root.jpg")] == -1 and ds.targets[keys.index("zebra/a.jpg")] == 2
+
+
+def test_same_source_gives_same_content(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "a.lmdb", progress=False)
+    convert(image_folder, tmp_path / "b.lmdb", progress=False)
+    assert _pack_contents(tmp_path / "a.lmdb") == _pack_contents(tmp_path / "b.lmdb")
+    for name in ("labels.i32", "keys.utf8", "key_offsets.i64", "sizes.i64"):
+        assert (tmp_path / "a.lmdb/index" / name).read_bytes() == (tmp_path / "b.lmdb/index" / name).read_bytes()
+
+
+def test_bad_files_are_skipped_counted_and_reported(bad_files: Path, tmp_path: Path) -> None:
+    result = convert(bad_files, tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"corrupt image": 1, "empty": 1, "hidden": 1, "not image": 1}
+    assert result.found == 23 and result.packed == 19
+    report = [json.loads(line) for line in (tmp_path / "out.lmdb/skipped.jsonl").read_text().splitlines()]
+    assert {(r["key"], r["reason"]) for r in report} == {
+        ("cat/corrupt.jpg", "corrupt image"),
+        ("dog/empty.jpg", "empty"),
+        ("dog/.hidden.jpg", "hidden"),
+        ("zebra/notes.txt", "not image"),
+    }
+    manifest = json.loads((tmp_path / "out.lmdb/manifest.json").read_text())
+    assert manifest["skipped"]["count"] == 4 and manifest["skipped"]["report"] == "skipped.jsonl"
+
+
+def test_on_error_fail_names_the_file_and_leaves_nothing(bad_files: Path, tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"cat/corrupt\.jpg: corrupt image.*--on-error skip"):
+        convert(bad_files, tmp_path / "out.lmdb", on_error="fail", progress=False)
+    assert not (tmp_path / "out.lmdb").exists()
+    assert not partial_path(tmp_path / "out.lmdb").exists()
+
+
+def test_verify_images_catches_truncated_jpeg(image_folder: Path, tmp_path: Path) -> None:
+    whole = _jpeg(7, size=(256, 256))
+    (image_folder / "cat" / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
+    assert convert(image_folder, tmp_path / "lazy.lmdb", progress=False).skipped == {}
+    result = convert(image_folder, tmp_path / "strict.lmdb", verify_images=True, progress=False)
+    assert result.skipped == {"corrupt image": 1}
+    assert result.skip_examples[0]["key"] == "cat/truncated.jpg"
+
+
+def test_unreadable_file_is_skipped(image_folder: Path, tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root reads files without read permission")
+    (image_folder / "cat" / "a.jpg").chmod(0)
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"unreadable": 1}
+
+
+def test_non_utf8_file_name_is_skipped_with_reason(image_folder: Path, tmp_path: Path) -> None:
+    name = os.fsencode(image_folder / "cat") + b"/bad\xff.jpg"
+    try:
+        with open(name, "wb") as f:
+            f.write(_jpeg(1))
+    except OSError:
+        pytest.skip("filesystem refuses non-UTF-8 names")
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"name not UTF-8": 1}
+
+
+def test_text_kind_round_trip(text_folder: Path, tmp_path: Path) -> None:
+    result = convert(text_folder, tmp_path / "t.lmdb", progress=False)
+    assert result.kind == "text" and result.packed == 20
+    ds = LMDBDataset(tmp_path / "t.lmdb", decode="text")
+    text, label = ds[ds.keys.index("pos/doc03.txt")]
+    assert text == (text_folder / "pos/doc03.txt").read_text(encoding="utf-8") and label == 1
+
+
+def test_max_side_reencodes_large_images_and_records_it(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a/big.png").write_bytes(_jpeg(1, size=(600, 400), fmt="PNG"))
+    (src / "a/small.jpg").write_bytes(_jpeg(2, size=(100, 80)))
+    result = convert(src, tmp_path / "out.lmdb", max_side=256, quality=80, progress=False)
+    assert result.reencoded == 1
+    ds = LMDBDataset(tmp_path / "out.lmdb")
+    assert ds[0][0].size == (256, 171)  # aspect ratio kept
+    assert LMDBDataset(tmp_path / "out.lmdb", decode="bytes")[1][0] == (src / "a/small.jpg").read_bytes()
+    manifest = json.loads((tmp_path / "out.lmdb/manifest.json").read_text())
+    assert manifest["reencode"] == {"max_side": 256, "quality": 80, "count": 1}
+
+
+def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    env = lmdb.open(str(tmp_path / "out.lmdb/shard-00000.lmdb"), readonly=True, lock=False)
+    with env.begin() as txn:
+        assert txn.stat()["entries"] == 19
+        sample = decode_record(txn.get(encode_key(0)))
+    env.close()
+    assert sample.key == "cat/a.jpg" and sample.label == 0
+    assert sample.data == (image_folder / "cat/a.jpg").read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("mdb_stat") is None, reason="mdb_stat (lmdb-utils) is not installed")
+def test_shards_open_with_mdb_stat(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    out = subprocess.run(["mdb_stat", str(tmp_path / "out.lmdb/shard-00000.lmdb")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "Entries: 19" in out
+
+
+def test_refuses_existing_destination_without_overwrite(image_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out.lmdb"
+    convert(image_folder, dst, progress=False)
+    with pytest.raises(ConfigError, match=r"out\.lmdb: destination already exists.*--overwrite"):
+        convert(image_folder, dst, progress=False)
+    (image_folder / "cat" / "a.jpg").unlink()
+    assert convert(image_folder, dst, overwrite=True, progress=False).packed == 18
+    assert len(LMDBDataset(dst)) == 18
+
+
+def test_overwrite_never_replaces_something_that_is_not_a_pack(image_folder: Path, tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(ConfigError, match="not a packdata pack; refusing"):
+        convert(image_folder, precious, overwrite=True, progress=False)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_refuses_destination_inside_source(image_folder: Path) -> None:
+    with pytest.raises(ConfigError, match="inside the source"):
+        convert(image_folder, image_folder / "cat" / "out.lmdb", progress=False)
+
+
+def test_refuses_missing_and_empty_sources(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"nope: no such folder"):
+        convert(tmp_path / "nope", tmp_path / "out.lmdb", progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match=r"empty: no image or text files found"):
+        convert(tmp_path / "empty", tmp_path / "out.lmdb", progress=False)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk/x.jpg").write_bytes(b"junk")
+    with pytest.raises(SourceError, match=r"no usable image files \(skipped: 1 corrupt image\)"):
+        convert(tmp_path / "junk", tmp_path / "out.lmdb", progress=False)
+    assert not (tmp_path / "out.lmdb").exists() and not partial_path(tmp_path / "out.lmdb").exists()
+
+
+def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_path: Path) -> None:
+    partial_path(tmp_path / "out.lmdb").mkdir()
+    with pytest.raises(ConfigError, match="--resume to continue it"):
+        convert(image_folder, tmp_path / "out.lmdb", progress=False)
+
+
+_SLOW_CONVERT = """
+import importlib, sys, time
+c = importlib.import_module("packdata.convert")
+c._COMMIT_SAMPLES = 5
+load = c._load
+def slow_load(entry, opts):
+    time.sleep(0.01)
+    return load(entry, opts)
+c._load = slow_load
+c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False, resume=len(sys.argv) > 3)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_a_clean_run(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in range(3):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(60):
+            (src / f"c{c}/{i:03d}.jpg").write_bytes(_jpeg(100 * c + i))
+    dst = tmp_path / "out.lmdb"
+    progress = partial_path(dst) / "progress.json"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(dst)])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["files_done"] >= 40:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()  # nothing looks complete
+    done = json.loads(progress.read_text())["files_done"]
+    assert 0 < done < 180
+    subprocess.run([sys.executable, "-c", _SLOW_CONVERT, str(src), str(dst), "resume"], check=True)
+    convert(src, tmp_path / "clean.lmdb", progress=False)
+    assert _pack_contents(dst) == _pack_contents(tmp_path / "clean.lmdb")
+    verify_pack(dst, progress=False)
+
+
+def test_decoded_images_are_rgb(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    img, label = LMDBDataset(tmp_path / "out.lmdb")[0]
+    assert isinstance(img, Image.Image) and img.mode == "RGB" and img.size == (64, 48) and label == 0

@@ -1,0 +1,183 @@
+"""LMDBDataset: exactly once through real DataLoaders, worker safety, errors, safety."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import zlib
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from packdata import LMDBDataset, PackFormatError, convert
+from packdata.formats.lmdb import encode_key
+
+
+@pytest.fixture
+def pack(image_folder: Path, tmp_path: Path) -> Path:
+    convert(image_folder, tmp_path / "out.lmdb", shard_samples=8, progress=False)  # 3 shards
+    return tmp_path / "out.lmdb"
+
+
+class KeyedDataset(torch.utils.data.Dataset):
+    """Wraps LMDBDataset to return each sample's key, proving which sample was read."""
+
+    def __init__(self, ds: LMDBDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[str, int, int]:
+        data, label = self.ds[i]
+        return self.ds.keys[i], label, zlib.crc32(data)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_sample_exactly_once_per_epoch(pack: Path, num_workers: int, context: str) -> None:
+    ds = LMDBDataset(pack, decode="bytes")
+    expected = sorted(ds.keys)
+    loader = DataLoader(
+        KeyedDataset(ds), batch_size=4, shuffle=True, num_workers=num_workers,
+        multiprocessing_context=context if num_workers else None, persistent_workers=num_workers > 0,
+    )
+    for _ in range(2):
+        seen = [k for keys, _, _ in loader for k in keys]
+        assert sorted(seen) == expected
+
+
+def test_read_in_parent_before_fork_and_two_datasets_in_one_process(pack: Path) -> None:
+    train = LMDBDataset(pack, decode="bytes")
+    val = LMDBDataset(pack, decode="bytes", transform=len)  # same pack, other transform
+    assert train[0][0] and val[0][0] == len(train[0][0])
+    loader = DataLoader(KeyedDataset(train), batch_size=5, num_workers=2, multiprocessing_context="fork")
+    assert sorted(k for keys, _, _ in loader for k in keys) == sorted(train.keys)
+    assert val[len(val) - 1][0] == len(train[len(train) - 1][0])  # parent handles still work
+
+
+def test_labels_and_bytes_through_workers_match_the_main_process(pack: Path) -> None:
+    ds = LMDBDataset(pack, decode="bytes")
+    direct = {ds.keys[i]: (ds[i][1], zlib.crc32(ds[i][0])) for i in range(len(ds))}
+    loader = DataLoader(KeyedDataset(ds), batch_size=3, num_workers=2, multiprocessing_context="spawn")
+    via_workers = {k: (int(lab), int(crc)) for keys, labels, crcs in loader for k, lab, crc in zip(keys, labels, crcs)}
+    assert via_workers == direct
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_sampler_covers_the_pack(pack: Path, world_size: int) -> None:
+    ds = LMDBDataset(pack, decode="bytes")
+    seen = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=1, drop_last=False)
+        loader = DataLoader(KeyedDataset(ds), batch_size=4, sampler=sampler, num_workers=1)
+        seen += [k for keys, _, _ in loader for k in keys]
+    assert set(seen) == set(ds.keys) and len(seen) == len(sampler) * world_size
+
+
+def test_pickles_without_handles(pack: Path) -> None:
+    ds = LMDBDataset(pack, decode="bytes")
+    ds[0]
+    _ = ds.targets
+    blob = pickle.dumps(ds)
+    assert len(blob) < 4096  # paths and options, not handles or arrays
+    clone = pickle.loads(blob)
+    assert clone[3] == ds[3] and list(clone.keys) == list(ds.keys)
+
+
+def test_imagefolder_attributes(pack: Path) -> None:
+    ds = LMDBDataset(pack)
+    assert ds.classes == ["cat", "dog", "zebra"] and ds.class_to_idx["dog"] == 1
+    assert isinstance(ds.targets, np.ndarray) and ds.targets.tolist().count(1) == 6
+    assert ds[-1][1] == ds.targets[-1]
+    with pytest.raises(IndexError, match="out of range"):
+        ds[len(ds)]
+
+
+def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None:
+    with pytest.raises(PackFormatError, match=r"missing\.lmdb: no such pack"):
+        LMDBDataset(tmp_path / "missing.lmdb")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(PackFormatError, match=r"plain: not a packdata pack.*packdata convert"):
+        LMDBDataset(tmp_path / "plain")
+    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackFormatError, match=r"version 99 is newer.*Upgrade packdata"):
+        LMDBDataset(pack)
+
+
+def _overwrite_record(pack: Path, value: bytes) -> None:
+    env = lmdb.open(str(pack / "shard-00000.lmdb"), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        txn.put(encode_key(0), value)
+    env.close()
+
+
+def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:
+    _overwrite_record(pack, b"XXXX" + b"\0" * 40)
+    with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):
+        LMDBDataset(pack, decode="bytes")[0]
+
+
+def test_a_malicious_pack_cannot_run_code(pack: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Exploit())
+    key = b"cat/a.jpg"
+    header = struct.pack("<4sBiIH", b"PDR1", 0, 0, zlib.crc32(payload), len(key))
+    _overwrite_record(pack, header + key + payload)
+    data, label = LMDBDataset(pack, decode="bytes", verify=True)[0]
+    assert data == payload and label == 0
+    with pytest.raises(OSError):  # PIL refuses it as an image; nothing is unpickled
+        LMDBDataset(pack)[0]
+    loader = DataLoader(LMDBDataset(pack, decode="bytes"), batch_size=None, num_workers=1)
+    assert next(iter(loader))[0] == payload
+    assert not marker.exists()
+
+
+class _MemoryProbe(torch.utils.data.Dataset):
+    def __init__(self, ds: LMDBDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> int:
+        self.ds[i]
+        _ = self.ds.keys[i], self.ds.targets[i]
+        return _anonymous_bytes() if i % 1000 == 999 else 0
+
+
+def _anonymous_bytes() -> int:
+    """This process's anonymous memory: where copy-on-access of parent objects shows up."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Anonymous line in smaps_rollup")
+
+
+def test_forked_worker_memory_stays_flat_over_an_epoch(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in range(3):
+        (src / f"class{c}").mkdir(parents=True)
+        for i in range(4000):
+            (src / f"class{c}/{i:05d}.txt").write_text(f"sample {c} {i}")
+    convert(src, tmp_path / "t.lmdb", progress=False)
+    ds = LMDBDataset(tmp_path / "t.lmdb", decode="bytes")
+    _ = ds.targets, ds.keys[0]  # index mapped in the parent before the fork
+    loader = DataLoader(_MemoryProbe(ds), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    anon = [int(u) for u in loader if u]
+    assert len(anon) == 12
+    # A Python list of 12,000 keys touched by the worker would copy about 1 MiB of pages.
+    assert anon[-1] - anon[0] < 256 << 10, f"worker anonymous memory grew by {(anon[-1] - anon[0]) >> 10} KiB"
