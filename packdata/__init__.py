@@ -4,21 +4,40 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from packdata.bench import BenchResult, run_bench
 from packdata.convert import ConvertResult, convert
 from packdata.datasets import LMDBDataset
+from packdata.decode import DecodeJPEG
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
+from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, worker_init_fn
+from packdata.text import TokenBucketSampler, pad_collate
+from packdata.transforms import standard_transform
+from packdata.tune import TuneResult, recommend_loader_kwargs, tune
 from packdata.verify import pack_info, verify_pack
 
 __all__ = [
+    "BackgroundPrefetcher",
+    "BenchResult",
+    "CUDAPrefetcher",
     "CapacityError",
     "ConfigError",
     "ConvertResult",
+    "DecodeJPEG",
     "LMDBDataset",
     "PackFormatError",
     "PackdataError",
     "SourceError",
-    "__version__",
+    "TokenBucketSampler",
+    "TuneResult",
     "convert",
+    "fast_collate",
     "pack_info",
+    "pad_collate",
+    "recommend_loader_kwargs",
+    "run_bench",
+    "standard_transform",
+    "tune",
     "verify_pack",
+    "worker_init_fn",
+    "__version__",
 ]

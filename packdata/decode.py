@@ -85,6 +85,4 @@ def resolve_decoder(decode: str | DecodeFn) -> DecodeFn:
     try:
         return _DECODERS[decode]
     except KeyError:
-        raise ValueError(
-            f"decode should be 'pil', 'text', 'bytes' or a callable, but got decode={decode!r}"
-        ) from None
+        raise ValueError(f"decode should be 'pil', 'text', 'bytes' or a callable, but got decode={decode!r}") from None

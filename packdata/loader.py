@@ -55,7 +55,9 @@ def _image_array(sample: Any) -> np.ndarray:
     """A sample as a ``uint8`` HWC array (PIL image, numpy array or CHW tensor)."""
     if isinstance(sample, torch.Tensor):
         if sample.dtype != torch.uint8 or sample.ndim != 3:
-            raise TypeError(f"fast_collate expects uint8 CHW tensors, but got {sample.dtype} of shape {tuple(sample.shape)}")
+            raise TypeError(
+                f"fast_collate expects uint8 CHW tensors, but got {sample.dtype} of shape {tuple(sample.shape)}"
+            )
         return sample.permute(1, 2, 0).numpy()
     array = np.asarray(sample)
     if array.dtype != np.uint8:

@@ -196,7 +196,9 @@ def _as_codes(sample: Any) -> torch.Tensor:
     if isinstance(sample, str):
         sample = sample.encode("utf-8")
     if isinstance(sample, (bytes, bytearray, memoryview)):
-        return torch.frombuffer(bytearray(sample), dtype=torch.uint8) if len(sample) else torch.zeros(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(bytearray(sample), dtype=torch.uint8) if len(sample) else torch.zeros(0, dtype=torch.uint8)
+        )
     return torch.as_tensor(sample).reshape(-1)
 
 

@@ -1,0 +1,244 @@
+"""bench and tune: well-formed, consistent results on a small pack with tiny budgets."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+import packdata
+from packdata.bench import CEILING, LoaderConfig, run_bench
+from packdata.cli import main as cli_main
+from packdata.errors import CapacityError
+from packdata.loader import worker_init_fn
+from packdata.tune import project_memory, recommend_loader_kwargs, tune
+
+BATCH = 4
+BATCHES = 3
+
+
+def _image(seed: int, size: tuple[int, int]) -> bytes:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    x = np.linspace(0, 1, w)[None, :, None]
+    y = np.linspace(0, 1, h)[:, None, None]
+    pixels = (rng.uniform(0, 255, (1, 1, 3)) * x + rng.uniform(0, 255, (1, 1, 3)) * (1 - y)).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    root = tmp_path / "images"
+    for i in range(30):
+        cls = root / f"class{i % 3}"
+        cls.mkdir(parents=True, exist_ok=True)
+        (cls / f"{i:03d}.jpg").write_bytes(_image(i, (80 + i, 64)))
+    return root
+
+
+@pytest.fixture
+def pack(folder: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "images.lmdb"
+    packdata.convert(folder, dst, progress=False)
+    return dst
+
+
+def _check_consistent(data: dict) -> None:
+    for r in data["results"]:
+        assert r["error"] is None, r
+        assert r["batches"] == BATCHES
+        assert r["samples"] == r["batches"] * r["batch_size"]
+        assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
+        assert 0 < r["wait_p50_ms"] <= r["wait_p95_ms"] + 1e-9
+        assert r["first_batch_s"] > 0
+        mem = r["memory"]
+        assert mem["samples"] >= 1 and mem["main"]["uss_peak"] > 0
+        assert mem["total"]["uss_peak"] >= mem["main"]["uss_peak"]
+        if r["num_workers"]:
+            assert mem["processes_peak"] >= 1 + r["num_workers"]
+            assert mem["workers"]["per_worker_uss_peak"] > 0
+        assert mem["mem_available_min"] > 0 and mem["swap_growth"] >= 0
+
+
+def test_bench_json_is_consistent_and_has_the_ceiling(pack: Path, folder: Path, tmp_path: Path) -> None:
+    result = run_bench(
+        [pack, folder], workers=(0, 2), batch_sizes=(BATCH,), batches=BATCHES, warmup=1, sample_interval=0.05
+    )
+    data = json.loads(result.to_json(tmp_path / "bench.json"))
+    assert json.loads((tmp_path / "bench.json").read_text()) == data
+    sources = [r["source"] for r in data["results"]]
+    assert sources == [CEILING] * 2 + [str(pack)] * 2 + [str(folder)] * 2
+    assert [r["num_workers"] for r in data["results"]] == [0, 2] * 3
+    _check_consistent(data)
+    for r in data["results"]:
+        assert r["vs_ceiling"] == pytest.approx(1.0 if r["source"] == CEILING else r["vs_ceiling"])
+        assert r["vs_ceiling"] > 0
+    facts = {s["name"]: s for s in data["sources"]}
+    assert facts[CEILING]["from"] == str(pack) and facts[CEILING]["samples"] == 30
+    assert facts[str(pack)]["format"] == "lmdb" and facts[str(folder)]["format"] == "folder"
+    assert facts[str(pack)]["mean_bytes"] == pytest.approx(facts[str(folder)]["mean_bytes"])
+    assert "ceiling" in result.table()
+
+
+def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
+    result = run_bench(
+        pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="none", transform=None
+    )
+    for r in result.results:
+        assert r.step_ms == 30
+        assert 0 < r.data_wait_share < 1
+        # waiting plus three 30 ms steps is the whole timed wall clock
+        assert r.seconds >= BATCHES * 0.030
+
+
+def test_bench_reduced_decode_and_persistent_workers(pack: Path) -> None:
+    result = run_bench(
+        pack,
+        workers=(2,),
+        batch_sizes=(BATCH,),
+        batches=BATCHES,
+        warmup=1,
+        decode="reduced",
+        size=32,
+        persistent_workers=True,
+    )
+    _check_consistent(result.to_dict())
+    assert "DecodeJPEG" in repr(result.results[1].config) or result.settings["decode"] == "reduced"
+
+
+def test_bench_records_bad_sources_and_settings_without_stopping(pack: Path, tmp_path: Path) -> None:
+    result = run_bench([tmp_path / "missing", pack], workers=0, batch_sizes=(BATCH, 64), batches=BATCHES, warmup=1)
+    assert any("missing" in w for w in result.warnings)
+    by_batch = {(r.source, r.batch_size): r for r in result.results}
+    assert by_batch[(str(pack), BATCH)].error is None
+    assert "fewer than batch_size=64" in (by_batch[(str(pack), 64)].error or "")
+
+
+def test_bench_pin_memory_falls_back_without_cuda(pack: Path) -> None:
+    import torch
+
+    result = run_bench(pack, workers=0, batch_sizes=BATCH, pin_memory=True, batches=2, warmup=0)
+    for r in result.results:
+        assert r.error is None and r.pin_memory
+        assert r.pin_memory_effective == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert any("pin_memory" in w for w in result.warnings)
+
+
+def test_bench_tfrecord_pack(folder: Path, tmp_path: Path) -> None:
+    pytest.importorskip("packdata.tfrecord_dataset")
+    dst = tmp_path / "images-tf"
+    packdata.convert(folder, dst, format="tfrecord", progress=False)
+    result = run_bench(dst, workers=(0, 2), batch_sizes=BATCH, batches=BATCHES, warmup=1)
+    _check_consistent(result.to_dict())
+    assert result.sources[0]["from"] == str(dst)
+
+
+def test_bench_cli_writes_json_and_plot(pack: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    args = [
+        "bench",
+        str(pack),
+        "--workers",
+        "0",
+        "--batch-size",
+        str(BATCH),
+        "--batches",
+        str(BATCHES),
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+    ]
+    plot = tmp_path / "b.png"
+    has_mpl = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        has_mpl = False
+    if has_mpl:
+        args += ["--plot", str(plot)]
+    result = CliRunner().invoke(cli_main, args)
+    assert result.exit_code == 0, result.output
+    assert "ceiling" in result.output
+    _check_consistent(json.loads(out.read_text()))
+    if has_mpl:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_rejects_bad_lists(pack: Path) -> None:
+    result = CliRunner().invoke(cli_main, ["bench", str(pack), "--workers", "two"])
+    assert result.exit_code == 2
+    assert "comma-separated integers" in result.output
+
+
+def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
+    budget = 1 << 20  # one batch of 4 (600 KB at 224 px) fits, 8 and any worker do not
+    result = tune(pack, memory_budget=budget, batch_sizes=(4, 8), batches=2, warmup=1)
+    assert result.recommended.accepted
+    assert result.recommended.projected_bytes <= budget
+    assert result.recommended.config["num_workers"] == 0 and result.recommended.config["batch_size"] == 4
+    for trial in result.trials:
+        if trial.accepted:
+            assert trial.projected_bytes <= budget
+        if trial.projected_bytes > budget:
+            assert trial.rejected and not trial.accepted
+    assert any(t.config["num_workers"] > 0 and t.rejected for t in result.trials)
+    assert "num_workers=0" in result.python()
+    json.dumps(result.to_dict())
+
+
+def test_tune_raises_when_nothing_fits(pack: Path) -> None:
+    with pytest.raises(CapacityError, match="no DataLoader setting fits the memory budget of 1000 bytes"):
+        tune(pack, memory_budget=1000, batch_sizes=(4,), batches=2, warmup=1)
+
+
+def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
+    result = tune(pack, memory_budget=8 << 30, batch_sizes=(4,), max_workers=2, batches=2, warmup=1)
+    measured = [t for t in result.trials if t.accepted]
+    assert len(measured) >= 2 and result.runner_up is not None
+    assert result.runner_up is not result.recommended
+    for t in measured:
+        if t.config["num_workers"]:
+            assert t.per_worker_bytes and t.per_worker_bytes > 0
+    data = result.to_dict()
+    assert data["recommended"]["kwargs"]["batch_size"] == 4
+    if data["recommended"]["kwargs"]["num_workers"]:
+        assert data["recommended"]["kwargs"]["worker_init_fn"] == "packdata.worker_init_fn"
+
+
+def test_tune_cli_json(pack: Path) -> None:
+    pytest.importorskip("packdata.system")
+    result = CliRunner().invoke(
+        cli_main, ["tune", str(pack), "--memory-budget", "1MiB", "--batch-size", "4", "--batches", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["memory_budget"] == 1 << 20
+    assert data["recommended"]["projected_bytes"] <= 1 << 20
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_recommend_loader_kwargs_respects_the_budget(pack: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    dataset = packdata.LMDBDataset(pack)
+    small = recommend_loader_kwargs(dataset, batch_size=4, memory_budget=1 << 20, cores=8)
+    assert small == {"batch_size": 4, "num_workers": 0, "pin_memory": False}
+    large = recommend_loader_kwargs(dataset, batch_size=4, memory_budget=64 << 30, cores=8)
+    assert large["num_workers"] == 6 and large["persistent_workers"] is True
+    assert large["worker_init_fn"] is worker_init_fn
+    DataLoader(dataset, **large)  # valid keyword arguments
+    capped = recommend_loader_kwargs(dataset, batch_size=16, memory_budget=64 << 30, cores=8)
+    assert capped["num_workers"] == 1  # 30 samples make one batch of 16 per epoch
+    with pytest.raises(CapacityError, match="exceeds the memory budget"):
+        recommend_loader_kwargs(dataset, batch_size=64, memory_budget=1000)
+    config = LoaderConfig(2, 4, False, 3)
+    assert project_memory(config, per_worker_bytes=100, sample_bytes=10) == 2 * 100 + 2 * 3 * 4 * 10

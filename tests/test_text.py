@@ -1,0 +1,113 @@
+"""TokenBucketSampler and the padding collate, over lengths and over a text pack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import packdata
+from packdata.errors import ConfigError
+from packdata.text import PadCollate, TokenBucketSampler, pad_collate, sample_lengths
+
+
+@pytest.fixture
+def lengths() -> np.ndarray:
+    return np.random.default_rng(1).integers(1, 300, size=997)
+
+
+def _check(sampler: TokenBucketSampler, lengths: np.ndarray, budget: int) -> list[list[int]]:
+    batches = list(sampler)
+    for batch in batches:
+        assert batch
+        assert len(batch) * max(int(lengths[i]) for i in batch) <= budget
+    flat = sorted(i for batch in batches for i in batch)
+    assert flat == list(range(len(lengths)))  # every sample exactly once
+    assert len(sampler) == len(batches)
+    return batches
+
+
+@pytest.mark.parametrize("budget", [300, 1000, 4096])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_token_buckets_stay_under_budget_and_cover_every_sample_once(lengths, budget, shuffle) -> None:
+    sampler = TokenBucketSampler(lengths, budget, shuffle=shuffle, bucket_size=100)
+    _check(sampler, lengths, budget)
+    for epoch in (1, 2):
+        sampler.set_epoch(epoch)
+        _check(sampler, lengths, budget)
+
+
+def test_token_buckets_are_tight_and_deterministic(lengths) -> None:
+    a = TokenBucketSampler(lengths, 4096, seed=3)
+    b = TokenBucketSampler(lengths, 4096, seed=3)
+    assert list(a) == list(b)
+    a.set_epoch(1)
+    assert list(a) != list(b)
+    padded = sum(len(batch) * max(lengths[batch]) for batch in a)
+    assert padded < 1.25 * lengths.sum()  # sorting within buckets keeps padding small
+
+
+def test_token_buckets_max_samples_and_length_scale(lengths) -> None:
+    sampler = TokenBucketSampler(lengths, 10_000, max_samples=8)
+    assert max(len(b) for b in _check(sampler, lengths, 10_000)) <= 8
+    scaled = TokenBucketSampler(lengths, 100, length_scale=0.25)
+    _check(scaled, np.ceil(lengths * 0.25), 100)
+
+
+def test_token_buckets_reject_or_isolate_oversize_samples() -> None:
+    lengths = [5, 50, 7, 200, 3]
+    with pytest.raises(ConfigError, match=r"1 samples are longer than max_tokens=100 \(sample 3 has 200"):
+        TokenBucketSampler(lengths, 100)
+    sampler = TokenBucketSampler(lengths, 100, oversize="alone", shuffle=False)
+    batches = list(sampler)
+    assert [3] in batches
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+
+
+def test_token_buckets_split_evenly_across_ranks(lengths) -> None:
+    ranks = [TokenBucketSampler(lengths, 2000, num_replicas=3, rank=r, seed=5) for r in range(3)]
+    counts = {len(list(s)) for s in ranks}
+    assert len(counts) == 1  # every rank steps the same number of times
+    seen = sorted(i for s in ranks for b in s for i in b)
+    assert set(seen) == set(range(len(lengths)))  # padding repeats some batches, loses none
+    dropped = [TokenBucketSampler(lengths, 2000, num_replicas=3, rank=r, seed=5, drop_last=True) for r in range(3)]
+    flat = [i for s in dropped for b in s for i in b]
+    assert len(flat) == len(set(flat))
+
+
+def test_pad_collate_pads_to_the_longest() -> None:
+    padded, lengths, labels = pad_collate([(b"abc", 0), ("é", 1), (torch.tensor([7]), 2)])
+    assert padded.dtype == torch.uint8 and padded.shape == (3, 3)
+    assert padded.tolist() == [[97, 98, 99], [0xC3, 0xA9, 0], [7, 0, 0]]
+    assert lengths.tolist() == [3, 2, 1] and labels.tolist() == [0, 1, 2]
+    ids, _, _ = PadCollate(pad_value=-1, dtype=torch.int64)([([1, 2], 0), ([3], 0)])
+    assert ids.tolist() == [[1, 2], [3, -1]]
+
+
+def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:
+    root = tmp_path / "texts"
+    for c, cls in enumerate(["neg", "pos"]):
+        (root / cls).mkdir(parents=True)
+        for i in range(15):
+            (root / cls / f"doc{i:02d}.txt").write_text(f"{cls} document {i} café " * (1 + (7 * i + c) % 9))
+    packdata.convert(root, tmp_path / "t.lmdb", progress=False)
+    dataset = packdata.LMDBDataset(tmp_path / "t.lmdb", decode="bytes")
+    lengths = sample_lengths(dataset)
+    assert lengths.tolist() == [len(dataset.raw(i)[0]) for i in range(len(dataset))]
+    budget = 600
+    sampler = TokenBucketSampler(dataset, budget, bucket_size=16)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate, num_workers=2)
+    seen = []
+    for padded, lens, _ in loader:
+        assert padded.numel() <= budget
+        assert lens.max() == padded.shape[1]
+        seen.extend(lens.tolist())
+    assert sorted(seen) == sorted(lengths.tolist())
+
+
+def test_sample_lengths_rejects_other_objects() -> None:
+    with pytest.raises(TypeError, match="lengths should be a pack dataset"):
+        sample_lengths(object())
