@@ -107,8 +107,9 @@ def read_rate(get, order: list[int]) -> float:
 
 def loader_rate(ds: Dataset, batches: int, workers: int = 2, batch_size: int = 64) -> float:
     torch.manual_seed(0)
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
-                        multiprocessing_context="fork", prefetch_factor=4)
+    loader = DataLoader(
+        ds, batch_size=batch_size, shuffle=True, num_workers=workers, multiprocessing_context="fork", prefetch_factor=4
+    )
     it = iter(loader)
     for _ in range(3):  # warm-up: workers started, first batches out
         next(it)
@@ -133,7 +134,7 @@ def main() -> None:
         print(f"generating {args.images} images into {src} ...", file=sys.stderr)
         make_sample_images(src.with_suffix(".tmp"), num_images=args.images)
         os.replace(src.with_suffix(".tmp"), src)
-    files = sorted(str(p) for p in src.rglob("*.jpg"))
+    sorted(str(p) for p in src.rglob("*.jpg"))
     results: dict[str, float] = {}
 
     # 1. convert vs tar -cf, both from a cold cache and including the final sync

@@ -63,23 +63,46 @@ def main() -> None:
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["lmdb", "tfrecord"]),
-              help="Pack format. Default: from DST's suffix (.lmdb), else lmdb.")
-@click.option("--kind", type=click.Choice(["auto", "image", "text"]), default="auto", show_default=True,
-              help="What the files are; auto looks at the extensions found.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["lmdb", "tfrecord"]),
+    help="Pack format. Default: from DST's suffix (.lmdb), else lmdb.",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["auto", "image", "text"]),
+    default="auto",
+    show_default=True,
+    help="What the files are; auto looks at the extensions found.",
+)
 @click.option("--workers", type=click.IntRange(min=1), help="Parallel reader threads. Default: 4 per CPU, at most 32.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-              help="On a corrupt, empty or unreadable file: skip it (listed in the summary "
-                   "and in skipped.jsonl in the pack) or stop with an error.")
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "fail"]),
+    default="skip",
+    show_default=True,
+    help="On a corrupt, empty or unreadable file: skip it (listed in the summary "
+    "and in skipped.jsonl in the pack) or stop with an error.",
+)
 @click.option("--verify-images", is_flag=True, help="Fully decode every image (catches truncated files; slower).")
-@click.option("--max-side", type=click.IntRange(min=1),
-              help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG.")
-@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
-              help="JPEG quality for --max-side.")
+@click.option(
+    "--max-side",
+    type=click.IntRange(min=1),
+    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG.",
+)
+@click.option(
+    "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."
+)
 @click.option("--shard-size", callback=_size, help="Start a new shard before this size, e.g. 256MB or 1GiB.")
 @click.option("--shard-samples", type=click.IntRange(min=1), help="At most N samples per shard.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: reader threads in this process. ray: one Ray task per shard "
+                   "(pip install 'packdata[ray]'); SRC and DST's folder must be on storage every node sees.")
+@click.option("--address", help="With --engine ray: the Ray cluster to join (e.g. auto, ray://head:10001). "
+                                "Default: start a local Ray instance.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_friendly
@@ -97,23 +120,32 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert ./imagenet/train train --format tfrecord --shard-size 256MB
       packdata convert ./photos small.lmdb --max-side 256 --quality 90
       packdata convert ./corpus corpus.lmdb --kind text
+      packdata convert /nfs/train /nfs/train.lmdb --engine ray --address auto
     """
     from packdata.convert import convert as run_convert
+
+    if options.get("address") and options.get("engine") != "ray":
+        raise click.UsageError("--address needs --engine ray")
 
     result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
         return
     skipped = sum(result.skipped.values())
-    click.echo(f"packed {result.packed} of {result.found} files into {result.pack} "
-               f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s")
-    click.echo(f"  bytes in {result.bytes_in / 1e6:.1f} MB, out {result.bytes_out / 1e6:.1f} MB, "
-               f"{result.packed / max(result.seconds, 1e-9):.0f} files/s"
-               + (f", {result.reencoded} re-encoded" if result.reencoded else ""))
+    click.echo(
+        f"packed {result.packed} of {result.found} files into {result.pack} "
+        f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
+    )
+    click.echo(
+        f"  bytes in {result.bytes_in / 1e6:.1f} MB, out {result.bytes_out / 1e6:.1f} MB, "
+        f"{result.packed / max(result.seconds, 1e-9):.0f} files/s"
+        + (f", {result.reencoded} re-encoded" if result.reencoded else "")
+    )
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(result.skipped.items()))
-        click.secho(f"  SKIPPED {skipped} files: {reasons} (all listed in {result.pack}/skipped.jsonl)",
-                    fg="yellow", err=False)
+        click.secho(
+            f"  SKIPPED {skipped} files: {reasons} (all listed in {result.pack}/skipped.jsonl)", fg="yellow", err=False
+        )
         for example in result.skip_examples[:10]:
             click.echo(f"    {example['key']}: {example['reason']}: {example['detail']}")
 
@@ -156,8 +188,10 @@ def verify(pack: str, quiet: bool) -> None:
     from packdata.verify import verify_pack
 
     result = verify_pack(pack, progress=not quiet)
-    click.echo(f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
-               f"shard{'s' * (result.shards != 1)} verified")
+    click.echo(
+        f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
+        f"shard{'s' * (result.shards != 1)} verified"
+    )
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:

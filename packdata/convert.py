@@ -87,18 +87,26 @@ class _Options:
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if real_dst == real_src or real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
-        raise ConfigError("destination is inside the source folder", path=dst,
-                          hint="Write the pack outside the folder being packed")
+        raise ConfigError(
+            "destination is inside the source folder", path=dst, hint="Write the pack outside the folder being packed"
+        )
     if real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
-        raise ConfigError("the source folder is inside the destination", path=dst,
-                          hint="Choose a destination that does not contain the source")
+        raise ConfigError(
+            "the source folder is inside the destination",
+            path=dst,
+            hint="Choose a destination that does not contain the source",
+        )
     if dst.exists() or dst.is_symlink():
         if not overwrite:
-            raise ConfigError("destination already exists", path=dst,
-                              hint="Pass --overwrite to replace it, or choose another path")
+            raise ConfigError(
+                "destination already exists", path=dst, hint="Pass --overwrite to replace it, or choose another path"
+            )
         if not (dst / MANIFEST_NAME).is_file():
-            raise ConfigError("destination exists and is not a packdata pack; refusing to replace it",
-                              path=dst, hint="Remove it yourself or choose another path")
+            raise ConfigError(
+                "destination exists and is not a packdata pack; refusing to replace it",
+                path=dst,
+                hint="Remove it yourself or choose another path",
+            )
 
 
 def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
@@ -184,11 +192,18 @@ class _Checkpoint:
 
     def save(self) -> None:
         state = {
-            "options": self.options, "files_done": self.files_done, "samples_done": self.samples_done,
-            "walk_sha256": self.walk.hexdigest(), "skip_report_bytes": self.skip_report_bytes,
-            "skipped": dict(self.skipped), "skip_examples": self.skip_examples, "bytes_in": self.bytes_in,
-            "reencoded": self.reencoded, "shards": [asdict(s) for s in self.shards],
-            "shard_first": self.shard_first, "shard_bytes": self.shard_bytes,
+            "options": self.options,
+            "files_done": self.files_done,
+            "samples_done": self.samples_done,
+            "walk_sha256": self.walk.hexdigest(),
+            "skip_report_bytes": self.skip_report_bytes,
+            "skipped": dict(self.skipped),
+            "skip_examples": self.skip_examples,
+            "bytes_in": self.bytes_in,
+            "reencoded": self.reencoded,
+            "shards": [asdict(s) for s in self.shards],
+            "shard_first": self.shard_first,
+            "shard_bytes": self.shard_bytes,
         }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state), encoding="utf-8")
@@ -199,9 +214,18 @@ class _Checkpoint:
         if state["options"] != self.options:
             raise ConfigError(
                 f"the interrupted conversion used other options ({state['options']})",
-                path=self.path.parent, hint="Resume with the same options, or start again with --overwrite",
+                path=self.path.parent,
+                hint="Resume with the same options, or start again with --overwrite",
             )
-        for name in ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes"):
+        for name in (
+            "files_done",
+            "samples_done",
+            "skip_report_bytes",
+            "bytes_in",
+            "reencoded",
+            "shard_first",
+            "shard_bytes",
+        ):
             setattr(self, name, state[name])
         self.skipped = Counter(state["skipped"])
         self.skip_examples = state["skip_examples"]
@@ -226,6 +250,8 @@ def convert(
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
+    engine: str = "local",
+    address: str | None = None,
 ) -> ConvertResult:
     """Pack the files of ``src`` into a pack at ``dst``.
 
@@ -245,6 +271,10 @@ def convert(
         overwrite: replace an existing pack at ``dst``.
         resume: continue an interrupted conversion into ``dst``.
         progress: show a progress bar on stderr.
+        engine: ``"local"`` (threads in this process) or ``"ray"`` (one Ray task
+            per shard, see :mod:`packdata.engines.ray`; needs ``packdata[ray]``).
+        address: with ``engine="ray"``, the Ray cluster to connect to (``"auto"``,
+            ``"ray://host:10001"``, ...); by default a local Ray instance starts.
 
     Returns:
         A :class:`ConvertResult`.
@@ -256,6 +286,14 @@ def convert(
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    if engine == "ray":
+        from packdata.engines.ray import require_ray
+
+        require_ray()
+    elif engine != "local":
+        raise ConfigError(f"engine should be 'local' or 'ray', but got engine={engine!r}")
+    elif address is not None:
+        raise ConfigError("address is only used by engine='ray'", hint="Pass engine='ray' or drop address")
     fmt = format or format_from_path(os.fspath(dst)) or "lmdb"
     if fmt not in FORMATS:
         raise ConfigError(f"format should be one of {', '.join(FORMATS)}, but got format={fmt!r}")
@@ -268,6 +306,20 @@ def convert(
     source = scan_source(src, kind)
     _check_paths(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
+    if engine == "ray":
+        from packdata.engines.ray import convert_on_ray
+
+        return convert_on_ray(
+            source,
+            dst,
+            opts,
+            workers=workers,
+            overwrite=overwrite,
+            resume=resume,
+            progress=progress,
+            address=address,
+            started=started,
+        )
     partial = partial_path(dst)
     checkpoint = _Checkpoint(partial / _PROGRESS, asdict(opts))
     resumed = resume and checkpoint.path.is_file()
@@ -276,7 +328,8 @@ def convert(
     elif partial.exists():
         if not overwrite and not resume:
             raise ConfigError(
-                f"an interrupted conversion into {dst} is in {partial}", path=dst,
+                f"an interrupted conversion into {dst} is in {partial}",
+                path=dst,
                 hint="Pass --resume to continue it, or --overwrite to start again",
             )
         shutil.rmtree(partial)
@@ -299,16 +352,22 @@ def convert(
         packer.close_files()
     if checkpoint.samples_done == 0:
         shutil.rmtree(partial)
-        reasons = ", ".join(f"{n} {r}" for r, n in checkpoint.skipped.items()) or "none"
-        raise SourceError(f"no usable {source.kind} files (skipped: {reasons})", path=src,
-                          hint="Check the folder and --kind")
+        raise _no_samples_error(source, checkpoint.skipped)
     manifest = packer.finish()
     _publish(partial, dst)
     return ConvertResult(
-        pack=dst, format=fmt, kind=source.kind, found=checkpoint.files_done,
-        packed=checkpoint.samples_done, skipped=dict(checkpoint.skipped), bytes_in=checkpoint.bytes_in,
-        bytes_out=manifest.total_bytes, seconds=time.perf_counter() - started,
-        shards=len(manifest.shards), resumed=resumed, reencoded=checkpoint.reencoded,
+        pack=dst,
+        format=fmt,
+        kind=source.kind,
+        found=checkpoint.files_done,
+        packed=checkpoint.samples_done,
+        skipped=dict(checkpoint.skipped),
+        bytes_in=checkpoint.bytes_in,
+        bytes_out=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        shards=len(manifest.shards),
+        resumed=resumed,
+        reencoded=checkpoint.reencoded,
         skip_examples=checkpoint.skip_examples,
     )
 
@@ -324,7 +383,7 @@ class _Packer:
         report.touch()
         if resumed:
             os.truncate(report, cp.skip_report_bytes)
-        self.report = open(report, "ab")
+        self.report = open(report, "ab")  # noqa: SIM115 (closed in close_files())
         self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
@@ -336,8 +395,14 @@ class _Packer:
 
     def run(self, pool: ThreadPoolExecutor, depth: int, progress: bool) -> None:
         entries = self._entries()
-        bar = tqdm(desc="packing", unit=" files", unit_scale=True, disable=not progress,
-                   initial=self.cp.files_done, dynamic_ncols=True)
+        bar = tqdm(
+            desc="packing",
+            unit=" files",
+            unit_scale=True,
+            disable=not progress,
+            initial=self.cp.files_done,
+            dynamic_ncols=True,
+        )
         last_bytes, last_time = self.cp.bytes_in, time.perf_counter()
         with bar:
             for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
@@ -360,11 +425,12 @@ class _Packer:
         walk = self.source.walk()
         if self.cp.files_done:
             check = hashlib.sha256()
-            for _, entry in zip(range(self.cp.files_done), walk):
+            for _, entry in zip(range(self.cp.files_done), walk, strict=False):
                 check.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
             if check.hexdigest() != self.cp.walk_expected:
                 raise SourceError(
-                    "the source folder changed since the interrupted conversion", path=self.source.root,
+                    "the source folder changed since the interrupted conversion",
+                    path=self.source.root,
                     hint="Start again with --overwrite",
                 )
             self.cp.walk = check
@@ -373,8 +439,11 @@ class _Packer:
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
         if is_read_error and self.opts.on_error == "fail":
             detail = f": {skip.detail}" if skip.detail else ""
-            raise SourceError(f"{skip.reason}{detail}", path=self.source.root / skip.key,
-                              hint="Fix or remove the file, or pass --on-error skip")
+            raise SourceError(
+                f"{skip.reason}{detail}",
+                path=self.source.root / skip.key,
+                hint="Fix or remove the file, or pass --on-error skip",
+            )
         self.cp.skipped[skip.reason] += 1
         line = {"key": skip.key, "reason": skip.reason, "detail": skip.detail}
         if is_read_error and len(self.cp.skip_examples) < 20:
@@ -433,20 +502,53 @@ class _Packer:
         name = self.writer_cls.shard_name(len(self.cp.shards))
         shards = [*self.cp.shards, ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest)]
         shards = self.writer_cls.finalize(self.partial, shards)
-        opts = self.opts
-        manifest = Manifest(
-            format=opts.format, kind=self.source.kind, classes=self.source.classes,
-            num_samples=self.cp.samples_done, shards=shards,
-            index={"dir": "index"}, fields=[opts.kind, "label", "key"],
-            reencode={"max_side": opts.max_side, "quality": opts.quality, "count": self.cp.reencoded}
-            if opts.max_side else None,
-            skipped={"count": sum(self.cp.skipped.values()), "by_reason": dict(self.cp.skipped),
-                     "report": SKIP_REPORT},
-            source={"files_found": self.cp.files_done, "bytes": self.cp.bytes_in},
+        manifest = _make_manifest(
+            self.source,
+            self.opts,
+            shards,
+            samples=self.cp.samples_done,
+            files_found=self.cp.files_done,
+            bytes_in=self.cp.bytes_in,
+            reencoded=self.cp.reencoded,
+            skipped=self.cp.skipped,
         )
         (self.partial / _PROGRESS).unlink()
         write_manifest(self.partial, manifest)
         return manifest
+
+
+def _no_samples_error(source: Source, skipped: Counter[str]) -> SourceError:
+    """The error of a conversion that packed nothing."""
+    reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
+    return SourceError(
+        f"no usable {source.kind} files (skipped: {reasons})", path=source.root, hint="Check the folder and --kind"
+    )
+
+
+def _make_manifest(
+    source: Source,
+    opts: _Options,
+    shards: list[ShardInfo],
+    *,
+    samples: int,
+    files_found: int,
+    bytes_in: int,
+    reencoded: int,
+    skipped: Counter[str],
+) -> Manifest:
+    """The manifest of a finished pack (shards already finalized); every engine writes this one."""
+    return Manifest(
+        format=opts.format,
+        kind=source.kind,
+        classes=source.classes,
+        num_samples=samples,
+        shards=shards,
+        index={"dir": "index"},
+        fields=[opts.kind, "label", "key"],
+        reencode={"max_side": opts.max_side, "quality": opts.quality, "count": reencoded} if opts.max_side else None,
+        skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
+        source={"files_found": files_found, "bytes": bytes_in},
+    )
 
 
 def _fsync_dir(path: Path) -> None:

@@ -57,8 +57,9 @@ class PackInfo:
             try:
                 self._index = SampleIndex(directory, self.manifest.num_samples)
             except (OSError, ValueError) as exc:
-                raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory,
-                                      hint="Convert the pack again") from exc
+                raise PackFormatError(
+                    f"sample index is missing or damaged: {exc}", path=directory, hint="Convert the pack again"
+                ) from exc
         return self._index
 
     def __getstate__(self) -> dict[str, Any]:
@@ -154,8 +155,11 @@ class LMDBDataset(Dataset):
         try:
             return record_payload(self._reader(shard).get(index - self._first[shard]), check_crc=self.verify)
         except RecordError as exc:
-            raise PackFormatError(f"record {index} is damaged: {exc}", path=self._shard_paths[shard],
-                                  hint="Run `packdata verify` on the pack") from exc
+            raise PackFormatError(
+                f"record {index} is damaged: {exc}",
+                path=self._shard_paths[shard],
+                hint="Run `packdata verify` on the pack",
+            ) from exc
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         data, label = self.raw(index)

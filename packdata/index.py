@@ -38,12 +38,13 @@ class SampleIndexWriter:
         self._key_end = 0
         if resume_at is not None:
             self._truncate(resume_at)
-        self._files = {name: open(self.dir / name, "ab") for name in FILES}
+        self._files = {name: open(self.dir / name, "ab") for name in FILES}  # noqa: SIM115 (closed in close())
         if self.count == 0 and self._files[_OFFSETS].tell() == 0:
             self._files[_OFFSETS].write(np.int64(0).tobytes())
 
     def _truncate(self, n: int) -> None:
-        offsets = np.fromfile(self.dir / _OFFSETS, dtype="<i8") if (self.dir / _OFFSETS).exists() else np.zeros(1, "<i8")
+        path = self.dir / _OFFSETS
+        offsets = np.fromfile(path, dtype="<i8") if path.exists() else np.zeros(1, "<i8")
         if len(offsets) < n + 1:
             raise ValueError(f"{self.dir}: index holds {len(offsets) - 1} samples, cannot resume at {n}")
         self._key_end = int(offsets[n])

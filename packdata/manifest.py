@@ -131,8 +131,7 @@ def read_manifest(pack: str | os.PathLike) -> Manifest:
     counted = sum(s.num_samples for s in manifest.shards)
     if counted != manifest.num_samples:
         raise PackFormatError(
-            f"manifest is inconsistent: shards hold {counted} samples, "
-            f"but num_samples={manifest.num_samples}",
+            f"manifest is inconsistent: shards hold {counted} samples, but num_samples={manifest.num_samples}",
             path=path,
         )
     return manifest

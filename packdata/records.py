@@ -55,9 +55,7 @@ def encode_record(sample: Sample) -> bytes:
     key = sample.key.encode("utf-8")
     if len(key) > _MAX_KEY:
         raise RecordError(f"key is {len(key)} bytes long, but at most {_MAX_KEY} fit")
-    header = _HEADER.pack(
-        RECORD_MAGIC, KINDS.index(sample.kind), sample.label, zlib.crc32(sample.data), len(key)
-    )
+    header = _HEADER.pack(RECORD_MAGIC, KINDS.index(sample.kind), sample.label, zlib.crc32(sample.data), len(key))
     return b"".join((header, key, sample.data))
 
 

@@ -125,8 +125,7 @@ def _detect_kind(root: Path) -> str:
         raise SourceError(
             "no image or text files found",
             path=root,
-            hint=f"Images are {', '.join(sorted(IMAGE_EXTENSIONS))}; text is "
-            f"{', '.join(sorted(TEXT_EXTENSIONS))}",
+            hint=f"Images are {', '.join(sorted(IMAGE_EXTENSIONS))}; text is {', '.join(sorted(TEXT_EXTENSIONS))}",
         )
     return max(counts, key=lambda k: counts[k])
 
@@ -164,7 +163,5 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
 def _has_candidate(directory: Path, kind: str) -> bool:
     extensions = _EXTENSIONS[kind]
     return any(
-        os.path.splitext(rel)[1].lower() in extensions and not _is_hidden(rel)
-        for rel, _ in _walk_files(directory)
+        os.path.splitext(rel)[1].lower() in extensions and not _is_hidden(rel) for rel, _ in _walk_files(directory)
     )
-

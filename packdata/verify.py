@@ -79,26 +79,34 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
     manifest = read_manifest(pack)
     index = SampleIndex(pack / manifest.index.get("dir", "index"), manifest.num_samples)
     checked = nbytes = 0
-    with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True,
-              disable=not progress) as bar:
+    with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True, disable=not progress) as bar:
         for shard in manifest.shards:
             data_file = _shard_data_file(manifest, pack, shard)
             if not data_file.is_file():
                 raise PackFormatError("shard file is missing", path=data_file, hint="Convert or stage the pack again")
             size = data_file.stat().st_size
             if size != shard.bytes:
-                raise PackFormatError(f"shard is {size} bytes, the manifest says {shard.bytes}", path=data_file,
-                                      hint="The shard is truncated or was replaced: convert or stage again")
+                raise PackFormatError(
+                    f"shard is {size} bytes, the manifest says {shard.bytes}",
+                    path=data_file,
+                    hint="The shard is truncated or was replaced: convert or stage again",
+                )
             if file_sha256(data_file) != shard.sha256:
-                raise PackFormatError("shard checksum does not match the manifest", path=data_file,
-                                      hint="The shard is damaged: convert or stage again")
+                raise PackFormatError(
+                    "shard checksum does not match the manifest",
+                    path=data_file,
+                    hint="The shard is damaged: convert or stage again",
+                )
             expected = shard.first_index
             for i, sample in _samples(manifest, pack, shard):
                 if i != expected:
                     raise PackFormatError(f"record {expected} is missing (found {i} next)", path=data_file)
                 if sample.key != index.keys[i] or sample.label != int(index.labels[i]):
-                    raise PackFormatError(f"record {i} (key {sample.key!r}) does not match the sample index",
-                                          path=data_file, hint="Convert the pack again")
+                    raise PackFormatError(
+                        f"record {i} (key {sample.key!r}) does not match the sample index",
+                        path=data_file,
+                        hint="Convert the pack again",
+                    )
                 expected += 1
                 nbytes += len(sample.data)
                 bar.update()

@@ -60,7 +60,7 @@ def bad_files(image_folder: Path) -> Path:
 @pytest.fixture
 def text_folder(tmp_path: Path) -> Path:
     root = tmp_path / "texts"
-    for c, cls in enumerate(["neg", "pos"]):
+    for _c, cls in enumerate(["neg", "pos"]):
         (root / cls).mkdir(parents=True)
         for i in range(10):
             (root / cls / f"doc{i:02d}.txt").write_text(f"class {cls} document {i} café " * (i + 1), encoding="utf-8")

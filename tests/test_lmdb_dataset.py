@@ -44,8 +44,12 @@ def test_every_sample_exactly_once_per_epoch(pack: Path, num_workers: int, conte
     ds = LMDBDataset(pack, decode="bytes")
     expected = sorted(ds.keys)
     loader = DataLoader(
-        KeyedDataset(ds), batch_size=4, shuffle=True, num_workers=num_workers,
-        multiprocessing_context=context if num_workers else None, persistent_workers=num_workers > 0,
+        KeyedDataset(ds),
+        batch_size=4,
+        shuffle=True,
+        num_workers=num_workers,
+        multiprocessing_context=context if num_workers else None,
+        persistent_workers=num_workers > 0,
     )
     for _ in range(2):
         seen = [k for keys, _, _ in loader for k in keys]
@@ -65,7 +69,11 @@ def test_labels_and_bytes_through_workers_match_the_main_process(pack: Path) -> 
     ds = LMDBDataset(pack, decode="bytes")
     direct = {ds.keys[i]: (ds[i][1], zlib.crc32(ds[i][0])) for i in range(len(ds))}
     loader = DataLoader(KeyedDataset(ds), batch_size=3, num_workers=2, multiprocessing_context="spawn")
-    via_workers = {k: (int(lab), int(crc)) for keys, labels, crcs in loader for k, lab, crc in zip(keys, labels, crcs)}
+    via_workers = {
+        k: (int(lab), int(crc))
+        for keys, labels, crcs in loader
+        for k, lab, crc in zip(keys, labels, crcs, strict=False)
+    }
     assert via_workers == direct
 
 

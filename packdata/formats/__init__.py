@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["FORMATS", "format_from_path", "shard_writer"]
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from packdata.manifest import ShardInfo
+    from packdata.records import Sample
+
+__all__ = ["FORMATS", "ShardWriter", "format_from_path", "shard_writer"]
 
 FORMATS = ("lmdb", "tfrecord")
 
@@ -17,7 +25,20 @@ def format_from_path(path: str) -> str | None:
     return None
 
 
-def shard_writer(fmt: str) -> type:
+class ShardWriter(Protocol):
+    """What convert needs of a format's shard writer (see :func:`shard_writer`)."""
+
+    def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None: ...
+    def write(self, items: list[tuple[int, Sample]]) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> tuple[int, str]: ...
+    @staticmethod
+    def shard_name(number: int) -> str: ...
+    @staticmethod
+    def finalize(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]: ...
+
+
+def shard_writer(fmt: str) -> type[ShardWriter]:
     """The shard writer class of format ``fmt``.
 
     A writer is constructed as ``cls(path, resume_at=None)``, takes batches of

@@ -4,7 +4,8 @@ A shard is an ordinary LMDB environment directory (``data.mdb``) that
 ``mdb_stat`` and ``lmdb.open(path, readonly=True)`` open. Keys are 8-byte
 big-endian sample indices within the shard (global index minus the shard's
 ``first_index``), so they sort in sample order, every put uses append mode, and
-a shard is self-contained: it can be written by its own task and staged alone; values are :mod:`packdata.records` records.
+a shard is self-contained: it can be written by its own task and staged alone;
+values are :mod:`packdata.records` records.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ class LMDBShardWriter:
             except lmdb.MapFullError:
                 self._grow_to(self._map_size * 2)
             except lmdb.DiskError as exc:
-                raise CapacityError(f"disk error while writing: {exc}", path=self.path,
-                                    hint="Free space on the destination disk") from exc
+                raise CapacityError(
+                    f"disk error while writing: {exc}", path=self.path, hint="Free space on the destination disk"
+                ) from exc
 
     def sync(self) -> None:
         """Make every committed transaction durable."""
@@ -144,8 +146,14 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
             return env
         env.close()  # the parent's handle, inherited through fork
     env = lmdb.open(
-        path, readonly=True, lock=False, readahead=readahead, meminit=False,
-        max_readers=MAX_READERS, subdir=True, create=False,
+        path,
+        readonly=True,
+        lock=False,
+        readahead=readahead,
+        meminit=False,
+        max_readers=MAX_READERS,
+        subdir=True,
+        create=False,
     )
     _open_envs[path] = (os.getpid(), env)
     return env
@@ -164,8 +172,11 @@ class LMDBShardReader:
     def __init__(self, path: str | os.PathLike, *, readahead: bool = False) -> None:
         self.path = os.fspath(path)
         if not os.path.isfile(os.path.join(self.path, DATA_FILE)):
-            raise PackFormatError(f"shard is missing its {DATA_FILE}", path=self.path,
-                                  hint="The pack is incomplete: convert or stage it again")
+            raise PackFormatError(
+                f"shard is missing its {DATA_FILE}",
+                path=self.path,
+                hint="The pack is incomplete: convert or stage it again",
+            )
         try:
             self._env = _shared_env(self.path, readahead)
         except lmdb.Error as exc:
@@ -177,8 +188,9 @@ class LMDBShardReader:
         """The record at ``index`` within the shard, valid until the reader closes."""
         value = self._txn.get(encode_key(index))
         if value is None:
-            raise PackFormatError(f"record {index} is missing", path=self.path,
-                                  hint="The shard is damaged: run `packdata verify`")
+            raise PackFormatError(
+                f"record {index} is missing", path=self.path, hint="The shard is damaged: run `packdata verify`"
+            )
         if self._prefetch and len(value) > mmap.PAGESIZE:
             _willneed(value)
         return value
