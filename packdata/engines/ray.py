@@ -1,0 +1,558 @@
+"""Distributed conversion on Ray: one task per shard, gathered by the driver.
+
+How a conversion runs (``convert(..., engine="ray")``, ``packdata convert --engine ray``):
+
+1. **Plan.** The driver walks the source in sorted order (as the local engine
+   does) and cuts it into contiguous shard tasks with the local engine's own
+   roll rule: a new task starts before a file would make the current one exceed
+   ``shard_samples`` files or ``shard_size`` bytes (file sizes from ``os.stat``).
+   Neither given: :data:`DEFAULT_TASK_SAMPLES` files per task. The plan is a
+   generator: the driver holds only the tasks in flight, never the whole list.
+2. **Tasks.** Each Ray task (1 CPU) reads its files with the local engine's
+   reader (same validation, same re-encoding, a few reader threads) and writes
+   one shard straight into the pack's hidden ``.NAME.partial`` folder, plus its
+   own fragment of the sample index and its skip list under
+   ``.NAME.partial/tasks/NNNNN/``. The partial folder must be on storage every
+   node sees (NFS, Lustre, ...), as must the source.
+3. **Gather.** The driver takes task results in plan order, appends each index
+   fragment and skip list to the pack's ``index/`` and ``skipped.jsonl`` (streamed
+   in fixed-size chunks: flat memory), gives each shard its ``first_index``,
+   names shards (:meth:`finalize`), writes the manifest and renames the pack
+   into place, exactly as the local engine does.
+
+Same result as ``engine="local"``: the same samples, keys, labels and order,
+the same index, skip report and manifest. Shard boundaries match too, except
+where files are dropped at read time (corrupt, empty, unreadable: that task's
+shard is shorter than the limit) or re-encoded with ``max_side`` (shards are
+planned on source file sizes), and an LMDB conversion without a shard limit
+gives shards of :data:`DEFAULT_TASK_SAMPLES` samples where the local engine
+writes one. A task whose files are all skipped writes no shard; its shard
+number is then missing from the LMDB shard names (the manifest lists the
+shards; TFRecord names are renumbered anyway).
+
+Failures: Ray reruns a task whose worker died and a task that raised
+``OSError`` (:data:`MAX_RETRIES` times). A task that fails for good stops the
+conversion with :class:`~packdata.engines.EngineError` naming the shard task and
+its first and last file; finished tasks stay in the partial folder, so rerunning
+with ``resume=True`` runs only the missing ones. With ``on_error="fail"`` a bad
+file stops the conversion with the same :class:`~packdata.errors.SourceError` as
+the local engine and removes the partial folder. DST never looks complete
+before the manifest is written and renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from packdata.convert import (
+    SKIP_REPORT,
+    ConvertResult,
+    _make_manifest,
+    _no_samples_error,
+    _Options,
+    _pipeline,
+    _publish,
+    partial_path,
+)
+from packdata.engines import EngineError
+from packdata.errors import ConfigError, SourceError
+from packdata.formats import shard_writer
+from packdata.index import _KEYS, _LABELS, _OFFSETS, _SIZES, INDEX_DIR, SampleIndexWriter
+from packdata.manifest import ShardInfo, write_manifest
+from packdata.records import Sample
+from packdata.sources import Skip, Source, SourceFile
+
+__all__ = [
+    "DEFAULT_TASK_SAMPLES",
+    "DEFAULT_TASK_THREADS",
+    "MAX_RETRIES",
+    "ShardTask",
+    "convert_on_ray",
+    "plan_tasks",
+    "require_ray",
+]
+
+DEFAULT_TASK_SAMPLES = 10_000
+DEFAULT_TASK_THREADS = 4
+MAX_RETRIES = 3
+TASKS_DIR = "tasks"
+_PLAN = "ray-plan.json"
+_RESULT = "result.json"
+_BATCH_BYTES = 32 << 20
+_BATCH_SAMPLES = 4096
+_CHUNK = 1 << 20  # index entries per copy when gathering fragments
+_MAX_EXAMPLES = 20
+_INSTALL_HINT = "Install it with: pip install 'packdata[ray]'"
+
+
+def require_ray() -> Any:
+    """Import Ray, or fail in one line saying how to install it.
+
+    Raises:
+        EngineError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise EngineError("engine 'ray' needs Ray, which is not installed", hint=_INSTALL_HINT) from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One planned shard: a contiguous run of the sorted walk (files and walk-time skips)."""
+
+    number: int
+    entries: tuple[SourceFile | Skip, ...]
+    files: int
+    fingerprint: str
+
+    def describe(self) -> str:
+        """``shard task 3 (1000 files, cat/a.jpg .. dog/z.jpg)``, for messages."""
+        return f"shard task {self.number} ({self.files} files, {self.entries[0].key} .. {self.entries[-1].key})"
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0  # the task reports it as unreadable
+
+
+def plan_tasks(source: Source, *, shard_samples: int | None, shard_size: int | None) -> Iterator[ShardTask]:
+    """Cut the sorted walk of ``source`` into shard tasks, deterministically.
+
+    The roll rule is the local engine's: a task takes files until the next one
+    would make it hold more than ``shard_samples`` files or ``shard_size``
+    bytes (``os.stat`` sizes; a file larger than the limit gets a task of its
+    own). Walk-time skips (hidden files, other extensions) travel with the task
+    they fall in, so the skip report keeps walk order.
+
+    Args:
+        source: the scanned source.
+        shard_samples: at most this many files per task.
+        shard_size: at most this many source bytes per task.
+
+    Raises:
+        ConfigError: neither limit is given.
+    """
+    if not shard_samples and not shard_size:
+        raise ConfigError("a shard plan needs shard_samples or shard_size")
+    entries: list[SourceFile | Skip] = []
+    files = nbytes = number = 0
+    digest = hashlib.sha256()
+    for entry in source.walk():
+        if isinstance(entry, SourceFile):
+            size = _file_size(entry.path) if shard_size else 0
+            if files and ((shard_samples and files >= shard_samples) or (shard_size and nbytes + size > shard_size)):
+                yield ShardTask(number, tuple(entries), files, digest.hexdigest())
+                entries, files, nbytes, number, digest = [], 0, 0, number + 1, hashlib.sha256()
+            files += 1
+            nbytes += size
+        entries.append(entry)
+        digest.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+    if entries:
+        yield ShardTask(number, tuple(entries), files, digest.hexdigest())
+
+
+def _task_dir(partial: Path, number: int) -> Path:
+    return partial / TASKS_DIR / f"{number:05d}"
+
+
+def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) -> dict[str, Any]:
+    """Read the files of one task and write its shard, index fragment and skip list (runs in a Ray worker).
+
+    Starts from scratch every attempt, so a retried task overwrites what a dead
+    attempt left. Returns a small JSON-ready summary, also saved as
+    ``tasks/NNNNN/result.json`` (written last) for ``resume``; with
+    ``on_error="fail"`` a bad file is returned as ``{"failed": ...}``.
+    """
+    pack = Path(partial)
+    work = _task_dir(pack, task.number)
+    if not work.parent.is_dir():
+        raise EngineError("the conversion this task belongs to is gone", path=pack)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    writer_cls = shard_writer(opts.format)
+    name = writer_cls.shard_name(task.number)
+    if (pack / name).is_dir():
+        shutil.rmtree(pack / name)  # an LMDB environment from a dead attempt
+    skipped: Counter[str] = Counter()
+    examples: list[dict[str, str]] = []
+    samples = bytes_in = reencoded = batch_bytes = 0
+    batch: list[tuple[int, Sample]] = []
+    writer = None
+    index = SampleIndexWriter(work)
+    shard = None
+    try:
+        with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
+            for entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
+                if isinstance(result, Skip):
+                    read_error = isinstance(entry, SourceFile)
+                    line = {"key": result.key, "reason": result.reason, "detail": result.detail}
+                    if read_error and opts.on_error == "fail":
+                        return {"number": task.number, "failed": line}
+                    skipped[result.reason] += 1
+                    if read_error and len(examples) < _MAX_EXAMPLES:
+                        examples.append(line)
+                    report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+                    continue
+                if writer is None:
+                    writer = writer_cls(pack / name)
+                size = len(result.data)
+                batch.append((samples, result))
+                index.append(result.key, result.label, size)
+                samples += 1
+                bytes_in += size
+                reencoded += was_reencoded
+                batch_bytes += size
+                if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_SAMPLES:
+                    writer.write(batch)
+                    batch, batch_bytes = [], 0
+            if batch and writer is not None:
+                writer.write(batch)
+            report.flush()
+            os.fsync(report.fileno())
+        if writer is not None:
+            nbytes, digest = writer.close()
+            writer = None
+            shard = {"file": name, "num_samples": samples, "bytes": nbytes, "sha256": digest}
+    finally:
+        index.close()
+        if writer is not None:  # this attempt failed; the next one starts afresh
+            with contextlib.suppress(Exception):
+                writer.close()
+    summary = {
+        "number": task.number,
+        "fingerprint": task.fingerprint,
+        "entries": len(task.entries),
+        "samples": samples,
+        "bytes_in": bytes_in,
+        "reencoded": reencoded,
+        "skipped": dict(skipped),
+        "skip_examples": examples,
+        "shard": shard,
+    }
+    tmp = work / f".{_RESULT}.tmp"
+    tmp.write_text(json.dumps(summary, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, work / _RESULT)
+    return summary
+
+
+def _saved_result(partial: Path, task: ShardTask) -> dict[str, Any] | None:
+    """The result an interrupted run saved for ``task``, if it is complete and for the same files."""
+    path = _task_dir(partial, task.number) / _RESULT
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if saved.get("fingerprint") != task.fingerprint:
+        return None
+    shard = saved.get("shard")
+    if shard is not None and not (partial / shard["file"]).exists():
+        return None
+    return saved
+
+
+class _Gatherer:
+    """Appends task results, in plan order, to the pack's index, skip report and shard list."""
+
+    def __init__(self, partial: Path) -> None:
+        self.partial = partial
+        directory = partial / INDEX_DIR
+        directory.mkdir(exist_ok=True)
+        # open for the whole gather, closed in close()
+        self.files = {name: open(directory / name, "wb") for name in (_LABELS, _SIZES, _KEYS, _OFFSETS)}  # noqa: SIM115
+        self.files[_OFFSETS].write(np.int64(0).tobytes())
+        self.report = open(partial / SKIP_REPORT, "wb")  # noqa: SIM115
+        self.shards: list[ShardInfo] = []
+        self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+
+    def add(self, result: dict[str, Any]) -> None:
+        fragment = _task_dir(self.partial, result["number"])
+        source = fragment / INDEX_DIR
+        for name in (_LABELS, _SIZES, _KEYS):
+            with open(source / name, "rb") as f:
+                shutil.copyfileobj(f, self.files[name], 8 << 20)
+        with open(source / _OFFSETS, "rb") as f:
+            f.seek(8)  # every fragment starts with offset 0
+            while True:
+                chunk = np.fromfile(f, dtype="<i8", count=_CHUNK)
+                if not len(chunk):
+                    break
+                self.files[_OFFSETS].write((chunk + self.key_end).astype("<i8").tobytes())
+                last = int(chunk[-1])
+        if result["samples"]:
+            self.key_end += last
+        with open(fragment / SKIP_REPORT, "rb") as f:
+            shutil.copyfileobj(f, self.report, 8 << 20)
+        shard = result["shard"]
+        if shard is not None:
+            self.shards.append(
+                ShardInfo(shard["file"], shard["num_samples"], self.samples, shard["bytes"], shard["sha256"])
+            )
+        self.samples += result["samples"]
+        self.files_found += result["entries"]
+        self.bytes_in += result["bytes_in"]
+        self.reencoded += result["reencoded"]
+        self.skipped.update(result["skipped"])
+        room = _MAX_EXAMPLES - len(self.skip_examples)
+        self.skip_examples.extend(result["skip_examples"][:room])
+
+    def close(self) -> None:
+        for f in (*self.files.values(), self.report):
+            if not f.closed:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+
+def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: bool, resume: bool) -> bool:
+    """Make the partial folder ready; True when an interrupted Ray run into it is resumed."""
+    state = {"engine": "ray", "options": asdict(opts)}
+    plan = partial / _PLAN
+    if partial.exists():
+        if resume and plan.is_file():
+            saved = json.loads(plan.read_text(encoding="utf-8"))
+            if saved != state:
+                raise ConfigError(
+                    f"the interrupted conversion used other options ({saved.get('options')})",
+                    path=partial,
+                    hint="Resume with the same options, or start again with --overwrite",
+                )
+            (partial / TASKS_DIR).mkdir(exist_ok=True)
+            return True
+        if resume and (partial / "progress.json").is_file():
+            raise ConfigError(
+                "the interrupted conversion into it ran on the local engine",
+                path=dst,
+                hint="Resume it with --engine local, or start again with --overwrite",
+            )
+        if not overwrite and not resume:
+            raise ConfigError(
+                f"an interrupted conversion into {dst} is in {partial}",
+                path=dst,
+                hint="Pass --resume to continue it, or --overwrite to start again",
+            )
+        shutil.rmtree(partial)
+    (partial / TASKS_DIR).mkdir(parents=True)
+    plan.write_text(json.dumps(state), encoding="utf-8")
+    return False
+
+
+def _connect(ray: Any, address: str | None) -> bool:
+    """Join the cluster at ``address``, or start a local Ray; True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+        raise EngineError(
+            f"cannot start or reach {where}: {exc}".splitlines()[0],
+            hint="Check --address (start a cluster with `ray start --head`), or leave it out",
+        ) from exc
+    return True
+
+
+def _failure(exc: BaseException) -> str:
+    """The first line of a Ray task failure, unwrapped to the task's own exception."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def convert_on_ray(
+    source: Source,
+    dst: Path,
+    opts: _Options,
+    *,
+    workers: int | None,
+    overwrite: bool,
+    resume: bool,
+    progress: bool,
+    address: str | None,
+    started: float,
+) -> ConvertResult:
+    """Run a checked conversion as Ray tasks; called by :func:`packdata.convert.convert`.
+
+    Args:
+        source: the scanned source (on storage every Ray node sees).
+        dst: the pack to create; its partial folder must be on shared storage.
+        opts: the validated conversion options.
+        workers: reader threads per task (default :data:`DEFAULT_TASK_THREADS`).
+        overwrite: replace an existing pack or interrupted conversion.
+        resume: rerun only the tasks an interrupted Ray conversion did not finish.
+        progress: show a progress bar on stderr.
+        address: the Ray cluster to join; None starts a local Ray instance.
+        started: ``time.perf_counter()`` when the conversion began.
+
+    Raises:
+        EngineError: Ray is missing or unreachable, or a task failed for good.
+        SourceError: no usable files, or (``on_error="fail"``) a bad file.
+    """
+    ray = require_ray()
+    if opts.shard_samples is None and opts.shard_size is None:
+        opts = replace(opts, shard_samples=DEFAULT_TASK_SAMPLES)
+    partial = partial_path(dst)
+    resumed = _prepare_partial(partial, dst, opts, overwrite=overwrite, resume=resume)
+    started_ray = _connect(ray, address)
+    try:
+        gatherer = _Gatherer(partial)
+        try:
+            _run_tasks(
+                ray,
+                source,
+                partial,
+                opts,
+                gatherer,
+                threads=workers or DEFAULT_TASK_THREADS,
+                resumed=resumed,
+                progress=progress,
+            )
+        finally:
+            gatherer.close()
+    finally:
+        if started_ray:
+            ray.shutdown()
+    if gatherer.samples == 0:
+        shutil.rmtree(partial)
+        raise _no_samples_error(source, gatherer.skipped)
+    shutil.rmtree(partial / TASKS_DIR)
+    (partial / _PLAN).unlink()
+    writer_cls = shard_writer(opts.format)
+    shards = writer_cls.finalize(partial, gatherer.shards)
+    manifest = _make_manifest(
+        source,
+        opts,
+        shards,
+        samples=gatherer.samples,
+        files_found=gatherer.files_found,
+        bytes_in=gatherer.bytes_in,
+        reencoded=gatherer.reencoded,
+        skipped=gatherer.skipped,
+    )
+    write_manifest(partial, manifest)
+    _publish(partial, dst)
+    return ConvertResult(
+        pack=dst,
+        format=opts.format,
+        kind=source.kind,
+        found=gatherer.files_found,
+        packed=gatherer.samples,
+        skipped=dict(gatherer.skipped),
+        bytes_in=gatherer.bytes_in,
+        bytes_out=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        shards=len(manifest.shards),
+        resumed=resumed,
+        reencoded=gatherer.reencoded,
+        skip_examples=gatherer.skip_examples,
+    )
+
+
+def _run_tasks(
+    ray: Any,
+    source: Source,
+    partial: Path,
+    opts: _Options,
+    gatherer: _Gatherer,
+    *,
+    threads: int,
+    resumed: bool,
+    progress: bool,
+) -> None:
+    """Submit the plan with bounded tasks in flight and gather results in plan order."""
+    remote = ray.remote(run_shard_task)
+    limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    in_flight: dict[Any, tuple[str, int]] = {}  # ref -> (description, walk entries)
+    queue: deque[int] = deque()  # task numbers planned, not yet gathered, in plan order
+    results: dict[int, dict[str, Any]] = {}
+    bar = tqdm(desc="packing (ray)", unit=" files", unit_scale=True, disable=not progress, dynamic_ncols=True)
+
+    def settle(block: bool) -> None:
+        if in_flight:
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=None if block else 0)
+            for ref in ready:
+                description, entries = in_flight.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    _abort(ray, in_flight)
+                    raise EngineError(
+                        f"{description} failed for good (Ray retries a task up to {MAX_RETRIES} times): "
+                        f"{_failure(exc)}",
+                        path=partial,
+                        hint="Fix the cause and rerun with --resume: finished shards are kept",
+                    ) from exc
+                results[result["number"]] = result
+                bar.update(entries)
+        while queue and queue[0] in results:
+            result = results.pop(queue.popleft())
+            if "failed" in result:
+                _abort(ray, in_flight)
+                shutil.rmtree(partial, ignore_errors=True)  # a deliberate stop: nothing to resume
+                bad = result["failed"]
+                detail = f": {bad['detail']}" if bad["detail"] else ""
+                raise SourceError(
+                    f"{bad['reason']}{detail}",
+                    path=source.root / bad["key"],
+                    hint="Fix or remove the file, or pass --on-error skip",
+                )
+            gatherer.add(result)
+
+    try:
+        with bar:
+            for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size):
+                queue.append(task.number)  # the entries travel with the task, not kept here
+                saved = _saved_result(partial, task) if resumed else None
+                if saved is not None:
+                    results[task.number] = saved
+                    bar.update(len(task.entries))
+                else:
+                    ref = remote.options(
+                        num_cpus=1,
+                        max_retries=MAX_RETRIES,
+                        retry_exceptions=[OSError],
+                        name=f"packdata-shard-{task.number:05d}",
+                    ).remote(task, os.fspath(partial), opts, threads)
+                    in_flight[ref] = (task.describe(), len(task.entries))
+                while len(in_flight) >= limit:
+                    settle(block=True)
+                settle(block=False)
+            while in_flight or queue:
+                settle(block=True)
+    except BaseException:
+        _abort(ray, in_flight)
+        raise
+
+
+def _abort(ray: Any, in_flight: dict[Any, Any]) -> None:
+    """Stop every task still running, so none writes into a folder being removed."""
+    for ref in in_flight:
+        ray.cancel(ref, force=True)
+    for ref in list(in_flight):
+        with contextlib.suppress(Exception):  # a cancelled task raises; we only wait for it to end
+            ray.get(ref, timeout=30)
+    in_flight.clear()
