@@ -415,6 +415,21 @@ class _MemorySampler:
         with self._lock:
             self.ticks.append(tick)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the main process and its live descendants so far."""
+        total = 0.0
+        try:
+            procs = [self.main, *self.main.children(recursive=True)]
+        except psutil.Error:
+            procs = [self.main]
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
@@ -503,6 +518,7 @@ class ConfigResult:
     wait_p50_ms: float = 0.0
     wait_p95_ms: float = 0.0
     wait_mean_ms: float = 0.0
+    cpu_ms_per_sample: float = 0.0
     step_ms: float = 0.0
     data_wait_share: float = 0.0
     vs_ceiling: float | None = None
@@ -567,6 +583,10 @@ def measure_loader(
     (default 50 batches). With ``step_ms`` the main process sleeps that long
     after each batch, as a training step would occupy it, and
     ``data_wait_share`` is the share of the timed wall clock spent waiting for data.
+    ``cpu_ms_per_sample`` is the CPU time (user + system) the main process and
+    the workers alive at the end spent per timed sample (approximate with workers:
+    batches prefetched at either edge of the timed window shift it): unlike samples/s it
+    hardly moves when other work shares the machine, so compare routes with it there.
 
     Raises:
         ConfigError: the dataset holds fewer samples than one batch.
@@ -598,6 +618,7 @@ def measure_loader(
                 if step_ms:
                     time.sleep(step_ms / 1000)
             timed_start = time.perf_counter()
+            cpu_start = sampler.cpu_seconds()
             while not (batches is not None and result.batches >= batches) and not (
                 seconds is not None and time.perf_counter() - timed_start >= seconds
             ):
@@ -612,6 +633,8 @@ def measure_loader(
                 if step_ms:
                     time.sleep(step_ms / 1000)
             result.seconds = time.perf_counter() - timed_start
+            cpu = sampler.cpu_seconds() - cpu_start
+            result.cpu_ms_per_sample = 1000 * cpu / result.samples if result.samples else 0.0
             sampler.sample()
         finally:
             epochs.close()
@@ -668,7 +691,7 @@ class BenchResult:
         width = max([len(r.source) for r in self.results] + [6])
         head = (
             f"{'source':<{width}} {'wk':>3} {'batch':>5} {'pin':>3} {'pf':>2} {'samples/s':>10} {'MB/s':>7} "
-            f"{'x ceil':>6} {'1st(s)':>6} {'p50ms':>6} {'p95ms':>6} {'wait%':>5} {'USS main':>9} "
+            f"{'x ceil':>6} {'cpu ms':>6} {'1st(s)':>6} {'p50ms':>6} {'p95ms':>6} {'wait%':>5} {'USS main':>9} "
             f"{'USS wk':>8} {'file':>8} {'avail min':>9}"
         )
         lines = [head]
@@ -684,14 +707,15 @@ class BenchResult:
             ratio = f"{r.vs_ceiling:.2f}" if r.vs_ceiling is not None else "-"
             lines.append(
                 f"{r.source:<{width}} {r.num_workers:>3} {r.batch_size:>5} {pin:>3} {r.prefetch_factor:>2} "
-                f"{r.samples_per_s:>10.1f} {r.mb_per_s:>7.1f} {ratio:>6} {r.first_batch_s:>6.2f} "
+                f"{r.samples_per_s:>10.1f} {r.mb_per_s:>7.1f} {ratio:>6} {r.cpu_ms_per_sample:>6.2f} "
+                f"{r.first_batch_s:>6.2f} "
                 f"{r.wait_p50_ms:>6.1f} {r.wait_p95_ms:>6.1f} {100 * r.data_wait_share:>5.1f} "
                 f"{_mb(mem['main']['uss_peak']):>9} {_mb(mem['workers']['uss_peak']):>8} "
                 f"{_mb(mem['total']['file_peak']):>8} {_mb(mem['mem_available_min']):>9}"
             )
         lines.append(
             "USS: private memory (peak); file: file-backed pages, i.e. page cache (mmap'd packs), "
-            "shared and reclaimable; wait%: share of time waiting for data"
+            "shared and reclaimable; cpu ms: CPU time per sample, all processes; wait%: share of time waiting for data"
         )
         return "\n".join(lines)
 

@@ -58,6 +58,7 @@ def _check_consistent(data: dict) -> None:
         assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
         assert 0 < r["wait_p50_ms"] <= r["wait_p95_ms"] + 1e-9
         assert r["first_batch_s"] > 0
+        assert r["cpu_ms_per_sample"] > 0
         mem = r["memory"]
         assert mem["samples"] >= 1 and mem["main"]["uss_peak"] > 0
         assert mem["total"]["uss_peak"] >= mem["main"]["uss_peak"]
