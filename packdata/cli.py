@@ -208,34 +208,76 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 @main.command()
 @click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--workers", callback=_int_list, default="0,2", show_default=True,
-              help="num_workers values to sweep, comma-separated.")
-@click.option("--batch-size", callback=_int_list, default="64", show_default=True,
-              help="Batch sizes to sweep, comma-separated.")
-@click.option("--pin-memory/--no-pin-memory", default=False, show_default=True,
-              help="Pin host memory (only with CUDA; measured off without it).")
-@click.option("--prefetch-factor", callback=_int_list, default="2", show_default=True,
-              help="prefetch_factor values to sweep, comma-separated.")
+@click.option(
+    "--workers",
+    callback=_int_list,
+    default="0,2",
+    show_default=True,
+    help="num_workers values to sweep, comma-separated.",
+)
+@click.option(
+    "--batch-size", callback=_int_list, default="64", show_default=True, help="Batch sizes to sweep, comma-separated."
+)
+@click.option(
+    "--pin-memory/--no-pin-memory",
+    default=False,
+    show_default=True,
+    help="Pin host memory (only with CUDA; measured off without it).",
+)
+@click.option(
+    "--prefetch-factor",
+    callback=_int_list,
+    default="2",
+    show_default=True,
+    help="prefetch_factor values to sweep, comma-separated.",
+)
 @click.option("--persistent-workers", is_flag=True, help="Keep workers between epochs.")
-@click.option("--decode", type=click.Choice(["none", "pil", "reduced"]), default="pil", show_default=True,
-              help="none: bytes only; pil: full decode; reduced: JPEG DCT-scaled decode to --size.")
+@click.option(
+    "--decode",
+    type=click.Choice(["none", "pil", "reduced"]),
+    default="pil",
+    show_default=True,
+    help="none: bytes only; pil: full decode; reduced: JPEG DCT-scaled decode to --size.",
+)
 @click.option("--no-transform", is_flag=True, help="Skip the standard transform (crop to --size, flip, uint8).")
-@click.option("--size", type=click.IntRange(min=1), default=224, show_default=True,
-              help="Output side of the transform.")
+@click.option(
+    "--size", type=click.IntRange(min=1), default=224, show_default=True, help="Output side of the transform."
+)
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each setting this long.")
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per setting (default 50).")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed batches first.")
-@click.option("--step-ms", type=click.FloatRange(min=0), default=0, show_default=True,
-              help="Simulated training step per batch; reports the share of time waiting for data.")
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0),
+    default=0,
+    show_default=True,
+    help="Simulated training step per batch; reports the share of time waiting for data.",
+)
 @click.option("--cold", is_flag=True, help="Drop the page cache before each source (root only).")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=str),
-              help="Write the full result as JSON to this file ('-': stdout).")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=str),
-              help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).")
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="Write the full result as JSON to this file ('-': stdout).",
+)
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).",
+)
 @_friendly
-def bench(sources: tuple[str, ...], workers: tuple[int, ...], batch_size: tuple[int, ...], pin_memory: bool,
-          prefetch_factor: tuple[int, ...], no_transform: bool, json_file: str | None, plot_file: str | None,
-          **options: Any) -> None:
+def bench(
+    sources: tuple[str, ...],
+    workers: tuple[int, ...],
+    batch_size: tuple[int, ...],
+    pin_memory: bool,
+    prefetch_factor: tuple[int, ...],
+    no_transform: bool,
+    json_file: str | None,
+    plot_file: str | None,
+    **options: Any,
+) -> None:
     """Measure DataLoader throughput and memory for each SOURCE (pack or folder).
 
     The in-memory decode ceiling is measured next to them (same decode,
@@ -252,9 +294,16 @@ def bench(sources: tuple[str, ...], workers: tuple[int, ...], batch_size: tuple[
 
     if 0 in batch_size or 0 in prefetch_factor:
         raise click.BadParameter("batch sizes and prefetch factors should be at least 1")
-    result = run_bench(list(sources), workers=workers, batch_sizes=batch_size, pin_memory=(pin_memory,),
-                       prefetch_factor=prefetch_factor, transform=None if no_transform else "standard",
-                       progress=lambda line: click.echo(line, err=True), **options)
+    result = run_bench(
+        list(sources),
+        workers=workers,
+        batch_sizes=batch_size,
+        pin_memory=(pin_memory,),
+        prefetch_factor=prefetch_factor,
+        transform=None if no_transform else "standard",
+        progress=lambda line: click.echo(line, err=True),
+        **options,
+    )
     if json_file == "-":
         click.echo(result.to_json())
     else:
@@ -269,11 +318,20 @@ def bench(sources: tuple[str, ...], workers: tuple[int, ...], batch_size: tuple[
 
 @main.command()
 @click.argument("source", type=click.Path(path_type=str))
-@click.option("--memory-budget", callback=_size,
-              help="Memory the loader may use, e.g. 8GB. Default: half of MemAvailable (or of the cgroup's headroom).")
+@click.option(
+    "--memory-budget",
+    callback=_size,
+    help="Memory the loader may use, e.g. 8GB. Default: half of MemAvailable (or of the cgroup's headroom).",
+)
 @click.option("--device", default=None, help="Where batches go, e.g. cuda (turns on the pin_memory search).")
-@click.option("--batch-size", "batch_sizes", callback=_int_list, default="32,64,128,256", show_default=True,
-              help="Batch sizes to search.")
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    callback=_int_list,
+    default="32,64,128,256",
+    show_default=True,
+    help="Batch sizes to search.",
+)
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
 @click.option("--decode", type=click.Choice(["none", "pil", "reduced"]), default="pil", show_default=True)
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each trial this long.")
@@ -299,10 +357,12 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
         click.secho(f"warning: {warning}", fg="yellow", err=True)
 
     def describe(label: str, trial: Any) -> None:
-        click.echo(f"# {label}: {trial.samples_per_s:.0f} samples/s, peak private memory "
-                   f"{(trial.memory_peak_bytes or 0) / 2**20:.0f} MiB, "
-                   f"projected {trial.projected_bytes / 2**20:.0f} MiB "
-                   f"(budget {result.memory_budget / 2**20:.0f} MiB, {result.budget_source})")
+        click.echo(
+            f"# {label}: {trial.samples_per_s:.0f} samples/s, peak private memory "
+            f"{(trial.memory_peak_bytes or 0) / 2**20:.0f} MiB, "
+            f"projected {trial.projected_bytes / 2**20:.0f} MiB "
+            f"(budget {result.memory_budget / 2**20:.0f} MiB, {result.budget_source})"
+        )
 
     describe("recommended", result.recommended)
     click.echo(result.python(result.recommended))
