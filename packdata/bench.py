@@ -935,7 +935,10 @@ def _make_ceiling(
 
 
 def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
-    """Plot throughput and peak private memory against num_workers, one line per source.
+    """Plot throughput and peak memory (PSS summed over processes) against num_workers, one line per source.
+
+    PSS rather than USS: forking a worker makes the parent's pages shared, so the
+    parent's USS drops as workers start while PSS sums the processes honestly.
 
     Raises:
         ConfigError: matplotlib is not installed (``pip install 'packdata[plot]'``).
@@ -961,10 +964,12 @@ def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
         x = [r.num_workers for r in rows]
         style = "--" if source == CEILING else "-"
         ax_speed.plot(x, [r.samples_per_s for r in rows], style, marker="o", label=label)
-        ax_mem.plot(x, [r.memory["total"]["uss_peak"] / 2**20 for r in rows], style, marker="o", label=label)
+        ax_mem.plot(x, [r.memory["total"]["pss_peak"] / 2**20 for r in rows], style, marker="o", label=label)
     ax_speed.set(xlabel="num_workers", ylabel="samples/s", title="Throughput")
-    ax_mem.set(xlabel="num_workers", ylabel="MiB", title="Peak private memory (USS, main + workers)")
+    ax_mem.set(xlabel="num_workers", ylabel="MiB", title="Peak memory, main + workers (PSS)")
     for ax in (ax_speed, ax_mem):
+        ax.set_ylim(bottom=0)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
