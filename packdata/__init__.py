@@ -10,7 +10,9 @@ from packdata.datasets import LMDBDataset
 from packdata.decode import DecodeJPEG
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, worker_init_fn
+from packdata.samplers import BlockShuffleSampler, shuffle_quality
 from packdata.text import TokenBucketSampler, pad_collate
+from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
 from packdata.transforms import standard_transform
 from packdata.tune import TuneResult, recommend_loader_kwargs, tune
 from packdata.verify import pack_info, verify_pack
@@ -18,6 +20,7 @@ from packdata.verify import pack_info, verify_pack
 __all__ = [
     "BackgroundPrefetcher",
     "BenchResult",
+    "BlockShuffleSampler",
     "CUDAPrefetcher",
     "CapacityError",
     "ConfigError",
@@ -27,6 +30,8 @@ __all__ = [
     "PackFormatError",
     "PackdataError",
     "SourceError",
+    "TFRecordDataset",
+    "TFRecordIndexedDataset",
     "TokenBucketSampler",
     "TuneResult",
     "convert",
@@ -35,6 +40,7 @@ __all__ = [
     "pad_collate",
     "recommend_loader_kwargs",
     "run_bench",
+    "shuffle_quality",
     "standard_transform",
     "tune",
     "verify_pack",

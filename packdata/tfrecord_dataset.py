@@ -1,0 +1,359 @@
+"""Torch datasets over TFRecord packs: streaming (:class:`TFRecordDataset`) and by index.
+
+How an epoch is split: the pack's shards are put in the epoch's order
+(shuffled from ``(seed, epoch)``, the same on every rank), laid end to end, and
+the resulting stream of ``N`` samples is cut into ``world_size`` equal
+contiguous ranges, one per rank, each cut again into one range per DataLoader
+worker. A reader reads whole shards where its range covers them and, where it
+starts or ends inside a shard, a record range found through the shard's offsets
+index. With many shards each reader gets whole shards; with fewer shards than
+readers, shards are shared by record ranges. Either way every sample is read
+exactly once per epoch and no two readers read the same record.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from packdata.datasets import PackInfo
+from packdata.decode import DecodeFn, resolve_decoder
+from packdata.errors import PackFormatError
+from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index
+from packdata.index import KeyList
+from packdata.records import RecordError
+from packdata.samplers import per_rank_count, resolve_rank_world
+
+__all__ = ["TFRecordDataset", "TFRecordIndexedDataset"]
+
+DEFAULT_SHUFFLE_BUFFER = 1024
+
+
+def _segments(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(shard, first, end)`` record ranges covering stream positions ``[start, stop)``.
+
+    The stream is the shards in ``order`` laid end to end; positions past its
+    end wrap around to its start (padding repeats the epoch's first samples).
+    """
+    n = int(counts.sum())
+    ordered = counts[order]
+    ends = np.cumsum(ordered)
+    out: list[tuple[int, int, int]] = []
+    while start < stop:
+        position = start % n
+        take = min(stop - start, n - position)
+        lo, hi = position, position + take
+        k = int(np.searchsorted(ends, lo, side="right"))
+        while lo < hi:
+            shard_start = int(ends[k] - ordered[k])
+            end = min(hi, int(ends[k]))
+            out.append((int(order[k]), lo - shard_start, end - shard_start))
+            lo = end
+            k += 1
+        start += take
+    return out
+
+
+def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Yield ``items`` through a shuffle buffer of ``size``."""
+    buffer: list[Any] = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = rng.randrange(size)
+        yield buffer[j]
+        buffer[j] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class _PackView:
+    """Shared by both datasets: pack info, options and the decode/transform step."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable[[Any], Any] | None,
+        target_transform: Callable[[int], Any] | None,
+        decode: str | DecodeFn,
+        check_crc: bool,
+    ) -> None:
+        self.pack = PackInfo(path, "tfrecord")
+        self.path = self.pack.path
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = resolve_decoder(decode)
+        self.check_crc = check_crc
+        shards = self.pack.manifest.shards
+        self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
+        self._counts = np.array([s.num_samples for s in shards], dtype=np.int64)
+        self._first = np.array([s.first_index for s in shards], dtype=np.int64)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.pack.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return self.pack.class_to_idx
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label (int32, memory-mapped), without reading records."""
+        return self.pack.index.labels
+
+    @property
+    def keys(self) -> KeyList:
+        """Every sample's key: its path relative to the source folder."""
+        return self.pack.index.keys
+
+    def _parse(self, data: memoryview, path: str, offset: int) -> tuple[bytes, int]:
+        try:
+            parsed = parse_example(data)
+        except RecordError as exc:
+            raise PackFormatError(
+                f"record at byte offset {offset} is damaged: {exc}", path=path, hint="Run `packdata verify` on the pack"
+            ) from exc
+        return bytes(parsed.data), parsed.label
+
+    def _finish(self, data: bytes, label: int) -> tuple[Any, Any]:
+        sample = self.decode(data)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        target: Any = label
+        if self.target_transform is not None:
+            target = self.target_transform(label)
+        return sample, target
+
+
+class TFRecordDataset(_PackView, IterableDataset):
+    """Streams a TFRecord pack's samples as ``(sample, label)``, split across ranks and workers.
+
+    Each epoch yields every sample exactly once across all ranks and workers,
+    whatever their numbers and the number of shards (see the module docstring
+    for how the stream is cut), and every rank yields exactly ``len(self)``
+    samples so DDP never waits on a short rank: with ``drop_uneven=False`` (the
+    default) ranks are padded by repeating the epoch's first ``world_size - 1``
+    samples at most; with ``drop_uneven=True`` up to ``world_size - 1`` samples
+    are left out of the epoch instead.
+
+    With ``shuffle=True`` the shard order is reshuffled from ``(seed, epoch)``
+    and samples pass a shuffle buffer of ``shuffle_buffer`` records seeded from
+    ``(seed, epoch, rank, worker)``: call :meth:`set_epoch` before each epoch
+    for a new order; the same ``(seed, epoch)`` gives the same order. With
+    ``shuffle=False`` one reader yields pack order (several workers interleave
+    their ranges batch by batch).
+
+    Records are read in positioned reads of 8 MB, their framing checked
+    against the offsets index, and both CRC32Cs checked unless
+    ``check_crc=False``; a damaged record raises
+    :class:`~packdata.errors.PackFormatError` naming the shard and byte offset.
+
+    Workers: ``__init__`` reads only the manifest. Shard files and their
+    offsets indexes are opened inside ``__iter__``, in the worker that reads
+    them, and closed when it is done, so the dataset pickles to ``spawn``-ed
+    workers and nothing is shared across a fork. The rank and world size are
+    resolved once, at construction (``torch.distributed`` if initialised,
+    else ``RANK``/``WORLD_SIZE``): build the dataset after
+    ``init_process_group``. ``set_epoch`` changes the copy it is called on:
+    with ``persistent_workers=True`` the workers keep the epoch they started
+    with, so leave persistent workers off to reshuffle.
+
+    Args:
+        path: the pack (directory with ``manifest.json``).
+        transform: applied to the decoded sample.
+        target_transform: applied to the label.
+        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        shuffle: shuffle shard order and samples each epoch.
+        seed: the shuffle seed; must be the same on every rank.
+        shuffle_buffer: records held by each reader's shuffle buffer (raw bytes;
+            1,024 records of 100 KB are about 100 MB per worker).
+        rank, world_size: this process's place in a distributed job; by default
+            from :func:`~packdata.samplers.resolve_rank_world`.
+        drop_uneven: drop samples rather than pad so that ranks are equal.
+        check_crc: check both CRC32Cs of every record (framing is always checked).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        decode: str | DecodeFn = "pil",
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_uneven: bool = False,
+        check_crc: bool = True,
+    ) -> None:
+        _PackView.__init__(self, path, transform, target_transform, decode, check_crc)
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self.drop_uneven = drop_uneven
+        self.epoch = 0
+        n = self.pack.manifest.num_samples
+        if per_rank_count(n, self.world_size, drop_uneven) == 0:
+            raise PackFormatError(
+                f"drop_uneven=True leaves no samples: {n} samples over world_size={self.world_size}",
+                path=self.path,
+                hint="Pass drop_uneven=False to pad instead",
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` on the next iteration (call on every rank)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (all its workers together)."""
+        return per_rank_count(self.pack.manifest.num_samples, self.world_size, self.drop_uneven)
+
+    def shard_order(self) -> np.ndarray:
+        """The shards in this epoch's order (the same on every rank and worker)."""
+        if not self.shuffle:
+            return np.arange(len(self._counts))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self._counts))
+
+    def reader_segments(self, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int, int]]:
+        """``(shard, first record, end record)`` ranges worker ``worker`` of this rank reads this epoch."""
+        per_rank = len(self)
+        base = self.rank * per_rank
+        start = base + worker * per_rank // num_workers
+        stop = base + (worker + 1) * per_rank // num_workers
+        return _segments(self._counts, self.shard_order(), start, stop)
+
+    def _records(self, segments: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
+        for shard, first, end in segments:
+            path = self._shard_paths[shard]
+            offsets, lengths = read_index(path)
+            if len(offsets) != self._counts[shard]:
+                raise PackFormatError(
+                    f"offsets index lists {len(offsets)} records, the manifest says {self._counts[shard]}",
+                    path=path,
+                    hint="Convert or stage the pack again",
+                )
+            reader = TFRecordShardReader(path, check_crc=self.check_crc)
+            try:
+                for k, data in enumerate(reader.stream(offsets, lengths, first, end), first):
+                    yield self._parse(data, path, int(offsets[k]))
+            finally:
+                reader.close()
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        records = self._records(self.reader_segments(worker, num_workers))
+        if self.shuffle:
+            rng = random.Random(f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}")
+            records = _shuffled(records, self.shuffle_buffer, rng)
+        for data, label in records:
+            yield self._finish(data, label)
+
+    def __repr__(self) -> str:
+        return (
+            f"TFRecordDataset({os.fspath(self.path)!r}, samples={self.pack.manifest.num_samples}, "
+            f"shards={len(self._counts)}, rank={self.rank}/{self.world_size})"
+        )
+
+
+class TFRecordIndexedDataset(_PackView, Dataset):
+    """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through the offsets index.
+
+    Each access is one positioned read (``os.pread``) of one record, its
+    framing and (by default) CRCs checked, so any sampler works:
+    ``DistributedSampler``, class-balanced samplers, or
+    :class:`~packdata.samplers.BlockShuffleSampler` for reads in long runs.
+    ``classes``, ``class_to_idx``, ``targets`` and ``keys`` come from the
+    manifest and sample index without reading a record.
+
+    Workers: ``__init__`` reads the manifest and every shard's offsets index
+    into two int64 numpy arrays (16 bytes per sample, pickled to ``spawn``-ed
+    workers, shared copy-on-write after ``fork``). File descriptors open on
+    first access in each process, keyed by ``os.getpid()``, and are never used
+    across a fork; ``ds[0]`` in the parent before workers start is fine.
+
+    Args:
+        path: the pack (directory with ``manifest.json``).
+        transform: applied to the decoded sample.
+        target_transform: applied to the label.
+        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        check_crc: check both CRC32Cs of every record (framing is always checked).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        decode: str | DecodeFn = "pil",
+        *,
+        check_crc: bool = True,
+    ) -> None:
+        _PackView.__init__(self, path, transform, target_transform, decode, check_crc)
+        offsets, lengths = [], []
+        for shard, path_ in enumerate(self._shard_paths):
+            o, n = read_index(path_)
+            if len(o) != self._counts[shard]:
+                raise PackFormatError(
+                    f"offsets index lists {len(o)} records, the manifest says {self._counts[shard]}",
+                    path=path_,
+                    hint="Convert or stage the pack again",
+                )
+            offsets.append(o)
+            lengths.append(n)
+        self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._readers: list[TFRecordShardReader | None] = []
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return self.pack.manifest.num_samples
+
+    def _reader(self, shard: int) -> TFRecordShardReader:
+        if self._pid != os.getpid():
+            self._readers = [None] * len(self._shard_paths)  # a parent's descriptors are not ours to use
+            self._pid = os.getpid()
+        reader = self._readers[shard]
+        if reader is None:
+            reader = self._readers[shard] = TFRecordShardReader(self._shard_paths[shard], check_crc=self.check_crc)
+        return reader
+
+    def raw(self, index: int) -> tuple[bytes, int]:
+        """The stored bytes and label of sample ``index``, undecoded."""
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a pack of {n} samples")
+        index %= n
+        shard = int(np.searchsorted(self._first, index, side="right")) - 1
+        offset = int(self._offsets[index])
+        data = self._reader(shard).read(offset, int(self._lengths[index]))
+        return self._parse(data, self._shard_paths[shard], offset)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self._finish(*self.raw(index))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_readers"], state["_pid"] = [], -1
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", -1) == os.getpid():
+            for reader in self._readers:
+                if reader is not None:
+                    reader.close()
+
+    def __repr__(self) -> str:
+        return f"TFRecordIndexedDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

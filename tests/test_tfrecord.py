@@ -1,0 +1,389 @@
+"""TFRecord packs: writer format, readers, splitting across ranks and workers, damage."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import struct
+import sys
+from collections import Counter
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from tfrecord import example_pb2
+from tfrecord.reader import tfrecord_loader
+from torch.utils.data import DataLoader
+
+import packdata.tfrecord_dataset as tfd
+from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
+from packdata.cli import main
+from packdata.formats.tfrecord import (
+    TFRecordShardWriter,
+    frame_record,
+    index_path,
+    parse_example,
+)
+from packdata.records import Sample
+
+
+def _image(seed: int, fmt: str) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (16, 20, 3), dtype=np.uint8)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _expected(root: Path) -> dict[str, tuple[bytes, int]]:
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    return {
+        p.relative_to(root).as_posix(): (p.read_bytes(), classes.index(p.parent.name) if p.parent != root else -1)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def tf_images(tmp_path: Path) -> Path:
+    """3 classes of JPEGs and PNGs, odd names, and an unlabelled image at the root: 13 images."""
+    root = tmp_path / "images"
+    for c, cls in enumerate(["cat", "dog", "zebra"]):
+        (root / cls).mkdir(parents=True)
+        for i, name in enumerate(["a.jpg", "b c.JPEG", "ünï.png", "d.jpg"]):
+            (root / cls / name).write_bytes(_image(10 * c + i, "PNG" if name.endswith(".png") else "JPEG"))
+    (root / "root.jpg").write_bytes(_image(99, "JPEG"))
+    return root
+
+
+@pytest.fixture
+def tf_texts(tmp_path: Path) -> Path:
+    """2 classes x 15 small text files."""
+    root = tmp_path / "texts"
+    for cls in ("neg", "pos"):
+        (root / cls).mkdir(parents=True)
+        for i in range(15):
+            (root / cls / f"doc{i:02d}.txt").write_text(f"{cls} document {i} café " * (i + 1), encoding="utf-8")
+    return root
+
+
+def _text_pack(tf_texts: Path, tmp_path: Path, shard_samples: int) -> Path:
+    dst = tmp_path / f"texts-{shard_samples}"
+    convert(tf_texts, dst, format="tfrecord", shard_samples=shard_samples, progress=False)
+    return dst
+
+
+def _masked(data: bytes) -> int:
+    crc = crc32c.crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _records(path: Path) -> list[tuple[int, bytes]]:
+    """An independent TFRecord framing walker: ``(offset, data)`` with both CRCs asserted."""
+    blob = path.read_bytes()
+    out, pos = [], 0
+    while pos < len(blob):
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        (length_crc,) = struct.unpack_from("<I", blob, pos + 8)
+        assert length_crc == _masked(blob[pos : pos + 8])
+        data = blob[pos + 12 : pos + 12 + length]
+        (data_crc,) = struct.unpack_from("<I", blob, pos + 12 + length)
+        assert data_crc == _masked(data)
+        out.append((pos, data))
+        pos += 16 + length
+    assert pos == len(blob)
+    return out
+
+
+def test_round_trip_every_byte_key_and_label(tf_images: Path, tmp_path: Path) -> None:
+    result = convert(tf_images, tmp_path / "out", format="tfrecord", shard_samples=4, progress=False)
+    expected = _expected(tf_images)
+    assert result.packed == len(expected) == 13 and result.shards == 4
+    pack = tmp_path / "out"
+    names = sorted(p.name for p in pack.glob("*.tfrecord"))
+    assert names == [f"out-{i:05d}-of-00004.tfrecord" for i in range(4)]
+    assert all(index_path(pack / n).is_file() for n in names)
+    indexed = TFRecordIndexedDataset(pack, decode="bytes")
+    assert {indexed.keys[i]: indexed[i] for i in range(len(indexed))} == expected
+    assert indexed.classes == ["cat", "dog", "zebra"] and indexed.class_to_idx["zebra"] == 2
+    assert list(indexed.targets) == [expected[k][1] for k in indexed.keys]
+    streamed = [s for s in TFRecordDataset(pack, decode="bytes", shuffle=False)]
+    assert streamed == [expected[k] for k in indexed.keys]  # pack order
+    manifest = json.loads((pack / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == names
+    assert verify_pack(pack, progress=False).records == 13
+
+
+def test_framing_crcs_and_features_checked_independently(tf_images: Path, tmp_path: Path) -> None:
+    convert(tf_images, tmp_path / "out", format="tfrecord", shard_samples=5, progress=False)
+    expected = _expected(tf_images)
+    seen = {}
+    for shard in sorted((tmp_path / "out").glob("*.tfrecord")):
+        records = _records(shard)
+        lines = index_path(shard).read_text().splitlines()
+        assert lines == [f"{offset} {len(data) + 16}" for offset, data in records]
+        for _, data in records:
+            example = example_pb2.Example()
+            example.ParseFromString(data)
+            feature = example.features.feature
+            key = feature["image/filename"].bytes_list.value[0].decode()
+            fmt = feature["image/format"].bytes_list.value[0]
+            assert fmt == (b"png" if key.endswith(".png") else b"jpeg")
+            seen[key] = (feature["image/encoded"].bytes_list.value[0], feature["image/class/label"].int64_list.value[0])
+    assert seen == expected
+
+
+def test_tfrecord_package_reads_shards_with_their_index(tf_images: Path, tmp_path: Path) -> None:
+    convert(
+        tf_images, tmp_path / "out", format="tfrecord", shard_samples=5, progress=False
+    )  # its loader needs 2+ lines
+    expected = _expected(tf_images)
+    seen = {}
+    for shard in sorted((tmp_path / "out").glob("*.tfrecord")):
+        for shard_part in range(2):  # index-based splitting, as its torch dataset does it
+            for ex in tfrecord_loader(str(shard), str(index_path(shard)), shard=(shard_part, 2)):
+                seen[ex["image/filename"].decode()] = (ex["image/encoded"], int(ex["image/class/label"][0]))
+    assert seen == expected
+
+
+def test_text_pack_uses_text_encoded(tf_texts: Path, tmp_path: Path) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 8)
+    for _, data in _records(next(pack.glob("*.tfrecord"))):
+        example = example_pb2.Example()
+        example.ParseFromString(data)
+        assert set(example.features.feature) == {"text/encoded", "image/class/label", "image/filename"}
+    ds = TFRecordIndexedDataset(pack, decode="text")
+    assert ds[0] == ("neg document 0 café ", 0)
+    assert sorted(k for _, k in TFRecordDataset(pack, decode="text")) == [0] * 15 + [1] * 15
+
+
+def test_parser_reads_examples_written_by_others() -> None:
+    example = example_pb2.Example()
+    feature = example.features.feature
+    feature["image/height"].int64_list.value.append(7)  # unknown features are skipped
+    feature["image/class/label"].int64_list.value.extend([-3, 5])
+    feature["image/encoded"].bytes_list.value.append(b"\xff\xd8payload")
+    feature["image/filename"].bytes_list.value.append("x/ü.jpg".encode())
+    for deterministic in (True, False):
+        parsed = parse_example(example.SerializeToString(deterministic=deterministic))
+        assert (bytes(parsed.data), parsed.label, parsed.key, parsed.kind) == (
+            b"\xff\xd8payload",
+            -3,
+            "x/ü.jpg".encode(),
+            "image",
+        )
+    minimal = example_pb2.Example()
+    minimal.features.feature["image/encoded"].bytes_list.value.append(b"abc")
+    parsed = parse_example(minimal.SerializeToString())
+    assert (bytes(parsed.data), parsed.label, parsed.key) == (b"abc", -1, b"")
+    # int64 written unpacked (field 1, wire type 0) instead of packed
+    entry_value = b"\x1a\x02\x08\x09"  # Feature.int64_list { value: 9 } unpacked
+    entry = b"\x0a\x11image/class/label\x12" + bytes([len(entry_value)]) + entry_value
+    blob = b"\x0a" + bytes([len(entry) + 2]) + b"\x0a" + bytes([len(entry)]) + entry
+    blob = minimal.SerializeToString() + blob  # Features messages merge
+    assert parse_example(blob).label == 9
+
+
+def test_writer_resume_gives_identical_shard(tmp_path: Path) -> None:
+    samples = [(i, Sample(f"k{i}.jpg", i % 3, bytes([i]) * (100 + i))) for i in range(9)]
+    whole = TFRecordShardWriter(tmp_path / "a.tfrecord")
+    whole.write(samples)
+    expected = whole.close()
+    part = TFRecordShardWriter(tmp_path / "b.tfrecord")
+    part.write(samples[:6])
+    part.sync()
+    part._file.close()
+    part._index.close()  # killed after its checkpoint at 4 (records 4 and 5 are past it)
+    resumed = TFRecordShardWriter(tmp_path / "b.tfrecord", resume_at=4)
+    resumed.write(samples[4:])
+    assert resumed.close() == expected
+    assert (tmp_path / "a.tfrecord").read_bytes() == (tmp_path / "b.tfrecord").read_bytes()
+    assert (tmp_path / "a.tfindex").read_bytes() == (tmp_path / "b.tfindex").read_bytes()
+    assert frame_record(b"")[:8] == b"\0" * 8
+
+
+class _FakeWorker:
+    def __init__(self, id: int, num_workers: int) -> None:
+        self.id, self.num_workers = id, num_workers
+
+
+def _epoch(pack: Path, world: int, workers: int, monkeypatch: pytest.MonkeyPatch, **kw) -> list[list[int]]:
+    """Labels-and-keys stand-in: each rank's list of sample ids for one epoch, workers simulated."""
+    per_rank = []
+    for rank in range(world):
+        ds = TFRecordDataset(pack, decode="bytes", rank=rank, world_size=world, **kw)
+        ids: list[int] = []
+        for w in range(max(workers, 1)):
+            info = _FakeWorker(w, workers) if workers else None
+            monkeypatch.setattr(tfd, "get_worker_info", lambda info=info: info)
+            ids.extend(_sample_id(data) for data, _ in ds)
+        assert len(ids) == len(ds)
+        per_rank.append(ids)
+    return per_rank
+
+
+def _sample_id(data: bytes) -> int:
+    cls, _, i = data.decode().split(" ")[:3]
+    return (cls == "pos") * 100 + int(i)
+
+
+ALL_IDS = sorted([i for i in range(15)] + [100 + i for i in range(15)])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("shard_samples", [16, 2])  # 2 shards (fewer than readers) and 15 shards (more)
+def test_exactly_once_per_epoch(
+    tf_texts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, workers: int, shard_samples: int
+) -> None:
+    pack = _text_pack(tf_texts, tmp_path, shard_samples)
+    for drop in (False, True):
+        ranks = _epoch(pack, world, workers, monkeypatch, drop_uneven=drop, seed=3)
+        counts = Counter(i for ids in ranks for i in ids)
+        assert len({len(ids) for ids in ranks}) == 1  # equal per-rank counts
+        if drop:
+            assert len(ranks[0]) == 30 // world and set(counts) <= set(ALL_IDS)
+            assert max(counts.values()) == 1 and len(counts) == world * (30 // world)
+        else:
+            assert len(ranks[0]) == -(-30 // world) and set(counts) == set(ALL_IDS)
+            assert sum(counts.values()) - 30 == world * len(ranks[0]) - 30  # only padding repeats
+
+
+def test_order_changes_per_epoch_and_repeats_for_same_seed(tf_texts: Path, tmp_path: Path) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 4)
+
+    def order(epoch: int, seed: int = 0) -> list[int]:
+        ds = TFRecordDataset(pack, decode="bytes", seed=seed, shuffle_buffer=8)
+        ds.set_epoch(epoch)
+        return [_sample_id(d) for d, _ in ds]
+
+    assert order(0) == order(0) and order(1) == order(1)
+    assert order(0) != order(1) and order(0) != order(0, seed=1)
+    assert sorted(order(0)) == ALL_IDS
+    assert [_sample_id(d) for d, _ in TFRecordDataset(pack, decode="bytes", shuffle=False)] == ALL_IDS
+
+
+def _as_list(batch: list) -> list:
+    return batch
+
+
+def test_dataloader_fork_workers_exactly_once(tf_texts: Path, tmp_path: Path) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 4)
+    seen: list[int] = []
+    for rank in range(2):
+        ds = TFRecordDataset(pack, decode="bytes", rank=rank, world_size=2, seed=5)
+        loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork", collate_fn=_as_list)
+        ids = [_sample_id(d) for batch in loader for d, _ in batch]
+        assert len(ids) == len(ds) == 15
+        seen += ids
+    assert sorted(seen) == ALL_IDS
+    indexed = TFRecordIndexedDataset(pack, decode="bytes")
+    indexed[3]  # a descriptor opened in the parent must not leak into workers
+    loader = DataLoader(indexed, batch_size=5, num_workers=2, multiprocessing_context="fork", collate_fn=_as_list)
+    assert sorted(_sample_id(d) for batch in loader for d, _ in batch) == ALL_IDS
+
+
+def test_dataloader_spawn_workers_exactly_once(tf_texts: Path, tmp_path: Path) -> None:
+    """One spawn run (each spawned worker imports torch afresh: seconds each)."""
+    pack = _text_pack(tf_texts, tmp_path, 4)
+    ds = TFRecordDataset(pack, decode="bytes", seed=5)
+    ds.set_epoch(2)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn", collate_fn=_as_list)
+    ids = [_sample_id(d) for batch in loader for d, _ in batch]
+    assert sorted(ids) == ALL_IDS
+
+
+def test_datasets_pickle(tf_texts: Path, tmp_path: Path) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 8)
+    indexed = TFRecordIndexedDataset(pack, decode="bytes")
+    indexed[0]
+    clone = pickle.loads(pickle.dumps(indexed))
+    assert [clone[i] for i in range(30)] == [indexed[i] for i in range(30)]
+    stream = TFRecordDataset(pack, decode="bytes", seed=2)
+    stream.set_epoch(4)
+    assert list(pickle.loads(pickle.dumps(stream))) == list(stream)
+
+
+def _corrupt(pack: Path, mode: str) -> tuple[Path, int]:
+    """Damage the second record of the first shard; return the shard and that record's offset."""
+    shard = sorted(pack.glob("*.tfrecord"))[0]
+    offset, length = (int(v) for v in index_path(shard).read_text().splitlines()[1].split())
+    blob = bytearray(shard.read_bytes())
+    if mode == "flip":
+        blob[offset + 12 + 5] ^= 0x10  # a bit inside the Example
+    else:
+        del blob[offset + length // 2 :]
+    shard.write_bytes(bytes(blob))
+    return shard, offset
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+def test_damaged_shard_names_shard_and_offset(tf_texts: Path, tmp_path: Path, mode: str) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 10)
+    shard, offset = _corrupt(pack, mode)
+    message = re.escape(str(shard)) + r".*byte offset " + str(offset)
+    with pytest.raises(PackFormatError, match=message):
+        list(TFRecordDataset(pack, decode="bytes", shuffle=False))
+    with pytest.raises(PackFormatError, match=message):
+        TFRecordIndexedDataset(pack, decode="bytes")[1]
+    with pytest.raises(PackFormatError, match=re.escape(str(shard))):
+        verify_pack(pack, progress=False)
+    if mode == "flip":
+        # opting out of CRCs still checks framing; the flipped bit is inside the payload text
+        data, _ = TFRecordIndexedDataset(pack, decode="bytes", check_crc=False)[1]
+        assert len(data) == len(("neg document 1 café " * 2).encode())
+    runner = CliRunner()
+    result = runner.invoke(main, ["verify", "-q", str(pack)])
+    assert result.exit_code == 1 and "Error:" in result.output and str(shard) in result.output
+
+
+def test_cli_info_and_verify(tf_images: Path, tmp_path: Path) -> None:
+    convert(tf_images, tmp_path / "out.tfrecord", shard_samples=5, progress=False)
+    runner = CliRunner()
+    info = runner.invoke(main, ["info", str(tmp_path / "out.tfrecord")])
+    assert info.exit_code == 0 and "tfrecord" in info.output and "shards:   3" in info.output
+    verify = runner.invoke(main, ["verify", "-q", str(tmp_path / "out.tfrecord")])
+    assert verify.exit_code == 0 and "ok: 13 records" in verify.output
+    assert (tmp_path / "out.tfrecord" / "out-00002-of-00003.tfrecord").is_file()
+
+
+def test_resumed_convert_matches_uninterrupted(
+    tf_images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conv = sys.modules["packdata.convert"]
+
+    convert(tf_images, tmp_path / "whole", format="tfrecord", shard_samples=5, progress=False)
+    monkeypatch.setattr(conv, "_COMMIT_SAMPLES", 3)
+    calls = {"n": 0}
+    real = conv._Packer._commit
+
+    def crash_after_two(self: conv._Packer) -> None:
+        real(self)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv._Packer, "_commit", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tf_images, tmp_path / "cut", format="tfrecord", shard_samples=5, progress=False)
+    monkeypatch.setattr(conv._Packer, "_commit", real)
+    convert(tf_images, tmp_path / "cut", format="tfrecord", shard_samples=5, progress=False, resume=True)
+    for shard in sorted((tmp_path / "whole").glob("*.tf*")):
+        other = tmp_path / "cut" / shard.name.replace("whole", "cut")
+        assert other.read_bytes() == shard.read_bytes()
+
+
+def test_rank_and_world_from_environment(tf_texts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pack = _text_pack(tf_texts, tmp_path, 8)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ds = TFRecordDataset(pack, decode="bytes")
+    assert (ds.rank, ds.world_size, len(ds)) == (2, 4, 8)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="rank should be in"):
+        TFRecordDataset(pack, rank=4, world_size=4)
