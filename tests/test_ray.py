@@ -179,18 +179,24 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 
     dst = tmp_path / "out.lmdb"
     partial = partial_path(dst)
-    # a regular file where task 1's LMDB environment must go: lmdb.open fails (not an OSError: no retry)
+    # a regular file where the last task's LMDB environment must go: lmdb.open fails (not an OSError: no retry);
+    # with 2 CPUs, two earlier tasks have finished before the last one starts
     with pytest.raises(EngineError) as failed:
-        _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00001.lmdb")
+        _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00003.lmdb")
     message = str(failed.value)
-    assert "shard task 1 (10 files, class0/img010.jpg .. class1/img007.jpg) failed for good" in message
+    assert "shard task 3 (7 files, class2/img006.jpg .. top.jpg) failed for good" in message
     assert "Not a directory" in message and "--resume" in message
     assert not dst.exists() and partial.is_dir()
-    assert (partial / engine.TASKS_DIR / "00000" / "result.json").is_file()
+    done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
+            for p in (partial / engine.TASKS_DIR).glob("*/result.json")}  # fmt: skip
+    assert done
 
-    (partial / "shard-00001.lmdb").unlink()
+    (partial / "shard-00003.lmdb").unlink()
+    (partial / "shard-00042.lmdb").mkdir()  # a stray from some other run: must not end up in the pack
     result = packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
-    assert result.resumed
+    assert result.resumed and result.shards == 4
+    for number, mtime in done.items():  # finished tasks were not run again
+        assert (dst / f"shard-{number}.lmdb" / "data.mdb").stat().st_mtime_ns == mtime
     packdata.convert(clean_folder, tmp_path / "local.lmdb", shard_samples=10, progress=False)
     _assert_same_pack(tmp_path / "local.lmdb", dst)
     assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(dst)

@@ -292,16 +292,13 @@ class _Gatherer:
         for name in (_LABELS, _SIZES, _KEYS):
             with open(source / name, "rb") as f:
                 shutil.copyfileobj(f, self.files[name], 8 << 20)
+        added = 0
         with open(source / _OFFSETS, "rb") as f:
             f.seek(8)  # every fragment starts with offset 0
-            while True:
-                chunk = np.fromfile(f, dtype="<i8", count=_CHUNK)
-                if not len(chunk):
-                    break
+            while len(chunk := np.fromfile(f, dtype="<i8", count=_CHUNK)):
                 self.files[_OFFSETS].write((chunk + self.key_end).astype("<i8").tobytes())
-                last = int(chunk[-1])
-        if result["samples"]:
-            self.key_end += last
+                added = int(chunk[-1])
+        self.key_end += added
         with open(fragment / SKIP_REPORT, "rb") as f:
             shutil.copyfileobj(f, self.report, 8 << 20)
         shard = result["shard"]
@@ -356,6 +353,18 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
     (partial / TASKS_DIR).mkdir(parents=True)
     plan.write_text(json.dumps(state), encoding="utf-8")
     return False
+
+
+def _drop_strays(partial: Path, shards: list[ShardInfo]) -> None:
+    """Remove what an interrupted run left that is no shard of this plan (the source may have shrunk)."""
+    stems = tuple(Path(s.file).stem + "." for s in shards)  # a shard and its companions (a .tfindex)
+    for path in partial.iterdir():
+        if path.name in (INDEX_DIR, SKIP_REPORT) or path.name.startswith(stems):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _connect(ray: Any, address: str | None) -> bool:
@@ -441,6 +450,8 @@ def convert_on_ray(
         raise _no_samples_error(source, gatherer.skipped)
     shutil.rmtree(partial / TASKS_DIR)
     (partial / _PLAN).unlink()
+    if resumed:
+        _drop_strays(partial, gatherer.shards)
     writer_cls = shard_writer(opts.format)
     shards = writer_cls.finalize(partial, gatherer.shards)
     manifest = _make_manifest(
@@ -485,7 +496,8 @@ def _run_tasks(
 ) -> None:
     """Submit the plan with bounded tasks in flight and gather results in plan order."""
     remote = ray.remote(run_shard_task)
-    limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    limit = cpus + min(cpus, 64)  # every CPU busy, plus a bounded queue (task arguments live in the object store)
     in_flight: dict[Any, tuple[str, int]] = {}  # ref -> (description, walk entries)
     queue: deque[int] = deque()  # task numbers planned, not yet gathered, in plan order
     results: dict[int, dict[str, Any]] = {}
