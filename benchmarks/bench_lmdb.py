@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -97,11 +99,29 @@ class _MemoryBytes:
         return self.blobs[i]
 
 
-def read_rate(get, order: list[int]) -> float:
+def in_fresh_process(fn, *args):
+    """Run ``fn(*args)`` in a new process that has exited (its mappings gone) when this returns."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def raw_rate(reader: str, pack: Path, files: list[str], order: list[int], warm: bool) -> float:
+    """Samples/s reading raw bytes in ``order`` with one reader, in this (fresh) process."""
+    if reader == "packdata":
+        ds = LMDBDataset(pack, decode="bytes")
+
+        def get(i):
+            return ds.raw(i)[0]
+    elif reader == "naive_lmdb":
+        get = NaiveLMDB(str(pack / "shard-00000.lmdb"), len(files)).__getitem__
+    else:
+        get = FolderBytes(files).__getitem__
+    if warm:
+        for i in order:
+            get(i)
     start = time.perf_counter()
-    total = 0
     for i in order:
-        total += len(get(i))
+        get(i)
     return len(order) / (time.perf_counter() - start)
 
 
@@ -154,25 +174,23 @@ def main() -> None:
     results["convert_seconds"] = time.perf_counter() - start
     results["convert_over_tar"] = results["convert_seconds"] / results["tar_seconds"]
 
-    # 2. raw bytes, one process, random order
+    # 2. raw bytes, one process, random order; each reader in a fresh process of its own
+    #    (py-lmdb refuses a second handle on one environment in a process)
     ds = LMDBDataset(pack, decode="bytes")
-    keys = list(ds.keys)
-    folder_files = [str(src / k) for k in keys]
-    naive = NaiveLMDB(str(pack / "shard-00000.lmdb"), len(ds))
-    folder = FolderBytes(folder_files)
+    folder_files = [str(src / k) for k in ds.keys]
     order = list(range(len(ds)))
     random.Random(0).shuffle(order)
-    readers = {"packdata": lambda i: ds.raw(i)[0], "naive_lmdb": naive.__getitem__, "folder": folder.__getitem__}
-    for name, get in readers.items():
-        read_rate(get, order)  # warm the page cache
-        results[f"warm_{name}"] = read_rate(get, order)
+    readers = ("packdata", "naive_lmdb", "folder")
+    for name in readers:
+        results[f"warm_{name}"] = in_fresh_process(raw_rate, name, pack, folder_files, order, True)
+    if cold:
+        sub = order[: args.cold_samples]
+        for name in readers:
+            drop_caches()
+            results[f"cold_{name}"] = in_fresh_process(raw_rate, name, pack, folder_files, sub, False)
     results["warm_packdata_over_naive"] = results["warm_packdata"] / results["warm_naive_lmdb"]
     results["warm_packdata_over_folder"] = results["warm_packdata"] / results["warm_folder"]
     if cold:
-        sub = order[: args.cold_samples]
-        for name, get in readers.items():
-            drop_caches()
-            results[f"cold_{name}"] = read_rate(get, sub)
         results["cold_packdata_over_folder"] = results["cold_packdata"] / results["cold_folder"]
         results["cold_packdata_over_naive"] = results["cold_packdata"] / results["cold_naive_lmdb"]
 
@@ -181,7 +199,7 @@ def main() -> None:
     results["decoded_ceiling"] = loader_rate(Decoded(_MemoryBytes(blobs), len(blobs)), args.batches)
     del blobs
     results["decoded_packdata"] = loader_rate(Decoded(_PackBytes(ds), len(ds)), args.batches)
-    results["decoded_folder"] = loader_rate(Decoded(folder.__getitem__, len(ds)), args.batches)
+    results["decoded_folder"] = loader_rate(Decoded(FolderBytes(folder_files).__getitem__, len(ds)), args.batches)
     results["decoded_packdata_over_ceiling"] = results["decoded_packdata"] / results["decoded_ceiling"]
     results["decoded_folder_over_ceiling"] = results["decoded_folder"] / results["decoded_ceiling"]
 
