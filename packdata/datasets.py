@@ -152,8 +152,13 @@ class LMDBDataset(Dataset):
             raise IndexError(f"index {index} is out of range for a pack of {n} samples")
         index %= n
         shard = bisect.bisect_right(self._first, index) - 1
+        reader = self._reader(shard)
+        if not self.verify:
+            payload = reader.payload(index - self._first[shard])
+            if payload is not None:
+                return payload, self.pack.index.labels.item(index)
         try:
-            return record_payload(self._reader(shard).get(index - self._first[shard]), check_crc=self.verify)
+            return record_payload(reader.get(index - self._first[shard]), check_crc=self.verify)
         except RecordError as exc:
             raise PackFormatError(
                 f"record {index} is damaged: {exc}",

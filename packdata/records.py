@@ -27,6 +27,7 @@ __all__ = [
     "Sample",
     "decode_record",
     "encode_record",
+    "payload_start",
     "record_payload",
 ]
 
@@ -68,6 +69,11 @@ def _header(value: bytes | memoryview) -> tuple[int, int, int, int]:
     if kind >= len(KINDS) or _HEADER.size + key_len > len(value):
         raise RecordError("record header is damaged")
     return kind, label, crc, key_len
+
+
+def payload_start(value: bytes | memoryview) -> int:
+    """Offset of the payload inside a record (after the header and the key)."""
+    return _HEADER.size + _header(value)[3]
 
 
 def record_payload(value: bytes | memoryview, *, check_crc: bool = False) -> tuple[bytes, int]:

@@ -7,16 +7,18 @@ big-endian sample indices within the shard (global index minus the shard's
 a shard is self-contained: it can be written by its own task and staged alone;
 values are :mod:`packdata.records` records.
 
-Beside ``data.mdb`` the writer leaves ``records.i64``: int64 pairs, little-endian,
-first ``(last LMDB transaction id, record count)``, then each record's byte offset
-and length inside ``data.mdb`` (LMDB ignores other files in its directory; any
-later write to the environment changes its transaction id and retires the table).
-The reader uses it to fetch a record with one ``pread`` instead of a B-tree lookup through the memory map. That matters cold:
-py-lmdb touches every page of a value before returning it, so with readahead off
-a 40 KB value costs ten synchronous 4 KB faults, about 4x slower than reading
-the same bytes from a folder; one ``pread`` is one I/O request. Without the
-table (or if it disagrees with a record) the reader falls back to LMDB's own
-lookup, so the table is an accelerator, never a second source of truth.
+Beside ``data.mdb`` the writer leaves ``records.i64``: int64 pairs, little-
+endian, first ``(last LMDB transaction id, record count)``, then the byte offset
+and length of each record's payload (the file's bytes) inside ``data.mdb`` (LMDB
+ignores other files in its directory; any later write to the environment changes
+its transaction id and retires the table). The reader uses it to fetch a payload
+with one ``pread`` instead of a B-tree lookup through the memory map. That
+matters cold: py-lmdb touches every page of a value before returning it, so with
+readahead off a 40 KB value costs ten synchronous 4 KB faults, about 4x slower
+than reading the same bytes from a folder; one ``pread`` is one I/O request.
+Without the table (or once the environment was written to) the reader falls back to
+LMDB's own lookup, so the table is an accelerator, never a second source of
+truth.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError
 from packdata.manifest import ShardInfo, file_sha256
-from packdata.records import RECORD_MAGIC, Sample, encode_record
+from packdata.records import Sample, encode_record, payload_start
 
 __all__ = ["DATA_FILE", "RECORDS_FILE", "LMDBShardReader", "LMDBShardWriter", "encode_key", "record_locations"]
 
@@ -204,7 +206,7 @@ def _map_base(data_file: str) -> int:
 
 
 def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
-    """The last transaction id, and ``(offset, length)`` of every record inside ``data.mdb`` in key order."""
+    """The last transaction id, and ``(offset, length)`` of every payload inside ``data.mdb`` in key order."""
     env = lmdb.open(os.fspath(path), readonly=True, lock=False, readahead=True, subdir=True, create=False)
     try:
         base = _map_base(os.path.join(path, DATA_FILE))
@@ -214,7 +216,8 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
             for i, (key, value) in enumerate(txn.cursor()):
                 if _KEY.unpack(key)[0] != i:
                     raise PackFormatError(f"record {i} is missing", path=path)
-                out[i] = (_address(value) - base, len(value))
+                start = payload_start(value)
+                out[i] = (_address(value) - base + start, len(value) - start)
         txnid = env.info()["last_txnid"]
     finally:
         env.close()
@@ -251,24 +254,25 @@ class LMDBShardReader:
         if os.path.isfile(table) and os.path.getsize(table) == 16 * (self._entries + 1):
             rows = np.fromfile(table, dtype="<i8").reshape(-1, 2)
             if tuple(rows[0]) == (self._env.info()["last_txnid"], self._entries):
-                self._locations = rows[1:]
+                self._locations = rows[1:].ravel()
         if self._locations is not None:
             self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
-    def get(self, index: int) -> bytes | memoryview:
-        """The record at ``index`` within the shard (a memoryview is valid until :meth:`close`)."""
-        if self._locations is not None and 0 <= index < self._entries:
-            offset, length = self._locations[index]
-            record = os.pread(self._fd, int(length), int(offset))
-            if record[:4] == RECORD_MAGIC:
-                return record
+    def get(self, index: int) -> memoryview:
+        """The whole record at ``index`` within the shard, valid until :meth:`close`."""
         value = self._txn.get(encode_key(index))
         if value is None:
             raise PackFormatError(
                 f"record {index} is missing", path=self.path, hint="The shard is damaged: run `packdata verify`"
             )
         return value
+
+    def payload(self, index: int) -> bytes | None:
+        """The payload of the record at ``index`` in one ``pread``, or None without a location table."""
+        if self._locations is None or not 0 <= index < self._entries:
+            return None
+        return os.pread(self._fd, self._locations.item(2 * index + 1), self._locations.item(2 * index))
 
     def items(self):
         """Iterate ``(index in shard, record)`` in key order."""
