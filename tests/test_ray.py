@@ -99,7 +99,9 @@ def _assert_same_pack(local: Path, ray_pack: Path) -> None:
 
 @pytest.mark.ray
 @pytest.mark.parametrize(
-    "limits", [{"shard_samples": 7}, {"shard_size": 4000}, {}], ids=["samples", "bytes", "default"]
+    "limits",
+    [{"shard_samples": 7}, {"shard_size": 4000}, {}, {"shard_samples": 9, "max_side": 6, "verify_images": True}],
+    ids=["samples", "bytes", "default", "reencode"],
 )
 def test_ray_lmdb_matches_local(ray_local, poisoned_folder: Path, tmp_path: Path, limits: dict) -> None:
     local = packdata.convert(poisoned_folder, tmp_path / "local.lmdb", progress=False, **limits)
@@ -112,6 +114,8 @@ def test_ray_lmdb_matches_local(ray_local, poisoned_folder: Path, tmp_path: Path
     assert result.skip_examples == local.skip_examples
     assert [e["key"] for e in result.skip_examples] == ["class1/img005x.jpg", "class2/empty.jpg"]
     assert not partial_path(tmp_path / "ray.lmdb").exists()
+    assert result.reencoded == local.reencoded == (result.packed if "max_side" in limits else 0)
+    assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == result.packed
 
 
 @pytest.mark.ray
@@ -160,6 +164,7 @@ def test_ray_tfrecord_matches_local(ray_local, clean_folder: Path, tmp_path: Pat
             for i, s in tfrecord.iter_shard_samples(shard.path(tmp_path / name), shard.first_index)
         ]
     assert samples["local"] == samples["ray"]
+    assert packdata.verify_pack(tmp_path / "ray", progress=False).records == len(samples["ray"])
     assert len(samples["ray"]) == N_CLASSES * PER_CLASS + 1
 
 

@@ -30,6 +30,15 @@ writes one. A task whose files are all skipped writes no shard; its shard
 number is then missing from the LMDB shard names (the manifest lists the
 shards; TFRecord names are renumbered anyway).
 
+Scale and memory: a conversion is ``files / shard_samples`` tasks (or one per
+``shard_size`` bytes). A task holds at most one write batch (32 MB or 4,096
+samples) and its read-ahead (``max(32, 8 * threads)`` files) on top of its Ray
+worker process (which imports torch with packdata: a few hundred MB). The
+driver keeps every CPU busy plus a queue of at most 64 tasks; their arguments
+(about key + path bytes per file) sit in the driver node's object store, and
+it keeps one small shard entry per shard. Gathering streams the fragments in
+8 MB chunks, so driver memory does not grow with the sample count.
+
 Failures: Ray reruns a task whose worker died and a task that raised
 ``OSError`` (:data:`MAX_RETRIES` times). A task that fails for good stops the
 conversion with :class:`~packdata.engines.EngineError` naming the shard task and
