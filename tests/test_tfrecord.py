@@ -30,7 +30,7 @@ from packdata.formats.tfrecord import (
     index_path,
     parse_example,
 )
-from packdata.records import Sample
+from packdata.records import RecordError, Sample
 
 
 def _image(seed: int, fmt: str) -> bytes:
@@ -387,3 +387,27 @@ def test_rank_and_world_from_environment(tf_texts: Path, tmp_path: Path, monkeyp
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="rank should be in"):
         TFRecordDataset(pack, rank=4, world_size=4)
+
+
+def test_parser_agrees_with_protobuf_on_random_examples() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        example = example_pb2.Example()
+        feature = example.features.feature
+        names = ["image/encoded", "image/class/label", "image/filename", "image/format", "extra/x"]
+        for name in rng.permutation(names):
+            if name == "image/class/label":
+                feature[name].int64_list.value.append(int(rng.integers(-(2**40), 2**40)))
+            elif name == "extra/x":
+                feature[name].float_list.value.extend(rng.random(int(rng.integers(0, 4))).tolist())
+            else:
+                size = int(rng.choice([0, 1, 127, 128, 300, 20000]))
+                feature[name].bytes_list.value.append(rng.bytes(size))
+        blob = example.SerializeToString()
+        parsed = parse_example(blob)
+        assert bytes(parsed.data) == feature["image/encoded"].bytes_list.value[0]
+        assert parsed.label == feature["image/class/label"].int64_list.value[0]
+        assert parsed.key == feature["image/filename"].bytes_list.value[0]
+        cut = blob[: int(rng.integers(1, len(blob)))]
+        with pytest.raises(RecordError):
+            parse_example(cut)
