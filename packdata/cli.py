@@ -345,7 +345,7 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
     prefetch_factor, pin_memory), rejecting any setting whose projected memory
     exceeds the budget.
     """
-    from packdata.tune import tune as run_tune
+    from packdata.tune import run_tune
 
     if 0 in batch_sizes:
         raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
@@ -371,6 +371,165 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
         click.echo(result.python(result.runner_up))
     rejected = sum(1 for t in result.trials if t.rejected)
     click.echo(f"# {len(result.trials)} settings tried, {rejected} rejected over the memory budget or failing")
+
+
+def _warn(warnings: Any) -> None:
+    for w in warnings:
+        click.secho(f"warning [{w.code}]: {w.message}", fg="yellow", err=True)
+
+
+def _mb(n: int) -> str:
+    from packdata.system import format_size
+
+    return format_size(n)
+
+
+@main.command()
+@click.argument("pack", required=False, type=click.Path(path_type=str))
+@click.option(
+    "--to", "to", type=click.Path(file_okay=False, path_type=str), help="Stage into this directory (local NVMe)."
+)
+@click.option("--tmpfs", callback=_size, help="Mount (or reuse) a tmpfs of this size and stage into it, e.g. 30G.")
+@click.option(
+    "--mount",
+    type=click.Path(file_okay=False, path_type=str),
+    help="The tmpfs mount point, and the default area. Default: /mnt/packdata.",
+)
+@click.option("--resize", is_flag=True, help="Remount an existing tmpfs with the --tmpfs size.")
+@click.option("--budget", callback=_size, help="Most bytes of shards to stage (hot shards). Default: what fits.")
+@click.option("--shards", help="Shards to stage, by number or name, comma-separated, hottest first.")
+@click.option("--name", help="Folder name of the staged pack in the area. Default: the pack's name.")
+@click.option("--workers", type=click.IntRange(min=1), help="Parallel copy threads. Default: up to 4.")
+@click.option("--force", is_flag=True, help="Go ahead even when the memory checks refuse the tmpfs size.")
+@click.option("--reserve", callback=_size, help="Memory to keep free for training in the tmpfs checks.")
+@click.option("--status", is_flag=True, help="List staged packs, sizes, free space and memory (in PACK as an area).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_friendly
+def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Copy PACK's shards to fast storage (NVMe or a sized tmpfs) and verify them.
+
+    The staged pack, AREA/NAME, has its own manifest: staged shards point at
+    the copies, shards left behind (over --budget) at the originals, so
+    LMDBDataset(staged) and TFRecordDataset(staged) read the mix. A second
+    run copies only what is missing or changed.
+
+    \b
+    Examples:
+      sudo packdata stage --tmpfs 30G            # prepare /mnt/packdata (memory checks first)
+      packdata stage /nfs/train.lmdb             # stage into /mnt/packdata/train.lmdb
+      packdata stage /nfs/train.lmdb --to /nvme/stage --budget 200GB
+      packdata stage /nfs/train --tmpfs 30G --shards 0,1,2
+      packdata stage --status
+      packdata unstage /mnt/packdata/train.lmdb
+    """
+    from packdata.stage import prepare_tmpfs, stage_status
+    from packdata.stage import stage as run_stage
+
+    if status:
+        if any(v not in (None, False) for v in options.values()) or shards:
+            raise click.UsageError("--status takes only an optional area (PACK) and --json")
+        result = stage_status(pack)
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), indent=1))
+            return
+        mem = result.memory
+        click.echo(
+            f"memory: {_mb(mem['mem_available'])} available of {_mb(mem['mem_total'])}, "
+            f"shmem {_mb(mem['shmem'])}, swap {_mb(mem['swap_used'])} used of {_mb(mem['swap_total'])}"
+        )
+        if not result.areas:
+            click.echo("no staging areas (prepare one: sudo packdata stage --tmpfs 30G)")
+        for area in result.areas:
+            mark = ", mounted by packdata" if area.mounted_by_packdata else ""
+            click.echo(
+                f"{area.path} ({area.fstype or '?'}{mark}): {_mb(area.used)} used of {_mb(area.size)}, "
+                f"{_mb(area.free)} free"
+            )
+            for p in area.packs:
+                state = "" if p.complete else " INCOMPLETE (stage it again)"
+                click.echo(
+                    f"  {p.path.name}: {p.shards_staged} shards staged ({_mb(p.bytes_staged)}), "
+                    f"{p.shards_left} left ({_mb(p.bytes_left)}) from {p.origin}{state}"
+                )
+        _warn(result.warnings)
+        return
+    if options["to"] and (options["tmpfs"] is not None or options["mount"]):
+        raise click.UsageError("--to stages into a directory; --tmpfs/--mount into a tmpfs: give one")
+    if options["resize"] and options["tmpfs"] is None:
+        raise click.UsageError("--resize needs --tmpfs SIZE")
+    if pack is None:
+        if options["tmpfs"] is None:
+            raise click.UsageError("give PACK to stage, --tmpfs SIZE to prepare a staging area, or --status")
+        area = prepare_tmpfs(
+            options["tmpfs"],
+            mount=options["mount"] or "/mnt/packdata",
+            resize=options["resize"],
+            force=options["force"],
+            reserve=options["reserve"],
+        )
+        if as_json:
+            click.echo(json.dumps(area.to_dict(), indent=1))
+            return
+        click.echo(f"tmpfs {area.action} at {area.path}: {_mb(area.size)}, {_mb(area.free)} free")
+        where = "" if str(area.path) == "/mnt/packdata" else f" --mount {area.path}"
+        click.echo(f"stage into it with: packdata stage PACK{where}")
+        _warn(area.warnings)
+        return
+    chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
+    result = run_stage(pack, shards=chosen, progress=not quiet, **options)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1))
+        return
+    click.echo(
+        f"staged {result.source} -> {result.staged}: copied {len(result.copied)} shards "
+        f"({_mb(result.bytes_copied)}, {result.mb_per_s:.0f} MB/s), {len(result.reused)} already there, "
+        f"in {result.seconds:.1f}s"
+    )
+    click.echo(f"  {_mb(result.bytes_staged)} staged, {_mb(result.free_after)} free at {result.area}")
+    if result.left:
+        shown = ", ".join(result.left[:5]) + (", ..." if len(result.left) > 5 else "")
+        click.secho(
+            f"  LEFT {len(result.left)} shards ({_mb(result.bytes_left)}) on the source, read from there: {shown}",
+            fg="yellow",
+        )
+    _warn(result.warnings)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--unmount", is_flag=True, help="Also unmount the area's tmpfs (only one packdata mounted).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_friendly
+def unstage(path: str, unmount: bool, as_json: bool) -> None:
+    """Remove the staged pack PATH (or every staged pack in the area PATH); originals are never touched."""
+    from packdata.stage import unstage as run_unstage
+
+    result = run_unstage(path, unmount=unmount)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1))
+        return
+    for removed in result.removed:
+        click.echo(f"removed {removed}")
+    click.echo(f"freed {_mb(result.bytes_freed)}" + (f", unmounted {result.unmounted}" if result.unmounted else ""))
+
+
+@main.command()
+@click.argument("pack", required=False, type=click.Path(path_type=str))
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks that will read PACK.")
+@click.option("--workers", type=click.IntRange(min=0), help="DataLoader workers per rank. Default: the recommendation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_friendly
+def doctor(pack: str | None, ranks: int, workers: int | None, as_json: bool) -> None:
+    """Memory, swap, cgroup, tmpfs, CPU and GPU facts with warnings; for PACK also shards and first settings."""
+    from packdata.doctor import doctor as run_doctor
+
+    report = run_doctor(pack, ranks=ranks, workers=workers)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=1))
+        return
+    for line in report.lines():
+        click.echo(line)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -127,6 +127,10 @@ def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
         except UnicodeDecodeError as exc:
             return Skip(entry.key, "not UTF-8 text", str(exc)), False
         return Sample(entry.key, entry.label, data, "text"), False
+    if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
+        if _jpeg_header_ok(data):
+            return Sample(entry.key, entry.label, data, "image"), False
+        return Skip(entry.key, "corrupt image", "JPEG header is damaged or incomplete"), False
     reencode = False
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -142,6 +146,39 @@ def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
     return Sample(entry.key, entry.label, data, "image"), reencode
 
 
+def _jpeg_header_ok(data: bytes) -> bool:
+    """Walk a JPEG's marker segments up to the start of scan, as PIL's header parser does.
+
+    About 20x cheaper than ``Image.open`` (which parses the same segments in
+    Python objects); it catches files that are not JPEGs past the first bytes
+    and headers cut short. Truncated scan data needs ``verify_images``.
+    """
+    i, n, frame = 2, len(data), False
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return False
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return False
+        if marker == 0xDA:  # start of scan: the header is complete
+            return frame and i + 2 + length <= n
+        frame = frame or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC))
+        i += 2 + length
+    return False
+
+
+def _load_chunk(entries: list[SourceFile | Skip], opts: _Options) -> list[tuple[Sample | Skip, bool]]:
+    """:func:`_load` over a chunk of walk entries (skips pass through), one pool task per chunk."""
+    return [_load(e, opts) if isinstance(e, SourceFile) else (e, False) for e in entries]
+
+
 def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
     img = img.convert("RGB")
     img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
@@ -151,24 +188,35 @@ def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
 
 
 def _pipeline(
-    entries: Iterator[SourceFile | Skip], pool: ThreadPoolExecutor, opts: _Options, depth: int
+    entries: Iterator[SourceFile | Skip], pool: ThreadPoolExecutor, opts: _Options, depth: int, chunk: int = 16
 ) -> Iterator[tuple[SourceFile | Skip, Sample | Skip, bool]]:
-    """Read files in the pool, yielding results in walk order, ``depth`` reads ahead."""
-    pending: deque[tuple[SourceFile | Skip, Future | None]] = deque()
+    """Read files in the pool in chunks, yielding results in walk order, ``depth`` chunks ahead."""
+    pending: deque[tuple[list[SourceFile | Skip], Future]] = deque()
 
-    def resolve(item: tuple[SourceFile | Skip, Future | None]) -> tuple[SourceFile | Skip, Sample | Skip, bool]:
-        entry, future = item
-        if future is None:
-            return entry, entry, False  # type: ignore[return-value]
-        return (entry, *future.result())
+    def resolve(
+        item: tuple[list[SourceFile | Skip], Future],
+    ) -> Iterator[tuple[SourceFile | Skip, Sample | Skip, bool]]:
+        batch, future = item
+        for entry, (result, reencoded) in zip(batch, future.result(), strict=True):
+            yield entry, result, reencoded
 
-    for entry in entries:
-        future = pool.submit(_load, entry, opts) if isinstance(entry, SourceFile) else None
-        pending.append((entry, future))
+    for batch in _chunks(entries, chunk):
+        pending.append((batch, pool.submit(_load_chunk, batch, opts)))
         if len(pending) >= depth:
-            yield resolve(pending.popleft())
+            yield from resolve(pending.popleft())
     while pending:
-        yield resolve(pending.popleft())
+        yield from resolve(pending.popleft())
+
+
+def _chunks(items: Iterator[SourceFile | Skip], size: int) -> Iterator[list[SourceFile | Skip]]:
+    batch: list[SourceFile | Skip] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class _Checkpoint:
@@ -340,7 +388,7 @@ def convert(
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-read") as pool:
             try:
-                packer.run(pool, depth=max(32, 8 * workers), progress=progress)
+                packer.run(pool, depth=2 * workers, progress=progress)
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise

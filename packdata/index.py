@@ -15,6 +15,8 @@ dataset size) and can be cut back to a committed count when a conversion resumes
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import overload
@@ -39,8 +41,10 @@ class SampleIndexWriter:
         if resume_at is not None:
             self._truncate(resume_at)
         self._files = {name: open(self.dir / name, "ab") for name in FILES}  # noqa: SIM115 (closed in close())
+        self._keys: list[bytes] = []
+        self._offsets, self._labels, self._sizes = array("q"), array("i"), array("q")
         if self.count == 0 and self._files[_OFFSETS].tell() == 0:
-            self._files[_OFFSETS].write(np.int64(0).tobytes())
+            self._offsets.append(0)
 
     def _truncate(self, n: int) -> None:
         path = self.dir / _OFFSETS
@@ -56,23 +60,31 @@ class SampleIndexWriter:
         """Add one sample's entry."""
         encoded = key.encode("utf-8")
         self._key_end += len(encoded)
-        self._files[_KEYS].write(encoded)
-        self._files[_OFFSETS].write(np.int64(self._key_end).tobytes())
-        self._files[_LABELS].write(np.int32(label).tobytes())
-        self._files[_SIZES].write(np.int64(size).tobytes())
+        self._keys.append(encoded)
+        self._offsets.append(self._key_end)
+        self._labels.append(label)
+        self._sizes.append(size)
         self.count += 1
 
     def flush(self) -> None:
-        """Push everything written so far to disk (before a checkpoint)."""
+        """Push everything appended so far to disk (before a checkpoint)."""
+        self._files[_KEYS].write(b"".join(self._keys))
+        for name, values in ((_OFFSETS, self._offsets), (_LABELS, self._labels), (_SIZES, self._sizes)):
+            if sys.byteorder != "little":
+                values.byteswap()
+            self._files[name].write(values.tobytes())
+            del values[:]
+        self._keys.clear()
         for f in self._files.values():
             f.flush()
             os.fsync(f.fileno())
 
     def close(self) -> None:
-        """Flush and close the files."""
-        self.flush()
-        for f in self._files.values():
-            f.close()
+        """Flush and close the files (safe to call twice)."""
+        if not self._files[_KEYS].closed:
+            self.flush()
+            for f in self._files.values():
+                f.close()
 
 
 class KeyList(Sequence[str]):

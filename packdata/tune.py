@@ -359,7 +359,7 @@ def _feasible_start(search: _Search, base: LoaderConfig, workers: list[int], bat
     return base
 
 
-def tune(
+def run_tune(
     source: str | os.PathLike,
     *,
     memory_budget: int | None = None,

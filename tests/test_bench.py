@@ -16,7 +16,7 @@ from packdata.bench import CEILING, LoaderConfig, run_bench
 from packdata.cli import main as cli_main
 from packdata.errors import CapacityError
 from packdata.loader import worker_init_fn
-from packdata.tune import project_memory, recommend_loader_kwargs, tune
+from packdata.tune import project_memory, recommend_loader_kwargs, run_tune
 
 BATCH = 4
 BATCHES = 3
@@ -182,7 +182,7 @@ def test_bench_cli_rejects_bad_lists(pack: Path) -> None:
 
 def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
     budget = 1 << 20  # one batch of 4 (600 KB at 224 px) fits, 8 and any worker do not
-    result = tune(pack, memory_budget=budget, batch_sizes=(4, 8), batches=2, warmup=1)
+    result = run_tune(pack, memory_budget=budget, batch_sizes=(4, 8), batches=2, warmup=1)
     assert result.recommended.accepted
     assert result.recommended.projected_bytes <= budget
     assert result.recommended.config["num_workers"] == 0 and result.recommended.config["batch_size"] == 4
@@ -198,11 +198,11 @@ def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
 
 def test_tune_raises_when_nothing_fits(pack: Path) -> None:
     with pytest.raises(CapacityError, match="no DataLoader setting fits the memory budget of 1000 bytes"):
-        tune(pack, memory_budget=1000, batch_sizes=(4,), batches=2, warmup=1)
+        run_tune(pack, memory_budget=1000, batch_sizes=(4,), batches=2, warmup=1)
 
 
 def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
-    result = tune(pack, memory_budget=8 << 30, batch_sizes=(4,), max_workers=2, batches=2, warmup=1)
+    result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(4,), max_workers=2, batches=2, warmup=1)
     measured = [t for t in result.trials if t.accepted]
     assert len(measured) >= 2 and result.runner_up is not None
     assert result.runner_up is not result.recommended

@@ -233,3 +233,13 @@ def test_decoded_images_are_rgb(image_folder: Path, tmp_path: Path) -> None:
     convert(image_folder, tmp_path / "out.lmdb", progress=False)
     img, label = LMDBDataset(tmp_path / "out.lmdb")[0]
     assert isinstance(img, Image.Image) and img.mode == "RGB" and img.size == (64, 48) and label == 0
+
+
+def test_jpeg_with_a_damaged_header_is_skipped_without_verify(image_folder: Path, tmp_path: Path) -> None:
+    whole = _jpeg(3, size=(128, 96))
+    (image_folder / "cat" / "fake.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    (image_folder / "cat" / "headless.jpg").write_bytes(whole[:40])  # cut inside the header
+    (image_folder / "cat" / "tail.jpg").write_bytes(whole + b"\0" * 100)  # trailing bytes: still valid
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"corrupt image": 2}
+    assert {e["key"] for e in result.skip_examples} == {"cat/fake.jpg", "cat/headless.jpg"}
