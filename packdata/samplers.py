@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sized
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -102,6 +102,14 @@ def block_shuffle_order(
     return order[rank * per_rank : (rank + 1) * per_rank]
 
 
+def _layout(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
+    """``order`` padded by repeating its start (or cut) to ``world_size`` equal contiguous slices."""
+    total = per_rank_count(len(order), world_size, drop_last) * world_size
+    if total > len(order):
+        return np.concatenate([order, np.resize(order, total - len(order))])
+    return order[:total]
+
+
 class ShuffleQuality(NamedTuple):
     """How far an order moves samples from their pack order (see :func:`shuffle_quality`)."""
 
@@ -146,6 +154,31 @@ class BlockShuffleSampler(Sampler[int]):
     The order is :func:`block_shuffle_order` of ``(seed, epoch, rank,
     world_size)``: the state is just ``seed`` and ``epoch``.
 
+    Resuming mid-epoch: :meth:`state_dict` is a small JSON-serialisable dict
+    (epoch, seed, samples this rank consumed) and :meth:`load_state_dict` makes
+    the next iteration continue from it. With
+    ``torchdata.stateful_dataloader.StatefulDataLoader(ds, sampler=sampler,
+    ...)`` nothing else is needed: the loader calls both (with any
+    ``num_workers``) and its own ``state_dict()`` holds ours. With a plain
+    ``DataLoader`` the sampler runs ahead of training by the prefetched batches,
+    so pass what training consumed: ``sampler.state_dict(consumed=steps *
+    batch_size)`` (samples taken from this iteration of the loader), save it,
+    and after a restart call ``sampler.load_state_dict(state)`` before
+    iterating. Resuming at the same world size continues with exactly the
+    remaining indices, in the uninterrupted order.
+
+    Elastic resume: a state saved at world size ``N`` loads at world size
+    ``M``. Ranks of a DDP job consume equal counts (every rank takes the same
+    number of steps), so one rank's state tells what every rank consumed: the
+    remaining samples are the epoch's whole-pack order minus every rank's
+    consumed slice, kept in that order, deduplicated, and split into ``M``
+    contiguous slices (padded by repeating their start, or cut with
+    ``drop_last``). Every remaining sample is then visited exactly once (plus
+    at most ``M - 1`` repeats when padding); the order differs from the
+    uninterrupted run. Checkpoint every rank at the same step. The state keeps
+    one ``[world_size, consumed]`` entry per world size the epoch ran at, so
+    resizing again later stays exact. ``__len__`` stays the full epoch's count.
+
     Args:
         dataset_or_length: a sized dataset, or the number of samples.
         block_size: consecutive indices per block (default 128).
@@ -185,10 +218,134 @@ class BlockShuffleSampler(Sampler[int]):
         self.epoch = 0
         if per_rank_count(n, self.world_size, drop_last) == 0:
             raise ValueError(f"drop_last=True leaves no samples: {n} samples over world_size={self.world_size}")
+        self._history: list[list[int]] = []  # [world_size, consumed] of this epoch's earlier phases
+        self._start = 0  # position in this rank's stream where the current (or pending) pass starts
+        self._yielded = 0  # position reached by the current pass
+        self._pending = False  # a loaded position the next pass starts from
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` on the next iteration (call on every rank)."""
+        """Use the order of ``epoch`` on the next iteration (call on every rank).
+
+        A position loaded by :meth:`load_state_dict` belongs to its epoch:
+        setting another epoch discards it.
+        """
+        if epoch != self.epoch:
+            self._history, self._start, self._yielded, self._pending = [], 0, 0, False
         self.epoch = epoch
+
+    def _stream(self) -> np.ndarray:
+        """This rank's whole stream for the current phase of the epoch (all of it, from position 0)."""
+        if not self._history:
+            return self.indices()
+        order = block_shuffle_order(
+            self.num_samples_total,
+            block_size=self.block_size,
+            window=self.window,
+            seed=self.seed,
+            epoch=self.epoch,
+            shuffle=self.shuffle,
+        )
+        worlds = [w for w, _ in self._history] + [self.world_size]
+        layout = _layout(order, worlds[0], self.drop_last)
+        consumed = np.zeros(self.num_samples_total, dtype=bool)
+        for (world, taken), next_world in zip(self._history, worlds[1:], strict=True):
+            grid = layout.reshape(world, -1)
+            if not 0 <= taken <= grid.shape[1]:
+                raise ValueError(
+                    f"consumed should be in [0, {grid.shape[1]}] at world_size={world}, but got consumed={taken}"
+                )
+            consumed[grid[:, :taken].ravel()] = True
+            rest = grid[:, taken:].ravel()
+            if next_world == world:
+                layout = rest
+                continue
+            rest = rest[~consumed[rest]]
+            _, first = np.unique(rest, return_index=True)
+            layout = _layout(rest[np.sort(first)], next_world, self.drop_last)
+        per = len(layout) // self.world_size
+        return layout[self.rank * per : (self.rank + 1) * per]
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """This rank's position in the epoch: small, JSON-serialisable.
+
+        Args:
+            consumed: samples training has taken from the current iteration
+                (for a plain ``DataLoader``: ``steps * batch_size``, the last
+                batch possibly short). By default the samples this sampler has
+                yielded, which is what ``StatefulDataLoader`` needs (it
+                snapshots the sampler as it hands each batch's indices out).
+
+        Returns:
+            ``{"epoch", "seed", "consumed": [[world_size, samples], ...], ...}``
+            plus the options that fix the order, checked on load.
+        """
+        position = self._yielded if consumed is None else self._start + consumed
+        if consumed is not None and consumed < 0:
+            raise ValueError(f"consumed should be at least 0, but got consumed={consumed}")
+        return {
+            "version": 1,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "num_samples": self.num_samples_total,
+            "block_size": self.block_size,
+            "window": self.window,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "consumed": [*([w, c] for w, c in self._history), [self.world_size, int(position)]],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` (from :meth:`state_dict`) on the next iteration.
+
+        Sets the epoch to the saved one. At the same world size the next pass
+        yields exactly the indices the interrupted pass had left, in order; at
+        another world size, every remaining sample once (see the class
+        docstring). A pass that starts where an epoch ended yields nothing and
+        moves the sampler to the next epoch.
+
+        Raises:
+            ConfigError: the state was saved by a sampler with another order
+                (seed, number of samples, block size, window, shuffle, drop_last).
+        """
+        from packdata.errors import ConfigError
+
+        for name, mine in (
+            ("seed", self.seed),
+            ("num_samples", self.num_samples_total),
+            ("block_size", self.block_size),
+            ("window", self.window),
+            ("shuffle", self.shuffle),
+            ("drop_last", self.drop_last),
+        ):
+            if state_dict.get(name) != mine:
+                raise ConfigError(
+                    f"the sampler state was saved with {name}={state_dict.get(name)!r}, but this sampler has "
+                    f"{name}={mine!r}",
+                    hint=f"Build the sampler with {name}={state_dict.get(name)!r} to resume this epoch",
+                )
+        phases = [[int(w), int(c)] for w, c in state_dict["consumed"]]
+        if not phases:
+            raise ConfigError("the sampler state lists no consumed samples", hint="Pass a dict from state_dict()")
+        self.epoch = int(state_dict["epoch"])
+        if phases[-1][0] == self.world_size:
+            self._history, position = phases[:-1], phases[-1][1]
+        else:
+            self._history, position = phases, 0
+        length = len(self._stream())
+        if not 0 <= position <= length:
+            raise ConfigError(
+                f"the sampler state says {position} samples consumed, but this rank's epoch holds {length}",
+                hint="Pass the state this rank saved, unchanged",
+            )
+        self._start = self._yielded = position
+        self._pending = True
+
+    def _iterate(self, order: list[int]) -> Iterator[int]:
+        for index in order:
+            self._yielded += 1
+            yield index
 
     def indices(self, start: int = 0) -> np.ndarray:
         """This rank's order for the current epoch, from position ``start`` on."""
@@ -206,7 +363,16 @@ class BlockShuffleSampler(Sampler[int]):
         return order[start:]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        resumed, self._pending = self._pending, False
+        if not resumed:
+            self._history, self._start = [], 0  # a new pass over the whole epoch
+        stream = self._stream()
+        if resumed and self._start >= len(stream):  # resumed where the epoch ended
+            self._history, self._start, self._yielded = [], 0, 0
+            self.epoch += 1
+            return iter([])
+        self._yielded = self._start
+        return self._iterate(stream[self._start :].tolist())
 
     def __len__(self) -> int:
         return per_rank_count(self.num_samples_total, self.world_size, self.drop_last)

@@ -1,0 +1,203 @@
+"""Resume mid-epoch: BlockShuffleSampler and TFRecordDataset states through StatefulDataLoader.
+
+Every case stops after ``k`` batches (none, mid-epoch, the last), saves the
+state as JSON, builds pack reader, sampler and loader anew, loads, finishes the
+epoch, and checks the run against an uninterrupted one: the same order at the
+same world size, every remaining sample exactly once at another.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from packdata import BlockShuffleSampler, LMDBDataset, convert
+from packdata.errors import ConfigError
+
+torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+StatefulDataLoader = torchdata.StatefulDataLoader
+
+N = 37  # samples: odd, so two ranks pad
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("resume")
+    root = tmp / "texts"
+    for cls, count in (("a", 19), ("b", N - 19)):
+        (root / cls).mkdir(parents=True)
+        for i in range(count):
+            (root / cls / f"{i:02d}.txt").write_text(f"{cls}/{i:02d}", encoding="utf-8")
+    convert(root, tmp / "p.lmdb", kind="text", shard_samples=10, progress=False)
+    convert(root, tmp / "p.tf", format="tfrecord", kind="text", shard_samples=10, progress=False)
+    return {"lmdb": tmp / "p.lmdb", "tfrecord": tmp / "p.tf"}
+
+
+def _ids(batch: list) -> list[str]:
+    data = batch[0]
+    return [bytes(d).decode() for d in data]
+
+
+def _collate(items: list) -> tuple[list, list]:
+    return [x for x, _ in items], [y for _, y in items]
+
+
+def _sampler_loader(pack: Path, rank: int, world: int, workers: int, epoch: int = 1) -> StatefulDataLoader:
+    ds = LMDBDataset(pack, decode="bytes")
+    sampler = BlockShuffleSampler(ds, block_size=4, window=2, seed=5, rank=rank, world_size=world)
+    sampler.set_epoch(epoch)
+    return StatefulDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=workers, collate_fn=_collate)
+
+
+def _interrupted(make, stop: int) -> tuple[list[str], list[str]]:
+    """Samples before and after a checkpoint at batch ``stop``, the second half from a new loader."""
+    loader = make()
+    before: list[str] = []
+    it = iter(loader)
+    for _ in range(stop):
+        before.extend(_ids(next(it)))
+    state = json.dumps(loader.state_dict())
+    del it, loader
+    fresh = make()
+    fresh.load_state_dict(json.loads(state))
+    after = [s for batch in fresh for s in _ids(batch)]
+    return before, after
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2])
+def test_sampler_exact_resume(packs: dict[str, Path], world: int, workers: int) -> None:
+    for rank in range(world):
+        make = lambda rank=rank: _sampler_loader(packs["lmdb"], rank, world, workers)  # noqa: E731
+        full = [s for batch in make() for s in _ids(batch)]
+        batches = -(-len(full) // BATCH)
+        for stop in sorted({0, 1, batches // 2, batches - 1, batches}):
+            before, after = _interrupted(make, stop)
+            assert before + after == full, (rank, stop)
+
+
+def test_sampler_json_state_and_plain_dataloader(packs: dict[str, Path]) -> None:
+    from torch.utils.data import DataLoader
+
+    ds = LMDBDataset(packs["lmdb"], decode="bytes")
+
+    def make() -> tuple[BlockShuffleSampler, DataLoader]:
+        sampler = BlockShuffleSampler(ds, block_size=4, window=2, seed=5)
+        sampler.set_epoch(3)
+        return sampler, DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2, collate_fn=_collate)
+
+    sampler, loader = make()
+    full = [s for batch in loader for s in _ids(batch)]
+    sampler, loader = make()
+    before: list[str] = []
+    for step, batch in enumerate(loader, 1):
+        before.extend(_ids(batch))
+        if step == 3:
+            state = json.dumps(sampler.state_dict(consumed=step * BATCH))  # workers prefetched further
+            break
+    del loader
+    sampler, loader = make()
+    sampler.load_state_dict(json.loads(state))
+    assert json.loads(state)["epoch"] == 3 and sampler.epoch == 3
+    after = [s for batch in loader for s in _ids(batch)]
+    assert before + after == full
+    sampler.set_epoch(4)  # the next epoch is whole again
+    assert len(list(sampler)) == N
+
+
+def test_sampler_end_of_epoch_state_moves_to_next_epoch() -> None:
+    sampler = BlockShuffleSampler(N, block_size=4, window=2, seed=5)
+    sampler.set_epoch(2)
+    list(sampler)
+    state = sampler.state_dict()
+    fresh = BlockShuffleSampler(N, block_size=4, window=2, seed=5)
+    fresh.load_state_dict(state)
+    assert list(fresh) == [] and fresh.epoch == 3
+    reference = BlockShuffleSampler(N, block_size=4, window=2, seed=5)
+    reference.set_epoch(3)
+    assert list(fresh) == list(reference)
+
+
+def test_sampler_state_checks_order_options() -> None:
+    state = BlockShuffleSampler(N, seed=5).state_dict()
+    with pytest.raises(ConfigError, match=r"seed=5.*seed=6"):
+        BlockShuffleSampler(N, seed=6).load_state_dict(state)
+    with pytest.raises(ConfigError, match="num_samples"):
+        BlockShuffleSampler(N + 1, seed=5).load_state_dict(state)
+
+
+def _elastic(before_world: int, after_world: int, steps: list[int]) -> None:
+    """Run an epoch across world sizes (``steps[i]`` samples per rank in phase i, None: to the end)."""
+    worlds = [before_world, after_world]
+    seen: Counter[int] = Counter()
+    states = [None] * before_world
+    for phase, world in enumerate(worlds):
+        taken = steps[phase] if phase < len(steps) else None
+        new_states = []
+        lengths = set()
+        for rank in range(world):
+            sampler = BlockShuffleSampler(N, block_size=4, window=2, seed=5, rank=rank, world_size=world)
+            sampler.set_epoch(1)
+            if phase:
+                sampler.load_state_dict(json.loads(json.dumps(states[0])))  # any rank's state: ranks are in lockstep
+            order = list(sampler)
+            lengths.add(len(order))
+            order = order if taken is None else order[:taken]
+            seen.update(order)
+            new_states.append(sampler.state_dict(consumed=len(order)))
+        assert len(lengths) == 1  # equal per-rank counts, so DDP never waits
+        states = new_states
+    assert set(seen) == set(range(N))
+    repeats = sum(seen.values()) - N
+    assert repeats <= before_world - 1 + after_world - 1  # padding only
+
+
+@pytest.mark.parametrize("before_world,after_world", [(2, 1), (1, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("taken", [0, 5, 18])
+def test_sampler_elastic_every_remaining_sample_once(before_world: int, after_world: int, taken: int) -> None:
+    per_rank = -(-N // before_world)
+    _elastic(before_world, after_world, [min(taken, per_rank)])
+
+
+def test_sampler_elastic_exactly_once_without_padding() -> None:
+    # 36 samples split evenly at 1, 2 and 3 ranks: no padding, so each sample is visited exactly once
+    seen: Counter[int] = Counter()
+    state = None
+    for world, taken in ((2, 5), (3, 2), (1, None)):
+        for rank in range(world):
+            sampler = BlockShuffleSampler(36, block_size=4, window=2, seed=5, rank=rank, world_size=world)
+            if state is not None:
+                sampler.load_state_dict(state)
+            order = list(sampler)[:taken]
+            seen.update(order)
+            next_state = sampler.state_dict(consumed=len(order))
+        state = json.loads(json.dumps(next_state))
+    assert seen == Counter(range(36))
+
+
+def test_sampler_resume_in_fresh_process(packs: dict[str, Path], tmp_path: Path) -> None:
+    make = lambda: _sampler_loader(packs["lmdb"], 1, 2, 2)  # noqa: E731
+    full = [s for batch in make() for s in _ids(batch)]
+    loader = make()
+    it = iter(loader)
+    before = [s for _ in range(2) for s in _ids(next(it))]
+    (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
+    del it, loader
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_resume import _ids, _sampler_loader
+from pathlib import Path
+loader = _sampler_loader(Path({str(packs["lmdb"])!r}), 1, 2, 2)
+loader.load_state_dict(json.loads(Path({str(tmp_path / "state.json")!r}).read_text()))
+print(json.dumps([s for batch in loader for s in _ids(batch)]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before + after == full
