@@ -13,6 +13,7 @@ exactly once per epoch and no two readers read the same record.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -165,6 +166,18 @@ class TFRecordDataset(_PackView, IterableDataset):
     with ``persistent_workers=True`` the workers keep the epoch they started
     with, so leave persistent workers off to reshuffle.
 
+    Resuming mid-epoch: each ``(rank, worker)`` reader's order within an
+    epoch is a pure function of ``(seed, epoch, rank, world_size, worker,
+    num_workers)``, so :meth:`state_dict` is the epoch and the samples that
+    reader yielded, and :meth:`load_state_dict` makes the next pass continue
+    exactly, without reading the records already consumed. With
+    ``torchdata.stateful_dataloader.StatefulDataLoader`` (any
+    ``num_workers``) the loader saves and restores every worker's state
+    itself: resume with the same world size and ``num_workers``.
+    Resuming at another world size or worker count is not supported for
+    this streaming reader: use :class:`TFRecordIndexedDataset` with
+    :class:`~packdata.samplers.BlockShuffleSampler`, which resumes elastically.
+
     Args:
         path: the pack (directory with ``manifest.json``).
         transform: applied to the decoded sample.
@@ -206,6 +219,8 @@ class TFRecordDataset(_PackView, IterableDataset):
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_uneven = drop_uneven
         self.epoch = 0
+        self._position = 0  # samples this reader's stream has yielded in the current pass
+        self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         n = self.pack.manifest.num_samples
         if per_rank_count(n, self.world_size, drop_uneven) == 0:
             raise PackFormatError(
@@ -215,8 +230,78 @@ class TFRecordDataset(_PackView, IterableDataset):
             )
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` on the next iteration (call on every rank)."""
+        """Use the order of ``epoch`` on the next iteration (call on every rank).
+
+        A state loaded by :meth:`load_state_dict` belongs to its epoch: setting
+        another epoch discards it.
+        """
+        if epoch != self.epoch:
+            self._resume, self._position = None, 0
         self.epoch = epoch
+
+    def _state_key(self) -> dict[str, Any]:
+        """The options that fix a reader's order, saved with its position and checked on load."""
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "num_samples": int(self.pack.manifest.num_samples),
+            "num_shards": len(self._counts),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "drop_uneven": self.drop_uneven,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position in the epoch: small and JSON-serialisable.
+
+        A reader is one ``(rank, worker)`` stream. Its order within an epoch is
+        a pure function of ``(seed, epoch, rank, world_size, worker,
+        num_workers)``, so the state is the epoch and the samples the stream
+        has yielded. ``StatefulDataLoader`` calls this in each worker (after
+        each batch) and keeps one state per worker; called in the main process
+        it describes the ``num_workers=0`` stream.
+        """
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self._resume is not None:  # loaded, not yet iterated: the loaded position
+            return dict(self._resume)
+        return {
+            "version": 1,
+            "epoch": self.epoch,
+            **self._state_key(),
+            "worker": worker,
+            "num_workers": num_workers,
+            "yielded": int(self._position),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` on the next iteration, in the same order.
+
+        Load it into the reader that saved it: ``StatefulDataLoader`` does so
+        in each worker. The next pass yields exactly the samples the
+        interrupted pass had left, in the same order. Records already consumed
+        are not read again (the shuffle buffer's draws are replayed on
+        positions, not on data).
+
+        Raises:
+            ConfigError: the state was saved with other options (seed, shuffle,
+                shuffle buffer, pack, rank, world size, drop_uneven); the
+                worker is checked when iteration starts.
+        """
+        from packdata.errors import ConfigError
+
+        for name, mine in self._state_key().items():
+            if state_dict.get(name) != mine:
+                raise ConfigError(
+                    f"the reader state was saved with {name}={state_dict.get(name)!r}, but this dataset has "
+                    f"{name}={mine!r}",
+                    path=self.path,
+                    hint="Resume with the options, pack and world size the state was saved with",
+                )
+        self.epoch = int(state_dict["epoch"])
+        self._resume = dict(state_dict)
+        self._position = int(state_dict["yielded"])
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all its workers together)."""
@@ -257,12 +342,74 @@ class TFRecordDataset(_PackView, IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        resume, self._resume = self._resume, None
+        self._position = 0
+        if resume is not None:
+            return self._resumed(resume, worker, num_workers)
+        return self._iterate(worker, num_workers)
+
+    def _iterate(self, worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
         records = self._records(self.reader_segments(worker, num_workers))
         if self.shuffle:
             rng = random.Random(f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}")
             records = _shuffled(records, self.shuffle_buffer, rng)
         for data, label in records:  # the buffer holds page-cache views; copy each payload once here
+            self._position += 1
             yield self._finish(bytes(data), label)
+
+    def _resumed(self, state: dict[str, Any], worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
+        """The rest of a pass from ``state``: consumed records are skipped, not read."""
+        from packdata.errors import ConfigError
+
+        if (state.get("worker"), state.get("num_workers")) != (worker, num_workers):
+            raise ConfigError(
+                f"the reader state is worker {state.get('worker')} of {state.get('num_workers')}, but it was loaded "
+                f"into worker {worker} of {num_workers}",
+                path=self.path,
+                hint="Resume with the num_workers the state was saved with",
+            )
+        segments = self.reader_segments(worker, num_workers)
+        length = sum(end - first for _, first, end in segments)
+        skip = int(state["yielded"])
+        if not 0 <= skip <= length:
+            raise ConfigError(
+                f"the reader state says {skip} samples yielded, but this reader's epoch holds {length}",
+                path=self.path,
+                hint="Pass the state this reader saved, unchanged",
+            )
+        seed = f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}"
+        needed = np.ones(length, dtype=bool)
+        if self.shuffle:  # replay the buffer's draws on positions to find the records already yielded
+            positions = _shuffled(iter(range(length)), self.shuffle_buffer, random.Random(seed))
+            needed[list(itertools.islice(positions, skip))] = False
+        else:
+            needed[:skip] = False
+        records: Iterator[Any] = self._sparse_records(segments, needed)
+        if self.shuffle:
+            records = _shuffled(records, self.shuffle_buffer, random.Random(seed))
+        self._position = skip
+        for item in itertools.islice(records, skip, None):
+            data, label = item
+            self._position += 1
+            yield self._finish(bytes(data), label)
+        if skip == length and num_workers == 1 and skip > 0:
+            self.set_epoch(self.epoch + 1)  # resumed where the epoch ended: the next pass is the next epoch
+
+    def _sparse_records(self, segments: list[tuple[int, int, int]], needed: np.ndarray) -> Iterator[Any]:
+        """Like :meth:`_records`, with ``None`` in place of records not ``needed`` (those are not read)."""
+        position = 0
+        for shard, first, end in segments:
+            mask = needed[position : position + end - first]
+            position += end - first
+            hits = np.flatnonzero(mask)
+            if not len(hits):
+                yield from itertools.repeat(None, len(mask))
+                continue
+            lo, hi = int(hits[0]), int(hits[-1]) + 1
+            yield from itertools.repeat(None, lo)
+            for k, record in enumerate(self._records([(shard, first + lo, first + hi)]), lo):
+                yield record if mask[k] else None
+            yield from itertools.repeat(None, len(mask) - hi)
 
     def __repr__(self) -> str:
         return (

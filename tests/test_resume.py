@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from packdata import BlockShuffleSampler, LMDBDataset, convert
+from packdata import BlockShuffleSampler, LMDBDataset, TFRecordDataset, convert
 from packdata.errors import ConfigError
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
@@ -195,6 +195,89 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_resume import _ids, _sampler_loader
 from pathlib import Path
 loader = _sampler_loader(Path({str(packs["lmdb"])!r}), 1, 2, 2)
+loader.load_state_dict(json.loads(Path({str(tmp_path / "state.json")!r}).read_text()))
+print(json.dumps([s for batch in loader for s in _ids(batch)]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before + after == full
+
+
+def _tf_loader(pack: Path, rank: int, world: int, workers: int, epoch: int = 1, **kw) -> StatefulDataLoader:
+    ds = TFRecordDataset(pack, decode="bytes", seed=5, shuffle_buffer=6, rank=rank, world_size=world, **kw)
+    ds.set_epoch(epoch)
+    return StatefulDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=_collate)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2])
+def test_tfrecord_exact_resume(packs: dict[str, Path], world: int, workers: int, shuffle: bool) -> None:
+    epoch: list[str] = []
+    for rank in range(world):
+        make = lambda rank=rank: _tf_loader(packs["tfrecord"], rank, world, workers, shuffle=shuffle)  # noqa: E731
+        full = [s for batch in make() for s in _ids(batch)]
+        epoch.extend(full)
+        batches = len(list(make()))
+        for stop in sorted({0, 1, batches // 2, batches - 1, batches}):
+            before, after = _interrupted(make, stop)
+            assert before + after == full, (rank, stop)
+    counts = Counter(epoch)
+    assert len(counts) == N and sum(counts.values()) - N == (world - N % world) % world  # padding only
+
+
+def test_tfrecord_state_is_per_worker_and_json(packs: dict[str, Path]) -> None:
+    loader = _tf_loader(packs["tfrecord"], 0, 1, 2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    workers = state["_snapshot"]["_worker_snapshots"]
+    yielded = sorted(w["dataset_state"]["yielded"] for w in workers.values())
+    assert yielded == [BATCH, 2 * BATCH]  # worker 0 gave batches 1 and 3, worker 1 batch 2
+    assert {w["dataset_state"]["epoch"] for w in workers.values()} == {1}
+
+
+def test_tfrecord_resume_reads_no_consumed_record(packs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    full = [bytes(x).decode() for x, _ in ds]
+    state = {**ds.state_dict(), "yielded": 30}
+    fresh = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    read: list[tuple[int, int, int]] = []
+    original = TFRecordDataset._records
+
+    def spy(self, segments):
+        read.extend(segments)
+        return original(self, segments)
+
+    monkeypatch.setattr(TFRecordDataset, "_records", spy)
+    assert [bytes(x).decode() for x, _ in fresh] == full[30:]
+    assert sum(end - first for _, first, end in read) < N - 20  # only the tail and what the buffer still held
+
+
+def test_tfrecord_state_checks_options(packs: dict[str, Path]) -> None:
+    state = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5).state_dict()
+    with pytest.raises(ConfigError, match="seed=5"):
+        TFRecordDataset(packs["tfrecord"], decode="bytes", seed=6).load_state_dict(state)
+    with pytest.raises(ConfigError, match="world_size"):
+        TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, rank=0, world_size=2).load_state_dict(state)
+
+
+def test_tfrecord_resume_in_fresh_process(packs: dict[str, Path], tmp_path: Path) -> None:
+    make = lambda: _tf_loader(packs["tfrecord"], 1, 2, 2)  # noqa: E731
+    full = [s for batch in make() for s in _ids(batch)]
+    loader = make()
+    it = iter(loader)
+    before = [s for _ in range(3) for s in _ids(next(it))]
+    (tmp_path / "state.json").write_text(json.dumps(loader.state_dict()))
+    del it, loader
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_resume import _ids, _tf_loader
+from pathlib import Path
+loader = _tf_loader(Path({str(packs["tfrecord"])!r}), 1, 2, 2)
 loader.load_state_dict(json.loads(Path({str(tmp_path / "state.json")!r}).read_text()))
 print(json.dumps([s for batch in loader for s in _ids(batch)]))
 """
