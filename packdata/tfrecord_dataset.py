@@ -301,7 +301,43 @@ class TFRecordDataset(_PackView, IterableDataset):
                 )
         self.epoch = int(state_dict["epoch"])
         self._resume = dict(state_dict)
-        self._position = int(state_dict["yielded"])
+        self._position = int(state_dict.get("yielded", 0))
+
+    def loader_state_dict(self, batches: int, *, batch_size: int, num_workers: int = 0) -> dict[str, Any]:
+        """This rank's state after a plain ``DataLoader`` yielded ``batches`` batches of this epoch.
+
+        For training without ``StatefulDataLoader``: a ``DataLoader(self,
+        batch_size=batch_size, num_workers=num_workers)`` (``drop_last=False``,
+        ``in_order=True``, the defaults) takes each batch from one worker in
+        turn, skipping workers that have finished, so the batch count tells
+        how far each worker's stream went. Save the result, and after a
+        restart call :meth:`load_state_dict` on the new dataset before
+        building the loader (with the same ``batch_size`` and ``num_workers``):
+        each worker then continues its own stream exactly, so the rest of the
+        epoch holds exactly the remaining samples; with several workers the
+        batches interleave differently (a new ``DataLoader`` starts its
+        round-robin at worker 0), which ``StatefulDataLoader`` avoids.
+        """
+        streams = max(num_workers, 1)
+        lengths = [sum(end - first for _, first, end in self.reader_segments(w, streams)) for w in range(streams)]
+        left = [-(-length // batch_size) for length in lengths]
+        taken = [0] * streams
+        worker = 0
+        for _ in range(batches):
+            if not any(left):
+                break
+            while not left[worker]:
+                worker = (worker + 1) % streams
+            taken[worker] += 1
+            left[worker] -= 1
+            worker = (worker + 1) % streams
+        return {
+            "version": 1,
+            "epoch": self.epoch,
+            **self._state_key(),
+            "num_workers": streams,
+            "yielded_per_worker": [min(t * batch_size, n) for t, n in zip(taken, lengths, strict=True)],
+        }
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all its workers together)."""
@@ -361,6 +397,8 @@ class TFRecordDataset(_PackView, IterableDataset):
         """The rest of a pass from ``state``: consumed records are skipped, not read."""
         from packdata.errors import ConfigError
 
+        if "yielded_per_worker" in state and state.get("num_workers") == num_workers:  # from loader_state_dict
+            state = {**state, "worker": worker, "yielded": state["yielded_per_worker"][worker]}
         if (state.get("worker"), state.get("num_workers")) != (worker, num_workers):
             raise ConfigError(
                 f"the reader state is worker {state.get('worker')} of {state.get('num_workers')}, but it was loaded "

@@ -284,3 +284,31 @@ print(json.dumps([s for batch in loader for s in _ids(batch)]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     after = json.loads(done.stdout.strip().splitlines()[-1])
     assert before + after == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_tfrecord_plain_dataloader_resume(packs: dict[str, Path], workers: int) -> None:
+    from torch.utils.data import DataLoader
+
+    def make() -> tuple[TFRecordDataset, DataLoader]:
+        ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+        ds.set_epoch(2)
+        return ds, DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=_collate)
+
+    full = [s for batch in make()[1] for s in _ids(batch)]
+    for stop in (0, 3, 9, 10):  # 9: past worker 0's short last batch
+        ds, loader = make()
+        before: list[str] = []
+        for step, batch in enumerate(loader):
+            if step == stop:
+                break
+            before.extend(_ids(batch))
+        state = json.dumps(ds.loader_state_dict(stop, batch_size=BATCH, num_workers=workers))
+        del loader
+        ds, loader = make()
+        ds.load_state_dict(json.loads(state))
+        after = [s for batch in loader for s in _ids(batch)]
+        if workers == 0:
+            assert before + after == full, stop
+        else:  # each worker continues exactly, but a plain DataLoader restarts its round-robin at worker 0
+            assert sorted(before + after) == sorted(full), stop
