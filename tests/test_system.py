@@ -1,0 +1,490 @@
+"""Tests of packdata.system: crafted /proc and /sys trees under tmp_path, plus the real machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from packdata import system
+from packdata.system import (
+    DEFAULT_RESERVE_MIN,
+    CgroupMemory,
+    GPUInfo,
+    MemoryInfo,
+    Mount,
+    SystemFacts,
+    default_reserve,
+    find_mount,
+    format_size,
+    gather_facts,
+    is_network_fs,
+    is_rotational,
+    memory_warnings,
+    parse_size,
+    read_cgroup_memory,
+    read_cgroup_memory_limit,
+    read_meminfo,
+    read_mounts,
+    safe_tmpfs_size,
+    tmpfs_usage,
+)
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+V1_UNLIMITED = "9223372036854771712"
+
+MEMINFO = """\
+MemTotal:       65536000 kB
+MemFree:         1000000 kB
+MemAvailable:   60000000 kB
+Buffers:          200000 kB
+Cached:          3000000 kB
+SwapCached:            0 kB
+SwapTotal:       8388604 kB
+SwapFree:        8000000 kB
+Shmem:            123456 kB
+HugePages_Total:       0
+"""
+
+
+def write(root: Path, rel: str, text: str) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def facts(
+    total: int = 64 * GiB,
+    available: int = 60 * GiB,
+    swap_total: int = 0,
+    swap_free: int = 0,
+    limit: int | None = None,
+    usage: int | None = None,
+) -> SystemFacts:
+    return SystemFacts(MemoryInfo(total, available, swap_total, swap_free), CgroupMemory(limit, usage))
+
+
+def codes(warnings: list[system.SafetyWarning]) -> list[str]:
+    return [w.code for w in warnings]
+
+
+# --------------------------------------------------------------------------- /proc/meminfo
+
+
+def test_read_meminfo_parses_bytes(tmp_path: Path) -> None:
+    write(tmp_path, "proc/meminfo", MEMINFO)
+    mem = read_meminfo(tmp_path)
+    assert mem.mem_total == 65536000 * KiB
+    assert mem.mem_available == 60000000 * KiB
+    assert (mem.swap_total, mem.swap_free) == (8388604 * KiB, 8000000 * KiB)
+    assert mem.swap_used == (8388604 - 8000000) * KiB
+    assert (mem.shmem, mem.cached) == (123456 * KiB, 3000000 * KiB)
+
+
+def test_read_meminfo_without_memavailable_estimates_it(tmp_path: Path) -> None:
+    write(tmp_path, "proc/meminfo", "MemTotal: 1000 kB\nMemFree: 100 kB\nBuffers: 20 kB\nCached: 300 kB\n")
+    mem = read_meminfo(str(tmp_path))
+    assert mem.mem_available == 420 * KiB
+    assert mem.swap_total == 0 and mem.swap_used == 0
+
+
+def test_read_meminfo_errors(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        read_meminfo(tmp_path)
+    write(tmp_path, "proc/meminfo", "MemFree: 100 kB\n")
+    with pytest.raises(ValueError, match="no MemTotal"):
+        read_meminfo(tmp_path)
+
+
+# --------------------------------------------------------------------------- cgroups
+
+
+def test_cgroup_v2_nested_limits_take_the_smallest(tmp_path: Path) -> None:
+    write(tmp_path, "proc/self/cgroup", "0::/kubepods/pod1/ctr\n")
+    base = "sys/fs/cgroup"
+    write(tmp_path, f"{base}/kubepods/memory.max", "max\n")
+    write(tmp_path, f"{base}/kubepods/memory.current", str(50 * GiB))
+    write(tmp_path, f"{base}/kubepods/pod1/memory.max", str(8 * GiB))
+    write(tmp_path, f"{base}/kubepods/pod1/memory.current", str(3 * GiB))
+    write(tmp_path, f"{base}/kubepods/pod1/memory.stat", f"anon 100\ninactive_file {GiB}\nactive_file 5\n")
+    write(tmp_path, f"{base}/kubepods/pod1/ctr/memory.max", str(16 * GiB))
+    write(tmp_path, f"{base}/kubepods/pod1/ctr/memory.current", str(2 * GiB))
+    cg = read_cgroup_memory(tmp_path)
+    assert cg == CgroupMemory(limit=8 * GiB, usage=3 * GiB, version=2, inactive_file=GiB)
+    assert cg.headroom == 8 * GiB - (3 * GiB - GiB)
+    assert read_cgroup_memory_limit(tmp_path) == 8 * GiB
+
+
+def test_cgroup_v2_max_means_no_limit(tmp_path: Path) -> None:
+    write(tmp_path, "proc/self/cgroup", "0::/user.slice/session\n")
+    write(tmp_path, "sys/fs/cgroup/user.slice/memory.max", "max\n")
+    write(tmp_path, "sys/fs/cgroup/user.slice/session/memory.max", "max\n")
+    write(tmp_path, "sys/fs/cgroup/user.slice/session/memory.current", "12345\n")
+    cg = read_cgroup_memory(tmp_path)
+    assert cg == CgroupMemory(limit=None, usage=12345, version=2)
+    assert cg.headroom is None
+    assert read_cgroup_memory_limit(tmp_path) is None
+
+
+def test_cgroup_v2_namespace_falls_back_to_the_mount_root(tmp_path: Path) -> None:
+    # Inside a cgroup namespace the listed path does not exist under the mount; its root is the container.
+    write(tmp_path, "proc/self/cgroup", "0::/../../system.slice/docker-abc.scope\n")
+    write(tmp_path, "sys/fs/cgroup/memory.max", str(4 * GiB))
+    write(tmp_path, "sys/fs/cgroup/memory.current", str(GiB))
+    assert read_cgroup_memory(tmp_path) == CgroupMemory(4 * GiB, GiB, 2)
+
+
+def test_cgroup_v1_limit_and_huge_value_means_none(tmp_path: Path) -> None:
+    text = "12:pids:/docker/abc\n4:memory:/docker/abc\n1:name=systemd:/docker/abc\n0::/\n"
+    base = tmp_path / "sys/fs/cgroup/memory"
+    write(base, "memory.limit_in_bytes", V1_UNLIMITED)
+    write(base, "memory.usage_in_bytes", str(40 * GiB))
+    write(base, "docker/abc/memory.limit_in_bytes", V1_UNLIMITED)
+    write(base, "docker/abc/memory.usage_in_bytes", str(GiB))
+    # Hybrid layout: the 0:: line exists but v2 has no memory files, so v1 answers.
+    assert read_cgroup_memory(tmp_path, proc_self_cgroup=text) == CgroupMemory(None, GiB, 1)
+    write(base, "docker/memory.limit_in_bytes", str(2 * GiB))
+    write(base, "docker/memory.usage_in_bytes", str(GiB + 5))
+    write(base, "docker/memory.stat", "cache 9\ntotal_inactive_file 7\n")
+    assert read_cgroup_memory(tmp_path, proc_self_cgroup=text) == CgroupMemory(2 * GiB, GiB + 5, 1, 7)
+    assert read_cgroup_memory_limit(tmp_path, text) == 2 * GiB
+
+
+def test_cgroup_v1_controller_list_with_memory(tmp_path: Path) -> None:
+    write(tmp_path, "proc/self/cgroup", "3:cpu,memory:/job\n")
+    write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", "1073741824\n")
+    assert read_cgroup_memory_limit(tmp_path) == GiB
+
+
+def test_no_cgroup_files_means_unknown(tmp_path: Path) -> None:
+    assert read_cgroup_memory(tmp_path) == CgroupMemory(None, None, None)
+    write(tmp_path, "proc/self/cgroup", "0::/\n")
+    assert read_cgroup_memory(tmp_path) == CgroupMemory(None, None, None)
+
+
+# --------------------------------------------------------------------------- mounts and disks
+
+
+MOUNTS = r"""proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+/dev/nvme0n1p2 / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev,size=32G 0 0
+server:/export /mnt/my\040data nfs4 rw,vers=4.2,hard 0 0
+/dev/sdb1 /mnt/tab\011and\134slash xfs ro 0 0
+/dev/sdc1 /mnt/a ext4 rw 0 0
+/dev/sdd1 /mnt/ab ext4 rw 0 0
+"""
+
+
+def test_read_mounts_decodes_octal_escapes(tmp_path: Path) -> None:
+    write(tmp_path, "proc/self/mounts", MOUNTS)
+    mounts = read_mounts(tmp_path)
+    assert len(mounts) == 7
+    assert mounts[3] == Mount("server:/export", "/mnt/my data", "nfs4", ("rw", "vers=4.2", "hard"))
+    assert mounts[4].mountpoint == "/mnt/tab\tand\\slash"
+    assert mounts[2].options[-1] == "size=32G"
+
+
+def test_read_mounts_falls_back_to_proc_mounts_and_empty(tmp_path: Path) -> None:
+    assert read_mounts(tmp_path) == []
+    write(tmp_path, "proc/mounts", "tmpfs /run tmpfs rw 0 0\n")
+    assert read_mounts(tmp_path) == [Mount("tmpfs", "/run", "tmpfs", ("rw",))]
+
+
+def test_find_mount_longest_prefix_on_component_boundaries(tmp_path: Path) -> None:
+    write(tmp_path, "proc/self/mounts", MOUNTS)
+    mounts = read_mounts(tmp_path)
+    assert find_mount("/mnt/a/x/y", mounts).device == "/dev/sdc1"
+    assert find_mount("/mnt/ab", mounts).device == "/dev/sdd1"
+    assert find_mount("/mnt/abc", mounts).mountpoint == "/"
+    assert find_mount("/mnt/my data/train.lmdb", mounts).fstype == "nfs4"
+    assert find_mount("/", mounts).device == "/dev/nvme0n1p2"
+
+
+def test_find_mount_stacked_and_missing(tmp_path: Path) -> None:
+    real = os.path.realpath(tmp_path)
+    stacked = [Mount("a", "/", "ext4"), Mount("b", real, "ext4"), Mount("c", real + "/", "tmpfs")]
+    assert find_mount(tmp_path / "x", stacked).device == "c"
+    with pytest.raises(LookupError, match="no mount"):
+        find_mount(tmp_path, [Mount("b", "/elsewhere", "ext4")])
+
+
+@pytest.mark.parametrize(
+    ("fstype", "expected"),
+    [
+        ("nfs", True),
+        ("NFS4", True),
+        ("cifs", True),
+        ("smb3", True),
+        ("fuse.sshfs", True),
+        ("fuse.gcsfuse", True),
+        ("lustre", True),
+        ("gpfs", True),
+        ("ceph", True),
+        ("glusterfs", True),
+        ("9p", True),
+        ("beegfs", True),
+        ("ext4", False),
+        ("xfs", False),
+        ("tmpfs", False),
+        ("overlay", False),
+        ("fuseblk", False),
+    ],
+)
+def test_is_network_fs(fstype: str, expected: bool) -> None:
+    assert is_network_fs(fstype) is expected
+
+
+def _devnum(path: Path) -> str:
+    dev = os.stat(path).st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def test_is_rotational_whole_disk(tmp_path: Path) -> None:
+    sysroot = tmp_path / "root"
+    write(sysroot, f"sys/dev/block/{_devnum(tmp_path)}/queue/rotational", "1\n")
+    assert is_rotational(tmp_path, root=sysroot) is True
+    write(sysroot, f"sys/dev/block/{_devnum(tmp_path)}/queue/rotational", "0\n")
+    assert is_rotational(tmp_path / "not" / "yet", root=sysroot) is False
+
+
+def test_is_rotational_partition_resolves_to_parent(tmp_path: Path) -> None:
+    sysroot = tmp_path / "root"
+    disk = sysroot / "sys/devices/pci0/block/sda"
+    write(disk, "queue/rotational", "1\n")
+    write(disk, "sda1/partition", "1\n")
+    link = sysroot / f"sys/dev/block/{_devnum(tmp_path)}"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(Path("../../devices/pci0/block/sda/sda1"))
+    assert is_rotational(tmp_path, root=sysroot) is True
+
+
+def test_is_rotational_unknown_is_none(tmp_path: Path) -> None:
+    assert is_rotational(tmp_path, root=tmp_path / "empty") is None
+
+
+def test_tmpfs_usage_measures_reachable_tmpfs_and_skips_the_rest(tmp_path: Path) -> None:
+    real_dir = tmp_path / "staging area"
+    real_dir.mkdir()
+    escaped = str(real_dir).replace(" ", "\\040")
+    text = f"tmpfs {escaped} tmpfs rw 0 0\ntmpfs /no/such/tmpfs tmpfs rw 0 0\n/dev/sda1 {tmp_path} ext4 rw 0 0\n"
+    write(tmp_path, "proc/self/mounts", text)
+    [usage] = tmpfs_usage(tmp_path)
+    assert usage.mountpoint == str(real_dir)
+    assert usage.size_bytes > 0 and 0 <= usage.used_bytes <= usage.size_bytes
+    assert tmpfs_usage(tmp_path / "empty") == []
+
+
+def test_disk_free_uses_nearest_existing_parent(tmp_path: Path) -> None:
+    free = system.disk_free(tmp_path / "a" / "b" / "c.lmdb")
+    assert isinstance(free, int) and free > 0
+
+
+# --------------------------------------------------------------------------- CPUs and GPUs
+
+
+def test_cpu_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    physical, logical = system.cpu_counts()
+    assert physical >= 1 and logical >= 1
+    monkeypatch.setattr(system.psutil, "cpu_count", lambda logical=True: 8 if logical else None)
+    assert system.cpu_counts() == (8, 8)
+
+
+def test_gpus_returns_a_list_without_raising() -> None:
+    found = system.gpus()
+    assert isinstance(found, list)
+    assert all(isinstance(g, GPUInfo) and g.total_bytes >= g.free_bytes >= 0 for g in found)
+
+
+def test_gpus_through_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    mem = types.SimpleNamespace(total=80 * GiB, free=70 * GiB)
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H100" if h == 0 else "NVIDIA A100",
+        nvmlDeviceGetMemoryInfo=lambda h: mem,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert system.gpus() == [
+        GPUInfo(0, "NVIDIA H100", 80 * GiB, 70 * GiB),
+        GPUInfo(1, "NVIDIA A100", 80 * GiB, 70 * GiB),
+    ]
+
+
+def test_gpus_never_raise_when_every_probe_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: object) -> None:
+        raise RuntimeError("driver gone")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=boom))
+    monkeypatch.setattr(system, "_gpus_torch", boom)
+    assert system.gpus() == []
+
+
+# --------------------------------------------------------------------------- facts
+
+
+def test_gather_facts_on_the_real_machine(tmp_path: Path) -> None:
+    found = gather_facts(path=tmp_path / "staged")
+    assert found.memory.mem_total > 0
+    assert 0 <= found.memory.mem_available <= found.memory.mem_total
+    assert found.cpu_logical >= 1 and found.cpu_physical >= 1
+    assert isinstance(found.gpus, list)
+    assert found.path == str(tmp_path / "staged")
+    assert found.path_free is not None and found.path_free > 0
+    assert found.path_mount is not None and found.path_network is not None
+    data = json.loads(json.dumps(found.to_dict()))
+    assert data["memory"]["mem_total"] == found.memory.mem_total
+
+
+def test_gather_facts_on_a_crafted_root(tmp_path: Path) -> None:
+    write(tmp_path, "proc/meminfo", MEMINFO)
+    write(tmp_path, "proc/self/cgroup", "0::/job\n")
+    write(tmp_path, "sys/fs/cgroup/job/memory.max", str(16 * GiB))
+    write(tmp_path, "sys/fs/cgroup/job/memory.current", str(GiB))
+    found = gather_facts(tmp_path, include_gpus=False)
+    assert found.memory.mem_total == 65536000 * KiB
+    assert found.cgroup == CgroupMemory(16 * GiB, GiB, 2)
+    assert found.gpus == [] and found.path is None and found.tmpfs == []
+    assert "cgroup-limit" in codes(memory_warnings(found))
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def test_healthy_machine_gives_no_warnings() -> None:
+    assert memory_warnings(facts()) == []
+    assert codes(memory_warnings(facts(), tmpfs_size=16 * GiB)) == ["tmpfs-volatile"]
+    assert memory_warnings(facts(), tmpfs_size=16 * GiB)[0].severity == "warn"
+    # A cgroup limit above MemTotal, and swap that is present but unused without a tmpfs, are fine too.
+    assert memory_warnings(facts(swap_total=8 * GiB, swap_free=8 * GiB, limit=128 * GiB, usage=GiB)) == []
+
+
+def test_tmpfs_too_large_refuses_with_an_actionable_message() -> None:
+    healthy = facts()  # 60 GiB available, default reserve 6.4 GiB
+    assert safe_tmpfs_size(healthy) == 60 * GiB - int(64 * GiB * 0.10)
+    [refusal, volatile] = memory_warnings(healthy, tmpfs_size=58 * GiB)
+    assert (refusal.code, refusal.severity) == ("tmpfs-too-large", "refuse")
+    assert "58.0 GiB" in refusal.message and "ask for at most 53.6 GiB" in refusal.message
+    assert volatile.code == "tmpfs-volatile"
+    assert codes(memory_warnings(healthy, tmpfs_size=50 * GiB)) == ["tmpfs-volatile"]
+    assert codes(memory_warnings(healthy, tmpfs_size=50 * GiB, reserve=20 * GiB))[0] == "tmpfs-too-large"
+
+
+def test_tmpfs_too_large_uses_cgroup_headroom() -> None:
+    limited = facts(limit=16 * GiB, usage=10 * GiB)  # 6 GiB headroom; reserve min(4 GiB, 8 GiB) = 4 GiB
+    assert default_reserve(limited) == 4 * GiB
+    assert safe_tmpfs_size(limited) == 2 * GiB
+    assert codes(memory_warnings(limited, tmpfs_size=3 * GiB)) == ["tmpfs-too-large", "cgroup-limit", "tmpfs-volatile"]
+    assert "tmpfs-too-large" not in codes(memory_warnings(limited, tmpfs_size=2 * GiB))
+
+
+def test_default_reserve_rules() -> None:
+    assert default_reserve(facts(total=16 * GiB)) == DEFAULT_RESERVE_MIN
+    assert default_reserve(facts(total=1 * TiB)) == int(TiB * 0.10)
+    assert default_reserve(facts(total=6 * GiB, available=5 * GiB)) == 3 * GiB  # capped at half
+    assert safe_tmpfs_size(facts(total=4 * GiB, available=GiB)) == 0  # never negative
+    assert safe_tmpfs_size(facts(), reserve=0) == 60 * GiB
+
+
+def test_swap_on_tmpfs() -> None:
+    swappy = facts(swap_total=8 * GiB, swap_free=8 * GiB)
+    assert "swap-on-tmpfs" not in codes(memory_warnings(swappy))
+    found = [w for w in memory_warnings(swappy, tmpfs_size=GiB) if w.code == "swap-on-tmpfs"]
+    assert len(found) == 1 and "swapoff" in found[0].message and found[0].severity == "warn"
+
+
+@pytest.mark.parametrize(
+    ("available", "swap_free", "fires"),
+    [
+        (5 * GiB, 7 * GiB, True),  # under 10% of MemTotal available and swap in use
+        (20 * GiB, 0, False),  # 20 GiB available, 8 GiB of swap in use: not yet near
+        (6 * GiB, 0, True),  # less available than swap in use
+        (5 * GiB, 8 * GiB, False),  # low memory but no swap in use yet
+    ],
+)
+def test_oom_near(available: int, swap_free: int, fires: bool) -> None:
+    found = codes(memory_warnings(facts(available=available, swap_total=8 * GiB, swap_free=swap_free)))
+    assert ("oom-near" in found) is fires
+
+
+def test_cgroup_limit_warning_names_the_limit() -> None:
+    [warning] = memory_warnings(facts(limit=8 * GiB, usage=GiB))
+    assert warning.code == "cgroup-limit" and "8.0 GiB" in warning.message
+    assert memory_warnings(facts(limit=64 * GiB, usage=GiB)) == []
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1000", 1000),
+        ("0", 0),
+        ("30G", 30 * GiB),
+        ("30g", 30 * GiB),
+        ("30GB", 30 * 10**9),
+        ("30gb", 30 * 10**9),
+        ("30GiB", 30 * GiB),
+        ("30gib", 30 * GiB),
+        ("512M", 512 * MiB),
+        ("64MB", 64 * 10**6),
+        ("64MiB", 64 * MiB),
+        ("4K", 4 * KiB),
+        ("4kB", 4000),
+        ("4KiB", 4 * KiB),
+        ("1.5T", int(1.5 * TiB)),
+        ("2TB", 2 * 10**12),
+        ("1TiB", TiB),
+        (" 16 G ", 16 * GiB),
+        ("100B", 100),
+        ("0.5K", 512),
+        (".5G", GiB // 2),
+        ("1.0", 1),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["3 apples", "", "G", "-1G", "1.5", "30 GBs", "1e9", "1,000", "nan", "30X"])
+def test_parse_size_rejects_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match=r"invalid size .*: expected a number with an optional unit such as 64MB"):
+        parse_size(text)
+
+
+def test_parse_size_message_quotes_the_input() -> None:
+    with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with an optional unit"):
+        parse_size("3 apples")
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (0, "0 B"),
+        (512, "512 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (int(1.5 * GiB), "1.5 GiB"),
+        (30 * GiB, "30.0 GiB"),
+        (MiB - 1, "1.0 MiB"),
+        (2 * TiB, "2.0 TiB"),
+        (3 << 60, "3.0 EiB"),
+        (-2 * GiB, "-2.0 GiB"),
+    ],
+)
+def test_format_size(n: int, expected: str) -> None:
+    assert format_size(n) == expected
+
+
+def test_parse_format_round_trip() -> None:
+    for n in (KiB, 7 * MiB, 3 * GiB, 5 * TiB):
+        value, unit = format_size(n).split()
+        assert parse_size(value + unit) == n
