@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 # Bound eagerly: the ``packdata.convert`` submodule would otherwise shadow the
 # function once imported. It is cheap (no torch).
 from packdata.convert import convert
+from packdata.doctor import DoctorReport, doctor  # same shadowing as convert; no torch
+from packdata.stage import StageResult, StageStatus, UnstageResult, prepare_tmpfs, stage, stage_status, unstage
 
 _EXPORTS = {
     "BenchResult": "bench",
@@ -53,23 +55,32 @@ __all__ = [
     "ConfigError",
     "ConvertResult",
     "DecodeJPEG",
+    "DoctorReport",
     "LMDBDataset",
     "PackFormatError",
     "PackdataError",
     "SourceError",
+    "StageResult",
+    "StageStatus",
     "TFRecordDataset",
     "TFRecordIndexedDataset",
     "TokenBucketSampler",
     "TuneResult",
+    "UnstageResult",
     "convert",
+    "doctor",
     "fast_collate",
     "pack_info",
     "pad_collate",
+    "prepare_tmpfs",
     "recommend_loader_kwargs",
     "run_bench",
     "run_tune",
     "shuffle_quality",
+    "stage",
+    "stage_status",
     "standard_transform",
+    "unstage",
     "verify_pack",
     "worker_init_fn",
     "__version__",

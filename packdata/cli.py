@@ -429,18 +429,18 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     if status:
         if any(v not in (None, False) for v in options.values()) or shards:
             raise click.UsageError("--status takes only an optional area (PACK) and --json")
-        result = stage_status(pack)
+        report = stage_status(pack)
         if as_json:
-            click.echo(json.dumps(result.to_dict(), indent=1))
+            click.echo(json.dumps(report.to_dict(), indent=1))
             return
-        mem = result.memory
+        mem = report.memory
         click.echo(
             f"memory: {_mb(mem['mem_available'])} available of {_mb(mem['mem_total'])}, "
             f"shmem {_mb(mem['shmem'])}, swap {_mb(mem['swap_used'])} used of {_mb(mem['swap_total'])}"
         )
-        if not result.areas:
+        if not report.areas:
             click.echo("no staging areas (prepare one: sudo packdata stage --tmpfs 30G)")
-        for area in result.areas:
+        for area in report.areas:
             mark = ", mounted by packdata" if area.mounted_by_packdata else ""
             click.echo(
                 f"{area.path} ({area.fstype or '?'}{mark}): {_mb(area.used)} used of {_mb(area.size)}, "
@@ -452,7 +452,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
                     f"  {p.path.name}: {p.shards_staged} shards staged ({_mb(p.bytes_staged)}), "
                     f"{p.shards_left} left ({_mb(p.bytes_left)}) from {p.origin}{state}"
                 )
-        _warn(result.warnings)
+        _warn(report.warnings)
         return
     if options["to"] and (options["tmpfs"] is not None or options["mount"]):
         raise click.UsageError("--to stages into a directory; --tmpfs/--mount into a tmpfs: give one")
@@ -461,7 +461,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     if pack is None:
         if options["tmpfs"] is None:
             raise click.UsageError("give PACK to stage, --tmpfs SIZE to prepare a staging area, or --status")
-        area = prepare_tmpfs(
+        prepared = prepare_tmpfs(
             options["tmpfs"],
             mount=options["mount"] or "/mnt/packdata",
             resize=options["resize"],
@@ -469,12 +469,12 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
             reserve=options["reserve"],
         )
         if as_json:
-            click.echo(json.dumps(area.to_dict(), indent=1))
+            click.echo(json.dumps(prepared.to_dict(), indent=1))
             return
-        click.echo(f"tmpfs {area.action} at {area.path}: {_mb(area.size)}, {_mb(area.free)} free")
-        where = "" if str(area.path) == "/mnt/packdata" else f" --mount {area.path}"
+        click.echo(f"tmpfs {prepared.action} at {prepared.path}: {_mb(prepared.size)}, {_mb(prepared.free)} free")
+        where = "" if str(prepared.path) == "/mnt/packdata" else f" --mount {prepared.path}"
         click.echo(f"stage into it with: packdata stage PACK{where}")
-        _warn(area.warnings)
+        _warn(prepared.warnings)
         return
     chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
     result = run_stage(pack, shards=chosen, progress=not quiet, **options)

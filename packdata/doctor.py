@@ -1,0 +1,299 @@
+"""``packdata doctor``: one screen of machine facts, warnings, and first DataLoader settings for a pack.
+
+The facts come from :mod:`packdata.system` (memory, swap, cgroup limit, tmpfs
+use, CPUs, GPUs). For a pack it adds what decides read speed before any
+benchmark: how many shards there are against the ``ranks x workers`` that will
+read them, how uneven the shards are, and whether the files sit on a network
+or spinning filesystem (then ``packdata stage`` it first).
+
+The recommended first ``num_workers`` is about 3/4 of the physical cores this
+process may use, cut to what half the usable memory holds at
+:data:`WORKER_BYTES` per worker (the same estimate ``packdata tune`` starts
+from); ``pin_memory`` is recommended when a CUDA GPU is present. ``packdata
+tune`` measures from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.manifest import read_manifest
+from packdata.system import (
+    SafetyWarning,
+    SystemFacts,
+    find_mount,
+    format_size,
+    gather_facts,
+    is_network_fs,
+    is_rotational,
+    memory_warnings,
+    read_mounts,
+    safe_tmpfs_size,
+)
+
+__all__ = ["WORKER_BYTES", "DoctorReport", "PackReport", "doctor", "recommend_workers"]
+
+WORKER_BYTES = 160 << 20
+"""Private memory assumed per DataLoader worker before one is measured (as ``packdata tune`` assumes)."""
+
+_SKEW_LIMIT = 1.5
+_SHARDS_PER_READER = 2
+
+
+@dataclass
+class PackReport:
+    """What the doctor found about one pack."""
+
+    path: str
+    format: str
+    num_samples: int
+    shards: int
+    total_bytes: int
+    shard_bytes_min: int
+    shard_bytes_median: int
+    shard_bytes_max: int
+    skew: float  # largest shard over the median, the last (usually partial) shard left out
+    readers: int  # ranks x workers that will read it
+    fstype: str | None
+    network: bool | None
+    rotational: bool | None
+    staged_from: str | None  # the origin when this is a staged pack
+    shards_elsewhere: int  # shards read from outside the pack (left behind by a partial stage)
+
+
+@dataclass
+class DoctorReport:
+    """Facts, warnings and recommendations; :meth:`lines` renders one screen."""
+
+    facts: SystemFacts
+    warnings: list[SafetyWarning]
+    num_workers: int
+    pin_memory: bool
+    reasons: list[str]
+    cores: int
+    pack: PackReport | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "facts": self.facts.to_dict(),
+            "warnings": [dataclasses.asdict(w) for w in self.warnings],
+            "recommended": {"num_workers": self.num_workers, "pin_memory": self.pin_memory, "reasons": self.reasons},
+            "cores": self.cores,
+            "pack": dataclasses.asdict(self.pack) if self.pack else None,
+            "notes": self.notes,
+        }
+
+    def lines(self) -> list[str]:
+        """The report as lines of text for a terminal."""
+        f, mem, fs = self.facts, self.facts.memory, format_size
+        out = [
+            f"memory:   {fs(mem.mem_available)} available of {fs(mem.mem_total)}, shmem {fs(mem.shmem)}, "
+            f"swap {fs(mem.swap_used)} used of {fs(mem.swap_total)}",
+        ]
+        cg = f.cgroup
+        if cg.version is not None:
+            limit = fs(cg.limit) if cg.limit is not None else "none"
+            out.append(f"cgroup:   v{cg.version}, limit {limit}, usage {fs(cg.usage or 0)}")
+        for t in f.tmpfs:
+            out.append(f"tmpfs:    {t.mountpoint}: {fs(t.used_bytes)} used of {fs(t.size_bytes)}")
+        out.append(f"cpus:     {f.cpu_physical} physical, {f.cpu_logical} logical, {self.cores} usable")
+        if f.gpus:
+            for g in f.gpus:
+                out.append(f"gpu {g.index}:    {g.name}, {fs(g.free_bytes)} free of {fs(g.total_bytes)}")
+        else:
+            out.append("gpus:     none found (NVML and torch.cuda)")
+        p = self.pack
+        if p is not None:
+            where = p.fstype or "unknown"
+            if p.network:
+                where += ", network"
+            if p.rotational:
+                where += ", rotational disk"
+            out.append(f"pack:     {p.path} ({p.format}, {p.num_samples} samples, {fs(p.total_bytes)}, on {where})")
+            out.append(
+                f"shards:   {p.shards} for {p.readers} readers; sizes {fs(p.shard_bytes_min)} / "
+                f"{fs(p.shard_bytes_median)} / {fs(p.shard_bytes_max)} (min / median / max), skew {p.skew:.2f}"
+            )
+            if p.staged_from:
+                out.append(f"staged:   from {p.staged_from}, {p.shards_elsewhere} shards still read from there")
+        out.append(f"start with: DataLoader(..., num_workers={self.num_workers}, pin_memory={self.pin_memory})")
+        out.extend(f"  - {r}" for r in self.reasons)
+        out.extend(f"note: {n}" for n in self.notes)
+        out.extend(f"warning [{w.code}]: {w.message}" for w in self.warnings)
+        return out
+
+
+def _usable_cores(facts: SystemFacts) -> int:
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = facts.cpu_logical
+    # affinity counts logical CPUs; scale it to physical ones when hyperthreads are on
+    per_core = max(1, facts.cpu_logical // max(facts.cpu_physical, 1))
+    return max(1, min(facts.cpu_physical, allowed // per_core or 1))
+
+
+def recommend_workers(facts: SystemFacts, *, cores: int | None = None) -> tuple[int, str]:
+    """A first ``num_workers``: 3/4 of the usable physical cores, capped by memory.
+
+    Returns:
+        ``(num_workers, why)``.
+    """
+    cores = cores or _usable_cores(facts)
+    by_cpu = max(1, (3 * cores) // 4)
+    available = safe_tmpfs_size(facts, reserve=0)  # min(MemAvailable, cgroup headroom)
+    by_memory = max(0, (available // 2) // WORKER_BYTES)
+    if by_memory < by_cpu:
+        return int(by_memory), (
+            f"memory caps it: half of {format_size(available)} usable at {format_size(WORKER_BYTES)} per worker "
+            f"holds {by_memory} (3/4 of {cores} cores would be {by_cpu})"
+        )
+    return by_cpu, f"3/4 of {cores} usable physical cores; memory holds {by_memory} workers"
+
+
+def _pack_report(
+    path: Path, ranks: int, workers: int, root: str | os.PathLike
+) -> tuple[PackReport, list[SafetyWarning]]:
+    manifest = read_manifest(path)
+    sizes = [s.bytes for s in manifest.shards]
+    body = sizes[:-1] if len(sizes) >= 3 else sizes
+    median = int(statistics.median(body)) if body else 0
+    skew = max(body) / median if body and median else 1.0
+    mounts = read_mounts(root)
+    mount = None
+    with contextlib.suppress(LookupError):
+        mount = find_mount(path, mounts)
+    elsewhere = [s for s in manifest.shards if Path(s.file).is_absolute()]
+    origin = None
+    staged = path / "staged.json"
+    if staged.is_file():
+        import json
+
+        with contextlib.suppress(OSError, ValueError):
+            origin = str(json.loads(staged.read_text(encoding="utf-8")).get("origin") or "") or None
+    report = PackReport(
+        path=os.fspath(path),
+        format=manifest.format,
+        num_samples=manifest.num_samples,
+        shards=len(sizes),
+        total_bytes=sum(sizes),
+        shard_bytes_min=min(sizes, default=0),
+        shard_bytes_median=median,
+        shard_bytes_max=max(sizes, default=0),
+        skew=round(skew, 3),
+        readers=ranks * max(workers, 1),
+        fstype=mount.fstype if mount else None,
+        network=is_network_fs(mount.fstype) if mount else None,
+        rotational=is_rotational(path, root),
+        staged_from=origin,
+        shards_elsewhere=len(elsewhere),
+    )
+    warnings: list[SafetyWarning] = []
+    readers = report.readers
+    streams = manifest.format == "tfrecord"  # LMDBDataset reads by index: its shard count matters little
+    if streams and report.shards < readers:
+        warnings.append(
+            SafetyWarning(
+                "few-shards",
+                f"{report.shards} shards for {readers} readers ({ranks} ranks x {max(workers, 1)} workers): "
+                "readers share shards by record ranges and shuffling by shard order mixes little; convert with "
+                f"more shards (--shard-size or --shard-samples), at least {readers * _SHARDS_PER_READER}",
+            )
+        )
+    elif streams and report.shards % readers and report.shards < 8 * readers:
+        warnings.append(
+            SafetyWarning(
+                "uneven-shards",
+                f"{report.shards} shards do not divide among {readers} readers: some readers get one shard more "
+                f"per epoch; a multiple of {readers} shards balances them",
+            )
+        )
+    if skew > _SKEW_LIMIT:
+        warnings.append(
+            SafetyWarning(
+                "shard-skew",
+                f"the largest shard is {skew:.1f}x the median ({format_size(max(body))} vs {format_size(median)}): "
+                "readers of large shards finish last; convert with --shard-size for even shards",
+            )
+        )
+    if report.network:
+        warnings.append(
+            SafetyWarning(
+                "network-fs",
+                f"the pack sits on a network filesystem ({report.fstype}): every epoch crosses the network; "
+                f"stage it on local disk or RAM first: packdata stage {path} --to /local/nvme (or --tmpfs SIZE)",
+            )
+        )
+    if report.rotational:
+        warnings.append(
+            SafetyWarning(
+                "rotational-disk",
+                "the pack sits on a spinning disk: random reads seek; stage it onto NVMe or tmpfs "
+                f"(packdata stage {path} --to DIR), or read it sequentially with TFRecordDataset",
+            )
+        )
+    if elsewhere:
+        warnings.append(
+            SafetyWarning(
+                "partly-staged",
+                f"{len(elsewhere)} of {report.shards} shards are read from their originals "
+                f"({Path(elsewhere[0].file).parent}); a larger staging budget would hold them",
+            )
+        )
+    return report, warnings
+
+
+def doctor(
+    pack: str | os.PathLike | None = None,
+    *,
+    ranks: int = 1,
+    workers: int | None = None,
+    root: str | os.PathLike = "/",
+    include_gpus: bool = True,
+    reserve: int | None = None,
+) -> DoctorReport:
+    """Facts, warnings and first DataLoader settings for this machine and, when given, ``pack``.
+
+    Args:
+        pack: a pack to examine (shards, skew, filesystem).
+        ranks: distributed ranks that will read the pack.
+        workers: DataLoader workers per rank (default: the recommended number).
+        root: filesystem root holding ``proc/`` and ``sys/`` (tests pass crafted trees).
+        include_gpus: probe GPUs (NVML, else torch.cuda).
+        reserve: memory kept free in the memory checks (default: see :mod:`packdata.system`).
+
+    Raises:
+        PackFormatError: ``pack`` is not a readable pack.
+        ValueError: ``ranks`` or ``workers`` is negative.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks should be at least 1, but got ranks={ranks}")
+    if workers is not None and workers < 0:
+        raise ValueError(f"workers should be at least 0, but got workers={workers}")
+    facts = gather_facts(root, path=pack, include_gpus=include_gpus)
+    warnings = memory_warnings(facts, reserve=reserve)
+    cores = _usable_cores(facts)
+    num_workers, why = recommend_workers(facts, cores=cores)
+    pin = bool(facts.gpus)
+    reasons = [
+        why,
+        "pin_memory=True: a CUDA GPU is present, pinned batches copy asynchronously"
+        if pin
+        else "pin_memory=False: no CUDA GPU found",
+    ]
+    report = DoctorReport(facts, warnings, num_workers, pin, reasons, cores)
+    if pack is not None:
+        report.pack, extra = _pack_report(Path(pack), ranks, num_workers if workers is None else workers, root)
+        report.warnings.extend(extra)
+        if report.pack.format == "lmdb":
+            report.notes.append("LMDBDataset reads by index: the shard count matters little to it (TFRecord streams)")
+    report.notes.append("measure from here: packdata tune PACK --device cuda")
+    return report

@@ -1,0 +1,939 @@
+"""``packdata stage``: copy a pack's shards to fast storage, verify them, and point a manifest at them.
+
+A staging *area* is a directory on fast storage: a local NVMe path given with
+``to=``, or a tmpfs that packdata mounts (``tmpfs=SIZE``, at
+:data:`DEFAULT_AREA` unless ``mount=`` says otherwise). A pack staged from
+``/nfs/train.lmdb`` lands in ``AREA/train.lmdb``: a pack of its own whose
+manifest points each shard at its staged copy (a relative name) or, for a
+shard left behind because the budget did not hold it, at the original (an
+absolute path). The sample index is copied too, so ``LMDBDataset(staged)`` and
+``TFRecordDataset(staged)`` read the mix without knowing.
+
+How a run goes:
+
+1. Existing copies are checked: a staged shard counts only if every file has
+   the source's size and its SHA-256 equals the manifest's (side files, such as
+   ``records.i64`` or ``.tfindex``, must equal the source's). Anything else is
+   deleted and copied again, so a second run copies nothing and a corrupt or
+   outdated copy is replaced (the choice documented for checksum mismatches).
+2. Shards are chosen in priority order (the pack's order, or ``shards=``) while
+   their bytes fit the budget; a shard too big for what is left is skipped and
+   smaller later ones still get their chance. The default budget is what fits
+   the destination's free space.
+3. Free space (and, on tmpfs, memory: :func:`packdata.system.memory_warnings`)
+   is checked before a byte is copied. An unsafe tmpfs is refused unless ``force``.
+4. An interim manifest is written first (valid copies relative, all else at
+   the originals), so the staged pack reads correctly at every moment.
+5. Shards copy in parallel threads to hidden ``.NAME.partial`` names, hashed as
+   they are written; a copy whose SHA-256 differs from the manifest is an
+   error (the source is damaged), never staged. Only a verified copy is renamed
+   to its real name, then the final manifest and ``staged.json`` are written.
+
+A Ctrl-C or a kill therefore leaves at most ``.partial`` leftovers that no
+reader opens and the next run deletes. A destination that fills up raises one
+:class:`~packdata.errors.CapacityError`, after removing the partial shard; the
+source is only ever read.
+
+tmpfs contents live in RAM and vanish at reboot or unmount: the originals stay
+the source of truth, and ``staged.json`` records where they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
+from packdata.index import INDEX_DIR
+from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
+from packdata.system import Mount, SafetyWarning, find_mount, format_size, gather_facts, memory_warnings, read_mounts
+
+__all__ = [
+    "DEFAULT_AREA",
+    "STAGED_FILE",
+    "TMPFS_SOURCE",
+    "AreaStatus",
+    "StageResult",
+    "StageStatus",
+    "StagedPack",
+    "TmpfsArea",
+    "UnstageResult",
+    "prepare_tmpfs",
+    "stage",
+    "stage_status",
+    "unstage",
+]
+
+DEFAULT_AREA = Path("/mnt/packdata")
+"""Where ``stage(tmpfs=...)`` mounts its tmpfs, and where ``stage(pack)`` stages by default."""
+
+STAGED_FILE = "staged.json"
+"""Written in every staged pack: where it came from, which shards are staged and which were left."""
+
+TMPFS_SOURCE = "packdata"
+"""The device name of tmpfs mounts packdata makes (``/proc/mounts`` column 1): only these are unmounted."""
+
+_PARTIAL = ".partial"
+_LOCK = ".stage.lock"
+_CHUNK = 8 << 20
+_HEADROOM = 64 << 10  # left free on the destination beyond the staged files (directory blocks, staged.json)
+_EXTRA_FILES = ("skipped.jsonl",)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class TmpfsArea:
+    """A tmpfs staging area: mounted now, reused, or resized."""
+
+    path: Path
+    size: int
+    used: int
+    free: int
+    action: str  # "mounted", "reused", "resized"
+    mounted_by_packdata: bool
+    warnings: list[SafetyWarning] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["path"] = os.fspath(self.path)
+        return data
+
+
+@dataclass
+class StageResult:
+    """What one ``stage`` run did."""
+
+    source: Path
+    staged: Path
+    area: Path
+    copied: list[str]
+    reused: list[str]
+    left: list[str]
+    bytes_copied: int
+    bytes_staged: int
+    bytes_left: int
+    budget: int
+    seconds: float
+    free_after: int
+    tmpfs: TmpfsArea | None = None
+    warnings: list[SafetyWarning] = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        """Copy throughput of this run, in MB/s (10**6 bytes)."""
+        return self.bytes_copied / 1e6 / max(self.seconds, 1e-9)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for key in ("source", "staged", "area"):
+            data[key] = os.fspath(data[key])
+        if self.tmpfs is not None:
+            data["tmpfs"] = self.tmpfs.to_dict()
+        data["mb_per_s"] = round(self.mb_per_s, 1)
+        return data
+
+
+@dataclass
+class StagedPack:
+    """A staged pack found in an area."""
+
+    path: Path
+    origin: str
+    format: str
+    shards_staged: int
+    shards_left: int
+    bytes_staged: int
+    bytes_left: int
+    complete: bool
+    staged_at: str
+
+
+@dataclass
+class AreaStatus:
+    """One staging area: its filesystem, space, and the packs staged in it."""
+
+    path: Path
+    fstype: str
+    size: int
+    used: int
+    free: int
+    mounted_by_packdata: bool
+    packs: list[StagedPack]
+
+
+@dataclass
+class StageStatus:
+    """``packdata stage --status``: areas, packs, and the memory facts that matter for tmpfs."""
+
+    areas: list[AreaStatus]
+    memory: dict[str, Any]
+    warnings: list[SafetyWarning]
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self), default=os.fspath))
+
+
+@dataclass
+class UnstageResult:
+    """What ``unstage`` removed."""
+
+    removed: list[Path]
+    bytes_freed: int
+    unmounted: Path | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "removed": [os.fspath(p) for p in self.removed],
+            "bytes_freed": self.bytes_freed,
+            "unmounted": os.fspath(self.unmounted) if self.unmounted else None,
+        }
+
+
+# --------------------------------------------------------------------------- shard units
+
+
+class _Cancelled(Exception):
+    """Another copy failed or the user interrupted: stop this one and clean up."""
+
+
+@dataclass
+class _Unit:
+    """One shard as files on disk: where it is, where it goes, its temporary names."""
+
+    number: int
+    info: ShardInfo
+    name: str  # the shard's name in the staged pack
+    files: list[tuple[Path, Path, Path, bool]]  # (source, destination, temporary, is the checksummed file)
+    dest_root: Path  # what "staged" means on disk: a directory (LMDB) or the shard file (TFRecord)
+    temp_root: Path
+    directory: bool
+
+    @property
+    def size(self) -> int:
+        return sum(src.stat().st_size for src, _, _, _ in self.files)
+
+    def dest_bytes(self) -> int:
+        return sum(dst.stat().st_size for _, dst, _, _ in self.files if dst.is_file())
+
+    def remove(self) -> None:
+        if self.directory:
+            shutil.rmtree(self.dest_root, ignore_errors=True)
+        else:
+            for _, dst, _, _ in self.files:
+                dst.unlink(missing_ok=True)
+
+    def remove_temp(self) -> None:
+        if self.directory:
+            shutil.rmtree(self.temp_root, ignore_errors=True)
+        else:
+            for _, _, tmp, _ in self.files:
+                tmp.unlink(missing_ok=True)
+
+
+def _units(manifest: Manifest, source: Path, dest: Path) -> list[_Unit]:
+    units = []
+    for number, info in enumerate(manifest.shards):
+        src = info.path(source)
+        name = Path(info.file).name if Path(info.file).is_absolute() else info.file
+        if manifest.format == "lmdb":
+            from packdata.formats.lmdb import DATA_FILE
+
+            if not (src / DATA_FILE).is_file():
+                raise PackFormatError(
+                    f"shard {number} is missing its {DATA_FILE}", path=src, hint="Convert the pack again"
+                )
+            root, temp = dest / name, dest / f".{name}{_PARTIAL}"
+            names = sorted(p.name for p in src.iterdir() if p.is_file() and p.name != "lock.mdb")
+            files = [(src / f, root / f, temp / f, f == DATA_FILE) for f in names]
+            units.append(_Unit(number, info, name, files, root, temp, True))
+        else:
+            from packdata.formats.tfrecord import index_path
+
+            if not src.is_file():
+                raise PackFormatError(f"shard {number} is missing", path=src, hint="Convert the pack again")
+            files = [(src, dest / name, dest / f".{name}{_PARTIAL}", True)]
+            side = index_path(src)
+            if side.is_file():
+                files.insert(0, (side, dest / side.name, dest / f".{side.name}{_PARTIAL}", False))
+            units.append(_Unit(number, info, name, files, dest / name, dest / f".{name}{_PARTIAL}", False))
+    return units
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _is_staged(unit: _Unit) -> bool:
+    """Every file of the staged copy has the source's size and the expected checksum."""
+    try:
+        for src, dst, _, primary in unit.files:
+            if not dst.is_file() or dst.stat().st_size != src.stat().st_size:
+                return False
+            expected = unit.info.sha256 if primary else _sha256(src)
+            if _sha256(dst) != expected:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _copy_file(src: Path, tmp: Path, stop: threading.Event, bar: tqdm) -> tuple[int, str]:
+    """Copy ``src`` to ``tmp``, hashing what is written; fsync before returning."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while True:
+            if stop.is_set():
+                raise _Cancelled
+            n = fin.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])
+            fout.write(view[:n])
+            size += n
+            bar.update(n)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return size, digest.hexdigest()
+
+
+def _copy_unit(unit: _Unit, stop: threading.Event, bar: tqdm) -> None:
+    """Copy one shard to its temporary names, verify it, and rename it into place."""
+    unit.remove_temp()
+    try:
+        if unit.directory:
+            unit.temp_root.mkdir()
+        for src, _, tmp, primary in unit.files:
+            try:
+                size, sha = _copy_file(src, tmp, stop, bar)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityError(
+                        f"no space left while staging shard {unit.number} ({unit.name}, {format_size(unit.size)})",
+                        path=unit.dest_root.parent,
+                        hint="The partial copy was removed and the source is untouched. Stage fewer shards "
+                        "with --budget, free space, or use a larger --tmpfs",
+                    ) from exc
+                raise
+            if primary and (sha != unit.info.sha256 or size != unit.info.bytes):
+                raise PackFormatError(
+                    f"shard {unit.number} does not match the manifest: {size} bytes with SHA-256 {sha[:16]}..., "
+                    f"expected {unit.info.bytes} bytes with {unit.info.sha256[:16]}...",
+                    path=src,
+                    hint="The source pack is damaged: run `packdata verify` on it and convert it again",
+                )
+        if unit.directory:
+            os.rename(unit.temp_root, unit.dest_root)
+        else:
+            # the checksummed file last: until it has its name the shard is not staged
+            for _, dst, tmp, _ in sorted(unit.files, key=lambda f: f[3]):
+                os.replace(tmp, dst)
+    except BaseException:
+        unit.remove_temp()
+        raise
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _free_bytes(area: Path) -> int:
+    """Bytes free at the destination (what an unprivileged writer may use)."""
+    return shutil.disk_usage(area).free
+
+
+def _dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _same_tree(src: Path, dst: Path) -> bool:
+    if not dst.is_dir():
+        return False
+    for f in src.iterdir():
+        if not f.is_file():
+            continue
+        other = dst / f.name
+        if not other.is_file() or other.stat().st_size != f.stat().st_size or _sha256(other) != _sha256(f):
+            return False
+    return True
+
+
+def _copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
+    """Copy the sample index (and small extras) unless the destination already holds the same files."""
+    name = manifest.index.get("dir", INDEX_DIR)
+    src = source / name
+    if src.is_dir() and not _same_tree(src, dest / name):
+        temp = dest / f".{name}{_PARTIAL}"
+        shutil.rmtree(temp, ignore_errors=True)
+        shutil.copytree(src, temp)
+        old = dest / f".{name}.old{_PARTIAL}"
+        if (dest / name).exists():
+            os.rename(dest / name, old)
+        os.rename(temp, dest / name)
+        shutil.rmtree(old, ignore_errors=True)
+    for extra in _EXTRA_FILES:
+        if (source / extra).is_file():
+            shutil.copyfile(source / extra, dest / f".{extra}{_PARTIAL}")
+            os.replace(dest / f".{extra}{_PARTIAL}", dest / extra)
+
+
+def _remove_leftovers(dest: Path) -> None:
+    """Delete ``.partial`` files and folders an interrupted run left."""
+    for entry in dest.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(_PARTIAL):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    with open(dest / _LOCK, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                "another `packdata stage` is writing into this staged pack", path=dest, hint="Wait for it to finish"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}{_PARTIAL}")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _staged_manifest(manifest: Manifest, source: Path, units: list[_Unit], staged: set[int]) -> Manifest:
+    shards = [
+        dataclasses.replace(u.info, file=u.name if u.number in staged else os.fspath(u.info.path(source)))
+        for u in units
+    ]
+    return dataclasses.replace(manifest, shards=shards)
+
+
+def _resolve_order(manifest: Manifest, shards: Sequence[int | str] | None) -> list[int]:
+    n = len(manifest.shards)
+    if shards is None:
+        return list(range(n))
+    names = {Path(s.file).name: i for i, s in enumerate(manifest.shards)}
+    order: list[int] = []
+    for item in shards:
+        if isinstance(item, int) or (isinstance(item, str) and item.strip().isdigit()):
+            number = int(item)
+            if not 0 <= number < n:
+                raise ConfigError(f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}")
+        elif item in names:
+            number = names[item]
+        else:
+            raise ConfigError(
+                f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}",
+                hint=f"The pack's shards are {', '.join(list(names)[:3])}{', ...' if n > 3 else ''}",
+            )
+        if number not in order:
+            order.append(number)
+    return order
+
+
+def _check_destination(source: Path, dest: Path) -> None:
+    if dest.resolve() == source.resolve():
+        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another --to DIR")
+    if dest.exists():
+        marker = dest / STAGED_FILE
+        if not marker.is_file():
+            if dest.is_dir() and not any(dest.iterdir()):
+                return
+            raise ConfigError(
+                "exists and is not a staged pack",
+                path=dest,
+                hint="Choose another --to DIR or --name; packdata only writes into packs it staged",
+            )
+        try:
+            origin = json.loads(marker.read_text(encoding="utf-8")).get("origin")
+        except (OSError, ValueError):
+            origin = None
+        if origin and Path(origin) != source.resolve():
+            raise ConfigError(
+                f"holds a staged copy of another pack ({origin})",
+                path=dest,
+                hint=f"Unstage it first (packdata unstage {dest}) or choose another --name",
+            )
+
+
+# --------------------------------------------------------------------------- tmpfs
+
+
+def _mount_of(path: str | os.PathLike, mounts: list[Mount]) -> Mount | None:
+    try:
+        return find_mount(path, mounts)
+    except LookupError:
+        return None
+
+
+def _tmpfs_mount(path: Path, root: str = "/") -> Mount | None:
+    """The filesystem mounted exactly at ``path``, if any."""
+    mount = _mount_of(path, read_mounts(root)) if path.exists() else None
+    return mount if mount is not None and Path(mount.mountpoint) == path.resolve() else None
+
+
+def _run_mount(args: list[str], path: Path, hint: str) -> None:
+    try:
+        subprocess.run(args, check=True, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"the `{args[0]}` command is not installed", path=path) from exc
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or "").strip().rstrip(".") or f"exit status {exc.returncode}"
+        raise ConfigError(f"`{' '.join(args)}` failed: {detail}", path=path, hint=hint) from exc
+
+
+def _not_root_error(size: int, path: Path) -> ConfigError:
+    return ConfigError(
+        "mounting a tmpfs needs root",
+        path=path,
+        hint=f"Run `sudo packdata stage --tmpfs {format_size(size)} --mount {path}` once, "
+        f"or stage into RAM without mounting: `packdata stage PACK --to /dev/shm`",
+    )
+
+
+def prepare_tmpfs(
+    size: int,
+    *,
+    mount: str | os.PathLike = DEFAULT_AREA,
+    resize: bool = False,
+    force: bool = False,
+    reserve: int | None = None,
+) -> TmpfsArea:
+    """Mount a tmpfs of ``size`` bytes at ``mount``, or reuse (``resize``: remount) the one there.
+
+    Args:
+        size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
+        mount: the mount point, created when missing (default :data:`DEFAULT_AREA`).
+        resize: remount an existing tmpfs with the new size.
+        force: mount or resize even when the memory checks refuse the size.
+        reserve: memory kept for training (default: see :func:`packdata.system.memory_warnings`).
+
+    Raises:
+        CapacityError: the size is unsafe for this machine's memory (without ``force``).
+        ConfigError: not root, or something other than a tmpfs is mounted at ``mount``.
+    """
+    path = Path(mount).absolute()
+    existing = _tmpfs_mount(path)
+    if existing is not None and existing.fstype != "tmpfs":
+        raise ConfigError(
+            f"a {existing.fstype} filesystem is mounted here, not a tmpfs",
+            path=path,
+            hint="Choose another --mount DIR, or stage onto it with --to",
+        )
+    facts = gather_facts(include_gpus=False)
+    current = shutil.disk_usage(path) if existing is not None else None
+    growth = size - (current.total if current else 0) if existing is None or resize else 0
+    warnings = memory_warnings(
+        facts, tmpfs_size=max(growth, 0) if existing is None or resize else None, reserve=reserve
+    )
+    if existing is not None and not resize:
+        warnings = [w for w in warnings if w.code != "tmpfs-too-large"]
+    refused = [w for w in warnings if w.severity == "refuse"]
+    if refused and not force:
+        raise CapacityError(
+            refused[0].message, path=path, hint="Choose a smaller size, or pass --force to mount it anyway"
+        )
+    if existing is None or resize:
+        if os.geteuid() != 0:
+            raise _not_root_error(size, path)
+        if existing is None:
+            path.mkdir(parents=True, exist_ok=True)
+            _run_mount(
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
+                path,
+                "Check the mount point, or stage into /dev/shm with --to",
+            )
+            action = "mounted"
+        else:
+            _run_mount(
+                ["mount", "-o", f"remount,size={size}", os.fspath(path)],
+                path,
+                "A tmpfs cannot shrink below what it holds: unstage packs first",
+            )
+            action = "resized"
+    else:
+        action = "reused"
+    usage = shutil.disk_usage(path)
+    own = _tmpfs_mount(path)
+    return TmpfsArea(
+        path=path,
+        size=usage.total,
+        used=usage.used,
+        free=usage.free,
+        action=action,
+        mounted_by_packdata=own is not None and own.device == TMPFS_SOURCE,
+        warnings=warnings,
+    )
+
+
+# --------------------------------------------------------------------------- stage
+
+
+def stage(
+    pack: str | os.PathLike,
+    *,
+    to: str | os.PathLike | None = None,
+    tmpfs: int | None = None,
+    mount: str | os.PathLike | None = None,
+    resize: bool = False,
+    budget: int | None = None,
+    shards: Sequence[int | str] | None = None,
+    name: str | None = None,
+    workers: int | None = None,
+    force: bool = False,
+    reserve: int | None = None,
+    progress: bool | Callable[[str], None] = True,
+) -> StageResult:
+    """Copy ``pack``'s shards to fast storage and write a staged pack that reads from them.
+
+    Exactly one destination: ``to`` (a directory on local disk), ``tmpfs`` (a
+    size: mount or reuse a tmpfs at ``mount``, default :data:`DEFAULT_AREA`), or
+    neither (the default area, which must already be mounted, e.g. by
+    ``prepare_tmpfs``). The staged pack is ``AREA/NAME`` (``name`` defaults to
+    the pack's folder name). See the module docstring for the steps.
+
+    Args:
+        pack: the pack to stage.
+        to: a staging area on local disk.
+        tmpfs: mount a tmpfs of this many bytes (reuse the one there).
+        mount: the tmpfs mount point, or the default area to use.
+        resize: remount an existing tmpfs with the ``tmpfs`` size.
+        budget: most bytes of this pack's shards to hold at the destination
+            (default: what fits its free space).
+        shards: shard numbers or names in priority order; only these are staged.
+        name: the staged pack's folder name inside the area.
+        workers: parallel copy threads (default: up to 4).
+        force: stage even when the memory checks refuse.
+        reserve: memory kept for training in the tmpfs checks.
+        progress: a tqdm bar on stderr (True), none (False).
+
+    Returns:
+        A :class:`StageResult` naming copied, reused and left shards.
+
+    Raises:
+        CapacityError: the chosen shards do not fit, the tmpfs is unsafe, or
+            the destination filled up while copying (the partial shard is removed).
+        PackFormatError: the source is not a pack or a shard fails its checksum.
+        ConfigError: contradictory options, not root for a mount, or a destination
+            packdata did not stage.
+    """
+    start = time.monotonic()
+    if to is not None and (tmpfs is not None or mount is not None):
+        raise ConfigError("give either to= (a directory) or tmpfs=/mount= (a tmpfs area), not both")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"workers should be at least 1, but got workers={workers}")
+    if budget is not None and budget < 0:
+        raise ConfigError(f"budget should be at least 0, but got budget={budget}")
+    source = Path(pack)
+    manifest = read_manifest(source)
+    source = source.resolve()
+    order = _resolve_order(manifest, shards)
+
+    area_info: TmpfsArea | None = None
+    if tmpfs is not None:
+        area_info = prepare_tmpfs(tmpfs, mount=mount or DEFAULT_AREA, resize=resize, force=force, reserve=reserve)
+        area = area_info.path
+    elif to is not None:
+        area = Path(to).absolute()
+        area.mkdir(parents=True, exist_ok=True)
+    else:
+        area = Path(mount or DEFAULT_AREA).absolute()
+        if not area.is_dir() or (mount is None and _tmpfs_mount(area) is None):
+            raise ConfigError(
+                "no staging area here",
+                path=area,
+                hint="Prepare one with `sudo packdata stage --tmpfs 30G`, or give --to DIR",
+            )
+    dest = area / (name or source.name)
+    _check_destination(source, dest)
+    dest.mkdir(exist_ok=True)
+
+    with _locked(dest):
+        _remove_leftovers(dest)
+        units = _units(manifest, source, dest)
+        sizes = {u.number: u.size for u in units}
+        if not (dest / STAGED_FILE).is_file():  # claim the folder first, so a failed run can be retried
+            _write_marker(dest, source, manifest, units, set(), sizes, complete=False)
+        valid = {u.number for u in units if _is_staged(u)}
+        existing = sum(u.dest_bytes() for u in units)
+        index_dir = source / manifest.index.get("dir", INDEX_DIR)
+        fresh_index = index_dir.is_dir() and not _same_tree(index_dir, dest / index_dir.name)
+        index_bytes = _dir_bytes(index_dir) if fresh_index else 0
+        free = _free_bytes(area)
+        capacity = max(free + existing - index_bytes - _HEADROOM, 0)
+        limit = capacity if budget is None else budget
+        chosen: set[int] = set()
+        total = 0
+        for number in order:
+            if total + sizes[number] <= limit:
+                chosen.add(number)
+                total += sizes[number]
+        to_copy = [units[n] for n in order if n in chosen and n not in valid]  # hottest first
+        new_bytes = sum(sizes[u.number] for u in to_copy)
+        dead = [u for u in units if u.number not in chosen or u.number not in valid]
+        room = free + sum(u.dest_bytes() for u in dead) - _HEADROOM
+        if new_bytes + index_bytes > room:
+            raise CapacityError(
+                f"the {len(to_copy)} shards to stage need {format_size(new_bytes + index_bytes)}, "
+                f"but only {format_size(max(room, 0))} is free",
+                path=area,
+                hint="Lower --budget, choose fewer --shards, or free space",
+            )
+        warnings: list[SafetyWarning] = []
+        mount_info = _mount_of(area, read_mounts())
+        if mount_info is not None and mount_info.fstype == "tmpfs":
+            if area_info is not None:
+                warnings = list(area_info.warnings)
+            else:
+                warnings = memory_warnings(gather_facts(include_gpus=False), tmpfs_size=new_bytes, reserve=reserve)
+                refused = [w for w in warnings if w.severity == "refuse"]
+                if refused and not force:
+                    raise CapacityError(
+                        refused[0].message, path=area, hint="Stage fewer shards with --budget, or pass --force"
+                    )
+
+        _copy_index(source, dest, manifest)
+        keep = valid & chosen
+        write_manifest(dest, _staged_manifest(manifest, source, units, keep))
+        _write_marker(dest, source, manifest, units, keep, sizes, complete=False)
+        for unit in dead:
+            unit.remove()
+
+        _copy_all(to_copy, new_bytes, workers, progress)
+
+        staged = chosen
+        write_manifest(dest, _staged_manifest(manifest, source, units, staged))
+        _write_marker(dest, source, manifest, units, staged, sizes, complete=True)
+
+    names = {u.number: u.name for u in units}
+    return StageResult(
+        source=source,
+        staged=dest,
+        area=area,
+        copied=[names[u.number] for u in to_copy],
+        reused=[names[n] for n in order if n in keep],
+        left=[names[u.number] for u in units if u.number not in staged],
+        bytes_copied=new_bytes,
+        bytes_staged=sum(sizes[n] for n in staged),
+        bytes_left=sum(sizes[u.number] for u in units if u.number not in staged),
+        budget=limit,
+        seconds=time.monotonic() - start,
+        free_after=shutil.disk_usage(area).free,
+        tmpfs=area_info,
+        warnings=warnings,
+    )
+
+
+def _copy_all(units: list[_Unit], total: int, workers: int | None, progress: bool | Callable[[str], None]) -> None:
+    if not units:
+        return
+    stop = threading.Event()
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        desc=f"stage {len(units)} shard{'s' * (len(units) != 1)}",
+        file=sys.stderr,
+        disable=progress is False,
+        dynamic_ncols=True,
+    )
+    pool = ThreadPoolExecutor(max_workers=workers or min(4, len(units)), thread_name_prefix="packdata-stage")
+    futures = [pool.submit(_copy_unit, u, stop, bar) for u in units]
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.done() and f.exception() is not None for f in futures):
+            stop.set()  # one failed: cancel the others at their next chunk
+        wait(futures)
+        errors = [e for e in (f.exception() for f in futures) if e is not None and not isinstance(e, _Cancelled)]
+        if errors:
+            raise next((e for e in errors if isinstance(e, PackdataError)), errors[0])
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        for unit in units:
+            unit.remove_temp()
+        raise
+    finally:
+        bar.close()
+    pool.shutdown(wait=True)
+
+
+def _write_marker(
+    dest: Path,
+    source: Path,
+    manifest: Manifest,
+    units: list[_Unit],
+    staged: set[int],
+    sizes: dict[int, int],
+    *,
+    complete: bool,
+) -> None:
+    from packdata import __version__
+
+    _write_json(
+        dest / STAGED_FILE,
+        {
+            "origin": os.fspath(source),
+            "format": manifest.format,
+            "staged": [u.name for u in units if u.number in staged],
+            "left": [u.name for u in units if u.number not in staged],
+            "bytes_staged": sum(sizes[n] for n in staged),
+            "bytes_left": sum(sizes[u.number] for u in units if u.number not in staged),
+            "complete": complete,
+            "staged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "packdata_version": __version__,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- status and unstage
+
+
+def _read_marker(path: Path) -> StagedPack | None:
+    try:
+        data = json.loads((path / STAGED_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return StagedPack(
+        path=path,
+        origin=str(data.get("origin", "")),
+        format=str(data.get("format", "")),
+        shards_staged=len(data.get("staged", [])),
+        shards_left=len(data.get("left", [])),
+        bytes_staged=int(data.get("bytes_staged", 0)),
+        bytes_left=int(data.get("bytes_left", 0)),
+        complete=bool(data.get("complete")) and (path / MANIFEST_NAME).is_file(),
+        staged_at=str(data.get("staged_at", "")),
+    )
+
+
+def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
+    usage = shutil.disk_usage(path)
+    mount = _mount_of(path, mounts)
+    packs = [p for p in (_read_marker(d) for d in sorted(path.iterdir()) if d.is_dir()) if p is not None]
+    own = _read_marker(path)
+    if own is not None:
+        packs.insert(0, own)
+    return AreaStatus(
+        path=path,
+        fstype=mount.fstype if mount else "",
+        size=usage.total,
+        used=usage.used,
+        free=usage.free,
+        mounted_by_packdata=mount is not None and mount.device == TMPFS_SOURCE and Path(mount.mountpoint) == path,
+        packs=packs,
+    )
+
+
+def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
+    """Staging areas with their staged packs, sizes and free space, and the memory facts.
+
+    Args:
+        area: one area (or staged pack) to report; default :data:`DEFAULT_AREA`
+            and every tmpfs packdata mounted.
+    """
+    mounts = read_mounts()
+    if area is not None:
+        paths = [Path(area).absolute()]
+        if not paths[0].is_dir():
+            raise ConfigError("no such staging area", path=paths[0])
+    else:
+        paths = [DEFAULT_AREA] if DEFAULT_AREA.is_dir() else []
+        paths += [Path(m.mountpoint) for m in mounts if m.device == TMPFS_SOURCE and Path(m.mountpoint) not in paths]
+    facts = gather_facts(include_gpus=False)
+    return StageStatus(
+        areas=[_area_status(p, mounts) for p in paths],
+        memory={**facts.to_dict()["memory"], "swap_used": facts.memory.swap_used, "cgroup": facts.to_dict()["cgroup"]},
+        warnings=memory_warnings(facts),
+    )
+
+
+def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
+    """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
+
+    Only folders holding packdata's ``staged.json`` are deleted; the originals
+    are never touched.
+
+    Raises:
+        ConfigError: ``path`` is neither a staged pack nor an area holding one, or
+            ``unmount`` was asked for a mount packdata did not make.
+    """
+    target = Path(path).absolute()
+    if not target.is_dir():
+        raise ConfigError("no such staged pack or staging area", path=target)
+    if (target / STAGED_FILE).is_file():
+        packs, area = [target], target.parent
+    else:
+        packs = [d for d in sorted(target.iterdir()) if d.is_dir() and (d / STAGED_FILE).is_file()]
+        area = target
+        if not packs and not unmount:
+            raise ConfigError(
+                "is not a staged pack and holds none",
+                path=target,
+                hint="unstage only removes what `packdata stage` wrote (folders with staged.json)",
+            )
+    mount = None
+    if unmount:
+        mount = _tmpfs_mount(area)
+        if mount is None or mount.device != TMPFS_SOURCE:
+            raise ConfigError(
+                "is not a tmpfs that packdata mounted, so it is not unmounted",
+                path=area,
+                hint="Unmount it yourself with `sudo umount` if you mean to",
+            )
+        others = [d for d in area.iterdir() if d.is_dir() and d not in packs]
+        if others:
+            raise ConfigError(
+                f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
+                path=area,
+                hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
+            )
+    freed = 0
+    for pack in packs:
+        freed += _dir_bytes(pack)
+        shutil.rmtree(pack)
+    unmounted = None
+    if mount is not None:
+        if os.geteuid() != 0:
+            raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
+        _run_mount(
+            ["umount", os.fspath(area)],
+            area,
+            "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
+        )
+        unmounted = area
+    return UnstageResult(removed=packs, bytes_freed=freed, unmounted=unmounted)
