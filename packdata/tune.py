@@ -24,7 +24,6 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -45,7 +44,7 @@ __all__ = [
     "project_memory",
     "recommend_loader_kwargs",
     "rule_of_thumb_workers",
-    "tune",
+    "run_tune",
 ]
 
 DEFAULT_WORKER_BYTES = 160 << 20
@@ -55,17 +54,10 @@ _WORKER_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _physical_cores() -> int:
-    try:
-        from packdata.system import cpu_counts
+    """Physical cores this process may use: psutil's count, cut to the CPU affinity mask."""
+    from packdata.system import cpu_counts
 
-        counts = cpu_counts()
-        for name in ("usable", "available", "physical"):
-            value = counts.get(name) if isinstance(counts, dict) else getattr(counts, name, None)
-            if value:
-                return int(value)
-    except Exception:  # the facts module is optional here; psutil knows enough
-        pass
-    physical = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    physical, _logical = cpu_counts()
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -94,25 +86,10 @@ def default_memory_budget() -> tuple[int, str]:
 
 
 def _cgroup_headroom() -> int | None:
-    try:
-        from packdata.system import read_cgroup_memory
+    """Bytes the container's cgroup (v2 or v1) may still charge, or None without a limit."""
+    from packdata.system import read_cgroup_memory
 
-        facts = read_cgroup_memory()
-        limit = facts.get("limit") if isinstance(facts, dict) else getattr(facts, "limit", None)
-        usage = facts.get("usage", 0) if isinstance(facts, dict) else getattr(facts, "usage", 0)
-        if limit:
-            return max(int(limit) - int(usage or 0), 0)
-        return None
-    except Exception:  # fall back to reading cgroup v2 directly
-        pass
-    try:
-        limit_text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit_text == "max":
-            return None
-        usage = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        return max(int(limit_text) - usage, 0)
-    except (OSError, ValueError):
-        return None
+    return read_cgroup_memory().headroom
 
 
 def project_memory(config: LoaderConfig, *, per_worker_bytes: int, sample_bytes: int) -> int:
