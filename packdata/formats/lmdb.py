@@ -257,7 +257,6 @@ class LMDBShardReader:
                 self._locations = rows[1:].ravel()
         if self._locations is not None:
             self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def get(self, index: int) -> memoryview:
         """The whole record at ``index`` within the shard, valid until :meth:`close`."""
