@@ -98,11 +98,19 @@ def main() -> None:
 @click.option("--shard-samples", type=click.IntRange(min=1), help="At most N samples per shard.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="local: reader threads in this process. ray: one Ray task per shard "
-                   "(pip install 'packdata[ray]'); SRC and DST's folder must be on storage every node sees.")
-@click.option("--address", help="With --engine ray: the Ray cluster to join (e.g. auto, ray://head:10001). "
-                                "Default: start a local Ray instance.")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: reader threads in this process. ray: one Ray task per shard "
+    "(pip install 'packdata[ray]'); SRC and DST's folder must be on storage every node sees.",
+)
+@click.option(
+    "--address",
+    help="With --engine ray: the Ray cluster to join (e.g. auto, ray://head:10001). "
+    "Default: start a local Ray instance.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_friendly
