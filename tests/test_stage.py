@@ -27,6 +27,7 @@ from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
 from tests.conftest import tree_digest
 
 stage_module = importlib.import_module("packdata.stage")  # packdata.stage is the function
+copy_module = importlib.import_module("packdata._stage_copy")
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
@@ -237,7 +238,7 @@ def test_free_space_checked_before_copying(lmdb_pack: Path, tmp_path: Path, monk
 def test_interrupt_leaves_no_staged_looking_shard(
     lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = stage_module._copy_file
+    real = copy_module.copy_file
     calls = {"n": 0}
 
     def flaky(src, tmp, stop, bar):
@@ -247,7 +248,7 @@ def test_interrupt_leaves_no_staged_looking_shard(
             raise KeyboardInterrupt
         return real(src, tmp, stop, bar)
 
-    monkeypatch.setattr(stage_module, "_copy_file", flaky)
+    monkeypatch.setattr(copy_module, "copy_file", flaky)
     with pytest.raises(KeyboardInterrupt):
         stage(lmdb_pack, to=tmp_path / "nvme", workers=1, progress=False)
     staged = tmp_path / "nvme" / "train.lmdb"
@@ -258,7 +259,7 @@ def test_interrupt_leaves_no_staged_looking_shard(
             assert packdata.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
     assert not json.loads((staged / STAGED_FILE).read_text())["complete"]
-    monkeypatch.setattr(stage_module, "_copy_file", real)
+    monkeypatch.setattr(copy_module, "copy_file", real)
     again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
     assert len(again.copied) + len(again.reused) == 6 and again.copied
     assert json.loads((staged / STAGED_FILE).read_text())["complete"]
@@ -266,9 +267,9 @@ def test_interrupt_leaves_no_staged_looking_shard(
 
 _SLOW_CHILD = """
 import importlib, sys, time
-s = importlib.import_module("packdata.stage")
-real = s._copy_file
-s._CHUNK = 4096
+s = importlib.import_module("packdata._stage_copy")
+real = s.copy_file
+s.CHUNK = 4096
 def slow(src, tmp, stop, bar):
     orig = bar.update
     def update(n):
@@ -276,8 +277,8 @@ def slow(src, tmp, stop, bar):
         orig(n)
     bar.update = update
     return real(src, tmp, stop, bar)
-s._copy_file = slow
-s.stage(sys.argv[1], to=sys.argv[2], workers=2, progress=False)
+s.copy_file = slow
+importlib.import_module("packdata.stage").stage(sys.argv[1], to=sys.argv[2], workers=2, progress=False)
 """
 
 
@@ -415,3 +416,46 @@ def test_tiny_tmpfs_default_budget_stages_what_fits(lmdb_pack: Path, tmpfs) -> N
     assert result.copied and result.left
     assert {w.code for w in result.warnings} >= {"tmpfs-volatile"}
     assert _all_bytes(result.staged) == _all_bytes(lmdb_pack)
+
+
+@pytest.mark.root
+@needs_root
+def test_cli_prepare_area_then_stage_into_it(lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    point = tmp_path / "area"
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", os.fspath(point)], check=False))
+    runner = CliRunner()
+    out = runner.invoke(main, ["stage", "--tmpfs", "16M", "--mount", os.fspath(point)])
+    assert out.exit_code == 0, out.output
+    assert f"tmpfs mounted at {point}" in out.output and f"packdata stage PACK --mount {point}" in out.output
+    out = runner.invoke(main, ["stage", "--tmpfs", "16M", "--mount", os.fspath(point)])
+    assert out.exit_code == 0 and "tmpfs reused" in out.output
+    out = runner.invoke(main, ["stage", os.fspath(lmdb_pack), "--mount", os.fspath(point), "-q"])
+    assert out.exit_code == 0 and "copied 6 shards" in out.output, out.output
+    out = runner.invoke(main, ["stage", "--status", os.fspath(point)])
+    assert out.exit_code == 0 and "mounted by packdata" in out.output and "6 shards staged" in out.output
+    assert _samples_digest_in_child(point / "train.lmdb", "lmdb") == _samples_digest_in_child(lmdb_pack, "lmdb")
+    out = runner.invoke(main, ["unstage", os.fspath(point), "--unmount"])
+    assert out.exit_code == 0 and f"unmounted {point}" in out.output, out.output
+
+
+@pytest.mark.root
+@needs_root
+def test_staging_into_ram_checks_memory(
+    lmdb_pack: Path, tmpfs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from packdata import system
+
+    area = tmpfs("16M")
+    fake = tmp_path / "fake"
+    (fake / "proc").mkdir(parents=True)
+    # 4 GiB + 512 KiB available, and the default reserve of 4 GiB: 512 KiB may go to tmpfs, the pack needs more
+    (fake / "proc" / "meminfo").write_text(
+        "MemTotal: 16777216 kB\nMemAvailable: 4194816 kB\nSwapTotal: 1048576 kB\nSwapFree: 1048576 kB\n"
+    )
+    monkeypatch.setattr(stage_module, "gather_facts", lambda **kw: system.gather_facts(fake, **kw))
+    with pytest.raises(CapacityError, match=r"tmpfs does not fit in memory.*--force"):
+        stage(lmdb_pack, to=area, progress=False)
+    assert not list((area / "train.lmdb").glob("shard-*"))
+    result = stage(lmdb_pack, to=area, force=True, progress=False)
+    assert len(result.copied) == 6
+    assert {"tmpfs-too-large", "swap-on-tmpfs", "tmpfs-volatile"} <= {w.code for w in result.warnings}
