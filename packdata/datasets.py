@@ -25,7 +25,7 @@ from packdata.index import INDEX_DIR, KeyList, SampleIndex
 from packdata.manifest import Manifest, read_manifest
 from packdata.records import RecordError, record_payload
 
-__all__ = ["LMDBDataset", "PackInfo"]
+__all__ = ["LMDBDataset", "PackInfo", "PackView"]
 
 
 class PackInfo:
@@ -68,7 +68,53 @@ class PackInfo:
         return state
 
 
-class LMDBDataset(Dataset):
+class PackView:
+    """What every pack dataset shares: the pack, its ImageFolder attributes, decode and transforms."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        expected_format: str,
+        transform: Callable[[Any], Any] | None,
+        target_transform: Callable[[int], Any] | None,
+        decode: str | DecodeFn,
+    ) -> None:
+        self.pack = PackInfo(path, expected_format)
+        self.path = self.pack.path
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = resolve_decoder(decode)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.pack.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return self.pack.class_to_idx
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label (int32, memory-mapped), without reading records."""
+        return self.pack.index.labels
+
+    @property
+    def keys(self) -> KeyList:
+        """Every sample's key: its path relative to the source folder."""
+        return self.pack.index.keys
+
+    def _finish(self, data: bytes, label: int) -> tuple[Any, Any]:
+        """Decode and transform one sample in the process that reads it."""
+        sample = self.decode(data)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        target: Any = label
+        if self.target_transform is not None:
+            target = self.target_transform(label)
+        return sample, target
+
+
+class LMDBDataset(PackView, Dataset):
     """Map-style dataset over an LMDB pack: ``ds[i] -> (sample, label)``.
 
     A drop-in for ``torchvision.datasets.ImageFolder``: ``classes``,
@@ -102,11 +148,7 @@ class LMDBDataset(Dataset):
         readahead: bool = False,
         verify: bool = False,
     ) -> None:
-        self.pack = PackInfo(path, "lmdb")
-        self.path = self.pack.path
-        self.transform = transform
-        self.target_transform = target_transform
-        self.decode = resolve_decoder(decode)
+        super().__init__(path, "lmdb", transform, target_transform, decode)
         self.readahead = readahead
         self.verify = verify
         shards = self.pack.manifest.shards
@@ -114,24 +156,6 @@ class LMDBDataset(Dataset):
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
         self._readers: list[LMDBShardReader | None] = []
         self._pid = -1
-
-    @property
-    def classes(self) -> list[str]:
-        return self.pack.classes
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return self.pack.class_to_idx
-
-    @property
-    def targets(self) -> np.ndarray:
-        """Every sample's label (int32, memory-mapped), without reading records."""
-        return self.pack.index.labels
-
-    @property
-    def keys(self) -> KeyList:
-        """Every sample's key: its path relative to the source folder."""
-        return self.pack.index.keys
 
     def __len__(self) -> int:
         return self.pack.manifest.num_samples
@@ -167,14 +191,7 @@ class LMDBDataset(Dataset):
             ) from exc
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        data, label = self.raw(index)
-        sample = self.decode(data)
-        if self.transform is not None:
-            sample = self.transform(sample)
-        target: Any = label
-        if self.target_transform is not None:
-            target = self.target_transform(label)
-        return sample, target
+        return self._finish(*self.raw(index))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from packdata.datasets import PackInfo
-from packdata.decode import DecodeFn, resolve_decoder
+from packdata.datasets import PackView
+from packdata.decode import DecodeFn
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index
-from packdata.index import KeyList
 from packdata.records import RecordError
 from packdata.samplers import per_rank_count, resolve_rank_world
 
@@ -74,8 +73,8 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
     yield from buffer
 
 
-class _PackView:
-    """Shared by both datasets: pack info, options and the decode/transform step."""
+class _PackView(PackView):
+    """Shared by both TFRecord datasets: the shard layout and CRC option."""
 
     def __init__(
         self,
@@ -85,34 +84,12 @@ class _PackView:
         decode: str | DecodeFn,
         check_crc: bool,
     ) -> None:
-        self.pack = PackInfo(path, "tfrecord")
-        self.path = self.pack.path
-        self.transform = transform
-        self.target_transform = target_transform
-        self.decode = resolve_decoder(decode)
+        super().__init__(path, "tfrecord", transform, target_transform, decode)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
         self._counts = np.array([s.num_samples for s in shards], dtype=np.int64)
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
-
-    @property
-    def classes(self) -> list[str]:
-        return self.pack.classes
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return self.pack.class_to_idx
-
-    @property
-    def targets(self) -> np.ndarray:
-        """Every sample's label (int32, memory-mapped), without reading records."""
-        return self.pack.index.labels
-
-    @property
-    def keys(self) -> KeyList:
-        """Every sample's key: its path relative to the source folder."""
-        return self.pack.index.keys
 
     def _parse(self, data: memoryview, path: str, offset: int) -> tuple[memoryview, int]:
         try:
@@ -122,15 +99,6 @@ class _PackView:
                 f"record at byte offset {offset} is damaged: {exc}", path=path, hint="Run `packdata verify` on the pack"
             ) from exc
         return parsed.data, parsed.label
-
-    def _finish(self, data: bytes, label: int) -> tuple[Any, Any]:
-        sample = self.decode(data)
-        if self.transform is not None:
-            sample = self.transform(sample)
-        target: Any = label
-        if self.target_transform is not None:
-            target = self.target_transform(label)
-        return sample, target
 
 
 class TFRecordDataset(_PackView, IterableDataset):
