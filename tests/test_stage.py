@@ -284,14 +284,15 @@ importlib.import_module("packdata.stage").stage(sys.argv[1], to=sys.argv[2], wor
 
 def test_killed_stage_leaves_no_half_shard(lmdb_pack: Path, tmp_path: Path) -> None:
     dest = tmp_path / "nvme"
-    child = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, os.fspath(lmdb_pack), os.fspath(dest)])
+    args = [sys.executable, "-c", _SLOW_CHILD, os.fspath(lmdb_pack), os.fspath(dest)]
+    child = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
     staged = dest / "train.lmdb"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list(staged.glob(".*.partial/data.mdb")):
+    while child.poll() is None and time.monotonic() < deadline and not list(staged.glob(".*.partial/data.mdb")):
         time.sleep(0.02)
     child.send_signal(signal.SIGKILL)
-    child.wait()
-    assert list(staged.glob(".*.partial")), "the child should have been killed mid-copy"
+    _, errors = child.communicate()
+    assert list(staged.glob(".*.partial")), f"the child should have been killed mid-copy: {errors}"
     manifest = read_manifest(staged)
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
