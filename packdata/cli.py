@@ -135,7 +135,11 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     if options.get("address") and options.get("engine") != "ray":
         raise click.UsageError("--address needs --engine ray")
 
-    result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
+    try:
+        result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
+    except KeyboardInterrupt:
+        click.echo(f"\nInterrupted: nothing was published at {dst}; rerun with --resume to continue.", err=True)
+        sys.exit(130)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
         return

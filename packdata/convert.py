@@ -9,6 +9,7 @@ checkpoint and carries on, giving the same content as an uninterrupted run.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -25,7 +26,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from packdata.errors import ConfigError, SourceError
+from packdata.errors import CapacityError, ConfigError, SourceError
 from packdata.formats import FORMATS, format_from_path, shard_writer
 from packdata.index import SampleIndexWriter
 from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, write_manifest
@@ -393,11 +394,20 @@ def convert(
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
     except SourceError:
-        packer.close_files()
+        packer.close_files(failed=True)
         shutil.rmtree(partial)  # a deliberate stop: nothing to resume
         raise
-    finally:
-        packer.close_files()
+    except OSError as exc:
+        packer.close_files(failed=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CapacityError(
+                "the destination disk is full", path=partial, hint="Free space and rerun with --resume"
+            ) from exc
+        raise
+    except BaseException:
+        packer.close_files(failed=True)
+        raise
+    packer.close_files()
     if checkpoint.samples_done == 0:
         shutil.rmtree(partial)
         raise _no_samples_error(source, checkpoint.skipped)
@@ -538,11 +548,20 @@ class _Packer:
         self.writer = self._open_shard()
         self.cp.save()
 
-    def close_files(self) -> None:
-        """Close the skip report and the index files (safe to call twice)."""
-        if not self.report.closed:
+    def close_files(self, failed: bool = False) -> None:
+        """Close the skip report and the index files (safe to call twice).
+
+        After a failure, errors closing them (a full disk) are ignored: the last
+        checkpoint, not these buffers, is what a resume continues from.
+        """
+        if self.report.closed:
+            return
+        try:
             self.report.close()
             self.index.close()
+        except OSError:
+            if not failed:
+                raise
 
     def finish(self) -> Manifest:
         """Close the last shard, give shards their final names, write the manifest."""

@@ -16,7 +16,7 @@ import pytest
 from conftest import IMAGE_EXTS, _jpeg, expected_samples, tree_digest
 from PIL import Image
 
-from packdata import ConfigError, LMDBDataset, SourceError, convert, verify_pack
+from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
 from packdata.convert import partial_path
 from packdata.formats.lmdb import encode_key
 from packdata.records import decode_record
@@ -245,3 +245,28 @@ def test_jpeg_with_a_damaged_header_is_skipped_without_verify(image_folder: Path
     result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
     assert result.skipped == {"corrupt image": 2}
     assert {e["key"] for e in result.skip_examples} == {"cat/fake.jpg", "cat/headless.jpg"}
+
+
+@pytest.mark.root
+def test_full_disk_gives_one_clear_error_and_resumes_after_space_is_freed(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    src = tmp_path / "src"
+    (src / "docs").mkdir(parents=True)
+    for i in range(120):
+        (src / f"docs/{i:03d}.txt").write_text(f"document {i} " * 5000)  # about 60 KB each, 7 MB in all
+    before = tree_digest(src)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(CapacityError, match=r"Free space .* --resume"):
+            convert(src, disk / "out.lmdb", progress=False)
+        assert not (disk / "out.lmdb").exists()
+        subprocess.run(["mount", "-o", "remount,size=64M", str(disk)], check=True)
+        result = convert(src, disk / "out.lmdb", resume=True, progress=False)
+        assert result.packed == 120
+        verify_pack(disk / "out.lmdb", progress=False)
+        assert tree_digest(src) == before
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

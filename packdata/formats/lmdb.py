@@ -120,9 +120,11 @@ class LMDBShardWriter:
                 return
             except lmdb.MapFullError:
                 self._grow_to(self._map_size * 2)
-            except lmdb.DiskError as exc:
+            except lmdb.Error as exc:  # a short write on a full disk surfaces as EIO or ENOSPC
                 raise CapacityError(
-                    f"disk error while writing: {exc}", path=self.path, hint="Free space on the destination disk"
+                    f"cannot write the shard ({exc}); {_free(self.path)} free on its disk",
+                    path=self.path,
+                    hint="Free space on the destination disk and rerun with --resume",
                 ) from exc
 
     def sync(self) -> None:
@@ -141,6 +143,11 @@ class LMDBShardWriter:
             f.write(locations.astype("<i8").tobytes())
             os.fsync(f.fileno())
         return data.stat().st_size, file_sha256(data)
+
+
+def _free(path: Path) -> str:
+    stat = os.statvfs(path)
+    return f"{stat.f_bavail * stat.f_frsize / 1e6:.1f} MB"
 
 
 _open_envs: dict[str, tuple[int, lmdb.Environment]] = {}
