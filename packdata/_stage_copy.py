@@ -1,7 +1,7 @@
 """The copying half of :mod:`packdata.stage`: shard files, verified parallel copies, markers.
 
 A shard is copied as :class:`ShardFiles`: its files (``data.mdb`` and
-``records.i64`` for LMDB, the ``.tfrecord`` and its ``.tfindex`` for TFRecord),
+``records.i64`` for LMDB, the ``.tfrecord``, its ``.tfindex`` and ``.tfpayload`` for TFRecord),
 each to a hidden ``.NAME.partial`` name first, hashed as written, renamed into
 place only once the checksummed file matches the manifest. Internal: the API
 and its documentation live in :mod:`packdata.stage`.
@@ -117,14 +117,14 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
             files = [(src / f, root / f, temp / f, f == DATA_FILE) for f in names]
             units.append(ShardFiles(number, info, name, files, root, temp, True))
         else:
-            from packdata.formats.tfrecord import index_path
+            from packdata.formats.tfrecord import index_path, payload_path
 
             if not src.is_file():
                 raise PackFormatError(f"shard {number} is missing", path=src, hint="Convert the pack again")
             files = [(src, dest / name, dest / f".{name}{PARTIAL}", True)]
-            side = index_path(src)
-            if side.is_file():
-                files.insert(0, (side, dest / side.name, dest / f".{side.name}{PARTIAL}", False))
+            for side in (payload_path(src), index_path(src)):
+                if side.is_file():
+                    files.insert(0, (side, dest / side.name, dest / f".{side.name}{PARTIAL}", False))
             units.append(ShardFiles(number, info, name, files, dest / name, dest / f".{name}{PARTIAL}", False))
     return units
 

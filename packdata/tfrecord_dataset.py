@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from packdata.datasets import PackView
 from packdata.decode import DecodeFn
 from packdata.errors import PackFormatError
-from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index
+from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
 from packdata.records import RecordError
 from packdata.samplers import per_rank_count, resolve_rank_world
 
@@ -90,6 +90,7 @@ class _PackView(PackView):
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
         self._counts = np.array([s.num_samples for s in shards], dtype=np.int64)
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
+        self._sha256 = [s.sha256 for s in shards]
 
     def _parse(self, data: memoryview, path: str, offset: int) -> tuple[memoryview, int]:
         try:
@@ -337,9 +338,15 @@ class TFRecordDataset(_PackView, IterableDataset):
                     hint="Convert or stage the pack again",
                 )
             reader = TFRecordShardReader(path, check_crc=self.check_crc)
+            table = read_payload_table(path, len(offsets), self._sha256[shard])
             try:
-                for k, data in enumerate(reader.stream(offsets, lengths, first, end), first):
-                    yield self._parse(data, path, int(offsets[k]))
+                if table is not None:  # written by packdata: payloads sliced out, labels from the index
+                    base = int(self._first[shard])
+                    labels = self.pack.index.labels[base + first : base + end].tolist()
+                    yield from zip(reader.stream(offsets, lengths, first, end, table), labels, strict=True)
+                else:
+                    for k, data in enumerate(reader.stream(offsets, lengths, first, end), first):
+                        yield self._parse(data, path, int(offsets[k]))
             finally:
                 reader.close()
 

@@ -195,6 +195,7 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     assert len(result.left) == 4
     staged = tmp_path / "nvme" / "train"
     assert (staged / "train-00004-of-00006.tfindex").is_file()
+    assert (staged / "train-00004-of-00006.tfpayload").is_file()  # the payload table travels too
     streamed = sorted(sample for sample, _ in TFRecordDataset(staged, decode="bytes"))
     assert streamed == sorted(sample for sample, _ in TFRecordDataset(tfrecord_pack, decode="bytes"))
     a, b = TFRecordIndexedDataset(staged, decode="bytes"), TFRecordIndexedDataset(tfrecord_pack, decode="bytes")
@@ -203,6 +204,7 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     again = stage(tfrecord_pack, to=tmp_path / "nvme", shards=[1], progress=False)
     assert again.copied == [] and again.reused == ["train-00001-of-00006.tfrecord"]
     assert not (staged / "train-00004-of-00006.tfrecord").exists()
+    assert not (staged / "train-00004-of-00006.tfpayload").exists()
 
 
 def test_bad_shard_selection_names_the_choices(lmdb_pack: Path, tmp_path: Path) -> None:

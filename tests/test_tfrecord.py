@@ -29,6 +29,8 @@ from packdata.formats.tfrecord import (
     frame_record,
     index_path,
     parse_example,
+    payload_path,
+    read_payload_table,
 )
 from packdata.records import RecordError, Sample
 
@@ -411,3 +413,74 @@ def test_parser_agrees_with_protobuf_on_random_examples() -> None:
         cut = blob[: int(rng.integers(1, len(blob)))]
         with pytest.raises(RecordError):
             parse_example(cut)
+
+
+def test_payload_table_used_when_valid_and_ignored_when_stale(tf_images: Path, tmp_path: Path) -> None:
+    convert(tf_images, tmp_path / "out", format="tfrecord", shard_samples=4, progress=False)
+    pack = tmp_path / "out"
+    expected = _expected(tf_images)
+    manifest = json.loads((pack / "manifest.json").read_text())
+    shards = [pack / s["file"] for s in manifest["shards"]]
+    for shard, info in zip(shards, manifest["shards"], strict=True):
+        table = read_payload_table(shard, info["num_samples"], info["sha256"])
+        assert table is not None and payload_path(shard).is_file()
+        for (_, data), (at, n) in zip(_records(shard), table.tolist(), strict=True):
+            assert data[at : at + n] == bytes(parse_example(data).data)
+    keys = TFRecordIndexedDataset(pack, decode="bytes").keys
+    want = [expected[k] for k in keys]
+    calls = []
+    real = tfd.TFRecordDataset._parse
+
+    def counting(self, *a):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(self, *a)
+
+    tfd.TFRecordDataset._parse = counting  # type: ignore[method-assign]
+    try:
+        assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == want
+        assert not calls  # every shard's table is valid: no Example parsed
+        stale = payload_path(shards[1])
+        raw = bytearray(stale.read_bytes())
+        raw[8] ^= 1  # header no longer matches the shard's SHA-256
+        stale.write_bytes(bytes(raw))
+        payload_path(shards[2]).write_bytes(b"\0" * 16)  # an unfinished table
+        payload_path(shards[3]).unlink()  # written by another tool
+        assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == want
+        assert len(calls) == sum(s["num_samples"] for s in manifest["shards"][1:])
+    finally:
+        tfd.TFRecordDataset._parse = real  # type: ignore[method-assign]
+    # a bit flipped in a payload is still caught by the data CRC on the table path
+    convert(tf_images, tmp_path / "again", format="tfrecord", shard_samples=4, progress=False)
+    shard = sorted((tmp_path / "again").glob("*.tfrecord"))[0]
+    offset = int(index_path(shard).read_text().split()[0])
+    at = int(
+        read_payload_table(
+            shard, 4, json.loads((tmp_path / "again" / "manifest.json").read_text())["shards"][0]["sha256"]
+        )[0, 0]
+    )
+    blob = bytearray(shard.read_bytes())
+    blob[offset + 12 + at + 3] ^= 0x10
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(PackFormatError, match="CRC32C of the data"):
+        list(TFRecordDataset(tmp_path / "again", decode="bytes", shuffle=False))
+
+
+def test_payload_table_follows_resume(tmp_path: Path) -> None:
+    samples = [(i, Sample(f"k{i}.jpg", i % 3, bytes([i]) * (100 + i))) for i in range(9)]
+    whole = TFRecordShardWriter(tmp_path / "a.tfrecord")
+    whole.write(samples)
+    _, digest = whole.close()
+    part = TFRecordShardWriter(tmp_path / "b.tfrecord")
+    part.write(samples[:6])
+    part.sync()
+    assert read_payload_table(tmp_path / "b.tfrecord", 6, part._sha.hexdigest()) is None  # not closed: invalid
+    resumed = TFRecordShardWriter(tmp_path / "b.tfrecord", resume_at=4)
+    resumed.write(samples[4:])
+    resumed.close()
+    assert (tmp_path / "a.tfpayload").read_bytes() == (tmp_path / "b.tfpayload").read_bytes()
+    assert read_payload_table(tmp_path / "b.tfrecord", 9, digest) is not None
+    payload_path(tmp_path / "b.tfrecord").unlink()  # resuming a shard without a table writes none
+    again = TFRecordShardWriter(tmp_path / "b.tfrecord", resume_at=4)
+    again.write(samples[4:])
+    assert again.close()[1] == digest
+    assert not payload_path(tmp_path / "b.tfrecord").exists()

@@ -25,6 +25,20 @@ one line ``offset length`` per record, where ``offset`` is the record's first by
 in the shard and ``length`` its whole framed size (data + 16). DALI's
 ``tfrecord2idx`` writes the same layout, so both tools read it as is.
 
+Beside it lies ``NAME-00003-of-00016.tfpayload``, packdata's own payload table
+(other tools ignore it): int64 pairs, little-endian, first a header row
+``(record count, first 8 bytes of the shard's SHA-256 as a little-endian
+int64)``, then per record the byte offset of the payload (``image/encoded`` or
+``text/encoded``) inside the record's data and its length. The writer leaves
+the header ``(0, 0)`` until the shard is complete, so a table of an unfinished
+shard never validates. The streaming reader uses the table only when its header
+matches the manifest's record count and SHA-256 for the shard and its size is
+exactly ``16 * (count + 1)``: it then slices the payload out of the record data
+(CRCs of the whole record still checked) and takes the label from the pack's
+sample index, instead of parsing the Example. Without a valid table (a shard
+written by another tool, or changed since) it parses, so the table is an
+accelerator, never a second source of truth.
+
 Reads never trust an index alone: every record's framing is checked against it,
 and CRCs are checked unless asked not to. A damaged record raises
 :class:`~packdata.errors.PackFormatError` naming the shard and byte offset.
@@ -34,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import mmap
 import os
 import struct
@@ -51,6 +66,7 @@ from packdata.records import RecordError, Sample
 
 __all__ = [
     "INDEX_SUFFIX",
+    "PAYLOAD_SUFFIX",
     "SHARD_SUFFIX",
     "ParsedExample",
     "TFRecordShardReader",
@@ -62,11 +78,15 @@ __all__ = [
     "iter_shard_samples",
     "masked_crc",
     "parse_example",
+    "payload_path",
     "read_index",
+    "read_payload_table",
 ]
 
 SHARD_SUFFIX = ".tfrecord"
 INDEX_SUFFIX = ".tfindex"
+PAYLOAD_SUFFIX = ".tfpayload"
+_PAIR = struct.Struct("<qq")
 _HEADER = struct.Struct("<QI")
 _U32 = struct.Struct("<I")
 _MASK_DELTA = 0xA282EAD8
@@ -92,6 +112,49 @@ def index_path(shard: str | os.PathLike) -> Path:
     shard = Path(shard)
     stem = shard.name[: -len(SHARD_SUFFIX)] if shard.name.endswith(SHARD_SUFFIX) else shard.name
     return shard.with_name(stem + INDEX_SUFFIX)
+
+
+def payload_path(shard: str | os.PathLike) -> Path:
+    """The payload table beside a shard: ``x.tfrecord`` -> ``x.tfpayload``."""
+    shard = Path(shard)
+    stem = shard.name[: -len(SHARD_SUFFIX)] if shard.name.endswith(SHARD_SUFFIX) else shard.name
+    return shard.with_name(stem + PAYLOAD_SUFFIX)
+
+
+def _sha_prefix(sha256_hex: str) -> int:
+    return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
+
+
+def read_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> np.ndarray | None:
+    """``(count, 2)`` int64 array of payload ``(offset in data, length)``, or None if absent or stale.
+
+    Valid only when the header matches ``count`` and the shard's SHA-256 (from the manifest).
+    """
+    try:
+        raw = payload_path(shard).read_bytes()
+    except OSError:
+        return None
+    if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
+        return None
+    try:
+        if _PAIR.unpack_from(raw, 0) != (count, _sha_prefix(sha256_hex)):
+            return None
+    except ValueError:
+        return None
+    return np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def _payload_span(example: bytes) -> tuple[int, int]:
+    """``(offset, length)`` of the payload inside a serialized Example, as the reader finds it."""
+    buf = memoryview(example)
+    view = parse_example(buf, with_key=False).data
+    if not len(view):
+        return 0, 0
+    return _address(view) - _address(buf), len(view)
 
 
 def _image_format(sample: Sample) -> bytes:
@@ -324,7 +387,7 @@ def read_index(shard: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TFRecordShardWriter:
-    """Appends framed Examples to one shard and its offsets index.
+    """Appends framed Examples to one shard, its offsets index and its payload table.
 
     The file bytes are exactly what is written, so the shard's SHA-256 is
     computed as it is written. :meth:`sync` makes data and index durable (call
@@ -335,16 +398,20 @@ class TFRecordShardWriter:
     def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None:
         self.path = Path(path)
         self.index_path = index_path(self.path)
+        self.payload_path = payload_path(self.path)
         self._sha = hashlib.sha256()
         self.count = 0
         self.bytes = 0
+        self._with_table = True  # False when resuming a shard whose payload table is missing
         if resume_at is not None:
             self._truncate(resume_at)
         else:
             self.path.write_bytes(b"")
             self.index_path.write_bytes(b"")
+            self.payload_path.write_bytes(_PAIR.pack(0, 0))  # header filled in by close()
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self._index = open(self.index_path, "ab")  # noqa: SIM115
+        self._table = open(self.payload_path, "ab") if self._with_table else None  # noqa: SIM115
 
     @staticmethod
     def shard_name(number: int) -> str:
@@ -368,6 +435,8 @@ class TFRecordShardWriter:
             final = f"{name}-{number:05d}-of-{len(shards):05d}{SHARD_SUFFIX}"
             old = Path(pack) / shard.file
             os.replace(index_path(old), index_path(Path(pack) / final))
+            if payload_path(old).exists():
+                os.replace(payload_path(old), payload_path(Path(pack) / final))
             os.replace(old, Path(pack) / final)
             out.append(dataclasses.replace(shard, file=final))
         return out
@@ -393,6 +462,12 @@ class TFRecordShardWriter:
             )
         os.truncate(self.path, end)
         self.index_path.write_bytes(kept)
+        table = self.payload_path.read_bytes() if self.payload_path.is_file() else b""
+        if len(table) >= _PAIR.size * (keep + 1):  # the header goes back to (0, 0) until close()
+            self.payload_path.write_bytes(_PAIR.pack(0, 0) + table[_PAIR.size : _PAIR.size * (keep + 1)])
+        else:  # written without a table (or it was lost): the shard is read by parsing
+            self.payload_path.unlink(missing_ok=True)
+            self._with_table = False
         with open(self.path, "rb") as f:
             while block := f.read(_CHUNK):
                 self._sha.update(block)
@@ -401,29 +476,44 @@ class TFRecordShardWriter:
     def write(self, items: list[tuple[int, Sample]]) -> None:
         """Append ``(index in shard, sample)`` pairs; indices must continue the shard."""
         lines = []
+        spans = []
         for index, sample in items:
             if index != self.count:
                 raise PackFormatError(f"record {index} is out of order (expected {self.count})", path=self.path)
-            record = frame_record(encode_example(sample))
+            example = encode_example(sample)
+            if self._table is not None:
+                spans.append(_PAIR.pack(*_payload_span(example)))
+            record = frame_record(example)
             self._file.write(record)
             self._sha.update(record)
             lines.append(f"{self.bytes} {len(record)}\n")
             self.bytes += len(record)
             self.count += 1
         self._index.write("".join(lines).encode("ascii"))
+        if self._table is not None:
+            self._table.write(b"".join(spans))
 
     def sync(self) -> None:
         """Make every record written so far durable, data before index."""
-        for f in (self._file, self._index):
-            f.flush()
-            os.fsync(f.fileno())
+        for f in (self._file, self._index, self._table):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
 
     def close(self) -> tuple[int, str]:
         """Sync and close; the shard is complete. Returns its byte size and SHA-256."""
         self.sync()
         self._file.close()
         self._index.close()
-        return self.bytes, self._sha.hexdigest()
+        digest = self._sha.hexdigest()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+            with open(self.payload_path, "r+b") as f:  # the header makes the table valid
+                f.write(_PAIR.pack(self.count, _sha_prefix(digest)))
+                f.flush()
+                os.fsync(f.fileno())
+        return self.bytes, digest
 
 
 def _damaged(path: str | os.PathLike, offset: int, problem: str) -> PackFormatError:
@@ -490,8 +580,19 @@ class TFRecordShardReader:
             raise self._truncated(offset, length, len(buf))
         return check_record(buf, 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
 
-    def stream(self, offsets: np.ndarray, lengths: np.ndarray, start: int, stop: int) -> Iterator[memoryview]:
+    def stream(
+        self,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        start: int,
+        stop: int,
+        payloads: np.ndarray | None = None,
+    ) -> Iterator[memoryview]:
         """The data of records ``start..stop-1``, mapped ``_CHUNK`` bytes at a time.
+
+        With ``payloads`` (the shard's payload table, see :func:`read_payload_table`)
+        each record's payload is yielded instead of its whole data: a slice of the
+        data, after the same framing and CRC checks.
 
         Each chunk of whole records is memory-mapped with ``MAP_POPULATE``: one
         system call maps (and, on a cold cache, reads) it, and records are
@@ -506,6 +607,8 @@ class TFRecordShardReader:
         if stop > start and hasattr(os, "posix_fadvise"):
             span = int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
             os.posix_fadvise(fd, int(offsets[start]), span, os.POSIX_FADV_SEQUENTIAL)
+        check_crc = self.check_crc
+        crc, header, u32 = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from
         i = start
         while i < stop:
             base = int(offsets[i])
@@ -514,11 +617,34 @@ class TFRecordShardReader:
             end = min(int(offsets[j - 1] + lengths[j - 1]), size)
             aligned = base - base % mmap.ALLOCATIONGRANULARITY
             buf = _map(fd, aligned, end - aligned)[base - aligned :] if end > base else memoryview(b"")
-            for k in range(i, j):
-                offset, length = int(offsets[k]), int(lengths[k])
-                if offset - base + length > len(buf):
-                    raise self._truncated(offset, length, max(0, len(buf) - (offset - base)))
-                yield check_record(buf, offset - base, length, path=self.path, offset=offset, check_crc=self.check_crc)
+            nbuf = len(buf)
+            # plain ints: numpy scalars cost a conversion per access
+            starts = (offsets[i:j] - base).tolist()
+            sizes = lengths[i:j].tolist()
+            spans = payloads[i:j].tolist() if payloads is not None else itertools.repeat(None)
+            for pos, length, span in zip(starts, sizes, spans, strict=False):
+                if length < 16 or pos + length > nbuf:
+                    if pos + length > nbuf:
+                        raise self._truncated(base + pos, length, max(0, nbuf - pos))
+                    raise _damaged(self.path, base + pos, f"record of {length} bytes does not fit")
+                n, length_crc = header(buf, pos)
+                if n != length - 16:
+                    raise _damaged(self.path, base + pos, f"length field says {n} bytes, the index says {length - 16}")
+                first = pos + 12
+                if check_crc:
+                    c = crc(buf[pos : pos + 8])
+                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                        raise _damaged(self.path, base + pos, "CRC32C of the length field does not match")
+                    c = crc(buf[first : first + n])
+                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != u32(buf, first + n)[0]:
+                        raise _damaged(self.path, base + pos, "CRC32C of the data does not match")
+                if span is None:
+                    yield buf[first : first + n]
+                else:
+                    at, m = span
+                    if at < 0 or m < 0 or at + m > n:
+                        raise _damaged(self.path, base + pos, "the payload table points outside the record")
+                    yield buf[first + at : first + at + m]
             del buf  # the mapping goes when the last view into it does
             i = j
 
