@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packdata.datasets import PackView
-from packdata.decode import DecodeFn
+from packdata.decode import DecodeFn, resolve_decoder
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
 from packdata.records import RecordError
@@ -92,7 +92,7 @@ class _PackView(PackView):
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
         self._sha256 = [s.sha256 for s in shards]
 
-    def _parse(self, data: memoryview, path: str, offset: int) -> tuple[memoryview, int]:
+    def _parse(self, data: memoryview | bytes, path: str, offset: int) -> tuple[memoryview, int]:
         try:
             parsed = parse_example(data, with_key=False)
         except RecordError as exc:
@@ -120,10 +120,15 @@ class TFRecordDataset(_PackView, IterableDataset):
     ``shuffle=False`` one reader yields pack order (several workers interleave
     their ranges batch by batch).
 
-    Records are read in positioned reads of 8 MB, their framing checked
-    against the offsets index, and both CRC32Cs checked unless
-    ``check_crc=False``; a damaged record raises
+    Records are read in memory-mapped chunks of 8 MB (with ``shuffle=False``
+    and records of 16 KB or more, one positioned read per record instead),
+    their framing checked against the offsets index, and both CRC32Cs checked
+    unless ``check_crc=False``; a damaged record raises
     :class:`~packdata.errors.PackFormatError` naming the shard and byte offset.
+    Shards packdata wrote carry a payload table (``.tfpayload``, see
+    :mod:`packdata.formats.tfrecord`): the payload is then sliced out of the
+    checked record and the label taken from the pack's index, without parsing
+    the Example; shards without a valid table are parsed.
 
     Workers: ``__init__`` reads only the manifest. Shard files and their
     offsets indexes are opened inside ``__iter__``, in the worker that reads
@@ -326,8 +331,14 @@ class TFRecordDataset(_PackView, IterableDataset):
         stop = base + (worker + 1) * per_rank // num_workers
         return _segments(self._counts, self.shard_order(), start, stop)
 
-    def _records(self, segments: list[tuple[int, int, int]]) -> Iterator[tuple[memoryview, int]]:
-        """``(payload view, label)`` of each record; views point into mapped shard chunks."""
+    def _records(
+        self, segments: list[tuple[int, int, int]], copy: bool = False
+    ) -> Iterator[tuple[memoryview | bytes, int]]:
+        """``(payload, label)`` of each record: views into mapped shard chunks, or ``bytes`` with ``copy``.
+
+        ``copy`` (no shuffle buffer holds the records) lets large records be read one by one
+        (see :meth:`TFRecordShardReader.stream`).
+        """
         for shard, first, end in segments:
             path = self._shard_paths[shard]
             offsets, lengths = read_index(path)
@@ -343,9 +354,10 @@ class TFRecordDataset(_PackView, IterableDataset):
                 if table is not None:  # written by packdata: payloads sliced out, labels from the index
                     base = int(self._first[shard])
                     labels = self.pack.index.labels[base + first : base + end].tolist()
-                    yield from zip(reader.stream(offsets, lengths, first, end, table), labels, strict=True)
+                    payloads = reader.stream(offsets, lengths, first, end, table, copy=copy)
+                    yield from zip(payloads, labels, strict=True)
                 else:
-                    for k, data in enumerate(reader.stream(offsets, lengths, first, end), first):
+                    for k, data in enumerate(reader.stream(offsets, lengths, first, end, copy=copy), first):
                         yield self._parse(data, path, int(offsets[k]))
             finally:
                 reader.close()
@@ -360,10 +372,15 @@ class TFRecordDataset(_PackView, IterableDataset):
         return self._iterate(worker, num_workers)
 
     def _iterate(self, worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
-        records = self._records(self.reader_segments(worker, num_workers))
+        records = self._records(self.reader_segments(worker, num_workers), copy=not self.shuffle)
         if self.shuffle:
             rng = random.Random(f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}")
             records = _shuffled(records, self.shuffle_buffer, rng)
+        if self.decode is resolve_decoder("bytes") and self.transform is None and self.target_transform is None:
+            for data, label in records:  # raw bytes: no decode or transform call per sample
+                self._position += 1
+                yield bytes(data), label
+            return
         for data, label in records:  # the buffer holds page-cache views; copy each payload once here
             self._position += 1
             yield self._finish(bytes(data), label)

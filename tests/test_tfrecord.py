@@ -484,3 +484,30 @@ def test_payload_table_follows_resume(tmp_path: Path) -> None:
     again.write(samples[4:])
     assert again.close()[1] == digest
     assert not payload_path(tmp_path / "b.tfrecord").exists()
+
+
+def test_large_records_read_one_by_one_checked(tmp_path: Path) -> None:
+    """Records of 16 KB and more stream through one positioned read each: same samples, same checks."""
+    root = tmp_path / "big"
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(6):
+            (root / cls / f"t{i}.txt").write_text(f"{cls}{i} " * (6000 + 997 * i), encoding="utf-8")
+    pack = tmp_path / "bigpack"
+    convert(root, pack, format="tfrecord", shard_samples=5, progress=False)
+    expected = _expected(root)
+    keys = TFRecordIndexedDataset(pack, decode="bytes").keys
+    want = [expected[k] for k in keys]
+    got = list(TFRecordDataset(pack, decode="bytes", shuffle=False))
+    assert got == want and all(type(data) is bytes for data, _ in got)
+    assert sorted(TFRecordDataset(pack, decode="bytes", shuffle=True)) == sorted(want)
+    for table in pack.glob("*.tfpayload"):
+        table.unlink()  # parsed instead: the same samples
+    assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == want
+    for mode in ("flip", "truncate"):
+        damaged = tmp_path / f"damaged-{mode}"
+        convert(root, damaged, format="tfrecord", shard_samples=5, progress=False)
+        shard, offset = _corrupt(damaged, mode)
+        match = re.escape(str(shard)) + r".*byte offset " + str(offset)
+        with pytest.raises(PackFormatError, match=match):
+            list(TFRecordDataset(damaged, decode="bytes", shuffle=False))

@@ -91,6 +91,7 @@ _HEADER = struct.Struct("<QI")
 _U32 = struct.Struct("<I")
 _MASK_DELTA = 0xA282EAD8
 _CHUNK = 8 << 20  # bytes per positioned read when streaming a shard
+_COPY_MIN_RECORD = 16 << 10  # mean record size from which stream(copy=True) reads record by record
 _IMAGE_FORMATS = (
     (b"\xff\xd8\xff", b"jpeg"),
     (b"\x89PNG\r\n\x1a\n", b"png"),
@@ -587,12 +588,21 @@ class TFRecordShardReader:
         start: int,
         stop: int,
         payloads: np.ndarray | None = None,
-    ) -> Iterator[memoryview]:
+        *,
+        copy: bool = False,
+    ) -> Iterator[memoryview | bytes]:
         """The data of records ``start..stop-1``, mapped ``_CHUNK`` bytes at a time.
 
         With ``payloads`` (the shard's payload table, see :func:`read_payload_table`)
         each record's payload is yielded instead of its whole data: a slice of the
         data, after the same framing and CRC checks.
+
+        ``copy=True`` (for a caller that copies every record at once anyway)
+        reads records of 16 KB and more on average with positioned reads
+        instead of mappings: each record is read into process memory and
+        checked while it is still in the CPU cache; with ``payloads`` the
+        payload is read straight into the ``bytes`` yielded (see
+        :meth:`_read_payloads`), so it is never copied again.
 
         Each chunk of whole records is memory-mapped with ``MAP_POPULATE``: one
         system call maps (and, on a cold cache, reads) it, and records are
@@ -604,9 +614,12 @@ class TFRecordShardReader:
         """
         fd = self._open()
         size = os.fstat(fd).st_size
+        span = int(offsets[stop - 1] + lengths[stop - 1] - offsets[start]) if stop > start else 0
         if stop > start and hasattr(os, "posix_fadvise"):
-            span = int(offsets[stop - 1] + lengths[stop - 1] - offsets[start])
             os.posix_fadvise(fd, int(offsets[start]), span, os.POSIX_FADV_SEQUENTIAL)
+        if copy and stop > start and span >= _COPY_MIN_RECORD * (stop - start):
+            yield from self._read_each(fd, offsets, lengths, start, stop, payloads)
+            return
         check_crc = self.check_crc
         crc, header, u32 = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from
         i = start
@@ -647,6 +660,82 @@ class TFRecordShardReader:
                     yield buf[first + at : first + at + m]
             del buf  # the mapping goes when the last view into it does
             i = j
+
+    def _read_each(
+        self, fd: int, offsets: np.ndarray, lengths: np.ndarray, start: int, stop: int, payloads: np.ndarray | None
+    ) -> Iterator[memoryview | bytes]:
+        """:meth:`stream` with one positioned read per record (see ``copy``)."""
+        if payloads is not None:
+            yield from self._read_payloads(fd, offsets, lengths, start, stop, payloads)
+            return
+        check_crc = self.check_crc
+        crc, header, u32, pread = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
+        for offset, length in zip(offsets[start:stop].tolist(), lengths[start:stop].tolist(), strict=True):
+            record = pread(fd, length, offset)
+            if len(record) < length:
+                raise self._truncated(offset, length, len(record))
+            if length < 16:
+                raise _damaged(self.path, offset, f"record of {length} bytes does not fit")
+            n, length_crc = header(record, 0)
+            if n != length - 16:
+                raise _damaged(self.path, offset, f"length field says {n} bytes, the index says {length - 16}")
+            view = memoryview(record)
+            if check_crc:
+                c = crc(view[:8])
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                    raise _damaged(self.path, offset, "CRC32C of the length field does not match")
+                c = crc(view[12 : 12 + n])
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != u32(record, 12 + n)[0]:
+                    raise _damaged(self.path, offset, "CRC32C of the data does not match")
+            yield view[12 : 12 + n]
+
+    def _read_payloads(
+        self, fd: int, offsets: np.ndarray, lengths: np.ndarray, start: int, stop: int, payloads: np.ndarray
+    ) -> Iterator[bytes]:
+        """Payloads read straight into ``bytes``; the bytes around them in one read per gap.
+
+        A record is read as its head (header and the Example up to the payload),
+        the payload, and its tail (the rest of the Example and the data CRC),
+        the tail read together with the next record's head when that record
+        follows it: two reads per record, no copy of the payload, and the data
+        CRC computed over the three parts in order.
+        """
+        check_crc = self.check_crc
+        crc, header, u32, pread = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
+        offs, lens, spans = offsets[start:stop].tolist(), lengths[start:stop].tolist(), payloads[start:stop].tolist()
+        last = len(offs) - 1
+        pending: bytes | None = None
+        for k in range(len(offs)):
+            offset, length = offs[k], lens[k]
+            at, m = spans[k]
+            if length < 16:
+                raise _damaged(self.path, offset, f"record of {length} bytes does not fit")
+            if at < 0 or m < 0 or at + m > length - 16:
+                raise _damaged(self.path, offset, "the payload table points outside the record")
+            head = pending if pending is not None else pread(fd, 12 + at, offset)
+            if len(head) < 12 + at:
+                raise self._truncated(offset, length, len(head))
+            n, length_crc = header(head, 0)
+            if n != length - 16:
+                raise _damaged(self.path, offset, f"length field says {n} bytes, the index says {length - 16}")
+            payload = pread(fd, m, offset + 12 + at)
+            if len(payload) < m:
+                raise self._truncated(offset, length, 12 + at + len(payload))
+            tail_size = length - 12 - at - m
+            extra = 12 + spans[k + 1][0] if k < last and offs[k + 1] == offset + length and spans[k + 1][0] >= 0 else 0
+            rest = pread(fd, tail_size + extra, offset + 12 + at + m)
+            if len(rest) < tail_size:
+                raise self._truncated(offset, length, 12 + at + m + len(rest))
+            pending = rest[tail_size:] if extra else None
+            if check_crc:
+                c = crc(memoryview(head)[:8])
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                    raise _damaged(self.path, offset, "CRC32C of the length field does not match")
+                view = memoryview(rest)
+                c = crc(view[: tail_size - 4], crc(payload, crc(memoryview(head)[12:])))
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != u32(rest, tail_size - 4)[0]:
+                    raise _damaged(self.path, offset, "CRC32C of the data does not match")
+            yield payload
 
     def close(self) -> None:
         """Close the file descriptor, if open."""
