@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +86,31 @@ def expected_samples(root: Path, extensions: set[str]) -> dict[str, tuple[bytes,
 
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp"}
+
+
+def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout: float = 240) -> str:
+    """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (CPU, gloo).
+
+    Fails the test with the output's tail on a non-zero exit or a hang (the whole
+    process group is killed after ``timeout`` seconds). Returns the output.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "--nproc_per_node", str(nproc), str(script), *args,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun {' '.join(args)} hung for {timeout}s:\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    return output

@@ -11,14 +11,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_torchrun
 from PIL import Image
 
 import packdata
@@ -52,25 +49,8 @@ def _digests(root: Path) -> dict[str, str]:
 
 def _torchrun(pack: Path, fmt: str, out: Path) -> list[dict]:
     out.mkdir()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-        str(WORKER), str(pack), str(out), "--format", fmt, "--workers", "2", "--epochs", "2",
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun hung for {RUN_TIMEOUT}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    args = [str(pack), str(out), "--format", fmt, "--workers", "2", "--epochs", "2"]
+    run_torchrun(WORKER, args, timeout=RUN_TIMEOUT)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

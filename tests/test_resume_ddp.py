@@ -16,13 +16,10 @@ timeout.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_torchrun
 
 import packdata
 
@@ -46,27 +43,10 @@ STOPS = {
 
 def _torchrun(packs: dict[str, Path], phase: str, out: Path, states: Path) -> list[dict]:
     out.mkdir()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(WORLD),
-        str(WORKER), str(out), str(states), "--phase", phase, "--workers", "2", "--batch-size", str(BATCH),
-    ]  # fmt: skip
+    args = [str(out), str(states), "--phase", phase, "--workers", "2", "--batch-size", str(BATCH)]
     for fmt, pack in packs.items():
-        command += ["--pack", fmt, str(pack), ",".join(map(str, STOPS[fmt]))]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun --phase {phase} hung for {RUN_TIMEOUT}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+        args += ["--pack", fmt, str(pack), ",".join(map(str, STOPS[fmt]))]
+    run_torchrun(WORKER, args, nproc=WORLD, timeout=RUN_TIMEOUT)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [(r["rank"], r["world"]) for r in reports] == [(0, WORLD), (1, WORLD)]
     return reports
