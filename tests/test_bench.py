@@ -58,7 +58,8 @@ def _check_consistent(data: dict) -> None:
         assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"])
         assert 0 < r["wait_p50_ms"] <= r["wait_p95_ms"] + 1e-9
         assert r["first_batch_s"] > 0
-        assert r["cpu_ms_per_sample"] > 0
+        # CPU time comes in 10 ms clock ticks: a few prefetched batches can cost "0"
+        assert r["cpu_ms_per_sample"] >= 0
         mem = r["memory"]
         assert mem["samples"] >= 1 and mem["main"]["uss_peak"] > 0
         assert mem["total"]["uss_peak"] >= mem["main"]["uss_peak"]
@@ -78,6 +79,7 @@ def test_bench_json_is_consistent_and_has_the_ceiling(pack: Path, folder: Path, 
     assert sources == [CEILING] * 2 + [str(pack)] * 2 + [str(folder)] * 2
     assert [r["num_workers"] for r in data["results"]] == [0, 2] * 3
     _check_consistent(data)
+    assert all(r["cpu_ms_per_sample"] > 0 for r in data["results"] if r["num_workers"] == 0)  # decodes in-process
     for r in data["results"]:
         assert r["vs_ceiling"] == pytest.approx(1.0 if r["source"] == CEILING else r["vs_ceiling"])
         assert r["vs_ceiling"] > 0
