@@ -10,6 +10,7 @@ handles.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from packdata.index import INDEX_DIR, KeyList, SampleIndex
 from packdata.manifest import Manifest, read_manifest
 from packdata.records import RecordError, record_payload
 
-__all__ = ["LMDBDataset", "PackInfo", "PackView"]
+__all__ = ["LMDBDataset", "PackInfo", "PackView", "ShardReaders"]
 
 
 class PackInfo:
@@ -66,6 +67,41 @@ class PackInfo:
         state = self.__dict__.copy()
         state["_index"] = None
         return state
+
+
+class ShardReaders:
+    """One reader per shard, opened on first use in the process that reads.
+
+    After a fork, or once unpickled in a ``spawn``-ed worker, the list starts
+    empty: a parent's file descriptors and maps are never used by a child.
+    ``make`` must be picklable (a class or a ``functools.partial`` of one).
+    """
+
+    def __init__(self, paths: list[str], make: Callable[[str], Any]) -> None:
+        self.paths = paths
+        self.make = make
+        self._readers: list[Any] = []
+        self._pid = -1
+
+    def __getitem__(self, shard: int) -> Any:
+        if self._pid != os.getpid():
+            self._readers = [None] * len(self.paths)
+            self._pid = os.getpid()
+        reader = self._readers[shard]
+        if reader is None:
+            reader = self._readers[shard] = self.make(self.paths[shard])
+        return reader
+
+    def close(self) -> None:
+        """Close this process's readers (a parent's inherited ones are left alone)."""
+        if self._pid == os.getpid():
+            for reader in self._readers:
+                if reader is not None:
+                    reader.close()
+            self._readers = [None] * len(self.paths)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"paths": self.paths, "make": self.make, "_readers": [], "_pid": -1}
 
 
 class PackView:
@@ -154,20 +190,10 @@ class LMDBDataset(PackView, Dataset):
         shards = self.pack.manifest.shards
         self._first = [s.first_index for s in shards]
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
-        self._readers: list[LMDBShardReader | None] = []
-        self._pid = -1
+        self._readers = ShardReaders(self._shard_paths, functools.partial(LMDBShardReader, readahead=readahead))
 
     def __len__(self) -> int:
         return self.pack.manifest.num_samples
-
-    def _reader(self, shard: int) -> LMDBShardReader:
-        if self._pid != os.getpid():
-            self._readers = [None] * len(self._shard_paths)
-            self._pid = os.getpid()
-        reader = self._readers[shard]
-        if reader is None:
-            reader = self._readers[shard] = LMDBShardReader(self._shard_paths[shard], readahead=self.readahead)
-        return reader
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
@@ -176,7 +202,7 @@ class LMDBDataset(PackView, Dataset):
             raise IndexError(f"index {index} is out of range for a pack of {n} samples")
         index %= n
         shard = bisect.bisect_right(self._first, index) - 1
-        reader = self._reader(shard)
+        reader: LMDBShardReader = self._readers[shard]
         if not self.verify:
             payload = reader.payload(index - self._first[shard])
             if payload is not None:
@@ -192,11 +218,6 @@ class LMDBDataset(PackView, Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self._finish(*self.raw(index))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_readers"], state["_pid"] = [], -1
-        return state
 
     def __repr__(self) -> str:
         return f"LMDBDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

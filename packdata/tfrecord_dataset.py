@@ -13,6 +13,7 @@ exactly once per epoch and no two readers read the same record.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from packdata.datasets import PackView
+from packdata.datasets import PackView, ShardReaders
 from packdata.decode import DecodeFn, resolve_decoder
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
@@ -495,20 +496,10 @@ class TFRecordIndexedDataset(_PackView, Dataset):
             lengths.append(n)
         self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
         self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        self._readers: list[TFRecordShardReader | None] = []
-        self._pid = -1
+        self._readers = ShardReaders(self._shard_paths, functools.partial(TFRecordShardReader, check_crc=check_crc))
 
     def __len__(self) -> int:
         return self.pack.manifest.num_samples
-
-    def _reader(self, shard: int) -> TFRecordShardReader:
-        if self._pid != os.getpid():
-            self._readers = [None] * len(self._shard_paths)  # a parent's descriptors are not ours to use
-            self._pid = os.getpid()
-        reader = self._readers[shard]
-        if reader is None:
-            reader = self._readers[shard] = TFRecordShardReader(self._shard_paths[shard], check_crc=self.check_crc)
-        return reader
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
@@ -518,23 +509,16 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         index %= n
         shard = int(np.searchsorted(self._first, index, side="right")) - 1
         offset = int(self._offsets[index])
-        data = self._reader(shard).read(offset, int(self._lengths[index]))
+        data = self._readers[shard].read(offset, int(self._lengths[index]))
         view, label = self._parse(data, self._shard_paths[shard], offset)
         return bytes(view), label
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self._finish(*self.raw(index))
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_readers"], state["_pid"] = [], -1
-        return state
-
     def __del__(self) -> None:
-        if getattr(self, "_pid", -1) == os.getpid():
-            for reader in self._readers:
-                if reader is not None:
-                    reader.close()
+        if hasattr(self, "_readers"):
+            self._readers.close()
 
     def __repr__(self) -> str:
         return f"TFRecordIndexedDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"
