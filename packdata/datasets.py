@@ -139,6 +139,13 @@ class PackView:
         """Every sample's key: its path relative to the source folder."""
         return self.pack.index.keys
 
+    def _sample_index(self, index: int) -> int:
+        """``index`` as a position in the pack (negative counts from the end), or IndexError."""
+        n = self.pack.manifest.num_samples
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a pack of {n} samples")
+        return index % n
+
     def _finish(self, data: bytes, label: int) -> tuple[Any, Any]:
         """Decode and transform one sample in the process that reads it."""
         sample = self.decode(data)
@@ -197,10 +204,7 @@ class LMDBDataset(PackView, Dataset):
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"index {index} is out of range for a pack of {n} samples")
-        index %= n
+        index = self._sample_index(index)
         shard = bisect.bisect_right(self._first, index) - 1
         reader: LMDBShardReader = self._readers[shard]
         if not self.verify:

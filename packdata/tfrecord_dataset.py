@@ -503,10 +503,7 @@ class TFRecordIndexedDataset(_PackView, Dataset):
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"index {index} is out of range for a pack of {n} samples")
-        index %= n
+        index = self._sample_index(index)
         shard = int(np.searchsorted(self._first, index, side="right")) - 1
         offset = int(self._offsets[index])
         data = self._readers[shard].read(offset, int(self._lengths[index]))
