@@ -1,0 +1,1 @@
+"""Fault tests: hostile packs, damaged files, kills and races, run against every command and reader."""
