@@ -106,16 +106,34 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         _check_replaceable(dst)
 
 
-def _pack_members(manifest: Manifest) -> set[str]:
-    """The top-level names a pack written by convert may hold."""
-    names = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", manifest.index_dir, SKIP_REPORT}
+def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
+    """The first entry of ``dst`` that is not one of the pack's own files, or of the wrong type; None if none.
+
+    A pack holds its manifest, the skip report, the sample index folder (its
+    files only), and each shard: an LMDB folder holding ``data.mdb``,
+    ``records.i64`` and ``lock.mdb``, or a TFRecord file with its side files.
+    No symlink anywhere.
+    """
+    from packdata.formats.lmdb import DATA_FILE, RECORDS_FILE
+
+    files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
+    folders: dict[str, set[str]] = {manifest.index_dir: set(INDEX_FILES)}
     for shard in manifest.shards:
-        names.add(shard.file)
-        if manifest.format == "tfrecord":
+        if manifest.format == "lmdb":
+            folders[shard.file] = {DATA_FILE, RECORDS_FILE, "lock.mdb"}
+        else:
             from packdata.formats.tfrecord import index_path, payload_path
 
-            names.update((index_path(shard.file).name, payload_path(shard.file).name))
-    return names
+            files.update((shard.file, index_path(shard.file).name, payload_path(shard.file).name))
+    for entry in sorted(os.scandir(dst), key=lambda e: e.name):
+        if entry.name in files and entry.is_file(follow_symlinks=False):
+            continue
+        if entry.name not in folders or not entry.is_dir(follow_symlinks=False):
+            return entry.name
+        for inner in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            if inner.name not in folders[entry.name] or not inner.is_file(follow_symlinks=False):
+                return f"{entry.name}/{inner.name}"
+    return None
 
 
 def _check_replaceable(dst: Path) -> None:
@@ -155,11 +173,10 @@ def _check_replaceable(dst: Path) -> None:
                 path=dst,
                 hint=hint,
             )
-    allowed = _pack_members(manifest)
-    strangers = sorted(name for name in os.listdir(dst) if name not in allowed)
-    if strangers:
+    foreign = _foreign_entry(manifest, dst)
+    if foreign is not None:
         raise ConfigError(
-            f"destination holds {strangers[0]!r}, which is not part of a packdata pack; refusing to replace it",
+            f"destination holds {foreign!r}, which is not part of a packdata pack; refusing to replace it",
             path=dst,
             hint=hint,
         )
@@ -467,7 +484,7 @@ def convert(
         shutil.rmtree(partial)
         raise _no_samples_error(source, checkpoint.skipped)
     manifest = packer.finish()
-    _publish(partial, dst)
+    _publish(partial, dst, overwrite=overwrite)
     return ConvertResult(
         pack=dst,
         format=fmt,
@@ -681,15 +698,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(partial: Path, dst: Path) -> None:
-    """Rename the finished pack into place; an old pack at ``dst`` is replaced.
+def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
+    """Rename the finished pack into place; with ``overwrite``, an old pack at ``dst`` is replaced.
 
-    The old pack is checked again (:func:`_check_replaceable`: it may have
-    changed while converting), moved aside to a hidden sibling, and deleted only
+    Something that appeared at ``dst`` while converting is refused without
+    ``overwrite``. The old pack is checked again (:func:`_check_replaceable`: it
+    may have changed while converting), moved aside to a hidden sibling, and deleted only
     once the new pack has its name; if the rename fails, it is moved back.
     """
     old = None
     if os.path.lexists(dst):
+        if not overwrite:
+            raise ConfigError(
+                "destination appeared while converting",
+                path=dst,
+                hint=f"The new pack is left in {partial}: move what is at the destination away and convert again",
+            )
         _check_replaceable(dst)
         old = dst.parent / f".{dst.name}.old-{os.getpid()}"
         counter = 0

@@ -30,7 +30,7 @@ from faults.hostile import (
 )
 from packdata.cli import main as cli_main
 from packdata.datasets import LMDBDataset
-from packdata.errors import PackdataError
+from packdata.errors import ConfigError, PackdataError
 from packdata.manifest import read_manifest
 from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
 
@@ -253,7 +253,9 @@ def test_overwrite_refuses_a_web_app_with_a_manifest(templates: dict[str, Path],
     assert snapshot(tmp_path) == around
 
 
-@pytest.mark.parametrize("damage", ["foreign-file", "missing-index", "missing-shard", "staged", "symlink"])
+@pytest.mark.parametrize(
+    "damage", ["foreign-file", "file-in-shard", "missing-index", "missing-shard", "staged", "symlink"]
+)
 def test_overwrite_refuses_anything_not_provably_a_pack(
     templates: dict[str, Path], tmp_path: Path, damage: str
 ) -> None:
@@ -262,6 +264,10 @@ def test_overwrite_refuses_anything_not_provably_a_pack(
     if damage == "foreign-file":
         (pack / "thesis.tex").write_text("years of work")
         expected = "'thesis.tex'"
+    elif damage == "file-in-shard":
+        shard = read_manifest(pack).shards[0].file
+        (pack / shard / "notes.txt").write_text("mine")
+        expected = f"'{shard}/notes.txt'"
     elif damage == "missing-index":
         (pack / "index" / "labels.i32").unlink()
         expected = "labels.i32"
@@ -293,6 +299,20 @@ def test_overwrite_replaces_a_real_pack_and_leaves_nothing_aside(
     assert read_manifest(pack).num_samples == 6
     assert sorted(p.name for p in pack.parent.iterdir()) == sorted(["victim", pack.name])
     assert snapshot(pack.parent / "victim") == victim
+
+
+def test_publish_refuses_a_destination_that_appeared_without_overwrite(
+    templates: dict[str, Path], tmp_path: Path
+) -> None:
+    from packdata.convert import _publish
+
+    pack = _pack(templates, tmp_path, "lmdb")
+    partial = tmp_path / "packs" / ".new.lmdb.partial"
+    shutil.copytree(pack, partial)
+    around = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match="appeared while converting"):
+        _publish(partial, pack, overwrite=False)
+    assert snapshot(tmp_path) == around
 
 
 def test_read_manifest_accepts_what_convert_writes(templates: dict[str, Path], tmp_path: Path) -> None:
