@@ -17,10 +17,11 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
-from packdata.index import INDEX_DIR
+from packdata.index import FILES as INDEX_FILES
 from packdata.manifest import Manifest, ShardInfo
 from packdata.system import format_size
 
@@ -41,6 +42,7 @@ __all__ = [
     "copy_all",
     "copy_file",
     "copy_index",
+    "copy_regular",
     "dir_bytes",
     "is_staged",
     "locked",
@@ -80,14 +82,16 @@ class ShardFiles:
 
     @property
     def size(self) -> int:
-        return sum(src.stat().st_size for src, _, _, _ in self.files)
+        return sum(src.lstat().st_size for src, _, _, _ in self.files)
 
     def dest_bytes(self) -> int:
-        return sum(dst.stat().st_size for _, dst, _, _ in self.files if dst.is_file())
+        return sum(dst.lstat().st_size for _, dst, _, _ in self.files if _is_regular(dst))
 
     def remove(self) -> None:
-        if self.directory:
+        if self.directory and not self.dest_root.is_symlink():
             shutil.rmtree(self.dest_root, ignore_errors=True)
+        elif self.directory:
+            self.dest_root.unlink(missing_ok=True)
         else:
             for _, dst, _, _ in self.files:
                 dst.unlink(missing_ok=True)
@@ -100,76 +104,166 @@ class ShardFiles:
                 tmp.unlink(missing_ok=True)
 
 
+def _is_regular(path: Path) -> bool:
+    """``path`` is a regular file itself, not a symlink to one."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _require_regular(path: Path, what: str) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        raise PackFormatError(f"{what} is missing", path=path, hint="Convert the pack again") from None
+    if not stat.S_ISREG(mode):
+        raise PackFormatError(
+            f"{what} is not a regular file (it is a {_kind(mode)})",
+            path=path,
+            hint="packdata copies only a pack's own regular files: replace it by the real file or convert again",
+        )
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO")):
+        if test(mode):
+            return name
+    return "device or socket" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode) else "special file"
+
+
 def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles]:
+    """The files of each shard to copy: only the pack's own (the format's), all regular files.
+
+    A shard's name in the manifest is a plain name (or, for a staged pack, an
+    origin shard's path) checked by :func:`packdata.manifest.read_manifest`, so
+    every destination lies directly in ``dest``.
+    """
     units = []
     for number, info in enumerate(manifest.shards):
         src = info.path(source)
-        name = Path(info.file).name if Path(info.file).is_absolute() else info.file
+        name = os.path.basename(info.file)
         if manifest.format == "lmdb":
-            from packdata.formats.lmdb import DATA_FILE
+            from packdata.formats.lmdb import DATA_FILE, RECORDS_FILE
 
-            if not (src / DATA_FILE).is_file():
+            if src.is_symlink() or not src.is_dir():
                 raise PackFormatError(
-                    f"shard {number} is missing its {DATA_FILE}", path=src, hint="Convert the pack again"
+                    f"shard {number} is not a folder holding {DATA_FILE}", path=src, hint="Convert the pack again"
                 )
+            _require_regular(src / DATA_FILE, f"shard {number}'s {DATA_FILE}")
             root, temp = dest / name, dest / f".{name}{PARTIAL}"
-            names = sorted(p.name for p in src.iterdir() if p.is_file() and p.name != "lock.mdb")
-            files = [(src / f, root / f, temp / f, f == DATA_FILE) for f in names]
+            names = [DATA_FILE] + ([RECORDS_FILE] if os.path.lexists(src / RECORDS_FILE) else [])
+            for f in names:
+                _require_regular(src / f, f"shard {number}'s {f}")
+            files = [(src / f, root / f, temp / f, f == DATA_FILE) for f in sorted(names)]
             units.append(ShardFiles(number, info, name, files, root, temp, True))
         else:
             from packdata.formats.tfrecord import index_path, payload_path
 
-            if not src.is_file():
-                raise PackFormatError(f"shard {number} is missing", path=src, hint="Convert the pack again")
+            _require_regular(src, f"shard {number}")
             files = [(src, dest / name, dest / f".{name}{PARTIAL}", True)]
             for side in (payload_path(src), index_path(src)):
-                if side.is_file():
+                if os.path.lexists(side):
+                    _require_regular(side, f"shard {number}'s {side.suffix} file")
                     files.insert(0, (side, dest / side.name, dest / f".{side.name}{PARTIAL}", False))
             units.append(ShardFiles(number, info, name, files, dest / name, dest / f".{name}{PARTIAL}", False))
     return units
 
 
+def _open_regular(path: Path) -> int:
+    """Open ``path`` for reading without following a symlink, and only if it is a regular file.
+
+    ``O_NONBLOCK`` keeps a FIFO from blocking the open; the type is checked on
+    the opened descriptor, so a swap after a check cannot slip through.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PackFormatError(
+                "is a symlink, not a regular file of the pack",
+                path=path,
+                hint="packdata copies only a pack's own regular files",
+            ) from exc
+        raise PackFormatError(f"cannot be opened: {exc.strerror}", path=path) from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise PackFormatError(
+            f"is a {_kind(mode)}, not a regular file of the pack",
+            path=path,
+            hint="packdata copies only a pack's own regular files",
+        )
+    os.set_blocking(fd, True)
+    return fd
+
+
 def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
+    with os.fdopen(_open_regular(path), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def copy_regular(src: Path, tmp: Path, on_chunk: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Copy the regular file ``src`` to the new file ``tmp`` with ``src``'s permission bits.
+
+    ``src`` is opened with ``O_NOFOLLOW`` and must be a regular file (checked on
+    the descriptor); ``tmp`` must not exist. Returns ``(bytes, sha256)`` of what
+    was written, after an fsync.
+
+    Raises:
+        PackFormatError: ``src`` is a symlink, a FIFO, a device or a folder.
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    fd = _open_regular(src)
+    with os.fdopen(fd, "rb") as fin:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode) & 0o777
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(out, "wb") as fout:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while True:
+                n = fin.readinto(buffer)
+                if not n:
+                    break
+                digest.update(view[:n])
+                fout.write(view[:n])
+                size += n
+                if on_chunk is not None:
+                    on_chunk(n)
+            fout.flush()
+            os.fchmod(out, mode)
+            os.fsync(out)
+    return size, digest.hexdigest()
 
 
 def is_staged(unit: ShardFiles) -> bool:
     """Every file of the staged copy has the source's size and the expected checksum."""
     try:
         for src, dst, _, primary in unit.files:
-            if not dst.is_file() or dst.stat().st_size != src.stat().st_size:
+            if not _is_regular(dst) or dst.stat().st_size != src.lstat().st_size:
                 return False
             expected = unit.info.sha256 if primary else sha256_of(src)
             if sha256_of(dst) != expected:
                 return False
-    except OSError:
+    except (OSError, PackFormatError):
         return False
     return True
 
 
 def copy_file(src: Path, tmp: Path, stop: threading.Event, bar: tqdm) -> tuple[int, str]:
-    """Copy ``src`` to ``tmp``, hashing what is written; fsync before returning."""
-    digest = hashlib.sha256()
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    size = 0
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while True:
-            if stop.is_set():
-                raise Cancelled
-            n = fin.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-            fout.write(view[:n])
-            size += n
-            bar.update(n)
-        fout.flush()
-        os.fsync(fout.fileno())
-    return size, digest.hexdigest()
+    """Copy ``src`` to ``tmp`` (see :func:`copy_regular`), stopping at the next chunk once ``stop`` is set."""
+
+    def chunk(n: int) -> None:
+        bar.update(n)
+        if stop.is_set():
+            raise Cancelled
+
+    if stop.is_set():
+        raise Cancelled
+    return copy_regular(src, tmp, chunk)
 
 
 def copy_unit(unit: ShardFiles, stop: threading.Event, bar: tqdm) -> None:
@@ -212,40 +306,55 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: tqdm) -> None:
 
 
 def dir_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    if _is_regular(path):
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if _is_regular(p))
 
 
 def same_tree(src: Path, dst: Path) -> bool:
-    if not dst.is_dir():
+    """``dst`` holds the same sample index files as ``src`` (only the index's own files count)."""
+    if dst.is_symlink() or not dst.is_dir():
         return False
-    for f in src.iterdir():
-        if not f.is_file():
+    for name in INDEX_FILES:
+        mine, other = src / name, dst / name
+        if not os.path.lexists(mine):
             continue
-        other = dst / f.name
-        if not other.is_file() or other.stat().st_size != f.stat().st_size or sha256_of(other) != sha256_of(f):
+        if not _is_regular(other) or other.lstat().st_size != mine.lstat().st_size:
+            return False
+        if sha256_of(other) != sha256_of(mine):
             return False
     return True
 
 
 def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
-    """Copy the sample index (and small extras) unless the destination already holds the same files."""
-    name = manifest.index.get("dir", INDEX_DIR)
+    """Copy the sample index (and small extras) unless the destination already holds the same files.
+
+    Only the index's own files are copied, each as a regular file (see
+    :func:`copy_regular`); anything else in the source's index folder is left.
+    """
+    name = manifest.index_dir
     src = source / name
-    if src.is_dir() and not same_tree(src, dest / name):
+    if src.is_dir() and not src.is_symlink() and not same_tree(src, dest / name):
         temp = dest / f".{name}{PARTIAL}"
         shutil.rmtree(temp, ignore_errors=True)
-        shutil.copytree(src, temp)
+        temp.mkdir()
+        for file in INDEX_FILES:
+            if os.path.lexists(src / file):
+                copy_regular(src / file, temp / file)
         old = dest / f".{name}.old{PARTIAL}"
-        if (dest / name).exists():
+        if os.path.lexists(dest / name):
             os.rename(dest / name, old)
         os.rename(temp, dest / name)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
     for extra in EXTRA_FILES:
-        if (source / extra).is_file():
-            shutil.copyfile(source / extra, dest / f".{extra}{PARTIAL}")
-            os.replace(dest / f".{extra}{PARTIAL}", dest / extra)
+        if os.path.lexists(source / extra):
+            tmp = dest / f".{extra}{PARTIAL}"
+            tmp.unlink(missing_ok=True)
+            copy_regular(source / extra, tmp)
+            os.replace(tmp, dest / extra)
 
 
 def remove_leftovers(dest: Path) -> None:
@@ -280,11 +389,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def staged_manifest(manifest: Manifest, source: Path, units: list[ShardFiles], staged: set[int]) -> Manifest:
+    """The staged pack's manifest: staged shards by name, the others at their origin (absolute paths).
+
+    ``staged_from`` marks it as staged: only such a manifest may name shards
+    outside its pack, and :func:`packdata.manifest.read_manifest` checks each
+    against its origin pack's manifest.
+    """
     shards = [
         dataclasses.replace(u.info, file=u.name if u.number in staged else os.fspath(u.info.path(source)))
         for u in units
     ]
-    return dataclasses.replace(manifest, shards=shards)
+    return dataclasses.replace(manifest, shards=shards, staged_from=os.fspath(source))
 
 
 def resolve_order(manifest: Manifest, shards: Sequence[int | str] | None) -> list[int]:

@@ -26,10 +26,11 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from packdata.errors import CapacityError, ConfigError, SourceError
+from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
 from packdata.formats import FORMATS, format_from_path, shard_writer
+from packdata.index import FILES as INDEX_FILES
 from packdata.index import SampleIndexWriter
-from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, write_manifest
+from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
 from packdata.records import Sample
 from packdata.sources import Skip, Source, SourceFile, scan_source
 
@@ -102,12 +103,83 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
             raise ConfigError(
                 "destination already exists", path=dst, hint="Pass --overwrite to replace it, or choose another path"
             )
-        if not (dst / MANIFEST_NAME).is_file():
+        _check_replaceable(dst)
+
+
+def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
+    """The first entry of ``dst`` that is not one of the pack's own files, or of the wrong type; None if none.
+
+    A pack holds its manifest, the skip report, the sample index folder (its
+    files only), and each shard: an LMDB folder holding ``data.mdb``,
+    ``records.i64`` and ``lock.mdb``, or a TFRecord file with its side files.
+    No symlink anywhere.
+    """
+    from packdata.formats.lmdb import DATA_FILE, RECORDS_FILE
+
+    files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
+    folders: dict[str, set[str]] = {manifest.index_dir: set(INDEX_FILES)}
+    for shard in manifest.shards:
+        if manifest.format == "lmdb":
+            folders[shard.file] = {DATA_FILE, RECORDS_FILE, "lock.mdb"}
+        else:
+            from packdata.formats.tfrecord import index_path, payload_path
+
+            files.update((shard.file, index_path(shard.file).name, payload_path(shard.file).name))
+    for entry in sorted(os.scandir(dst), key=lambda e: e.name):
+        if entry.name in files and entry.is_file(follow_symlinks=False):
+            continue
+        if entry.name not in folders or not entry.is_dir(follow_symlinks=False):
+            return entry.name
+        for inner in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            if inner.name not in folders[entry.name] or not inner.is_file(follow_symlinks=False):
+                return f"{entry.name}/{inner.name}"
+    return None
+
+
+def _check_replaceable(dst: Path) -> None:
+    """``dst`` is provably a complete packdata pack that ``overwrite`` may replace, and nothing else.
+
+    Its manifest must pass :func:`~packdata.manifest.read_manifest` (schema,
+    version, paths inside the pack), it must not be a staged pack, every shard
+    and the sample index must be there, and it may hold nothing but the pack's
+    own files: anything else (a web app's folder with a ``manifest.json``) is
+    refused, never deleted.
+
+    Raises:
+        ConfigError: naming what makes ``dst`` not a pack packdata may replace.
+    """
+    hint = "Remove it yourself or choose another path"
+    if dst.is_symlink() or not dst.is_dir():
+        raise ConfigError(
+            "destination exists and is not a packdata pack (not a folder); refusing to replace it", path=dst, hint=hint
+        )
+    try:
+        manifest = read_manifest(dst)
+    except PackFormatError as exc:
+        reason = str(exc)[: -len(exc.hint) - 2] if exc.hint else str(exc)
+        raise ConfigError(
+            f"destination exists and is not a packdata pack; refusing to replace it ({reason})", hint=hint
+        ) from exc
+    if manifest.staged_from is not None:
+        raise ConfigError(
+            "destination is a staged pack; refusing to replace it", path=dst, hint=f"Run `packdata unstage {dst}` first"
+        )
+    needed = [(dst / s.file, f"shard {s.file}") for s in manifest.shards]
+    needed += [(dst / manifest.index_dir / name, f"sample index file {name}") for name in INDEX_FILES]
+    for path, what in needed:
+        if not os.path.lexists(path):
             raise ConfigError(
-                "destination exists and is not a packdata pack; refusing to replace it",
+                f"destination is not a complete packdata pack ({what} is missing); refusing to replace it",
                 path=dst,
-                hint="Remove it yourself or choose another path",
+                hint=hint,
             )
+    foreign = _foreign_entry(manifest, dst)
+    if foreign is not None:
+        raise ConfigError(
+            f"destination holds {foreign!r}, which is not part of a packdata pack; refusing to replace it",
+            path=dst,
+            hint=hint,
+        )
 
 
 def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
@@ -412,7 +484,7 @@ def convert(
         shutil.rmtree(partial)
         raise _no_samples_error(source, checkpoint.skipped)
     manifest = packer.finish()
-    _publish(partial, dst)
+    _publish(partial, dst, overwrite=overwrite)
     return ConvertResult(
         pack=dst,
         format=fmt,
@@ -626,13 +698,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(partial: Path, dst: Path) -> None:
-    """Rename the finished pack into place; an old pack at ``dst`` is replaced."""
+def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
+    """Rename the finished pack into place; with ``overwrite``, an old pack at ``dst`` is replaced.
+
+    Something that appeared at ``dst`` while converting is refused without
+    ``overwrite``. The old pack is checked again (:func:`_check_replaceable`: it
+    may have changed while converting), moved aside to a hidden sibling, and deleted only
+    once the new pack has its name; if the rename fails, it is moved back.
+    """
     old = None
-    if dst.exists():
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise ConfigError(
+                "destination appeared while converting",
+                path=dst,
+                hint=f"The new pack is left in {partial}: move what is at the destination away and convert again",
+            )
+        _check_replaceable(dst)
         old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(partial, dst)
+        counter = 0
+        while os.path.lexists(old):
+            counter += 1
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}-{counter}"
+        os.rename(dst, old)
+    try:
+        os.rename(partial, dst)
+    except BaseException:
+        if old is not None and not os.path.lexists(dst):
+            os.rename(old, dst)
+        raise
     _fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old)

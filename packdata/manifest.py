@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,10 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "file_sha256",
+    "plain_name_problem",
     "read_manifest",
+    "resolve_in_pack",
+    "validate_manifest",
     "write_manifest",
 ]
 
@@ -35,7 +39,7 @@ MANIFEST_NAME = "manifest.json"
 
 @dataclass
 class ShardInfo:
-    """One shard: ``file`` is relative to the pack, or absolute once staged."""
+    """One shard: ``file`` is a plain name in the pack (in a staged pack, maybe the path of an origin shard)."""
 
     file: str
     num_samples: int
@@ -64,6 +68,12 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     packdata_version: str = ""
+    staged_from: str | None = None  # set in a staged pack: the pack it was staged from
+
+    @property
+    def index_dir(self) -> str:
+        """The sample index folder's name inside the pack."""
+        return self.index.get("dir", "index")
 
     @property
     def total_bytes(self) -> int:
@@ -71,8 +81,11 @@ class Manifest:
         return sum(s.bytes for s in self.shards)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest as plain JSON-ready data."""
-        return dataclasses.asdict(self)
+        """The manifest as plain JSON-ready data (``staged_from`` only in a staged pack)."""
+        data = dataclasses.asdict(self)
+        if data["staged_from"] is None:
+            del data["staged_from"]
+        return data
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -97,14 +110,282 @@ def write_manifest(pack: str | os.PathLike, manifest: Manifest) -> Path:
     return path
 
 
-def read_manifest(pack: str | os.PathLike) -> Manifest:
-    """Read and validate a pack's manifest.
+# --------------------------------------------------------------------------- paths
+
+
+def plain_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a plain file name inside one folder, or None when it is."""
+    if not isinstance(name, str):
+        return "should be a string"
+    if not name or name in (".", ".."):
+        return "should be a plain file name"
+    if "\x00" in name:
+        return "should not hold a NUL byte"
+    if "/" in name or "\\" in name:
+        return "should be a plain file name, without a path separator"
+    if len(name.encode("utf-8", "surrogateescape")) > 255:
+        return "should be a file name of at most 255 bytes"
+    return None
+
+
+def _escapes(root_real: str, path: str) -> bool:
+    real = os.path.realpath(path)
+    return real != root_real and not real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
+def resolve_in_pack(root: str | os.PathLike, name: str, *, field: str, manifest: str | os.PathLike) -> Path:
+    """The path of ``name`` inside the pack ``root``, proven not to leave it.
+
+    ``name`` must be a plain name (no separator, no ``..``, no NUL byte). When
+    the entry exists it must not resolve outside ``root`` through a symlink, and
+    when it is a folder (an LMDB shard) neither may any entry directly in it.
+
+    Args:
+        root: the pack folder.
+        name: the file or folder name a manifest gives.
+        field: the manifest field it came from, for the message.
+        manifest: the manifest file, for the message.
 
     Raises:
-        PackFormatError: the path is missing, is not a pack, is damaged, or was
-            written by a newer packdata.
+        PackFormatError: naming the manifest, the field and the value.
     """
-    pack = Path(pack)
+    problem = plain_name_problem(name)
+    if problem is not None:
+        raise _field_error(manifest, field, f"{problem} inside the pack", name)
+    path = Path(root) / name
+    root_real = os.path.realpath(root)
+    if os.path.lexists(path):
+        if _escapes(root_real, os.fspath(path)):
+            raise _field_error(manifest, field, "should stay inside the pack, but it is a symlink leading out", name)
+        if path.is_dir():
+            try:
+                entries = list(os.scandir(path))
+            except OSError as exc:
+                raise PackFormatError(f"cannot list {field}: {exc.strerror}", path=path) from exc
+            for entry in entries:
+                if entry.is_symlink() and _escapes(root_real, entry.path):
+                    raise PackFormatError(
+                        f"{entry.name} in {field} is a symlink leading out of the pack",
+                        path=entry.path,
+                        hint="Remove it: packdata never follows a pack's files outside the pack",
+                    )
+    return path
+
+
+# --------------------------------------------------------------------------- validation
+
+_MAX_MANIFEST_BYTES = 256 << 20
+_MAX_INT = (1 << 63) - 1
+_MANIFEST_KEYS = {f.name for f in dataclasses.fields(Manifest)}
+_SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
+_REQUIRED = ("format", "kind", "classes", "num_samples", "shards")
+_HINT = "The manifest is damaged or was not written by packdata: convert the pack again"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _field_error(manifest: str | os.PathLike, field: str, problem: str, value: object) -> PackFormatError:
+    return PackFormatError(f"manifest field {field!r} {problem}, but got {_short(value)}", path=manifest, hint=_HINT)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid number here")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _count(where: Path, field: str, value: object, *, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= _MAX_INT:
+        raise _field_error(where, field, f"should be an integer from {minimum} to 2**63-1", value)
+    return value
+
+
+def _strings(where: Path, field: str, value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _field_error(where, field, "should be a list of strings", value)
+    return list(value)
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise PackFormatError(f"manifest is unreadable: {exc.strerror}", path=path) from exc
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise PackFormatError(f"manifest is larger than {_MAX_MANIFEST_BYTES >> 20} MiB", path=path, hint=_HINT)
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise PackFormatError("manifest is nested too deeply to be a manifest", path=path, hint=_HINT) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, Infinity, 1e999
+        raise PackFormatError(f"manifest is not valid JSON: {exc}", path=path, hint=_HINT) from exc
+    if not isinstance(data, dict):
+        raise PackFormatError(
+            f"manifest should be a JSON object, but got a {type(data).__name__}", path=path, hint=_HINT
+        )
+    return data
+
+
+def _shards(path: Path, value: object, staged: bool) -> list[ShardInfo]:
+    if not isinstance(value, list) or not value:
+        raise _field_error(path, "shards", "should be a non-empty list of shard objects", value)
+    shards: list[ShardInfo] = []
+    names: set[str] = set()
+    first = 0
+    for i, item in enumerate(value):
+        where = f"shards[{i}]"
+        if not isinstance(item, dict):
+            raise _field_error(path, where, "should be an object", item)
+        unknown = sorted(set(item) - _SHARD_KEYS)
+        missing = sorted(_SHARD_KEYS - set(item))
+        if unknown or missing:
+            what = f"has an unknown key {unknown[0]!r}" if unknown else f"lacks the key {missing[0]!r}"
+            raise _field_error(path, where, f"{what} (keys are {', '.join(sorted(_SHARD_KEYS))})", sorted(item))
+        file = item["file"]
+        if staged and isinstance(file, str) and os.path.isabs(file):
+            if os.path.normpath(file) != file or "\x00" in file:
+                raise _field_error(path, f"{where}.file", "should be a normalized absolute path", file)
+            name = os.path.basename(file)
+        else:
+            name = file
+        problem = plain_name_problem(name)
+        if problem is not None:
+            problem = f"{problem} inside the pack" + ("" if staged else " (only a staged pack names shards elsewhere)")
+            raise _field_error(path, f"{where}.file", problem, file)
+        if name in names:
+            raise _field_error(path, f"{where}.file", "should name each shard once", file)
+        names.add(name)
+        count = _count(path, f"{where}.num_samples", item["num_samples"])
+        start = _count(path, f"{where}.first_index", item["first_index"])
+        if start != first:
+            raise _field_error(
+                path, f"{where}.first_index", f"should be {first} (the samples of the shards before)", start
+            )
+        first += count
+        size = _count(path, f"{where}.bytes", item["bytes"])
+        sha = item["sha256"]
+        if not isinstance(sha, str) or len(sha) != 64 or not all(c in "0123456789abcdef" for c in sha):
+            raise _field_error(path, f"{where}.sha256", "should be 64 lowercase hex digits", sha)
+        shards.append(ShardInfo(file, count, start, size, sha))
+    return shards
+
+
+def _optional_dict(path: Path, data: dict[str, Any], key: str, *, nullable: bool = False) -> None:
+    if key in data and not (isinstance(data[key], dict) or (nullable and data[key] is None)):
+        raise _field_error(path, key, "should be an object" + (" or null" if nullable else ""), data[key])
+
+
+def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
+    """Check a parsed manifest's whole schema and build the :class:`Manifest`.
+
+    Types, ranges and consistency: known keys only, counts that are integers
+    in range and add up, shard ``first_index`` values that follow each other,
+    unique shard names, plain names for every file the pack holds (absolute
+    paths only for the shards a staged pack left at its origin).
+
+    Args:
+        data: the parsed JSON.
+        path: the manifest file, named in errors.
+
+    Raises:
+        PackFormatError: naming the manifest and the first bad field.
+    """
+    where = Path(path)
+    if not isinstance(data, dict):
+        raise PackFormatError(f"manifest should be a JSON object, but got a {type(data).__name__}", path=where)
+    unknown = sorted(k for k in data if k not in _MANIFEST_KEYS)
+    if unknown:
+        raise _field_error(
+            where, unknown[0], "is not a manifest field (a newer packdata may know it)", data[unknown[0]]
+        )
+    for key in _REQUIRED:
+        if key not in data:
+            raise PackFormatError(f"manifest lacks the field {key!r}", path=where, hint=_HINT)
+    version = data.get("format_version", FORMAT_VERSION)
+    _count(where, "format_version", version, minimum=1)
+    for key in ("format", "kind", "packdata_version"):
+        if key in data and not isinstance(data[key], str):
+            raise _field_error(where, key, "should be a string", data[key])
+    staged_from = data.get("staged_from")
+    if staged_from is not None and (
+        not isinstance(staged_from, str) or not os.path.isabs(staged_from) or "\x00" in staged_from
+    ):
+        raise _field_error(where, "staged_from", "should be an absolute path or null", staged_from)
+    classes = _strings(where, "classes", data["classes"])
+    fields = _strings(where, "fields", data.get("fields", []))
+    num_samples = _count(where, "num_samples", data["num_samples"])
+    index = data.get("index", {})
+    if not isinstance(index, dict) or not all(isinstance(v, str) for v in index.values()):
+        raise _field_error(where, "index", "should be an object of strings", index)
+    if "dir" in index and plain_name_problem(index["dir"]) is not None:
+        raise _field_error(where, "index.dir", f"{plain_name_problem(index['dir'])} inside the pack", index["dir"])
+    _optional_dict(where, data, "reencode", nullable=True)
+    _optional_dict(where, data, "skipped")
+    _optional_dict(where, data, "source")
+    report = data.get("skipped", {}).get("report")
+    if report is not None and plain_name_problem(report) is not None:
+        raise _field_error(where, "skipped.report", f"{plain_name_problem(report)} inside the pack", report)
+    shards = _shards(where, data["shards"], staged_from is not None)
+    counted = sum(s.num_samples for s in shards)
+    if counted != num_samples:
+        raise PackFormatError(
+            f"manifest is inconsistent: shards hold {counted} samples, but num_samples={num_samples}",
+            path=where,
+            hint=_HINT,
+        )
+    return Manifest(
+        format=data["format"],
+        kind=data["kind"],
+        classes=classes,
+        num_samples=num_samples,
+        shards=shards,
+        index=dict(index),
+        fields=fields,
+        reencode=data.get("reencode"),
+        skipped=dict(data.get("skipped", {})),
+        source=dict(data.get("source", {})),
+        format_version=version,
+        packdata_version=data.get("packdata_version", ""),
+        staged_from=staged_from,
+    )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict[str, Manifest]) -> None:
+    """A staged pack's shard left at its origin: a shard of a real pack, with the same checksum."""
+    field = f"shards[{number}].file"
+    origin = os.path.dirname(shard.file)
+    if origin not in seen:
+        try:
+            seen[origin] = _read(Path(origin), external=False)
+        except PackFormatError as exc:
+            raise PackFormatError(
+                f"manifest field {field!r} names a shard of {origin}, which is not a readable pack: {exc}",
+                path=manifest_path,
+                hint="Stage the pack again",
+            ) from exc
+    name = os.path.basename(shard.file)
+    match = next((s for s in seen[origin].shards if s.file == name), None)
+    if match is None or (match.sha256, match.bytes) != (shard.sha256, shard.bytes):
+        problem = "lists no such shard" if match is None else "lists it with another checksum or size"
+        raise _field_error(
+            manifest_path, field, f"should name a shard of its origin pack, but that pack {problem}", shard.file
+        )
+    resolve_in_pack(origin, name, field=field, manifest=manifest_path)
+
+
+def _read(pack: Path, *, external: bool) -> Manifest:
     path = pack / MANIFEST_NAME
     if not path.is_file():
         hint = "Convert a folder with `packdata convert SRC DST` first"
@@ -112,26 +393,41 @@ def read_manifest(pack: str | os.PathLike) -> Manifest:
             hint = "A conversion into it was interrupted: rerun it with --resume"
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if pack.exists() else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        version = int(data.get("format_version", 0))
-    except (OSError, ValueError, AttributeError) as exc:
-        raise PackFormatError(f"manifest is unreadable: {exc}", path=path) from exc
-    if version > FORMAT_VERSION:
+    data = _parse(path)
+    version = data.get("format_version", FORMAT_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise PackFormatError(
             f"pack format version {version} is newer than this packdata reads ({FORMAT_VERSION})",
             path=pack,
             hint="Upgrade packdata: pip install -U packdata",
         )
-    try:
-        data["shards"] = [ShardInfo(**s) for s in data["shards"]]
-        manifest = Manifest(**data)
-    except (KeyError, TypeError) as exc:
-        raise PackFormatError(f"manifest is malformed: {exc}", path=path) from exc
-    counted = sum(s.num_samples for s in manifest.shards)
-    if counted != manifest.num_samples:
+    manifest = validate_manifest(data, path)
+    if not external and any(os.path.isabs(s.file) for s in manifest.shards):
         raise PackFormatError(
-            f"manifest is inconsistent: shards hold {counted} samples, but num_samples={manifest.num_samples}",
-            path=path,
+            "is a staged pack whose shards are partly elsewhere; it cannot be the origin of another",
+            path=pack,
+            hint="Stage from the original pack",
         )
+    seen: dict[str, Manifest] = {}
+    for number, shard in enumerate(manifest.shards):
+        if os.path.isabs(shard.file):
+            _check_origin(path, number, shard, seen)
+        else:
+            resolve_in_pack(pack, shard.file, field=f"shards[{number}].file", manifest=path)
+    resolve_in_pack(pack, manifest.index_dir, field="index.dir", manifest=path)
     return manifest
+
+
+def read_manifest(pack: str | os.PathLike) -> Manifest:
+    """Read a pack's manifest and validate all of it.
+
+    The schema is checked strictly (:func:`validate_manifest`) and every path
+    it names is resolved inside the pack (:func:`resolve_in_pack`); the shards a
+    staged pack left at its origin must be shards of that pack, with the same
+    checksum.
+
+    Raises:
+        PackFormatError: the path is missing, is not a pack, is damaged, names a
+            path outside the pack, or was written by a newer packdata.
+    """
+    return _read(Path(pack), external=True)

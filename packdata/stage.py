@@ -550,12 +550,20 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
             ``unmount`` was asked for a mount packdata did not make.
     """
     target = Path(path).absolute()
+    if target.is_symlink():
+        raise ConfigError(
+            "is a symlink; unstage the staged pack itself",
+            path=target,
+            hint=f"Run `packdata unstage {target.resolve()}`",
+        )
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
     if (target / STAGED_FILE).is_file():
         packs, area = [target], target.parent
     else:
-        packs = [d for d in sorted(target.iterdir()) if d.is_dir() and (d / STAGED_FILE).is_file()]
+        packs = [
+            d for d in sorted(target.iterdir()) if not d.is_symlink() and d.is_dir() and (d / STAGED_FILE).is_file()
+        ]
         area = target
         if not packs and not unmount:
             raise ConfigError(

@@ -474,7 +474,7 @@ def convert_on_ray(
         skipped=gatherer.skipped,
     )
     write_manifest(partial, manifest)
-    _publish(partial, dst)
+    _publish(partial, dst, overwrite=overwrite)
     return ConvertResult(
         pack=dst,
         format=opts.format,
