@@ -5,9 +5,10 @@
 so checkpoints are frequent), ``engine``, and ``scenarios``: each a ``dst`` and
 a list of ``kills`` applied to successive runs into it. A kill is
 ``["after" | "before", n]`` (SIGKILL the run right after, or right before, its
-n-th ``os.replace``: every checkpoint save, TFRecord shard rename, manifest
-write and publish rename is one) or ``["at", seconds]`` (SIGKILL a run whose
-reads are slowed from outside, after that many seconds). After its kills a
+n-th ``os.replace`` of a path beside or inside DST: every checkpoint save,
+TFRecord shard rename, manifest write and publish rename is one) or ``["at", seconds]`` (SIGKILL a run whose
+reads are slowed from outside, after that many seconds) or
+``["tasks-rmtree", 0]`` (the Ray driver dies while deleting its task results). After its kills a
 scenario resumes with no kill until a run finishes; ``["after", 0]`` runs once
 without a kill and reports how many ``os.replace`` calls a whole run makes.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -38,8 +40,12 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
     calls = 0
     real_replace = os.replace
 
+    scope = os.path.dirname(os.path.abspath(dst)) + os.sep  # only the conversion's own renames count
+
     def replace(a, b, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal calls
+        if not os.path.abspath(a).startswith(scope):  # Ray's own files, if any
+            return real_replace(a, b, *args, **kwargs)
         calls += 1
         if side == "before" and calls == n:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -48,6 +54,16 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     os.replace = replace  # type: ignore[assignment]
+    if side == "tasks-rmtree":  # the Ray driver, killed while deleting its task results
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if os.path.basename(os.fspath(path)) == "tasks":
+                real_rmtree(os.path.join(path, "00000", "index"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = rmtree  # type: ignore[assignment]
     convert_module._COMMIT_SAMPLES = plan["commit_samples"]
     if slow:
         load = convert_module._load

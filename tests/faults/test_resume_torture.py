@@ -164,3 +164,29 @@ def test_verify_names_a_pack_whose_counts_disagree(small_source: Path, tmp_path:
     (pack / "skipped.jsonl").write_bytes(b"".join(lines[1:]))  # a skip the report does not list
     with pytest.raises(PackFormatError, match=r"skipped\.jsonl: skip report lists 3 files, the manifest counts 4"):
         verify_pack(pack, progress=False)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_driver_killed_then_resumed_gives_the_clean_pack(small_source: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'packdata[ray]')")
+    rng = random.Random("resume-torture-ray")
+    for fmt in ("tfrecord", "lmdb"):
+        clean_dst = tmp_path / f"clean-{fmt}" / DST_NAME[fmt]
+        clean_dst.parent.mkdir()
+        clean_run = [{"dst": str(clean_dst), "kills": [["after", 0]]}]
+        assert _drive(tmp_path, small_source, fmt, clean_run, engine="ray") == [["done"]]
+        (tmp_path / f"clean-{fmt}.result").write_text(Path(f"{clean_dst}.result.json").read_text())
+        clean = _content(clean_dst, fmt)
+        # After the first rename of the finishing steps (a TFRecord shard, or the LMDB manifest),
+        # and at a random instant while tasks run.
+        plans = [[["after", 1]], [["at", rng.uniform(1.0, 4.0)]]]
+        if fmt == "tfrecord":  # killed while deleting the task results, one index fragment already gone
+            plans.append([["tasks-rmtree", 0]])
+        scenarios = []
+        for number, kills in enumerate(plans):
+            (tmp_path / f"ray-{fmt}-{number}").mkdir()
+            scenarios.append({"dst": str(tmp_path / f"ray-{fmt}-{number}" / DST_NAME[fmt]), "kills": kills})
+        outcomes = _drive(tmp_path, small_source, fmt, scenarios, engine="ray")
+        assert _check_all(tmp_path, fmt, scenarios, outcomes, clean) >= 1
