@@ -9,8 +9,9 @@ from age. The holder writes its pid, host, command and start time into the file
 so a refused run can say who holds it. A clean release unlinks the file
 (while still holding it); a run that locked a file just unlinked by its
 previous holder notices (the path no longer names its inode) and starts over.
-Lock files are opened with ``O_NOFOLLOW``: a symlink planted at a lock path is
-refused, never written through.
+Lock files are opened with ``O_NOFOLLOW`` and checked before anything is
+written: a symlink, hard link, non-regular file, or a file whose content is not
+a packdata lock record is refused, never truncated or removed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +50,29 @@ def _holder(fd: int) -> str:
         return "another process (it has not written its name yet)"
 
 
+_FIELDS = {"pid", "host", "command", "since"}
+
+
+def _foreign(fd: int) -> str | None:
+    """Why the file open on ``fd`` is not a packdata lock file, or None when it is one (or empty)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_nlink > 1:
+        return f"it has {st.st_nlink} hard links"
+    if st.st_size == 0:
+        return None
+    if st.st_size > 4096:
+        return f"it holds {st.st_size} bytes, not a lock record"
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return "its content is not a packdata lock record"
+    if not isinstance(info, dict) or set(info) != _FIELDS:
+        return "its content is not a packdata lock record"
+    return None
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -68,12 +93,14 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
 
     Raises:
         LockedError: another live process holds it; the message names its pid and host.
-        ConfigError: the lock file cannot be created (a symlink there, no permission).
+        ConfigError: the lock file cannot be created (no permission), or a file
+            that is not packdata's lock is in its place (a symlink, a hard link,
+            other content): it is left untouched.
     """
     path = Path(path)
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
             raise ConfigError(
@@ -94,6 +121,14 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
         except BaseException:
             os.close(fd)
             raise
+        problem = _foreign(fd)
+        if problem is not None:
+            os.close(fd)
+            raise ConfigError(
+                f"a file is in the way of the lock file: {problem}",
+                path=path,
+                hint="Move it away if it is not packdata's, or choose another destination",
+            )
         if _same_file(fd, path):
             break
         os.close(fd)  # the previous holder unlinked it as we opened it: lock the new one

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import IMAGE_EXTS, expected_samples
+from conftest import IMAGE_EXTS, expected_samples, tree_digest
 
-from packdata import LMDBDataset, LockedError, convert, stage, unstage, verify_pack
+from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
 from packdata.cli import main
 from packdata.convert import partial_path
 
@@ -172,3 +172,30 @@ def test_stage_and_unstage_refuse_while_another_stage_holds_the_target(pack: Pat
     assert (dest / "staged.json").is_file() and _contents(dest) == _contents(pack)
     assert len(result.copied) == 4
     assert unstage(area).removed == [dest]
+
+
+@pytest.mark.parametrize("planted", ["user file", "hard link", "symlink", "fifo"])
+def test_a_file_in_the_place_of_the_lock_is_refused_and_left_untouched(
+    image_folder: Path, tmp_path: Path, planted: str
+) -> None:
+    dst = tmp_path / "out" / "out.lmdb"
+    dst.parent.mkdir()
+    lock = dst.parent / ".out.lmdb.lock"
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a lock\n")
+    if planted == "user file":
+        lock.write_text('{"my": "notes"}\n')
+    elif planted == "hard link":
+        os.link(precious, lock)
+    elif planted == "symlink":
+        lock.symlink_to(precious)
+    else:
+        os.mkfifo(lock)
+    before = {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in dst.parent.iterdir()}
+    before_digest = tree_digest(tmp_path / "out") if planted not in ("fifo", "symlink") else None
+    with pytest.raises(ConfigError, match=r"\.out\.lmdb\.lock: .*(lock|symlink)"):
+        convert(image_folder, dst, progress=False)
+    assert {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in dst.parent.iterdir()} == before
+    if before_digest is not None:
+        assert tree_digest(tmp_path / "out") == before_digest
+    assert precious.read_text() == "not a lock\n"
