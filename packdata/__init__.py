@@ -25,6 +25,7 @@ _EXPORTS = {
     "DecodeJPEG": "decode",
     "CapacityError": "errors",
     "ConfigError": "errors",
+    "LockedError": "errors",
     "PackdataError": "errors",
     "PackFormatError": "errors",
     "SourceError": "errors",
@@ -57,6 +58,7 @@ __all__ = [
     "DecodeJPEG",
     "DoctorReport",
     "LMDBDataset",
+    "LockedError",
     "PackFormatError",
     "PackdataError",
     "SourceError",
@@ -91,7 +93,14 @@ if TYPE_CHECKING:
     from packdata.convert import ConvertResult
     from packdata.datasets import LMDBDataset
     from packdata.decode import DecodeJPEG
-    from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
+    from packdata.errors import (
+        CapacityError,
+        ConfigError,
+        LockedError,
+        PackdataError,
+        PackFormatError,
+        SourceError,
+    )
     from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, worker_init_fn
     from packdata.samplers import BlockShuffleSampler, shuffle_quality
     from packdata.text import TokenBucketSampler, pad_collate

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from packdata._lock import hold_lock
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.index import FILES as INDEX_FILES
 from packdata.manifest import Manifest, ShardInfo
@@ -46,6 +46,7 @@ __all__ = [
     "dir_bytes",
     "is_staged",
     "locked",
+    "only_lock_left",
     "remove_leftovers",
     "resolve_order",
     "same_tree",
@@ -368,18 +369,15 @@ def remove_leftovers(dest: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(dest: Path) -> Iterator[None]:
-    with open(dest / LOCK, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                "another `packdata stage` is writing into this staged pack", path=dest, hint="Wait for it to finish"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def locked(dest: Path, what: str = "packdata stage") -> Iterator[None]:
+    """Hold ``dest``'s ``.stage.lock`` (see :mod:`packdata._lock`); LockedError names the holder."""
+    with hold_lock(dest / LOCK, what=what, target=dest):
+        yield
+
+
+def only_lock_left(dest: Path) -> bool:
+    """True for a folder holding nothing but a stage lock: a stage killed before it wrote ``staged.json``."""
+    return dest.is_dir() and not dest.is_symlink() and [p.name for p in dest.iterdir()] == [LOCK]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -431,7 +429,7 @@ def check_destination(source: Path, dest: Path) -> None:
     if dest.exists():
         marker = dest / STAGED_FILE
         if not marker.is_file():
-            if dest.is_dir() and not any(dest.iterdir()):
+            if dest.is_dir() and (not any(dest.iterdir()) or only_lock_left(dest)):
                 return
             raise ConfigError(
                 "exists and is not a staged pack",

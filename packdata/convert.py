@@ -5,6 +5,10 @@ place only once its manifest is written, so a reader never sees a half pack.
 Every commit is followed by a checkpoint (``progress.json``) that records how far
 the sorted walk got; ``resume=True`` cuts the shard and index back to the last
 checkpoint and carries on, giving the same content as an uninterrupted run.
+A checkpoint counts a source file only together with its sample (or its skip
+line), so a kill at any instant loses nothing. One process at a time converts
+into a destination: it holds ``.NAME.lock`` beside it (:mod:`packdata._lock`)
+from before the partial folder is touched until after the publish rename.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from packdata._lock import convert_lock_path, hold_lock
 from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
-from packdata.formats import FORMATS, format_from_path, shard_writer
+from packdata.formats import FORMATS, ShardWriter, format_from_path, shard_writer
 from packdata.index import FILES as INDEX_FILES
 from packdata.index import SampleIndexWriter
 from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
@@ -310,6 +315,7 @@ class _Checkpoint:
         self.shard_first = 0
         self.shard_bytes = 0
         self.walk_expected = ""
+        self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
 
     def save(self) -> None:
         state = {
@@ -325,6 +331,7 @@ class _Checkpoint:
             "shards": [asdict(s) for s in self.shards],
             "shard_first": self.shard_first,
             "shard_bytes": self.shard_bytes,
+            "finishing": self.finishing,
         }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state), encoding="utf-8")
@@ -352,6 +359,7 @@ class _Checkpoint:
         self.skip_examples = state["skip_examples"]
         self.shards = [ShardInfo(**s) for s in state["shards"]]
         self.walk_expected = state["walk_sha256"]
+        self.finishing = bool(state.get("finishing", False))
         return state
 
 
@@ -404,6 +412,7 @@ def convert(
         SourceError: ``src`` is missing, has no usable files, or (with
             ``on_error="fail"``) holds a bad file.
         ConfigError: ``dst`` exists, is inside ``src``, or options contradict.
+        LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -427,20 +436,40 @@ def convert(
     source = scan_source(src, kind)
     _check_paths(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
-    if engine == "ray":
-        from packdata.engines.ray import convert_on_ray
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
+        _check_paths(src, dst, overwrite)  # again, under the lock: another writer may have published meanwhile
+        if engine == "ray":
+            from packdata.engines.ray import convert_on_ray
 
-        return convert_on_ray(
-            source,
-            dst,
-            opts,
-            workers=workers,
-            overwrite=overwrite,
-            resume=resume,
-            progress=progress,
-            address=address,
-            started=started,
+            return convert_on_ray(
+                source,
+                dst,
+                opts,
+                workers=workers,
+                overwrite=overwrite,
+                resume=resume,
+                progress=progress,
+                address=address,
+                started=started,
+            )
+        return _convert_local(
+            source, dst, opts, workers=workers, overwrite=overwrite, resume=resume, progress=progress, started=started
         )
+
+
+def _convert_local(
+    source: Source,
+    dst: Path,
+    opts: _Options,
+    *,
+    workers: int | None,
+    overwrite: bool,
+    resume: bool,
+    progress: bool,
+    started: float,
+) -> ConvertResult:
+    """The local engine: threads read, this process writes; run under the destination's lock."""
     partial = partial_path(dst)
     checkpoint = _Checkpoint(partial / _PROGRESS, asdict(opts))
     resumed = resume and checkpoint.path.is_file()
@@ -459,12 +488,13 @@ def convert(
 
     packer = _Packer(source, partial, opts, checkpoint, resumed)
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-read") as pool:
-            try:
-                packer.run(pool, depth=2 * workers, progress=progress)
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+        if not checkpoint.finishing:  # else every shard was closed before the interruption
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-read") as pool:
+                try:
+                    packer.run(pool, depth=2 * workers, progress=progress)
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
     except SourceError:
         packer.close_files(failed=True)
         shutil.rmtree(partial)  # a deliberate stop: nothing to resume
@@ -487,7 +517,7 @@ def convert(
     _publish(partial, dst, overwrite=overwrite)
     return ConvertResult(
         pack=dst,
-        format=fmt,
+        format=opts.format,
         kind=source.kind,
         found=checkpoint.files_done,
         packed=checkpoint.samples_done,
@@ -514,12 +544,14 @@ class _Packer:
         if resumed:
             os.truncate(report, cp.skip_report_bytes)
         self.report = open(report, "ab")  # noqa: SIM115 (closed in close_files())
-        self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
+        self.writer: ShardWriter | None = None  # None once finishing: every shard is closed
+        if not cp.finishing:
+            self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
         self.shard_samples = cp.samples_done - cp.shard_first
 
-    def _open_shard(self, resume_at: int | None = None):
+    def _open_shard(self, resume_at: int | None = None) -> ShardWriter:
         path = self.partial / self.writer_cls.shard_name(len(self.cp.shards))
         return self.writer_cls(path, resume_at=resume_at)
 
@@ -536,6 +568,10 @@ class _Packer:
         last_bytes, last_time = self.cp.bytes_in, time.perf_counter()
         with bar:
             for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
+                if isinstance(result, Sample):
+                    # A full shard is closed and checkpointed *before* this file is counted:
+                    # a checkpoint never counts a file whose sample is not written with it.
+                    self._make_room(len(result.data))
                 self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
                 self.cp.files_done += 1
                 if isinstance(result, Skip):
@@ -580,14 +616,18 @@ class _Packer:
             self.cp.skip_examples.append(line)
         self.report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
 
-    def _add(self, sample: Sample) -> None:
-        size = len(sample.data)
+    def _make_room(self, size: int) -> None:
+        """Close the current shard when a sample of ``size`` bytes would overfill it."""
         limit_bytes, limit_samples = self.opts.shard_size, self.opts.shard_samples
         if self.shard_samples and (
             (limit_samples and self.shard_samples >= limit_samples)
             or (limit_bytes and self.cp.shard_bytes + size > limit_bytes)
         ):
             self._roll_shard()
+
+    def _add(self, sample: Sample) -> None:
+        """Append a sample, counted with its file (call :meth:`_make_room` first)."""
+        size = len(sample.data)
         self.batch.append((self.shard_samples, sample))
         self.index.append(sample.key, sample.label, size)
         self.cp.samples_done += 1
@@ -600,6 +640,7 @@ class _Packer:
 
     def _commit(self) -> None:
         """Write the batch, make everything durable, then record the checkpoint."""
+        assert self.writer is not None  # internal invariant: only called while packing
         if self.batch:
             self.writer.write(self.batch)
             self.batch, self.batch_bytes = [], 0
@@ -611,7 +652,13 @@ class _Packer:
         self.cp.save()
 
     def _roll_shard(self) -> None:
+        """Close the full shard, list it and open the next (a checkpoint before and after).
+
+        Killed between the two checkpoints, a resume reopens the closed shard at
+        its full count and rolls it again: closing is repeatable.
+        """
         self._commit()
+        assert self.writer is not None
         nbytes, digest = self.writer.close()
         name = self.writer_cls.shard_name(len(self.cp.shards))
         self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
@@ -636,11 +683,21 @@ class _Packer:
                 raise
 
     def finish(self) -> Manifest:
-        """Close the last shard, give shards their final names, write the manifest."""
-        nbytes, digest = self.writer.close()
-        name = self.writer_cls.shard_name(len(self.cp.shards))
-        shards = [*self.cp.shards, ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest)]
-        shards = self.writer_cls.finalize(self.partial, shards)
+        """Close the last shard, give shards their final names, write the manifest.
+
+        The closed shard list is checkpointed (``finishing``) before any shard is
+        renamed, and the checkpoint is removed only after the manifest is
+        written, so a run killed in between resumes by redoing these steps
+        (:meth:`finalize` is repeatable).
+        """
+        if not self.cp.finishing:
+            assert self.writer is not None
+            nbytes, digest = self.writer.close()
+            name = self.writer_cls.shard_name(len(self.cp.shards))
+            self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
+            self.cp.finishing = True
+            self.cp.save()
+        shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
         manifest = _make_manifest(
             self.source,
             self.opts,
@@ -651,8 +708,9 @@ class _Packer:
             reencoded=self.cp.reencoded,
             skipped=self.cp.skipped,
         )
-        (self.partial / _PROGRESS).unlink()
         write_manifest(self.partial, manifest)
+        (self.partial / _PROGRESS).unlink()
+        _fsync_dir(self.partial)
         return manifest
 
 

@@ -11,6 +11,7 @@ import os
 __all__ = [
     "CapacityError",
     "ConfigError",
+    "LockedError",
     "PackFormatError",
     "PackdataError",
     "SourceError",
@@ -43,3 +44,7 @@ class CapacityError(PackdataError):
 
 class ConfigError(PackdataError):
     """Options that contradict each other or a destination that must not be used."""
+
+
+class LockedError(PackdataError):
+    """Another process is writing the same pack or staging target (the message names it)."""

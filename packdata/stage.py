@@ -59,6 +59,7 @@ from packdata._stage_copy import (
     dir_bytes,
     is_staged,
     locked,
+    only_lock_left,
     remove_leftovers,
     resolve_order,
     same_tree,
@@ -372,6 +373,7 @@ def stage(
         PackFormatError: the source is not a pack or a shard fails its checksum.
         ConfigError: contradictory options, not root for a mount, or a destination
             packdata did not stage.
+        LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named).
     """
     start = time.monotonic()
     if to is not None and (tmpfs is not None or mount is not None):
@@ -405,6 +407,7 @@ def stage(
     dest.mkdir(exist_ok=True)
 
     with locked(dest):
+        check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
         sizes = {u.number: u.size for u in units}
@@ -542,12 +545,14 @@ def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
 def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
     """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
 
-    Only folders holding packdata's ``staged.json`` are deleted; the originals
-    are never touched.
+    Only folders holding packdata's ``staged.json`` (or nothing but the
+    ``.stage.lock`` of a stage killed before it wrote one) are deleted; the
+    originals are never touched.
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
             ``unmount`` was asked for a mount packdata did not make.
+        LockedError: a ``packdata stage`` is writing the pack (it is named).
     """
     target = Path(path).absolute()
     if target.is_symlink():
@@ -558,11 +563,13 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
         )
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
-    if (target / STAGED_FILE).is_file():
+    if (target / STAGED_FILE).is_file() or only_lock_left(target):
         packs, area = [target], target.parent
     else:
         packs = [
-            d for d in sorted(target.iterdir()) if not d.is_symlink() and d.is_dir() and (d / STAGED_FILE).is_file()
+            d
+            for d in sorted(target.iterdir())
+            if d.is_dir() and not d.is_symlink() and ((d / STAGED_FILE).is_file() or only_lock_left(d))
         ]
         area = target
         if not packs and not unmount:
@@ -589,8 +596,9 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
             )
     freed = 0
     for pack in packs:
-        freed += dir_bytes(pack)
-        shutil.rmtree(pack)
+        with locked(pack, what="packdata unstage"):  # never under a stage still writing it
+            freed += dir_bytes(pack)
+            shutil.rmtree(pack)
     unmounted = None
     if mount is not None:
         if os.geteuid() != 0:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from packdata.errors import PackFormatError
 from packdata.index import SampleIndex
-from packdata.manifest import Manifest, ShardInfo, file_sha256, read_manifest
+from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, file_sha256, read_manifest
 from packdata.records import RecordError, Sample, decode_record
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
@@ -66,17 +66,53 @@ def _samples(manifest: Manifest, pack: Path, shard: ShardInfo) -> Iterator[tuple
         yield from iter_shard_samples(shard.path(pack), shard.first_index)
 
 
+def _check_counts(manifest: Manifest, pack: Path) -> None:
+    """Every source file counted is a sample or a skip, and every skip is in the skip report."""
+    found = manifest.source.get("files_found")
+    skipped = manifest.skipped.get("count")
+    if not isinstance(found, int) or not isinstance(skipped, int):
+        return  # a manifest without the counts (hand-made): nothing to compare
+    if found != manifest.num_samples + skipped:
+        raise PackFormatError(
+            f"the conversion counted {found} source files, but the pack holds {manifest.num_samples} samples "
+            f"and {skipped} skips ({found - manifest.num_samples - skipped} unaccounted for)",
+            path=pack / MANIFEST_NAME,
+            hint="Samples were lost: convert the folder again with --overwrite",
+        )
+    report = manifest.skipped.get("report")
+    if not skipped or not isinstance(report, str):
+        return
+    report_path = pack / report
+    if "/" in report or report.startswith(".") or not report_path.is_file():
+        raise PackFormatError(
+            f"the manifest counts {skipped} skipped files, but the skip report {report!r} is missing",
+            path=pack,
+            hint="Convert or stage the pack again",
+        )
+    with open(report_path, "rb") as f:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    if lines != skipped:
+        raise PackFormatError(
+            f"skip report lists {lines} files, the manifest counts {skipped}",
+            path=report_path,
+            hint="Convert the pack again",
+        )
+
+
 def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResult:
     """Read every record of a pack and check it against the manifest and index.
 
-    Checks each shard's byte size and SHA-256, each record's CRC, that indices
-    run without gaps, and that every record's key and label equal the index.
+    Checks that every source file the manifest counts is packed or skipped
+    (and each skip listed in the skip report), each shard's byte size and
+    SHA-256, each record's CRC, that indices run without gaps, and that every
+    record's key and label equal the index.
 
     Raises:
         PackFormatError: naming the first bad shard or record.
     """
     pack = Path(path)
     manifest = read_manifest(pack)
+    _check_counts(manifest, pack)
     index = SampleIndex(pack / manifest.index.get("dir", "index"), manifest.num_samples)
     checked = nbytes = 0
     with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True, disable=not progress) as bar:

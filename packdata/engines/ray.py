@@ -71,6 +71,7 @@ from tqdm import tqdm
 from packdata.convert import (
     SKIP_REPORT,
     ConvertResult,
+    _fsync_dir,
     _make_manifest,
     _no_samples_error,
     _Options,
@@ -457,8 +458,11 @@ def convert_on_ray(
     if gatherer.samples == 0:
         shutil.rmtree(partial)
         raise _no_samples_error(source, gatherer.skipped)
-    shutil.rmtree(partial / TASKS_DIR)
+    # The plan goes first: a run killed from here on starts afresh on --resume, never
+    # resumes from task results whose index fragments are half deleted.
     (partial / _PLAN).unlink()
+    _fsync_dir(partial)
+    shutil.rmtree(partial / TASKS_DIR)
     if resumed:
         _drop_strays(partial, gatherer.shards)
     writer_cls = shard_writer(opts.format)

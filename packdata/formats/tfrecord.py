@@ -425,7 +425,8 @@ class TFRecordShardWriter:
 
         ``NAME`` is the pack's name without its suffix (``out.tfrecord`` and
         ``out`` give ``out``), or ``data``; ``pack`` may be the hidden
-        ``.NAME.partial`` folder convert writes into.
+        ``.NAME.partial`` folder convert writes into. Repeatable: a file already
+        under its final name (a run killed while renaming) is left there.
         """
         name = Path(pack).name
         if name.startswith(".") and name.endswith(".partial"):
@@ -434,11 +435,14 @@ class TFRecordShardWriter:
         out = []
         for number, shard in enumerate(shards):
             final = f"{name}-{number:05d}-of-{len(shards):05d}{SHARD_SUFFIX}"
-            old = Path(pack) / shard.file
-            os.replace(index_path(old), index_path(Path(pack) / final))
-            if payload_path(old).exists():
-                os.replace(payload_path(old), payload_path(Path(pack) / final))
-            os.replace(old, Path(pack) / final)
+            old, new = Path(pack) / shard.file, Path(pack) / final
+            for source, target, required in (
+                (index_path(old), index_path(new), True),
+                (payload_path(old), payload_path(new), False),
+                (old, new, True),
+            ):
+                if source.exists() or (required and not target.exists()):
+                    os.replace(source, target)
             out.append(dataclasses.replace(shard, file=final))
         return out
 

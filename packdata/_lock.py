@@ -1,0 +1,144 @@
+"""One writer at a time: an ``flock`` on a small lock file that names its holder.
+
+``convert`` holds ``.NAME.lock`` beside its destination (from before the
+partial folder is touched until after the publish rename); ``stage`` and
+``unstage`` hold ``.stage.lock`` inside the staged pack. The kernel drops an
+``flock`` when its process dies, however it dies, so a lock file left by a
+killed run is simply taken over by the next one: staleness is never guessed
+from age. The holder writes its pid, host, command and start time into the file
+so a refused run can say who holds it. A clean release unlinks the file
+(while still holding it); a run that locked a file just unlinked by its
+previous holder notices (the path no longer names its inode) and starts over.
+Lock files are opened with ``O_NOFOLLOW`` and checked before anything is
+written: a symlink, hard link, non-regular file, or a file whose content is not
+a packdata lock record is refused, never truncated or removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from packdata.errors import ConfigError, LockedError
+
+__all__ = ["convert_lock_path", "hold_lock"]
+
+
+def convert_lock_path(dst: str | os.PathLike) -> Path:
+    """The lock file of a conversion into ``dst``: ``.NAME.lock`` beside it, never inside the pack."""
+    dst = Path(dst)
+    return dst.parent / f".{dst.name}.lock"
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on ``fd``, from what the holder wrote into the file."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        return (
+            f"pid {int(info['pid'])} on host {info['host']} "
+            f"({info['command']}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['since']))})"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not written its name yet)"
+
+
+_FIELDS = {"pid", "host", "command", "since"}
+
+
+def _foreign(fd: int) -> str | None:
+    """Why the file open on ``fd`` is not a packdata lock file, or None when it is one (or empty)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_nlink > 1:
+        return f"it has {st.st_nlink} hard links"
+    if st.st_size == 0:
+        return None
+    if st.st_size > 4096:
+        return f"it holds {st.st_size} bytes, not a lock record"
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return "its content is not a packdata lock record"
+    if not isinstance(info, dict) or set(info) != _FIELDS:
+        return "its content is not a packdata lock record"
+    return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+@contextlib.contextmanager
+def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) -> Iterator[Path]:
+    """Hold the lock file ``path`` for the duration of the block, or fail at once.
+
+    Args:
+        path: the lock file (created when missing; its folder must exist).
+        what: the holder's command, for the refusal of others (``"packdata convert"``).
+        target: what the lock protects (the destination), named in the refusal.
+
+    Raises:
+        LockedError: another live process holds it; the message names its pid and host.
+        ConfigError: the lock file cannot be created (no permission), or a file
+            that is not packdata's lock is in its place (a symlink, a hard link,
+            other content): it is left untouched.
+    """
+    path = Path(path)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+            raise ConfigError(
+                f"cannot create the lock file: {reason}",
+                path=path,
+                hint="Remove it if it is not packdata's, or choose another destination",
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise LockedError(
+                f"{holder} is writing it (lock file {path})",
+                path=target,
+                hint="Wait for it to finish, or stop that process; a lock left by a dead process is taken over",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        problem = _foreign(fd)
+        if problem is not None:
+            os.close(fd)
+            raise ConfigError(
+                f"a file is in the way of the lock file: {problem}",
+                path=path,
+                hint="Move it away if it is not packdata's, or choose another destination",
+            )
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # the previous holder unlinked it as we opened it: lock the new one
+    try:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": what, "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+        yield path
+    finally:
+        if _same_file(fd, path):  # never unlink a lock file that someone else created since
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        os.close(fd)

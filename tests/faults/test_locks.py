@@ -1,0 +1,201 @@
+"""One writer per pack: a second convert or stage is refused with the holder named; a dead holder never blocks.
+
+Holders are real processes (``python -c`` children, slowed or stopped by a
+small hook in the child only) killed with real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import IMAGE_EXTS, expected_samples, tree_digest
+
+from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
+from packdata.cli import main
+from packdata.convert import partial_path
+
+REPO = Path(__file__).parents[2]
+
+_SLOW_CONVERT = """
+import importlib, sys, time
+c = importlib.import_module("packdata.convert")
+c._COMMIT_SAMPLES = 2
+load = c._load
+def slow_load(entry, opts):
+    time.sleep(float(sys.argv[3]))
+    return load(entry, opts)
+c._load = slow_load
+c.convert(sys.argv[1], sys.argv[2], workers=1, shard_samples=3, progress=False, resume=True)
+"""
+
+# A stage that stops for good at a chosen step: "marker" (before staged.json exists) or "copy".
+_STOPPED_STAGE = """
+import importlib, os, signal, sys, time
+s = importlib.import_module("packdata.stage")
+pack, area, where, ready = sys.argv[1:5]
+def stop(*args, **kwargs):
+    open(ready, "w").close()
+    if where == "marker":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+if where == "marker":
+    s.write_marker = stop
+else:
+    s.copy_all = stop
+s.stage(pack, to=area, progress=False)
+"""
+
+
+def _spawn(script: str, *args: object) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=env)
+
+
+def _wait_for(check, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            pytest.fail(f"the child exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _lock_holder(lock: Path) -> dict | None:
+    try:
+        return json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _contents(pack: Path) -> dict[str, tuple[bytes, int]]:
+    ds = LMDBDataset(pack, decode="bytes")
+    return {ds.keys[i]: ds[i] for i in range(len(ds))}
+
+
+@pytest.mark.slow
+def test_a_second_convert_into_the_same_dst_is_refused_naming_the_holder(image_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out.lmdb"
+    lock = tmp_path / ".out.lmdb.lock"
+    first = _spawn(_SLOW_CONVERT, image_folder, dst, 0.15)
+    try:
+        _wait_for(lambda: (partial_path(dst) / "progress.json").exists(), first, "the first checkpoint")
+        holder = rf"pid {first.pid} on host {socket.gethostname()} \(packdata convert, local engine, since"
+        with pytest.raises(LockedError, match=rf"out\.lmdb: {holder}.*Wait for it to finish"):
+            convert(image_folder, dst, resume=True, shard_samples=3, progress=False)
+        assert (_lock_holder(lock) or {}).get("pid") == first.pid
+        args = ["convert", str(image_folder), str(dst), "--resume", "--shard-samples", "3", "--quiet"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1
+        assert result.output.count("\n") == 1 and result.output.startswith("Error: ")
+        assert f"pid {first.pid}" in result.output
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert _contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+    verify_pack(dst, progress=False)
+    assert not lock.exists() and not partial_path(dst).exists()
+
+
+@pytest.mark.slow
+def test_a_killed_convert_leaves_a_lock_that_the_next_run_takes_over(image_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out.lmdb"
+    lock = tmp_path / ".out.lmdb.lock"
+    first = _spawn(_SLOW_CONVERT, image_folder, dst, 0.05)
+    _wait_for(lambda: (partial_path(dst) / "progress.json").exists(), first, "the first checkpoint")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert (_lock_holder(lock) or {}).get("pid") == first.pid  # left behind by the dead process
+    result = convert(image_folder, dst, resume=True, shard_samples=3, progress=False)
+    assert result.resumed and result.packed == 19
+    assert _contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+    verify_pack(dst, progress=False)
+    assert not lock.exists()
+
+
+@pytest.fixture
+def pack(image_folder: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "pack.lmdb"
+    convert(image_folder, out, shard_samples=5, progress=False)
+    return out
+
+
+def test_a_stage_killed_before_staged_json_blocks_nothing(pack: Path, tmp_path: Path) -> None:
+    area = tmp_path / "area"
+    dest = area / pack.name
+    ready = tmp_path / "ready"
+    child = _spawn(_STOPPED_STAGE, pack, area, "marker", ready)
+    assert child.wait(timeout=60) == -signal.SIGKILL and ready.exists()
+    assert sorted(p.name for p in dest.iterdir()) == [".stage.lock"]  # what the dead stage left
+    result = stage(pack, to=area, progress=False)  # taken over
+    assert len(result.copied) == 4 and (dest / "staged.json").is_file()
+    assert _contents(dest) == _contents(pack)
+    assert not (dest / ".stage.lock").exists()
+
+    child = _spawn(_STOPPED_STAGE, pack, tmp_path / "area2", "marker", tmp_path / "ready2")
+    assert child.wait(timeout=60) == -signal.SIGKILL
+    removed = unstage(tmp_path / "area2" / pack.name)  # the leftover is removed, not refused
+    assert removed.removed == [tmp_path / "area2" / pack.name] and not (tmp_path / "area2" / pack.name).exists()
+
+
+@pytest.mark.slow
+def test_stage_and_unstage_refuse_while_another_stage_holds_the_target(pack: Path, tmp_path: Path) -> None:
+    area = tmp_path / "area"
+    dest = area / pack.name
+    ready = tmp_path / "ready"
+    child = _spawn(_STOPPED_STAGE, pack, area, "copy", ready)
+    try:
+        _wait_for(ready.exists, child, "the stage to start copying")
+        holder = rf"pid {child.pid} on host {socket.gethostname()} \(packdata stage"
+        with pytest.raises(LockedError, match=rf"{dest.name}: {holder}"):
+            stage(pack, to=area, progress=False)
+        with pytest.raises(LockedError, match=holder):
+            unstage(dest)
+        with pytest.raises(LockedError, match=holder):
+            unstage(area)
+        assert (dest / "staged.json").is_file()  # nothing was removed under the running stage
+    finally:
+        child.kill()
+        child.wait()
+    result = stage(pack, to=area, progress=False)  # the killed stage's lock is taken over
+    assert (dest / "staged.json").is_file() and _contents(dest) == _contents(pack)
+    assert len(result.copied) == 4
+    assert unstage(area).removed == [dest]
+
+
+@pytest.mark.parametrize("planted", ["user file", "hard link", "symlink", "fifo"])
+def test_a_file_in_the_place_of_the_lock_is_refused_and_left_untouched(
+    image_folder: Path, tmp_path: Path, planted: str
+) -> None:
+    dst = tmp_path / "out" / "out.lmdb"
+    dst.parent.mkdir()
+    lock = dst.parent / ".out.lmdb.lock"
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a lock\n")
+    if planted == "user file":
+        lock.write_text('{"my": "notes"}\n')
+    elif planted == "hard link":
+        os.link(precious, lock)
+    elif planted == "symlink":
+        lock.symlink_to(precious)
+    else:
+        os.mkfifo(lock)
+    before = {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in dst.parent.iterdir()}
+    before_digest = tree_digest(tmp_path / "out") if planted not in ("fifo", "symlink") else None
+    with pytest.raises(ConfigError, match=r"\.out\.lmdb\.lock: .*(lock|symlink)"):
+        convert(image_folder, dst, progress=False)
+    assert {p.name: (p.lstat().st_mode, p.lstat().st_ino) for p in dst.parent.iterdir()} == before
+    if before_digest is not None:
+        assert tree_digest(tmp_path / "out") == before_digest
+    assert precious.read_text() == "not a lock\n"
