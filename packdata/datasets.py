@@ -151,6 +151,8 @@ class ShardReaders:
         reader = self._readers[shard]
         if reader is None:
             reader = self.make(self.paths[shard], **self.kwargs[shard])
+            if hasattr(reader, "open"):
+                reader.open()  # a reader that opens lazily opens now, before the check
             if self.check is not None:
                 try:
                     self.check()  # after the open: the files opened are the generation checked

@@ -258,8 +258,13 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
+    entry = _open_envs.get(os.fspath(path))
+    shared = entry is not None and entry[0] == os.getpid()  # LMDB opens an environment once per process
     try:
-        env = lmdb.open(os.fspath(path), readonly=True, lock=False, readahead=True, subdir=True, create=False)
+        if shared:
+            env = _shared_env(os.fspath(path), True)
+        else:
+            env = lmdb.open(os.fspath(path), readonly=True, lock=False, readahead=True, subdir=True, create=False)
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     try:
@@ -279,7 +284,8 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     finally:
-        env.close()
+        if not shared:
+            env.close()
     return txnid, out
 
 
