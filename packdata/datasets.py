@@ -150,9 +150,14 @@ class ShardReaders:
             self._pid = os.getpid()
         reader = self._readers[shard]
         if reader is None:
-            reader = self.make(self.paths[shard], **self.kwargs[shard])
-            if hasattr(reader, "open"):
-                reader.open()  # a reader that opens lazily opens now, before the check
+            try:
+                reader = self.make(self.paths[shard], **self.kwargs[shard])
+                if hasattr(reader, "open"):
+                    reader.open()  # a reader that opens lazily opens now, before the check
+            except PackFormatError:
+                if self.check is not None:
+                    self.check()  # a shard that fails its checks because the pack changed: say so
+                raise
             if self.check is not None:
                 try:
                     self.check()  # after the open: the files opened are the generation checked

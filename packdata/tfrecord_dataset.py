@@ -352,13 +352,15 @@ class TFRecordDataset(_PackView, IterableDataset):
         """
         for shard, first, end in segments:
             path = self._shard_paths[shard]
-            reader = TFRecordShardReader(path, check_crc=self.check_crc, expected_bytes=self._bytes[shard]).open()
+            reader = TFRecordShardReader(path, check_crc=self.check_crc, expected_bytes=self._bytes[shard])
             try:
+                reader.open()
                 self.pack.check_unchanged()  # after the open: the file opened is the generation checked
+                offsets, lengths = read_index(path, size=self._bytes[shard])
             except PackFormatError:
                 reader.close()
+                self.pack.check_unchanged()  # a shard failing its checks because the pack changed: say so
                 raise
-            offsets, lengths = read_index(path, size=self._bytes[shard])
             if len(offsets) != self._counts[shard]:
                 raise PackFormatError(
                     f"offsets index lists {len(offsets)} records, the manifest says {self._counts[shard]}",
