@@ -92,14 +92,24 @@ class _PackView(PackView):
         self._counts = np.array([s.num_samples for s in shards], dtype=np.int64)
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
         self._sha256 = [s.sha256 for s in shards]
+        self._bytes = [s.bytes for s in shards]
 
-    def _parse(self, data: memoryview | bytes, path: str, offset: int) -> tuple[memoryview, int]:
+    def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
+        """Payload and label of sample ``index``'s record; its label must be the index's."""
         try:
             parsed = parse_example(data, with_key=False)
         except RecordError as exc:
             raise PackFormatError(
                 f"record at byte offset {offset} is damaged: {exc}", path=path, hint="Run `packdata verify` on the pack"
             ) from exc
+        expected = self.pack.index.labels.item(index)
+        if parsed.label != expected:
+            raise PackFormatError(
+                f"record {index} at byte offset {offset} has label {parsed.label}, the sample index says {expected}",
+                path=path,
+                hint="The pack is damaged or changed since the dataset was opened: run `packdata verify`, "
+                "and recreate the dataset after converting a pack again",
+            )
         return parsed.data, parsed.label
 
 
@@ -342,24 +352,31 @@ class TFRecordDataset(_PackView, IterableDataset):
         """
         for shard, first, end in segments:
             path = self._shard_paths[shard]
-            offsets, lengths = read_index(path)
+            reader = TFRecordShardReader(path, check_crc=self.check_crc, expected_bytes=self._bytes[shard])
+            try:
+                reader.open()
+                self.pack.check_unchanged()  # after the open: the file opened is the generation checked
+                offsets, lengths = read_index(path, size=self._bytes[shard])
+            except PackFormatError:
+                reader.close()
+                self.pack.check_unchanged()  # a shard failing its checks because the pack changed: say so
+                raise
             if len(offsets) != self._counts[shard]:
                 raise PackFormatError(
                     f"offsets index lists {len(offsets)} records, the manifest says {self._counts[shard]}",
                     path=path,
                     hint="Convert or stage the pack again",
                 )
-            reader = TFRecordShardReader(path, check_crc=self.check_crc)
-            table = read_payload_table(path, len(offsets), self._sha256[shard])
+            table = read_payload_table(path, len(offsets), self._sha256[shard], lengths)
+            base = int(self._first[shard])
             try:
                 if table is not None:  # written by packdata: payloads sliced out, labels from the index
-                    base = int(self._first[shard])
                     labels = self.pack.index.labels[base + first : base + end].tolist()
                     payloads = reader.stream(offsets, lengths, first, end, table, copy=copy)
                     yield from zip(payloads, labels, strict=True)
                 else:
                     for k, data in enumerate(reader.stream(offsets, lengths, first, end, copy=copy), first):
-                        yield self._parse(data, path, int(offsets[k]))
+                        yield self._parse(data, path, int(offsets[k]), base + k)
             finally:
                 reader.close()
 
@@ -485,7 +502,7 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         _PackView.__init__(self, path, transform, target_transform, decode, check_crc)
         offsets, lengths = [], []
         for shard, path_ in enumerate(self._shard_paths):
-            o, n = read_index(path_)
+            o, n = read_index(path_, size=self._bytes[shard])
             if len(o) != self._counts[shard]:
                 raise PackFormatError(
                     f"offsets index lists {len(o)} records, the manifest says {self._counts[shard]}",
@@ -496,7 +513,12 @@ class TFRecordIndexedDataset(_PackView, Dataset):
             lengths.append(n)
         self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
         self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        self._readers = ShardReaders(self._shard_paths, functools.partial(TFRecordShardReader, check_crc=check_crc))
+        self._readers = ShardReaders(
+            self._shard_paths,
+            functools.partial(TFRecordShardReader, check_crc=check_crc),
+            [{"expected_bytes": b} for b in self._bytes],
+            self.pack.check_unchanged,
+        )
 
     def __len__(self) -> int:
         return self.pack.manifest.num_samples
@@ -506,8 +528,9 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         index = self._sample_index(index)
         shard = int(np.searchsorted(self._first, index, side="right")) - 1
         offset = int(self._offsets[index])
-        data = self._readers[shard].read(offset, int(self._lengths[index]))
-        view, label = self._parse(data, self._shard_paths[shard], offset)
+        reader: TFRecordShardReader = self._readers[shard]
+        data = reader.read(offset, int(self._lengths[index]))
+        view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:

@@ -99,13 +99,27 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
         )
 
 
+def _check_side_tables(manifest: Manifest, pack: Path, shard: ShardInfo) -> None:
+    """Check a shard's accelerator tables against its records (the offsets index is checked while reading)."""
+    if manifest.format == "lmdb":
+        from packdata.formats.lmdb import check_records_table
+
+        check_records_table(shard.path(pack), shard.sha256)
+    else:
+        from packdata.formats.tfrecord import check_payload_table
+
+        check_payload_table(shard.path(pack), shard.num_samples, shard.sha256)
+
+
 def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResult:
     """Read every record of a pack and check it against the manifest and index.
 
     Checks that every source file the manifest counts is packed or skipped
     (and each skip listed in the skip report), each shard's byte size and
-    SHA-256, each record's CRC, that indices run without gaps, and that every
-    record's key and label equal the index.
+    SHA-256, each record's CRC, that indices run without gaps, that every
+    record's key and label equal the index, that every label lies in
+    ``[-1, len(classes))``, and every side table (``records.i64``,
+    ``.tfindex``, ``.tfpayload``) row by row.
 
     Raises:
         PackFormatError: naming the first bad shard or record.
@@ -113,7 +127,21 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
     pack = Path(path)
     manifest = read_manifest(pack)
     _check_counts(manifest, pack)
-    index = SampleIndex(pack / manifest.index.get("dir", "index"), manifest.num_samples)
+    index_dir = pack / manifest.index.get("dir", "index")
+    try:
+        index = SampleIndex(index_dir, manifest.num_samples)
+    except (OSError, ValueError) as exc:
+        raise PackFormatError(
+            f"sample index is missing or damaged: {exc}", path=index_dir, hint="Convert the pack again"
+        ) from exc
+    labels = index.labels
+    bad = [int(i) for i in ((labels < -1) | (labels >= len(manifest.classes))).nonzero()[0][:1]]
+    if bad:
+        raise PackFormatError(
+            f"sample {bad[0]} has label {int(labels[bad[0]])}, outside [-1, {len(manifest.classes)})",
+            path=index_dir / "labels.i32",
+            hint="Convert the pack again",
+        )
     checked = nbytes = 0
     with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True, disable=not progress) as bar:
         for shard in manifest.shards:
@@ -152,4 +180,5 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
                     path=data_file,
                 )
             checked += expected - shard.first_index
+            _check_side_tables(manifest, pack, shard)
     return VerifyResult(pack, checked, nbytes, len(manifest.shards))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import struct
@@ -121,10 +122,16 @@ def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None
 
 
 def _overwrite_record(pack: Path, value: bytes) -> None:
+    """Rewrite record 0 and the manifest's size and checksum to match, as a hostile pack's author would."""
     env = lmdb.open(str(pack / "shard-00000.lmdb"), map_size=1 << 26)
     with env.begin(write=True) as txn:
         txn.put(encode_key(0), value)
     env.close()
+    data = pack / "shard-00000.lmdb" / "data.mdb"
+    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest["shards"][0]["bytes"] = data.stat().st_size
+    manifest["shards"][0]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    (pack / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:

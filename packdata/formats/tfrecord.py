@@ -71,6 +71,7 @@ __all__ = [
     "ParsedExample",
     "TFRecordShardReader",
     "TFRecordShardWriter",
+    "check_payload_table",
     "check_record",
     "encode_example",
     "frame_record",
@@ -126,10 +127,14 @@ def _sha_prefix(sha256_hex: str) -> int:
     return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
 
 
-def read_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> np.ndarray | None:
+def read_payload_table(
+    shard: str | os.PathLike, count: int, sha256_hex: str, lengths: np.ndarray | None = None
+) -> np.ndarray | None:
     """``(count, 2)`` int64 array of payload ``(offset in data, length)``, or None if absent or stale.
 
-    Valid only when the header matches ``count`` and the shard's SHA-256 (from the manifest).
+    Valid only when the header matches ``count`` and the shard's SHA-256 (from
+    the manifest) and, given the records' framed ``lengths``, every span lies
+    inside its record's data (checked once, here).
     """
     try:
         raw = payload_path(shard).read_bytes()
@@ -142,7 +147,61 @@ def read_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) ->
             return None
     except ValueError:
         return None
-    return np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
+    table = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
+    if lengths is not None and count:
+        at, m = table[:, 0], table[:, 1]
+        if len(lengths) != count or at.min() < 0 or m.min() < 0 or ((at + m) > (lengths - 16)).any():
+            return None
+    return table
+
+
+def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> None:
+    """Check a shard's ``.tfpayload`` span by span against its records (for ``verify``).
+
+    A missing table is fine (readers parse the Examples).
+
+    Raises:
+        PackFormatError: the table is stale, foreign, or points anywhere but at a record's payload.
+    """
+    path = payload_path(shard)
+    if not path.is_file():
+        return
+    hint = "Convert the pack again (or delete the table: readers then parse each record)"
+    offsets, lengths = read_index(shard)
+    table = read_payload_table(shard, count, sha256_hex, lengths)
+    if table is None:
+        raise PackFormatError(
+            "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
+            path=path,
+            hint=hint,
+        )
+    reader = TFRecordShardReader(shard)
+    try:
+        for k, data in enumerate(reader.stream(offsets, lengths, 0, len(offsets))):
+            if tuple(table[k]) != _payload_span(bytes(data)):
+                raise PackFormatError(
+                    f"payload table row {k} does not point at the payload of record {k} "
+                    f"(byte offset {int(offsets[k])})",
+                    path=path,
+                    hint=hint,
+                )
+    finally:
+        reader.close()
+
+
+def _span_ok(buf: bytes | memoryview, start: int, m: int) -> bool:
+    """Whether the ``m`` bytes at ``start`` are preceded by their protobuf header (tag 1, length ``m``).
+
+    An O(1) check that a payload-table row points at a bytes value of exactly
+    its length, not some other slice of the (CRC-checked) record.
+    """
+    head = bytearray([0x0A])
+    n = m
+    while n >= 0x80:
+        head.append((n & 0x7F) | 0x80)
+        n >>= 7
+    head.append(n)
+    return start >= len(head) and buf[start - len(head) : start] == head
 
 
 def _address(view: memoryview) -> int:
@@ -365,11 +424,15 @@ def parse_example(record: bytes | memoryview, *, with_key: bool = True) -> Parse
     return ParsedExample(payload[1], label, bytes(key) if isinstance(key, memoryview) else b"", kind)
 
 
-def read_index(shard: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, lengths)`` of every record of a shard, from its ``.tfindex``, as int64 arrays.
 
+    Given the shard's byte ``size``, the records must also tile the file exactly:
+    the first at 0, each starting where the previous ends, each at least 16
+    bytes, the last ending at ``size`` (checked once, in numpy).
+
     Raises:
-        PackFormatError: the index is missing or malformed.
+        PackFormatError: the index is missing or malformed, or does not fit a shard of ``size`` bytes.
     """
     path = index_path(shard)
     try:
@@ -382,9 +445,21 @@ def read_index(shard: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
         ) from exc
     try:
         table = np.array(raw.split(), dtype=np.int64).reshape(-1, 2)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise PackFormatError(f"offsets index is malformed: {exc}", path=path, hint="Convert the pack again") from exc
-    return np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
+    offsets, lengths = np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
+    if size is not None:
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        bad = np.flatnonzero((lengths < 16) | (offsets != starts))
+        if len(bad) or (ends[-1] if len(ends) else 0) != size:
+            where = f"line {int(bad[0]) + 1} ({int(offsets[bad[0]])} {int(lengths[bad[0]])})" if len(bad) else "its end"
+            raise PackFormatError(
+                f"offsets index does not tile the {size}-byte shard: {where} is not where the records are",
+                path=path,
+                hint="The index is damaged or belongs to another shard: convert or stage the pack again",
+            )
+    return offsets, lengths
 
 
 class TFRecordShardWriter:
@@ -555,19 +630,35 @@ class TFRecordShardReader:
     readers by ``os.getpid()``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, check_crc: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, check_crc: bool = True, expected_bytes: int | None = None) -> None:
         self.path = os.fspath(path)
         self.check_crc = check_crc
+        self.expected_bytes = expected_bytes
         self._fd = -1
+
+    def open(self) -> TFRecordShardReader:
+        """Open the file now (else on first read); a size other than ``expected_bytes`` raises."""
+        self._open()
+        return self
 
     def _open(self) -> int:
         if self._fd < 0:
             try:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 raise PackFormatError(
                     f"cannot open shard: {exc.strerror or exc}", path=self.path, hint="Convert or stage the pack again"
                 ) from exc
+            size = os.fstat(fd).st_size
+            if self.expected_bytes is not None and size != self.expected_bytes:
+                os.close(fd)
+                raise PackFormatError(
+                    f"shard is {size} bytes, the manifest read when the dataset was opened says {self.expected_bytes}",
+                    path=self.path,
+                    hint="The shard is truncated, or the pack was converted or staged again since: "
+                    "run `packdata verify`, and recreate the dataset after changing a pack",
+                )
+            self._fd = fd
         return self._fd
 
     def _truncated(self, offset: int, needed: int, got: int) -> PackFormatError:
@@ -659,8 +750,8 @@ class TFRecordShardReader:
                     yield buf[first : first + n]
                 else:
                     at, m = span
-                    if at < 0 or m < 0 or at + m > n:
-                        raise _damaged(self.path, base + pos, "the payload table points outside the record")
+                    if at < 0 or m < 0 or at + m > n or not _span_ok(buf, first + at, m):
+                        raise _damaged(self.path, base + pos, "the payload table does not point at the payload")
                     yield buf[first + at : first + at + m]
             del buf  # the mapping goes when the last view into it does
             i = j
@@ -722,6 +813,8 @@ class TFRecordShardReader:
             n, length_crc = header(head, 0)
             if n != length - 16:
                 raise _damaged(self.path, offset, f"length field says {n} bytes, the index says {length - 16}")
+            if not _span_ok(head, 12 + at, m):
+                raise _damaged(self.path, offset, "the payload table does not point at the payload")
             payload = pread(fd, m, offset + 12 + at)
             if len(payload) < m:
                 raise self._truncated(offset, length, 12 + at + len(payload))

@@ -1,0 +1,95 @@
+"""Every damage against every reader and ``packdata verify``: a clear error naming the file, or the right bytes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import IMAGE_EXTS, expected_samples
+from torch.utils.data import DataLoader
+
+from faults.damage import DAMAGES, swap_foreign_shard
+from packdata import LMDBDataset, PackFormatError, convert
+from packdata.cli import main
+from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
+
+READERS = {
+    "lmdb": [lambda p: LMDBDataset(p, decode="bytes")],
+    "tfrecord": [
+        lambda p: TFRecordDataset(p, decode="bytes", shuffle=False),
+        lambda p: TFRecordIndexedDataset(p, decode="bytes"),
+    ],
+}
+
+
+def _pack(folder: Path, tmp_path: Path, fmt: str, name: str = "out") -> Path:
+    dst = tmp_path / f"{name}.{fmt}"
+    convert(folder, dst, shard_samples=5, progress=False)
+    return dst
+
+
+def _read_all(ds) -> dict[str, tuple[bytes, int]]:
+    """key -> (bytes, label) of every sample, through the reader's own iteration."""
+    keys = ds.keys
+    if isinstance(ds, TFRecordDataset):
+        return dict(zip(keys, ds, strict=True))  # shuffle=False: pack order
+    return {keys[i]: ds[i] for i in range(len(ds))}
+
+
+def _assert_error_or_exact(make, pack: Path, damaged: Path, expected: dict) -> str:
+    """Read every sample: either a PackFormatError naming ``damaged`` (or its shard), or exactly the source bytes."""
+    try:
+        got = _read_all(make(pack))
+    except PackFormatError as exc:
+        names = {str(damaged), str(damaged.parent)}
+        assert any(n in str(exc) for n in names) or "index" in str(damaged), str(exc)
+        assert "\n" not in str(exc)
+        return "error"
+    assert got == expected  # fallback: never wrong or empty bytes
+    return "exact"
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damage_is_named_or_read_right(image_folder: Path, tmp_path: Path, fmt: str, damage: str) -> None:
+    pack = _pack(image_folder, tmp_path, fmt)
+    expected = expected_samples(image_folder, IMAGE_EXTS)
+    damaged = DAMAGES[damage](pack)
+    outcomes = [_assert_error_or_exact(make, pack, damaged, expected) for make in READERS[fmt]]
+    if damage in ("truncate", "flip_payload", "labels_out_of_range"):
+        assert outcomes == ["error"] * len(outcomes)  # the data itself is wrong: no fallback can help
+    if damage == "labels_out_of_range":
+        with pytest.raises(PackFormatError, match=re.escape(str(damaged)) + r": sample 2 has label 3"):
+            READERS[fmt][0](pack)
+    result = CliRunner().invoke(main, ["verify", "-q", str(pack)])
+    assert result.exit_code == 1, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("Error: ") and (str(damaged) in line or str(damaged.parent) in line), result.output
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_foreign_shard_swapped_in(image_folder: Path, tmp_path: Path, fmt: str) -> None:
+    pack = _pack(image_folder, tmp_path, fmt)
+    other_src = tmp_path / "other"
+    (other_src / "x").mkdir(parents=True)
+    for i, data in enumerate(sorted(expected_samples(image_folder, IMAGE_EXTS).values())):
+        (other_src / "x" / f"{i:02d}.jpg").write_bytes(data[0])
+    foreign = _pack(other_src, tmp_path, fmt, "foreign")
+    damaged = swap_foreign_shard(pack, foreign)
+    for make in READERS[fmt]:
+        named = str(damaged.parent) if fmt == "lmdb" else str(damaged.with_suffix(""))  # the shard or its index
+        with pytest.raises(PackFormatError, match=re.escape(named)):
+            _read_all(make(pack))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_truncated_shard_through_workers(image_folder: Path, tmp_path: Path, fmt: str, context: str) -> None:
+    pack = _pack(image_folder, tmp_path, fmt)
+    damaged = DAMAGES["truncate"](pack)
+    for make in READERS[fmt]:
+        loader = DataLoader(make(pack), batch_size=None, num_workers=2, multiprocessing_context=context)
+        with pytest.raises(PackFormatError, match=re.escape(str(damaged))):
+            list(loader)
