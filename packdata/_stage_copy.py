@@ -31,7 +31,7 @@ from tqdm import tqdm
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.index import INDEX_DIR
 from packdata.manifest import Manifest, ShardInfo
-from packdata.system import format_size
+from packdata.units import format_size
 
 __all__ = [
     "STAGED_FILE",

@@ -12,11 +12,12 @@ from click.testing import CliRunner
 from PIL import Image
 
 import packdata
-from packdata.bench import CEILING, LoaderConfig, run_bench
 from packdata.cli import main as cli_main
 from packdata.errors import CapacityError
 from packdata.loader import worker_init_fn
-from packdata.tune import project_memory, recommend_loader_kwargs, run_tune
+from packdata.measure.bench import CEILING, run_bench
+from packdata.measure.loop import LoaderConfig
+from packdata.measure.tune import project_memory, recommend_loader_kwargs, run_tune
 
 BATCH = 4
 BATCHES = 3
@@ -92,7 +93,7 @@ def test_bench_json_is_consistent_and_has_the_ceiling(pack: Path, folder: Path, 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
     result = run_bench(
-        pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="none", transform=None
+        pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="bytes", transform=None
     )
     for r in result.results:
         assert r.step_ms == 30
@@ -218,7 +219,7 @@ def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
 
 
 def test_tune_cli_json(pack: Path) -> None:
-    pytest.importorskip("packdata.system")
+    pytest.importorskip("packdata.units")
     result = CliRunner().invoke(
         cli_main, ["tune", str(pack), "--memory-budget", "1MiB", "--batch-size", "4", "--batches", "2", "--json"]
     )
