@@ -93,7 +93,9 @@ class DoctorReport:
             out.append(f"cgroup:   v{cg.version}, limit {limit}, usage {fs(cg.usage or 0)}")
         for t in f.tmpfs:
             out.append(f"tmpfs:    {t.mountpoint}: {fs(t.used_bytes)} used of {fs(t.size_bytes)}")
-        out.append(f"cpus:     {f.cpu_physical} physical, {f.cpu_logical} logical, {self.cores} usable")
+        allowed = f" ({f.cpus_allowed} allowed)" if f.cpus_allowed is not None else ""
+        quota = f", cgroup quota {f.cpu_quota:g} CPUs" if f.cpu_quota is not None else ""
+        out.append(f"cpus:     {f.cpu_physical} physical, {f.cpu_logical} logical{allowed}{quota}, {self.cores} usable")
         if f.gpus:
             for g in f.gpus:
                 out.append(f"gpu {g.index}:    {g.name}, {fs(g.free_bytes)} free of {fs(g.total_bytes)}")

@@ -99,3 +99,9 @@ def test_cli_decode_choices_are_bytes_pil_reduced(pack: Path) -> None:
         main, ["bench", str(pack), "--decode", "bytes", "--workers", "0", "--batch-size", "2", "--batches", "1"]
     )
     assert good.exit_code == 0, good.output
+
+
+def test_doctor_shows_the_allowed_cpus_and_the_quota(tmp_path: Path) -> None:
+    root = _smt_host(tmp_path, "0-7", cpu_max="250000 100000")
+    text = "\n".join(doctor(root=root, include_gpus=False).lines())
+    assert "logical (8 allowed), cgroup quota 2.5 CPUs, 2 usable" in text
