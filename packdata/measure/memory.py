@@ -14,8 +14,10 @@ and ``/proc/PID/status`` on Linux):
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +96,18 @@ class _MemorySampler:
             self.ticks.append(tick)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the main process and its live descendants so far."""
-        total = 0.0
+        """User + system CPU seconds of the main process and its live descendants so far.
+
+        The main process is read with ``time.process_time`` (nanosecond clock), the
+        workers with psutil (clock ticks, 10 ms on most Linux systems).
+        """
+        total = time.process_time() if self.main.pid == os.getpid() else 0.0
         try:
-            procs = [self.main, *self.main.children(recursive=True)]
+            procs = self.main.children(recursive=True)
         except psutil.Error:
-            procs = [self.main]
+            procs = []
+        if self.main.pid != os.getpid():
+            procs.append(self.main)
         for proc in procs:
             try:
                 times = proc.cpu_times()
