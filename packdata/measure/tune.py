@@ -1,6 +1,6 @@
 """``packdata tune``: measured DataLoader settings under a memory budget.
 
-The search starts from the rule of thumb (about 3/4 of the physical cores as
+The search starts from the rule of thumb (about 3/4 of the usable physical cores as
 workers, batch 64, prefetch factor 2, pinned memory when training on CUDA) and
 moves one variable at a time (num_workers, then batch_size, then
 prefetch_factor, then pin_memory), stepping further while throughput improves
