@@ -18,8 +18,8 @@ from packdata.doctor import DoctorReport, doctor  # same shadowing as convert; n
 from packdata.stage import StageResult, StageStatus, UnstageResult, prepare_tmpfs, stage, stage_status, unstage
 
 _EXPORTS = {
-    "BenchResult": "bench",
-    "run_bench": "bench",
+    "BenchResult": "measure.bench",
+    "run_bench": "measure.bench",
     "ConvertResult": "convert",
     "LMDBDataset": "datasets",
     "DecodeJPEG": "decode",
@@ -40,9 +40,9 @@ _EXPORTS = {
     "TFRecordDataset": "tfrecord_dataset",
     "TFRecordIndexedDataset": "tfrecord_dataset",
     "standard_transform": "transforms",
-    "TuneResult": "tune",
-    "recommend_loader_kwargs": "tune",
-    "run_tune": "tune",
+    "TuneResult": "measure.tune",
+    "recommend_loader_kwargs": "measure.tune",
+    "run_tune": "measure.tune",
     "pack_info": "verify",
     "verify_pack": "verify",
 }
@@ -89,7 +89,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from packdata.bench import BenchResult, run_bench
     from packdata.convert import ConvertResult
     from packdata.datasets import LMDBDataset
     from packdata.decode import DecodeJPEG
@@ -102,11 +101,12 @@ if TYPE_CHECKING:
         SourceError,
     )
     from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, worker_init_fn
+    from packdata.measure.bench import BenchResult, run_bench
+    from packdata.measure.tune import TuneResult, recommend_loader_kwargs, run_tune
     from packdata.samplers import BlockShuffleSampler, shuffle_quality
     from packdata.text import TokenBucketSampler, pad_collate
     from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
     from packdata.transforms import standard_transform
-    from packdata.tune import TuneResult, recommend_loader_kwargs, run_tune
     from packdata.verify import pack_info, verify_pack
 
 

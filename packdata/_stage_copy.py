@@ -32,7 +32,7 @@ from packdata._lock import hold_lock
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.index import FILES as INDEX_FILES
 from packdata.manifest import Manifest, ShardInfo
-from packdata.system import format_size
+from packdata.units import format_size
 
 __all__ = [
     "STAGED_FILE",

@@ -38,7 +38,7 @@ def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
-    from packdata.system import parse_size
+    from packdata.units import parse_size
 
     try:
         return parse_size(value)
@@ -246,10 +246,10 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--persistent-workers", is_flag=True, help="Keep workers between epochs.")
 @click.option(
     "--decode",
-    type=click.Choice(["none", "pil", "reduced"]),
+    type=click.Choice(["bytes", "pil", "reduced"]),
     default="pil",
     show_default=True,
-    help="none: bytes only; pil: full decode; reduced: JPEG DCT-scaled decode to --size.",
+    help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to --size.",
 )
 @click.option("--no-transform", is_flag=True, help="Skip the standard transform (crop to --size, flip, uint8).")
 @click.option(
@@ -302,7 +302,8 @@ def bench(
       packdata bench train.lmdb --step-ms 50 --seconds 10
       packdata bench train.lmdb --decode reduced --json bench.json --plot bench.png
     """
-    from packdata.bench import plot_bench, run_bench
+    from packdata.measure.bench import run_bench
+    from packdata.measure.plot import plot_bench
 
     if 0 in batch_size or 0 in prefetch_factor:
         raise click.BadParameter("batch sizes and prefetch factors should be at least 1")
@@ -345,7 +346,7 @@ def bench(
     help="Batch sizes to search.",
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
-@click.option("--decode", type=click.Choice(["none", "pil", "reduced"]), default="pil", show_default=True)
+@click.option("--decode", type=click.Choice(["bytes", "pil", "reduced"]), default="pil", show_default=True)
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each trial this long.")
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -357,7 +358,7 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
     prefetch_factor, pin_memory), rejecting any setting whose projected memory
     exceeds the budget.
     """
-    from packdata.tune import run_tune
+    from packdata.measure.tune import run_tune
 
     if 0 in batch_sizes:
         raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
@@ -391,7 +392,7 @@ def _warn(warnings: Any) -> None:
 
 
 def _mb(n: int) -> str:
-    from packdata.system import format_size
+    from packdata.units import format_size
 
     return format_size(n)
 

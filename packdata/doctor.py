@@ -1,6 +1,6 @@
 """``packdata doctor``: one screen of machine facts, warnings, and first DataLoader settings for a pack.
 
-The facts come from :mod:`packdata.system` (memory, swap, cgroup limit, tmpfs
+The facts come from :mod:`packdata.host` (memory, swap, cgroup limit, tmpfs
 use, CPUs, GPUs). For a pack it adds what decides read speed before any
 benchmark: how many shards there are against the ``ranks x workers`` that will
 read them, how uneven the shards are, and whether the files sit on a network
@@ -8,7 +8,7 @@ or spinning filesystem (then ``packdata stage`` it first).
 
 The recommended first ``num_workers`` is about 3/4 of the physical cores this
 process may use, cut to what half the usable memory holds at
-:data:`WORKER_BYTES` per worker (the same estimate ``packdata tune`` starts
+:data:`packdata.host.cores.WORKER_BYTES` per worker (the same estimate ``packdata tune`` starts
 from); ``pin_memory`` is recommended when a CUDA GPU is present. ``packdata
 tune`` measures from there.
 """
@@ -23,24 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packdata.host.cores import recommend_workers, usable_cores
+from packdata.host.facts import SystemFacts, find_mount, gather_facts, is_network_fs, is_rotational, read_mounts
+from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.manifest import read_manifest
-from packdata.system import (
-    SafetyWarning,
-    SystemFacts,
-    find_mount,
-    format_size,
-    gather_facts,
-    is_network_fs,
-    is_rotational,
-    memory_warnings,
-    read_mounts,
-    safe_tmpfs_size,
-)
+from packdata.units import format_size
 
-__all__ = ["WORKER_BYTES", "DoctorReport", "PackReport", "doctor", "recommend_workers"]
-
-WORKER_BYTES = 160 << 20
-"""Private memory assumed per DataLoader worker before one is measured (as ``packdata tune`` assumes)."""
+__all__ = ["DoctorReport", "PackReport", "doctor"]
 
 _SKEW_LIMIT = 1.5
 _SHARDS_PER_READER = 2
@@ -104,7 +93,9 @@ class DoctorReport:
             out.append(f"cgroup:   v{cg.version}, limit {limit}, usage {fs(cg.usage or 0)}")
         for t in f.tmpfs:
             out.append(f"tmpfs:    {t.mountpoint}: {fs(t.used_bytes)} used of {fs(t.size_bytes)}")
-        out.append(f"cpus:     {f.cpu_physical} physical, {f.cpu_logical} logical, {self.cores} usable")
+        allowed = f" ({f.cpus_allowed} allowed)" if f.cpus_allowed is not None else ""
+        quota = f", cgroup quota {f.cpu_quota:g} CPUs" if f.cpu_quota is not None else ""
+        out.append(f"cpus:     {f.cpu_physical} physical, {f.cpu_logical} logical{allowed}{quota}, {self.cores} usable")
         if f.gpus:
             for g in f.gpus:
                 out.append(f"gpu {g.index}:    {g.name}, {fs(g.free_bytes)} free of {fs(g.total_bytes)}")
@@ -131,32 +122,9 @@ class DoctorReport:
         return out
 
 
-def _usable_cores(facts: SystemFacts) -> int:
-    try:
-        allowed = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        allowed = facts.cpu_logical
-    # affinity counts logical CPUs; scale it to physical ones when hyperthreads are on
-    per_core = max(1, facts.cpu_logical // max(facts.cpu_physical, 1))
-    return max(1, min(facts.cpu_physical, allowed // per_core or 1))
-
-
-def recommend_workers(facts: SystemFacts, *, cores: int | None = None) -> tuple[int, str]:
-    """A first ``num_workers``: 3/4 of the usable physical cores, capped by memory.
-
-    Returns:
-        ``(num_workers, why)``.
-    """
-    cores = cores or _usable_cores(facts)
-    by_cpu = max(1, (3 * cores) // 4)
-    available = safe_tmpfs_size(facts, reserve=0)  # min(MemAvailable, cgroup headroom)
-    by_memory = max(0, (available // 2) // WORKER_BYTES)
-    if by_memory < by_cpu:
-        return int(by_memory), (
-            f"memory caps it: half of {format_size(available)} usable at {format_size(WORKER_BYTES)} per worker "
-            f"holds {by_memory} (3/4 of {cores} cores would be {by_cpu})"
-        )
-    return by_cpu, f"3/4 of {cores} usable physical cores; memory holds {by_memory} workers"
+def _streams_by_shard(fmt: str) -> bool:
+    """Whether the format's reader streams whole shards (its shard count then matters to readers)."""
+    return fmt == "tfrecord"  # LMDBDataset reads by index: its shard count matters little
 
 
 def _pack_report(
@@ -198,7 +166,7 @@ def _pack_report(
     )
     warnings: list[SafetyWarning] = []
     readers = report.readers
-    streams = manifest.format == "tfrecord"  # LMDBDataset reads by index: its shard count matters little
+    streams = _streams_by_shard(manifest.format)
     if streams and report.shards < readers:
         warnings.append(
             SafetyWarning(
@@ -268,7 +236,7 @@ def doctor(
         workers: DataLoader workers per rank (default: the recommended number).
         root: filesystem root holding ``proc/`` and ``sys/`` (tests pass crafted trees).
         include_gpus: probe GPUs (NVML, else torch.cuda).
-        reserve: memory kept free in the memory checks (default: see :mod:`packdata.system`).
+        reserve: memory kept free in the memory checks (default: see :mod:`packdata.host.memory`).
 
     Raises:
         PackFormatError: ``pack`` is not a readable pack.
@@ -280,7 +248,7 @@ def doctor(
         raise ValueError(f"workers should be at least 0, but got workers={workers}")
     facts = gather_facts(root, path=pack, include_gpus=include_gpus)
     warnings = memory_warnings(facts, reserve=reserve)
-    cores = _usable_cores(facts)
+    cores = usable_cores(facts)
     num_workers, why = recommend_workers(facts, cores=cores)
     pin = bool(facts.gpus)
     reasons = [
@@ -293,7 +261,7 @@ def doctor(
     if pack is not None:
         report.pack, extra = _pack_report(Path(pack), ranks, num_workers if workers is None else workers, root)
         report.warnings.extend(extra)
-        if report.pack.format == "lmdb":
+        if not _streams_by_shard(report.pack.format):
             report.notes.append("LMDBDataset reads by index: the shard count matters little to it (TFRecord streams)")
     report.notes.append("measure from here: packdata tune PACK --device cuda")
     return report

@@ -68,9 +68,11 @@ from packdata._stage_copy import (
     write_marker,
 )
 from packdata.errors import CapacityError, ConfigError
+from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
+from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.index import INDEX_DIR
 from packdata.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from packdata.system import Mount, SafetyWarning, find_mount, format_size, gather_facts, memory_warnings, read_mounts
+from packdata.units import format_size
 
 __all__ = [
     "DEFAULT_AREA",

@@ -12,11 +12,13 @@ from click.testing import CliRunner
 from PIL import Image
 
 import packdata
-from packdata.bench import CEILING, LoaderConfig, run_bench
 from packdata.cli import main as cli_main
 from packdata.errors import CapacityError
 from packdata.loader import worker_init_fn
-from packdata.tune import project_memory, recommend_loader_kwargs, run_tune
+from packdata.measure.bench import CEILING, run_bench
+from packdata.measure.loop import LoaderConfig
+from packdata.measure.sources import open_source
+from packdata.measure.tune import project_memory, recommend_loader_kwargs, run_tune
 
 BATCH = 4
 BATCHES = 3
@@ -80,8 +82,10 @@ def test_bench_json_is_consistent_and_has_the_ceiling(pack: Path, folder: Path, 
     assert [r["num_workers"] for r in data["results"]] == [0, 2] * 3
     _check_consistent(data)
     assert all(r["cpu_ms_per_sample"] > 0 for r in data["results"] if r["num_workers"] == 0)  # decodes in-process
+    ceiling_speed = {r["num_workers"]: r["samples_per_s"] for r in data["results"] if r["source"] == CEILING}
     for r in data["results"]:
-        assert r["vs_ceiling"] == pytest.approx(1.0 if r["source"] == CEILING else r["vs_ceiling"])
+        # each source's throughput over the ceiling's at the same setting; the ceiling's own ratio is 1
+        assert r["vs_ceiling"] == pytest.approx(r["samples_per_s"] / ceiling_speed[r["num_workers"]])
         assert r["vs_ceiling"] > 0
     facts = {s["name"]: s for s in data["sources"]}
     assert facts[CEILING]["from"] == str(pack) and facts[CEILING]["samples"] == 30
@@ -92,7 +96,7 @@ def test_bench_json_is_consistent_and_has_the_ceiling(pack: Path, folder: Path, 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
     result = run_bench(
-        pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="none", transform=None
+        pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="bytes", transform=None
     )
     for r in result.results:
         assert r.step_ms == 30
@@ -113,7 +117,14 @@ def test_bench_reduced_decode_and_persistent_workers(pack: Path) -> None:
         persistent_workers=True,
     )
     _check_consistent(result.to_dict())
-    assert "DecodeJPEG" in repr(result.results[1].config) or result.settings["decode"] == "reduced"
+    assert result.settings["decode"] == "reduced"
+    assert all(r.persistent_workers for r in result.results)
+    # what bench reads with decode="reduced": JPEGs DCT-scaled at decode, 64 px tall at full size
+    dataset, _ = open_source(pack, decode="reduced", size=32)
+    image, _ = dataset[0]
+    assert min(image.size) == 32
+    full, _ = open_source(pack, decode="pil")[0][0]
+    assert min(full.size) == 64
 
 
 def test_bench_records_bad_sources_and_settings_without_stopping(pack: Path, tmp_path: Path) -> None:
@@ -218,7 +229,7 @@ def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
 
 
 def test_tune_cli_json(pack: Path) -> None:
-    pytest.importorskip("packdata.system")
+    pytest.importorskip("packdata.units")
     result = CliRunner().invoke(
         cli_main, ["tune", str(pack), "--memory-budget", "1MiB", "--batch-size", "4", "--batches", "2", "--json"]
     )

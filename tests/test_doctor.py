@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 import packdata
 from packdata.cli import main
-from packdata.doctor import WORKER_BYTES, doctor
+from packdata.doctor import doctor
+from packdata.host.cores import WORKER_BYTES
 from packdata.manifest import read_manifest, write_manifest
 from packdata.stage import stage
 

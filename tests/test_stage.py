@@ -351,7 +351,7 @@ def test_without_root_one_line_explains(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_unsafe_tmpfs_size_refused_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from packdata import system
+    from packdata.host import facts as system
 
     proc = tmp_path / "fake" / "proc"
     proc.mkdir(parents=True)
@@ -384,7 +384,7 @@ def test_tmpfs_mount_stage_and_unmount(
     assert stage(pack, mount=point, progress=False).copied == []
     done = unstage(point, unmount=True)
     assert done.unmounted == point
-    assert not any(m.mountpoint == os.fspath(point) for m in packdata.system.read_mounts())
+    assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())
 
 
 @pytest.mark.root
@@ -444,7 +444,7 @@ def test_cli_prepare_area_then_stage_into_it(lmdb_pack: Path, tmp_path: Path, re
 def test_staging_into_ram_checks_memory(
     lmdb_pack: Path, tmpfs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from packdata import system
+    from packdata.host import facts as system
 
     area = tmpfs("16M")
     fake = tmp_path / "fake"

@@ -1,6 +1,6 @@
 """``packdata tune``: measured DataLoader settings under a memory budget.
 
-The search starts from the rule of thumb (about 3/4 of the physical cores as
+The search starts from the rule of thumb (about 3/4 of the usable physical cores as
 workers, batch 64, prefetch factor 2, pinned memory when training on CUDA) and
 moves one variable at a time (num_workers, then batch_size, then
 prefetch_factor, then pin_memory), stepping further while throughput improves
@@ -30,45 +30,25 @@ import psutil
 import torch
 from torch.utils.data import IterableDataset
 
-from packdata.bench import LoaderConfig, measure_loader, open_source
 from packdata.decode import DecodeFn
 from packdata.errors import CapacityError, ConfigError, PackdataError
+from packdata.host.cores import WORKER_BYTES, rule_of_thumb_workers, usable_cores
+from packdata.host.facts import read_cgroup_memory
 from packdata.loader import list_collate, worker_init_fn
+from packdata.measure.loop import LoaderConfig, measure_loader
+from packdata.measure.sources import check_decode, open_source
 from packdata.transforms import standard_transform
 
 __all__ = [
-    "DEFAULT_WORKER_BYTES",
     "TuneResult",
     "Trial",
     "default_memory_budget",
     "project_memory",
     "recommend_loader_kwargs",
-    "rule_of_thumb_workers",
     "run_tune",
 ]
 
-DEFAULT_WORKER_BYTES = 160 << 20
-"""Private memory assumed per forked worker before one is measured (decode buffers, Python heap)."""
-
 _WORKER_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-def _physical_cores() -> int:
-    """Physical cores this process may use: psutil's count, cut to the CPU affinity mask."""
-    from packdata.system import cpu_counts
-
-    physical, _logical = cpu_counts()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = physical
-    return max(1, min(physical, usable))
-
-
-def rule_of_thumb_workers(cores: int | None = None) -> int:
-    """About 3/4 of the physical cores (at least 1): the rest is left to the main process."""
-    cores = cores or _physical_cores()
-    return max(1, (3 * cores) // 4)
 
 
 def default_memory_budget() -> tuple[int, str]:
@@ -87,8 +67,6 @@ def default_memory_budget() -> tuple[int, str]:
 
 def _cgroup_headroom() -> int | None:
     """Bytes the container's cgroup (v2 or v1) may still charge, or None without a limit."""
-    from packdata.system import read_cgroup_memory
-
     return read_cgroup_memory().headroom
 
 
@@ -111,13 +89,14 @@ def recommend_loader_kwargs(
     device: str | torch.device | None = None,
     memory_budget: int | None = None,
     sample_bytes: int = 3 * 224 * 224,
-    per_worker_bytes: int = DEFAULT_WORKER_BYTES,
+    per_worker_bytes: int = WORKER_BYTES,
     cores: int | None = None,
+    root: str | os.PathLike = "/",
 ) -> dict[str, Any]:
     """DataLoader keyword arguments by the rules ``tune`` starts from, without measuring.
 
     ``DataLoader(dataset, **packdata.recommend_loader_kwargs(dataset, device="cuda"))``.
-    Workers are about 3/4 of the physical cores, cut to what the memory budget
+    Workers are about 3/4 of the usable physical cores, cut to what the memory budget
     holds and to the number of batches an epoch has; ``pin_memory`` only when
     ``device`` is CUDA and CUDA is there; ``persistent_workers`` and
     :func:`packdata.worker_init_fn` whenever there are workers.
@@ -129,7 +108,8 @@ def recommend_loader_kwargs(
         memory_budget: bytes the loader may use; default :func:`default_memory_budget`.
         sample_bytes: bytes of one transformed sample (default a 224x224 uint8 RGB image).
         per_worker_bytes: private memory per worker (measure it with ``packdata bench``).
-        cores: physical cores to plan for (default: those this process may use).
+        cores: physical cores to plan for (default :func:`packdata.host.cores.usable_cores`).
+        root: filesystem root holding ``proc/`` and ``sys/`` for counting cores (tests pass crafted trees).
 
     Raises:
         CapacityError: not even one batch without workers fits the budget.
@@ -137,7 +117,7 @@ def recommend_loader_kwargs(
     if batch_size < 1:
         raise ValueError(f"batch_size should be at least 1, but got batch_size={batch_size}")
     budget = memory_budget if memory_budget is not None else default_memory_budget()[0]
-    workers = rule_of_thumb_workers(cores)
+    workers = rule_of_thumb_workers(cores or usable_cores(root=root))
     if dataset is not None and not isinstance(dataset, IterableDataset):
         with contextlib.suppress(TypeError):
             workers = min(workers, max(len(dataset) // batch_size, 1))
@@ -253,7 +233,7 @@ class _Search:
         self.sample_bytes = sample_bytes
         self.min_gain = min_gain
         self.progress = progress
-        self.per_worker = DEFAULT_WORKER_BYTES
+        self.per_worker = WORKER_BYTES
         self.trials: dict[LoaderConfig, Trial] = {}
 
     def project(self, config: LoaderConfig) -> int:
@@ -278,7 +258,7 @@ class _Search:
         trial.memory_peak_bytes = result.memory["total"]["uss_peak"]
         if config.num_workers:
             trial.per_worker_bytes = result.memory["workers"]["per_worker_uss_peak"]
-            if self.per_worker == DEFAULT_WORKER_BYTES:
+            if self.per_worker == WORKER_BYTES:
                 self.per_worker = trial.per_worker_bytes
             else:
                 self.per_worker = max(self.per_worker, trial.per_worker_bytes)
@@ -378,13 +358,14 @@ def run_tune(
     """
     if not batch_sizes or not prefetch_factors:
         raise ConfigError("batch_sizes and prefetch_factors should not be empty")
+    check_decode(decode)
     budget, how = (memory_budget, "given") if memory_budget is not None else default_memory_budget()
     if isinstance(transform, str):
         if transform != "standard":
             raise ConfigError(f"transform should be 'standard', None or a callable, but got transform={transform!r}")
         transform = standard_transform(size)
     dataset, facts = open_source(source, decode=decode, transform=transform, size=size)
-    collate = list_collate if transform is None or decode == "none" or facts["kind"] != "image" else None
+    collate = list_collate if transform is None or decode == "bytes" or facts["kind"] != "image" else None
     sample_bytes = 3 * size * size if collate is None else max(int(facts["mean_bytes"]), 1)
     warnings: list[str] = []
     cuda = _wants_cuda(device)

@@ -1,4 +1,4 @@
-"""Tests of packdata.system: crafted /proc and /sys trees under tmp_path, plus the real machine."""
+"""Tests of packdata.host: crafted /proc and /sys trees under tmp_path, plus the real machine."""
 
 from __future__ import annotations
 
@@ -10,29 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from packdata import system
-from packdata.system import (
-    DEFAULT_RESERVE_MIN,
+from packdata.host import facts as host_facts
+from packdata.host.facts import (
     CgroupMemory,
     GPUInfo,
     MemoryInfo,
     Mount,
     SystemFacts,
-    default_reserve,
     find_mount,
-    format_size,
     gather_facts,
     is_network_fs,
     is_rotational,
-    memory_warnings,
-    parse_size,
     read_cgroup_memory,
     read_cgroup_memory_limit,
     read_meminfo,
     read_mounts,
-    safe_tmpfs_size,
     tmpfs_usage,
 )
+from packdata.host.memory import DEFAULT_RESERVE_MIN, SafetyWarning, default_reserve, memory_warnings, safe_tmpfs_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 V1_UNLIMITED = "9223372036854771712"
@@ -69,7 +64,7 @@ def facts(
     return SystemFacts(MemoryInfo(total, available, swap_total, swap_free), CgroupMemory(limit, usage))
 
 
-def codes(warnings: list[system.SafetyWarning]) -> list[str]:
+def codes(warnings: list[SafetyWarning]) -> list[str]:
     return [w.code for w in warnings]
 
 
@@ -280,7 +275,7 @@ def test_tmpfs_usage_measures_reachable_tmpfs_and_skips_the_rest(tmp_path: Path)
 
 
 def test_disk_free_uses_nearest_existing_parent(tmp_path: Path) -> None:
-    free = system.disk_free(tmp_path / "a" / "b" / "c.lmdb")
+    free = host_facts.disk_free(tmp_path / "a" / "b" / "c.lmdb")
     assert isinstance(free, int) and free > 0
 
 
@@ -288,14 +283,14 @@ def test_disk_free_uses_nearest_existing_parent(tmp_path: Path) -> None:
 
 
 def test_cpu_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    physical, logical = system.cpu_counts()
+    physical, logical = host_facts.cpu_counts()
     assert physical >= 1 and logical >= 1
-    monkeypatch.setattr(system.psutil, "cpu_count", lambda logical=True: 8 if logical else None)
-    assert system.cpu_counts() == (8, 8)
+    monkeypatch.setattr(host_facts.psutil, "cpu_count", lambda logical=True: 8 if logical else None)
+    assert host_facts.cpu_counts() == (8, 8)
 
 
 def test_gpus_returns_a_list_without_raising() -> None:
-    found = system.gpus()
+    found = host_facts.gpus()
     assert isinstance(found, list)
     assert all(isinstance(g, GPUInfo) and g.total_bytes >= g.free_bytes >= 0 for g in found)
 
@@ -311,7 +306,7 @@ def test_gpus_through_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         nvmlDeviceGetMemoryInfo=lambda h: mem,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert system.gpus() == [
+    assert host_facts.gpus() == [
         GPUInfo(0, "NVIDIA H100", 80 * GiB, 70 * GiB),
         GPUInfo(1, "NVIDIA A100", 80 * GiB, 70 * GiB),
     ]
@@ -322,8 +317,8 @@ def test_gpus_never_raise_when_every_probe_fails(monkeypatch: pytest.MonkeyPatch
         raise RuntimeError("driver gone")
 
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=boom))
-    monkeypatch.setattr(system, "_gpus_torch", boom)
-    assert system.gpus() == []
+    monkeypatch.setattr(host_facts, "_gpus_torch", boom)
+    assert host_facts.gpus() == []
 
 
 # --------------------------------------------------------------------------- facts
@@ -417,74 +412,3 @@ def test_cgroup_limit_warning_names_the_limit() -> None:
     [warning] = memory_warnings(facts(limit=8 * GiB, usage=GiB))
     assert warning.code == "cgroup-limit" and "8.0 GiB" in warning.message
     assert memory_warnings(facts(limit=64 * GiB, usage=GiB)) == []
-
-
-# --------------------------------------------------------------------------- sizes
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("1000", 1000),
-        ("0", 0),
-        ("30G", 30 * GiB),
-        ("30g", 30 * GiB),
-        ("30GB", 30 * 10**9),
-        ("30gb", 30 * 10**9),
-        ("30GiB", 30 * GiB),
-        ("30gib", 30 * GiB),
-        ("512M", 512 * MiB),
-        ("64MB", 64 * 10**6),
-        ("64MiB", 64 * MiB),
-        ("4K", 4 * KiB),
-        ("4kB", 4000),
-        ("4KiB", 4 * KiB),
-        ("1.5T", int(1.5 * TiB)),
-        ("2TB", 2 * 10**12),
-        ("1TiB", TiB),
-        (" 16 G ", 16 * GiB),
-        ("100B", 100),
-        ("0.5K", 512),
-        (".5G", GiB // 2),
-        ("1.0", 1),
-    ],
-)
-def test_parse_size(text: str, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["3 apples", "", "G", "-1G", "1.5", "30 GBs", "1e9", "1,000", "nan", "30X"])
-def test_parse_size_rejects_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match=r"invalid size .*: expected a number with an optional unit such as 64MB"):
-        parse_size(text)
-
-
-def test_parse_size_message_quotes_the_input() -> None:
-    with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with an optional unit"):
-        parse_size("3 apples")
-
-
-@pytest.mark.parametrize(
-    ("n", "expected"),
-    [
-        (0, "0 B"),
-        (512, "512 B"),
-        (1023, "1023 B"),
-        (1024, "1.0 KiB"),
-        (1536, "1.5 KiB"),
-        (int(1.5 * GiB), "1.5 GiB"),
-        (30 * GiB, "30.0 GiB"),
-        (MiB - 1, "1.0 MiB"),
-        (2 * TiB, "2.0 TiB"),
-        (3 << 60, "3.0 EiB"),
-        (-2 * GiB, "-2.0 GiB"),
-    ],
-)
-def test_format_size(n: int, expected: str) -> None:
-    assert format_size(n) == expected
-
-
-def test_parse_format_round_trip() -> None:
-    for n in (KiB, 7 * MiB, 3 * GiB, 5 * TiB):
-        value, unit = format_size(n).split()
-        assert parse_size(value + unit) == n

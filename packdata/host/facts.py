@@ -1,15 +1,9 @@
-"""Machine facts (memory, cgroup limits, mounts, disks, CPUs, GPUs) and safety warnings.
+"""Machine facts: memory, cgroup limits, mounts, disks, CPUs, GPUs.
 
 Every reader of ``/proc`` or ``/sys`` takes ``root``, the filesystem root those
 trees live under, so tests can feed crafted files. :func:`gather_facts` collects
-everything into :class:`SystemFacts`; :func:`memory_warnings` turns the facts into
-:class:`SafetyWarning` objects whose messages say what is wrong and what to do.
-
-The memory a tmpfs may safely take is ``min(MemAvailable, cgroup headroom) -
-reserve``. The cgroup headroom is its limit minus its usage, less the reclaimable
-inactive file cache that ``memory.stat`` reports. The default reserve is
-``max(DEFAULT_RESERVE_MIN, DEFAULT_RESERVE_FRACTION x total)`` capped at half the
-total, where the total is MemTotal, or the cgroup limit when that is lower.
+everything into :class:`SystemFacts`; :mod:`packdata.host.memory` and
+:mod:`packdata.host.cores` turn the facts into warnings and worker counts.
 """
 
 from __future__ import annotations
@@ -18,45 +12,35 @@ import contextlib
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import psutil
 
 __all__ = [
-    "DEFAULT_RESERVE_FRACTION",
-    "DEFAULT_RESERVE_MIN",
     "CgroupMemory",
     "GPUInfo",
     "MemoryInfo",
     "Mount",
-    "SafetyWarning",
     "SystemFacts",
     "TmpfsUsage",
+    "count_physical_cores",
     "cpu_counts",
-    "default_reserve",
     "disk_free",
     "find_mount",
-    "format_size",
     "gather_facts",
     "gpus",
     "is_network_fs",
     "is_rotational",
-    "memory_warnings",
-    "parse_size",
+    "read_cgroup_cpu_quota",
     "read_cgroup_memory",
     "read_cgroup_memory_limit",
+    "read_cpus_allowed",
     "read_meminfo",
     "read_mounts",
-    "safe_tmpfs_size",
     "tmpfs_usage",
 ]
 
-#: Share of the memory total kept free for the OS, page cache and DataLoader workers.
-DEFAULT_RESERVE_FRACTION = 0.10
-#: Smallest default reserve in bytes (4 GiB); the reserve never exceeds half the total.
-DEFAULT_RESERVE_MIN = 4 << 30
 #: cgroup v1 writes "no limit" as a huge page-aligned number; anything this large is none.
 CGROUP_V1_UNLIMITED = 1 << 60
 
@@ -150,6 +134,24 @@ def _stat_value(path: Path, key: str) -> int | None:
     return None
 
 
+def _cgroup_paths(root: str | os.PathLike, proc_self_cgroup: str | None, controller: str) -> dict[int, list[str]]:
+    """``{version: path parts}`` of this process's cgroup: v2's ``0::`` line, v1's ``controller`` line."""
+    text = proc_self_cgroup if proc_self_cgroup is not None else _read(_p(root, "proc/self/cgroup"))
+    paths: dict[int, list[str]] = {}
+    for line in (text or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        version = 2 if hierarchy == "0" and not controllers else 1 if controller in controllers.split(",") else 0
+        if version:
+            paths[version] = [p for p in path.strip().split("/") if p not in ("", ".", "..")]
+    return paths
+
+
+def _cgroup_dirs(base: Path, parts: list[str]) -> list[Path]:
+    """The cgroup folder and each of its parents, deepest first."""
+    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
 def read_cgroup_memory(root: str | os.PathLike = "/", proc_self_cgroup: str | None = None) -> CgroupMemory:
     """Find this process's cgroup memory limit and usage, v2 first, then v1.
 
@@ -165,15 +167,7 @@ def read_cgroup_memory(root: str | os.PathLike = "/", proc_self_cgroup: str | No
     Returns:
         The figures; all None when no memory controller was found.
     """
-    text = proc_self_cgroup if proc_self_cgroup is not None else _read(_p(root, "proc/self/cgroup"))
-    paths: dict[int, str] = {}
-    for line in (text or "").splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            paths[2] = path.strip()
-        elif "memory" in controllers.split(","):
-            paths[1] = path.strip()
+    paths = _cgroup_paths(root, proc_self_cgroup, "memory")
     layouts = (
         (2, "sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
         (1, "sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
@@ -181,8 +175,7 @@ def read_cgroup_memory(root: str | os.PathLike = "/", proc_self_cgroup: str | No
     for version, base, limit_file, usage_file, inactive_key in layouts:
         if version not in paths:
             continue
-        parts = [p for p in paths[version].split("/") if p not in ("", ".", "..")]
-        dirs = [_p(root, base).joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+        dirs = _cgroup_dirs(_p(root, base), paths[version])
         dirs = [d for d in dirs if (d / limit_file).is_file() or (d / usage_file).is_file()]
         if not dirs:
             continue
@@ -304,6 +297,75 @@ def cpu_counts() -> tuple[int, int]:
     return psutil.cpu_count(logical=False) or logical, logical
 
 
+def _cpu_list(text: str) -> tuple[int, ...] | None:
+    """``0-3,8,10-11`` as a sorted tuple of CPU numbers; None when malformed."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        first, _, last = item.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return None
+        cpus.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cpus))
+
+
+def read_cpus_allowed(root: str | os.PathLike = "/") -> tuple[int, ...] | None:
+    """The logical CPUs this process may run on (its affinity, within its cpuset).
+
+    Read from ``Cpus_allowed_list`` in ``{root}/proc/self/status``, else
+    ``os.sched_getaffinity``; None when neither tells.
+    """
+    for line in (_read(_p(root, "proc/self/status")) or "").splitlines():
+        key, _, value = line.partition(":")
+        if key == "Cpus_allowed_list" and (cpus := _cpu_list(value)):
+            return cpus
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None
+
+
+def count_physical_cores(cpus: tuple[int, ...], root: str | os.PathLike = "/") -> int | None:
+    """How many physical cores the logical ``cpus`` sit on (hyperthread siblings count once).
+
+    Each CPU's ``(physical_package_id, core_id)`` comes from
+    ``{root}/sys/devices/system/cpu/cpuN/topology``; None when one is unreadable.
+    """
+    cores = set()
+    for cpu in cpus:
+        topology = _p(root, f"sys/devices/system/cpu/cpu{cpu}/topology")
+        package, core = _read_int(topology / "physical_package_id"), _read_int(topology / "core_id")
+        if package is None or core is None:
+            return None
+        cores.add((package, core))
+    return len(cores) or None
+
+
+def read_cgroup_cpu_quota(root: str | os.PathLike = "/", proc_self_cgroup: str | None = None) -> float | None:
+    """CPUs' worth of time this process's cgroup may use (``cpu.max`` of ``200000 100000`` is 2.0).
+
+    v2 reads ``cpu.max``, v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``
+    (under ``cpu,cpuacct`` or ``cpu``); each parent folder is read too and the
+    smallest quota wins.
+
+    Returns:
+        The quota in CPUs; None when there is none (``max``, ``-1``) or no CPU controller.
+    """
+    paths = _cgroup_paths(root, proc_self_cgroup, "cpu")
+    quotas: list[float] = []
+    if 2 in paths:
+        for d in _cgroup_dirs(_p(root, "sys/fs/cgroup"), paths[2]):
+            quota, _, period = (_read(d / "cpu.max") or "").partition(" ")
+            if quota.strip().isdigit() and period.strip().isdigit() and int(period):
+                quotas.append(int(quota) / int(period))
+    if 1 in paths:
+        for base in ("sys/fs/cgroup/cpu,cpuacct", "sys/fs/cgroup/cpu"):
+            for d in _cgroup_dirs(_p(root, base), paths[1]):
+                us, period_us = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+                if us and period_us:  # -1 (no quota) does not read as an int
+                    quotas.append(us / period_us)
+    return min(quotas, default=None)
+
+
 @dataclass(frozen=True)
 class GPUInfo:
     """One CUDA device and its memory, in bytes."""
@@ -359,13 +421,16 @@ def gpus() -> list[GPUInfo]:
 
 @dataclass
 class SystemFacts:
-    """What :func:`memory_warnings` and staging need to know about the machine and a path."""
+    """What the memory checks, the cores rule and staging need to know about the machine and a path."""
 
     memory: MemoryInfo
     cgroup: CgroupMemory = field(default_factory=lambda: CgroupMemory(None, None))
     tmpfs: list[TmpfsUsage] = field(default_factory=list)
     cpu_physical: int = 1
     cpu_logical: int = 1
+    cpus_allowed: int | None = None  # logical CPUs this process may run on
+    cores_allowed: int | None = None  # physical cores those CPUs sit on, when the topology tells
+    cpu_quota: float | None = None  # the cgroup's CPU time limit, in CPUs
     gpus: list[GPUInfo] = field(default_factory=list)
     path: str | None = None
     path_mount: Mount | None = None
@@ -396,6 +461,10 @@ def gather_facts(
         vm, sw = psutil.virtual_memory(), psutil.swap_memory()
         memory = MemoryInfo(vm.total, vm.available, sw.total, sw.free, getattr(vm, "shared", 0))
     facts = SystemFacts(memory, read_cgroup_memory(root), tmpfs_usage(root), *cpu_counts())
+    allowed = read_cpus_allowed(root)
+    if allowed:
+        facts.cpus_allowed, facts.cores_allowed = len(allowed), count_physical_cores(allowed, root)
+    facts.cpu_quota = read_cgroup_cpu_quota(root)
     facts.gpus = gpus() if include_gpus else []
     if path is not None:
         facts.path = os.path.abspath(path)
@@ -406,122 +475,3 @@ def gather_facts(
         with contextlib.suppress(OSError):
             facts.path_free = disk_free(path)
     return facts
-
-
-@dataclass(frozen=True)
-class SafetyWarning:
-    """A problem found in the facts; ``refuse`` means the operation must not go ahead."""
-
-    code: str
-    message: str
-    severity: Literal["warn", "refuse"] = "warn"
-
-
-def default_reserve(facts: SystemFacts) -> int:
-    """``max(DEFAULT_RESERVE_MIN, DEFAULT_RESERVE_FRACTION x total)`` capped at half the total.
-
-    The total is MemTotal, or the cgroup limit when that is lower.
-    """
-    total = min(facts.memory.mem_total, facts.cgroup.limit or facts.memory.mem_total)
-    return min(max(DEFAULT_RESERVE_MIN, int(total * DEFAULT_RESERVE_FRACTION)), total // 2)
-
-
-def _available(facts: SystemFacts) -> int:
-    headroom = facts.cgroup.headroom
-    return facts.memory.mem_available if headroom is None else min(facts.memory.mem_available, headroom)
-
-
-def safe_tmpfs_size(facts: SystemFacts, reserve: int | None = None) -> int:
-    """Largest tmpfs in bytes that leaves ``reserve`` (default :func:`default_reserve`) free; never negative."""
-    return max(0, _available(facts) - (default_reserve(facts) if reserve is None else reserve))
-
-
-def memory_warnings(
-    facts: SystemFacts, *, tmpfs_size: int | None = None, reserve: int | None = None
-) -> list[SafetyWarning]:
-    """Check memory before staging; the warnings come most serious first.
-
-    Args:
-        facts: From :func:`gather_facts`.
-        tmpfs_size: Bytes of tmpfs about to be requested; None when no tmpfs is involved.
-        reserve: Bytes to keep free; None for :func:`default_reserve`.
-
-    Returns:
-        Those of ``tmpfs-too-large`` (severity refuse), ``swap-on-tmpfs``, ``oom-near``,
-        ``cgroup-limit`` and ``tmpfs-volatile`` that apply.
-    """
-    mem, fs = facts.memory, format_size
-    out: list[SafetyWarning] = []
-    if tmpfs_size is not None:
-        available, res = _available(facts), default_reserve(facts) if reserve is None else reserve
-        if tmpfs_size > (safe := max(0, available - res)):
-            msg = (
-                f"a {fs(tmpfs_size)} tmpfs does not fit in memory: {fs(available)} is available and {fs(res)} "
-                f"must stay free for the OS and data-loading workers, leaving {fs(safe)}; ask for at most "
-                f"{fs(safe)}, free memory first, or stage onto a local NVMe disk instead"
-            )
-            out.append(SafetyWarning("tmpfs-too-large", msg, "refuse"))
-        if mem.swap_total > 0:
-            msg = (
-                f"this machine has {fs(mem.swap_total)} of swap, so under memory pressure tmpfs pages are "
-                "swapped out and reads run at disk speed; keep the tmpfs well below available memory, "
-                "or turn swap off (swapoff -a) if the pack must stay in RAM"
-            )
-            out.append(SafetyWarning("swap-on-tmpfs", msg))
-    used = mem.swap_used
-    if used > 0 and (mem.mem_available < mem.mem_total * 0.10 or mem.mem_available < used):
-        msg = (
-            f"memory is nearly exhausted: {fs(mem.mem_available)} of {fs(mem.mem_total)} available and "
-            f"{fs(used)} of swap in use, so the OOM killer may end processes; stop other jobs or use "
-            "fewer DataLoader workers before staging or training"
-        )
-        out.append(SafetyWarning("oom-near", msg))
-    if (limit := facts.cgroup.limit) is not None and limit < mem.mem_total:
-        msg = (
-            f"this process runs in a container (cgroup) limited to {fs(limit)}, less than the host's "
-            f"{fs(mem.mem_total)}; the container is killed at its limit even while the host has memory "
-            f"free, and tmpfs pages count against it, so size tmpfs and workers against {fs(limit)}"
-        )
-        out.append(SafetyWarning("cgroup-limit", msg))
-    if tmpfs_size is not None:
-        msg = (
-            "tmpfs lives in RAM and its contents are lost at reboot or unmount; keep the original "
-            "pack on persistent storage and stage it again after a restart"
-        )
-        out.append(SafetyWarning("tmpfs-volatile", msg))
-    return out
-
-
-_UNITS = {"": 1, "b": 1}
-_UNITS.update({f"{p}{suffix}": 1024**i for i, p in enumerate("kmgtpe", 1) for suffix in ("", "ib")})
-_UNITS.update({f"{p}b": 1000**i for i, p in enumerate("kmgtpe", 1)})
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Parse ``30G``, ``30GB``, ``30GiB``, ``512M``, ``1.5T`` or ``1000`` (bytes) into bytes.
-
-    Case-insensitive. ``KB/MB/GB/TB`` are decimal, ``KiB/MiB/GiB/TiB`` binary, and bare
-    ``K/M/G/T`` binary as in tmpfs's ``size=``. Fractions of a unit round down.
-
-    Raises:
-        ValueError: Not a non-negative number with a known unit, or a fraction of a byte.
-    """
-    match = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
-    unit = match[2].lower() if match else ""
-    value = Decimal(match[1]) * _UNITS[unit] if match and unit in _UNITS else None
-    if value is None or (_UNITS[unit] == 1 and value != value.to_integral_value()):
-        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit such as 64MB, 1GiB or 30G")
-    return int(value)
-
-
-def format_size(n: int) -> str:
-    """Bytes in binary units with one decimal: ``512 B``, ``1.5 GiB``."""
-    if abs(n) < 1024:
-        return f"{n} B"
-    value, units = float(n), ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-    for unit in units[:-1]:
-        value /= 1024
-        if abs(round(value, 1)) < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} {units[-1]}"

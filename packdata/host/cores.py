@@ -1,0 +1,75 @@
+"""The one usable-cores rule and the first ``num_workers`` derived from it.
+
+Usable cores are the physical cores this process may run on: the logical CPUs
+of its affinity (its cpuset included), counted once per physical core
+(hyperthread siblings share one core's decode throughput), then cut to the
+cgroup's CPU quota (``cpu.max``), which caps CPU time whatever the cpuset
+says. Where the CPU topology cannot be read, the allowed CPUs are divided by
+the machine's threads per core. ``doctor``, ``recommend_loader_kwargs``,
+``tune`` and ``bench`` all count cores with :func:`usable_cores`.
+
+A first ``num_workers`` is 3/4 of the usable cores (the rest is left to the
+main process), cut to what half the usable memory holds at
+:data:`WORKER_BYTES` per worker.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from packdata.host.facts import SystemFacts, gather_facts
+from packdata.host.memory import safe_tmpfs_size
+from packdata.units import format_size
+
+__all__ = ["WORKER_BYTES", "recommend_workers", "rule_of_thumb_workers", "usable_cores"]
+
+WORKER_BYTES = 160 << 20
+"""Private memory assumed per DataLoader worker before one is measured (decode buffers, Python heap)."""
+
+
+def usable_cores(facts: SystemFacts | None = None, *, root: str | os.PathLike = "/") -> int:
+    """Physical cores this process may use (at least 1); see the module docstring.
+
+    Args:
+        facts: from :func:`packdata.host.facts.gather_facts`; gathered from ``root`` when None.
+        root: filesystem root holding ``proc/`` and ``sys/`` (tests pass crafted trees).
+    """
+    if facts is None:
+        facts = gather_facts(root, include_gpus=False)
+    cores = facts.cores_allowed
+    if cores is None:
+        allowed = facts.cpus_allowed or facts.cpu_logical
+        per_core = max(1, facts.cpu_logical // max(facts.cpu_physical, 1))
+        cores = min(facts.cpu_physical, allowed // per_core or 1)
+    if facts.cpu_quota is not None:
+        cores = min(cores, math.floor(facts.cpu_quota))
+    return max(1, cores)
+
+
+def rule_of_thumb_workers(cores: int | None = None) -> int:
+    """About 3/4 of ``cores`` (default :func:`usable_cores`), at least 1: the rest is left to the main process."""
+    cores = cores or usable_cores()
+    return max(1, (3 * cores) // 4)
+
+
+def recommend_workers(facts: SystemFacts, *, cores: int | None = None) -> tuple[int, str]:
+    """A first ``num_workers``: 3/4 of the usable physical cores, capped by memory.
+
+    Args:
+        facts: the machine's facts.
+        cores: cores to plan for (default :func:`usable_cores` of ``facts``).
+
+    Returns:
+        ``(num_workers, why)``.
+    """
+    cores = cores or usable_cores(facts)
+    by_cpu = rule_of_thumb_workers(cores)
+    available = safe_tmpfs_size(facts, reserve=0)  # min(MemAvailable, cgroup headroom)
+    by_memory = max(0, (available // 2) // WORKER_BYTES)
+    if by_memory < by_cpu:
+        return int(by_memory), (
+            f"memory caps it: half of {format_size(available)} usable at {format_size(WORKER_BYTES)} per worker "
+            f"holds {by_memory} (3/4 of {cores} cores would be {by_cpu})"
+        )
+    return by_cpu, f"3/4 of {cores} usable physical cores; memory holds {by_memory} workers"

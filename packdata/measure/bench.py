@@ -1,0 +1,304 @@
+"""``packdata bench``: DataLoader throughput and memory, measured the way you train.
+
+Each source (a pack or a raw folder) goes through the real
+``torch.utils.data.DataLoader`` and the real dataset classes, for every
+combination of the swept settings. Batches are timed one by one after a
+warm-up (:mod:`packdata.measure.loop`); a background thread samples the memory
+of the main process and every worker (:mod:`packdata.measure.memory`). Next to
+the sources, the **ceiling** is always measured: the same decode and transform
+on bytes already in memory, through the same DataLoader settings, so every
+figure is also a ratio to what decoding alone allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch.utils.data import Dataset
+
+from packdata.decode import DecodeFn
+from packdata.errors import ConfigError, PackdataError
+from packdata.host.cores import usable_cores
+from packdata.host.facts import cpu_counts
+from packdata.loader import list_collate
+from packdata.measure.loop import DEFAULT_BATCHES, ConfigResult, LoaderConfig, measure_loader
+from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
+from packdata.transforms import standard_transform
+from packdata.units import format_size
+
+__all__ = ["CEILING", "BenchResult", "run_bench"]
+
+CEILING = "ceiling"
+
+
+@dataclass
+class BenchResult:
+    """Every configuration measured, the sources, settings, and system facts."""
+
+    results: list[ConfigResult]
+    sources: list[dict[str, Any]]
+    settings: dict[str, Any]
+    system: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "results": [asdict(r) for r in self.results],
+            "sources": self.sources,
+            "settings": self.settings,
+            "system": self.system,
+            "warnings": self.warnings,
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The result as JSON text, also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    def for_source(self, name: str) -> list[ConfigResult]:
+        """The results of one source (``"ceiling"`` for the ceiling)."""
+        return [r for r in self.results if r.source == name]
+
+    def table(self) -> str:
+        """A fixed-width table, one line per source and setting."""
+        width = max([len(r.source) for r in self.results] + [6])
+        head = (
+            f"{'source':<{width}} {'wk':>3} {'batch':>5} {'pin':>3} {'pf':>2} {'samples/s':>10} {'MB/s':>7} "
+            f"{'x ceil':>6} {'cpu ms':>6} {'1st(s)':>6} {'p50ms':>6} {'p95ms':>6} {'wait%':>5} {'USS main':>10} "
+            f"{'USS wk':>10} {'file':>10} {'avail min':>10}"
+        )
+        lines = [head]
+        for r in self.results:
+            pin = "y" if r.pin_memory else "n"
+            if r.error:
+                lines.append(
+                    f"{r.source:<{width}} {r.num_workers:>3} {r.batch_size:>5} {pin:>3} "
+                    f"{r.prefetch_factor:>2}  error: {r.error}"
+                )
+                continue
+            mem = r.memory
+            ratio = f"{r.vs_ceiling:.2f}" if r.vs_ceiling is not None else "-"
+            lines.append(
+                f"{r.source:<{width}} {r.num_workers:>3} {r.batch_size:>5} {pin:>3} {r.prefetch_factor:>2} "
+                f"{r.samples_per_s:>10.1f} {r.mb_per_s:>7.1f} {ratio:>6} {r.cpu_ms_per_sample:>6.2f} "
+                f"{r.first_batch_s:>6.2f} "
+                f"{r.wait_p50_ms:>6.1f} {r.wait_p95_ms:>6.1f} {100 * r.data_wait_share:>5.1f} "
+                f"{format_size(mem['main']['uss_peak']):>10} {format_size(mem['workers']['uss_peak']):>10} "
+                f"{format_size(mem['total']['file_peak']):>10} {format_size(mem['mem_available_min']):>10}"
+            )
+        lines.append(
+            "USS: private memory (peak); file: file-backed pages, i.e. page cache (mmap'd packs), "
+            "shared and reclaimable; cpu ms: CPU time per sample, all processes; wait%: share of time waiting for data"
+        )
+        return "\n".join(lines)
+
+
+def _system_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "cpus_logical": psutil.cpu_count(logical=True),
+        "cpus_physical": psutil.cpu_count(logical=False),
+        "memory_total": psutil.virtual_memory().total,
+        "platform": sys.platform,
+    }
+    facts["cpu_counts"] = list(cpu_counts())
+    facts["cores_usable"] = usable_cores()
+    return facts
+
+
+def _drop_caches() -> str | None:
+    """Drop the page cache (root only); returns why not, or None when done."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "--cold needs root to drop the page cache; measured warm"
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        return f"could not drop the page cache ({exc}); measured warm"
+    return None
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
+
+
+def run_bench(
+    sources: Sequence[str | os.PathLike] | str | os.PathLike,
+    *,
+    workers: Sequence[int] | int = (0, 2),
+    batch_sizes: Sequence[int] | int = (64,),
+    pin_memory: Sequence[bool] | bool = (False,),
+    prefetch_factor: Sequence[int] | int = (2,),
+    persistent_workers: bool = False,
+    decode: str | DecodeFn = "pil",
+    transform: str | Callable[[Any], Any] | None = "standard",
+    size: int = 224,
+    seconds: float | None = None,
+    batches: int | None = None,
+    warmup: int = 2,
+    step_ms: float = 0.0,
+    cold: bool = False,
+    ceiling_samples: int = 1024,
+    collate_fn: Callable[[Any], Any] | None = None,
+    multiprocessing_context: str | None = None,
+    sample_interval: float = 0.25,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measure DataLoader throughput and memory for each source and setting.
+
+    The ceiling (named ``"ceiling"``) is measured first: up to
+    ``ceiling_samples`` samples' bytes of the first source that has them, held
+    in memory, through the same decode, transform and DataLoader settings.
+    Every other result gets ``vs_ceiling``, its throughput over the ceiling's
+    at the same setting.
+
+    Args:
+        sources: packs (LMDB, TFRecord) and raw folders.
+        workers, batch_sizes, pin_memory, prefetch_factor: values to sweep
+            (every combination); ``pin_memory`` is measured off without CUDA.
+        persistent_workers: keep workers between epochs.
+        decode: ``"bytes"``, ``"pil"``, ``"reduced"`` (DCT-scaled JPEG decode to
+            ``size``, see :class:`packdata.DecodeJPEG`) or a callable.
+        transform: ``"standard"`` (random resized crop to ``size``, flip,
+            uint8 tensor), None, or a callable.
+        size: output side of the standard transform.
+        seconds, batches: timed budget per setting after ``warmup`` batches
+            (default 50 batches; both: whichever ends first).
+        step_ms: simulated training step per batch (main process sleeps).
+        cold: drop the page cache before each source (needs root).
+        ceiling_samples: samples the ceiling holds in memory.
+        collate_fn: the DataLoader's collate (default: the torch default with a
+            transform, a list collate without).
+        multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+        sample_interval: seconds between memory samples.
+        progress: called with a line of text before each measurement.
+
+    Returns:
+        A :class:`BenchResult`. A setting that cannot run has ``error`` set;
+        the sweep goes on.
+
+    Raises:
+        ConfigError: no sources, or an option value is invalid.
+    """
+    paths = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    if not paths:
+        raise ConfigError("no sources to bench", hint="Pass one or more packs or folders")
+    check_decode(decode)
+    if isinstance(transform, str):
+        if transform != "standard":
+            raise ConfigError(f"transform should be 'standard', None or a callable, but got transform={transform!r}")
+        transform = standard_transform(size)
+    if collate_fn is None and (transform is None or decode == "bytes"):
+        collate_fn = list_collate
+    configs = [
+        LoaderConfig(w, b, p, f, persistent_workers)
+        for w, b, p, f in itertools.product(
+            _as_tuple(workers), _as_tuple(batch_sizes), _as_tuple(pin_memory), _as_tuple(prefetch_factor)
+        )
+    ]
+    for c in configs:
+        if c.num_workers < 0 or c.batch_size < 1 or c.prefetch_factor < 1:
+            raise ConfigError(f"invalid setting {c}: workers >= 0, batch size >= 1 and prefetch factor >= 1")
+    settings = {
+        "decode": decode if isinstance(decode, str) else repr(decode),
+        "transform": repr(transform),
+        "size": size,
+        "seconds": seconds,
+        "batches": batches if batches or seconds else DEFAULT_BATCHES,
+        "warmup": warmup,
+        "step_ms": step_ms,
+        "cold": cold,
+        "persistent_workers": persistent_workers,
+        "multiprocessing_context": multiprocessing_context,
+        "configs": [asdict(c) for c in configs],
+    }
+    warnings: list[str] = []
+    if any(c.pin_memory for c in configs) and not torch.cuda.is_available():
+        warnings.append("pin_memory has no effect without CUDA: measured with pin_memory off")
+    opened: list[tuple[str, Dataset | None, dict[str, Any]]] = []
+    for path in paths:
+        name = os.fspath(path)
+        try:
+            opened.append((name, *open_source(path, decode=decode, transform=transform, size=size)))
+        except PackdataError as exc:
+            opened.append((name, None, {"error": str(exc)}))
+            warnings.append(f"{name}: {exc}")
+    ceiling = _make_ceiling(opened, decode, transform, size, ceiling_samples)
+    all_sources: list[tuple[str, Dataset | None, dict[str, Any]]] = [ceiling, *opened]
+    results: list[ConfigResult] = []
+    for name, dataset, facts in all_sources:
+        if dataset is None:
+            continue
+        if cold and name != CEILING:
+            reason = _drop_caches()
+            if reason and reason not in warnings:
+                warnings.append(reason)
+        for config in configs:
+            if progress:
+                progress(f"bench {name}: {config}")
+            try:
+                result = measure_loader(
+                    dataset,
+                    config,
+                    batches=batches,
+                    seconds=seconds,
+                    warmup=warmup,
+                    step_ms=step_ms,
+                    collate_fn=collate_fn,
+                    multiprocessing_context=multiprocessing_context,
+                    mean_bytes=facts.get("mean_bytes", 0.0),
+                    sample_interval=sample_interval,
+                    source=name,
+                    kind=facts.get("format", ""),
+                )
+            except (PackdataError, RuntimeError, OSError, TypeError, ValueError) as exc:
+                result = ConfigResult(
+                    name, facts.get("format", ""), **asdict(config), error=f"{type(exc).__name__}: {exc}"
+                )
+            results.append(result)
+    reference = {r.config: r.samples_per_s for r in results if r.source == CEILING and not r.error}
+    for r in results:
+        base = reference.get(r.config)
+        if base and not r.error:
+            r.vs_ceiling = r.samples_per_s / base
+    source_facts = [{"name": name, **{k: v for k, v in facts.items()}} for name, _, facts in all_sources]
+    return BenchResult(results, source_facts, settings, _system_facts(), warnings)
+
+
+def _make_ceiling(
+    opened: list[tuple[str, Dataset | None, dict[str, Any]]],
+    decode: str | DecodeFn,
+    transform: Callable[[Any], Any] | None,
+    size: int,
+    max_samples: int,
+) -> tuple[str, Dataset | None, dict[str, Any]]:
+    for name, dataset, facts in opened:
+        view = _raw_view(name, dataset, facts) if dataset is not None else None
+        if view is None:
+            continue
+        kind = facts.get("kind", "image")
+        decoder = _decoder(decode, kind, size)
+        tf = transform if kind == "image" and decode != "bytes" else None
+        memory = InMemoryDataset.from_dataset(view, max_samples=max_samples, transform=tf, decode=decoder)
+        return (
+            CEILING,
+            memory,
+            {"kind": kind, "format": "memory", "samples": len(memory), "mean_bytes": memory.mean_bytes, "from": name},
+        )
+    return CEILING, None, {"error": "no source could give its bytes for the ceiling"}

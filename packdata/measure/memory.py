@@ -1,0 +1,180 @@
+"""Memory of the main process and every worker, sampled on a thread while a loader runs.
+
+Memory is split the way the kernel sees it (from ``/proc/PID/smaps_rollup``
+and ``/proc/PID/status`` on Linux):
+
+- ``uss``: private pages, what this process alone holds (the OOM killer's view);
+- ``anon``: anonymous pages (heap, copy-on-write copies, what swap takes);
+- ``file``: file-backed resident pages. An mmap'd LMDB shows gigabytes here
+  that are only page cache, shared and reclaimable: not a leak;
+- ``shmem``: shared-memory pages (batches on their way from workers).
+
+``pss`` sums without counting shared pages twice across processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+__all__: list[str] = []
+
+_ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
+
+
+def _process_memory(proc: psutil.Process) -> dict[str, int] | None:
+    """uss, pss, anon, file and shmem bytes of one process, or None if it is gone."""
+    try:
+        with open(f"/proc/{proc.pid}/smaps_rollup", "rb") as f:
+            rollup = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
+        with open(f"/proc/{proc.pid}/status", "rb") as f:
+            status = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
+        return {
+            "uss": rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0),
+            "pss": rollup.get("Pss", 0),
+            "anon": status.get("RssAnon", rollup.get("Anonymous", 0)),
+            "file": status.get("RssFile", 0),
+            "shmem": status.get("RssShmem", 0),
+        }
+    except FileNotFoundError:
+        if not Path("/proc/self/smaps_rollup").exists():
+            return _psutil_memory(proc)
+        return None
+    except (ProcessLookupError, PermissionError, OSError):
+        return None
+
+
+def _psutil_memory(proc: psutil.Process) -> dict[str, int] | None:
+    try:
+        info = proc.memory_full_info()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    uss = getattr(info, "uss", info.rss)
+    return {
+        "uss": uss,
+        "pss": getattr(info, "pss", uss),
+        "anon": info.rss - getattr(info, "shared", 0),
+        "file": getattr(info, "shared", 0),
+        "shmem": 0,
+    }
+
+
+class _MemorySampler:
+    """Samples the main process and all its descendants every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.main = psutil.Process()
+        self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int]] = []
+        self._procs: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.swap_start = psutil.swap_memory().used
+
+    def sample(self) -> None:
+        main = _process_memory(self.main) or {}
+        workers = []
+        try:
+            children = self.main.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            proc = self._procs.setdefault(child.pid, child)
+            mem = _process_memory(proc)
+            if mem is not None:
+                workers.append(mem)
+        tick = (main, workers, psutil.virtual_memory().available, psutil.swap_memory().used)
+        with self._lock:
+            self.ticks.append(tick)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the main process and its live descendants so far.
+
+        The main process is read with ``time.process_time`` (nanosecond clock), the
+        workers with psutil (clock ticks, 10 ms on most Linux systems).
+        """
+        total = time.process_time() if self.main.pid == os.getpid() else 0.0
+        try:
+            procs = self.main.children(recursive=True)
+        except psutil.Error:
+            procs = []
+        if self.main.pid != os.getpid():
+            procs.append(self.main)
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> _MemorySampler:
+        self.sample()  # once in this thread: every import done before any fork
+        self._thread = threading.Thread(target=self._run, name="packdata-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        """Peaks and means over the run, in bytes."""
+        with self._lock:
+            ticks = list(self.ticks)
+        main_uss = [t[0].get("uss", 0) for t in ticks]
+        workers_uss = [sum(w["uss"] for w in t[1]) for t in ticks]
+        per_worker = [max((w["uss"] for w in t[1]), default=0) for t in ticks]
+
+        def peak(key: str, group: str) -> int:
+            values = []
+            for main, workers, _, _ in ticks:
+                if group == "main":
+                    values.append(main.get(key, 0))
+                elif group == "workers":
+                    values.append(sum(w[key] for w in workers))
+                else:
+                    values.append(main.get(key, 0) + sum(w[key] for w in workers))
+            return max(values, default=0)
+
+        total_uss = [m + w for m, w in zip(main_uss, workers_uss, strict=True)]
+        return {
+            "samples": len(ticks),
+            "processes_peak": max((1 + len(t[1]) for t in ticks), default=1),
+            "main": {
+                "uss_peak": max(main_uss, default=0),
+                "uss_mean": int(np.mean(main_uss)) if ticks else 0,
+                "anon_peak": peak("anon", "main"),
+                "file_peak": peak("file", "main"),
+            },
+            "workers": {
+                "uss_peak": max(workers_uss, default=0),
+                "uss_mean": int(np.mean(workers_uss)) if ticks else 0,
+                "per_worker_uss_peak": max(per_worker, default=0),
+                "anon_peak": peak("anon", "workers"),
+                "file_peak": peak("file", "workers"),
+            },
+            "total": {
+                "uss_peak": max(total_uss, default=0),
+                "uss_mean": int(np.mean(total_uss)) if ticks else 0,
+                "pss_peak": peak("pss", "total"),
+                "anon_peak": peak("anon", "total"),
+                "file_peak": peak("file", "total"),
+                "shmem_peak": peak("shmem", "total"),
+            },
+            "mem_available_min": min((t[2] for t in ticks), default=0),
+            "swap_growth": max(max((t[3] for t in ticks), default=self.swap_start) - self.swap_start, 0),
+        }

@@ -1,0 +1,77 @@
+"""Tests of packdata.units: the one size parser and formatter."""
+
+from __future__ import annotations
+
+import pytest
+
+from packdata.units import format_size, parse_size
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1000", 1000),
+        ("0", 0),
+        ("30G", 30 * GiB),
+        ("30g", 30 * GiB),
+        ("30GB", 30 * 10**9),
+        ("30gb", 30 * 10**9),
+        ("30GiB", 30 * GiB),
+        ("30gib", 30 * GiB),
+        ("512M", 512 * MiB),
+        ("64MB", 64 * 10**6),
+        ("64MiB", 64 * MiB),
+        ("4K", 4 * KiB),
+        ("4kB", 4000),
+        ("4KiB", 4 * KiB),
+        ("1.5T", int(1.5 * TiB)),
+        ("2TB", 2 * 10**12),
+        ("1TiB", TiB),
+        (" 16 G ", 16 * GiB),
+        ("100B", 100),
+        ("0.5K", 512),
+        (".5G", GiB // 2),
+        ("1.0", 1),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["3 apples", "", "G", "-1G", "1.5", "30 GBs", "1e9", "1,000", "nan", "30X"])
+def test_parse_size_rejects_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match=r"invalid size .*: expected a number with an optional unit such as 64MB"):
+        parse_size(text)
+
+
+def test_parse_size_message_quotes_the_input() -> None:
+    with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with an optional unit"):
+        parse_size("3 apples")
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (0, "0 B"),
+        (512, "512 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (int(1.5 * GiB), "1.5 GiB"),
+        (30 * GiB, "30.0 GiB"),
+        (MiB - 1, "1.0 MiB"),
+        (2 * TiB, "2.0 TiB"),
+        (3 << 60, "3.0 EiB"),
+        (-2 * GiB, "-2.0 GiB"),
+    ],
+)
+def test_format_size(n: int, expected: str) -> None:
+    assert format_size(n) == expected
+
+
+def test_parse_format_round_trip() -> None:
+    for n in (KiB, 7 * MiB, 3 * GiB, 5 * TiB):
+        value, unit = format_size(n).split()
+        assert parse_size(value + unit) == n
