@@ -98,8 +98,9 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
     ``problem`` is None for a regular file (or a link to one) and otherwise a
     ``(reason, detail)`` pair: a FIFO, device or socket (never opened), a
     subfolder that cannot be listed, or a second path to a folder
-    already walked (a link to it, or a link loop). Links are followed, also
-    where they lead outside ``root``; each folder is walked once.
+    already walked (a link to it, or a link loop). A link to a folder inside
+    ``root`` is never walked (the folder is, at its real path); links leading
+    outside ``root`` are followed, and each folder is walked once.
 
     Raises:
         SourceError: ``root`` itself cannot be listed.
@@ -135,6 +136,14 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
                 is_file = not is_dir and entry.is_file()
             except OSError:
                 is_dir = is_file = False
+            if is_dir and entry.is_symlink():
+                target = os.path.realpath(entry.path)
+                if target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep):
+                    st = os.stat(target)
+                    reason = "symlink loop" if (st.st_dev, st.st_ino) in parents else "duplicate folder"
+                    inside = os.path.relpath(target, real_root)
+                    yield rel, entry.path, (reason, f"link to the source's folder {inside!r}, walked there")
+                    continue
             if is_dir:
                 yield from visit(entry.path, rel + "/", parents)
             elif is_file or (entry.is_symlink() and not os.path.exists(entry.path)):
@@ -142,6 +151,7 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
             else:
                 yield rel, entry.path, ("not a regular file", _file_type(entry.path))
 
+    real_root = os.path.realpath(root)
     yield from visit(os.fspath(root), "", set())
 
 
