@@ -19,6 +19,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -27,11 +28,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
 from packdata._lock import convert_lock_path, hold_lock
-from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
+from packdata.decode import open_image
+from packdata.errors import (
+    CapacityError,
+    ConfigError,
+    ImageFormatError,
+    PackFormatError,
+    SourceError,
+    destination_error,
+)
 from packdata.formats import FORMATS, ShardWriter, format_from_path, shard_writer
 from packdata.index import FILES as INDEX_FILES
 from packdata.index import SampleIndexWriter
@@ -187,14 +196,73 @@ def _check_replaceable(dst: Path) -> None:
         )
 
 
+_MIN_FREE_BYTES = 1 << 20
+
+
+def _check_destination_writable(dst: Path) -> None:
+    """Refuse, with one line, a destination packdata cannot write a pack at.
+
+    ``dst`` must not be a symbolic link (to a folder or to nothing) nor an
+    existing non-folder (a file, a device); its parent must be an existing,
+    writable folder with at least 1 MiB free. Nothing is created here; what
+    only an attempt reveals (``/proc``, races) is caught where the pack's
+    folder and first shard are created.
+
+    Raises:
+        ConfigError: ``dst`` or its parent cannot be used.
+        CapacityError: the parent's file system is full.
+    """
+    if dst.is_symlink():
+        raise ConfigError(
+            f"destination is a symbolic link (to {os.readlink(dst)!r}); packdata writes a pack only at a real path",
+            path=dst,
+            hint="Pass the path the link points to, or another path",
+        )
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(
+            "destination exists and is not a folder", path=dst, hint="Choose another path; packdata will not replace it"
+        )
+    parent = dst.absolute().parent
+    if not parent.is_dir():
+        what = "does not exist" if not parent.exists() else "is not a folder"
+        raise ConfigError(
+            f"the destination's parent folder {what}", path=parent, hint="Create it first, or choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "the destination's parent folder is not writable (read-only file system or permissions)",
+            path=parent,
+            hint="Choose a writable destination",
+        )
+    st = os.statvfs(parent)
+    if st.f_blocks == 0:
+        raise ConfigError(
+            "the destination's parent folder is on a file system without storage (such as /proc or /sys)",
+            path=parent,
+            hint="Choose a destination on a disk or tmpfs",
+        )
+    free = st.f_bavail * st.f_frsize
+    if free < _MIN_FREE_BYTES:
+        raise CapacityError(
+            f"the destination disk is full: {free} bytes free, at least {_MIN_FREE_BYTES} needed to start",
+            path=parent,
+            hint="Free space or choose another destination",
+        )
+
+
 def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
     """Read one file, validate it and re-encode it when asked; runs in the read pool.
 
     Returns the sample (or why it is skipped) and whether it was re-encoded.
     """
     try:
-        with open(entry.path, "rb") as f:
-            data = f.read()
+        data = _read_regular(entry.path)
+    except _NotReadable as skip:
+        return Skip(entry.key, skip.reason, skip.detail), False
+    except FileNotFoundError as exc:
+        if os.path.lexists(entry.path):  # a broken link
+            return Skip(entry.key, "unreadable", exc.strerror or str(exc)), False
+        return Skip(entry.key, "vanished", "the file was removed between the walk and the read"), False
     except OSError as exc:
         return Skip(entry.key, "unreadable", exc.strerror or str(exc)), False
     if not data:
@@ -211,17 +279,68 @@ def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
         return Skip(entry.key, "corrupt image", "JPEG header is damaged or incomplete"), False
     reencode = False
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
             if opts.verify_images or reencode:
                 img.load()
             if reencode:
                 data = _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
-    except UnidentifiedImageError:
+    except ImageFormatError as exc:
+        if exc.detected is not None:
+            return Skip(entry.key, "unsupported image format", str(exc)), False
         return Skip(entry.key, "corrupt image", "not a recognised image format"), False
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         return Skip(entry.key, "corrupt image", str(exc)), False
     return Sample(entry.key, entry.label, data, "image"), reencode
+
+
+class _NotReadable(Exception):
+    """Why :func:`_read_regular` refused a path (becomes a :class:`Skip`)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file at ``path`` (links followed), read as one consistent version.
+
+    The file is opened non-blocking (a FIFO put in its place never blocks) and
+    checked with ``fstat`` on the open descriptor: anything but a regular file
+    (FIFO, device, socket, folder) is refused without a read. At most the size
+    seen at open plus one byte is read, so a file that grows without end (or a
+    device) cannot stall the read, and a file whose size or modification time
+    changed while it was read is refused rather than packed half old, half new.
+
+    Raises:
+        _NotReadable: not a regular file, or changed while read.
+        OSError: it cannot be opened or read.
+    """
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise _NotReadable("not a regular file", f"mode {stat.filemode(before.st_mode)} when opened")
+        size = before.st_size
+        chunks, got = [], 0
+        while got <= size:
+            chunk = os.read(fd, size + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if got != size or (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
+        raise _NotReadable(
+            "changed while read",
+            f"{size} bytes when opened, {got} read, {after.st_size} after; it is being written to",
+        )
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _jpeg_header_ok(data: bytes) -> bool:
@@ -411,7 +530,10 @@ def convert(
     Raises:
         SourceError: ``src`` is missing, has no usable files, or (with
             ``on_error="fail"``) holds a bad file.
-        ConfigError: ``dst`` exists, is inside ``src``, or options contradict.
+        ConfigError: ``dst`` exists, is inside ``src``, is a link, is not a
+            folder, its parent is missing or not writable, or options contradict.
+        CapacityError: the destination disk is full (at the start, or later:
+            then free space and resume).
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
@@ -434,6 +556,7 @@ def convert(
     if fmt == "tfrecord" and shard_size is None and shard_samples is None:
         shard_size = DEFAULT_TFRECORD_SHARD_BYTES
     source = scan_source(src, kind)
+    _check_destination_writable(dst)
     _check_paths(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -483,7 +606,10 @@ def _convert_local(
                 hint="Pass --resume to continue it, or --overwrite to start again",
             )
         shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
+    try:
+        partial.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise destination_error(exc, partial) from exc
     workers = workers or min(32, 4 * (os.cpu_count() or 1))
 
     packer = _Packer(source, partial, opts, checkpoint, resumed)

@@ -20,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packdata.decode import DecodeFn, resolve_decoder
-from packdata.errors import PackFormatError
+from packdata.errors import ImageFormatError, PackFormatError
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.index import INDEX_DIR, KeyList, SampleIndex
 from packdata.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -229,9 +229,13 @@ class PackView:
             raise IndexError(f"index {index} is out of range for a pack of {n} samples")
         return index % n
 
-    def _finish(self, data: bytes, label: int) -> tuple[Any, Any]:
-        """Decode and transform one sample in the process that reads it."""
-        sample = self.decode(data)
+    def _finish(self, data: bytes, label: int, index: int | None = None) -> tuple[Any, Any]:
+        """Decode and transform one sample (``index``: its position, to name it in errors)."""
+        try:
+            sample = self.decode(data)
+        except ImageFormatError as exc:
+            which = f"sample {self.keys[index]!r} (index {index})" if index is not None else "a sample"
+            raise ImageFormatError(f"{which}: {exc}", path=self.path, detected=exc.detected) from exc
         if self.transform is not None:
             sample = self.transform(sample)
         target: Any = label
@@ -324,7 +328,7 @@ class LMDBDataset(PackView, Dataset):
         return sample.data, label
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        return self._finish(*self.raw(index))
+        return self._finish(*self.raw(index), index=self._sample_index(index))
 
     def __repr__(self) -> str:
         return f"LMDBDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

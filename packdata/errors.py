@@ -6,15 +6,18 @@ message leads with the path, in the way of py-lmdb's errors.
 
 from __future__ import annotations
 
+import errno
 import os
 
 __all__ = [
     "CapacityError",
     "ConfigError",
+    "ImageFormatError",
     "LockedError",
     "PackFormatError",
     "PackdataError",
     "SourceError",
+    "destination_error",
 ]
 
 
@@ -48,3 +51,39 @@ class ConfigError(PackdataError):
 
 class LockedError(PackdataError):
     """Another process is writing the same pack or staging target (the message names it)."""
+
+
+class ImageFormatError(PackFormatError, OSError):
+    """Image bytes in a format packdata does not decode (see ``packdata.decode.IMAGE_FORMATS``), or no image.
+
+    ``detected`` is the format PIL recognises (``"EPS"``, ``"PPM"``, ...) or None. An
+    ``OSError`` too, as PIL's ``UnidentifiedImageError`` is, so existing handlers still catch it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike | None = None,
+        hint: str | None = None,
+        detected: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path, hint=hint)
+        self.detected = detected
+
+
+def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:
+    """The one-line error for ``exc``, raised creating or opening ``path`` in a destination.
+
+    A full disk or quota gives :class:`CapacityError`; anything else (read-only
+    file system, no permission, a parent that is not a folder, a special file
+    system such as ``/proc``) gives :class:`ConfigError`. Raise it ``from exc``.
+    """
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"the destination disk is full ({reason})", path=path, hint="Free space and rerun")
+    return ConfigError(
+        f"cannot write the destination ({reason})",
+        path=path,
+        hint="Choose a destination on a writable local or network file system",
+    )

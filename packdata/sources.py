@@ -10,9 +10,11 @@ folder of 100 M files is never held in memory as one list.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from packdata.errors import SourceError
 
@@ -62,7 +64,7 @@ class Source:
     def walk(self) -> Iterator[SourceFile | Skip]:
         """Yield every entry under the root in sorted order: files to pack and skips."""
         extensions = _EXTENSIONS[self.kind]
-        for rel, path in _walk_files(self.root):
+        for rel, path, problem in _walk_files(self.root):
             name = rel.rsplit("/", 1)[-1]
             if _is_hidden(rel):
                 yield Skip(rel, "hidden")
@@ -71,6 +73,9 @@ class Source:
                 rel.encode("utf-8")
             except UnicodeEncodeError:
                 yield Skip(_printable(rel), "name not UTF-8")
+                continue
+            if problem is not None:
+                yield Skip(rel, *problem)
                 continue
             if os.path.splitext(name)[1].lower() not in extensions:
                 yield Skip(rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions")
@@ -87,35 +92,92 @@ def _is_hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _walk_files(root: Path) -> Iterator[tuple[str, str]]:
-    """Yield ``(relative POSIX path, absolute path)`` of every file, sorted, depth first."""
-    seen: set[tuple[int, int]] = set()
+def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]:
+    """Yield ``(relative POSIX path, absolute path, problem)`` of every entry, sorted, depth first.
 
-    def visit(directory: str, prefix: str) -> Iterator[tuple[str, str]]:
-        st = os.stat(directory)
-        if (st.st_dev, st.st_ino) in seen:  # a symlink loop
+    ``problem`` is None for a regular file (or a link to one) and otherwise a
+    ``(reason, detail)`` pair: a FIFO, device or socket (never opened), a
+    subfolder that cannot be listed, or a second path to a folder
+    already walked (a link to it, or a link loop). A link to a folder inside
+    ``root`` is never walked (the folder is, at its real path); links leading
+    outside ``root`` are followed, and each folder is walked once.
+
+    Raises:
+        SourceError: ``root`` itself cannot be listed.
+    """
+    seen: dict[tuple[int, int], str] = {}
+
+    def visit(directory: str, prefix: str, parents: set[tuple[int, int]]) -> Iterator[tuple[str, str, Any]]:
+        try:
+            st = os.stat(directory)
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            if not prefix:
+                raise SourceError(
+                    f"cannot list the folder: {exc.strerror or exc}", path=directory, hint="Check its permissions"
+                ) from exc
+            yield prefix.rstrip("/"), directory, ("unreadable folder", exc.strerror or str(exc))
             return
-        seen.add((st.st_dev, st.st_ino))
-        with os.scandir(directory) as it:
-            entries = sorted(it, key=lambda e: e.name)
+        ident = (st.st_dev, st.st_ino)
+        if ident in seen:
+            first = seen[ident] or "."
+            if ident in parents:
+                yield prefix.rstrip("/"), directory, ("symlink loop", f"leads back to folder {first!r}")
+            else:
+                yield prefix.rstrip("/"), directory, ("duplicate folder", f"same folder as {first!r}, walked once")
+            return
+        seen[ident] = prefix.rstrip("/")
+        parents = parents | {ident}
         for entry in entries:
             rel = prefix + entry.name
             try:
                 is_dir = entry.is_dir()
+                is_file = not is_dir and entry.is_file()
             except OSError:
-                is_dir = False
+                is_dir = is_file = False
+            if is_dir and entry.is_symlink():
+                target = os.path.realpath(entry.path)
+                if target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep):
+                    st = os.stat(target)
+                    reason = "symlink loop" if (st.st_dev, st.st_ino) in parents else "duplicate folder"
+                    inside = os.path.relpath(target, real_root)
+                    yield rel, entry.path, (reason, f"link to the source's folder {inside!r}, walked there")
+                    continue
             if is_dir:
-                yield from visit(entry.path, rel + "/")
+                yield from visit(entry.path, rel + "/", parents)
+            elif is_file or (entry.is_symlink() and not os.path.exists(entry.path)):
+                yield rel, entry.path, None  # a broken link is left to the read, which reports it unreadable
             else:
-                yield rel, entry.path
+                yield rel, entry.path, ("not a regular file", _file_type(entry.path))
 
-    yield from visit(os.fspath(root), "")
+    real_root = os.path.realpath(root)
+    yield from visit(os.fspath(root), "", set())
+
+
+def _file_type(path: str) -> str:
+    """What a non-regular entry is, in words (from ``lstat``/``stat``; never opens it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _detect_kind(root: Path) -> str:
     """'image' if the first files found are images, 'text' if text (sampling the walk)."""
     counts = {"image": 0, "text": 0}
-    for n, (rel, _) in enumerate(_walk_files(root)):
+    for n, (rel, _, problem) in enumerate(_walk_files(root)):
+        if problem is not None:
+            continue
         ext = os.path.splitext(rel)[1].lower()
         for kind, extensions in _EXTENSIONS.items():
             counts[kind] += ext in extensions
@@ -162,6 +224,10 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
 
 def _has_candidate(directory: Path, kind: str) -> bool:
     extensions = _EXTENSIONS[kind]
-    return any(
-        os.path.splitext(rel)[1].lower() in extensions and not _is_hidden(rel) for rel, _ in _walk_files(directory)
-    )
+    try:
+        return any(
+            os.path.splitext(rel)[1].lower() in extensions and not _is_hidden(rel) and problem is None
+            for rel, _, problem in _walk_files(directory)
+        )
+    except SourceError:  # the class folder cannot be listed: the walk reports it
+        return False

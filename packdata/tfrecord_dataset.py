@@ -534,7 +534,7 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         return bytes(view), label
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        return self._finish(*self.raw(index))
+        return self._finish(*self.raw(index), index=self._sample_index(index))
 
     def __del__(self) -> None:
         if hasattr(self, "_readers"):

@@ -35,6 +35,7 @@ source of truth.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 from pathlib import Path
@@ -43,7 +44,7 @@ import crc32c
 import lmdb
 import numpy as np
 
-from packdata.errors import CapacityError, PackFormatError
+from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.manifest import ShardInfo, file_sha256
 from packdata.records import RecordError, Sample, encode_record, payload_start
 
@@ -61,6 +62,7 @@ DATA_FILE = "data.mdb"
 MAX_READERS = 2048
 _KEY = struct.Struct(">Q")
 _INITIAL_MAP = 64 << 20
+_LOCK_BYTES = 64 * MAX_READERS + 4096  # LMDB's lock file: a header and one 64-byte slot per reader
 RECORDS_FILE = "records.i64"
 _TABLE_MAGIC = int.from_bytes(b"PDRLOC02", "little", signed=True)
 _TABLE_VERSION = 2
@@ -69,6 +71,32 @@ _TABLE_VERSION = 2
 def encode_key(index: int) -> bytes:
     """The LMDB key of the record at ``index`` within its shard: 8 bytes, big-endian."""
     return _KEY.pack(index)
+
+
+def _reserve_lock_file(shard: Path) -> None:
+    """Create the shard folder and allocate its ``lock.mdb`` before LMDB maps it.
+
+    LMDB grows the lock file with ``ftruncate`` and writes it through a shared
+    map; on a full tmpfs that write is a ``SIGBUS`` that kills the process.
+    Allocating the blocks first turns a full disk into an ``ENOSPC`` here.
+
+    Raises:
+        CapacityError: the disk is full.
+        ConfigError: the folder or file cannot be created.
+    """
+    lock = shard / "lock.mdb"
+    try:
+        shard.mkdir(exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, _LOCK_BYTES)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: LMDB allocates as usual
+                raise
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise destination_error(exc, lock if shard.is_dir() else shard) from exc
 
 
 class LMDBShardWriter:
@@ -82,6 +110,7 @@ class LMDBShardWriter:
 
     def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None:
         self.path = Path(path)
+        _reserve_lock_file(self.path)
         self._env = lmdb.open(
             os.fspath(self.path),
             map_size=_INITIAL_MAP,

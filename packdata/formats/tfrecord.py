@@ -60,7 +60,7 @@ import crc32c
 import numpy as np
 from tfrecord import example_pb2
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, destination_error
 from packdata.manifest import ShardInfo
 from packdata.records import RecordError, Sample
 
@@ -482,9 +482,12 @@ class TFRecordShardWriter:
         if resume_at is not None:
             self._truncate(resume_at)
         else:
-            self.path.write_bytes(b"")
-            self.index_path.write_bytes(b"")
-            self.payload_path.write_bytes(_PAIR.pack(0, 0))  # header filled in by close()
+            try:
+                self.path.write_bytes(b"")
+                self.index_path.write_bytes(b"")
+                self.payload_path.write_bytes(_PAIR.pack(0, 0))  # header filled in by close()
+            except OSError as exc:
+                raise destination_error(exc, self.path) from exc
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self._index = open(self.index_path, "ab")  # noqa: SIM115
         self._table = open(self.payload_path, "ab") if self._with_table else None  # noqa: SIM115

@@ -1,0 +1,150 @@
+"""Sources that are not regular files, unlistable folders, link loops, vanishing and growing files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from packdata import convert
+from packdata.convert import _read_regular
+from packdata.sources import scan_source
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tree_snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every entry's relative path -> (mode, SHA-256 of a regular file's bytes): never opens FIFOs or devices."""
+    out: dict[str, tuple[int, str]] = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(d, name)
+            st = os.lstat(p)
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else ""
+            out[os.path.relpath(p, root)] = (st.st_mode, digest)
+    return out
+
+
+def _report(pack: Path) -> dict[str, dict[str, str]]:
+    lines = (pack / "skipped.jsonl").read_text(encoding="utf-8").splitlines()
+    return {d["key"]: d for d in map(json.loads, lines)}
+
+
+def test_fifo_device_and_socket_are_skipped_without_blocking(image_folder: Path, tmp_path: Path) -> None:
+    os.mkfifo(image_folder / "cat" / "fifo.jpg")
+    (image_folder / "cat" / "zero.jpg").symlink_to("/dev/zero")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.fspath(image_folder / "dog" / "sock.jpg"))
+    try:
+        before = tree_snapshot(image_folder)
+        result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    finally:
+        sock.close()
+    assert result.skipped == {"not a regular file": 3}
+    report = _report(tmp_path / "out.lmdb")
+    assert report["cat/fifo.jpg"]["detail"] == "a FIFO"
+    assert report["cat/zero.jpg"]["detail"] == "a character device"
+    assert report["dog/sock.jpg"]["detail"] == "a socket"
+    assert result.packed == 19
+    assert tree_snapshot(image_folder) == before
+
+
+def test_read_refuses_a_fifo_put_in_place_of_a_file(tmp_path: Path) -> None:
+    """Between the walk and the read a file may become a FIFO: the read neither blocks nor reads it."""
+    os.mkfifo(tmp_path / "swapped.jpg")
+    with pytest.raises(Exception, match="not a regular file"):
+        _read_regular(os.fspath(tmp_path / "swapped.jpg"))
+
+
+def test_symlink_loop_and_duplicate_folder_are_reported(image_folder: Path, tmp_path: Path) -> None:
+    (image_folder / "cat" / "loop").symlink_to(image_folder / "cat")
+    (image_folder / "again").symlink_to(image_folder / "dog")
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
+    report = _report(tmp_path / "out.lmdb")
+    assert report["cat/loop"]["reason"] == "symlink loop"
+    assert report["again"]["reason"] == "duplicate folder"
+    assert "dog" in report["again"]["detail"]
+    assert result.packed == 19
+
+
+def test_vanished_file_is_a_defined_skip(image_folder: Path, tmp_path: Path) -> None:
+    source = scan_source(image_folder)
+    entries = list(source.walk())
+    os.unlink(image_folder / "cat" / "a.jpg")
+    from packdata.convert import _load, _Options
+
+    opts = _Options("lmdb", "image", "skip", False, None, 90, None, None)
+    first = next(e for e in entries if e.key == "cat/a.jpg")
+    skip, _ = _load(first, opts)  # type: ignore[arg-type]
+    assert (skip.reason, skip.key) == ("vanished", "cat/a.jpg")  # type: ignore[union-attr]
+
+
+def test_file_growing_while_read_is_refused(tmp_path: Path) -> None:
+    """A writer appending without end: the read stops at the size seen at open and reports the change."""
+    path = tmp_path / "growing.txt"
+    path.write_bytes(b"x" * 4096)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"f=open({os.fspath(path)!r},'ab',buffering=0)\nfor _ in range(20000): f.write(b'y'*1024)",
+        ]
+    )
+    try:
+        while path.stat().st_size <= 4096:
+            time.sleep(0.01)
+        outcomes = set()
+        while writer.poll() is None and "changed while read" not in outcomes:
+            try:
+                _read_regular(os.fspath(path))
+                outcomes.add("read")
+            except Exception as exc:
+                outcomes.add(str(exc).split(":")[0])
+        assert "changed while read" in outcomes
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def _drop_dac_caps() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone from the bounding set, so after exec too
+            raise OSError(ctypes.get_errno(), "prctl")
+
+
+@pytest.mark.root
+def test_unreadable_subfolder_is_skipped_not_a_traceback(image_folder: Path, tmp_path: Path) -> None:
+    """Root reads everything, so the CLI runs as root without the permission-override capabilities."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop capabilities in a child")
+    locked = image_folder / "zebra" / "locked"
+    locked.mkdir()
+    (locked / "x.jpg").write_bytes((image_folder / "cat" / "a.jpg").read_bytes())
+    locked.chmod(0)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "packdata.cli", "convert", str(image_folder), str(tmp_path / "out.lmdb")],
+            preexec_fn=_drop_dac_caps,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            timeout=120,
+        )
+    finally:
+        locked.chmod(0o755)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    report = _report(tmp_path / "out.lmdb")
+    assert report["zebra/locked"]["reason"] == "unreadable folder"
+    assert "Permission denied" in report["zebra/locked"]["detail"]
