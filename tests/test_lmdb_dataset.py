@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import struct
 import zlib
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 import torch
+from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from packdata import LMDBDataset, PackFormatError, convert
-from packdata.formats.lmdb import encode_key
 
 
 @pytest.fixture
@@ -121,21 +119,8 @@ def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None
         LMDBDataset(pack)
 
 
-def _overwrite_record(pack: Path, value: bytes) -> None:
-    """Rewrite record 0 and the manifest's size and checksum to match, as a hostile pack's author would."""
-    env = lmdb.open(str(pack / "shard-00000.lmdb"), map_size=1 << 26)
-    with env.begin(write=True) as txn:
-        txn.put(encode_key(0), value)
-    env.close()
-    data = pack / "shard-00000.lmdb" / "data.mdb"
-    manifest = json.loads((pack / "manifest.json").read_text())
-    manifest["shards"][0]["bytes"] = data.stat().st_size
-    manifest["shards"][0]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
-    (pack / "manifest.json").write_text(json.dumps(manifest))
-
-
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:
-    _overwrite_record(pack, b"XXXX" + b"\0" * 40)
+    overwrite_lmdb_record(pack, b"XXXX" + b"\0" * 40)
     with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):
         LMDBDataset(pack, decode="bytes")[0]
 
@@ -150,7 +135,7 @@ def test_a_malicious_pack_cannot_run_code(pack: Path, tmp_path: Path) -> None:
     payload = pickle.dumps(Exploit())
     key = b"cat/a.jpg"
     header = struct.pack("<4sBiIH", b"PDR1", 0, 0, zlib.crc32(payload), len(key))
-    _overwrite_record(pack, header + key + payload)
+    overwrite_lmdb_record(pack, header + key + payload)
     data, label = LMDBDataset(pack, decode="bytes", verify=True)[0]
     assert data == payload and label == 0
     with pytest.raises(OSError):  # PIL refuses it as an image; nothing is unpickled

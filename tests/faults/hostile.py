@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 from conftest import _jpeg
 
 from packdata.convert import convert
+from packdata.formats.lmdb import encode_key
 
 __all__ = [
     "MALFORMED",
@@ -239,3 +241,16 @@ def web_app_folder(root: Path) -> Path:
     (app / "manifest.json").write_text(json.dumps({"name": "App", "start_url": "/", "icons": []}))
     (app / "index.html").write_text("<html></html>")
     return app
+
+
+def overwrite_lmdb_record(pack: Path, value: bytes) -> None:
+    """Rewrite record 0 and the manifest's size and checksum to match, as a hostile pack's author would."""
+    env = lmdb.open(str(pack / "shard-00000.lmdb"), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        txn.put(encode_key(0), value)
+    env.close()
+    data = pack / "shard-00000.lmdb" / "data.mdb"
+    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest["shards"][0]["bytes"] = data.stat().st_size
+    manifest["shards"][0]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    (pack / "manifest.json").write_text(json.dumps(manifest))

@@ -8,15 +8,14 @@ import struct
 import zlib
 from pathlib import Path
 
-import lmdb
 import pytest
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from faults.hostile import overwrite_lmdb_record
 from packdata import LMDBDataset, convert
 from packdata.decode import decode_pil
 from packdata.errors import ImageFormatError
-from packdata.formats.lmdb import encode_key
 
 
 def _image(fmt: str) -> bytes:
@@ -49,10 +48,7 @@ def test_reader_names_the_key_of_a_payload_in_another_format(
     key = LMDBDataset(tmp_path / "out.lmdb").keys[0]
     payload = _image("PPM")  # a hostile pack: record 0 holds a PPM under its JPEG key
     header = struct.pack("<4sBiIH", b"PDR1", 0, 0, zlib.crc32(payload), len(key.encode()))
-    env = lmdb.open(str(tmp_path / "out.lmdb" / "shard-00000.lmdb"), map_size=1 << 26)
-    with env.begin(write=True) as txn:
-        txn.put(encode_key(0), header + key.encode() + payload)
-    env.close()
+    overwrite_lmdb_record(tmp_path / "out.lmdb", header + key.encode() + payload)
     ds = LMDBDataset(tmp_path / "out.lmdb")
     index = 0
     with pytest.raises(ImageFormatError, match=rf"sample .{re.escape(key)}. .*image format PPM is not allowed"):
