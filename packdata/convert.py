@@ -203,8 +203,9 @@ def _check_destination_writable(dst: Path) -> None:
     """Refuse, with one line, a destination packdata cannot write a pack at.
 
     ``dst`` must not be a symbolic link (to a folder or to nothing) nor an
-    existing non-folder (a file, a device); its parent must be an existing,
-    writable folder with at least 1 MiB free. Nothing is created here; what
+    existing non-folder (a file, a device); its nearest existing ancestor (the
+    parent, or where missing parents will be created) must be a writable folder
+    with at least 1 MiB free. Nothing is created here; what
     only an attempt reveals (``/proc``, races) is caught where the pack's
     folder and first shard are created.
 
@@ -223,11 +224,10 @@ def _check_destination_writable(dst: Path) -> None:
             "destination exists and is not a folder", path=dst, hint="Choose another path; packdata will not replace it"
         )
     parent = dst.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # missing parents are created with the pack
     if not parent.is_dir():
-        what = "does not exist" if not parent.exists() else "is not a folder"
-        raise ConfigError(
-            f"the destination's parent folder {what}", path=parent, hint="Create it first, or choose another path"
-        )
+        raise ConfigError("the destination's parent is not a folder", path=parent, hint="Choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(
             "the destination's parent folder is not writable (read-only file system or permissions)",
@@ -607,7 +607,7 @@ def _convert_local(
             )
         shutil.rmtree(partial)
     try:
-        partial.mkdir(exist_ok=True)
+        partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise destination_error(exc, partial) from exc
     workers = workers or min(32, 4 * (os.cpu_count() or 1))

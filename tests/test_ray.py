@@ -184,13 +184,13 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 
     dst = tmp_path / "out.lmdb"
     partial = partial_path(dst)
-    # a regular file where the last task's LMDB environment must go: lmdb.open fails (not an OSError: no retry);
+    # a regular file where the last task's LMDB environment must go: creating it fails (a ConfigError: no retry);
     # with 2 CPUs, two earlier tasks have finished before the last one starts
     with pytest.raises(EngineError) as failed:
         _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00003.lmdb")
     message = str(failed.value)
     assert "shard task 3 (7 files, class2/img006.jpg .. top.jpg) failed for good" in message
-    assert "Not a directory" in message and "--resume" in message
+    assert "cannot write the destination" in message and "--resume" in message
     assert not dst.exists() and partial.is_dir()
     done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
             for p in (partial / engine.TASKS_DIR).glob("*/result.json")}  # fmt: skip

@@ -58,7 +58,7 @@ def _destinations(tmp_path: Path) -> dict[str, tuple[Path, type[PackdataError], 
         "regular file": (tmp_path / "a-file", ConfigError, "not a folder"),
         "dangling link": (tmp_path / "dangling", ConfigError, "symbolic link"),
         "link to a folder": (tmp_path / "dirlink", ConfigError, "symbolic link"),
-        "missing parent": (tmp_path / "no" / "such" / "PACK", ConfigError, "does not exist"),
+        "parent is a file": (tmp_path / "a-file" / "PACK", ConfigError, "not a folder"),
         "proc": (Path("/proc/PACK"), ConfigError, "without storage"),
         "char device": (Path("/dev/null"), ConfigError, "not a folder"),
     }
@@ -66,7 +66,7 @@ def _destinations(tmp_path: Path) -> dict[str, tuple[Path, type[PackdataError], 
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize(
-    "case", ["regular file", "dangling link", "link to a folder", "missing parent", "proc", "char device"]
+    "case", ["regular file", "dangling link", "link to a folder", "parent is a file", "proc", "char device"]
 )
 def test_unusable_destination(text_folder: Path, tmp_path: Path, name: str, case: str) -> None:
     from packdata import convert
@@ -80,6 +80,15 @@ def test_unusable_destination(text_folder: Path, tmp_path: Path, name: str, case
         ["convert", str(text_folder), str(dst), "--format", fmt], str(dst.parent if dst.name == name else dst)
     )
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_missing_parents_are_created_with_the_pack(text_folder: Path, tmp_path: Path, name: str) -> None:
+    from packdata import convert, verify_pack
+
+    dst = tmp_path / "no" / "such" / name
+    convert(text_folder, dst, format=name.split(".")[1], progress=False)
+    assert verify_pack(dst, progress=False).records == 20
 
 
 @pytest.mark.root

@@ -281,6 +281,7 @@ def test_overwrite_refuses_anything_not_provably_a_pack(
     else:
         target = tmp_path / "link.lmdb"
         target.symlink_to(pack)
+        expected = "is a symbolic link"
     around = snapshot(tmp_path)
     result = _cli("convert", str(tmp_path / "src"), str(target), "--overwrite", "-q", "--format", "lmdb")
     _one_error_line(result, expected)
