@@ -27,10 +27,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from packdata import LMDBDataset, convert
-from packdata.decode import decode_pil
+from packdata.demo_data import make_sample_images
 from packdata.formats.lmdb import encode_key
-from packdata.sample import make_sample_images
-from packdata.transforms import standard_transform
+from packdata.reading.decode import decode_pil
+from packdata.reading.transforms import standard_transform
 
 
 def drop_caches() -> bool:

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from packdata import BlockShuffleSampler, LMDBDataset, convert, shuffle_quality
-from packdata.sample import make_sample_texts
+from packdata.demo_data import make_sample_texts
 
 
 def drop_caches() -> None:

@@ -30,9 +30,9 @@ from packdata import convert
 
 
 def _make_images(root: Path, n: int) -> None:
-    """Natural-looking JPEGs from :mod:`packdata.sample` when there, else gradients with grain."""
+    """Natural-looking JPEGs from :mod:`packdata.demo_data` when there, else gradients with grain."""
     try:
-        from packdata.sample import make_sample_images
+        from packdata.demo_data import make_sample_images
     except ImportError:
         rng = np.random.default_rng(0)
         for i in range(n):

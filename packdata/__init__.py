@@ -1,113 +1,60 @@
 """packdata: pack folders of small files into LMDB or TFRecord and feed PyTorch fast.
 
-Names are imported on first use (PEP 562), so ``packdata convert`` and Ray
-conversion workers do not pay for importing torch.
+Every public name loads on first use (PEP 562): ``import packdata`` imports no
+torch, PIL, numpy, lmdb or psutil, so the CLI and Ray conversion workers start
+fast. ``_EXPORTS`` is the one list of public names (name -> module).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-__version__ = "0.1.0"
-
-# Bound eagerly: the ``packdata.convert`` submodule would otherwise shadow the
-# function once imported. It is cheap (no torch).
-from packdata.convert import convert
-from packdata.doctor import DoctorReport, doctor  # same shadowing as convert; no torch
-from packdata.stage import StageResult, StageStatus, UnstageResult, prepare_tmpfs, stage, stage_status, unstage
+from packdata._version import __version__
 
 _EXPORTS = {
-    "BenchResult": "measure.bench",
-    "run_bench": "measure.bench",
-    "ConvertResult": "convert",
-    "LMDBDataset": "datasets",
-    "DecodeJPEG": "decode",
     "CapacityError": "errors",
     "ConfigError": "errors",
+    "EngineError": "errors",
+    "ImageFormatError": "errors",
     "LockedError": "errors",
     "PackdataError": "errors",
     "PackFormatError": "errors",
     "SourceError": "errors",
-    "BackgroundPrefetcher": "loader",
-    "CUDAPrefetcher": "loader",
-    "fast_collate": "loader",
-    "worker_init_fn": "loader",
-    "BlockShuffleSampler": "samplers",
-    "shuffle_quality": "samplers",
-    "TokenBucketSampler": "text",
-    "pad_collate": "text",
-    "TFRecordDataset": "tfrecord_dataset",
-    "TFRecordIndexedDataset": "tfrecord_dataset",
-    "standard_transform": "transforms",
+    "ConvertResult": "conversion.convert",
+    "convert": "conversion.convert",
+    "pack_info": "formats.verify",
+    "verify_pack": "formats.verify",
+    "LMDBDataset": "reading.datasets",
+    "TFRecordDataset": "reading.streaming",
+    "TFRecordIndexedDataset": "reading.streaming",
+    "BlockShuffleSampler": "reading.samplers",
+    "shuffle_quality": "reading.samplers",
+    "DecodeJPEG": "reading.decode",
+    "standard_transform": "reading.transforms",
+    "BackgroundPrefetcher": "reading.loader",
+    "CUDAPrefetcher": "reading.loader",
+    "fast_collate": "reading.loader",
+    "worker_init_fn": "reading.loader",
+    "TokenBucketSampler": "reading.text",
+    "pad_collate": "reading.text",
+    "StageResult": "staging.stage",
+    "StageStatus": "staging.stage",
+    "UnstageResult": "staging.stage",
+    "prepare_tmpfs": "staging.stage",
+    "stage": "staging.stage",
+    "stage_status": "staging.stage",
+    "unstage": "staging.stage",
+    "DoctorReport": "staging.doctor",
+    "doctor": "staging.doctor",
+    "BenchResult": "measure.bench",
+    "run_bench": "measure.bench",
     "TuneResult": "measure.tune",
     "recommend_loader_kwargs": "measure.tune",
     "run_tune": "measure.tune",
-    "pack_info": "verify",
-    "verify_pack": "verify",
 }
 
-__all__ = [
-    "BackgroundPrefetcher",
-    "BenchResult",
-    "BlockShuffleSampler",
-    "CUDAPrefetcher",
-    "CapacityError",
-    "ConfigError",
-    "ConvertResult",
-    "DecodeJPEG",
-    "DoctorReport",
-    "LMDBDataset",
-    "LockedError",
-    "PackFormatError",
-    "PackdataError",
-    "SourceError",
-    "StageResult",
-    "StageStatus",
-    "TFRecordDataset",
-    "TFRecordIndexedDataset",
-    "TokenBucketSampler",
-    "TuneResult",
-    "UnstageResult",
-    "convert",
-    "doctor",
-    "fast_collate",
-    "pack_info",
-    "pad_collate",
-    "prepare_tmpfs",
-    "recommend_loader_kwargs",
-    "run_bench",
-    "run_tune",
-    "shuffle_quality",
-    "stage",
-    "stage_status",
-    "standard_transform",
-    "unstage",
-    "verify_pack",
-    "worker_init_fn",
-    "__version__",
-]
-
-if TYPE_CHECKING:
-    from packdata.convert import ConvertResult
-    from packdata.datasets import LMDBDataset
-    from packdata.decode import DecodeJPEG
-    from packdata.errors import (
-        CapacityError,
-        ConfigError,
-        LockedError,
-        PackdataError,
-        PackFormatError,
-        SourceError,
-    )
-    from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, worker_init_fn
-    from packdata.measure.bench import BenchResult, run_bench
-    from packdata.measure.tune import TuneResult, recommend_loader_kwargs, run_tune
-    from packdata.samplers import BlockShuffleSampler, shuffle_quality
-    from packdata.text import TokenBucketSampler, pad_collate
-    from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
-    from packdata.transforms import standard_transform
-    from packdata.verify import pack_info, verify_pack
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:

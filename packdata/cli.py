@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from packdata import __version__
+from packdata._version import __version__
 from packdata.errors import PackdataError
 
 __all__ = ["main"]
@@ -130,7 +130,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert ./corpus corpus.lmdb --kind text
       packdata convert /nfs/train /nfs/train.lmdb --engine ray --address auto
     """
-    from packdata.convert import convert as run_convert
+    from packdata.conversion.convert import convert as run_convert
 
     if options.get("address") and options.get("engine") != "ray":
         raise click.UsageError("--address needs --engine ray")
@@ -168,7 +168,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
 @_friendly
 def info(pack: str, as_json: bool) -> None:
     """Show what PACK holds: format, samples, classes, shards, bytes, version."""
-    from packdata.verify import pack_info
+    from packdata.formats.verify import pack_info
 
     facts = pack_info(pack)
     if as_json:
@@ -197,7 +197,7 @@ def verify(pack: str, quiet: bool) -> None:
 
     Exits 1 naming the first bad shard or record.
     """
-    from packdata.verify import verify_pack
+    from packdata.formats.verify import verify_pack
 
     result = verify_pack(pack, progress=not quiet)
     click.echo(
@@ -436,8 +436,8 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
       packdata stage --status
       packdata unstage /mnt/packdata/train.lmdb
     """
-    from packdata.stage import prepare_tmpfs, stage_status
-    from packdata.stage import stage as run_stage
+    from packdata.staging.stage import prepare_tmpfs, stage_status
+    from packdata.staging.stage import stage as run_stage
 
     if status:
         if any(v not in (None, False) for v in options.values()) or shards:
@@ -516,7 +516,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
 @_friendly
 def unstage(path: str, unmount: bool, as_json: bool) -> None:
     """Remove the staged pack PATH (or every staged pack in the area PATH); originals are never touched."""
-    from packdata.stage import unstage as run_unstage
+    from packdata.staging.stage import unstage as run_unstage
 
     result = run_unstage(path, unmount=unmount)
     if as_json:
@@ -535,7 +535,7 @@ def unstage(path: str, unmount: bool, as_json: bool) -> None:
 @_friendly
 def doctor(pack: str | None, ranks: int, workers: int | None, as_json: bool) -> None:
     """Memory, swap, cgroup, tmpfs, CPU and GPU facts with warnings; for PACK also shards and first settings."""
-    from packdata.doctor import doctor as run_doctor
+    from packdata.staging.doctor import doctor as run_doctor
 
     report = run_doctor(pack, ranks=ranks, workers=workers)
     if as_json:

@@ -11,6 +11,7 @@ import os
 
 __all__ = [
     "CapacityError",
+    "EngineError",
     "ConfigError",
     "ImageFormatError",
     "LockedError",
@@ -54,7 +55,7 @@ class LockedError(PackdataError):
 
 
 class ImageFormatError(PackFormatError, OSError):
-    """Image bytes in a format packdata does not decode (see ``packdata.decode.IMAGE_FORMATS``), or no image.
+    """Image bytes in a format packdata does not decode (see ``packdata.reading.decode.IMAGE_FORMATS``), or no image.
 
     ``detected`` is the format PIL recognises (``"EPS"``, ``"PPM"``, ...) or None. An
     ``OSError`` too, as PIL's ``UnidentifiedImageError`` is, so existing handlers still catch it.
@@ -87,3 +88,7 @@ def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:
         path=path,
         hint="Choose a destination on a writable local or network file system",
     )
+
+
+class EngineError(PackdataError):
+    """A conversion engine is unavailable, or one of its tasks failed for good (after retries)."""

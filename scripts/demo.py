@@ -13,8 +13,8 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 
 import packdata
+from packdata.demo_data import make_sample_images, make_sample_texts
 from packdata.measure.bench import run_bench
-from packdata.sample import make_sample_images, make_sample_texts
 
 DATA = Path(os.environ.get("PACKDATA_DEMO_DIR", "demo-data"))
 

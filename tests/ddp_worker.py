@@ -32,12 +32,12 @@ def sha1(data: bytes) -> str:
 
 def _loader(pack: str, fmt: str, workers: int, batch_size: int) -> tuple[DataLoader, object]:
     if fmt == "lmdb":
-        from packdata.datasets import LMDBDataset
+        from packdata.reading.datasets import LMDBDataset
 
         dataset = LMDBDataset(pack, decode=sha1)
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers), sampler
-    from packdata.tfrecord_dataset import TFRecordDataset
+    from packdata.reading.streaming import TFRecordDataset
 
     dataset = TFRecordDataset(pack, decode=sha1, shuffle=True, seed=0, shuffle_buffer=8)
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers), dataset

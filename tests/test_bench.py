@@ -14,11 +14,11 @@ from PIL import Image
 import packdata
 from packdata.cli import main as cli_main
 from packdata.errors import CapacityError
-from packdata.loader import worker_init_fn
 from packdata.measure.bench import CEILING, run_bench
 from packdata.measure.loop import LoaderConfig
 from packdata.measure.sources import open_source
 from packdata.measure.tune import project_memory, recommend_loader_kwargs, run_tune
+from packdata.reading.loader import worker_init_fn
 
 BATCH = 4
 BATCHES = 3
@@ -147,7 +147,6 @@ def test_bench_pin_memory_falls_back_without_cuda(pack: Path) -> None:
 
 
 def test_bench_tfrecord_pack(folder: Path, tmp_path: Path) -> None:
-    pytest.importorskip("packdata.tfrecord_dataset")
     dst = tmp_path / "images-tf"
     packdata.convert(folder, dst, format="tfrecord", progress=False)
     result = run_bench(dst, workers=(0, 2), batch_sizes=BATCH, batches=BATCHES, warmup=1)
@@ -229,7 +228,6 @@ def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
 
 
 def test_tune_cli_json(pack: Path) -> None:
-    pytest.importorskip("packdata.units")
     result = CliRunner().invoke(
         cli_main, ["tune", str(pack), "--memory-budget", "1MiB", "--batch-size", "4", "--batches", "2", "--json"]
     )

@@ -17,9 +17,9 @@ from conftest import IMAGE_EXTS, _jpeg, expected_samples, tree_digest
 from PIL import Image
 
 from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
-from packdata.convert import partial_path
+from packdata.conversion.convert import partial_path
 from packdata.formats.lmdb import encode_key
-from packdata.records import decode_record
+from packdata.pack.records import decode_record
 
 
 def _pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
@@ -194,7 +194,7 @@ def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_p
 
 _SLOW_CONVERT = """
 import importlib, sys, time
-c = importlib.import_module("packdata.convert")
+c = importlib.import_module("packdata.conversion.convert")
 c._COMMIT_SAMPLES = 5
 load = c._load
 def slow_load(entry, opts):

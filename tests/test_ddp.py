@@ -75,6 +75,5 @@ def test_ddp_lmdb_distributed_sampler(source: Path, tmp_path: Path) -> None:
 
 
 def test_ddp_tfrecord_dataset(source: Path, tmp_path: Path) -> None:
-    pytest.importorskip("packdata.tfrecord_dataset", reason="packdata.tfrecord_dataset (TFRecordDataset) is not there")
     packdata.convert(source, tmp_path / "pack", format="tfrecord", shard_samples=6, progress=False)
     _check(_torchrun(tmp_path / "pack", "tfrecord", tmp_path / "out"), _digests(source))

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 import packdata
 from packdata.cli import main
-from packdata.doctor import doctor
 from packdata.host.cores import WORKER_BYTES
-from packdata.manifest import read_manifest, write_manifest
-from packdata.stage import stage
+from packdata.pack.manifest import read_manifest, write_manifest
+from packdata.staging.doctor import doctor
+from packdata.staging.stage import stage
 
 GiB, MiB = 1 << 30, 1 << 20
 

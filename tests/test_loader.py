@@ -15,9 +15,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import packdata
-from packdata.decode import DecodeJPEG, decode_pil
-from packdata.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
-from packdata.transforms import RandomResizedCrop, standard_transform
+from packdata.reading.decode import DecodeJPEG, decode_pil
+from packdata.reading.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
+from packdata.reading.transforms import RandomResizedCrop, standard_transform
 
 
 def _jpeg(size: tuple[int, int], seed: int = 0, fmt: str = "JPEG") -> bytes:

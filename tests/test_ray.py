@@ -20,12 +20,11 @@ from PIL import Image
 
 import packdata
 from packdata.cli import main
-from packdata.convert import partial_path
-from packdata.datasets import LMDBDataset
-from packdata.engines import EngineError
-from packdata.errors import SourceError
-from packdata.manifest import read_manifest
-from packdata.sources import Skip, SourceFile, scan_source
+from packdata.conversion.convert import partial_path
+from packdata.conversion.sources import Skip, SourceFile, scan_source
+from packdata.errors import EngineError, SourceError
+from packdata.pack.manifest import read_manifest
+from packdata.reading.datasets import LMDBDataset
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -133,7 +132,8 @@ def test_ray_shards_equal_local_without_skips(ray_local, clean_folder: Path, tmp
 @pytest.mark.ray
 def test_ray_tfrecord_matches_local(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     """TFRecord shards are byte-identical to the local engine's (same boundaries, same names)."""
-    tfrecord = pytest.importorskip("packdata.formats.tfrecord", reason="the TFRecord format is not available")
+    from packdata.formats import tfrecord
+
     (clean_folder / "class0" / "broken.jpg").write_bytes(b"broken")
     for name, engine in (("local", "local"), ("ray", "ray")):
         packdata.convert(
@@ -180,7 +180,7 @@ def test_ray_on_error_fail_names_the_file(ray_local, poisoned_folder: Path, tmp_
 @pytest.mark.ray
 def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     """A task that fails for good names its shard and files, leaves no DST, and --resume finishes the job."""
-    from packdata.engines import ray as engine
+    from packdata.conversion import ray as engine
 
     dst = tmp_path / "out.lmdb"
     partial = partial_path(dst)
@@ -209,8 +209,8 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 
 def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
     """Start a Ray conversion whose partial folder already holds a file at ``blocked``."""
-    from packdata.convert import _Options
-    from packdata.engines.ray import _prepare_partial
+    from packdata.conversion.convert import _Options
+    from packdata.conversion.ray import _prepare_partial
 
     partial = partial_path(dst)
     _prepare_partial(
@@ -222,8 +222,8 @@ def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
 
 @pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
-    from packdata.convert import _Options
-    from packdata.engines.ray import _prepare_partial
+    from packdata.conversion.convert import _Options
+    from packdata.conversion.ray import _prepare_partial
     from packdata.errors import ConfigError
 
     dst = tmp_path / "out.lmdb"
@@ -275,7 +275,7 @@ def test_unknown_engine(clean_folder: Path, tmp_path: Path) -> None:
 
 
 def test_plan_is_a_deterministic_partition(poisoned_folder: Path) -> None:
-    from packdata.engines.ray import plan_tasks
+    from packdata.conversion.ray import plan_tasks
 
     source = scan_source(poisoned_folder)
     walk = list(source.walk())
@@ -291,7 +291,7 @@ def test_plan_is_a_deterministic_partition(poisoned_folder: Path) -> None:
 
 
 def test_plan_by_bytes(clean_folder: Path) -> None:
-    from packdata.engines.ray import plan_tasks
+    from packdata.conversion.ray import plan_tasks
 
     source = scan_source(clean_folder)
     plan = list(plan_tasks(source, shard_samples=None, shard_size=2500))

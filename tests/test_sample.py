@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packdata.sample import make_sample_images, make_sample_texts
+from packdata.demo_data import make_sample_images, make_sample_texts
 
 NUM_IMAGES = 24
 NUM_CLASSES = 4

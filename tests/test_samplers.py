@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
 from packdata import BlockShuffleSampler, LMDBDataset, TFRecordIndexedDataset, convert, shuffle_quality
-from packdata.samplers import block_shuffle_order, resolve_rank_world
+from packdata.reading.samplers import block_shuffle_order, resolve_rank_world
 
 
 @pytest.fixture

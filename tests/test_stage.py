@@ -19,15 +19,15 @@ from PIL import Image
 
 import packdata
 from packdata.cli import main
-from packdata.datasets import LMDBDataset
 from packdata.errors import CapacityError, ConfigError, PackFormatError
-from packdata.manifest import read_manifest
-from packdata.stage import STAGED_FILE, prepare_tmpfs, stage, stage_status, unstage
-from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
+from packdata.pack.manifest import read_manifest
+from packdata.reading.datasets import LMDBDataset
+from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.staging.stage import STAGED_FILE, prepare_tmpfs, stage, stage_status, unstage
 from tests.conftest import tree_digest
 
-stage_module = importlib.import_module("packdata.stage")  # packdata.stage is the function
-copy_module = importlib.import_module("packdata._stage_copy")
+stage_module = importlib.import_module("packdata.staging.stage")  # packdata.stage is the function
+copy_module = importlib.import_module("packdata.staging.copy")
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
@@ -256,7 +256,7 @@ def test_interrupt_leaves_no_staged_looking_shard(
     manifest = read_manifest(staged)
     for shard in manifest.shards:  # every shard the manifest names as staged is complete
         if not Path(shard.file).is_absolute():
-            assert packdata.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
     assert not json.loads((staged / STAGED_FILE).read_text())["complete"]
     monkeypatch.setattr(copy_module, "copy_file", real)
@@ -267,7 +267,7 @@ def test_interrupt_leaves_no_staged_looking_shard(
 
 _SLOW_CHILD = """
 import importlib, sys, time
-s = importlib.import_module("packdata._stage_copy")
+s = importlib.import_module("packdata.staging.copy")
 real = s.copy_file
 s.CHUNK = 4096
 def slow(src, tmp, stop, bar):
@@ -278,7 +278,7 @@ def slow(src, tmp, stop, bar):
     bar.update = update
     return real(src, tmp, stop, bar)
 s.copy_file = slow
-importlib.import_module("packdata.stage").stage(sys.argv[1], to=sys.argv[2], workers=2, progress=False)
+importlib.import_module("packdata.staging.stage").stage(sys.argv[1], to=sys.argv[2], workers=2, progress=False)
 """
 
 
@@ -296,7 +296,7 @@ def test_killed_stage_leaves_no_half_shard(lmdb_pack: Path, tmp_path: Path) -> N
     manifest = read_manifest(staged)
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
-            assert packdata.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
     status = stage_status(dest)
     assert [p.complete for p in status.areas[0].packs] == [False]
@@ -404,7 +404,7 @@ def test_enospc_on_tiny_tmpfs(lmdb_pack: Path, tmpfs, monkeypatch: pytest.Monkey
     manifest = read_manifest(staged)
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
-            assert packdata.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert tree_digest(lmdb_pack) == source
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 

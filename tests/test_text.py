@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.errors import ConfigError
-from packdata.text import PadCollate, TokenBucketSampler, pad_collate, sample_lengths
+from packdata.reading.text import PadCollate, TokenBucketSampler, pad_collate, sample_lengths
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 from torch.utils.data import DataLoader
 
-import packdata.tfrecord_dataset as tfd
+import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
 from packdata.formats.tfrecord import (
@@ -32,7 +32,7 @@ from packdata.formats.tfrecord import (
     payload_path,
     read_payload_table,
 )
-from packdata.records import RecordError, Sample
+from packdata.pack.records import RecordError, Sample
 
 
 def _image(seed: int, fmt: str) -> bytes:
@@ -360,7 +360,7 @@ def test_cli_info_and_verify(tf_images: Path, tmp_path: Path) -> None:
 def test_resumed_convert_matches_uninterrupted(
     tf_images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conv = sys.modules["packdata.convert"]
+    conv = sys.modules["packdata.conversion.convert"]
 
     convert(tf_images, tmp_path / "whole", format="tfrecord", shard_samples=5, progress=False)
     monkeypatch.setattr(conv, "_COMMIT_SAMPLES", 3)

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from packdata.manifest import ShardInfo
-    from packdata.records import Sample
+    from packdata.pack.manifest import ShardInfo
+    from packdata.pack.records import Sample
 
 __all__ = ["FORMATS", "ShardWriter", "format_from_path", "shard_writer"]
 

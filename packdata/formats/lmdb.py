@@ -5,7 +5,7 @@ A shard is an ordinary LMDB environment directory (``data.mdb``) that
 big-endian sample indices within the shard (global index minus the shard's
 ``first_index``), so they sort in sample order, every put uses append mode, and
 a shard is self-contained: it can be written by its own task and staged alone;
-values are :mod:`packdata.records` records.
+values are :mod:`packdata.pack.records` records.
 
 Beside ``data.mdb`` the writer leaves ``records.i64``, a table of int64
 triples, little-endian::
@@ -45,8 +45,8 @@ import lmdb
 import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
-from packdata.manifest import ShardInfo, file_sha256
-from packdata.records import RecordError, Sample, encode_record, payload_start
+from packdata.pack.manifest import ShardInfo, file_sha256
+from packdata.pack.records import RecordError, Sample, encode_record, payload_start
 
 __all__ = [
     "DATA_FILE",

@@ -61,8 +61,8 @@ import numpy as np
 from tfrecord import example_pb2
 
 from packdata.errors import PackFormatError, destination_error
-from packdata.manifest import ShardInfo
-from packdata.records import RecordError, Sample
+from packdata.pack.manifest import ShardInfo
+from packdata.pack.records import RecordError, Sample
 
 __all__ = [
     "INDEX_SUFFIX",

@@ -25,14 +25,14 @@ import psutil
 import torch
 from torch.utils.data import Dataset
 
-from packdata.decode import DecodeFn
 from packdata.errors import ConfigError, PackdataError
 from packdata.host.cores import usable_cores
 from packdata.host.facts import cpu_counts
-from packdata.loader import list_collate
 from packdata.measure.loop import DEFAULT_BATCHES, ConfigResult, LoaderConfig, measure_loader
 from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
-from packdata.transforms import standard_transform
+from packdata.reading.decode import DecodeFn
+from packdata.reading.loader import list_collate
+from packdata.reading.transforms import standard_transform
 from packdata.units import format_size
 
 __all__ = ["CEILING", "BenchResult", "run_bench"]

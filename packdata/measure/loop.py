@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from packdata.errors import ConfigError
-from packdata.loader import worker_init_fn
 from packdata.measure.memory import _MemorySampler
+from packdata.reading.loader import worker_init_fn
 
 __all__ = ["DEFAULT_BATCHES", "ConfigResult", "LoaderConfig", "measure_loader"]
 

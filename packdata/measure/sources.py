@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from packdata.decode import DecodeFn, DecodeJPEG, resolve_decoder
+from packdata.conversion.sources import SourceFile, scan_source
 from packdata.errors import ConfigError, SourceError
-from packdata.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.sources import SourceFile, scan_source
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.reading.decode import DecodeFn, DecodeJPEG, resolve_decoder
 
 __all__ = ["DECODE_CHOICES", "FolderDataset", "InMemoryDataset", "open_source"]
 
@@ -38,7 +38,7 @@ class _Blob:
 class FolderDataset(Dataset):
     """The raw folder as ``torchvision.datasets.ImageFolder`` reads it: one file per sample.
 
-    Files and labels come from :func:`packdata.sources.scan_source` (the same
+    Files and labels come from :func:`packdata.conversion.sources.scan_source` (the same
     rules and order as ``convert``); the list is kept as one byte buffer and
     numpy arrays, so forked workers do not copy it on access. Files the walk
     skips (hidden, other kinds) are counted in ``skipped``.
@@ -255,7 +255,7 @@ def _dataset_for(
 ) -> Any:
     """The dataset users train with on a pack of ``manifest.format``: bench's one branch on format names."""
     if manifest.format == "lmdb":
-        from packdata.datasets import LMDBDataset
+        from packdata.reading.datasets import LMDBDataset
 
         return LMDBDataset(path, transform=transform, decode=decoder)
     if manifest.format == "tfrecord":
@@ -264,17 +264,9 @@ def _dataset_for(
 
 
 def _open_tfrecord(path: Path, transform: Callable[[Any], Any] | None, decoder: DecodeFn | str) -> Any:
-    try:
-        import importlib
+    from packdata.reading.streaming import TFRecordDataset
 
-        module = importlib.import_module("packdata.tfrecord_dataset")
-    except ModuleNotFoundError as exc:
-        raise ConfigError(
-            "this packdata has no TFRecord reader",
-            path=path,
-            hint="Install a packdata with packdata.tfrecord_dataset, or bench an LMDB pack",
-        ) from exc
-    return module.TFRecordDataset(path, transform=transform, decode=decoder)
+    return TFRecordDataset(path, transform=transform, decode=decoder)
 
 
 def _raw_view(name: str, dataset: Any, facts: dict[str, Any]) -> Any:
@@ -282,7 +274,7 @@ def _raw_view(name: str, dataset: Any, facts: dict[str, Any]) -> Any:
     if hasattr(dataset, "raw"):
         return dataset
     if facts.get("format") == "tfrecord":
-        from packdata.tfrecord_dataset import TFRecordIndexedDataset
+        from packdata.reading.streaming import TFRecordIndexedDataset
 
         return TFRecordIndexedDataset(name, decode="bytes")
     return None

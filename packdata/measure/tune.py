@@ -30,14 +30,14 @@ import psutil
 import torch
 from torch.utils.data import IterableDataset
 
-from packdata.decode import DecodeFn
 from packdata.errors import CapacityError, ConfigError, PackdataError
 from packdata.host.cores import WORKER_BYTES, rule_of_thumb_workers, usable_cores
 from packdata.host.facts import read_cgroup_memory
-from packdata.loader import list_collate, worker_init_fn
 from packdata.measure.loop import LoaderConfig, measure_loader
 from packdata.measure.sources import check_decode, open_source
-from packdata.transforms import standard_transform
+from packdata.reading.decode import DecodeFn
+from packdata.reading.loader import list_collate, worker_init_fn
+from packdata.reading.transforms import standard_transform
 
 __all__ = [
     "TuneResult",

@@ -21,7 +21,7 @@ from typing import Any
 import lmdb
 from conftest import _jpeg
 
-from packdata.convert import convert
+from packdata.conversion.convert import convert
 from packdata.formats.lmdb import encode_key
 
 __all__ = [

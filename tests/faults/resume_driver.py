@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-convert_module = importlib.import_module("packdata.convert")  # packdata.convert is also the function
+convert_module = importlib.import_module("packdata.conversion.convert")  # packdata.convert is also the function
 importlib.import_module("packdata.formats.lmdb")  # imported once here, not in every forked run
 importlib.import_module("packdata.formats.tfrecord")
 

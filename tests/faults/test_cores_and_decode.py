@@ -9,12 +9,12 @@ from click.testing import CliRunner
 
 import packdata
 from packdata.cli import main
-from packdata.doctor import doctor
 from packdata.errors import ConfigError
 from packdata.host.cores import usable_cores
 from packdata.host.facts import CgroupMemory, MemoryInfo, SystemFacts, gather_facts
 from packdata.measure.bench import run_bench
 from packdata.measure.tune import recommend_loader_kwargs, run_tune
+from packdata.staging.doctor import doctor
 
 GiB = 1 << 30
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from faults.damage import DAMAGES, swap_foreign_shard
 from packdata import LMDBDataset, PackFormatError, convert
 from packdata.cli import main
-from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
 
 READERS = {
     "lmdb": [lambda p: LMDBDataset(p, decode="bytes")],

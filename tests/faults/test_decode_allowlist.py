@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from faults.hostile import overwrite_lmdb_record
 from packdata import LMDBDataset, convert
-from packdata.decode import decode_pil
 from packdata.errors import ImageFormatError
+from packdata.reading.decode import decode_pil
 
 
 def _image(fmt: str) -> bytes:

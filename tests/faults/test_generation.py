@@ -9,7 +9,7 @@ from conftest import _jpeg
 from torch.utils.data import DataLoader
 
 from packdata import LMDBDataset, PackFormatError, convert
-from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
 
 MAKERS = {
     "lmdb": lambda p: LMDBDataset(p, decode="bytes"),

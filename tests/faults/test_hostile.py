@@ -29,10 +29,10 @@ from faults.hostile import (
     web_app_folder,
 )
 from packdata.cli import main as cli_main
-from packdata.datasets import LMDBDataset
 from packdata.errors import ConfigError, PackdataError
-from packdata.manifest import read_manifest
-from packdata.tfrecord_dataset import TFRecordDataset, TFRecordIndexedDataset
+from packdata.pack.manifest import read_manifest
+from packdata.reading.datasets import LMDBDataset
+from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
 
 FORMATS = ("lmdb", "tfrecord")
 COMMANDS = ("info", "verify", "stage", "convert-overwrite", "readers")
@@ -305,7 +305,7 @@ def test_overwrite_replaces_a_real_pack_and_leaves_nothing_aside(
 def test_publish_refuses_a_destination_that_appeared_without_overwrite(
     templates: dict[str, Path], tmp_path: Path
 ) -> None:
-    from packdata.convert import _publish
+    from packdata.conversion.convert import _publish
 
     pack = _pack(templates, tmp_path, "lmdb")
     partial = tmp_path / "packs" / ".new.lmdb.partial"

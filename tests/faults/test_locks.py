@@ -21,13 +21,13 @@ from conftest import IMAGE_EXTS, expected_samples, tree_digest
 
 from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
 from packdata.cli import main
-from packdata.convert import partial_path
+from packdata.conversion.convert import partial_path
 
 REPO = Path(__file__).parents[2]
 
 _SLOW_CONVERT = """
 import importlib, sys, time
-c = importlib.import_module("packdata.convert")
+c = importlib.import_module("packdata.conversion.convert")
 c._COMMIT_SAMPLES = 2
 load = c._load
 def slow_load(entry, opts):
@@ -40,7 +40,7 @@ c.convert(sys.argv[1], sys.argv[2], workers=1, shard_samples=3, progress=False, 
 # A stage that stops for good at a chosen step: "marker" (before staged.json exists) or "copy".
 _STOPPED_STAGE = """
 import importlib, os, signal, sys, time
-s = importlib.import_module("packdata.stage")
+s = importlib.import_module("packdata.staging.stage")
 pack, area, where, ready = sys.argv[1:5]
 def stop(*args, **kwargs):
     open(ready, "w").close()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from packdata.loader import list_collate
 from packdata.measure.loop import LoaderConfig, measure_loader
 from packdata.measure.sources import InMemoryDataset
+from packdata.reading.loader import list_collate
 
 
 def _burn_half_a_millisecond(data: bytes) -> bytes:

@@ -23,8 +23,8 @@ import pytest
 from conftest import IMAGE_EXTS, _jpeg, expected_samples
 
 from packdata import LMDBDataset, TFRecordIndexedDataset, verify_pack
-from packdata.convert import partial_path
-from packdata.manifest import read_manifest
+from packdata.conversion.convert import partial_path
+from packdata.pack.manifest import read_manifest
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 REPO = Path(__file__).parents[2]

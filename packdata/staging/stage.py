@@ -20,7 +20,7 @@ How a run goes:
    their bytes fit the budget; a shard too big for what is left is skipped and
    smaller later ones still get their chance. The default budget is what fits
    the destination's free space.
-3. Free space (and, on tmpfs, memory: :func:`packdata.system.memory_warnings`)
+3. Free space (and, on tmpfs, memory: :func:`packdata.host.memory.memory_warnings`)
    is checked before a byte is copied. An unsafe tmpfs is refused unless ``force``.
 4. An interim manifest is written first (valid copies relative, all else at
    the originals), so the staged pack reads correctly at every moment.
@@ -51,7 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata._stage_copy import (
+from packdata.errors import CapacityError, ConfigError
+from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
+from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.pack.index import INDEX_DIR
+from packdata.pack.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from packdata.staging.copy import (
     STAGED_FILE,
     check_destination,
     copy_all,
@@ -67,11 +72,6 @@ from packdata._stage_copy import (
     staged_manifest,
     write_marker,
 )
-from packdata.errors import CapacityError, ConfigError
-from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
-from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.index import INDEX_DIR
-from packdata.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from packdata.units import format_size
 
 __all__ = [
@@ -265,7 +265,7 @@ def prepare_tmpfs(
         mount: the mount point, created when missing (default :data:`DEFAULT_AREA`).
         resize: remount an existing tmpfs with the new size.
         force: mount or resize even when the memory checks refuse the size.
-        reserve: memory kept for training (default: see :func:`packdata.system.memory_warnings`).
+        reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
 
     Raises:
         CapacityError: the size is unsafe for this machine's memory (without ``force``).

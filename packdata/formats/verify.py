@@ -11,9 +11,9 @@ from typing import Any
 from tqdm import tqdm
 
 from packdata.errors import PackFormatError
-from packdata.index import SampleIndex
-from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, file_sha256, read_manifest
-from packdata.records import RecordError, Sample, decode_record
+from packdata.pack.index import SampleIndex
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, file_sha256, read_manifest
+from packdata.pack.records import RecordError, Sample, decode_record
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
 

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from packdata.datasets import PackView, ShardReaders
-from packdata.decode import DecodeFn, resolve_decoder
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
-from packdata.records import RecordError
-from packdata.samplers import per_rank_count, resolve_rank_world
+from packdata.pack.records import RecordError
+from packdata.reading.datasets import PackView, ShardReaders
+from packdata.reading.decode import DecodeFn, resolve_decoder
+from packdata.reading.samplers import per_rank_count, resolve_rank_world
 
 __all__ = ["TFRecordDataset", "TFRecordIndexedDataset"]
 
@@ -161,7 +161,7 @@ class TFRecordDataset(_PackView, IterableDataset):
     itself: resume with the same world size and ``num_workers``.
     Resuming at another world size or worker count is not supported for
     this streaming reader: use :class:`TFRecordIndexedDataset` with
-    :class:`~packdata.samplers.BlockShuffleSampler`, which resumes elastically.
+    :class:`~packdata.reading.samplers.BlockShuffleSampler`, which resumes elastically.
 
     Args:
         path: the pack (directory with ``manifest.json``).
@@ -175,7 +175,7 @@ class TFRecordDataset(_PackView, IterableDataset):
             of 100 KB keep about 100 MB of page cache mapped per worker, and no
             process memory.
         rank, world_size: this process's place in a distributed job; by default
-            from :func:`~packdata.samplers.resolve_rank_world`.
+            from :func:`~packdata.reading.samplers.resolve_rank_world`.
         drop_uneven: drop samples rather than pad so that ranks are equal.
         check_crc: check both CRC32Cs of every record (framing is always checked).
     """
@@ -472,7 +472,7 @@ class TFRecordIndexedDataset(_PackView, Dataset):
     Each access is one positioned read (``os.pread``) of one record, its
     framing and (by default) CRCs checked, so any sampler works:
     ``DistributedSampler``, class-balanced samplers, or
-    :class:`~packdata.samplers.BlockShuffleSampler` for reads in long runs.
+    :class:`~packdata.reading.samplers.BlockShuffleSampler` for reads in long runs.
     ``classes``, ``class_to_idx``, ``targets`` and ``keys`` come from the
     manifest and sample index without reading a record.
 

@@ -96,7 +96,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def write_manifest(pack: str | os.PathLike, manifest: Manifest) -> Path:
     """Write ``manifest.json`` into ``pack`` atomically (temporary file, fsync, rename)."""
-    from packdata import __version__
+    from packdata._version import __version__
 
     manifest.packdata_version = manifest.packdata_version or __version__
     path = Path(pack) / MANIFEST_NAME

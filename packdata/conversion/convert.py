@@ -7,7 +7,7 @@ the sorted walk got; ``resume=True`` cuts the shard and index back to the last
 checkpoint and carries on, giving the same content as an uninterrupted run.
 A checkpoint counts a source file only together with its sample (or its skip
 line), so a kill at any instant loses nothing. One process at a time converts
-into a destination: it holds ``.NAME.lock`` beside it (:mod:`packdata._lock`)
+into a destination: it holds ``.NAME.lock`` beside it (:mod:`packdata.pack.lock`)
 from before the partial folder is touched until after the publish rename.
 """
 
@@ -31,8 +31,7 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from packdata._lock import convert_lock_path, hold_lock
-from packdata.decode import open_image
+from packdata.conversion.sources import Skip, Source, SourceFile, scan_source
 from packdata.errors import (
     CapacityError,
     ConfigError,
@@ -42,11 +41,12 @@ from packdata.errors import (
     destination_error,
 )
 from packdata.formats import FORMATS, ShardWriter, format_from_path, shard_writer
-from packdata.index import FILES as INDEX_FILES
-from packdata.index import SampleIndexWriter
-from packdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
-from packdata.records import Sample
-from packdata.sources import Skip, Source, SourceFile, scan_source
+from packdata.pack.index import FILES as INDEX_FILES
+from packdata.pack.index import SampleIndexWriter
+from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
+from packdata.pack.records import Sample
+from packdata.reading.decode import open_image
 
 __all__ = ["ConvertResult", "convert", "partial_path"]
 
@@ -153,7 +153,7 @@ def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
 def _check_replaceable(dst: Path) -> None:
     """``dst`` is provably a complete packdata pack that ``overwrite`` may replace, and nothing else.
 
-    Its manifest must pass :func:`~packdata.manifest.read_manifest` (schema,
+    Its manifest must pass :func:`~packdata.pack.manifest.read_manifest` (schema,
     version, paths inside the pack), it must not be a staged pack, every shard
     and the sample index must be there, and it may hold nothing but the pack's
     own files: anything else (a web app's folder with a ``manifest.json``) is
@@ -520,7 +520,7 @@ def convert(
         resume: continue an interrupted conversion into ``dst``.
         progress: show a progress bar on stderr.
         engine: ``"local"`` (threads in this process) or ``"ray"`` (one Ray task
-            per shard, see :mod:`packdata.engines.ray`; needs ``packdata[ray]``).
+            per shard, see :mod:`packdata.conversion.ray`; needs ``packdata[ray]``).
         address: with ``engine="ray"``, the Ray cluster to connect to (``"auto"``,
             ``"ray://host:10001"``, ...); by default a local Ray instance starts.
 
@@ -539,7 +539,7 @@ def convert(
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if engine == "ray":
-        from packdata.engines.ray import require_ray
+        from packdata.conversion.ray import require_ray
 
         require_ray()
     elif engine != "local":
@@ -563,7 +563,7 @@ def convert(
     with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
         _check_paths(src, dst, overwrite)  # again, under the lock: another writer may have published meanwhile
         if engine == "ray":
-            from packdata.engines.ray import convert_on_ray
+            from packdata.conversion.ray import convert_on_ray
 
             return convert_on_ray(
                 source,

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from packdata.decode import DecodeFn, resolve_decoder
 from packdata.errors import ImageFormatError, PackFormatError
 from packdata.formats.lmdb import LMDBShardReader
-from packdata.index import INDEX_DIR, KeyList, SampleIndex
-from packdata.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.records import RecordError, decode_record
+from packdata.pack.index import INDEX_DIR, KeyList, SampleIndex
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.records import RecordError, decode_record
+from packdata.reading.decode import DecodeFn, resolve_decoder
 
 __all__ = ["LMDBDataset", "PackInfo", "PackView", "ShardReaders"]
 

@@ -41,7 +41,7 @@ it keeps one small shard entry per shard. Gathering streams the fragments in
 
 Failures: Ray reruns a task whose worker died and a task that raised
 ``OSError`` (:data:`MAX_RETRIES` times). A task that fails for good stops the
-conversion with :class:`~packdata.engines.EngineError` naming the shard task and
+conversion with :class:`~packdata.errors.EngineError` naming the shard task and
 its first and last file; finished tasks stay in the partial folder, so rerunning
 with ``resume=True`` runs only the missing ones. With ``on_error="fail"`` a bad
 file stops the conversion with the same :class:`~packdata.errors.SourceError` as
@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from packdata.convert import (
+from packdata.conversion.convert import (
     SKIP_REPORT,
     ConvertResult,
     _fsync_dir,
@@ -79,13 +79,12 @@ from packdata.convert import (
     _publish,
     partial_path,
 )
-from packdata.engines import EngineError
-from packdata.errors import ConfigError, SourceError
+from packdata.conversion.sources import Skip, Source, SourceFile
+from packdata.errors import ConfigError, EngineError, SourceError
 from packdata.formats import shard_writer
-from packdata.index import _KEYS, _LABELS, _OFFSETS, _SIZES, INDEX_DIR, SampleIndexWriter
-from packdata.manifest import ShardInfo, write_manifest
-from packdata.records import Sample
-from packdata.sources import Skip, Source, SourceFile
+from packdata.pack.index import _KEYS, _LABELS, _OFFSETS, _SIZES, INDEX_DIR, SampleIndexWriter
+from packdata.pack.manifest import ShardInfo, write_manifest
+from packdata.pack.records import Sample
 
 __all__ = [
     "DEFAULT_TASK_SAMPLES",
@@ -414,7 +413,7 @@ def convert_on_ray(
     address: str | None,
     started: float,
 ) -> ConvertResult:
-    """Run a checked conversion as Ray tasks; called by :func:`packdata.convert.convert`.
+    """Run a checked conversion as Ray tasks; called by :func:`packdata.conversion.convert.convert`.
 
     Args:
         source: the scanned source (on storage every Ray node sees).

@@ -73,7 +73,7 @@ def fast_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.
     """Collate ``(image, label)`` pairs into a ``uint8`` NCHW tensor and int64 labels.
 
     Images are ``uint8`` HWC numpy arrays (see
-    :class:`packdata.transforms.ToUint8Array`), PIL images, or ``uint8`` CHW
+    :class:`packdata.reading.transforms.ToUint8Array`), PIL images, or ``uint8`` CHW
     tensors, all of one size. Nothing is converted to float on the CPU: a batch
     of 256 images of 224x224 is 38 MB instead of 154 MB to move, pin and copy.
     On the device: ``x = x.float().div_(255).sub_(mean).div_(std)``.

@@ -1,10 +1,10 @@
-"""The copying half of :mod:`packdata.stage`: shard files, verified parallel copies, markers.
+"""The copying half of :mod:`packdata.staging.stage`: shard files, verified parallel copies, markers.
 
 A shard is copied as :class:`ShardFiles`: its files (``data.mdb`` and
 ``records.i64`` for LMDB, the ``.tfrecord``, its ``.tfindex`` and ``.tfpayload`` for TFRecord),
 each to a hidden ``.NAME.partial`` name first, hashed as written, renamed into
 place only once the checksummed file matches the manifest. Internal: the API
-and its documentation live in :mod:`packdata.stage`.
+and its documentation live in :mod:`packdata.staging.stage`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from packdata._lock import hold_lock
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
-from packdata.index import FILES as INDEX_FILES
-from packdata.manifest import Manifest, ShardInfo
+from packdata.pack.index import FILES as INDEX_FILES
+from packdata.pack.lock import hold_lock
+from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.units import format_size
 
 __all__ = [
@@ -137,7 +137,7 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
     """The files of each shard to copy: only the pack's own (the format's), all regular files.
 
     A shard's name in the manifest is a plain name (or, for a staged pack, an
-    origin shard's path) checked by :func:`packdata.manifest.read_manifest`, so
+    origin shard's path) checked by :func:`packdata.pack.manifest.read_manifest`, so
     every destination lies directly in ``dest``.
     """
     units = []
@@ -370,7 +370,7 @@ def remove_leftovers(dest: Path) -> None:
 
 @contextlib.contextmanager
 def locked(dest: Path, what: str = "packdata stage") -> Iterator[None]:
-    """Hold ``dest``'s ``.stage.lock`` (see :mod:`packdata._lock`); LockedError names the holder."""
+    """Hold ``dest``'s ``.stage.lock`` (see :mod:`packdata.pack.lock`); LockedError names the holder."""
     with hold_lock(dest / LOCK, what=what, target=dest):
         yield
 
@@ -390,7 +390,7 @@ def staged_manifest(manifest: Manifest, source: Path, units: list[ShardFiles], s
     """The staged pack's manifest: staged shards by name, the others at their origin (absolute paths).
 
     ``staged_from`` marks it as staged: only such a manifest may name shards
-    outside its pack, and :func:`packdata.manifest.read_manifest` checks each
+    outside its pack, and :func:`packdata.pack.manifest.read_manifest` checks each
     against its origin pack's manifest.
     """
     shards = [
@@ -496,7 +496,7 @@ def write_marker(
     *,
     complete: bool,
 ) -> None:
-    from packdata import __version__
+    from packdata._version import __version__
 
     write_json(
         dest / STAGED_FILE,

@@ -26,7 +26,7 @@ from typing import Any
 from packdata.host.cores import recommend_workers, usable_cores
 from packdata.host.facts import SystemFacts, find_mount, gather_facts, is_network_fs, is_rotational, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.manifest import read_manifest
+from packdata.pack.manifest import read_manifest
 from packdata.units import format_size
 
 __all__ = ["DoctorReport", "PackReport", "doctor"]
