@@ -16,6 +16,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check packdata tests scripts benchmarks
 	$(VENV)/bin/ruff format --check packdata tests scripts benchmarks
 	$(VENV)/bin/mypy packdata
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_private_imports.py
 
 test: lint
 	$(PY) -m pytest -q

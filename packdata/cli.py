@@ -18,6 +18,7 @@ import click
 
 from packdata._version import __version__
 from packdata.errors import PackdataError
+from packdata.formats import FORMATS
 
 __all__ = ["main"]
 
@@ -66,7 +67,7 @@ def main() -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["lmdb", "tfrecord"]),
+    type=click.Choice(FORMATS),
     help="Pack format. Default: from DST's suffix (.lmdb), else lmdb.",
 )
 @click.option(

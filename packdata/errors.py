@@ -55,7 +55,7 @@ class LockedError(PackdataError):
 
 
 class ImageFormatError(PackFormatError, OSError):
-    """Image bytes in a format packdata does not decode (see ``packdata.reading.decode.IMAGE_FORMATS``), or no image.
+    """Image bytes in a format packdata does not decode (see ``packdata.pack.images.IMAGE_FORMATS``), or no image.
 
     ``detected`` is the format PIL recognises (``"EPS"``, ``"PPM"``, ...) or None. An
     ``OSError`` too, as PIL's ``UnidentifiedImageError`` is, so existing handlers still catch it.

@@ -40,13 +40,13 @@ from packdata.errors import (
     SourceError,
     destination_error,
 )
-from packdata.formats import FORMATS, ShardWriter, format_from_path, shard_writer
+from packdata.formats import FORMATS, ShardWriter, format_from_path, get_format, shard_writer
+from packdata.pack.images import open_image
 from packdata.pack.index import FILES as INDEX_FILES
 from packdata.pack.index import SampleIndexWriter
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest, write_manifest
 from packdata.pack.records import Sample
-from packdata.reading.decode import open_image
 
 __all__ = ["ConvertResult", "convert", "partial_path"]
 
@@ -54,7 +54,6 @@ SKIP_REPORT = "skipped.jsonl"
 _PROGRESS = "progress.json"
 _COMMIT_BYTES = 128 << 20
 _COMMIT_SAMPLES = 20_000
-DEFAULT_TFRECORD_SHARD_BYTES = 256 * 10**6
 
 
 @dataclass
@@ -124,21 +123,18 @@ def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
     """The first entry of ``dst`` that is not one of the pack's own files, or of the wrong type; None if none.
 
     A pack holds its manifest, the skip report, the sample index folder (its
-    files only), and each shard: an LMDB folder holding ``data.mdb``,
-    ``records.i64`` and ``lock.mdb``, or a TFRecord file with its side files.
-    No symlink anywhere.
+    files only), and each shard's files as its format lays them out (a folder
+    with its files, or a file with side files beside it). No symlink anywhere.
     """
-    from packdata.formats.lmdb import DATA_FILE, RECORDS_FILE
-
+    layout_of = get_format(manifest.format).shard_layout
     files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
     folders: dict[str, set[str]] = {manifest.index_dir: set(INDEX_FILES)}
     for shard in manifest.shards:
-        if manifest.format == "lmdb":
-            folders[shard.file] = {DATA_FILE, RECORDS_FILE, "lock.mdb"}
+        layout = layout_of(shard.file)
+        if layout.folder:
+            folders[shard.file] = {layout.data, *layout.side, *layout.scratch}
         else:
-            from packdata.formats.tfrecord import index_path, payload_path
-
-            files.update((shard.file, index_path(shard.file).name, payload_path(shard.file).name))
+            files.update((layout.data, *layout.side))
     for entry in sorted(os.scandir(dst), key=lambda e: e.name):
         if entry.name in files and entry.is_file(follow_symlinks=False):
             continue
@@ -506,7 +502,7 @@ def convert(
     Args:
         src: the source folder; ImageFolder class subfolders give labels. Never modified.
         dst: the pack to create (``out.lmdb``; a folder for TFRecord).
-        format: ``"lmdb"`` or ``"tfrecord"``; by default from ``dst``'s suffix.
+        format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
         workers: parallel reader threads (default: 4 per CPU, at most 32).
         on_error: ``"skip"`` corrupt, empty or unreadable files (listed in the
@@ -546,15 +542,14 @@ def convert(
         raise ConfigError(f"engine should be 'local' or 'ray', but got engine={engine!r}")
     elif address is not None:
         raise ConfigError("address is only used by engine='ray'", hint="Pass engine='ray' or drop address")
-    fmt = format or format_from_path(os.fspath(dst)) or "lmdb"
-    if fmt not in FORMATS:
-        raise ConfigError(f"format should be one of {', '.join(FORMATS)}, but got format={fmt!r}")
+    fmt = format or format_from_path(os.fspath(dst)) or FORMATS[0]
+    pack_format = get_format(fmt)
     if on_error not in ("skip", "fail"):
         raise ConfigError(f"on_error should be 'skip' or 'fail', but got on_error={on_error!r}")
     if max_side is not None and max_side < 1:
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
-    if fmt == "tfrecord" and shard_size is None and shard_samples is None:
-        shard_size = DEFAULT_TFRECORD_SHARD_BYTES
+    if shard_size is None and shard_samples is None:
+        shard_size = pack_format.default_shard_bytes
     source = scan_source(src, kind)
     _check_destination_writable(dst)
     _check_paths(src, dst, overwrite)

@@ -1,52 +1,9 @@
 """Distributed conversion on Ray: one task per shard, gathered by the driver.
 
-How a conversion runs (``convert(..., engine="ray")``, ``packdata convert --engine ray``):
-
-1. **Plan.** The driver walks the source in sorted order (as the local engine
-   does) and cuts it into contiguous shard tasks with the local engine's own
-   roll rule: a new task starts before a file would make the current one exceed
-   ``shard_samples`` files or ``shard_size`` bytes (file sizes from ``os.stat``).
-   Neither given: :data:`DEFAULT_TASK_SAMPLES` files per task. The plan is a
-   generator: the driver holds only the tasks in flight, never the whole list.
-2. **Tasks.** Each Ray task (1 CPU) reads its files with the local engine's
-   reader (same validation, same re-encoding, a few reader threads) and writes
-   one shard straight into the pack's hidden ``.NAME.partial`` folder, plus its
-   own fragment of the sample index and its skip list under
-   ``.NAME.partial/tasks/NNNNN/``. The partial folder must be on storage every
-   node sees (NFS, Lustre, ...), as must the source.
-3. **Gather.** The driver takes task results in plan order, appends each index
-   fragment and skip list to the pack's ``index/`` and ``skipped.jsonl`` (streamed
-   in fixed-size chunks: flat memory), gives each shard its ``first_index``,
-   names shards (:meth:`finalize`), writes the manifest and renames the pack
-   into place, exactly as the local engine does.
-
-Same result as ``engine="local"``: the same samples, keys, labels and order,
-the same index, skip report and manifest. Shard boundaries match too, except
-where files are dropped at read time (corrupt, empty, unreadable: that task's
-shard is shorter than the limit) or re-encoded with ``max_side`` (shards are
-planned on source file sizes), and an LMDB conversion without a shard limit
-gives shards of :data:`DEFAULT_TASK_SAMPLES` samples where the local engine
-writes one. A task whose files are all skipped writes no shard; its shard
-number is then missing from the LMDB shard names (the manifest lists the
-shards; TFRecord names are renumbered anyway).
-
-Scale and memory: a conversion is ``files / shard_samples`` tasks (or one per
-``shard_size`` bytes). A task holds at most one write batch (32 MB or 4,096
-samples) and its read-ahead (``max(32, 8 * threads)`` files) on top of its Ray
-worker process (which imports torch with packdata: a few hundred MB). The
-driver keeps every CPU busy plus a queue of at most 64 tasks; their arguments
-(about key + path bytes per file) sit in the driver node's object store, and
-it keeps one small shard entry per shard. Gathering streams the fragments in
-8 MB chunks, so driver memory does not grow with the sample count.
-
-Failures: Ray reruns a task whose worker died and a task that raised
-``OSError`` (:data:`MAX_RETRIES` times). A task that fails for good stops the
-conversion with :class:`~packdata.errors.EngineError` naming the shard task and
-its first and last file; finished tasks stay in the partial folder, so rerunning
-with ``resume=True`` runs only the missing ones. With ``on_error="fail"`` a bad
-file stops the conversion with the same :class:`~packdata.errors.SourceError` as
-the local engine and removes the partial folder. DST never looks complete
-before the manifest is written and renamed.
+One Ray task per shard reads its files with the local engine's reader and writes
+its shard, index fragment and skip list into ``.NAME.partial``; the driver gathers
+them in plan order, writes the manifest and renames the pack into place, as the
+local engine does. How it plans, scales, fails and resumes: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -82,7 +39,15 @@ from packdata.conversion.convert import (
 from packdata.conversion.sources import Skip, Source, SourceFile
 from packdata.errors import ConfigError, EngineError, SourceError
 from packdata.formats import shard_writer
-from packdata.pack.index import _KEYS, _LABELS, _OFFSETS, _SIZES, INDEX_DIR, SampleIndexWriter
+from packdata.pack.index import (
+    FILES,
+    INDEX_DIR,
+    KEY_OFFSETS_FILE,
+    KEYS_FILE,
+    LABELS_FILE,
+    SIZES_FILE,
+    SampleIndexWriter,
+)
 from packdata.pack.manifest import ShardInfo, write_manifest
 from packdata.pack.records import Sample
 
@@ -287,8 +252,8 @@ class _Gatherer:
         directory = partial / INDEX_DIR
         directory.mkdir(exist_ok=True)
         # open for the whole gather, closed in close()
-        self.files = {name: open(directory / name, "wb") for name in (_LABELS, _SIZES, _KEYS, _OFFSETS)}  # noqa: SIM115
-        self.files[_OFFSETS].write(np.int64(0).tobytes())
+        self.files = {name: open(directory / name, "wb") for name in FILES}  # noqa: SIM115
+        self.files[KEY_OFFSETS_FILE].write(np.int64(0).tobytes())
         self.report = open(partial / SKIP_REPORT, "wb")  # noqa: SIM115
         self.shards: list[ShardInfo] = []
         self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
@@ -298,14 +263,14 @@ class _Gatherer:
     def add(self, result: dict[str, Any]) -> None:
         fragment = _task_dir(self.partial, result["number"])
         source = fragment / INDEX_DIR
-        for name in (_LABELS, _SIZES, _KEYS):
+        for name in (LABELS_FILE, SIZES_FILE, KEYS_FILE):
             with open(source / name, "rb") as f:
                 shutil.copyfileobj(f, self.files[name], 8 << 20)
         added = 0
-        with open(source / _OFFSETS, "rb") as f:
+        with open(source / KEY_OFFSETS_FILE, "rb") as f:
             f.seek(8)  # every fragment starts with offset 0
             while len(chunk := np.fromfile(f, dtype="<i8", count=_CHUNK)):
-                self.files[_OFFSETS].write((chunk + self.key_end).astype("<i8").tobytes())
+                self.files[KEY_OFFSETS_FILE].write((chunk + self.key_end).astype("<i8").tobytes())
                 added = int(chunk[-1])
         self.key_end += added
         with open(fragment / SKIP_REPORT, "rb") as f:

@@ -1,32 +1,48 @@
-"""Storage formats: one writer and one reader per format, no torch."""
+"""Storage formats: the registry, and one module per format (writer, reader, side tables).
+
+A caller asks the registry (:func:`get_format`) for what it needs of a format:
+its shard writer, the files a shard consists of, how to walk and check a shard.
+Nothing outside this package names a format; a new format is a new module here
+and one :data:`REGISTRY` entry. Formats know bytes on disk and nothing of torch.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from packdata.errors import ConfigError
 
 if TYPE_CHECKING:
     from packdata.pack.manifest import ShardInfo
     from packdata.pack.records import Sample
 
-__all__ = ["FORMATS", "ShardWriter", "format_from_path", "shard_writer"]
-
-FORMATS = ("lmdb", "tfrecord")
-
-
-def format_from_path(path: str) -> str | None:
-    """The format a destination's suffix names (``out.lmdb`` -> ``"lmdb"``), or None."""
-    lowered = path.rstrip("/").lower()
-    if lowered.endswith(".lmdb"):
-        return "lmdb"
-    if lowered.endswith((".tfrecord", ".tfrecords")):
-        return "tfrecord"
-    return None
+__all__ = [
+    "FORMATS",
+    "REGISTRY",
+    "PackFormat",
+    "ShardLayout",
+    "ShardWriter",
+    "format_from_path",
+    "get_format",
+    "shard_writer",
+]
 
 
 class ShardWriter(Protocol):
-    """What convert needs of a format's shard writer (see :func:`shard_writer`)."""
+    """What convert needs of a format's shard writer.
+
+    A writer is constructed as ``cls(path, resume_at=None)``, takes batches of
+    ``(index within the shard, Sample)`` in :meth:`write` (``resume_at`` is the
+    index within the shard of the first record to drop), makes them durable in
+    :meth:`sync` and returns ``(bytes, sha256)`` from :meth:`close`. Its static
+    ``shard_name(number)`` names shard files and ``finalize(pack, shards)``
+    gives them their final names once the shard count is known.
+    """
 
     def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None: ...
     def write(self, items: list[tuple[int, Sample]]) -> None: ...
@@ -38,22 +54,96 @@ class ShardWriter(Protocol):
     def finalize(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]: ...
 
 
-def shard_writer(fmt: str) -> type[ShardWriter]:
-    """The shard writer class of format ``fmt``.
+@dataclass(frozen=True)
+class ShardLayout:
+    """The files one shard consists of, by name.
 
-    A writer is constructed as ``cls(path, resume_at=None)``, takes batches of
-    ``(index within the shard, Sample)`` in :meth:`write` (``resume_at`` is the
-    index within the shard of the first record to drop), makes them durable in
-    :meth:`sync` and returns ``(bytes, sha256)`` from :meth:`close`. Its static
-    ``shard_name(number)`` names shard files and ``finalize(pack, shards)``
-    gives them their final names once the shard count is known.
+    ``folder``: the shard is a folder (``data`` and ``side`` are names inside it)
+    or a file (``data`` is the shard's own name, ``side`` are files beside it).
+    ``side``: accelerator tables (optional; copied when present). ``scratch``:
+    files a writer or reader may leave in the shard folder that are not pack data.
     """
-    if fmt == "lmdb":
-        from packdata.formats.lmdb import LMDBShardWriter
 
-        return LMDBShardWriter
-    if fmt == "tfrecord":
-        from packdata.formats.tfrecord import TFRecordShardWriter
+    folder: bool
+    data: str
+    side: tuple[str, ...] = ()
+    scratch: tuple[str, ...] = ()
 
-        return TFRecordShardWriter
-    raise ValueError(f"format should be one of {', '.join(FORMATS)}, but got format={fmt!r}")
+    def data_path(self, shard: Path) -> Path:
+        """The file holding the shard's records, for a shard at ``shard``."""
+        return shard / self.data if self.folder else shard
+
+    def side_paths(self, shard: Path) -> list[Path]:
+        """The shard's side tables, whether present or not."""
+        base = shard if self.folder else shard.parent
+        return [base / name for name in self.side]
+
+
+@dataclass(frozen=True)
+class PackFormat:
+    """One storage format: its name, destination suffixes, defaults and implementation module.
+
+    The module provides ``SHARD_WRITER``, ``shard_layout(name)``,
+    ``iter_samples(shard, first_index)`` and ``check_side_tables(shard, info)``.
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+    module: str
+    default_shard_bytes: int | None
+    streams_by_shard: bool  # its streaming reader splits work by whole shards (so shard count matters)
+
+    def _impl(self):
+        return importlib.import_module(self.module)
+
+    def shard_writer(self) -> type[ShardWriter]:
+        """The shard writer class."""
+        return self._impl().SHARD_WRITER
+
+    def shard_layout(self, name: str) -> ShardLayout:
+        """The files of the shard called ``name`` (a plain name)."""
+        return self._impl().shard_layout(name)
+
+    def iter_samples(self, shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
+        """``(global index, Sample)`` of every record in file order, every check made (for verify)."""
+        return self._impl().iter_samples(shard, first_index)
+
+    def check_side_tables(self, shard: Path, info: ShardInfo) -> None:
+        """Check the shard's side tables row by row against the shard (for verify)."""
+        self._impl().check_side_tables(shard, info)
+
+
+REGISTRY: dict[str, PackFormat] = {
+    f.name: f
+    for f in (
+        PackFormat("lmdb", (".lmdb",), "packdata.formats.lmdb", None, streams_by_shard=False),
+        PackFormat(
+            "tfrecord", (".tfrecord", ".tfrecords"), "packdata.formats.tfrecord", 256 * 10**6, streams_by_shard=True
+        ),
+    )
+}
+FORMATS = tuple(REGISTRY)
+"""Format names, the default first."""
+
+
+def get_format(name: str) -> PackFormat:
+    """The registered format called ``name``.
+
+    Raises:
+        ConfigError: no such format.
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"format should be one of {', '.join(FORMATS)}, but got format={name!r}") from None
+
+
+def format_from_path(path: str) -> str | None:
+    """The format a destination's suffix names (``out.lmdb`` -> ``"lmdb"``), or None."""
+    lowered = path.rstrip("/").lower()
+    return next((f.name for f in REGISTRY.values() if lowered.endswith(f.suffixes)), None)
+
+
+def shard_writer(fmt: str) -> type[ShardWriter]:
+    """The shard writer class of format ``fmt`` (see :class:`ShardWriter`)."""
+    return get_format(fmt).shard_writer()

@@ -38,6 +38,7 @@ import ctypes
 import errno
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
@@ -45,19 +46,26 @@ import lmdb
 import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
+from packdata.formats import ShardLayout
 from packdata.pack.manifest import ShardInfo, file_sha256
-from packdata.pack.records import RecordError, Sample, encode_record, payload_start
+from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
 
 __all__ = [
     "DATA_FILE",
+    "NAME",
     "RECORDS_FILE",
     "LMDBShardReader",
     "LMDBShardWriter",
     "check_records_table",
     "encode_key",
+    "SHARD_WRITER",
+    "check_side_tables",
+    "iter_samples",
     "record_locations",
+    "shard_layout",
 ]
 
+NAME = "lmdb"
 DATA_FILE = "data.mdb"
 MAX_READERS = 2048
 _KEY = struct.Struct(">Q")
@@ -516,3 +524,30 @@ class LMDBShardReader:
     def __del__(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
+
+
+SHARD_WRITER = LMDBShardWriter
+
+
+def shard_layout(name: str) -> ShardLayout:
+    """An LMDB shard is a folder: ``data.mdb``, the ``records.i64`` table, and LMDB's ``lock.mdb``."""
+    return ShardLayout(folder=True, data=DATA_FILE, side=(RECORDS_FILE,), scratch=("lock.mdb",))
+
+
+def iter_samples(shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
+    """``(global index, Sample)`` of every record in key order, record CRCs checked."""
+    reader = LMDBShardReader(shard, readahead=True)
+    try:
+        for local, value in reader.items():
+            i = first_index + local
+            try:
+                yield i, decode_record(value, check_crc=True)
+            except RecordError as exc:
+                raise PackFormatError(f"record {i} is damaged: {exc}", path=shard) from exc
+    finally:
+        reader.close()
+
+
+def check_side_tables(shard: Path, info: ShardInfo) -> None:
+    """Check ``records.i64`` row by row against the shard."""
+    check_records_table(shard, info.sha256)

@@ -61,11 +61,13 @@ import numpy as np
 from tfrecord import example_pb2
 
 from packdata.errors import PackFormatError, destination_error
+from packdata.formats import ShardLayout
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample
 
 __all__ = [
     "INDEX_SUFFIX",
+    "NAME",
     "PAYLOAD_SUFFIX",
     "SHARD_SUFFIX",
     "ParsedExample",
@@ -81,9 +83,14 @@ __all__ = [
     "parse_example",
     "payload_path",
     "read_index",
+    "SHARD_WRITER",
+    "check_side_tables",
+    "iter_samples",
     "read_payload_table",
+    "shard_layout",
 ]
 
+NAME = "tfrecord"
 SHARD_SUFFIX = ".tfrecord"
 INDEX_SUFFIX = ".tfindex"
 PAYLOAD_SUFFIX = ".tfpayload"
@@ -894,3 +901,17 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
             path=index_path(path),
             hint="Convert the pack again",
         )
+
+
+SHARD_WRITER = TFRecordShardWriter
+iter_samples = iter_shard_samples
+
+
+def shard_layout(name: str) -> ShardLayout:
+    """A TFRecord shard is one file, with its ``.tfindex`` and ``.tfpayload`` tables beside it."""
+    return ShardLayout(folder=False, data=name, side=(index_path(name).name, payload_path(name).name))
+
+
+def check_side_tables(shard: Path, info: ShardInfo) -> None:
+    """Check ``.tfpayload`` row by row (the ``.tfindex`` is checked while the records are walked)."""
+    check_payload_table(shard, info.num_samples, info.sha256)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,9 +10,9 @@ from typing import Any
 from tqdm import tqdm
 
 from packdata.errors import PackFormatError
+from packdata.formats import get_format
 from packdata.pack.index import SampleIndex
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, file_sha256, read_manifest
-from packdata.pack.records import RecordError, Sample, decode_record
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, file_sha256, read_manifest
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
 
@@ -35,35 +34,6 @@ class VerifyResult:
     records: int
     bytes: int
     shards: int
-
-
-def _shard_data_file(manifest: Manifest, pack: Path, shard: ShardInfo) -> Path:
-    if manifest.format == "lmdb":
-        from packdata.formats.lmdb import DATA_FILE
-
-        return shard.path(pack) / DATA_FILE
-    return shard.path(pack)
-
-
-def _samples(manifest: Manifest, pack: Path, shard: ShardInfo) -> Iterator[tuple[int, Sample]]:
-    """``(global index, sample)`` of every record of a shard, in order, CRCs checked."""
-    if manifest.format == "lmdb":
-        from packdata.formats.lmdb import LMDBShardReader
-
-        reader = LMDBShardReader(shard.path(pack), readahead=True)
-        try:
-            for local, value in reader.items():
-                i = shard.first_index + local
-                try:
-                    yield i, decode_record(value, check_crc=True)
-                except RecordError as exc:
-                    raise PackFormatError(f"record {i} is damaged: {exc}", path=shard.path(pack)) from exc
-        finally:
-            reader.close()
-    else:
-        from packdata.formats.tfrecord import iter_shard_samples
-
-        yield from iter_shard_samples(shard.path(pack), shard.first_index)
 
 
 def _check_counts(manifest: Manifest, pack: Path) -> None:
@@ -99,18 +69,6 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
         )
 
 
-def _check_side_tables(manifest: Manifest, pack: Path, shard: ShardInfo) -> None:
-    """Check a shard's accelerator tables against its records (the offsets index is checked while reading)."""
-    if manifest.format == "lmdb":
-        from packdata.formats.lmdb import check_records_table
-
-        check_records_table(shard.path(pack), shard.sha256)
-    else:
-        from packdata.formats.tfrecord import check_payload_table
-
-        check_payload_table(shard.path(pack), shard.num_samples, shard.sha256)
-
-
 def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResult:
     """Read every record of a pack and check it against the manifest and index.
 
@@ -142,10 +100,12 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
             path=index_dir / "labels.i32",
             hint="Convert the pack again",
         )
+    fmt = get_format(manifest.format)
     checked = nbytes = 0
     with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True, disable=not progress) as bar:
         for shard in manifest.shards:
-            data_file = _shard_data_file(manifest, pack, shard)
+            shard_path = shard.path(pack)
+            data_file = fmt.shard_layout(os.path.basename(shard.file)).data_path(shard_path)
             if not data_file.is_file():
                 raise PackFormatError("shard file is missing", path=data_file, hint="Convert or stage the pack again")
             size = data_file.stat().st_size
@@ -162,7 +122,7 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
                     hint="The shard is damaged: convert or stage again",
                 )
             expected = shard.first_index
-            for i, sample in _samples(manifest, pack, shard):
+            for i, sample in fmt.iter_samples(shard_path, shard.first_index):
                 if i != expected:
                     raise PackFormatError(f"record {expected} is missing (found {i} next)", path=data_file)
                 if sample.key != index.keys[i] or sample.label != int(index.labels[i]):
@@ -180,5 +140,5 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
                     path=data_file,
                 )
             checked += expected - shard.first_index
-            _check_side_tables(manifest, pack, shard)
+            fmt.check_side_tables(shard_path, shard)
     return VerifyResult(pack, checked, nbytes, len(manifest.shards))

@@ -13,8 +13,9 @@ from torch.utils.data import Dataset
 
 from packdata.conversion.sources import SourceFile, scan_source
 from packdata.errors import ConfigError, SourceError
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.reading.decode import DecodeFn, DecodeJPEG, resolve_decoder
+from packdata.reading.open import open_dataset
 
 __all__ = ["DECODE_CHOICES", "FolderDataset", "InMemoryDataset", "open_source"]
 
@@ -218,7 +219,7 @@ def open_source(
         manifest = read_manifest(path)
         decoder = _decoder(decode, manifest.kind, size)
         tf = transform if manifest.kind == "image" and decode != "bytes" else None
-        dataset = _dataset_for(manifest, path, tf, decoder)
+        dataset = open_dataset(path, streaming=True, transform=tf, decode=decoder)  # what users train with
         sizes = getattr(getattr(dataset, "pack", None), "index", None)
         mean = (
             float(np.mean(sizes.sizes))
@@ -250,31 +251,10 @@ def open_source(
     return folder, facts
 
 
-def _dataset_for(
-    manifest: Manifest, path: Path, transform: Callable[[Any], Any] | None, decoder: DecodeFn | str
-) -> Any:
-    """The dataset users train with on a pack of ``manifest.format``: bench's one branch on format names."""
-    if manifest.format == "lmdb":
-        from packdata.reading.datasets import LMDBDataset
-
-        return LMDBDataset(path, transform=transform, decode=decoder)
-    if manifest.format == "tfrecord":
-        return _open_tfrecord(path, transform, decoder)
-    raise ConfigError(f"bench does not know the pack format {manifest.format!r}", path=path)
-
-
-def _open_tfrecord(path: Path, transform: Callable[[Any], Any] | None, decoder: DecodeFn | str) -> Any:
-    from packdata.reading.streaming import TFRecordDataset
-
-    return TFRecordDataset(path, transform=transform, decode=decoder)
-
-
 def _raw_view(name: str, dataset: Any, facts: dict[str, Any]) -> Any:
-    """Something with ``raw(index)`` over the source (the indexed reader for a streaming TFRecord pack)."""
+    """Something with ``raw(index)`` over the source (the map-style reader of a pack streamed for training)."""
     if hasattr(dataset, "raw"):
         return dataset
-    if facts.get("format") == "tfrecord":
-        from packdata.reading.streaming import TFRecordIndexedDataset
-
-        return TFRecordIndexedDataset(name, decode="bytes")
+    if facts.get("format") != "folder":
+        return open_dataset(name, decode="bytes")
     return None

@@ -23,11 +23,21 @@ from typing import overload
 
 import numpy as np
 
-__all__ = ["INDEX_DIR", "KeyList", "SampleIndex", "SampleIndexWriter"]
+__all__ = [
+    "FILES",
+    "INDEX_DIR",
+    "KEYS_FILE",
+    "KEY_OFFSETS_FILE",
+    "LABELS_FILE",
+    "SIZES_FILE",
+    "KeyList",
+    "SampleIndex",
+    "SampleIndexWriter",
+]
 
 INDEX_DIR = "index"
-_LABELS, _SIZES, _KEYS, _OFFSETS = "labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"
-FILES = (_LABELS, _SIZES, _KEYS, _OFFSETS)
+LABELS_FILE, SIZES_FILE, KEYS_FILE, KEY_OFFSETS_FILE = "labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"
+FILES = (LABELS_FILE, SIZES_FILE, KEYS_FILE, KEY_OFFSETS_FILE)
 
 
 class SampleIndexWriter:
@@ -43,16 +53,21 @@ class SampleIndexWriter:
         self._files = {name: open(self.dir / name, "ab") for name in FILES}  # noqa: SIM115 (closed in close())
         self._keys: list[bytes] = []
         self._offsets, self._labels, self._sizes = array("q"), array("i"), array("q")
-        if self.count == 0 and self._files[_OFFSETS].tell() == 0:
+        if self.count == 0 and self._files[KEY_OFFSETS_FILE].tell() == 0:
             self._offsets.append(0)
 
     def _truncate(self, n: int) -> None:
-        path = self.dir / _OFFSETS
+        path = self.dir / KEY_OFFSETS_FILE
         offsets = np.fromfile(path, dtype="<i8") if path.exists() else np.zeros(1, "<i8")
         if len(offsets) < n + 1:
             raise ValueError(f"{self.dir}: index holds {len(offsets) - 1} samples, cannot resume at {n}")
         self._key_end = int(offsets[n])
-        for name, size in ((_LABELS, 4 * n), (_SIZES, 8 * n), (_OFFSETS, 8 * (n + 1)), (_KEYS, self._key_end)):
+        for name, size in (
+            (LABELS_FILE, 4 * n),
+            (SIZES_FILE, 8 * n),
+            (KEY_OFFSETS_FILE, 8 * (n + 1)),
+            (KEYS_FILE, self._key_end),
+        ):
             os.truncate(self.dir / name, size)
         self.count = n
 
@@ -68,8 +83,8 @@ class SampleIndexWriter:
 
     def flush(self) -> None:
         """Push everything appended so far to disk (before a checkpoint)."""
-        self._files[_KEYS].write(b"".join(self._keys))
-        for name, values in ((_OFFSETS, self._offsets), (_LABELS, self._labels), (_SIZES, self._sizes)):
+        self._files[KEYS_FILE].write(b"".join(self._keys))
+        for name, values in ((KEY_OFFSETS_FILE, self._offsets), (LABELS_FILE, self._labels), (SIZES_FILE, self._sizes)):
             if sys.byteorder != "little":
                 values.byteswap()
             self._files[name].write(values.tobytes())
@@ -81,7 +96,7 @@ class SampleIndexWriter:
 
     def close(self) -> None:
         """Flush and close the files (safe to call twice)."""
-        if not self._files[_KEYS].closed:
+        if not self._files[KEYS_FILE].closed:
             self.flush()
             for f in self._files.values():
                 f.close()
@@ -116,10 +131,10 @@ class SampleIndex:
 
     def __init__(self, directory: str | os.PathLike, num_samples: int) -> None:
         directory = Path(directory)
-        self.labels = self._map(directory / _LABELS, "<i4", num_samples)
-        self.sizes = self._map(directory / _SIZES, "<i8", num_samples)
-        offsets = self._map(directory / _OFFSETS, "<i8", num_samples + 1)
-        blob = self._map(directory / _KEYS, "u1", int(offsets[-1]))
+        self.labels = self._map(directory / LABELS_FILE, "<i4", num_samples)
+        self.sizes = self._map(directory / SIZES_FILE, "<i8", num_samples)
+        offsets = self._map(directory / KEY_OFFSETS_FILE, "<i8", num_samples + 1)
+        blob = self._map(directory / KEYS_FILE, "u1", int(offsets[-1]))
         self.keys = KeyList(blob, offsets)
 
     @staticmethod

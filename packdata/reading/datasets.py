@@ -20,6 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packdata.errors import ImageFormatError, PackFormatError
+from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.pack.index import INDEX_DIR, KeyList, SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -272,6 +273,8 @@ class LMDBDataset(PackView, Dataset):
         verify: the older name of ``check_crc=True``.
     """
 
+    pack_format = LMDB
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -283,7 +286,7 @@ class LMDBDataset(PackView, Dataset):
         check_crc: bool = True,
         verify: bool = False,
     ) -> None:
-        super().__init__(path, "lmdb", transform, target_transform, decode)
+        super().__init__(path, LMDB, transform, target_transform, decode)
         self.readahead = readahead
         self.check_crc = check_crc or verify
         shards = self.pack.manifest.shards

@@ -154,30 +154,8 @@ class BlockShuffleSampler(Sampler[int]):
     The order is :func:`block_shuffle_order` of ``(seed, epoch, rank,
     world_size)``: the state is just ``seed`` and ``epoch``.
 
-    Resuming mid-epoch: :meth:`state_dict` is a small JSON-serialisable dict
-    (epoch, seed, samples this rank consumed) and :meth:`load_state_dict` makes
-    the next iteration continue from it. With
-    ``torchdata.stateful_dataloader.StatefulDataLoader(ds, sampler=sampler,
-    ...)`` nothing else is needed: the loader calls both (with any
-    ``num_workers``) and its own ``state_dict()`` holds ours. With a plain
-    ``DataLoader`` the sampler runs ahead of training by the prefetched batches,
-    so pass what training consumed: ``sampler.state_dict(consumed=steps *
-    batch_size)`` (samples taken from this iteration of the loader), save it,
-    and after a restart call ``sampler.load_state_dict(state)`` before
-    iterating. Resuming at the same world size continues with exactly the
-    remaining indices, in the uninterrupted order.
-
-    Elastic resume: a state saved at world size ``N`` loads at world size
-    ``M``. Ranks of a DDP job consume equal counts (every rank takes the same
-    number of steps), so one rank's state tells what every rank consumed: the
-    remaining samples are the epoch's whole-pack order minus every rank's
-    consumed slice, kept in that order, deduplicated, and split into ``M``
-    contiguous slices (padded by repeating their start, or cut with
-    ``drop_last``). Every remaining sample is then visited exactly once (plus
-    at most ``M - 1`` repeats when padding); the order differs from the
-    uninterrupted run. Checkpoint every rank at the same step. The state keeps
-    one ``[world_size, consumed]`` entry per world size the epoch ran at, so
-    resizing again later stays exact. ``__len__`` stays the full epoch's count.
+    Resuming (also at another world size): :meth:`state_dict` / :meth:`load_state_dict`;
+    see ``docs/architecture.md``.
 
     Args:
         dataset_or_length: a sized dataset, or the number of samples.

@@ -24,6 +24,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packdata.errors import PackFormatError
+from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
 from packdata.pack.records import RecordError
 from packdata.reading.datasets import PackView, ShardReaders
@@ -85,7 +86,7 @@ class _PackView(PackView):
         decode: str | DecodeFn,
         check_crc: bool,
     ) -> None:
-        super().__init__(path, "tfrecord", transform, target_transform, decode)
+        super().__init__(path, TFRECORD, transform, target_transform, decode)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
@@ -124,23 +125,6 @@ class TFRecordDataset(_PackView, IterableDataset):
     samples at most; with ``drop_uneven=True`` up to ``world_size - 1`` samples
     are left out of the epoch instead.
 
-    With ``shuffle=True`` the shard order is reshuffled from ``(seed, epoch)``
-    and samples pass a shuffle buffer of ``shuffle_buffer`` records seeded from
-    ``(seed, epoch, rank, worker)``: call :meth:`set_epoch` before each epoch
-    for a new order; the same ``(seed, epoch)`` gives the same order. With
-    ``shuffle=False`` one reader yields pack order (several workers interleave
-    their ranges batch by batch).
-
-    Records are read in memory-mapped chunks of 8 MB (with ``shuffle=False``
-    and records of 16 KB or more, one positioned read per record instead),
-    their framing checked against the offsets index, and both CRC32Cs checked
-    unless ``check_crc=False``; a damaged record raises
-    :class:`~packdata.errors.PackFormatError` naming the shard and byte offset.
-    Shards packdata wrote carry a payload table (``.tfpayload``, see
-    :mod:`packdata.formats.tfrecord`): the payload is then sliced out of the
-    checked record and the label taken from the pack's index, without parsing
-    the Example; shards without a valid table are parsed.
-
     Workers: ``__init__`` reads only the manifest. Shard files and their
     offsets indexes are opened inside ``__iter__``, in the worker that reads
     them, and closed when it is done, so the dataset pickles to ``spawn``-ed
@@ -151,17 +135,7 @@ class TFRecordDataset(_PackView, IterableDataset):
     with ``persistent_workers=True`` the workers keep the epoch they started
     with, so leave persistent workers off to reshuffle.
 
-    Resuming mid-epoch: each ``(rank, worker)`` reader's order within an
-    epoch is a pure function of ``(seed, epoch, rank, world_size, worker,
-    num_workers)``, so :meth:`state_dict` is the epoch and the samples that
-    reader yielded, and :meth:`load_state_dict` makes the next pass continue
-    exactly, without reading the records already consumed. With
-    ``torchdata.stateful_dataloader.StatefulDataLoader`` (any
-    ``num_workers``) the loader saves and restores every worker's state
-    itself: resume with the same world size and ``num_workers``.
-    Resuming at another world size or worker count is not supported for
-    this streaming reader: use :class:`TFRecordIndexedDataset` with
-    :class:`~packdata.reading.samplers.BlockShuffleSampler`, which resumes elastically.
+    Resuming: see ``docs/architecture.md``; resume at the same world size and ``num_workers``.
 
     Args:
         path: the pack (directory with ``manifest.json``).
@@ -179,6 +153,8 @@ class TFRecordDataset(_PackView, IterableDataset):
         drop_uneven: drop samples rather than pad so that ranks are equal.
         check_crc: check both CRC32Cs of every record (framing is always checked).
     """
+
+    pack_format = TFRECORD
 
     def __init__(
         self,
@@ -489,6 +465,8 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
         check_crc: check both CRC32Cs of every record (framing is always checked).
     """
+
+    pack_format = TFRECORD
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
+from packdata.formats import get_format
 from packdata.pack.index import FILES as INDEX_FILES
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
@@ -140,33 +141,30 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
     origin shard's path) checked by :func:`packdata.pack.manifest.read_manifest`, so
     every destination lies directly in ``dest``.
     """
+    layout_of = get_format(manifest.format).shard_layout
     units = []
     for number, info in enumerate(manifest.shards):
         src = info.path(source)
         name = os.path.basename(info.file)
-        if manifest.format == "lmdb":
-            from packdata.formats.lmdb import DATA_FILE, RECORDS_FILE
-
+        layout = layout_of(name)
+        side = [p for p in layout.side_paths(src) if os.path.lexists(p)]
+        if layout.folder:
             if src.is_symlink() or not src.is_dir():
                 raise PackFormatError(
-                    f"shard {number} is not a folder holding {DATA_FILE}", path=src, hint="Convert the pack again"
+                    f"shard {number} is not a folder holding {layout.data}", path=src, hint="Convert the pack again"
                 )
-            _require_regular(src / DATA_FILE, f"shard {number}'s {DATA_FILE}")
             root, temp = dest / name, dest / f".{name}{PARTIAL}"
-            names = [DATA_FILE] + ([RECORDS_FILE] if os.path.lexists(src / RECORDS_FILE) else [])
+            names = sorted([layout.data] + [p.name for p in side])
             for f in names:
                 _require_regular(src / f, f"shard {number}'s {f}")
-            files = [(src / f, root / f, temp / f, f == DATA_FILE) for f in sorted(names)]
+            files = [(src / f, root / f, temp / f, f == layout.data) for f in names]
             units.append(ShardFiles(number, info, name, files, root, temp, True))
         else:
-            from packdata.formats.tfrecord import index_path, payload_path
-
             _require_regular(src, f"shard {number}")
             files = [(src, dest / name, dest / f".{name}{PARTIAL}", True)]
-            for side in (payload_path(src), index_path(src)):
-                if os.path.lexists(side):
-                    _require_regular(side, f"shard {number}'s {side.suffix} file")
-                    files.insert(0, (side, dest / side.name, dest / f".{side.name}{PARTIAL}", False))
+            for p in reversed(side):
+                _require_regular(p, f"shard {number}'s {p.suffix} file")
+                files.insert(0, (p, dest / p.name, dest / f".{p.name}{PARTIAL}", False))
             units.append(ShardFiles(number, info, name, files, dest / name, dest / f".{name}{PARTIAL}", False))
     return units
 

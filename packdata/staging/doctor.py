@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packdata.formats import get_format
 from packdata.host.cores import recommend_workers, usable_cores
 from packdata.host.facts import SystemFacts, find_mount, gather_facts, is_network_fs, is_rotational, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
@@ -122,11 +123,6 @@ class DoctorReport:
         return out
 
 
-def _streams_by_shard(fmt: str) -> bool:
-    """Whether the format's reader streams whole shards (its shard count then matters to readers)."""
-    return fmt == "tfrecord"  # LMDBDataset reads by index: its shard count matters little
-
-
 def _pack_report(
     path: Path, ranks: int, workers: int, root: str | os.PathLike
 ) -> tuple[PackReport, list[SafetyWarning]]:
@@ -166,7 +162,7 @@ def _pack_report(
     )
     warnings: list[SafetyWarning] = []
     readers = report.readers
-    streams = _streams_by_shard(manifest.format)
+    streams = get_format(manifest.format).streams_by_shard
     if streams and report.shards < readers:
         warnings.append(
             SafetyWarning(
@@ -261,7 +257,7 @@ def doctor(
     if pack is not None:
         report.pack, extra = _pack_report(Path(pack), ranks, num_workers if workers is None else workers, root)
         report.warnings.extend(extra)
-        if not _streams_by_shard(report.pack.format):
+        if not get_format(report.pack.format).streams_by_shard:
             report.notes.append("LMDBDataset reads by index: the shard count matters little to it (TFRecord streams)")
     report.notes.append("measure from here: packdata tune PACK --device cuda")
     return report

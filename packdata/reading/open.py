@@ -1,0 +1,35 @@
+"""Open the dataset users train with on a pack, whatever its format."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from packdata.errors import ConfigError
+from packdata.pack.manifest import read_manifest
+from packdata.reading.datasets import LMDBDataset
+from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+
+__all__ = ["open_dataset"]
+
+_MAP_STYLE = {cls.pack_format: cls for cls in (LMDBDataset, TFRecordIndexedDataset)}
+_STREAMING = {cls.pack_format: cls for cls in (TFRecordDataset,)}
+
+
+def open_dataset(path: str | os.PathLike, *, streaming: bool = False, **kwargs: Any) -> Any:
+    """The dataset over the pack at ``path``, chosen by the pack's format.
+
+    Args:
+        path: the pack.
+        streaming: prefer the format's streaming (iterable) dataset when it has
+            one; otherwise, and by default, the map-style dataset.
+        **kwargs: passed to the dataset (``transform``, ``decode``, ...).
+
+    Raises:
+        ConfigError: no dataset reads the pack's format.
+    """
+    fmt = read_manifest(path).format
+    cls = (_STREAMING.get(fmt) if streaming else None) or _MAP_STYLE.get(fmt)
+    if cls is None:
+        raise ConfigError(f"no dataset reads packs of format {fmt!r}", path=path)
+    return cls(path, **kwargs)
