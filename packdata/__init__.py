@@ -41,7 +41,7 @@ _EXPORTS = {
     "StageResult": "staging.stage",
     "StageStatus": "staging.stage",
     "UnstageResult": "staging.stage",
-    "prepare_tmpfs": "staging.stage",
+    "prepare_tmpfs": "staging.tmpfs",
     "stage": "staging.stage",
     "stage_status": "staging.stage",
     "unstage": "staging.stage",

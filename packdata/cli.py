@@ -437,8 +437,9 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
       packdata stage --status
       packdata unstage /mnt/packdata/train.lmdb
     """
-    from packdata.staging.stage import prepare_tmpfs, stage_status
     from packdata.staging.stage import stage as run_stage
+    from packdata.staging.stage import stage_status
+    from packdata.staging.tmpfs import prepare_tmpfs
 
     if status:
         if any(v not in (None, False) for v in options.values()) or shards:

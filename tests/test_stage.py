@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import os
@@ -18,16 +17,17 @@ from click.testing import CliRunner
 from PIL import Image
 
 import packdata
+import packdata.staging.copy as copy_module
+import packdata.staging.stage as stage_module
+import packdata.staging.tmpfs as tmpfs_module
 from packdata.cli import main
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
-from packdata.staging.stage import STAGED_FILE, prepare_tmpfs, stage, stage_status, unstage
+from packdata.staging.stage import STAGED_FILE, stage, stage_status, unstage
+from packdata.staging.tmpfs import prepare_tmpfs
 from tests.conftest import tree_digest
-
-stage_module = importlib.import_module("packdata.staging.stage")  # packdata.stage is the function
-copy_module = importlib.import_module("packdata.staging.copy")
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
@@ -356,7 +356,7 @@ def test_unsafe_tmpfs_size_refused_unless_forced(tmp_path: Path, monkeypatch: py
     proc = tmp_path / "fake" / "proc"
     proc.mkdir(parents=True)
     (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 2097152 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n")
-    monkeypatch.setattr(stage_module, "gather_facts", lambda **kw: system.gather_facts(tmp_path / "fake", **kw))
+    monkeypatch.setattr(tmpfs_module, "gather_facts", lambda **kw: system.gather_facts(tmp_path / "fake", **kw))
     with pytest.raises(CapacityError, match=r"a 4.0 GiB tmpfs does not fit in memory.*--force"):
         prepare_tmpfs(4 << 30, mount=tmp_path / "ram")
     assert not (tmp_path / "ram").exists()

@@ -19,7 +19,6 @@ import shutil
 import stat
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -36,10 +35,8 @@ from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.units import format_size
 
 __all__ = [
-    "STAGED_FILE",
     "Cancelled",
     "ShardFiles",
-    "check_destination",
     "copy_all",
     "copy_file",
     "copy_index",
@@ -54,10 +51,8 @@ __all__ = [
     "sha256_of",
     "shard_files",
     "staged_manifest",
-    "write_marker",
 ]
 
-STAGED_FILE = "staged.json"
 """Written in every staged pack: where it came from, which shards are staged and which were left."""
 
 PARTIAL = ".partial"
@@ -421,34 +416,6 @@ def resolve_order(manifest: Manifest, shards: Sequence[int | str] | None) -> lis
     return order
 
 
-def check_destination(source: Path, dest: Path) -> None:
-    if dest.resolve() == source.resolve():
-        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another --to DIR")
-    if dest.exists():
-        marker = dest / STAGED_FILE
-        if not marker.is_file():
-            if dest.is_dir() and (not any(dest.iterdir()) or only_lock_left(dest)):
-                return
-            raise ConfigError(
-                "exists and is not a staged pack",
-                path=dest,
-                hint="Choose another --to DIR or --name; packdata only writes into packs it staged",
-            )
-        try:
-            origin = json.loads(marker.read_text(encoding="utf-8")).get("origin")
-        except (OSError, ValueError):
-            origin = None
-        if origin and Path(origin) != source.resolve():
-            raise ConfigError(
-                f"holds a staged copy of another pack ({origin})",
-                path=dest,
-                hint=f"Unstage it first (packdata unstage {dest}) or choose another --name",
-            )
-
-
-# --------------------------------------------------------------------------- tmpfs
-
-
 def copy_all(units: list[ShardFiles], total: int, workers: int | None, progress: bool) -> None:
     if not units:
         return
@@ -482,34 +449,6 @@ def copy_all(units: list[ShardFiles], total: int, workers: int | None, progress:
     finally:
         bar.close()
     pool.shutdown(wait=True)
-
-
-def write_marker(
-    dest: Path,
-    source: Path,
-    manifest: Manifest,
-    units: list[ShardFiles],
-    staged: set[int],
-    sizes: dict[int, int],
-    *,
-    complete: bool,
-) -> None:
-    from packdata._version import __version__
-
-    write_json(
-        dest / STAGED_FILE,
-        {
-            "origin": os.fspath(source),
-            "format": manifest.format,
-            "staged": [u.name for u in units if u.number in staged],
-            "left": [u.name for u in units if u.number not in staged],
-            "bytes_staged": sum(sizes[n] for n in staged),
-            "bytes_left": sum(sizes[u.number] for u in units if u.number not in staged),
-            "complete": complete,
-            "staged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "packdata_version": __version__,
-        },
-    )
 
 
 # --------------------------------------------------------------------------- status and unstage

@@ -28,6 +28,7 @@ from packdata.host.cores import recommend_workers, usable_cores
 from packdata.host.facts import SystemFacts, find_mount, gather_facts, is_network_fs, is_rotational, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import read_manifest
+from packdata.staging.marker import read_marker
 from packdata.units import format_size
 
 __all__ = ["DoctorReport", "PackReport", "doctor"]
@@ -136,13 +137,8 @@ def _pack_report(
     with contextlib.suppress(LookupError):
         mount = find_mount(path, mounts)
     elsewhere = [s for s in manifest.shards if Path(s.file).is_absolute()]
-    origin = None
-    staged = path / "staged.json"
-    if staged.is_file():
-        import json
-
-        with contextlib.suppress(OSError, ValueError):
-            origin = str(json.loads(staged.read_text(encoding="utf-8")).get("origin") or "") or None
+    marker = read_marker(path)
+    origin = (marker.get("origin") or None) if marker else None
     report = PackReport(
         path=os.fspath(path),
         format=manifest.format,

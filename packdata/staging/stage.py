@@ -44,7 +44,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,13 +51,12 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import CapacityError, ConfigError
-from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
+from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.index import INDEX_DIR
-from packdata.pack.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.staging.copy import (
-    STAGED_FILE,
-    check_destination,
+    ShardFiles,
     copy_all,
     copy_index,
     dir_bytes,
@@ -70,54 +68,35 @@ from packdata.staging.copy import (
     same_tree,
     shard_files,
     staged_manifest,
-    write_marker,
+)
+from packdata.staging.marker import STAGED_FILE, check_destination, read_marker, write_marker
+from packdata.staging.tmpfs import (
+    DEFAULT_AREA,
+    TMPFS_SOURCE,
+    TmpfsArea,
+    mount_of,
+    prepare_tmpfs,
+    run_mount,
+    tmpfs_mount_at,
 )
 from packdata.units import format_size
 
 __all__ = [
-    "DEFAULT_AREA",
     "STAGED_FILE",
-    "TMPFS_SOURCE",
     "AreaStatus",
     "StageResult",
     "StageStatus",
     "StagedPack",
-    "TmpfsArea",
     "UnstageResult",
-    "prepare_tmpfs",
     "stage",
     "stage_status",
     "unstage",
 ]
 
-DEFAULT_AREA = Path("/mnt/packdata")
-"""Where ``stage(tmpfs=...)`` mounts its tmpfs, and where ``stage(pack)`` stages by default."""
-
-TMPFS_SOURCE = "packdata"
-"""The device name of tmpfs mounts packdata makes (``/proc/mounts`` column 1): only these are unmounted."""
-
 _HEADROOM = 64 << 10  # left free on the destination beyond the staged files (directory blocks, staged.json)
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass
-class TmpfsArea:
-    """A tmpfs staging area: mounted now, reused, or resized."""
-
-    path: Path
-    size: int
-    used: int
-    free: int
-    action: str  # "mounted", "reused", "resized"
-    mounted_by_packdata: bool
-    warnings: list[SafetyWarning] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["path"] = os.fspath(self.path)
-        return data
 
 
 @dataclass
@@ -218,113 +197,6 @@ def _free_bytes(area: Path) -> int:
     return shutil.disk_usage(area).free
 
 
-def _mount_of(path: str | os.PathLike, mounts: list[Mount]) -> Mount | None:
-    try:
-        return find_mount(path, mounts)
-    except LookupError:
-        return None
-
-
-def _tmpfs_mount(path: Path, root: str = "/") -> Mount | None:
-    """The filesystem mounted exactly at ``path``, if any."""
-    mount = _mount_of(path, read_mounts(root)) if path.exists() else None
-    return mount if mount is not None and Path(mount.mountpoint) == path.resolve() else None
-
-
-def _run_mount(args: list[str], path: Path, hint: str) -> None:
-    try:
-        subprocess.run(args, check=True, capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"the `{args[0]}` command is not installed", path=path) from exc
-    except subprocess.CalledProcessError as exc:
-        detail = (exc.stderr or "").strip().rstrip(".") or f"exit status {exc.returncode}"
-        raise ConfigError(f"`{' '.join(args)}` failed: {detail}", path=path, hint=hint) from exc
-
-
-def _not_root_error(size: int, path: Path) -> ConfigError:
-    return ConfigError(
-        "mounting a tmpfs needs root",
-        path=path,
-        hint=f"Run `sudo packdata stage --tmpfs {format_size(size)} --mount {path}` once, "
-        f"or stage into RAM without mounting: `packdata stage PACK --to /dev/shm`",
-    )
-
-
-def prepare_tmpfs(
-    size: int,
-    *,
-    mount: str | os.PathLike = DEFAULT_AREA,
-    resize: bool = False,
-    force: bool = False,
-    reserve: int | None = None,
-) -> TmpfsArea:
-    """Mount a tmpfs of ``size`` bytes at ``mount``, or reuse (``resize``: remount) the one there.
-
-    Args:
-        size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
-        mount: the mount point, created when missing (default :data:`DEFAULT_AREA`).
-        resize: remount an existing tmpfs with the new size.
-        force: mount or resize even when the memory checks refuse the size.
-        reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
-
-    Raises:
-        CapacityError: the size is unsafe for this machine's memory (without ``force``).
-        ConfigError: not root, or something other than a tmpfs is mounted at ``mount``.
-    """
-    path = Path(mount).absolute()
-    existing = _tmpfs_mount(path)
-    if existing is not None and existing.fstype != "tmpfs":
-        raise ConfigError(
-            f"a {existing.fstype} filesystem is mounted here, not a tmpfs",
-            path=path,
-            hint="Choose another --mount DIR, or stage onto it with --to",
-        )
-    facts = gather_facts(include_gpus=False)
-    current = shutil.disk_usage(path) if existing is not None else None
-    growth = size - (current.total if current else 0) if existing is None or resize else 0
-    warnings = memory_warnings(
-        facts, tmpfs_size=max(growth, 0) if existing is None or resize else None, reserve=reserve
-    )
-    if existing is not None and not resize:
-        warnings = [w for w in warnings if w.code != "tmpfs-too-large"]
-    refused = [w for w in warnings if w.severity == "refuse"]
-    if refused and not force:
-        raise CapacityError(
-            refused[0].message, path=path, hint="Choose a smaller size, or pass --force to mount it anyway"
-        )
-    if existing is None or resize:
-        if os.geteuid() != 0:
-            raise _not_root_error(size, path)
-        if existing is None:
-            path.mkdir(parents=True, exist_ok=True)
-            _run_mount(
-                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
-                path,
-                "Check the mount point, or stage into /dev/shm with --to",
-            )
-            action = "mounted"
-        else:
-            _run_mount(
-                ["mount", "-o", f"remount,size={size}", os.fspath(path)],
-                path,
-                "A tmpfs cannot shrink below what it holds: unstage packs first",
-            )
-            action = "resized"
-    else:
-        action = "reused"
-    usage = shutil.disk_usage(path)
-    own = _tmpfs_mount(path)
-    return TmpfsArea(
-        path=path,
-        size=usage.total,
-        used=usage.used,
-        free=usage.free,
-        action=action,
-        mounted_by_packdata=own is not None and own.device == TMPFS_SOURCE,
-        warnings=warnings,
-    )
-
-
 # --------------------------------------------------------------------------- stage
 
 
@@ -398,7 +270,7 @@ def stage(
         area.mkdir(parents=True, exist_ok=True)
     else:
         area = Path(mount or DEFAULT_AREA).absolute()
-        if not area.is_dir() or (mount is None and _tmpfs_mount(area) is None):
+        if not area.is_dir() or (mount is None and tmpfs_mount_at(area) is None):
             raise ConfigError(
                 "no staging area here",
                 path=area,
@@ -414,7 +286,7 @@ def stage(
         units = shard_files(manifest, source, dest)
         sizes = {u.number: u.size for u in units}
         if not (dest / STAGED_FILE).is_file():  # claim the folder first, so a failed run can be retried
-            write_marker(dest, source, manifest, units, set(), sizes, complete=False)
+            _mark(dest, source, manifest, units, set(), sizes, complete=False)
         valid = {u.number for u in units if is_staged(u)}
         existing = sum(u.dest_bytes() for u in units)
         index_dir = source / manifest.index.get("dir", INDEX_DIR)
@@ -441,7 +313,7 @@ def stage(
                 hint="Lower --budget, choose fewer --shards, or free space",
             )
         warnings: list[SafetyWarning] = []
-        mount_info = _mount_of(area, read_mounts())
+        mount_info = mount_of(area, read_mounts())
         if mount_info is not None and mount_info.fstype == "tmpfs":
             if area_info is not None and area_info.action != "reused":
                 warnings = list(area_info.warnings)  # the new size was checked as it was mounted
@@ -456,7 +328,7 @@ def stage(
         copy_index(source, dest, manifest)
         keep = valid & chosen
         write_manifest(dest, staged_manifest(manifest, source, units, keep))
-        write_marker(dest, source, manifest, units, keep, sizes, complete=False)
+        _mark(dest, source, manifest, units, keep, sizes, complete=False)
         for unit in dead:
             unit.remove()
 
@@ -464,7 +336,7 @@ def stage(
 
         staged = chosen
         write_manifest(dest, staged_manifest(manifest, source, units, staged))
-        write_marker(dest, source, manifest, units, staged, sizes, complete=True)
+        _mark(dest, source, manifest, units, staged, sizes, complete=True)
 
     names = {u.number: u.name for u in units}
     return StageResult(
@@ -485,10 +357,31 @@ def stage(
     )
 
 
+def _mark(
+    dest: Path,
+    source: Path,
+    manifest: Manifest,
+    units: list[ShardFiles],
+    staged: set[int],
+    sizes: dict[int, int],
+    *,
+    complete: bool,
+) -> None:
+    write_marker(
+        dest,
+        origin=source,
+        format=manifest.format,
+        staged=[u.name for u in units if u.number in staged],
+        left=[u.name for u in units if u.number not in staged],
+        bytes_staged=sum(sizes[n] for n in staged),
+        bytes_left=sum(sizes[u.number] for u in units if u.number not in staged),
+        complete=complete,
+    )
+
+
 def _read_marker(path: Path) -> StagedPack | None:
-    try:
-        data = json.loads((path / STAGED_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    data = read_marker(path)
+    if data is None:
         return None
     return StagedPack(
         path=path,
@@ -505,7 +398,7 @@ def _read_marker(path: Path) -> StagedPack | None:
 
 def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
     usage = shutil.disk_usage(path)
-    mount = _mount_of(path, mounts)
+    mount = mount_of(path, mounts)
     packs = [p for p in (_read_marker(d) for d in sorted(path.iterdir()) if d.is_dir()) if p is not None]
     own = _read_marker(path)
     if own is not None:
@@ -582,7 +475,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
             )
     mount = None
     if unmount:
-        mount = _tmpfs_mount(area)
+        mount = tmpfs_mount_at(area)
         if mount is None or mount.device != TMPFS_SOURCE:
             raise ConfigError(
                 "is not a tmpfs that packdata mounted, so it is not unmounted",
@@ -605,7 +498,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
     if mount is not None:
         if os.geteuid() != 0:
             raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
-        _run_mount(
+        run_mount(
             ["umount", os.fspath(area)],
             area,
             "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",

@@ -1,0 +1,101 @@
+"""``staged.json``: the marker that says a folder is a pack ``packdata stage`` wrote, and where from.
+
+One writer and one reader: stage writes it, and stage, unstage, status and
+doctor read it through :func:`read_marker`, which accepts only a well-formed
+marker (a damaged or foreign one reads as no marker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from packdata._version import __version__
+from packdata.errors import ConfigError
+from packdata.staging.copy import only_lock_left, write_json
+
+__all__ = ["STAGED_FILE", "check_destination", "read_marker", "write_marker"]
+
+STAGED_FILE = "staged.json"
+
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "origin": str,
+    "format": str,
+    "staged": list,
+    "left": list,
+    "bytes_staged": int,
+    "bytes_left": int,
+    "complete": bool,
+}
+
+
+def write_marker(
+    dest: Path,
+    *,
+    origin: Path,
+    format: str,
+    staged: Iterable[str],
+    left: Iterable[str],
+    bytes_staged: int,
+    bytes_left: int,
+    complete: bool,
+) -> None:
+    """Write ``dest/staged.json``, atomically."""
+    write_json(
+        dest / STAGED_FILE,
+        {
+            "origin": os.fspath(origin),
+            "format": format,
+            "staged": list(staged),
+            "left": list(left),
+            "bytes_staged": bytes_staged,
+            "bytes_left": bytes_left,
+            "complete": complete,
+            "staged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "packdata_version": __version__,
+        },
+    )
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The marker of a staged pack at ``folder``, or None when there is none or it is not well-formed."""
+    try:
+        data = json.loads((folder / STAGED_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    for name, kind in _TYPES.items():
+        if name in data and (not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool))):
+            return None
+    return data
+
+
+def check_destination(source: Path, dest: Path) -> None:
+    """Refuse a staging destination that is the pack itself, a foreign folder, or another pack's staged copy."""
+    if dest.resolve() == source.resolve():
+        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another --to DIR")
+    if dest.exists():
+        marker = read_marker(dest)
+        if marker is None:
+            if dest.is_dir() and (not any(dest.iterdir()) or only_lock_left(dest)):
+                return
+            raise ConfigError(
+                "exists and is not a staged pack",
+                path=dest,
+                hint="Choose another --to DIR or --name; packdata only writes into packs it staged",
+            )
+        origin = marker.get("origin")
+        if origin and Path(origin) != source.resolve():
+            raise ConfigError(
+                f"holds a staged copy of another pack ({origin})",
+                path=dest,
+                hint=f"Unstage it first (packdata unstage {dest}) or choose another --name",
+            )
+
+
+# --------------------------------------------------------------------------- tmpfs

@@ -1,0 +1,149 @@
+"""tmpfs staging areas: mount, reuse or resize one after the host's memory checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.errors import CapacityError, ConfigError
+from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
+from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.units import format_size
+
+__all__ = ["DEFAULT_AREA", "TMPFS_SOURCE", "TmpfsArea", "mount_of", "prepare_tmpfs", "run_mount", "tmpfs_mount_at"]
+
+DEFAULT_AREA = Path("/mnt/packdata")
+"""Where ``stage(tmpfs=...)`` mounts its tmpfs, and where ``stage(pack)`` stages by default."""
+
+TMPFS_SOURCE = "packdata"
+"""The device name of tmpfs mounts packdata makes (``/proc/mounts`` column 1): only these are unmounted."""
+
+
+@dataclass
+class TmpfsArea:
+    """A tmpfs staging area: mounted now, reused, or resized."""
+
+    path: Path
+    size: int
+    used: int
+    free: int
+    action: str  # "mounted", "reused", "resized"
+    mounted_by_packdata: bool
+    warnings: list[SafetyWarning] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["path"] = os.fspath(self.path)
+        return data
+
+
+def mount_of(path: str | os.PathLike, mounts: list[Mount]) -> Mount | None:
+    try:
+        return find_mount(path, mounts)
+    except LookupError:
+        return None
+
+
+def tmpfs_mount_at(path: Path, root: str = "/") -> Mount | None:
+    """The filesystem mounted exactly at ``path``, if any."""
+    mount = mount_of(path, read_mounts(root)) if path.exists() else None
+    return mount if mount is not None and Path(mount.mountpoint) == path.resolve() else None
+
+
+def run_mount(args: list[str], path: Path, hint: str) -> None:
+    try:
+        subprocess.run(args, check=True, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"the `{args[0]}` command is not installed", path=path) from exc
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or "").strip().rstrip(".") or f"exit status {exc.returncode}"
+        raise ConfigError(f"`{' '.join(args)}` failed: {detail}", path=path, hint=hint) from exc
+
+
+def _not_root_error(size: int, path: Path) -> ConfigError:
+    return ConfigError(
+        "mounting a tmpfs needs root",
+        path=path,
+        hint=f"Run `sudo packdata stage --tmpfs {format_size(size)} --mount {path}` once, "
+        f"or stage into RAM without mounting: `packdata stage PACK --to /dev/shm`",
+    )
+
+
+def prepare_tmpfs(
+    size: int,
+    *,
+    mount: str | os.PathLike = DEFAULT_AREA,
+    resize: bool = False,
+    force: bool = False,
+    reserve: int | None = None,
+) -> TmpfsArea:
+    """Mount a tmpfs of ``size`` bytes at ``mount``, or reuse (``resize``: remount) the one there.
+
+    Args:
+        size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
+        mount: the mount point, created when missing (default :data:`DEFAULT_AREA`).
+        resize: remount an existing tmpfs with the new size.
+        force: mount or resize even when the memory checks refuse the size.
+        reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
+
+    Raises:
+        CapacityError: the size is unsafe for this machine's memory (without ``force``).
+        ConfigError: not root, or something other than a tmpfs is mounted at ``mount``.
+    """
+    path = Path(mount).absolute()
+    existing = tmpfs_mount_at(path)
+    if existing is not None and existing.fstype != "tmpfs":
+        raise ConfigError(
+            f"a {existing.fstype} filesystem is mounted here, not a tmpfs",
+            path=path,
+            hint="Choose another --mount DIR, or stage onto it with --to",
+        )
+    facts = gather_facts(include_gpus=False)
+    current = shutil.disk_usage(path) if existing is not None else None
+    growth = size - (current.total if current else 0) if existing is None or resize else 0
+    warnings = memory_warnings(
+        facts, tmpfs_size=max(growth, 0) if existing is None or resize else None, reserve=reserve
+    )
+    if existing is not None and not resize:
+        warnings = [w for w in warnings if w.code != "tmpfs-too-large"]
+    refused = [w for w in warnings if w.severity == "refuse"]
+    if refused and not force:
+        raise CapacityError(
+            refused[0].message, path=path, hint="Choose a smaller size, or pass --force to mount it anyway"
+        )
+    if existing is None or resize:
+        if os.geteuid() != 0:
+            raise _not_root_error(size, path)
+        if existing is None:
+            path.mkdir(parents=True, exist_ok=True)
+            run_mount(
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
+                path,
+                "Check the mount point, or stage into /dev/shm with --to",
+            )
+            action = "mounted"
+        else:
+            run_mount(
+                ["mount", "-o", f"remount,size={size}", os.fspath(path)],
+                path,
+                "A tmpfs cannot shrink below what it holds: unstage packs first",
+            )
+            action = "resized"
+    else:
+        action = "reused"
+    usage = shutil.disk_usage(path)
+    own = tmpfs_mount_at(path)
+    return TmpfsArea(
+        path=path,
+        size=usage.total,
+        used=usage.used,
+        free=usage.free,
+        action=action,
+        mounted_by_packdata=own is not None and own.device == TMPFS_SOURCE,
+        warnings=warnings,
+    )
