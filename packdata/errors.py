@@ -46,8 +46,8 @@ class CapacityError(PackdataError):
     """Not enough disk space or memory for the requested operation."""
 
 
-class ConfigError(PackdataError):
-    """Options that contradict each other or a destination that must not be used."""
+class ConfigError(PackdataError, ValueError):
+    """Options that contradict each other or a destination that must not be used (also a ``ValueError``)."""
 
 
 class LockedError(PackdataError):

@@ -270,3 +270,14 @@ def test_full_disk_gives_one_clear_error_and_resumes_after_space_is_freed(tmp_pa
         assert tree_digest(src) == before
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)  # lazy: this process still maps the shard
+
+
+@pytest.mark.parametrize("option", [{"kind": "bogus"}, {"format": "bogus"}, {"on_error": "bogus"}, {"engine": "bogus"}])
+def test_bad_options_are_one_config_error_that_is_also_a_value_error(
+    image_folder: Path, tmp_path: Path, option: dict[str, str]
+) -> None:
+    name = next(iter(option))
+    with pytest.raises(ConfigError, match=rf"{name} should be .*but got {name}='bogus'") as raised:
+        convert(image_folder, tmp_path / "out.lmdb", progress=False, **option)
+    assert isinstance(raised.value, ValueError)
+    assert not (tmp_path / "out.lmdb").exists()

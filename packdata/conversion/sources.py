@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import SourceError
+from packdata.errors import ConfigError, SourceError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -213,7 +213,7 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
     if kind == "auto":
         kind = _detect_kind(root)
     elif kind not in _EXTENSIONS:
-        raise ValueError(f"kind should be 'image', 'text' or 'auto', but got kind={kind!r}")
+        raise ConfigError(f"kind should be 'image', 'text' or 'auto', but got kind={kind!r}")
     classes = sorted(
         entry.name
         for entry in os.scandir(root)
