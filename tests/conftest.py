@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 
-def _jpeg(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "JPEG") -> bytes:
+def image_bytes(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "JPEG") -> bytes:
+    """A small natural-looking image (a seeded colour gradient) encoded as ``fmt``: the one test image maker."""
     rng = np.random.default_rng(seed)
     w, h = size
     x = np.linspace(0, 1, w)[None, :, None]
@@ -45,8 +46,8 @@ def image_folder(tmp_path: Path) -> Path:
         (root / cls).mkdir(parents=True)
         for i, name in enumerate(names):
             fmt = {".png": "PNG", ".webp": "WEBP"}.get(Path(name).suffix.lower(), "JPEG")
-            (root / cls / name).write_bytes(_jpeg(10 * c + i, fmt=fmt))
-    (root / "root.jpg").write_bytes(_jpeg(99))
+            (root / cls / name).write_bytes(image_bytes(10 * c + i, fmt=fmt))
+    (root / "root.jpg").write_bytes(image_bytes(99))
     return root
 
 
@@ -55,7 +56,7 @@ def bad_files(image_folder: Path) -> Path:
     """The image folder plus a corrupt, an empty, a hidden and a non-image file."""
     (image_folder / "cat" / "corrupt.jpg").write_bytes(b"this is not a jpeg")
     (image_folder / "dog" / "empty.jpg").write_bytes(b"")
-    (image_folder / "dog" / ".hidden.jpg").write_bytes(_jpeg(5))
+    (image_folder / "dog" / ".hidden.jpg").write_bytes(image_bytes(5))
     (image_folder / "zebra" / "notes.txt").write_text("not an image")
     return image_folder
 

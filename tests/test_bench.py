@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
-from PIL import Image
+from conftest import image_bytes
 
 import packdata
 from packdata.cli import main as cli_main
@@ -24,24 +22,13 @@ BATCH = 4
 BATCHES = 3
 
 
-def _image(seed: int, size: tuple[int, int]) -> bytes:
-    rng = np.random.default_rng(seed)
-    w, h = size
-    x = np.linspace(0, 1, w)[None, :, None]
-    y = np.linspace(0, 1, h)[:, None, None]
-    pixels = (rng.uniform(0, 255, (1, 1, 3)) * x + rng.uniform(0, 255, (1, 1, 3)) * (1 - y)).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="JPEG", quality=85)
-    return out.getvalue()
-
-
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     root = tmp_path / "images"
     for i in range(30):
         cls = root / f"class{i % 3}"
         cls.mkdir(parents=True, exist_ok=True)
-        (cls / f"{i:03d}.jpg").write_bytes(_image(i, (80 + i, 64)))
+        (cls / f"{i:03d}.jpg").write_bytes(image_bytes(i, (80 + i, 64)))
     return root
 
 

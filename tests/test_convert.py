@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from conftest import IMAGE_EXTS, _jpeg, expected_samples, tree_digest
+from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
 from PIL import Image
 
 from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
@@ -79,7 +79,7 @@ def test_on_error_fail_names_the_file_and_leaves_nothing(bad_files: Path, tmp_pa
 
 
 def test_verify_images_catches_truncated_jpeg(image_folder: Path, tmp_path: Path) -> None:
-    whole = _jpeg(7, size=(256, 256))
+    whole = image_bytes(7, size=(256, 256))
     (image_folder / "cat" / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
     assert convert(image_folder, tmp_path / "lazy.lmdb", progress=False).skipped == {}
     result = convert(image_folder, tmp_path / "strict.lmdb", verify_images=True, progress=False)
@@ -100,7 +100,7 @@ def test_non_utf8_file_name_is_skipped_with_reason(image_folder: Path, tmp_path:
     name = os.fsencode(image_folder / "cat") + b"/bad\xff.jpg"
     try:
         with open(name, "wb") as f:
-            f.write(_jpeg(1))
+            f.write(image_bytes(1))
     except OSError:
         pytest.skip("filesystem refuses non-UTF-8 names")
     result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
@@ -118,8 +118,8 @@ def test_text_kind_round_trip(text_folder: Path, tmp_path: Path) -> None:
 def test_max_side_reencodes_large_images_and_records_it(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)
-    (src / "a/big.png").write_bytes(_jpeg(1, size=(600, 400), fmt="PNG"))
-    (src / "a/small.jpg").write_bytes(_jpeg(2, size=(100, 80)))
+    (src / "a/big.png").write_bytes(image_bytes(1, size=(600, 400), fmt="PNG"))
+    (src / "a/small.jpg").write_bytes(image_bytes(2, size=(100, 80)))
     result = convert(src, tmp_path / "out.lmdb", max_side=256, quality=80, progress=False)
     assert result.reencoded == 1
     ds = LMDBDataset(tmp_path / "out.lmdb")
@@ -211,7 +211,7 @@ def test_kill_9_then_resume_equals_a_clean_run(tmp_path: Path) -> None:
     for c in range(3):
         (src / f"c{c}").mkdir(parents=True)
         for i in range(60):
-            (src / f"c{c}/{i:03d}.jpg").write_bytes(_jpeg(100 * c + i))
+            (src / f"c{c}/{i:03d}.jpg").write_bytes(image_bytes(100 * c + i))
     dst = tmp_path / "out.lmdb"
     progress = partial_path(dst) / "progress.json"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(dst)])
@@ -238,7 +238,7 @@ def test_decoded_images_are_rgb(image_folder: Path, tmp_path: Path) -> None:
 
 
 def test_jpeg_with_a_damaged_header_is_skipped_without_verify(image_folder: Path, tmp_path: Path) -> None:
-    whole = _jpeg(3, size=(128, 96))
+    whole = image_bytes(3, size=(128, 96))
     (image_folder / "cat" / "fake.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
     (image_folder / "cat" / "headless.jpg").write_bytes(whole[:40])  # cut inside the header
     (image_folder / "cat" / "tail.jpg").write_bytes(whole + b"\0" * 100)  # trailing bytes: still valid

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import image_bytes
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -18,18 +19,6 @@ import packdata
 from packdata.reading.decode import DecodeJPEG, decode_pil
 from packdata.reading.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
 from packdata.reading.transforms import RandomResizedCrop, standard_transform
-
-
-def _jpeg(size: tuple[int, int], seed: int = 0, fmt: str = "JPEG") -> bytes:
-    w, h = size
-    rng = np.random.default_rng(seed)
-    x = np.linspace(0, 1, w)[None, :, None]
-    y = np.linspace(0, 1, h)[:, None, None]
-    pixels = (rng.uniform(0, 255, (1, 1, 3)) * x + rng.uniform(0, 255, (1, 1, 3)) * y).clip(0, 255)
-    out = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(out, format=fmt, quality=85)
-    return out.getvalue()
-
 
 # ------------------------------------------------------------------ prefetchers
 
@@ -150,7 +139,7 @@ def test_worker_init_fn_sets_one_thread_per_worker() -> None:
 
 
 def test_standard_transform_gives_uint8_chw_and_pickles() -> None:
-    img = Image.open(io.BytesIO(_jpeg((300, 200)))).convert("RGB")
+    img = Image.open(io.BytesIO(image_bytes(0, (300, 200)))).convert("RGB")
     transform = pickle.loads(pickle.dumps(standard_transform(224)))
     out = transform(img)
     assert out.dtype == torch.uint8 and out.shape == (3, 224, 224)
@@ -172,7 +161,7 @@ def test_random_resized_crop_box_stays_inside_the_image() -> None:
 
 @pytest.mark.parametrize(("size", "min_size"), [((1600, 1200), 224), ((1024, 768), 256), ((900, 700), (300, 400))])
 def test_reduced_decode_is_at_least_the_requested_size(size: tuple[int, int], min_size) -> None:
-    data = _jpeg(size)
+    data = image_bytes(0, size)
     full = decode_pil(data)
     reduced = DecodeJPEG(min_size)(data)
     height, width = (min_size, min_size) if isinstance(min_size, int) else min_size
@@ -184,9 +173,9 @@ def test_reduced_decode_is_at_least_the_requested_size(size: tuple[int, int], mi
 
 
 def test_reduced_decode_keeps_small_and_non_jpeg_images_whole() -> None:
-    small = _jpeg((100, 80))
+    small = image_bytes(0, (100, 80))
     assert DecodeJPEG(224)(small).size == (100, 80)
-    png = _jpeg((800, 600), fmt="PNG")
+    png = image_bytes(0, (800, 600), fmt="PNG")
     assert DecodeJPEG(224)(png).size == (800, 600)
 
 
@@ -196,7 +185,7 @@ def test_reduced_decode_pickles_and_works_in_a_dataset(tmp_path: Path) -> None:
     src = tmp_path / "src" / "a"
     src.mkdir(parents=True)
     for i in range(4):
-        (src / f"{i}.jpg").write_bytes(_jpeg((512, 384), seed=i))
+        (src / f"{i}.jpg").write_bytes(image_bytes(i, (512, 384)))
     packdata.convert(tmp_path / "src", tmp_path / "p.lmdb", progress=False)
     dataset = packdata.LMDBDataset(tmp_path / "p.lmdb", decode=decoder)
     loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=list_collate)

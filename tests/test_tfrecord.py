@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import re
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from PIL import Image
+from conftest import image_bytes
 from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 from torch.utils.data import DataLoader
@@ -35,13 +34,6 @@ from packdata.formats.tfrecord import (
 from packdata.pack.records import RecordError, Sample
 
 
-def _image(seed: int, fmt: str) -> bytes:
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (16, 20, 3), dtype=np.uint8)).save(out, format=fmt)
-    return out.getvalue()
-
-
 def _expected(root: Path) -> dict[str, tuple[bytes, int]]:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     return {
@@ -58,8 +50,10 @@ def tf_images(tmp_path: Path) -> Path:
     for c, cls in enumerate(["cat", "dog", "zebra"]):
         (root / cls).mkdir(parents=True)
         for i, name in enumerate(["a.jpg", "b c.JPEG", "ünï.png", "d.jpg"]):
-            (root / cls / name).write_bytes(_image(10 * c + i, "PNG" if name.endswith(".png") else "JPEG"))
-    (root / "root.jpg").write_bytes(_image(99, "JPEG"))
+            (root / cls / name).write_bytes(
+                image_bytes(10 * c + i, (20, 16), "PNG" if name.endswith(".png") else "JPEG")
+            )
+    (root / "root.jpg").write_bytes(image_bytes(99, (20, 16)))
     return root
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-from conftest import _jpeg
+from conftest import image_bytes
 
 from packdata.conversion.convert import convert
 from packdata.formats.lmdb import encode_key
@@ -68,7 +68,7 @@ def build_pack(tmp_path: Path, fmt: str) -> Path:
     for c, cls in enumerate(("cat", "dog")):
         (src / cls).mkdir(parents=True)
         for i in range(3):
-            (src / cls / f"{i}.jpg").write_bytes(_jpeg(10 * c + i))
+            (src / cls / f"{i}.jpg").write_bytes(image_bytes(10 * c + i))
     packs = tmp_path / "packs"
     victim = packs / "victim"
     (victim / "vict.lmdb").mkdir(parents=True)

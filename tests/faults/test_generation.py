@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import _jpeg
+from conftest import image_bytes
 from torch.utils.data import DataLoader
 
 from packdata import LMDBDataset, PackFormatError, convert
@@ -22,7 +22,7 @@ def _folder(root: Path, seed: int) -> Path:
     for c, cls in enumerate(["a", "b", "c"]):
         (root / cls).mkdir(parents=True)
         for i in range(8):
-            (root / cls / f"{i:02d}.jpg").write_bytes(_jpeg(seed + 10 * c + i))
+            (root / cls / f"{i:02d}.jpg").write_bytes(image_bytes(seed + 10 * c + i))
     return root
 
 

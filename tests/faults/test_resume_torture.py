@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IMAGE_EXTS, _jpeg, expected_samples
+from conftest import IMAGE_EXTS, expected_samples, image_bytes
 
 from packdata import LMDBDataset, TFRecordIndexedDataset, verify_pack
 from packdata.conversion.convert import partial_path
@@ -39,11 +39,11 @@ def small_source(tmp_path: Path) -> Path:
     for c in range(3):
         (root / f"c{c}").mkdir(parents=True)
         for i in range(9):
-            (root / f"c{c}" / f"{i:02d}.jpg").write_bytes(_jpeg(50 * c + i, size=(8, 6)))
-    (root / "top.jpg").write_bytes(_jpeg(7, size=(8, 6)))
+            (root / f"c{c}" / f"{i:02d}.jpg").write_bytes(image_bytes(50 * c + i, size=(8, 6)))
+    (root / "top.jpg").write_bytes(image_bytes(7, size=(8, 6)))
     (root / "c0" / "03x.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # corrupt image
     (root / "c1" / "04x.jpg").write_bytes(b"")  # empty
-    (root / "c1" / ".hidden.jpg").write_bytes(_jpeg(3))  # hidden
+    (root / "c1" / ".hidden.jpg").write_bytes(image_bytes(3))  # hidden
     (root / "c2" / "notes.txt").write_text("not an image")  # not image
     return root
 
