@@ -68,12 +68,12 @@ def test_token_buckets_reject_or_isolate_oversize_samples() -> None:
 
 
 def test_token_buckets_split_evenly_across_ranks(lengths) -> None:
-    ranks = [TokenBucketSampler(lengths, 2000, num_replicas=3, rank=r, seed=5) for r in range(3)]
+    ranks = [TokenBucketSampler(lengths, 2000, rank=r, world_size=3, seed=5) for r in range(3)]
     counts = {len(list(s)) for s in ranks}
     assert len(counts) == 1  # every rank steps the same number of times
     seen = sorted(i for s in ranks for b in s for i in b)
     assert set(seen) == set(range(len(lengths)))  # padding repeats some batches, loses none
-    dropped = [TokenBucketSampler(lengths, 2000, num_replicas=3, rank=r, seed=5, drop_last=True) for r in range(3)]
+    dropped = [TokenBucketSampler(lengths, 2000, rank=r, world_size=3, seed=5, drop_last=True) for r in range(3)]
     flat = [i for s in dropped for b in s for i in b]
     assert len(flat) == len(set(flat))
 

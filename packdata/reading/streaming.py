@@ -75,7 +75,7 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
     yield from buffer
 
 
-class _PackView(PackView):
+class _TFRecordView(PackView):
     """Shared by both TFRecord datasets: the shard layout and CRC option."""
 
     def __init__(
@@ -114,7 +114,7 @@ class _PackView(PackView):
         return parsed.data, parsed.label
 
 
-class TFRecordDataset(_PackView, IterableDataset):
+class TFRecordDataset(_TFRecordView, IterableDataset):
     """Streams a TFRecord pack's samples as ``(sample, label)``, split across ranks and workers.
 
     Each epoch yields every sample exactly once across all ranks and workers,
@@ -171,7 +171,7 @@ class TFRecordDataset(_PackView, IterableDataset):
         drop_uneven: bool = False,
         check_crc: bool = True,
     ) -> None:
-        _PackView.__init__(self, path, transform, target_transform, decode, check_crc)
+        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc)
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")
         self.shuffle = shuffle
@@ -442,7 +442,7 @@ class TFRecordDataset(_PackView, IterableDataset):
         )
 
 
-class TFRecordIndexedDataset(_PackView, Dataset):
+class TFRecordIndexedDataset(_TFRecordView, Dataset):
     """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through the offsets index.
 
     Each access is one positioned read (``os.pread``) of one record, its
@@ -477,7 +477,7 @@ class TFRecordIndexedDataset(_PackView, Dataset):
         *,
         check_crc: bool = True,
     ) -> None:
-        _PackView.__init__(self, path, transform, target_transform, decode, check_crc)
+        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc)
         offsets, lengths = [], []
         for shard, path_ in enumerate(self._shard_paths):
             o, n = read_index(path_, size=self._bytes[shard])

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
+from packdata.reading.samplers import resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
@@ -62,9 +63,9 @@ class TokenBucketSampler(Sampler[list[int]]):
     sorts each bucket by length, packs it greedily into batches, and shuffles
     the batch order, so batches are tight but not in length order.
 
-    With several ranks (``num_replicas``), every rank builds the same batches
-    and takes every ``num_replicas``-th one; the batch count is cut to a
-    multiple of ``num_replicas`` (``drop_last=True``) or padded by repeating
+    With several ranks (``world_size``), every rank builds the same batches
+    and takes every ``world_size``-th one; the batch count is cut to a
+    multiple of ``world_size`` (``drop_last=True``) or padded by repeating
     batches from the start (``drop_last=False``) so all ranks step together.
 
     Args:
@@ -78,8 +79,8 @@ class TokenBucketSampler(Sampler[list[int]]):
         seed: base seed of the shuffle.
         oversize: what to do with a sample longer than ``max_tokens``: ``"error"``
             (default) or ``"alone"`` (a batch of its own, over budget).
-        num_replicas: number of distributed ranks.
-        rank: this rank.
+        rank, world_size: this process's place in a distributed job; by default from
+            :func:`~packdata.reading.samplers.resolve_rank_world` (``torch.distributed``, else ``RANK``/``WORLD_SIZE``).
         drop_last: with several ranks, drop the batches that do not divide evenly.
 
     Raises:
@@ -97,8 +98,8 @@ class TokenBucketSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         oversize: str = "error",
-        num_replicas: int = 1,
-        rank: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
         drop_last: bool = False,
     ) -> None:
         if max_tokens < 1:
@@ -109,8 +110,7 @@ class TokenBucketSampler(Sampler[list[int]]):
             raise ValueError(f"bucket_size should be at least 1, but got bucket_size={bucket_size}")
         if oversize not in ("error", "alone"):
             raise ValueError(f"oversize should be 'error' or 'alone', but got oversize={oversize!r}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank should be in [0, num_replicas), but got rank={rank}, num_replicas={num_replicas}")
+        rank, world_size = resolve_rank_world(rank, world_size)
         raw = sample_lengths(lengths)
         self.lengths = np.maximum(np.ceil(raw * length_scale), 1).astype(np.int64) if len(raw) else raw
         self.max_tokens = int(max_tokens)
@@ -119,7 +119,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.oversize = oversize
-        self.num_replicas = num_replicas
+        self.world_size = world_size
         self.rank = rank
         self.drop_last = drop_last
         self.epoch = 0
@@ -173,15 +173,15 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def _rank_batches(self) -> list[list[int]]:
         batches = self.batches()
-        if self.num_replicas == 1:
+        if self.world_size == 1:
             return batches
         if self.drop_last:
-            usable = len(batches) - len(batches) % self.num_replicas
+            usable = len(batches) - len(batches) % self.world_size
             batches = batches[:usable]
         else:
-            total = math.ceil(len(batches) / self.num_replicas) * self.num_replicas
+            total = math.ceil(len(batches) / self.world_size) * self.world_size
             batches = batches + batches[: total - len(batches)]
-        return batches[self.rank :: self.num_replicas]
+        return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self._rank_batches()
