@@ -215,14 +215,7 @@ class BlockShuffleSampler(Sampler[int]):
         """This rank's whole stream for the current phase of the epoch (all of it, from position 0)."""
         if not self._history:
             return self.indices()
-        order = block_shuffle_order(
-            self.num_samples_total,
-            block_size=self.block_size,
-            window=self.window,
-            seed=self.seed,
-            epoch=self.epoch,
-            shuffle=self.shuffle,
-        )
+        order = self._order()
         worlds = [w for w, _ in self._history] + [self.world_size]
         layout = _layout(order, worlds[0], self.drop_last)
         consumed = np.zeros(self.num_samples_total, dtype=bool)
@@ -327,18 +320,19 @@ class BlockShuffleSampler(Sampler[int]):
 
     def indices(self, start: int = 0) -> np.ndarray:
         """This rank's order for the current epoch, from position ``start`` on."""
-        order = block_shuffle_order(
+        return self._order(rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)[start:]
+
+    def _order(self, **split: Any) -> np.ndarray:
+        """This epoch's whole-pack order, or one rank's slice of it with ``rank``/``world_size``/``drop_last``."""
+        return block_shuffle_order(
             self.num_samples_total,
             block_size=self.block_size,
             window=self.window,
             seed=self.seed,
             epoch=self.epoch,
             shuffle=self.shuffle,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=self.drop_last,
+            **split,
         )
-        return order[start:]
 
     def __iter__(self) -> Iterator[int]:
         resumed, self._pending = self._pending, False
