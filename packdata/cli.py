@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,18 +21,45 @@ from packdata._version import __version__
 from packdata.errors import PackdataError
 from packdata.formats import FORMATS
 
-__all__ = ["main"]
+__all__ = ["as_flags", "main"]
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """Say a library message in flags: ``overwrite=True`` -> ``--overwrite``, ``to=DIR`` -> ``--to DIR``.
+
+    ``flags`` maps keyword arguments to the command's options (``{"to": "--to"}``);
+    other words are left as they are.
+    """
+
+    def flag(match: re.Match[str]) -> str:
+        option = flags.get(match.group(1))
+        if option is None:
+            return match.group(0)
+        value = match.group(2)
+        return option if value == "True" else f"{option} {value.strip(chr(39))}"
+
+    return _KEYWORD.sub(flag, message)
+
+
+_KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
 
 
 def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn packdata's own errors into one line and exit 1."""
+    """Turn packdata's own errors into one line, in flags rather than keyword arguments, and exit 1."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except PackdataError as exc:
-            raise click.ClickException(str(exc)) from exc
+            command = click.get_current_context().command
+            flags = {
+                opt.lstrip("-").replace("-", "_"): opt
+                for param in command.params
+                if isinstance(param, click.Option)
+                for opt in param.opts[:1]
+            }
+            raise click.ClickException(as_flags(str(exc), flags)) from exc
 
     return wrapper
 

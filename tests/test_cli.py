@@ -66,3 +66,13 @@ def test_bad_options_exit_2(image_folder: Path, tmp_path: Path) -> None:
 def test_help_teaches() -> None:
     result = _run("convert", "--help")
     assert result.exit_code == 0 and "Examples:" in result.output and "--resume" in result.output
+
+
+def test_library_keywords_are_said_as_the_commands_flags() -> None:
+    from packdata.cli import as_flags
+
+    flags = {"overwrite": "--overwrite", "to": "--to", "batch_size": "--batch-size", "on_error": "--on-error"}
+    assert as_flags("Pass overwrite=True to replace it", flags) == "Pass --overwrite to replace it"
+    assert as_flags("give to=DIR, or a smaller batch_size=N", flags) == "give --to DIR, or a smaller --batch-size N"
+    assert as_flags("pass on_error='skip'", flags) == "pass --on-error skip"
+    assert as_flags("keep shard_size=256MB and x.to=1", flags) == "keep shard_size=256MB and x.to=1"

@@ -226,7 +226,7 @@ def test_refuses_to_write_into_a_folder_it_did_not_stage(lmdb_pack: Path, tmp_pa
 
 def test_free_space_checked_before_copying(lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stage_module, "_free_bytes", lambda area: 700_000)
-    with pytest.raises(CapacityError, match=r"need .* but only .* is free.*Lower --budget"):
+    with pytest.raises(CapacityError, match=r"need .* but only .* is free.*Lower budget=SIZE"):
         stage(lmdb_pack, to=tmp_path / "nvme", budget=10 << 20, progress=False)
     assert not list((tmp_path / "nvme" / "train.lmdb").glob("shard-*"))
     # without a budget, what fits is staged and the rest is left
@@ -357,7 +357,7 @@ def test_unsafe_tmpfs_size_refused_unless_forced(tmp_path: Path, monkeypatch: py
     proc.mkdir(parents=True)
     (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 2097152 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n")
     monkeypatch.setattr(tmpfs_module, "gather_facts", lambda **kw: system.gather_facts(tmp_path / "fake", **kw))
-    with pytest.raises(CapacityError, match=r"a 4.0 GiB tmpfs does not fit in memory.*--force"):
+    with pytest.raises(CapacityError, match=r"a 4.0 GiB tmpfs does not fit in memory.*force=True"):
         prepare_tmpfs(4 << 30, mount=tmp_path / "ram")
     assert not (tmp_path / "ram").exists()
 
@@ -454,7 +454,7 @@ def test_staging_into_ram_checks_memory(
         "MemTotal: 16777216 kB\nMemAvailable: 4194816 kB\nSwapTotal: 1048576 kB\nSwapFree: 1048576 kB\n"
     )
     monkeypatch.setattr(stage_module, "gather_facts", lambda **kw: system.gather_facts(fake, **kw))
-    with pytest.raises(CapacityError, match=r"tmpfs does not fit in memory.*--force"):
+    with pytest.raises(CapacityError, match=r"tmpfs does not fit in memory.*force=True"):
         stage(lmdb_pack, to=area, progress=False)
     assert not list((area / "train.lmdb").glob("shard-*"))
     result = stage(lmdb_pack, to=area, force=True, progress=False)

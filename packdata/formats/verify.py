@@ -47,7 +47,7 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
             f"the conversion counted {found} source files, but the pack holds {manifest.num_samples} samples "
             f"and {skipped} skips ({found - manifest.num_samples - skipped} unaccounted for)",
             path=pack / MANIFEST_NAME,
-            hint="Samples were lost: convert the folder again with --overwrite",
+            hint="Samples were lost: convert the folder again with overwrite=True",
         )
     report = manifest.skipped.get("report")
     if not skipped or not isinstance(report, str):

@@ -123,7 +123,7 @@ def _system_facts() -> dict[str, Any]:
 def _drop_caches() -> str | None:
     """Drop the page cache (root only); returns why not, or None when done."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "--cold needs root to drop the page cache; measured warm"
+        return "cold=True needs root to drop the page cache; measured warm"
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")

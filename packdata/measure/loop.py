@@ -101,7 +101,7 @@ class _Epochs:
                 return next(self.iterator)
             except StopIteration:
                 self.iterator = iter(self.loader)  # type: ignore[arg-type]
-        raise ConfigError("the loader yields no full batch", hint="Use a smaller --batch-size")
+        raise ConfigError("the loader yields no full batch", hint="Use a smaller batch_size=N")
 
     def close(self) -> None:
         self.iterator = self.loader = None
@@ -146,7 +146,7 @@ def measure_loader(
     if not iterable and len(dataset) < config.batch_size:  # type: ignore[arg-type]
         raise ConfigError(
             f"the source holds {len(dataset)} samples, fewer than batch_size={config.batch_size}",  # type: ignore[arg-type]
-            hint="Use a smaller --batch-size",
+            hint="Use a smaller batch_size=N",
         )
     kwargs = config.loader_kwargs()
     result.pin_memory_effective = kwargs["pin_memory"]

@@ -27,7 +27,7 @@ def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ConfigError("--plot needs matplotlib", hint="pip install 'packdata[plot]'") from exc
+        raise ConfigError("plotting needs matplotlib", hint="pip install 'packdata[plot]'") from exc
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
     groups: dict[tuple[str, int, bool, int], list[ConfigResult]] = {}
     for r in result.results:

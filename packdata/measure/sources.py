@@ -85,7 +85,7 @@ class FolderDataset(Dataset):
             else:
                 self.skipped[entry.reason] += 1
         if not paths:
-            raise SourceError(f"no {self.kind} files found", path=self.root, hint="Check the folder and --kind")
+            raise SourceError(f"no {self.kind} files found", path=self.root, hint="Check the folder and kind=KIND")
         self._paths = _Blob(paths)
         self.targets = np.asarray(labels, dtype=np.int32)
         self.mean_bytes = total / len(paths)
@@ -177,7 +177,7 @@ def check_decode(decode: str | DecodeFn) -> None:
     if not callable(decode) and decode not in DECODE_CHOICES:
         raise ConfigError(
             f"decode should be 'bytes', 'pil', 'reduced' or a callable, but got decode={decode!r}",
-            hint="Pass decode='bytes' (--decode bytes) to skip decoding",
+            hint="Pass decode='bytes' to skip decoding",
         )
 
 

@@ -411,7 +411,7 @@ def run_tune(
             f"no DataLoader setting fits the memory budget of {budget} bytes (the smallest projection is "
             f"{smallest} bytes)",
             path=source,
-            hint="Raise --memory-budget or search smaller batch sizes",
+            hint="Raise memory_budget=SIZE or search smaller batch sizes",
         )
     chosen = search.trials.get(base)
     recommended = chosen if chosen is not None and chosen.accepted else ranked[0]

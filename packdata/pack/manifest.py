@@ -390,7 +390,7 @@ def _read(pack: Path, *, external: bool) -> Manifest:
     if not path.is_file():
         hint = "Convert a folder with `packdata convert SRC DST` first"
         if (pack.parent / f".{pack.name}.partial").exists():
-            hint = "A conversion into it was interrupted: rerun it with --resume"
+            hint = "A conversion into it was interrupted: rerun it with resume=True"
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if pack.exists() else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = _parse(path)

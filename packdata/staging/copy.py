@@ -275,7 +275,7 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: tqdm) -> None:
                         f"no space left while staging shard {unit.number} ({unit.name}, {format_size(unit.size)})",
                         path=unit.dest_root.parent,
                         hint="The partial copy was removed and the source is untouched. Stage fewer shards "
-                        "with --budget, free space, or use a larger --tmpfs",
+                        "with budget=SIZE, free space, or use a larger tmpfs=SIZE",
                     ) from exc
                 raise
             if primary and (sha != unit.info.sha256 or size != unit.info.bytes):

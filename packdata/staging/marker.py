@@ -78,7 +78,7 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
 def check_destination(source: Path, dest: Path) -> None:
     """Refuse a staging destination that is the pack itself, a foreign folder, or another pack's staged copy."""
     if dest.resolve() == source.resolve():
-        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another --to DIR")
+        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another to=DIR")
     if dest.exists():
         marker = read_marker(dest)
         if marker is None:
@@ -87,14 +87,14 @@ def check_destination(source: Path, dest: Path) -> None:
             raise ConfigError(
                 "exists and is not a staged pack",
                 path=dest,
-                hint="Choose another --to DIR or --name; packdata only writes into packs it staged",
+                hint="Choose another to=DIR or name=NAME; packdata only writes into packs it staged",
             )
         origin = marker.get("origin")
         if origin and Path(origin) != source.resolve():
             raise ConfigError(
                 f"holds a staged copy of another pack ({origin})",
                 path=dest,
-                hint=f"Unstage it first (packdata unstage {dest}) or choose another --name",
+                hint=f"Unstage it first (packdata unstage {dest}) or choose another name=NAME",
             )
 
 

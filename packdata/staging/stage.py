@@ -310,7 +310,7 @@ def stage(
                 f"the {len(to_copy)} shards to stage need {format_size(new_bytes + index_bytes)}, "
                 f"but only {format_size(max(room, 0))} is free",
                 path=area,
-                hint="Lower --budget, choose fewer --shards, or free space",
+                hint="Lower budget=SIZE, choose fewer shards=LIST, or free space",
             )
         warnings: list[SafetyWarning] = []
         mount_info = mount_of(area, read_mounts())
@@ -322,7 +322,7 @@ def stage(
                 refused = [w for w in warnings if w.severity == "refuse"]
                 if refused and not force:
                     raise CapacityError(
-                        refused[0].message, path=area, hint="Stage fewer shards with --budget, or pass --force"
+                        refused[0].message, path=area, hint="Stage fewer shards with budget=SIZE, or pass force=True"
                     )
 
         copy_index(source, dest, manifest)

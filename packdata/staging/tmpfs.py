@@ -101,7 +101,7 @@ def prepare_tmpfs(
         raise ConfigError(
             f"a {existing.fstype} filesystem is mounted here, not a tmpfs",
             path=path,
-            hint="Choose another --mount DIR, or stage onto it with --to",
+            hint="Choose another mount=DIR, or stage onto it with to=DIR",
         )
     facts = gather_facts(include_gpus=False)
     current = shutil.disk_usage(path) if existing is not None else None
@@ -114,7 +114,7 @@ def prepare_tmpfs(
     refused = [w for w in warnings if w.severity == "refuse"]
     if refused and not force:
         raise CapacityError(
-            refused[0].message, path=path, hint="Choose a smaller size, or pass --force to mount it anyway"
+            refused[0].message, path=path, hint="Choose a smaller size, or pass force=True to mount it anyway"
         )
     if existing is None or resize:
         if os.geteuid() != 0:
@@ -124,7 +124,7 @@ def prepare_tmpfs(
             run_mount(
                 ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
                 path,
-                "Check the mount point, or stage into /dev/shm with --to",
+                "Check the mount point, or stage into /dev/shm with to=/dev/shm",
             )
             action = "mounted"
         else:
