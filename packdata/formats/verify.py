@@ -125,7 +125,11 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
             for i, sample in fmt.iter_samples(shard_path, shard.first_index):
                 if i != expected:
                     raise PackFormatError(f"record {expected} is missing (found {i} next)", path=data_file)
-                if sample.key != index.keys[i] or sample.label != int(index.labels[i]):
+                if (
+                    sample.key != index.keys[i]
+                    or sample.label != int(index.labels[i])
+                    or len(sample.data) != int(index.sizes[i])
+                ):
                     raise PackFormatError(
                         f"record {i} (key {sample.key!r}) does not match the sample index",
                         path=data_file,

@@ -23,6 +23,8 @@ from typing import overload
 
 import numpy as np
 
+from packdata.errors import PackFormatError
+
 __all__ = [
     "FILES",
     "INDEX_DIR",
@@ -102,12 +104,16 @@ class SampleIndexWriter:
                 f.close()
 
 
+_AGAIN = "Convert the pack again"
+
+
 class KeyList(Sequence[str]):
     """Read-only sequence of keys over the index files (decoded on access)."""
 
-    def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, blob: np.ndarray, offsets: np.ndarray, path: str | os.PathLike | None = None) -> None:
         self._blob = blob
         self._offsets = offsets
+        self._path = path
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -123,7 +129,12 @@ class KeyList(Sequence[str]):
         if not -n <= i < n:
             raise IndexError(f"key index {i} out of range for {n} samples")
         i %= n
-        return self._blob[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+        try:
+            return self._blob[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PackFormatError(
+                f"key {i} is not UTF-8 ({exc})", path=self._path, hint="Convert the pack again"
+            ) from exc
 
 
 class SampleIndex:
@@ -134,8 +145,9 @@ class SampleIndex:
         self.labels = self._map(directory / LABELS_FILE, "<i4", num_samples)
         self.sizes = self._map(directory / SIZES_FILE, "<i8", num_samples)
         offsets = self._map(directory / KEY_OFFSETS_FILE, "<i8", num_samples + 1)
+        _check_offsets(offsets, directory / KEY_OFFSETS_FILE)
         blob = self._map(directory / KEYS_FILE, "u1", int(offsets[-1]))
-        self.keys = KeyList(blob, offsets)
+        self.keys = KeyList(blob, offsets, directory / KEYS_FILE)
 
     @staticmethod
     def _map(path: Path, dtype: str, count: int) -> np.ndarray:
@@ -146,3 +158,15 @@ class SampleIndex:
         if count == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def _check_offsets(offsets: np.ndarray, path: Path, chunk: int = 1 << 20) -> None:
+    """Key offsets start at 0 and never decrease (checked in chunks: flat memory on huge packs)."""
+    if len(offsets) and offsets[0] != 0:
+        raise PackFormatError(
+            f"the first key offset is {int(offsets[0])}, not 0", path=path, hint="Convert the pack again"
+        )
+    for start in range(0, len(offsets) - 1, chunk):
+        part = np.asarray(offsets[start : start + chunk + 1])
+        if (part[1:] < part[:-1]).any():
+            raise PackFormatError("key offsets decrease", path=path, hint=_AGAIN)

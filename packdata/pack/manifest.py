@@ -21,11 +21,13 @@ from typing import Any
 from packdata.errors import PackFormatError
 
 __all__ = [
+    "CHECKSUM_KEY",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
     "ShardInfo",
     "file_sha256",
+    "manifest_checksum",
     "plain_name_problem",
     "read_manifest",
     "resolve_in_pack",
@@ -35,6 +37,8 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+CHECKSUM_KEY = "checksum"
+"""The manifest's own SHA-256 (:func:`manifest_checksum`); manifests of packdata before 0.2 have none."""
 
 
 @dataclass
@@ -94,15 +98,24 @@ def file_sha256(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def manifest_checksum(data: dict[str, Any]) -> str:
+    """SHA-256 of a manifest's fields (all but ``checksum``) as canonical JSON: sorted keys, no spaces."""
+    fields = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+    canonical = json.dumps(fields, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
 def write_manifest(pack: str | os.PathLike, manifest: Manifest) -> Path:
-    """Write ``manifest.json`` into ``pack`` atomically (temporary file, fsync, rename)."""
+    """Write ``manifest.json`` into ``pack`` atomically (temporary file, fsync, rename), with its checksum."""
     from packdata._version import __version__
 
     manifest.packdata_version = manifest.packdata_version or __version__
     path = Path(pack) / MANIFEST_NAME
     tmp = path.with_name(f".{MANIFEST_NAME}.tmp")
+    data = manifest.to_dict()
+    data[CHECKSUM_KEY] = manifest_checksum(data)
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_dict(), f, indent=1, ensure_ascii=False)
+        json.dump(data, f, indent=1, ensure_ascii=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
@@ -401,7 +414,14 @@ def _read(pack: Path, *, external: bool) -> Manifest:
             path=pack,
             hint="Upgrade packdata: pip install -U packdata",
         )
+    checksum = data.pop(CHECKSUM_KEY, None)
     manifest = validate_manifest(data, path)
+    if checksum is not None and checksum != manifest_checksum(data):
+        raise PackFormatError(
+            "manifest checksum does not match its content (a damaged or hand-edited manifest)",
+            path=path,
+            hint=_HINT,
+        )
     if not external and any(os.path.isabs(s.file) for s in manifest.shards):
         raise PackFormatError(
             "is a staged pack whose shards are partly elsewhere; it cannot be the origin of another",

@@ -23,6 +23,7 @@ from conftest import image_bytes
 
 from packdata.conversion.convert import convert
 from packdata.formats.lmdb import encode_key
+from packdata.pack.manifest import manifest_checksum
 
 __all__ = [
     "MALFORMED",
@@ -88,6 +89,7 @@ def rewrite_manifest(pack: Path, change: Callable[[dict[str, Any]], object] | st
         return
     data = json.loads(path.read_text(encoding="utf-8"))
     change(data)
+    data["checksum"] = manifest_checksum(data)  # a hostile author recomputes it
     path.write_text(json.dumps(data), encoding="utf-8")
 
 
@@ -253,4 +255,5 @@ def overwrite_lmdb_record(pack: Path, value: bytes) -> None:
     manifest = json.loads((pack / "manifest.json").read_text())
     manifest["shards"][0]["bytes"] = data.stat().st_size
     manifest["shards"][0]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    manifest["checksum"] = manifest_checksum(manifest)
     (pack / "manifest.json").write_text(json.dumps(manifest))

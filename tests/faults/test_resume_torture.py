@@ -24,7 +24,7 @@ from conftest import IMAGE_EXTS, expected_samples, image_bytes
 
 from packdata import LMDBDataset, TFRecordIndexedDataset, verify_pack
 from packdata.conversion.convert import partial_path
-from packdata.pack.manifest import read_manifest
+from packdata.pack.manifest import manifest_checksum, read_manifest
 
 DRIVER = Path(__file__).with_name("resume_driver.py")
 REPO = Path(__file__).parents[2]
@@ -146,6 +146,7 @@ def _edit_manifest(pack: Path, edit: Any) -> None:
     path = pack / "manifest.json"
     data = json.loads(path.read_text())
     edit(data)
+    data["checksum"] = manifest_checksum(data)
     path.write_text(json.dumps(data))
 
 
