@@ -21,7 +21,7 @@ _EXPORTS = {
     "PackdataError": "errors",
     "PackFormatError": "errors",
     "SourceError": "errors",
-    "ConvertResult": "conversion.convert",
+    "ConvertResult": "conversion.publish",
     "convert": "conversion.convert",
     "pack_info": "formats.verify",
     "verify_pack": "formats.verify",

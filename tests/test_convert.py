@@ -17,7 +17,7 @@ from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
 from PIL import Image
 
 from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
-from packdata.conversion.convert import partial_path
+from packdata.conversion.publish import partial_path
 from packdata.formats.lmdb import encode_key
 from packdata.pack.records import decode_record
 
@@ -195,12 +195,14 @@ def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_p
 _SLOW_CONVERT = """
 import importlib, sys, time
 c = importlib.import_module("packdata.conversion.convert")
-c._COMMIT_SAMPLES = 5
-load = c._load
+local = importlib.import_module("packdata.conversion.local")
+ld = importlib.import_module("packdata.conversion.load")
+local._COMMIT_SAMPLES = 5
+load = ld._load
 def slow_load(entry, opts):
     time.sleep(0.01)
     return load(entry, opts)
-c._load = slow_load
+ld._load = slow_load
 c.convert(sys.argv[1], sys.argv[2], workers=2, progress=False, resume=len(sys.argv) > 3)
 """
 

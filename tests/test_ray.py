@@ -20,7 +20,7 @@ from PIL import Image
 
 import packdata
 from packdata.cli import main
-from packdata.conversion.convert import partial_path
+from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import Skip, SourceFile, scan_source
 from packdata.errors import EngineError, SourceError
 from packdata.pack.manifest import read_manifest
@@ -209,7 +209,7 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 
 def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
     """Start a Ray conversion whose partial folder already holds a file at ``blocked``."""
-    from packdata.conversion.convert import _Options
+    from packdata.conversion.load import _Options
     from packdata.conversion.ray import _prepare_partial
 
     partial = partial_path(dst)
@@ -222,7 +222,7 @@ def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
 
 @pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
-    from packdata.conversion.convert import _Options
+    from packdata.conversion.load import _Options
     from packdata.conversion.ray import _prepare_partial
     from packdata.errors import ConfigError
 

@@ -354,7 +354,7 @@ def test_cli_info_and_verify(tf_images: Path, tmp_path: Path) -> None:
 def test_resumed_convert_matches_uninterrupted(
     tf_images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conv = sys.modules["packdata.conversion.convert"]
+    conv = sys.modules["packdata.conversion.local"]
 
     convert(tf_images, tmp_path / "whole", format="tfrecord", shard_samples=5, progress=False)
     monkeypatch.setattr(conv, "_COMMIT_SAMPLES", 3)

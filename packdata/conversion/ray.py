@@ -25,14 +25,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from packdata.conversion.convert import (
+from packdata.conversion.load import _Options, _pipeline
+from packdata.conversion.publish import (
     SKIP_REPORT,
     ConvertResult,
     _fsync_dir,
     _make_manifest,
     _no_samples_error,
-    _Options,
-    _pipeline,
     _publish,
     partial_path,
 )

@@ -29,7 +29,9 @@ import sys
 import time
 import traceback
 
-convert_module = importlib.import_module("packdata.conversion.convert")  # packdata.convert is also the function
+convert_module = importlib.import_module("packdata.conversion.convert")
+local_module = importlib.import_module("packdata.conversion.local")
+load_module = importlib.import_module("packdata.conversion.load")
 importlib.import_module("packdata.formats.lmdb")  # imported once here, not in every forked run
 importlib.import_module("packdata.formats.tfrecord")
 
@@ -64,15 +66,15 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
             real_rmtree(path, *args, **kwargs)
 
         shutil.rmtree = rmtree  # type: ignore[assignment]
-    convert_module._COMMIT_SAMPLES = plan["commit_samples"]
+    local_module._COMMIT_SAMPLES = plan["commit_samples"]
     if slow:
-        load = convert_module._load
+        load = load_module._load
 
         def slow_load(entry, opts):  # type: ignore[no-untyped-def]
             time.sleep(slow)
             return load(entry, opts)
 
-        convert_module._load = slow_load
+        load_module._load = slow_load
     result = convert_module.convert(
         plan["src"],
         dst,

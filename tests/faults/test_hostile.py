@@ -305,7 +305,7 @@ def test_overwrite_replaces_a_real_pack_and_leaves_nothing_aside(
 def test_publish_refuses_a_destination_that_appeared_without_overwrite(
     templates: dict[str, Path], tmp_path: Path
 ) -> None:
-    from packdata.conversion.convert import _publish
+    from packdata.conversion.publish import _publish
 
     pack = _pack(templates, tmp_path, "lmdb")
     partial = tmp_path / "packs" / ".new.lmdb.partial"

@@ -21,19 +21,21 @@ from conftest import IMAGE_EXTS, expected_samples, tree_digest
 
 from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
 from packdata.cli import main
-from packdata.conversion.convert import partial_path
+from packdata.conversion.publish import partial_path
 
 REPO = Path(__file__).parents[2]
 
 _SLOW_CONVERT = """
 import importlib, sys, time
 c = importlib.import_module("packdata.conversion.convert")
-c._COMMIT_SAMPLES = 2
-load = c._load
+local = importlib.import_module("packdata.conversion.local")
+ld = importlib.import_module("packdata.conversion.load")
+local._COMMIT_SAMPLES = 2
+load = ld._load
 def slow_load(entry, opts):
     time.sleep(float(sys.argv[3]))
     return load(entry, opts)
-c._load = slow_load
+ld._load = slow_load
 c.convert(sys.argv[1], sys.argv[2], workers=1, shard_samples=3, progress=False, resume=True)
 """
 

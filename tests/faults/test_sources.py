@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from packdata import convert
-from packdata.conversion.convert import _read_regular
+from packdata.conversion.load import _read_regular
 from packdata.conversion.sources import scan_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,7 +79,7 @@ def test_vanished_file_is_a_defined_skip(image_folder: Path, tmp_path: Path) -> 
     source = scan_source(image_folder)
     entries = list(source.walk())
     os.unlink(image_folder / "cat" / "a.jpg")
-    from packdata.conversion.convert import _load, _Options
+    from packdata.conversion.load import _load, _Options
 
     opts = _Options("lmdb", "image", "skip", False, None, 90, None, None)
     first = next(e for e in entries if e.key == "cat/a.jpg")

@@ -1,0 +1,376 @@
+"""The local engine: reader threads, one writer that rolls shards, checkpoints after every commit, resume."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from packdata.conversion.load import _Options, _pipeline
+from packdata.conversion.publish import (
+    SKIP_REPORT,
+    ConvertResult,
+    _fsync_dir,
+    _make_manifest,
+    _no_samples_error,
+    _publish,
+    partial_path,
+)
+from packdata.conversion.sources import Skip, Source, SourceFile
+from packdata.errors import (
+    CapacityError,
+    ConfigError,
+    SourceError,
+    destination_error,
+)
+from packdata.formats import ShardWriter, shard_writer
+from packdata.pack.index import SampleIndexWriter
+from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
+from packdata.pack.records import Sample
+
+__all__ = []
+
+
+_PROGRESS = "progress.json"
+
+
+_COMMIT_BYTES = 128 << 20
+
+
+_COMMIT_SAMPLES = 20_000
+
+
+class _Checkpoint:
+    """The resumable state of a conversion, saved in ``progress.json``."""
+
+    def __init__(self, path: Path, options: dict[str, Any]) -> None:
+        self.path = path
+        self.options = options
+        self.files_done = 0
+        self.samples_done = 0
+        self.walk = hashlib.sha256()
+        self.skip_report_bytes = 0
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+        self.bytes_in = 0
+        self.reencoded = 0
+        self.shards: list[ShardInfo] = []
+        self.shard_first = 0
+        self.shard_bytes = 0
+        self.walk_expected = ""
+        self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
+
+    def save(self) -> None:
+        state = {
+            "options": self.options,
+            "files_done": self.files_done,
+            "samples_done": self.samples_done,
+            "walk_sha256": self.walk.hexdigest(),
+            "skip_report_bytes": self.skip_report_bytes,
+            "skipped": dict(self.skipped),
+            "skip_examples": self.skip_examples,
+            "bytes_in": self.bytes_in,
+            "reencoded": self.reencoded,
+            "shards": [asdict(s) for s in self.shards],
+            "shard_first": self.shard_first,
+            "shard_bytes": self.shard_bytes,
+            "finishing": self.finishing,
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def load(self) -> dict[str, Any]:
+        state = json.loads(self.path.read_text(encoding="utf-8"))
+        if state["options"] != self.options:
+            raise ConfigError(
+                f"the interrupted conversion used other options ({state['options']})",
+                path=self.path.parent,
+                hint="Resume with the same options, or start again with --overwrite",
+            )
+        for name in (
+            "files_done",
+            "samples_done",
+            "skip_report_bytes",
+            "bytes_in",
+            "reencoded",
+            "shard_first",
+            "shard_bytes",
+        ):
+            setattr(self, name, state[name])
+        self.skipped = Counter(state["skipped"])
+        self.skip_examples = state["skip_examples"]
+        self.shards = [ShardInfo(**s) for s in state["shards"]]
+        self.walk_expected = state["walk_sha256"]
+        self.finishing = bool(state.get("finishing", False))
+        return state
+
+
+def _convert_local(
+    source: Source,
+    dst: Path,
+    opts: _Options,
+    *,
+    workers: int | None,
+    overwrite: bool,
+    resume: bool,
+    progress: bool,
+    started: float,
+) -> ConvertResult:
+    """The local engine: threads read, this process writes; run under the destination's lock."""
+    partial = partial_path(dst)
+    checkpoint = _Checkpoint(partial / _PROGRESS, asdict(opts))
+    resumed = resume and checkpoint.path.is_file()
+    if resumed:
+        checkpoint.load()
+    elif partial.exists():
+        if not overwrite and not resume:
+            raise ConfigError(
+                f"an interrupted conversion into {dst} is in {partial}",
+                path=dst,
+                hint="Pass --resume to continue it, or --overwrite to start again",
+            )
+        shutil.rmtree(partial)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise destination_error(exc, partial) from exc
+    workers = workers or min(32, 4 * (os.cpu_count() or 1))
+
+    packer = _Packer(source, partial, opts, checkpoint, resumed)
+    try:
+        if not checkpoint.finishing:  # else every shard was closed before the interruption
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-read") as pool:
+                try:
+                    packer.run(pool, depth=2 * workers, progress=progress)
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+    except SourceError:
+        packer.close_files(failed=True)
+        shutil.rmtree(partial)  # a deliberate stop: nothing to resume
+        raise
+    except OSError as exc:
+        packer.close_files(failed=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CapacityError(
+                "the destination disk is full", path=partial, hint="Free space and rerun with --resume"
+            ) from exc
+        raise
+    except BaseException:
+        packer.close_files(failed=True)
+        raise
+    packer.close_files()
+    if checkpoint.samples_done == 0:
+        shutil.rmtree(partial)
+        raise _no_samples_error(source, checkpoint.skipped)
+    manifest = packer.finish()
+    _publish(partial, dst, overwrite=overwrite)
+    return ConvertResult(
+        pack=dst,
+        format=opts.format,
+        kind=source.kind,
+        found=checkpoint.files_done,
+        packed=checkpoint.samples_done,
+        skipped=dict(checkpoint.skipped),
+        bytes_in=checkpoint.bytes_in,
+        bytes_out=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        shards=len(manifest.shards),
+        resumed=resumed,
+        reencoded=checkpoint.reencoded,
+        skip_examples=checkpoint.skip_examples,
+    )
+
+
+class _Packer:
+    """The single writer: consumes read results in walk order, rolls shards, checkpoints."""
+
+    def __init__(self, source: Source, partial: Path, opts: _Options, cp: _Checkpoint, resumed: bool) -> None:
+        self.source, self.partial, self.opts, self.cp = source, partial, opts, cp
+        self.writer_cls = shard_writer(opts.format)
+        self.index = SampleIndexWriter(partial, resume_at=cp.samples_done if resumed else None)
+        report = partial / SKIP_REPORT
+        report.touch()
+        if resumed:
+            os.truncate(report, cp.skip_report_bytes)
+        self.report = open(report, "ab")  # noqa: SIM115 (closed in close_files())
+        self.writer: ShardWriter | None = None  # None once finishing: every shard is closed
+        if not cp.finishing:
+            self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
+        self.batch: list[tuple[int, Sample]] = []
+        self.batch_bytes = 0
+        self.shard_samples = cp.samples_done - cp.shard_first
+
+    def _open_shard(self, resume_at: int | None = None) -> ShardWriter:
+        path = self.partial / self.writer_cls.shard_name(len(self.cp.shards))
+        return self.writer_cls(path, resume_at=resume_at)
+
+    def run(self, pool: ThreadPoolExecutor, depth: int, progress: bool) -> None:
+        entries = self._entries()
+        bar = tqdm(
+            desc="packing",
+            unit=" files",
+            unit_scale=True,
+            disable=not progress,
+            initial=self.cp.files_done,
+            dynamic_ncols=True,
+        )
+        last_bytes, last_time = self.cp.bytes_in, time.perf_counter()
+        with bar:
+            for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
+                if isinstance(result, Sample):
+                    # A full shard is closed and checkpointed *before* this file is counted:
+                    # a checkpoint never counts a file whose sample is not written with it.
+                    self._make_room(len(result.data))
+                self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+                self.cp.files_done += 1
+                if isinstance(result, Skip):
+                    self._skip(result, is_read_error=isinstance(entry, SourceFile))
+                else:
+                    self._add(result)
+                    self.cp.reencoded += reencoded
+                bar.update()
+                now = time.perf_counter()
+                if now - last_time > 1.0:
+                    bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
+                    last_bytes, last_time = self.cp.bytes_in, now
+            self._commit()
+
+    def _entries(self) -> Iterator[SourceFile | Skip]:
+        """The walk, with the part an interrupted run already packed verified and dropped."""
+        walk = self.source.walk()
+        if self.cp.files_done:
+            check = hashlib.sha256()
+            for _, entry in zip(range(self.cp.files_done), walk, strict=False):
+                check.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+            if check.hexdigest() != self.cp.walk_expected:
+                raise SourceError(
+                    "the source folder changed since the interrupted conversion",
+                    path=self.source.root,
+                    hint="Start again with --overwrite",
+                )
+            self.cp.walk = check
+        return walk
+
+    def _skip(self, skip: Skip, is_read_error: bool) -> None:
+        if is_read_error and self.opts.on_error == "fail":
+            detail = f": {skip.detail}" if skip.detail else ""
+            raise SourceError(
+                f"{skip.reason}{detail}",
+                path=self.source.root / skip.key,
+                hint="Fix or remove the file, or pass --on-error skip",
+            )
+        self.cp.skipped[skip.reason] += 1
+        line = {"key": skip.key, "reason": skip.reason, "detail": skip.detail}
+        if is_read_error and len(self.cp.skip_examples) < 20:
+            self.cp.skip_examples.append(line)
+        self.report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+
+    def _make_room(self, size: int) -> None:
+        """Close the current shard when a sample of ``size`` bytes would overfill it."""
+        limit_bytes, limit_samples = self.opts.shard_size, self.opts.shard_samples
+        if self.shard_samples and (
+            (limit_samples and self.shard_samples >= limit_samples)
+            or (limit_bytes and self.cp.shard_bytes + size > limit_bytes)
+        ):
+            self._roll_shard()
+
+    def _add(self, sample: Sample) -> None:
+        """Append a sample, counted with its file (call :meth:`_make_room` first)."""
+        size = len(sample.data)
+        self.batch.append((self.shard_samples, sample))
+        self.index.append(sample.key, sample.label, size)
+        self.cp.samples_done += 1
+        self.cp.bytes_in += size
+        self.shard_samples += 1
+        self.cp.shard_bytes += size
+        self.batch_bytes += size
+        if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
+            self._commit()
+
+    def _commit(self) -> None:
+        """Write the batch, make everything durable, then record the checkpoint."""
+        assert self.writer is not None  # internal invariant: only called while packing
+        if self.batch:
+            self.writer.write(self.batch)
+            self.batch, self.batch_bytes = [], 0
+        self.writer.sync()
+        self.index.flush()
+        self.report.flush()
+        os.fsync(self.report.fileno())
+        self.cp.skip_report_bytes = self.report.tell()
+        self.cp.save()
+
+    def _roll_shard(self) -> None:
+        """Close the full shard, list it and open the next (a checkpoint before and after).
+
+        Killed between the two checkpoints, a resume reopens the closed shard at
+        its full count and rolls it again: closing is repeatable.
+        """
+        self._commit()
+        assert self.writer is not None
+        nbytes, digest = self.writer.close()
+        name = self.writer_cls.shard_name(len(self.cp.shards))
+        self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
+        self.cp.shard_first = self.cp.samples_done
+        self.shard_samples = self.cp.shard_bytes = 0
+        self.writer = self._open_shard()
+        self.cp.save()
+
+    def close_files(self, failed: bool = False) -> None:
+        """Close the skip report and the index files (safe to call twice).
+
+        After a failure, errors closing them (a full disk) are ignored: the last
+        checkpoint, not these buffers, is what a resume continues from.
+        """
+        if self.report.closed:
+            return
+        try:
+            self.report.close()
+            self.index.close()
+        except OSError:
+            if not failed:
+                raise
+
+    def finish(self) -> Manifest:
+        """Close the last shard, give shards their final names, write the manifest.
+
+        The closed shard list is checkpointed (``finishing``) before any shard is
+        renamed, and the checkpoint is removed only after the manifest is
+        written, so a run killed in between resumes by redoing these steps
+        (:meth:`finalize` is repeatable).
+        """
+        if not self.cp.finishing:
+            assert self.writer is not None
+            nbytes, digest = self.writer.close()
+            name = self.writer_cls.shard_name(len(self.cp.shards))
+            self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
+            self.cp.finishing = True
+            self.cp.save()
+        shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
+        manifest = _make_manifest(
+            self.source,
+            self.opts,
+            shards,
+            samples=self.cp.samples_done,
+            files_found=self.cp.files_done,
+            bytes_in=self.cp.bytes_in,
+            reencoded=self.cp.reencoded,
+            skipped=self.cp.skipped,
+        )
+        write_manifest(self.partial, manifest)
+        (self.partial / _PROGRESS).unlink()
+        _fsync_dir(self.partial)
+        return manifest

@@ -1,0 +1,284 @@
+"""Where a pack goes and how it gets there.
+
+Destination checks, what may be replaced, the manifest, the atomic rename, and the result.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.conversion.load import _Options
+from packdata.conversion.sources import Source
+from packdata.errors import (
+    CapacityError,
+    ConfigError,
+    PackFormatError,
+    SourceError,
+)
+from packdata.formats import get_format
+from packdata.pack.index import FILES as INDEX_FILES
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+
+__all__ = ["ConvertResult", "SKIP_REPORT", "partial_path"]
+
+
+SKIP_REPORT = "skipped.jsonl"
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did: counts, bytes and time, and every skip by reason."""
+
+    pack: Path
+    format: str
+    kind: str
+    found: int
+    packed: int
+    skipped: dict[str, int]
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    shards: int
+    resumed: bool = False
+    reencoded: int = 0
+    skip_examples: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        out = asdict(self)
+        out["pack"] = str(self.pack)
+        return out
+
+
+def partial_path(dst: str | os.PathLike) -> Path:
+    """The hidden sibling a conversion into ``dst`` writes before renaming."""
+    dst = Path(dst)
+    return dst.parent / f".{dst.name}.partial"
+
+
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_dst == real_src or real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+        raise ConfigError(
+            "destination is inside the source folder", path=dst, hint="Write the pack outside the folder being packed"
+        )
+    if real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+        raise ConfigError(
+            "the source folder is inside the destination",
+            path=dst,
+            hint="Choose a destination that does not contain the source",
+        )
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise ConfigError(
+                "destination already exists", path=dst, hint="Pass --overwrite to replace it, or choose another path"
+            )
+        _check_replaceable(dst)
+
+
+def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
+    """The first entry of ``dst`` that is not one of the pack's own files, or of the wrong type; None if none.
+
+    A pack holds its manifest, the skip report, the sample index folder (its
+    files only), and each shard's files as its format lays them out (a folder
+    with its files, or a file with side files beside it). No symlink anywhere.
+    """
+    layout_of = get_format(manifest.format).shard_layout
+    files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
+    folders: dict[str, set[str]] = {manifest.index_dir: set(INDEX_FILES)}
+    for shard in manifest.shards:
+        layout = layout_of(shard.file)
+        if layout.folder:
+            folders[shard.file] = {layout.data, *layout.side, *layout.scratch}
+        else:
+            files.update((layout.data, *layout.side))
+    for entry in sorted(os.scandir(dst), key=lambda e: e.name):
+        if entry.name in files and entry.is_file(follow_symlinks=False):
+            continue
+        if entry.name not in folders or not entry.is_dir(follow_symlinks=False):
+            return entry.name
+        for inner in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            if inner.name not in folders[entry.name] or not inner.is_file(follow_symlinks=False):
+                return f"{entry.name}/{inner.name}"
+    return None
+
+
+def _check_replaceable(dst: Path) -> None:
+    """``dst`` is provably a complete packdata pack that ``overwrite`` may replace, and nothing else.
+
+    Its manifest must pass :func:`~packdata.pack.manifest.read_manifest` (schema,
+    version, paths inside the pack), it must not be a staged pack, every shard
+    and the sample index must be there, and it may hold nothing but the pack's
+    own files: anything else (a web app's folder with a ``manifest.json``) is
+    refused, never deleted.
+
+    Raises:
+        ConfigError: naming what makes ``dst`` not a pack packdata may replace.
+    """
+    hint = "Remove it yourself or choose another path"
+    if dst.is_symlink() or not dst.is_dir():
+        raise ConfigError(
+            "destination exists and is not a packdata pack (not a folder); refusing to replace it", path=dst, hint=hint
+        )
+    try:
+        manifest = read_manifest(dst)
+    except PackFormatError as exc:
+        reason = str(exc)[: -len(exc.hint) - 2] if exc.hint else str(exc)
+        raise ConfigError(
+            f"destination exists and is not a packdata pack; refusing to replace it ({reason})", hint=hint
+        ) from exc
+    if manifest.staged_from is not None:
+        raise ConfigError(
+            "destination is a staged pack; refusing to replace it", path=dst, hint=f"Run `packdata unstage {dst}` first"
+        )
+    needed = [(dst / s.file, f"shard {s.file}") for s in manifest.shards]
+    needed += [(dst / manifest.index_dir / name, f"sample index file {name}") for name in INDEX_FILES]
+    for path, what in needed:
+        if not os.path.lexists(path):
+            raise ConfigError(
+                f"destination is not a complete packdata pack ({what} is missing); refusing to replace it",
+                path=dst,
+                hint=hint,
+            )
+    foreign = _foreign_entry(manifest, dst)
+    if foreign is not None:
+        raise ConfigError(
+            f"destination holds {foreign!r}, which is not part of a packdata pack; refusing to replace it",
+            path=dst,
+            hint=hint,
+        )
+
+
+_MIN_FREE_BYTES = 1 << 20
+
+
+def _check_destination_writable(dst: Path) -> None:
+    """Refuse, with one line, a destination packdata cannot write a pack at.
+
+    ``dst`` must not be a symbolic link (to a folder or to nothing) nor an
+    existing non-folder (a file, a device); its nearest existing ancestor (the
+    parent, or where missing parents will be created) must be a writable folder
+    with at least 1 MiB free. Nothing is created here; what
+    only an attempt reveals (``/proc``, races) is caught where the pack's
+    folder and first shard are created.
+
+    Raises:
+        ConfigError: ``dst`` or its parent cannot be used.
+        CapacityError: the parent's file system is full.
+    """
+    if dst.is_symlink():
+        raise ConfigError(
+            f"destination is a symbolic link (to {os.readlink(dst)!r}); packdata writes a pack only at a real path",
+            path=dst,
+            hint="Pass the path the link points to, or another path",
+        )
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(
+            "destination exists and is not a folder", path=dst, hint="Choose another path; packdata will not replace it"
+        )
+    parent = dst.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # missing parents are created with the pack
+    if not parent.is_dir():
+        raise ConfigError("the destination's parent is not a folder", path=parent, hint="Choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "the destination's parent folder is not writable (read-only file system or permissions)",
+            path=parent,
+            hint="Choose a writable destination",
+        )
+    st = os.statvfs(parent)
+    if st.f_blocks == 0:
+        raise ConfigError(
+            "the destination's parent folder is on a file system without storage (such as /proc or /sys)",
+            path=parent,
+            hint="Choose a destination on a disk or tmpfs",
+        )
+    free = st.f_bavail * st.f_frsize
+    if free < _MIN_FREE_BYTES:
+        raise CapacityError(
+            f"the destination disk is full: {free} bytes free, at least {_MIN_FREE_BYTES} needed to start",
+            path=parent,
+            hint="Free space or choose another destination",
+        )
+
+
+def _no_samples_error(source: Source, skipped: Counter[str]) -> SourceError:
+    """The error of a conversion that packed nothing."""
+    reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
+    return SourceError(
+        f"no usable {source.kind} files (skipped: {reasons})", path=source.root, hint="Check the folder and --kind"
+    )
+
+
+def _make_manifest(
+    source: Source,
+    opts: _Options,
+    shards: list[ShardInfo],
+    *,
+    samples: int,
+    files_found: int,
+    bytes_in: int,
+    reencoded: int,
+    skipped: Counter[str],
+) -> Manifest:
+    """The manifest of a finished pack (shards already finalized); every engine writes this one."""
+    return Manifest(
+        format=opts.format,
+        kind=source.kind,
+        classes=source.classes,
+        num_samples=samples,
+        shards=shards,
+        index={"dir": "index"},
+        fields=[opts.kind, "label", "key"],
+        reencode={"max_side": opts.max_side, "quality": opts.quality, "count": reencoded} if opts.max_side else None,
+        skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
+        source={"files_found": files_found, "bytes": bytes_in},
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
+    """Rename the finished pack into place; with ``overwrite``, an old pack at ``dst`` is replaced.
+
+    Something that appeared at ``dst`` while converting is refused without
+    ``overwrite``. The old pack is checked again (:func:`_check_replaceable`: it
+    may have changed while converting), moved aside to a hidden sibling, and deleted only
+    once the new pack has its name; if the rename fails, it is moved back.
+    """
+    old = None
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise ConfigError(
+                "destination appeared while converting",
+                path=dst,
+                hint=f"The new pack is left in {partial}: move what is at the destination away and convert again",
+            )
+        _check_replaceable(dst)
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        counter = 0
+        while os.path.lexists(old):
+            counter += 1
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}-{counter}"
+        os.rename(dst, old)
+    try:
+        os.rename(partial, dst)
+    except BaseException:
+        if old is not None and not os.path.lexists(dst):
+            os.rename(old, dst)
+        raise
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old)
