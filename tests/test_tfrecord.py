@@ -23,14 +23,9 @@ from torch.utils.data import DataLoader
 import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
-from packdata.formats.tfrecord import (
-    TFRecordShardWriter,
-    frame_record,
-    index_path,
-    parse_example,
-    payload_path,
-    read_payload_table,
-)
+from packdata.formats.tfrecord import TFRecordShardWriter
+from packdata.formats.tfrecord_example import frame_record, parse_example
+from packdata.formats.tfrecord_tables import index_path, payload_path, read_payload_table
 from packdata.pack.records import RecordError, Sample
 
 

@@ -41,8 +41,7 @@ accelerator, never a second source of truth.
 
 Reads never trust an index alone: every record's framing is checked against it,
 and CRCs are checked unless asked not to. A damaged record raises
-:class:`~packdata.errors.PackFormatError` naming the shard and byte offset.
-"""
+:class:`~packdata.errors.PackFormatError` naming the shard and byte offset."""
 
 from __future__ import annotations
 
@@ -51,422 +50,60 @@ import hashlib
 import itertools
 import mmap
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import crc32c
 import numpy as np
-from tfrecord import example_pb2
 
 from packdata.errors import PackFormatError, destination_error
 from packdata.formats import ShardLayout
+from packdata.formats.tfrecord_example import (
+    _HEADER,
+    _MASK_DELTA,
+    _U32,
+    _damaged,
+    _payload_span,
+    _span_ok,
+    check_record,
+    encode_example,
+    frame_record,
+    masked_crc,
+    parse_example,
+)
+from packdata.formats.tfrecord_tables import (
+    _PAIR,
+    SHARD_SUFFIX,
+    _sha_prefix,
+    index_path,
+    payload_path,
+    read_index,
+    read_payload_table,
+)
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample
 
 __all__ = [
-    "INDEX_SUFFIX",
     "NAME",
-    "PAYLOAD_SUFFIX",
     "SHARD_SUFFIX",
-    "ParsedExample",
+    "SHARD_WRITER",
     "TFRecordShardReader",
     "TFRecordShardWriter",
     "check_payload_table",
-    "check_record",
-    "encode_example",
-    "frame_record",
-    "index_path",
-    "iter_shard_samples",
-    "masked_crc",
-    "parse_example",
-    "payload_path",
-    "read_index",
-    "SHARD_WRITER",
     "check_side_tables",
     "iter_samples",
-    "read_payload_table",
+    "iter_shard_samples",
     "shard_layout",
 ]
 
+
 NAME = "tfrecord"
-SHARD_SUFFIX = ".tfrecord"
-INDEX_SUFFIX = ".tfindex"
-PAYLOAD_SUFFIX = ".tfpayload"
-_PAIR = struct.Struct("<qq")
-_HEADER = struct.Struct("<QI")
-_U32 = struct.Struct("<I")
-_MASK_DELTA = 0xA282EAD8
+
+
 _CHUNK = 8 << 20  # bytes per positioned read when streaming a shard
+
+
 _COPY_MIN_RECORD = 16 << 10  # mean record size from which stream(copy=True) reads record by record
-_IMAGE_FORMATS = (
-    (b"\xff\xd8\xff", b"jpeg"),
-    (b"\x89PNG\r\n\x1a\n", b"png"),
-    (b"GIF8", b"gif"),
-    (b"BM", b"bmp"),
-    (b"II*\x00", b"tiff"),
-    (b"MM\x00*", b"tiff"),
-)
-
-
-def masked_crc(data: bytes | memoryview) -> int:
-    """TFRecord's masked CRC32C of ``data``."""
-    crc = crc32c.crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-
-
-def index_path(shard: str | os.PathLike) -> Path:
-    """The offsets index beside a shard: ``x.tfrecord`` -> ``x.tfindex``."""
-    shard = Path(shard)
-    stem = shard.name[: -len(SHARD_SUFFIX)] if shard.name.endswith(SHARD_SUFFIX) else shard.name
-    return shard.with_name(stem + INDEX_SUFFIX)
-
-
-def payload_path(shard: str | os.PathLike) -> Path:
-    """The payload table beside a shard: ``x.tfrecord`` -> ``x.tfpayload``."""
-    shard = Path(shard)
-    stem = shard.name[: -len(SHARD_SUFFIX)] if shard.name.endswith(SHARD_SUFFIX) else shard.name
-    return shard.with_name(stem + PAYLOAD_SUFFIX)
-
-
-def _sha_prefix(sha256_hex: str) -> int:
-    return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
-
-
-def read_payload_table(
-    shard: str | os.PathLike, count: int, sha256_hex: str, lengths: np.ndarray | None = None
-) -> np.ndarray | None:
-    """``(count, 2)`` int64 array of payload ``(offset in data, length)``, or None if absent or stale.
-
-    Valid only when the header matches ``count`` and the shard's SHA-256 (from
-    the manifest) and, given the records' framed ``lengths``, every span lies
-    inside its record's data (checked once, here).
-    """
-    try:
-        raw = payload_path(shard).read_bytes()
-    except OSError:
-        return None
-    if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
-        return None
-    try:
-        if _PAIR.unpack_from(raw, 0) != (count, _sha_prefix(sha256_hex)):
-            return None
-    except ValueError:
-        return None
-    table = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
-    if lengths is not None and count:
-        at, m = table[:, 0], table[:, 1]
-        if len(lengths) != count or at.min() < 0 or m.min() < 0 or ((at + m) > (lengths - 16)).any():
-            return None
-    return table
-
-
-def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> None:
-    """Check a shard's ``.tfpayload`` span by span against its records (for ``verify``).
-
-    A missing table is fine (readers parse the Examples).
-
-    Raises:
-        PackFormatError: the table is stale, foreign, or points anywhere but at a record's payload.
-    """
-    path = payload_path(shard)
-    if not path.is_file():
-        return
-    hint = "Convert the pack again (or delete the table: readers then parse each record)"
-    offsets, lengths = read_index(shard)
-    table = read_payload_table(shard, count, sha256_hex, lengths)
-    if table is None:
-        raise PackFormatError(
-            "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
-            path=path,
-            hint=hint,
-        )
-    reader = TFRecordShardReader(shard)
-    try:
-        for k, data in enumerate(reader.stream(offsets, lengths, 0, len(offsets))):
-            if tuple(table[k]) != _payload_span(bytes(data)):
-                raise PackFormatError(
-                    f"payload table row {k} does not point at the payload of record {k} "
-                    f"(byte offset {int(offsets[k])})",
-                    path=path,
-                    hint=hint,
-                )
-    finally:
-        reader.close()
-
-
-def _span_ok(buf: bytes | memoryview, start: int, m: int) -> bool:
-    """Whether the ``m`` bytes at ``start`` are preceded by their protobuf header (tag 1, length ``m``).
-
-    An O(1) check that a payload-table row points at a bytes value of exactly
-    its length, not some other slice of the (CRC-checked) record.
-    """
-    head = bytearray([0x0A])
-    n = m
-    while n >= 0x80:
-        head.append((n & 0x7F) | 0x80)
-        n >>= 7
-    head.append(n)
-    return start >= len(head) and buf[start - len(head) : start] == head
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
-
-
-def _payload_span(example: bytes) -> tuple[int, int]:
-    """``(offset, length)`` of the payload inside a serialized Example, as the reader finds it."""
-    buf = memoryview(example)
-    view = parse_example(buf, with_key=False).data
-    if not len(view):
-        return 0, 0
-    return _address(view) - _address(buf), len(view)
-
-
-def _image_format(sample: Sample) -> bytes:
-    data = sample.data
-    for magic, name in _IMAGE_FORMATS:
-        if data.startswith(magic):
-            return name
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return b"webp"
-    suffix = os.path.splitext(sample.key)[1].lower().lstrip(".")
-    return {"jpg": "jpeg"}.get(suffix, suffix).encode("ascii", "replace")
-
-
-def encode_example(sample: Sample) -> bytes:
-    """Serialize ``sample`` as a ``tf.train.Example`` (feature names in the module docstring)."""
-    example = example_pb2.Example()
-    feature = example.features.feature
-    if sample.kind == "text":
-        feature["text/encoded"].bytes_list.value.append(sample.data)
-    else:
-        feature["image/encoded"].bytes_list.value.append(sample.data)
-        feature["image/format"].bytes_list.value.append(_image_format(sample))
-    feature["image/class/label"].int64_list.value.append(sample.label)
-    feature["image/filename"].bytes_list.value.append(sample.key.encode("utf-8"))
-    return example.SerializeToString(deterministic=True)
-
-
-def frame_record(data: bytes) -> bytes:
-    """``data`` framed as one TFRecord record."""
-    head = struct.pack("<Q", len(data))
-    return b"".join((head, _U32.pack(masked_crc(head)), data, _U32.pack(masked_crc(data))))
-
-
-class ParsedExample(NamedTuple):
-    """The packdata fields of one ``tf.train.Example``."""
-
-    data: memoryview  # image/encoded or text/encoded, a view into the record
-    label: int
-    key: bytes
-    kind: str
-
-
-_LIST_KINDS = ("bytes", "float", "int64")
-_WANTED_NO_KEY = frozenset({b"image/encoded", b"text/encoded", b"image/class/label"})
-_WANTED = _WANTED_NO_KEY | {b"image/filename"}
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    b = buf[pos]
-    pos += 1
-    if b < 0x80:
-        return b, pos
-    result, shift = b & 0x7F, 7
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise RecordError("varint is longer than 10 bytes")
-
-
-def _skip(buf: memoryview, pos: int, wire: int) -> int:
-    if wire == 0:
-        return _varint(buf, pos)[1]
-    if wire == 1:
-        return pos + 8
-    if wire == 2:
-        n, pos = _varint(buf, pos)
-        return pos + n
-    if wire == 5:
-        return pos + 4
-    raise RecordError(f"unsupported protobuf wire type {wire}")
-
-
-def _first_value(buf: memoryview, pos: int, end: int) -> tuple[str, memoryview | int | None]:
-    """The list type and first value of one ``Feature`` message in ``buf[pos:end]``.
-
-    Varints are decoded inline when they fit one byte (tags and short lengths
-    always do): this runs four times per record, so calls are kept few.
-    """
-    kind: str = ""
-    value: memoryview | int | None = None
-    while pos < end:
-        tag = buf[pos]
-        if tag >= 0x80:
-            tag, pos = _varint(buf, pos)
-        else:
-            pos += 1
-        field = tag >> 3
-        if tag & 7 != 2 or field not in (1, 2, 3):
-            pos = _skip(buf, pos, tag & 7)
-            continue
-        n = buf[pos]
-        if n >= 0x80:
-            n, pos = _varint(buf, pos)
-        else:
-            pos += 1
-        list_end = pos + n
-        if list_end > end:
-            raise RecordError("a feature list runs past its feature")
-        kind, value = _LIST_KINDS[field - 1], None
-        inner = pos
-        while inner < list_end and value is None:  # the first element of BytesList/Int64List
-            tag = buf[inner]
-            if tag >= 0x80:
-                tag, inner = _varint(buf, inner)
-            else:
-                inner += 1
-            if tag == 0x0A and field == 1:
-                m = buf[inner]
-                if m >= 0x80:
-                    m, inner = _varint(buf, inner)
-                else:
-                    inner += 1
-                if inner + m > list_end:
-                    raise RecordError("a bytes value runs past its list")
-                value = buf[inner : inner + m]
-            elif tag == 0x08 and field == 3:
-                value = _varint(buf, inner)[0]
-            elif tag == 0x0A and field == 3:  # packed int64
-                m, inner = _varint(buf, inner)
-                value = _varint(buf, inner)[0] if m else None
-                inner += m
-            else:
-                inner = _skip(buf, inner, tag & 7)
-        pos = list_end
-    return kind, value
-
-
-def parse_example(record: bytes | memoryview, *, with_key: bool = True) -> ParsedExample:
-    """Read packdata's fields out of a serialized ``tf.train.Example``.
-
-    A small protobuf wire-format walker, several times faster than
-    ``Example.ParseFromString`` on 70 KB images because it copies nothing: the
-    payload comes back as a view into ``record``. It reads any valid Example
-    with these feature names, whoever wrote it (map entries in any order,
-    packed or unpacked int64, unknown fields skipped, the last of repeated
-    entries winning, as protobuf does). A missing label reads as -1 and a
-    missing filename as ``b""``; ``with_key=False`` skips the filename (``b""``).
-
-    Raises:
-        RecordError: the bytes are not an Example holding ``image/encoded`` or
-            ``text/encoded``.
-    """
-    buf = memoryview(record)
-    end = len(buf)
-    found: dict[bytes, tuple[str, memoryview | int | None]] = {}
-    wanted = _WANTED if with_key else _WANTED_NO_KEY
-    try:
-        pos = 0
-        while pos < end:
-            tag, pos = _varint(buf, pos)
-            if tag != 0x0A:  # Example.features, length-delimited
-                pos = _skip(buf, pos, tag & 7)
-                continue
-            n, pos = _varint(buf, pos)
-            features_end = pos + n
-            while pos < features_end:
-                if buf[pos] != 0x0A:  # not a Features.feature map entry
-                    tag, pos = _varint(buf, pos)
-                    pos = _skip(buf, pos, tag & 7)
-                    continue
-                n = buf[pos + 1]
-                if n >= 0x80:
-                    n, pos = _varint(buf, pos + 1)
-                else:
-                    pos += 2
-                entry_end = pos + n
-                name = b""
-                value_span = None
-                while pos < entry_end:
-                    tag = buf[pos]
-                    if tag != 0x0A and tag != 0x12:  # neither key nor value
-                        tag, pos = _varint(buf, pos)
-                        pos = _skip(buf, pos, tag & 7)
-                        continue
-                    m = buf[pos + 1]
-                    if m >= 0x80:
-                        m, pos = _varint(buf, pos + 1)
-                    else:
-                        pos += 2
-                    if tag == 0x0A:
-                        name = bytes(buf[pos : pos + m])
-                    else:
-                        value_span = (pos, pos + m)
-                    pos += m
-                if value_span is not None and name in wanted:
-                    found[name] = _first_value(buf, *value_span)
-                pos = entry_end
-        if pos != end:
-            raise RecordError("message ends inside a field")
-    except IndexError:
-        raise RecordError("protobuf message is cut short") from None
-    kind = "text" if b"text/encoded" in found else "image"
-    payload = found.get(b"text/encoded" if kind == "text" else b"image/encoded")
-    if payload is None or payload[0] != "bytes" or not isinstance(payload[1], memoryview):
-        raise RecordError("Example has no image/encoded or text/encoded bytes feature")
-    label_kind, label = found.get(b"image/class/label", ("int64", -1))
-    if label_kind != "int64" or not isinstance(label, int):
-        label = -1
-    elif label >= 1 << 63:
-        label -= 1 << 64
-    key = found.get(b"image/filename", ("bytes", None))[1]
-    return ParsedExample(payload[1], label, bytes(key) if isinstance(key, memoryview) else b"", kind)
-
-
-def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(offsets, lengths)`` of every record of a shard, from its ``.tfindex``, as int64 arrays.
-
-    Given the shard's byte ``size``, the records must also tile the file exactly:
-    the first at 0, each starting where the previous ends, each at least 16
-    bytes, the last ending at ``size`` (checked once, in numpy).
-
-    Raises:
-        PackFormatError: the index is missing or malformed, or does not fit a shard of ``size`` bytes.
-    """
-    path = index_path(shard)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise PackFormatError(
-            f"cannot read the shard's offsets index: {exc.strerror or exc}",
-            path=path,
-            hint="Convert or stage the pack again",
-        ) from exc
-    try:
-        table = np.array(raw.split(), dtype=np.int64).reshape(-1, 2)
-    except (ValueError, OverflowError) as exc:
-        raise PackFormatError(f"offsets index is malformed: {exc}", path=path, hint="Convert the pack again") from exc
-    offsets, lengths = np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
-    if size is not None:
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        bad = np.flatnonzero((lengths < 16) | (offsets != starts))
-        if len(bad) or (ends[-1] if len(ends) else 0) != size:
-            where = f"line {int(bad[0]) + 1} ({int(offsets[bad[0]])} {int(lengths[bad[0]])})" if len(bad) else "its end"
-            raise PackFormatError(
-                f"offsets index does not tile the {size}-byte shard: {where} is not where the records are",
-                path=path,
-                hint="The index is damaged or belongs to another shard: convert or stage the pack again",
-            )
-    return offsets, lengths
 
 
 class TFRecordShardWriter:
@@ -604,33 +241,6 @@ class TFRecordShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
         return self.bytes, digest
-
-
-def _damaged(path: str | os.PathLike, offset: int, problem: str) -> PackFormatError:
-    return PackFormatError(
-        f"record at byte offset {offset} is damaged: {problem}",
-        path=path,
-        hint="Run `packdata verify` on the pack, then convert or stage it again",
-    )
-
-
-def check_record(buf: memoryview, pos: int, length: int, *, path: str, offset: int, check_crc: bool) -> memoryview:
-    """The data of the framed record ``buf[pos:pos + length]``, its framing checked.
-
-    ``offset`` is where the record starts in the shard file (for the message).
-    """
-    if length < 16 or pos + length > len(buf):
-        raise _damaged(path, offset, f"record of {length} bytes does not fit")
-    n, length_crc = _HEADER.unpack_from(buf, pos)
-    if n != length - 16:
-        raise _damaged(path, offset, f"length field says {n} bytes, the index says {length - 16}")
-    data = buf[pos + 12 : pos + 12 + n]
-    if check_crc:
-        if masked_crc(buf[pos : pos + 8]) != length_crc:
-            raise _damaged(path, offset, "CRC32C of the length field does not match")
-        if masked_crc(data) != _U32.unpack_from(buf, pos + 12 + n)[0]:
-            raise _damaged(path, offset, "CRC32C of the data does not match")
-    return data
 
 
 class TFRecordShardReader:
@@ -904,6 +514,8 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
 
 
 SHARD_WRITER = TFRecordShardWriter
+
+
 iter_samples = iter_shard_samples
 
 
@@ -915,3 +527,37 @@ def shard_layout(name: str) -> ShardLayout:
 def check_side_tables(shard: Path, info: ShardInfo) -> None:
     """Check ``.tfpayload`` row by row (the ``.tfindex`` is checked while the records are walked)."""
     check_payload_table(shard, info.num_samples, info.sha256)
+
+
+def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> None:
+    """Check a shard's ``.tfpayload`` span by span against its records (for ``verify``).
+
+    A missing table is fine (readers parse the Examples).
+
+    Raises:
+        PackFormatError: the table is stale, foreign, or points anywhere but at a record's payload.
+    """
+    path = payload_path(shard)
+    if not path.is_file():
+        return
+    hint = "Convert the pack again (or delete the table: readers then parse each record)"
+    offsets, lengths = read_index(shard)
+    table = read_payload_table(shard, count, sha256_hex, lengths)
+    if table is None:
+        raise PackFormatError(
+            "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
+            path=path,
+            hint=hint,
+        )
+    reader = TFRecordShardReader(shard)
+    try:
+        for k, data in enumerate(reader.stream(offsets, lengths, 0, len(offsets))):
+            if tuple(table[k]) != _payload_span(bytes(data)):
+                raise PackFormatError(
+                    f"payload table row {k} does not point at the payload of record {k} "
+                    f"(byte offset {int(offsets[k])})",
+                    path=path,
+                    hint=hint,
+                )
+    finally:
+        reader.close()

@@ -25,7 +25,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
-from packdata.formats.tfrecord import TFRecordShardReader, parse_example, read_index, read_payload_table
+from packdata.formats.tfrecord import TFRecordShardReader
+from packdata.formats.tfrecord_example import parse_example
+from packdata.formats.tfrecord_tables import read_index, read_payload_table
 from packdata.pack.records import RecordError
 from packdata.reading.datasets import PackView, ShardReaders
 from packdata.reading.decode import DecodeFn, resolve_decoder
