@@ -6,6 +6,8 @@ line and exit status 1; bad options exit 2; anything else is a bug and keeps
 its traceback.
 """
 
+# Over ~500 lines: one thin click command per API function; their option lists, not logic, make it long.
+
 from __future__ import annotations
 
 import functools

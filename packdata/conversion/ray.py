@@ -6,6 +6,8 @@ them in plan order, writes the manifest and renames the pack into place, as the
 local engine does. How it plans, scales, fails and resumes: ``docs/architecture.md``.
 """
 
+# Over ~500 lines: planner, task and gather of one engine, read together.
+
 from __future__ import annotations
 
 import contextlib

@@ -32,6 +32,8 @@ key and label are checked, so the table is an accelerator, never a second
 source of truth.
 """
 
+# Over ~500 lines: writer, records.i64 table and the reader that checks it.
+
 from __future__ import annotations
 
 import ctypes

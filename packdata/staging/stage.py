@@ -38,6 +38,8 @@ tmpfs contents live in RAM and vanish at reboot or unmount: the originals stay
 the source of truth, and ``staged.json`` records where they are.
 """
 
+# Over ~500 lines: stage, status and unstage share result types and checks (one flow).
+
 from __future__ import annotations
 
 import dataclasses
