@@ -13,10 +13,12 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
 from PIL import Image
 
 from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
+from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.formats.lmdb import encode_key
 from packdata.pack.records import decode_record
@@ -72,10 +74,16 @@ def test_bad_files_are_skipped_counted_and_reported(bad_files: Path, tmp_path: P
 
 
 def test_on_error_fail_names_the_file_and_leaves_nothing(bad_files: Path, tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match=r"cat/corrupt\.jpg: corrupt image.*--on-error skip"):
+    with pytest.raises(SourceError, match=r"cat/corrupt\.jpg: corrupt image.*on_error='skip'"):
         convert(bad_files, tmp_path / "out.lmdb", on_error="fail", progress=False)
     assert not (tmp_path / "out.lmdb").exists()
     assert not partial_path(tmp_path / "out.lmdb").exists()
+    # the CLI says the same in its own flags
+    result = CliRunner().invoke(
+        main, ["convert", str(bad_files), str(tmp_path / "out.lmdb"), "--on-error", "fail", "-q"]
+    )
+    assert result.exit_code == 1 and "corrupt.jpg: corrupt image" in result.output
+    assert "pass --on-error skip" in result.output and "on_error=" not in result.output
 
 
 def test_verify_images_catches_truncated_jpeg(image_folder: Path, tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def test_ray_tfrecord_matches_local(ray_local, clean_folder: Path, tmp_path: Pat
 @pytest.mark.ray
 def test_ray_on_error_fail_names_the_file(ray_local, poisoned_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
-    with pytest.raises(SourceError, match=r"class1/img005x\.jpg: corrupt image.*--on-error skip"):
+    with pytest.raises(SourceError, match=r"class1/img005x\.jpg: corrupt image.*on_error='skip'"):
         packdata.convert(poisoned_folder, dst, on_error="fail", shard_samples=5, progress=False, engine="ray")
     assert not dst.exists()
     assert not partial_path(dst).exists()

@@ -19,13 +19,18 @@ from tqdm import tqdm
 
 from packdata.conversion.load import _Options, _pipeline
 from packdata.conversion.publish import (
+    PROGRESS_FILE,
     SKIP_REPORT,
     ConvertResult,
     _fsync_dir,
     _make_manifest,
     _no_samples_error,
     _publish,
+    bad_file_error,
+    make_result,
     partial_path,
+    record_skip,
+    skip_line,
 )
 from packdata.conversion.sources import Skip, Source, SourceFile
 from packdata.errors import (
@@ -40,9 +45,6 @@ from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 
 __all__ = []
-
-
-_PROGRESS = "progress.json"
 
 
 _COMMIT_BYTES = 128 << 20
@@ -130,7 +132,7 @@ def _convert_local(
 ) -> ConvertResult:
     """The local engine: threads read, this process writes; run under the destination's lock."""
     partial = partial_path(dst)
-    checkpoint = _Checkpoint(partial / _PROGRESS, asdict(opts))
+    checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts))
     resumed = resume and checkpoint.path.is_file()
     if resumed:
         checkpoint.load()
@@ -177,20 +179,18 @@ def _convert_local(
         raise _no_samples_error(source, checkpoint.skipped)
     manifest = packer.finish()
     _publish(partial, dst, overwrite=overwrite)
-    return ConvertResult(
-        pack=dst,
-        format=opts.format,
-        kind=source.kind,
+    return make_result(
+        dst,
+        opts,
+        source,
+        manifest,
         found=checkpoint.files_done,
-        packed=checkpoint.samples_done,
-        skipped=dict(checkpoint.skipped),
-        bytes_in=checkpoint.bytes_in,
-        bytes_out=manifest.total_bytes,
-        seconds=time.perf_counter() - started,
-        shards=len(manifest.shards),
-        resumed=resumed,
-        reencoded=checkpoint.reencoded,
+        skipped=checkpoint.skipped,
         skip_examples=checkpoint.skip_examples,
+        bytes_in=checkpoint.bytes_in,
+        reencoded=checkpoint.reencoded,
+        resumed=resumed,
+        started=started,
     )
 
 
@@ -265,18 +265,10 @@ class _Packer:
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
+        line = skip_line(skip)
         if is_read_error and self.opts.on_error == "fail":
-            detail = f": {skip.detail}" if skip.detail else ""
-            raise SourceError(
-                f"{skip.reason}{detail}",
-                path=self.source.root / skip.key,
-                hint="Fix or remove the file, or pass --on-error skip",
-            )
-        self.cp.skipped[skip.reason] += 1
-        line = {"key": skip.key, "reason": skip.reason, "detail": skip.detail}
-        if is_read_error and len(self.cp.skip_examples) < 20:
-            self.cp.skip_examples.append(line)
-        self.report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+            raise bad_file_error(self.source.root, line)
+        record_skip(self.report, self.cp.skipped, self.cp.skip_examples, line, read_error=is_read_error)
 
     def _make_room(self, size: int) -> None:
         """Close the current shard when a sample of ``size`` bytes would overfill it."""
@@ -371,6 +363,6 @@ class _Packer:
             skipped=self.cp.skipped,
         )
         write_manifest(self.partial, manifest)
-        (self.partial / _PROGRESS).unlink()
+        (self.partial / PROGRESS_FILE).unlink()
         _fsync_dir(self.partial)
         return manifest

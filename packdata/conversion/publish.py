@@ -5,15 +5,17 @@ Destination checks, what may be replaced, the manifest, the atomic rename, and t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from packdata.conversion.load import _Options
-from packdata.conversion.sources import Source
+from packdata.conversion.sources import Skip, Source
 from packdata.errors import (
     CapacityError,
     ConfigError,
@@ -24,10 +26,24 @@ from packdata.formats import get_format
 from packdata.pack.index import FILES as INDEX_FILES
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
-__all__ = ["ConvertResult", "SKIP_REPORT", "partial_path"]
+__all__ = [
+    "MAX_SKIP_EXAMPLES",
+    "PROGRESS_FILE",
+    "SKIP_REPORT",
+    "ConvertResult",
+    "bad_file_error",
+    "make_result",
+    "partial_path",
+    "record_skip",
+    "skip_line",
+]
 
 
 SKIP_REPORT = "skipped.jsonl"
+PROGRESS_FILE = "progress.json"
+"""The local engine's checkpoint in the partial pack (its presence says which engine was interrupted)."""
+MAX_SKIP_EXAMPLES = 20
+"""Read errors kept as examples in the result (all of them are in the skip report)."""
 
 
 @dataclass
@@ -282,3 +298,58 @@ def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
     _fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+def skip_line(skip: Skip) -> dict[str, str]:
+    """A skip as one line of ``skipped.jsonl``."""
+    return {"key": skip.key, "reason": skip.reason, "detail": skip.detail}
+
+
+def record_skip(
+    report: BinaryIO, counts: Counter[str], examples: list[dict[str, str]], line: dict[str, str], *, read_error: bool
+) -> None:
+    """Count a skip by reason, keep it as an example (the first few read errors), and append it to the report."""
+    counts[line["reason"]] += 1
+    if read_error and len(examples) < MAX_SKIP_EXAMPLES:
+        examples.append(line)
+    report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def bad_file_error(root: Path, line: dict[str, str]) -> SourceError:
+    """The error that stops a conversion at a bad file with ``on_error="fail"``."""
+    detail = f": {line['detail']}" if line["detail"] else ""
+    return SourceError(
+        f"{line['reason']}{detail}", path=root / line["key"], hint="Fix or remove the file, or pass on_error='skip'"
+    )
+
+
+def make_result(
+    dst: Path,
+    opts: _Options,
+    source: Source,
+    manifest: Manifest,
+    *,
+    found: int,
+    skipped: Counter[str],
+    skip_examples: list[dict[str, str]],
+    bytes_in: int,
+    reencoded: int,
+    resumed: bool,
+    started: float,
+) -> ConvertResult:
+    """What a published conversion did: the one :class:`ConvertResult` builder of both engines."""
+    return ConvertResult(
+        pack=dst,
+        format=opts.format,
+        kind=source.kind,
+        found=found,
+        packed=manifest.num_samples,
+        skipped=dict(skipped),
+        bytes_in=bytes_in,
+        bytes_out=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        shards=len(manifest.shards),
+        resumed=resumed,
+        reencoded=reencoded,
+        skip_examples=skip_examples,
+    )

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,16 +28,22 @@ from tqdm import tqdm
 
 from packdata.conversion.load import _Options, _pipeline
 from packdata.conversion.publish import (
+    MAX_SKIP_EXAMPLES,
+    PROGRESS_FILE,
     SKIP_REPORT,
     ConvertResult,
     _fsync_dir,
     _make_manifest,
     _no_samples_error,
     _publish,
+    bad_file_error,
+    make_result,
     partial_path,
+    record_skip,
+    skip_line,
 )
 from packdata.conversion.sources import Skip, Source, SourceFile
-from packdata.errors import ConfigError, EngineError, SourceError
+from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.index import (
     FILES,
@@ -71,7 +76,6 @@ _RESULT = "result.json"
 _BATCH_BYTES = 32 << 20
 _BATCH_SAMPLES = 4096
 _CHUNK = 1 << 20  # index entries per copy when gathering fragments
-_MAX_EXAMPLES = 20
 _INSTALL_HINT = "Install it with: pip install 'packdata[ray]'"
 
 
@@ -180,13 +184,10 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
             for entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
                 if isinstance(result, Skip):
                     read_error = isinstance(entry, SourceFile)
-                    line = {"key": result.key, "reason": result.reason, "detail": result.detail}
+                    line = skip_line(result)
                     if read_error and opts.on_error == "fail":
                         return {"number": task.number, "failed": line}
-                    skipped[result.reason] += 1
-                    if read_error and len(examples) < _MAX_EXAMPLES:
-                        examples.append(line)
-                    report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+                    record_skip(report, skipped, examples, line, read_error=read_error)
                     continue
                 if writer is None:
                     writer = writer_cls(pack / name)
@@ -286,7 +287,7 @@ class _Gatherer:
         self.bytes_in += result["bytes_in"]
         self.reencoded += result["reencoded"]
         self.skipped.update(result["skipped"])
-        room = _MAX_EXAMPLES - len(self.skip_examples)
+        room = MAX_SKIP_EXAMPLES - len(self.skip_examples)
         self.skip_examples.extend(result["skip_examples"][:room])
 
     def close(self) -> None:
@@ -312,7 +313,7 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
                 )
             (partial / TASKS_DIR).mkdir(exist_ok=True)
             return True
-        if resume and (partial / "progress.json").is_file():
+        if resume and (partial / PROGRESS_FILE).is_file():
             raise ConfigError(
                 "the interrupted conversion into it ran on the local engine",
                 path=dst,
@@ -444,20 +445,18 @@ def convert_on_ray(
     )
     write_manifest(partial, manifest)
     _publish(partial, dst, overwrite=overwrite)
-    return ConvertResult(
-        pack=dst,
-        format=opts.format,
-        kind=source.kind,
+    return make_result(
+        dst,
+        opts,
+        source,
+        manifest,
         found=gatherer.files_found,
-        packed=gatherer.samples,
-        skipped=dict(gatherer.skipped),
-        bytes_in=gatherer.bytes_in,
-        bytes_out=manifest.total_bytes,
-        seconds=time.perf_counter() - started,
-        shards=len(manifest.shards),
-        resumed=resumed,
-        reencoded=gatherer.reencoded,
+        skipped=gatherer.skipped,
         skip_examples=gatherer.skip_examples,
+        bytes_in=gatherer.bytes_in,
+        reencoded=gatherer.reencoded,
+        resumed=resumed,
+        started=started,
     )
 
 
@@ -503,13 +502,7 @@ def _run_tasks(
             if "failed" in result:
                 _abort(ray, in_flight)
                 shutil.rmtree(partial, ignore_errors=True)  # a deliberate stop: nothing to resume
-                bad = result["failed"]
-                detail = f": {bad['detail']}" if bad["detail"] else ""
-                raise SourceError(
-                    f"{bad['reason']}{detail}",
-                    path=source.root / bad["key"],
-                    hint="Fix or remove the file, or pass --on-error skip",
-                )
+                raise bad_file_error(source.root, result["failed"])
             gatherer.add(result)
 
     try:
