@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw
 
+from packdata.pack.files import atomic_write
+
 __all__ = ["make_sample_images", "make_sample_texts"]
 
 _IMAGE_THEMES = (
@@ -97,14 +99,7 @@ def _class_names(stems: tuple[str, ...], prefix: str, num_classes: int) -> list[
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a hidden temporary file and :func:`os.replace`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, data, tmp_suffix=f".{os.getpid()}.tmp")
 
 
 def _default_workers() -> int:

@@ -258,7 +258,7 @@ def test_interrupt_leaves_no_staged_looking_shard(
     manifest = read_manifest(staged)
     for shard in manifest.shards:  # every shard the manifest names as staged is complete
         if not Path(shard.file).is_absolute():
-            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.files.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
     assert not json.loads((staged / STAGED_FILE).read_text())["complete"]
     monkeypatch.setattr(copy_module, "copy_file", real)
@@ -298,7 +298,7 @@ def test_killed_stage_leaves_no_half_shard(lmdb_pack: Path, tmp_path: Path) -> N
     manifest = read_manifest(staged)
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
-            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.files.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
     status = stage_status(dest)
     assert [p.complete for p in status.areas[0].packs] == [False]
@@ -406,7 +406,7 @@ def test_enospc_on_tiny_tmpfs(lmdb_pack: Path, tmpfs, monkeypatch: pytest.Monkey
     manifest = read_manifest(staged)
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
-            assert packdata.pack.manifest.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
+            assert packdata.pack.files.file_sha256(staged / shard.file / "data.mdb") == shard.sha256
     assert tree_digest(lmdb_pack) == source
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 

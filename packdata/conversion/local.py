@@ -22,7 +22,6 @@ from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
     ConvertResult,
-    _fsync_dir,
     _make_manifest,
     _no_samples_error,
     _publish,
@@ -40,6 +39,7 @@ from packdata.errors import (
     destination_error,
 )
 from packdata.formats import ShardWriter, shard_writer
+from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -89,9 +89,7 @@ class _Checkpoint:
             "shard_bytes": self.shard_bytes,
             "finishing": self.finishing,
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(state).encode("utf-8"))
 
     def load(self) -> dict[str, Any]:
         state = json.loads(self.path.read_text(encoding="utf-8"))
@@ -364,5 +362,5 @@ class _Packer:
         )
         write_manifest(self.partial, manifest)
         (self.partial / PROGRESS_FILE).unlink()
-        _fsync_dir(self.partial)
+        fsync_dir(self.partial)
         return manifest

@@ -23,6 +23,7 @@ from packdata.errors import (
     SourceError,
 )
 from packdata.formats import get_format
+from packdata.pack.files import fsync_dir
 from packdata.pack.index import FILES as INDEX_FILES
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
@@ -258,14 +259,6 @@ def _make_manifest(
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
     """Rename the finished pack into place; with ``overwrite``, an old pack at ``dst`` is replaced.
 
@@ -295,7 +288,7 @@ def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
         if old is not None and not os.path.lexists(dst):
             os.rename(old, dst)
         raise
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old)
 

@@ -32,7 +32,6 @@ from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
     ConvertResult,
-    _fsync_dir,
     _make_manifest,
     _no_samples_error,
     _publish,
@@ -45,6 +44,7 @@ from packdata.conversion.publish import (
 from packdata.conversion.sources import Skip, Source, SourceFile
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
+from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import (
     FILES,
     INDEX_DIR,
@@ -225,9 +225,7 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
         "skip_examples": examples,
         "shard": shard,
     }
-    tmp = work / f".{_RESULT}.tmp"
-    tmp.write_text(json.dumps(summary, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, work / _RESULT)
+    atomic_write(work / _RESULT, json.dumps(summary, ensure_ascii=False).encode("utf-8"))
     return summary
 
 
@@ -427,7 +425,7 @@ def convert_on_ray(
     # The plan goes first: a run killed from here on starts afresh on --resume, never
     # resumes from task results whose index fragments are half deleted.
     (partial / _PLAN).unlink()
-    _fsync_dir(partial)
+    fsync_dir(partial)
     shutil.rmtree(partial / TASKS_DIR)
     if resumed:
         _drop_strays(partial, gatherer.shards)

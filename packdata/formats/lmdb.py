@@ -49,7 +49,8 @@ import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
-from packdata.pack.manifest import ShardInfo, file_sha256
+from packdata.pack.files import file_sha256
+from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
 
 __all__ = [

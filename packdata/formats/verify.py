@@ -11,8 +11,9 @@ from tqdm import tqdm
 
 from packdata.errors import PackFormatError
 from packdata.formats import get_format
+from packdata.pack.files import file_sha256
 from packdata.pack.index import SampleIndex
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, file_sha256, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
 

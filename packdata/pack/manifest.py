@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import PackFormatError
+from packdata.pack.files import atomic_write, file_sha256
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -92,12 +93,6 @@ class Manifest:
         return data
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 hex digest of a file, read in large blocks."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def manifest_checksum(data: dict[str, Any]) -> str:
     """SHA-256 of a manifest's fields (all but ``checksum``) as canonical JSON: sorted keys, no spaces."""
     fields = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
@@ -111,15 +106,9 @@ def write_manifest(pack: str | os.PathLike, manifest: Manifest) -> Path:
 
     manifest.packdata_version = manifest.packdata_version or __version__
     path = Path(pack) / MANIFEST_NAME
-    tmp = path.with_name(f".{MANIFEST_NAME}.tmp")
     data = manifest.to_dict()
     data[CHECKSUM_KEY] = manifest_checksum(data)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
     return path
 
 

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import get_format
+from packdata.pack.files import atomic_write, stream_sha256
 from packdata.pack.index import FILES as INDEX_FILES
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
@@ -193,8 +194,9 @@ def _open_regular(path: Path) -> int:
 
 
 def sha256_of(path: Path) -> str:
+    """SHA-256 of ``path``, opened as a regular file only (no symlink, FIFO or device)."""
     with os.fdopen(_open_regular(path), "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        return stream_sha256(f)
 
 
 def copy_regular(src: Path, tmp: Path, on_chunk: Callable[[int], None] | None = None) -> tuple[int, str]:
@@ -374,9 +376,8 @@ def only_lock_left(dest: Path) -> bool:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}{PARTIAL}")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``data`` as JSON atomically (a kill leaves a ``.partial`` temporary, which stage cleans up)."""
+    atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), tmp_suffix=PARTIAL)
 
 
 def staged_manifest(manifest: Manifest, source: Path, units: list[ShardFiles], staged: set[int]) -> Manifest:
