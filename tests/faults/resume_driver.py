@@ -87,8 +87,10 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
     )
     out = result.to_dict()
     out["replace_calls"] = calls
-    with open(dst + ".result.json", "w", encoding="utf-8") as f:
+    # written whole or not at all: a kill from outside may land right here (os.rename: os.replace is counted)
+    with open(dst + ".result.json.tmp", "w", encoding="utf-8") as f:
         json.dump(out, f)
+    os.rename(dst + ".result.json.tmp", dst + ".result.json")
 
 
 def _run(plan: dict, dst: str, kill: list) -> str:
