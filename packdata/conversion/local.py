@@ -235,7 +235,7 @@ class _Packer:
                 self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
                 self.cp.files_done += 1
                 if isinstance(result, Skip):
-                    self._skip(result, is_read_error=isinstance(entry, SourceFile))
+                    self._skip(result, is_read_error=result.problem)
                 else:
                     self._add(result)
                     self.cp.reencoded += reencoded
@@ -263,6 +263,7 @@ class _Packer:
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
+        """Record a skip; a problem (not a skip by rule) is an example, and stops the run with on_error="fail"."""
         line = skip_line(skip)
         if is_read_error and self.opts.on_error == "fail":
             raise bad_file_error(self.source.root, line)

@@ -181,9 +181,9 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
     shard = None
     try:
         with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
-            for entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
+            for _entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
                 if isinstance(result, Skip):
-                    read_error = isinstance(entry, SourceFile)
+                    read_error = result.problem
                     line = skip_line(result)
                     if read_error and opts.on_error == "fail":
                         return {"number": task.number, "failed": line}

@@ -45,11 +45,18 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class Skip:
-    """A file left out: its key, the reason (a short category) and details."""
+    """A file left out: its key, the reason (a short category) and details.
+
+    ``problem`` is False only for files the walk leaves out by rule (hidden
+    names, other extensions, names that are not UTF-8); a problem (a file that
+    cannot be read, a FIFO, an unlistable folder, a link loop) is listed in
+    ``skip_examples`` and stops a conversion run with ``on_error="fail"``.
+    """
 
     key: str
     reason: str
     detail: str = ""
+    problem: bool = True
 
 
 @dataclass
@@ -67,18 +74,20 @@ class Source:
         for rel, path, problem in _walk_files(self.root):
             name = rel.rsplit("/", 1)[-1]
             if _is_hidden(rel):
-                yield Skip(rel, "hidden")
+                yield Skip(rel, "hidden", problem=False)
                 continue
             try:
                 rel.encode("utf-8")
             except UnicodeEncodeError:
-                yield Skip(_printable(rel), "name not UTF-8")
+                yield Skip(_printable(rel), "name not UTF-8", problem=False)
                 continue
             if problem is not None:
                 yield Skip(rel, *problem)
                 continue
             if os.path.splitext(name)[1].lower() not in extensions:
-                yield Skip(rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions")
+                yield Skip(
+                    rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions", problem=False
+                )
                 continue
             top = rel.split("/", 1)[0] if "/" in rel else None
             yield SourceFile(rel, path, self._class_to_idx[top] if top is not None else -1)

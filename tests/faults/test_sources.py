@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 
 from packdata import convert
 from packdata.conversion.load import _read_regular
+from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import scan_source
+from packdata.errors import SourceError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,3 +151,51 @@ def test_unreadable_subfolder_is_skipped_not_a_traceback(image_folder: Path, tmp
     report = _report(tmp_path / "out.lmdb")
     assert report["zebra/locked"]["reason"] == "unreadable folder"
     assert "Permission denied" in report["zebra/locked"]["detail"]
+
+
+def _engine_params() -> list:
+    return [
+        pytest.param("local", id="local"),
+        pytest.param("ray", id="ray", marks=[pytest.mark.ray, pytest.mark.slow]),
+    ]
+
+
+def _ray_kwargs(engine: str) -> dict:
+    """Engine options; with Ray, a small local instance (skipped when Ray is not installed)."""
+    if engine == "local":
+        return {}
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'packdata[ray]')")
+    return {"engine": "ray", "workers": 2}
+
+
+@pytest.mark.parametrize("engine", _engine_params())
+def test_walk_problems_are_listed_as_examples_like_read_errors(image_folder: Path, tmp_path: Path, engine: str) -> None:
+    """A FIFO and a link loop found by the walk are in skip_examples; hidden files (skipped by rule) are not."""
+    os.mkfifo(image_folder / "cat" / "fifo.jpg")
+    (image_folder / "dog" / "loop").symlink_to(image_folder / "dog")
+    (image_folder / "cat" / ".hidden.jpg").write_bytes(b"x")
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False, **_ray_kwargs(engine))
+    examples = {(e["key"], e["reason"]) for e in result.skip_examples}
+    assert ("cat/fifo.jpg", "not a regular file") in examples
+    assert ("dog/loop", "symlink loop") in examples
+    assert not any(key == "cat/.hidden.jpg" for key, _ in examples)
+    assert {"cat/fifo.jpg", "dog/loop", "cat/.hidden.jpg"} <= set(_report(tmp_path / "out.lmdb"))
+
+
+@pytest.mark.parametrize("engine", _engine_params())
+def test_on_error_fail_stops_at_a_walk_problem_naming_it(image_folder: Path, tmp_path: Path, engine: str) -> None:
+    """With on_error="fail", a FIFO found by the walk stops the conversion like an unreadable file, naming its path."""
+    os.mkfifo(image_folder / "cat" / "fifo.jpg")
+    dst = tmp_path / "out.lmdb"
+    fifo = image_folder / "cat" / "fifo.jpg"
+    with pytest.raises(SourceError, match=rf"{re.escape(str(fifo))}: not a regular file: a FIFO.*on_error='skip'"):
+        convert(image_folder, dst, progress=False, on_error="fail", **_ray_kwargs(engine))
+    assert not dst.exists() and not partial_path(dst).exists()
+
+
+def test_on_error_fail_ignores_files_skipped_by_rule(image_folder: Path, tmp_path: Path) -> None:
+    """Hidden files and other extensions are left out by rule: on_error="fail" does not stop on them."""
+    (image_folder / "cat" / ".hidden.jpg").write_bytes(b"x")
+    (image_folder / "cat" / "notes.txt").write_text("not an image")
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False, on_error="fail")
+    assert result.skipped == {"hidden": 1, "not image": 1} and result.skip_examples == []
