@@ -23,6 +23,8 @@ _EXPORTS = {
     "SourceError": "errors",
     "ConvertResult": "conversion.publish",
     "convert": "conversion.convert",
+    "PackWriter": "conversion.writer",
+    "write_pack": "conversion.writer",
     "pack_info": "formats.verify",
     "verify_pack": "formats.verify",
     "LMDBDataset": "reading.datasets",

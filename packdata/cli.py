@@ -91,8 +91,12 @@ def main() -> None:
     """
 
 
+def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
 @main.command()
-@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @click.option(
     "--format",
@@ -107,6 +111,17 @@ def main() -> None:
     show_default=True,
     help="What the files are; auto looks at the extensions found.",
 )
+@click.option(
+    "--layout",
+    type=click.Choice(["auto", "classes", "grouped"]),
+    default="auto",
+    show_default=True,
+    help="A folder's layout: classes (one file per sample), grouped (files sharing a stem are one "
+    "multi-field sample: 0001.jpg + 0001.json), auto (grouped when some stem has several files).",
+)
+@click.option("--require", callback=_names, help="Grouped files or a list: fields every sample needs, e.g. jpg,json.")
+@click.option("--path-column", default="path", show_default=True, help="A list file's column of file paths.")
+@click.option("--label-column", help="A list file's column of labels (class names or integers).")
 @click.option("--workers", type=click.IntRange(min=1), help="Parallel reader threads. Default: 4 per CPU, at most 32.")
 @click.option(
     "--on-error",
@@ -146,16 +161,21 @@ def main() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_friendly
 def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **options: Any) -> None:
-    """Pack the files under SRC into the pack DST.
+    """Pack the files under SRC (a folder, or a .csv/.tsv/.jsonl list) into the pack DST.
 
     First-level subfolders of SRC are classes (sorted, numbered from 0, as
     torchvision's ImageFolder does); files directly under SRC get label -1.
+    Files sharing a stem (0001.jpg, 0001.json, 0001.seg.png) become one
+    multi-field sample (--layout grouped). A list file names one file per row
+    (--path-column), a label (--label-column), and other columns as fields.
     SRC is never modified. DST appears only when complete: an interrupted run
     leaves a hidden .DST.partial that --resume continues.
 
     \b
     Examples:
       packdata convert ./imagenet/train train.lmdb
+      packdata convert ./coco-captions caps.lmdb --layout grouped --require jpg,txt
+      packdata convert train.csv train.lmdb --path-column image --label-column label
       packdata convert ./imagenet/train train --format tfrecord --shard-size 256MB
       packdata convert ./photos small.lmdb --max-side 256 --quality 90
       packdata convert ./corpus corpus.lmdb --kind text
@@ -212,6 +232,8 @@ def info(pack: str, as_json: bool) -> None:
     click.echo(f"samples:  {facts['num_samples']}")
     click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
     click.echo(f"shards:   {len(facts['shards'])}, {facts['total_bytes'] / 1e6:.1f} MB")
+    if facts.get("codecs"):
+        click.echo("fields:   " + ", ".join(f"{name} ({codec})" for name, codec in facts["codecs"].items()))
     skipped = facts.get("skipped") or {}
     if skipped.get("count"):
         click.echo(f"skipped:  {skipped['count']} at conversion ({skipped['by_reason']})")
@@ -235,6 +257,79 @@ def verify(pack: str, quiet: bool) -> None:
         f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
         f"shard{'s' * (result.shards != 1)} verified"
     )
+
+
+@main.command(name="ls")
+@click.argument("pack", type=click.Path(path_type=str))
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True, help="Samples to list (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@_friendly
+def ls(pack: str, limit: int, as_json: bool) -> None:
+    """List the samples of PACK: index, key, label/class, fields with sizes, shard (from the index only).
+
+    \b
+    Examples:
+      packdata ls train.lmdb --limit 5
+      packdata ls train.lmdb --limit 0 --json > samples.jsonl
+    """
+    from packdata.formats.contents import list_samples
+    from packdata.units import format_size
+
+    for row in list_samples(pack, limit=limit or None):
+        if as_json:
+            click.echo(json.dumps(row, ensure_ascii=False))
+            continue
+        label = f"{row['label']}" + (f" ({row['class']})" if row["class"] is not None else "")
+        fields = " ".join(f"{name}:{format_size(size)}" for name, size in row["fields"].items())
+        click.echo(f"#{row['index']}\t{row['key']}\t{label}\t{fields}\t{row['shard']}")
+
+
+@main.command(name="cat")
+@click.argument("pack", type=click.Path(path_type=str))
+@click.argument("sample")
+@click.option("--field", "field_name", help="The field to print (needed when the sample has several).")
+@_friendly
+def cat(pack: str, sample: str, field_name: str | None) -> None:
+    """Write the stored bytes of one field of SAMPLE (a key, or #N for index N) to stdout.
+
+    \b
+    Examples:
+      packdata cat train.lmdb n01440764/0001.JPEG > x.jpg
+      packdata cat caps.lmdb '#0' --field txt
+    """
+    from packdata.formats.contents import read_field
+
+    sys.stdout.buffer.write(read_field(pack, sample, field_name))
+    sys.stdout.buffer.flush()
+
+
+@main.command()
+@click.argument("pack", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option(
+    "--layout",
+    type=click.Choice(["imagefolder", "grouped"]),
+    help="imagefolder: one file per sample at its key; grouped: KEY.FIELD files. Default: by the pack's kind.",
+)
+@_friendly
+def export(pack: str, dst: str, layout: str | None) -> None:
+    """Write PACK back into files under DST (a new or empty folder).
+
+    Keys that are not plain paths inside DST are refused and listed, never followed.
+
+    \b
+    Examples:
+      packdata export train.lmdb ./train-files && diff -r ./train ./train-files
+    """
+    from packdata.formats.contents import export_pack
+
+    result = export_pack(pack, dst, layout=layout)
+    click.echo(f"exported {result.samples} samples as {result.files} files into {result.path}")
+    if result.refused:
+        click.secho(f"  REFUSED {len(result.refused)} samples:", fg="yellow")
+        for item in result.refused[:10]:
+            click.echo(f"    {item['key']}: {item['reason']}")
+        sys.exit(1)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:

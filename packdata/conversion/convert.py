@@ -16,10 +16,11 @@ import os
 import time
 from pathlib import Path
 
+from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths
-from packdata.conversion.sources import scan_source
+from packdata.conversion.sources import Source, scan_source
 from packdata.errors import (
     ConfigError,
 )
@@ -47,11 +48,17 @@ def convert(
     progress: bool = True,
     engine: str = "local",
     address: str | None = None,
+    layout: str = "auto",
+    require: tuple[str, ...] | list[str] = (),
+    path_column: str = "path",
+    label_column: str | None = None,
 ) -> ConvertResult:
     """Pack the files of ``src`` into a pack at ``dst``.
 
     Args:
-        src: the source folder; ImageFolder class subfolders give labels. Never modified.
+        src: the source: a folder (ImageFolder class subfolders give labels; or
+            grouped files, see ``layout``) or a list file (``.csv``, ``.tsv``,
+            ``.jsonl``). Never modified.
         dst: the pack to create (``out.lmdb``; a folder for TFRecord).
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
@@ -70,6 +77,13 @@ def convert(
             per shard, see :mod:`packdata.conversion.ray`; needs ``packdata[ray]``).
         address: with ``engine="ray"``, the Ray cluster to connect to (``"auto"``,
             ``"ray://host:10001"``, ...); by default a local Ray instance starts.
+        layout: for a folder: ``"classes"`` (one file per sample), ``"grouped"``
+            (files sharing a stem form one multi-field sample: ``0001.jpg`` +
+            ``0001.json``), or ``"auto"`` (grouped when some stem has several files).
+        require: with grouped files or a list, field names every sample must
+            have; a group lacking one is skipped and reported.
+        path_column: a list file's column of file paths (relative to the list's folder, or absolute).
+        label_column: a list file's column of labels (class names, or integers), if any.
 
     Returns:
         A :class:`ConvertResult`.
@@ -101,7 +115,20 @@ def convert(
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
-    source = scan_source(src, kind)
+    source = _scan(src, kind, layout, tuple(require), path_column, label_column)
+    if source.kind == "fields":
+        if engine == "ray":
+            raise ConfigError("the Ray engine packs class folders only", hint="Pass engine='local'")
+        if pack_format.name != "lmdb":
+            raise ConfigError(
+                f"multi-field samples are packed into LMDB only in this version, not {pack_format.name}",
+                hint="Convert to an .lmdb destination (format='lmdb')",
+            )
+        if max_side is not None:
+            raise ConfigError(
+                "max_side re-encodes single-image samples only (a multi-field sample may hold masks)",
+                hint="Drop max_side, or resize the images before converting",
+            )
     _check_destination_writable(dst)
     _check_paths(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
@@ -111,6 +138,7 @@ def convert(
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray
 
+            assert isinstance(source, Source)  # refused above for other layouts
             return convert_on_ray(
                 source,
                 dst,
@@ -125,3 +153,20 @@ def convert(
         return _convert_local(
             source, dst, opts, workers=workers, overwrite=overwrite, resume=resume, progress=progress, started=started
         )
+
+
+def _scan(
+    src: Path, kind: str, layout: str, require: tuple[str, ...], path_column: str, label_column: str | None
+) -> AnySource:
+    """The source at ``src`` in the layout asked for (or detected)."""
+    if layout not in ("auto", "classes", "grouped"):
+        raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
+    if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):
+        return scan_list(src, path_column=path_column, label_column=label_column)
+    if label_column is not None:
+        raise ConfigError("label_column is for list files", hint="Class folders give labels; drop label_column")
+    if layout == "grouped" or (layout == "auto" and kind == "auto" and src.is_dir() and detect_grouped(src)):
+        return scan_grouped(src, require)
+    if require:
+        raise ConfigError("require is for grouped files and list files", hint="Pass layout='grouped'")
+    return scan_source(src, kind)

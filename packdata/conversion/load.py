@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 from collections import deque
@@ -10,16 +11,22 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image
 
+from packdata.conversion.layouts import SourceGroup
 from packdata.conversion.sources import Skip, SourceFile
 from packdata.errors import (
     ImageFormatError,
 )
+from packdata.pack.fields import LABEL_FIELD, codec_of, encode_block
 from packdata.pack.images import open_image
 from packdata.pack.records import Sample
 
 __all__ = []
+
+Entry = SourceFile | SourceGroup | Skip
+"""One item of a source's walk: a file, a group of files, or a skip."""
 
 
 @dataclass
@@ -34,48 +41,120 @@ class _Options:
     shard_samples: int | None
 
 
-def _load(entry: SourceFile, opts: _Options) -> tuple[Sample | Skip, bool]:
-    """Read one file, validate it and re-encode it when asked; runs in the read pool.
+def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Skip, bool]:
+    """Read one file (or a group's files), validate it and re-encode it when asked; runs in the read pool.
 
     Returns the sample (or why it is skipped) and whether it was re-encoded.
     """
-    try:
-        data = _read_regular(entry.path)
-    except _NotReadable as skip:
-        return Skip(entry.key, skip.reason, skip.detail), False
-    except FileNotFoundError as exc:
-        if os.path.lexists(entry.path):  # a broken link
-            return Skip(entry.key, "unreadable", exc.strerror or str(exc)), False
-        return Skip(entry.key, "vanished", "the file was removed between the walk and the read"), False
-    except OSError as exc:
-        return Skip(entry.key, "unreadable", exc.strerror or str(exc)), False
+    if isinstance(entry, SourceGroup):
+        return _load_group(entry, opts), False
+    data = _read_or_skip(entry.key, entry.path)
+    if isinstance(data, Skip):
+        return data, False
     if not data:
         return Skip(entry.key, "empty", "file has 0 bytes"), False
     if opts.kind == "text":
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return Skip(entry.key, "not UTF-8 text", str(exc)), False
+        problem = _text_problem(data)
+        if problem:
+            return Skip(entry.key, "not UTF-8 text", problem), False
         return Sample(entry.key, entry.label, data, "text"), False
+    checked = _check_image(data, opts)
+    if isinstance(checked, tuple):
+        return Skip(entry.key, *checked), False
+    return Sample(entry.key, entry.label, checked, "image"), checked is not data
+
+
+def _read_or_skip(key: str, path: str) -> bytes | Skip:
+    """The file's bytes, or why it cannot be read."""
+    try:
+        return _read_regular(path)
+    except _NotReadable as skip:
+        return Skip(key, skip.reason, skip.detail)
+    except FileNotFoundError as exc:
+        if os.path.lexists(path):  # a broken link
+            return Skip(key, "unreadable", exc.strerror or str(exc))
+        return Skip(key, "vanished", "the file was removed between the walk and the read")
+    except OSError as exc:
+        return Skip(key, "unreadable", exc.strerror or str(exc))
+
+
+def _text_problem(data: bytes) -> str:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return str(exc)
+    return ""
+
+
+def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
+    """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``."""
     if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
         if _jpeg_header_ok(data):
-            return Sample(entry.key, entry.label, data, "image"), False
-        return Skip(entry.key, "corrupt image", "JPEG header is damaged or incomplete"), False
-    reencode = False
+            return data
+        return "corrupt image", "JPEG header is damaged or incomplete"
     try:
         with open_image(data) as img:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
             if opts.verify_images or reencode:
                 img.load()
             if reencode:
-                data = _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
+                return _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
     except ImageFormatError as exc:
         if exc.detected is not None:
-            return Skip(entry.key, "unsupported image format", str(exc)), False
-        return Skip(entry.key, "corrupt image", "not a recognised image format"), False
+            return "unsupported image format", str(exc)
+        return "corrupt image", "not a recognised image format"
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        return Skip(entry.key, "corrupt image", str(exc)), False
-    return Sample(entry.key, entry.label, data, "image"), reencode
+        return "corrupt image", str(exc)
+    return data
+
+
+def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
+    """Read and check every field of a group; any bad field skips the whole sample, naming the field."""
+    fields: dict[str, bytes] = dict(group.values)
+    label = group.label
+    for name, path in group.files:
+        data = _read_or_skip(group.key, path)
+        if isinstance(data, Skip):
+            return Skip(group.key, data.reason, f"field {name!r}: {data.detail}")
+        problem = _field_problem(name, data, opts)
+        if problem:
+            return Skip(group.key, problem[0], f"field {name!r}: {problem[1]}")
+        if name == LABEL_FIELD:
+            value = int(data)
+            if label >= 0 and value != label:
+                return Skip(group.key, "label conflict", f"cls file says {value}, its class folder {label}")
+            label = value
+            continue
+        fields[name] = data
+    sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
+    return Sample(group.key, label, encode_block(fields), "fields", sizes)
+
+
+def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | None:
+    """Why a field's bytes cannot be packed under its name (``(reason, detail)``), or None."""
+    codec = codec_of(name)
+    if codec == "image":
+        if not data:
+            return "empty", "file has 0 bytes"
+        checked = _check_image(data, opts)
+        return checked if isinstance(checked, tuple) else None
+    if codec == "txt" and _text_problem(data):
+        return "not UTF-8 text", _text_problem(data)
+    if codec == "json":
+        try:
+            json.loads(data)
+        except ValueError as exc:
+            return "not JSON", str(exc)
+    if codec == "cls":
+        text = data.strip()
+        if not text.isdigit():
+            return "bad label", f"cls file holds {data[:20]!r}, not a non-negative integer"
+    if codec == "npy":
+        try:
+            np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            return "not npy", str(exc)
+    return None
 
 
 class _NotReadable(Exception):
@@ -155,9 +234,9 @@ def _jpeg_header_ok(data: bytes) -> bool:
     return False
 
 
-def _load_chunk(entries: list[SourceFile | Skip], opts: _Options) -> list[tuple[Sample | Skip, bool]]:
+def _load_chunk(entries: list[Entry], opts: _Options) -> list[tuple[Sample | Skip, bool]]:
     """:func:`_load` over a chunk of walk entries (skips pass through), one pool task per chunk."""
-    return [_load(e, opts) if isinstance(e, SourceFile) else (e, False) for e in entries]
+    return [(e, False) if isinstance(e, Skip) else _load(e, opts) for e in entries]
 
 
 def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
@@ -169,14 +248,14 @@ def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
 
 
 def _pipeline(
-    entries: Iterator[SourceFile | Skip], pool: ThreadPoolExecutor, opts: _Options, depth: int, chunk: int = 16
-) -> Iterator[tuple[SourceFile | Skip, Sample | Skip, bool]]:
+    entries: Iterator[Entry], pool: ThreadPoolExecutor, opts: _Options, depth: int, chunk: int = 16
+) -> Iterator[tuple[Entry, Sample | Skip, bool]]:
     """Read files in the pool in chunks, yielding results in walk order, ``depth`` chunks ahead."""
-    pending: deque[tuple[list[SourceFile | Skip], Future]] = deque()
+    pending: deque[tuple[list[Entry], Future]] = deque()
 
     def resolve(
-        item: tuple[list[SourceFile | Skip], Future],
-    ) -> Iterator[tuple[SourceFile | Skip, Sample | Skip, bool]]:
+        item: tuple[list[Entry], Future],
+    ) -> Iterator[tuple[Entry, Sample | Skip, bool]]:
         batch, future = item
         for entry, (result, reencoded) in zip(batch, future.result(), strict=True):
             yield entry, result, reencoded
@@ -189,8 +268,8 @@ def _pipeline(
         yield from resolve(pending.popleft())
 
 
-def _chunks(items: Iterator[SourceFile | Skip], size: int) -> Iterator[list[SourceFile | Skip]]:
-    batch: list[SourceFile | Skip] = []
+def _chunks(items: Iterator[Entry], size: int) -> Iterator[list[Entry]]:
+    batch: list[Entry] = []
     for item in items:
         batch.append(item)
         if len(batch) == size:

@@ -15,9 +15,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
-from packdata.conversion.load import _Options, _pipeline
+from packdata.conversion.layouts import AnySource
+from packdata.conversion.load import Entry, _Options, _pipeline
 from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
@@ -31,7 +33,7 @@ from packdata.conversion.publish import (
     record_skip,
     skip_line,
 )
-from packdata.conversion.sources import Skip, Source, SourceFile
+from packdata.conversion.sources import Skip
 from packdata.errors import (
     CapacityError,
     ConfigError,
@@ -40,7 +42,7 @@ from packdata.errors import (
 )
 from packdata.formats import ShardWriter, shard_writer
 from packdata.pack.files import atomic_write, fsync_dir
-from packdata.pack.index import SampleIndexWriter
+from packdata.pack.index import INDEX_DIR, LABELS_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 
@@ -71,6 +73,7 @@ class _Checkpoint:
         self.shard_first = 0
         self.shard_bytes = 0
         self.walk_expected = ""
+        self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
         self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
 
     def save(self) -> None:
@@ -88,6 +91,7 @@ class _Checkpoint:
             "shard_first": self.shard_first,
             "shard_bytes": self.shard_bytes,
             "finishing": self.finishing,
+            "field_names": self.field_names,
         }
         atomic_write(self.path, json.dumps(state).encode("utf-8"))
 
@@ -114,11 +118,12 @@ class _Checkpoint:
         self.shards = [ShardInfo(**s) for s in state["shards"]]
         self.walk_expected = state["walk_sha256"]
         self.finishing = bool(state.get("finishing", False))
+        self.field_names = list(state.get("field_names", []))
         return state
 
 
 def _convert_local(
-    source: Source,
+    source: AnySource,
     dst: Path,
     opts: _Options,
     *,
@@ -195,10 +200,13 @@ def _convert_local(
 class _Packer:
     """The single writer: consumes read results in walk order, rolls shards, checkpoints."""
 
-    def __init__(self, source: Source, partial: Path, opts: _Options, cp: _Checkpoint, resumed: bool) -> None:
+    def __init__(self, source: AnySource, partial: Path, opts: _Options, cp: _Checkpoint, resumed: bool) -> None:
         self.source, self.partial, self.opts, self.cp = source, partial, opts, cp
         self.writer_cls = shard_writer(opts.format)
-        self.index = SampleIndexWriter(partial, resume_at=cp.samples_done if resumed else None)
+        self.index = SampleIndexWriter(
+            partial, resume_at=cp.samples_done if resumed else None, fields=source.kind == "fields"
+        )
+        self.field_numbers = {name: i for i, name in enumerate(cp.field_names)}
         report = partial / SKIP_REPORT
         report.touch()
         if resumed:
@@ -246,7 +254,7 @@ class _Packer:
                     last_bytes, last_time = self.cp.bytes_in, now
             self._commit()
 
-    def _entries(self) -> Iterator[SourceFile | Skip]:
+    def _entries(self) -> Iterator[Entry]:
         """The walk, with the part an interrupted run already packed verified and dropped."""
         walk = self.source.walk()
         if self.cp.files_done:
@@ -282,7 +290,7 @@ class _Packer:
         """Append a sample, counted with its file (call :meth:`_make_room` first)."""
         size = len(sample.data)
         self.batch.append((self.shard_samples, sample))
-        self.index.append(sample.key, sample.label, size)
+        self.index.append(sample.key, sample.label, size, self._field_numbers(sample))
         self.cp.samples_done += 1
         self.cp.bytes_in += size
         self.shard_samples += 1
@@ -290,6 +298,16 @@ class _Packer:
         self.batch_bytes += size
         if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
             self._commit()
+
+    def _field_numbers(self, sample: Sample) -> list[tuple[int, int]] | None:
+        """A fields sample's ``(field number, size)`` pairs, numbering new field names as they appear."""
+        if sample.kind != "fields":
+            return None
+        for name, _ in sample.field_sizes:
+            if name not in self.field_numbers:
+                self.field_numbers[name] = len(self.cp.field_names)
+                self.cp.field_names.append(name)
+        return [(self.field_numbers[name], size) for name, size in sample.field_sizes]
 
     def _commit(self) -> None:
         """Write the batch, make everything durable, then record the checkpoint."""
@@ -350,6 +368,11 @@ class _Packer:
             self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
             self.cp.finishing = True
             self.cp.save()
+        if self.source.kind == "fields":  # labels from cls files or a writer may go past the class folders
+            labels = np.fromfile(self.partial / INDEX_DIR / LABELS_FILE, dtype="<i4")
+            top = int(labels.max()) if len(labels) else -1
+            known = list(self.source.classes)
+            self.source.classes = known + [str(i) for i in range(len(known), top + 1)]
         shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
         manifest = _make_manifest(
             self.source,
@@ -360,6 +383,7 @@ class _Packer:
             bytes_in=self.cp.bytes_in,
             reencoded=self.cp.reencoded,
             skipped=self.cp.skipped,
+            field_names=self.cp.field_names,
         )
         write_manifest(self.partial, manifest)
         (self.partial / PROGRESS_FILE).unlink()

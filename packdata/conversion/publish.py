@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options
-from packdata.conversion.sources import Skip, Source
+from packdata.conversion.sources import Skip
 from packdata.errors import (
     CapacityError,
     ConfigError,
@@ -23,9 +24,10 @@ from packdata.errors import (
     SourceError,
 )
 from packdata.formats import get_format
+from packdata.pack.fields import codec_of
 from packdata.pack.files import fsync_dir
-from packdata.pack.index import FILES as INDEX_FILES
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from packdata.pack.index import ALL_FILES, index_files
+from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
 __all__ = [
     "MAX_SKIP_EXAMPLES",
@@ -90,6 +92,11 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
             path=dst,
             hint="Choose a destination that does not contain the source",
         )
+    _check_existing(dst, overwrite)
+
+
+def _check_existing(dst: Path, overwrite: bool) -> None:
+    """Refuse an existing ``dst`` unless ``overwrite`` (and then only a complete packdata pack)."""
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise ConfigError(
@@ -107,7 +114,7 @@ def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
     """
     layout_of = get_format(manifest.format).shard_layout
     files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
-    folders: dict[str, set[str]] = {manifest.index_dir: set(INDEX_FILES)}
+    folders: dict[str, set[str]] = {manifest.index_dir: set(ALL_FILES)}
     for shard in manifest.shards:
         layout = layout_of(shard.file)
         if layout.folder:
@@ -154,7 +161,7 @@ def _check_replaceable(dst: Path) -> None:
             "destination is a staged pack; refusing to replace it", path=dst, hint=f"Run `packdata unstage {dst}` first"
         )
     needed = [(dst / s.file, f"shard {s.file}") for s in manifest.shards]
-    needed += [(dst / manifest.index_dir / name, f"sample index file {name}") for name in INDEX_FILES]
+    needed += [(dst / manifest.index_dir / name, f"sample index file {name}") for name in index_files(manifest.kind)]
     for path, what in needed:
         if not os.path.lexists(path):
             raise ConfigError(
@@ -225,7 +232,7 @@ def _check_destination_writable(dst: Path) -> None:
         )
 
 
-def _no_samples_error(source: Source, skipped: Counter[str]) -> SourceError:
+def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:
     """The error of a conversion that packed nothing."""
     reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
     return SourceError(
@@ -234,7 +241,7 @@ def _no_samples_error(source: Source, skipped: Counter[str]) -> SourceError:
 
 
 def _make_manifest(
-    source: Source,
+    source: AnySource,
     opts: _Options,
     shards: list[ShardInfo],
     *,
@@ -243,8 +250,24 @@ def _make_manifest(
     bytes_in: int,
     reencoded: int,
     skipped: Counter[str],
+    field_names: list[str] | None = None,
 ) -> Manifest:
     """The manifest of a finished pack (shards already finalized); every engine writes this one."""
+    if source.kind == "fields":
+        names = list(field_names or [])
+        return Manifest(
+            format=opts.format,
+            kind="fields",
+            classes=source.classes,
+            num_samples=samples,
+            shards=shards,
+            index={"dir": "index"},
+            fields=names,
+            codecs={name: source.codecs.get(name) or codec_of(name) for name in names},
+            skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
+            source={"files_found": files_found, "bytes": bytes_in},
+            format_version=FIELDS_VERSION,
+        )
     return Manifest(
         format=opts.format,
         kind=source.kind,
@@ -319,7 +342,7 @@ def bad_file_error(root: Path, line: dict[str, str]) -> SourceError:
 def make_result(
     dst: Path,
     opts: _Options,
-    source: Source,
+    source: AnySource,
     manifest: Manifest,
     *,
     found: int,

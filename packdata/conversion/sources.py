@@ -66,6 +66,7 @@ class Source:
     root: Path
     kind: str
     classes: list[str]
+    codecs: dict[str, str] = field(default_factory=dict)  # single-field sources name no field codecs
     _class_to_idx: dict[str, int] = field(repr=False, default_factory=dict)
 
     def walk(self) -> Iterator[SourceFile | Skip]:

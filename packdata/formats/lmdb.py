@@ -509,6 +509,25 @@ class LMDBShardReader:
             return None
         return data
 
+    def payload_length(self, index: int) -> int | None:
+        """The payload length of the record at ``index`` from the location table, or None without one."""
+        if self._locations is None or not 0 <= index < self._entries:
+            return None
+        return int(self._locations[3 * index + 1])
+
+    def payload_span(self, index: int, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` inside the payload of the record at ``index``, in one ``pread``.
+
+        Not CRC-checked (the caller checks the part it asked for); None without
+        a valid table, when the span does not lie inside the payload, or on a short read.
+        """
+        total = self.payload_length(index)
+        if total is None or start < 0 or length < 0 or start + length > total:
+            return None
+        offset = int(self._locations[3 * index]) + start  # type: ignore[index]
+        data = os.pread(self._fd, length, offset)
+        return data if len(data) == length else None
+
     def items(self):
         """Iterate ``(index in shard, record)`` in key order."""
         try:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from packdata.errors import PackFormatError
 from packdata.formats import get_format
+from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -88,7 +89,7 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
     _check_counts(manifest, pack)
     index_dir = pack / manifest.index.get("dir", "index")
     try:
-        index = SampleIndex(index_dir, manifest.num_samples)
+        index = SampleIndex(index_dir, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
     except (OSError, ValueError) as exc:
         raise PackFormatError(
             f"sample index is missing or damaged: {exc}", path=index_dir, hint="Convert the pack again"
@@ -136,6 +137,8 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
                         path=data_file,
                         hint="Convert the pack again",
                     )
+                if manifest.kind == "fields":
+                    _check_fields(sample.data, index.sample_fields(i), i, data_file)
                 expected += 1
                 nbytes += len(sample.data)
                 bar.update()
@@ -147,3 +150,17 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
             checked += expected - shard.first_index
             fmt.check_side_tables(shard_path, shard)
     return VerifyResult(pack, checked, nbytes, len(manifest.shards))
+
+
+def _check_fields(block: bytes, sizes: dict[str, int], i: int, data_file: Path) -> None:
+    """A fields record's block parses, every field's CRC matches, and its fields and sizes are the index's."""
+    try:
+        found = {name: len(data) for name, data in decode_block(block).items()}
+    except FieldError as exc:
+        raise PackFormatError(f"record {i} is damaged: {exc}", path=data_file, hint="Convert the pack again") from exc
+    if found != sizes:
+        raise PackFormatError(
+            f"record {i} holds fields {found}, the sample index says {sizes}",
+            path=data_file,
+            hint="Convert the pack again",
+        )

@@ -8,6 +8,13 @@ Three flat little-endian files in the pack's ``index/`` folder, so a sampler or
 - ``keys.utf8`` + ``key_offsets.i64``: the keys, UTF-8, concatenated; sample
   ``i``'s key is ``keys[offsets[i]:offsets[i + 1]]`` (``num_samples + 1`` offsets).
 
+A pack of multi-field samples adds each sample's fields and their sizes:
+
+- ``field_sizes.i64``: int64 pairs (field number, byte length), the field
+  number indexing the manifest's ``fields`` list;
+- ``field_offsets.i64``: sample ``i``'s pairs are rows
+  ``offsets[i]:offsets[i + 1]`` (``num_samples + 1`` offsets).
+
 The writer appends as samples are packed (memory stays flat whatever the
 dataset size) and can be cut back to a committed count when a conversion resumes.
 """
@@ -26,6 +33,10 @@ import numpy as np
 from packdata.errors import PackFormatError
 
 __all__ = [
+    "ALL_FILES",
+    "FIELD_FILES",
+    "FIELD_OFFSETS_FILE",
+    "FIELD_SIZES_FILE",
     "FILES",
     "INDEX_DIR",
     "KEYS_FILE",
@@ -35,46 +46,67 @@ __all__ = [
     "KeyList",
     "SampleIndex",
     "SampleIndexWriter",
+    "index_files",
 ]
 
 INDEX_DIR = "index"
 LABELS_FILE, SIZES_FILE, KEYS_FILE, KEY_OFFSETS_FILE = "labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"
+FIELD_SIZES_FILE, FIELD_OFFSETS_FILE = "field_sizes.i64", "field_offsets.i64"
 FILES = (LABELS_FILE, SIZES_FILE, KEYS_FILE, KEY_OFFSETS_FILE)
+FIELD_FILES = (FIELD_SIZES_FILE, FIELD_OFFSETS_FILE)
+ALL_FILES = FILES + FIELD_FILES
+
+
+def index_files(kind: str) -> tuple[str, ...]:
+    """The index files a pack of ``kind`` holds (a fields pack adds the field sizes)."""
+    return ALL_FILES if kind == "fields" else FILES
 
 
 class SampleIndexWriter:
-    """Appends keys, labels and sizes to the index files of a pack being written."""
+    """Appends keys, labels and sizes (and with ``fields=True``, field sizes) to the index of a pack being written."""
 
-    def __init__(self, pack: str | os.PathLike, *, resume_at: int | None = None) -> None:
+    def __init__(self, pack: str | os.PathLike, *, resume_at: int | None = None, fields: bool = False) -> None:
         self.dir = Path(pack) / INDEX_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.count = 0
         self._key_end = 0
+        self._field_end = 0
+        self._names = FILES + (FIELD_FILES if fields else ())
         if resume_at is not None:
-            self._truncate(resume_at)
-        self._files = {name: open(self.dir / name, "ab") for name in FILES}  # noqa: SIM115 (closed in close())
+            self._truncate(resume_at, fields)
+        self._files = {name: open(self.dir / name, "ab") for name in self._names}  # noqa: SIM115 (closed in close())
         self._keys: list[bytes] = []
         self._offsets, self._labels, self._sizes = array("q"), array("i"), array("q")
+        self._field_offsets, self._field_sizes = array("q"), array("q")
         if self.count == 0 and self._files[KEY_OFFSETS_FILE].tell() == 0:
             self._offsets.append(0)
+            if fields:
+                self._field_offsets.append(0)
 
-    def _truncate(self, n: int) -> None:
-        path = self.dir / KEY_OFFSETS_FILE
-        offsets = np.fromfile(path, dtype="<i8") if path.exists() else np.zeros(1, "<i8")
-        if len(offsets) < n + 1:
-            raise ValueError(f"{self.dir}: index holds {len(offsets) - 1} samples, cannot resume at {n}")
-        self._key_end = int(offsets[n])
-        for name, size in (
-            (LABELS_FILE, 4 * n),
-            (SIZES_FILE, 8 * n),
-            (KEY_OFFSETS_FILE, 8 * (n + 1)),
-            (KEYS_FILE, self._key_end),
-        ):
+    def _truncate(self, n: int, fields: bool) -> None:
+        self._key_end = self._offset_at(KEY_OFFSETS_FILE, n)
+        cuts = [(LABELS_FILE, 4 * n), (SIZES_FILE, 8 * n), (KEY_OFFSETS_FILE, 8 * (n + 1)), (KEYS_FILE, self._key_end)]
+        if fields:
+            self._field_end = self._offset_at(FIELD_OFFSETS_FILE, n)
+            cuts += [(FIELD_OFFSETS_FILE, 8 * (n + 1)), (FIELD_SIZES_FILE, 16 * self._field_end)]
+        for name, size in cuts:
             os.truncate(self.dir / name, size)
         self.count = n
 
-    def append(self, key: str, label: int, size: int) -> None:
-        """Add one sample's entry."""
+    def _offset_at(self, name: str, n: int) -> int:
+        path = self.dir / name
+        offsets = np.fromfile(path, dtype="<i8") if path.exists() else np.zeros(1, "<i8")
+        if len(offsets) < n + 1:
+            raise ValueError(f"{path}: index holds {len(offsets) - 1} samples, cannot resume at {n}")
+        return int(offsets[n])
+
+    def append(self, key: str, label: int, size: int, fields: list[tuple[int, int]] | None = None) -> None:
+        """Add one sample's entry (``fields``: its ``(field number, byte length)`` pairs, in a fields index)."""
+        if fields is not None:
+            for number, length in fields:
+                self._field_sizes.extend((number, length))
+            self._field_end += len(fields)
+            self._field_offsets.append(self._field_end)
         encoded = key.encode("utf-8")
         self._key_end += len(encoded)
         self._keys.append(encoded)
@@ -86,7 +118,10 @@ class SampleIndexWriter:
     def flush(self) -> None:
         """Push everything appended so far to disk (before a checkpoint)."""
         self._files[KEYS_FILE].write(b"".join(self._keys))
-        for name, values in ((KEY_OFFSETS_FILE, self._offsets), (LABELS_FILE, self._labels), (SIZES_FILE, self._sizes)):
+        columns = [(KEY_OFFSETS_FILE, self._offsets), (LABELS_FILE, self._labels), (SIZES_FILE, self._sizes)]
+        if FIELD_SIZES_FILE in self._files:
+            columns += [(FIELD_OFFSETS_FILE, self._field_offsets), (FIELD_SIZES_FILE, self._field_sizes)]
+        for name, values in columns:
             if sys.byteorder != "little":
                 values.byteswap()
             self._files[name].write(values.tobytes())
@@ -140,7 +175,7 @@ class KeyList(Sequence[str]):
 class SampleIndex:
     """The index of a finished pack, memory-mapped (shared by forked workers)."""
 
-    def __init__(self, directory: str | os.PathLike, num_samples: int) -> None:
+    def __init__(self, directory: str | os.PathLike, num_samples: int, fields: list[str] | None = None) -> None:
         directory = Path(directory)
         self.labels = self._map(directory / LABELS_FILE, "<i4", num_samples)
         self.sizes = self._map(directory / SIZES_FILE, "<i8", num_samples)
@@ -148,6 +183,40 @@ class SampleIndex:
         _check_offsets(offsets, directory / KEY_OFFSETS_FILE)
         blob = self._map(directory / KEYS_FILE, "u1", int(offsets[-1]))
         self.keys = KeyList(blob, offsets, directory / KEYS_FILE)
+        self.field_names = list(fields or [])
+        self._field_offsets: np.ndarray | None = None
+        self._field_pairs: np.ndarray | None = None
+        if fields is not None:
+            field_offsets = self._map(directory / FIELD_OFFSETS_FILE, "<i8", num_samples + 1)
+            _check_offsets(field_offsets, directory / FIELD_OFFSETS_FILE)
+            pairs = self._map(directory / FIELD_SIZES_FILE, "<i8", 2 * int(field_offsets[-1])).reshape(-1, 2)
+            if len(pairs) and (pairs[:, 0].min() < 0 or pairs[:, 0].max() >= len(fields) or pairs[:, 1].min() < 0):
+                raise PackFormatError(
+                    "a field number or size is out of range", path=directory / FIELD_SIZES_FILE, hint=_AGAIN
+                )
+            self._field_offsets, self._field_pairs = field_offsets, pairs
+
+    def sample_fields(self, index: int) -> dict[str, int]:
+        """Field name -> byte length of sample ``index`` (empty for a pack without fields)."""
+        if self._field_pairs is None or self._field_offsets is None:
+            return {}
+        rows = self._field_pairs[self._field_offsets[index] : self._field_offsets[index + 1]]
+        return {self.field_names[int(number)]: int(size) for number, size in rows}
+
+    def field_sizes(self, name: str) -> np.ndarray:
+        """Every sample's byte length of field ``name`` (-1 where a sample lacks it), as int64.
+
+        Raises:
+            KeyError: the pack has no field of that name.
+        """
+        if self._field_pairs is None or self._field_offsets is None or name not in self.field_names:
+            raise KeyError(f"the pack has no field {name!r} (fields: {self.field_names})")
+        counts = np.diff(np.asarray(self._field_offsets))
+        owners = np.repeat(np.arange(len(counts)), counts)
+        mask = np.asarray(self._field_pairs[:, 0]) == self.field_names.index(name)
+        out = np.full(len(counts), -1, dtype=np.int64)
+        out[owners[mask]] = self._field_pairs[mask, 1]
+        return out
 
     @staticmethod
     def _map(path: Path, dtype: str, count: int) -> np.ndarray:

@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import PackFormatError
+from packdata.pack.fields import CODECS
 from packdata.pack.files import atomic_write, file_sha256
 
 __all__ = [
     "CHECKSUM_KEY",
+    "FIELDS_VERSION",
     "FORMAT_VERSION",
+    "SINGLE_FIELD_VERSION",
     "MANIFEST_NAME",
     "Manifest",
     "ShardInfo",
@@ -36,7 +39,12 @@ __all__ = [
     "write_manifest",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest pack format this packdata reads (1: image or text samples; 2: adds multi-field samples)."""
+SINGLE_FIELD_VERSION = 1
+"""Packs of image or text samples keep version 1, so older packdata reads them."""
+FIELDS_VERSION = 2
+"""Packs of multi-field samples (kind ``"fields"``, with ``codecs``)."""
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_KEY = "checksum"
 """The manifest's own SHA-256 (:func:`manifest_checksum`); manifests of packdata before 0.2 have none."""
@@ -68,10 +76,11 @@ class Manifest:
     shards: list[ShardInfo]
     index: dict[str, str] = field(default_factory=dict)
     fields: list[str] = field(default_factory=list)
+    codecs: dict[str, str] = field(default_factory=dict)  # kind "fields": each field's codec
     reencode: dict[str, Any] | None = None
     skipped: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = SINGLE_FIELD_VERSION
     packdata_version: str = ""
     staged_from: str | None = None  # set in a staged pack: the pack it was staged from
 
@@ -90,6 +99,8 @@ class Manifest:
         data = dataclasses.asdict(self)
         if data["staged_from"] is None:
             del data["staged_from"]
+        if not data["codecs"]:
+            del data["codecs"]  # version-1 manifests stay as they were
         return data
 
 
@@ -312,7 +323,7 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     for key in _REQUIRED:
         if key not in data:
             raise PackFormatError(f"manifest lacks the field {key!r}", path=where, hint=_HINT)
-    version = data.get("format_version", FORMAT_VERSION)
+    version = data.get("format_version", SINGLE_FIELD_VERSION)
     _count(where, "format_version", version, minimum=1)
     for key in ("format", "kind", "packdata_version"):
         if key in data and not isinstance(data[key], str):
@@ -324,6 +335,13 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         raise _field_error(where, "staged_from", "should be an absolute path or null", staged_from)
     classes = _strings(where, "classes", data["classes"])
     fields = _strings(where, "fields", data.get("fields", []))
+    codecs = data.get("codecs", {})
+    if not isinstance(codecs, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v in CODECS for k, v in codecs.items()
+    ):
+        raise _field_error(where, "codecs", f"should map field names to one of {', '.join(CODECS)}", codecs)
+    if data["kind"] == "fields" and (set(codecs) != set(fields) or len(set(fields)) != len(fields)):
+        raise _field_error(where, "codecs", "should name each of the manifest's fields once", codecs)
     num_samples = _count(where, "num_samples", data["num_samples"])
     index = data.get("index", {})
     if not isinstance(index, dict) or not all(isinstance(v, str) for v in index.values()):
@@ -352,6 +370,7 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         shards=shards,
         index=dict(index),
         fields=fields,
+        codecs=dict(codecs),
         reencode=data.get("reencode"),
         skipped=dict(data.get("skipped", {})),
         source=dict(data.get("source", {})),
@@ -396,7 +415,7 @@ def _read(pack: Path, *, external: bool) -> Manifest:
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if pack.exists() else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = _parse(path)
-    version = data.get("format_version", FORMAT_VERSION)
+    version = data.get("format_version", SINGLE_FIELD_VERSION)
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise PackFormatError(
             f"pack format version {version} is newer than this packdata reads ({FORMAT_VERSION})",

@@ -4,7 +4,8 @@ An LMDB value is one self-describing record, little-endian, no pickle::
 
     offset  size  field
     0       4     magic b"PDR1" (packdata record, version 1)
-    4       1     kind: 0 = image, 1 = text
+    4       1     kind: 0 = image, 1 = text, 2 = fields (the payload is a
+                  :mod:`packdata.pack.fields` field block)
     5       4     label, int32 (-1 when the source had no class folders)
     9       4     CRC-32 (zlib) of the payload
     13      2     K, the key's length in bytes, uint16
@@ -32,19 +33,24 @@ __all__ = [
 ]
 
 RECORD_MAGIC = b"PDR1"
-KINDS = ("image", "text")
+KINDS = ("image", "text", "fields")
 _HEADER = struct.Struct("<4sBiIH")
 _MAX_KEY = 0xFFFF
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One source file as fields: its encoded bytes, label, key and kind."""
+    """One sample as stored: key, label, encoded bytes and kind.
+
+    For kind ``"fields"``, ``data`` is a field block and ``field_sizes`` lists
+    its ``(name, byte length)`` pairs (for the sample index).
+    """
 
     key: str
     label: int
     data: bytes
     kind: str = "image"
+    field_sizes: tuple[tuple[str, int], ...] = ()
 
 
 class RecordError(ValueError):

@@ -12,20 +12,23 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from packdata.errors import ImageFormatError, PackFormatError
+from packdata.errors import ConfigError, ImageFormatError, PackFormatError
 from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
+from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.index import INDEX_DIR, KeyList, SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.pack.records import RecordError, decode_record
+from packdata.pack.records import RecordError, decode_record, payload_start
 from packdata.reading.decode import DecodeFn, resolve_decoder
+from packdata.reading.fields import FieldSpec
 
 __all__ = ["LMDBDataset", "PackInfo", "PackView", "ShardReaders"]
 
@@ -99,7 +102,8 @@ class PackInfo:
         if self._index is None:
             directory = self.path / self.manifest.index.get("dir", INDEX_DIR)
             try:
-                self._index = SampleIndex(directory, self.manifest.num_samples)
+                fields = self.manifest.fields if self.manifest.kind == "fields" else None
+                self._index = SampleIndex(directory, self.manifest.num_samples, fields)
             except (OSError, ValueError) as exc:
                 raise PackFormatError(
                     f"sample index is missing or damaged: {exc}", path=directory, hint="Convert the pack again"
@@ -188,7 +192,12 @@ class ShardReaders:
 
 
 class PackView:
-    """What every pack dataset shares: the pack, its ImageFolder attributes, decode and transforms."""
+    """What every pack dataset shares: the pack, its ImageFolder attributes, decode and transforms.
+
+    A pack of one image or text per sample reads as ``(sample, label)``; a
+    multi-field pack reads as a dict (or a tuple, with ``fields``) built by
+    its :class:`~packdata.reading.fields.FieldSpec`.
+    """
 
     def __init__(
         self,
@@ -196,14 +205,31 @@ class PackView:
         expected_format: str,
         transform: Callable[[Any], Any] | None,
         target_transform: Callable[[int], Any] | None,
-        decode: str | DecodeFn,
+        decode: str | DecodeFn | Mapping[str, str | DecodeFn],
+        fields: Sequence[str] | None = None,
+        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
         self.pack = PackInfo(path, expected_format)
         self.pack.check_labels()
         self.path = self.pack.path
         self.transform = transform
         self.target_transform = target_transform
-        self.decode = resolve_decoder(decode)
+        manifest = self.pack.manifest
+        self.field_spec: FieldSpec | None = None
+        if manifest.kind == "fields":
+            self.field_spec = FieldSpec(manifest, fields, decode, transforms)
+            self.decode: DecodeFn = resolve_decoder("bytes")
+        else:
+            if fields is not None or transforms or isinstance(decode, Mapping):
+                raise ConfigError(
+                    f"fields, transforms and per-field decode are for multi-field packs; this pack holds one "
+                    f"{manifest.kind} per sample",
+                    path=self.path,
+                    hint="Use decode= and transform=",
+                )
+            if decode == "auto":  # the manifest says what the samples are
+                decode = "text" if manifest.kind == "text" else "pil"
+            self.decode = resolve_decoder(decode)  # type: ignore[arg-type]
 
     @property
     def classes(self) -> list[str]:
@@ -246,7 +272,7 @@ class PackView:
 
 
 class LMDBDataset(PackView, Dataset):
-    """Map-style dataset over an LMDB pack: ``ds[i] -> (sample, label)``.
+    """Map-style dataset over an LMDB pack: ``ds[i] -> (sample, label)``, or a dict for a multi-field pack.
 
     A drop-in for ``torchvision.datasets.ImageFolder``: ``classes``,
     ``class_to_idx``, ``targets`` and ``keys`` (paths relative to the source)
@@ -263,7 +289,12 @@ class LMDBDataset(PackView, Dataset):
         path: the pack (directory with ``manifest.json``).
         transform: applied to the decoded sample.
         target_transform: applied to the label.
-        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        decode: ``"auto"`` (what the manifest says the samples are: RGB PIL
+            image or str), ``"pil"``, ``"bytes"``, ``"text"``, or a callable on
+            the bytes; for a multi-field pack also a mapping field -> decoder.
+        fields: a multi-field pack: the field names to return, as a tuple in
+            this order (``"__key__"``, ``"cls"`` included); default: a dict of all.
+        transforms: a multi-field pack: field name -> transform after decoding.
         readahead: let the kernel read ahead on page faults; leave off for random
             access (values are prefetched one by one instead).
         check_crc: check each payload's checksum as it is read (on by default, as
@@ -280,13 +311,15 @@ class LMDBDataset(PackView, Dataset):
         path: str | os.PathLike,
         transform: Callable[[Any], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
-        decode: str | DecodeFn = "pil",
+        decode: str | DecodeFn | Mapping[str, str | DecodeFn] = "auto",
         *,
+        fields: Sequence[str] | None = None,
+        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
         readahead: bool = False,
         check_crc: bool = True,
         verify: bool = False,
     ) -> None:
-        super().__init__(path, LMDB, transform, target_transform, decode)
+        super().__init__(path, LMDB, transform, target_transform, decode, fields, transforms)
         self.readahead = readahead
         self.check_crc = check_crc or verify
         shards = self.pack.manifest.shards
@@ -330,8 +363,68 @@ class LMDBDataset(PackView, Dataset):
             )
         return sample.data, label
 
-    def __getitem__(self, index: int) -> tuple[Any, Any]:
+    def raw_fields(self, index: int, names: Sequence[str] | None = None) -> dict[str, bytes]:
+        """The stored bytes of fields ``names`` (default: all) of sample ``index`` of a multi-field pack.
+
+        Only the fields asked for are read: through the shard's location table,
+        the block's directory and then each field in its own ``pread``, each
+        checked against its CRC-32 (unless ``check_crc=False``).
+
+        Raises:
+            PackFormatError: the record is damaged.
+        """
+        index = self._sample_index(index)
+        shard = bisect.bisect_right(self._first, index) - 1
+        reader: LMDBShardReader = self._readers[shard]
+        local = index - self._first[shard]
+        try:
+            found = self._fields_by_span(reader, local, names)
+            if found is None:
+                block: bytes | memoryview | None = reader.payload(local)  # one pread, CRC32C-checked
+                if block is None:
+                    self.raw(index)  # LMDB's lookup: the record's key, label and CRC checked
+                    value = reader.get(local)
+                    block = value[payload_start(value) :]
+                found = decode_block(block, names, check_crc=self.check_crc)
+        except (FieldError, RecordError) as exc:
+            raise PackFormatError(
+                f"record {index} is damaged: {exc}", path=self._shard_paths[shard], hint="Run `packdata verify`"
+            ) from exc
+        return found
+
+    def _fields_by_span(self, reader: LMDBShardReader, local: int, names: Sequence[str] | None) -> dict | None:
+        """Some fields of a record read span by span through the table, or None (read the whole block then)."""
+        total = reader.payload_length(local)
+        if names is None or total is None:
+            return None
+        head = reader.payload_span(local, 0, min(total, 512))
+        entries = None if head is None else read_directory(head, total)
+        if entries is None:
+            return None
+        out = {}
+        for entry in entries:
+            if entry.name in names:
+                data = reader.payload_span(local, entry.start, entry.length)
+                if data is None:
+                    return None
+                if self.check_crc and zlib.crc32(data) != entry.crc:
+                    raise FieldError(f"field {entry.name!r}: CRC-32 does not match")
+                out[entry.name] = data
+        return out
+
+    def __getitem__(self, index: int) -> Any:
+        if self.field_spec is not None:
+            return self._sample(index)
         return self._finish(*self.raw(index), index=self._sample_index(index))
+
+    def _sample(self, index: int) -> Any:
+        """A multi-field sample, decoded and transformed."""
+        spec = self.field_spec
+        assert spec is not None
+        position = self._sample_index(index)
+        stored = self.raw_fields(position, spec.stored)
+        sample = spec.build(stored, self.keys[position], self.pack.index.labels.item(position))
+        return self.transform(sample) if self.transform is not None else sample
 
     def __repr__(self) -> str:
         return f"LMDBDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

@@ -6,9 +6,12 @@ Decoders are plain picklable callables, so a dataset that holds one can go to
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from packdata.pack.images import IMAGE_FORMATS, open_image
@@ -16,7 +19,10 @@ from packdata.pack.images import IMAGE_FORMATS, open_image
 __all__ = [
     "IMAGE_FORMATS",
     "DecodeFn",
+    "CODEC_DECODERS",
     "DecodeJPEG",
+    "decode_json",
+    "decode_npy",
     "decode_pil",
     "decode_text",
     "open_image",
@@ -88,14 +94,34 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-_DECODERS: dict[str, DecodeFn] = {"pil": decode_pil, "text": decode_text, "bytes": _identity}
+def decode_json(data: bytes) -> Any:
+    """Parse UTF-8 JSON."""
+    return json.loads(data)
+
+
+def decode_npy(data: bytes) -> np.ndarray:
+    """Load a ``.npy`` array; object arrays are refused (``allow_pickle=False``): a pack never runs code."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+_DECODERS: dict[str, DecodeFn] = {
+    "pil": decode_pil,
+    "text": decode_text,
+    "bytes": _identity,
+    "json": decode_json,
+    "npy": decode_npy,
+}
+CODEC_DECODERS: dict[str, str] = {"image": "pil", "txt": "text", "json": "json", "npy": "npy", "bytes": "bytes"}
+"""The default decoder of each field codec (:data:`packdata.pack.fields.CODECS`)."""
 
 
 def resolve_decoder(decode: str | DecodeFn) -> DecodeFn:
-    """Map ``"pil"``, ``"text"``, ``"bytes"`` or a callable to a decoder."""
+    """Map ``"pil"``, ``"text"``, ``"bytes"``, ``"json"``, ``"npy"`` or a callable to a decoder."""
     if callable(decode):
         return decode
     try:
         return _DECODERS[decode]
-    except KeyError:
-        raise ValueError(f"decode should be 'pil', 'text', 'bytes' or a callable, but got decode={decode!r}") from None
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"decode should be one of {', '.join(map(repr, _DECODERS))} or a callable, but got decode={decode!r}"
+        ) from None

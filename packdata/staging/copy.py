@@ -30,7 +30,7 @@ from tqdm import tqdm
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write, stream_sha256
-from packdata.pack.index import FILES as INDEX_FILES
+from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.units import format_size

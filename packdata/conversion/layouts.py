@@ -1,0 +1,272 @@
+"""Multi-field sources: grouped files in folders, and list files (CSV, TSV, JSONL).
+
+Both yield :class:`SourceGroup` entries (one per sample) in a deterministic
+order; the read pool turns each into one multi-field sample
+(:func:`packdata.conversion.load._load`).
+
+- **Grouped files** (WebDataset's rule): files in one folder whose basenames
+  share the part before the first dot form one sample, one field per
+  remaining extension: ``0001.jpg`` + ``0001.json`` + ``0001.seg.png`` ->
+  key ``0001``, fields ``jpg``, ``json``, ``seg.png``. First-level subfolders
+  are classes, as in ImageFolder; a ``cls`` file holds an integer label.
+- **List files**: one sample per row; the path column names a file (relative
+  to the list's folder, or absolute) stored under its extension; a label
+  column gives classes (strings, numbered in sorted order like ImageFolder; or
+  integers, kept); every other column becomes a field of that name, stored as
+  text when all its values are strings and as JSON otherwise. A row's key is
+  its path up to the first dot of the file name (``imgs/a.jpg`` -> ``imgs/a``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.conversion.sources import Skip, Source, _is_hidden, _walk_files
+from packdata.errors import ConfigError, SourceError
+from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
+
+__all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "SourceGroup", "detect_grouped", "scan_list"]
+
+LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """One multi-field sample to read: key, label (-1: none), fields from files and fields given inline."""
+
+    key: str
+    label: int
+    files: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass
+class GroupedSource:
+    """A folder of grouped files (``--layout grouped``)."""
+
+    root: Path
+    classes: list[str]
+    require: tuple[str, ...] = ()
+    kind: str = "fields"
+    codecs: dict[str, str] = field(default_factory=dict)
+
+    def walk(self) -> Iterator[SourceGroup | Skip]:
+        """Yield every group in sorted order (groups are contiguous in a sorted walk), and skips."""
+        class_index = {c: i for i, c in enumerate(self.classes)}
+        group: list[tuple[str, str, str]] = []  # (relative path, field name, absolute path)
+        current = None
+        for rel, path, problem in _walk_files(self.root):
+            if _is_hidden(rel):
+                yield Skip(rel, "hidden", problem=False)
+                continue
+            if problem is not None:
+                yield Skip(rel, *problem)
+                continue
+            folder, _, name = rel.rpartition("/")
+            stem, dot, extension = name.partition(".")
+            if not dot or not stem or not extension:
+                yield Skip(rel, "no field", "a grouped file is named KEY.FIELD (e.g. 0001.jpg)", problem=False)
+                continue
+            key = f"{folder}/{stem}" if folder else stem
+            if key != current and group:
+                yield self._group(current, group, class_index)  # type: ignore[arg-type]
+                group = []
+            current = key
+            group.append((rel, extension, path))
+        if group:
+            yield self._group(current, group, class_index)  # type: ignore[arg-type]
+
+    def _group(self, key: str, files: list[tuple[str, str, str]], class_index: dict[str, int]) -> SourceGroup | Skip:
+        top = key.split("/", 1)[0] if "/" in key else None
+        label = class_index.get(top, -1) if top is not None else -1
+        names = [name for _, name, _ in files]
+        missing = [name for name in self.require if name not in names]
+        if missing:
+            return Skip(key, "missing field", f"no {', '.join(missing)} file (required: {', '.join(self.require)})")
+        for name in names:
+            try:
+                check_field_name(name)
+            except FieldError as exc:
+                return Skip(key, "bad field name", str(exc))
+        return SourceGroup(key, label, tuple((name, path) for _, name, path in files))
+
+
+def detect_grouped(root: Path, sample: int = 1000) -> bool:
+    """Whether a folder looks grouped: some stem in one folder has files of two or more extensions."""
+    seen: dict[str, int] = {}
+    for n, (rel, _, problem) in enumerate(_walk_files(root)):
+        if problem is not None or _is_hidden(rel):
+            continue
+        folder, _, name = rel.rpartition("/")
+        stem, dot, _ = name.partition(".")
+        if dot:
+            key = f"{folder}/{stem}"
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] >= 2:
+                return True
+        if n >= sample:
+            break
+    return False
+
+
+def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
+    """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0)."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    for name in require:
+        check_field_name(name)
+    return GroupedSource(root=root, classes=classes, require=require)
+
+
+@dataclass
+class ListSource:
+    """A CSV, TSV or JSONL list of samples (see the module docstring)."""
+
+    root: Path
+    list_file: Path
+    path_column: str
+    label_column: str | None
+    classes: list[str]
+    codecs: dict[str, str]
+    kind: str = "fields"
+    _labels: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def walk(self) -> Iterator[SourceGroup | Skip]:
+        """Yield one group per row, in file order; a row without a usable path or label is a skip."""
+        keys: set[str] = set()
+        for number, row in _rows(self.list_file):
+            where = f"row {number}"
+            raw_path = row.get(self.path_column)
+            if not isinstance(raw_path, str) or not raw_path:
+                yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
+                continue
+            folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
+            stem, _, extension = base.partition(".")
+            key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
+            if key in keys:
+                yield Skip(key, "duplicate key", f"{where} names a file an earlier row named")
+                continue
+            keys.add(key)
+            label = -1
+            if self.label_column is not None:
+                value = row.get(self.label_column)
+                label = self._label(value)
+                if label < 0:
+                    yield Skip(key, "bad label", f"{where}: label {value!r} is not a class or a non-negative integer")
+                    continue
+            path = raw_path if os.path.isabs(raw_path) else os.path.join(self.root, raw_path)
+            name = extension.lower() or "bytes"
+            values = []
+            try:
+                for column, value in row.items():
+                    if column in (self.path_column, self.label_column) or value is None:
+                        continue
+                    values.append((column, encode_value(column, value, self.codecs[column])))
+            except FieldError as exc:
+                yield Skip(key, "bad value", f"{where}: {exc}")
+                continue
+            yield SourceGroup(key, label, ((name, path),), tuple(values))
+
+    def _label(self, value: Any) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if value >= 0 else -1
+        if isinstance(value, str):
+            if value in self._labels:
+                return self._labels[value]
+            if value.strip().isdigit() and not self._labels:
+                return int(value)
+        return -1
+
+
+def _rows(list_file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of a CSV, TSV or JSONL file (JSONL rows must be objects)."""
+    delimiter = LIST_SUFFIXES[list_file.suffix.lower()]
+    with open(list_file, encoding="utf-8", newline="") as f:
+        if delimiter is None:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SourceError(f"line {number} is not JSON: {exc}", path=list_file) from exc
+                if not isinstance(row, dict):
+                    raise SourceError(f"line {number} is not a JSON object", path=list_file)
+                yield number, row
+        else:
+            reader = csv.DictReader(f, delimiter=delimiter)
+            for row in reader:
+                yield reader.line_num, {k: v for k, v in row.items() if k is not None}
+
+
+def scan_list(
+    list_file: str | os.PathLike, *, path_column: str = "path", label_column: str | None = None
+) -> ListSource:
+    """Read a list file once: check its columns, number string labels like ImageFolder, choose each column's codec.
+
+    Raises:
+        SourceError: the file is missing, unreadable, empty, or lacks the path column.
+        ConfigError: a column cannot name a field.
+    """
+    list_file = Path(list_file)
+    if list_file.suffix.lower() not in LIST_SUFFIXES:
+        raise ConfigError(f"a list file ends in .csv, .tsv or .jsonl, not {list_file.suffix!r}", path=list_file)
+    if not list_file.is_file():
+        raise SourceError("no such list file", path=list_file, hint="Check the path")
+    columns: dict[str, bool] = {}  # column -> every value is a string
+    string_labels: set[str] = set()
+    int_labels = False
+    top_label = -1
+    rows = 0
+    try:
+        for _, row in _rows(list_file):
+            rows += 1
+            if path_column not in row:
+                raise SourceError(
+                    f"a row has no {path_column!r} column (columns: {sorted(row)})",
+                    path=list_file,
+                    hint="Name the column with --path-column",
+                )
+            for column, value in row.items():
+                if column in (path_column, label_column):
+                    continue
+                columns[column] = columns.get(column, True) and (isinstance(value, str) or value is None)
+            if label_column is not None:
+                label = row.get(label_column)
+                if isinstance(label, int) and not isinstance(label, bool):
+                    int_labels = True
+                    top_label = max(top_label, label)
+                elif isinstance(label, str):
+                    string_labels.add(label)
+                    if label.strip().isdigit():
+                        top_label = max(top_label, int(label))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SourceError(f"cannot read the list file: {exc}", path=list_file) from exc
+    if rows == 0:
+        raise SourceError("the list file has no rows", path=list_file)
+    codecs = {}
+    for column, all_strings in columns.items():
+        try:
+            check_field_name(column)
+        except FieldError as exc:
+            raise ConfigError(f"column {column!r}: {exc}", path=list_file) from exc
+        if column == LABEL_FIELD:
+            raise ConfigError("column 'cls' is the label: pass it with --label-column cls", path=list_file)
+        named = codec_of(column)
+        codecs[column] = named if named != "bytes" else ("txt" if all_strings else "json")
+    source = ListSource(list_file.parent, list_file, path_column, label_column, [], codecs)
+    if string_labels and not (int_labels or all(s.strip().isdigit() for s in string_labels)):
+        source.classes = sorted(string_labels)
+        source._labels = {c: i for i, c in enumerate(source.classes)}
+    else:  # integer labels stay; their classes are their numbers
+        source.classes = [str(i) for i in range(top_label + 1)]
+    return source
+
+
+AnySource = Source | GroupedSource | ListSource
+"""A scanned source of any layout: a walk of entries, classes, kind and field codecs."""

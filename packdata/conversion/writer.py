@@ -1,0 +1,242 @@
+"""Write a pack from Python: ``PackWriter`` (one sample at a time) and ``write_pack`` (any iterable).
+
+Samples are dicts in WebDataset's convention: ``"__key__"`` (a unique
+string), ``"cls"`` (an optional integer label) and one entry per field, its
+name telling the encoding (:mod:`packdata.pack.fields`). The pack is the same
+as ``convert`` writes (shards, sample index, manifest, skip report) and
+appears at its destination only when :meth:`PackWriter.close` publishes it;
+an exception inside ``with PackWriter(...)`` leaves no pack behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from packdata.conversion.load import _Options
+from packdata.conversion.local import _Checkpoint, _Packer
+from packdata.conversion.publish import (
+    PROGRESS_FILE,
+    ConvertResult,
+    _check_destination_writable,
+    _check_existing,
+    _publish,
+    make_result,
+    partial_path,
+)
+from packdata.errors import ConfigError, destination_error
+from packdata.formats import FORMATS, format_from_path, get_format
+from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
+from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.records import Sample
+from packdata.units import parse_size
+
+__all__ = ["PackWriter", "write_pack"]
+
+
+@dataclass
+class _WriterSource:
+    """What the shared packer and manifest need to know of a Python source."""
+
+    root: Path
+    classes: list[str]
+    kind: str = "fields"
+    codecs: dict[str, str] = field(default_factory=dict)
+
+
+class PackWriter:
+    """Write multi-field samples into a new pack, published atomically on :meth:`close`.
+
+    Example::
+
+        with packdata.PackWriter("out.lmdb", shard_size="1GB") as w:
+            w.write({"__key__": "a/0001", "jpg": jpeg_bytes, "json": {"boxes": []}, "cls": 3})
+
+    Args:
+        dst: the pack to create (``.lmdb``).
+        format: the pack format (only ``"lmdb"`` holds multi-field samples in this version).
+        shard_size: start a new shard before one would exceed this size (bytes, or text like ``"1GB"``).
+        shard_samples: at most this many samples per shard.
+        classes: class names, label ``i`` naming ``classes[i]``; by default the
+            labels' own numbers (``"0"``, ``"1"``, ...).
+        overwrite: replace an existing pack at ``dst``.
+
+    Raises:
+        ConfigError: ``dst`` exists (without ``overwrite``), or a bad option.
+        LockedError: another process is writing ``dst``.
+    """
+
+    def __init__(
+        self,
+        dst: str | os.PathLike,
+        *,
+        format: str | None = None,
+        shard_size: int | str | None = None,
+        shard_samples: int | None = None,
+        classes: list[str] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.dst = Path(dst)
+        fmt = format or format_from_path(os.fspath(self.dst)) or FORMATS[0]
+        pack_format = get_format(fmt)
+        if pack_format.name != "lmdb":
+            raise ConfigError(f"PackWriter writes LMDB packs in this version, not {fmt}", hint="Use an .lmdb path")
+        if isinstance(shard_size, str):
+            shard_size = parse_size(shard_size)
+        if shard_size is None and shard_samples is None:
+            shard_size = pack_format.default_shard_bytes
+        _check_destination_writable(self.dst)
+        _check_existing(self.dst, overwrite)
+        self._overwrite = overwrite
+        self._classes = list(classes) if classes is not None else None
+        self._keys: set[str] = set()
+        self._top_label = -1
+        self._started = time.perf_counter()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(hold_lock(convert_lock_path(self.dst), what="packdata PackWriter", target=self.dst))
+        self._partial = partial_path(self.dst)
+        try:
+            if self._partial.exists():
+                shutil.rmtree(self._partial)  # a writer's partial is never resumable
+            self._partial.mkdir(parents=True)
+        except OSError as exc:
+            self._stack.close()
+            raise destination_error(exc, self._partial) from exc
+        self._opts = _Options(fmt, "fields", "fail", False, None, 90, shard_size, shard_samples)
+        self._source = _WriterSource(self.dst, [])
+        self._checkpoint = _Checkpoint(self._partial / PROGRESS_FILE, asdict(self._opts))
+        self._packer = _Packer(self._source, self._partial, self._opts, self._checkpoint, False)  # type: ignore[arg-type]
+        self.result: ConvertResult | None = None
+
+    @property
+    def count(self) -> int:
+        """Samples written so far."""
+        return self._checkpoint.samples_done
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Add one sample (see the class docstring); its values are encoded by their field names.
+
+        Raises:
+            ConfigError: no ``__key__``, a repeated key, a bad label, or a value
+                its field name cannot encode (nothing is written then).
+        """
+        if self.result is not None or self._packer.report.closed:
+            raise ConfigError("this PackWriter is closed", path=self.dst)
+        key = sample.get(KEY_FIELD)
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a sample needs a non-empty string {KEY_FIELD!r}, but got {key!r}", path=self.dst)
+        if key in self._keys:
+            raise ConfigError(f"key {key!r} was written before: keys are unique", path=self.dst)
+        label = sample.get(LABEL_FIELD, -1)
+        if isinstance(label, bool) or not isinstance(label, int) or label < -1 or label >= 2**31:
+            raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {label!r}", path=self.dst)
+        fields: dict[str, bytes] = {}
+        try:
+            for name, value in sample.items():
+                if name in (KEY_FIELD, LABEL_FIELD) or (name.startswith("__") and name.endswith("__")):
+                    continue  # WebDataset metadata such as __url__ is not stored
+                fields[check_field_name(name)] = encode_value(name, value)
+            block = encode_block(fields)
+        except FieldError as exc:
+            raise ConfigError(f"sample {key!r}: {exc}", path=self.dst) from exc
+        self._keys.add(key)
+        self._top_label = max(self._top_label, label)
+        sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
+        self._packer._make_room(len(block))
+        self._packer._add(Sample(key, label, block, "fields", sizes))
+        self._checkpoint.files_done += 1
+
+    def close(self) -> ConvertResult:
+        """Write the last shard, the index and the manifest, and publish the pack at ``dst``.
+
+        Raises:
+            ConfigError: nothing was written, or labels exceed the given classes.
+        """
+        if self.result is not None:
+            return self.result
+        try:
+            if self.count == 0:
+                raise ConfigError("no sample was written: a pack needs at least one", path=self.dst)
+            if self._classes is not None and self._top_label >= len(self._classes):
+                raise ConfigError(f"label {self._top_label} has no class: {len(self._classes)} given", path=self.dst)
+            self._source.classes = list(self._classes or [])  # labels past them get their numbers as names
+            self._packer._commit()
+            self._packer.close_files()
+            manifest = self._packer.finish()
+            _publish(self._partial, self.dst, overwrite=self._overwrite)
+        except BaseException:
+            self.abort()
+            raise
+        self._stack.close()
+        cp = self._checkpoint
+        self.result = make_result(
+            self.dst,
+            self._opts,
+            self._source,  # type: ignore[arg-type]
+            manifest,
+            found=cp.files_done,
+            skipped=cp.skipped,
+            skip_examples=cp.skip_examples,
+            bytes_in=cp.bytes_in,
+            reencoded=0,
+            resumed=False,
+            started=self._started,
+        )
+        return self.result
+
+    def abort(self) -> None:
+        """Drop everything written: no pack appears at ``dst``."""
+        self._packer.close_files(failed=True)
+        writer = self._packer.writer
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
+        shutil.rmtree(self._partial, ignore_errors=True)
+        self._stack.close()
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_pack(
+    samples: Iterable[Mapping[str, Any]],
+    dst: str | os.PathLike,
+    *,
+    progress: bool = True,
+    **options: Any,
+) -> ConvertResult:
+    """Write every sample of ``samples`` (an iterable of dicts, or a map-style dataset of them) into a new pack.
+
+    Args:
+        samples: dicts as :meth:`PackWriter.write` takes them; a map-style
+            dataset (``__len__`` and ``__getitem__``) is read in index order.
+        dst: the pack to create.
+        progress: show a progress bar on stderr.
+        **options: :class:`PackWriter`'s options.
+
+    Returns:
+        A :class:`~packdata.conversion.publish.ConvertResult`.
+    """
+    total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
+    if total is not None and hasattr(samples, "__getitem__") and not isinstance(samples, list | tuple):
+        dataset = samples
+        samples = (dataset[i] for i in range(total))  # type: ignore[index]
+    with PackWriter(dst, **options) as writer:
+        for sample in tqdm(samples, total=total, desc="writing", unit=" samples", disable=not progress):
+            writer.write(sample)
+    assert writer.result is not None
+    return writer.result

@@ -1,0 +1,202 @@
+"""Look inside a pack without torch: list samples, read one field's stored bytes, export back to files.
+
+``export`` writes each sample where its key says, inside the destination only:
+a key that is absolute, holds ``..`` or empty parts, or would land outside the
+destination is refused and reported, never followed. ``convert`` then
+``export`` then ``diff -r`` shows no difference for a pack converted without
+re-encoding (the round trip a user runs before trusting a format).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.errors import ConfigError, PackFormatError
+from packdata.formats import get_format
+from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
+from packdata.pack.files import fsync_dir
+from packdata.pack.index import SampleIndex
+from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
+from packdata.pack.records import Sample
+
+__all__ = ["ExportResult", "export_pack", "list_samples", "read_field", "resolve_sample"]
+
+
+def _index(pack: Path, manifest: Manifest) -> SampleIndex:
+    directory = pack / manifest.index_dir
+    try:
+        return SampleIndex(directory, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
+    except (OSError, ValueError) as exc:
+        raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory) from exc
+
+
+def list_samples(pack: str | os.PathLike, *, limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """One dict per sample, from the index only: index, key, label, class, shard, and each field's size."""
+    pack = Path(pack)
+    manifest = read_manifest(pack)
+    index = _index(pack, manifest)
+    shard, shards = 0, manifest.shards
+    for i in range(manifest.num_samples if limit is None else min(limit, manifest.num_samples)):
+        while i >= shards[shard].first_index + shards[shard].num_samples:
+            shard += 1
+        label = int(index.labels[i])
+        fields = index.sample_fields(i) or {manifest.kind: int(index.sizes[i])}
+        yield {
+            "index": i,
+            "key": index.keys[i],
+            "label": label,
+            "class": manifest.classes[label] if 0 <= label < len(manifest.classes) else None,
+            "fields": fields,
+            "shard": shards[shard].file,
+        }
+
+
+def resolve_sample(pack: str | os.PathLike, which: str) -> int:
+    """The index of the sample named by ``which``: a key, or ``#N`` for index N.
+
+    Raises:
+        ConfigError: no sample has that key, or the index is out of range.
+    """
+    pack = Path(pack)
+    manifest = read_manifest(pack)
+    if which.startswith("#") and which[1:].isdigit():
+        i = int(which[1:])
+        if i >= manifest.num_samples:
+            raise ConfigError(f"index {i} is out of range for {manifest.num_samples} samples", path=pack)
+        return i
+    keys = _index(pack, manifest).keys
+    for i in range(len(keys)):
+        if keys[i] == which:
+            return i
+    raise ConfigError(
+        f"no sample has the key {which!r}", path=pack, hint="List keys with `packdata ls`; #N picks by index"
+    )
+
+
+def _record(pack: Path, manifest: Manifest, i: int) -> Sample:
+    """Sample ``i`` as stored (its shard read in order up to it, CRCs checked)."""
+    for shard in manifest.shards:
+        if shard.first_index <= i < shard.first_index + shard.num_samples:
+            path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
+            for j, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
+                if j == i:
+                    return sample
+    raise PackFormatError(f"record {i} is missing", path=pack, hint="Run `packdata verify`")
+
+
+def read_field(pack: str | os.PathLike, which: str, field_name: str | None = None) -> bytes:
+    """The stored bytes of one sample's field (a single-field pack: its payload; ``cls``: the label as text).
+
+    Raises:
+        ConfigError: no such sample, or the sample has no such field.
+    """
+    pack = Path(pack)
+    manifest = read_manifest(pack)
+    sample = _record(pack, manifest, resolve_sample(pack, which))
+    if field_name == LABEL_FIELD:
+        return str(sample.label).encode("ascii")
+    if manifest.kind != "fields":
+        if field_name not in (None, manifest.kind):
+            raise ConfigError(f"this pack holds one {manifest.kind} per sample, not field {field_name!r}", path=pack)
+        return sample.data
+    fields = _fields(sample, pack)
+    if field_name is None:
+        if len(fields) != 1:
+            raise ConfigError(f"sample {sample.key!r} has fields {', '.join(sorted(fields))}: name one", path=pack)
+        field_name = next(iter(fields))
+    if field_name not in fields:
+        raise ConfigError(f"sample {sample.key!r} has no field {field_name!r} ({', '.join(sorted(fields))})", path=pack)
+    return fields[field_name]
+
+
+def _fields(sample: Sample, pack: Path) -> dict[str, bytes]:
+    try:
+        return decode_block(sample.data)
+    except FieldError as exc:
+        raise PackFormatError(f"sample {sample.key!r} is damaged: {exc}", path=pack) from exc
+
+
+@dataclass
+class ExportResult:
+    """An export: samples and files written, and keys refused (with why)."""
+
+    path: Path
+    samples: int = 0
+    files: int = 0
+    refused: list[dict[str, str]] = field(default_factory=list)
+
+
+def _inside(root: Path, key: str) -> Path | None:
+    """``root/key`` when ``key`` is a plain relative path that stays inside ``root``, else None."""
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("", ".", "..") or "\x00" in p for p in parts):
+        return None
+    target = root.joinpath(*parts)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(target.parent)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        return None
+    return target
+
+
+def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str | None = None) -> ExportResult:
+    """Write every sample of ``pack`` back as files under ``dst`` (a new or empty folder).
+
+    Args:
+        pack: the pack.
+        dst: the folder to write into; created if missing, must be empty.
+        layout: ``"imagefolder"`` (one file per sample at its key: single-field
+            packs) or ``"grouped"`` (``KEY.FIELD`` files; a ``KEY.cls`` file
+            holds a label its class folder does not already give). Default: by the pack's kind.
+
+    Raises:
+        ConfigError: ``dst`` is not empty, or the layout does not fit the pack.
+    """
+    pack, dst = Path(pack), Path(dst)
+    manifest = read_manifest(pack)
+    layout = layout or ("grouped" if manifest.kind == "fields" else "imagefolder")
+    if layout not in ("imagefolder", "grouped"):
+        raise ConfigError(f"layout should be 'imagefolder' or 'grouped', but got layout={layout!r}")
+    if layout == "imagefolder" and manifest.kind == "fields":
+        raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
+    if dst.is_symlink() or (dst.exists() and (not dst.is_dir() or any(dst.iterdir()))):
+        raise ConfigError("export destination is not an empty folder", path=dst, hint="Choose a new folder")
+    dst.mkdir(parents=True, exist_ok=True)
+    result = ExportResult(dst)
+    for shard in manifest.shards:
+        path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
+        for _, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
+            files = _files_of(sample, manifest, layout, pack)
+            targets = [(_inside(dst, name), data) for name, data in files]
+            if any(target is None for target, _ in targets):
+                result.refused.append({"key": sample.key, "reason": "key is not a plain path inside the folder"})
+                continue
+            for target, data in targets:
+                assert target is not None
+                if target.exists() or target.is_symlink():
+                    result.refused.append({"key": sample.key, "reason": f"{target.name} was written by another key"})
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "xb") as f:
+                    f.write(data)
+                result.files += 1
+            result.samples += 1
+    fsync_dir(dst)
+    return result
+
+
+def _files_of(sample: Sample, manifest: Manifest, layout: str, pack: Path) -> list[tuple[str, bytes]]:
+    """The ``(relative path, bytes)`` files one sample exports to."""
+    if layout == "imagefolder":
+        return [(sample.key, sample.data)]
+    fields = _fields(sample, pack) if manifest.kind == "fields" else {manifest.kind: sample.data}
+    files = [(f"{sample.key}.{name}", data) for name, data in sorted(fields.items())]
+    top = sample.key.split("/", 1)[0] if "/" in sample.key else None
+    from_folder = 0 <= sample.label < len(manifest.classes) and top == manifest.classes[sample.label]
+    if sample.label >= 0 and not from_folder:
+        files.append((f"{sample.key}.{LABEL_FIELD}", str(sample.label).encode("ascii")))
+    return files

@@ -1,0 +1,238 @@
+"""Multi-field samples: field names, value encodings, and the field block of one record.
+
+A multi-field sample is a key, an optional integer label, and named fields.
+Names follow WebDataset: a name is an extension that tells the encoding
+(``jpg``, ``png``, ``txt``, ``json``, ``npy``, ``cls``; anything else is
+bytes), and a compound name (``seg.png``) keeps its full name but is encoded
+and decoded by its last part. The label lives in the record header and the
+sample index (samplers read it without records); the ``cls`` field *is* the
+label, so it is never stored twice.
+
+The fields of one sample travel as one record payload, the *field block*,
+little-endian, no pickle::
+
+    offset  size  field
+    0       4     magic b"PDF1" (packdata fields, version 1)
+    4       2     F, the number of fields, uint16
+    6       ...   F directory entries, in name order:
+                    1  N, the name's length in bytes, uint8
+                    N  the name, UTF-8
+                    8  the field's length in bytes, uint64
+                    4  CRC-32 (zlib) of the field's bytes
+    ...     ...   the fields' bytes, concatenated in directory order
+
+A reader parses the directory (a few dozen bytes) and copies out only the
+fields it was asked for, each checked against its own CRC.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "BLOCK_MAGIC",
+    "CODECS",
+    "FieldEntry",
+    "FieldError",
+    "LABEL_FIELD",
+    "KEY_FIELD",
+    "check_field_name",
+    "codec_of",
+    "decode_block",
+    "encode_block",
+    "encode_value",
+    "read_directory",
+]
+
+BLOCK_MAGIC = b"PDF1"
+KEY_FIELD = "__key__"
+LABEL_FIELD = "cls"
+CODECS = ("image", "txt", "json", "npy", "cls", "bytes")
+"""How a field's bytes are meant: its codec, from the last part of its name (:func:`codec_of`)."""
+_IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
+_TEXT_EXTENSIONS = frozenset({"txt", "text", "md", "csv", "tsv", "xml", "html", "yaml", "yml", "rst"})
+_HEAD = struct.Struct("<4sH")
+_ENTRY = struct.Struct("<QI")
+_MAX_FIELDS = 0xFFFF
+
+
+class FieldError(ValueError):
+    """A field name or value cannot be stored, or a field block is damaged (the caller adds where)."""
+
+
+class FieldEntry(NamedTuple):
+    """One directory entry: the field's name, where its bytes start in the block, their length and CRC-32."""
+
+    name: str
+    start: int
+    length: int
+    crc: int
+
+
+def codec_of(name: str) -> str:
+    """The codec a field name implies: by its last dotted part (``seg.png`` -> ``image``)."""
+    ext = name.rsplit(".", 1)[-1].lower()
+    if ext in _IMAGE_EXTENSIONS:
+        return "image"
+    if ext in _TEXT_EXTENSIONS:
+        return "txt"
+    if ext in ("json", "npy", "cls"):
+        return ext
+    return "bytes"
+
+
+def check_field_name(name: object) -> str:
+    """Return ``name`` if it can name a field, else raise :class:`FieldError`.
+
+    A name is a non-empty string of at most 255 UTF-8 bytes without ``/``,
+    NUL or surrounding dots, and not starting with ``_`` (``__key__`` and the
+    like are WebDataset's metadata, not fields).
+    """
+    if not isinstance(name, str) or not name:
+        raise FieldError(f"a field name should be a non-empty string, but got {name!r}")
+    if name.startswith("_") or "/" in name or "\x00" in name or name.startswith(".") or name.endswith("."):
+        raise FieldError(f"{name!r} cannot name a field (no '/', NUL, leading '_' or leading/trailing '.')")
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise FieldError(f"field name {name[:40]!r}... is longer than 255 bytes")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(f"field name {name!r} is not valid UTF-8") from exc
+    return name
+
+
+def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
+    """The stored bytes of one field value (bytes pass through unchanged).
+
+    ``str`` is stored as UTF-8; for a ``json`` field any JSON-able value is
+    dumped (sorted keys, no NaN); an ``npy`` field takes a numpy array (saved
+    with ``allow_pickle=False``); a ``cls`` field takes an int; an int or float
+    in a ``txt`` field is stored as its decimal text.
+
+    Raises:
+        FieldError: the value cannot be stored under this name.
+    """
+    codec = codec or codec_of(name)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if codec == "json":
+        try:
+            return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise FieldError(f"field {name!r}: value is not JSON-serialisable ({exc})") from exc
+    if codec == "npy":
+        if not isinstance(value, np.ndarray) or value.dtype.hasobject:
+            raise FieldError(f"field {name!r}: an npy field takes a numpy array without objects, not {type(value)}")
+        out = io.BytesIO()
+        np.save(out, value, allow_pickle=False)
+        return out.getvalue()
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bool):
+        raise FieldError(f"field {name!r}: a bool is ambiguous here; store it in a json field")
+    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and codec == "txt"):
+        return str(value).encode("ascii")
+    raise FieldError(
+        f"field {name!r} ({codec}): cannot store a {type(value).__name__}; pass bytes, or a str/JSON value/array "
+        "in a field whose name says how to encode it (txt, json, npy)"
+    )
+
+
+def encode_block(fields: Mapping[str, bytes]) -> bytes:
+    """The field block of ``fields`` (name -> stored bytes), in name order (layout in the module docstring).
+
+    Raises:
+        FieldError: a bad name, or more fields than fit.
+    """
+    if len(fields) > _MAX_FIELDS:
+        raise FieldError(f"a sample has {len(fields)} fields, at most {_MAX_FIELDS} fit")
+    names = sorted(fields)
+    head = [_HEAD.pack(BLOCK_MAGIC, len(names))]
+    for name in names:
+        encoded = check_field_name(name).encode("utf-8")
+        data = fields[name]
+        head.append(bytes((len(encoded),)) + encoded + _ENTRY.pack(len(data), zlib.crc32(data)))
+    return b"".join(head + [fields[name] for name in names])
+
+
+def read_directory(block: bytes | memoryview, total: int | None = None) -> list[FieldEntry] | None:
+    """Parse a field block's directory from the block or a prefix of it.
+
+    Args:
+        block: the block, or its first bytes.
+        total: the whole block's length (default: ``len(block)``); every field must lie inside it.
+
+    Returns:
+        The entries in block order, or None when ``block`` is a prefix too
+        short to hold the whole directory (read the whole block then).
+
+    Raises:
+        FieldError: the block is not a field block, or its directory is damaged.
+    """
+    total = len(block) if total is None else total
+    if len(block) < _HEAD.size:
+        if len(block) < total:
+            return None
+        raise FieldError(f"field block is {total} bytes, shorter than its {_HEAD.size}-byte header")
+    magic, count = _HEAD.unpack_from(block)
+    if magic != BLOCK_MAGIC:
+        raise FieldError(f"field block starts with {bytes(magic)!r}, expected {BLOCK_MAGIC!r}")
+    pos, spans = _HEAD.size, []
+    for _ in range(count):
+        end = pos + 1 + (block[pos] if pos < len(block) else 0) + _ENTRY.size
+        if pos >= len(block) or end > len(block):
+            if len(block) < total:
+                return None
+            raise FieldError("field block directory runs past the block: it is damaged")
+        n = block[pos]
+        try:
+            name = bytes(block[pos + 1 : pos + 1 + n]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FieldError("field name in the block is not UTF-8: it is damaged") from exc
+        length, crc = _ENTRY.unpack_from(block, pos + 1 + n)
+        spans.append((name, length, crc))
+        pos = end
+    entries, start = [], pos
+    for name, length, crc in spans:
+        if start + length > total:
+            raise FieldError(f"field {name!r} runs past the end of its block ({start + length} > {total} bytes)")
+        entries.append(FieldEntry(name, start, length, crc))
+        start += length
+    if start != total:
+        raise FieldError(f"field block holds {total - start} bytes its directory does not account for")
+    if len({e.name for e in entries}) != len(entries):
+        raise FieldError("field block names a field twice: it is damaged")
+    return entries
+
+
+def decode_block(
+    block: bytes | memoryview, names: Iterable[str] | None = None, *, check_crc: bool = True
+) -> dict[str, bytes]:
+    """The stored bytes of the fields ``names`` (default: all) of a whole field block.
+
+    A name the block lacks is left out of the result (the caller decides
+    whether that is an error). Only the fields asked for are copied.
+
+    Raises:
+        FieldError: the block is damaged, or a field's CRC does not match.
+    """
+    entries = read_directory(block)
+    assert entries is not None  # a whole block is never too short a prefix
+    wanted = None if names is None else set(names)
+    out = {}
+    for entry in entries:
+        if wanted is not None and entry.name not in wanted:
+            continue
+        data = bytes(block[entry.start : entry.start + entry.length])
+        if check_crc and zlib.crc32(data) != entry.crc:
+            raise FieldError(f"field {entry.name!r}: CRC-32 does not match, the record is damaged")
+        out[entry.name] = data
+    return out

@@ -1,0 +1,319 @@
+"""Multi-field samples: grouped folders, list files, the Python writer, readers, ls/cat/export, version-1 packs."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import image_bytes
+from torch.utils.data import DataLoader
+
+import packdata
+from packdata.cli import main as cli
+from packdata.errors import ConfigError, PackFormatError
+from packdata.formats.contents import export_pack, list_samples, read_field
+from packdata.formats.lmdb import DATA_FILE
+from packdata.pack.fields import decode_block
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v1-imagefolder.lmdb"
+KEYS = ["0001", "a b", "café", "x-2"]
+
+
+def _grouped(root: Path) -> Path:
+    """A grouped folder: image + caption + JSON (+ a mask for some), keys with spaces and unicode, one class folder."""
+    root.mkdir()
+    for i, key in enumerate(KEYS):
+        (root / f"{key}.jpg").write_bytes(image_bytes(i))
+        (root / f"{key}.txt").write_text(f"caption {i} ünï" if i else "", encoding="utf-8")  # an empty caption
+        (root / f"{key}.json").write_text(json.dumps({"boxes": [i, i + 1]}), encoding="utf-8")
+        if i % 2:
+            (root / f"{key}.seg.png").write_bytes(image_bytes(100 + i, fmt="PNG"))
+    (root / "lonely.jpg").write_bytes(image_bytes(7))  # no caption: skipped under --require jpg,txt
+    (root / "dogs.v2").mkdir()  # a class folder with a dot: key "dogs.v2/d"
+    (root / "dogs.v2" / "d.jpg").write_bytes(image_bytes(8))
+    (root / "dogs.v2" / "d.txt").write_text("a dog", encoding="utf-8")
+    return root
+
+
+def _fields_of(folder: Path, key: str) -> dict[str, bytes]:
+    folder_part, _, stem = key.rpartition("/")
+    directory = folder / folder_part if folder_part else folder
+    return {p.name[len(stem) + 1 :]: p.read_bytes() for p in directory.iterdir() if p.name.startswith(stem + ".")}
+
+
+def test_grouped_folder_round_trip_through_a_dataloader(tmp_path: Path) -> None:
+    src = _grouped(tmp_path / "src")
+    result = packdata.convert(src, tmp_path / "out.lmdb", require=("jpg", "txt"), progress=False, shard_samples=2)
+    assert result.kind == "fields"
+    assert result.packed == 5 and result.skipped == {"missing field": 1}
+    assert result.skip_examples[0]["key"] == "lonely"
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    assert ds.classes == ["dogs.v2"]
+    for i in range(len(ds)):
+        sample = ds[i]
+        key = sample.pop("__key__")
+        label = sample.pop("cls", -1)
+        assert label == (0 if key.startswith("dogs.v2/") else -1)
+        assert sample == _fields_of(src, key), key
+    for context in ("fork", "spawn"):
+        loader = DataLoader(
+            packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("__key__", "txt")),
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context=context,
+        )
+        got = sorted(key for key, _ in loader)
+        assert got == sorted([*KEYS, "dogs.v2/d"])
+
+
+def test_default_decoders_fields_tuple_and_transforms(tmp_path: Path) -> None:
+    src = _grouped(tmp_path / "src")
+    packdata.convert(src, tmp_path / "out.lmdb", require=("jpg", "txt"), progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    sample = ds[ds.keys.index("a b")]
+    assert sample["jpg"].mode == "RGB" and sample["seg.png"].mode == "RGB"
+    assert sample["txt"] == "caption 1 ünï" and sample["json"] == {"boxes": [1, 2]}
+    ds = packdata.LMDBDataset(
+        tmp_path / "out.lmdb",
+        fields=("txt", "__key__", "json"),
+        decode={"json": "bytes"},
+        transforms={"txt": str.upper},
+    )
+    assert ds[ds.keys.index("café")] == ("CAPTION 2 ÜNÏ", "café", b'{"boxes": [2, 3]}')
+    with pytest.raises(KeyError, match="seg.png"):
+        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("seg.png",))[ds.keys.index("0001")]
+    with pytest.raises(ConfigError, match="no field 'jpeg'.*jpg"):
+        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("jpeg",))
+
+
+def test_index_holds_per_field_sizes(tmp_path: Path) -> None:
+    packdata.convert(_grouped(tmp_path / "src"), tmp_path / "out.lmdb", progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    sizes = ds.pack.index.field_sizes("seg.png")
+    for i, key in enumerate(ds.keys):
+        expected = _fields_of(tmp_path / "src", key)
+        assert ds.pack.index.sample_fields(i) == {name: len(data) for name, data in expected.items()}
+        assert sizes[i] == (len(expected["seg.png"]) if "seg.png" in expected else -1)
+
+
+def _flip_inside(shard: Path, needle: bytes) -> None:
+    data = bytearray((shard / DATA_FILE).read_bytes())
+    at = data.find(needle)
+    assert at >= 0
+    data[at] ^= 0xFF
+    (shard / DATA_FILE).write_bytes(bytes(data))
+
+
+def test_a_damaged_field_is_named_and_other_fields_still_read(tmp_path: Path) -> None:
+    src = _grouped(tmp_path / "src")
+    packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    _flip_inside(tmp_path / "out.lmdb" / "shard-00000.lmdb", b'{"boxes": [2, 3]}')
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("txt",))
+    i = ds.keys.index("café")
+    assert ds[i] == ("caption 2 ünï",)  # only the caption was read: the damaged JSON is never touched
+    with pytest.raises(PackFormatError, match="record .* is damaged"):
+        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("json",))[i]
+    with pytest.raises(PackFormatError):
+        packdata.LMDBDataset(tmp_path / "out.lmdb")[i]
+    with pytest.raises(PackFormatError, match="shard checksum"):
+        packdata.verify_pack(tmp_path / "out.lmdb", progress=False)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])
+def test_list_file_with_string_labels_and_extra_columns(tmp_path: Path, suffix: str) -> None:
+    images = tmp_path / "imgs"
+    images.mkdir()
+    rows = []
+    for i, label in enumerate(["zebra", "ant", "zebra"]):
+        (images / f"im{i}.jpg").write_bytes(image_bytes(i))
+        rows.append({"image": f"imgs/im{i}.jpg", "label": label, "caption": f"photo {i}", "score": str(i / 2)})
+    absolute = tmp_path / "elsewhere.png"
+    absolute.write_bytes(image_bytes(9, fmt="PNG"))
+    rows.append({"image": str(absolute), "label": "ant", "caption": "abs", "score": "1"})
+    rows.append({"image": "imgs/missing.jpg", "label": "ant", "caption": "gone", "score": "0"})
+    listing = tmp_path / f"train{suffix}"
+    if suffix == ".jsonl":
+        listing.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    else:
+        sep = "," if suffix == ".csv" else "\t"
+        lines = [sep.join(rows[0])] + [sep.join(r.values()) for r in rows]
+        listing.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = packdata.convert(listing, tmp_path / "out.lmdb", path_column="image", label_column="label", progress=False)
+    assert result.packed == 4 and result.skipped == {"vanished": 1}
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", decode={"jpg": "bytes", "png": "bytes"})
+    assert ds.classes == ["ant", "zebra"]
+    assert list(ds.targets) == [1, 0, 1, 0]
+    first = ds[0]
+    assert first["__key__"] == "imgs/im0" and first["jpg"] == (images / "im0.jpg").read_bytes()
+    assert first["caption"] == "photo 0" and first["cls"] == 1
+    assert ds[3]["png"] == absolute.read_bytes()
+
+
+def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("beta", encoding="utf-8")
+    listing = tmp_path / "l.jsonl"
+    listing.write_text(
+        json.dumps({"path": "a.txt", "y": 3, "meta": {"n": 1}}) + "\n" + json.dumps({"path": "b.txt", "y": 0}) + "\n",
+        encoding="utf-8",
+    )
+    packdata.convert(listing, tmp_path / "out.lmdb", label_column="y", progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert list(ds.targets) == [3, 0] and ds.classes == ["0", "1", "2", "3"]
+    assert ds[0] == {"__key__": "a", "txt": "alpha", "meta": {"n": 1}, "cls": 3}
+    assert ds[1] == {"__key__": "b", "txt": "beta", "cls": 0}
+
+
+def test_pack_writer_is_atomic_and_checks_its_input(tmp_path: Path) -> None:
+    dst = tmp_path / "w.lmdb"
+    with pytest.raises(RuntimeError, match="boom"), packdata.PackWriter(dst) as writer:
+        writer.write({"__key__": "a", "txt": "x"})
+        raise RuntimeError("boom")
+    assert sorted(os.listdir(tmp_path)) == []  # no pack, no partial, no lock left
+    with packdata.PackWriter(dst, shard_samples=2) as writer:
+        for i in range(5):
+            writer.write({"__key__": f"s/{i}", "jpg": image_bytes(i), "npy": np.arange(i), "json": [i], "cls": i % 3})
+        with pytest.raises(ConfigError, match="written before"):
+            writer.write({"__key__": "s/0", "txt": "again"})
+        with pytest.raises(ConfigError, match="npy"):
+            writer.write({"__key__": "obj", "npy": np.array([object()], dtype=object)})
+        with pytest.raises(ConfigError, match="__key__"):
+            writer.write({"txt": "no key"})
+    assert writer.result is not None and writer.result.shards == 3
+    ds = packdata.LMDBDataset(dst, fields=("__key__", "npy", "json", "cls"))
+    for i in range(5):
+        key, array, meta, label = ds[i]
+        assert (key, meta, label) == (f"s/{i}", [i], i % 3) and np.array_equal(array, np.arange(i))
+    assert packdata.verify_pack(dst, progress=False).records == 5
+    with pytest.raises(ConfigError, match="already exists"):
+        packdata.PackWriter(dst)
+
+
+def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
+    class Squares:
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict:
+            return {"__key__": f"{i:03d}", "txt": str(i * i)}
+
+    result = packdata.write_pack(Squares(), tmp_path / "sq.lmdb", progress=False)
+    assert result.packed == 4
+    assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "sq.lmdb")] == ["0", "1", "4", "9"]
+
+
+def test_a_pickled_npy_file_is_never_loaded(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("ok", encoding="utf-8")
+    with open(src / "a.npy", "wb") as f:
+        np.save(f, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    (src / "b.txt").write_text("fine", encoding="utf-8")
+    (src / "b.npy").write_bytes(_npy(np.ones(3)))
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert result.skipped == {"not npy": 1}
+    assert np.array_equal(packdata.LMDBDataset(tmp_path / "out.lmdb")[0]["npy"], np.ones(3))
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def test_version_1_pack_still_reads(tmp_path: Path) -> None:
+    pack = tmp_path / "v1.lmdb"
+    shutil.copytree(FIXTURE, pack)
+    manifest = json.loads((pack / "manifest.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["kind"] == "image"
+    ds = packdata.LMDBDataset(pack)
+    assert ds.classes == ["cat", "dog"] and list(ds.targets) == [0, 0, 0, 1, 1, 1]
+    image, label = ds[4]
+    assert image.size == (16, 12) and label == 1
+    assert packdata.verify_pack(pack, progress=False).records == 6
+    assert (pack / "shard-00000.lmdb" / DATA_FILE).read_bytes().count(b"PDR1") == 6  # version-1 records
+
+
+def test_text_pack_decodes_as_text_by_default(tmp_path: Path) -> None:
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "a.txt").write_text("hello", encoding="utf-8")
+    packdata.convert(tmp_path / "src", tmp_path / "t.lmdb", progress=False)
+    assert packdata.LMDBDataset(tmp_path / "t.lmdb")[0] == ("hello", 0)
+
+
+def test_ls_cat_export_round_trip(tmp_path: Path) -> None:
+    src = _grouped(tmp_path / "src")
+    (src / "lonely.jpg").unlink()
+    pack = tmp_path / "out.lmdb"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(src), str(pack), "-q", "--layout", "grouped"])
+    assert done.exit_code == 0, done.output
+    listed = runner.invoke(cli, ["ls", str(pack), "--json", "--limit", "0"])
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert sorted(r["key"] for r in rows) == sorted([*KEYS, "dogs.v2/d"])
+    assert rows[0]["fields"] == {n: len(d) for n, d in _fields_of(src, rows[0]["key"]).items()}
+    shown = runner.invoke(cli, ["cat", str(pack), "café", "--field", "txt"])
+    assert shown.exit_code == 0 and shown.stdout_bytes == (src / "café.txt").read_bytes()
+    assert read_field(pack, "#0", "jpg") == (src / f"{rows[0]['key']}.jpg").read_bytes()
+    missing = runner.invoke(cli, ["cat", str(pack), "nope"])
+    assert missing.exit_code == 1 and "no sample has the key 'nope'" in missing.output
+    out = tmp_path / "exported"
+    done = runner.invoke(cli, ["export", str(pack), str(out)])
+    assert done.exit_code == 0, done.output
+    comparison = filecmp.dircmp(src, out)
+    assert _same_tree(comparison), comparison.report_full_closure()
+
+
+def test_export_of_an_imagefolder_pack_gives_the_source_back(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + ord(c)))
+    packdata.convert(src, tmp_path / "p.lmdb", progress=False)
+    result = export_pack(tmp_path / "p.lmdb", tmp_path / "back")
+    assert result.samples == 6 and not result.refused
+    assert _same_tree(filecmp.dircmp(src, tmp_path / "back"))
+    assert [r["class"] for r in list_samples(tmp_path / "p.lmdb")] == ["a"] * 3 + ["b"] * 3
+
+
+def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:
+    with packdata.PackWriter(tmp_path / "evil.lmdb") as writer:
+        writer.write({"__key__": "../escape", "txt": "x"})
+        writer.write({"__key__": "/abs/path", "txt": "y"})
+        writer.write({"__key__": "fine/one", "txt": "z"})
+    result = export_pack(tmp_path / "evil.lmdb", tmp_path / "out")
+    assert result.samples == 1 and [r["key"] for r in result.refused] == ["../escape", "/abs/path"]
+    assert not (tmp_path / "escape.txt").exists()
+    assert (tmp_path / "out" / "fine" / "one.txt").read_text() == "z"
+
+
+def _same_tree(comparison: filecmp.dircmp) -> bool:
+    _, mismatch, errors = filecmp.cmpfiles(comparison.left, comparison.right, comparison.common_files, shallow=False)
+    if comparison.left_only or comparison.right_only or mismatch or errors:
+        return False
+    return all(_same_tree(sub) for sub in comparison.subdirs.values())
+
+
+def test_field_block_is_self_checking() -> None:
+    from packdata.pack.fields import FieldError, encode_block
+
+    block = encode_block({"txt": b"hello", "json": b"{}"})
+    assert decode_block(block) == {"json": b"{}", "txt": b"hello"}
+    assert decode_block(block, ["txt"]) == {"txt": b"hello"}
+    for cut in (3, len(block) - 1):
+        with pytest.raises(FieldError):
+            decode_block(block[:cut])
+    with pytest.raises(FieldError, match="CRC"):
+        decode_block(block[:-1] + bytes([block[-1] ^ 1]))
+    with pytest.raises(FieldError):
+        encode_block({"../x": b""})
