@@ -317,3 +317,60 @@ def test_field_block_is_self_checking() -> None:
         decode_block(block[:-1] + bytes([block[-1] ^ 1]))
     with pytest.raises(FieldError):
         encode_block({"../x": b""})
+
+
+def test_multi_field_tfrecord_is_one_feature_per_field(tmp_path: Path) -> None:
+    from tfrecord import example_pb2
+
+    src = _grouped(tmp_path / "src")
+    pack = tmp_path / "caps"
+    packdata.convert(src, pack, format="tfrecord", require=("jpg", "txt"), shard_samples=2, progress=False)
+    assert packdata.verify_pack(pack, progress=False).records == 5
+    shard = sorted(pack.glob("*.tfrecord"))[0]
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    example = example_pb2.Example()
+    example.ParseFromString(raw[12 : 12 + n])
+    feature = example.features.feature
+    key = feature["image/filename"].bytes_list.value[0].decode()
+    files = _fields_of(src, key)
+    assert feature["image/encoded"].bytes_list.value[0] == files["jpg"]
+    assert feature["image/format"].bytes_list.value[0] == b"jpeg"
+    assert feature["txt"].bytes_list.value[0] == files["txt"]
+    assert feature["json"].bytes_list.value[0] == files["json"]
+    assert list(feature["packdata/fields"].bytes_list.value) == sorted(n.encode() for n in files)
+    for reader in (
+        packdata.TFRecordIndexedDataset(pack, decode="bytes"),
+        packdata.TFRecordDataset(pack, decode="bytes", shuffle=False),
+    ):
+        for sample in reader:
+            sample = dict(sample)
+            key = sample.pop("__key__")
+            sample.pop("cls", None)
+            assert sample == _fields_of(src, key)
+    loader = DataLoader(packdata.TFRecordDataset(pack, fields=("__key__", "txt")), batch_size=None, num_workers=2)
+    assert sorted(k for k, _ in loader) == sorted([*KEYS, "dogs.v2/d"])
+    out = tmp_path / "back"
+    export_pack(pack, out)
+    (src / "lonely.jpg").unlink()
+    assert _same_tree(filecmp.dircmp(src, out))
+
+
+def test_tf_data_reads_every_field(tmp_path: Path) -> None:
+    tf = pytest.importorskip("tensorflow", reason="TensorFlow is optional (not in the dev extra)")
+    src = _grouped(tmp_path / "src")
+    pack = tmp_path / "caps"
+    packdata.convert(src, pack, format="tfrecord", require=("jpg", "txt", "json"), progress=False)
+    spec = {
+        "image/encoded": tf.io.FixedLenFeature([], tf.string),
+        "image/filename": tf.io.FixedLenFeature([], tf.string),
+        "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+        "txt": tf.io.FixedLenFeature([], tf.string),
+        "json": tf.io.FixedLenFeature([], tf.string),
+    }
+    files = sorted(str(p) for p in pack.glob("*.tfrecord"))
+    for record in tf.data.TFRecordDataset(files).map(lambda r: tf.io.parse_single_example(r, spec)):
+        key = record["image/filename"].numpy().decode()
+        expected = _fields_of(src, key)
+        assert record["image/encoded"].numpy() == expected["jpg"]
+        assert record["txt"].numpy() == expected["txt"]

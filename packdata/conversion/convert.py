@@ -119,11 +119,6 @@ def convert(
     if source.kind == "fields":
         if engine == "ray":
             raise ConfigError("the Ray engine packs class folders only", hint="Pass engine='local'")
-        if pack_format.name != "lmdb":
-            raise ConfigError(
-                f"multi-field samples are packed into LMDB only in this version, not {pack_format.name}",
-                hint="Convert to an .lmdb destination (format='lmdb')",
-            )
         if max_side is not None:
             raise ConfigError(
                 "max_side re-encodes single-image samples only (a multi-field sample may hold masks)",

@@ -61,8 +61,8 @@ class PackWriter:
             w.write({"__key__": "a/0001", "jpg": jpeg_bytes, "json": {"boxes": []}, "cls": 3})
 
     Args:
-        dst: the pack to create (``.lmdb``).
-        format: the pack format (only ``"lmdb"`` holds multi-field samples in this version).
+        dst: the pack to create (``out.lmdb``; a folder for TFRecord).
+        format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else LMDB.
         shard_size: start a new shard before one would exceed this size (bytes, or text like ``"1GB"``).
         shard_samples: at most this many samples per shard.
         classes: class names, label ``i`` naming ``classes[i]``; by default the
@@ -87,8 +87,6 @@ class PackWriter:
         self.dst = Path(dst)
         fmt = format or format_from_path(os.fspath(self.dst)) or FORMATS[0]
         pack_format = get_format(fmt)
-        if pack_format.name != "lmdb":
-            raise ConfigError(f"PackWriter writes LMDB packs in this version, not {fmt}", hint="Use an .lmdb path")
         if isinstance(shard_size, str):
             shard_size = parse_size(shard_size)
         if shard_size is None and shard_samples is None:

@@ -64,11 +64,13 @@ from packdata.formats.tfrecord_example import (
     _HEADER,
     _MASK_DELTA,
     _U32,
+    FIELDS_FEATURE,
     _damaged,
     _payload_span,
     _span_ok,
     check_record,
     encode_example,
+    example_fields,
     frame_record,
     masked_crc,
     parse_example,
@@ -82,6 +84,7 @@ from packdata.formats.tfrecord_tables import (
     read_index,
     read_payload_table,
 )
+from packdata.pack.fields import FieldError, encode_block
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample
 
@@ -210,6 +213,8 @@ class TFRecordShardWriter:
             if index != self.count:
                 raise PackFormatError(f"record {index} is out of order (expected {self.count})", path=self.path)
             example = encode_example(sample)
+            if sample.kind == "fields" and self._table is not None:
+                self._drop_table()  # a multi-field record has no one payload: readers parse it
             if self._table is not None:
                 spans.append(_PAIR.pack(*_payload_span(example)))
             record = frame_record(example)
@@ -221,6 +226,13 @@ class TFRecordShardWriter:
         self._index.write("".join(lines).encode("ascii"))
         if self._table is not None:
             self._table.write(b"".join(spans))
+
+    def _drop_table(self) -> None:
+        assert self._table is not None
+        self._table.close()
+        self._table = None
+        self.payload_path.unlink(missing_ok=True)
+        self._with_table = False
 
     def sync(self) -> None:
         """Make every record written so far durable, data before index."""
@@ -500,11 +512,9 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
             if masked_crc(data) != _U32.unpack_from(rest, n)[0]:
                 raise _damaged(path, pos, "CRC32C of the data does not match")
             try:
-                parsed = parse_example(data)
-                key = parsed.key.decode("utf-8")
-            except (RecordError, UnicodeDecodeError) as exc:
+                yield first_index + number, _sample_of(data)
+            except (RecordError, FieldError, UnicodeDecodeError) as exc:
                 raise _damaged(path, pos, f"not a packdata Example: {exc}") from exc
-            yield first_index + number, Sample(key, parsed.label, bytes(parsed.data), parsed.kind)
             pos += n + 16
             number += 1
     if number != len(offsets):
@@ -513,6 +523,20 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
             path=index_path(path),
             hint="Convert the pack again",
         )
+
+
+def _sample_of(data: memoryview) -> Sample:
+    """The :class:`Sample` an Example holds (a multi-field one as the field block it was written from)."""
+    if FIELDS_FEATURE in bytes(data):
+        try:
+            fields, label, key = example_fields(data)
+        except RecordError:
+            pass  # the marker bytes occur inside some payload: an image or text Example
+        else:
+            sizes = tuple(sorted((name, len(value)) for name, value in fields.items()))
+            return Sample(key, label, encode_block(fields), "fields", sizes)
+    parsed = parse_example(data)
+    return Sample(parsed.key.decode("utf-8"), parsed.label, bytes(parsed.data), parsed.kind)
 
 
 SHARD_WRITER = TFRecordShardWriter

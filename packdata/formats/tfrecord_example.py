@@ -13,12 +13,16 @@ import numpy as np
 from tfrecord import example_pb2
 
 from packdata.errors import PackFormatError
+from packdata.pack.fields import LABEL_FIELD, codec_of, decode_block
 from packdata.pack.records import RecordError, Sample
 
 __all__ = [
+    "FIELDS_FEATURE",
+    "PRIMARY_FEATURE",
     "ParsedExample",
     "check_record",
     "encode_example",
+    "example_fields",
     "frame_record",
     "masked_crc",
     "parse_example",
@@ -26,6 +30,10 @@ __all__ = [
 
 
 _HEADER = struct.Struct("<QI")
+FIELDS_FEATURE = b"packdata/fields"
+"""A multi-field sample's field names (bytes list): every field is the feature of its name..."""
+PRIMARY_FEATURE = b"packdata/primary"
+"""...except the first image field (by name), stored as ``image/encoded``, whose name this holds."""
 
 
 _U32 = struct.Struct("<I")
@@ -90,10 +98,23 @@ def _image_format(sample: Sample) -> bytes:
 
 
 def encode_example(sample: Sample) -> bytes:
-    """Serialize ``sample`` as a ``tf.train.Example`` (feature names in the module docstring)."""
+    """Serialize ``sample`` as a ``tf.train.Example`` (feature names in :mod:`packdata.formats.tfrecord`)."""
     example = example_pb2.Example()
     feature = example.features.feature
-    if sample.kind == "text":
+    if sample.kind == "fields":
+        fields = decode_block(sample.data, check_crc=False)
+        primary = next((n for n in sorted(fields) if codec_of(n) == "image"), None)
+        feature[FIELDS_FEATURE.decode()].bytes_list.value.extend(n.encode("utf-8") for n in sorted(fields))
+        for name, data in fields.items():
+            if name == primary:
+                feature["image/encoded"].bytes_list.value.append(data)
+                feature["image/format"].bytes_list.value.append(_image_format(Sample(name, -1, data)))
+                feature[PRIMARY_FEATURE.decode()].bytes_list.value.append(name.encode("utf-8"))
+            else:
+                feature[name].bytes_list.value.append(data)
+        if sample.label >= 0:
+            feature[LABEL_FIELD].int64_list.value.append(sample.label)
+    elif sample.kind == "text":
         feature["text/encoded"].bytes_list.value.append(sample.data)
     else:
         feature["image/encoded"].bytes_list.value.append(sample.data)
@@ -212,25 +233,10 @@ def _first_value(buf: memoryview, pos: int, end: int) -> tuple[str, memoryview |
     return kind, value
 
 
-def parse_example(record: bytes | memoryview, *, with_key: bool = True) -> ParsedExample:
-    """Read packdata's fields out of a serialized ``tf.train.Example``.
-
-    A small protobuf wire-format walker, several times faster than
-    ``Example.ParseFromString`` on 70 KB images because it copies nothing: the
-    payload comes back as a view into ``record``. It reads any valid Example
-    with these feature names, whoever wrote it (map entries in any order,
-    packed or unpacked int64, unknown fields skipped, the last of repeated
-    entries winning, as protobuf does). A missing label reads as -1 and a
-    missing filename as ``b""``; ``with_key=False`` skips the filename (``b""``).
-
-    Raises:
-        RecordError: the bytes are not an Example holding ``image/encoded`` or
-            ``text/encoded``.
-    """
-    buf = memoryview(record)
+def _features(buf: memoryview, wanted: frozenset[bytes] | None) -> dict[bytes, tuple[str, memoryview | int | None]]:
+    """Feature name -> (list type, first value) of a serialized Example (``wanted`` names only, or all)."""
     end = len(buf)
     found: dict[bytes, tuple[str, memoryview | int | None]] = {}
-    wanted = _WANTED if with_key else _WANTED_NO_KEY
     try:
         pos = 0
         while pos < end:
@@ -269,24 +275,77 @@ def parse_example(record: bytes | memoryview, *, with_key: bool = True) -> Parse
                     else:
                         value_span = (pos, pos + m)
                     pos += m
-                if value_span is not None and name in wanted:
+                if value_span is not None and (wanted is None or name in wanted):
                     found[name] = _first_value(buf, *value_span)
                 pos = entry_end
         if pos != end:
             raise RecordError("message ends inside a field")
     except IndexError:
         raise RecordError("protobuf message is cut short") from None
+    return found
+
+
+def _label_of(found: dict[bytes, tuple[str, memoryview | int | None]]) -> int:
+    label_kind, label = found.get(b"image/class/label", ("int64", -1))
+    if label_kind != "int64" or not isinstance(label, int):
+        return -1
+    return label - (1 << 64) if label >= 1 << 63 else label
+
+
+def parse_example(record: bytes | memoryview, *, with_key: bool = True) -> ParsedExample:
+    """Read packdata's fields out of a serialized ``tf.train.Example``.
+
+    A small protobuf wire-format walker, several times faster than
+    ``Example.ParseFromString`` on 70 KB images because it copies nothing: the
+    payload comes back as a view into ``record``. It reads any valid Example
+    with these feature names, whoever wrote it (map entries in any order,
+    packed or unpacked int64, unknown fields skipped, the last of repeated
+    entries winning, as protobuf does). A missing label reads as -1 and a
+    missing filename as ``b""``; ``with_key=False`` skips the filename (``b""``).
+
+    Raises:
+        RecordError: the bytes are not an Example holding ``image/encoded`` or
+            ``text/encoded``.
+    """
+    found = _features(memoryview(record), _WANTED if with_key else _WANTED_NO_KEY)
     kind = "text" if b"text/encoded" in found else "image"
     payload = found.get(b"text/encoded" if kind == "text" else b"image/encoded")
     if payload is None or payload[0] != "bytes" or not isinstance(payload[1], memoryview):
         raise RecordError("Example has no image/encoded or text/encoded bytes feature")
-    label_kind, label = found.get(b"image/class/label", ("int64", -1))
-    if label_kind != "int64" or not isinstance(label, int):
-        label = -1
-    elif label >= 1 << 63:
-        label -= 1 << 64
     key = found.get(b"image/filename", ("bytes", None))[1]
-    return ParsedExample(payload[1], label, bytes(key) if isinstance(key, memoryview) else b"", kind)
+    return ParsedExample(payload[1], _label_of(found), bytes(key) if isinstance(key, memoryview) else b"", kind)
+
+
+def example_fields(record: bytes | memoryview) -> tuple[dict[str, bytes], int, str]:
+    """The fields, label and key of a multi-field Example (see :func:`encode_example`).
+
+    Raises:
+        RecordError: not a packdata multi-field Example, or a field it lists is missing.
+    """
+    found = _features(memoryview(record), None)
+    listed = found.get(FIELDS_FEATURE)
+    if listed is None:
+        raise RecordError(f"Example has no {FIELDS_FEATURE.decode()} feature: not a multi-field sample")
+    names = _all_bytes(memoryview(record), FIELDS_FEATURE)
+    primary = found.get(PRIMARY_FEATURE, ("bytes", None))[1]
+    primary_name = bytes(primary).decode("utf-8") if isinstance(primary, memoryview) else None
+    fields = {}
+    for raw in names:
+        name = raw.decode("utf-8")
+        feature = b"image/encoded" if name == primary_name else raw
+        kind, value = found.get(feature, ("", None))
+        if kind != "bytes" or not isinstance(value, memoryview):
+            raise RecordError(f"field {name!r} is listed but has no bytes feature")
+        fields[name] = bytes(value)
+    key = found.get(b"image/filename", ("bytes", None))[1]
+    return fields, _label_of(found), bytes(key).decode("utf-8") if isinstance(key, memoryview) else ""
+
+
+def _all_bytes(buf: memoryview, name: bytes) -> list[bytes]:
+    """Every value of the bytes feature ``name`` (the list of field names), through protobuf."""
+    example = example_pb2.Example()
+    example.ParseFromString(bytes(buf))
+    return list(example.features.feature[name.decode()].bytes_list.value)
 
 
 def _damaged(path: str | os.PathLike, offset: int, problem: str) -> PackFormatError:

@@ -61,6 +61,10 @@ class FieldSpec:
             self.decoders[name] = resolve_decoder(choice)
         self.transforms = dict(transforms or {})
 
+    def wants(self, name: str) -> bool:
+        """Whether stored field ``name`` is read."""
+        return self.stored is None or name in self.stored
+
     def build(self, stored: dict[str, bytes], key: str, label: int) -> dict[str, Any] | tuple[Any, ...]:
         """The sample: decoded, transformed fields (plus ``__key__`` and ``cls``), as a dict or a tuple.
 

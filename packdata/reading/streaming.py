@@ -19,7 +19,7 @@ import functools
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord import TFRecordShardReader
-from packdata.formats.tfrecord_example import parse_example
+from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
 from packdata.formats.tfrecord_tables import read_index, read_payload_table
 from packdata.pack.records import RecordError
 from packdata.reading.datasets import PackView, ShardReaders
@@ -87,10 +87,12 @@ class _TFRecordView(PackView):
         path: str | os.PathLike,
         transform: Callable[[Any], Any] | None,
         target_transform: Callable[[int], Any] | None,
-        decode: str | DecodeFn,
+        decode: str | DecodeFn | Mapping[str, str | DecodeFn],
         check_crc: bool,
+        fields: Sequence[str] | None = None,
+        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
-        super().__init__(path, TFRECORD, transform, target_transform, decode)
+        super().__init__(path, TFRECORD, transform, target_transform, decode, fields, transforms)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
@@ -100,9 +102,15 @@ class _TFRecordView(PackView):
         self._bytes = [s.bytes for s in shards]
 
     def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
-        """Payload and label of sample ``index``'s record; its label must be the index's."""
+        """Payload and label of sample ``index``'s record (a multi-field pack: the whole Example); labels must agree."""
         try:
-            parsed = parse_example(data, with_key=False)
+            if self.field_spec is not None:
+                _, label, key = example_fields(data)
+                if key != self.keys[index]:
+                    raise RecordError(f"it holds key {key!r}, the sample index says {self.keys[index]!r}")
+                parsed = ParsedExample(memoryview(data), label, b"", "fields")
+            else:
+                parsed = parse_example(data, with_key=False)
         except RecordError as exc:
             raise PackFormatError(
                 f"record at byte offset {offset} is damaged: {exc}", path=path, hint="Run `packdata verify` on the pack"
@@ -116,6 +124,14 @@ class _TFRecordView(PackView):
                 "and recreate the dataset after converting a pack again",
             )
         return parsed.data, parsed.label
+
+    def _finish(self, data: bytes, label: int, index: int | None = None) -> Any:
+        if self.field_spec is None:
+            return super()._finish(data, label, index)
+        fields, label, key = example_fields(data)
+        stored = {name: value for name, value in fields.items() if self.field_spec.wants(name)}
+        sample = self.field_spec.build(stored, key, label)
+        return self.transform(sample) if self.transform is not None else sample
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
@@ -145,7 +161,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         path: the pack (directory with ``manifest.json``).
         transform: applied to the decoded sample.
         target_transform: applied to the label.
-        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        decode: ``"auto"`` (by the manifest's kind), ``"pil"``, ``"bytes"``,
+            ``"text"``, or a callable on the bytes; a multi-field pack also takes
+            a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
         shuffle: shuffle shard order and samples each epoch.
         seed: the shuffle seed; must be the same on every rank.
         shuffle_buffer: records held by each reader's shuffle buffer. The buffer
@@ -156,6 +174,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             from :func:`~packdata.reading.samplers.resolve_rank_world`.
         drop_uneven: drop samples rather than pad so that ranks are equal.
         check_crc: check both CRC32Cs of every record (framing is always checked).
+        fields, transforms: a multi-field pack's fields to return and per-field
+            transforms, as for :class:`~packdata.LMDBDataset`.
     """
 
     pack_format = TFRECORD
@@ -165,7 +185,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         path: str | os.PathLike,
         transform: Callable[[Any], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
-        decode: str | DecodeFn = "pil",
+        decode: str | DecodeFn | Mapping[str, str | DecodeFn] = "auto",
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -174,8 +194,10 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         world_size: int | None = None,
         drop_uneven: bool = False,
         check_crc: bool = True,
+        fields: Sequence[str] | None = None,
+        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
-        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc)
+        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")
         self.shuffle = shuffle
@@ -374,7 +396,12 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if self.shuffle:
             rng = random.Random(f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}")
             records = _shuffled(records, self.shuffle_buffer, rng)
-        if self.decode is resolve_decoder("bytes") and self.transform is None and self.target_transform is None:
+        if (
+            self.field_spec is None
+            and self.decode is resolve_decoder("bytes")
+            and self.transform is None
+            and self.target_transform is None
+        ):
             for data, label in records:  # raw bytes: no decode or transform call per sample
                 self._position += 1
                 yield bytes(data), label
@@ -466,8 +493,12 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         path: the pack (directory with ``manifest.json``).
         transform: applied to the decoded sample.
         target_transform: applied to the label.
-        decode: ``"pil"`` (RGB image), ``"bytes"``, ``"text"``, or a callable on the bytes.
+        decode: ``"auto"`` (by the manifest's kind), ``"pil"``, ``"bytes"``,
+            ``"text"``, or a callable on the bytes; a multi-field pack also takes
+            a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
         check_crc: check both CRC32Cs of every record (framing is always checked).
+        fields, transforms: a multi-field pack's fields to return and per-field
+            transforms, as for :class:`~packdata.LMDBDataset`.
     """
 
     pack_format = TFRECORD
@@ -477,11 +508,13 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         path: str | os.PathLike,
         transform: Callable[[Any], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
-        decode: str | DecodeFn = "pil",
+        decode: str | DecodeFn | Mapping[str, str | DecodeFn] = "auto",
         *,
         check_crc: bool = True,
+        fields: Sequence[str] | None = None,
+        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
-        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc)
+        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
         offsets, lengths = [], []
         for shard, path_ in enumerate(self._shard_paths):
             o, n = read_index(path_, size=self._bytes[shard])
