@@ -161,7 +161,7 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_friendly
 def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **options: Any) -> None:
-    """Pack the files under SRC (a folder, or a .csv/.tsv/.jsonl list) into the pack DST.
+    """Pack the files under SRC (a folder, a .csv/.tsv/.jsonl list, or WebDataset tars) into DST.
 
     First-level subfolders of SRC are classes (sorted, numbered from 0, as
     torchvision's ImageFolder does); files directly under SRC get label -1.
@@ -176,6 +176,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert ./imagenet/train train.lmdb
       packdata convert ./coco-captions caps.lmdb --layout grouped --require jpg,txt
       packdata convert train.csv train.lmdb --path-column image --label-column label
+      packdata convert 'shards/data-{000000..000099}.tar' train.lmdb   # WebDataset tars
       packdata convert ./imagenet/train train --format tfrecord --shard-size 256MB
       packdata convert ./photos small.lmdb --max-side 256 --quality 90
       packdata convert ./corpus corpus.lmdb --kind text
@@ -195,8 +196,9 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
         return
     skipped = sum(result.skipped.values())
+    noun = "samples" if result.kind == "fields" else "files"
     click.echo(
-        f"packed {result.packed} of {result.found} files into {result.pack} "
+        f"packed {result.packed} of {result.found} {noun} into {result.pack} "
         f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
     )
     click.echo(
@@ -207,7 +209,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     if skipped:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(result.skipped.items()))
         click.secho(
-            f"  SKIPPED {skipped} files: {reasons} (all listed in {result.pack}/skipped.jsonl)", fg="yellow", err=False
+            f"  SKIPPED {skipped} {noun}: {reasons} (all listed in {result.pack}/skipped.jsonl)", fg="yellow", err=False
         )
         for example in result.skip_examples[:10]:
             click.echo(f"    {example['key']}: {example['reason']}: {example['detail']}")

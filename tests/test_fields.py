@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import io
 import json
 import os
 import shutil
@@ -374,3 +375,62 @@ def test_tf_data_reads_every_field(tmp_path: Path) -> None:
         expected = _fields_of(src, key)
         assert record["image/encoded"].numpy() == expected["jpg"]
         assert record["txt"].numpy() == expected["txt"]
+
+
+def _wds_shards(folder: Path, count: int = 7, per_shard: int = 3) -> list[dict]:
+    """Tars written by the webdataset package itself; returns the samples as written."""
+    wds = pytest.importorskip("webdataset")
+    folder.mkdir()
+    samples = [
+        {"__key__": f"s/{i:04d}", "jpg": image_bytes(i), "txt": f"caption {i}", "json": {"i": i}, "cls": i % 3}
+        for i in range(count)
+    ]
+    with wds.ShardWriter(str(folder / "data-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+    return samples
+
+
+def test_webdataset_tars_convert_field_equal(tmp_path: Path) -> None:
+    samples = _wds_shards(tmp_path / "tars")
+    pattern = str(tmp_path / "tars" / "data-{000000..000002}.tar")
+    result = packdata.convert(pattern, tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 7 and not result.skipped
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", decode={"jpg": "bytes"})
+    assert ds.classes == ["0", "1", "2"]
+    for i, expected in enumerate(samples):
+        assert ds[i] == {**expected, "txt": expected["txt"]}
+    again = packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "glob.lmdb", progress=False)
+    assert again.packed == 7
+
+
+def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
+    import gzip
+    import tarfile
+
+    _wds_shards(tmp_path / "tars", count=4, per_shard=2)
+    first = tmp_path / "tars" / "data-000000.tar"
+    (tmp_path / "tars" / "data-000000.tar.gz").write_bytes(gzip.compress(first.read_bytes()))
+    copy = tmp_path / "tars" / "data-000002.tar"  # the same keys again: duplicates
+    shutil.copy(first, copy)
+    cut = tmp_path / "tars" / "data-000003.tar"
+    with tarfile.open(cut, "w") as tar:
+        link = tarfile.TarInfo("x/0.txt")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "/etc/passwd"
+        tar.addfile(link)
+        for name, data in (("x/1.txt", b"one"), ("x/2.txt", b"two" * 4000)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cut.write_bytes(cut.read_bytes()[:3500])  # cut inside x/2's data
+    result = packdata.convert(
+        str(tmp_path / "tars" / "data-{000000..000003}.tar"), tmp_path / "out.lmdb", progress=False
+    )
+    assert result.packed == 5  # 4 good samples + x/1 before the cut; x/2 is cut and dropped
+    assert result.skipped == {"duplicate key": 2, "corrupt tar": 1, "not a regular file": 1}
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb")[4] == {"__key__": "x/1", "txt": "one"}
+    gz = packdata.convert(str(tmp_path / "tars" / "data-000000.tar.gz"), tmp_path / "gz.lmdb", progress=False)
+    assert gz.packed == 2
+    with pytest.raises(packdata.SourceError, match="no such tar shard"):
+        packdata.convert(str(tmp_path / "tars" / "data-{000000..000009}.tar"), tmp_path / "x.lmdb", progress=False)

@@ -21,6 +21,7 @@ from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths
 from packdata.conversion.sources import Source, scan_source
+from packdata.conversion.tars import is_tar_pattern, scan_tars
 from packdata.errors import (
     ConfigError,
 )
@@ -57,8 +58,9 @@ def convert(
 
     Args:
         src: the source: a folder (ImageFolder class subfolders give labels; or
-            grouped files, see ``layout``) or a list file (``.csv``, ``.tsv``,
-            ``.jsonl``). Never modified.
+            grouped files, see ``layout``), a list file (``.csv``, ``.tsv``,
+            ``.jsonl``), or WebDataset tar shards (``data-{000..099}.tar``,
+            globs, ``.tar.gz``). Never modified.
         dst: the pack to create (``out.lmdb``; a folder for TFRecord).
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
@@ -156,6 +158,10 @@ def _scan(
     """The source at ``src`` in the layout asked for (or detected)."""
     if layout not in ("auto", "classes", "grouped"):
         raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
+    if is_tar_pattern(os.fspath(src)):
+        if require:
+            raise ConfigError("require is for grouped files and list files", hint="Drop require")
+        return scan_tars(os.fspath(src))
     if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):
         return scan_list(src, path_column=path_column, label_column=label_column)
     if label_column is not None:

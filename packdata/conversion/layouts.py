@@ -27,23 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.sources import Skip, Source, _is_hidden, _walk_files
+from packdata.conversion.sources import Skip, Source, SourceGroup, _is_hidden, _walk_files
+from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
 
-__all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "SourceGroup", "detect_grouped", "scan_list"]
+__all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "detect_grouped", "scan_grouped", "scan_list"]
 
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
-
-
-@dataclass(frozen=True)
-class SourceGroup:
-    """One multi-field sample to read: key, label (-1: none), fields from files and fields given inline."""
-
-    key: str
-    label: int
-    files: tuple[tuple[str, str], ...]
-    values: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass
@@ -268,5 +259,5 @@ def scan_list(
     return source
 
 
-AnySource = Source | GroupedSource | ListSource
+AnySource = Source | GroupedSource | ListSource | TarSource
 """A scanned source of any layout: a walk of entries, classes, kind and field codecs."""

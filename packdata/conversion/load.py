@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from packdata.conversion.layouts import SourceGroup
-from packdata.conversion.sources import Skip, SourceFile
+from packdata.conversion.sources import Skip, SourceFile, SourceGroup
 from packdata.errors import (
     ImageFormatError,
 )
@@ -110,10 +109,11 @@ def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
 
 def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
     """Read and check every field of a group; any bad field skips the whole sample, naming the field."""
-    fields: dict[str, bytes] = dict(group.values)
+    fields: dict[str, bytes] = {}
     label = group.label
-    for name, path in group.files:
-        data = _read_or_skip(group.key, path)
+    items = [(name, data) for name, data in group.values] + list(group.files)
+    for name, source in items:
+        data = source if isinstance(source, bytes) else _read_or_skip(group.key, source)
         if isinstance(data, Skip):
             return Skip(group.key, data.reason, f"field {name!r}: {data.detail}")
         problem = _field_problem(name, data, opts)
@@ -122,7 +122,7 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
         if name == LABEL_FIELD:
             value = int(data)
             if label >= 0 and value != label:
-                return Skip(group.key, "label conflict", f"cls file says {value}, its class folder {label}")
+                return Skip(group.key, "label conflict", f"cls says {value}, its class folder {label}")
             label = value
             continue
         fields[name] = data
@@ -147,7 +147,7 @@ def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | 
             return "not JSON", str(exc)
     if codec == "cls":
         text = data.strip()
-        if not text.isdigit():
+        if not text.isdigit() or len(text) > 9:
             return "bad label", f"cls file holds {data[:20]!r}, not a non-negative integer"
     if codec == "npy":
         try:

@@ -24,6 +24,7 @@ __all__ = [
     "Skip",
     "Source",
     "SourceFile",
+    "SourceGroup",
     "scan_source",
 ]
 
@@ -41,6 +42,16 @@ class SourceFile:
     key: str
     path: str
     label: int
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """One multi-field sample to read: key, label (-1: none), fields from files and fields given inline."""
+
+    key: str
+    label: int
+    files: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, bytes], ...] = ()  # fields already in memory (list columns, tar members)
 
 
 @dataclass(frozen=True)

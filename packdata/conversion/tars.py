@@ -1,0 +1,156 @@
+"""WebDataset tar shards as a source: ``shards/data-{000000..000099}.tar`` (also ``.tar.gz``, globs).
+
+Each tar is read as a stream, in the order the pattern lists them (brace
+ranges in order, glob matches sorted), and grouped by WebDataset's rule:
+consecutive members whose names share the part before the first dot of the
+basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
+fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
+tars. A ``cls`` member is the label. Links, devices and other non-file members
+are skipped and reported; the tars are only read, never extracted to disk.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packdata.conversion.sources import Skip, SourceGroup
+from packdata.errors import SourceError
+from packdata.pack.fields import FieldError, check_field_name
+
+__all__ = ["TarSource", "expand_shards", "is_tar_pattern", "scan_tars"]
+
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_CHOICE = re.compile(r"\{([^{}]*,[^{}]*)\}")
+_MAX_SHARDS = 1_000_000
+
+
+def is_tar_pattern(src: str) -> bool:
+    """Whether ``src`` names WebDataset tar shards (a ``.tar``/``.tar.gz`` path or pattern)."""
+    return src.lower().endswith(_TAR_SUFFIXES)
+
+
+def _braces(pattern: str) -> list[str]:
+    """Expand ``{000..099}`` ranges (zero padding kept) and ``{a,b}`` choices, left to right."""
+    match = _RANGE.search(pattern)
+    choice = _CHOICE.search(pattern)
+    if match and (not choice or match.start() < choice.start()):
+        lo, hi = match.group(1), match.group(2)
+        if int(hi) - int(lo) > _MAX_SHARDS:
+            raise SourceError(f"the range {match.group(0)} names more than {_MAX_SHARDS} shards", path=pattern)
+        width = len(lo) if lo.startswith("0") else 0
+        head, tail = pattern[: match.start()], pattern[match.end() :]
+        return [x for n in range(int(lo), int(hi) + 1) for x in _braces(f"{head}{n:0{width}d}{tail}")]
+    if choice:
+        head, tail = pattern[: choice.start()], pattern[choice.end() :]
+        return [x for option in choice.group(1).split(",") for x in _braces(f"{head}{option}{tail}")]
+    return [pattern]
+
+
+def expand_shards(pattern: str) -> list[str]:
+    """The tar files ``pattern`` names, in order; each must exist.
+
+    Raises:
+        SourceError: the pattern names no file, or a named shard is missing.
+    """
+    paths: list[str] = []
+    for part in _braces(pattern):
+        if glob.has_magic(part):
+            found = sorted(glob.glob(part))
+            if not found:
+                raise SourceError("the pattern matches no file", path=part, hint="Check the shard names")
+            paths += found
+        elif not os.path.isfile(part):
+            raise SourceError("no such tar shard", path=part, hint="Check the pattern's range")
+        else:
+            paths.append(part)
+    if not paths:
+        raise SourceError("the pattern names no tar shard", path=pattern)
+    return paths
+
+
+@dataclass
+class TarSource:
+    """WebDataset tar shards (see the module docstring)."""
+
+    root: Path
+    shards: list[str]
+    classes: list[str] = field(default_factory=list)
+    kind: str = "fields"
+    codecs: dict[str, str] = field(default_factory=dict)
+
+    def walk(self) -> Iterator[SourceGroup | Skip]:
+        """Yield one group per sample, tar by tar, and skips for members that are not samples."""
+        seen: set[str] = set()
+        for shard in self.shards:
+            for entry in self._read(shard):
+                if isinstance(entry, SourceGroup):
+                    if entry.key in seen:
+                        entry = Skip(entry.key, "duplicate key", f"an earlier sample has this key ({shard})")
+                    else:
+                        seen.add(entry.key)
+                yield entry
+
+    def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
+        name = os.path.basename(shard)
+        key: str | None = None
+        fields: dict[str, bytes] = {}
+        try:
+            with tarfile.open(shard, mode="r|*") as tar:
+                for member in tar:
+                    where = f"{name}:{member.name}"
+                    if member.isdir():
+                        continue
+                    if not member.isfile():
+                        yield Skip(where, "not a regular file", "a link or device in the tar")
+                        continue
+                    base, ext = _split(member.name)
+                    if base is None:
+                        yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
+                        continue
+                    if base != key:
+                        if key is not None:
+                            yield _group(key, fields)
+                        key, fields = base, {}
+                    extracted = tar.extractfile(member)
+                    data = extracted.read() if extracted is not None else b""
+                    if ext in fields:
+                        yield Skip(where, "duplicate field", f"sample {base!r} has two {ext!r} members")
+                        continue
+                    fields[ext] = data
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            # The sample being read may lack members or hold a cut one: it is dropped, never packed partly.
+            where = f"{name}:{key}" if key is not None else name
+            yield Skip(where, "corrupt tar", f"{exc}; the samples before this one in the tar are kept")
+            return
+        if key is not None:
+            yield _group(key, fields)
+
+
+def _split(name: str) -> tuple[str | None, str]:
+    """WebDataset's key and field of a member name: up to the first dot of the basename, and the rest (lower-cased)."""
+    match = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
+    if not match:
+        return None, ""
+    return match.group(1), match.group(2).lower()
+
+
+def _group(key: str, fields: dict[str, bytes]) -> SourceGroup | Skip:
+    for name in fields:
+        try:
+            check_field_name(name)
+        except FieldError as exc:
+            return Skip(key, "bad field name", str(exc))
+    return SourceGroup(key, -1, (), tuple(sorted(fields.items())))
+
+
+def scan_tars(pattern: str) -> TarSource:
+    """A tar source over the shards ``pattern`` names (checked to exist)."""
+    shards = expand_shards(pattern)
+    return TarSource(root=Path(os.path.dirname(shards[0]) or "."), shards=shards)
