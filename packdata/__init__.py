@@ -25,6 +25,7 @@ _EXPORTS = {
     "convert": "conversion.convert",
     "PackWriter": "conversion.writer",
     "write_pack": "conversion.writer",
+    "merge_packs": "conversion.combine",
     "pack_info": "formats.verify",
     "verify_pack": "formats.verify",
     "LMDBDataset": "reading.datasets",

@@ -145,6 +145,12 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
 @click.option(
+    "--append",
+    is_flag=True,
+    help="Add SRC's samples to the existing pack DST as new shards (classes united by name; "
+    "existing shards untouched; readers opened before keep working).",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -258,6 +264,40 @@ def verify(pack: str, quiet: bool) -> None:
     click.echo(
         f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
         f"shard{'s' * (result.shards != 1)} verified"
+    )
+
+
+@main.command()
+@click.argument("packs", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=str), help="The merged pack to create.")
+@click.option(
+    "--on-duplicate",
+    type=click.Choice(["error", "rename"]),
+    default="error",
+    show_default=True,
+    help="A key in two packs: stop, or keep the later one as KEY~N (rewrites its shards).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing pack at OUTPUT.")
+@_friendly
+def merge(packs: tuple[str, ...], out: str, on_duplicate: str, overwrite: bool) -> None:
+    """Merge PACKS (same format and kind) into one new pack.
+
+    Shards are hard-linked where the packs share a filesystem, copied
+    otherwise; classes are united by name (the first pack's keep their numbers).
+
+    \b
+    Examples:
+      packdata merge part1.lmdb part2.lmdb -o all.lmdb
+      packdata merge a.lmdb b.lmdb -o ab.lmdb --on-duplicate rename
+    """
+    from packdata.conversion.combine import merge_packs
+
+    result = merge_packs(packs, out, on_duplicate=on_duplicate, overwrite=overwrite)
+    click.echo(
+        f"merged {len(packs)} packs into {result.pack}: {result.samples} samples in {result.shards} shards "
+        f"({result.linked} linked, {result.copied} copied, {result.rewritten} rewritten"
+        + (f"; {result.renamed_keys} keys renamed" if result.renamed_keys else "")
+        + ")"
     )
 
 

@@ -12,10 +12,14 @@ from before the partial folder is touched until after the publish rename."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
+from packdata.conversion.combine import append_pack
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
@@ -27,6 +31,7 @@ from packdata.errors import (
 )
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.manifest import read_manifest
 
 __all__ = ["convert"]
 
@@ -53,6 +58,7 @@ def convert(
     require: tuple[str, ...] | list[str] = (),
     path_column: str = "path",
     label_column: str | None = None,
+    append: bool = False,
 ) -> ConvertResult:
     """Pack the files of ``src`` into a pack at ``dst``.
 
@@ -86,6 +92,10 @@ def convert(
             have; a group lacking one is skipped and reported.
         path_column: a list file's column of file paths (relative to the list's folder, or absolute).
         label_column: a list file's column of labels (class names, or integers), if any.
+        append: add the samples as new shards of the existing pack at ``dst``
+            (same format and kind): existing shards untouched, classes united
+            by name, the manifest replaced atomically last
+            (:mod:`packdata.conversion.combine`); keys already in the pack fail.
 
     Returns:
         A :class:`ConvertResult`.
@@ -101,6 +111,8 @@ def convert(
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    if append:
+        return _append(src, dst, locals())
     if engine == "ray":
         from packdata.conversion.ray import require_ray
 
@@ -171,3 +183,49 @@ def _scan(
     if require:
         raise ConfigError("require is for grouped files and list files", hint="Pass layout='grouped'")
     return scan_source(src, kind)
+
+
+def _append(src: Path, dst: Path, options: dict[str, Any]) -> ConvertResult:
+    """Convert ``src`` into a hidden sibling pack, then move its shards into ``dst`` (under ``dst``'s lock)."""
+    if options["overwrite"]:
+        raise ConfigError("append adds to a pack, overwrite replaces it: pass one of them")
+    manifest = read_manifest(dst)
+    if options["format"] not in (None, manifest.format):
+        raise ConfigError(f"the pack is {manifest.format}; its appended shards must be too", path=dst)
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
+    kwargs.update(format=manifest.format, append=False)
+    extra = dst.parent / f".{dst.name}.append"
+    with hold_lock(convert_lock_path(dst), what="packdata convert --append", target=dst):
+        if extra.exists() and not options["resume"]:
+            shutil.rmtree(extra)  # a finished but unapplied append from a run killed before it moved shards
+        # Converted before an interruption: apply it now; else convert (resuming a partial one).
+        result = _result_of(extra, float(options["started"])) if extra.exists() else convert(src, extra, **kwargs)
+        if result.kind != manifest.kind:
+            shutil.rmtree(extra)
+            raise ConfigError(f"the source holds {result.kind} samples, the pack {manifest.kind}", path=dst)
+        merged = append_pack(dst, extra)
+    result.pack = dst
+    result.shards = merged.shards
+    result.packed = merged.samples - manifest.num_samples
+    return result
+
+
+_CONVERT_OPTIONS = tuple(inspect.signature(convert).parameters)[2:]
+
+
+def _result_of(pack: Path, started: float) -> ConvertResult:
+    """What a finished conversion did, from its manifest (an append resumed after the conversion ended)."""
+    manifest = read_manifest(pack)
+    return ConvertResult(
+        pack=pack,
+        format=manifest.format,
+        kind=manifest.kind,
+        found=int(manifest.source.get("files_found", manifest.num_samples)),
+        packed=manifest.num_samples,
+        skipped=dict(manifest.skipped.get("by_reason", {})),
+        bytes_in=int(manifest.source.get("bytes", 0)),
+        bytes_out=manifest.total_bytes,
+        seconds=time.perf_counter() - started,
+        shards=len(manifest.shards),
+        resumed=True,
+    )

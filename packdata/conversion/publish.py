@@ -115,6 +115,8 @@ def _foreign_entry(manifest: Manifest, dst: Path) -> str | None:
     layout_of = get_format(manifest.format).shard_layout
     files = {MANIFEST_NAME, f".{MANIFEST_NAME}.tmp", SKIP_REPORT}
     folders: dict[str, set[str]] = {manifest.index_dir: set(ALL_FILES)}
+    if manifest.index.get("previous"):  # the index an append replaced, kept for readers opened before it
+        folders[manifest.index["previous"]] = set(ALL_FILES)
     for shard in manifest.shards:
         layout = layout_of(shard.file)
         if layout.folder:

@@ -224,7 +224,13 @@ def _free(path: Path) -> str:
     return f"{stat.f_bavail * stat.f_frsize / 1e6:.1f} MB"
 
 
-_open_envs: dict[str, tuple[int, tuple[int, int], lmdb.Environment]] = {}
+_open_envs: dict[tuple[int, int], tuple[int, lmdb.Environment]] = {}
+"""Open read-only environments by ``data.mdb``'s (device, inode): pid and handle."""
+
+
+def _identity(path: str) -> tuple[int, int]:
+    stat = os.stat(os.path.join(path, DATA_FILE))
+    return stat.st_dev, stat.st_ino
 
 
 def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
@@ -239,15 +245,13 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
     converted again at the same path is opened afresh, never read through the
     old generation's map.
     """
-    stat = os.stat(os.path.join(path, DATA_FILE))
-    identity = (stat.st_dev, stat.st_ino)
-    entry = _open_envs.get(path)
+    identity = _identity(path)
+    entry = _open_envs.get(identity)
     if entry is not None:
-        pid, known, env = entry
-        if pid == os.getpid() and known == identity:
-            return env
-        if pid != os.getpid():
-            env.close()  # the parent's handle, inherited through fork
+        pid, env = entry
+        if pid == os.getpid():
+            return env  # this file, through this path or another (a hard link of a merged pack)
+        env.close()  # the parent's handle, inherited through fork
     env = lmdb.open(
         path,
         readonly=True,
@@ -258,7 +262,7 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
         subdir=True,
         create=False,
     )
-    _open_envs[path] = (os.getpid(), identity, env)
+    _open_envs[identity] = (os.getpid(), env)
     return env
 
 
@@ -282,14 +286,19 @@ def _address(view: memoryview) -> int:
 
 
 def _map_base(data_file: str) -> int:
-    """Start address of this process's mapping of ``data_file`` (from /proc/self/maps)."""
-    real = os.path.realpath(data_file)
+    """Start address of this process's mapping of ``data_file`` (from /proc/self/maps, by device and inode).
+
+    By inode, not name: a shard opened through a hard link (a merged pack)
+    shows in the maps under the name it was first opened by.
+    """
+    st = os.stat(data_file)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") == real and fields[2] == "00000000":
+            if len(fields) == 6 and fields[4] == str(st.st_ino) and fields[3] == device and fields[2] == "00000000":
                 return int(fields[0].split("-")[0], 16)
-    raise OSError(f"{real} is not mapped in this process")
+    raise OSError(f"{data_file} is not mapped in this process")
 
 
 def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
@@ -298,7 +307,7 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
-    entry = _open_envs.get(os.fspath(path))
+    entry = _open_envs.get(_identity(os.fspath(path)))
     shared = entry is not None and entry[0] == os.getpid()  # LMDB opens an environment once per process
     try:
         if shared:

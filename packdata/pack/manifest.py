@@ -346,8 +346,9 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     index = data.get("index", {})
     if not isinstance(index, dict) or not all(isinstance(v, str) for v in index.values()):
         raise _field_error(where, "index", "should be an object of strings", index)
-    if "dir" in index and plain_name_problem(index["dir"]) is not None:
-        raise _field_error(where, "index.dir", f"{plain_name_problem(index['dir'])} inside the pack", index["dir"])
+    for key in ("dir", "previous"):
+        if key in index and plain_name_problem(index[key]) is not None:
+            raise _field_error(where, f"index.{key}", f"{plain_name_problem(index[key])} inside the pack", index[key])
     _optional_dict(where, data, "reencode", nullable=True)
     _optional_dict(where, data, "skipped")
     _optional_dict(where, data, "source")

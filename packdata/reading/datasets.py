@@ -69,13 +69,29 @@ class PackInfo:
         Raises:
             PackFormatError: the pack was converted or staged again since.
         """
-        if _manifest_identity(self.path) != self._generation:
+        identity = _manifest_identity(self.path)
+        if identity != self._generation and self._grown_by_append():
+            self._generation = identity  # an append kept every shard and index file this dataset reads
+        if identity != self._generation:
             raise PackFormatError(
                 "pack changed since the dataset was opened (its manifest was replaced); "
                 "reading on would mix two generations of the pack",
                 path=self.path / MANIFEST_NAME,
                 hint="Recreate the dataset (and its DataLoader) after converting or staging a pack again",
             )
+
+    def _grown_by_append(self) -> bool:
+        """Whether the pack's current manifest is this one's with shards appended (this one's index kept)."""
+        try:
+            current = read_manifest(self.path)
+        except PackFormatError:
+            return False
+        mine = self.manifest
+        return (
+            current.shards[: len(mine.shards)] == mine.shards
+            and mine.index_dir in (current.index_dir, current.index.get("previous"))
+            and current.format == mine.format
+        )
 
     def check_labels(self) -> None:
         """Raise unless every label of the index lies in ``[-1, len(classes))`` (one pass over the index).

@@ -1,0 +1,398 @@
+"""Grow and combine packs: ``merge`` several packs into one, ``append`` a pack's samples to another.
+
+Both take shards whole (hard links where the packs share a filesystem, copies
+otherwise; moved, for an append) and write a new sample index and manifest:
+
+- classes are united by name: the first pack's keep their numbers, names new
+  to the result get the next ones, and every label is renumbered through that map;
+- fields are united by name (a name must mean the same codec in every pack);
+- keys stay unique: a key met twice fails (``on_duplicate="error"``) or, with
+  ``"rename"``, the later sample becomes ``KEY~N`` (N: its pack's position),
+  which rewrites that pack's shards (records carry their keys).
+
+An append never touches the existing shards. The new index is written to a new
+folder and the manifest is replaced atomically last; the index folder the old
+manifest named is kept (one generation), so a reader opened before the append
+keeps reading the pack it opened. A run killed midway leaves only files no
+manifest names; the next append removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from packdata.conversion.publish import (
+    SKIP_REPORT,
+    _check_destination_writable,
+    _check_existing,
+    _publish,
+    partial_path,
+)
+from packdata.errors import ConfigError
+from packdata.formats import get_format, shard_writer
+from packdata.pack.fields import codec_of
+from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter
+from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.manifest import (
+    FIELDS_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    resolve_in_pack,
+    write_manifest,
+)
+from packdata.pack.records import Sample
+
+__all__ = ["MergeResult", "append_pack", "merge_packs"]
+
+_CHUNK = 1 << 16  # index rows copied per step: memory stays flat on huge packs
+
+
+@dataclass
+class MergeResult:
+    """A merge or append: the pack written, its sample and shard counts, and how shards got there."""
+
+    pack: Path
+    samples: int
+    shards: int
+    linked: int = 0
+    copied: int = 0
+    rewritten: int = 0
+    renamed_keys: int = 0
+
+
+@dataclass
+class _Input:
+    path: Path
+    manifest: Manifest
+    index: SampleIndex
+    label_map: np.ndarray  # old label + 1 -> new label (position 0 maps -1 to -1)
+    field_map: np.ndarray  # old field number -> new field number
+    renames: dict[int, str]  # sample position -> new key
+
+
+def _open(path: Path) -> tuple[Manifest, SampleIndex]:
+    manifest = read_manifest(path)
+    if manifest.staged_from is not None:
+        raise ConfigError("is a staged pack; merge or append its origin", path=path)
+    fields = manifest.fields if manifest.kind == "fields" else None
+    return manifest, SampleIndex(path / manifest.index_dir, manifest.num_samples, fields)
+
+
+def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[str], list[str], dict[str, str]]:
+    """Open every pack, unite classes and fields by name, and find duplicate keys."""
+    if on_duplicate not in ("error", "rename", "append"):
+        raise ConfigError(f"on_duplicate should be 'error' or 'rename', but got on_duplicate={on_duplicate!r}")
+    classes: list[str] = []
+    fields: list[str] = []
+    codecs: dict[str, str] = {}
+    seen: set[str] = set()
+    inputs = []
+    first: Manifest | None = None
+    for number, path in enumerate(paths):
+        manifest, index = _open(path)
+        first = first or manifest
+        if (manifest.format, manifest.kind) != (first.format, first.kind):
+            raise ConfigError(
+                f"is a {manifest.format} pack of {manifest.kind} samples, the first is {first.format}/{first.kind}",
+                path=path,
+                hint="Merge packs of one format and kind (convert one again with --format)",
+            )
+        for name in manifest.classes:
+            if name not in classes:
+                classes.append(name)
+        for name in manifest.fields if manifest.kind == "fields" else ():
+            codec = manifest.codecs.get(name, codec_of(name))
+            if codecs.setdefault(name, codec) != codec:
+                raise ConfigError(f"field {name!r} is {codec} here, {codecs[name]} in an earlier pack", path=path)
+            if name not in fields:
+                fields.append(name)
+        label_map = np.array([-1] + [classes.index(c) for c in manifest.classes], dtype=np.int32)
+        field_map = np.array([fields.index(n) for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
+        renames = {}
+        for i, key in enumerate(index.keys):
+            if key in seen:
+                if on_duplicate == "append":
+                    raise ConfigError(
+                        f"the new samples repeat key {key!r}, already in the pack",
+                        path=paths[0],
+                        hint="Keys are unique in a pack: rename the source's files, or convert them into a pack "
+                        "of their own and `packdata merge --on-duplicate rename` the two",
+                    )
+                if on_duplicate == "error":
+                    raise ConfigError(
+                        f"key {key!r} (sample {i}) is already in an earlier pack",
+                        path=path,
+                        hint="Pass on_duplicate='rename' (--on-duplicate rename) to keep both as KEY~N",
+                    )
+                new, n = f"{key}~{number}", number
+                while new in seen:
+                    n += 1
+                    new = f"{key}~{n}"
+                renames[i] = key = new
+            seen.add(key)
+        inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
+    return inputs, classes, fields, codecs
+
+
+def _link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` at ``dst``; copy it where a link cannot be made. Returns whether it linked."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+    shutil.copy2(src, dst)
+    return False
+
+
+def _place_shard(fmt: str, src: Path, dst: Path, *, move: bool) -> bool:
+    """Put shard ``src`` (its data and side files) at ``dst``: renamed with ``move``, else linked or copied."""
+    pack_format = get_format(fmt)
+    a, b = pack_format.shard_layout(src.name), pack_format.shard_layout(dst.name)
+    if a.folder:
+        dst.mkdir()
+        pairs = [(src / a.data, dst / b.data), *((src / x, dst / y) for x, y in zip(a.side, b.side, strict=True))]
+    else:
+        pairs = [(src, dst), *((src.parent / x, dst.parent / y) for x, y in zip(a.side, b.side, strict=True))]
+    linked = True
+    for source, target in pairs:
+        if source.exists():
+            if move:
+                os.rename(source, target)
+            else:
+                linked = _link_or_copy(source, target) and linked
+    return linked
+
+
+def _needs_rewrite(item: _Input, shard: ShardInfo) -> bool:
+    """Whether a shard's records must be written anew: a key renamed, or a label renumbered (records carry both)."""
+    stop = shard.first_index + shard.num_samples
+    if any(shard.first_index <= k < stop for k in item.renames):
+        return True
+    labels = np.asarray(item.index.labels[shard.first_index : stop])
+    return bool((item.label_map[labels + 1] != labels).any())
+
+
+def _rewrite_shard(item: _Input, fmt: str, src: Path, dst: Path, first_index: int) -> tuple[int, str]:
+    """Write shard ``src``'s records into a new shard at ``dst`` with keys renamed and labels renumbered."""
+    writer = shard_writer(fmt)(dst)
+    batch: list[tuple[int, Sample]] = []
+    for i, sample in get_format(fmt).iter_samples(src, first_index):
+        key = item.renames.get(i, sample.key)
+        label = int(item.label_map[sample.label + 1])
+        batch.append((i - first_index, replace(sample, key=key, label=label)))
+        if len(batch) >= 1024:
+            writer.write(batch)
+            batch = []
+    if batch:
+        writer.write(batch)
+    return writer.close()
+
+
+def _write_index(out: Path, inputs: list[_Input], *, fields: bool) -> None:
+    """The united sample index: labels renumbered, field numbers remapped, keys renamed, chunk by chunk."""
+    writer = SampleIndexWriter(out, fields=fields)
+    for item in inputs:
+        index = item.index
+        for start in range(0, item.manifest.num_samples, _CHUNK):
+            stop = min(start + _CHUNK, item.manifest.num_samples)
+            labels = item.label_map[np.asarray(index.labels[start:stop]) + 1]
+            for i in range(start, stop):
+                pairs = None
+                if fields:
+                    sizes = index.sample_fields(i)
+                    pairs = [(int(item.field_map[item.manifest.fields.index(n)]), s) for n, s in sizes.items()]
+                key = item.renames.get(i, index.keys[i])
+                writer.append(key, int(labels[i - start]), int(index.sizes[i]), pairs)
+            writer.flush()
+    writer.close()
+
+
+def _manifest(
+    inputs: list[_Input], shards: list[ShardInfo], classes: list[str], fields: list[str], codecs: dict[str, str]
+) -> Manifest:
+    first = inputs[0].manifest
+    skipped: dict[str, int] = {}
+    for item in inputs:
+        for reason, n in item.manifest.skipped.get("by_reason", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + int(n)
+    found = [item.manifest.source.get("files_found") for item in inputs]
+    return Manifest(
+        format=first.format,
+        kind=first.kind,
+        classes=classes,
+        num_samples=sum(item.manifest.num_samples for item in inputs),
+        shards=shards,
+        index={"dir": INDEX_DIR},
+        fields=fields if first.kind == "fields" else list(first.fields),
+        codecs=codecs if first.kind == "fields" else {},
+        skipped={"count": sum(skipped.values()), "by_reason": skipped, "report": SKIP_REPORT},
+        source={"files_found": sum(found), "merged_from": len(inputs)}
+        if all(isinstance(n, int) for n in found)
+        else {"merged_from": len(inputs)},
+        format_version=FIELDS_VERSION if first.kind == "fields" else first.format_version,
+    )
+
+
+def merge_packs(
+    packs: Sequence[str | os.PathLike], out: str | os.PathLike, *, on_duplicate: str = "error", overwrite: bool = False
+) -> MergeResult:
+    """One pack at ``out`` from ``packs`` (same format and kind), published atomically.
+
+    Raises:
+        ConfigError: fewer than two packs, formats or kinds differ, a key is
+            duplicated (with ``on_duplicate="error"``), or ``out`` exists.
+    """
+    paths = [Path(p) for p in packs]
+    out = Path(out)
+    if len(paths) < 2:
+        raise ConfigError("merge needs at least two packs")
+    _check_destination_writable(out)
+    _check_existing(out, overwrite)
+    inputs, classes, fields, codecs = _plan(paths, on_duplicate)
+    fmt = inputs[0].manifest.format
+    writer_cls = shard_writer(fmt)
+    result = MergeResult(out, 0, 0)
+    with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
+        partial = partial_path(out)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            shards: list[ShardInfo] = []
+            base = 0
+            for item in inputs:
+                for shard in item.manifest.shards:
+                    src = resolve_in_pack(item.path, shard.file, field="shard", manifest=item.path / MANIFEST_NAME)
+                    name = writer_cls.shard_name(len(shards))
+                    info = ShardInfo(name, shard.num_samples, base + shard.first_index, shard.bytes, shard.sha256)
+                    if _needs_rewrite(item, shard):
+                        nbytes, digest = _rewrite_shard(item, fmt, src, partial / name, shard.first_index)
+                        info = replace(info, bytes=nbytes, sha256=digest)
+                        result.rewritten += 1
+                    elif _place_shard(fmt, src, partial / name, move=False):
+                        result.linked += 1
+                    else:
+                        result.copied += 1
+                    shards.append(info)
+                base += item.manifest.num_samples
+            shards = writer_cls.finalize(partial, shards)
+            _write_index(partial, inputs, fields=inputs[0].manifest.kind == "fields")
+            atomic_write(partial / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
+            manifest = _manifest(inputs, shards, classes, fields, codecs)
+            write_manifest(partial, manifest)
+            fsync_dir(partial)
+            _publish(partial, out, overwrite=overwrite)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    result.samples, result.shards = manifest.num_samples, len(shards)
+    result.renamed_keys = sum(len(item.renames) for item in inputs)
+    return result
+
+
+def append_pack(dst: str | os.PathLike, new: str | os.PathLike) -> MergeResult:
+    """Move the samples of pack ``new`` into pack ``dst`` as new shards (see the module docstring).
+
+    ``new`` is consumed: its shards are moved, then it is deleted. Keys of
+    ``new`` already in ``dst`` fail. Call under ``dst``'s conversion lock.
+
+    Raises:
+        ConfigError: the packs differ in format or kind, or a key repeats.
+    """
+    dst, new = Path(dst), Path(new)
+    _remove_leftovers(dst)
+    try:
+        inputs, classes, fields, codecs = _plan([dst, new], "append")
+    except ConfigError:
+        shutil.rmtree(new)
+        raise
+    old, extra = inputs
+    fmt = old.manifest.format
+    generation = 1 + max((_generation(s.file) for s in old.manifest.shards), default=0)
+    generation = max(generation, 1 + _generation(old.manifest.index_dir))
+    count = len(extra.manifest.shards)
+    shards = list(old.manifest.shards)
+    base = old.manifest.num_samples
+    placed = []
+    for k, shard in enumerate(extra.manifest.shards):
+        name = f"shard-a{generation}-{k:05d}-of-{count:05d}{Path(shard.file).suffix}"
+        info = ShardInfo(name, shard.num_samples, base + shard.first_index, shard.bytes, shard.sha256)
+        if _needs_rewrite(extra, shard):  # labels renumbered into the pack's classes: written anew
+            nbytes, digest = _rewrite_shard(extra, fmt, new / shard.file, new / f".{name}", shard.first_index)
+            info = replace(info, bytes=nbytes, sha256=digest)
+            shard = replace(shard, file=f".{name}")
+        placed.append((shard, name))
+        shards.append(info)
+    index_dir = f"{INDEX_DIR}-a{generation}"
+    staging = dst / f".{index_dir}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    _write_index(staging, inputs, fields=old.manifest.kind == "fields")
+    os.rename(staging / INDEX_DIR, dst / index_dir)
+    staging.rmdir()
+    for shard, name in placed:
+        _place_shard(fmt, new / shard.file, dst / name, move=True)
+    atomic_write(dst / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
+    manifest = _manifest(inputs, shards, classes, fields, codecs)
+    manifest.index = {"dir": index_dir, "previous": old.manifest.index_dir}
+    write_manifest(dst, manifest)  # the append takes effect here, atomically
+    previous = old.manifest.index.get("previous")
+    if previous and previous not in (index_dir, old.manifest.index_dir):
+        shutil.rmtree(resolve_in_pack(dst, previous, field="index.previous", manifest=dst / MANIFEST_NAME))
+    shutil.rmtree(new)
+    fsync_dir(dst)
+    return MergeResult(dst, manifest.num_samples, len(shards), renamed_keys=0)
+
+
+def _report_lines(item: _Input) -> Iterator[bytes]:
+    name = item.manifest.skipped.get("report")
+    if not name:
+        return
+    path = resolve_in_pack(item.path, name, field="skipped.report", manifest=item.path / MANIFEST_NAME)
+    if path.is_file():
+        with open(path, "rb") as f:
+            for line in f:
+                yield line if line.endswith(b"\n") else line + b"\n"
+
+
+def _generation(name: str) -> int:
+    """N of a name an append gave (``shard-aN-...``, ``index-aN``), else 0."""
+    for prefix in ("shard-a", f"{INDEX_DIR}-a"):
+        if name.startswith(prefix):
+            digits = name[len(prefix) :].split("-", 1)[0]
+            if digits.isdigit():
+                return int(digits)
+    return 0
+
+
+def _remove_leftovers(dst: Path) -> None:
+    """Delete what an interrupted append left in ``dst``: append-made names the manifest does not list."""
+    manifest = read_manifest(dst)
+    known = {s.file for s in manifest.shards} | {manifest.index_dir, manifest.index.get("previous", "")}
+    layout_of = get_format(manifest.format).shard_layout
+    for shard in manifest.shards:
+        layout = layout_of(shard.file)
+        if not layout.folder:
+            known.update(layout.side)
+    for entry in os.scandir(dst):
+        name = entry.name
+        ours = _generation(name) > 0 or (name.startswith(f".{INDEX_DIR}-a") and name.endswith(".partial"))
+        if not ours or name in known:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
