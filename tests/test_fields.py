@@ -453,3 +453,16 @@ def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
     assert gz.packed == 2
     with pytest.raises(packdata.SourceError, match="no such tar shard"):
         packdata.convert(str(tmp_path / "tars" / "data-{000000..000009}.tar"), tmp_path / "x.lmdb", progress=False)
+
+
+def test_token_buckets_measure_the_text_field(tmp_path: Path) -> None:
+    with packdata.PackWriter(tmp_path / "t.lmdb") as w:
+        for i in range(6):
+            w.write({"__key__": f"{i}", "txt": "x" * (10 * (i + 1)), "jpg": image_bytes(i)})
+        w.write({"__key__": "no-text", "jpg": image_bytes(9)})
+    ds = packdata.LMDBDataset(tmp_path / "t.lmdb")
+    sampler = packdata.TokenBucketSampler(ds, max_tokens=60, field="txt", shuffle=False)
+    assert list(sampler.lengths) == [10, 20, 30, 40, 50, 60, 1]
+    assert sorted(i for batch in sampler for i in batch) == list(range(7))
+    with pytest.raises(ConfigError, match="field should name"):
+        packdata.TokenBucketSampler(ds, max_tokens=60)

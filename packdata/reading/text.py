@@ -29,19 +29,30 @@ from packdata.reading.samplers import resolve_rank_world
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
 
-def sample_lengths(dataset: Any) -> np.ndarray:
+def sample_lengths(dataset: Any, field: str | None = None) -> np.ndarray:
     """Every sample's payload length in bytes, from a pack dataset's index (no record read).
 
     Args:
         dataset: a pack dataset (anything with ``.pack.index.sizes``), or a
             sequence of lengths.
+        field: in a multi-field pack, the field whose sizes count (e.g. ``"txt"``);
+            a sample without it counts 0. Required there.
 
     Raises:
         TypeError: ``dataset`` has no stored lengths.
+        ConfigError: a multi-field pack without ``field``, or a field it lacks.
     """
     pack = getattr(dataset, "pack", None)
     if pack is not None and hasattr(pack, "index"):
-        return np.asarray(pack.index.sizes, dtype=np.int64)
+        names = getattr(pack.index, "field_names", [])
+        if not names and field is None:
+            return np.asarray(pack.index.sizes, dtype=np.int64)
+        if field is None or field not in names:
+            raise ConfigError(
+                f"field should name the field to measure, one of {', '.join(names) or 'none'}, but got field={field!r}",
+                hint="Multi-field packs store each field's size: name the text field, e.g. field='txt'",
+            )
+        return np.maximum(pack.index.field_sizes(field), 0)
     if isinstance(dataset, (np.ndarray, Sequence, torch.Tensor)):
         return np.asarray(dataset, dtype=np.int64)
     raise TypeError(
@@ -70,6 +81,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     Args:
         lengths: a pack dataset (its index gives the lengths) or a sequence of lengths.
+        field: with a multi-field pack, the field whose stored size is the length (e.g. ``"txt"``).
         max_tokens: the budget of a padded batch.
         length_scale: multiply byte lengths by this (e.g. 0.25 for about 4 bytes per
             token); lengths are rounded up.
@@ -101,6 +113,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
+        field: str | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens should be at least 1, but got max_tokens={max_tokens}")
@@ -111,7 +124,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         if oversize not in ("error", "alone"):
             raise ValueError(f"oversize should be 'error' or 'alone', but got oversize={oversize!r}")
         rank, world_size = resolve_rank_world(rank, world_size)
-        raw = sample_lengths(lengths)
+        raw = sample_lengths(lengths, field)
         self.lengths = np.maximum(np.ceil(raw * length_scale), 1).astype(np.int64) if len(raw) else raw
         self.max_tokens = int(max_tokens)
         self.max_samples = max_samples
