@@ -292,8 +292,10 @@ def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:
         writer.write({"__key__": "../escape", "txt": "x"})
         writer.write({"__key__": "/abs/path", "txt": "y"})
         writer.write({"__key__": "fine/one", "txt": "z"})
+        writer.write({"__key__": "fine/one.txt/x", "txt": "a folder where a file is"})
     result = export_pack(tmp_path / "evil.lmdb", tmp_path / "out")
-    assert result.samples == 1 and [r["key"] for r in result.refused] == ["../escape", "/abs/path"]
+    assert result.samples == 1
+    assert [r["key"] for r in result.refused] == ["../escape", "/abs/path", "fine/one.txt/x"]
     assert not (tmp_path / "escape.txt").exists()
     assert (tmp_path / "out" / "fine" / "one.txt").read_text() == "z"
 

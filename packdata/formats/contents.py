@@ -175,15 +175,20 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             if any(target is None for target, _ in targets):
                 result.refused.append({"key": sample.key, "reason": "key is not a plain path inside the folder"})
                 continue
-            for target, data in targets:
-                assert target is not None
-                if target.exists() or target.is_symlink():
-                    result.refused.append({"key": sample.key, "reason": f"{target.name} was written by another key"})
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "xb") as f:
-                    f.write(data)
-                result.files += 1
+            written: list[Path] = []
+            try:
+                for target, data in targets:
+                    assert target is not None
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with open(target, "xb") as f:  # never over another sample's file
+                        written.append(target)
+                        f.write(data)
+            except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+                for path in written:  # no half sample is left behind
+                    path.unlink()
+                result.refused.append({"key": sample.key, "reason": f"clashes with another key's files ({exc})"})
+                continue
+            result.files += len(written)
             result.samples += 1
     fsync_dir(dst)
     return result
