@@ -6,6 +6,7 @@ import json
 import pickle
 import re
 import struct
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,7 +25,7 @@ import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
 from packdata.formats.tfrecord import TFRecordShardWriter
-from packdata.formats.tfrecord_example import frame_record, parse_example
+from packdata.formats.tfrecord_example import encode_example, example_fields, frame_record, parse_example
 from packdata.formats.tfrecord_tables import index_path, payload_path, read_payload_table
 from packdata.pack.records import RecordError, Sample
 
@@ -505,3 +506,57 @@ def test_large_records_read_one_by_one_checked(tmp_path: Path) -> None:
             match = re.escape(str(shard)) + r": shard is \d+ bytes, the manifest"
         with pytest.raises(PackFormatError, match=match):
             list(TFRecordDataset(damaged, decode="bytes", shuffle=False))
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        Sample("cat/ä 1.jpg", 3, b"\xff\xd8\xff" + bytes(range(256)) * 3, "image"),
+        Sample("root.png", -1, b"\x89PNG\r\n\x1a\n", "image"),
+        Sample("t/x.txt", 0, b"", "text"),
+    ],
+)
+def test_hand_written_example_encoding_equals_protobufs(sample: Sample) -> None:
+    """encode_example writes, without protobuf, the bytes protobuf's deterministic serialization writes."""
+    example = example_pb2.Example()
+    feature = example.features.feature
+    if sample.kind == "text":
+        feature["text/encoded"].bytes_list.value.append(sample.data)
+    else:
+        feature["image/encoded"].bytes_list.value.append(sample.data)
+        feature["image/format"].bytes_list.value.append(b"jpeg" if sample.key.endswith(".jpg") else b"png")
+    feature["image/class/label"].int64_list.value.append(sample.label)
+    feature["image/filename"].bytes_list.value.append(sample.key.encode())
+    assert encode_example(sample) == example.SerializeToString(deterministic=True)
+
+
+def test_multi_field_example_encoding_equals_protobufs() -> None:
+    from packdata.pack.fields import encode_block
+
+    fields = {"jpg": b"\xff\xd8\xff1", "txt": "é".encode(), "seg.png": b"\x89PNG\r\n\x1a\n2", "e": b""}
+    sample = Sample("k", 7, encode_block(fields), "fields")
+    example = example_pb2.Example()
+    feature = example.features.feature
+    feature["packdata/fields"].bytes_list.value.extend(n.encode() for n in sorted(fields))
+    feature["image/encoded"].bytes_list.value.append(fields["jpg"])
+    feature["image/format"].bytes_list.value.append(b"jpeg")
+    feature["packdata/primary"].bytes_list.value.append(b"jpg")
+    for name in ("txt", "seg.png", "e"):
+        feature[name].bytes_list.value.append(fields[name])
+    feature["cls"].int64_list.value.append(7)
+    feature["image/class/label"].int64_list.value.append(7)
+    feature["image/filename"].bytes_list.value.append(b"k")
+    assert encode_example(sample) == example.SerializeToString(deterministic=True)
+
+    assert example_fields(encode_example(sample)) == (fields, 7, "k")
+
+
+def test_writing_tfrecord_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, packdata\n"
+        f"packdata.write_pack([{{'__key__': 'a', 'txt': 'x'}}], {str(tmp_path / 'p.tfrecord')!r}, progress=False)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import crc32c
 import numpy as np
-from tfrecord import example_pb2
 
 from packdata.errors import PackFormatError
 from packdata.pack.fields import LABEL_FIELD, codec_of, decode_block
@@ -97,31 +96,69 @@ def _image_format(sample: Sample) -> bytes:
     return {"jpg": "jpeg"}.get(suffix, suffix).encode("ascii", "replace")
 
 
+def _varint_bytes(n: int) -> bytes:
+    n &= 0xFFFFFFFFFFFFFFFF  # int64 as protobuf writes it: negative numbers take ten bytes
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _length_delimited(tag: int, payload: bytes) -> bytes:
+    return bytes((tag,)) + _varint_bytes(len(payload)) + payload
+
+
+def _feature(values: list[bytes] | list[int]) -> bytes:
+    """A ``Feature``: a ``BytesList`` (field 1) or a packed ``Int64List`` (field 3)."""
+    if values and isinstance(values[0], int):
+        packed = b"".join(_varint_bytes(v) for v in values)  # type: ignore[arg-type]
+        return _length_delimited(0x1A, _length_delimited(0x0A, packed))
+    return _length_delimited(0x0A, b"".join(_length_delimited(0x0A, v) for v in values))  # type: ignore[arg-type]
+
+
+def _serialize(features: dict[str, list[bytes] | list[int]]) -> bytes:
+    """A ``tf.train.Example`` as protobuf's deterministic serialization writes it (map keys sorted).
+
+    Written by hand from the wire format so that encoding needs neither
+    protobuf nor the ``tfrecord`` package (whose import pulls in torch);
+    a test checks it byte for byte against ``example_pb2``.
+    """
+    entries = b"".join(
+        _length_delimited(
+            0x0A,
+            _length_delimited(0x0A, name.encode("utf-8")) + _length_delimited(0x12, _feature(features[name])),
+        )
+        for name in sorted(features, key=lambda n: n.encode("utf-8"))
+    )
+    return _length_delimited(0x0A, entries)
+
+
 def encode_example(sample: Sample) -> bytes:
     """Serialize ``sample`` as a ``tf.train.Example`` (feature names in :mod:`packdata.formats.tfrecord`)."""
-    example = example_pb2.Example()
-    feature = example.features.feature
+    features: dict[str, list[bytes] | list[int]] = {}
     if sample.kind == "fields":
         fields = decode_block(sample.data, check_crc=False)
         primary = next((n for n in sorted(fields) if codec_of(n) == "image"), None)
-        feature[FIELDS_FEATURE.decode()].bytes_list.value.extend(n.encode("utf-8") for n in sorted(fields))
+        features[FIELDS_FEATURE.decode()] = [n.encode("utf-8") for n in sorted(fields)]
         for name, data in fields.items():
             if name == primary:
-                feature["image/encoded"].bytes_list.value.append(data)
-                feature["image/format"].bytes_list.value.append(_image_format(Sample(name, -1, data)))
-                feature[PRIMARY_FEATURE.decode()].bytes_list.value.append(name.encode("utf-8"))
+                features["image/encoded"] = [data]
+                features["image/format"] = [_image_format(Sample(f"x.{name}", -1, data))]
+                features[PRIMARY_FEATURE.decode()] = [name.encode("utf-8")]
             else:
-                feature[name].bytes_list.value.append(data)
+                features[name] = [data]
         if sample.label >= 0:
-            feature[LABEL_FIELD].int64_list.value.append(sample.label)
+            features[LABEL_FIELD] = [sample.label]
     elif sample.kind == "text":
-        feature["text/encoded"].bytes_list.value.append(sample.data)
+        features["text/encoded"] = [sample.data]
     else:
-        feature["image/encoded"].bytes_list.value.append(sample.data)
-        feature["image/format"].bytes_list.value.append(_image_format(sample))
-    feature["image/class/label"].int64_list.value.append(sample.label)
-    feature["image/filename"].bytes_list.value.append(sample.key.encode("utf-8"))
-    return example.SerializeToString(deterministic=True)
+        features["image/encoded"] = [sample.data]
+        features["image/format"] = [_image_format(sample)]
+    features["image/class/label"] = [sample.label]
+    features["image/filename"] = [sample.key.encode("utf-8")]
+    return _serialize(features)
 
 
 def frame_record(data: bytes) -> bytes:
@@ -233,8 +270,13 @@ def _first_value(buf: memoryview, pos: int, end: int) -> tuple[str, memoryview |
     return kind, value
 
 
-def _features(buf: memoryview, wanted: frozenset[bytes] | None) -> dict[bytes, tuple[str, memoryview | int | None]]:
-    """Feature name -> (list type, first value) of a serialized Example (``wanted`` names only, or all)."""
+def _features(
+    buf: memoryview, wanted: frozenset[bytes] | None, spans: dict[bytes, tuple[int, int]] | None = None
+) -> dict[bytes, tuple[str, memoryview | int | None]]:
+    """Feature name -> (list type, first value) of a serialized Example (``wanted`` names only, or all).
+
+    ``spans``, when given, receives each wanted feature's ``Feature`` message span.
+    """
     end = len(buf)
     found: dict[bytes, tuple[str, memoryview | int | None]] = {}
     try:
@@ -277,6 +319,8 @@ def _features(buf: memoryview, wanted: frozenset[bytes] | None) -> dict[bytes, t
                     pos += m
                 if value_span is not None and (wanted is None or name in wanted):
                     found[name] = _first_value(buf, *value_span)
+                    if spans is not None:
+                        spans[name] = value_span
                 pos = entry_end
         if pos != end:
             raise RecordError("message ends inside a field")
@@ -342,10 +386,32 @@ def example_fields(record: bytes | memoryview) -> tuple[dict[str, bytes], int, s
 
 
 def _all_bytes(buf: memoryview, name: bytes) -> list[bytes]:
-    """Every value of the bytes feature ``name`` (the list of field names), through protobuf."""
-    example = example_pb2.Example()
-    example.ParseFromString(bytes(buf))
-    return list(example.features.feature[name.decode()].bytes_list.value)
+    """Every value of the bytes feature ``name`` (the list of field names), from the wire."""
+    spans: dict[bytes, tuple[int, int]] = {}
+    _features(buf, frozenset({name}), spans)
+    if name not in spans:
+        return []
+    pos, end = spans[name]
+    values = []
+    while pos < end:  # Feature: field 1 (BytesList) holds field-1 values
+        tag, pos = _varint(buf, pos)
+        if tag != 0x0A:
+            pos = _skip(buf, pos, tag & 7)
+            continue
+        n, pos = _varint(buf, pos)
+        inner, list_end = pos, pos + n
+        while inner < list_end:
+            tag, inner = _varint(buf, inner)
+            if tag != 0x0A:
+                inner = _skip(buf, inner, tag & 7)
+                continue
+            m, inner = _varint(buf, inner)
+            if inner + m > list_end:
+                raise RecordError("a bytes value runs past its list")
+            values.append(bytes(buf[inner : inner + m]))
+            inner += m
+        pos = list_end
+    return values
 
 
 def _damaged(path: str | os.PathLike, offset: int, problem: str) -> PackFormatError:
