@@ -22,6 +22,7 @@ import click
 from packdata._version import __version__
 from packdata.errors import PackdataError
 from packdata.formats import FORMATS
+from packdata.units import SIZE_RULE
 
 __all__ = ["as_flags", "main"]
 
@@ -66,13 +67,22 @@ def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+_ZERO_OK = {"reserve"}  # sizes where 0 means something (keep nothing free)
+_SIZE_HELP = f"Sizes need a unit: {SIZE_RULE}."
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
     from packdata.units import parse_size
 
     try:
-        return parse_size(value)
+        return parse_size(value, zero_ok=param.name in _ZERO_OK)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
 
@@ -140,7 +150,12 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."
 )
-@click.option("--shard-size", callback=_size, help="Start a new shard before this size, e.g. 256MB or 1GiB.")
+@click.option(
+    "--shard-size",
+    callback=_size,
+    help="Start a new shard before this size, e.g. 256MB or 1GiB. Default: 256MB (the unit stage copies). "
+    + _SIZE_HELP,
+)
 @click.option("--shard-samples", type=click.IntRange(min=1), help="At most N samples per shard.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
@@ -570,19 +585,28 @@ def _mb(n: int) -> str:
 @click.option(
     "--to", "to", type=click.Path(file_okay=False, path_type=str), help="Stage into this directory (local NVMe)."
 )
-@click.option("--tmpfs", callback=_size, help="Mount (or reuse) a tmpfs of this size and stage into it, e.g. 30G.")
+@click.option(
+    "--tmpfs", callback=_size, help="Mount (or reuse) a tmpfs of this size and stage into it, e.g. 30G. " + _SIZE_HELP
+)
 @click.option(
     "--mount",
     type=click.Path(file_okay=False, path_type=str),
     help="The tmpfs mount point, and the default area. Default: /mnt/packdata.",
 )
 @click.option("--resize", is_flag=True, help="Remount an existing tmpfs with the --tmpfs size.")
-@click.option("--budget", callback=_size, help="Most bytes of shards to stage (hot shards). Default: what fits.")
+@click.option(
+    "--budget", callback=_size, help="Most bytes of shards to stage (hot shards), e.g. 200GB. Default: what fits."
+)
 @click.option("--shards", help="Shards to stage, by number or name, comma-separated, hottest first.")
 @click.option("--name", help="Folder name of the staged pack in the area. Default: the pack's name.")
 @click.option("--workers", type=click.IntRange(min=1), help="Parallel copy threads. Default: up to 4.")
 @click.option("--force", is_flag=True, help="Go ahead even when the memory checks refuse the tmpfs size.")
-@click.option("--reserve", callback=_size, help="Memory to keep free for training in the tmpfs checks.")
+@click.option(
+    "--reserve",
+    callback=_size,
+    help="Memory to keep free for training in the tmpfs checks, e.g. 8G (0B: none). Default: 10% of RAM, "
+    "at least 4 GiB, at most half.",
+)
 @click.option("--status", is_flag=True, help="List staged packs, sizes, free space and memory (in PACK as an area).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -664,7 +688,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         click.echo(json.dumps(result.to_dict(), indent=1))
         return
     click.echo(
-        f"staged {result.source} -> {result.staged}: copied {len(result.copied)} shards "
+        f"staged {result.source} -> {result.staged}: copied {_count(len(result.copied), 'shard')} "
         f"({_mb(result.bytes_copied)}, {result.mb_per_s:.0f} MB/s), {len(result.reused)} already there, "
         f"in {result.seconds:.1f}s"
     )
@@ -672,10 +696,14 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     if result.left:
         shown = ", ".join(result.left[:5]) + (", ..." if len(result.left) > 5 else "")
         click.secho(
-            f"  LEFT {len(result.left)} shards ({_mb(result.bytes_left)}) on the source, read from there: {shown}",
+            f"  LEFT {_count(len(result.left), 'shard')} ({_mb(result.bytes_left)}) on the source, "
+            f"read from there: {shown}",
             fg="yellow",
         )
+        click.echo(f"  why: {result.advice}")
     _warn(result.warnings)
+    if not result.copied and not result.reused and result.left:
+        raise click.ClickException(f"nothing was staged: {result.advice}")
 
 
 @main.command()

@@ -5,29 +5,44 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["SIZE_RULE", "describe_size", "format_size", "parse_size"]
 
-_UNITS = {"": 1, "b": 1}
+SIZE_RULE = "KB/MB/GB/TB are powers of 1000; K/M/G/T and KiB/MiB/GiB/TiB powers of 1024 (as tmpfs and ls -h)"
+"""The one rule for size units, quoted in every ``--help`` that takes a size."""
+
+_UNITS = {"": 1, "b": 1}  # "" is parsed, then refused: a size needs its unit
 _UNITS.update({f"{p}{suffix}": 1024**i for i, p in enumerate("kmgtpe", 1) for suffix in ("", "ib")})
 _UNITS.update({f"{p}b": 1000**i for i, p in enumerate("kmgtpe", 1)})
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
-    """Parse ``30G``, ``30GB``, ``30GiB``, ``512M``, ``1.5T`` or ``1000`` (bytes) into bytes.
+def parse_size(text: str, *, zero_ok: bool = False) -> int:
+    """Parse ``30G``, ``30GB``, ``30GiB``, ``512M``, ``1.5T`` or ``4096B`` into bytes.
 
-    Case-insensitive. ``KB/MB/GB/TB`` are decimal, ``KiB/MiB/GiB/TiB`` binary, and bare
-    ``K/M/G/T`` binary as in tmpfs's ``size=``. Fractions of a unit round down.
+    Case-insensitive; the unit is required (``256`` alone could mean bytes or
+    megabytes, so it is refused): ``B`` for bytes, ``KB/MB/GB/TB`` decimal,
+    ``KiB/MiB/GiB/TiB`` and bare ``K/M/G/T`` binary as in tmpfs's ``size=``
+    (:data:`SIZE_RULE`). Fractions of a unit round down. Zero is refused unless
+    ``zero_ok`` (a tmpfs of ``size=0`` is unlimited, not empty).
 
     Raises:
-        ValueError: Not a non-negative number with a known unit, or a fraction of a byte.
+        ValueError: not a number with a known unit, no unit, zero, or a fraction of a byte.
     """
     match = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
     unit = match[2].lower() if match else ""
     value = Decimal(match[1]) * _UNITS[unit] if match and unit in _UNITS else None
     if value is None or (_UNITS[unit] == 1 and value != value.to_integral_value()):
-        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit such as 64MB, 1GiB or 30G")
+        raise ValueError(f"invalid size {text!r}: expected a number with a unit such as 64MB, 1GiB or 30G")
+    if not unit:
+        raise ValueError(f"size {text!r} has no unit: write {text}B for bytes, or {text}MB, {text}G ... ({SIZE_RULE})")
+    if value == 0 and not zero_ok:
+        raise ValueError(f"size {text!r} is zero, which cannot be meant here")
     return int(value)
+
+
+def describe_size(n: int) -> str:
+    """A size as users check it: binary units and exact bytes, ``64.0 MiB (67,108,864 bytes)``."""
+    return f"{format_size(n)} ({n:,} bytes)"
 
 
 def format_size(n: int) -> str:

@@ -384,9 +384,12 @@ def test_tmpfs_mount_stage_and_unmount(
     assert resized.action == "resized" and resized.size == 48 << 20
     # `packdata stage PACK --mount DIR` uses the area without --tmpfs
     assert stage(pack, mount=point, progress=False).copied == []
+    with pytest.raises(ConfigError, match=r"a tmpfs of 48.0 MiB is mounted here, not the 64.0 MiB asked for"):
+        stage(pack, tmpfs=64 << 20, mount=point, progress=False)  # once silently "reused" at 48 MiB
     done = unstage(point, unmount=True)
     assert done.unmounted == point
     assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())
+    assert not point.exists()  # the empty mount point goes with the mount
 
 
 @pytest.mark.root
@@ -462,3 +465,42 @@ def test_staging_into_ram_checks_memory(
     result = stage(lmdb_pack, to=area, force=True, progress=False)
     assert len(result.copied) == 6
     assert {"tmpfs-too-large", "swap-on-tmpfs", "tmpfs-volatile"} <= {w.code for w in result.warnings}
+
+
+def test_a_stage_that_stages_nothing_says_why_and_fails(lmdb_pack: Path, tmp_path: Path) -> None:
+    smallest = min(
+        sum(f.stat().st_size for f in (lmdb_pack / s.file).iterdir()) for s in read_manifest(lmdb_pack).shards
+    )
+    out = CliRunner().invoke(
+        main, ["stage", os.fspath(lmdb_pack), "--to", os.fspath(tmp_path / "nvme"), "--budget", f"{smallest - 1}B"]
+    )
+    assert out.exit_code == 1
+    assert "copied 0 shards" in out.output and "LEFT 6 shards" in out.output
+    assert "Error: nothing was staged: the budget" in out.output and "smaller --shard-size" in out.output
+    one = CliRunner().invoke(
+        main, ["stage", os.fspath(lmdb_pack), "--to", os.fspath(tmp_path / "nvme2"), "--budget", f"{smallest}B", "-q"]
+    )
+    assert one.exit_code == 0 and "copied 1 shard (" in one.output and "why: the budget" in one.output
+
+
+def test_lmdb_and_tfrecord_share_one_default_shard_size(noise_folder: Path, tmp_path: Path) -> None:
+    """LMDB used to write one shard whatever the size, so staging into a smaller area staged nothing."""
+    from packdata.formats import DEFAULT_SHARD_BYTES, get_format
+
+    assert get_format("lmdb").default_shard_bytes == get_format("tfrecord").default_shard_bytes
+    assert DEFAULT_SHARD_BYTES == 256 * 10**6
+    result = packdata.convert(noise_folder, tmp_path / "p.lmdb", progress=False, shard_size=500_000)
+    assert result.shards > 1  # the rule the default feeds: a new shard before the size is exceeded
+
+
+@pytest.mark.parametrize("size", ["256", "0G", "30"])
+def test_unitless_or_zero_sizes_are_refused_by_every_size_option(lmdb_pack: Path, tmp_path: Path, size: str) -> None:
+    for args in (
+        ["convert", os.fspath(lmdb_pack), os.fspath(tmp_path / "x.lmdb"), "--shard-size", size],
+        ["stage", "--tmpfs", size, "--mount", os.fspath(tmp_path / "ram")],
+        ["stage", os.fspath(lmdb_pack), "--to", os.fspath(tmp_path / "n"), "--budget", size],
+    ):
+        out = CliRunner().invoke(main, args)
+        assert out.exit_code == 2, (args, out.output)
+        assert "has no unit" in out.output or "is zero" in out.output
+    assert not (tmp_path / "ram").exists() and not (tmp_path / "x.lmdb").exists()

@@ -12,8 +12,7 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("1000", 1000),
-        ("0", 0),
+        ("1000B", 1000),
         ("30G", 30 * GiB),
         ("30g", 30 * GiB),
         ("30GB", 30 * 10**9),
@@ -33,21 +32,35 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
         ("100B", 100),
         ("0.5K", 512),
         (".5G", GiB // 2),
-        ("1.0", 1),
+        ("1.0B", 1),
     ],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["3 apples", "", "G", "-1G", "1.5", "30 GBs", "1e9", "1,000", "nan", "30X"])
+@pytest.mark.parametrize("text", ["3 apples", "", "G", "-1G", "1.5B", "30 GBs", "1e9", "1,000", "nan", "30X"])
 def test_parse_size_rejects_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match=r"invalid size .*: expected a number with an optional unit such as 64MB"):
+    with pytest.raises(ValueError, match=r"invalid size .*: expected a number with a unit such as 64MB"):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text", ["256", "30", "0"])
+def test_a_size_without_a_unit_is_refused(text: str) -> None:
+    """``--shard-size 256`` once made 300 one-file shards and ``--tmpfs 30`` a 4 KiB mount."""
+    with pytest.raises(ValueError, match=rf"size '{text}' has no unit: write {text}B for bytes, or {text}MB"):
+        parse_size(text)
+
+
+def test_zero_is_refused_unless_it_can_be_meant() -> None:
+    """A tmpfs of size=0 is unlimited to the kernel; only a reserve of 0B means something."""
+    with pytest.raises(ValueError, match="is zero"):
+        parse_size("0G")
+    assert parse_size("0B", zero_ok=True) == 0
+
+
 def test_parse_size_message_quotes_the_input() -> None:
-    with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with an optional unit"):
+    with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with a unit"):
         parse_size("3 apples")
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from packdata.pack.records import Sample
 
 __all__ = [
+    "DEFAULT_SHARD_BYTES",
     "FORMATS",
     "REGISTRY",
     "PackFormat",
@@ -113,12 +114,26 @@ class PackFormat:
         self._impl().check_side_tables(shard, info)
 
 
+DEFAULT_SHARD_BYTES = 256 * 10**6
+"""Every format's default shard size: the unit ``stage`` copies and Ray converts in parallel.
+
+A pack of at least twice this size stages in part into any area holding one
+shard, and a terabyte is about 4,000 shards, so a DataLoader worker's open
+files and memory maps per pack stay in the thousands (per-process limits:
+``ulimit -n``, ``vm.max_map_count``). MosaicML Streaming and LitData default
+to 64 MB chunks, WebDataset users to a few hundred MB.
+"""
+
 REGISTRY: dict[str, PackFormat] = {
     f.name: f
     for f in (
-        PackFormat("lmdb", (".lmdb",), "packdata.formats.lmdb", None, streams_by_shard=False),
+        PackFormat("lmdb", (".lmdb",), "packdata.formats.lmdb", DEFAULT_SHARD_BYTES, streams_by_shard=False),
         PackFormat(
-            "tfrecord", (".tfrecord", ".tfrecords"), "packdata.formats.tfrecord", 256 * 10**6, streams_by_shard=True
+            "tfrecord",
+            (".tfrecord", ".tfrecords"),
+            "packdata.formats.tfrecord",
+            DEFAULT_SHARD_BYTES,
+            streams_by_shard=True,
         ),
     )
 }

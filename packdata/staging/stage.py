@@ -42,6 +42,7 @@ the source of truth, and ``staged.json`` records where they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -117,8 +118,23 @@ class StageResult:
     budget: int
     seconds: float
     free_after: int
+    smallest_left: int = 0  # bytes of the smallest shard left behind (0: none left)
     tmpfs: TmpfsArea | None = None
     warnings: list[SafetyWarning] = field(default_factory=list)
+
+    @property
+    def advice(self) -> str:
+        """Why shards were left behind and what to do, in one line ('' when everything is staged)."""
+        if not self.left:
+            return ""
+        why = (
+            f"the budget ({format_size(self.budget)}) holds no more shards: the smallest left is "
+            f"{format_size(self.smallest_left)}"
+        )
+        return (
+            f"{why}. Stage more with a bigger area (--tmpfs SIZE --resize) or --budget, or convert with a "
+            f"smaller --shard-size (shards are the unit stage copies)"
+        )
 
     @property
     def mb_per_s(self) -> float:
@@ -354,6 +370,7 @@ def stage(
         budget=limit,
         seconds=time.monotonic() - start,
         free_after=shutil.disk_usage(area).free,
+        smallest_left=min((sizes[u.number] for u in units if u.number not in staged), default=0),
         tmpfs=area_info,
         warnings=warnings,
     )
@@ -506,4 +523,6 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
             "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
         )
         unmounted = area
+        with contextlib.suppress(OSError):
+            area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
     return UnstageResult(removed=packs, bytes_freed=freed, unmounted=unmounted)

@@ -15,6 +15,8 @@ from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.units import format_size
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
+
 __all__ = ["DEFAULT_AREA", "TMPFS_SOURCE", "TmpfsArea", "mount_of", "prepare_tmpfs", "run_mount", "tmpfs_mount_at"]
 
 DEFAULT_AREA = Path("/mnt/packdata")
@@ -111,6 +113,13 @@ def prepare_tmpfs(
     )
     if existing is not None and not resize:
         warnings = [w for w in warnings if w.code != "tmpfs-too-large"]
+        if current is not None and abs(current.total - size) >= _PAGE:
+            raise ConfigError(
+                f"a tmpfs of {format_size(current.total)} is mounted here, not the {format_size(size)} asked for",
+                path=path,
+                hint=f"Pass resize=True (--resize) to remount it at {format_size(size)} after the memory checks, "
+                f"or ask for {format_size(current.total)}",
+            )
     refused = [w for w in warnings if w.severity == "refuse"]
     if refused and not force:
         raise CapacityError(
