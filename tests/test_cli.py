@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -76,3 +80,22 @@ def test_library_keywords_are_said_as_the_commands_flags() -> None:
     assert as_flags("give to=DIR, or a smaller batch_size=N", flags) == "give --to DIR, or a smaller --batch-size N"
     assert as_flags("pass on_error='skip'", flags) == "pass --on-error skip"
     assert as_flags("keep shard_size=256MB and x.to=1", flags) == "keep shard_size=256MB and x.to=1"
+
+
+def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_path: Path) -> None:
+    """Piped into a log, convert, verify and stage print plain lines (no carriage returns) with totals."""
+    env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}
+    pack = tmp_path / "p.lmdb"
+    for args in (
+        ["convert", str(image_folder), str(pack)],
+        ["verify", str(pack)],
+        ["stage", str(pack), "--to", str(tmp_path / "fast")],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "packdata.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "\r" not in done.stderr
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert lines and all(": " in line for line in lines), done.stderr
+        assert re.search(r"(of [\d,.]+ (files|records|MB)).*(done in|ETA)", lines[-1]), lines[-1]

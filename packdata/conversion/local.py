@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline
@@ -45,6 +45,7 @@ from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import INDEX_DIR, LABELS_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
+from packdata.progress import progress as show_progress
 
 __all__ = []
 
@@ -197,6 +198,20 @@ def _convert_local(
     )
 
 
+def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
+    """Count the source's entries in a second walk and give the bar its total (runs in a thread)."""
+    count = 0
+    try:
+        for _ in source.walk():
+            count += 1
+            if stop.is_set():
+                return
+    except Exception:
+        return
+    bar.total = count
+    bar.refresh()
+
+
 class _Packer:
     """The single writer: consumes read results in walk order, rolls shards, checkpoints."""
 
@@ -225,34 +240,33 @@ class _Packer:
 
     def run(self, pool: ThreadPoolExecutor, depth: int, progress: bool) -> None:
         entries = self._entries()
-        bar = tqdm(
-            desc="packing",
-            unit=" files",
-            unit_scale=True,
-            disable=not progress,
-            initial=self.cp.files_done,
-            dynamic_ncols=True,
-        )
+        bar = show_progress(desc="packing", unit=" files", disable=not progress, initial=self.cp.files_done)
+        counted = threading.Event()
+        if progress and getattr(self.source, "cheap_to_count", True):
+            threading.Thread(target=_count_walk, args=(self.source, bar, counted), daemon=True).start()
         last_bytes, last_time = self.cp.bytes_in, time.perf_counter()
-        with bar:
-            for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
-                if isinstance(result, Sample):
-                    # A full shard is closed and checkpointed *before* this file is counted:
-                    # a checkpoint never counts a file whose sample is not written with it.
-                    self._make_room(len(result.data))
-                self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
-                self.cp.files_done += 1
-                if isinstance(result, Skip):
-                    self._skip(result, is_read_error=result.problem)
-                else:
-                    self._add(result)
-                    self.cp.reencoded += reencoded
-                bar.update()
-                now = time.perf_counter()
-                if now - last_time > 1.0:
-                    bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
-                    last_bytes, last_time = self.cp.bytes_in, now
-            self._commit()
+        try:
+            with bar:
+                for entry, result, reencoded in _pipeline(entries, pool, self.opts, depth):
+                    if isinstance(result, Sample):
+                        # A full shard is closed and checkpointed *before* this file is counted:
+                        # a checkpoint never counts a file whose sample is not written with it.
+                        self._make_room(len(result.data))
+                    self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+                    self.cp.files_done += 1
+                    if isinstance(result, Skip):
+                        self._skip(result, is_read_error=result.problem)
+                    else:
+                        self._add(result)
+                        self.cp.reencoded += reencoded
+                    bar.update()
+                    now = time.perf_counter()
+                    if now - last_time > 1.0:
+                        bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
+                        last_bytes, last_time = self.cp.bytes_in, now
+                self._commit()
+        finally:
+            counted.set()  # stops the counting walk if it is still going
 
     def _entries(self) -> Iterator[Entry]:
         """The walk, with the part an interrupted run already packed verified and dropped."""

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from packdata.conversion.load import _Options, _pipeline
 from packdata.conversion.publish import (
@@ -56,6 +55,7 @@ from packdata.pack.index import (
 )
 from packdata.pack.manifest import ShardInfo, write_manifest
 from packdata.pack.records import Sample
+from packdata.progress import progress as show_progress
 
 __all__ = [
     "DEFAULT_TASK_SAMPLES",
@@ -476,7 +476,7 @@ def _run_tasks(
     in_flight: dict[Any, tuple[str, int]] = {}  # ref -> (description, walk entries)
     queue: deque[int] = deque()  # task numbers planned, not yet gathered, in plan order
     results: dict[int, dict[str, Any]] = {}
-    bar = tqdm(desc="packing (ray)", unit=" files", unit_scale=True, disable=not progress, dynamic_ncols=True)
+    bar = show_progress(desc="packing (ray)", unit=" files", disable=not progress)
 
     def settle(block: bool) -> None:
         if in_flight:

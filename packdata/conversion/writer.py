@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _Checkpoint, _Packer
 from packdata.conversion.publish import (
@@ -37,6 +35,7 @@ from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.records import Sample
+from packdata.progress import progress as show_progress
 from packdata.units import parse_size
 
 __all__ = ["PackWriter", "write_pack"]
@@ -233,8 +232,12 @@ def write_pack(
     if total is not None and hasattr(samples, "__getitem__") and not isinstance(samples, list | tuple):
         dataset = samples
         samples = (dataset[i] for i in range(total))  # type: ignore[index]
-    with PackWriter(dst, **options) as writer:
-        for sample in tqdm(samples, total=total, desc="writing", unit=" samples", disable=not progress):
+    with (
+        PackWriter(dst, **options) as writer,
+        show_progress(total=total, desc="writing", unit=" samples", disable=not progress) as bar,
+    ):
+        for sample in samples:
             writer.write(sample)
+            bar.update()
     assert writer.result is not None
     return writer.result

@@ -7,14 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from packdata.errors import PackFormatError
 from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.progress import progress as show_progress
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
 
@@ -104,7 +103,7 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
         )
     fmt = get_format(manifest.format)
     checked = nbytes = 0
-    with tqdm(total=manifest.num_samples, desc="verifying", unit=" rec", unit_scale=True, disable=not progress) as bar:
+    with show_progress(total=manifest.num_samples, desc="verifying", unit=" records", disable=not progress) as bar:
         for shard in manifest.shards:
             shard_path = shard.path(pack)
             data_file = fmt.shard_layout(os.path.basename(shard.file)).data_path(shard_path)

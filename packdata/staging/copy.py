@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -25,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write, stream_sha256
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
+from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
 __all__ = [
@@ -249,7 +247,7 @@ def is_staged(unit: ShardFiles) -> bool:
     return True
 
 
-def copy_file(src: Path, tmp: Path, stop: threading.Event, bar: tqdm) -> tuple[int, str]:
+def copy_file(src: Path, tmp: Path, stop: threading.Event, bar: Any) -> tuple[int, str]:
     """Copy ``src`` to ``tmp`` (see :func:`copy_regular`), stopping at the next chunk once ``stop`` is set."""
 
     def chunk(n: int) -> None:
@@ -262,7 +260,7 @@ def copy_file(src: Path, tmp: Path, stop: threading.Event, bar: tqdm) -> tuple[i
     return copy_regular(src, tmp, chunk)
 
 
-def copy_unit(unit: ShardFiles, stop: threading.Event, bar: tqdm) -> None:
+def copy_unit(unit: ShardFiles, stop: threading.Event, bar: Any) -> None:
     """Copy one shard to its temporary names, verify it, and rename it into place."""
     unit.remove_temp()
     try:
@@ -421,15 +419,8 @@ def copy_all(units: list[ShardFiles], total: int, workers: int | None, progress:
     if not units:
         return
     stop = threading.Event()
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1000,
-        desc=f"stage {len(units)} shard{'s' * (len(units) != 1)}",
-        file=sys.stderr,
-        disable=progress is False,
-        dynamic_ncols=True,
+    bar = show_progress(
+        total=total, unit="B", desc=f"stage {len(units)} shard{'s' * (len(units) != 1)}", disable=progress is False
     )
     pool = ThreadPoolExecutor(max_workers=workers or min(4, len(units)), thread_name_prefix="packdata-stage")
     futures = [pool.submit(copy_unit, u, stop, bar) for u in units]
