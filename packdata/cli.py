@@ -111,8 +111,9 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(FORMATS),
-    help="Pack format. Default: from DST's suffix (.lmdb), else lmdb.",
+    type=click.Choice(FORMATS, case_sensitive=False),
+    callback=lambda ctx, param, value: value.lower() if value else value,
+    help="Pack format. Default: from DST's suffix (.lmdb; .tfrecord or .tfrecords), else lmdb.",
 )
 @click.option(
     "--kind",
@@ -241,7 +242,13 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_friendly
 def info(pack: str, as_json: bool) -> None:
-    """Show what PACK holds: format, samples, classes, shards, bytes, version."""
+    """Show what PACK holds: format, samples, classes, fields, shards, bytes, version.
+
+    \b
+    Examples:
+      packdata info train.lmdb
+      packdata info train.lmdb --json | jq .classes
+    """
     from packdata.formats.verify import pack_info
 
     facts = pack_info(pack)
@@ -254,28 +261,46 @@ def info(pack: str, as_json: bool) -> None:
     click.echo(f"format:   {facts['format']} ({facts['kind']}), written by packdata {facts['packdata_version']}")
     click.echo(f"samples:  {facts['num_samples']}")
     click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
-    click.echo(f"shards:   {len(facts['shards'])}, {facts['total_bytes'] / 1e6:.1f} MB")
+    click.echo(f"shards:   {len(facts['shards'])}, {_mb(facts['total_bytes'])}")
     if facts.get("codecs"):
         click.echo("fields:   " + ", ".join(f"{name} ({codec})" for name, codec in facts["codecs"].items()))
     skipped = facts.get("skipped") or {}
     if skipped.get("count"):
-        click.echo(f"skipped:  {skipped['count']} at conversion ({skipped['by_reason']})")
-    if facts.get("reencode"):
-        click.echo(f"reencode: {facts['reencode']}")
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.get("by_reason", {}).items()))
+        click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {skipped.get('report')})")
+    reencode = facts.get("reencode")
+    if reencode:
+        click.echo(
+            f"reencode: {reencode.get('count', 0)} images re-encoded as JPEG to at most {reencode.get('max_side')} px "
+            f"(quality {reencode.get('quality')})"
+        )
 
 
 @main.command()
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_friendly
-def verify(pack: str, quiet: bool) -> None:
+def verify(pack: str, quiet: bool, as_json: bool) -> None:
     """Read every record of PACK and check checksums, keys and labels.
 
     Exits 1 naming the first bad shard or record.
+
+    \b
+    Examples:
+      packdata verify train.lmdb
+      packdata verify /mnt/packdata/train.lmdb -q --json
     """
     from packdata.formats.verify import verify_pack
 
     result = verify_pack(pack, progress=not quiet)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {"path": str(result.path), "records": result.records, "bytes": result.bytes, "shards": result.shards}
+            )
+        )
+        return
     click.echo(
         f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
         f"shard{'s' * (result.shards != 1)} verified"
@@ -540,6 +565,11 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
     One variable at a time from the rule of thumb (num_workers, batch_size,
     prefetch_factor, pin_memory), rejecting any setting whose projected memory
     exceeds the budget.
+
+    \b
+    Examples:
+      packdata tune train.lmdb
+      packdata tune train.lmdb --batch-size 64,128 --memory-budget 8G --json
     """
     from packdata.measure.tune import run_tune
 
@@ -712,7 +742,13 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_friendly
 def unstage(path: str, unmount: bool, as_json: bool) -> None:
-    """Remove the staged pack PATH (or every staged pack in the area PATH); originals are never touched."""
+    """Remove the staged pack PATH (or every staged pack in the area PATH); originals are never touched.
+
+    \b
+    Examples:
+      packdata unstage /mnt/packdata/train.lmdb
+      sudo packdata unstage /mnt/packdata --unmount
+    """
     from packdata.staging.stage import unstage as run_unstage
 
     result = run_unstage(path, unmount=unmount)
@@ -731,7 +767,13 @@ def unstage(path: str, unmount: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_friendly
 def doctor(pack: str | None, ranks: int, workers: int | None, as_json: bool) -> None:
-    """Memory, swap, cgroup, tmpfs, CPU and GPU facts with warnings; for PACK also shards and first settings."""
+    """Memory, swap, cgroup, tmpfs, CPU and GPU facts with warnings; for PACK also shards and first settings.
+
+    \b
+    Examples:
+      packdata doctor
+      packdata doctor train.lmdb --ranks 8 --json
+    """
     from packdata.staging.doctor import doctor as run_doctor
 
     report = run_doctor(pack, ranks=ranks, workers=workers)

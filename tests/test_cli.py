@@ -99,3 +99,18 @@ def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_p
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert lines and all(": " in line for line in lines), done.stderr
         assert re.search(r"(of [\d,.]+ (files|records|MB)).*(done in|ETA)", lines[-1]), lines[-1]
+
+
+def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> None:
+    dst = str(tmp_path / "out.lmdb")
+    assert _run("convert", str(bad_files), dst, "-q", "--format", "LMDB").exit_code == 0  # any letter case
+    again = _run("convert", str(bad_files), dst, "-q", "--resume")
+    assert again.exit_code == 1 and "is already complete: there is no interrupted conversion" in again.output
+    verified = _run("verify", dst, "-q", "--json")
+    assert verified.exit_code == 0 and json.loads(verified.output)["records"] == 19
+    info = _run("info", dst).output
+    assert "{" not in info and "skipped:  4 at conversion (1 corrupt image, 1 empty, 1 hidden" in info
+    for command in ("info", "verify", "doctor", "tune", "unstage", "stage", "convert", "ls", "cat", "export", "merge"):
+        assert "Examples:" in _run(command, "--help").output, command
+    for command in ("stage", "convert"):
+        assert "powers of 1000" in _run(command, "--help").output, command

@@ -98,10 +98,17 @@ def test_pickles_without_handles(pack: Path) -> None:
 
 
 def test_imagefolder_attributes(pack: Path) -> None:
+    """torchvision's ImageFolder attribute names and types, served from the manifest and index."""
     ds = LMDBDataset(pack)
     assert ds.classes == ["cat", "dog", "zebra"] and ds.class_to_idx["dog"] == 1
-    assert isinstance(ds.targets, np.ndarray) and ds.targets.tolist().count(1) == 6
-    assert ds[-1][1] == ds.targets[-1]
+    assert ds.targets.count(1) == 6 and ds.targets.tolist().count(1) == 6
+    assert json.dumps(ds.targets[:3]) == "[0, 0, 0]"  # ints, not numpy scalars (json refused those)
+    assert isinstance(ds.targets[0], int) and ds[-1][1] == ds.targets[-1]
+    assert np.asarray(ds.targets).dtype == np.int32 and len(ds.targets) == len(ds)
+    assert ds.samples[0] == (ds.keys[0], 0) and ds.imgs[-1] == (ds.keys[-1], ds.targets[-1])
+    assert [label for _, label in ds.samples] == ds.targets.tolist()
+    assert ds.root == str(pack) and ds.loader(ds.raw(0)[0]).mode == "RGB"
+    assert ".jpg" in ds.extensions
     with pytest.raises(IndexError, match="out of range"):
         ds[len(ds)]
 

@@ -23,7 +23,7 @@ from packdata.conversion.combine import append_pack
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
-from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths
+from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths, partial_path
 from packdata.conversion.sources import Source, scan_source
 from packdata.conversion.tars import is_tar_pattern, scan_tars
 from packdata.errors import (
@@ -31,7 +31,7 @@ from packdata.errors import (
 )
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.manifest import read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 
 __all__ = ["convert"]
 
@@ -139,6 +139,12 @@ def convert(
                 hint="Drop max_side, or resize the images before converting",
             )
     _check_destination_writable(dst)
+    if resume and not overwrite and (dst / MANIFEST_NAME).is_file() and not partial_path(dst).exists():
+        raise ConfigError(
+            "is already complete: there is no interrupted conversion to resume",
+            path=dst,
+            hint="Use the pack as it is, or pass --overwrite to convert it again",
+        )
     _check_paths(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, SourceError
+from packdata.pack.images import IMAGE_EXTENSIONS
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -28,7 +29,6 @@ __all__ = [
     "scan_source",
 ]
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 TEXT_EXTENSIONS = frozenset(
     {".txt", ".json", ".jsonl", ".md", ".csv", ".tsv", ".xml", ".html", ".yaml", ".yml", ".rst", ".text"}
 )

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from packdata.pack.images import IMAGE_EXTENSIONS
+
 __all__ = [
     "BLOCK_MAGIC",
     "CODECS",
@@ -57,7 +59,7 @@ KEY_FIELD = "__key__"
 LABEL_FIELD = "cls"
 CODECS = ("image", "txt", "json", "npy", "cls", "bytes")
 """How a field's bytes are meant: its codec, from the last part of its name (:func:`codec_of`)."""
-_IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
+_IMAGE_EXTENSIONS = frozenset(ext[1:] for ext in IMAGE_EXTENSIONS)
 _TEXT_EXTENSIONS = frozenset({"txt", "text", "md", "csv", "tsv", "xml", "html", "yaml", "yml", "rst"})
 _HEAD = struct.Struct("<4sH")
 _ENTRY = struct.Struct("<QI")

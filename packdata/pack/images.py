@@ -8,7 +8,10 @@ from PIL import Image, UnidentifiedImageError
 
 from packdata.errors import ImageFormatError
 
-__all__ = ["IMAGE_FORMATS", "open_image"]
+__all__ = ["IMAGE_EXTENSIONS", "IMAGE_FORMATS", "open_image"]
+
+#: File extensions packed as images (any letter case), and the image field names.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
 #: The PIL formats packdata opens: those of the image extensions a pack holds.
 #: No other PIL plug-in (EPS hands data to Ghostscript, and dozens more parse

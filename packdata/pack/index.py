@@ -44,6 +44,7 @@ __all__ = [
     "LABELS_FILE",
     "SIZES_FILE",
     "KeyList",
+    "LabelList",
     "SampleIndex",
     "SampleIndexWriter",
     "index_files",
@@ -170,6 +171,48 @@ class KeyList(Sequence[str]):
             raise PackFormatError(
                 f"key {i} is not UTF-8 ({exc})", path=self._path, hint="Convert the pack again"
             ) from exc
+
+
+class LabelList(Sequence[int]):
+    """Every sample's label as a read-only ``list[int]`` look-alike over the memory-mapped index.
+
+    ``ds.targets[i]`` is an ``int``, a slice a ``list``, ``count``/``index``/
+    ``tolist`` run in numpy, and ``numpy.asarray(ds.targets)`` is the int32 map
+    without a copy.
+    """
+
+    def __init__(self, labels: np.ndarray) -> None:
+        self._labels = labels
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self._labels[i].tolist()
+        return int(self._labels[i])
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return np.asarray(self._labels, dtype=dtype)  # type: ignore[call-overload]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(other) == self.tolist()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def count(self, value: object) -> int:
+        return int(np.count_nonzero(np.asarray(self._labels) == value)) if isinstance(value, int) else 0
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self._labels).tolist()
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self[:8]))
+        return f"LabelList([{head}{', ...' if len(self) > 8 else ''}], {len(self)} labels)"
 
 
 class SampleIndex:

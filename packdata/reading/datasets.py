@@ -15,7 +15,7 @@ import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -24,13 +24,14 @@ from packdata.errors import ConfigError, ImageFormatError, PackFormatError
 from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
-from packdata.pack.index import INDEX_DIR, KeyList, SampleIndex
+from packdata.pack.images import IMAGE_EXTENSIONS
+from packdata.pack.index import INDEX_DIR, KeyList, LabelList, SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.records import RecordError, decode_record, payload_start
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.fields import FieldSpec
 
-__all__ = ["LMDBDataset", "PackInfo", "PackView", "ShardReaders"]
+__all__ = ["LMDBDataset", "PackInfo", "PackView", "SampleList", "ShardReaders"]
 
 
 class PackInfo:
@@ -139,6 +140,26 @@ def _manifest_identity(pack: Path) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class SampleList(Sequence[tuple[str, int]]):
+    """``(key, label)`` pairs over the index, read on access (a pack of 100 M samples is not listed in memory)."""
+
+    def __init__(self, keys: KeyList, labels: np.ndarray) -> None:
+        self._keys, self._labels = keys, labels
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[str, int]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        key = self._keys[i]
+        return key, int(self._labels[i % len(self)])
 
 
 class ShardReaders:
@@ -256,14 +277,39 @@ class PackView:
         return self.pack.class_to_idx
 
     @property
-    def targets(self) -> np.ndarray:
-        """Every sample's label (int32, memory-mapped), without reading records."""
-        return self.pack.index.labels
+    def targets(self) -> LabelList:
+        """Every sample's label, like ImageFolder's ``list[int]`` (over the memory-mapped index: no record read)."""
+        return LabelList(self.pack.index.labels)
 
     @property
     def keys(self) -> KeyList:
         """Every sample's key: its path relative to the source folder."""
         return self.pack.index.keys
+
+    @property
+    def samples(self) -> SampleList:
+        """``(key, label)`` of every sample, like ImageFolder's ``samples`` (keys, not absolute file paths)."""
+        return SampleList(self.pack.index.keys, self.pack.index.labels)
+
+    @property
+    def imgs(self) -> SampleList:
+        """ImageFolder's other name for :attr:`samples`."""
+        return self.samples
+
+    @property
+    def root(self) -> str:
+        """The pack's path (ImageFolder's ``root`` is the image folder)."""
+        return os.fspath(self.path)
+
+    @property
+    def loader(self) -> DecodeFn:
+        """The decoder (ImageFolder's ``loader`` takes a file path; this takes the stored bytes)."""
+        return self.decode
+
+    @property
+    def extensions(self) -> tuple[str, ...] | None:
+        """The file extensions packed as images, for an image pack (else None)."""
+        return tuple(sorted(IMAGE_EXTENSIONS)) if self.pack.manifest.kind == "image" else None
 
     def _sample_index(self, index: int) -> int:
         """``index`` as a position in the pack (negative counts from the end), or IndexError."""
