@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -473,7 +474,21 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     show_default=True,
     help="Simulated training step per batch; reports the share of time waiting for data.",
 )
-@click.option("--cold", is_flag=True, help="Drop the page cache before each source (root only).")
+@click.option(
+    "--cold",
+    is_flag=True,
+    help="Drop the page cache before each source: the WHOLE machine's cache (echo 3 > drop_caches), so it needs "
+    "root and slows everything else running here for a while.",
+)
+@click.option(
+    "--repeat",
+    "repeats",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run every setting this many times, interleaved; the table shows medians and their spread.",
+)
+@click.option("--wide", is_flag=True, help="All columns (MB/s, CPU time, latency percentiles, every memory figure).")
 @click.option(
     "--json",
     "json_file",
@@ -496,6 +511,7 @@ def bench(
     no_transform: bool,
     json_file: str | None,
     plot_file: str | None,
+    wide: bool,
     **options: Any,
 ) -> None:
     """Measure DataLoader throughput and memory for each SOURCE (pack or folder).
@@ -515,6 +531,9 @@ def bench(
 
     if 0 in batch_size or 0 in prefetch_factor:
         raise click.BadParameter("batch sizes and prefetch factors should be at least 1")
+    missing = [s for s in sources if not os.path.exists(s)]
+    if missing:
+        raise click.ClickException(f"{missing[0]}: no such pack or folder (nothing was measured)")
     result = run_bench(
         list(sources),
         workers=workers,
@@ -528,13 +547,16 @@ def bench(
     if json_file == "-":
         click.echo(result.to_json())
     else:
-        click.echo(result.table())
+        click.echo(result.table(wide=wide))
         if json_file:
             result.to_json(json_file)
     for warning in result.warnings:
         click.secho(f"warning: {warning}", fg="yellow", err=True)
     if plot_file:
         click.echo(f"plot: {plot_bench(result, plot_file)}", err=True)
+    failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
+    if failed:
+        raise click.ClickException(f"could not measure {failed[0]['name']}: {failed[0]['error']}")
 
 
 @main.command()
@@ -549,9 +571,9 @@ def bench(
     "--batch-size",
     "batch_sizes",
     callback=_int_list,
-    default="32,64,128,256",
+    default="64",
     show_default=True,
-    help="Batch sizes to search.",
+    help="Your training batch size (kept); several values, comma-separated, are searched (e.g. 32,64,128).",
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
 @click.option("--decode", type=click.Choice(["bytes", "pil", "reduced"]), default="pil", show_default=True)
@@ -584,10 +606,10 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
 
     def describe(label: str, trial: Any) -> None:
         click.echo(
-            f"# {label}: {trial.samples_per_s:.0f} samples/s, peak private memory "
-            f"{(trial.memory_peak_bytes or 0) / 2**20:.0f} MiB, "
-            f"projected {trial.projected_bytes / 2**20:.0f} MiB "
-            f"(budget {result.memory_budget / 2**20:.0f} MiB, {result.budget_source})"
+            f"# {label}: {trial.samples_per_s:.0f} samples/s; peak private memory in this short run "
+            f"{(trial.memory_peak_bytes or 0) / 2**20:.0f} MiB, projected for training "
+            f"{trial.projected_bytes / 2**20:.0f} MiB (budget {result.memory_budget / 2**20:.0f} MiB, "
+            f"{result.budget_source})"
         )
 
     describe("recommended", result.recommended)
@@ -595,6 +617,17 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
     if result.runner_up is not None:
         describe("runner-up", result.runner_up)
         click.echo(result.python(result.runner_up))
+        best, second = result.recommended.samples_per_s or 0.0, result.runner_up.samples_per_s or 0.0
+        if best and abs(best - second) / best < result.min_gain:
+            click.echo(
+                f"# the two are within noise ({100 * abs(best - second) / best:.0f}% apart, under the "
+                f"{100 * result.min_gain:.0f}% a step must gain): prefer the one with fewer workers, smaller "
+                "batches and less memory"
+            )
+    click.echo(
+        "# projected = workers x per-worker private memory (the largest measured) + batches in flight "
+        "(workers x prefetch_factor) x batch bytes (+ the same again when pinned); a short run peaks lower"
+    )
     rejected = sum(1 for t in result.trials if t.rejected)
     click.echo(f"# {len(result.trials)} settings tried, {rejected} rejected over the memory budget or failing")
 

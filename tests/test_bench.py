@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,32 @@ def test_recommend_loader_kwargs_respects_the_budget(pack: Path) -> None:
         recommend_loader_kwargs(dataset, batch_size=64, memory_budget=1000)
     config = LoaderConfig(2, 4, False, 3)
     assert project_memory(config, per_worker_bytes=100, sample_bytes=10) == 2 * 100 + 2 * 3 * 4 * 10
+
+
+def test_bench_cli_says_what_to_do_and_fails_on_a_missing_input(pack: Path, tmp_path: Path) -> None:
+    missing = CliRunner().invoke(cli_main, ["bench", str(tmp_path / "nothere")])
+    assert missing.exit_code == 1 and "nothere: no such pack or folder" in missing.output
+    args = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", "2", "--warmup", "0"]
+    short = CliRunner().invoke(cli_main, [*args, "--repeat", "2"])
+    assert short.exit_code == 0, short.output
+    head = short.stdout.splitlines()[0].split()
+    assert head[:6] == ["source", "workers", "batch", "samples/s", "spread", "x"]
+    assert "cpu" not in head and "wait%" not in head  # wait% means nothing without --step-ms
+    assert "median of 2 runs" in short.stdout and "\nbest: " in short.stdout
+    assert re.search(r"\s\d+%\s", short.stdout.splitlines()[1])  # the spread of the repeats
+    wide = CliRunner().invoke(cli_main, [*args, "--wide", "--step-ms", "1"])
+    assert wide.exit_code == 0 and "cpu ms" in wide.stdout.splitlines()[0] and "wait%" in wide.stdout
+
+
+def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
+    """tune used to search 32-256 by default and recommend another batch size from noisy 3-batch timings."""
+    result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(8,), max_workers=0, batches=2, warmup=0)
+    assert {t.config["batch_size"] for t in result.trials} == {8}
+    assert "[default: 64]" in CliRunner().invoke(cli_main, ["tune", "--help"]).output
+    out = CliRunner().invoke(
+        cli_main, ["tune", str(pack), "--max-workers", "0", "--batches", "2", "--batch-size", "4,8"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "# projected = workers x per-worker private memory" in out.stdout
+    tried = CliRunner().invoke(cli_main, [*args, "--json"])
+    assert {t["config"]["batch_size"] for t in json.loads(tried.stdout)["trials"]} == {4, 8}

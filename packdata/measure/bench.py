@@ -71,38 +71,74 @@ class BenchResult:
         """The results of one source (``"ceiling"`` for the ceiling)."""
         return [r for r in self.results if r.source == name]
 
-    def table(self) -> str:
-        """A fixed-width table, one line per source and setting."""
+    def table(self, *, wide: bool = False) -> str:
+        """A fixed-width table, one line per source and setting, a legend, and the best setting.
+
+        The default table has the columns that decide a setting; ``wide`` adds
+        MB/s, CPU time, first-batch time, wait percentiles and every memory figure.
+        """
         width = max([len(r.source) for r in self.results] + [6])
-        head = (
-            f"{'source':<{width}} {'wk':>3} {'batch':>5} {'pin':>3} {'pf':>2} {'samples/s':>10} {'MB/s':>7} "
-            f"{'x ceil':>6} {'cpu ms':>6} {'1st(s)':>6} {'p50ms':>6} {'p95ms':>6} {'wait%':>5} {'USS main':>10} "
-            f"{'USS wk':>10} {'file':>10} {'avail min':>10}"
-        )
+        waiting = any(r.step_ms for r in self.results)
+        head = f"{'source':<{width}} {'workers':>7} {'batch':>5} {'samples/s':>10} {'spread':>7} {'x ceiling':>9}"
+        head += f" {'wait%':>5}" if waiting else ""
+        head += f" {'private mem':>11} {'avail min':>10}"
+        if wide:
+            head += (
+                f" {'pin':>3} {'pf':>2} {'MB/s':>7} {'cpu ms':>6} {'first s':>7} {'p50 ms':>6} {'p95 ms':>6}"
+                f" {'USS main':>10} {'USS wk':>10} {'file':>10}"
+            )
         lines = [head]
         for r in self.results:
-            pin = "y" if r.pin_memory else "n"
             if r.error:
-                lines.append(
-                    f"{r.source:<{width}} {r.num_workers:>3} {r.batch_size:>5} {pin:>3} "
-                    f"{r.prefetch_factor:>2}  error: {r.error}"
-                )
+                lines.append(f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5}  error: {r.error}")
                 continue
             mem = r.memory
             ratio = f"{r.vs_ceiling:.2f}" if r.vs_ceiling is not None else "-"
-            lines.append(
-                f"{r.source:<{width}} {r.num_workers:>3} {r.batch_size:>5} {pin:>3} {r.prefetch_factor:>2} "
-                f"{r.samples_per_s:>10.1f} {r.mb_per_s:>7.1f} {ratio:>6} {r.cpu_ms_per_sample:>6.2f} "
-                f"{r.first_batch_s:>6.2f} "
-                f"{r.wait_p50_ms:>6.1f} {r.wait_p95_ms:>6.1f} {100 * r.data_wait_share:>5.1f} "
-                f"{format_size(mem['main']['uss_peak']):>10} {format_size(mem['workers']['uss_peak']):>10} "
-                f"{format_size(mem['total']['file_peak']):>10} {format_size(mem['mem_available_min']):>10}"
-            )
+            spread = _spread(r)
+            line = f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5} {r.samples_per_s:>10.1f}"
+            line += f" {spread:>7} {ratio:>9}"
+            line += f" {100 * r.data_wait_share:>5.1f}" if waiting else ""
+            private = mem["main"]["uss_peak"] + mem["workers"]["uss_peak"]
+            line += f" {format_size(private):>11} {format_size(mem['mem_available_min']):>10}"
+            if wide:
+                line += (
+                    f" {'y' if r.pin_memory else 'n':>3} {r.prefetch_factor:>2} {r.mb_per_s:>7.1f}"
+                    f" {r.cpu_ms_per_sample:>6.2f} {r.first_batch_s:>7.2f} {r.wait_p50_ms:>6.1f} {r.wait_p95_ms:>6.1f}"
+                    f" {format_size(mem['main']['uss_peak']):>10} {format_size(mem['workers']['uss_peak']):>10}"
+                    f" {format_size(mem['total']['file_peak']):>10}"
+                )
+            lines.append(line)
+        repeats = max((r.repeats for r in self.results), default=1)
         lines.append(
-            "USS: private memory (peak); file: file-backed pages, i.e. page cache (mmap'd packs), "
-            "shared and reclaimable; cpu ms: CPU time per sample, all processes; wait%: share of time waiting for data"
+            f"samples/s: median of {repeats} run{'s' * (repeats != 1)}; spread: (max - min) / median"
+            + (" (one run: rerun with --repeat 3 for a noise estimate)" if repeats == 1 else "")
+            + "; x ceiling: over the same decode on bytes in memory (ratios within the spread are noise)"
+            + ("; wait%: share of each step spent waiting for data" if waiting else "")
+            + "; private mem: peak USS of the main process plus the workers (page cache of mapped packs excluded)"
         )
+        best = self.best()
+        if best is not None:
+            lines.append(
+                f"best: {best.source} with num_workers={best.num_workers}, batch_size={best.batch_size}: "
+                f"{best.samples_per_s:.0f} samples/s"
+                + (f" ({best.vs_ceiling:.2f}x the ceiling)" if best.vs_ceiling is not None else "")
+            )
         return "\n".join(lines)
+
+    def best(self) -> ConfigResult | None:
+        """The fastest setting of any source but the ceiling (the cheaper one when two are within their spread)."""
+        rows = [r for r in self.results if not r.error and r.source != CEILING]
+        if not rows:
+            return None
+        top = max(rows, key=lambda r: r.samples_per_s)
+        close = [r for r in rows if r.samples_per_s >= top.samples_per_s_min and r.source == top.source]
+        return min(close, key=lambda r: (r.num_workers, r.batch_size, -r.samples_per_s))
+
+
+def _spread(r: ConfigResult) -> str:
+    if r.repeats < 2 or not r.samples_per_s:
+        return "-"
+    return f"{100 * (r.samples_per_s_max - r.samples_per_s_min) / r.samples_per_s:.0f}%"
 
 
 def _system_facts() -> dict[str, Any]:
@@ -159,6 +195,7 @@ def run_bench(
     multiprocessing_context: str | None = None,
     sample_interval: float = 0.25,
     progress: Callable[[str], None] | None = None,
+    repeats: int = 1,
 ) -> BenchResult:
     """Measure DataLoader throughput and memory for each source and setting.
 
@@ -241,37 +278,43 @@ def run_bench(
             warnings.append(f"{name}: {exc}")
     ceiling = _make_ceiling(opened, decode, transform, size, ceiling_samples)
     all_sources: list[tuple[str, Dataset | None, dict[str, Any]]] = [ceiling, *opened]
-    results: list[ConfigResult] = []
-    for name, dataset, facts in all_sources:
-        if dataset is None:
-            continue
-        if cold and name != CEILING:
-            reason = _drop_caches()
-            if reason and reason not in warnings:
-                warnings.append(reason)
-        for config in configs:
-            if progress:
-                progress(f"bench {name}: {config}")
-            try:
-                result = measure_loader(
-                    dataset,
-                    config,
-                    batches=batches,
-                    seconds=seconds,
-                    warmup=warmup,
-                    step_ms=step_ms,
-                    collate_fn=collate_fn,
-                    multiprocessing_context=multiprocessing_context,
-                    mean_bytes=facts.get("mean_bytes", 0.0),
-                    sample_interval=sample_interval,
-                    source=name,
-                    kind=facts.get("format", ""),
-                )
-            except (PackdataError, RuntimeError, OSError, TypeError, ValueError) as exc:
-                result = ConfigResult(
-                    name, facts.get("format", ""), **asdict(config), error=f"{type(exc).__name__}: {exc}"
-                )
-            results.append(result)
+    if repeats < 1:
+        raise ConfigError(f"repeats should be at least 1, but got repeats={repeats}")
+
+    def measure(name: str, dataset: Dataset, facts: dict[str, Any], config: LoaderConfig) -> ConfigResult:
+        try:
+            return measure_loader(
+                dataset,
+                config,
+                batches=batches,
+                seconds=seconds,
+                warmup=warmup,
+                step_ms=step_ms,
+                collate_fn=collate_fn,
+                multiprocessing_context=multiprocessing_context,
+                mean_bytes=facts.get("mean_bytes", 0.0),
+                sample_interval=sample_interval,
+                source=name,
+                kind=facts.get("format", ""),
+            )
+        except (PackdataError, RuntimeError, OSError, TypeError, ValueError) as exc:
+            return ConfigResult(name, facts.get("format", ""), **asdict(config), error=f"{type(exc).__name__}: {exc}")
+
+    runs: dict[tuple[str, LoaderConfig], list[ConfigResult]] = {}
+    for _ in range(repeats):  # interleaved: a noisy minute hits every setting alike
+        for name, dataset, facts in all_sources:
+            if dataset is None:
+                continue
+            if cold and name != CEILING:
+                reason = _drop_caches()
+                if reason and reason not in warnings:
+                    warnings.append(reason)
+            for config in configs:
+                if progress:
+                    progress(f"bench {name}: {config}")
+                result = measure(name, dataset, facts, config)
+                runs.setdefault((name, config), []).append(result)
+    results = [_median(group) for group in runs.values()]
     reference = {r.config: r.samples_per_s for r in results if r.source == CEILING and not r.error}
     for r in results:
         base = reference.get(r.config)
@@ -279,6 +322,17 @@ def run_bench(
             r.vs_ceiling = r.samples_per_s / base
     source_facts = [{"name": name, **{k: v for k, v in facts.items()}} for name, _, facts in all_sources]
     return BenchResult(results, source_facts, settings, _system_facts(), warnings)
+
+
+def _median(group: list[ConfigResult]) -> ConfigResult:
+    """The run with the median throughput, carrying the spread of all runs of its setting."""
+    good = sorted((r for r in group if not r.error), key=lambda r: r.samples_per_s)
+    if not good:
+        return group[0]
+    middle = good[len(good) // 2]
+    middle.repeats = len(good)
+    middle.samples_per_s_min, middle.samples_per_s_max = good[0].samples_per_s, good[-1].samples_per_s
+    return middle
 
 
 def _make_ceiling(

@@ -72,6 +72,9 @@ class ConfigResult:
     vs_ceiling: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    repeats: int = 1
+    samples_per_s_min: float = 0.0  # over the repeats (equal to samples_per_s after one)
+    samples_per_s_max: float = 0.0
 
     @property
     def config(self) -> LoaderConfig:

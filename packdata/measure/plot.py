@@ -13,10 +13,10 @@ __all__ = ["plot_bench"]
 
 
 def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
-    """Plot throughput and peak memory (PSS summed over processes) against num_workers, one line per source.
+    """Plot throughput and peak private memory against num_workers: measured points only, one series per source.
 
-    PSS rather than USS: forking a worker makes the parent's pages shared, so the
-    parent's USS drops as workers start while PSS sums the processes honestly.
+    Memory is the table's "private mem" (peak USS of the main process plus the
+    workers); a caption names the batch size, decode and machine.
 
     Raises:
         ConfigError: matplotlib is not installed (``pip install 'packdata[plot]'``).
@@ -34,23 +34,41 @@ def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
         if not r.error:
             groups.setdefault((r.source, r.batch_size, r.pin_memory, r.prefetch_factor), []).append(r)
     several = len({k[1:] for k in groups}) > 1
+    measured: set[int] = set()
     for (source, batch, pin, pf), rows in groups.items():
         rows.sort(key=lambda r: r.num_workers)
         label = Path(source).name or source
         if several:
             label += f" (batch {batch}, pin {'on' if pin else 'off'}, pf {pf})"
         x = [r.num_workers for r in rows]
-        style = "--" if source == CEILING else "-"
-        ax_speed.plot(x, [r.samples_per_s for r in rows], style, marker="o", label=label)
-        ax_mem.plot(x, [r.memory["total"]["pss_peak"] / 2**20 for r in rows], style, marker="o", label=label)
-    ax_speed.set(xlabel="num_workers", ylabel="samples/s", title="Throughput")
-    ax_mem.set(xlabel="num_workers", ylabel="MiB", title="Peak memory, main + workers (PSS)")
+        marker = "s" if source == CEILING else "o"
+        speed = [r.samples_per_s for r in rows]
+        spread = [
+            [r.samples_per_s - r.samples_per_s_min for r in rows],
+            [r.samples_per_s_max - r.samples_per_s for r in rows],
+        ]
+        ax_speed.errorbar(x, speed, yerr=spread, fmt=marker, capsize=3, label=label)  # points: no line between
+        private = [(r.memory["main"]["uss_peak"] + r.memory["workers"]["uss_peak"]) / 2**20 for r in rows]
+        ax_mem.plot(x, private, marker, linestyle="none", label=label)
+        measured.update(x)
+    ax_speed.set(xlabel="num_workers", ylabel="samples/s (median, bars: min-max)", title="Throughput")
+    ax_mem.set(xlabel="num_workers", ylabel="MiB", title="Peak private memory, main + workers (USS)")
     for ax in (ax_speed, ax_mem):
         ax.set_ylim(bottom=0)
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xticks(sorted(measured))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
+    settings, system = result.settings, result.system
+    batches = sorted({k[1] for k in groups})
+    fig.text(
+        0.01,
+        0.01,
+        f"batch size {', '.join(map(str, batches))}; decode {settings.get('decode')}; "
+        f"{system.get('cpus_logical')} logical CPUs, {system.get('memory_total', 0) / 2**30:.0f} GiB RAM; "
+        f"torch {system.get('torch')}",
+        fontsize=8,
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)

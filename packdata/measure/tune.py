@@ -180,6 +180,7 @@ class TuneResult:
     budget_source: str
     device: str
     warnings: list[str] = field(default_factory=list)
+    min_gain: float = 0.05  # what a step had to gain to be taken: closer settings are within noise
 
     def kwargs(self, trial: Trial | None = None) -> dict[str, Any]:
         """DataLoader keyword arguments of a trial (default the recommended one)."""
@@ -214,6 +215,7 @@ class TuneResult:
             "budget_source": self.budget_source,
             "device": self.device,
             "warnings": self.warnings,
+            "min_gain": self.min_gain,
         }
 
 
@@ -321,7 +323,7 @@ def run_tune(
     *,
     memory_budget: int | None = None,
     device: str | torch.device | None = None,
-    batch_sizes: Sequence[int] = (32, 64, 128, 256),
+    batch_sizes: Sequence[int] = (64,),
     prefetch_factors: Sequence[int] = (2, 4, 8),
     max_workers: int | None = None,
     decode: str | DecodeFn = "pil",
@@ -340,7 +342,8 @@ def run_tune(
         source: a pack or a raw folder.
         memory_budget: bytes the loader may use (default :func:`default_memory_budget`).
         device: where batches go; ``"cuda"`` adds pinned memory to the search when CUDA is there.
-        batch_sizes: batch sizes to search (starting from 64, or the nearest).
+        batch_sizes: your training batch size, kept as it is; several values are
+            searched (starting from 64, or the nearest).
         prefetch_factors: prefetch factors to search (from 2).
         max_workers: most workers to try (default: the logical CPUs).
         decode, transform, size: as for :func:`packdata.run_bench`.
@@ -417,5 +420,13 @@ def run_tune(
     recommended = chosen if chosen is not None and chosen.accepted else ranked[0]
     runner_up = next((t for t in ranked if t is not recommended), None)
     return TuneResult(
-        os.fspath(source), recommended, runner_up, trials, budget, how, "cuda" if cuda else "cpu", warnings
+        os.fspath(source),
+        recommended,
+        runner_up,
+        trials,
+        budget,
+        how,
+        "cuda" if cuda else "cpu",
+        warnings,
+        min_gain=min_gain,
     )
