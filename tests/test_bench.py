@@ -264,9 +264,8 @@ def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
     result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(8,), max_workers=0, batches=2, warmup=0)
     assert {t.config["batch_size"] for t in result.trials} == {8}
     assert "[default: 64]" in CliRunner().invoke(cli_main, ["tune", "--help"]).output
-    out = CliRunner().invoke(
-        cli_main, ["tune", str(pack), "--max-workers", "0", "--batches", "2", "--batch-size", "4,8"]
-    )
+    args = ["tune", str(pack), "--max-workers", "0", "--batches", "2", "--batch-size", "4,8"]
+    out = CliRunner().invoke(cli_main, args)
     assert out.exit_code == 0, out.output
     assert "# projected = workers x per-worker private memory" in out.stdout
     tried = CliRunner().invoke(cli_main, [*args, "--json"])
