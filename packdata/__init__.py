@@ -1,5 +1,19 @@
 """packdata: pack folders of small files into LMDB or TFRecord and feed PyTorch fast.
 
+Quickstart::
+
+    # shell: packdata convert ./imagenet/train train.lmdb
+    import packdata
+    from torch.utils.data import DataLoader
+
+    train = packdata.LMDBDataset("train.lmdb", transform=my_transform)   # where ImageFolder was
+    loader = DataLoader(train, batch_size=256, shuffle=True, num_workers=8, persistent_workers=True)
+
+    packdata.convert("./captions", "caps.lmdb", layout="grouped")        # image + caption + json samples
+    caps = packdata.LMDBDataset("caps.lmdb", fields=("jpg", "txt"))      # -> (PIL image, str)
+
+``packdata --help`` lists the commands (convert, stage, bench, tune, doctor, ls, cat, export, merge).
+
 Every public name loads on first use (PEP 562): ``import packdata`` imports no
 torch, PIL, numpy, lmdb or psutil, so the CLI and Ray conversion workers start
 fast. ``_EXPORTS`` is the one list of public names (name -> module).

@@ -224,6 +224,10 @@ class PadCollate:
     samples' dtype (``uint8`` for bytes) or ``dtype``; ``lengths`` and
     ``labels`` are int64 ``(N,)``.
 
+    ``packdata.pad_collate`` is ``PadCollate()`` (pad with 0, keep the samples'
+    dtype), ready to pass as ``collate_fn``; build a ``PadCollate(...)`` for
+    other options.
+
     Args:
         pad_value: the value padding positions get.
         dtype: cast the padded tensor to this dtype.

@@ -255,5 +255,6 @@ def doctor(
         report.warnings.extend(extra)
         if not get_format(report.pack.format).streams_by_shard:
             report.notes.append("LMDBDataset reads by index: the shard count matters little to it (TFRecord streams)")
-    report.notes.append("measure from here: packdata tune PACK --device cuda")
+    target = pack if pack is not None else "PACK"
+    report.notes.append(f"measure from here: packdata tune {target}" + (" --device cuda" if facts.gpus else ""))
     return report
