@@ -241,18 +241,20 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
 @main.command()
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
 @_friendly
-def info(pack: str, as_json: bool) -> None:
+def info(pack: str, as_json: bool, storage_options: str | None) -> None:
     """Show what PACK holds: format, samples, classes, fields, shards, bytes, version.
 
     \b
     Examples:
       packdata info train.lmdb
       packdata info train.lmdb --json | jq .classes
+      packdata info s3://bucket/train.lmdb
     """
     from packdata.formats.verify import pack_info
 
-    facts = pack_info(pack)
+    facts = pack_info(pack, storage_options=json.loads(storage_options) if storage_options else None)
     if as_json:
         click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
         return
@@ -671,6 +673,10 @@ def _mb(n: int) -> str:
     "at least 4 GiB, at most half.",
 )
 @click.option("--status", is_flag=True, help="List staged packs, sizes, free space and memory (in PACK as an area).")
+@click.option(
+    "--storage-options",
+    help='For a PACK URL: fsspec options as JSON, e.g. \'{"anon": true}\' or \'{"endpoint_url": "http://..."}\'.',
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_friendly
@@ -688,9 +694,11 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
       packdata stage /nfs/train.lmdb             # stage into /mnt/packdata/train.lmdb
       packdata stage /nfs/train.lmdb --to /nvme/stage --budget 200GB
       packdata stage /nfs/train --tmpfs 30G --shards 0,1,2
+      packdata stage s3://bucket/train.lmdb --to /nvme/cache    # once per node; every rank may call it
       packdata stage --status
       packdata unstage /mnt/packdata/train.lmdb
     """
+    from packdata.staging.remote import RemoteStageResult
     from packdata.staging.stage import stage as run_stage
     from packdata.staging.stage import stage_status
     from packdata.staging.tmpfs import prepare_tmpfs
@@ -746,9 +754,14 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         _warn(prepared.warnings)
         return
     chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
-    result = run_stage(pack, shards=chosen, progress=not quiet, **options)
+    storage = json.loads(options.pop("storage_options")) if options.get("storage_options") else None
+    result = run_stage(pack, shards=chosen, progress=not quiet, storage_options=storage, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
+        return
+    if isinstance(result, RemoteStageResult):  # a pack downloaded from object storage
+        state = f"downloaded {_mb(result.bytes_downloaded)}" if result.downloaded else "already staged here"
+        click.echo(f"staged {result.source} -> {result.staged}: {state} in {result.seconds:.1f}s")
         return
     click.echo(
         f"staged {result.source} -> {result.staged}: copied {_count(len(result.copied), 'shard')} "

@@ -13,13 +13,21 @@ from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
 from packdata.progress import progress as show_progress
 
 __all__ = ["VerifyResult", "pack_info", "verify_pack"]
 
 
-def pack_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest facts of a pack, as JSON-ready data."""
+def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest facts of a pack (a local path, or a URL such as ``s3://bucket/train.lmdb``), as JSON-ready data."""
+    if is_url(path):
+        fs, root = open_url(os.fspath(path), storage_options)
+        manifest, _ = read_url_manifest(fs, root, display_url(os.fspath(path)))
+        info = manifest.to_dict()
+        info["path"] = display_url(os.fspath(path))
+        info["total_bytes"] = manifest.total_bytes
+        return info
     manifest = read_manifest(path)
     info = manifest.to_dict()
     info["path"] = os.fspath(path)

@@ -36,7 +36,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 def write_marker(
     dest: Path,
     *,
-    origin: Path,
+    origin: str | os.PathLike,
     format: str,
     staged: Iterable[str],
     left: Iterable[str],

@@ -58,6 +58,7 @@ from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.index import INDEX_DIR
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
+from packdata.pack.urls import is_url
 from packdata.staging.copy import (
     ShardFiles,
     copy_all,
@@ -73,6 +74,7 @@ from packdata.staging.copy import (
     staged_manifest,
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, read_marker, write_marker
+from packdata.staging.remote import RemoteStageResult, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
     TMPFS_SOURCE,
@@ -232,8 +234,13 @@ def stage(
     force: bool = False,
     reserve: int | None = None,
     progress: bool = True,
-) -> StageResult:
+    storage_options: dict[str, Any] | None = None,
+) -> StageResult | RemoteStageResult:
     """Copy ``pack``'s shards to fast storage and write a staged pack that reads from them.
+
+    ``pack`` may be a URL (``s3://bucket/train.lmdb``, any fsspec URL): the pack is
+    then downloaded whole into ``to`` once per cache folder, every rank of a job
+    calling this (:func:`packdata.staging.remote.stage_remote`).
 
     Exactly one destination: ``to`` (a directory on local disk), ``tmpfs`` (a
     size: mount or reuse a tmpfs at ``mount``, default :data:`DEFAULT_AREA`), or
@@ -255,9 +262,11 @@ def stage(
         force: stage even when the memory checks refuse.
         reserve: memory kept for training in the tmpfs checks.
         progress: show a tqdm bar (bytes, MB/s) on stderr.
+        storage_options: for a URL: passed to fsspec (credentials, endpoint, ``anon``).
 
     Returns:
-        A :class:`StageResult` naming copied, reused and left shards.
+        A :class:`StageResult` naming copied, reused and left shards (a
+        :class:`~packdata.staging.remote.RemoteStageResult` for a URL).
 
     Raises:
         CapacityError: the chosen shards do not fit, the tmpfs is unsafe, or
@@ -267,6 +276,23 @@ def stage(
             packdata did not stage.
         LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named).
     """
+    if is_url(pack):
+        if tmpfs is not None or budget is not None or shards is not None:
+            raise ConfigError(
+                "a pack in object storage is staged whole into to=DIR (LMDB reads local files only)",
+                hint="Mount the tmpfs first (packdata stage --tmpfs SIZE), then stage the URL with to=MOUNT",
+            )
+        area = to if to is not None else mount
+        return stage_remote(
+            os.fspath(pack),
+            to=area,
+            name=name,
+            storage_options=storage_options,
+            workers=workers,
+            reserve=reserve,
+            force=force,
+            progress=progress,
+        )
     start = time.monotonic()
     if to is not None and (tmpfs is not None or mount is not None):
         raise ConfigError("give either to= (a directory) or tmpfs=/mount= (a tmpfs area), not both")

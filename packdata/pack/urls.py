@@ -1,0 +1,91 @@
+"""Packs in object storage: URLs through fsspec (``s3://``, ``gs://``, ``az://``, any fsspec protocol).
+
+Credentials come the standard way (environment, profile files, or
+``storage_options`` passed through to fsspec) and never appear in an error or a
+log line: :func:`display_url` is what packdata prints of a URL.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from packdata.errors import ConfigError, PackFormatError
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+
+__all__ = ["EXTRAS", "display_url", "is_url", "open_url", "read_url_manifest"]
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+"""URL scheme -> the packdata extra that installs its fsspec filesystem."""
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL of a remote filesystem (``file://`` and plain paths are local)."""
+    return isinstance(path, str) and bool(_SCHEME.match(path)) and not path.lower().startswith("file://")
+
+
+def display_url(url: str) -> str:
+    """``url`` without credentials or query (``s3://key:secret@bucket/x?token=...`` -> ``s3://bucket/x``)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it.
+
+    Raises:
+        ConfigError: fsspec, or the filesystem's package, is not installed (the
+            message names the extra to install), or the URL cannot be opened.
+    """
+    scheme = url.split("://", 1)[0].lower()
+    extra = EXTRAS.get(scheme, "remote")
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ConfigError(
+            f"{display_url(url)}: reading URLs needs fsspec", hint=f"pip install 'packdata[{extra}]'"
+        ) from exc
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise ConfigError(
+            f"{display_url(url)}: the {scheme}:// filesystem is not installed", hint=f"pip install 'packdata[{extra}]'"
+        ) from exc
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{display_url(url)}: cannot open the URL ({type(exc).__name__})") from exc
+    return fs, path
+
+
+def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
+    """The manifest of the pack at ``root`` on ``fs``, validated like a local one, and its bytes.
+
+    Raises:
+        PackFormatError: no manifest (not a pack, or not finished: a pack exists
+            when its manifest.json does), unreadable, invalid, or a staged pack.
+    """
+    try:
+        raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}")
+    except FileNotFoundError as exc:
+        raise PackFormatError(
+            f"{shown}: no {MANIFEST_NAME} there: not a pack, or not finished (a pack exists when its "
+            f"{MANIFEST_NAME} does)",
+            hint="Check the URL",
+        ) from exc
+    except OSError as exc:
+        raise PackFormatError(f"{shown}: cannot read {MANIFEST_NAME} ({type(exc).__name__})") from exc
+    with tempfile.TemporaryDirectory(prefix="packdata-manifest-") as probe:
+        Path(probe, MANIFEST_NAME).write_bytes(raw)
+        try:
+            manifest = read_manifest(probe)
+        except PackFormatError as exc:
+            raise PackFormatError(f"{shown}: {exc}") from exc
+    if manifest.staged_from is not None:
+        raise PackFormatError(f"{shown}: is a staged pack; use its origin", hint="Point at the original pack")
+    return manifest, raw

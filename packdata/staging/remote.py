@@ -1,0 +1,287 @@
+"""Stage a pack from object storage (``s3://``, any fsspec URL) into a local cache, once per node.
+
+``packdata.stage("s3://bucket/train.lmdb", to="/nvme/cache")`` is meant to be
+called by every rank of a job: one process per cache folder downloads while
+the others wait on ``.NAME.lock`` there (an ``flock``: a process that dies
+holding it releases it, so nobody hangs on a dead downloader), then all open
+the finished copy. The steps:
+
+1. The remote ``manifest.json`` is read and validated like a local one.
+2. When ``CACHE/NAME`` already holds a complete copy of this manifest, nothing
+   is downloaded.
+3. Otherwise every file of the pack (shards with their side tables, the sample
+   index, the skip report) is downloaded into ``CACHE/.NAME.partial``: in
+   parallel, large files in parallel byte ranges, each shard's SHA-256
+   checked against the manifest before it takes its name. Files already there
+   from an interrupted run are kept when their size (and, for shards, hash) is
+   right, so a rerun resumes.
+4. The manifest is written last, then the folder is renamed to ``CACHE/NAME``
+   (a previous copy is moved aside and deleted): a reader never sees a half copy.
+
+An LMDB pack is read through local files only, so a pack is staged whole or
+not at all: a cache without room for it is refused before anything is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
+from packdata.formats import get_format
+from packdata.host.facts import gather_facts, read_mounts
+from packdata.host.memory import memory_warnings
+from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.index import index_files
+from packdata.pack.lock import hold_lock
+from packdata.pack.manifest import MANIFEST_NAME, Manifest
+from packdata.pack.urls import display_url, open_url, read_url_manifest
+from packdata.progress import progress as show_progress
+from packdata.staging.marker import STAGED_FILE, read_marker, write_marker
+from packdata.staging.tmpfs import mount_of
+
+__all__ = ["RemoteStageResult", "stage_remote"]
+
+_RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
+_WAIT_POLL = 0.5
+
+
+@dataclass
+class RemoteStageResult:
+    """A remote pack staged (or found staged) in a local cache."""
+
+    source: str  # the URL, without credentials
+    staged: Path
+    downloaded: bool  # False: this process found a complete copy (another rank made it, or an earlier run)
+    files: int
+    bytes_downloaded: int
+    seconds: float
+    waited_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "staged": os.fspath(self.staged)}
+
+
+def stage_remote(
+    url: str,
+    *,
+    to: str | os.PathLike | None,
+    name: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+    wait_seconds: float = 6 * 3600,
+    reserve: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> RemoteStageResult:
+    """Download the pack at ``url`` into ``to/NAME`` once per cache folder (see the module docstring).
+
+    Args:
+        url: the pack in object storage (``s3://bucket/train.lmdb``).
+        to: the local cache folder (NVMe, or a tmpfs mount).
+        name: the staged pack's folder name (default: the URL's last part).
+        storage_options: passed to fsspec (credentials, endpoint, ``anon``).
+        workers: parallel requests (default 16: object stores want many).
+        wait_seconds: how long a rank waits for another one's download.
+        reserve, force: the tmpfs memory checks, as for a local stage.
+        progress: show progress on stderr.
+
+    Raises:
+        ConfigError: no ``to``, or the URL cannot be opened.
+        CapacityError: the cache cannot hold the whole pack, or memory checks refuse.
+        PackFormatError: the remote pack is not a pack, or a shard fails its checksum.
+        LockedError: another process kept the download for longer than ``wait_seconds``.
+    """
+    start = time.monotonic()
+    if to is None:
+        raise ConfigError("staging from a URL needs to=DIR: the local cache folder", hint="Pass --to /nvme/cache")
+    fs, root = open_url(url, storage_options)
+    shown = display_url(url)
+    name = name or PurePosixPath(root.rstrip("/")).name
+    if not name or name in (".", "..") or "/" in name:
+        raise ConfigError(f"{shown}: cannot name the staged pack after the URL", hint="Pass name=NAME")
+    cache = Path(to).absolute()
+    cache.mkdir(parents=True, exist_ok=True)
+    lock = cache / f".{name}.lock"
+    while True:
+        try:
+            with hold_lock(lock, what="packdata stage (download)", target=cache / name):
+                result = _stage_locked(fs, root.rstrip("/"), shown, cache, name, workers, reserve, force, progress)
+                break
+        except LockedError:
+            if time.monotonic() - start > wait_seconds:
+                raise
+            time.sleep(_WAIT_POLL)
+    result.waited_seconds = time.monotonic() - start - result.seconds
+    return result
+
+
+def _pack_files(manifest: Manifest) -> list[tuple[str, int | None, str | None, bool]]:
+    """``(relative path, size, sha256, required)`` of every file of a pack."""
+    layout_of = get_format(manifest.format).shard_layout
+    files: list[tuple[str, int | None, str | None, bool]] = []
+    for shard in manifest.shards:
+        layout = layout_of(shard.file)
+        data = f"{shard.file}/{layout.data}" if layout.folder else shard.file
+        files.append((data, shard.bytes, shard.sha256, True))
+        base = shard.file if layout.folder else str(PurePosixPath(shard.file).parent)
+        files += [(str(PurePosixPath(base) / side), None, None, False) for side in layout.side]
+    files += [(f"{manifest.index_dir}/{n}", None, None, True) for n in index_files(manifest.kind)]
+    report = manifest.skipped.get("report")
+    if report:
+        files.append((report, None, None, False))
+    return files
+
+
+def _stage_locked(
+    fs: Any,
+    root: str,
+    shown: str,
+    cache: Path,
+    name: str,
+    workers: int | None,
+    reserve: int | None,
+    force: bool,
+    progress: bool,
+) -> RemoteStageResult:
+    start = time.monotonic()
+    manifest, raw = read_url_manifest(fs, root, shown)
+    dest, partial = cache / name, cache / f".{name}.partial"
+    digest = hashlib.sha256(raw).hexdigest()
+    marker = read_marker(dest) if dest.is_dir() else None
+    if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
+        return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
+    partial.mkdir(exist_ok=True)
+    files = _pack_files(manifest)
+    sizes = {rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files}
+    todo = [
+        (rel, size, sha)
+        for rel, _, sha, _ in files
+        if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
+    ]
+    needed = sum(size for _, size, _ in todo)
+    _check_room(cache, needed, reserve, force)
+    ranges = []
+    for rel, size, _ in todo:  # every file cut into ranges: a big shard downloads in parallel too
+        tmp = _part(partial / rel)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        ranges += [(rel, offset, min(offset + _RANGE, size)) for offset in range(0, size, _RANGE)]
+    with (
+        show_progress(desc=f"download {name}", unit="B", total=needed, disable=not progress) as bar,
+        ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-fetch") as pool,
+    ):
+        for got in pool.map(lambda r: _fetch_range(fs, root, partial, r[0], r[1], r[2], shown), ranges):
+            bar.update(got)
+    for rel, _, sha in todo:
+        _finish_file(partial / rel, sha, shown, rel)
+    atomic_write(partial / MANIFEST_NAME, raw)
+    write_marker(
+        partial,
+        origin=shown,
+        format=manifest.format,
+        staged=[s.file for s in manifest.shards],
+        left=[],
+        bytes_staged=manifest.total_bytes,
+        bytes_left=0,
+        complete=True,
+    )
+    _add_manifest_digest(partial, digest)
+    fsync_dir(partial)
+    old = cache / f".{name}.old-{os.getpid()}"
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(partial, dest)
+    fsync_dir(cache)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
+
+
+def _add_manifest_digest(folder: Path, digest: str) -> None:
+    path = folder / STAGED_FILE
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["manifest_sha256"] = digest
+    atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
+
+
+def _remote_size(fs: Any, path: str, required: bool) -> int | None:
+    try:
+        return int(fs.info(path)["size"])
+    except FileNotFoundError:
+        if required:
+            raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing") from None
+        return None
+
+
+def _part(local: Path) -> Path:
+    return local.with_name(f".{local.name}.part")
+
+
+def _complete(local: Path, size: int, sha256: str | None) -> bool:
+    """A file already downloaded by an interrupted run: right size and, for a shard, right hash."""
+    if not (local.is_file() and not local.is_symlink() and local.stat().st_size == size):
+        return False
+    return sha256 is None or _sha256(local) == sha256
+
+
+def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> None:
+    free = shutil.disk_usage(cache).free
+    if needed > free:
+        raise CapacityError(
+            f"the pack needs {needed:,} more bytes here, {free:,} are free",
+            path=cache,
+            hint="A pack is staged whole from a URL (LMDB reads local files only): free space or choose another cache",
+        )
+    mount = mount_of(cache, read_mounts())
+    if mount is not None and mount.fstype == "tmpfs":
+        warnings = memory_warnings(gather_facts(include_gpus=False), tmpfs_size=needed, reserve=reserve)
+        refused = [w for w in warnings if w.severity == "refuse"]
+        if refused and not force:
+            raise CapacityError(refused[0].message, path=cache, hint="Stage onto disk, or pass force=True")
+
+
+def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: int, shown: str) -> int:
+    """Download bytes ``[start, end)`` of ``rel`` into its ``.part`` file; returns the bytes written."""
+    try:
+        chunk = fs.cat_file(f"{root}/{rel}", start=start, end=end)
+    except OSError as exc:
+        raise PackFormatError(f"{shown}: cannot read {rel} ({type(exc).__name__})", hint="Rerun to resume") from exc
+    if len(chunk) != end - start:
+        raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
+    fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, chunk, start)
+    finally:
+        os.close(fd)
+    return len(chunk)
+
+
+def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
+    """Check a downloaded shard against the manifest's SHA-256, make it durable and give it its name."""
+    tmp = _part(local)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    if sha256 is not None and _sha256(tmp) != sha256:
+        tmp.unlink()
+        raise PackFormatError(
+            f"{shown}: {rel} does not match the manifest's SHA-256 (damaged, or the pack changed while staging)",
+            hint="Rerun; if it persists, verify the pack at its origin",
+        )
+    os.replace(tmp, local)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,158 @@
+"""Packs in object storage: staging from a real local S3 server (moto in server mode), once per node."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import image_bytes
+
+import packdata
+from packdata.cli import main
+from packdata.errors import PackFormatError
+
+moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
+s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
+
+SECRET = "never-print-this-secret-9f3c"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A moto S3 server on loopback with dummy credentials; yields (storage_options, filesystem)."""
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("packs")
+    try:
+        yield options, fs
+    finally:
+        server.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def remote_pack(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 3-shard LMDB pack converted locally and uploaded to s3://packs/train.lmdb."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("remote")
+    src = root / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(9):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + 10 * len(c), (40, 30)))
+    local = root / "train.lmdb"
+    packdata.convert(src, local, shard_samples=6, progress=False)
+    fs.put(str(local), "packs/train.lmdb", recursive=True)
+    return "s3://packs/train.lmdb", local
+
+
+def _samples(pack: Path) -> list[tuple[str, bytes, int]]:
+    ds = packdata.LMDBDataset(pack, decode="bytes")
+    return [(ds.keys[i], *ds[i]) for i in range(len(ds))]
+
+
+def test_stage_from_s3_downloads_verifies_and_then_reuses(s3, remote_pack, tmp_path: Path) -> None:
+    options, _ = s3
+    url, local = remote_pack
+    result = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert result.downloaded and result.staged == tmp_path / "cache" / "train.lmdb"
+    assert _samples(result.staged) == _samples(local)
+    assert packdata.verify_pack(result.staged, progress=False).records == 18
+    again = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert not again.downloaded and again.bytes_downloaded == 0
+    assert not list((tmp_path / "cache").glob(".*partial*"))
+
+
+_RANK = """
+import json, sys
+import packdata
+result = packdata.stage(sys.argv[1], to=sys.argv[2], storage_options=json.loads(sys.argv[3]), progress=False)
+print(json.dumps({"downloaded": result.downloaded, "n": len(packdata.LMDBDataset(result.staged))}))
+"""
+
+
+def test_every_rank_stages_and_one_downloads(s3, remote_pack, tmp_path: Path) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, url, str(tmp_path / "cache"), json.dumps(options)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outcomes = []
+    for rank in ranks:
+        out, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0, err
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(o["downloaded"] for o in outcomes) == [False, False, False, True]
+    assert {o["n"] for o in outcomes} == {18}
+
+
+def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_path: Path) -> None:
+    options, fs = s3
+    _, local = remote_pack
+    fs.put(str(local), "packs/bad.lmdb", recursive=True)
+    data = bytearray(fs.cat_file("packs/bad.lmdb/shard-00001.lmdb/data.mdb"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file("packs/bad.lmdb/shard-00001.lmdb/data.mdb", bytes(data))
+    with pytest.raises(PackFormatError, match=r"s3://packs/bad\.lmdb: shard-00001\.lmdb/data\.mdb does not match"):
+        packdata.stage("s3://packs/bad.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
+    assert not (tmp_path / "cache" / "bad.lmdb").exists()
+
+
+def test_errors_never_show_credentials(s3, tmp_path: Path) -> None:
+    options, _ = s3
+    with pytest.raises(PackFormatError) as info:
+        packdata.stage("s3://packs/nothere.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
+    assert "s3://packs/nothere.lmdb: no manifest.json there" in str(info.value)
+    assert SECRET not in str(info.value) and "testing-key-id" not in str(info.value)
+    url = f"s3://testing-key-id:{SECRET}@packs/nothere.lmdb"
+    out = CliRunner().invoke(
+        main, ["stage", url, "--to", str(tmp_path / "c2"), "--storage-options", json.dumps(options), "-q"]
+    )
+    assert out.exit_code == 1 and SECRET not in out.output
+
+
+def test_cli_stage_from_a_url(s3, remote_pack, tmp_path: Path) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    args = ["stage", url, "--to", str(tmp_path / "cache"), "--storage-options", json.dumps(options), "-q"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert "staged s3://packs/train.lmdb ->" in first.output and "downloaded" in first.output
+    second = CliRunner().invoke(main, args)
+    assert "already staged here" in second.output
+
+
+def test_info_reads_a_remote_manifest(s3, remote_pack) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    out = CliRunner().invoke(main, ["info", url, "--storage-options", json.dumps(options)])
+    assert out.exit_code == 0, out.output
+    assert "pack:     s3://packs/train.lmdb" in out.output and "samples:  18" in out.output
