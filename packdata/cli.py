@@ -182,6 +182,7 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--storage-options", help="For a DST URL (s3://...): fsspec options as JSON.")
 @_friendly
 def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **options: Any) -> None:
     """Pack the files under SRC (a folder, a .csv/.tsv/.jsonl list, or WebDataset tars) into DST.
@@ -200,6 +201,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert ./coco-captions caps.lmdb --layout grouped --require jpg,txt
       packdata convert train.csv train.lmdb --path-column image --label-column label
       packdata convert 'shards/data-{000000..000099}.tar' train.lmdb   # WebDataset tars
+      packdata convert ./train s3://bucket/train.lmdb                  # packed locally, uploaded, manifest last
       packdata convert ./imagenet/train train --format tfrecord --shard-size 256MB
       packdata convert ./photos small.lmdb --max-side 256 --quality 90
       packdata convert ./corpus corpus.lmdb --kind text
@@ -211,6 +213,8 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         raise click.UsageError("--address needs --engine ray")
 
     try:
+        if options.get("storage_options"):
+            options["storage_options"] = json.loads(options["storage_options"])
         result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
     except KeyboardInterrupt:
         click.echo(f"\nInterrupted: nothing was published at {dst}; rerun with --resume to continue.", err=True)

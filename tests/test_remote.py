@@ -156,3 +156,39 @@ def test_info_reads_a_remote_manifest(s3, remote_pack) -> None:
     out = CliRunner().invoke(main, ["info", url, "--storage-options", json.dumps(options)])
     assert out.exit_code == 0, out.output
     assert "pack:     s3://packs/train.lmdb" in out.output and "samples:  18" in out.output
+
+
+def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Path, monkeypatch) -> None:
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(8):
+        (src / f"{i}.jpg").write_bytes(image_bytes(i, (30, 20)))
+    url = "s3://packs/converted.lmdb"
+    import packdata.conversion.upload as upload
+
+    real_put = fs.put_file  # fsspec caches filesystems: convert gets this very instance
+    calls: list[str] = []
+
+    def failing_put(lpath, rpath, *args, **kwargs):  # the network drops after two uploads
+        calls.append(rpath)
+        if len(calls) == 3:
+            raise OSError("connection reset")
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", failing_put)
+    with pytest.raises(PackFormatError, match=r"s3://packs/converted\.lmdb: uploading .* failed"):
+        packdata.convert(tmp_path / "src", url, shard_samples=3, storage_options=options, progress=False, workers=1)
+    assert not fs.exists("packs/converted.lmdb/manifest.json")  # no manifest: no pack
+    monkeypatch.setattr(fs, "put_file", real_put)
+    result = packdata.convert(
+        tmp_path / "src", url, shard_samples=3, storage_options=options, progress=False, resume=True
+    )
+    assert result.pack == url and result.packed == 8
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("manifest.json"))
+    staged = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert len(packdata.LMDBDataset(staged.staged)) == 8
+    with pytest.raises(packdata.ConfigError, match="a pack already exists there"):
+        packdata.convert(tmp_path / "src", url, storage_options=options, progress=False)
+    assert upload.work_folder(url).name == "converted.lmdb"

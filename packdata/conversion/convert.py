@@ -26,12 +26,14 @@ from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths, partial_path
 from packdata.conversion.sources import Source, scan_source
 from packdata.conversion.tars import is_tar_pattern, scan_tars
+from packdata.conversion.upload import check_remote_destination, clean_work_folder, upload_pack, work_folder
 from packdata.errors import (
     ConfigError,
 )
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
+from packdata.pack.urls import display_url, is_url
 
 __all__ = ["convert"]
 
@@ -59,6 +61,7 @@ def convert(
     path_column: str = "path",
     label_column: str | None = None,
     append: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Pack the files of ``src`` into a pack at ``dst``.
 
@@ -67,7 +70,9 @@ def convert(
             grouped files, see ``layout``), a list file (``.csv``, ``.tsv``,
             ``.jsonl``), or WebDataset tar shards (``data-{000..099}.tar``,
             globs, ``.tar.gz``). Never modified.
-        dst: the pack to create (``out.lmdb``; a folder for TFRecord).
+        dst: the pack to create (``out.lmdb``; a folder for TFRecord), or a URL
+            (``s3://bucket/out.lmdb``): packed locally, then uploaded, the
+            manifest last (:mod:`packdata.conversion.upload`).
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
         workers: parallel reader threads (default: 4 per CPU, at most 32).
@@ -92,6 +97,7 @@ def convert(
             have; a group lacking one is skipped and reported.
         path_column: a list file's column of file paths (relative to the list's folder, or absolute).
         label_column: a list file's column of labels (class names, or integers), if any.
+        storage_options: for a URL destination: passed to fsspec (credentials, endpoint).
         append: add the samples as new shards of the existing pack at ``dst``
             (same format and kind): existing shards untouched, classes united
             by name, the manifest replaced atomically last
@@ -110,6 +116,8 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
+    if is_url(dst):
+        return _convert_to_url(src, os.fspath(dst), locals())
     src, dst = Path(src), Path(dst)
     if append:
         return _append(src, dst, locals())
@@ -235,3 +243,25 @@ def _result_of(pack: Path, started: float) -> ConvertResult:
         shards=len(manifest.shards),
         resumed=True,
     )
+
+
+def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
+    """Convert into a local work folder, then upload it to ``url`` (manifest last)."""
+    if options["append"] or options["engine"] != "local":
+        raise ConfigError(
+            "a URL destination takes a new pack from the local engine", hint="Convert locally, then upload"
+        )
+    storage = options["storage_options"]
+    check_remote_destination(url, storage, overwrite=options["overwrite"])
+    local = work_folder(url)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k not in ("storage_options", "overwrite")}
+    kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
+    if local.exists() and not options["resume"]:
+        shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
+    # Packed before an interruption: upload it; else pack (resuming a partial conversion).
+    result = _result_of(local, float(options["started"])) if local.exists() else convert(src, local, **kwargs)
+    upload_pack(local, url, storage_options=storage, workers=options["workers"], progress=options["progress"])
+    clean_work_folder(local)
+    result.pack = display_url(url)
+    return result

@@ -53,7 +53,7 @@ MAX_SKIP_EXAMPLES = 20
 class ConvertResult:
     """What a conversion did: counts, bytes and time, and every skip by reason."""
 
-    pack: Path
+    pack: Path | str  # a URL for a pack converted into object storage
     format: str
     kind: str
     found: int
