@@ -117,7 +117,7 @@ def _streaming() -> types.ModuleType:
 
 
 def write_mds(folder: Path, out: Path) -> None:
-    MDSWriter = _streaming().MDSWriter  # noqa: N806
+    MDSWriter = _streaming().MDSWriter
 
     shutil.rmtree(out, ignore_errors=True)
     columns = {"__key__": "str", "jpg": "bytes", "txt": "bytes", "json": "bytes"}

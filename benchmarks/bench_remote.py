@@ -1,0 +1,87 @@
+"""Staging from object storage: ``packdata stage s3://...`` next to ``s3fs``'s ``fs.get(recursive=True)``.
+
+Side by side in one run against a local S3 server (moto in server mode on
+loopback, needs ``pip install 'moto[server]' s3fs``)::
+
+    python benchmarks/bench_remote.py [--mb 300] [--repeats 3]
+
+Both download the same pack into fresh folders; packdata also checks every
+shard's SHA-256 against the manifest. Repeats are interleaved; medians with
+min-max are printed, with the local-disk copy (``shutil.copytree``) as the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import packdata
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=300, help="pack size in MB (text samples of 1 MB)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's per-request log lines
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    port = _port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    fs = s3fs.S3FileSystem(**options)
+    work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    try:
+        src = work / "src" / "texts"
+        src.mkdir(parents=True)
+        block = os.urandom(1 << 19).hex().encode()[: 1 << 20]
+        for i in range(args.mb):
+            (src / f"{i:05d}.txt").write_bytes(block[i:] + block[:i])
+        packdata.convert(work / "src", work / "train.lmdb", shard_size=64 * 10**6, progress=False)
+        fs.mkdir("bench")
+        fs.put(str(work / "train.lmdb"), "bench/train.lmdb", recursive=True)
+        times: dict[str, list[float]] = {"packdata stage": [], "s3fs fs.get(recursive)": [], "local copytree": []}
+        for n in range(args.repeats):
+            start = time.perf_counter()
+            packdata.stage("s3://bench/train.lmdb", to=work / f"p{n}", storage_options=options, progress=False)
+            times["packdata stage"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fs.get("bench/train.lmdb", str(work / f"g{n}"), recursive=True)
+            times["s3fs fs.get(recursive)"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            shutil.copytree(work / "train.lmdb", work / f"c{n}")
+            times["local copytree"].append(time.perf_counter() - start)
+            for prefix in ("p", "g", "c"):
+                shutil.rmtree(work / f"{prefix}{n}")
+        size = sum(p.stat().st_size for p in (work / "train.lmdb").rglob("*") if p.is_file())
+        reference = statistics.median(times["s3fs fs.get(recursive)"])
+        print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {os.cpu_count()} CPUs, {args.repeats} repeats")
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(
+                f"  {name:<26} {median:6.2f} s [{min(values):.2f} - {max(values):.2f}]  {size / 1e6 / median:7.1f} MB/s"
+                f"  {reference / median:5.2f}x s3fs"
+            )
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
