@@ -560,3 +560,10 @@ def test_writing_tfrecord_does_not_import_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_indexed_batched_reads_equal_single_reads(tf_images: Path, tmp_path: Path) -> None:
+    convert(tf_images, tmp_path / "p", format="tfrecord", shard_samples=4, progress=False)
+    ds = TFRecordIndexedDataset(tmp_path / "p", decode="bytes")
+    order = [len(ds) - 1, 0, 5, 5, -2, 2]
+    assert ds.__getitems__(order) == [ds[i] for i in order]

@@ -36,7 +36,6 @@ source of truth.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import struct
@@ -49,6 +48,7 @@ import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
+from packdata.formats.residency import PagedFile, buffer_address
 from packdata.pack.files import file_sha256
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
@@ -266,25 +266,6 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
     return env
 
 
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [
-        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-def _address(view: memoryview) -> int:
-    """The memory address of a (read-only) buffer."""
-    buffer = _PyBuffer()
-    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(buffer), 0)
-    try:
-        return int(buffer.buf)
-    finally:
-        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buffer))
-
-
 def _map_base(data_file: str) -> int:
     """Start address of this process's mapping of ``data_file`` (from /proc/self/maps, by device and inode).
 
@@ -328,7 +309,7 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
                     start = payload_start(value)
                 except RecordError as exc:
                     raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
-                out[i] = (_address(value) - base + start, len(value) - start, crc32c.crc32c(value[start:]))
+                out[i] = (buffer_address(value) - base + start, len(value) - start, crc32c.crc32c(value[start:]))
         txnid = env.info()["last_txnid"]
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
@@ -488,8 +469,10 @@ class LMDBShardReader:
         found = _read_table(self.path, self._entries, info["last_txnid"], size)
         if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
             self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
+        self._pages: PagedFile | None = None
         if self._locations is not None:
             self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+            self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
 
     def get(self, index: int) -> memoryview:
         """The whole record at ``index`` within the shard, valid until :meth:`close`."""
@@ -513,10 +496,28 @@ class LMDBShardReader:
         if self._locations is None or not 0 <= index < self._entries:
             return None
         offset, length, crc = self._locations[3 * index : 3 * index + 3].tolist()
-        data = os.pread(self._fd, length, offset)
+        assert self._pages is not None  # opened with the table
+        data = self._pages.read(offset, length)
         if len(data) != length or (self.check_crc and crc32c.crc32c(data) != crc):
             return None
         return data
+
+    def payloads(self, indices: list[int]) -> list[bytes | None]:
+        """:meth:`payload` of several records, the table rows looked up at once (a batch read)."""
+        if self._locations is None or self._pages is None:
+            return [None] * len(indices)
+        inside = [0 <= i < self._entries for i in indices]
+        rows = self._locations.reshape(-1, 3)[[i if ok else 0 for i, ok in zip(indices, inside, strict=True)]].tolist()
+        mapped = self._pages.warm_map(len(indices))
+        if mapped is not None:
+            datas = [mapped[offset : offset + length] for offset, length, _ in rows]
+        else:
+            datas = [os.pread(self._fd, length, offset) for offset, length, _ in rows]
+        crc32, check = crc32c.crc32c, self.check_crc
+        return [
+            data if ok and len(data) == row[1] and (not check or crc32(data) == row[2]) else None
+            for ok, data, row in zip(inside, datas, rows, strict=True)
+        ]
 
     def payload_length(self, index: int) -> int | None:
         """The payload length of the record at ``index`` from the location table, or None without one."""
@@ -534,7 +535,7 @@ class LMDBShardReader:
         if total is None or start < 0 or length < 0 or start + length > total:
             return None
         offset = int(self._locations[3 * index]) + start  # type: ignore[index]
-        data = os.pread(self._fd, length, offset)
+        data = self._pages.read(offset, length)  # type: ignore[union-attr]
         return data if len(data) == length else None
 
     def items(self):
@@ -548,6 +549,9 @@ class LMDBShardReader:
     def close(self) -> None:
         """End the read transaction and close the file (the shared environment stays open)."""
         self._txn.abort()
+        if self._pages is not None:
+            self._pages.close()
+            self._pages = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,8 @@ from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.fields import FieldSpec
 
 __all__ = ["LMDBDataset", "PackInfo", "PackView", "SampleList", "ShardReaders"]
+
+_BYTES = resolve_decoder("bytes")
 
 
 class PackInfo:
@@ -386,6 +389,7 @@ class LMDBDataset(PackView, Dataset):
         self.check_crc = check_crc or verify
         shards = self.pack.manifest.shards
         self._first = [s.first_index for s in shards]
+        self._first_array = np.asarray(self._first, dtype=np.int64)
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
         self._readers = ShardReaders(
             self._shard_paths,
@@ -478,6 +482,41 @@ class LMDBDataset(PackView, Dataset):
         if self.field_spec is not None:
             return self._sample(index)
         return self._finish(*self.raw(index), index=self._sample_index(index))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A whole batch in one call (``DataLoader`` uses it): records read in pack order, labels looked up once.
+
+        Returns the same samples, in the order asked, as ``[ds[i] for i in indices]``.
+        """
+        if self.field_spec is not None:
+            return [self._sample(i) for i in indices]
+        n = len(self)
+        positions = np.asarray(indices, dtype=np.int64)
+        if not len(positions):
+            return []
+        if positions.min() < -n or positions.max() >= n:
+            bad = int(positions[(positions < -n) | (positions >= n)][0])
+            raise IndexError(f"index {bad} is out of range for a pack of {n} samples")
+        positions %= n
+        labels = self.pack.index.labels[positions].tolist()
+        order = np.argsort(positions, kind="stable")  # forward through the shards
+        ordered = positions[order]
+        shards = np.searchsorted(self._first_array, ordered, side="right") - 1
+        cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
+        payloads: list[bytes | None] = [None] * len(positions)
+        for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
+            shard = int(shards[a])
+            got = self._readers[shard].payloads((ordered[a:b] - self._first[shard]).tolist())
+            for k, payload in zip(order[a:b].tolist(), got, strict=True):
+                payloads[k] = payload
+        plain = self.decode is _BYTES and self.transform is None and self.target_transform is None
+        out: list[Any] = []
+        for k, position in enumerate(positions.tolist()):
+            payload = payloads[k]
+            if payload is None:  # no valid location table: LMDB's lookup, with its own checks
+                payload, _ = self.raw(position)
+            out.append((payload, labels[k]) if plain else self._finish(payload, labels[k], index=position))
+        return out
 
     def _sample(self, index: int) -> Any:
         """A multi-field sample, decoded and transformed."""

@@ -551,6 +551,14 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         return self._finish(*self.raw(index), index=self._sample_index(index))
 
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A whole batch in one call: records read in file order, returned in the order asked."""
+        positions = [self._sample_index(i) for i in indices]
+        out: list[Any] = [None] * len(positions)
+        for k in sorted(range(len(positions)), key=positions.__getitem__):
+            out[k] = self._finish(*self.raw(positions[k]), index=positions[k])
+        return out
+
     def __del__(self) -> None:
         if hasattr(self, "_readers"):
             self._readers.close()
