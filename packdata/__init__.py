@@ -69,6 +69,7 @@ _EXPORTS = {
     "TuneResult": "measure.tune",
     "recommend_loader_kwargs": "measure.tune",
     "run_tune": "measure.tune",
+    "monitor": "watch.loop",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -15,55 +15,16 @@ and ``/proc/PID/status`` on Linux):
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 
+from packdata.host.processes import process_memory
+
 __all__: list[str] = []
-
-_ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
-
-
-def _process_memory(proc: psutil.Process) -> dict[str, int] | None:
-    """uss, pss, anon, file and shmem bytes of one process, or None if it is gone."""
-    try:
-        with open(f"/proc/{proc.pid}/smaps_rollup", "rb") as f:
-            rollup = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
-        with open(f"/proc/{proc.pid}/status", "rb") as f:
-            status = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
-        return {
-            "uss": rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0),
-            "pss": rollup.get("Pss", 0),
-            "anon": status.get("RssAnon", rollup.get("Anonymous", 0)),
-            "file": status.get("RssFile", 0),
-            "shmem": status.get("RssShmem", 0),
-        }
-    except FileNotFoundError:
-        if not Path("/proc/self/smaps_rollup").exists():
-            return _psutil_memory(proc)
-        return None
-    except (ProcessLookupError, PermissionError, OSError):
-        return None
-
-
-def _psutil_memory(proc: psutil.Process) -> dict[str, int] | None:
-    try:
-        info = proc.memory_full_info()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-    uss = getattr(info, "uss", info.rss)
-    return {
-        "uss": uss,
-        "pss": getattr(info, "pss", uss),
-        "anon": info.rss - getattr(info, "shared", 0),
-        "file": getattr(info, "shared", 0),
-        "shmem": 0,
-    }
 
 
 class _MemorySampler:
@@ -80,7 +41,7 @@ class _MemorySampler:
         self.swap_start = psutil.swap_memory().used
 
     def sample(self) -> None:
-        main = _process_memory(self.main) or {}
+        main = process_memory(self.main) or {}
         workers = []
         try:
             children = self.main.children(recursive=True)
@@ -88,7 +49,7 @@ class _MemorySampler:
             children = []
         for child in children:
             proc = self._procs.setdefault(child.pid, child)
-            mem = _process_memory(proc)
+            mem = process_memory(proc)
             if mem is not None:
                 workers.append(mem)
         tick = (main, workers, psutil.virtual_memory().available, psutil.swap_memory().used)

@@ -1,0 +1,49 @@
+"""Memory of one process as the kernel sees it: private, proportional, anonymous, file-backed and shared pages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psutil
+
+__all__ = ["process_memory"]
+
+_ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
+
+
+def process_memory(proc: psutil.Process) -> dict[str, int] | None:
+    """uss, pss, anon, file and shmem bytes of one process, or None if it is gone."""
+    try:
+        with open(f"/proc/{proc.pid}/smaps_rollup", "rb") as f:
+            rollup = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
+        with open(f"/proc/{proc.pid}/status", "rb") as f:
+            status = {k.decode(): int(v) * 1024 for k, v in _ROLLUP.findall(f.read())}
+        return {
+            "uss": rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0),
+            "pss": rollup.get("Pss", 0),
+            "anon": status.get("RssAnon", rollup.get("Anonymous", 0)),
+            "file": status.get("RssFile", 0),
+            "shmem": status.get("RssShmem", 0),
+        }
+    except FileNotFoundError:
+        if not Path("/proc/self/smaps_rollup").exists():
+            return _psutil_memory(proc)
+        return None
+    except (ProcessLookupError, PermissionError, OSError):
+        return None
+
+
+def _psutil_memory(proc: psutil.Process) -> dict[str, int] | None:
+    try:
+        info = proc.memory_full_info()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    uss = getattr(info, "uss", info.rss)
+    return {
+        "uss": uss,
+        "pss": getattr(info, "pss", uss),
+        "anon": info.rss - getattr(info, "shared", 0),
+        "file": getattr(info, "shared", 0),
+        "shmem": 0,
+    }

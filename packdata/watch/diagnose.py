@@ -1,0 +1,103 @@
+"""The bottleneck, named from measurements, with the concrete next step (pure functions: no I/O).
+
+The rules follow the Linux data-loading guide this project follows, first match wins:
+
+1. **memory**: MemAvailable under 10% of the memory total (or the cgroup limit),
+   or swap in use above what is still available: the OOM killer is near ->
+   fewer workers or ``pin_memory=False``.
+2. **compute-bound**: the training step waits for data less than 10% of the
+   time: the loader is not the bottleneck.
+3. **I/O-bound**: the step waits, and iowait is 20% or more of CPU time ->
+   stage the pack onto NVMe or a tmpfs.
+4. **data-bound, CPU saturated**: the step waits and the CPUs are 85% busy
+   or more -> cheaper decoding (reduced-size JPEG decode, a pack re-encoded
+   with ``--max-side``) or more CPUs.
+5. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
+   workers, as many as the free cores and the memory allow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from packdata.units import format_size
+
+__all__ = ["Diagnosis", "Measurements", "diagnose"]
+
+MEMORY_LOW = 0.10
+WAIT_LOW = 0.10
+IOWAIT_HIGH = 0.20
+CPU_SATURATED = 0.85
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What one period (or an epoch) measured."""
+
+    wait_share: float  # share of the loop's time spent waiting in next()
+    cpu_busy: float  # share of the machine's CPU time busy
+    iowait: float  # share of CPU time waiting for I/O
+    num_workers: int
+    cores: int  # usable cores
+    mem_available: int
+    mem_total: int
+    swap_used: int
+    worker_private: int = 0  # the largest worker's private memory (bytes)
+    cgroup_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The bottleneck (``memory``, ``compute-bound``, ``io-bound``, ``data-bound``), why, and what to do."""
+
+    kind: str
+    message: str
+    next_step: str
+
+    def line(self) -> str:
+        return f"{self.kind}: {self.message} -> {self.next_step}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def diagnose(m: Measurements) -> Diagnosis:
+    """Name the bottleneck of ``m`` by the rules in the module docstring."""
+    total = min(m.mem_total, m.cgroup_limit or m.mem_total)
+    w = m.num_workers
+    if m.mem_available < MEMORY_LOW * total or (m.swap_used and m.mem_available < m.swap_used):
+        fewer = max(0, w // 2)
+        return Diagnosis(
+            "memory",
+            f"available {format_size(m.mem_available)} of {format_size(total)}, swap {format_size(m.swap_used)} "
+            "in use: OOM risk",
+            f"num_workers {w} -> {fewer} or pin_memory=False (each worker holds {format_size(m.worker_private)})",
+        )
+    waiting = f"the step waits {100 * m.wait_share:.0f}% of the time"
+    if m.wait_share < WAIT_LOW:
+        return Diagnosis("compute-bound", waiting, "the loader is not the bottleneck: nothing to change")
+    if m.iowait >= IOWAIT_HIGH:
+        return Diagnosis(
+            "io-bound",
+            f"{waiting}, iowait {100 * m.iowait:.0f}% of CPU time: the pack's storage cannot keep up",
+            "stage the pack onto fast local storage: packdata stage PACK --to /nvme/cache (or --tmpfs SIZE)",
+        )
+    busy = f"CPUs {100 * m.cpu_busy:.0f}% busy"
+    if m.cpu_busy >= CPU_SATURATED:
+        return Diagnosis(
+            "data-bound",
+            f"{waiting} while {busy}: decoding is the limit",
+            "decode less: packdata.DecodeJPEG(224) (reduced-size JPEG decode), a pack converted with --max-side, "
+            "or more CPUs",
+        )
+    spare = max(1, math.floor(m.cores * (1 - m.cpu_busy)))
+    by_memory = (m.mem_available - MEMORY_LOW * total) // m.worker_private if m.worker_private else None
+    target = w + spare if by_memory is None else w + max(0, min(spare, int(by_memory)))
+    allows = f" (memory allows {w + int(by_memory)})" if by_memory is not None else ""
+    return Diagnosis(
+        "data-bound",
+        f"{waiting} while {w} workers keep {busy} of {m.cores} cores",
+        f"num_workers={target}{allows}" if target > w else "no memory for more workers: decode less",
+    )

@@ -1,0 +1,182 @@
+"""``packdata.monitor(loader)``: watch the training loop's data loading from inside it.
+
+Wrap any iterable loader; the loop runs unchanged::
+
+    for batch in packdata.monitor(loader, every="10s", log="loader.jsonl"):
+        train_step(batch)
+
+Per step it times how long ``next()`` blocks (waiting for data) against the
+rest of the loop (the training step). Every period it samples the machine and
+the DataLoader's worker processes (:mod:`packdata.watch.probe`), writes one
+plain line to stderr and one JSON record to ``log``; when the loader is
+exhausted it writes an epoch summary with the diagnosis
+(:mod:`packdata.watch.diagnose`). The cost is two ``perf_counter`` calls per
+step and one sample per period.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from packdata.errors import ConfigError
+from packdata.units import format_size
+from packdata.watch.diagnose import Diagnosis, Measurements, diagnose
+from packdata.watch.probe import Snapshot, SystemProbe
+
+__all__ = ["EpochSummary", "monitor"]
+
+
+def _seconds(every: float | str) -> float:
+    text = str(every).strip().lower()
+    try:
+        value = float(text[:-1]) * 60 if text.endswith("m") else float(text.rstrip("s"))
+    except ValueError:
+        raise ConfigError(f"every should be seconds such as 10 or '10s', but got every={every!r}") from None
+    if value <= 0:
+        raise ConfigError(f"every should be positive, but got every={every!r}")
+    return value
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    if isinstance(batch, dict) and batch:
+        batch = next(iter(batch.values()))
+    try:
+        return len(batch)
+    except TypeError:
+        return 1
+
+
+@dataclass
+class EpochSummary:
+    """What one pass over the loader measured, and the diagnosis."""
+
+    steps: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    diagnosis: Diagnosis | None = None
+    snapshots: list[Snapshot] = field(default_factory=list)
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait_seconds / self.seconds if self.seconds else 0.0
+
+
+class _Monitor:
+    def __init__(self, loader: Iterable[Any], every: float, log: Path | None, stream: TextIO) -> None:
+        self.loader, self.every, self.log, self.stream = loader, every, log, stream
+        self.summaries: list[EpochSummary] = []
+        self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        probe = SystemProbe()
+        summary = EpochSummary()
+        period = EpochSummary()
+        start = period_start = time.perf_counter()
+        it = iter(self.loader)
+        while True:
+            before = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            after = time.perf_counter()
+            n = _batch_len(batch)
+            for s in (summary, period):
+                s.wait_seconds += after - before
+                s.steps += 1
+                s.samples += n
+            if after - period_start >= self.every:
+                period.seconds = after - period_start
+                self._report(probe.sample(), period, summary, final=False)
+                period, period_start = EpochSummary(), after
+            yield batch
+        end = time.perf_counter()
+        summary.seconds = end - start
+        period.seconds = end - period_start
+        self._report(probe.sample(), summary, summary, final=True)
+        self.summaries.append(summary)
+
+    def _measurements(self, snap: Snapshot, wait_share: float) -> Measurements:
+        workers = snap.workers
+        return Measurements(
+            wait_share=wait_share,
+            cpu_busy=snap.cpu_busy,
+            iowait=snap.iowait,
+            num_workers=self.num_workers or len(workers),
+            cores=snap.cores,
+            mem_available=snap.mem_available,
+            mem_total=snap.mem_total,
+            swap_used=snap.swap_used,
+            worker_private=max((w.private for w in workers), default=0),
+            cgroup_limit=snap.cgroup_limit,
+        )
+
+    def _report(self, snap: Snapshot, part: EpochSummary, epoch: EpochSummary, *, final: bool) -> None:
+        epoch.snapshots.append(snap)
+        if final:  # the epoch's CPU and iowait: the mean of its samples
+            snaps = epoch.snapshots
+            snap = Snapshot(
+                snap.time,
+                snap.mem_total,
+                min(s.mem_available for s in snaps),
+                max(s.swap_used for s in snaps),
+                snap.cgroup_limit,
+                sum(s.cpu_busy for s in snaps) / len(snaps),
+                sum(s.iowait for s in snaps) / len(snaps),
+                snap.cores,
+                snap.processes,
+            )
+        diagnosis = diagnose(self._measurements(snap, part.wait_share))
+        if final:
+            epoch.diagnosis = diagnosis
+        rate = part.samples / part.seconds if part.seconds else 0.0
+        private = sum(p.private for p in snap.processes)
+        line = (
+            f"{'epoch' if final else 'loader'}: {part.steps} steps, {rate:,.0f} samples/s, waits "
+            f"{100 * part.wait_share:.0f}%, CPU {100 * snap.cpu_busy:.0f}% (iowait {100 * snap.iowait:.0f}%), "
+            f"{len(snap.workers)} workers, private {format_size(private)}, available {format_size(snap.mem_available)}"
+        )
+        print(line + (f"\n  diagnosis: {diagnosis.line()}" if final else ""), file=self.stream, flush=True)
+        if self.log is not None:
+            record = {
+                "type": "epoch" if final else "period",
+                "time": snap.time,
+                "steps": part.steps,
+                "samples": part.samples,
+                "seconds": part.seconds,
+                "samples_per_s": rate,
+                "wait_share": part.wait_share,
+                "snapshot": snap.to_dict(),
+                "diagnosis": diagnosis.to_dict(),
+            }
+            with open(self.log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def monitor(
+    loader: Iterable[Any], *, every: float | str = "10s", log: str | Path | None = None, stream: TextIO | None = None
+) -> _Monitor:
+    """Wrap ``loader`` to watch its data loading (see the module docstring); iterate it like the loader.
+
+    Args:
+        loader: any iterable of batches (a ``DataLoader``, usually).
+        every: seconds between reports (``10``, ``"10s"``, ``"1m"``).
+        log: a JSONL file to append one record per period and one per epoch to.
+        stream: where report lines go (stderr).
+
+    Returns:
+        An iterable whose ``summaries`` list one :class:`EpochSummary` per finished pass.
+    """
+    return _Monitor(loader, _seconds(every), Path(log) if log is not None else None, stream or sys.stderr)

@@ -1,0 +1,113 @@
+"""``packdata monitor``: a training job's data loading seen from a second terminal.
+
+The ``watch 'nvidia-smi && free -mh'`` of the Linux data-loading guide, done for
+data loading: the training process and its DataLoader workers with each one's
+private and file-backed memory, available memory against swap in use (with the
+OOM warning), CPU and iowait. On a terminal the screen is redrawn in place;
+piped, one line per interval; ``--json`` gives one JSON object per interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import TextIO
+
+import psutil
+
+from packdata.errors import ConfigError
+from packdata.units import format_size
+from packdata.watch.diagnose import MEMORY_LOW
+from packdata.watch.probe import Snapshot, SystemProbe
+
+__all__ = ["find_process", "render", "watch_process"]
+
+
+def find_process(name: str) -> int:
+    """The pid of the oldest process whose command line contains ``name`` (not this one).
+
+    Raises:
+        ConfigError: no such process.
+    """
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if proc.info["pid"] != me and name in cmdline and "packdata monitor" not in cmdline:
+            found.append((proc.info.get("create_time") or 0.0, proc.info["pid"]))
+    if not found:
+        raise ConfigError(f"no running process has {name!r} in its command line", hint="Pass its PID instead")
+    return min(found)[1]
+
+
+def _oom_warning(snap: Snapshot) -> str | None:
+    total = min(snap.mem_total, snap.cgroup_limit or snap.mem_total)
+    if snap.mem_available < MEMORY_LOW * total or (snap.swap_used and snap.mem_available < snap.swap_used):
+        return (
+            f"OOM risk: {format_size(snap.mem_available)} available, {format_size(snap.swap_used)} swap in use: "
+            "fewer DataLoader workers, or pin_memory=False"
+        )
+    return None
+
+
+def render(snap: Snapshot, pid: int) -> list[str]:
+    """The screen for one sample."""
+    limit = f", cgroup limit {format_size(snap.cgroup_limit)}" if snap.cgroup_limit else ""
+    lines = [
+        f"packdata monitor: pid {pid}  {time.strftime('%H:%M:%S', time.localtime(snap.time))}",
+        f"memory: {format_size(snap.mem_available)} available of {format_size(snap.mem_total)}, "
+        f"swap {format_size(snap.swap_used)} in use{limit}",
+        f"cpu:    {100 * snap.cpu_busy:.0f}% busy, iowait {100 * snap.iowait:.0f}% ({snap.cores} usable cores)",
+        f"{'pid':>8} {'role':<7} {'private':>10} {'file-backed':>12}  command",
+    ]
+    lines += [
+        f"{p.pid:>8} {p.role:<7} {format_size(p.private):>10} {format_size(p.file_backed):>12}  {p.cmdline[:60]}"
+        for p in snap.processes
+    ]
+    workers = snap.workers
+    lines.append(
+        f"{len(workers)} workers, {format_size(sum(p.private for p in snap.processes))} private in all "
+        "(file-backed pages are page cache: shared, reclaimable)"
+    )
+    warning = _oom_warning(snap)
+    if warning:
+        lines.append(f"WARNING {warning}")
+    return lines
+
+
+def _one_line(snap: Snapshot, pid: int) -> str:
+    warning = _oom_warning(snap)
+    return (
+        f"{time.strftime('%H:%M:%S', time.localtime(snap.time))} pid {pid}: {len(snap.workers)} workers, private "
+        f"{format_size(sum(p.private for p in snap.processes))}, available {format_size(snap.mem_available)}, "
+        f"swap {format_size(snap.swap_used)}, cpu {100 * snap.cpu_busy:.0f}%, iowait {100 * snap.iowait:.0f}%"
+        + (f"; WARNING {warning}" if warning else "")
+    )
+
+
+def watch_process(
+    pid: int, *, interval: float = 1.0, count: int | None = None, as_json: bool = False, stream: TextIO | None = None
+) -> None:
+    """Sample ``pid``'s job every ``interval`` seconds until it ends (or ``count`` samples)."""
+    out = stream or sys.stdout
+    try:
+        probe = SystemProbe(pid)
+    except psutil.NoSuchProcess:
+        raise ConfigError(f"no process {pid}", hint="Check the PID, or pass --name") from None
+    tty = out.isatty() and not as_json
+    n = 0
+    while count is None or n < count:
+        time.sleep(interval)
+        if not psutil.pid_exists(pid):
+            print(f"process {pid} has ended", file=out, flush=True)
+            return
+        snap = probe.sample()
+        if as_json:
+            print(json.dumps({"pid": pid, **snap.to_dict()}), file=out, flush=True)
+        elif tty:
+            print("\x1b[H\x1b[2J" + "\n".join(render(snap, pid)), file=out, flush=True)
+        else:
+            print(_one_line(snap, pid), file=out, flush=True)
+        n += 1
