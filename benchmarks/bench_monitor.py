@@ -40,8 +40,9 @@ def main() -> None:
         watched.append(_loop(batches, 0.005, args.every))
     overhead = (statistics.median(watched) - statistics.median(plain)) / statistics.median(plain)
     print(
-        f"{args.steps} steps of 5 ms, every={args.every}, {args.repeats} repeats: plain {statistics.median(plain):.3f} s, "
-        f"monitored {statistics.median(watched):.3f} s: overhead {100 * overhead:+.2f}% (target < 1%)"
+        f"{args.steps} steps of 5 ms, every={args.every}, {args.repeats} repeats: "
+        f"plain {statistics.median(plain):.3f} s, monitored {statistics.median(watched):.3f} s: "
+        f"overhead {100 * overhead:+.2f}% (target < 1%)"
     )
 
 

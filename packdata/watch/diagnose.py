@@ -98,6 +98,6 @@ def diagnose(m: Measurements) -> Diagnosis:
     allows = f" (memory allows {w + int(by_memory)})" if by_memory is not None else ""
     return Diagnosis(
         "data-bound",
-        f"{waiting} while {w} workers keep {busy} of {m.cores} cores",
+        f"{waiting} while {w} worker{'s' * (w != 1)} keep{'s' * (w == 1)} {busy} of {m.cores} cores",
         f"num_workers={target}{allows}" if target > w else "no memory for more workers: decode less",
     )

@@ -136,7 +136,7 @@ class _Monitor:
                 sum(s.cpu_busy for s in snaps) / len(snaps),
                 sum(s.iowait for s in snaps) / len(snaps),
                 snap.cores,
-                snap.processes,
+                max(snaps, key=lambda s: len(s.workers)).processes,  # the workers exit as the epoch ends
             )
         diagnosis = diagnose(self._measurements(snap, part.wait_share))
         if final:
@@ -146,7 +146,8 @@ class _Monitor:
         line = (
             f"{'epoch' if final else 'loader'}: {part.steps} steps, {rate:,.0f} samples/s, waits "
             f"{100 * part.wait_share:.0f}%, CPU {100 * snap.cpu_busy:.0f}% (iowait {100 * snap.iowait:.0f}%), "
-            f"{len(snap.workers)} workers, private {format_size(private)}, available {format_size(snap.mem_available)}"
+            f"{len(snap.workers)} worker{'s' * (len(snap.workers) != 1)}, private {format_size(private)}, "
+            f"available {format_size(snap.mem_available)}"
         )
         print(line + (f"\n  diagnosis: {diagnosis.line()}" if final else ""), file=self.stream, flush=True)
         if self.log is not None:
