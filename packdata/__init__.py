@@ -48,6 +48,7 @@ _EXPORTS = {
     "BlockShuffleSampler": "reading.samplers",
     "shuffle_quality": "reading.samplers",
     "DecodeJPEG": "reading.decode",
+    "DecodeCrop": "reading.crop",
     "standard_transform": "reading.transforms",
     "BackgroundPrefetcher": "reading.loader",
     "CUDAPrefetcher": "reading.loader",

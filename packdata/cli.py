@@ -758,7 +758,8 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         _warn(prepared.warnings)
         return
     chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
-    storage = json.loads(options.pop("storage_options")) if options.get("storage_options") else None
+    raw_options = options.pop("storage_options", None)
+    storage = json.loads(raw_options) if raw_options else None
     result = run_stage(pack, shards=chosen, progress=not quiet, storage_options=storage, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
