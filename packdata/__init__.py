@@ -71,6 +71,7 @@ _EXPORTS = {
     "recommend_loader_kwargs": "measure.tune",
     "run_tune": "measure.tune",
     "monitor": "watch.loop",
+    "AdaptiveLoader": "watch.adaptive",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

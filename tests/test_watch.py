@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import packdata
 from packdata.cli import main
-from packdata.watch.diagnose import Measurements, diagnose
+from packdata.watch.diagnose import Diagnosis, Measurements, diagnose
+from packdata.watch.loop import EpochSummary
 
 GiB = 1 << 30
 
@@ -135,3 +136,81 @@ def test_cli_monitor_finds_a_real_job_and_its_workers() -> None:
 def test_monitor_refuses_a_bad_period() -> None:
     with pytest.raises(packdata.ConfigError, match="every should be"):
         packdata.monitor([], every="soon")
+
+
+class _Burn2(_Instant):
+    """96 samples of 4 ms of CPU each."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> int:
+        end = time.process_time() + 0.004
+        while time.process_time() < end:
+            pass
+        return i
+
+
+def test_adaptive_loader_over_three_real_epochs_never_oscillates() -> None:
+    stream = io.StringIO()
+    loader = packdata.AdaptiveLoader(_Burn2(), batch_size=8, num_workers=1, max_workers=2, stream=stream)
+    seen = []
+    for _ in range(3):
+        seen.append(sorted(i for batch in loader for i in batch.tolist()))
+    assert all(epoch == list(range(96)) for epoch in seen)  # every sample once per epoch, whatever the workers
+    assert len(loader.changes) <= 2  # a raise, and at most its undo
+    if loader.changes:  # the machine had free CPU after epoch 1 (not saturated by other work)
+        first = loader.changes[0]
+        assert (first["from"], first["to"]) == (1, 2) and "data-bound" in first["reason"]
+        assert "adaptive loader: num_workers 1 -> 2" in stream.getvalue()
+
+
+def _summary(rate: float, diagnosis: Diagnosis) -> EpochSummary:
+    return EpochSummary(steps=10, samples=int(rate), seconds=1.0, wait_seconds=0.5, diagnosis=diagnosis)
+
+
+def test_adaptive_decisions_raise_keep_then_settle() -> None:
+    loader = packdata.AdaptiveLoader([], batch_size=1, num_workers=1, max_workers=8, stream=io.StringIO())
+    more = Diagnosis("data-bound", "waits", "num_workers=3", 3)
+    loader.epoch = 1
+    loader._adapt(_summary(100, more))
+    assert loader.num_workers == 3
+    loader.epoch = 2
+    loader._adapt(_summary(180, Diagnosis("data-bound", "cpu saturated", "decode less")))  # the raise paid
+    assert loader.num_workers == 3 and not loader.final
+    loader.epoch = 3
+    loader._adapt(_summary(181, Diagnosis("compute-bound", "", "")))
+    assert loader.final and [c["to"] for c in loader.changes] == [3]
+    loader.epoch = 4
+    loader._adapt(_summary(100, more))  # final: no more changes
+    assert loader.num_workers == 3
+
+
+def test_adaptive_decisions_undo_a_raise_that_did_not_pay_and_respect_memory() -> None:
+    loader = packdata.AdaptiveLoader([], batch_size=1, num_workers=2, max_workers=8, stream=io.StringIO())
+    loader.epoch = 1
+    loader._adapt(_summary(100, Diagnosis("data-bound", "", "num_workers=4", 4)))
+    loader.epoch = 2
+    loader._adapt(_summary(102, Diagnosis("data-bound", "", "num_workers=6", 6)))  # +2%: not worth it
+    assert loader.num_workers == 2 and loader.final and [c["to"] for c in loader.changes] == [4, 2]
+    low = packdata.AdaptiveLoader([], batch_size=1, num_workers=4, stream=io.StringIO())
+    low.epoch = 1
+    low._adapt(_summary(100, Diagnosis("memory", "OOM risk", "num_workers 4 -> 2", 2)))
+    assert low.num_workers == 2 and "memory: OOM risk" in low.changes[0]["reason"]
+
+
+def test_adaptive_loader_resumes_mid_epoch_exactly() -> None:
+    def make() -> packdata.AdaptiveLoader:
+        return packdata.AdaptiveLoader(_Instant(), batch_size=4, num_workers=0, stateful=True, stream=io.StringIO())
+
+    loader = make()
+    list(loader)  # epoch 1
+    epoch2 = iter(loader)
+    head = [next(epoch2).tolist() for _ in range(5)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in epoch2]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.num_workers == loader.num_workers and resumed.epoch == 1
+    again = [b.tolist() for b in resumed]
+    assert again == rest and sorted(i for b in head + again for i in b) == list(range(64))

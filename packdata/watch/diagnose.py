@@ -55,6 +55,7 @@ class Diagnosis:
     kind: str
     message: str
     next_step: str
+    num_workers: int | None = None  # the worker count the next step names, if it names one
 
     def line(self) -> str:
         return f"{self.kind}: {self.message} -> {self.next_step}"
@@ -74,6 +75,7 @@ def diagnose(m: Measurements) -> Diagnosis:
             f"available {format_size(m.mem_available)} of {format_size(total)}, swap {format_size(m.swap_used)} "
             "in use: OOM risk",
             f"num_workers {w} -> {fewer} or pin_memory=False (each worker holds {format_size(m.worker_private)})",
+            fewer,
         )
     waiting = f"the step waits {100 * m.wait_share:.0f}% of the time"
     if m.wait_share < WAIT_LOW:
@@ -100,4 +102,5 @@ def diagnose(m: Measurements) -> Diagnosis:
         "data-bound",
         f"{waiting} while {w} worker{'s' * (w != 1)} keep{'s' * (w == 1)} {busy} of {m.cores} cores",
         f"num_workers={target}{allows}" if target > w else "no memory for more workers: decode less",
+        target if target > w else None,
     )
