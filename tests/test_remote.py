@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import image_bytes
+from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
@@ -192,3 +193,54 @@ def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Pat
     with pytest.raises(packdata.ConfigError, match="a pack already exists there"):
         packdata.convert(tmp_path / "src", url, storage_options=options, progress=False)
     assert upload.work_folder(url).name == "converted.lmdb"
+
+
+def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Path) -> None:
+    options, fs = s3
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(10):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + (20 if c == "b" else 0), (30, 20)))
+    local = tmp_path / "train"
+    packdata.convert(src, local, format="tfrecord", shard_samples=6, progress=False)
+    fs.put(str(local), "packs/stream", recursive=True)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    url = "s3://packs/stream"
+    for workers in (0, 2):
+        ds = packdata.TFRecordDataset(
+            url, decode="bytes", shuffle=True, storage_options=options, cache_dir=tmp_path / "cache"
+        )
+        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        assert sorted(data for data, _ in loader) == expected
+    with pytest.raises(packdata.ConfigError, match="random access reads local shards"):
+        packdata.TFRecordIndexedDataset(url)
+
+
+def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypatch) -> None:
+    options, fs = s3
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"{i}.jpg").write_bytes(image_bytes(i, (30, 20)))
+    packdata.convert(tmp_path / "src", tmp_path / "p", format="tfrecord", progress=False)
+    fs.put(str(tmp_path / "p"), "packs/flaky", recursive=True)
+    real = fs.cat_file
+    failures = {"left": 2}
+
+    def flaky(path, *args, **kwargs):
+        if path.endswith(".tfrecord") and failures["left"] > 0:
+            failures["left"] -= 1
+            raise ConnectionResetError("reset by peer")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", flaky)
+    import packdata.formats.tfrecord_remote as remote
+
+    monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
+    ds = packdata.TFRecordDataset("s3://packs/flaky", decode="bytes", shuffle=False, storage_options=options,
+                                  cache_dir=tmp_path / "cache")  # fmt: skip
+    assert len(list(ds)) == 6 and failures["left"] == 0  # two dropped requests, retried: nothing lost
+    failures["left"] = 100
+    with pytest.raises(PackFormatError, match=r"s3://packs/flaky/p-00000-of-00001\.tfrecord: bytes 0-\d+ could not"):
+        list(ds)

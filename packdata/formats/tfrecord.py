@@ -96,6 +96,7 @@ __all__ = [
     "TFRecordShardWriter",
     "check_payload_table",
     "check_side_tables",
+    "chunk_plan",
     "iter_samples",
     "iter_shard_samples",
     "shard_layout",
@@ -349,46 +350,53 @@ class TFRecordShardReader:
         if copy and stop > start and span >= _COPY_MIN_RECORD * (stop - start):
             yield from self._read_each(fd, offsets, lengths, start, stop, payloads)
             return
-        check_crc = self.check_crc
-        crc, header, u32 = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from
-        i = start
-        while i < stop:
-            base = int(offsets[i])
-            j = i + 1 + int(np.searchsorted(offsets[i + 1 : stop], base + _CHUNK, side="left"))
-            j = min(max(j - 1, i + 1), stop)  # whole records within one chunk, at least one
-            end = min(int(offsets[j - 1] + lengths[j - 1]), size)
+        for i, j, base, end in chunk_plan(offsets, lengths, start, stop, size):
             aligned = base - base % mmap.ALLOCATIONGRANULARITY
             buf = _map(fd, aligned, end - aligned)[base - aligned :] if end > base else memoryview(b"")
-            nbuf = len(buf)
-            # plain ints: numpy scalars cost a conversion per access
-            starts = (offsets[i:j] - base).tolist()
-            sizes = lengths[i:j].tolist()
-            spans = payloads[i:j].tolist() if payloads is not None else itertools.repeat(None)
-            for pos, length, span in zip(starts, sizes, spans, strict=False):
-                if length < 16 or pos + length > nbuf:
-                    if pos + length > nbuf:
-                        raise self._truncated(base + pos, length, max(0, nbuf - pos))
-                    raise _damaged(self.path, base + pos, f"record of {length} bytes does not fit")
-                n, length_crc = header(buf, pos)
-                if n != length - 16:
-                    raise _damaged(self.path, base + pos, f"length field says {n} bytes, the index says {length - 16}")
-                first = pos + 12
-                if check_crc:
-                    c = crc(buf[pos : pos + 8])
-                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
-                        raise _damaged(self.path, base + pos, "CRC32C of the length field does not match")
-                    c = crc(buf[first : first + n])
-                    if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != u32(buf, first + n)[0]:
-                        raise _damaged(self.path, base + pos, "CRC32C of the data does not match")
-                if span is None:
-                    yield buf[first : first + n]
-                else:
-                    at, m = span
-                    if at < 0 or m < 0 or at + m > n or not _span_ok(buf, first + at, m):
-                        raise _damaged(self.path, base + pos, "the payload table does not point at the payload")
-                    yield buf[first + at : first + at + m]
+            yield from self.check_chunk(buf, base, offsets, lengths, i, j, payloads)
             del buf  # the mapping goes when the last view into it does
-            i = j
+
+    def check_chunk(
+        self,
+        buf: memoryview,
+        base: int,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        i: int,
+        j: int,
+        payloads: np.ndarray | None,
+    ) -> Iterator[memoryview]:
+        """The data (or payloads) of records ``i..j-1`` held in ``buf`` (file bytes from ``base``), checked."""
+        check_crc = self.check_crc
+        crc, header, u32 = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from
+        nbuf = len(buf)
+        # plain ints: numpy scalars cost a conversion per access
+        starts = (offsets[i:j] - base).tolist()
+        sizes = lengths[i:j].tolist()
+        spans = payloads[i:j].tolist() if payloads is not None else itertools.repeat(None)
+        for pos, length, span in zip(starts, sizes, spans, strict=False):
+            if length < 16 or pos + length > nbuf:
+                if pos + length > nbuf:
+                    raise self._truncated(base + pos, length, max(0, nbuf - pos))
+                raise _damaged(self.path, base + pos, f"record of {length} bytes does not fit")
+            n, length_crc = header(buf, pos)
+            if n != length - 16:
+                raise _damaged(self.path, base + pos, f"length field says {n} bytes, the index says {length - 16}")
+            first = pos + 12
+            if check_crc:
+                c = crc(buf[pos : pos + 8])
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                    raise _damaged(self.path, base + pos, "CRC32C of the length field does not match")
+                c = crc(buf[first : first + n])
+                if (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF != u32(buf, first + n)[0]:
+                    raise _damaged(self.path, base + pos, "CRC32C of the data does not match")
+            if span is None:
+                yield buf[first : first + n]
+            else:
+                at, m = span
+                if at < 0 or m < 0 or at + m > n or not _span_ok(buf, first + at, m):
+                    raise _damaged(self.path, base + pos, "the payload table does not point at the payload")
+                yield buf[first + at : first + at + m]
 
     def _read_each(
         self, fd: int, offsets: np.ndarray, lengths: np.ndarray, start: int, stop: int, payloads: np.ndarray | None
@@ -473,6 +481,19 @@ class TFRecordShardReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def chunk_plan(
+    offsets: np.ndarray, lengths: np.ndarray, start: int, stop: int, size: int, chunk: int = _CHUNK
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(first record, end record, first byte, end byte)`` of each run of whole records of about ``chunk`` bytes."""
+    i = start
+    while i < stop:
+        base = int(offsets[i])
+        j = i + 1 + int(np.searchsorted(offsets[i + 1 : stop], base + chunk, side="left"))
+        j = min(max(j - 1, i + 1), stop)  # whole records within one chunk, at least one
+        yield i, j, base, min(int(offsets[j - 1] + lengths[j - 1]), size)
+        i = j
 
 
 def _map(fd: int, offset: int, length: int) -> memoryview:

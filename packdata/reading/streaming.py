@@ -25,12 +25,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from packdata.errors import PackFormatError
+from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord import TFRecordShardReader
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
+from packdata.formats.tfrecord_remote import RemoteShardReader, fetch_skeleton
 from packdata.formats.tfrecord_tables import read_index, read_payload_table
 from packdata.pack.records import RecordError
+from packdata.pack.urls import display_url, is_url, open_url
 from packdata.reading.datasets import PackView, ShardReaders
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.samplers import per_rank_count, resolve_rank_world
@@ -91,7 +93,14 @@ class _TFRecordView(PackView):
         check_crc: bool,
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
+        self._url: str | None = None
+        self._storage_options = storage_options
+        if is_url(path):  # shards stream from object storage; the manifest and index come from a local copy
+            self._url = os.fspath(path).rstrip("/")
+            path = fetch_skeleton(self._url, storage_options, cache_dir)
         super().__init__(path, TFRECORD, transform, target_transform, decode, fields, transforms)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
@@ -100,6 +109,17 @@ class _TFRecordView(PackView):
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
         self._sha256 = [s.sha256 for s in shards]
         self._bytes = [s.bytes for s in shards]
+
+    def _shard_reader(self, shard: int) -> TFRecordShardReader:
+        """The reader of one shard: the local file, or ranged requests to the remote one."""
+        if self._url is None:
+            return TFRecordShardReader(
+                self._shard_paths[shard], check_crc=self.check_crc, expected_bytes=self._bytes[shard]
+            )
+        fs, root = open_url(self._url, self._storage_options)
+        name = self.pack.manifest.shards[shard].file
+        shown = f"{display_url(self._url)}/{name}"
+        return RemoteShardReader(fs, f"{root.rstrip('/')}/{name}", shown, self._bytes[shard], check_crc=self.check_crc)
 
     def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
         """Payload and label of sample ``index``'s record (a multi-field pack: the whole Example); labels must agree."""
@@ -176,6 +196,10 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         check_crc: check both CRC32Cs of every record (framing is always checked).
         fields, transforms: a multi-field pack's fields to return and per-field
             transforms, as for :class:`~packdata.LMDBDataset`.
+        storage_options, cache_dir: for a pack URL (``s3://bucket/train``): fsspec
+            options, and where the manifest, index and side tables are kept
+            (shards stream from the URL, chunks fetched ahead; see
+            :mod:`packdata.formats.tfrecord_remote`).
     """
 
     pack_format = TFRECORD
@@ -196,8 +220,12 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         check_crc: bool = True,
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
-        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
+        _TFRecordView.__init__(
+            self, path, transform, target_transform, decode, check_crc, fields, transforms, storage_options, cache_dir
+        )
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")
         self.shuffle = shuffle
@@ -276,8 +304,6 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 shuffle buffer, pack, rank, world size, drop_uneven); the
                 worker is checked when iteration starts.
         """
-        from packdata.errors import ConfigError
-
         for name, mine in self._state_key().items():
             if state_dict.get(name) != mine:
                 raise ConfigError(
@@ -354,7 +380,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         """
         for shard, first, end in segments:
             path = self._shard_paths[shard]
-            reader = TFRecordShardReader(path, check_crc=self.check_crc, expected_bytes=self._bytes[shard])
+            reader = self._shard_reader(shard)
             try:
                 reader.open()
                 self.pack.check_unchanged()  # after the open: the file opened is the generation checked
@@ -412,8 +438,6 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
     def _resumed(self, state: dict[str, Any], worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
         """The rest of a pass from ``state``: consumed records are skipped, not read."""
-        from packdata.errors import ConfigError
-
         if "yielded_per_worker" in state and state.get("num_workers") == num_workers:  # from loader_state_dict
             state = {**state, "worker": worker, "yielded": state["yielded_per_worker"][worker]}
         if (state.get("worker"), state.get("num_workers")) != (worker, num_workers):
@@ -514,6 +538,11 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
+        if is_url(path):
+            raise ConfigError(
+                f"{display_url(os.fspath(path))}: random access reads local shards",
+                hint="Stream it with TFRecordDataset(url), or stage it first: packdata.stage(url, to=DIR)",
+            )
         _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
         offsets, lengths = [], []
         for shard, path_ in enumerate(self._shard_paths):
