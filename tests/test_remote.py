@@ -244,3 +244,69 @@ def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypa
     failures["left"] = 100
     with pytest.raises(PackFormatError, match=r"s3://packs/flaky/p-00000-of-00001\.tfrecord: bytes 0-\d+ could not"):
         list(ds)
+
+
+_HOLDER = """
+import sys, time
+from packdata.pack.lock import hold_lock
+with hold_lock(sys.argv[1], what="a stage killed mid-download", target=sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_downloader_killed_with_sigkill_does_not_hang_the_other_ranks(s3, remote_pack, tmp_path: Path) -> None:
+    """Ported from the storage helper's tests: the kernel drops a dead holder's flock, a waiting rank takes over."""
+    import signal
+    import threading
+
+    options, _ = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    results: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: results.append(packdata.stage(url, to=cache, storage_options=options, progress=False))
+    )
+    waiter.start()
+    waiter.join(0.7)
+    assert waiter.is_alive()  # waiting on the live holder
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    waiter.join(30)
+    assert not waiter.is_alive() and results
+    assert _samples(cache / "train.lmdb") == _samples(local)
+
+
+def test_a_wait_past_its_limit_names_the_holder(s3, remote_pack, tmp_path: Path) -> None:
+    from packdata.errors import LockedError
+    from packdata.pack.lock import hold_lock
+    from packdata.staging.remote import stage_remote
+
+    options, _ = s3
+    url, _ = remote_pack
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lock = cache / ".train.lmdb.lock"
+    with hold_lock(lock, what="another rank", target=lock), pytest.raises(LockedError, match=f"pid {os.getpid()}"):
+        stage_remote(url, to=cache, storage_options=options, progress=False, wait_seconds=0.3)
+
+
+def test_an_unreachable_server_is_one_clean_line_and_a_rerun_completes(s3, remote_pack, tmp_path: Path) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    down = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(
+        packdata.SourceError, match=r"s3://packs/train\.lmdb: cannot read manifest\.json \(\w+Error\)"
+    ) as info:
+        packdata.stage(url, to=tmp_path / "cache", storage_options=down, progress=False)
+    assert SECRET not in str(info.value)
+    out = CliRunner().invoke(main, ["info", url, "--storage-options", json.dumps(down)])
+    assert out.exit_code == 1 and out.output.startswith("Error: s3://packs/train.lmdb: cannot read")
+    assert packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).downloaded
+    with pytest.raises(packdata.ConfigError, match="staged whole"):
+        packdata.stage(url, to=tmp_path / "c2", budget=1000, storage_options=options, progress=False)

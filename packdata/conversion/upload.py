@@ -23,7 +23,7 @@ from typing import Any
 
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.manifest import MANIFEST_NAME
-from packdata.pack.urls import display_url, open_url
+from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
 
 __all__ = ["upload_pack", "work_folder"]
@@ -44,7 +44,11 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
         ConfigError: a manifest is there and ``overwrite`` is off.
     """
     fs, root = open_url(url, storage_options)
-    if fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}") and not overwrite:
+    try:
+        exists = fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}")
+    except Exception as exc:
+        raise remote_error(display_url(url), "cannot reach the destination", exc) from exc
+    if exists and not overwrite:
         raise ConfigError(
             f"{display_url(url)}: a pack already exists there",
             hint="Pass --overwrite to replace it, or choose another URL",
@@ -78,7 +82,7 @@ def upload_pack(
         target = f"{root}/{path.relative_to(local).as_posix()}"
         try:
             fs.put_file(os.fspath(path), target)
-        except OSError as exc:
+        except Exception as exc:
             raise PackFormatError(
                 f"{shown}: uploading {path.relative_to(local)} failed ({type(exc).__name__})",
                 hint="Rerun with --resume: uploaded files are kept",

@@ -30,7 +30,7 @@ from packdata.formats.tfrecord import NAME, TFRecordShardReader, chunk_plan, sha
 from packdata.pack.files import atomic_write
 from packdata.pack.index import index_files
 from packdata.pack.manifest import MANIFEST_NAME
-from packdata.pack.urls import display_url, open_url, read_url_manifest
+from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
 
 __all__ = ["RemoteShardReader", "fetch_skeleton"]
 
@@ -82,7 +82,7 @@ class RemoteShardReader(TFRecordShardReader):
                 if len(data) == end - base:
                     return data
                 problem = f"got {len(data)} of {end - base} bytes"
-            except OSError as exc:  # a dropped connection, a timeout, a throttled request
+            except Exception as exc:
                 problem = type(exc).__name__
             if attempt < self.retries:
                 time.sleep(delay)
@@ -163,6 +163,8 @@ def fetch_skeleton(url: str, storage_options: dict[str, Any] | None, cache_dir: 
         except FileNotFoundError:
             if name.endswith(".tfindex") or name.startswith(manifest.index_dir):
                 raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
+        except Exception as exc:
+            raise remote_error(shown, f"cannot read {name}", exc) from exc
     atomic_write(partial / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     if dest.exists():

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
-__all__ = ["EXTRAS", "display_url", "is_url", "open_url", "read_url_manifest"]
+__all__ = ["EXTRAS", "display_url", "is_url", "open_url", "read_url_manifest", "remote_error"]
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 """URL scheme -> the packdata extra that installs its fsspec filesystem."""
@@ -78,8 +78,8 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
             f"{MANIFEST_NAME} does)",
             hint="Check the URL",
         ) from exc
-    except OSError as exc:
-        raise PackFormatError(f"{shown}: cannot read {MANIFEST_NAME} ({type(exc).__name__})") from exc
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {MANIFEST_NAME}", exc) from exc
     with tempfile.TemporaryDirectory(prefix="packdata-manifest-") as probe:
         Path(probe, MANIFEST_NAME).write_bytes(raw)
         try:
@@ -89,3 +89,16 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
     if manifest.staged_from is not None:
         raise PackFormatError(f"{shown}: is a staged pack; use its origin", hint="Point at the original pack")
     return manifest, raw
+
+
+def remote_error(shown: str, what: str, exc: BaseException) -> SourceError:
+    """One line for a failed request: the URL (no credentials), what failed, and the error's type only.
+
+    The type names the cause (``EndpointConnectionError``, ``ClientError``,
+    ``TimeoutError``); the message is left out because some backends echo
+    request details into it.
+    """
+    return SourceError(
+        f"{shown}: {what} ({type(exc).__name__})",
+        hint="Check the URL, the endpoint and the credentials (environment, profile or storage_options), then rerun",
+    )

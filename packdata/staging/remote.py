@@ -42,7 +42,7 @@ from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import index_files
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, open_url, read_url_manifest
+from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
 from packdata.staging.marker import STAGED_FILE, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
@@ -220,6 +220,8 @@ def _remote_size(fs: Any, path: str, required: bool) -> int | None:
         if required:
             raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing") from None
         return None
+    except Exception as exc:
+        raise remote_error(display_url(path), "cannot look the file up", exc) from exc
 
 
 def _part(local: Path) -> Path:
@@ -253,8 +255,8 @@ def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: i
     """Download bytes ``[start, end)`` of ``rel`` into its ``.part`` file; returns the bytes written."""
     try:
         chunk = fs.cat_file(f"{root}/{rel}", start=start, end=end)
-    except OSError as exc:
-        raise PackFormatError(f"{shown}: cannot read {rel} ({type(exc).__name__})", hint="Rerun to resume") from exc
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
     if len(chunk) != end - start:
         raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
     fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
