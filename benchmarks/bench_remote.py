@@ -1,7 +1,7 @@
 """Staging from object storage: ``packdata stage s3://...`` next to ``s3fs``'s ``fs.get(recursive=True)``.
 
 Side by side in one run against a local S3 server (moto in server mode on
-loopback, needs ``pip install 'moto[server]' s3fs``)::
+loopback, in its own process; needs ``pip install 'moto[server]' s3fs``)::
 
     python benchmarks/bench_remote.py [--mb 300] [--repeats 3]
 
@@ -13,11 +13,12 @@ min-max are printed, with the local-disk copy (``shutil.copytree``) as the floor
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,19 +32,31 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for(port: int, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the S3 server did not start on port {port}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=300, help="pack size in MB (text samples of 1 MB)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's per-request log lines
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     port = _port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
+    server = subprocess.Popen(  # its own process: the server's Python does not share this one's GIL
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for(port)
     options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
     fs = s3fs.S3FileSystem(**options)
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
@@ -79,7 +92,8 @@ def main() -> None:
                 f"  {reference / median:5.2f}x s3fs"
             )
     finally:
-        server.stop()
+        server.terminate()
+        server.wait()
         shutil.rmtree(work, ignore_errors=True)
 
 
