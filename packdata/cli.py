@@ -229,7 +229,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
     )
     click.echo(
-        f"  bytes in {result.bytes_in / 1e6:.1f} MB, out {result.bytes_out / 1e6:.1f} MB, "
+        f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
         f"{result.packed / max(result.seconds, 1e-9):.0f} files/s"
         + (f", {result.reencoded} re-encoded" if result.reencoded else "")
     )
@@ -495,6 +495,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="Run every setting this many times, interleaved; the table shows medians and their spread.",
 )
 @click.option("--wide", is_flag=True, help="All columns (MB/s, CPU time, latency percentiles, every memory figure).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option(
     "--json",
     "json_file",
@@ -518,6 +519,7 @@ def bench(
     json_file: str | None,
     plot_file: str | None,
     wide: bool,
+    quiet: bool,
     **options: Any,
 ) -> None:
     """Measure DataLoader throughput and memory for each SOURCE (pack or folder).
@@ -547,7 +549,7 @@ def bench(
         pin_memory=(pin_memory,),
         prefetch_factor=prefetch_factor,
         transform=None if no_transform else "standard",
-        progress=lambda line: click.echo(line, err=True),
+        progress=None if quiet else (lambda line: click.echo(line, err=True)),
         **options,
     )
     if json_file == "-":
@@ -586,8 +588,9 @@ def bench(
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each trial this long.")
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @_friendly
-def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: Any) -> None:
+def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, **options: Any) -> None:
     """Search DataLoader settings for SOURCE and print the best as Python.
 
     One variable at a time from the rule of thumb (num_workers, batch_size,
@@ -603,7 +606,8 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
 
     if 0 in batch_sizes:
         raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
-    result = run_tune(source, batch_sizes=batch_sizes, progress=lambda line: click.echo(line, err=True), **options)
+    report = None if quiet else (lambda line: click.echo(line, err=True))
+    result = run_tune(source, batch_sizes=batch_sizes, progress=report, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
         return
