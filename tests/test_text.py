@@ -111,3 +111,18 @@ def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:
 def test_sample_lengths_rejects_other_objects() -> None:
     with pytest.raises(TypeError, match="lengths should be a pack dataset"):
         sample_lengths(object())
+
+
+def test_token_buckets_take_rank_and_world_from_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every rank got every batch (RANK=1 WORLD_SIZE=2 -> 61 of 61); the rule is BlockShuffleSampler's."""
+    lengths = [10 + (7 * i) % 50 for i in range(120)]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ranks = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        sampler = TokenBucketSampler(lengths, 200, seed=1, drop_last=True)
+        assert (sampler.rank, sampler.world_size) == (int(rank), 2)
+        ranks.append([i for batch in sampler for i in batch])
+    assert not set(ranks[0]) & set(ranks[1])  # each batch goes to one rank
+    everything = TokenBucketSampler(lengths, 200, seed=1, rank=0, world_size=1)
+    assert len(ranks[0]) + len(ranks[1]) <= sum(len(b) for b in everything)
