@@ -147,7 +147,8 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--max-side",
     type=click.IntRange(min=1),
-    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG.",
+    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG. "
+    "Default: off (bytes kept as they are).",
 )
 @click.option(
     "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."
@@ -158,7 +159,11 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Start a new shard before this size, e.g. 256MB or 1GiB. Default: 256MB (the unit stage copies). "
     + _SIZE_HELP,
 )
-@click.option("--shard-samples", type=click.IntRange(min=1), help="At most N samples per shard.")
+@click.option(
+    "--shard-samples",
+    type=click.IntRange(min=1),
+    help="At most N samples per shard. Default: no limit (--shard-size decides).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
 @click.option(
@@ -470,7 +475,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option(
     "--size", type=click.IntRange(min=1), default=224, show_default=True, help="Output side of the transform."
 )
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each setting this long.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Time each setting this long. Default: no time limit (--batches decides).",
+)
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per setting (default 50).")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed batches first.")
 @click.option(
@@ -572,7 +581,11 @@ def bench(
     callback=_size,
     help="Memory the loader may use, e.g. 8GB. Default: half of MemAvailable (or of the cgroup's headroom).",
 )
-@click.option("--device", default=None, help="Where batches go, e.g. cuda (turns on the pin_memory search).")
+@click.option(
+    "--device",
+    default=None,
+    help="Where batches go, e.g. cuda (turns on the pin_memory search). Default: cpu (pin_memory off).",
+)
 @click.option(
     "--batch-size",
     "batch_sizes",
@@ -583,7 +596,11 @@ def bench(
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
 @click.option("--decode", type=click.Choice(["bytes", "pil", "reduced"]), default="pil", show_default=True)
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each trial this long.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Time each trial this long. Default: no time limit (--batches decides).",
+)
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_friendly

@@ -114,3 +114,30 @@ def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> No
         assert "Examples:" in _run(command, "--help").output, command
     for command in ("stage", "convert"):
         assert "powers of 1000" in _run(command, "--help").output, command
+
+
+def test_every_option_that_has_a_default_says_it() -> None:
+    """Each option with a value either shows its default or says in its help what happens without it."""
+    import click
+
+    missing = []
+    for name, command in main.commands.items():
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.is_flag or param.name == "help":
+                continue
+            says = param.show_default or "default" in (param.help or "").lower()
+            if not says and name in ("bench", "tune", "convert", "stage"):
+                missing.append(f"{name} {param.opts[0]}")
+    # Options that are plainly off when absent (an output file, a destination, a URL's options) need no default.
+    exempt = {
+        "bench --json",
+        "bench --plot",
+        "convert --require",
+        "convert --label-column",
+        "convert --storage-options",
+        "stage --to",
+        "stage --tmpfs",
+        "stage --shards",
+        "stage --storage-options",
+    }
+    assert sorted(set(missing) - exempt) == []
