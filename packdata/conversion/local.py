@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from packdata.conversion.layouts import AnySource
-from packdata.conversion.load import Entry, _Options, _pipeline
+from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes
 from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
@@ -257,7 +257,7 @@ class _Packer:
                     if isinstance(result, Skip):
                         self._skip(result, is_read_error=result.problem)
                     else:
-                        self._add(result)
+                        self._add(result, _source_bytes(entry, result, reencoded))
                         self.cp.reencoded += reencoded
                     bar.update()
                     now = time.perf_counter()
@@ -300,13 +300,16 @@ class _Packer:
         ):
             self._roll_shard()
 
-    def _add(self, sample: Sample) -> None:
-        """Append a sample, counted with its file (call :meth:`_make_room` first)."""
+    def _add(self, sample: Sample, source_bytes: int | None = None) -> None:
+        """Append a sample, counted with its file (call :meth:`_make_room` first).
+
+        ``source_bytes``: its size in the source, when not the data's (a re-encoded image).
+        """
         size = len(sample.data)
         self.batch.append((self.shard_samples, sample))
         self.index.append(sample.key, sample.label, size, self._field_numbers(sample))
         self.cp.samples_done += 1
-        self.cp.bytes_in += size
+        self.cp.bytes_in += size if source_bytes is None else source_bytes
         self.shard_samples += 1
         self.cp.shard_bytes += size
         self.batch_bytes += size
