@@ -426,6 +426,10 @@ def export(pack: str, dst: str, layout: str | None) -> None:
         sys.exit(1)
 
 
+def _progress_line(line: str) -> None:
+    click.echo(line, err=True)
+
+
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -516,6 +520,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     type=click.Path(dir_okay=False, path_type=str),
     help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).",
 )
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (the setting being measured) on stderr.")
 @_friendly
 def bench(
     sources: tuple[str, ...],
@@ -527,6 +532,7 @@ def bench(
     json_file: str | None,
     plot_file: str | None,
     wide: bool,
+    quiet: bool,
     **options: Any,
 ) -> None:
     """Measure DataLoader throughput and memory for each SOURCE (pack or folder).
@@ -556,7 +562,7 @@ def bench(
         pin_memory=(pin_memory,),
         prefetch_factor=prefetch_factor,
         transform=None if no_transform else "standard",
-        progress=lambda line: click.echo(line, err=True),
+        progress=None if quiet else _progress_line,
         **options,
     )
     if json_file == "-":
@@ -603,8 +609,9 @@ def bench(
 )
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (the trial being measured) on stderr.")
 @_friendly
-def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: Any) -> None:
+def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, **options: Any) -> None:
     """Search DataLoader settings for SOURCE and print the best as Python.
 
     One variable at a time from the rule of thumb (num_workers, batch_size,
@@ -620,7 +627,7 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, **options: An
 
     if 0 in batch_sizes:
         raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
-    result = run_tune(source, batch_sizes=batch_sizes, progress=lambda line: click.echo(line, err=True), **options)
+    result = run_tune(source, batch_sizes=batch_sizes, progress=None if quiet else _progress_line, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
         return
