@@ -234,7 +234,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
     )
     click.echo(
-        f"  bytes in {result.bytes_in / 1e6:.1f} MB, out {result.bytes_out / 1e6:.1f} MB, "
+        f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
         f"{result.packed / max(result.seconds, 1e-9):.0f} files/s"
         + (f", {result.reencoded} re-encoded" if result.reencoded else "")
     )
@@ -314,7 +314,7 @@ def verify(pack: str, quiet: bool, as_json: bool) -> None:
         )
         return
     click.echo(
-        f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
+        f"ok: {result.records} records, {_mb(result.bytes)} in {result.shards} "
         f"shard{'s' * (result.shards != 1)} verified"
     )
 
@@ -667,6 +667,12 @@ def _warn(warnings: Any) -> None:
         click.secho(f"warning [{w.code}]: {w.message}", fg="yellow", err=True)
 
 
+def _rate(bytes_per_second: float) -> str:
+    from packdata.units import format_rate
+
+    return format_rate(bytes_per_second)
+
+
 def _mb(n: int) -> str:
     from packdata.units import format_size
 
@@ -794,8 +800,8 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         return
     click.echo(
         f"staged {result.source} -> {result.staged}: copied {_count(len(result.copied), 'shard')} "
-        f"({_mb(result.bytes_copied)}, {result.mb_per_s:.0f} MB/s), {len(result.reused)} already there, "
-        f"in {result.seconds:.1f}s"
+        f"({_mb(result.bytes_copied)}, {_rate(result.bytes_copied / max(result.seconds, 1e-9))}), "
+        f"{len(result.reused)} already there, in {result.seconds:.1f}s"
     )
     click.echo(f"  {_mb(result.bytes_staged)} staged, {_mb(result.free_after)} free at {result.area}")
     if result.left:

@@ -7,7 +7,7 @@ updates into one log line, so it prints one plain line every
 ``PACKDATA_PROGRESS_SECONDS`` (default 10) seconds instead, and one at the end,
 the way pip and uv behave::
 
-    packing: 12,345 of 100,000 files (12.3%), 1,234 files/s, 45.6 MB/s, ETA 0:01:11
+    packing: 12,345 of 100,000 files (12.3%), 1,234 files/s, 43.5 MiB/s, ETA 0:01:11
 
 ``total`` may be unknown at first and set later (a walk counted in the background).
 """
@@ -21,6 +21,8 @@ import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from packdata.units import format_rate, format_size
 
 __all__ = ["LineProgress", "progress"]
 
@@ -85,14 +87,14 @@ class LineProgress:
         elapsed = max(now - self._start, 1e-9)
         rate = done / elapsed
         if self.unit.strip() == "B":
-            count = f"{self.n / 1e6:,.1f} MB" + (f" of {self.total / 1e6:,.1f} MB" if self.total else "")
-            speed = f"{rate / 1e6:,.1f} MB/s"
+            count = format_size(int(self.n)) + (f" of {format_size(int(self.total))}" if self.total else "")
+            speed = format_rate(rate)
         else:
             count = f"{int(self.n):,}" + (f" of {int(self.total):,}" if self.total else "") + self.unit
             speed = f"{rate:,.0f}{self.unit}/s"
         parts = [count + (f" ({100 * self.n / self.total:.1f}%)" if self.total else ""), speed]
         if self._nbytes is not None:
-            parts.append(f"{self._nbytes() / elapsed / 1e6:,.1f} MB/s")
+            parts.append(format_rate(self._nbytes() / elapsed))
         if self._postfix:
             parts.append(self._postfix)
         if self.total and rate > 0 and self.n < self.total:
