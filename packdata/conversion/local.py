@@ -46,6 +46,7 @@ from packdata.pack.index import INDEX_DIR, LABELS_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress
+from packdata.units import format_rate
 
 __all__ = []
 
@@ -262,7 +263,7 @@ class _Packer:
                     bar.update()
                     now = time.perf_counter()
                     if now - last_time > 1.0:
-                        bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
+                        bar.set_postfix_str(format_rate((self.cp.bytes_in - last_bytes) / (now - last_time)))
                         last_bytes, last_time = self.cp.bytes_in, now
                 self._commit()
         finally:
