@@ -67,6 +67,7 @@ class LineProgress:
         self._lock = threading.Lock()
         self._closed = False
         self._nbytes = nbytes
+        self._written: float | None = None  # the count the last line showed
 
     def update(self, n: float = 1) -> None:
         with self._lock:
@@ -104,13 +105,15 @@ class LineProgress:
         return f"{self.desc}: " + ", ".join(parts)
 
     def _write(self, now: float) -> None:
+        self._written = self.n
         print(self._line(now), file=self._file, flush=True)
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._write(time.monotonic())
+                if self._written != self.n:  # the last line already said this: no repeat
+                    self._write(time.monotonic())
 
     def __enter__(self) -> LineProgress:
         return self
