@@ -147,7 +147,8 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--max-side",
     type=click.IntRange(min=1),
-    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG.",
+    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG. "
+    "Default: off (bytes kept as they are).",
 )
 @click.option(
     "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."
@@ -158,7 +159,11 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Start a new shard before this size, e.g. 256MB or 1GiB. Default: 256MB (the unit stage copies). "
     + _SIZE_HELP,
 )
-@click.option("--shard-samples", type=click.IntRange(min=1), help="At most N samples per shard.")
+@click.option(
+    "--shard-samples",
+    type=click.IntRange(min=1),
+    help="At most N samples per shard. Default: no limit (--shard-size decides).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
 @click.option(
@@ -309,7 +314,7 @@ def verify(pack: str, quiet: bool, as_json: bool) -> None:
         )
         return
     click.echo(
-        f"ok: {result.records} records, {result.bytes / 1e6:.1f} MB in {result.shards} "
+        f"ok: {result.records} records, {_mb(result.bytes)} in {result.shards} "
         f"shard{'s' * (result.shards != 1)} verified"
     )
 
@@ -421,6 +426,10 @@ def export(pack: str, dst: str, layout: str | None) -> None:
         sys.exit(1)
 
 
+def _progress_line(line: str) -> None:
+    click.echo(line, err=True)
+
+
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -470,7 +479,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option(
     "--size", type=click.IntRange(min=1), default=224, show_default=True, help="Output side of the transform."
 )
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each setting this long.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Time each setting this long. Default: no time limit (--batches decides).",
+)
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per setting (default 50).")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed batches first.")
 @click.option(
@@ -495,7 +508,6 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="Run every setting this many times, interleaved; the table shows medians and their spread.",
 )
 @click.option("--wide", is_flag=True, help="All columns (MB/s, CPU time, latency percentiles, every memory figure).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option(
     "--json",
     "json_file",
@@ -508,6 +520,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     type=click.Path(dir_okay=False, path_type=str),
     help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).",
 )
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (the setting being measured) on stderr.")
 @_friendly
 def bench(
     sources: tuple[str, ...],
@@ -549,7 +562,7 @@ def bench(
         pin_memory=(pin_memory,),
         prefetch_factor=prefetch_factor,
         transform=None if no_transform else "standard",
-        progress=None if quiet else (lambda line: click.echo(line, err=True)),
+        progress=None if quiet else _progress_line,
         **options,
     )
     if json_file == "-":
@@ -574,7 +587,11 @@ def bench(
     callback=_size,
     help="Memory the loader may use, e.g. 8GB. Default: half of MemAvailable (or of the cgroup's headroom).",
 )
-@click.option("--device", default=None, help="Where batches go, e.g. cuda (turns on the pin_memory search).")
+@click.option(
+    "--device",
+    default=None,
+    help="Where batches go, e.g. cuda (turns on the pin_memory search). Default: cpu (pin_memory off).",
+)
 @click.option(
     "--batch-size",
     "batch_sizes",
@@ -585,10 +602,14 @@ def bench(
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
 @click.option("--decode", type=click.Choice(["bytes", "pil", "reduced"]), default="pil", show_default=True)
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), help="Time each trial this long.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Time each trial this long. Default: no time limit (--batches decides).",
+)
 @click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (the trial being measured) on stderr.")
 @_friendly
 def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, **options: Any) -> None:
     """Search DataLoader settings for SOURCE and print the best as Python.
@@ -606,8 +627,7 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, 
 
     if 0 in batch_sizes:
         raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
-    report = None if quiet else (lambda line: click.echo(line, err=True))
-    result = run_tune(source, batch_sizes=batch_sizes, progress=report, **options)
+    result = run_tune(source, batch_sizes=batch_sizes, progress=None if quiet else _progress_line, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
         return
@@ -645,6 +665,12 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, 
 def _warn(warnings: Any) -> None:
     for w in warnings:
         click.secho(f"warning [{w.code}]: {w.message}", fg="yellow", err=True)
+
+
+def _rate(bytes_per_second: float) -> str:
+    from packdata.units import format_rate
+
+    return format_rate(bytes_per_second)
 
 
 def _mb(n: int) -> str:
@@ -774,8 +800,8 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         return
     click.echo(
         f"staged {result.source} -> {result.staged}: copied {_count(len(result.copied), 'shard')} "
-        f"({_mb(result.bytes_copied)}, {result.mb_per_s:.0f} MB/s), {len(result.reused)} already there, "
-        f"in {result.seconds:.1f}s"
+        f"({_mb(result.bytes_copied)}, {_rate(result.bytes_copied / max(result.seconds, 1e-9))}), "
+        f"{len(result.reused)} already there, in {result.seconds:.1f}s"
     )
     click.echo(f"  {_mb(result.bytes_staged)} staged, {_mb(result.free_after)} free at {result.area}")
     if result.left:

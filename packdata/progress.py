@@ -7,7 +7,7 @@ updates into one log line, so it prints one plain line every
 ``PACKDATA_PROGRESS_SECONDS`` (default 10) seconds instead, and one at the end,
 the way pip and uv behave::
 
-    packing: 12,345 of 100,000 files (12.3%), 1,234 files/s, 45.6 MB/s, ETA 0:01:11
+    packing: 12,345 of 100,000 files (12.3%), 1,234 files/s, 43.5 MiB/s, ETA 0:01:11
 
 ``total`` may be unknown at first and set later (a walk counted in the background).
 """
@@ -21,6 +21,8 @@ import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from packdata.units import format_rate, format_size
 
 __all__ = ["LineProgress", "progress"]
 
@@ -65,6 +67,7 @@ class LineProgress:
         self._lock = threading.Lock()
         self._closed = False
         self._nbytes = nbytes
+        self._written: float | None = None  # the count the last line showed
 
     def update(self, n: float = 1) -> None:
         with self._lock:
@@ -85,14 +88,14 @@ class LineProgress:
         elapsed = max(now - self._start, 1e-9)
         rate = done / elapsed
         if self.unit.strip() == "B":
-            count = f"{self.n / 1e6:,.1f} MB" + (f" of {self.total / 1e6:,.1f} MB" if self.total else "")
-            speed = f"{rate / 1e6:,.1f} MB/s"
+            count = format_size(int(self.n)) + (f" of {format_size(int(self.total))}" if self.total else "")
+            speed = format_rate(rate)
         else:
             count = f"{int(self.n):,}" + (f" of {int(self.total):,}" if self.total else "") + self.unit
             speed = f"{rate:,.0f}{self.unit}/s"
         parts = [count + (f" ({100 * self.n / self.total:.1f}%)" if self.total else ""), speed]
         if self._nbytes is not None:
-            parts.append(f"{self._nbytes() / elapsed / 1e6:,.1f} MB/s")
+            parts.append(format_rate(self._nbytes() / elapsed))
         if self._postfix:
             parts.append(self._postfix)
         if self.total and rate > 0 and self.n < self.total:
@@ -102,13 +105,15 @@ class LineProgress:
         return f"{self.desc}: " + ", ".join(parts)
 
     def _write(self, now: float) -> None:
+        self._written = self.n
         print(self._line(now), file=self._file, flush=True)
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._write(time.monotonic())
+                if self._written != self.n:  # the last line already said this: no repeat
+                    self._write(time.monotonic())
 
     def __enter__(self) -> LineProgress:
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-__all__ = ["SIZE_RULE", "describe_size", "format_size", "parse_size"]
+__all__ = ["SIZE_RULE", "describe_size", "format_rate", "format_size", "parse_size"]
 
 SIZE_RULE = "KB/MB/GB/TB are powers of 1000; K/M/G/T and KiB/MiB/GiB/TiB powers of 1024 (as tmpfs and ls -h)"
 """The one rule for size units, quoted in every ``--help`` that takes a size."""
@@ -55,3 +55,8 @@ def format_size(n: int) -> str:
         if abs(round(value, 1)) < 1024:
             return f"{value:.1f} {unit}"
     return f"{value / 1024:.1f} {units[-1]}"
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """A throughput in the units of :func:`format_size`: ``4.8 MiB/s``."""
+    return f"{format_size(round(bytes_per_second))}/s"

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.demo_data import make_sample_images, make_sample_texts
 from packdata.measure.bench import run_bench
+from packdata.units import format_size
 
 DATA = Path(os.environ.get("PACKDATA_DEMO_DIR", "demo-data"))
 
@@ -43,8 +44,8 @@ def main() -> None:
     ]:
         result = packdata.convert(src, DATA / name, overwrite=True, **kwargs)
         _log(
-            f"{name}: packed {result.packed} files ({result.bytes_in / 1e6:.0f} MB) in {result.shards} "
-            f"shard(s), {result.packed / result.seconds:.0f} files/s"
+            f"{name}: packed {result.packed:,} files ({format_size(result.bytes_in)}) in {result.shards} "
+            f"shard{'s' * (result.shards != 1)}, {result.packed / result.seconds:,.0f} files/s"
         )
         packs[name] = DATA / name
 

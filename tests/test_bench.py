@@ -270,3 +270,16 @@ def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
     assert "# projected = workers x per-worker private memory" in out.stdout
     tried = CliRunner().invoke(cli_main, [*args, "--json"])
     assert {t["config"]["batch_size"] for t in json.loads(tried.stdout)["trials"]} == {4, 8}
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_bench_and_tune_quiet_drop_the_progress_lines(pack: Path, command: str) -> None:
+    """-q silences the per-setting lines on stderr; the result on stdout stays."""
+    args = [command, str(pack), "--batch-size", str(BATCH), "--batches", str(BATCHES)]
+    args += ["--workers", "0"] if command == "bench" else ["--max-workers", "0"]
+    loud = CliRunner().invoke(cli_main, args)
+    quiet = CliRunner().invoke(cli_main, [*args, "-q"])
+    assert loud.exit_code == 0 and quiet.exit_code == 0, loud.output + quiet.output
+    assert f"{command} " in loud.stderr
+    assert f"{command} " not in quiet.stderr
+    assert quiet.stdout.strip() and ("samples/s" in quiet.stdout)

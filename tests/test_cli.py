@@ -98,7 +98,7 @@ def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_p
         assert "\r" not in done.stderr
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert lines and all(": " in line for line in lines), done.stderr
-        assert re.search(r"(of [\d,.]+ (files|records|MB)).*(done in|ETA)", lines[-1]), lines[-1]
+        assert re.search(r"(of [\d,.]+ (files|records|[KMGT]iB|B)).*(done in|ETA)", lines[-1]), lines[-1]
 
 
 def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> None:
@@ -114,3 +114,48 @@ def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> No
         assert "Examples:" in _run(command, "--help").output, command
     for command in ("stage", "convert"):
         assert "powers of 1000" in _run(command, "--help").output, command
+
+
+def test_every_option_that_has_a_default_says_it() -> None:
+    """Each option with a value either shows its default or says in its help what happens without it."""
+    import click
+
+    missing = []
+    for name, command in main.commands.items():
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.is_flag or param.name == "help":
+                continue
+            says = param.show_default or "default" in (param.help or "").lower()
+            if not says and name in ("bench", "tune", "convert", "stage"):
+                missing.append(f"{name} {param.opts[0]}")
+    # Options that are plainly off when absent (an output file, a destination, a URL's options) need no default.
+    exempt = {
+        "bench --json",
+        "bench --plot",
+        "convert --require",
+        "convert --label-column",
+        "convert --storage-options",
+        "stage --to",
+        "stage --tmpfs",
+        "stage --shards",
+        "stage --storage-options",
+    }
+    assert sorted(set(missing) - exempt) == []
+
+
+def test_one_unit_style_for_sizes_and_rates(image_folder: Path, tmp_path: Path) -> None:
+    """convert, verify and stage print sizes and rates in binary units (KiB, MiB/s), never decimal MB beside them."""
+    env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}
+    pack = tmp_path / "p.lmdb"
+    for args in (
+        ["convert", str(image_folder), str(pack)],
+        ["verify", str(pack)],
+        ["stage", str(pack), "--to", str(tmp_path / "fast")],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "packdata.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        both = done.stdout + done.stderr
+        assert not re.search(r"\d (MB|KB|GB)\b", both), both
+        assert re.search(r"\d (KiB|MiB)\b", done.stdout), done.stdout

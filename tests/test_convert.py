@@ -130,6 +130,9 @@ def test_max_side_reencodes_large_images_and_records_it(tmp_path: Path) -> None:
     (src / "a/small.jpg").write_bytes(image_bytes(2, size=(100, 80)))
     result = convert(src, tmp_path / "out.lmdb", max_side=256, quality=80, progress=False)
     assert result.reencoded == 1
+    # "bytes in" is what was read from the source, not the re-encoded (smaller) bytes written
+    assert result.bytes_in == sum(f.stat().st_size for f in (src / "a").iterdir())
+    assert result.bytes_out < result.bytes_in
     ds = LMDBDataset(tmp_path / "out.lmdb")
     assert ds[0][0].size == (256, 171)  # aspect ratio kept
     assert LMDBDataset(tmp_path / "out.lmdb", decode="bytes")[1][0] == (src / "a/small.jpg").read_bytes()

@@ -114,6 +114,9 @@ def test_ray_lmdb_matches_local(ray_local, poisoned_folder: Path, tmp_path: Path
     assert [e["key"] for e in result.skip_examples] == ["class1/img005x.jpg", "class2/empty.jpg"]
     assert not partial_path(tmp_path / "ray.lmdb").exists()
     assert result.reencoded == local.reencoded == (result.packed if "max_side" in limits else 0)
+    # "bytes in" is what was read from the source in both engines, re-encoded or not
+    keys = packdata.LMDBDataset(tmp_path / "ray.lmdb", decode="bytes").keys
+    assert result.bytes_in == local.bytes_in == sum((poisoned_folder / key).stat().st_size for key in keys)
     assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == result.packed
 
 

@@ -40,6 +40,20 @@ class _Options:
     shard_samples: int | None
 
 
+def _source_bytes(entry: Entry, sample: Sample, reencoded: bool) -> int:
+    """The bytes a sample took in the source: its file's size when it was re-encoded, else the data's.
+
+    "bytes in" reports the source, so a ``max_side`` convert shows what it read,
+    not what it wrote; should the file have gone since it was read, the data's size stands in.
+    """
+    if reencoded and isinstance(entry, SourceFile):
+        try:
+            return os.stat(entry.path).st_size
+        except OSError:
+            pass
+    return len(sample.data)
+
+
 def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Skip, bool]:
     """Read one file (or a group's files), validate it and re-encode it when asked; runs in the read pool.
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from packdata.conversion.layouts import AnySource
-from packdata.conversion.load import Entry, _Options, _pipeline
+from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes
 from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
@@ -46,6 +46,7 @@ from packdata.pack.index import INDEX_DIR, LABELS_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress
+from packdata.units import format_rate
 
 __all__ = []
 
@@ -257,12 +258,12 @@ class _Packer:
                     if isinstance(result, Skip):
                         self._skip(result, is_read_error=result.problem)
                     else:
-                        self._add(result)
+                        self._add(result, _source_bytes(entry, result, reencoded))
                         self.cp.reencoded += reencoded
                     bar.update()
                     now = time.perf_counter()
                     if now - last_time > 1.0:
-                        bar.set_postfix_str(f"{(self.cp.bytes_in - last_bytes) / (now - last_time) / 1e6:.1f} MB/s")
+                        bar.set_postfix_str(format_rate((self.cp.bytes_in - last_bytes) / (now - last_time)))
                         last_bytes, last_time = self.cp.bytes_in, now
                 self._commit()
         finally:
@@ -300,13 +301,16 @@ class _Packer:
         ):
             self._roll_shard()
 
-    def _add(self, sample: Sample) -> None:
-        """Append a sample, counted with its file (call :meth:`_make_room` first)."""
+    def _add(self, sample: Sample, source_bytes: int | None = None) -> None:
+        """Append a sample, counted with its file (call :meth:`_make_room` first).
+
+        ``source_bytes``: its size in the source, when not the data's (a re-encoded image).
+        """
         size = len(sample.data)
         self.batch.append((self.shard_samples, sample))
         self.index.append(sample.key, sample.label, size, self._field_numbers(sample))
         self.cp.samples_done += 1
-        self.cp.bytes_in += size
+        self.cp.bytes_in += size if source_bytes is None else source_bytes
         self.shard_samples += 1
         self.cp.shard_bytes += size
         self.batch_bytes += size

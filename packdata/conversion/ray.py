@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from packdata.conversion.load import _Options, _pipeline
+from packdata.conversion.load import _Options, _pipeline, _source_bytes
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     PROGRESS_FILE,
@@ -181,7 +181,7 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
     shard = None
     try:
         with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
-            for _entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
+            for entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
                 if isinstance(result, Skip):
                     read_error = result.problem
                     line = skip_line(result)
@@ -195,7 +195,7 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
                 batch.append((samples, result))
                 index.append(result.key, result.label, size)
                 samples += 1
-                bytes_in += size
+                bytes_in += _source_bytes(entry, result, was_reencoded)
                 reencoded += was_reencoded
                 batch_bytes += size
                 if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_SAMPLES:
