@@ -96,27 +96,31 @@ def test_a_cpu_burning_dataset_with_one_worker_is_data_bound() -> None:
 
 
 _TRAINING = """
-import time
-import torch
-from torch.utils.data import DataLoader, Dataset
+import sys, time
+from torch.utils.data import DataLoader, RandomSampler
+import packdata
 
-class Data(Dataset):
-    def __len__(self):
-        return 10_000
-    def __getitem__(self, i):
-        return torch.zeros(2000)
-
+ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
+sampler = RandomSampler(ds, replacement=True, num_samples=1_000_000)
 print("ready", flush=True)
-for _ in DataLoader(Data(), batch_size=8, num_workers=2):
+for _ in DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2):
     time.sleep(0.01)
 """
 
 
-def test_cli_monitor_finds_a_real_job_and_its_workers() -> None:
-    job = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_TRAINING)], stdout=subprocess.PIPE, text=True)
+def test_cli_monitor_finds_a_real_job_its_workers_and_its_staged_pack(tmp_path: Path) -> None:
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"doc {i}")
+    packdata.convert(tmp_path / "src", tmp_path / "p.lmdb", progress=False)
+    staged = packdata.stage(tmp_path / "p.lmdb", to=tmp_path / "fast", progress=False).staged
+    job = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_TRAINING), str(staged)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert job.stdout is not None and job.stdout.readline().strip() == "ready"
-        time.sleep(1.5)  # the workers start
+        time.sleep(2.0)  # the workers start and open the pack
         out = CliRunner().invoke(main, ["monitor", str(job.pid), "--count", "2", "--interval", "0.3", "--json"])
         assert out.exit_code == 0, out.output
         samples = [json.loads(line) for line in out.output.splitlines()]
@@ -124,6 +128,8 @@ def test_cli_monitor_finds_a_real_job_and_its_workers() -> None:
         workers = [p for p in last["processes"] if p["role"] == "worker"]
         assert last["pid"] == job.pid and len(workers) == 2
         assert all(p["private"] > 0 for p in last["processes"]) and last["mem_available"] > 0
+        assert {"path": str(staged), "staged": True, "origin": str((tmp_path / "p.lmdb").resolve())} in last["packs"]
+        assert last["gpus"] == []  # no NVML here: nothing breaks
         lines = CliRunner().invoke(main, ["monitor", str(job.pid), "--count", "1", "--interval", "0.2"])
         assert "2 workers, private" in lines.output and "cpu" in lines.output
     finally:

@@ -30,6 +30,7 @@ __all__ = [
     "find_mount",
     "gather_facts",
     "gpus",
+    "nvml_gpus",
     "is_network_fs",
     "is_rotational",
     "read_cgroup_cpu_quota",
@@ -374,9 +375,14 @@ class GPUInfo:
     name: str
     total_bytes: int
     free_bytes: int
+    utilization: float | None = None  # share of the last sample period the GPU was busy (NVML only)
 
 
-def _gpus_nvml() -> list[GPUInfo] | None:
+def nvml_gpus() -> list[GPUInfo] | None:
+    """CUDA devices with memory and utilisation through NVML (``pynvml``); None without it or without a driver.
+
+    Never initialises CUDA in this process (the monitor calls it from outside a job).
+    """
     try:
         import pynvml  # type: ignore[import-not-found]
 
@@ -389,7 +395,8 @@ def _gpus_nvml() -> list[GPUInfo] | None:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name, mem = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            found.append(GPUInfo(i, name, int(mem.total), int(mem.free)))
+            busy = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+            found.append(GPUInfo(i, name, int(mem.total), int(mem.free), float(busy)))
         return found
     finally:
         pynvml.nvmlShutdown()
@@ -412,7 +419,7 @@ def gpus() -> list[GPUInfo]:
 
     Never raises.
     """
-    for probe in (_gpus_nvml, _gpus_torch):
+    for probe in (nvml_gpus, _gpus_torch):
         with contextlib.suppress(Exception):
             if (found := probe()) is not None:
                 return found

@@ -7,6 +7,8 @@ the deltas of ``/proc/stat`` between two samples.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,10 +17,10 @@ from typing import Any
 import psutil
 
 from packdata.host.cores import usable_cores
-from packdata.host.facts import read_cgroup_memory, read_meminfo
+from packdata.host.facts import nvml_gpus, read_cgroup_memory, read_meminfo
 from packdata.host.processes import process_memory
 
-__all__ = ["ProcessMemory", "Snapshot", "SystemProbe"]
+__all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Snapshot:
     iowait: float  # share of CPU time waiting for I/O since the previous sample
     cores: int
     processes: list[ProcessMemory] = field(default_factory=list)
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, utilization, used and total bytes
+    packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
 
     @property
     def workers(self) -> list[ProcessMemory]:
@@ -70,16 +74,57 @@ def _worker_like(proc: psutil.Process) -> bool:
         return False
 
 
+def packs_in_use(pids: list[int], root: str = "/") -> list[dict[str, Any]]:
+    """The packs the processes hold open or mapped: each pack's folder, and where a staged one came from.
+
+    A pack is found from a file's path: the nearest of its three parent folders
+    holding a ``manifest.json``; a ``staged.json`` beside it marks a staged copy.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    for pid in pids:
+        paths: set[str] = set()
+        maps = os.path.join(root, f"proc/{pid}/maps")
+        with contextlib.suppress(OSError), open(maps, encoding="utf-8", errors="replace") as f:
+            paths.update(line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6)
+        with contextlib.suppress(OSError):
+            fd_dir = os.path.join(root, f"proc/{pid}/fd")
+            for fd in os.listdir(fd_dir):
+                with contextlib.suppress(OSError):
+                    paths.add(os.readlink(os.path.join(fd_dir, fd)))
+        for path in paths:
+            folder = os.path.dirname(path) if path.startswith("/") else ""
+            for _ in range(3):
+                if not folder or folder == "/":
+                    break
+                if folder in seen or os.path.isfile(os.path.join(folder, "manifest.json")):
+                    if folder not in seen:
+                        seen[folder] = _pack_entry(folder)
+                    break
+                folder = os.path.dirname(folder)
+    return sorted(seen.values(), key=lambda p: p["path"])
+
+
+def _pack_entry(folder: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"path": folder, "staged": False, "origin": None}
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, "staged.json"), encoding="utf-8") as f:
+        marker = json.load(f)
+        entry["staged"], entry["origin"] = True, marker.get("origin") if isinstance(marker, dict) else None
+    return entry
+
+
 class SystemProbe:
     """Samples the system and one process tree (the training process and its children).
 
     Args:
         pid: the training process (default: this one).
         root: the filesystem root to read ``/proc`` from (tests pass a fake tree).
+        gpus: sample GPUs through NVML (never through torch: that would initialise CUDA here).
+        packs: list the packs the processes have open or mapped.
     """
 
-    def __init__(self, pid: int | None = None, root: str = "/") -> None:
+    def __init__(self, pid: int | None = None, root: str = "/", *, gpus: bool = True, packs: bool = True) -> None:
         self.pid = pid or os.getpid()
+        self._gpus, self._packs = gpus, packs
         self.root = root
         self._process = psutil.Process(self.pid)
         self._last = _cpu_times(root)
@@ -118,4 +163,6 @@ class SystemProbe:
             max(0.0, min(1.0, wait)),
             self._cores,
             processes,
+            [asdict(g) for g in (nvml_gpus() or [])] if self._gpus else [],
+            packs_in_use([p.pid for p in processes], self.root) if self._packs else [],
         )

@@ -71,6 +71,15 @@ def render(snap: Snapshot, pid: int) -> list[str]:
         f"{len(workers)} workers, {format_size(sum(p.private for p in snap.processes))} private in all "
         "(file-backed pages are page cache: shared, reclaimable)"
     )
+    for g in snap.gpus:
+        busy = f"{100 * g['utilization']:.0f}% busy" if g.get("utilization") is not None else "busy: unknown"
+        used = g["total_bytes"] - g["free_bytes"]
+        lines.append(f"gpu {g['index']}: {g['name']}, {busy}, {format_size(used)} of {format_size(g['total_bytes'])}")
+    if not snap.gpus:
+        lines.append("gpus:   none seen through NVML (pip install nvidia-ml-py on a GPU machine)")
+    for p in snap.packs:
+        origin = f", staged from {p['origin']}" if p["staged"] else ""
+        lines.append(f"pack:   {p['path']}{origin}")
     warning = _oom_warning(snap)
     if warning:
         lines.append(f"WARNING {warning}")
