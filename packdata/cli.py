@@ -708,6 +708,12 @@ def _mb(n: int) -> str:
 )
 @click.option("--status", is_flag=True, help="List staged packs, sizes, free space and memory (in PACK as an area).")
 @click.option(
+    "--cache-limit",
+    callback=_size,
+    help="For a PACK URL: most bytes the --to folder's staged copies may hold; the least recently used copies "
+    "of remote packs that no reader has open are evicted first. Default: no limit.",
+)
+@click.option(
     "--storage-options",
     help='For a PACK URL: fsspec options as JSON, e.g. \'{"anon": true}\' or \'{"endpoint_url": "http://..."}\'.',
 )

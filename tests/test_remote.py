@@ -310,3 +310,40 @@ def test_an_unreachable_server_is_one_clean_line_and_a_rerun_completes(s3, remot
     assert packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).downloaded
     with pytest.raises(packdata.ConfigError, match="staged whole"):
         packdata.stage(url, to=tmp_path / "c2", budget=1000, storage_options=options, progress=False)
+
+
+_READER = """
+import sys
+import packdata
+ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
+ds[0]
+print("reading", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote_pack, tmp_path: Path) -> None:
+    options, fs = s3
+    url, local = remote_pack
+    fs.put(str(local), "packs/second.lmdb", recursive=True)
+    cache = tmp_path / "cache"
+    first = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    packdata.stage(local, to=cache, name="local-copy", progress=False)  # a local pack's copy: never evicted
+    limit = int(2.5 * size)  # the local copy and one remote copy fit, not two
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(first)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "reading"
+        with pytest.raises(packdata.CapacityError, match="cache limit"):  # its only candidate has a live reader
+            packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                           cache_limit=limit)  # fmt: skip
+        assert first.is_dir() and not (cache / "second.lmdb").exists()
+    finally:
+        reader.communicate("done\n", timeout=30)
+    result = packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                            cache_limit=limit)  # fmt: skip
+    assert result.downloaded and not first.exists() and (cache / "local-copy").is_dir()
+    with pytest.raises(packdata.ConfigError, match="cache_limit applies to packs staged from a URL"):
+        packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)

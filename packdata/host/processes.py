@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 from pathlib import Path
 
 import psutil
 
-__all__ = ["process_memory"]
+__all__ = ["open_by_any_process", "process_memory"]
 
 _ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
 
@@ -47,3 +49,27 @@ def _psutil_memory(proc: psutil.Process) -> dict[str, int] | None:
         "file": getattr(info, "shared", 0),
         "shmem": 0,
     }
+
+
+def open_by_any_process(folder: str | Path, root: str = "/") -> int | None:
+    """The pid of a process that has a file under ``folder`` open or memory-mapped, or None.
+
+    Reads every ``/proc/PID/maps`` and ``/proc/PID/fd`` this process may read;
+    a process it may not inspect is taken as not using the folder.
+    """
+    prefix = os.path.realpath(folder).rstrip(os.sep) + os.sep
+    proc = Path(root) / "proc"
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(Path(entry.path) / "maps", encoding="utf-8", errors="replace") as f:
+                if any(prefix in line for line in f):
+                    return int(entry.name)
+            for fd in os.listdir(Path(entry.path) / "fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(Path(entry.path) / "fd" / fd).startswith(prefix):
+                        return int(entry.name)
+        except OSError:
+            continue
+    return None

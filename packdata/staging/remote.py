@@ -38,16 +38,17 @@ from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatE
 from packdata.formats import get_format
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
+from packdata.host.processes import open_by_any_process
 from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import index_files
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
+from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
 from packdata.staging.marker import STAGED_FILE, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
-__all__ = ["RemoteStageResult", "stage_remote"]
+__all__ = ["RemoteStageResult", "evict_for", "stage_remote"]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 _WAIT_POLL = 0.5
@@ -80,6 +81,7 @@ def stage_remote(
     reserve: int | None = None,
     force: bool = False,
     progress: bool = True,
+    cache_limit: int | None = None,
 ) -> RemoteStageResult:
     """Download the pack at ``url`` into ``to/NAME`` once per cache folder (see the module docstring).
 
@@ -92,6 +94,9 @@ def stage_remote(
         wait_seconds: how long a rank waits for another one's download.
         reserve, force: the tmpfs memory checks, as for a local stage.
         progress: show progress on stderr.
+        cache_limit: most bytes the cache folder's staged copies may hold; the
+            least recently used copies of remote packs are evicted to make room
+            (see :func:`evict_for`).
 
     Raises:
         ConfigError: no ``to``, or the URL cannot be opened.
@@ -113,7 +118,19 @@ def stage_remote(
     while True:
         try:
             with hold_lock(lock, what="packdata stage (download)", target=cache / name):
-                result = _stage_locked(fs, root.rstrip("/"), shown, cache, name, workers, reserve, force, progress)
+                result = _stage_locked(
+                    fs,
+                    root.rstrip("/"),
+                    shown,
+                    cache,
+                    name,
+                    workers,
+                    reserve,
+                    force,
+                    progress,
+                    cache_limit,
+                    storage_options,
+                )
                 break
         except LockedError:
             if time.monotonic() - start > wait_seconds:
@@ -150,6 +167,8 @@ def _stage_locked(
     reserve: int | None,
     force: bool,
     progress: bool,
+    cache_limit: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> RemoteStageResult:
     start = time.monotonic()
     manifest, raw = read_url_manifest(fs, root, shown)
@@ -157,6 +176,7 @@ def _stage_locked(
     digest = hashlib.sha256(raw).hexdigest()
     marker = read_marker(dest) if dest.is_dir() else None
     if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
+        os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
     partial.mkdir(exist_ok=True)
     files = _pack_files(manifest)
@@ -167,6 +187,8 @@ def _stage_locked(
         if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
     ]
     needed = sum(size for _, size, _ in todo)
+    if cache_limit is not None:
+        evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
     _check_room(cache, needed, reserve, force)
     ranges = []
     for rel, size, _ in todo:  # every file cut into ranges: a big shard downloads in parallel too
@@ -287,3 +309,60 @@ def _sha256(path: Path) -> str:
         while block := f.read(8 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def evict_for(
+    cache: Path, incoming: int, limit: int, *, keep: Path, storage_options: dict[str, Any] | None = None
+) -> list[Path]:
+    """Delete least recently used staged copies in ``cache`` until they and ``incoming`` bytes fit ``limit``.
+
+    Only complete, verified copies of packs in object storage are candidates,
+    and each only when no process has a file of it open or mapped (a live
+    reader) and its origin's manifest is still there (never the last copy).
+    ``keep`` (the copy being staged) is never evicted.
+
+    Returns:
+        The copies deleted, oldest first.
+
+    Raises:
+        CapacityError: the limit cannot be met by evicting what may be evicted.
+    """
+    copies = []
+    for entry in cache.iterdir():
+        marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
+        if marker is None or entry == keep:
+            continue
+        size = _folder_bytes(entry)
+        copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, size, marker))
+    total = incoming + sum(size for _, _, size, _ in copies)
+    evicted: list[Path] = []
+    for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
+        if total <= limit:
+            break
+        origin = marker.get("origin")
+        if not (marker.get("complete") and isinstance(origin, str) and is_url(origin)):
+            continue  # a local pack's copy, or an incomplete one: not ours to evict
+        if open_by_any_process(entry) is not None:
+            continue  # a live reader uses it
+        try:
+            fs, root = open_url(origin, storage_options)
+            still_there = fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}")
+        except Exception:
+            still_there = False
+        if not still_there:
+            continue
+        shutil.rmtree(entry)
+        evicted.append(entry)
+        total -= size
+    if total > limit:
+        raise CapacityError(
+            f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers, "
+            f"of local packs, or whose origin is gone leave {total:,} bytes",
+            path=cache,
+            hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
+        )
+    return evicted

@@ -235,6 +235,7 @@ def stage(
     reserve: int | None = None,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
+    cache_limit: int | None = None,
 ) -> StageResult | RemoteStageResult:
     """Copy ``pack``'s shards to fast storage and write a staged pack that reads from them.
 
@@ -263,6 +264,8 @@ def stage(
         reserve: memory kept for training in the tmpfs checks.
         progress: show a tqdm bar (bytes, MB/s) on stderr.
         storage_options: for a URL: passed to fsspec (credentials, endpoint, ``anon``).
+        cache_limit: for a URL: most bytes the cache's staged copies may hold (LRU
+            eviction of verified copies of remote packs not in use).
 
     Returns:
         A :class:`StageResult` naming copied, reused and left shards (a
@@ -292,7 +295,10 @@ def stage(
             reserve=reserve,
             force=force,
             progress=progress,
+            cache_limit=cache_limit,
         )
+    if cache_limit is not None:
+        raise ConfigError("cache_limit applies to packs staged from a URL", hint="Use budget=SIZE for a local pack")
     start = time.monotonic()
     if to is not None and (tmpfs is not None or mount is not None):
         raise ConfigError("give either to= (a directory) or tmpfs=/mount= (a tmpfs area), not both")
