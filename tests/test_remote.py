@@ -347,3 +347,20 @@ def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote
     assert result.downloaded and not first.exists() and (cache / "local-copy").is_dir()
     with pytest.raises(packdata.ConfigError, match="cache_limit applies to packs staged from a URL"):
         packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)
+
+
+def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(5):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + 7 * len(c), (30, 20)))
+    fs.put(str(src), "packs/folder", recursive=True)
+    remote = packdata.convert("s3://packs/folder", tmp_path / "r.lmdb", storage_options=options, progress=False)
+    packdata.convert(src, tmp_path / "l.lmdb", progress=False)
+    assert remote.packed == 10 and _samples(tmp_path / "r.lmdb") == _samples(tmp_path / "l.lmdb")
+    assert not any((tmp_path / "work").rglob("*.jpg"))  # the work folder is gone once the pack is published
+    with pytest.raises(packdata.SourceError, match=r"s3://packs/empty: no files there"):
+        packdata.convert("s3://packs/empty", tmp_path / "e.lmdb", storage_options=options, progress=False)

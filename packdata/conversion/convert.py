@@ -26,7 +26,13 @@ from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths, partial_path
 from packdata.conversion.sources import Source, scan_source
 from packdata.conversion.tars import is_tar_pattern, scan_tars
-from packdata.conversion.upload import check_remote_destination, clean_work_folder, upload_pack, work_folder
+from packdata.conversion.upload import (
+    check_remote_destination,
+    clean_work_folder,
+    download_source,
+    upload_pack,
+    work_folder,
+)
 from packdata.errors import (
     ConfigError,
 )
@@ -116,6 +122,8 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
+    if is_url(src):
+        return _convert_from_url(os.fspath(src), dst, locals())
     if is_url(dst):
         return _convert_to_url(src, os.fspath(dst), locals())
     src, dst = Path(src), Path(dst)
@@ -264,4 +272,18 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     upload_pack(local, url, storage_options=storage, workers=options["workers"], progress=options["progress"])
     clean_work_folder(local)
     result.pack = display_url(url)
+    return result
+
+
+def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any]) -> ConvertResult:
+    """Copy a source folder from object storage into a local work folder, then convert that."""
+    if options["engine"] != "local" or is_tar_pattern(url) or Path(url).suffix.lower() in LIST_SUFFIXES:
+        raise ConfigError(
+            "a URL source is a folder (class folders or grouped files) for the local engine",
+            hint="Copy tar shards or list files locally first",
+        )
+    local = download_source(url, options["storage_options"], workers=options["workers"], progress=options["progress"])
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
+    result = convert(local, dst, **kwargs)
+    clean_work_folder(local)
     return result

@@ -1,4 +1,8 @@
-"""Convert into object storage: pack locally, then upload, the manifest last.
+"""Convert into and from object storage: pack locally, then upload, the manifest last.
+
+A source folder at a URL is first copied into a local work folder
+(:func:`download_source`, parallel and resumable), then converted like a local one.
+
 
 ``convert(src, "s3://bucket/train.lmdb")`` converts into a local work folder
 (``$PACKDATA_TMP`` or the system's temporary folder, one per destination URL,
@@ -21,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME
 from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
 
-__all__ = ["upload_pack", "work_folder"]
+__all__ = ["download_source", "upload_pack", "work_folder"]
 
 
 def work_folder(url: str) -> Path:
@@ -120,3 +124,54 @@ def _already_there(fs: Any, target: str, path: Path) -> bool:
 def clean_work_folder(local: Path) -> None:
     """Remove a work folder after a finished upload."""
     shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def download_source(url: str, storage_options: dict[str, Any] | None, *, workers: int | None, progress: bool) -> Path:
+    """Copy the source folder at ``url`` into a local work folder (resumable) and return it.
+
+    Files already there with the remote size are kept (a rerun continues); a
+    name that would leave the folder (``..``, absolute) is refused.
+
+    Raises:
+        SourceError: the URL cannot be listed or holds no file.
+    """
+    fs, root = open_url(url, storage_options)
+    root = root.rstrip("/")
+    shown = display_url(url)
+    try:
+        listing = fs.find(root, detail=True)
+    except Exception as exc:
+        raise remote_error(shown, "cannot list the source", exc) from exc
+    local = work_folder(f"source:{shown}")
+    local.mkdir(parents=True, exist_ok=True)
+    todo = []
+    for path, info in sorted(listing.items()):
+        rel = path[len(root) :].lstrip("/")
+        parts = rel.split("/")
+        if info.get("type") == "directory" or not rel or any(p in ("", ".", "..") for p in parts):
+            continue
+        target = local.joinpath(*parts)
+        size = int(info.get("size") or 0)
+        if not (target.is_file() and target.stat().st_size == size):
+            todo.append((path, target, size))
+    if not listing:
+        raise SourceError(f"{shown}: no files there", hint="Check the URL")
+
+    def get(item: tuple[str, Path, int]) -> int:
+        path, target, size = item
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.part")
+        try:
+            fs.get_file(path, os.fspath(tmp))
+        except Exception as exc:
+            raise remote_error(shown, f"cannot read {path[len(root) :].lstrip('/')}; rerun to resume", exc) from exc
+        os.replace(tmp, target)
+        return size
+
+    with (
+        show_progress(desc="download source", unit="B", total=sum(s for _, _, s in todo), disable=not progress) as bar,
+        ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-source") as pool,
+    ):
+        for done in pool.map(get, todo):
+            bar.update(done)
+    return local
