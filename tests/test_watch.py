@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -220,3 +221,25 @@ def test_adaptive_loader_resumes_mid_epoch_exactly() -> None:
     assert resumed.num_workers == state["num_workers"] and resumed.epoch == 1  # epoch 2's settings, whatever they were
     again = [b.tolist() for b in resumed]
     assert again == rest and sorted(i for b in head + again for i in b) == list(range(64))
+
+
+class _Hoarding(_Instant):
+    """Every sample keeps 4 MiB alive: a transform that leaks until the job outgrows its budget."""
+
+    kept: ClassVar[list[bytes]] = []
+
+    def __getitem__(self, i: int) -> int:
+        self.kept.append(b"x" * (4 << 20))  # written, so resident (not lazily zeroed pages)
+        return i
+
+
+def test_a_job_outgrowing_its_memory_budget_is_diagnosed_memory() -> None:
+    stream = io.StringIO()
+    watched = packdata.monitor(DataLoader(_Hoarding(), batch_size=4), every="10s", stream=stream, memory_budget="200M")
+    try:
+        assert sum(1 for _ in watched) == 16  # 64 samples: 256 MiB kept in this process
+    finally:
+        _Hoarding.kept.clear()
+    diagnosis = watched.summaries[0].diagnosis
+    assert diagnosis is not None and diagnosis.kind == "memory", diagnosis
+    assert "of its 200.0 MiB budget" in diagnosis.message and "pin_memory=False" in diagnosis.next_step

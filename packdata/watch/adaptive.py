@@ -101,7 +101,7 @@ class AdaptiveLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._loader = self._make_loader()
-        watched = monitor(self._loader, every=self.every, stream=self.stream)
+        watched = monitor(self._loader, every=self.every, stream=self.stream, memory_budget=self.memory_budget)
         yield from watched
         self._loader = None
         self.epoch += 1

@@ -3,7 +3,8 @@
 The rules follow the Linux data-loading guide this project follows, first match wins:
 
 1. **memory**: MemAvailable under 10% of the memory total (or the cgroup limit),
-   or swap in use above what is still available: the OOM killer is near ->
+   swap in use above what is still available, or the job's private memory
+   above 90% of the memory budget it was given: the OOM killer is near ->
    fewer workers or ``pin_memory=False``.
 2. **compute-bound**: the training step waits for data less than 10% of the
    time: the loader is not the bottleneck.
@@ -46,6 +47,8 @@ class Measurements:
     swap_used: int
     worker_private: int = 0  # the largest worker's private memory (bytes)
     cgroup_limit: int | None = None
+    job_private: int = 0  # private memory of the training process and its workers together
+    memory_budget: int | None = None  # what the job may use, when the user gave one
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,18 @@ def diagnose(m: Measurements) -> Diagnosis:
     """Name the bottleneck of ``m`` by the rules in the module docstring."""
     total = min(m.mem_total, m.cgroup_limit or m.mem_total)
     w = m.num_workers
-    if m.mem_available < MEMORY_LOW * total or (m.swap_used and m.mem_available < m.swap_used):
+    over_budget = m.memory_budget is not None and m.job_private > 0.9 * m.memory_budget
+    if m.mem_available < MEMORY_LOW * total or (m.swap_used and m.mem_available < m.swap_used) or over_budget:
         fewer = max(0, w // 2)
+        budget = (
+            f", the job holds {format_size(m.job_private)} of its {format_size(m.memory_budget)} budget"
+            if m.memory_budget is not None
+            else ""
+        )
         return Diagnosis(
             "memory",
             f"available {format_size(m.mem_available)} of {format_size(total)}, swap {format_size(m.swap_used)} "
-            "in use: OOM risk",
+            f"in use{budget}: OOM risk",
             f"num_workers {w} -> {fewer} or pin_memory=False (each worker holds {format_size(m.worker_private)})",
             fewer,
         )

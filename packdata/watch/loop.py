@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from packdata.errors import ConfigError
-from packdata.units import format_size
+from packdata.units import format_size, parse_size
 from packdata.watch.diagnose import Diagnosis, Measurements, diagnose
 from packdata.watch.probe import Snapshot, SystemProbe
 
@@ -71,8 +71,11 @@ class EpochSummary:
 
 
 class _Monitor:
-    def __init__(self, loader: Iterable[Any], every: float, log: Path | None, stream: TextIO) -> None:
+    def __init__(
+        self, loader: Iterable[Any], every: float, log: Path | None, stream: TextIO, memory_budget: int | None = None
+    ) -> None:
         self.loader, self.every, self.log, self.stream = loader, every, log, stream
+        self.memory_budget = memory_budget
         self.summaries: list[EpochSummary] = []
         self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
 
@@ -121,6 +124,8 @@ class _Monitor:
             swap_used=snap.swap_used,
             worker_private=max((w.private for w in workers), default=0),
             cgroup_limit=snap.cgroup_limit,
+            job_private=sum(p.private for p in snap.processes),
+            memory_budget=self.memory_budget,
         )
 
     def _report(self, snap: Snapshot, part: EpochSummary, epoch: EpochSummary, *, final: bool) -> None:
@@ -167,7 +172,12 @@ class _Monitor:
 
 
 def monitor(
-    loader: Iterable[Any], *, every: float | str = "10s", log: str | Path | None = None, stream: TextIO | None = None
+    loader: Iterable[Any],
+    *,
+    every: float | str = "10s",
+    log: str | Path | None = None,
+    stream: TextIO | None = None,
+    memory_budget: int | str | None = None,
 ) -> _Monitor:
     """Wrap ``loader`` to watch its data loading (see the module docstring); iterate it like the loader.
 
@@ -176,8 +186,10 @@ def monitor(
         every: seconds between reports (``10``, ``"10s"``, ``"1m"``).
         log: a JSONL file to append one record per period and one per epoch to.
         stream: where report lines go (stderr).
+        memory_budget: bytes (or ``"8G"``) the job may use: above 90% of it the diagnosis is ``memory``.
 
     Returns:
         An iterable whose ``summaries`` list one :class:`EpochSummary` per finished pass.
     """
-    return _Monitor(loader, _seconds(every), Path(log) if log is not None else None, stream or sys.stderr)
+    budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    return _Monitor(loader, _seconds(every), Path(log) if log is not None else None, stream or sys.stderr, budget)
