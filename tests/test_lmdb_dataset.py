@@ -183,17 +183,18 @@ def test_forked_worker_memory_stays_flat_over_an_epoch(tmp_path: Path) -> None:
     src = tmp_path / "src"
     for c in range(3):
         (src / f"class{c}").mkdir(parents=True)
-        for i in range(4000):
+        for i in range(10_000):
             (src / f"class{c}/{i:05d}.txt").write_text(f"sample {c} {i}")
     convert(src, tmp_path / "t.lmdb", progress=False)
     ds = LMDBDataset(tmp_path / "t.lmdb", decode="bytes")
     _ = ds.targets, ds.keys[0]  # index mapped in the parent before the fork
     loader = DataLoader(_MemoryProbe(ds), batch_size=None, num_workers=1, multiprocessing_context="fork")
     dirty = [int(u) for u in loader if u]
-    assert len(dirty) == 12
-    # A Python list of 12,000 keys touched by the worker copies about 1 MiB of pages.
+    assert len(dirty) == 30
+    # A Python list of 30,000 keys touched by the worker would copy about 2.5 MiB of pages; the
+    # allocator's own noise under load has reached 480 KiB, so the bound sits between the two.
     grew = dirty[-1] - dirty[0]
-    assert grew < 256 << 10, f"worker private memory grew by {grew >> 10} KiB over the epoch"
+    assert grew < 1 << 20, f"worker private memory grew by {grew >> 10} KiB over the epoch"
 
 
 def test_batched_reads_equal_single_reads(pack: Path) -> None:
