@@ -297,7 +297,14 @@ def test_gpus_returns_a_list_without_raising() -> None:
 
 def test_gpus_through_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     mem = types.SimpleNamespace(total=80 * GiB, free=70 * GiB)
+
+    def utilization(handle: int) -> types.SimpleNamespace:
+        if handle == 1:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")  # a MIG slice, for one
+        return types.SimpleNamespace(gpu=37)
+
     fake = types.SimpleNamespace(
+        nvmlDeviceGetUtilizationRates=utilization,
         nvmlInit=lambda: None,
         nvmlShutdown=lambda: None,
         nvmlDeviceGetCount=lambda: 2,
@@ -307,8 +314,8 @@ def test_gpus_through_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert host_facts.gpus() == [
-        GPUInfo(0, "NVIDIA H100", 80 * GiB, 70 * GiB),
-        GPUInfo(1, "NVIDIA A100", 80 * GiB, 70 * GiB),
+        GPUInfo(0, "NVIDIA H100", 80 * GiB, 70 * GiB, 0.37),
+        GPUInfo(1, "NVIDIA A100", 80 * GiB, 70 * GiB, None),
     ]
 
 

@@ -395,8 +395,11 @@ def nvml_gpus() -> list[GPUInfo] | None:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             name, mem = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            busy = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
-            found.append(GPUInfo(i, name, int(mem.total), int(mem.free), float(busy)))
+            try:
+                busy: float | None = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+            except Exception:
+                busy = None
+            found.append(GPUInfo(i, name, int(mem.total), int(mem.free), busy))
         return found
     finally:
         pynvml.nvmlShutdown()
