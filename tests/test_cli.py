@@ -82,10 +82,11 @@ def test_library_keywords_are_said_as_the_commands_flags() -> None:
     assert as_flags("keep shard_size=256MB and x.to=1", flags) == "keep shard_size=256MB and x.to=1"
 
 
-def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_path: Path) -> None:
-    """Piped into a log, convert, verify and stage print plain lines (no carriage returns) with totals."""
+def _logged_runs(image_folder: Path, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+    """convert, verify and stage run as a user's script would, stdout and stderr going to a log (not a terminal)."""
     env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}
     pack = tmp_path / "p.lmdb"
+    runs = []
     for args in (
         ["convert", str(image_folder), str(pack)],
         ["verify", str(pack)],
@@ -95,6 +96,13 @@ def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_p
             [sys.executable, "-m", "packdata.cli", *args], capture_output=True, text=True, env=env, timeout=120
         )
         assert done.returncode == 0, done.stderr
+        runs.append(done)
+    return runs
+
+
+def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_path: Path) -> None:
+    """Piped into a log, convert, verify and stage print plain lines (no carriage returns) with totals."""
+    for done in _logged_runs(image_folder, tmp_path):
         assert "\r" not in done.stderr
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert lines and all(": " in line for line in lines), done.stderr
@@ -145,17 +153,7 @@ def test_every_option_that_has_a_default_says_it() -> None:
 
 def test_one_unit_style_for_sizes_and_rates(image_folder: Path, tmp_path: Path) -> None:
     """convert, verify and stage print sizes and rates in binary units (KiB, MiB/s), never decimal MB beside them."""
-    env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}
-    pack = tmp_path / "p.lmdb"
-    for args in (
-        ["convert", str(image_folder), str(pack)],
-        ["verify", str(pack)],
-        ["stage", str(pack), "--to", str(tmp_path / "fast")],
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "packdata.cli", *args], capture_output=True, text=True, env=env, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
+    for done in _logged_runs(image_folder, tmp_path):
         both = done.stdout + done.stderr
         assert not re.search(r"\d (MB|KB|GB)\b", both), both
         assert re.search(r"\d (KiB|MiB)\b", done.stdout), done.stdout

@@ -27,6 +27,7 @@ import numpy as np
 
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME, TFRecordShardReader, chunk_plan, shard_layout
+from packdata.formats.tfrecord_example import check_record
 from packdata.pack.files import atomic_write
 from packdata.pack.index import index_files
 from packdata.pack.manifest import MANIFEST_NAME
@@ -119,7 +120,7 @@ class RemoteShardReader(TFRecordShardReader):
     def read(self, offset: int, length: int) -> memoryview:
         """One record (random access): a single ranged request, checked."""
         data = memoryview(self._fetch(offset, offset + length))
-        return next(iter(self.check_chunk(data, offset, np.array([offset]), np.array([length]), 0, 1, None)))
+        return check_record(data, 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
 
     def close(self) -> None:
         """Nothing to close."""

@@ -28,7 +28,7 @@ from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.index import INDEX_DIR, KeyList, LabelList, SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.pack.records import RecordError, decode_record, payload_start
+from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.fields import FieldSpec
 
@@ -448,9 +448,7 @@ class LMDBDataset(PackView, Dataset):
             if found is None:
                 block: bytes | memoryview | None = reader.payload(local)  # one pread, CRC32C-checked
                 if block is None:
-                    self.raw(index)  # LMDB's lookup: the record's key, label and CRC checked
-                    value = reader.get(local)
-                    block = value[payload_start(value) :]
+                    block, _ = self.raw(index)  # LMDB's lookup: the record's key, label and CRC checked
                 found = decode_block(block, names, check_crc=self.check_crc)
         except (FieldError, RecordError) as exc:
             raise PackFormatError(
