@@ -86,7 +86,7 @@ def _read_or_skip(key: str, path: str) -> bytes | Skip:
     except FileNotFoundError as exc:
         if os.path.lexists(path):  # a broken link
             return Skip(key, "unreadable", exc.strerror or str(exc))
-        return Skip(key, "vanished", "the file was removed between the walk and the read")
+        return Skip(key, "vanished", "no such file: removed since the walk or the list named it, or never there")
     except OSError as exc:
         return Skip(key, "unreadable", exc.strerror or str(exc))
 

@@ -1,0 +1,170 @@
+"""Hostile input to the multi-field paths: field blocks, field indexes, manifests and sources that lie."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import image_bytes
+
+import packdata
+from packdata.conversion.combine import append_pack
+from packdata.errors import PackFormatError
+from packdata.formats.contents import export_pack
+from packdata.pack.fields import FieldError, decode_block, encode_block, read_directory
+from packdata.pack.records import RECORD_MAGIC
+
+from .hostile import overwrite_lmdb_record, rewrite_manifest
+
+
+def _entry(name: bytes, length: int, crc: int = 0) -> bytes:
+    return bytes((len(name),)) + name + struct.pack("<QI", length, crc)
+
+
+@pytest.mark.parametrize(
+    ("block", "problem"),
+    [
+        (b"PDF1" + struct.pack("<H", 1) + _entry(b"txt", 1 << 40) + b"abc", "runs past the end"),
+        (b"PDF1" + struct.pack("<H", 3) + _entry(b"txt", 3), "runs past the block"),  # count past the directory
+        (b"PDF1" + struct.pack("<H", 1) + _entry(b"txt", 1) + b"abcd", "does not account for"),
+        (b"PDF1" + struct.pack("<H", 2) + _entry(b"a", 1) + _entry(b"a", 1) + b"xy", "names a field twice"),
+        (b"PDF1" + struct.pack("<H", 1) + _entry(b"\xff\xfe", 0), "not UTF-8"),
+        (b"XXXX" + struct.pack("<H", 0), "expected b'PDF1'"),
+        (b"PD", "shorter than its"),
+    ],
+)
+def test_a_lying_field_block_is_refused(block: bytes, problem: str) -> None:
+    with pytest.raises(FieldError, match=problem):
+        decode_block(block)
+
+
+def test_a_short_prefix_asks_for_the_whole_block_instead_of_guessing() -> None:
+    block = encode_block({"txt": b"x" * 100, "json": b"{}"})
+    assert read_directory(block[:5], len(block)) is None
+    assert read_directory(block[:20], len(block)) is None
+    assert [e.name for e in read_directory(block[:40], len(block)) or []] == ["json", "txt"]
+
+
+def _fields_pack(tmp_path: Path) -> Path:
+    with packdata.PackWriter(tmp_path / "f.lmdb") as writer:
+        for i in range(4):
+            writer.write({"__key__": f"k{i}", "txt": f"t{i}", "json": {"i": i}})
+    return tmp_path / "f.lmdb"
+
+
+def _record(key: str, block: bytes, label: int = -1) -> bytes:
+    k = key.encode()
+    return struct.pack("<4sBiIH", RECORD_MAGIC, 2, label, zlib.crc32(block), len(k)) + k + block
+
+
+def test_a_record_whose_field_directory_lies_is_named_not_read(tmp_path: Path) -> None:
+    """A hostile author writes a record with a valid header and CRC around a field block that lies."""
+    pack = _fields_pack(tmp_path)
+    lying = b"PDF1" + struct.pack("<H", 1) + _entry(b"txt", 10_000) + b"short"
+    overwrite_lmdb_record(pack, _record("k0", lying))
+    (pack / "shard-00000.lmdb" / "records.i64").unlink()  # the reader takes LMDB's own lookup
+    ds = packdata.LMDBDataset(pack)
+    with pytest.raises(PackFormatError, match=r"record 0 is damaged: field 'txt' runs past the end"):
+        ds[0]
+    assert ds[1]["txt"] == "t1"  # the other records still read
+    with pytest.raises(PackFormatError, match="record 0"):
+        packdata.verify_pack(pack, progress=False)
+
+
+def test_a_record_holding_another_samples_key_is_refused(tmp_path: Path) -> None:
+    pack = _fields_pack(tmp_path)
+    overwrite_lmdb_record(pack, _record("k3", encode_block({"txt": b"t3", "json": b'{"i": 3}'})))
+    (pack / "shard-00000.lmdb" / "records.i64").unlink()
+    with pytest.raises(PackFormatError, match=r"record 0 holds 'k3'.*sample index says 'k0'"):
+        packdata.LMDBDataset(pack)[0]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "problem"),
+    [
+        ([[0, 2], [7, 2]], "field number or size is out of range"),  # a field number past the manifest's list
+        ([[-1, 2], [0, 2]], "field number or size is out of range"),
+        ([[0, -5], [1, 2]], "field number or size is out of range"),
+    ],
+)
+def test_a_lying_field_index_is_refused_at_open(tmp_path: Path, pairs: list[list[int]], problem: str) -> None:
+    pack = _fields_pack(tmp_path)
+    sizes = pack / "index" / "field_sizes.i64"
+    table = np.fromfile(sizes, dtype="<i8").reshape(-1, 2)
+    table[: len(pairs)] = pairs
+    table.astype("<i8").tofile(sizes)
+    with pytest.raises(PackFormatError, match=problem):
+        packdata.LMDBDataset(pack).pack.index  # noqa: B018
+
+
+def test_decreasing_field_offsets_are_refused(tmp_path: Path) -> None:
+    pack = _fields_pack(tmp_path)
+    offsets = pack / "index" / "field_offsets.i64"
+    values = np.fromfile(offsets, dtype="<i8")
+    values[2] = 0
+    values.astype("<i8").tofile(offsets)
+    with pytest.raises(PackFormatError, match="offsets decrease"):
+        packdata.LMDBDataset(pack).pack.index  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m["codecs"].update(txt="pickle"),  # a codec packdata does not have
+        lambda m: m["codecs"].pop("json"),  # a field without a codec
+        lambda m: m["fields"].append("txt"),  # a field named twice
+    ],
+)
+def test_a_manifest_whose_fields_lie_is_refused(tmp_path: Path, change) -> None:
+    pack = _fields_pack(tmp_path)
+    rewrite_manifest(pack, change)
+    with pytest.raises(PackFormatError, match="codecs"):
+        packdata.LMDBDataset(pack)
+
+
+def test_a_list_naming_a_fifo_a_folder_or_nothing_skips_those_rows(tmp_path: Path) -> None:
+    (tmp_path / "ok.jpg").write_bytes(image_bytes(1))
+    os.mkfifo(tmp_path / "pipe.jpg")
+    (tmp_path / "dir.jpg").mkdir()
+    listing = tmp_path / "l.csv"
+    listing.write_text("path\nok.jpg\npipe.jpg\ndir.jpg\nmissing.jpg\n\n")
+    result = packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1  # the FIFO is never opened for a blocking read: the run does not hang
+    reasons = {e["key"]: e["reason"] for e in result.skip_examples}
+    assert result.skipped == {"not a regular file": 2, "vanished": 1}
+    assert reasons == {"pipe": "not a regular file", "dir": "not a regular file", "missing": "vanished"}
+
+
+def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_path: Path) -> None:
+    tar_path = tmp_path / "evil.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("../../escape.txt", "/etc/owned.txt", "fine/a.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    result = packdata.convert(str(tar_path), tmp_path / "t.lmdb", progress=False)
+    assert result.packed == 3  # stored as keys only: the tar is never extracted
+    assert not (tmp_path.parent.parent / "escape.txt").exists()
+    out = export_pack(tmp_path / "t.lmdb", tmp_path / "out")
+    assert sorted(r["key"] for r in out.refused) == ["../../escape", "/etc/owned"]
+    assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["a.txt"]
+
+
+def test_leftover_links_from_a_killed_append_are_unlinked_never_followed(tmp_path: Path) -> None:
+    pack = _fields_pack(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    (pack / "shard-a9-00000-of-00001.lmdb").symlink_to(outside, target_is_directory=True)
+    with packdata.PackWriter(tmp_path / "more.lmdb") as writer:
+        writer.write({"__key__": "new", "txt": "n"})
+    append_pack(pack, tmp_path / "more.lmdb")
+    assert (outside / "precious").read_text() == "keep me"
+    assert not (pack / "shard-a9-00000-of-00001.lmdb").is_symlink()
+    assert len(packdata.LMDBDataset(pack)) == 5
