@@ -1,0 +1,83 @@
+"""Raw warm reads of small records: batched (``__getitems__``) vs per-sample ``LMDBDataset`` vs a naive py-lmdb reader.
+
+Side by side in one run, interleaved repeats, ``DataLoader(batch_size=64, shuffle=True, num_workers=0)``::
+
+    python benchmarks/bench_batched.py [--records 20000] [--repeats 7]
+
+The naive reader (a transaction per item, the usual py-lmdb dataset) checks
+nothing; ``LMDBDataset`` checks every payload's CRC32C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import lmdb
+from torch.utils.data import DataLoader
+
+import packdata
+
+
+class _PerSample(packdata.LMDBDataset):
+    __getitems__ = None  # the DataLoader falls back to one __getitem__ per sample
+
+
+class _Naive:
+    def __init__(self, shard: str, n: int) -> None:
+        self.shard, self.n, self.env = shard, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        if self.env is None:
+            self.env = lmdb.open(self.shard, readonly=True, lock=False, readahead=False)
+        with self.env.begin() as txn:
+            return txn.get(struct.pack(">Q", i))
+
+
+def _rate(dataset: object) -> float:
+    loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=0, collate_fn=list)  # type: ignore[arg-type]
+    start = time.perf_counter()
+    n = sum(len(batch) for batch in loader)
+    return n / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-batched-"))
+    try:
+        src = work / "src" / "a"
+        src.mkdir(parents=True)
+        for i in range(args.records):
+            (src / f"{i:06d}.txt").write_bytes(os.urandom(2300).hex().encode())  # 4.6 KB of text
+        packdata.convert(work / "src", work / "t.lmdb", progress=False)
+        naive_copy = work / "naive.lmdb"  # py-lmdb opens a file once per process: the naive reader gets a copy
+        shutil.copytree(work / "t.lmdb" / "shard-00000.lmdb", naive_copy)
+        rates: dict[str, list[float]] = {"LMDBDataset batched": [], "LMDBDataset per sample": [], "naive py-lmdb": []}
+        for _ in range(args.repeats):
+            rates["LMDBDataset batched"].append(_rate(packdata.LMDBDataset(work / "t.lmdb", decode="bytes")))
+            rates["LMDBDataset per sample"].append(_rate(_PerSample(work / "t.lmdb", decode="bytes")))
+            rates["naive py-lmdb"].append(_rate(_Naive(str(naive_copy), args.records)))
+        naive = statistics.median(rates["naive py-lmdb"])
+        print(f"{args.records} records of 4.6 KB, warm, batch 64, 0 workers, {args.repeats} interleaved repeats")
+        for name, values in rates.items():
+            median = statistics.median(values)
+            spread = f"[{min(values):,.0f} - {max(values):,.0f}]"
+            print(f"  {name:<24} {median:>10,.0f}/s {spread}  {median / naive:.2f}x naive")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
