@@ -39,12 +39,13 @@ from packdata.formats import get_format
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
-from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.files import atomic_write, file_sha256, fsync_dir
 from packdata.pack.index import index_files
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
+from packdata.staging.copy import dir_bytes
 from packdata.staging.marker import STAGED_FILE, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
@@ -254,7 +255,7 @@ def _complete(local: Path, size: int, sha256: str | None) -> bool:
     """A file already downloaded by an interrupted run: right size and, for a shard, right hash."""
     if not (local.is_file() and not local.is_symlink() and local.stat().st_size == size):
         return False
-    return sha256 is None or _sha256(local) == sha256
+    return sha256 is None or file_sha256(local) == sha256
 
 
 def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> None:
@@ -294,25 +295,13 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
     tmp = _part(local)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
-    if sha256 is not None and _sha256(tmp) != sha256:
+    if sha256 is not None and file_sha256(tmp) != sha256:
         tmp.unlink()
         raise PackFormatError(
             f"{shown}: {rel} does not match the manifest's SHA-256 (damaged, or the pack changed while staging)",
             hint="Rerun; if it persists, verify the pack at its origin",
         )
     os.replace(tmp, local)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def evict_for(
@@ -336,7 +325,7 @@ def evict_for(
         marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
         if marker is None or entry == keep:
             continue
-        size = _folder_bytes(entry)
+        size = dir_bytes(entry)
         copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, size, marker))
     total = incoming + sum(size for _, _, size, _ in copies)
     evicted: list[Path] = []
