@@ -250,6 +250,93 @@ def test_cli_engine_ray(ray_local, poisoned_folder: Path, tmp_path: Path) -> Non
     assert len(LMDBDataset(dst)) == summary["packed"]
 
 
+@pytest.fixture
+def grouped_folder(tmp_path: Path) -> Path:
+    """Groups whose fields appear late (json from sample 6, seg.png from 11), cls labels past the class
+    folders, a group missing its jpg and an unreadable jpg: the driver must renumber each task's fields."""
+    root = tmp_path / "grouped"
+    (root / "cats").mkdir(parents=True)
+    for i in range(16):
+        folder = root / "cats" if i % 4 == 0 else root
+        stem = folder / f"s{i:02d}"
+        (stem.parent / f"{stem.name}.txt").write_text(f"caption {i}", encoding="utf-8")
+        if i != 9:
+            (stem.parent / f"{stem.name}.jpg").write_bytes(_tiny_jpeg(i) if i != 13 else b"\xff\xd8 broken")
+        if i >= 6:
+            (stem.parent / f"{stem.name}.json").write_text(json.dumps({"n": i}), encoding="utf-8")
+        if i >= 11:
+            (stem.parent / f"{stem.name}.seg.png").write_bytes(_tiny_jpeg(50 + i))
+        if i % 4 == 1:
+            (stem.parent / f"{stem.name}.cls").write_text(str(i % 3 + 1), encoding="utf-8")
+    return root
+
+
+def _fields_content(pack: Path) -> list[tuple[int, dict]]:
+    ds = LMDBDataset(pack, decode="bytes")
+    return [(int(ds.targets[i]), ds[i]) for i in range(len(ds))]
+
+
+def _assert_same_fields_pack(local: Path, ray_pack: Path) -> None:
+    _assert_same_pack(local, ray_pack)
+    a, b = read_manifest(local), read_manifest(ray_pack)
+    assert a.codecs == b.codecs
+    for name in ("field_sizes.i64", "field_offsets.i64"):
+        assert (local / "index" / name).read_bytes() == (ray_pack / "index" / name).read_bytes(), name
+    assert _fields_content(local) == _fields_content(ray_pack)
+
+
+@pytest.mark.ray
+def test_ray_grouped_folder_matches_local(ray_local, grouped_folder: Path, tmp_path: Path) -> None:
+    options = {"layout": "grouped", "require": ("jpg",), "shard_samples": 4, "progress": False}
+    local = packdata.convert(grouped_folder, tmp_path / "local.lmdb", **options)
+    result = packdata.convert(grouped_folder, tmp_path / "ray.lmdb", engine="ray", **options)
+    _assert_same_fields_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+    assert result.packed == local.packed == 14 and result.skipped == local.skipped
+    manifest = read_manifest(tmp_path / "ray.lmdb")
+    assert manifest.fields == ["jpg", "txt", "json", "seg.png"]  # first appearance over the whole walk (cls: labels)
+    assert manifest.classes == ["cats", "1", "2", "3"]
+    assert len(manifest.shards) > 2
+    assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == 14
+
+
+@pytest.mark.ray
+def test_ray_list_file_matches_local(ray_local, tmp_path: Path) -> None:
+    images = tmp_path / "imgs"
+    images.mkdir()
+    rows = ["image,label,caption"]
+    for i in range(11):
+        (images / f"im{i}.jpg").write_bytes(_tiny_jpeg(i))
+        rows.append(f"imgs/im{i}.jpg,{'zebra' if i % 3 else 'ant'},photo {i}")
+    rows.append("imgs/missing.jpg,ant,gone")
+    listing = tmp_path / "train.csv"
+    listing.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    options = {"path_column": "image", "label_column": "label", "shard_samples": 3, "progress": False}
+    for name, engine in (("local.tfrecord", "local"), ("ray.tfrecord", "ray")):
+        packdata.convert(listing, tmp_path / name, engine=engine, **options)
+    _assert_same_pack(tmp_path / "local.tfrecord", tmp_path / "ray.tfrecord")
+    for name in ("field_sizes.i64", "field_offsets.i64"):
+        assert (tmp_path / "local.tfrecord" / "index" / name).read_bytes() == (
+            tmp_path / "ray.tfrecord" / "index" / name
+        ).read_bytes()
+    local = list(packdata.TFRecordDataset(tmp_path / "local.tfrecord", decode="bytes"))
+    assert local == list(packdata.TFRecordDataset(tmp_path / "ray.tfrecord", decode="bytes"))
+    assert sorted(sample["caption"] for sample in local) == sorted(f"photo {i}".encode() for i in range(11))
+
+
+def test_ray_refuses_tar_shards(tmp_path: Path) -> None:
+    import tarfile
+
+    from packdata.errors import ConfigError
+
+    for i in range(4):
+        with tarfile.open(tmp_path / f"data-{i}.tar", "w") as tar:
+            info = tarfile.TarInfo(f"s{i}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ConfigError, match="the Ray engine packs folders and list files"):
+        packdata.convert(str(tmp_path / "data-{0..3}.tar"), tmp_path / "x.lmdb", engine="ray", progress=False)
+
+
 def test_cli_address_needs_engine_ray(clean_folder: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["convert", str(clean_folder), str(tmp_path / "x.lmdb"), "--address", "auto"])
     assert result.exit_code == 2

@@ -24,8 +24,8 @@ from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths, partial_path
-from packdata.conversion.sources import Source, scan_source
-from packdata.conversion.tars import is_tar_pattern, scan_tars
+from packdata.conversion.sources import scan_source
+from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
     check_remote_destination,
     clean_work_folder,
@@ -146,14 +146,16 @@ def convert(
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
     source = _scan(src, kind, layout, tuple(require), path_column, label_column)
-    if source.kind == "fields":
-        if engine == "ray":
-            raise ConfigError("the Ray engine packs class folders only", hint="Pass engine='local'")
-        if max_side is not None:
-            raise ConfigError(
-                "max_side re-encodes single-image samples only (a multi-field sample may hold masks)",
-                hint="Drop max_side, or resize the images before converting",
-            )
+    if engine == "ray" and isinstance(source, TarSource):
+        raise ConfigError(
+            "the Ray engine packs folders and list files (tar shards are read as one stream)",
+            hint="Pass engine='local'",
+        )
+    if source.kind == "fields" and max_side is not None:
+        raise ConfigError(
+            "max_side re-encodes single-image samples only (a multi-field sample may hold masks)",
+            hint="Drop max_side, or resize the images before converting",
+        )
     _check_destination_writable(dst)
     if resume and not overwrite and (dst / MANIFEST_NAME).is_file() and not partial_path(dst).exists():
         raise ConfigError(
@@ -169,7 +171,6 @@ def convert(
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray
 
-            assert isinstance(source, Source)  # refused above for other layouts
             return convert_on_ray(
                 source,
                 dst,

@@ -40,6 +40,21 @@ class _Options:
     shard_samples: int | None
 
 
+def number_fields(sample: Sample, numbers: dict[str, int], names: list[str]) -> list[tuple[int, int]] | None:
+    """A fields sample's ``(field number, size)`` pairs, numbering new field names in order of first appearance.
+
+    ``numbers`` maps the names seen so far to their numbers and ``names`` lists
+    them in number order; both grow. None for a single-field sample.
+    """
+    if sample.kind != "fields":
+        return None
+    for name, _ in sample.field_sizes:
+        if name not in numbers:
+            numbers[name] = len(names)
+            names.append(name)
+    return [(numbers[name], size) for name, size in sample.field_sizes]
+
+
 def _source_bytes(entry: Entry, sample: Sample, reencoded: bool) -> int:
     """The bytes a sample took in the source: its file's size when it was re-encoded, else the data's.
 

@@ -16,10 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from packdata.conversion.layouts import AnySource
-from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes
+from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
@@ -28,6 +26,7 @@ from packdata.conversion.publish import (
     _no_samples_error,
     _publish,
     bad_file_error,
+    extend_classes,
     make_result,
     partial_path,
     record_skip,
@@ -42,7 +41,7 @@ from packdata.errors import (
 )
 from packdata.formats import ShardWriter, shard_writer
 from packdata.pack.files import atomic_write, fsync_dir
-from packdata.pack.index import INDEX_DIR, LABELS_FILE, SampleIndexWriter
+from packdata.pack.index import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress
@@ -308,7 +307,8 @@ class _Packer:
         """
         size = len(sample.data)
         self.batch.append((self.shard_samples, sample))
-        self.index.append(sample.key, sample.label, size, self._field_numbers(sample))
+        fields = number_fields(sample, self.field_numbers, self.cp.field_names)
+        self.index.append(sample.key, sample.label, size, fields)
         self.cp.samples_done += 1
         self.cp.bytes_in += size if source_bytes is None else source_bytes
         self.shard_samples += 1
@@ -316,16 +316,6 @@ class _Packer:
         self.batch_bytes += size
         if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
             self._commit()
-
-    def _field_numbers(self, sample: Sample) -> list[tuple[int, int]] | None:
-        """A fields sample's ``(field number, size)`` pairs, numbering new field names as they appear."""
-        if sample.kind != "fields":
-            return None
-        for name, _ in sample.field_sizes:
-            if name not in self.field_numbers:
-                self.field_numbers[name] = len(self.cp.field_names)
-                self.cp.field_names.append(name)
-        return [(self.field_numbers[name], size) for name, size in sample.field_sizes]
 
     def _commit(self) -> None:
         """Write the batch, make everything durable, then record the checkpoint."""
@@ -386,11 +376,7 @@ class _Packer:
             self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
             self.cp.finishing = True
             self.cp.save()
-        if self.source.kind == "fields":  # labels from cls files or a writer may go past the class folders
-            labels = np.fromfile(self.partial / INDEX_DIR / LABELS_FILE, dtype="<i4")
-            top = int(labels.max()) if len(labels) else -1
-            known = list(self.source.classes)
-            self.source.classes = known + [str(i) for i in range(len(known), top + 1)]
+        extend_classes(self.source, self.partial)
         shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
         manifest = _make_manifest(
             self.source,

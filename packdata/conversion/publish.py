@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options
 from packdata.conversion.sources import Skip
@@ -26,7 +28,7 @@ from packdata.errors import (
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
 from packdata.pack.files import fsync_dir
-from packdata.pack.index import ALL_FILES, index_files
+from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "SKIP_REPORT",
     "ConvertResult",
     "bad_file_error",
+    "extend_classes",
     "make_result",
     "partial_path",
     "record_skip",
@@ -240,6 +243,16 @@ def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:
     return SourceError(
         f"no usable {source.kind} files (skipped: {reasons})", path=source.root, hint="Check the folder and --kind"
     )
+
+
+def extend_classes(source: AnySource, partial: Path) -> None:
+    """Name the classes a fields pack's labels reach past the class folders (``cls`` files, list labels, a writer)."""
+    if source.kind != "fields":
+        return
+    labels = np.fromfile(partial / INDEX_DIR / LABELS_FILE, dtype="<i4")
+    top = int(labels.max()) if len(labels) else -1
+    known = list(source.classes)
+    source.classes = known + [str(i) for i in range(len(known), top + 1)]
 
 
 def _make_manifest(

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from packdata.conversion.load import _Options, _pipeline, _source_bytes
+from packdata.conversion.layouts import AnySource
+from packdata.conversion.load import _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     PROGRESS_FILE,
@@ -35,23 +36,26 @@ from packdata.conversion.publish import (
     _no_samples_error,
     _publish,
     bad_file_error,
+    extend_classes,
     make_result,
     partial_path,
     record_skip,
     skip_line,
 )
-from packdata.conversion.sources import Skip, Source, SourceFile
+from packdata.conversion.sources import Skip, SourceFile, SourceGroup
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import (
-    FILES,
+    FIELD_OFFSETS_FILE,
+    FIELD_SIZES_FILE,
     INDEX_DIR,
     KEY_OFFSETS_FILE,
     KEYS_FILE,
     LABELS_FILE,
     SIZES_FILE,
     SampleIndexWriter,
+    index_files,
 )
 from packdata.pack.manifest import ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -94,10 +98,10 @@ def require_ray() -> Any:
 
 @dataclass(frozen=True)
 class ShardTask:
-    """One planned shard: a contiguous run of the sorted walk (files and walk-time skips)."""
+    """One planned shard: a contiguous run of the sorted walk (files or groups, and walk-time skips)."""
 
     number: int
-    entries: tuple[SourceFile | Skip, ...]
+    entries: tuple[SourceFile | SourceGroup | Skip, ...]
     files: int
     fingerprint: str
 
@@ -113,13 +117,20 @@ def _file_size(path: str) -> int:
         return 0  # the task reports it as unreadable
 
 
-def plan_tasks(source: Source, *, shard_samples: int | None, shard_size: int | None) -> Iterator[ShardTask]:
+def _entry_size(entry: SourceFile | SourceGroup) -> int:
+    """The source bytes of a file or a group (its files' sizes and its inline values)."""
+    if isinstance(entry, SourceFile):
+        return _file_size(entry.path)
+    return sum(_file_size(path) for _, path in entry.files) + sum(len(value) for _, value in entry.values)
+
+
+def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int | None) -> Iterator[ShardTask]:
     """Cut the sorted walk of ``source`` into shard tasks, deterministically.
 
-    The roll rule is the local engine's: a task takes files until the next one
-    would make it hold more than ``shard_samples`` files or ``shard_size``
-    bytes (``os.stat`` sizes; a file larger than the limit gets a task of its
-    own). Walk-time skips (hidden files, other extensions) travel with the task
+    The roll rule is the local engine's: a task takes files (or groups) until
+    the next one would make it hold more than ``shard_samples`` of them or
+    ``shard_size`` bytes (``os.stat`` sizes; one larger than the limit gets a
+    task of its own). Walk-time skips (hidden files, other extensions) travel with the task
     they fall in, so the skip report keeps walk order.
 
     Args:
@@ -132,12 +143,12 @@ def plan_tasks(source: Source, *, shard_samples: int | None, shard_size: int | N
     """
     if not shard_samples and not shard_size:
         raise ConfigError("a shard plan needs shard_samples or shard_size")
-    entries: list[SourceFile | Skip] = []
+    entries: list[SourceFile | SourceGroup | Skip] = []
     files = nbytes = number = 0
     digest = hashlib.sha256()
     for entry in source.walk():
-        if isinstance(entry, SourceFile):
-            size = _file_size(entry.path) if shard_size else 0
+        if not isinstance(entry, Skip):
+            size = _entry_size(entry) if shard_size else 0
             if files and ((shard_samples and files >= shard_samples) or (shard_size and nbytes + size > shard_size)):
                 yield ShardTask(number, tuple(entries), files, digest.hexdigest())
                 entries, files, nbytes, number, digest = [], 0, 0, number + 1, hashlib.sha256()
@@ -177,7 +188,9 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
     samples = bytes_in = reencoded = batch_bytes = 0
     batch: list[tuple[int, Sample]] = []
     writer = None
-    index = SampleIndexWriter(work)
+    index = SampleIndexWriter(work, fields=opts.kind == "fields")
+    field_numbers: dict[str, int] = {}
+    field_names: list[str] = []  # this task's field numbers; the driver renumbers them for the pack
     shard = None
     try:
         with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
@@ -193,7 +206,7 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
                     writer = writer_cls(pack / name)
                 size = len(result.data)
                 batch.append((samples, result))
-                index.append(result.key, result.label, size)
+                index.append(result.key, result.label, size, number_fields(result, field_numbers, field_names))
                 samples += 1
                 bytes_in += _source_bytes(entry, result, was_reencoded)
                 reencoded += was_reencoded
@@ -224,6 +237,7 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
         "skipped": dict(skipped),
         "skip_examples": examples,
         "shard": shard,
+        "field_names": field_names,
     }
     atomic_write(work / _RESULT, json.dumps(summary, ensure_ascii=False).encode("utf-8"))
     return summary
@@ -245,15 +259,25 @@ def _saved_result(partial: Path, task: ShardTask) -> dict[str, Any] | None:
 
 
 class _Gatherer:
-    """Appends task results, in plan order, to the pack's index, skip report and shard list."""
+    """Appends task results, in plan order, to the pack's index, skip report and shard list.
 
-    def __init__(self, partial: Path) -> None:
+    A fields pack numbers its fields in order of first appearance over the
+    whole walk (as the local engine does): each task's own numbers are mapped
+    to the pack's as its fragment is appended.
+    """
+
+    def __init__(self, partial: Path, kind: str) -> None:
         self.partial = partial
         directory = partial / INDEX_DIR
         directory.mkdir(exist_ok=True)
         # open for the whole gather, closed in close()
-        self.files = {name: open(directory / name, "wb") for name in FILES}  # noqa: SIM115
-        self.files[KEY_OFFSETS_FILE].write(np.int64(0).tobytes())
+        self.files = {name: open(directory / name, "wb") for name in index_files(kind)}  # noqa: SIM115
+        for name in (KEY_OFFSETS_FILE, FIELD_OFFSETS_FILE):
+            if name in self.files:
+                self.files[name].write(np.int64(0).tobytes())
+        self.field_names: list[str] = []
+        self.field_numbers: dict[str, int] = {}
+        self.field_end = 0
         self.report = open(partial / SKIP_REPORT, "wb")  # noqa: SIM115
         self.shards: list[ShardInfo] = []
         self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
@@ -266,13 +290,9 @@ class _Gatherer:
         for name in (LABELS_FILE, SIZES_FILE, KEYS_FILE):
             with open(source / name, "rb") as f:
                 shutil.copyfileobj(f, self.files[name], 8 << 20)
-        added = 0
-        with open(source / KEY_OFFSETS_FILE, "rb") as f:
-            f.seek(8)  # every fragment starts with offset 0
-            while len(chunk := np.fromfile(f, dtype="<i8", count=_CHUNK)):
-                self.files[KEY_OFFSETS_FILE].write((chunk + self.key_end).astype("<i8").tobytes())
-                added = int(chunk[-1])
-        self.key_end += added
+        self.key_end += self._append_offsets(source / KEY_OFFSETS_FILE, self.key_end)
+        if FIELD_SIZES_FILE in self.files:
+            self._append_fields(source, result.get("field_names", []))
         with open(fragment / SKIP_REPORT, "rb") as f:
             shutil.copyfileobj(f, self.report, 8 << 20)
         shard = result["shard"]
@@ -287,6 +307,30 @@ class _Gatherer:
         self.skipped.update(result["skipped"])
         room = MAX_SKIP_EXAMPLES - len(self.skip_examples)
         self.skip_examples.extend(result["skip_examples"][:room])
+
+    def _append_offsets(self, fragment: Path, base: int) -> int:
+        """Append a fragment's offsets (after its leading 0) moved up by ``base``; its last offset."""
+        last = 0
+        with open(fragment, "rb") as f:
+            f.seek(8)  # every fragment starts with offset 0
+            while len(chunk := np.fromfile(f, dtype="<i8", count=_CHUNK)):
+                self.files[fragment.name].write((chunk + base).astype("<i8").tobytes())
+                last = int(chunk[-1])
+        return last
+
+    def _append_fields(self, fragment: Path, names: list[str]) -> None:
+        """Append a fragment's field sizes with the task's field numbers mapped to the pack's."""
+        for name in names:
+            if name not in self.field_numbers:
+                self.field_numbers[name] = len(self.field_names)
+                self.field_names.append(name)
+        pack_number = np.array([self.field_numbers[name] for name in names], dtype="<i8")
+        with open(fragment / FIELD_SIZES_FILE, "rb") as f:
+            while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
+                pairs = pairs.reshape(-1, 2)
+                pairs[:, 0] = pack_number[pairs[:, 0]]
+                self.files[FIELD_SIZES_FILE].write(pairs.astype("<i8").tobytes())
+        self.field_end += self._append_offsets(fragment / FIELD_OFFSETS_FILE, self.field_end)
 
     def close(self) -> None:
         for f in (*self.files.values(), self.report):
@@ -367,7 +411,7 @@ def _failure(exc: BaseException) -> str:
 
 
 def convert_on_ray(
-    source: Source,
+    source: AnySource,
     dst: Path,
     opts: _Options,
     *,
@@ -381,7 +425,7 @@ def convert_on_ray(
     """Run a checked conversion as Ray tasks; called by :func:`packdata.conversion.convert.convert`.
 
     Args:
-        source: the scanned source (on storage every Ray node sees).
+        source: the scanned folder or list (its files on storage every Ray node sees).
         dst: the pack to create; its partial folder must be on shared storage.
         opts: the validated conversion options.
         workers: reader threads per task (default :data:`DEFAULT_TASK_THREADS`).
@@ -402,7 +446,7 @@ def convert_on_ray(
     resumed = _prepare_partial(partial, dst, opts, overwrite=overwrite, resume=resume)
     started_ray = _connect(ray, address)
     try:
-        gatherer = _Gatherer(partial)
+        gatherer = _Gatherer(partial, opts.kind)
         try:
             _run_tasks(
                 ray,
@@ -431,6 +475,7 @@ def convert_on_ray(
         _drop_strays(partial, gatherer.shards)
     writer_cls = shard_writer(opts.format)
     shards = writer_cls.finalize(partial, gatherer.shards)
+    extend_classes(source, partial)
     manifest = _make_manifest(
         source,
         opts,
@@ -440,6 +485,7 @@ def convert_on_ray(
         bytes_in=gatherer.bytes_in,
         reencoded=gatherer.reencoded,
         skipped=gatherer.skipped,
+        field_names=gatherer.field_names,
     )
     write_manifest(partial, manifest)
     _publish(partial, dst, overwrite=overwrite)
@@ -460,7 +506,7 @@ def convert_on_ray(
 
 def _run_tasks(
     ray: Any,
-    source: Source,
+    source: AnySource,
     partial: Path,
     opts: _Options,
     gatherer: _Gatherer,
