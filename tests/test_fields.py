@@ -7,12 +7,14 @@ import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import image_bytes
+from PIL import Image
 from torch.utils.data import DataLoader
 
 import packdata
@@ -21,6 +23,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb import DATA_FILE
 from packdata.pack.fields import decode_block
+from packdata.pack.manifest import read_manifest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1-imagefolder.lmdb"
 KEYS = ["0001", "a b", "café", "x-2"]
@@ -207,6 +210,56 @@ def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     result = packdata.write_pack(Squares(), tmp_path / "sq.lmdb", progress=False)
     assert result.packed == 4
     assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "sq.lmdb")] == ["0", "1", "4", "9"]
+
+
+def test_pil_images_are_saved_in_their_fields_format(tmp_path: Path) -> None:
+    rgba = Image.fromarray(np.random.default_rng(0).integers(0, 255, (12, 16, 4), dtype=np.uint8), "RGBA")
+    with packdata.PackWriter(tmp_path / "pil.lmdb") as writer:
+        writer.write({"__key__": "a", "seg.png": rgba, "jpg": rgba, "webp": rgba})
+    raw = packdata.LMDBDataset(tmp_path / "pil.lmdb", decode="bytes")[0]
+    for name in ("seg.png", "webp"):  # lossless, alpha kept
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(raw[name]))), np.asarray(rgba)), name
+    assert raw["jpg"][:3] == b"\xff\xd8\xff" and Image.open(io.BytesIO(raw["jpg"])).mode == "RGB"
+    assert packdata.LMDBDataset(tmp_path / "pil.lmdb")[0]["jpg"].size == (16, 12)
+
+
+class _Slow:
+    """A map-style dataset whose items take different times, so threads finish out of order."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.fail_at:
+            raise RuntimeError(f"cannot load item {i}")
+        time.sleep(0.002 * (i % 5))
+        image = Image.fromarray(np.full((20 + i % 7, 30, 3), i % 255, dtype=np.uint8))
+        return {"__key__": f"{i:04d}", "jpg": image, "npy": np.arange(i), "json": {"i": i}, "cls": i % 4}
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_write_pack_threads_write_the_same_pack(tmp_path: Path, fmt: str) -> None:
+    packs = {}
+    for workers in (0, 3):
+        dst = tmp_path / f"w{workers}.{fmt}"
+        packdata.write_pack(_Slow(120), dst, workers=workers, shard_samples=50, progress=False)
+        packs[workers] = dst
+    one, many = (read_manifest(packs[w]) for w in (0, 3))
+    assert [(s.num_samples, s.sha256) for s in one.shards] == [(s.num_samples, s.sha256) for s in many.shards]
+    for name in sorted(os.listdir(packs[0] / "index")):
+        assert (packs[0] / "index" / name).read_bytes() == (packs[3] / "index" / name).read_bytes(), name
+    assert len(one.shards) == 3 and one.num_samples == 120
+
+
+def test_write_pack_failure_in_a_thread_leaves_no_pack(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="cannot load item 77"):
+        packdata.write_pack(_Slow(200, fail_at=77), tmp_path / "w.lmdb", workers=4, progress=False)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ConfigError, match="workers should be 0 or more"):
+        packdata.write_pack([], tmp_path / "w.lmdb", workers=-1, progress=False)
 
 
 def test_a_pickled_npy_file_is_never_loaded(tmp_path: Path) -> None:

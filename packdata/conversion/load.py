@@ -7,9 +7,11 @@ import json
 import os
 import stat
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image
@@ -22,10 +24,13 @@ from packdata.pack.fields import LABEL_FIELD, codec_of, encode_block
 from packdata.pack.images import open_image
 from packdata.pack.records import Sample
 
-__all__ = []
+__all__ = ["number_fields", "ordered_map"]
 
 Entry = SourceFile | SourceGroup | Skip
 """One item of a source's walk: a file, a group of files, or a skip."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -263,11 +268,6 @@ def _jpeg_header_ok(data: bytes) -> bool:
     return False
 
 
-def _load_chunk(entries: list[Entry], opts: _Options) -> list[tuple[Sample | Skip, bool]]:
-    """:func:`_load` over a chunk of walk entries (skips pass through), one pool task per chunk."""
-    return [(e, False) if isinstance(e, Skip) else _load(e, opts) for e in entries]
-
-
 def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
     img = img.convert("RGB")
     img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
@@ -280,25 +280,43 @@ def _pipeline(
     entries: Iterator[Entry], pool: ThreadPoolExecutor, opts: _Options, depth: int, chunk: int = 16
 ) -> Iterator[tuple[Entry, Sample | Skip, bool]]:
     """Read files in the pool in chunks, yielding results in walk order, ``depth`` chunks ahead."""
-    pending: deque[tuple[list[Entry], Future]] = deque()
+    for entry, (result, reencoded) in ordered_map(partial(_load_entry, opts=opts), entries, pool, depth, chunk):
+        yield entry, result, reencoded
 
-    def resolve(
-        item: tuple[list[Entry], Future],
-    ) -> Iterator[tuple[Entry, Sample | Skip, bool]]:
+
+def _load_entry(entry: Entry, opts: _Options) -> tuple[Sample | Skip, bool]:
+    return (entry, False) if isinstance(entry, Skip) else _load(entry, opts)
+
+
+def ordered_map(
+    fn: Callable[[T], R], items: Iterator[T], pool: ThreadPoolExecutor, depth: int, chunk: int = 16
+) -> Iterator[tuple[T, R]]:
+    """``fn`` over ``items`` in the pool, a chunk per task, yielding ``(item, result)`` in input order.
+
+    At most ``depth`` chunks are in flight, so memory stays bounded whatever
+    the number of items; an exception from ``fn`` is raised where its item's
+    result is due.
+    """
+    pending: deque[tuple[list[T], Future[list[R]]]] = deque()
+
+    def resolve(item: tuple[list[T], Future[list[R]]]) -> Iterator[tuple[T, R]]:
         batch, future = item
-        for entry, (result, reencoded) in zip(batch, future.result(), strict=True):
-            yield entry, result, reencoded
+        yield from zip(batch, future.result(), strict=True)
 
-    for batch in _chunks(entries, chunk):
-        pending.append((batch, pool.submit(_load_chunk, batch, opts)))
+    for batch in _chunks(items, chunk):
+        pending.append((batch, pool.submit(_apply, fn, batch)))
         if len(pending) >= depth:
             yield from resolve(pending.popleft())
     while pending:
         yield from resolve(pending.popleft())
 
 
-def _chunks(items: Iterator[Entry], size: int) -> Iterator[list[Entry]]:
-    batch: list[Entry] = []
+def _apply(fn: Callable[[T], R], batch: list[T]) -> list[R]:
+    return [fn(item) for item in batch]
+
+
+def _chunks(items: Iterator[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
     for item in items:
         batch.append(item)
         if len(batch) == size:

@@ -14,12 +14,13 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.load import _Options
+from packdata.conversion.load import _Options, ordered_map
 from packdata.conversion.local import _Checkpoint, _Packer
 from packdata.conversion.publish import (
     PROGRESS_FILE,
@@ -125,13 +126,13 @@ class PackWriter:
             ConfigError: no ``__key__``, a repeated key, a bad label, or a value
                 its field name cannot encode (nothing is written then).
         """
-        if self.result is not None or self._packer.report.closed:
-            raise ConfigError("this PackWriter is closed", path=self.dst)
+        self._append(self._encode(sample))
+
+    def _encode(self, sample: Mapping[str, Any]) -> Sample:
+        """Check and encode one sample into a fields record's payload (no writer state: any thread may call it)."""
         key = sample.get(KEY_FIELD)
         if not isinstance(key, str) or not key:
             raise ConfigError(f"a sample needs a non-empty string {KEY_FIELD!r}, but got {key!r}", path=self.dst)
-        if key in self._keys:
-            raise ConfigError(f"key {key!r} was written before: keys are unique", path=self.dst)
         label = sample.get(LABEL_FIELD, -1)
         if isinstance(label, bool) or not isinstance(label, int) or label < -1 or label >= 2**31:
             raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {label!r}", path=self.dst)
@@ -144,11 +145,19 @@ class PackWriter:
             block = encode_block(fields)
         except FieldError as exc:
             raise ConfigError(f"sample {key!r}: {exc}", path=self.dst) from exc
-        self._keys.add(key)
-        self._top_label = max(self._top_label, label)
         sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
-        self._packer._make_room(len(block))
-        self._packer._add(Sample(key, label, block, "fields", sizes))
+        return Sample(key, label, block, "fields", sizes)
+
+    def _append(self, sample: Sample) -> None:
+        """Write an encoded sample (in the writer's thread)."""
+        if self.result is not None or self._packer.report.closed:
+            raise ConfigError("this PackWriter is closed", path=self.dst)
+        if sample.key in self._keys:
+            raise ConfigError(f"key {sample.key!r} was written before: keys are unique", path=self.dst)
+        self._keys.add(sample.key)
+        self._top_label = max(self._top_label, sample.label)
+        self._packer._make_room(len(sample.data))
+        self._packer._add(sample)
         self._checkpoint.files_done += 1
 
     def close(self) -> ConvertResult:
@@ -213,31 +222,65 @@ def write_pack(
     samples: Iterable[Mapping[str, Any]],
     dst: str | os.PathLike,
     *,
+    workers: int | None = None,
     progress: bool = True,
     **options: Any,
 ) -> ConvertResult:
     """Write every sample of ``samples`` (an iterable of dicts, or a map-style dataset of them) into a new pack.
 
+    Samples are fetched (``dataset[i]`` for a map-style dataset) and encoded
+    (images, arrays, JSON, checksums) in ``workers`` threads and written in
+    their order, so the pack is the same whatever ``workers`` is. Threads pay
+    where the work releases the GIL: file and network reads in ``__getitem__``,
+    CRC-32s, NumPy saves. PIL's JPEG encoder mostly holds it (2 threads encode
+    about 1.15x faster than 1 here): for many PIL images, encode them to bytes
+    in processes (a ``DataLoader`` with workers over your dataset) and pass
+    the bytes.
+
     Args:
         samples: dicts as :meth:`PackWriter.write` takes them; a map-style
             dataset (``__len__`` and ``__getitem__``) is read in index order.
         dst: the pack to create.
+        workers: fetching and encoding threads (default: the CPU count, at
+            most 8; 0 does everything in the calling thread).
         progress: show a progress bar on stderr.
         **options: :class:`PackWriter`'s options.
 
     Returns:
         A :class:`~packdata.conversion.publish.ConvertResult`.
     """
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1)
+    if workers < 0:
+        raise ConfigError(f"workers should be 0 or more, but got workers={workers}")
     total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
+    items: Iterator[Any] = iter(samples)
+    fetch: Callable[[Any], Mapping[str, Any]] = _same
     if total is not None and hasattr(samples, "__getitem__") and not isinstance(samples, list | tuple):
-        dataset = samples
-        samples = (dataset[i] for i in range(total))  # type: ignore[index]
+        items, fetch = iter(range(total)), samples.__getitem__  # type: ignore[attr-defined]
     with (
         PackWriter(dst, **options) as writer,
         show_progress(total=total, desc="writing", unit=" samples", disable=not progress) as bar,
+        ThreadPoolExecutor(max(1, workers), thread_name_prefix="packdata-encode") as pool,
     ):
-        for sample in samples:
-            writer.write(sample)
-            bar.update()
+
+        def encode(item: Any) -> Sample:
+            return writer._encode(fetch(item))
+
+        if workers == 0:
+            encoded: Iterator[Sample] = map(encode, items)
+        else:
+            encoded = (sample for _, sample in ordered_map(encode, items, pool, depth=4 * workers, chunk=8))
+        try:
+            for sample in encoded:
+                writer._append(sample)
+                bar.update()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # samples queued behind the failure are not encoded
+            raise
     assert writer.result is not None
     return writer.result
+
+
+def _same(sample: Mapping[str, Any]) -> Mapping[str, Any]:
+    return sample

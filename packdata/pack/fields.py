@@ -36,8 +36,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+from PIL import Image
 
-from packdata.pack.images import IMAGE_EXTENSIONS
+from packdata.pack.images import IMAGE_EXTENSIONS, encode_image
 
 __all__ = [
     "BLOCK_MAGIC",
@@ -114,7 +115,9 @@ def check_field_name(name: object) -> str:
 def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     """The stored bytes of one field value (bytes pass through unchanged).
 
-    ``str`` is stored as UTF-8; for a ``json`` field any JSON-able value is
+    ``str`` is stored as UTF-8; an image field (``jpg``, ``seg.png``, ...)
+    takes a PIL image, saved in the format its name says (JPEG at quality
+    :data:`~packdata.pack.images.JPEG_QUALITY`, WebP lossless); for a ``json`` field any JSON-able value is
     dumped (sorted keys, no NaN); an ``npy`` field takes a numpy array (saved
     with ``allow_pickle=False``); a ``cls`` field takes an int; an int or float
     in a ``txt`` field is stored as its decimal text.
@@ -130,6 +133,8 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
             return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise FieldError(f"field {name!r}: value is not JSON-serialisable ({exc})") from exc
+    if codec == "image" and isinstance(value, Image.Image):
+        return encode_image(value, name.rsplit(".", 1)[-1])
     if codec == "npy":
         if not isinstance(value, np.ndarray) or value.dtype.hasobject:
             raise FieldError(f"field {name!r}: an npy field takes a numpy array without objects, not {type(value)}")
@@ -144,7 +149,7 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
         return str(value).encode("ascii")
     raise FieldError(
         f"field {name!r} ({codec}): cannot store a {type(value).__name__}; pass bytes, or a str/JSON value/array "
-        "in a field whose name says how to encode it (txt, json, npy)"
+        "in a field whose name says how to encode it (txt, json, npy, or a PIL image in jpg, png, ...)"
     )
 
 

@@ -8,7 +8,7 @@ from PIL import Image, UnidentifiedImageError
 
 from packdata.errors import ImageFormatError
 
-__all__ = ["IMAGE_EXTENSIONS", "IMAGE_FORMATS", "open_image"]
+__all__ = ["IMAGE_EXTENSIONS", "IMAGE_FORMATS", "JPEG_QUALITY", "encode_image", "open_image"]
 
 #: File extensions packed as images (any letter case), and the image field names.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -17,6 +17,31 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", 
 #: No other PIL plug-in (EPS hands data to Ghostscript, and dozens more parse
 #: rarely used formats) is ever reached from a pack's or a source's bytes.
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+
+#: The JPEG quality a PIL image given for a ``jpg`` field is saved at.
+JPEG_QUALITY = 95
+
+_SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF"}
+_SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
+
+
+def encode_image(image: Image.Image, extension: str) -> bytes:
+    """A PIL image saved in the format its field's extension names (``jpg``: JPEG at :data:`JPEG_QUALITY`).
+
+    JPEG takes RGB or grayscale, so other modes (RGBA, P) are converted to RGB
+    first; WebP is saved lossless (colours under transparent pixels too); the other formats keep the image's mode.
+    """
+    fmt = _SAVE_FORMAT[extension.lower()]
+    out = io.BytesIO()
+    if fmt == "JPEG":
+        if image.mode not in ("RGB", "L", "CMYK"):
+            image = image.convert("RGB")
+        image.save(out, format=fmt, quality=JPEG_QUALITY)
+    elif fmt == "WEBP":
+        image.save(out, format=fmt, lossless=True, exact=True)  # exact: keep the colour under transparent pixels
+    else:
+        image.save(out, format=fmt)
+    return out.getvalue()
 
 
 def open_image(data: bytes) -> Image.Image:
