@@ -364,3 +364,132 @@ def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
     assert not any((tmp_path / "work").rglob("*.jpg"))  # the work folder is gone once the pack is published
     with pytest.raises(packdata.SourceError, match=r"s3://packs/empty: no files there"):
         packdata.convert("s3://packs/empty", tmp_path / "e.lmdb", storage_options=options, progress=False)
+
+
+@pytest.fixture(scope="module")
+def remote_tfrecord(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 4-shard TFRecord pack converted locally and uploaded to s3://packs/verify-tf."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("remote-tf")
+    src = root / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(7):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + (30 if c == "b" else 0), (36, 24)))
+    (src / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # a skip: the report is checked too
+    local = root / "verify-tf"
+    packdata.convert(src, local, format="tfrecord", shard_samples=4, progress=False)
+    assert (local / "skipped.jsonl").stat().st_size
+    fs.put(str(local), "packs/verify-tf", recursive=True)
+    return "s3://packs/verify-tf", local
+
+
+def _cli(*args: str, options: dict) -> object:
+    return CliRunner().invoke(main, [*args, "--storage-options", json.dumps(options)])
+
+
+def test_verify_a_remote_tfrecord_pack_checks_every_record(s3, remote_tfrecord) -> None:
+    options, _ = s3
+    url, local = remote_tfrecord
+    result = packdata.verify_pack(url, storage_options=options, progress=False, workers=2)
+    here = packdata.verify_pack(local, progress=False)
+    assert (result.path, result.checks) == (url, "records")
+    assert (
+        (result.records, result.bytes, result.shards) == (here.records, here.bytes, here.shards) == (14, here.bytes, 4)
+    )
+    out = _cli("verify", url, "-q", "--json", options=options)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"path": url, "records": 14, "bytes": here.bytes, "shards": 4, "checks": "records"}
+
+
+def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    result = packdata.verify_pack(url, storage_options=options, progress=False)
+    assert (result.checks, result.records, result.shards) == ("checksums", 0, 3)
+    out = _cli("verify", url, "-q", options=options)
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("ok: 3 shards,") and "Records NOT checked" in out.output
+    assert f"packdata stage {url} --to DIR" in out.output
+
+
+def test_verify_names_a_damaged_remote_object(s3, remote_pack, remote_tfrecord) -> None:
+    options, fs = s3
+    fs.put(str(remote_tfrecord[1]), "packs/bad-tf", recursive=True)
+    shard = "packs/bad-tf/verify-tf-00002-of-00004.tfrecord"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    with pytest.raises(PackFormatError, match=r"s3://packs/bad-tf/verify-tf-00002-of-00004\.tfrecord: record at byte"):
+        packdata.verify_pack("s3://packs/bad-tf", storage_options=options, progress=False)
+    fs.put(str(remote_tfrecord[1]), "packs/noreport-tf", recursive=True)
+    fs.rm_file("packs/noreport-tf/skipped.jsonl")
+    with pytest.raises(PackFormatError, match=r"^s3://packs/noreport-tf: the manifest counts 1 skipped files, but"):
+        packdata.verify_pack("s3://packs/noreport-tf", storage_options=options, progress=False)
+    fs.put(str(remote_pack[1]), "packs/bad-verify.lmdb", recursive=True)
+    mdb = "packs/bad-verify.lmdb/shard-00001.lmdb/data.mdb"
+    data = bytearray(fs.cat_file(mdb))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(mdb, bytes(data))
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert out.exit_code == 1
+    assert out.output.startswith(
+        "Error: s3://packs/bad-verify.lmdb/shard-00001.lmdb/data.mdb: shard checksum does not match the manifest"
+    )
+    fs.rm_file("packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb")
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert "shard-00001.lmdb/data.mdb: shard checksum" in out.output  # the first bad shard in manifest order
+    fs.pipe_file(mdb, fs.cat_file("packs/train.lmdb/shard-00001.lmdb/data.mdb"))
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert out.output.startswith("Error: s3://packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb: shard file is missing")
+
+
+def test_ls_and_cat_read_a_remote_pack_in_place(s3, remote_pack, remote_tfrecord, tmp_path: Path) -> None:
+    from packdata.formats.contents import read_field
+
+    options, _ = s3
+    for url, local in (remote_pack, remote_tfrecord):
+        listed = _cli("ls", url, "--limit", "0", "--json", options=options)
+        assert listed.exit_code == 0, listed.output
+        assert listed.output == CliRunner().invoke(main, ["ls", str(local), "--limit", "0", "--json"]).output
+        keys = [json.loads(line)["key"] for line in listed.output.splitlines()]
+        for which in (keys[0], keys[-1], "#5"):
+            got = CliRunner().invoke(main, ["cat", url, which, "--storage-options", json.dumps(options)])
+            assert got.exit_code == 0, got.output
+            assert got.stdout_bytes == read_field(local, which) and got.stdout_bytes[:3] == b"\xff\xd8\xff"
+        label = CliRunner().invoke(
+            main, ["cat", url, keys[-1], "--field", "cls", "--storage-options", json.dumps(options)]
+        )
+        assert label.stdout_bytes == b"1"
+        missing = _cli("cat", url, "nope/0.jpg", options=options)
+        assert missing.exit_code == 1 and missing.output.startswith(f"Error: {url}: no sample has the key 'nope/0.jpg'")
+
+
+def test_cat_of_an_lmdb_shard_without_its_location_table_says_stage_it(s3, remote_pack) -> None:
+    options, fs = s3
+    fs.put(str(remote_pack[1]), "packs/notable.lmdb", recursive=True)
+    fs.rm_file("packs/notable.lmdb/shard-00000.lmdb/records.i64")
+    out = _cli("cat", "s3://packs/notable.lmdb", "#0", options=options)
+    assert out.exit_code == 1 and len(out.output.strip().splitlines()) == 1
+    assert "has none that fits" in out.output and "packdata stage s3://packs/notable.lmdb --to DIR" in out.output
+    assert _cli("cat", "s3://packs/notable.lmdb", "#7", options=options).exit_code == 0  # another shard has its table
+
+
+def test_verify_ls_and_cat_never_print_credentials(s3, remote_pack, remote_tfrecord) -> None:
+    options, _ = s3
+    keyed = {**options, "key": "testing-key-id", "secret": SECRET}  # credentials in storage_options
+    down = {
+        **keyed,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    for url, _ in (remote_pack, remote_tfrecord):
+        for args in (["verify", url], ["ls", url], ["cat", url, "#0", "--field", "cls"]):
+            out = _cli(*args, options=keyed)  # with progress on stderr
+            assert out.exit_code == 0, out.output
+            assert SECRET not in out.output and "testing-key-id" not in out.output
+            secret_url = url.replace("s3://", f"s3://testing-key-id:{SECRET}@")
+            for failing in ([args[0], secret_url, *args[2:]], args):
+                out = _cli(*failing, options=down)
+                assert out.exit_code == 1 and out.output.startswith(f"Error: {url}: cannot read manifest.json")
+                assert SECRET not in out.output and "testing-key-id" not in out.output
