@@ -187,7 +187,7 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--storage-options", help="For a DST URL (s3://...): fsspec options as JSON.")
+@click.option("--storage-options", help="For an SRC or DST URL (s3://...): fsspec options as JSON.")
 @_friendly
 def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **options: Any) -> None:
     """Pack the files under SRC (a folder, a .csv/.tsv/.jsonl list, or WebDataset tars) into DST.

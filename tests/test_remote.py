@@ -493,3 +493,122 @@ def test_verify_ls_and_cat_never_print_credentials(s3, remote_pack, remote_tfrec
                 out = _cli(*failing, options=down)
                 assert out.exit_code == 1 and out.output.startswith(f"Error: {url}: cannot read manifest.json")
                 assert SECRET not in out.output and "testing-key-id" not in out.output
+
+
+def _write_tars(folder: Path) -> None:
+    """Three WebDataset tars: 2 samples each, a link member in the second, the third cut inside a member."""
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True)
+    for n in range(3):
+        path = folder / f"data-{n:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            if n == 1:
+                link = tarfile.TarInfo("s/link.txt")
+                link.type = tarfile.SYMTYPE
+                link.linkname = "/etc/passwd"
+                tar.addfile(link)
+            for i in range(2 * n, 2 * n + 2):
+                for name, data in (
+                    (f"s/{i:04d}.jpg", image_bytes(i, (24, 16))),
+                    (f"s/{i:04d}.txt", f"caption {i}".encode()),
+                    (f"s/{i:04d}.cls", str(i % 2).encode()),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        if n == 2:
+            with tarfile.open(path) as tar:
+                jpg = tar.getmembers()[-3]  # the last sample's image
+            path.write_bytes(path.read_bytes()[: jpg.offset_data + jpg.size // 2])  # cut inside it
+
+
+def _fields_samples(pack: Path) -> list[dict]:
+    ds = packdata.LMDBDataset(pack, decode={"jpg": "bytes"})
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_convert_tar_shards_at_a_url_streams_them_like_local_tars(s3, tmp_path: Path, monkeypatch) -> None:
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    _write_tars(tmp_path / "tars")
+    fs.put(str(tmp_path / "tars"), "packs/shards", recursive=True)
+    local = packdata.convert(str(tmp_path / "tars" / "data-{000000..000002}.tar"), tmp_path / "l.lmdb", progress=False)
+    assert local.skipped == {"not a regular file": 1, "corrupt tar": 1}
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a tar was copied whole")
+
+    monkeypatch.setattr(fs, "get_file", no_copy)
+    monkeypatch.setattr(fs, "get", no_copy)
+    for i, pattern in enumerate(("s3://packs/shards/data-{000000..000002}.tar", "s3://packs/shards/data-*.tar")):
+        out = tmp_path / f"r{i}.lmdb"
+        remote = packdata.convert(pattern, out, storage_options=options, progress=False)
+        assert (remote.packed, remote.skipped) == (local.packed, local.skipped) == (5, local.skipped)
+        assert _fields_samples(out) == _fields_samples(tmp_path / "l.lmdb")
+        assert (out / "skipped.jsonl").read_bytes() == (tmp_path / "l.lmdb" / "skipped.jsonl").read_bytes()
+    assert not (tmp_path / "work").exists()
+    with pytest.raises(packdata.SourceError, match=r"^s3://packs/shards/data-000003\.tar: no such tar shard"):
+        packdata.convert("s3://packs/shards/data-{000000..000003}.tar", tmp_path / "x.lmdb", storage_options=options)
+    cli = _cli(
+        "convert", "s3://packs/shards/data-{000000..000002}.tar", str(tmp_path / "c.lmdb"), "-q", options=options
+    )
+    assert cli.exit_code == 0 and SECRET not in cli.output, cli.output
+
+
+def test_a_failed_tar_request_stops_resumably_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
+    from packdata.conversion.publish import partial_path
+
+    options, fs = s3
+    _write_tars(tmp_path / "tars")
+    fs.put(str(tmp_path / "tars"), "packs/flaky-shards", recursive=True)
+    real_open = fs.open
+
+    def dropping_open(path, *args, **kwargs):
+        if path.endswith("data-000001.tar"):
+            raise ConnectionResetError("reset by peer")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "open", dropping_open)
+    pattern, dst = "s3://packs/flaky-shards/data-{000000..000002}.tar", tmp_path / "r.lmdb"
+    with pytest.raises(packdata.SourceError, match=r"^s3://packs/flaky-shards/data-000001\.tar: cannot read the tar"):
+        packdata.convert(pattern, dst, storage_options=options, progress=False, shard_samples=1)
+    assert partial_path(dst).exists() and not dst.exists()  # kept to resume, not published
+    monkeypatch.setattr(fs, "open", real_open)
+    resumed = packdata.convert(pattern, dst, storage_options=options, progress=False, shard_samples=1, resume=True)
+    packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "l.lmdb", progress=False, shard_samples=1)
+    assert resumed.packed == 5 and _fields_samples(dst) == _fields_samples(tmp_path / "l.lmdb")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_convert_a_list_at_a_url_reads_the_files_beside_it(s3, tmp_path: Path, suffix: str) -> None:
+    options, fs = s3
+    folder = tmp_path / "listed"
+    (folder / "imgs").mkdir(parents=True)
+    rows = []
+    for i, label in enumerate(["zebra", "ant", "zebra", "ant"]):
+        (folder / "imgs" / f"im{i}.jpg").write_bytes(image_bytes(i + 3, (20, 20)))
+        rows.append({"image": f"imgs/im{i}.jpg", "label": label, "caption": f"photo {i}"})
+    rows.append({"image": "imgs/missing.jpg", "label": "ant", "caption": "gone"})
+    good = list(rows)
+    rows += [
+        {"image": "../outside/x.jpg", "label": "ant", "caption": "up"},
+        {"image": "/etc/hostname.jpg", "label": "ant", "caption": "absolute"},
+    ]
+    for name, chosen in (("remote", rows), ("local", good)):
+        listing = folder / f"{name}{suffix}"
+        if suffix == ".jsonl":
+            listing.write_text("".join(json.dumps(r) + "\n" for r in chosen), encoding="utf-8")
+        else:
+            listing.write_text("\n".join([",".join(chosen[0])] + [",".join(r.values()) for r in chosen]) + "\n")
+    fs.put(str(folder), f"packs/listed{suffix}", recursive=True)
+    url = f"s3://packs/listed{suffix}/remote{suffix}"
+    columns = {"path_column": "image", "label_column": "label"}
+    remote = packdata.convert(url, tmp_path / "r.lmdb", storage_options=options, progress=False, workers=3, **columns)
+    local = packdata.convert(folder / f"local{suffix}", tmp_path / "l.lmdb", progress=False, **columns)
+    assert (remote.packed, local.packed) == (4, 4) and local.skipped == {"vanished": 1}
+    assert remote.skipped == {"vanished": 1, "bad path": 2}
+    assert _fields_samples(tmp_path / "r.lmdb") == _fields_samples(tmp_path / "l.lmdb")
+    report = (tmp_path / "r.lmdb" / "skipped.jsonl").read_text()
+    assert "../outside/x" in report and "/etc/hostname" in report and SECRET not in report
