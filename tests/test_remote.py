@@ -612,3 +612,30 @@ def test_convert_a_list_at_a_url_reads_the_files_beside_it(s3, tmp_path: Path, s
     assert _fields_samples(tmp_path / "r.lmdb") == _fields_samples(tmp_path / "l.lmdb")
     report = (tmp_path / "r.lmdb" / "skipped.jsonl").read_text()
     assert "../outside/x" in report and "/etc/hostname" in report and SECRET not in report
+
+
+def test_a_source_object_named_with_dotdot_is_in_the_skip_report_and_never_written(s3, tmp_path: Path, monkeypatch):
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    for c in ("cat", "dog"):
+        for i in range(3):
+            fs.pipe_file(f"packs/unsafe/{c}/{i}.jpg", image_bytes(i + 5 * len(c), (20, 20)))
+    evil = image_bytes(99, (20, 20))
+    fs.pipe_file("packs/unsafe/cat/../../escaped.jpg", evil)
+    fs.pipe_file("packs/unsafe/dog//5.jpg", evil)
+    names = sorted(p[len("packs/unsafe/") :] for p in fs.find("packs/unsafe"))
+    assert "cat/../../escaped.jpg" in names and "dog//5.jpg" in names  # the store keeps both names as they are
+    dst = tmp_path / "out.lmdb"
+    result = packdata.convert("s3://packs/unsafe", dst, storage_options=options, progress=False)
+    assert result.packed == 6 and result.skipped == {"unsafe name": 2} and result.found == 8
+    lines = [json.loads(line) for line in (dst / "skipped.jsonl").read_text().splitlines()]
+    assert [(line["key"], line["reason"]) for line in lines] == [
+        ("cat/../../escaped.jpg", "unsafe name"),
+        ("dog//5.jpg", "unsafe name"),
+    ]
+    assert not any(p.read_bytes() == evil for p in tmp_path.rglob("*.jpg"))
+    assert not (tmp_path / "escaped.jpg").exists() and not (tmp_path / "work" / "escaped.jpg").exists()
+    assert packdata.verify_pack(dst, progress=False).records == 6  # the counts add up: found = packed + skipped
+    out = _cli("convert", "s3://packs/unsafe", str(tmp_path / "cli.lmdb"), "-q", options=options)
+    assert out.exit_code == 0 and "SKIPPED 2" in out.output and "cat/../../escaped.jpg: unsafe name" in out.output
+    assert SECRET not in out.output

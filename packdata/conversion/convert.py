@@ -16,8 +16,10 @@ import inspect
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from packdata.conversion.combine import append_pack
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
@@ -30,7 +32,7 @@ from packdata.conversion.publish import (
     _check_paths,
     partial_path,
 )
-from packdata.conversion.sources import Source, scan_source
+from packdata.conversion.sources import Skip, Source, scan_source
 from packdata.conversion.tars import is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
     check_remote_destination,
@@ -157,7 +159,7 @@ def convert(
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
-    source = _scan(src, kind, layout, tuple(require), path_column, label_column, storage_options)
+    source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
     if source.kind == "fields":
         if engine == "ray":
             raise ConfigError("the Ray engine packs class folders only", hint="Pass engine='local'")
@@ -312,8 +314,46 @@ def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any])
     """Copy a source folder from object storage into a local work folder, then convert that."""
     if options["engine"] != "local":
         raise ConfigError("a source folder at a URL is converted by the local engine", hint="Pass engine='local'")
-    local = download_source(url, options["storage_options"], workers=options["workers"], progress=options["progress"])
+    local, refused = download_source(
+        url, options["storage_options"], workers=options["workers"], progress=options["progress"]
+    )
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
-    result = convert(local, dst, **kwargs)
+    token = _REFUSED.set((local, tuple(refused)))
+    try:
+        result = convert(local, dst, **kwargs)
+    finally:
+        _REFUSED.reset(token)
     clean_work_folder(local)
     return result
+
+
+_REFUSED: ContextVar[tuple[Path, tuple[Skip, ...]]] = ContextVar("packdata_refused_objects", default=(Path(), ()))
+"""Objects of a source folder at a URL that were not copied into its work folder (that folder, its skips).
+
+Set by :func:`_convert_from_url` around the conversion of the work folder, so
+every conversion of that folder (also through an upload or an append) walks
+them first and they land in the skip report, counted among the files found.
+"""
+
+
+class _WithSkips:
+    """A scanned source whose walk yields some skips first (objects refused before the walk), then its own."""
+
+    def __init__(self, source: AnySource, skips: tuple[Skip, ...]) -> None:
+        self._source, self._skips = source, skips
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def walk(self) -> Iterator[Any]:
+        """The refused objects' skips, then the source's walk."""
+        yield from self._skips
+        yield from self._source.walk()
+
+
+def _with_refused(source: AnySource, src: Path | str) -> AnySource:
+    """``source``, walking first the objects refused when ``src`` was copied from a URL (see :data:`_REFUSED`)."""
+    folder, skips = _REFUSED.get()
+    if not skips or not isinstance(src, Path) or src != folder:
+        return source
+    return cast(AnySource, _WithSkips(source, skips))
