@@ -35,7 +35,13 @@ class PackdataError(Exception):
 
 
 class SourceError(PackdataError):
-    """A source folder or file cannot be used: missing, empty, unreadable, corrupt."""
+    """A source folder or file cannot be used: missing, empty, unreadable, corrupt.
+
+    ``resumable`` is True for a failure that a rerun may not meet (a request to
+    object storage that failed): a conversion it stops is kept to resume.
+    """
+
+    resumable = False
 
 
 class PackFormatError(PackdataError):

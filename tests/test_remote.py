@@ -364,3 +364,278 @@ def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
     assert not any((tmp_path / "work").rglob("*.jpg"))  # the work folder is gone once the pack is published
     with pytest.raises(packdata.SourceError, match=r"s3://packs/empty: no files there"):
         packdata.convert("s3://packs/empty", tmp_path / "e.lmdb", storage_options=options, progress=False)
+
+
+@pytest.fixture(scope="module")
+def remote_tfrecord(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 4-shard TFRecord pack converted locally and uploaded to s3://packs/verify-tf."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("remote-tf")
+    src = root / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(7):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + (30 if c == "b" else 0), (36, 24)))
+    (src / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # a skip: the report is checked too
+    local = root / "verify-tf"
+    packdata.convert(src, local, format="tfrecord", shard_samples=4, progress=False)
+    assert (local / "skipped.jsonl").stat().st_size
+    fs.put(str(local), "packs/verify-tf", recursive=True)
+    return "s3://packs/verify-tf", local
+
+
+def _cli(*args: str, options: dict) -> object:
+    return CliRunner().invoke(main, [*args, "--storage-options", json.dumps(options)])
+
+
+def test_verify_a_remote_tfrecord_pack_checks_every_record(s3, remote_tfrecord) -> None:
+    options, _ = s3
+    url, local = remote_tfrecord
+    result = packdata.verify_pack(url, storage_options=options, progress=False, workers=2)
+    here = packdata.verify_pack(local, progress=False)
+    assert (result.path, result.checks) == (url, "records")
+    assert (
+        (result.records, result.bytes, result.shards) == (here.records, here.bytes, here.shards) == (14, here.bytes, 4)
+    )
+    out = _cli("verify", url, "-q", "--json", options=options)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"path": url, "records": 14, "bytes": here.bytes, "shards": 4, "checks": "records"}
+
+
+def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    result = packdata.verify_pack(url, storage_options=options, progress=False)
+    assert (result.checks, result.records, result.shards) == ("checksums", 0, 3)
+    out = _cli("verify", url, "-q", options=options)
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("ok: 3 shards,") and "Records NOT checked" in out.output
+    assert f"packdata stage {url} --to DIR" in out.output
+
+
+def test_verify_names_a_damaged_remote_object(s3, remote_pack, remote_tfrecord) -> None:
+    options, fs = s3
+    fs.put(str(remote_tfrecord[1]), "packs/bad-tf", recursive=True)
+    shard = "packs/bad-tf/verify-tf-00002-of-00004.tfrecord"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    with pytest.raises(PackFormatError, match=r"s3://packs/bad-tf/verify-tf-00002-of-00004\.tfrecord: record at byte"):
+        packdata.verify_pack("s3://packs/bad-tf", storage_options=options, progress=False)
+    fs.put(str(remote_tfrecord[1]), "packs/noreport-tf", recursive=True)
+    fs.rm_file("packs/noreport-tf/skipped.jsonl")
+    with pytest.raises(PackFormatError, match=r"^s3://packs/noreport-tf: the manifest counts 1 skipped files, but"):
+        packdata.verify_pack("s3://packs/noreport-tf", storage_options=options, progress=False)
+    fs.put(str(remote_pack[1]), "packs/bad-verify.lmdb", recursive=True)
+    mdb = "packs/bad-verify.lmdb/shard-00001.lmdb/data.mdb"
+    data = bytearray(fs.cat_file(mdb))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(mdb, bytes(data))
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert out.exit_code == 1
+    assert out.output.startswith(
+        "Error: s3://packs/bad-verify.lmdb/shard-00001.lmdb/data.mdb: shard checksum does not match the manifest"
+    )
+    fs.rm_file("packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb")
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert "shard-00001.lmdb/data.mdb: shard checksum" in out.output  # the first bad shard in manifest order
+    fs.pipe_file(mdb, fs.cat_file("packs/train.lmdb/shard-00001.lmdb/data.mdb"))
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert out.output.startswith("Error: s3://packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb: shard file is missing")
+
+
+def test_ls_and_cat_read_a_remote_pack_in_place(s3, remote_pack, remote_tfrecord, tmp_path: Path) -> None:
+    from packdata.formats.contents import read_field
+
+    options, _ = s3
+    for url, local in (remote_pack, remote_tfrecord):
+        listed = _cli("ls", url, "--limit", "0", "--json", options=options)
+        assert listed.exit_code == 0, listed.output
+        assert listed.output == CliRunner().invoke(main, ["ls", str(local), "--limit", "0", "--json"]).output
+        keys = [json.loads(line)["key"] for line in listed.output.splitlines()]
+        for which in (keys[0], keys[-1], "#5"):
+            got = CliRunner().invoke(main, ["cat", url, which, "--storage-options", json.dumps(options)])
+            assert got.exit_code == 0, got.output
+            assert got.stdout_bytes == read_field(local, which) and got.stdout_bytes[:3] == b"\xff\xd8\xff"
+        label = CliRunner().invoke(
+            main, ["cat", url, keys[-1], "--field", "cls", "--storage-options", json.dumps(options)]
+        )
+        assert label.stdout_bytes == b"1"
+        missing = _cli("cat", url, "nope/0.jpg", options=options)
+        assert missing.exit_code == 1 and missing.output.startswith(f"Error: {url}: no sample has the key 'nope/0.jpg'")
+
+
+def test_cat_of_an_lmdb_shard_without_its_location_table_says_stage_it(s3, remote_pack) -> None:
+    options, fs = s3
+    fs.put(str(remote_pack[1]), "packs/notable.lmdb", recursive=True)
+    fs.rm_file("packs/notable.lmdb/shard-00000.lmdb/records.i64")
+    out = _cli("cat", "s3://packs/notable.lmdb", "#0", options=options)
+    assert out.exit_code == 1 and len(out.output.strip().splitlines()) == 1
+    assert "has none that fits" in out.output and "packdata stage s3://packs/notable.lmdb --to DIR" in out.output
+    assert _cli("cat", "s3://packs/notable.lmdb", "#7", options=options).exit_code == 0  # another shard has its table
+
+
+def test_verify_ls_and_cat_never_print_credentials(s3, remote_pack, remote_tfrecord) -> None:
+    options, _ = s3
+    keyed = {**options, "key": "testing-key-id", "secret": SECRET}  # credentials in storage_options
+    down = {
+        **keyed,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    for url, _ in (remote_pack, remote_tfrecord):
+        for args in (["verify", url], ["ls", url], ["cat", url, "#0", "--field", "cls"]):
+            out = _cli(*args, options=keyed)  # with progress on stderr
+            assert out.exit_code == 0, out.output
+            assert SECRET not in out.output and "testing-key-id" not in out.output
+            secret_url = url.replace("s3://", f"s3://testing-key-id:{SECRET}@")
+            for failing in ([args[0], secret_url, *args[2:]], args):
+                out = _cli(*failing, options=down)
+                assert out.exit_code == 1 and out.output.startswith(f"Error: {url}: cannot read manifest.json")
+                assert SECRET not in out.output and "testing-key-id" not in out.output
+
+
+def _write_tars(folder: Path) -> None:
+    """Three WebDataset tars: 2 samples each, a link member in the second, the third cut inside a member."""
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True)
+    for n in range(3):
+        path = folder / f"data-{n:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            if n == 1:
+                link = tarfile.TarInfo("s/link.txt")
+                link.type = tarfile.SYMTYPE
+                link.linkname = "/etc/passwd"
+                tar.addfile(link)
+            for i in range(2 * n, 2 * n + 2):
+                for name, data in (
+                    (f"s/{i:04d}.jpg", image_bytes(i, (24, 16))),
+                    (f"s/{i:04d}.txt", f"caption {i}".encode()),
+                    (f"s/{i:04d}.cls", str(i % 2).encode()),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        if n == 2:
+            with tarfile.open(path) as tar:
+                jpg = tar.getmembers()[-3]  # the last sample's image
+            path.write_bytes(path.read_bytes()[: jpg.offset_data + jpg.size // 2])  # cut inside it
+
+
+def _fields_samples(pack: Path) -> list[dict]:
+    ds = packdata.LMDBDataset(pack, decode={"jpg": "bytes"})
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_convert_tar_shards_at_a_url_streams_them_like_local_tars(s3, tmp_path: Path, monkeypatch) -> None:
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    _write_tars(tmp_path / "tars")
+    fs.put(str(tmp_path / "tars"), "packs/shards", recursive=True)
+    local = packdata.convert(str(tmp_path / "tars" / "data-{000000..000002}.tar"), tmp_path / "l.lmdb", progress=False)
+    assert local.skipped == {"not a regular file": 1, "corrupt tar": 1}
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a tar was copied whole")
+
+    monkeypatch.setattr(fs, "get_file", no_copy)
+    monkeypatch.setattr(fs, "get", no_copy)
+    for i, pattern in enumerate(("s3://packs/shards/data-{000000..000002}.tar", "s3://packs/shards/data-*.tar")):
+        out = tmp_path / f"r{i}.lmdb"
+        remote = packdata.convert(pattern, out, storage_options=options, progress=False)
+        assert (remote.packed, remote.skipped) == (local.packed, local.skipped) == (5, local.skipped)
+        assert _fields_samples(out) == _fields_samples(tmp_path / "l.lmdb")
+        assert (out / "skipped.jsonl").read_bytes() == (tmp_path / "l.lmdb" / "skipped.jsonl").read_bytes()
+    assert not (tmp_path / "work").exists()
+    with pytest.raises(packdata.SourceError, match=r"^s3://packs/shards/data-000003\.tar: no such tar shard"):
+        packdata.convert("s3://packs/shards/data-{000000..000003}.tar", tmp_path / "x.lmdb", storage_options=options)
+    cli = _cli(
+        "convert", "s3://packs/shards/data-{000000..000002}.tar", str(tmp_path / "c.lmdb"), "-q", options=options
+    )
+    assert cli.exit_code == 0 and SECRET not in cli.output, cli.output
+
+
+def test_a_failed_tar_request_stops_resumably_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
+    from packdata.conversion.publish import partial_path
+
+    options, fs = s3
+    _write_tars(tmp_path / "tars")
+    fs.put(str(tmp_path / "tars"), "packs/flaky-shards", recursive=True)
+    real_open = fs.open
+
+    def dropping_open(path, *args, **kwargs):
+        if path.endswith("data-000001.tar"):
+            raise ConnectionResetError("reset by peer")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "open", dropping_open)
+    pattern, dst = "s3://packs/flaky-shards/data-{000000..000002}.tar", tmp_path / "r.lmdb"
+    with pytest.raises(packdata.SourceError, match=r"^s3://packs/flaky-shards/data-000001\.tar: cannot read the tar"):
+        packdata.convert(pattern, dst, storage_options=options, progress=False, shard_samples=1)
+    assert partial_path(dst).exists() and not dst.exists()  # kept to resume, not published
+    monkeypatch.setattr(fs, "open", real_open)
+    resumed = packdata.convert(pattern, dst, storage_options=options, progress=False, shard_samples=1, resume=True)
+    packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "l.lmdb", progress=False, shard_samples=1)
+    assert resumed.packed == 5 and _fields_samples(dst) == _fields_samples(tmp_path / "l.lmdb")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_convert_a_list_at_a_url_reads_the_files_beside_it(s3, tmp_path: Path, suffix: str) -> None:
+    options, fs = s3
+    folder = tmp_path / "listed"
+    (folder / "imgs").mkdir(parents=True)
+    rows = []
+    for i, label in enumerate(["zebra", "ant", "zebra", "ant"]):
+        (folder / "imgs" / f"im{i}.jpg").write_bytes(image_bytes(i + 3, (20, 20)))
+        rows.append({"image": f"imgs/im{i}.jpg", "label": label, "caption": f"photo {i}"})
+    rows.append({"image": "imgs/missing.jpg", "label": "ant", "caption": "gone"})
+    good = list(rows)
+    rows += [
+        {"image": "../outside/x.jpg", "label": "ant", "caption": "up"},
+        {"image": "/etc/hostname.jpg", "label": "ant", "caption": "absolute"},
+    ]
+    for name, chosen in (("remote", rows), ("local", good)):
+        listing = folder / f"{name}{suffix}"
+        if suffix == ".jsonl":
+            listing.write_text("".join(json.dumps(r) + "\n" for r in chosen), encoding="utf-8")
+        else:
+            listing.write_text("\n".join([",".join(chosen[0])] + [",".join(r.values()) for r in chosen]) + "\n")
+    fs.put(str(folder), f"packs/listed{suffix}", recursive=True)
+    url = f"s3://packs/listed{suffix}/remote{suffix}"
+    columns = {"path_column": "image", "label_column": "label"}
+    remote = packdata.convert(url, tmp_path / "r.lmdb", storage_options=options, progress=False, workers=3, **columns)
+    local = packdata.convert(folder / f"local{suffix}", tmp_path / "l.lmdb", progress=False, **columns)
+    assert (remote.packed, local.packed) == (4, 4) and local.skipped == {"vanished": 1}
+    assert remote.skipped == {"vanished": 1, "bad path": 2}
+    assert _fields_samples(tmp_path / "r.lmdb") == _fields_samples(tmp_path / "l.lmdb")
+    report = (tmp_path / "r.lmdb" / "skipped.jsonl").read_text()
+    assert "../outside/x" in report and "/etc/hostname" in report and SECRET not in report
+
+
+def test_a_source_object_named_with_dotdot_is_in_the_skip_report_and_never_written(s3, tmp_path: Path, monkeypatch):
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    for c in ("cat", "dog"):
+        for i in range(3):
+            fs.pipe_file(f"packs/unsafe/{c}/{i}.jpg", image_bytes(i + 5 * len(c), (20, 20)))
+    evil = image_bytes(99, (20, 20))
+    fs.pipe_file("packs/unsafe/cat/../../escaped.jpg", evil)
+    fs.pipe_file("packs/unsafe/dog//5.jpg", evil)
+    names = sorted(p[len("packs/unsafe/") :] for p in fs.find("packs/unsafe"))
+    assert "cat/../../escaped.jpg" in names and "dog//5.jpg" in names  # the store keeps both names as they are
+    dst = tmp_path / "out.lmdb"
+    result = packdata.convert("s3://packs/unsafe", dst, storage_options=options, progress=False)
+    assert result.packed == 6 and result.skipped == {"unsafe name": 2} and result.found == 8
+    lines = [json.loads(line) for line in (dst / "skipped.jsonl").read_text().splitlines()]
+    assert [(line["key"], line["reason"]) for line in lines] == [
+        ("cat/../../escaped.jpg", "unsafe name"),
+        ("dog//5.jpg", "unsafe name"),
+    ]
+    assert not any(p.read_bytes() == evil for p in tmp_path.rglob("*.jpg"))
+    assert not (tmp_path / "escaped.jpg").exists() and not (tmp_path / "work" / "escaped.jpg").exists()
+    assert packdata.verify_pack(dst, progress=False).records == 6  # the counts add up: found = packed + skipped
+    out = _cli("convert", "s3://packs/unsafe", str(tmp_path / "cli.lmdb"), "-q", options=options)
+    assert out.exit_code == 0 and "SKIPPED 2" in out.output and "cat/../../escaped.jpg: unsafe name" in out.output
+    assert SECRET not in out.output

@@ -16,15 +16,23 @@ import inspect
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from packdata.conversion.combine import append_pack
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
-from packdata.conversion.publish import ConvertResult, _check_destination_writable, _check_paths, partial_path
-from packdata.conversion.sources import scan_source
+from packdata.conversion.publish import (
+    ConvertResult,
+    _check_destination_writable,
+    _check_existing,
+    _check_paths,
+    partial_path,
+)
+from packdata.conversion.sources import Skip, scan_source
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
     check_remote_destination,
@@ -75,7 +83,11 @@ def convert(
         src: the source: a folder (ImageFolder class subfolders give labels; or
             grouped files, see ``layout``), a list file (``.csv``, ``.tsv``,
             ``.jsonl``), or WebDataset tar shards (``data-{000..099}.tar``,
-            globs, ``.tar.gz``). Never modified.
+            globs, ``.tar.gz``). Never modified. A URL (``s3://...``, with
+            ``storage_options``): tar shards and list files are read in place
+            through fsspec (no local copy; a list's relative paths name objects
+            beside it); a folder is first copied into a local work folder
+            (:func:`~packdata.conversion.upload.download_source`).
         dst: the pack to create (``out.lmdb``; a folder for TFRecord), or a URL
             (``s3://bucket/out.lmdb``): packed locally, then uploaded, the
             manifest last (:mod:`packdata.conversion.upload`).
@@ -103,7 +115,7 @@ def convert(
             have; a group lacking one is skipped and reported.
         path_column: a list file's column of file paths (relative to the list's folder, or absolute).
         label_column: a list file's column of labels (class names, or integers), if any.
-        storage_options: for a URL destination: passed to fsspec (credentials, endpoint).
+        storage_options: for a URL source or destination: passed to fsspec (credentials, endpoint).
         append: add the samples as new shards of the existing pack at ``dst``
             (same format and kind): existing shards untouched, classes united
             by name, the manifest replaced atomically last
@@ -122,11 +134,13 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
-    if is_url(src):
+    streamed = is_url(src) and _streams(os.fspath(src))  # tar shards or a list at a URL: read in place
+    if is_url(src) and not streamed:
         return _convert_from_url(os.fspath(src), dst, locals())
     if is_url(dst):
         return _convert_to_url(src, os.fspath(dst), locals())
-    src, dst = Path(src), Path(dst)
+    src = os.fspath(src) if streamed else Path(src)
+    dst = Path(dst)
     if append:
         return _append(src, dst, locals())
     if engine == "ray":
@@ -145,10 +159,11 @@ def convert(
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
-    source = _scan(src, kind, layout, tuple(require), path_column, label_column)
-    if engine == "ray" and isinstance(source, TarSource):
+    source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
+    if engine == "ray" and (isinstance(source, TarSource) or streamed):
         raise ConfigError(
-            "the Ray engine packs folders and list files (tar shards are read as one stream)",
+            "the Ray engine packs local folders and list files (tar shards are read as one stream; "
+            "a list at a URL is read by the local engine)",
             hint="Pass engine='local'",
         )
     if source.kind == "fields" and max_side is not None:
@@ -163,11 +178,11 @@ def convert(
             path=dst,
             hint="Use the pack as it is, or pass --overwrite to convert it again",
         )
-    _check_paths(src, dst, overwrite)
+    _check_source_and_destination(src, dst, overwrite)
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
-        _check_paths(src, dst, overwrite)  # again, under the lock: another writer may have published meanwhile
+        _check_source_and_destination(src, dst, overwrite)  # again, under the lock: another may have published
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray
 
@@ -187,16 +202,37 @@ def convert(
         )
 
 
+def _streams(url: str) -> bool:
+    """Whether a source URL is read in place (tar shards, a list file), not copied into a work folder first."""
+    return is_tar_pattern(url) or os.path.splitext(url.rstrip("/"))[1].lower() in LIST_SUFFIXES
+
+
+def _check_source_and_destination(src: Path | str, dst: Path, overwrite: bool) -> None:
+    """Refuse a destination inside a local source (or around it), or an existing pack unless ``overwrite``."""
+    if isinstance(src, str):  # a URL: nothing of it is on this disk
+        _check_existing(dst, overwrite)
+    else:
+        _check_paths(src, dst, overwrite)
+
+
 def _scan(
-    src: Path, kind: str, layout: str, require: tuple[str, ...], path_column: str, label_column: str | None
+    src: Path | str,
+    kind: str,
+    layout: str,
+    require: tuple[str, ...],
+    path_column: str,
+    label_column: str | None,
+    storage_options: dict[str, Any] | None = None,
 ) -> AnySource:
-    """The source at ``src`` in the layout asked for (or detected)."""
+    """The source at ``src`` (a path, or the URL of tar shards or a list) in the layout asked for (or detected)."""
     if layout not in ("auto", "classes", "grouped"):
         raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
     if is_tar_pattern(os.fspath(src)):
         if require:
             raise ConfigError("require is for grouped files and list files", hint="Drop require")
-        return scan_tars(os.fspath(src))
+        return scan_tars(os.fspath(src), storage_options)
+    if isinstance(src, str):
+        return scan_list(src, path_column=path_column, label_column=label_column, storage_options=storage_options)
     if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):
         return scan_list(src, path_column=path_column, label_column=label_column)
     if label_column is not None:
@@ -208,7 +244,7 @@ def _scan(
     return scan_source(src, kind)
 
 
-def _append(src: Path, dst: Path, options: dict[str, Any]) -> ConvertResult:
+def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResult:
     """Convert ``src`` into a hidden sibling pack, then move its shards into ``dst`` (under ``dst``'s lock)."""
     if options["overwrite"]:
         raise ConfigError("append adds to a pack, overwrite replaces it: pass one of them")
@@ -264,7 +300,7 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     check_remote_destination(url, storage, overwrite=options["overwrite"])
     local = work_folder(url)
     local.parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k not in ("storage_options", "overwrite")}
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k != "overwrite"}
     kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
@@ -278,13 +314,48 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
 
 def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any]) -> ConvertResult:
     """Copy a source folder from object storage into a local work folder, then convert that."""
-    if options["engine"] != "local" or is_tar_pattern(url) or Path(url).suffix.lower() in LIST_SUFFIXES:
-        raise ConfigError(
-            "a URL source is a folder (class folders or grouped files) for the local engine",
-            hint="Copy tar shards or list files locally first",
-        )
-    local = download_source(url, options["storage_options"], workers=options["workers"], progress=options["progress"])
+    if options["engine"] != "local":
+        raise ConfigError("a source folder at a URL is converted by the local engine", hint="Pass engine='local'")
+    local, refused = download_source(
+        url, options["storage_options"], workers=options["workers"], progress=options["progress"]
+    )
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
-    result = convert(local, dst, **kwargs)
+    token = _REFUSED.set((local, tuple(refused)))
+    try:
+        result = convert(local, dst, **kwargs)
+    finally:
+        _REFUSED.reset(token)
     clean_work_folder(local)
     return result
+
+
+_REFUSED: ContextVar[tuple[Path, tuple[Skip, ...]]] = ContextVar("packdata_refused_objects", default=(Path(), ()))
+"""Objects of a source folder at a URL that were not copied into its work folder (that folder, its skips).
+
+Set by :func:`_convert_from_url` around the conversion of the work folder, so
+every conversion of that folder (also through an upload or an append) walks
+them first and they land in the skip report, counted among the files found.
+"""
+
+
+class _WithSkips:
+    """A scanned source whose walk yields some skips first (objects refused before the walk), then its own."""
+
+    def __init__(self, source: AnySource, skips: tuple[Skip, ...]) -> None:
+        self._source, self._skips = source, skips
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def walk(self) -> Iterator[Any]:
+        """The refused objects' skips, then the source's walk."""
+        yield from self._skips
+        yield from self._source.walk()
+
+
+def _with_refused(source: AnySource, src: Path | str) -> AnySource:
+    """``source``, walking first the objects refused when ``src`` was copied from a URL (see :data:`_REFUSED`)."""
+    folder, skips = _REFUSED.get()
+    if not skips or not isinstance(src, Path) or src != folder:
+        return source
+    return cast(AnySource, _WithSkips(source, skips))

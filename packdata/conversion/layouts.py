@@ -10,7 +10,10 @@ order; the read pool turns each into one multi-field sample
   key ``0001``, fields ``jpg``, ``json``, ``seg.png``. First-level subfolders
   are classes, as in ImageFolder; a ``cls`` file holds an integer label.
 - **List files**: one sample per row; the path column names a file (relative
-  to the list's folder, or absolute) stored under its extension; a label
+  to the list's folder, or absolute) stored under its extension (a list at a
+  URL names objects relative to its folder only, read through fsspec in the
+  read pool; a path that is absolute, a URL, or holds ``..`` or empty parts is
+  a skip); a label
   column gives classes (strings, numbered in sorted order like ImageFolder; or
   integers, kept); every other column becomes a field of that name, stored as
   text when all its values are strings and as JSON otherwise. A row's key is
@@ -20,17 +23,19 @@ order; the read pool turns each into one multi-field sample
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from packdata.conversion.sources import Skip, Source, SourceGroup, _is_hidden, _walk_files
+from packdata.conversion.sources import RemoteFile, Skip, Source, SourceGroup, _is_hidden, _walk_files
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
+from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
 __all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "detect_grouped", "scan_grouped", "scan_list"]
 
@@ -118,19 +123,21 @@ def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
 class ListSource:
     """A CSV, TSV or JSONL list of samples (see the module docstring)."""
 
-    root: Path
-    list_file: Path
+    root: Path | str  # the list's folder (its URL, without credentials, for a list at a URL)
+    list_file: Path | str  # a path on fs for a list at a URL
     path_column: str
     label_column: str | None
     classes: list[str]
     codecs: dict[str, str]
     kind: str = "fields"
     _labels: dict[str, int] = field(default_factory=dict, repr=False)
+    fs: Any = None  # the fsspec filesystem of a list at a URL
+    base: str = ""  # the list's folder on fs
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
         keys: set[str] = set()
-        for number, row in _rows(self.list_file):
+        for number, row in _rows(self.list_file, self.fs, self._where):
             where = f"row {number}"
             raw_path = row.get(self.path_column)
             if not isinstance(raw_path, str) or not raw_path:
@@ -150,7 +157,15 @@ class ListSource:
                 if label < 0:
                     yield Skip(key, "bad label", f"{where}: label {value!r} is not a class or a non-negative integer")
                     continue
-            path = raw_path if os.path.isabs(raw_path) else os.path.join(self.root, raw_path)
+            path: str | RemoteFile
+            if self.fs is not None:
+                parts = raw_path.split("/")
+                if raw_path.startswith("/") or "://" in raw_path or any(p in ("", ".", "..") for p in parts):
+                    yield Skip(key, "bad path", f"{where}: a list at a URL names objects relative to its folder")
+                    continue
+                path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
+            else:
+                path = raw_path if os.path.isabs(raw_path) else os.path.join(self.root, raw_path)
             name = extension.lower() or "bytes"
             values = []
             try:
@@ -163,6 +178,11 @@ class ListSource:
                 continue
             yield SourceGroup(key, label, ((name, path),), tuple(values))
 
+    @property
+    def _where(self) -> str | Path:
+        """The list file in messages: its path, or its URL without credentials."""
+        return f"{self.root}/{os.path.basename(self.list_file)}" if self.fs is not None else self.list_file
+
     def _label(self, value: Any) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value if value >= 0 else -1
@@ -174,10 +194,33 @@ class ListSource:
         return -1
 
 
-def _rows(list_file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` of a CSV, TSV or JSONL file (JSONL rows must be objects)."""
-    delimiter = LIST_SUFFIXES[list_file.suffix.lower()]
-    with open(list_file, encoding="utf-8", newline="") as f:
+def _open_text(list_file: Path | str, fs: Any) -> TextIO:
+    if fs is None:
+        return open(list_file, encoding="utf-8", newline="")
+    return io.TextIOWrapper(fs.open(list_file, "rb"), encoding="utf-8", newline="")
+
+
+def _rows(list_file: Path | str, fs: Any = None, where: str | Path = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of a CSV, TSV or JSONL file (JSONL rows must be objects), on ``fs`` if given.
+
+    Raises:
+        SourceError: a line is not a JSON object; for a list on ``fs``, a
+            failed request too (resumable: the conversion is kept).
+    """
+    if fs is None:
+        yield from _read_rows(list_file, None, where or list_file)
+        return
+    try:
+        yield from _read_rows(list_file, fs, where)
+    except (SourceError, UnicodeDecodeError, csv.Error):
+        raise
+    except Exception as exc:
+        raise remote_error(os.fspath(where), "cannot read the list file", exc, resumable=True) from exc
+
+
+def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
+    with _open_text(list_file, fs) as f:
         if delimiter is None:
             for number, line in enumerate(f, 1):
                 if not line.strip():
@@ -185,9 +228,9 @@ def _rows(list_file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise SourceError(f"line {number} is not JSON: {exc}", path=list_file) from exc
+                    raise SourceError(f"line {number} is not JSON: {exc}", path=where) from exc
                 if not isinstance(row, dict):
-                    raise SourceError(f"line {number} is not a JSON object", path=list_file)
+                    raise SourceError(f"line {number} is not a JSON object", path=where)
                 yield number, row
         else:
             reader = csv.DictReader(f, delimiter=delimiter)
@@ -196,31 +239,51 @@ def _rows(list_file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def scan_list(
-    list_file: str | os.PathLike, *, path_column: str = "path", label_column: str | None = None
+    list_file: str | os.PathLike,
+    *,
+    path_column: str = "path",
+    label_column: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ListSource:
     """Read a list file once: check its columns, number string labels like ImageFolder, choose each column's codec.
+
+    ``list_file`` may be a URL (with ``storage_options`` for fsspec): its rows
+    then name objects relative to the list's folder there.
 
     Raises:
         SourceError: the file is missing, unreadable, empty, or lacks the path column.
         ConfigError: a column cannot name a field.
     """
-    list_file = Path(list_file)
-    if list_file.suffix.lower() not in LIST_SUFFIXES:
-        raise ConfigError(f"a list file ends in .csv, .tsv or .jsonl, not {list_file.suffix!r}", path=list_file)
-    if not list_file.is_file():
-        raise SourceError("no such list file", path=list_file, hint="Check the path")
+    fs, base, where = None, "", os.fspath(list_file)
+    suffix = os.path.splitext(where)[1].lower()
+    if suffix not in LIST_SUFFIXES:
+        raise ConfigError(f"a list file ends in .csv, .tsv or .jsonl, not {suffix!r}", path=list_file)
+    if is_url(where):
+        fs, path = open_url(where, storage_options)
+        where = display_url(where)
+        try:
+            exists = fs.isfile(path)
+        except Exception as exc:
+            raise remote_error(where, "cannot look the list file up", exc) from exc
+        if not exists:
+            raise SourceError("no such list file", path=where, hint="Check the URL")
+        list_file, base = path, path.rsplit("/", 1)[0]
+    else:
+        list_file = Path(list_file)
+        if not list_file.is_file():
+            raise SourceError("no such list file", path=list_file, hint="Check the path")
     columns: dict[str, bool] = {}  # column -> every value is a string
     string_labels: set[str] = set()
     int_labels = False
     top_label = -1
     rows = 0
     try:
-        for _, row in _rows(list_file):
+        for _, row in _rows(list_file, fs, where):
             rows += 1
             if path_column not in row:
                 raise SourceError(
                     f"a row has no {path_column!r} column (columns: {sorted(row)})",
-                    path=list_file,
+                    path=where,
                     hint="Name the column with --path-column",
                 )
             for column, value in row.items():
@@ -237,20 +300,24 @@ def scan_list(
                     if label.strip().isdigit():
                         top_label = max(top_label, int(label))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise SourceError(f"cannot read the list file: {exc}", path=list_file) from exc
+        raise SourceError(f"cannot read the list file: {exc}", path=where) from exc
     if rows == 0:
-        raise SourceError("the list file has no rows", path=list_file)
+        raise SourceError("the list file has no rows", path=where)
     codecs = {}
     for column, all_strings in columns.items():
         try:
             check_field_name(column)
         except FieldError as exc:
-            raise ConfigError(f"column {column!r}: {exc}", path=list_file) from exc
+            raise ConfigError(f"column {column!r}: {exc}", path=where) from exc
         if column == LABEL_FIELD:
-            raise ConfigError("column 'cls' is the label: pass it with --label-column cls", path=list_file)
+            raise ConfigError("column 'cls' is the label: pass it with --label-column cls", path=where)
         named = codec_of(column)
         codecs[column] = named if named != "bytes" else ("txt" if all_strings else "json")
-    source = ListSource(list_file.parent, list_file, path_column, label_column, [], codecs)
+    if fs is not None:
+        root: Path | str = where.rsplit("/", 1)[0]
+    else:
+        root = Path(list_file).parent
+    source = ListSource(root, list_file, path_column, label_column, [], codecs, fs=fs, base=base)
     if string_labels and not (int_labels or all(s.strip().isdigit() for s in string_labels)):
         source.classes = sorted(string_labels)
         source._labels = {c: i for i, c in enumerate(source.classes)}

@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 
-from packdata.conversion.sources import Skip, SourceFile, SourceGroup
+from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup
 from packdata.errors import (
     ImageFormatError,
 )
@@ -147,7 +147,12 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
     label = group.label
     items = [(name, data) for name, data in group.values] + list(group.files)
     for name, source in items:
-        data = source if isinstance(source, bytes) else _read_or_skip(group.key, source)
+        if isinstance(source, bytes):
+            data: bytes | Skip = source
+        elif isinstance(source, RemoteFile):
+            data = source.read(group.key)
+        else:
+            data = _read_or_skip(group.key, source)
         if isinstance(data, Skip):
             return Skip(group.key, data.reason, f"field {name!r}: {data.detail}")
         problem = _field_problem(name, data, opts)

@@ -163,9 +163,10 @@ def _convert_local(
                 except BaseException:
                     pool.shutdown(wait=True, cancel_futures=True)
                     raise
-    except SourceError:
+    except SourceError as exc:
         packer.close_files(failed=True)
-        shutil.rmtree(partial)  # a deliberate stop: nothing to resume
+        if not exc.resumable:
+            shutil.rmtree(partial)  # a deliberate stop: nothing to resume
         raise
     except OSError as exc:
         packer.close_files(failed=True)

@@ -346,11 +346,13 @@ def record_skip(
     report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
 
 
-def bad_file_error(root: Path, line: dict[str, str]) -> SourceError:
-    """The error that stops a conversion at a bad file with ``on_error="fail"``."""
+def bad_file_error(root: Path | str, line: dict[str, str]) -> SourceError:
+    """The error that stops a conversion at a bad file with ``on_error="fail"`` (``root``: a folder or a URL)."""
     detail = f": {line['detail']}" if line["detail"] else ""
     return SourceError(
-        f"{line['reason']}{detail}", path=root / line["key"], hint="Fix or remove the file, or pass on_error='skip'"
+        f"{line['reason']}{detail}",
+        path=os.path.join(root, line["key"]),
+        hint="Fix or remove the file, or pass on_error='skip'",
     )
 
 

@@ -121,7 +121,8 @@ def _entry_size(entry: SourceFile | SourceGroup) -> int:
     """The source bytes of a file or a group (its files' sizes and its inline values)."""
     if isinstance(entry, SourceFile):
         return _file_size(entry.path)
-    return sum(_file_size(path) for _, path in entry.files) + sum(len(value) for _, value in entry.values)
+    on_disk = sum(_file_size(path) for _, path in entry.files if isinstance(path, str))
+    return on_disk + sum(len(value) for _, value in entry.values)
 
 
 def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int | None) -> Iterator[ShardTask]:

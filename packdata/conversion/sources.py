@@ -18,10 +18,12 @@ from typing import Any
 
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.images import IMAGE_EXTENSIONS
+from packdata.pack.urls import remote_error
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "TEXT_EXTENSIONS",
+    "RemoteFile",
     "Skip",
     "Source",
     "SourceFile",
@@ -45,12 +47,39 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class RemoteFile:
+    """A file in object storage that a list at a URL names, read in the read pool through fsspec."""
+
+    fs: Any
+    path: str  # on fs
+    shown: str  # its URL without credentials, for messages
+
+    def read(self, key: str) -> bytes | Skip:
+        """The object's bytes, or why sample ``key`` is skipped (no such object, a folder, access denied).
+
+        Raises:
+            SourceError: any other failure of the request (resumable: a rerun
+                with ``resume`` continues, rather than skip a file on a transient failure).
+        """
+        try:
+            return bytes(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return Skip(key, "vanished", "no such object: removed since the list named it, or never there")
+        except IsADirectoryError:
+            return Skip(key, "not a regular file", "a folder, not an object")
+        except PermissionError:
+            return Skip(key, "unreadable", "access denied (PermissionError)")
+        except Exception as exc:
+            raise remote_error(self.shown, "cannot read the file; rerun with resume", exc, resumable=True) from exc
+
+
+@dataclass(frozen=True)
 class SourceGroup:
     """One multi-field sample to read: key, label (-1: none), fields from files and fields given inline."""
 
     key: str
     label: int
-    files: tuple[tuple[str, str], ...]
+    files: tuple[tuple[str, str | RemoteFile], ...]
     values: tuple[tuple[str, bytes], ...] = ()  # fields already in memory (list columns, tar members)
 
 

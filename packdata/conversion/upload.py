@@ -1,7 +1,9 @@
 """Convert into and from object storage: pack locally, then upload, the manifest last.
 
 A source folder at a URL is first copied into a local work folder
-(:func:`download_source`, parallel and resumable), then converted like a local one.
+(:func:`download_source`, parallel and resumable), then converted like a local
+one; an object whose name would leave the work folder (``..``, ``.`` or empty
+parts) is never written, and appears in the pack's skip report.
 
 
 ``convert(src, "s3://bucket/train.lmdb")`` converts into a local work folder
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.sources import Skip
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME
 from packdata.pack.urls import display_url, open_url, remote_error
@@ -126,11 +129,16 @@ def clean_work_folder(local: Path) -> None:
     shutil.rmtree(local.parent, ignore_errors=True)
 
 
-def download_source(url: str, storage_options: dict[str, Any] | None, *, workers: int | None, progress: bool) -> Path:
-    """Copy the source folder at ``url`` into a local work folder (resumable) and return it.
+def download_source(
+    url: str, storage_options: dict[str, Any] | None, *, workers: int | None, progress: bool
+) -> tuple[Path, list[Skip]]:
+    """Copy the source folder at ``url`` into a local work folder (resumable); return it and the objects refused.
 
-    Files already there with the remote size are kept (a rerun continues); a
-    name that would leave the folder (``..``, absolute) is refused.
+    Files already there with the remote size are kept (a rerun continues). An
+    object whose name has ``..``, ``.`` or empty parts (``a/../b``, ``a//b``,
+    a leading ``/``) is not downloaded: it could land outside the folder or on
+    another object's file. It is returned as a :class:`Skip` (sorted by name)
+    for the conversion's skip report, never dropped silently.
 
     Raises:
         SourceError: the URL cannot be listed or holds no file.
@@ -145,10 +153,14 @@ def download_source(url: str, storage_options: dict[str, Any] | None, *, workers
     local = work_folder(f"source:{shown}")
     local.mkdir(parents=True, exist_ok=True)
     todo = []
+    refused: list[Skip] = []
     for path, info in sorted(listing.items()):
-        rel = path[len(root) :].lstrip("/")
+        if info.get("type") == "directory" or path.rstrip("/") == root:
+            continue
+        rel = path[len(root) + 1 :] if path.startswith(f"{root}/") else path
         parts = rel.split("/")
-        if info.get("type") == "directory" or not rel or any(p in ("", ".", "..") for p in parts):
+        if any(p in ("", ".", "..") for p in parts):
+            refused.append(Skip(rel, "unsafe name", "'..', '.' or empty parts would leave the work folder: not copied"))
             continue
         target = local.joinpath(*parts)
         size = int(info.get("size") or 0)
@@ -174,4 +186,4 @@ def download_source(url: str, storage_options: dict[str, Any] | None, *, workers
     ):
         for done in pool.map(get, todo):
             bar.update(done)
-    return local
+    return local, refused

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from packdata.errors import ConfigError
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
+    "ByteStream",
     "FORMATS",
     "REGISTRY",
     "PackFormat",
@@ -32,6 +33,12 @@ __all__ = [
     "get_format",
     "shard_writer",
 ]
+
+
+class ByteStream(Protocol):
+    """Anything read front to back like a binary file: ``read(n)`` gives up to ``n`` bytes (fewer only at the end)."""
+
+    def read(self, n: int, /) -> bytes: ...
 
 
 class ShardWriter(Protocol):
@@ -112,6 +119,40 @@ class PackFormat:
     def check_side_tables(self, shard: Path, info: ShardInfo) -> None:
         """Check the shard's side tables row by row against the shard (for verify)."""
         self._impl().check_side_tables(shard, info)
+
+    def iter_stream_samples(
+        self, stream: ByteStream, shard: Path, info: ShardInfo, where: str
+    ) -> Iterator[tuple[int, Sample]] | None:
+        """Every record of a shard read as a sequential stream, checked as by :meth:`iter_samples`.
+
+        ``shard`` holds local copies of the shard's side tables; ``where`` names
+        the shard in messages. None when the format checks records in local files only.
+        """
+        walk = getattr(self._impl(), "iter_stream_samples", None)
+        return None if walk is None else walk(stream, shard, info, where)
+
+    def check_remote_side_tables(self, shard: Path, info: ShardInfo, where: str) -> None:
+        """Check what can be checked of local copies of a shard's side tables without the shard (for remote verify)."""
+        check = getattr(self._impl(), "check_remote_side_tables", None)
+        if check is not None:
+            check(shard, info, where)
+
+    def read_remote_payload(
+        self, fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int
+    ) -> tuple[bytes, str | None, int | None]:
+        """Record ``j`` of a shard in object storage in ranged reads: its payload, and its key and label if stored.
+
+        ``shard`` holds local copies of the shard's side tables.
+
+        Raises:
+            ConfigError: the format cannot read one record of this shard in place (stage it).
+        """
+        return self._impl().read_remote_payload(fs, root, shown, rel, shard, info, j)
+
+    def data_name(self, file: str) -> str:
+        """The path, inside the pack, of the file holding the records of the shard called ``file``."""
+        layout = self.shard_layout(os.path.basename(file))
+        return f"{file}/{layout.data}" if layout.folder else file
 
 
 DEFAULT_SHARD_BYTES = 256 * 10**6

@@ -17,11 +17,13 @@ from typing import Any
 
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format
+from packdata.formats.remote_pack import fetch_pack_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
 from packdata.pack.files import fsync_dir
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
 from packdata.pack.records import Sample
+from packdata.pack.urls import display_url, is_url
 
 __all__ = ["ExportResult", "export_pack", "list_samples", "read_field", "resolve_sample"]
 
@@ -34,8 +36,17 @@ def _index(pack: Path, manifest: Manifest) -> SampleIndex:
         raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory) from exc
 
 
-def list_samples(pack: str | os.PathLike, *, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """One dict per sample, from the index only: index, key, label, class, shard, and each field's size."""
+def list_samples(
+    pack: str | os.PathLike, *, limit: int | None = None, storage_options: dict[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """One dict per sample, from the index only: index, key, label, class, shard, and each field's size.
+
+    ``pack`` may be a URL (``s3://bucket/train.lmdb``, with ``storage_options``
+    for fsspec): only its manifest and sample index are downloaded (and cached
+    while the manifest is the same, see :func:`~packdata.formats.remote_pack.fetch_pack_skeleton`).
+    """
+    if is_url(pack):
+        pack = fetch_pack_skeleton(os.fspath(pack), storage_options, None)[0]
     pack = Path(pack)
     manifest = read_manifest(pack)
     index = _index(pack, manifest)
@@ -62,18 +73,21 @@ def resolve_sample(pack: str | os.PathLike, which: str) -> int:
         ConfigError: no sample has that key, or the index is out of range.
     """
     pack = Path(pack)
-    manifest = read_manifest(pack)
+    return _resolve(pack, read_manifest(pack), which, pack)
+
+
+def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> int:
     if which.startswith("#") and which[1:].isdigit():
         i = int(which[1:])
         if i >= manifest.num_samples:
-            raise ConfigError(f"index {i} is out of range for {manifest.num_samples} samples", path=pack)
+            raise ConfigError(f"index {i} is out of range for {manifest.num_samples} samples", path=where)
         return i
     keys = _index(pack, manifest).keys
     for i in range(len(keys)):
         if keys[i] == which:
             return i
     raise ConfigError(
-        f"no sample has the key {which!r}", path=pack, hint="List keys with `packdata ls`; #N picks by index"
+        f"no sample has the key {which!r}", path=where, hint="List keys with `packdata ls`; #N picks by index"
     )
 
 
@@ -88,15 +102,63 @@ def _record(pack: Path, manifest: Manifest, i: int) -> Sample:
     raise PackFormatError(f"record {i} is missing", path=pack, hint="Run `packdata verify`")
 
 
-def read_field(pack: str | os.PathLike, which: str, field_name: str | None = None) -> bytes:
+def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None) -> tuple[Sample, Manifest, str]:
+    """The sample ``which`` names in the pack at ``url``, read with ranged requests; its manifest; the URL shown."""
+    shown = display_url(url)
+    local, manifest, fs, root = fetch_pack_skeleton(url, storage_options, None)
+    i = _resolve(local, manifest, which, shown)
+    shard = next((s for s in manifest.shards if s.first_index <= i < s.first_index + s.num_samples), None)
+    if shard is None:
+        raise PackFormatError(f"no shard holds record {i}", path=shown, hint=_VERIFY)
+    fmt = get_format(manifest.format)
+    rel = fmt.data_name(shard.file)
+    data, key, label = fmt.read_remote_payload(fs, root, shown, rel, local / shard.file, shard, i - shard.first_index)
+    index = _index(local, manifest)
+    if (key is not None and key != index.keys[i]) or (label is not None and label != int(index.labels[i])):
+        raise PackFormatError(
+            f"record {i} (key {key!r}) does not match the sample index", path=f"{shown}/{rel}", hint=_VERIFY
+        )
+    if len(data) != int(index.sizes[i]):
+        raise PackFormatError(
+            f"record {i} holds {len(data)} bytes, the sample index says {int(index.sizes[i])}",
+            path=f"{shown}/{rel}",
+            hint=_VERIFY,
+        )
+    return Sample(index.keys[i], int(index.labels[i]), data, manifest.kind), manifest, shown
+
+
+_VERIFY = "Run `packdata verify` on the pack"
+
+
+def read_field(
+    pack: str | os.PathLike,
+    which: str,
+    field_name: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> bytes:
     """The stored bytes of one sample's field (a single-field pack: its payload; ``cls``: the label as text).
 
+    ``pack`` may be a URL (with ``storage_options`` for fsspec): the sample
+    index is downloaded (cached) and the one record read with a ranged request:
+    for TFRecord through the offsets index (framing and CRCs checked), for
+    LMDB through the shard's ``records.i64`` table (payload CRC32C checked);
+    an LMDB shard without a fitting table is refused (stage the pack first).
+
     Raises:
-        ConfigError: no such sample, or the sample has no such field.
+        ConfigError: no such sample, the sample has no such field, or the
+            record cannot be read in place.
     """
+    if is_url(pack):
+        sample, manifest, where = _remote_record(os.fspath(pack), which, storage_options)
+        return _field_of(sample, manifest, field_name, where)
     pack = Path(pack)
     manifest = read_manifest(pack)
-    sample = _record(pack, manifest, resolve_sample(pack, which))
+    return _field_of(_record(pack, manifest, resolve_sample(pack, which)), manifest, field_name, pack)
+
+
+def _field_of(sample: Sample, manifest: Manifest, field_name: str | None, pack: str | Path) -> bytes:
+    """One field's bytes of a sample as stored (see :func:`read_field`)."""
     if field_name == LABEL_FIELD:
         return str(sample.label).encode("ascii")
     if manifest.kind != "fields":
@@ -113,7 +175,7 @@ def read_field(pack: str | os.PathLike, which: str, field_name: str | None = Non
     return fields[field_name]
 
 
-def _fields(sample: Sample, pack: Path) -> dict[str, bytes]:
+def _fields(sample: Sample, pack: str | Path) -> dict[str, bytes]:
     try:
         return decode_block(sample.data)
     except FieldError as exc:

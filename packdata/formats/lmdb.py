@@ -41,12 +41,13 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import lmdb
 import numpy as np
 
-from packdata.errors import CapacityError, PackFormatError, destination_error
+from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
 from packdata.formats.residency import PagedFile, buffer_address
 from packdata.pack.files import file_sha256
@@ -60,7 +61,10 @@ __all__ = [
     "LMDBShardReader",
     "LMDBShardWriter",
     "check_records_table",
+    "check_remote_side_tables",
     "encode_key",
+    "location_table",
+    "read_remote_payload",
     "SHARD_WRITER",
     "check_side_tables",
     "iter_samples",
@@ -356,6 +360,96 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
     ):
         return None
     return int(rows[1, 2]), np.ascontiguousarray(body)
+
+
+def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.ndarray | None:
+    """The ``(offset, length, CRC32C)`` rows of a ``records.i64``'s bytes, or None when they do not fit.
+
+    Fit: a current-version table of ``count`` records bound to a ``data.mdb``
+    of ``size`` bytes whose SHA-256 is ``sha256_hex`` (the manifest's), every
+    row inside the file. Without the environment at hand the transaction id is
+    not compared (for reads from object storage): the checksum binding, and
+    the CRC32C each payload read is checked against, stand for it.
+    """
+    if len(raw) != 24 * (count + 2):
+        return None
+    rows = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
+    if tuple(rows[0]) != (_TABLE_MAGIC, _TABLE_VERSION, count) or int(rows[1, 1]) != size:
+        return None
+    if int(rows[1, 2]) != _sha_prefix(sha256_hex) or not _sha_prefix(sha256_hex):
+        return None
+    body = rows[2:]
+    if count and (
+        body[:, 0].min() < 0
+        or body[:, 1].min() < 0
+        or (body[:, 0] + body[:, 1]).max() > size
+        or body[:, 2].min() < 0
+        or body[:, 2].max() > 0xFFFFFFFF
+    ):
+        return None
+    return body
+
+
+def check_remote_side_tables(shard: Path, info: ShardInfo, where: str) -> None:
+    """Check a downloaded ``records.i64`` (``shard`` is a folder holding it) is bound to the shard ``info`` describes.
+
+    Its rows cannot be compared with the records without the shard's file, so
+    only the binding is checked: count, size, checksum, rows in bounds.
+
+    Raises:
+        PackFormatError: the table belongs to another shard or is damaged (``where`` names it).
+    """
+    table = shard / RECORDS_FILE
+    if not table.is_file():
+        return
+    if location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256) is None:
+        raise PackFormatError(
+            f"{RECORDS_FILE} does not fit this shard (count, size, checksum or a row out of bounds)",
+            path=f"{where.rsplit('/', 1)[0]}/{RECORDS_FILE}",
+            hint="Convert the pack again (or delete the table: readers then use LMDB's own lookup)",
+        )
+
+
+def read_remote_payload(
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int
+) -> tuple[bytes, str | None, int | None]:
+    """The payload of record ``j`` of a shard in object storage, in one ranged read through its ``records.i64``.
+
+    Returns ``(payload, None, None)``: the record's key and label are not read
+    (the sample index gives them), only its payload, CRC32C-checked.
+
+    The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
+    the shard's ``data.mdb`` is ``rel`` inside it, and ``shard`` is a local
+    folder holding a copy of the shard's table.
+
+    Raises:
+        ConfigError: no table fits the shard (the record is then only found by LMDB's lookup, in a local file).
+        PackFormatError: the bytes read are not the payload the table describes.
+        SourceError: the request failed.
+    """
+    from packdata.pack.urls import remote_error
+
+    table = shard / RECORDS_FILE
+    rows = location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256) if table.is_file() else None
+    where = f"{shown}/{rel}"
+    if rows is None or not 0 <= j < len(rows):
+        raise ConfigError(
+            f"{where}: one LMDB record is read from a URL through the shard's {RECORDS_FILE} table, "
+            "and this shard has none that fits",
+            hint=f"Stage the pack first (packdata stage {shown} --to DIR), then read the staged copy",
+        )
+    offset, length, crc = (int(v) for v in rows[j])
+    try:
+        data = fs.cat_file(f"{root}/{rel}", start=offset, end=offset + length)
+    except Exception as exc:
+        raise remote_error(where, f"cannot read bytes {offset}-{offset + length}", exc) from exc
+    if len(data) != length or crc32c.crc32c(data) != crc:
+        raise PackFormatError(
+            f"record {info.first_index + j} at byte offset {offset} is damaged: its payload's CRC32C does not match",
+            path=where,
+            hint="Run `packdata verify` on the pack, then convert it again",
+        )
+    return bytes(data), None, None
 
 
 def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:

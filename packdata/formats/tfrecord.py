@@ -54,12 +54,13 @@ import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import numpy as np
 
 from packdata.errors import PackFormatError, destination_error
-from packdata.formats import ShardLayout
+from packdata.formats import ByteStream, ShardLayout
 from packdata.formats.tfrecord_example import (
     _HEADER,
     _MASK_DELTA,
@@ -77,6 +78,8 @@ from packdata.formats.tfrecord_example import (
 )
 from packdata.formats.tfrecord_tables import (
     _PAIR,
+    INDEX_SUFFIX,
+    PAYLOAD_SUFFIX,
     SHARD_SUFFIX,
     _sha_prefix,
     index_path,
@@ -99,7 +102,10 @@ __all__ = [
     "chunk_plan",
     "iter_samples",
     "iter_shard_samples",
+    "iter_stream_samples",
+    "read_remote_payload",
     "shard_layout",
+    "walk_records",
 ]
 
 
@@ -515,33 +521,60 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
     path = os.fspath(path)
     offsets, lengths = read_index(path)
     with open(path, "rb", buffering=_CHUNK) as f:
-        size = os.fstat(f.fileno()).st_size
-        pos = number = 0
-        while pos < size:
-            head = f.read(12)
-            if len(head) < 12:
-                raise _damaged(path, pos, f"file ends {size - pos} bytes into a record header (truncated)")
-            n, length_crc = _HEADER.unpack(head)
-            if masked_crc(head[:8]) != length_crc:
-                raise _damaged(path, pos, "CRC32C of the length field does not match")
-            if pos + 16 + n > size:
-                raise _damaged(path, pos, f"record needs {16 + n} bytes, the file ends after {size - pos} (truncated)")
-            if number >= len(offsets) or offsets[number] != pos or lengths[number] != n + 16:
-                raise _damaged(path, pos, f"record {number} is not where the offsets index says")
-            rest = f.read(n + 4)
-            data = memoryview(rest)[:n]
-            if masked_crc(data) != _U32.unpack_from(rest, n)[0]:
-                raise _damaged(path, pos, "CRC32C of the data does not match")
-            try:
-                yield first_index + number, _sample_of(data)
-            except (RecordError, FieldError, UnicodeDecodeError) as exc:
-                raise _damaged(path, pos, f"not a packdata Example: {exc}") from exc
-            pos += n + 16
-            number += 1
+        yield from walk_records(f, os.fstat(f.fileno()).st_size, offsets, lengths, first_index, path)
+
+
+def walk_records(
+    stream: ByteStream,
+    size: int,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    first_index: int,
+    path: str,
+    payloads: np.ndarray | None = None,
+) -> Iterator[tuple[int, Sample]]:
+    """:func:`iter_shard_samples` over any sequential ``stream`` of a shard's ``size`` bytes (a remote shard too).
+
+    With ``payloads`` (the shard's payload table), every row is also checked
+    against its record: it must point at the record's payload.
+
+    Raises:
+        PackFormatError: naming ``path`` (a file or a URL) and the byte offset of the first bad record.
+    """
+    pos = number = 0
+    while pos < size:
+        head = stream.read(12)
+        if len(head) < 12:
+            raise _damaged(path, pos, f"file ends {size - pos} bytes into a record header (truncated)")
+        n, length_crc = _HEADER.unpack(head)
+        if masked_crc(head[:8]) != length_crc:
+            raise _damaged(path, pos, "CRC32C of the length field does not match")
+        if pos + 16 + n > size:
+            raise _damaged(path, pos, f"record needs {16 + n} bytes, the file ends after {size - pos} (truncated)")
+        if number >= len(offsets) or offsets[number] != pos or lengths[number] != n + 16:
+            raise _damaged(path, pos, f"record {number} is not where the offsets index says")
+        rest = stream.read(n + 4)
+        if len(rest) < n + 4:
+            raise _damaged(path, pos, f"record needs {16 + n} bytes, the file ends after {12 + len(rest)} (truncated)")
+        data = memoryview(rest)[:n]
+        if masked_crc(data) != _U32.unpack_from(rest, n)[0]:
+            raise _damaged(path, pos, "CRC32C of the data does not match")
+        if payloads is not None and tuple(payloads[number]) != _payload_span(bytes(data)):
+            raise PackFormatError(
+                f"payload table row {number} does not point at the payload of record {number} (byte offset {pos})",
+                path=path,
+                hint="Convert the pack again (or delete the table: readers then parse each record)",
+            )
+        try:
+            yield first_index + number, _sample_of(data)
+        except (RecordError, FieldError, UnicodeDecodeError) as exc:
+            raise _damaged(path, pos, f"not a packdata Example: {exc}") from exc
+        pos += n + 16
+        number += 1
     if number != len(offsets):
         raise PackFormatError(
             f"offsets index lists {len(offsets)} records, the shard holds {number}",
-            path=index_path(path),
+            path=(path[: -len(SHARD_SUFFIX)] if path.endswith(SHARD_SUFFIX) else path) + INDEX_SUFFIX,
             hint="Convert the pack again",
         )
 
@@ -574,6 +607,59 @@ def shard_layout(name: str) -> ShardLayout:
 def check_side_tables(shard: Path, info: ShardInfo) -> None:
     """Check ``.tfpayload`` row by row (the ``.tfindex`` is checked while the records are walked)."""
     check_payload_table(shard, info.num_samples, info.sha256)
+
+
+def iter_stream_samples(stream: ByteStream, shard: Path, info: ShardInfo, where: str) -> Iterator[tuple[int, Sample]]:
+    """:func:`iter_shard_samples` of a shard read as a sequential ``stream`` (from object storage).
+
+    ``shard`` is where local copies of the shard's ``.tfindex`` and
+    ``.tfpayload`` lie (the shard file itself need not); ``where`` names the
+    shard in messages. The index must tile the manifest's byte size exactly,
+    and every payload table row is checked against its record on the way.
+
+    Raises:
+        PackFormatError: naming ``where`` and the byte offset of the first bad record, or a bad table.
+    """
+    offsets, lengths = read_index(shard, size=info.bytes)
+    payloads = None
+    if payload_path(shard).is_file():
+        payloads = read_payload_table(shard, info.num_samples, info.sha256, lengths)
+        if payloads is None:
+            raise PackFormatError(
+                "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
+                path=where[: -len(SHARD_SUFFIX)] + PAYLOAD_SUFFIX if where.endswith(SHARD_SUFFIX) else where,
+                hint="Convert the pack again (or delete the table: readers then parse each record)",
+            )
+    return walk_records(stream, info.bytes, offsets, lengths, info.first_index, where, payloads)
+
+
+def read_remote_payload(
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int
+) -> tuple[bytes, str | None, int | None]:
+    """Record ``j`` of a shard in object storage in one ranged read through its offsets index, CRCs checked.
+
+    The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
+    the shard is ``rel`` inside it, and ``shard`` is where a local copy of its
+    ``.tfindex`` lies. Returns the payload (a multi-field sample's field
+    block), and the key and label the record holds.
+
+    Raises:
+        PackFormatError: the index or the record is damaged.
+        SourceError: the request failed.
+    """
+    from packdata.formats.tfrecord_remote import RemoteShardReader
+
+    offsets, lengths = read_index(shard, size=info.bytes)
+    if not 0 <= j < len(offsets):
+        raise PackFormatError(f"offsets index lists {len(offsets)} records, not record {j}", path=f"{shown}/{rel}")
+    reader = RemoteShardReader(fs, f"{root}/{rel}", f"{shown}/{rel}", info.bytes)
+    offset = int(offsets[j])
+    data = reader.read(offset, int(lengths[j]))
+    try:
+        sample = _sample_of(data)
+    except (RecordError, FieldError, UnicodeDecodeError) as exc:
+        raise _damaged(f"{shown}/{rel}", offset, f"not a packdata Example: {exc}") from exc
+    return sample.data, sample.key, sample.label
 
 
 def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> None:

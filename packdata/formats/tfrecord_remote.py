@@ -12,26 +12,21 @@ so an epoch never skips or repeats a record silently.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import tempfile
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from packdata.errors import ConfigError, PackFormatError
-from packdata.formats.tfrecord import NAME, TFRecordShardReader, chunk_plan, shard_layout
+from packdata.formats.remote_pack import fetch_pack_skeleton, fetch_range
+from packdata.formats.tfrecord import NAME, TFRecordShardReader, chunk_plan
 from packdata.formats.tfrecord_example import check_record
-from packdata.pack.files import atomic_write
-from packdata.pack.index import index_files
-from packdata.pack.manifest import MANIFEST_NAME
-from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
+from packdata.formats.tfrecord_tables import index_path
+from packdata.pack.urls import display_url
 
 __all__ = ["RemoteShardReader", "fetch_skeleton"]
 
@@ -76,23 +71,7 @@ class RemoteShardReader(TFRecordShardReader):
         return self
 
     def _fetch(self, base: int, end: int) -> bytes:
-        delay = self.backoff
-        for attempt in range(1, self.retries + 1):
-            try:
-                data = self.fs.cat_file(self.remote_path, start=base, end=end)
-                if len(data) == end - base:
-                    return data
-                problem = f"got {len(data)} of {end - base} bytes"
-            except Exception as exc:
-                problem = type(exc).__name__
-            if attempt < self.retries:
-                time.sleep(delay)
-                delay *= 2
-        raise PackFormatError(
-            f"bytes {base}-{end} could not be read after {self.retries} tries ({problem})",
-            path=self.path,
-            hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
-        )
+        return fetch_range(self.fs, self.remote_path, self.path, base, end, retries=self.retries, backoff=self.backoff)
 
     def stream(
         self,
@@ -131,45 +110,22 @@ def fetch_skeleton(url: str, storage_options: dict[str, Any] | None, cache_dir: 
 
     A reader streams the shards from ``url`` and reads everything else from
     this copy (``cache_dir``, default the system's temporary folder), which is
-    reused while the remote manifest is the same and replaced atomically when not.
+    reused while the remote manifest is the same and replaced atomically when
+    not (:func:`~packdata.formats.remote_pack.fetch_pack_skeleton`).
 
     Raises:
         PackFormatError: not a pack, or a file it needs is missing.
         ConfigError: not a TFRecord pack (LMDB reads through local files: stage it).
     """
-    fs, root = open_url(url, storage_options)
-    root = root.rstrip("/")
     shown = display_url(url)
-    manifest, raw = read_url_manifest(fs, root, shown)
+    dest, manifest, _, _ = fetch_pack_skeleton(url, storage_options, cache_dir)
     if manifest.format != NAME:
         raise ConfigError(
             f"{shown}: a {manifest.format} pack is read through local files",
             hint=f"Stage it first: packdata.stage({shown!r}, to='/nvme/cache'), then open the staged copy",
         )
-    digest = hashlib.sha256(raw).hexdigest()
-    base = Path(cache_dir or Path(tempfile.gettempdir()) / "packdata-remote")
-    dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / (root.rsplit("/", 1)[-1] or "pack")
-    if (dest / MANIFEST_NAME).is_file() and hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() == digest:
-        return dest
-    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    names = [f"{manifest.index_dir}/{n}" for n in index_files(manifest.kind)]
     for shard in manifest.shards:
-        names += [f"{PurePosixPath(shard.file).parent / side}" for side in shard_layout(shard.file).side]
-    for name in names:
-        target = partial / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            target.write_bytes(fs.cat_file(f"{root}/{name}"))
-        except FileNotFoundError:
-            if name.endswith(".tfindex") or name.startswith(manifest.index_dir):
-                raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
-        except Exception as exc:
-            raise remote_error(shown, f"cannot read {name}", exc) from exc
-    atomic_write(partial / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    shutil.rmtree(old, ignore_errors=True)
+        if not index_path(dest / shard.file).is_file():
+            name = index_path(shard.file).as_posix()
+            raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete")
     return dest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,12 @@ from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256
 from packdata.pack.index import SampleIndex
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
 from packdata.progress import progress as show_progress
 
-__all__ = ["VerifyResult", "pack_info", "verify_pack"]
+__all__ = ["VerifyResult", "check_shard_records", "pack_info", "verify_pack"]
 
 
 def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -37,16 +39,31 @@ def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None
 
 @dataclass
 class VerifyResult:
-    """A verified pack: how many records and bytes were checked."""
+    """A verified pack: how many records and bytes were checked, and how deeply.
 
-    path: Path
+    ``checks`` is ``"records"`` (every record read and checked) or
+    ``"checksums"`` (each shard's size and SHA-256 only: an LMDB pack verified
+    at a URL, whose records are checked in local files); ``records`` counts the
+    records checked, ``bytes`` their payload bytes, or with ``"checksums"`` the shards' bytes.
+    """
+
+    path: Path | str
     records: int
     bytes: int
     shards: int
+    checks: str = "records"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return {**self.__dict__, "path": os.fspath(self.path)}
 
 
-def _check_counts(manifest: Manifest, pack: Path) -> None:
-    """Every source file counted is a sample or a skip, and every skip is in the skip report."""
+def _check_counts(manifest: Manifest, pack: Path, where: str | Path | None = None) -> None:
+    """Every source file counted is a sample or a skip, and every skip is in the skip report.
+
+    ``where`` names the pack in messages (default ``pack``; a URL for a downloaded copy).
+    """
+    where = where or pack
     found = manifest.source.get("files_found")
     skipped = manifest.skipped.get("count")
     if not isinstance(found, int) or not isinstance(skipped, int):
@@ -55,7 +72,7 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
         raise PackFormatError(
             f"the conversion counted {found} source files, but the pack holds {manifest.num_samples} samples "
             f"and {skipped} skips ({found - manifest.num_samples - skipped} unaccounted for)",
-            path=pack / MANIFEST_NAME,
+            path=f"{where}/{MANIFEST_NAME}",
             hint="Samples were lost: convert the folder again with overwrite=True",
         )
     report = manifest.skipped.get("report")
@@ -65,7 +82,7 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
     if "/" in report or report.startswith(".") or not report_path.is_file():
         raise PackFormatError(
             f"the manifest counts {skipped} skipped files, but the skip report {report!r} is missing",
-            path=pack,
+            path=where,
             hint="Convert or stage the pack again",
         )
     with open(report_path, "rb") as f:
@@ -73,12 +90,40 @@ def _check_counts(manifest: Manifest, pack: Path) -> None:
     if lines != skipped:
         raise PackFormatError(
             f"skip report lists {lines} files, the manifest counts {skipped}",
-            path=report_path,
+            path=f"{where}/{report}",
             hint="Convert the pack again",
         )
 
 
-def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResult:
+def _open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex:
+    """The pack's sample index, every label checked to lie in ``[-1, len(classes))``."""
+    index_dir = pack / manifest.index_dir
+    shown_dir = f"{where}/{manifest.index_dir}"
+    try:
+        index = SampleIndex(index_dir, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
+    except (OSError, ValueError) as exc:
+        problem = str(exc).replace(os.fspath(pack), os.fspath(where))
+        raise PackFormatError(
+            f"sample index is missing or damaged: {problem}", path=shown_dir, hint="Convert the pack again"
+        ) from exc
+    labels = index.labels
+    bad = [int(i) for i in ((labels < -1) | (labels >= len(manifest.classes))).nonzero()[0][:1]]
+    if bad:
+        raise PackFormatError(
+            f"sample {bad[0]} has label {int(labels[bad[0]])}, outside [-1, {len(manifest.classes)})",
+            path=f"{shown_dir}/labels.i32",
+            hint="Convert the pack again",
+        )
+    return index
+
+
+def verify_pack(
+    path: str | os.PathLike,
+    *,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+) -> VerifyResult:
     """Read every record of a pack and check it against the manifest and index.
 
     Checks that every source file the manifest counts is packed or skipped
@@ -88,27 +133,30 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
     ``[-1, len(classes))``, and every side table (``records.i64``,
     ``.tfindex``, ``.tfpayload``) row by row.
 
+    A URL (``s3://bucket/train``) is verified in place (see
+    :func:`packdata.formats.remote_verify.verify_remote_pack`): the same checks
+    for a TFRecord pack, its shards streamed once each; for an LMDB pack each
+    shard's size and SHA-256 and the binding of its side table only
+    (``checks="checksums"`` in the result): its records are read through
+    LMDB, which needs a local file, so stage it and verify the staged copy.
+
+    Args:
+        path: the pack, or its URL.
+        progress: show progress on stderr.
+        storage_options: for a URL: passed to fsspec (credentials, endpoint).
+        workers: for a URL: shards verified at once (default 8).
+
     Raises:
         PackFormatError: naming the first bad shard or record.
     """
+    if is_url(path):
+        from packdata.formats.remote_verify import verify_remote_pack
+
+        return verify_remote_pack(os.fspath(path), storage_options=storage_options, progress=progress, workers=workers)
     pack = Path(path)
     manifest = read_manifest(pack)
     _check_counts(manifest, pack)
-    index_dir = pack / manifest.index.get("dir", "index")
-    try:
-        index = SampleIndex(index_dir, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
-    except (OSError, ValueError) as exc:
-        raise PackFormatError(
-            f"sample index is missing or damaged: {exc}", path=index_dir, hint="Convert the pack again"
-        ) from exc
-    labels = index.labels
-    bad = [int(i) for i in ((labels < -1) | (labels >= len(manifest.classes))).nonzero()[0][:1]]
-    if bad:
-        raise PackFormatError(
-            f"sample {bad[0]} has label {int(labels[bad[0]])}, outside [-1, {len(manifest.classes)})",
-            path=index_dir / "labels.i32",
-            hint="Convert the pack again",
-        )
+    index = _open_index(manifest, pack, pack)
     fmt = get_format(manifest.format)
     checked = nbytes = 0
     with show_progress(total=manifest.num_samples, desc="verifying", unit=" records", disable=not progress) as bar:
@@ -130,36 +178,60 @@ def verify_pack(path: str | os.PathLike, *, progress: bool = True) -> VerifyResu
                     path=data_file,
                     hint="The shard is damaged: convert or stage again",
                 )
-            expected = shard.first_index
-            for i, sample in fmt.iter_samples(shard_path, shard.first_index):
-                if i != expected:
-                    raise PackFormatError(f"record {expected} is missing (found {i} next)", path=data_file)
-                if (
-                    sample.key != index.keys[i]
-                    or sample.label != int(index.labels[i])
-                    or len(sample.data) != int(index.sizes[i])
-                ):
-                    raise PackFormatError(
-                        f"record {i} (key {sample.key!r}) does not match the sample index",
-                        path=data_file,
-                        hint="Convert the pack again",
-                    )
-                if manifest.kind == "fields":
-                    _check_fields(sample.data, index.sample_fields(i), i, data_file)
-                expected += 1
-                nbytes += len(sample.data)
-                bar.update()
-            if expected != shard.first_index + shard.num_samples:
-                raise PackFormatError(
-                    f"shard holds {expected - shard.first_index} records, the manifest says {shard.num_samples}",
-                    path=data_file,
-                )
-            checked += expected - shard.first_index
+            records, shard_bytes = check_shard_records(
+                fmt.iter_samples(shard_path, shard.first_index), shard, manifest, index, data_file, bar.update
+            )
+            checked += records
+            nbytes += shard_bytes
             fmt.check_side_tables(shard_path, shard)
     return VerifyResult(pack, checked, nbytes, len(manifest.shards))
 
 
-def _check_fields(block: bytes, sizes: dict[str, int], i: int, data_file: Path) -> None:
+def check_shard_records(
+    samples: Iterator[tuple[int, Sample]],
+    shard: ShardInfo,
+    manifest: Manifest,
+    index: SampleIndex,
+    where: str | Path,
+    on_record: Callable[[], object] = lambda: None,
+) -> tuple[int, int]:
+    """Check a shard's records against the sample index: no gap, same key, label, size and fields, none missing.
+
+    Returns:
+        ``(records, payload bytes)`` checked.
+
+    Raises:
+        PackFormatError: naming ``where`` (the shard's data file or URL) and the record.
+    """
+    expected = shard.first_index
+    nbytes = 0
+    for i, sample in samples:
+        if i != expected:
+            raise PackFormatError(f"record {expected} is missing (found {i} next)", path=where)
+        if (
+            sample.key != index.keys[i]
+            or sample.label != int(index.labels[i])
+            or len(sample.data) != int(index.sizes[i])
+        ):
+            raise PackFormatError(
+                f"record {i} (key {sample.key!r}) does not match the sample index",
+                path=where,
+                hint="Convert the pack again",
+            )
+        if manifest.kind == "fields":
+            _check_fields(sample.data, index.sample_fields(i), i, where)
+        expected += 1
+        nbytes += len(sample.data)
+        on_record()
+    if expected != shard.first_index + shard.num_samples:
+        raise PackFormatError(
+            f"shard holds {expected - shard.first_index} records, the manifest says {shard.num_samples}",
+            path=where,
+        )
+    return expected - shard.first_index, nbytes
+
+
+def _check_fields(block: bytes, sizes: dict[str, int], i: int, data_file: str | Path) -> None:
     """A fields record's block parses, every field's CRC matches, and its fields and sizes are the index's."""
     try:
         found = {name: len(data) for name, data in decode_block(block).items()}

@@ -91,14 +91,18 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
     return manifest, raw
 
 
-def remote_error(shown: str, what: str, exc: BaseException) -> SourceError:
+def remote_error(shown: str, what: str, exc: BaseException, *, resumable: bool = False) -> SourceError:
     """One line for a failed request: the URL (no credentials), what failed, and the error's type only.
 
     The type names the cause (``EndpointConnectionError``, ``ClientError``,
     ``TimeoutError``); the message is left out because some backends echo
-    request details into it.
+    request details into it. ``resumable``: a conversion it stops is kept, and
+    the hint says to rerun with ``resume``.
     """
-    return SourceError(
+    error = SourceError(
         f"{shown}: {what} ({type(exc).__name__})",
-        hint="Check the URL, the endpoint and the credentials (environment, profile or storage_options), then rerun",
+        hint="Check the URL, the endpoint and the credentials (environment, profile or storage_options), then rerun"
+        + (" with resume=True" if resumable else ""),
     )
+    error.resumable = resumable
+    return error

@@ -1,0 +1,188 @@
+"""A pack in object storage looked at in place: its small files copied locally, its shards streamed.
+
+:func:`fetch_pack_skeleton` copies what is not a shard (manifest, sample
+index, each shard's side tables, the skip report) into a local folder, so
+``ls``, ``cat`` and the streaming TFRecord reader use the same local code as
+for a pack on disk; :class:`RemoteStream` reads one shard front to back in
+ranged requests of about 8 MiB, hashing it on the way (memory stays bounded
+whatever the shard's size), for ``verify``. Every failed request is retried
+with backoff (:func:`fetch_range`), and every message names the URL without
+credentials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from packdata.errors import PackFormatError
+from packdata.formats import get_format
+from packdata.pack.files import atomic_write
+from packdata.pack.index import index_files
+from packdata.pack.manifest import MANIFEST_NAME, Manifest
+from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
+
+__all__ = ["RemoteStream", "download_skeleton", "fetch_pack_skeleton", "fetch_range", "remote_size"]
+
+_CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
+
+
+def fetch_range(
+    fs: Any, path: str, where: str, start: int, end: int, *, retries: int = 4, backoff: float = 0.5
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` on ``fs``, retried with doubling backoff (4 tries wait 0.5 + 1 + 2 s).
+
+    Raises:
+        PackFormatError: the bytes could not be read in ``retries`` tries (``where`` names the object).
+    """
+    delay = backoff
+    problem = ""
+    for attempt in range(1, retries + 1):
+        try:
+            data = fs.cat_file(path, start=start, end=end)
+            if len(data) == end - start:
+                return data
+            problem = f"got {len(data)} of {end - start} bytes"
+        except Exception as exc:
+            problem = type(exc).__name__
+        if attempt < retries:
+            time.sleep(delay)
+            delay *= 2
+    raise PackFormatError(
+        f"bytes {start}-{end} could not be read after {retries} tries ({problem})",
+        path=where,
+        hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
+    )
+
+
+def remote_size(fs: Any, path: str, where: str) -> int | None:
+    """The byte size of ``path`` on ``fs``, or None when there is no such object.
+
+    Raises:
+        SourceError: the request failed.
+    """
+    try:
+        return int(fs.info(path)["size"])
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise remote_error(where, "cannot look the object up", exc) from exc
+
+
+class RemoteStream:
+    """One remote file read front to back (``read(n)`` like a file), in ranged requests, SHA-256 on the way.
+
+    Holds at most one request's bytes plus the record being read, so memory is
+    bounded whatever the file's size. ``on_bytes`` is called with each
+    request's size (a progress bar).
+    """
+
+    def __init__(
+        self, fs: Any, path: str, where: str, size: int, *, on_bytes: Callable[[int], object] | None = None
+    ) -> None:
+        self.fs, self.path, self.where, self.size = fs, path, where, size
+        self.on_bytes = on_bytes
+        self._sha = hashlib.sha256()
+        self._buf = b""
+        self._pos = 0
+        self._next = 0  # the first byte not fetched yet
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes from the current position (fewer only at the end of the file)."""
+        while len(self._buf) - self._pos < n and self._next < self.size:
+            end = min(self._next + _CHUNK, self.size)
+            chunk = fetch_range(self.fs, self.path, self.where, self._next, end)
+            self._sha.update(chunk)
+            if self.on_bytes is not None:
+                self.on_bytes(len(chunk))
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+            self._next = end
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def hexdigest(self) -> str:
+        """SHA-256 of the whole file (the rest is read first)."""
+        while self._next < self.size:
+            self._pos = len(self._buf)
+            self.read(_CHUNK)
+        return self._sha.hexdigest()
+
+
+def _skeleton_names(manifest: Manifest, *, report: bool) -> list[tuple[str, bool]]:
+    """``(relative path, required)`` of every file of a pack that is not a shard's data."""
+    layout_of = get_format(manifest.format).shard_layout
+    names = [(f"{manifest.index_dir}/{n}", True) for n in index_files(manifest.kind)]
+    for shard in manifest.shards:
+        layout = layout_of(os.path.basename(shard.file))
+        base = shard.file if layout.folder else str(PurePosixPath(shard.file).parent)
+        names += [(str(PurePosixPath(base) / side), False) for side in layout.side]
+    skip_report = manifest.skipped.get("report")
+    if report and isinstance(skip_report, str) and skip_report:
+        names.append((skip_report, False))
+    return names
+
+
+def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown: str, dest: Path) -> Path:
+    """Copy a pack's files but its shards' data into the new folder ``dest``, the manifest last.
+
+    Optional files (side tables, the skip report) that are not there are left
+    out; a missing sample index file raises.
+
+    Raises:
+        PackFormatError: a file the pack needs is missing.
+        SourceError: a request failed.
+    """
+    for name, required in _skeleton_names(manifest, report=True):
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.write_bytes(fs.cat_file(f"{root}/{name}"))
+        except FileNotFoundError:
+            if required:
+                raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
+        except Exception as exc:
+            raise remote_error(shown, f"cannot read {name}", exc) from exc
+    atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
+    return dest
+
+
+def fetch_pack_skeleton(
+    url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None
+) -> tuple[Path, Manifest, Any, str]:
+    """A cached local copy of a remote pack without its shards' data (see the module docstring).
+
+    Kept in ``cache_dir`` (default the system's temporary folder) and reused
+    while the remote manifest is the same, replaced atomically when not.
+
+    Returns:
+        ``(local copy, manifest, filesystem, path of the pack on it)``.
+
+    Raises:
+        PackFormatError: not a pack, or a file it needs is missing.
+    """
+    fs, root = open_url(url, storage_options)
+    root = root.rstrip("/")
+    shown = display_url(url)
+    manifest, raw = read_url_manifest(fs, root, shown)
+    digest = hashlib.sha256(raw).hexdigest()
+    base = Path(cache_dir or Path(tempfile.gettempdir()) / "packdata-remote")
+    dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / (root.rsplit("/", 1)[-1] or "pack")
+    if (dest / MANIFEST_NAME).is_file() and hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() == digest:
+        return dest, manifest, fs, root
+    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    download_skeleton(fs, root, manifest, raw, shown, partial)
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(partial, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest, manifest, fs, root
