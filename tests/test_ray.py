@@ -333,7 +333,7 @@ def test_ray_refuses_tar_shards(tmp_path: Path) -> None:
             info = tarfile.TarInfo(f"s{i}.txt")
             info.size = 1
             tar.addfile(info, io.BytesIO(b"x"))
-    with pytest.raises(ConfigError, match="the Ray engine packs folders and list files"):
+    with pytest.raises(ConfigError, match="the Ray engine packs local folders and list files"):
         packdata.convert(str(tmp_path / "data-{0..3}.tar"), tmp_path / "x.lmdb", engine="ray", progress=False)
 
 
