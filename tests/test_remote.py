@@ -174,7 +174,7 @@ def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Pat
 
     def failing_put(lpath, rpath, *args, **kwargs):  # the network drops after two uploads
         calls.append(rpath)
-        if len(calls) == 3:
+        if len(calls) >= 3:
             raise OSError("connection reset")
         return real_put(lpath, rpath, *args, **kwargs)
 
@@ -193,6 +193,44 @@ def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Pat
     with pytest.raises(packdata.ConfigError, match="a pack already exists there"):
         packdata.convert(tmp_path / "src", url, storage_options=options, progress=False)
     assert upload.work_folder(url).name == "converted.lmdb"
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_convert_into_s3_uploads_shards_as_they_close(s3, tmp_path: Path, monkeypatch, fmt: str) -> None:
+    """Shards go up while the conversion runs; TFRecord shards are moved to their -of-N names at the end."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    import packdata.conversion.upload as upload
+
+    monkeypatch.setattr(upload.ShardUploader, "PERIOD", 0.005)
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(60):
+        (src / f"{i:02d}.jpg").write_bytes(image_bytes(i, (30, 20)))
+    url = f"s3://packs/early-{fmt}"
+    work = upload.work_folder(url)
+    real_put = fs.put_file
+    while_packing: list[str] = []
+
+    after_packing: list[str] = []
+
+    def watching_put(lpath, rpath, *args, **kwargs):
+        # the work pack is published when the conversion ends
+        (after_packing if work.exists() else while_packing).append(rpath)
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", watching_put)
+    packdata.convert(tmp_path / "src", url, format=fmt, shard_samples=2, storage_options=options, progress=False)
+    assert while_packing and not any(p.endswith("manifest.json") for p in while_packing)
+    staged = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    local = tmp_path / "same-name" / f"early-{fmt}"  # shard names follow the pack's name
+    packdata.convert(tmp_path / "src", local, format=fmt, shard_samples=2, progress=False)
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    remote = sorted(p[len(f"packs/early-{fmt}/") :] for p in fs.find(f"packs/early-{fmt}"))
+    assert remote == names  # no object under a temporary name is left
+    assert packdata.verify_pack(staged.staged, progress=False).records == 60
+    shards_after = [p for p in after_packing if p.endswith((".tfrecord", "data.mdb"))]
+    assert len(shards_after) < 30 // 2  # most shards went up (and were moved) before the end, none twice
 
 
 def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Path) -> None:

@@ -35,9 +35,11 @@ from packdata.conversion.publish import (
 from packdata.conversion.sources import Skip, scan_source
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
+    ShardUploader,
     check_remote_destination,
     clean_work_folder,
     download_source,
+    end_remote_pack,
     upload_pack,
     work_folder,
 )
@@ -291,7 +293,7 @@ def _result_of(pack: Path, started: float) -> ConvertResult:
 
 
 def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
-    """Convert into a local work folder, then upload it to ``url`` (manifest last)."""
+    """Convert into a local work folder, uploading shards as they close, then the rest (manifest last)."""
     if options["append"] or options["engine"] != "local":
         raise ConfigError(
             "a URL destination takes a new pack from the local engine", hint="Convert locally, then upload"
@@ -304,9 +306,17 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
-    # Packed before an interruption: upload it; else pack (resuming a partial conversion).
-    result = _result_of(local, float(options["started"])) if local.exists() else convert(src, local, **kwargs)
-    upload_pack(local, url, storage_options=storage, workers=options["workers"], progress=options["progress"])
+    end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
+    early: dict[str, int] = {}
+    if local.exists():  # packed before an interruption: upload it
+        result = _result_of(local, float(options["started"]))
+    else:  # pack (resuming a partial conversion), shards going up as they close
+        with ShardUploader(partial_path(local), url, storage) as uploader:
+            result = convert(src, local, **kwargs)
+        early = uploader.uploaded
+    upload_pack(
+        local, url, storage_options=storage, workers=options["workers"], progress=options["progress"], early=early
+    )
     clean_work_folder(local)
     result.pack = display_url(url)
     return result

@@ -1,4 +1,4 @@
-"""Convert into and from object storage: pack locally, then upload, the manifest last.
+"""Convert into and from object storage: pack locally, shards uploaded as they close, the manifest last.
 
 A source folder at a URL is first copied into a local work folder
 (:func:`download_source`, parallel and resumable), then converted like a local
@@ -8,9 +8,13 @@ parts) is never written, and appears in the pack's skip report.
 
 ``convert(src, "s3://bucket/train.lmdb")`` converts into a local work folder
 (``$PACKDATA_TMP`` or the system's temporary folder, one per destination URL,
-so ``resume=True`` continues an interrupted conversion there), then uploads
-every file of the pack in parallel and ``manifest.json`` last: a pack in object
-storage exists when its manifest does, so a reader never opens a half upload.
+so ``resume=True`` continues an interrupted conversion there). While it packs,
+a :class:`ShardUploader` uploads each shard the conversion's checkpoint lists as
+closed (under the name it has in the work folder; a TFRecord shard's final
+``-of-N`` name is known only at the end, so it is moved on the store then).
+When the pack is complete, :func:`upload_pack` uploads what is not there yet,
+in parallel, and ``manifest.json`` last: a pack in object storage exists when
+its manifest does, so a reader never opens a half upload.
 An upload resumed after an interruption skips objects already there with the
 local file's size and, where the store reports an MD5 (single-part uploads),
 the same MD5. With ``overwrite`` the old manifest is deleted first (the old
@@ -20,20 +24,24 @@ pack ceases to exist before any of its files is replaced).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.publish import PROGRESS_FILE
 from packdata.conversion.sources import Skip
 from packdata.errors import ConfigError, PackFormatError, SourceError
-from packdata.pack.manifest import MANIFEST_NAME
+from packdata.formats import shard_writer
+from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
 
-__all__ = ["download_source", "upload_pack", "work_folder"]
+__all__ = ["ShardUploader", "download_source", "end_remote_pack", "upload_pack", "work_folder"]
 
 
 def work_folder(url: str) -> Path:
@@ -62,6 +70,84 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
         )
 
 
+def end_remote_pack(url: str, storage_options: dict[str, Any] | None) -> None:
+    """Delete the manifest at ``url``: the pack there ends, before any of its files is replaced."""
+    fs, root = open_url(url, storage_options)
+    manifest = f"{root.rstrip('/')}/{MANIFEST_NAME}"
+    try:
+        if fs.exists(manifest):
+            fs.rm_file(manifest)
+    except Exception as exc:
+        raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
+
+
+class ShardUploader:
+    """Uploads, in the background, the shards a conversion into ``partial`` has closed.
+
+    A thread reads the conversion's checkpoint (``progress.json``) every
+    :attr:`PERIOD` seconds and uploads the files of every shard listed there as
+    closed, under their names in the work folder, ``workers`` at a time. It is
+    only a head start: a failed or interrupted upload is left for
+    :func:`upload_pack`, which checks every object before the manifest goes
+    up. Objects an interrupted run uploaded count as uploaded when their size
+    and MD5 match.
+    """
+
+    PERIOD = 1.0
+    """Seconds between two looks at the checkpoint."""
+
+    def __init__(self, partial: Path, url: str, storage_options: dict[str, Any] | None, *, workers: int = 4) -> None:
+        self.partial = partial
+        self.fs, root = open_url(url, storage_options)
+        self.root = root.rstrip("/")
+        self.uploaded: dict[str, int] = {}  # path relative to the pack -> bytes, uploaded or found there
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-upload-early")
+        self._thread = threading.Thread(target=self._watch, name="packdata-upload-watch", daemon=True)
+
+    def __enter__(self) -> ShardUploader:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.PERIOD):
+            for path in self._closed_shard_files():
+                self._pool.submit(self._put, path)
+
+    def _closed_shard_files(self) -> list[Path]:
+        try:
+            state = json.loads((self.partial / PROGRESS_FILE).read_text(encoding="utf-8"))
+            names = [shard["file"] for shard in state["shards"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # not written yet, or replaced while read: the next look sees it
+        new = []
+        for name in names:
+            if name in self._seen:
+                continue
+            self._seen.add(name)
+            top = self.partial / name
+            new.extend(sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top])
+            new.extend(p for p in sorted(self.partial.glob(f"{Path(name).stem}.*")) if p != top and p.is_file())
+        return new
+
+    def _put(self, path: Path) -> None:
+        rel = path.relative_to(self.partial).as_posix()
+        target = f"{self.root}/{rel}"
+        try:
+            size = path.stat().st_size
+            if not _already_there(self.fs, target, path):
+                self.fs.put_file(os.fspath(path), target)
+            self.uploaded[rel] = size
+        except Exception:  # a head start only: upload_pack uploads, and reports, what failed here
+            return
+
+
 def upload_pack(
     local: Path,
     url: str,
@@ -69,8 +155,14 @@ def upload_pack(
     storage_options: dict[str, Any] | None = None,
     workers: int | None = None,
     progress: bool = True,
+    early: dict[str, int] | None = None,
 ) -> int:
     """Upload the pack at ``local`` to ``url``, the manifest last; returns the bytes uploaded.
+
+    ``early``: files a :class:`ShardUploader` uploaded while the pack was written
+    (path in the work folder -> size); one whose name changed when the pack was
+    finished (a TFRecord shard's ``-of-N`` name) is moved on the store, and
+    objects under names the pack no longer has are removed.
 
     Raises:
         PackFormatError: an upload failed (rerun with resume to continue).
@@ -79,10 +171,16 @@ def upload_pack(
     root = root.rstrip("/")
     shown = display_url(url)
     manifest = f"{root}/{MANIFEST_NAME}"
-    if fs.exists(manifest):
-        fs.rm_file(manifest)  # the old pack ends here, before any of its files is replaced
+    end_remote_pack(url, storage_options)
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
-    todo = [p for p in files if not _already_there(fs, f"{root}/{p.relative_to(local).as_posix()}", p)]
+    early = dict(early or {})
+    _move_renamed(fs, root, local, files, early)
+    todo = [
+        p
+        for p in files
+        if early.get(p.relative_to(local).as_posix()) != p.stat().st_size
+        and not _already_there(fs, f"{root}/{p.relative_to(local).as_posix()}", p)
+    ]
     total = sum(p.stat().st_size for p in todo)
 
     def put(path: Path) -> int:
@@ -104,6 +202,37 @@ def upload_pack(
             bar.update(done)
     fs.put_file(os.fspath(local / MANIFEST_NAME), manifest)  # the pack exists from here
     return total
+
+
+def _move_renamed(fs: Any, root: str, local: Path, files: list[Path], early: dict[str, int]) -> None:
+    """Move early uploads of files renamed when the pack was finished to their final names.
+
+    The shard numbered ``i`` was written as ``shard_name(i)`` and is now the
+    manifest's ``shards[i].file``; its companions share its stem. An early
+    object whose final file is the same size is moved (a copy on the store);
+    one that matches no final file is removed. ``early`` is updated to the
+    final names.
+    """
+    manifest = read_manifest(local)
+    renamed = {
+        Path(shard_writer(manifest.format).shard_name(i)).stem: Path(shard.file).stem
+        for i, shard in enumerate(manifest.shards)
+    }
+    present = {p.relative_to(local).as_posix() for p in files}
+    for rel, size in sorted(early.items()):
+        if rel in present:
+            continue
+        stem, dot, rest = rel.partition(".")
+        final = f"{renamed[stem]}{dot}{rest}" if stem in renamed else None
+        try:
+            if final in present and (local / final).stat().st_size == size and final not in early:
+                fs.mv(f"{root}/{rel}", f"{root}/{final}")
+                early[final] = size
+            else:
+                fs.rm_file(f"{root}/{rel}")
+        except Exception as exc:
+            raise remote_error(display_url(f"{root}"), f"cannot move or remove {rel}", exc) from exc
+        del early[rel]
 
 
 def _already_there(fs: Any, target: str, path: Path) -> bool:
