@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
 from packdata import BlockShuffleSampler, LMDBDataset, TFRecordIndexedDataset, convert, shuffle_quality
+from packdata.formats import get_format
 from packdata.reading.samplers import block_shuffle_order, resolve_rank_world
 
 
@@ -100,3 +103,116 @@ def test_with_lmdb_and_indexed_tfrecord_loaders(small_texts: Path, tmp_path: Pat
         assert sorted(seen) == everything
     dist = DistributedSampler(tf_ds, num_replicas=2, rank=1, shuffle=True)
     assert len([tf_ds[i] for i in dist]) == 20
+
+
+# -- read-ahead hints --------------------------------------------------------------------------------------------
+
+
+def _resident_share(path: Path, start: int, length: int) -> float:
+    """The share of the pages of ``path[start:start + length]`` in the page cache (mincore over a map)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    from packdata.formats.residency import buffer_address
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    page = mmap.PAGESIZE
+    first = start // page * page
+    size = start + length - first
+    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        assert libc.mincore(buffer_address(view) + first, size, vec) == 0
+        view.release()
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+@pytest.fixture
+def big_texts(tmp_path: Path) -> Path:
+    """3,000 texts of 6-10 KB (about 25 MB of records in one LMDB shard)."""
+    root = tmp_path / "big"
+    (root / "c").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(3000):
+        (root / "c" / f"{i:04d}.txt").write_text("x" * int(rng.integers(6000, 10000)), encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_record_spans_point_at_the_records(small_texts: Path, tmp_path: Path, fmt: str) -> None:
+    from packdata.pack.manifest import read_manifest
+
+    pack = tmp_path / f"p.{fmt}"
+    convert(small_texts, pack, format=fmt, shard_samples=9, progress=False)
+    manifest = read_manifest(pack)
+    form = get_format(fmt)
+    for shard in manifest.shards:
+        spans = form.record_spans(pack / shard.file, shard.bytes)
+        assert spans is not None and len(spans[0]) == shard.num_samples
+        data = (pack / form.data_name(shard.file)).read_bytes()
+        ds = LMDBDataset(pack, decode="bytes") if fmt == "lmdb" else TFRecordIndexedDataset(pack, decode="bytes")
+        for j, (offset, length) in enumerate(zip(*spans, strict=True)):
+            assert ds[shard.first_index + j][0] in data[offset : offset + length]
+    if fmt == "lmdb":  # without its table a shard gives no spans (and no hints), not an error
+        (pack / manifest.shards[0].file / "records.i64").unlink()
+        assert form.record_spans(pack / manifest.shards[0].file, manifest.shards[0].bytes) is None
+
+
+def test_merged_ranges_cover_every_span_and_join_small_gaps() -> None:
+    from packdata.reading.readahead import _merged
+
+    starts = np.array([5000, 0, 100, 1_000_000, 1_000_050])
+    ends = starts + np.array([10, 50, 50, 10, 100])
+    assert _merged(starts, ends, gap=4096) == [(0, 150), (5000, 10), (1_000_000, 150)]
+    assert _merged(starts, ends, gap=10) == [(0, 50), (100, 50), (5000, 10), (1_000_000, 10), (1_000_050, 100)]
+    assert _merged(starts, ends, gap=10**6) == [(0, 1_000_150)]
+
+
+def test_read_ahead_brings_the_next_window_into_the_page_cache(big_texts: Path, tmp_path: Path) -> None:
+    from packdata.reading.readahead import ReadAhead
+
+    pack = tmp_path / "big.lmdb"
+    convert(big_texts, pack, progress=False)
+    ds = LMDBDataset(pack, decode="bytes")
+    shard = ds.pack.manifest.shards[0]
+    data = pack / shard.file / "data.mdb"
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    size = data.stat().st_size
+    if _resident_share(data, 0, size) > 0.2:
+        pytest.skip("the kernel kept the shard's pages: cannot start cold here")
+    offsets, lengths = get_format("lmdb").record_spans(pack / shard.file, shard.bytes)
+    asked = (int(offsets[0]), int(offsets[999] + lengths[999] - offsets[0]))
+    rest = (int(offsets[2000]), int(offsets[-1] - offsets[2000]))
+    hints = ReadAhead(ds.pack.path, ds.pack.manifest)
+    hints.advise(list(range(0, 1000)))
+    hints.close()
+    assert hints.advised_bytes >= int(lengths[:1000].sum())
+    # WILLNEED starts the reads and returns; some hosts reclaim unused cache pages within a second, so the
+    # pages are looked for as they arrive, not after a wait
+    best_asked = best_rest = 0.0
+    deadline = time.monotonic() + 2
+    while best_asked < 0.9 and time.monotonic() < deadline:
+        best_asked = max(best_asked, _resident_share(data, *asked))
+        best_rest = max(best_rest, _resident_share(data, *rest))
+    assert best_asked >= 0.3, best_asked
+    assert best_rest < 0.1, best_rest  # what was not asked for stays on disk
+
+
+def test_sampler_order_is_the_same_with_and_without_read_ahead(small_texts: Path, tmp_path: Path) -> None:
+    import pickle
+
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    ds = LMDBDataset(tmp_path / "p.lmdb", decode="bytes")
+    on = BlockShuffleSampler(ds, block_size=4, window=2, seed=3)
+    off = BlockShuffleSampler(ds, block_size=4, window=2, seed=3, read_ahead=False)
+    assert list(on) == list(off) and on._read_ahead is not None and off._read_ahead is None
+    assert on._read_ahead.advised_bytes >= 0
+    copy = pickle.loads(pickle.dumps(on))  # the thread and files stay behind
+    assert copy._read_ahead is None and list(copy) == list(off)
+    on._read_ahead.close()

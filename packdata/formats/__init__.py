@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from packdata.errors import ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from packdata.pack.manifest import ShardInfo
     from packdata.pack.records import Sample
 
@@ -148,6 +150,16 @@ class PackFormat:
             ConfigError: the format cannot read one record of this shard in place (stage it).
         """
         return self._impl().read_remote_payload(fs, root, shown, rel, shard, info, j)
+
+    def record_spans(self, shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Byte offsets and lengths of every record in the shard's data file of ``size`` bytes, for read-ahead hints.
+
+        From the shard's side table, memory-mapped where the table allows; None
+        without a usable one. Only lightly checked: hints never decide what is
+        read (a reader checks every record it returns).
+        """
+        spans = getattr(self._impl(), "record_spans", None)
+        return None if spans is None else spans(shard, size)
 
     def data_name(self, file: str) -> str:
         """The path, inside the pack, of the file holding the records of the shard called ``file``."""

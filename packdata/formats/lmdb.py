@@ -497,6 +497,24 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
         )
 
 
+def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(offsets, lengths)`` of every payload in ``data.mdb``, memory-mapped from ``records.i64`` (read-ahead hints).
+
+    None when the table is absent, of another version, or does not fit a
+    ``data.mdb`` of ``size`` bytes by its header; its rows are not checked here.
+    """
+    table = shard / RECORDS_FILE
+    try:
+        rows = np.memmap(table, dtype="<i8", mode="r").reshape(-1, 3)
+    except (OSError, ValueError):
+        return None
+    if len(rows) < 2 or tuple(rows[0, :2]) != (_TABLE_MAGIC, _TABLE_VERSION) or rows[1, 1] != size:
+        return None
+    if rows[0, 2] != len(rows) - 2:
+        return None
+    return rows[2:, 0], rows[2:, 1]
+
+
 class LMDBShardReader:
     """Reads records of one shard by their index within the shard.
 

@@ -596,6 +596,14 @@ def _sample_of(data: memoryview) -> Sample:
 SHARD_WRITER = TFRecordShardWriter
 
 
+def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(offsets, lengths)`` of every record of the shard, from its ``.tfindex`` (read-ahead hints), or None."""
+    try:
+        return read_index(shard, size=size)
+    except PackFormatError:
+        return None
+
+
 iter_samples = iter_shard_samples
 
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sized
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
+
+from packdata.pack.manifest import Manifest
+from packdata.reading.readahead import ReadAhead
 
 __all__ = [
     "BlockShuffleSampler",
@@ -165,6 +169,11 @@ class BlockShuffleSampler(Sampler[int]):
         shuffle: ``False`` visits pack order (still split across ranks).
         rank, world_size: default from :func:`resolve_rank_world`.
         drop_last: drop the tail instead of padding to equal per-rank counts.
+        read_ahead: given a pack dataset (``LMDBDataset``, ``TFRecordIndexedDataset``),
+            ask the kernel for the next window's records while the current one
+            is read (:class:`~packdata.reading.readahead.ReadAhead`), so a cold
+            page cache is filled in long sequential reads. Hints only: what is
+            read does not change.
     """
 
     def __init__(
@@ -178,8 +187,14 @@ class BlockShuffleSampler(Sampler[int]):
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
+        read_ahead: bool = True,
     ) -> None:
         n = dataset_or_length if isinstance(dataset_or_length, int) else len(dataset_or_length)
+        pack = getattr(dataset_or_length, "pack", None) if read_ahead else None
+        self._pack: tuple[Path, Manifest] | None = None
+        if isinstance(getattr(pack, "manifest", None), Manifest):
+            self._pack = (Path(pack.path), pack.manifest)  # type: ignore[union-attr]
+        self._read_ahead: ReadAhead | None = None
         if n < 1:
             raise ValueError(f"the dataset should hold at least one sample, but got length={n}")
         if block_size < 1 or window < 1:
@@ -314,9 +329,26 @@ class BlockShuffleSampler(Sampler[int]):
         self._pending = True
 
     def _iterate(self, order: list[int]) -> Iterator[int]:
-        for index in order:
+        hints = self._hints()
+        span = self.block_size * self.window
+        for position, index in enumerate(order):
+            if hints is not None and position % span == 0:  # a window ahead of the one starting here
+                hints.advise(order[position + span * (position > 0) : position + 2 * span])
             self._yielded += 1
             yield index
+
+    def _hints(self) -> ReadAhead | None:
+        """The read-ahead of this sampler's pack, made in the process that iterates it (None without a pack)."""
+        if self._pack is None:
+            return None
+        if self._read_ahead is None:
+            self._read_ahead = ReadAhead(*self._pack)
+        return self._read_ahead
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_read_ahead"] = None  # its thread and files stay in this process
+        return state
 
     def indices(self, start: int = 0) -> np.ndarray:
         """This rank's order for the current epoch, from position ``start`` on."""

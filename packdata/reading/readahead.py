@@ -1,0 +1,122 @@
+"""Read-ahead hints: the bytes of the samples a sampler will hand out next, asked of the kernel in advance.
+
+A sampler that knows its order (:class:`~packdata.reading.samplers.BlockShuffleSampler`
+knows a whole epoch) passes the indices of its next window to
+:meth:`ReadAhead.advise`; a background thread maps them to byte ranges of the
+shards (each format's side table: ``records.i64``, ``.tfindex``), merges ranges
+closer than :attr:`ReadAhead.GAP`, and calls ``posix_fadvise(WILLNEED)`` on
+them. The kernel then reads those runs in large sequential requests while the
+DataLoader workers are still busy with the window before, so on a cold page
+cache the workers' reads find their pages in memory. Hints change only *when*
+bytes are read, never *what* a reader returns: every record is still read and
+checked by its reader.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from packdata.formats import get_format
+from packdata.pack.manifest import Manifest
+
+__all__ = ["ReadAhead"]
+
+
+class ReadAhead:
+    """Asks the kernel for the byte ranges of samples about to be read (see the module docstring).
+
+    Lives in the process that runs the sampler (the DataLoader's main
+    process); the page cache it fills is shared with the workers. Files are
+    opened in its thread, lazily, and closed by :meth:`close`.
+
+    Args:
+        root: the pack folder.
+        manifest: its manifest.
+    """
+
+    GAP = 256 << 10
+    """Ranges closer than this many bytes are asked for as one (a few skipped records cost less than a seek)."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        fmt = get_format(manifest.format)
+        self._root = root
+        self._format = fmt
+        self._shards = list(manifest.shards)
+        self._first = np.array([s.first_index for s in self._shards], dtype=np.int64)
+        self._spans: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._fds: dict[int, int] = {}
+        self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.advised_bytes = 0  # asked for so far (for tests and benchmarks)
+
+    def advise(self, indices: np.ndarray | list[int]) -> None:
+        """Queue the samples at ``indices`` (global sample indices) for a hint; returns at once."""
+        if len(indices) == 0:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="packdata-readahead", daemon=True)
+            self._thread.start()
+        self._queue.put(np.asarray(indices, dtype=np.int64))
+
+    def close(self) -> None:
+        """Stop the thread and close the files (hints already given stay with the kernel)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _run(self) -> None:
+        while (indices := self._queue.get()) is not None:
+            try:
+                self._hint(indices)
+            except (OSError, ValueError, IndexError):
+                continue  # a hint is never worth an error: the reader reports a damaged pack
+
+    def _hint(self, indices: np.ndarray) -> None:
+        indices = np.sort(indices)
+        shard_of = np.searchsorted(self._first, indices, side="right") - 1
+        for shard in np.unique(shard_of):
+            if shard < 0:
+                continue
+            spans = self._shard_spans(int(shard))
+            if spans is None:
+                continue
+            local = indices[shard_of == shard] - self._first[shard]
+            local = local[(local >= 0) & (local < len(spans[0]))]
+            if len(local) == 0:
+                continue
+            starts, lengths = spans[0][local], spans[1][local]
+            for start, length in _merged(starts, starts + lengths, self.GAP):
+                os.posix_fadvise(self._fd(int(shard)), start, length, os.POSIX_FADV_WILLNEED)
+                self.advised_bytes += length
+
+    def _shard_spans(self, shard: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if shard not in self._spans:
+            info = self._shards[shard]
+            self._spans[shard] = self._format.record_spans(self._root / info.file, info.bytes)
+        return self._spans[shard]
+
+    def _fd(self, shard: int) -> int:
+        if shard not in self._fds:
+            path = self._root / self._format.data_name(self._shards[shard].file)
+            self._fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fds[shard]
+
+
+def _merged(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    """``(start, length)`` runs covering every ``[starts[i], ends[i])``, joined across gaps under ``gap`` bytes."""
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    breaks = np.flatnonzero(starts[1:] - reach[:-1] >= gap) + 1
+    firsts = np.concatenate(([0], breaks))
+    lasts = np.concatenate((breaks - 1, [len(starts) - 1]))
+    return [(int(starts[a]), int(reach[b] - starts[a])) for a, b in zip(firsts, lasts, strict=True)]
