@@ -341,7 +341,9 @@ class TFRecordShardReader:
         :meth:`_read_payloads`), so it is never copied again.
 
         Each chunk of whole records is memory-mapped with ``MAP_POPULATE``: one
-        system call maps (and, on a cold cache, reads) it, and records are
+        system call maps (and, on a cold cache, reads) it, while the next chunk
+        is asked of the kernel (``POSIX_FADV_WILLNEED``), so the disk reads it
+        as this one's records are checked and handed out; records are
         views into the page cache, so a record's bytes are copied once, by the
         caller. A view stays valid while it is referenced (it keeps its chunk's
         mapping alive; mapped file pages are page cache, not process memory). The file
@@ -356,9 +358,12 @@ class TFRecordShardReader:
         if copy and stop > start and span >= _COPY_MIN_RECORD * (stop - start):
             yield from self._read_each(fd, offsets, lengths, start, stop, payloads)
             return
-        for i, j, base, end in chunk_plan(offsets, lengths, start, stop, size):
+        plan = list(chunk_plan(offsets, lengths, start, stop, size))
+        for k, (i, j, base, end) in enumerate(plan):
             aligned = base - base % mmap.ALLOCATIONGRANULARITY
             buf = _map(fd, aligned, end - aligned)[base - aligned :] if end > base else memoryview(b"")
+            if k + 1 < len(plan) and hasattr(os, "posix_fadvise"):  # the disk reads the next chunk meanwhile
+                os.posix_fadvise(fd, plan[k + 1][2], plan[k + 1][3] - plan[k + 1][2], os.POSIX_FADV_WILLNEED)
             yield from self.check_chunk(buf, base, offsets, lengths, i, j, payloads)
             del buf  # the mapping goes when the last view into it does
 
