@@ -179,10 +179,14 @@ class LMDBShardWriter:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
-                    cursor = txn.cursor()
-                    for index, value in records:
-                        if not cursor.put(encode_key(index), value, append=True):
-                            raise PackFormatError(f"record {index} is out of order", path=self.path)
+                    # one call for the batch: fewer trips for the GIL while reader threads run
+                    _, added = txn.cursor().putmulti(
+                        [(encode_key(index), value) for index, value in records], append=True
+                    )
+                    if added != len(records):
+                        raise PackFormatError(
+                            f"record {records[added][0]} is out of order or already written", path=self.path
+                        )
                 return
             except lmdb.MapFullError:
                 self._grow_to(self._map_size * 2)
