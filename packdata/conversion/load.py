@@ -29,6 +29,8 @@ __all__ = ["number_fields", "ordered_map"]
 Entry = SourceFile | SourceGroup | Skip
 """One item of a source's walk: a file, a group of files, or a skip."""
 
+_MAX_READ = 0x7FFFF000  # the most one read() returns on Linux: a shorter read of a regular file is its end
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -229,11 +231,12 @@ def _read_regular(path: str) -> bytes:
         size = before.st_size
         chunks, got = [], 0
         while got <= size:
-            chunk = os.read(fd, size + 1 - got)
-            if not chunk:
-                break
+            wanted = size + 1 - got
+            chunk = os.read(fd, wanted)
             chunks.append(chunk)
             got += len(chunk)
+            if len(chunk) < min(wanted, _MAX_READ):  # end of file (a regular file reads short only there)
+                break
         after = os.fstat(fd)
     finally:
         os.close(fd)
