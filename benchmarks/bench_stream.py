@@ -15,9 +15,13 @@ keeps the bytes): packdata with ``decode="bytes"``; WebDataset with
 (the way WebDataset's documentation reads S3; skipped without the AWS CLI) and
 over an fsspec (s3fs) ``gopen`` handler registered for ``s3://``. The same
 reads from the local pack and tars (warm page cache) are measured in the same
-run. Every pass yields every sample once (checked). Each configuration has an
-untimed warm-up pass; repeats are interleaved; medians with min-max are
-printed as a markdown table.
+run, and two rows that tell the reader from the server: packdata again with
+one request per shard (``--big-chunk-mb``, ``RemoteShardReader.CHUNK``), and the
+server alone (s3fs ``cat_file`` of the pack's shards, whole and in 8 MiB
+ranges: moto reads the whole object for every ranged GET, which real object
+stores do not). Every pass yields every sample once (checked). Each
+configuration has an untimed warm-up pass; repeats are interleaved; medians
+with min-max are printed as a markdown table.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from bench_tfrecord import make_images
 from torch.utils.data import DataLoader
 
 import packdata
+from packdata.formats.tfrecord_remote import RemoteShardReader
 
 BATCH = 64
 TARGET = 1.5  # the issue's target: packdata at least 1.5x WebDataset over S3
+_DEFAULT_CHUNK = RemoteShardReader.CHUNK
 _S3_OPTIONS: dict[str, Any] = {}  # for the fsspec gopen handler (set before the loaders fork their workers)
 
 
@@ -100,11 +106,19 @@ def _loaders(
     wds.gopen_schemes["s3"] = _gopen_s3
     _S3_OPTIONS.update(options)
     endpoint = options["client_kwargs"]["endpoint_url"]
-    sources: dict[tuple[str, str], Callable[[], Any]] = {
-        ("S3", "packdata TFRecordDataset"): lambda: packdata.TFRecordDataset(
-            "s3://bench/pack", decode="bytes", shuffle=False, storage_options=options, cache_dir=work / "cache"
-        ),
-    }
+
+    def streamed(chunk: int) -> Callable[[], Any]:
+        def make() -> Any:
+            RemoteShardReader.CHUNK = chunk  # before the loader forks its workers
+            return packdata.TFRecordDataset(
+                "s3://bench/pack", decode="bytes", shuffle=False, storage_options=options, cache_dir=work / "cache"
+            )
+
+        return make
+
+    sources: dict[tuple[str, str], Callable[[], Any]] = {("S3", "packdata TFRecordDataset"): streamed(_DEFAULT_CHUNK)}
+    if args.big_chunk_mb:
+        sources["S3", f"packdata, {args.big_chunk_mb} MiB requests"] = streamed(args.big_chunk_mb << 20)
     if shutil.which("aws"):
         piped = [f"pipe:aws s3 cp --quiet --endpoint-url {endpoint} s3://bench/wds/{t.name} -" for t in tars]
         sources["S3", "WebDataset, pipe:aws s3 cp"] = lambda: wds.WebDataset(piped, shardshuffle=False).to_tuple(
@@ -126,6 +140,17 @@ def _loaders(
         return lambda: DataLoader(dataset(), batch_size=BATCH, num_workers=workers, collate_fn=_keep)
 
     return {(src, name, w): loader(make, w) for (src, name), make in sources.items() for w in args.workers}
+
+
+def _server_ceiling(fs: Any, shards: list[str], chunk: int) -> float:
+    """Seconds to GET every shard one after another, whole objects (``chunk=0``) or in ``chunk``-byte ranges."""
+    start = time.perf_counter()
+    for path in shards:
+        size = fs.info(path)["size"]
+        steps = range(0, size, chunk) if chunk else [0]
+        for first in steps:
+            fs.cat_file(path, start=first, end=min(first + chunk, size) if chunk else None)
+    return time.perf_counter() - start
 
 
 def _cell(rates: list[float], mb: list[float]) -> str:
@@ -161,6 +186,7 @@ def main() -> None:
     parser.add_argument("--shard-samples", type=int, default=500, help="samples per shard (pack and tars alike)")
     parser.add_argument("--workers", type=lambda s: [int(w) for w in s.split(",")], default=[0, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--big-chunk-mb", type=int, default=64, help="also stream with requests this large (0: not)")
     parser.add_argument("--data", type=Path, help="keep the generated images here (reused when present)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))
@@ -180,9 +206,13 @@ def main() -> None:
             for make in configs.values():  # warm-up: page cache, the server's first reads, the pack's local copy
                 _one_pass(make, count)
             results: dict[tuple[str, str, int], list[tuple[float, int]]] = {k: [] for k in configs}
+            shards = [f"bench/pack/{p.name}" for p in sorted(pack.glob("*.tfrecord"))]
+            ceiling: dict[int, list[float]] = {0: [], _DEFAULT_CHUNK: []}
             for _ in range(args.repeats):
                 for key, make in configs.items():
                     results[key].append(_one_pass(make, count))
+                for chunk in ceiling:
+                    ceiling[chunk].append(_server_ceiling(fs, shards, chunk))
         size = sum(p.stat().st_size for p in pack.glob("*.tfrecord"))
         print(
             f"{count} JPEGs ({size / 1e6:.0f} MB) in {len(tars)} shards, a local moto S3 server in its own process, "
@@ -190,6 +220,11 @@ def main() -> None:
             "(median [min-max] samples/s):\n"
         )
         print(_table(results, count, args.workers))
+        whole, ranged = (size / 1e6 / statistics.median(ceiling[c]) for c in (0, _DEFAULT_CHUNK))
+        print(
+            f"\nThe server alone, one connection (s3fs cat_file of the pack's shards one after another): "
+            f"whole objects {whole:.0f} MB/s, {_DEFAULT_CHUNK >> 20} MiB ranges {ranged:.0f} MB/s."
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
