@@ -13,6 +13,7 @@ min-max are printed, with the local-disk copy (``shutil.copytree``) as the floor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import packdata
 
@@ -42,59 +45,75 @@ def _wait_for(port: int, seconds: float = 30.0) -> None:
     raise RuntimeError(f"the S3 server did not start on port {port}")
 
 
+@contextlib.contextmanager
+def s3_server() -> Iterator[tuple[dict[str, Any], Any]]:
+    """A moto S3 server on loopback in its own process, dummy credentials: yields (storage_options, s3fs filesystem).
+
+    Its own process: the server's Python does not share the benchmark's GIL.
+    ``storage_options["client_kwargs"]["endpoint_url"]`` is the server's URL.
+    """
+    import s3fs
+
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    port = _port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(port)
+        options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+        yield options, s3fs.S3FileSystem(**options)
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=300, help="pack size in MB (text samples of 1 MB)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    import s3fs
-
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    port = _port()
-    server = subprocess.Popen(  # its own process: the server's Python does not share this one's GIL
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_for(port)
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    fs = s3fs.S3FileSystem(**options)
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     try:
-        src = work / "src" / "texts"
-        src.mkdir(parents=True)
-        block = os.urandom(1 << 19).hex().encode()[: 1 << 20]
-        for i in range(args.mb):
-            (src / f"{i:05d}.txt").write_bytes(block[i:] + block[:i])
-        packdata.convert(work / "src", work / "train.lmdb", shard_size=64 * 10**6, progress=False)
-        fs.mkdir("bench")
-        fs.put(str(work / "train.lmdb"), "bench/train.lmdb", recursive=True)
-        times: dict[str, list[float]] = {"packdata stage": [], "s3fs fs.get(recursive)": [], "local copytree": []}
-        for n in range(args.repeats):
-            start = time.perf_counter()
-            packdata.stage("s3://bench/train.lmdb", to=work / f"p{n}", storage_options=options, progress=False)
-            times["packdata stage"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            fs.get("bench/train.lmdb", str(work / f"g{n}"), recursive=True)
-            times["s3fs fs.get(recursive)"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            shutil.copytree(work / "train.lmdb", work / f"c{n}")
-            times["local copytree"].append(time.perf_counter() - start)
-            for prefix in ("p", "g", "c"):
-                shutil.rmtree(work / f"{prefix}{n}")
-        size = sum(p.stat().st_size for p in (work / "train.lmdb").rglob("*") if p.is_file())
-        reference = statistics.median(times["s3fs fs.get(recursive)"])
-        print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {os.cpu_count()} CPUs, {args.repeats} repeats")
-        for name, values in times.items():
-            median = statistics.median(values)
-            print(
-                f"  {name:<26} {median:6.2f} s [{min(values):.2f} - {max(values):.2f}]  {size / 1e6 / median:7.1f} MB/s"
-                f"  {reference / median:5.2f}x s3fs"
-            )
+        with s3_server() as (options, fs):
+            _run(args, options, fs, work)
     finally:
-        server.terminate()
-        server.wait()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, options: dict[str, Any], fs: Any, work: Path) -> None:
+    src = work / "src" / "texts"
+    src.mkdir(parents=True)
+    block = os.urandom(1 << 19).hex().encode()[: 1 << 20]
+    for i in range(args.mb):
+        (src / f"{i:05d}.txt").write_bytes(block[i:] + block[:i])
+    packdata.convert(work / "src", work / "train.lmdb", shard_size=64 * 10**6, progress=False)
+    fs.mkdir("bench")
+    fs.put(str(work / "train.lmdb"), "bench/train.lmdb", recursive=True)
+    times: dict[str, list[float]] = {"packdata stage": [], "s3fs fs.get(recursive)": [], "local copytree": []}
+    for n in range(args.repeats):
+        start = time.perf_counter()
+        packdata.stage("s3://bench/train.lmdb", to=work / f"p{n}", storage_options=options, progress=False)
+        times["packdata stage"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fs.get("bench/train.lmdb", str(work / f"g{n}"), recursive=True)
+        times["s3fs fs.get(recursive)"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        shutil.copytree(work / "train.lmdb", work / f"c{n}")
+        times["local copytree"].append(time.perf_counter() - start)
+        for prefix in ("p", "g", "c"):
+            shutil.rmtree(work / f"{prefix}{n}")
+    size = sum(p.stat().st_size for p in (work / "train.lmdb").rglob("*") if p.is_file())
+    reference = statistics.median(times["s3fs fs.get(recursive)"])
+    print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {os.cpu_count()} CPUs, {args.repeats} repeats")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(
+            f"  {name:<26} {median:6.2f} s [{min(values):.2f} - {max(values):.2f}]  {size / 1e6 / median:7.1f} MB/s"
+            f"  {reference / median:5.2f}x s3fs"
+        )
 
 
 if __name__ == "__main__":

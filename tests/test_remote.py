@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -298,6 +300,163 @@ def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypa
     failures["left"] = 100
     with pytest.raises(PackFormatError, match=r"s3://packs/flaky/p-00000-of-00001\.tfrecord: bytes 0-\d+ could not"):
         list(ds)
+
+
+@pytest.fixture(scope="module")
+def remote_shards(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, list[tuple[str, int]]]:
+    """A 7-shard TFRecord pack (40 samples, 6 a shard) uploaded to s3://packs/ahead; its (file, samples) per shard."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("ahead")
+    for c in ("a", "b"):
+        (root / "src" / c).mkdir(parents=True)
+        for i in range(20):
+            (root / "src" / c / f"{i:02d}.jpg").write_bytes(image_bytes(i + (40 if c == "b" else 0), (30, 20)))
+    local = root / "ahead"
+    packdata.convert(root / "src", local, format="tfrecord", shard_samples=6, progress=False)
+    fs.put(str(local), "packs/ahead", recursive=True)
+    shards = json.loads((local / "manifest.json").read_text())["shards"]
+    return "s3://packs/ahead", local, [(s["file"], s["num_samples"]) for s in shards]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch) -> None:
+    """Ranged requests of about 1.5 KB (two or three records), so every shard is several chunks; fast retries."""
+    import packdata.formats.tfrecord_remote as remote
+
+    monkeypatch.setattr(remote.RemoteShardReader, "CHUNK", 1500)
+    monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
+
+
+def _logged(monkeypatch, fs, fail=lambda path, start: False) -> list[tuple[str, int]]:
+    """Log every ranged request to a shard as (file name, first byte); ``fail(name, start)`` drops one."""
+    real = fs.cat_file  # fsspec caches filesystems: the dataset gets this very instance
+    log: list[tuple[str, int]] = []
+
+    def cat_file(path, start=None, end=None, **kwargs):
+        if path.endswith(".tfrecord"):
+            name = path.rsplit("/", 1)[-1]
+            log.append((name, start))
+            if fail(name, start):
+                raise ConnectionResetError("reset by peer")
+        return real(path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", cat_file)
+    return log
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_remote_stream_reads_ahead_without_changing_the_order(s3, remote_shards, small_chunks, tmp_path, shuffle):
+    """2 ranks x 2 workers: every sample exactly once, each rank in the very order of the same pack on disk."""
+    options, _ = s3
+    url, local, _ = remote_shards
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    streamed: list[bytes] = []
+    for rank in (0, 1):
+        options_ = {"decode": "bytes", "shuffle": shuffle, "seed": 3, "rank": rank, "world_size": 2}
+        remote = packdata.TFRecordDataset(url, storage_options=options, cache_dir=tmp_path / "c", **options_)
+        here = packdata.TFRecordDataset(local, **options_)
+        for ds in (remote, here):
+            ds.set_epoch(1)
+        got = [data for data, _ in DataLoader(remote, batch_size=None, num_workers=2)]
+        assert got == [data for data, _ in DataLoader(here, batch_size=None, num_workers=2)]
+        streamed += got
+    assert sorted(streamed) == expected
+
+
+def test_a_remote_stream_resumes_where_the_same_pack_on_disk_would(s3, remote_shards, small_chunks, tmp_path):
+    options, _ = s3
+    url, local, _ = remote_shards
+    here = packdata.TFRecordDataset(local, decode="bytes", seed=5, shuffle_buffer=8)
+    it = iter(here)
+    first = [next(it)[0] for _ in range(13)]
+    state, rest = here.state_dict(), [data for data, _ in it]
+    remote = packdata.TFRecordDataset(
+        url, decode="bytes", seed=5, shuffle_buffer=8, storage_options=options, cache_dir=tmp_path
+    )
+    remote.load_state_dict(state)
+    got = [data for data, _ in remote]
+    assert got == rest and len(first) + len(got) == 40
+
+
+def test_the_next_shard_is_requested_before_the_current_one_ends(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path
+):
+    options, fs = s3
+    url, _, shards = remote_shards
+    log = _logged(monkeypatch, fs)
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    it = iter(ds)
+    for k, ((name, count), (following, _)) in enumerate(itertools.pairwise(shards)):
+        for _ in range(count):
+            next(it)  # the shard's last record is now in our hands; the reader is not asked for more
+        deadline = time.monotonic() + 5
+        while (following, 0) not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (following, 0) in log, f"shard {k + 1}'s first range was not requested before shard {k} ended"
+        assert log.index((following, 0)) > log.index((name, 0))
+    assert len(list(it)) == shards[-1][1]
+    assert len(log) == len(set(log))  # every range requested once
+
+
+def test_a_transient_failure_at_a_shard_boundary_loses_and_repeats_nothing(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path
+):
+    options, fs = s3
+    url, local, shards = remote_shards
+    expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
+    drops = {shards[1][0]: 2, shards[4][0]: 1}  # the first range of shards 1 and 4 fails 2 and 1 times
+
+    def fail(name: str, start: int) -> bool:
+        if start == 0 and drops.get(name, 0) > 0:
+            drops[name] -= 1
+            return True
+        return False
+
+    log = _logged(monkeypatch, fs, fail)
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    assert [data for data, _ in ds] == expected
+    assert drops == {shards[1][0]: 0, shards[4][0]: 0} and log.count((shards[1][0], 0)) == 3
+
+
+def test_a_next_shard_that_keeps_failing_ends_the_epoch_after_the_current_one(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path
+):
+    options, fs = s3
+    url, local, shards = remote_shards
+    expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
+    _logged(monkeypatch, fs, lambda name, start: name == shards[2][0])
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    got = []
+    with pytest.raises(
+        PackFormatError, match=rf"s3://packs/ahead/{shards[2][0]}: bytes 0-\d+ could not be read after 4"
+    ):
+        for data, _ in ds:
+            got.append(data)
+    assert got == expected[: shards[0][1] + shards[1][1]]  # every record before the failing range, none after
+
+
+def test_an_abandoned_remote_reader_leaves_no_thread_behind(s3, remote_shards, small_chunks, monkeypatch, tmp_path):
+    import packdata.formats.tfrecord_remote as remote
+
+    options, fs = s3
+    url, _, shards = remote_shards
+    monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 30.0)  # a retry waiting far longer than the test
+    log = _logged(monkeypatch, fs, lambda name, start: name == shards[1][0])
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    it = iter(ds)
+    for _ in range(shards[0][1]):
+        next(it)
+    deadline = time.monotonic() + 5
+    while (shards[1][0], 0) not in log and time.monotonic() < deadline:  # the read-ahead is in its backoff
+        time.sleep(0.01)
+    assert (shards[1][0], 0) in log
+    started = time.monotonic()
+    it.close()  # what a DataLoader shutting down or a training loop breaking out does
+    del it
+    while any(t.name.startswith("packdata-readahead") for t in threading.enumerate()):
+        assert time.monotonic() - started < 5, "the read-ahead thread outlived its reader"
+        time.sleep(0.01)
+    assert log.count((shards[1][0], 0)) == 1  # the retry was not made
 
 
 _HOLDER = """

@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -34,16 +35,27 @@ _CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
 
 
 def fetch_range(
-    fs: Any, path: str, where: str, start: int, end: int, *, retries: int = 4, backoff: float = 0.5
+    fs: Any,
+    path: str,
+    where: str,
+    start: int,
+    end: int,
+    *,
+    retries: int = 4,
+    backoff: float = 0.5,
+    stop: threading.Event | None = None,
 ) -> bytes:
     """Bytes ``[start, end)`` of ``path`` on ``fs``, retried with doubling backoff (4 tries wait 0.5 + 1 + 2 s).
+
+    ``stop``, once set, ends the retries at once (a reader that was closed).
 
     Raises:
         PackFormatError: the bytes could not be read in ``retries`` tries (``where`` names the object).
     """
     delay = backoff
     problem = ""
-    for attempt in range(1, retries + 1):
+    tries = 0
+    for tries in range(1, retries + 1):
         try:
             data = fs.cat_file(path, start=start, end=end)
             if len(data) == end - start:
@@ -51,11 +63,15 @@ def fetch_range(
             problem = f"got {len(data)} of {end - start} bytes"
         except Exception as exc:
             problem = type(exc).__name__
-        if attempt < retries:
-            time.sleep(delay)
+        if tries < retries:
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                problem += "; the reader was closed"
+                break
             delay *= 2
     raise PackFormatError(
-        f"bytes {start}-{end} could not be read after {retries} tries ({problem})",
+        f"bytes {start}-{end} could not be read after {tries} tries ({problem})",
         path=where,
         hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
     )

@@ -4,20 +4,25 @@
 local reader does (whole records in chunks of about 8 MB, the same framing and
 CRC checks on each, see :meth:`TFRecordShardReader.check_chunk`), fetching the
 chunks with ranged requests two ahead of the one being checked, in a
-background thread. A request that fails (a dropped connection, a throttled
-read) is retried with backoff; a chunk that still cannot be read raises one
-:class:`~packdata.errors.PackFormatError` naming the shard's URL and byte range,
-so an epoch never skips or repeats a record silently.
+background thread. :func:`stream_ahead` does the same for a reader's whole run
+of shards, so the read-ahead carries on into the next shard while the current
+one is checked: a shard boundary costs no round trip. A request that fails (a
+dropped connection, a throttled read) is retried with backoff; a chunk that
+still cannot be read raises one :class:`~packdata.errors.PackFormatError`
+naming the shard's URL and byte range, when the reader gets to that chunk, so
+an epoch never skips or repeats a record silently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,13 +33,14 @@ from packdata.formats.tfrecord_example import check_record
 from packdata.formats.tfrecord_tables import index_path
 from packdata.pack.urls import display_url
 
-__all__ = ["RemoteShardReader", "fetch_skeleton"]
+__all__ = ["RemoteShardReader", "ShardRun", "fetch_skeleton", "stream_ahead"]
 
 
 class RemoteShardReader(TFRecordShardReader):
     """Reads records of one remote shard (see the module docstring).
 
     ``BACKOFF`` (0.5 s) is the first retry's delay; four tries wait 0.5 + 1 + 2 s in all.
+    ``CHUNK`` (8 MiB) is the size of one ranged request (whole records, at least one).
 
     Args:
         fs: the fsspec filesystem.
@@ -46,6 +52,9 @@ class RemoteShardReader(TFRecordShardReader):
         backoff: seconds before the first retry, doubling (default :attr:`BACKOFF`).
         ahead: chunks fetched ahead of the one being checked.
     """
+
+    BACKOFF = 0.5
+    CHUNK = 8 << 20
 
     def __init__(
         self,
@@ -64,14 +73,15 @@ class RemoteShardReader(TFRecordShardReader):
         self.retries, self.ahead = retries, ahead
         self.backoff = self.BACKOFF if backoff is None else backoff
 
-    BACKOFF = 0.5
-
     def open(self) -> RemoteShardReader:
         """Nothing to open: every chunk is its own request."""
         return self
 
-    def _fetch(self, base: int, end: int) -> bytes:
-        return fetch_range(self.fs, self.remote_path, self.path, base, end, retries=self.retries, backoff=self.backoff)
+    def fetch(self, base: int, end: int, stop: threading.Event | None = None) -> bytes:
+        """Bytes ``[base, end)`` of the shard (see :func:`~packdata.formats.remote_pack.fetch_range`)."""
+        return fetch_range(
+            self.fs, self.remote_path, self.path, base, end, retries=self.retries, backoff=self.backoff, stop=stop
+        )
 
     def stream(
         self,
@@ -84,25 +94,146 @@ class RemoteShardReader(TFRecordShardReader):
         copy: bool = False,
     ) -> Iterator[memoryview | bytes]:
         """The data (or payloads) of records ``start..stop-1``, checked, chunks fetched ahead."""
-        plan = list(chunk_plan(offsets, lengths, start, stop, self.size))
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="packdata-readahead") as pool:
-            pending: deque[Future[bytes]] = deque()
-            for _, _, first_byte, end_byte in plan[: self.ahead + 1]:
-                pending.append(pool.submit(self._fetch, first_byte, end_byte))
-            for k, (i, j, base, _) in enumerate(plan):
-                data = pending.popleft().result()
-                if k + self.ahead + 1 < len(plan):
-                    _, _, nbase, nend = plan[k + self.ahead + 1]
-                    pending.append(pool.submit(self._fetch, nbase, nend))
-                yield from self.check_chunk(memoryview(data), base, offsets, lengths, i, j, payloads)
+        for _, records in stream_ahead([ShardRun(self, offsets, lengths, start, stop, payloads)], ahead=self.ahead):
+            yield from records
 
     def read(self, offset: int, length: int) -> memoryview:
         """One record (random access): a single ranged request, checked."""
-        data = memoryview(self._fetch(offset, offset + length))
+        data = memoryview(self.fetch(offset, offset + length))
         return check_record(data, 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardRun:
+    """Records ``start..stop-1`` of one shard: its reader and the arguments of its ``stream``.
+
+    ``shard`` is the caller's own number for the shard (:func:`stream_ahead` does not read it).
+    """
+
+    reader: TFRecordShardReader
+    offsets: np.ndarray
+    lengths: np.ndarray
+    start: int
+    stop: int
+    payloads: np.ndarray | None = None
+    shard: int = -1
+
+
+def stream_ahead(runs: Iterable[ShardRun], *, ahead: int = 2) -> Iterator[tuple[ShardRun, Iterator[memoryview]]]:
+    """Each run with an iterator of its checked records (data, or payloads), chunks fetched ahead across runs.
+
+    One background thread fetches the chunks of all the runs in order, at most
+    ``ahead + 1`` requests queued or running beyond the chunk being checked
+    (with ``CHUNK`` of 8 MiB and ``ahead=2``: 24 MiB fetched and not read yet),
+    whether they belong to the current run or to the next ones. ``runs`` is
+    read lazily, one run ahead of the requests that need it, so the first
+    chunks of the next shard are requested while the current one is still
+    being checked; an error raised while producing a run is raised when the
+    caller reaches that run, after every record of the runs before it.
+
+    Read each run's records to the end before asking for the next run. Closing
+    the iterator (or dropping it) cancels the requests not started, stops any
+    retry waiting for its backoff, and lets the thread end with the request it
+    is running.
+
+    Raises:
+        PackFormatError: a chunk could not be read (naming the shard's URL and
+            byte range), or a record is damaged; raised when its chunk is reached.
+        RuntimeError: a run's records were not all read before the next run.
+    """
+    read_ahead = _ReadAhead(iter(runs), ahead)
+    try:
+        while (run := read_ahead.next_run()) is not None:
+            yield run, read_ahead.records(run)
+    finally:
+        read_ahead.close()
+
+
+_Chunk = tuple[int, int, int, int]  # first record, end record, first byte, end byte
+
+
+class _ReadAhead:
+    """The state of :func:`stream_ahead`: runs pulled, chunks to request, requests in flight."""
+
+    def __init__(self, runs: Iterator[ShardRun], ahead: int) -> None:
+        self._runs = runs
+        self._ahead = max(0, ahead)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packdata-readahead")
+        self._stop = threading.Event()
+        self._ready: deque[ShardRun] = deque()  # pulled, not handed to the caller yet
+        self._chunks: dict[int, int] = {}  # id(run) -> chunks in its plan, for the runs pulled
+        self._unrequested: deque[tuple[ShardRun, deque[_Chunk]]] = deque()
+        self._pending: deque[tuple[ShardRun, _Chunk, Future[bytes]]] = deque()
+        self._failure: Exception | None = None  # producing the next run failed: raised when the caller gets there
+        self._done = False
+
+    def _pull(self) -> bool:
+        """Take the next run from the caller; False when there is none (or producing it failed)."""
+        if self._done:
+            return False
+        try:
+            run = next(self._runs)
+        except StopIteration:
+            self._done = True
+            return False
+        except Exception as exc:  # kept for the caller: the runs before it are still read whole
+            self._failure, self._done = exc, True
+            return False
+        reader = run.reader
+        if not isinstance(reader, RemoteShardReader):
+            raise TypeError(f"stream_ahead reads remote shards, but got a {type(reader).__name__}")
+        plan = deque(chunk_plan(run.offsets, run.lengths, run.start, run.stop, reader.size, reader.CHUNK))
+        self._chunks[id(run)] = len(plan)
+        self._ready.append(run)
+        self._unrequested.append((run, plan))
+        return True
+
+    def _top_up(self) -> None:
+        """Keep ``ahead + 1`` requests queued or running, pulling the next run when this one is all requested."""
+        while len(self._pending) <= self._ahead:
+            if not self._unrequested and not self._pull():
+                return
+            run, plan = self._unrequested[0]
+            if not plan:
+                self._unrequested.popleft()
+                continue
+            chunk = plan.popleft()
+            fetch = cast(RemoteShardReader, run.reader).fetch  # checked in _pull
+            self._pending.append((run, chunk, self._pool.submit(fetch, chunk[2], chunk[3], self._stop)))
+
+    def next_run(self) -> ShardRun | None:
+        """The next run, or None after the last; raises the error that producing it raised."""
+        if not self._ready:
+            self._pull()
+        if self._ready:
+            self._top_up()
+            return self._ready.popleft()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        return None
+
+    def records(self, run: ShardRun) -> Iterator[memoryview]:
+        """The checked records of ``run``, chunk by chunk, the requests kept ahead."""
+        for _ in range(self._chunks.pop(id(run))):
+            self._top_up()
+            owner, (i, j, base, _), future = self._pending.popleft()
+            if owner is not run:
+                raise RuntimeError("stream_ahead: read every record of a run before asking for the next one")
+            data = future.result()
+            self._top_up()
+            yield from run.reader.check_chunk(memoryview(data), base, run.offsets, run.lengths, i, j, run.payloads)
+
+    def close(self) -> None:
+        """Cancel the requests not started and stop retries; the thread ends after its current request."""
+        self._stop.set()
+        for _, _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def fetch_skeleton(url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None) -> Path:

@@ -29,7 +29,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord import TFRecordShardReader
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
-from packdata.formats.tfrecord_remote import RemoteShardReader, fetch_skeleton
+from packdata.formats.tfrecord_remote import RemoteShardReader, ShardRun, fetch_skeleton, stream_ahead
 from packdata.formats.tfrecord_tables import read_index, read_payload_table
 from packdata.pack.records import RecordError
 from packdata.pack.urls import display_url, is_url, open_url
@@ -370,14 +370,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         stop = base + (worker + 1) * per_rank // num_workers
         return _segments(self._counts, self.shard_order(), start, stop)
 
-    def _records(
-        self, segments: list[tuple[int, int, int]], copy: bool = False
-    ) -> Iterator[tuple[memoryview | bytes, int]]:
-        """``(payload, label)`` of each record: views into mapped shard chunks, or ``bytes`` with ``copy``.
-
-        ``copy`` (no shuffle buffer holds the records) lets large records be read one by one
-        (see :meth:`TFRecordShardReader.stream`).
-        """
+    def _runs(self, segments: list[tuple[int, int, int]]) -> Iterator[ShardRun]:
+        """Each segment's shard opened, with its offsets index and payload table (None without a valid one)."""
         for shard, first, end in segments:
             path = self._shard_paths[shard]
             reader = self._shard_reader(shard)
@@ -390,23 +384,45 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 self.pack.check_unchanged()  # a shard failing its checks because the pack changed: say so
                 raise
             if len(offsets) != self._counts[shard]:
+                reader.close()
                 raise PackFormatError(
                     f"offsets index lists {len(offsets)} records, the manifest says {self._counts[shard]}",
                     path=path,
                     hint="Convert or stage the pack again",
                 )
             table = read_payload_table(path, len(offsets), self._sha256[shard], lengths)
-            base = int(self._first[shard])
+            yield ShardRun(reader, offsets, lengths, first, end, table, shard)
+
+    def _records(
+        self, segments: list[tuple[int, int, int]], copy: bool = False
+    ) -> Iterator[tuple[memoryview | bytes, int]]:
+        """``(payload, label)`` of each record: views into mapped shard chunks, or ``bytes`` with ``copy``.
+
+        ``copy`` (no shuffle buffer holds the records) lets large records be read one by one
+        (see :meth:`TFRecordShardReader.stream`). A remote pack's shards stream
+        through one read-ahead (:func:`~packdata.formats.tfrecord_remote.stream_ahead`),
+        so the next shard's first chunks are fetched while this one is read.
+        """
+        runs = self._runs(segments)
+        streams: Iterator[tuple[ShardRun, Iterator[memoryview | bytes]]]
+        if self._url is None:
+            streams = (
+                (run, run.reader.stream(run.offsets, run.lengths, run.start, run.stop, run.payloads, copy=copy))
+                for run in runs
+            )
+        else:
+            streams = stream_ahead(runs)
+        for run, data in streams:
+            path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
             try:
-                if table is not None:  # written by packdata: payloads sliced out, labels from the index
-                    labels = self.pack.index.labels[base + first : base + end].tolist()
-                    payloads = reader.stream(offsets, lengths, first, end, table, copy=copy)
-                    yield from zip(payloads, labels, strict=True)
+                if run.payloads is not None:  # written by packdata: payloads sliced out, labels from the index
+                    labels = self.pack.index.labels[base + first : base + run.stop].tolist()
+                    yield from zip(data, labels, strict=True)
                 else:
-                    for k, data in enumerate(reader.stream(offsets, lengths, first, end, copy=copy), first):
-                        yield self._parse(data, path, int(offsets[k]), base + k)
+                    for k, record in enumerate(data, first):
+                        yield self._parse(record, path, int(run.offsets[k]), base + k)
             finally:
-                reader.close()
+                run.reader.close()
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
@@ -477,16 +493,20 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     def _sparse_records(self, segments: list[tuple[int, int, int]], needed: np.ndarray) -> Iterator[Any]:
         """Like :meth:`_records`, with ``None`` in place of records not ``needed`` (those are not read)."""
         position = 0
+        reads: list[tuple[int, int, int]] = []  # from each segment's first needed record to its last
+        spans: list[tuple[np.ndarray, int, int]] = []
         for shard, first, end in segments:
             mask = needed[position : position + end - first]
             position += end - first
             hits = np.flatnonzero(mask)
-            if not len(hits):
-                yield from itertools.repeat(None, len(mask))
-                continue
-            lo, hi = int(hits[0]), int(hits[-1]) + 1
+            lo, hi = (int(hits[0]), int(hits[-1]) + 1) if len(hits) else (0, 0)
+            if hi > lo:
+                reads.append((shard, first + lo, first + hi))
+            spans.append((mask, lo, hi))
+        records = self._records(reads)
+        for mask, lo, hi in spans:
             yield from itertools.repeat(None, lo)
-            for k, record in enumerate(self._records([(shard, first + lo, first + hi)]), lo):
+            for k, record in zip(range(lo, hi), records, strict=False):
                 yield record if mask[k] else None
             yield from itertools.repeat(None, len(mask) - hi)
 
