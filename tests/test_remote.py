@@ -271,6 +271,25 @@ def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Pat
         assert sorted(data for data, _ in loader) == expected
     with pytest.raises(packdata.ConfigError, match="random access reads local shards"):
         packdata.TFRecordIndexedDataset(url)
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=tmp_path / "cache")
+    held = list(ds._records(ds.reader_segments(0, 1)))  # what a shuffle buffer holds: copies, not chunk views
+    assert len(held) == 20 and all(type(data) is bytes for data, _ in held)
+
+
+def test_a_missing_object_is_reported_without_retries(s3) -> None:
+    from packdata.formats.remote_pack import fetch_range
+
+    _, fs = s3
+    calls = []
+
+    class Counting:
+        def cat_file(self, path, start=None, end=None):
+            calls.append(path)
+            return fs.cat_file(path, start=start, end=end)
+
+    with pytest.raises(PackFormatError, match=r"after 1 tries \(FileNotFoundError\)"):
+        fetch_range(Counting(), "packs/no-such-object", "s3://packs/no-such-object", 0, 10, backoff=5)
+    assert len(calls) == 1
 
 
 def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypatch) -> None:

@@ -47,6 +47,8 @@ def fetch_range(
 ) -> bytes:
     """Bytes ``[start, end)`` of ``path`` on ``fs``, retried with doubling backoff (4 tries wait 0.5 + 1 + 2 s).
 
+    A missing or forbidden object is reported at once (retrying cannot help).
+
     ``stop``, once set, ends the retries at once (a reader that was closed).
 
     Raises:
@@ -61,6 +63,9 @@ def fetch_range(
             if len(data) == end - start:
                 return data
             problem = f"got {len(data)} of {end - start} bytes"
+        except (FileNotFoundError, PermissionError) as exc:  # the object is gone or denied: no retry helps
+            problem = type(exc).__name__
+            break
         except Exception as exc:
             problem = type(exc).__name__
         if tries < retries:

@@ -186,10 +186,12 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
         shuffle: shuffle shard order and samples each epoch.
         seed: the shuffle seed; must be the same on every rank.
-        shuffle_buffer: records held by each reader's shuffle buffer. The buffer
-            holds views into memory-mapped shard chunks, not copies: 1,024 records
-            of 100 KB keep about 100 MB of page cache mapped per worker, and no
-            process memory.
+        shuffle_buffer: records held by each reader's shuffle buffer. For a
+            local pack the buffer holds views into memory-mapped shard chunks,
+            not copies: 1,024 records of 100 KB keep about 100 MB of page cache
+            mapped per worker, and no process memory. For a pack at a URL it
+            holds copies (about 100 MB of process memory per worker), so that
+            no record keeps its whole downloaded chunk alive.
         rank, world_size: this process's place in a distributed job; by default
             from :func:`~packdata.reading.samplers.resolve_rank_world`.
         drop_uneven: drop samples rather than pad so that ranks are equal.
@@ -410,8 +412,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 (run, run.reader.stream(run.offsets, run.lengths, run.start, run.stop, run.payloads, copy=copy))
                 for run in runs
             )
-        else:
-            streams = stream_ahead(runs)
+        else:  # records copied out of the downloaded chunks: a held record must not pin its chunk
+            streams = ((run, map(bytes, data)) for run, data in stream_ahead(runs))
         for run, data in streams:
             path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
             try:
