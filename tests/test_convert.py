@@ -294,3 +294,25 @@ def test_bad_options_are_one_config_error_that_is_also_a_value_error(
         convert(image_folder, tmp_path / "out.lmdb", progress=False, **option)
     assert isinstance(raised.value, ValueError)
     assert not (tmp_path / "out.lmdb").exists()
+
+
+def test_reads_in_flight_grow_only_while_they_pay() -> None:
+    """The read pipeline doubles the chunks in flight while throughput rises, and backs off when it does not."""
+    from packdata.conversion.load import _InFlight
+
+    now = [0.0]
+
+    def run(in_flight: _InFlight, seconds_per_chunk, windows: int) -> list[int]:
+        limits = []
+        for _ in range(windows * in_flight.window):
+            now[0] += seconds_per_chunk(in_flight.limit)
+            in_flight.done()
+            limits.append(in_flight.limit)
+        return limits[:: in_flight.window]
+
+    slow_storage = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
+    assert run(slow_storage, lambda limit: 1.0 / limit, 8)[-1] == 16  # each doubling halves the time: up to most
+    warm_cache = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
+    limits = run(warm_cache, lambda limit: 1.0 + 0.1 * limit, 12)  # more in flight is slower: stay at 2
+    assert set(limits) == {2, 4} and limits.count(4) <= 4  # a trial of 4 now and then, never kept
+    assert _InFlight(1).limit == 1
