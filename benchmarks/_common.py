@@ -75,13 +75,16 @@ def import_streaming() -> types.ModuleType:
     return streaming
 
 
-def make_images(root: Path, count: int, *, sides: tuple[int, int] = (290, 380), classes: int = 10) -> None:
+def make_images(
+    root: Path, count: int, *, sides: tuple[int, int] = (290, 380), classes: int = 10, part: tuple[int, int] = (0, 1)
+) -> None:
     """``count`` noisy-gradient JPEGs in ``classes`` class folders, deterministic.
 
     Square, a side drawn from ``sides``, quality 90: 50-90 KB (73 KB mean) at the
-    default sides, about 90 KB mean at ``(320, 420)``.
+    default sides, about 90 KB mean at ``(320, 420)``. ``part=(k, parts)`` writes
+    only every ``parts``-th image from the ``k``-th, so processes can share the work.
     """
-    for i in range(count):
+    for i in range(part[0], count, part[1]):
         rng = np.random.default_rng(i)
         side = int(rng.integers(*sides))
         base = np.linspace(0, 255, side)[None, :, None] * np.ones((side, 1, 3))
