@@ -11,15 +11,13 @@ nothing; ``LMDBDataset`` checks every payload's CRC32C.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
 
-import lmdb
+from _common import NaiveLMDB, make_texts
 from torch.utils.data import DataLoader
 
 import packdata
@@ -27,20 +25,6 @@ import packdata
 
 class _PerSample(packdata.LMDBDataset):
     __getitems__ = None  # the DataLoader falls back to one __getitem__ per sample
-
-
-class _Naive:
-    def __init__(self, shard: str, n: int) -> None:
-        self.shard, self.n, self.env = shard, n, None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> bytes:
-        if self.env is None:
-            self.env = lmdb.open(self.shard, readonly=True, lock=False, readahead=False)
-        with self.env.begin() as txn:
-            return txn.get(struct.pack(">Q", i))
 
 
 def _rate(dataset: object) -> float:
@@ -57,10 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-batched-"))
     try:
-        src = work / "src" / "a"
-        src.mkdir(parents=True)
-        for i in range(args.records):
-            (src / f"{i:06d}.txt").write_bytes(os.urandom(2300).hex().encode())  # 4.6 KB of text
+        make_texts(work / "src", args.records)  # 4.6 KB of text each
         packdata.convert(work / "src", work / "t.lmdb", progress=False)
         naive_copy = work / "naive.lmdb"  # py-lmdb opens a file once per process: the naive reader gets a copy
         shutil.copytree(work / "t.lmdb" / "shard-00000.lmdb", naive_copy)
@@ -68,7 +49,7 @@ def main() -> None:
         for _ in range(args.repeats):
             rates["LMDBDataset batched"].append(_rate(packdata.LMDBDataset(work / "t.lmdb", decode="bytes")))
             rates["LMDBDataset per sample"].append(_rate(_PerSample(work / "t.lmdb", decode="bytes")))
-            rates["naive py-lmdb"].append(_rate(_Naive(str(naive_copy), args.records)))
+            rates["naive py-lmdb"].append(_rate(NaiveLMDB(str(naive_copy), args.records)))
         naive = statistics.median(rates["naive py-lmdb"])
         print(f"{args.records} records of 4.6 KB, warm, batch 64, 0 workers, {args.repeats} interleaved repeats")
         for name, values in rates.items():

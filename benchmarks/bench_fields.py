@@ -16,19 +16,17 @@ warm page cache. Repeats are interleaved; medians with min-max are printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import os
 import shutil
 import statistics
-import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from _common import import_streaming
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -102,22 +100,8 @@ def write_wds(folder: Path, out: Path) -> None:
             sink.write(sample)
 
 
-def _streaming() -> types.ModuleType:
-    """MosaicML Streaming without its ``streaming.vision`` subpackage (the only part needing torchvision).
-
-    PyPI's torchvision cannot load beside a CPU torch build, and ``streaming``
-    imports ``streaming.vision`` eagerly; an empty stand-in for that subpackage
-    lets the writer and the dataset load, and nothing here uses the vision datasets.
-    """
-    if importlib.util.find_spec("torchvision") is None:
-        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
-    import streaming
-
-    return streaming
-
-
 def write_mds(folder: Path, out: Path) -> None:
-    MDSWriter = _streaming().MDSWriter
+    MDSWriter = import_streaming().MDSWriter
 
     shutil.rmtree(out, ignore_errors=True)
     columns = {"__key__": "str", "jpg": "bytes", "txt": "bytes", "json": "bytes"}
@@ -148,7 +132,7 @@ def read_wds(tars: Path, workers: int, n: int) -> float:
 
 
 def read_mds(out: Path, workers: int, n: int) -> float:
-    ds = _streaming().StreamingDataset(local=str(out), shuffle=False, batch_size=64)
+    ds = import_streaming().StreamingDataset(local=str(out), shuffle=False, batch_size=64)
     return _loader_rate(ds, workers, n)
 
 

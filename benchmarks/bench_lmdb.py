@@ -12,50 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import lmdb
 import torch
+from _common import NaiveLMDB, drop_caches, in_fresh_process
 from torch.utils.data import DataLoader, Dataset
 
 from packdata import LMDBDataset, convert
 from packdata.demo_data import make_sample_images
-from packdata.formats.lmdb import encode_key
 from packdata.reading.decode import decode_pil
 from packdata.reading.transforms import standard_transform
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-class NaiveLMDB(Dataset):
-    """The py-lmdb reader most projects write: a txn per item, readahead off."""
-
-    def __init__(self, shard: str, n: int) -> None:
-        self.shard, self.n, self.env = shard, n, None
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> bytes:
-        if self.env is None:
-            self.env = lmdb.open(self.shard, readonly=True, lock=False, readahead=False, meminit=False)
-        with self.env.begin() as txn:
-            return txn.get(encode_key(i))
 
 
 class FolderBytes(Dataset):
@@ -97,12 +69,6 @@ class _MemoryBytes:
 
     def __call__(self, i: int) -> bytes:
         return self.blobs[i % len(self.blobs)]
-
-
-def in_fresh_process(fn, *args):
-    """Run ``fn(*args)`` in a new process that has exited (its mappings gone) when this returns."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def raw_rate(reader: str, pack: Path, files: list[str], order: list[int], warm: bool) -> float:

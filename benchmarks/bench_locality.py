@@ -12,20 +12,15 @@ order is printed next to its speed (``packdata.shuffle_quality``).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from _common import drop_caches, in_fresh_process
 
 from packdata import BlockShuffleSampler, LMDBDataset, convert, shuffle_quality
 from packdata.demo_data import make_sample_texts
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def rate(kind: str, pack: str, src: str, order: list[int]) -> float:
@@ -66,9 +61,9 @@ def main() -> None:
     }
     print(f"{'reader':<28} {'cold samples/s':>14} {'displacement':>12} {'correlation':>11}")
     for name, (kind, order) in orders.items():
-        drop_caches()
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            value = pool.submit(rate, kind, str(pack), str(src), order).result()
+        if not drop_caches():
+            raise SystemExit("cold reads need root (/proc/sys/vm/drop_caches)")
+        value = in_fresh_process(rate, kind, str(pack), str(src), order)
         q = shuffle_quality(order)
         print(f"{name:<28} {value:>14.0f} {q.displacement:>12.3f} {q.correlation:>11.3f}")
 

@@ -11,32 +11,17 @@ Prints samples/s of each reader and its ratio to the ``tfrecord`` package's
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from _common import make_images
 from tfrecord.reader import tfrecord_loader
 
 from packdata import TFRecordDataset, TFRecordIndexedDataset, convert
 from packdata.formats.tfrecord import index_path
-
-
-def make_images(root: Path, count: int) -> None:
-    """``count`` noisy-gradient JPEGs of 50-90 KB in 10 class folders."""
-    for i in range(count):
-        rng = np.random.default_rng(i)
-        side = int(rng.integers(290, 380))
-        base = np.linspace(0, 255, side)[None, :, None] * np.ones((side, 1, 3))
-        pixels = np.clip(base + rng.normal(0, 35, (side, side, 3)), 0, 255).astype(np.uint8)
-        folder = root / f"c{i % 10}"
-        folder.mkdir(parents=True, exist_ok=True)
-        out = io.BytesIO()
-        Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-        (folder / f"{i:06d}.jpg").write_bytes(out.getvalue())
 
 
 def timed(readers: dict, rounds: int = 5) -> dict[str, float]:
