@@ -216,3 +216,28 @@ def test_sampler_order_is_the_same_with_and_without_read_ahead(small_texts: Path
     copy = pickle.loads(pickle.dumps(on))  # the thread and files stay behind
     assert copy._read_ahead is None and list(copy) == list(off)
     on._read_ahead.close()
+
+
+def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from packdata.reading.readahead import ReadAhead
+
+    monkeypatch.setattr(ReadAhead, "IDLE", 0.05)
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    sampler = BlockShuffleSampler(LMDBDataset(tmp_path / "p.lmdb"), block_size=4, window=2)
+
+    def hint_threads() -> int:
+        return sum(t.name == "packdata-sampler-hints" for t in threading.enumerate())
+
+    def settled(target: int) -> int:
+        deadline = time.monotonic() + 5
+        while (hint_threads() or sampler._read_ahead.advised_bytes < target) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sampler._read_ahead.advised_bytes
+
+    assert len(list(sampler)) == 40
+    first = settled(1)
+    assert first > 0 and hint_threads() == 0  # the hints were given, then an idle thread ended on its own
+    assert len(list(sampler)) == 40
+    assert settled(first + 1) > first and hint_threads() == 0  # and it started again when needed

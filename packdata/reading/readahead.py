@@ -32,7 +32,8 @@ class ReadAhead:
 
     Lives in the process that runs the sampler (the DataLoader's main
     process); the page cache it fills is shared with the workers. Files are
-    opened in its thread, lazily, and closed by :meth:`close`.
+    opened in its thread, lazily; the thread ends, closing them, after
+    :attr:`IDLE` seconds without work or at :meth:`close`.
 
     Args:
         root: the pack folder.
@@ -41,6 +42,9 @@ class ReadAhead:
 
     GAP = 256 << 10
     """Ranges closer than this many bytes are asked for as one (a few skipped records cost less than a seek)."""
+
+    IDLE = 2.0
+    """Seconds without work after which the thread ends and the files close (the next hint starts them again)."""
 
     def __init__(self, root: Path, manifest: Manifest) -> None:
         fmt = get_format(manifest.format)
@@ -52,33 +56,51 @@ class ReadAhead:
         self._fds: dict[int, int] = {}
         self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # whether the thread runs is decided under it
         self.advised_bytes = 0  # asked for so far (for tests and benchmarks)
 
     def advise(self, indices: np.ndarray | list[int]) -> None:
         """Queue the samples at ``indices`` (global sample indices) for a hint; returns at once."""
         if len(indices) == 0:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="packdata-readahead", daemon=True)
-            self._thread.start()
-        self._queue.put(np.asarray(indices, dtype=np.int64))
+        with self._lock:
+            self._queue.put(np.asarray(indices, dtype=np.int64))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="packdata-sampler-hints", daemon=True)
+                self._thread.start()
 
     def close(self) -> None:
         """Stop the thread and close the files (hints already given stay with the kernel)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
 
     def _run(self) -> None:
-        while (indices := self._queue.get()) is not None:
-            try:
-                self._hint(indices)
-            except (OSError, ValueError, IndexError):
-                continue  # a hint is never worth an error: the reader reports a damaged pack
+        try:
+            while True:
+                try:
+                    indices = self._queue.get(timeout=self.IDLE)
+                except queue.Empty:
+                    with self._lock:
+                        if self._queue.empty():  # idle: end, so an abandoned sampler leaves no thread
+                            self._thread = None
+                            return
+                    continue
+                if indices is None:
+                    with self._lock:
+                        self._thread = None
+                    return
+                try:
+                    self._hint(indices)
+                except (OSError, ValueError, IndexError):
+                    continue  # a hint is never worth an error: the reader reports a damaged pack
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def _hint(self, indices: np.ndarray) -> None:
         indices = np.sort(indices)
