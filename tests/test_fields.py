@@ -478,6 +478,22 @@ def test_webdataset_tars_convert_field_equal(tmp_path: Path) -> None:
     assert again.packed == 7
 
 
+def test_tars_are_read_once_even_with_a_progress_bar(tmp_path: Path, monkeypatch) -> None:
+    from packdata.conversion.tars import TarSource
+
+    _wds_shards(tmp_path / "tars")
+    reads: list[str] = []
+    real = TarSource._read
+
+    def counting(self, shard):
+        reads.append(shard)
+        return real(self, shard)
+
+    monkeypatch.setattr(TarSource, "_read", counting)
+    result = packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "out.lmdb", progress=True)
+    assert result.packed == 7 and sorted(reads) == sorted(set(reads)) and len(reads) == 3  # no counting walk
+
+
 def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
     import gzip
     import tarfile
