@@ -132,8 +132,11 @@ class ShardUploader:
                 continue
             self._seen.add(name)
             top = self.partial / name
-            new.extend(sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top])
-            new.extend(p for p in sorted(self.partial.glob(f"{Path(name).stem}.*")) if p != top and p.is_file())
+            try:
+                new.extend(sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else [top])
+                new.extend(p for p in sorted(self.partial.glob(f"{Path(name).stem}.*")) if p != top and p.is_file())
+            except OSError:  # the folder moved on (renamed at the end, or removed): upload_pack sends it
+                continue
         return new
 
     def _put(self, path: Path) -> None:

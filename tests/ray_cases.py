@@ -1,0 +1,394 @@
+"""The Ray conversion engine: same pack content as the local engine, clean failures, resume.
+
+Collected only by ``tests/test_ray.py``, which runs this file in a child pytest (see there why).
+Ray tests share one local Ray instance with 2 CPUs (module fixture: starting
+Ray costs seconds). The plan and missing-Ray tests need no running Ray.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+import packdata
+from packdata.cli import main
+from packdata.conversion.publish import partial_path
+from packdata.conversion.sources import Skip, SourceFile, scan_source
+from packdata.errors import EngineError, SourceError
+from packdata.pack.manifest import read_manifest
+from packdata.reading.datasets import LMDBDataset
+
+pytestmark = pytest.mark.timeout(240)
+
+N_CLASSES, PER_CLASS = 3, 12
+
+
+def _tiny_jpeg(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (8 + seed % 5, 10, 3), dtype=np.uint8)).save(out, format="JPEG")
+    return out.getvalue()
+
+
+@pytest.fixture
+def clean_folder(tmp_path: Path) -> Path:
+    """3 classes x 12 tiny JPEGs of different sizes, one unlabelled JPEG at the root."""
+    root = tmp_path / "src"
+    for c in range(N_CLASSES):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(PER_CLASS):
+            (root / f"class{c}" / f"img{i:03d}.jpg").write_bytes(_tiny_jpeg(100 * c + i))
+    (root / "top.jpg").write_bytes(_tiny_jpeg(7))
+    return root
+
+
+@pytest.fixture
+def poisoned_folder(clean_folder: Path) -> Path:
+    """The clean folder plus a corrupt JPEG, an empty file and a non-image in the walk."""
+    (clean_folder / "class1" / "img005x.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    (clean_folder / "class2" / "empty.jpg").write_bytes(b"")
+    (clean_folder / "class0" / "notes.txt").write_text("not an image")
+    return clean_folder
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance with 2 CPUs for the whole module; convert reuses it."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'packdata[ray]')")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _lmdb_content(pack: Path) -> list[tuple[str, int, bytes]]:
+    ds = LMDBDataset(pack, decode="bytes")
+    return [(ds.keys[i], int(ds.targets[i]), *ds[i]) for i in range(len(ds))]
+
+
+def _assert_same_pack(local: Path, ray_pack: Path) -> None:
+    """Same samples, keys, labels, order, index, skip report and manifest facts."""
+    a, b = read_manifest(local), read_manifest(ray_pack)
+    for name in ("format", "kind", "classes", "num_samples", "fields", "skipped", "source", "reencode", "index"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"):
+        assert (local / "index" / name).read_bytes() == (ray_pack / "index" / name).read_bytes(), name
+    assert (local / "skipped.jsonl").read_bytes() == (ray_pack / "skipped.jsonl").read_bytes()
+    stems = tuple(Path(s.file).stem + "." for s in b.shards)  # a shard and, for TFRecord, its .tfindex
+    assert sorted(p.name for p in ray_pack.iterdir() if not p.name.startswith(stems)) == [
+        "index",
+        "manifest.json",
+        "skipped.jsonl",
+    ]
+    first = 0
+    for shard in b.shards:
+        assert shard.first_index == first and shard.num_samples > 0
+        first += shard.num_samples
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    "limits",
+    [{"shard_samples": 7}, {"shard_size": 4000}, {}, {"shard_samples": 9, "max_side": 6, "verify_images": True}],
+    ids=["samples", "bytes", "default", "reencode"],
+)
+def test_ray_lmdb_matches_local(ray_local, poisoned_folder: Path, tmp_path: Path, limits: dict) -> None:
+    local = packdata.convert(poisoned_folder, tmp_path / "local.lmdb", progress=False, **limits)
+    result = packdata.convert(poisoned_folder, tmp_path / "ray.lmdb", progress=False, engine="ray", **limits)
+    _assert_same_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+    assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(tmp_path / "ray.lmdb")
+    assert result.packed == local.packed == N_CLASSES * PER_CLASS + 1
+    assert result.found == local.found
+    assert result.skipped == local.skipped == {"corrupt image": 1, "empty": 1, "not image": 1}
+    assert result.skip_examples == local.skip_examples
+    assert [e["key"] for e in result.skip_examples] == ["class1/img005x.jpg", "class2/empty.jpg"]
+    assert not partial_path(tmp_path / "ray.lmdb").exists()
+    assert result.reencoded == local.reencoded == (result.packed if "max_side" in limits else 0)
+    # "bytes in" is what was read from the source in both engines, re-encoded or not
+    keys = packdata.LMDBDataset(tmp_path / "ray.lmdb", decode="bytes").keys
+    assert result.bytes_in == local.bytes_in == sum((poisoned_folder / key).stat().st_size for key in keys)
+    assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == result.packed
+
+
+@pytest.mark.ray
+def test_ray_shards_equal_local_without_skips(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """Without read-time skips the plan cuts shards exactly where the local engine rolls them."""
+    for name, engine in (("local.lmdb", "local"), ("ray.lmdb", "ray")):
+        packdata.convert(clean_folder, tmp_path / name, shard_size=3000, progress=False, engine=engine)
+    a, b = read_manifest(tmp_path / "local.lmdb"), read_manifest(tmp_path / "ray.lmdb")
+    assert [(s.file, s.num_samples, s.first_index) for s in a.shards] == [
+        (s.file, s.num_samples, s.first_index) for s in b.shards
+    ]
+    assert len(b.shards) > 3
+
+
+@pytest.mark.ray
+def test_ray_tfrecord_matches_local(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """TFRecord shards are byte-identical to the local engine's (same boundaries, same names)."""
+    from packdata.formats import tfrecord
+
+    (clean_folder / "class0" / "broken.jpg").write_bytes(b"broken")
+    for name, engine in (("local", "local"), ("ray", "ray")):
+        packdata.convert(
+            clean_folder / "class1",
+            tmp_path / f"{name}-c1",
+            format="tfrecord",
+            shard_samples=5,
+            progress=False,
+            engine=engine,
+        )
+        packdata.convert(
+            clean_folder, tmp_path / name, format="tfrecord", shard_samples=5, progress=False, engine=engine
+        )
+    a, b = read_manifest(tmp_path / "local-c1"), read_manifest(tmp_path / "ray-c1")
+    assert [asdict(s) | {"file": s.file.replace("local", "x")} for s in a.shards] == [
+        asdict(s) | {"file": s.file.replace("ray", "x")} for s in b.shards
+    ]
+    _assert_same_pack(tmp_path / "local", tmp_path / "ray")
+    samples = {}
+    for name in ("local", "ray"):
+        manifest = read_manifest(tmp_path / name)
+        assert [s.file for s in manifest.shards] == [
+            f"{name}-{i:05d}-of-{len(manifest.shards):05d}.tfrecord" for i in range(len(manifest.shards))
+        ]
+        samples[name] = [
+            (i, s.key, s.label, s.data)
+            for shard in manifest.shards
+            for i, s in tfrecord.iter_shard_samples(shard.path(tmp_path / name), shard.first_index)
+        ]
+    assert samples["local"] == samples["ray"]
+    assert packdata.verify_pack(tmp_path / "ray", progress=False).records == len(samples["ray"])
+    assert len(samples["ray"]) == N_CLASSES * PER_CLASS + 1
+
+
+@pytest.mark.ray
+def test_ray_on_error_fail_names_the_file(ray_local, poisoned_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out.lmdb"
+    with pytest.raises(SourceError, match=r"class1/img005x\.jpg: corrupt image.*on_error='skip'"):
+        packdata.convert(poisoned_folder, dst, on_error="fail", shard_samples=5, progress=False, engine="ray")
+    assert not dst.exists()
+    assert not partial_path(dst).exists()
+
+
+@pytest.mark.ray
+def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """A task that fails for good names its shard and files, leaves no DST, and --resume finishes the job."""
+    from packdata.conversion import ray as engine
+
+    dst = tmp_path / "out.lmdb"
+    partial = partial_path(dst)
+    # a regular file where the last task's LMDB environment must go: creating it fails (a ConfigError: no retry);
+    # with 2 CPUs, two earlier tasks have finished before the last one starts
+    with pytest.raises(EngineError) as failed:
+        _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00003.lmdb")
+    message = str(failed.value)
+    assert "shard task 3 (7 files, class2/img006.jpg .. top.jpg) failed for good" in message
+    assert "cannot write the destination" in message and "--resume" in message
+    assert not dst.exists() and partial.is_dir()
+    done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
+            for p in (partial / engine.TASKS_DIR).glob("*/result.json")}  # fmt: skip
+    assert done
+
+    (partial / "shard-00003.lmdb").unlink()
+    (partial / "shard-00042.lmdb").mkdir()  # a stray from some other run: must not end up in the pack
+    result = packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
+    assert result.resumed and result.shards == 4
+    for number, mtime in done.items():  # finished tasks were not run again
+        assert (dst / f"shard-{number}.lmdb" / "data.mdb").stat().st_mtime_ns == mtime
+    packdata.convert(clean_folder, tmp_path / "local.lmdb", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local.lmdb", dst)
+    assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(dst)
+
+
+def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
+    """Start a Ray conversion whose partial folder already holds a file at ``blocked``."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray import _prepare_partial
+
+    partial = partial_path(dst)
+    _prepare_partial(
+        partial, dst, _Options("lmdb", "image", "skip", False, None, 90, None, 10), overwrite=False, resume=False
+    )
+    (partial / blocked).write_bytes(b"")
+    packdata.convert(src, dst, shard_samples=10, resume=True, progress=False, engine="ray")
+
+
+@pytest.mark.ray
+def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray import _prepare_partial
+    from packdata.errors import ConfigError
+
+    dst = tmp_path / "out.lmdb"
+    opts = _Options("lmdb", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial_path(dst), dst, opts, overwrite=False, resume=False)
+    with pytest.raises(ConfigError, match=r"other options.*--overwrite"):
+        packdata.convert(clean_folder, dst, shard_samples=11, resume=True, progress=False, engine="ray")
+    with pytest.raises(ConfigError, match=r"interrupted conversion.*--resume"):
+        packdata.convert(clean_folder, dst, shard_samples=10, progress=False, engine="ray")
+
+
+@pytest.mark.ray
+def test_cli_engine_ray(ray_local, poisoned_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "cli.lmdb"
+    result = CliRunner().invoke(
+        main, ["convert", str(poisoned_folder), str(dst), "--engine", "ray", "-q", "--json", "--shard-samples", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["packed"] == N_CLASSES * PER_CLASS + 1 and summary["shards"] == 5
+    assert len(LMDBDataset(dst)) == summary["packed"]
+
+
+@pytest.fixture
+def grouped_folder(tmp_path: Path) -> Path:
+    """Groups whose fields appear late (json from sample 6, seg.png from 11), cls labels past the class
+    folders, a group missing its jpg and an unreadable jpg: the driver must renumber each task's fields."""
+    root = tmp_path / "grouped"
+    (root / "cats").mkdir(parents=True)
+    for i in range(16):
+        folder = root / "cats" if i % 4 == 0 else root
+        stem = folder / f"s{i:02d}"
+        (stem.parent / f"{stem.name}.txt").write_text(f"caption {i}", encoding="utf-8")
+        if i != 9:
+            (stem.parent / f"{stem.name}.jpg").write_bytes(_tiny_jpeg(i) if i != 13 else b"\xff\xd8 broken")
+        if i >= 6:
+            (stem.parent / f"{stem.name}.json").write_text(json.dumps({"n": i}), encoding="utf-8")
+        if i >= 11:
+            (stem.parent / f"{stem.name}.seg.png").write_bytes(_tiny_jpeg(50 + i))
+        if i % 4 == 1:
+            (stem.parent / f"{stem.name}.cls").write_text(str(i % 3 + 1), encoding="utf-8")
+    return root
+
+
+def _fields_content(pack: Path) -> list[tuple[int, dict]]:
+    ds = LMDBDataset(pack, decode="bytes")
+    return [(int(ds.targets[i]), ds[i]) for i in range(len(ds))]
+
+
+def _assert_same_fields_pack(local: Path, ray_pack: Path) -> None:
+    _assert_same_pack(local, ray_pack)
+    a, b = read_manifest(local), read_manifest(ray_pack)
+    assert a.codecs == b.codecs
+    for name in ("field_sizes.i64", "field_offsets.i64"):
+        assert (local / "index" / name).read_bytes() == (ray_pack / "index" / name).read_bytes(), name
+    assert _fields_content(local) == _fields_content(ray_pack)
+
+
+@pytest.mark.ray
+def test_ray_grouped_folder_matches_local(ray_local, grouped_folder: Path, tmp_path: Path) -> None:
+    options = {"layout": "grouped", "require": ("jpg",), "shard_samples": 4, "progress": False}
+    local = packdata.convert(grouped_folder, tmp_path / "local.lmdb", **options)
+    result = packdata.convert(grouped_folder, tmp_path / "ray.lmdb", engine="ray", **options)
+    _assert_same_fields_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+    assert result.packed == local.packed == 14 and result.skipped == local.skipped
+    manifest = read_manifest(tmp_path / "ray.lmdb")
+    assert manifest.fields == ["jpg", "txt", "json", "seg.png"]  # first appearance over the whole walk (cls: labels)
+    assert manifest.classes == ["cats", "1", "2", "3"]
+    assert len(manifest.shards) > 2
+    assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == 14
+
+
+@pytest.mark.ray
+def test_ray_list_file_matches_local(ray_local, tmp_path: Path) -> None:
+    images = tmp_path / "imgs"
+    images.mkdir()
+    rows = ["image,label,caption"]
+    for i in range(11):
+        (images / f"im{i}.jpg").write_bytes(_tiny_jpeg(i))
+        rows.append(f"imgs/im{i}.jpg,{'zebra' if i % 3 else 'ant'},photo {i}")
+    rows.append("imgs/missing.jpg,ant,gone")
+    listing = tmp_path / "train.csv"
+    listing.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    options = {"path_column": "image", "label_column": "label", "shard_samples": 3, "progress": False}
+    for name, engine in (("local.tfrecord", "local"), ("ray.tfrecord", "ray")):
+        packdata.convert(listing, tmp_path / name, engine=engine, **options)
+    _assert_same_pack(tmp_path / "local.tfrecord", tmp_path / "ray.tfrecord")
+    for name in ("field_sizes.i64", "field_offsets.i64"):
+        assert (tmp_path / "local.tfrecord" / "index" / name).read_bytes() == (
+            tmp_path / "ray.tfrecord" / "index" / name
+        ).read_bytes()
+    local = list(packdata.TFRecordDataset(tmp_path / "local.tfrecord", decode="bytes"))
+    assert local == list(packdata.TFRecordDataset(tmp_path / "ray.tfrecord", decode="bytes"))
+    assert sorted(sample["caption"] for sample in local) == sorted(f"photo {i}".encode() for i in range(11))
+
+
+def test_ray_refuses_tar_shards(tmp_path: Path) -> None:
+    import tarfile
+
+    from packdata.errors import ConfigError
+
+    for i in range(4):
+        with tarfile.open(tmp_path / f"data-{i}.tar", "w") as tar:
+            info = tarfile.TarInfo(f"s{i}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ConfigError, match="the Ray engine packs local folders and list files"):
+        packdata.convert(str(tmp_path / "data-{0..3}.tar"), tmp_path / "x.lmdb", engine="ray", progress=False)
+
+
+def test_cli_address_needs_engine_ray(clean_folder: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["convert", str(clean_folder), str(tmp_path / "x.lmdb"), "--address", "auto"])
+    assert result.exit_code == 2
+    assert "--address needs --engine ray" in result.output
+
+
+def test_missing_ray_says_how_to_install(clean_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(EngineError, match=r"needs Ray, which is not installed\. Install it with: pip install"):
+        packdata.convert(clean_folder, tmp_path / "x.lmdb", engine="ray", progress=False)
+    result = CliRunner().invoke(main, ["convert", str(clean_folder), str(tmp_path / "x.lmdb"), "--engine", "ray"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "pip install 'packdata[ray]'" in lines[0]
+    assert not (tmp_path / "x.lmdb").exists() and not partial_path(tmp_path / "x.lmdb").exists()
+
+
+def test_unknown_engine(clean_folder: Path, tmp_path: Path) -> None:
+    from packdata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine should be 'local' or 'ray', but got engine='spark'"):
+        packdata.convert(clean_folder, tmp_path / "x.lmdb", engine="spark")
+
+
+# -- the plan (no Ray needed) --------------------------------------------------------------------------------------
+
+
+def test_plan_is_a_deterministic_partition(poisoned_folder: Path) -> None:
+    from packdata.conversion.ray import plan_tasks
+
+    source = scan_source(poisoned_folder)
+    walk = list(source.walk())
+    plan = list(plan_tasks(source, shard_samples=5, shard_size=None))
+    assert [e for task in plan for e in task.entries] == walk
+    assert [t.number for t in plan] == list(range(len(plan)))
+    assert all(t.files == 5 for t in plan[:-1]) and 0 < plan[-1].files <= 5
+    assert all(t.files == sum(isinstance(e, SourceFile) for e in t.entries) for t in plan)
+    assert [t.fingerprint for t in plan] == [
+        t.fingerprint for t in plan_tasks(source, shard_samples=5, shard_size=None)
+    ]
+    assert any(isinstance(e, Skip) for t in plan for e in t.entries)  # walk-time skips travel with their task
+
+
+def test_plan_by_bytes(clean_folder: Path) -> None:
+    from packdata.conversion.ray import plan_tasks
+
+    source = scan_source(clean_folder)
+    plan = list(plan_tasks(source, shard_samples=None, shard_size=2500))
+    for task in plan:
+        sizes = [Path(e.path).stat().st_size for e in task.entries if isinstance(e, SourceFile)]
+        assert sum(sizes) <= 2500 or len(sizes) == 1
+    assert sum(t.files for t in plan) == N_CLASSES * PER_CLASS + 1
+    big = list(plan_tasks(source, shard_samples=None, shard_size=1))
+    assert [t.files for t in big] == [1] * (N_CLASSES * PER_CLASS + 1)  # a file over the limit gets its own task
