@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -871,3 +872,47 @@ def test_a_source_object_named_with_dotdot_is_in_the_skip_report_and_never_writt
     out = _cli("convert", "s3://packs/unsafe", str(tmp_path / "cli.lmdb"), "-q", options=options)
     assert out.exit_code == 0 and "SKIPPED 2" in out.output and "cat/../../escaped.jpg: unsafe name" in out.output
     assert SECRET not in out.output
+
+
+@pytest.fixture
+def small_work_disk(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """PACKDATA_TMP on a 2 MiB tmpfs (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount tmpfs")
+    work = tmp_path / "work"
+    work.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(work)], check=True)
+    monkeypatch.setenv("PACKDATA_TMP", str(work))
+    try:
+        yield work
+    finally:
+        subprocess.run(["umount", "-l", str(work)], check=False)
+
+
+def test_a_source_too_big_for_the_work_disk_is_refused_before_any_download(s3, small_work_disk, tmp_path) -> None:
+    options, fs = s3
+    for i in range(3):
+        fs.pipe(f"packs/big-source/cls/{i}.txt", os.urandom(1_000_000))
+    with pytest.raises(packdata.CapacityError) as refused:
+        packdata.convert("s3://packs/big-source", tmp_path / "out.lmdb", storage_options=options, progress=False)
+    message = str(refused.value)
+    assert "the source's files need 2.9 MiB in the work folder" in message and "PACKDATA_TMP" in message
+    assert not [p for p in small_work_disk.rglob("*") if p.is_file()]  # nothing was downloaded
+    assert not (tmp_path / "out.lmdb").exists()
+    assert len(fs.find("packs/big-source")) == 3  # the source is untouched
+
+
+def test_a_full_work_disk_while_packing_for_a_url_names_the_work_folder(s3, small_work_disk, tmp_path) -> None:
+    options, fs = s3
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"{i}.txt").write_bytes(os.urandom(400_000).hex().encode()[:400_000])
+    url = "s3://packs/too-big.lmdb"
+    with pytest.raises(packdata.CapacityError) as full:
+        packdata.convert(tmp_path / "src", url, storage_options=options, progress=False)
+    message = str(full.value)
+    assert "the work folder's disk filled while packing for s3://packs/too-big.lmdb" in message
+    assert str(small_work_disk) in message and "PACKDATA_TMP" in message and "--resume" in message
+    assert "free on its disk" in str(full.value.__cause__)  # it ran out writing a shard, past the start check
+    assert not fs.exists("packs/too-big.lmdb/manifest.json")  # no manifest: no pack

@@ -43,9 +43,7 @@ from packdata.conversion.upload import (
     upload_pack,
     work_folder,
 )
-from packdata.errors import (
-    ConfigError,
-)
+from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
@@ -311,8 +309,15 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     if local.exists():  # packed before an interruption: upload it
         result = _result_of(local, float(options["started"]))
     else:  # pack (resuming a partial conversion), shards going up as they close
-        with ShardUploader(partial_path(local), url, storage) as uploader:
-            result = convert(src, local, **kwargs)
+        try:
+            with ShardUploader(partial_path(local), url, storage) as uploader:
+                result = convert(src, local, **kwargs)
+        except CapacityError as exc:  # the work folder's disk, which the user never named
+            raise CapacityError(
+                f"the work folder's disk filled while packing for {display_url(url)}",
+                path=local,
+                hint="Free space there and rerun with --resume, or set PACKDATA_TMP to a disk with room and rerun",
+            ) from exc
         early = uploader.uploaded
     upload_pack(
         local, url, storage_options=storage, workers=options["workers"], progress=options["progress"], early=early

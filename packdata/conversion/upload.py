@@ -35,11 +35,13 @@ from typing import Any
 
 from packdata.conversion.publish import PROGRESS_FILE
 from packdata.conversion.sources import Skip
-from packdata.errors import ConfigError, PackFormatError, SourceError
+from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
 from packdata.formats import shard_writer
+from packdata.host.facts import disk_free
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
+from packdata.units import format_size
 
 __all__ = ["ShardUploader", "download_source", "end_remote_pack", "upload_pack", "work_folder"]
 
@@ -256,6 +258,24 @@ def _already_there(fs: Any, target: str, path: Path) -> bool:
     return True
 
 
+_WORK_FOLDER_HINT = "Set PACKDATA_TMP to a folder on a disk with room (the work folder lives there), or free space"
+
+
+def _check_room(folder: Path, needed: int, what: str) -> None:
+    """Refuse to start writing ``needed`` bytes into ``folder`` when its disk has less free.
+
+    Raises:
+        CapacityError: naming both sizes and how to move the work folder.
+    """
+    free = disk_free(folder)
+    if needed > free:
+        raise CapacityError(
+            f"{what} need {format_size(needed)} in the work folder, its disk has {format_size(free)} free",
+            path=folder,
+            hint=_WORK_FOLDER_HINT,
+        )
+
+
 def clean_work_folder(local: Path) -> None:
     """Remove a work folder after a finished upload."""
     shutil.rmtree(local.parent, ignore_errors=True)
@@ -300,6 +320,7 @@ def download_source(
             todo.append((path, target, size))
     if not listing:
         raise SourceError(f"{shown}: no files there", hint="Check the URL")
+    _check_room(local, sum(size for _, _, size in todo), "the source's files")
 
     def get(item: tuple[str, Path, int]) -> int:
         path, target, size = item
