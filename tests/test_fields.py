@@ -174,6 +174,24 @@ def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
     assert ds[1] == {"__key__": "b", "txt": "beta", "cls": 0}
 
 
+def test_list_rows_whose_paths_differ_after_the_first_dot_are_one_key_reported(tmp_path: Path) -> None:
+    """A key is the path up to the first dot (WebDataset's rule): the second row is skipped, naming both files."""
+    for name in ("a.txt", "a.md.txt", "b.txt"):
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    listing = tmp_path / "l.csv"
+    listing.write_text("path\na.txt\na.md.txt\nb.txt\n", encoding="utf-8")
+    result = packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and result.skipped == {"duplicate key": 1}
+    assert result.skip_examples == [
+        {
+            "key": "a",
+            "reason": "duplicate key",
+            "detail": "row 3 (a.md.txt) has the key of row 2 (a.txt): a key ends at the first dot",
+        }
+    ]
+    assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a.txt", "b.txt"]
+
+
 def test_pack_writer_is_atomic_and_checks_its_input(tmp_path: Path) -> None:
     dst = tmp_path / "w.lmdb"
     with pytest.raises(RuntimeError, match="boom"), packdata.PackWriter(dst) as writer:

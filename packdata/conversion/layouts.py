@@ -136,7 +136,7 @@ class ListSource:
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
-        keys: set[str] = set()
+        keys: dict[str, tuple[int, str]] = {}  # key -> the row that first gave it, and its path
         for number, row in _rows(self.list_file, self.fs, self._where):
             where = f"row {number}"
             raw_path = row.get(self.path_column)
@@ -147,9 +147,11 @@ class ListSource:
             stem, _, extension = base.partition(".")
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
             if key in keys:
-                yield Skip(key, "duplicate key", f"{where} names a file an earlier row named")
+                first, first_path = keys[key]
+                detail = f"{where} ({raw_path}) has the key of row {first} ({first_path}): a key ends at the first dot"
+                yield Skip(key, "duplicate key", detail)
                 continue
-            keys.add(key)
+            keys[key] = (number, raw_path)
             label = -1
             if self.label_column is not None:
                 value = row.get(self.label_column)
