@@ -4,6 +4,9 @@ Side by side in one run, interleaved repeats, ``DataLoader(batch_size=64, shuffl
 
     python benchmarks/bench_batched.py [--records 20000] [--repeats 7]
 
+The pack is one shard (92 MB, under the 256 MB default); the same records in
+16 MB shards show what a batch spread over several shards costs.
+
 The naive reader (a transaction per item, the usual py-lmdb dataset) checks
 nothing; ``LMDBDataset`` checks every payload's CRC32C.
 """
@@ -43,11 +46,18 @@ def main() -> None:
     try:
         make_texts(work / "src", args.records)  # 4.6 KB of text each
         packdata.convert(work / "src", work / "t.lmdb", progress=False)
+        packdata.convert(work / "src", work / "s.lmdb", shard_size=16 * 10**6, progress=False)  # 6 shards
         naive_copy = work / "naive.lmdb"  # py-lmdb opens a file once per process: the naive reader gets a copy
         shutil.copytree(work / "t.lmdb" / "shard-00000.lmdb", naive_copy)
-        rates: dict[str, list[float]] = {"LMDBDataset batched": [], "LMDBDataset per sample": [], "naive py-lmdb": []}
+        rates: dict[str, list[float]] = {
+            "LMDBDataset batched": [],
+            "... 16 MB shards": [],
+            "LMDBDataset per sample": [],
+            "naive py-lmdb": [],
+        }
         for _ in range(args.repeats):
             rates["LMDBDataset batched"].append(_rate(packdata.LMDBDataset(work / "t.lmdb", decode="bytes")))
+            rates["... 16 MB shards"].append(_rate(packdata.LMDBDataset(work / "s.lmdb", decode="bytes")))
             rates["LMDBDataset per sample"].append(_rate(_PerSample(work / "t.lmdb", decode="bytes")))
             rates["naive py-lmdb"].append(_rate(NaiveLMDB(str(naive_copy), args.records)))
         naive = statistics.median(rates["naive py-lmdb"])

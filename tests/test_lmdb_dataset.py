@@ -16,6 +16,7 @@ from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from packdata import LMDBDataset, PackFormatError, convert
+from packdata.pack.manifest import read_manifest
 
 
 @pytest.fixture
@@ -206,6 +207,27 @@ def test_batched_reads_equal_single_reads(pack: Path) -> None:
         ds.__getitems__([0, len(ds)])
     decoded = LMDBDataset(pack, transform=lambda im: im.size)
     assert decoded.__getitems__([2, 1]) == [decoded[2], decoded[1]]
+
+
+def test_batched_reads_of_a_one_shard_pack_equal_single_reads(image_folder: Path, tmp_path: Path) -> None:
+    convert(image_folder, tmp_path / "one.lmdb", progress=False)
+    ds = LMDBDataset(tmp_path / "one.lmdb", decode="bytes")
+    assert len(read_manifest(tmp_path / "one.lmdb").shards) == 1
+    order = [5, 0, -1, 17, 3, 3, len(ds) - 2, 8]
+    assert ds.__getitems__(order) == [ds[i] for i in order]
+    with pytest.raises(IndexError, match=f"index {-len(ds) - 1} is out of range"):
+        ds.__getitems__([0, -len(ds) - 1])
+
+
+@pytest.mark.parametrize("shard_samples", [8, 1000])
+def test_a_damaged_record_in_a_batch_is_named_as_a_single_read_would(
+    image_folder: Path, tmp_path: Path, shard_samples: int
+) -> None:
+    pack = tmp_path / "out.lmdb"
+    convert(image_folder, pack, shard_samples=shard_samples, progress=False)
+    overwrite_lmdb_record(pack, b"XXXX" + b"\0" * 40)
+    with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):
+        LMDBDataset(pack, decode="bytes").__getitems__([3, 0, 1])
 
 
 @pytest.mark.parametrize("workers", [0, 2])

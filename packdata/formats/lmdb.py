@@ -41,7 +41,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import crc32c
 import lmdb
@@ -618,21 +618,29 @@ class LMDBShardReader:
             return None
         return data
 
-    def payloads(self, indices: list[int]) -> list[bytes | None]:
-        """:meth:`payload` of several records, the table rows looked up at once (a batch read)."""
+    def payloads(self, indices: np.ndarray) -> list[bytes | None]:
+        """:meth:`payload` of several records, the table rows looked up at once (a batch read).
+
+        ``indices`` is an int64 array of record numbers, none negative (a batch
+        read is the hot path: one past the table is caught by numpy's bounds check).
+        """
         if self._locations is None or self._pages is None:
             return [None] * len(indices)
-        inside = [0 <= i < self._entries for i in indices]
-        rows = self._locations.reshape(-1, 3)[[i if ok else 0 for i, ok in zip(indices, inside, strict=True)]].tolist()
-        mapped = self._pages.warm_map(len(indices))
+        try:
+            offsets, lengths, crcs = self._locations.reshape(-1, 3)[indices].T.tolist()
+        except IndexError:  # past the table: record by record, None where it has no row
+            return [self.payload(int(i)) for i in indices]
+        mapped = self._pages.warm_map(len(offsets))
         if mapped is not None:
-            datas = [mapped[offset : offset + length] for offset, length, _ in rows]
+            datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
         else:
-            datas = [os.pread(self._fd, length, offset) for offset, length, _ in rows]
+            datas = [os.pread(self._fd, length, offset) for offset, length in zip(offsets, lengths, strict=True)]
         crc32, check = crc32c.crc32c, self.check_crc
+        if list(map(len, datas)) == lengths and (not check or list(map(crc32, datas)) == crcs):
+            return cast(list[bytes | None], datas)  # all whole and checked: the usual case, two C loops
         return [
-            data if ok and len(data) == row[1] and (not check or crc32(data) == row[2]) else None
-            for ok, data, row in zip(inside, datas, rows, strict=True)
+            data if len(data) == length and (not check or crc32(data) == crc) else None
+            for data, length, crc in zip(datas, lengths, crcs, strict=True)
         ]
 
     def payload_length(self, index: int) -> int | None:

@@ -269,7 +269,8 @@ class SampleIndex:
             raise ValueError(f"{path}: {actual} bytes, expected {expected}")
         if count == 0:
             return np.zeros(0, dtype=dtype)
-        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        # a plain ndarray over the map: np.memmap's Python-level hooks cost microseconds on every slice
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
 
 def _check_offsets(offsets: np.ndarray, path: Path, chunk: int = 1 << 20) -> None:

@@ -489,25 +489,32 @@ class LMDBDataset(PackView, Dataset):
         if self.field_spec is not None:
             return [self._sample(i) for i in indices]
         n = len(self)
-        positions = np.asarray(indices, dtype=np.int64)
-        if not len(positions):
+        if not len(indices):
             return []
-        if positions.min() < -n or positions.max() >= n:
-            bad = int(positions[(positions < -n) | (positions >= n)][0])
+        if min(indices) < -n or max(indices) >= n:
+            bad = next(i for i in indices if not -n <= i < n)
             raise IndexError(f"index {bad} is out of range for a pack of {n} samples")
+        positions = np.asarray(indices, dtype=np.int64)
         positions %= n
         labels = self.pack.index.labels[positions].tolist()
-        order = np.argsort(positions, kind="stable")  # forward through the shards
-        ordered = positions[order]
-        shards = np.searchsorted(self._first_array, ordered, side="right") - 1
-        cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
-        payloads: list[bytes | None] = [None] * len(positions)
-        for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
-            shard = int(shards[a])
-            got = self._readers[shard].payloads((ordered[a:b] - self._first[shard]).tolist())
-            for k, payload in zip(order[a:b].tolist(), got, strict=True):
+        payloads: list[bytes | None]
+        if len(self._first) == 1:
+            payloads = self._readers[0].payloads(positions)  # a warm map is read in any order alike
+        else:
+            order = np.argsort(positions, kind="stable")  # forward through the shards
+            ordered = positions[order]
+            shards = np.searchsorted(self._first_array, ordered, side="right") - 1
+            cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
+            runs = []
+            for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
+                shard = int(shards[a])
+                runs.append(self._readers[shard].payloads(ordered[a:b] - self._first[shard]))
+            payloads = [None] * len(positions)
+            for k, payload in zip(order.tolist(), itertools.chain.from_iterable(runs), strict=True):
                 payloads[k] = payload
         plain = self.decode is _BYTES and self.transform is None and self.target_transform is None
+        if plain and None not in payloads:
+            return list(zip(payloads, labels, strict=True))
         out: list[Any] = []
         for k, position in enumerate(positions.tolist()):
             payload = payloads[k]
