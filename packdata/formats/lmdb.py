@@ -343,9 +343,9 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
     environment's, and every row lies inside ``data.mdb`` (checked once, here).
     """
     table = os.path.join(path, RECORDS_FILE)
-    try:
-        raw = np.fromfile(table, dtype="<i8")
-    except (OSError, ValueError):
+    try:  # mapped, not read: every worker shares the page cache's copy (24 bytes a record)
+        raw = np.memmap(table, dtype="<i8", mode="r").view(np.ndarray)
+    except (OSError, ValueError):  # absent, or empty
         return None
     if raw.size != 3 * (entries + 2):
         return None  # absent, of an older packdata (pairs), or cut
@@ -363,7 +363,7 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
         or crcs.max() > 0xFFFFFFFF
     ):
         return None
-    return int(rows[1, 2]), np.ascontiguousarray(body)
+    return int(rows[1, 2]), body
 
 
 def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.ndarray | None:
