@@ -27,6 +27,7 @@ from packdata.cli import main
 from packdata.formats.tfrecord import TFRecordShardWriter
 from packdata.formats.tfrecord_example import encode_example, example_fields, frame_record, parse_example
 from packdata.formats.tfrecord_tables import index_path, payload_path, read_payload_table
+from packdata.pack.manifest import read_manifest
 from packdata.pack.records import RecordError, Sample
 
 
@@ -312,6 +313,24 @@ def _corrupt(pack: Path, mode: str) -> tuple[Path, int]:
         del blob[offset + length // 2 :]
     shard.write_bytes(bytes(blob))
     return shard, offset
+
+
+def test_indexed_reads_slice_payloads_by_the_table_and_name_a_damaged_row(tf_texts: Path, tmp_path: Path) -> None:
+    """With CRCs on, a payload comes from the payload table (no Example parse): the same bytes as parsing gives."""
+    pack = _text_pack(tf_texts, tmp_path, 4)
+    fast = TFRecordIndexedDataset(pack, decode="bytes")
+    parsed = TFRecordIndexedDataset(pack, decode="bytes", check_crc=False)  # parses every record
+    assert [fast[i] for i in range(len(fast))] == [parsed[i] for i in range(len(parsed))]
+    table = payload_path(pack / read_manifest(pack).shards[0].file)
+    raw = bytearray(table.read_bytes())
+    raw[16 + 16] -= 1  # the second record's payload offset, one byte back (row 0 is the header)
+    table.write_bytes(bytes(raw))
+    damaged = TFRecordIndexedDataset(pack, decode="bytes")
+    assert damaged[0] == fast[0]
+    with pytest.raises(
+        PackFormatError, match=r"00000-of-\d+\.tfrecord.*the payload table does not point at the payload"
+    ):
+        damaged[1]
 
 
 @pytest.mark.parametrize("mode", ["flip", "truncate"])

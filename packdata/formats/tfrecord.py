@@ -317,6 +317,19 @@ class TFRecordShardReader:
             raise self._truncated(offset, length, len(buf))
         return check_record(buf, 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
 
+    def read_payload(self, offset: int, length: int, span: tuple[int, int]) -> bytes:
+        """The payload of the record at ``offset``, at ``span`` (its payload-table row) in the record's data.
+
+        The record is checked as :meth:`read` checks it, and the span must point
+        at a bytes value of its own length (a damaged table row is named, never
+        read as other bytes of the record).
+        """
+        data = self.read(offset, length)
+        at, m = span
+        if at < 0 or m < 0 or at + m > len(data) or not _span_ok(data, at, m):
+            raise _damaged(self.path, offset, "the payload table does not point at the payload")
+        return bytes(data[at : at + m])
+
     def stream(
         self,
         offsets: np.ndarray,

@@ -15,6 +15,7 @@ exactly once per epoch and no two readers read the same record.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import os
@@ -530,7 +531,8 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     manifest and sample index without reading a record.
 
     Workers: ``__init__`` reads the manifest and every shard's offsets index
-    into two int64 numpy arrays (16 bytes per sample, pickled to ``spawn``-ed
+    into two int64 numpy arrays, and the payload tables of a single-field pack
+    (16 bytes per sample each, pickled to ``spawn``-ed
     workers, shared copy-on-write after ``fork``). File descriptors open on
     first access in each process, keyed by ``os.getpid()``, and are never used
     across a fork; ``ds[0]`` in the parent before workers start is fine.
@@ -567,6 +569,7 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
             )
         _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
         offsets, lengths = [], []
+        self._payloads: list[np.ndarray | None] = []  # per shard: payload spans in each record's data
         for shard, path_ in enumerate(self._shard_paths):
             o, n = read_index(path_, size=self._bytes[shard])
             if len(o) != self._counts[shard]:
@@ -577,6 +580,10 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
                 )
             offsets.append(o)
             lengths.append(n)
+            # with CRCs off, records are parsed instead: the parse checks their structure and label
+            plain = self.field_spec is None and check_crc
+            self._payloads.append(read_payload_table(path_, len(o), self._sha256[shard], n) if plain else None)
+        self._first_list: list[int] = self._first.tolist()
         self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
         self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._readers = ShardReaders(
@@ -592,9 +599,13 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
         index = self._sample_index(index)
-        shard = int(np.searchsorted(self._first, index, side="right")) - 1
+        shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
         offset = int(self._offsets[index])
         reader: TFRecordShardReader = self._readers[shard]
+        table = self._payloads[shard]
+        if table is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
+            span = table[index - self._first_list[shard]].tolist()
+            return reader.read_payload(offset, int(self._lengths[index]), span), self.pack.index.labels.item(index)
         data = reader.read(offset, int(self._lengths[index]))
         view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
