@@ -5,7 +5,8 @@ Side by side in one run, interleaved repeats, ``DataLoader(batch_size=64, shuffl
     python benchmarks/bench_batched.py [--records 20000] [--repeats 7]
 
 The pack is one shard (92 MB, under the 256 MB default); the same records in
-16 MB shards show what a batch spread over several shards costs.
+16 MB shards (6) and 1 MB shards (92: a batch of 64 touches ~50 of them, as on
+a terabyte pack of 256 MB shards) show what a batch spread over shards costs.
 
 The naive reader (a transaction per item, the usual py-lmdb dataset) checks
 nothing; ``LMDBDataset`` checks every payload's CRC32C.
@@ -47,17 +48,20 @@ def main() -> None:
         make_texts(work / "src", args.records)  # 4.6 KB of text each
         packdata.convert(work / "src", work / "t.lmdb", progress=False)
         packdata.convert(work / "src", work / "s.lmdb", shard_size=16 * 10**6, progress=False)  # 6 shards
+        packdata.convert(work / "src", work / "m.lmdb", shard_size=10**6, progress=False)  # 92 shards
         naive_copy = work / "naive.lmdb"  # py-lmdb opens a file once per process: the naive reader gets a copy
         shutil.copytree(work / "t.lmdb" / "shard-00000.lmdb", naive_copy)
         rates: dict[str, list[float]] = {
             "LMDBDataset batched": [],
             "... 16 MB shards": [],
+            "... 1 MB shards": [],
             "LMDBDataset per sample": [],
             "naive py-lmdb": [],
         }
         for _ in range(args.repeats):
             rates["LMDBDataset batched"].append(_rate(packdata.LMDBDataset(work / "t.lmdb", decode="bytes")))
             rates["... 16 MB shards"].append(_rate(packdata.LMDBDataset(work / "s.lmdb", decode="bytes")))
+            rates["... 1 MB shards"].append(_rate(packdata.LMDBDataset(work / "m.lmdb", decode="bytes")))
             rates["LMDBDataset per sample"].append(_rate(_PerSample(work / "t.lmdb", decode="bytes")))
             rates["naive py-lmdb"].append(_rate(NaiveLMDB(str(naive_copy), args.records)))
         naive = statistics.median(rates["naive py-lmdb"])

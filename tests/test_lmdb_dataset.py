@@ -200,7 +200,9 @@ def test_forked_worker_memory_stays_flat_over_an_epoch(tmp_path: Path) -> None:
 
 def test_batched_reads_equal_single_reads(pack: Path) -> None:
     ds = LMDBDataset(pack, decode="bytes")
-    order = [5, 0, -1, 17, 3, 3, len(ds) - 2, 8]
+    order = [5, 0, -1, 17, 3, 3, len(ds) - 2, 8]  # 3 shards, runs of 1-3 records: read record by record
+    assert ds.__getitems__(order) == [ds[i] for i in order]
+    order = [*range(len(ds) - 1, -1, -1), 0, 0]  # runs of 8: a batch call per shard
     assert ds.__getitems__(order) == [ds[i] for i in order]
     assert ds.__getitems__([]) == []
     with pytest.raises(IndexError):
@@ -226,8 +228,9 @@ def test_a_damaged_record_in_a_batch_is_named_as_a_single_read_would(
     pack = tmp_path / "out.lmdb"
     convert(image_folder, pack, shard_samples=shard_samples, progress=False)
     overwrite_lmdb_record(pack, b"XXXX" + b"\0" * 40)
-    with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):
-        LMDBDataset(pack, decode="bytes").__getitems__([3, 0, 1])
+    for batch in ([3, 0, 1], [*range(8), 9]):  # record by record, and a run per shard
+        with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):
+            LMDBDataset(pack, decode="bytes").__getitems__(batch)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

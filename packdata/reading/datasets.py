@@ -497,21 +497,7 @@ class LMDBDataset(PackView, Dataset):
         positions = np.asarray(indices, dtype=np.int64)
         positions %= n
         labels = self.pack.index.labels[positions].tolist()
-        payloads: list[bytes | None]
-        if len(self._first) == 1:
-            payloads = self._readers[0].payloads(positions)  # a warm map is read in any order alike
-        else:
-            order = np.argsort(positions, kind="stable")  # forward through the shards
-            ordered = positions[order]
-            shards = np.searchsorted(self._first_array, ordered, side="right") - 1
-            cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
-            runs = []
-            for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
-                shard = int(shards[a])
-                runs.append(self._readers[shard].payloads(ordered[a:b] - self._first[shard]))
-            payloads = [None] * len(positions)
-            for k, payload in zip(order.tolist(), itertools.chain.from_iterable(runs), strict=True):
-                payloads[k] = payload
+        payloads = self._batch_payloads(positions)
         plain = self.decode is _BYTES and self.transform is None and self.target_transform is None
         if plain and None not in payloads:
             return list(zip(payloads, labels, strict=True))
@@ -522,6 +508,26 @@ class LMDBDataset(PackView, Dataset):
                 payload, _ = self.raw(position)
             out.append((payload, labels[k]) if plain else self._finish(payload, labels[k], index=position))
         return out
+
+    def _batch_payloads(self, positions: np.ndarray) -> list[bytes | None]:
+        """The payloads at ``positions`` (in range), None where a shard has no valid location table."""
+        if len(self._first) == 1:
+            return self._readers[0].payloads(positions)  # a warm map is read in any order alike
+        shards = np.searchsorted(self._first_array, positions, side="right") - 1
+        if 4 * len(np.unique(shards)) > len(positions):  # runs of a few records (a pack of many shards):
+            local = (positions - self._first_array[shards]).tolist()  # a call per run would cost more
+            return [self._readers[s].payload(i) for s, i in zip(shards.tolist(), local, strict=True)]
+        order = np.argsort(positions, kind="stable")  # forward through the shards
+        ordered, shards = positions[order], shards[order]
+        cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
+        runs = []
+        for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
+            shard = int(shards[a])
+            runs.append(self._readers[shard].payloads(ordered[a:b] - self._first[shard]))
+        payloads: list[bytes | None] = [None] * len(positions)
+        for k, payload in zip(order.tolist(), itertools.chain.from_iterable(runs), strict=True):
+            payloads[k] = payload
+        return payloads
 
     def _sample(self, index: int) -> Any:
         """A multi-field sample, decoded and transformed."""
