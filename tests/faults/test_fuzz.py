@@ -6,8 +6,8 @@ checks: ``verify_pack`` raises :class:`PackdataError`, or passes only when the
 pack still reads exactly as the clean one (keys, labels, payloads: a flip that
 changes no meaning, such as one whitespace byte for another in a text index),
 and reading every
-sample through the map-style dataset with ``decode="bytes"`` either returns the
-original payload or raises a ``PackdataError``: never a traceback of another
+sample through the map-style dataset (and a TFRecord pack's stream too) with
+``decode="bytes"`` either returns the original payload or raises a ``PackdataError``: never a traceback of another
 kind, never other bytes. Labels come from the sample index, which has no
 checksum of its own: a flipped label is caught by ``verify``, and by readers only
 when it leaves ``[-1, len(classes))`` (the README says so). The skip report
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import image_bytes
 
-from packdata import PackdataError, convert, verify_pack
+from packdata import PackdataError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.reading.open import open_dataset
 
 CASES_PER_FORMAT = 150
@@ -43,7 +43,10 @@ def _pack(root: Path, fmt: str) -> Path:
 
 def _payloads(pack: Path) -> list[bytes]:
     ds = open_dataset(pack, decode="bytes")
-    return [ds[i][0] for i in range(len(ds))]
+    payloads = [ds[i][0] for i in range(len(ds))]
+    if isinstance(ds, TFRecordIndexedDataset):  # the stream reads the same records its own way
+        assert [bytes(data) for data, _ in TFRecordDataset(pack, decode="bytes", shuffle=False)] == payloads
+    return payloads
 
 
 def _content(pack: Path) -> tuple[list[str], list[int], list[bytes]]:
