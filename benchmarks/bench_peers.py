@@ -58,6 +58,8 @@ from packdata.reading.transforms import standard_transform
 
 SHARD = 64 << 20
 BATCH = 64
+DECODED_SPARE = 4
+"""Batches of an epoch beyond the decoded run's timed ones: its 3 warm-up batches, and one lost to partial batches."""
 TIMEOUT = 300  # seconds a worker may take for one batch before the reader counts as failed
 
 WRITERS = {  # id -> what the table calls it
@@ -452,7 +454,6 @@ def _epoch(reader: str, data: Data, workers: int, check: bool) -> float:
 def _decoded(reader: str, data: Data, batches: int) -> tuple[float, int]:
     """Decoded samples/s with 2 workers over ``batches`` batches after 3 warm-up batches, and the peak PSS."""
     decode = decode_image if data.kind == "images" else decode_text
-    batches = min(batches, len(data.files) // BATCH - 4)
     loader, _ = _loader(reader, data, 2, decode)
     with _MemorySampler(interval=0.1) as sampler:
         it = iter(loader)
@@ -607,6 +608,13 @@ def main() -> None:
     unknown = sorted(set(readers) - set(READERS))
     if unknown:
         parser.error(f"--only: unknown reader(s) {', '.join(unknown)}; choose from {', '.join(READERS)}")
+    need = (args.batches + DECODED_SPARE) * BATCH  # one epoch must hold the warm-up and the timed batches
+    for name, count in (("text", args.text), ("images", args.images)):
+        if 0 < count < need:
+            parser.error(
+                f"--{name} {count}: the decoded run needs {need} ({args.batches} timed batches of {BATCH} "
+                f"and {DECODED_SPARE} more); give more, or lower --batches"
+            )
     cold = not args.skip_cold and drop_caches()
     if not args.skip_cold and not cold:
         print("cannot drop the page cache (not root?): no cold reads, converts read a warm source", file=sys.stderr)
