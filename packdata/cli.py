@@ -178,7 +178,8 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     default="local",
     show_default=True,
     help="local: reader threads in this process. ray: one Ray task per shard "
-    "(pip install 'packdata[ray]'); SRC and DST's folder must be on storage every node sees.",
+    "(pip install 'packdata[ray]'); a local SRC and DST's folder must be on storage every node sees "
+    "(into a DST URL, each task uploads its own shard).",
 )
 @click.option(
     "--address",
@@ -211,6 +212,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert ./photos small.lmdb --max-side 256 --quality 90
       packdata convert ./corpus corpus.lmdb --kind text
       packdata convert /nfs/train /nfs/train.lmdb --engine ray --address auto
+      packdata convert /nfs/train s3://bucket/train.lmdb --engine ray   # tasks upload their shards
     """
     from packdata.conversion.convert import convert as run_convert
 

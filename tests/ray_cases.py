@@ -10,7 +10,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import signal
+import socket
+import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -392,3 +396,131 @@ def test_plan_by_bytes(clean_folder: Path) -> None:
     assert sum(t.files for t in plan) == N_CLASSES * PER_CLASS + 1
     big = list(plan_tasks(source, shard_samples=None, shard_size=1))
     assert [t.files for t in big] == [1] * (N_CLASSES * PER_CLASS + 1)  # a file over the limit gets its own task
+
+
+# -- into and from object storage (a moto S3 server on loopback; no storage shared with the workers) ----------------
+
+SECRET = "never-print-this-ray-secret-5b1d"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback; yields (storage_options with the credentials in them, filesystem).
+
+    The credentials travel in ``storage_options`` (not the environment): Ray's
+    workers started before this fixture, so the tasks can only have them from
+    the options the driver passes.
+    """
+    moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
+    s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    options = {
+        "key": "ray-testing-key-id",
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+    }
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("packs")
+    try:
+        yield options, fs
+    finally:
+        server.stop()
+
+
+def _download(fs, url: str, to: Path) -> Path:
+    """Every object of the pack at ``url``, copied as files into ``to``."""
+    root = url.removeprefix("s3://")
+    fs.invalidate_cache()
+    for path in fs.find(root):
+        target = to / path[len(root) + 1 :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(fs.cat_file(path))
+    return to
+
+
+def _files(pack: Path) -> list[str]:
+    return sorted(p.relative_to(pack).as_posix() for p in pack.rglob("*") if p.is_file() and p.name != "lock.mdb")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_ray_into_s3_equals_local(ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch, fmt: str) -> None:
+    """Tasks upload their shards themselves; the pack at the URL equals the local engine's, byte for byte."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    (clean_folder / "class0" / "notes.txt").write_text("not an image")  # a walk-time skip in the report
+    url = f"s3://packs/ray-{fmt}"
+    result = packdata.convert(
+        clean_folder, url, format=fmt, shard_samples=8, storage_options=options, progress=False, engine="ray"
+    )
+    local = tmp_path / "same-name" / f"ray-{fmt}"  # shard names follow the pack's name
+    expected = packdata.convert(clean_folder, local, format=fmt, shard_samples=8, progress=False)
+    got = _download(fs, url, tmp_path / "got" / f"ray-{fmt}")
+    assert result.pack == url and result.packed == expected.packed == N_CLASSES * PER_CLASS + 1
+    assert result.skipped == expected.skipped == {"not image": 1} and result.shards == 5
+    assert _files(got) == _files(local)  # nothing under a temporary name is left at the URL
+    for name in _files(local):
+        assert (got / name).read_bytes() == (local / name).read_bytes(), name
+    assert packdata.verify_pack(got, progress=False).records == result.packed
+    assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the driver's work folder is gone
+    assert not any(SECRET.encode() in (got / name).read_bytes() for name in _files(got))
+
+
+_DRIVER = """
+import json, sys
+import packdata
+packdata.convert(sys.argv[1], sys.argv[2], shard_samples=1, storage_options=json.loads(sys.argv[3]),
+                 progress=False, engine="ray", address=sys.argv[4])
+"""
+
+
+@pytest.mark.ray
+def test_ray_into_s3_killed_driver_leaves_no_manifest_and_resume_reruns_only_unfinished(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A driver killed mid-run leaves no manifest at the URL; resume reruns only tasks without complete objects."""
+    from packdata.conversion import ray as engine
+    from packdata.conversion.upload import work_folder
+
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = "s3://packs/killed.lmdb"
+    tasks = partial_path(work_folder(url)) / engine.TASKS_DIR
+    address = ray_local.get_runtime_context().gcs_address
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(clean_folder), url, json.dumps(options), address],
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while len(list(tasks.glob("*/result.json"))) < 3 and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    driver.send_signal(signal.SIGKILL)
+    output = driver.communicate(timeout=60)[0]
+    assert driver.returncode == -signal.SIGKILL, output.decode(errors="replace")[-2000:]
+    fs.invalidate_cache()
+    assert not fs.exists("packs/killed.lmdb/manifest.json")  # no manifest: no pack
+    done = sorted(tasks.glob("*/result.json"))
+    assert len(done) >= 3
+    mtimes = {p["name"]: p["LastModified"] for p in fs.find("packs/killed.lmdb", detail=True).values()}
+    first, lost = done[0].parent.name, done[1].parent.name
+    fs.rm_file(f"packs/killed.lmdb/shard-{lost}.lmdb/data.mdb")  # a saved task whose upload is gone runs again
+
+    result = packdata.convert(
+        clean_folder, url, shard_samples=1, storage_options=options, progress=False, engine="ray", resume=True
+    )
+    assert result.resumed and result.packed == N_CLASSES * PER_CLASS + 1
+    after = {p["name"]: p["LastModified"] for p in fs.find("packs/killed.lmdb", detail=True).values()}
+    kept = f"packs/killed.lmdb/shard-{first}.lmdb/data.mdb"
+    assert after[kept] == mtimes[kept]  # a finished task was not run again
+    assert f"packs/killed.lmdb/shard-{lost}.lmdb/data.mdb" in after
+    packdata.convert(clean_folder, tmp_path / "local.lmdb", shard_samples=1, progress=False)
+    got = _download(fs, url, tmp_path / "got" / "killed.lmdb")
+    _assert_same_pack(tmp_path / "local.lmdb", got)
+    assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(got)
+    assert SECRET.encode() not in output

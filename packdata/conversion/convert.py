@@ -90,7 +90,8 @@ def convert(
             (:func:`~packdata.conversion.upload.download_source`).
         dst: the pack to create (``out.lmdb``; a folder for TFRecord), or a URL
             (``s3://bucket/out.lmdb``): packed locally, then uploaded, the
-            manifest last (:mod:`packdata.conversion.upload`).
+            manifest last (:mod:`packdata.conversion.upload`); on Ray each
+            task uploads its own shard (:mod:`packdata.conversion.ray_remote`).
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
         workers: parallel reader threads (default: 4 per CPU, at most 32).
@@ -186,6 +187,7 @@ def convert(
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray
 
+            upload_to, target = _UPLOAD_TO.get()
             return convert_on_ray(
                 source,
                 dst,
@@ -196,6 +198,7 @@ def convert(
                 progress=progress,
                 address=address,
                 started=started,
+                target=target if upload_to == dst else None,
             )
         return _convert_local(
             source, dst, opts, workers=workers, overwrite=overwrite, resume=resume, progress=progress, started=started
@@ -291,11 +294,15 @@ def _result_of(pack: Path, started: float) -> ConvertResult:
 
 
 def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
-    """Convert into a local work folder, uploading shards as they close, then the rest (manifest last)."""
-    if options["append"] or options["engine"] != "local":
-        raise ConfigError(
-            "a URL destination takes a new pack from the local engine", hint="Convert locally, then upload"
-        )
+    """Convert into a local work folder, uploading shards as they close, then the rest (manifest last).
+
+    On the Ray engine the work folder holds only the driver's pieces: each
+    task uploads its own shard (:mod:`packdata.conversion.ray_remote`).
+    """
+    if options["append"]:
+        raise ConfigError("a URL destination takes a new pack", hint="Append locally, then upload")
+    if options["engine"] == "ray":
+        return _convert_to_url_on_ray(src, url, options)
     storage = options["storage_options"]
     check_remote_destination(url, storage, overwrite=options["overwrite"])
     local = work_folder(url)
@@ -325,6 +332,35 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     clean_work_folder(local)
     result.pack = display_url(url)
     return result
+
+
+def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
+    """Convert on Ray into ``url``: tasks upload their shards, the driver the index, skip report and manifest."""
+    from packdata.conversion.ray_remote import RemoteTarget
+
+    storage = options["storage_options"]
+    check_remote_destination(url, storage, overwrite=options["overwrite"])
+    local = work_folder(url)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k != "overwrite"}
+    kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
+    end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
+    token = _UPLOAD_TO.set((local, RemoteTarget(url, storage)))
+    try:
+        result = convert(src, local, **kwargs)
+    finally:
+        _UPLOAD_TO.reset(token)
+    clean_work_folder(local)
+    result.pack = display_url(url)
+    return result
+
+
+_UPLOAD_TO: ContextVar[tuple[Path, Any]] = ContextVar("packdata_ray_upload_to", default=(Path(), None))
+"""The work folder of a Ray conversion into a URL, and its ``RemoteTarget``.
+
+Set by :func:`_convert_to_url_on_ray` around the conversion into that folder,
+so the Ray engine converting into it uploads to the URL instead of publishing.
+"""
 
 
 def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any]) -> ConvertResult:

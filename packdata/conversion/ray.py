@@ -3,7 +3,9 @@
 One Ray task per shard reads its files with the local engine's reader and writes
 its shard, index fragment and skip list into ``.NAME.partial``; the driver gathers
 them in plan order, writes the manifest and renames the pack into place, as the
-local engine does. How it plans, scales, fails and resumes: ``docs/architecture.md``.
+local engine does. Into a URL, each task writes in a worker-local folder and
+uploads its own shard (:mod:`packdata.conversion.ray_remote`). How it plans,
+scales, fails and resumes: ``docs/architecture.md``.
 """
 
 # Over ~500 lines: planner, task and gather of one engine, read together.
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +45,15 @@ from packdata.conversion.publish import (
     record_skip,
     skip_line,
 )
+from packdata.conversion.ray_remote import (
+    RemoteTarget,
+    check_object_name,
+    objects_complete,
+    place_shards,
+    upload_task_files,
+)
 from packdata.conversion.sources import Skip, SourceFile, SourceGroup
+from packdata.conversion.upload import upload_pack
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write, fsync_dir
@@ -165,18 +176,43 @@ def _task_dir(partial: Path, number: int) -> Path:
     return partial / TASKS_DIR / f"{number:05d}"
 
 
-def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) -> dict[str, Any]:
+def run_shard_task(
+    task: ShardTask, partial: str, opts: _Options, threads: int, target: RemoteTarget | None = None
+) -> dict[str, Any]:
     """Read the files of one task and write its shard, index fragment and skip list (runs in a Ray worker).
 
     Starts from scratch every attempt, so a retried task overwrites what a dead
     attempt left. Returns a small JSON-ready summary, also saved as
     ``tasks/NNNNN/result.json`` (written last) for ``resume``; with
     ``on_error="fail"`` a bad file is returned as ``{"failed": ...}``.
+    With a ``target`` URL, ``partial`` is not used: the task writes in a
+    worker-local temporary folder, uploads its shard files to the URL and
+    returns its fragment files in the summary (``"fragment"``: name -> bytes)
+    with the uploaded objects' sizes and MD5s (``"objects"``).
     """
-    pack = Path(partial)
+    if target is None:
+        if not (Path(partial) / TASKS_DIR).is_dir():
+            raise EngineError("the conversion this task belongs to is gone", path=partial)
+        return _write_shard(task, Path(partial), opts, threads)
+    pack = Path(tempfile.mkdtemp(prefix="packdata-task-"))
+    try:
+        (pack / TASKS_DIR).mkdir()
+        summary = _write_shard(task, pack, opts, threads)
+        if "failed" in summary:
+            return summary
+        summary["objects"] = upload_task_files(pack, TASKS_DIR, target) if summary["shard"] else {}
+        work = _task_dir(pack, task.number)
+        summary["fragment"] = {
+            p.relative_to(work).as_posix(): p.read_bytes() for p in work.rglob("*") if p.is_file() and p.name != _RESULT
+        }
+        return summary
+    finally:
+        shutil.rmtree(pack, ignore_errors=True)
+
+
+def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> dict[str, Any]:
+    """Write one task's shard into ``pack``, its fragment and result into ``tasks/NNNNN``; the summary."""
     work = _task_dir(pack, task.number)
-    if not work.parent.is_dir():
-        raise EngineError("the conversion this task belongs to is gone", path=pack)
     if work.exists():
         shutil.rmtree(work)
     work.mkdir()
@@ -244,8 +280,25 @@ def run_shard_task(task: ShardTask, partial: str, opts: _Options, threads: int) 
     return summary
 
 
-def _saved_result(partial: Path, task: ShardTask) -> dict[str, Any] | None:
-    """The result an interrupted run saved for ``task``, if it is complete and for the same files."""
+def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write the fragment files a remote task returned into ``tasks/NNNNN`` and save its result there, last."""
+    work = _task_dir(partial, int(result["number"]))
+    if work.exists():
+        shutil.rmtree(work)
+    for rel, data in result.pop("fragment").items():
+        path = work.joinpath(*check_object_name(rel, os.fspath(work)).split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    atomic_write(work / _RESULT, json.dumps(result, ensure_ascii=False).encode("utf-8"))
+    return result
+
+
+def _saved_result(partial: Path, task: ShardTask, target: RemoteTarget | None) -> dict[str, Any] | None:
+    """The result an interrupted run saved for ``task``, if it is complete and for the same files.
+
+    Complete: its shard is in the partial folder or, with a ``target`` URL,
+    every object the task uploaded is there with its recorded size and MD5.
+    """
     path = _task_dir(partial, task.number) / _RESULT
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -254,7 +307,9 @@ def _saved_result(partial: Path, task: ShardTask) -> dict[str, Any] | None:
     if saved.get("fingerprint") != task.fingerprint:
         return None
     shard = saved.get("shard")
-    if shard is not None and not (partial / shard["file"]).exists():
+    if shard is not None and target is None and not (partial / shard["file"]).exists():
+        return None
+    if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
         return None
     return saved
 
@@ -281,6 +336,7 @@ class _Gatherer:
         self.field_end = 0
         self.report = open(partial / SKIP_REPORT, "wb")  # noqa: SIM115
         self.shards: list[ShardInfo] = []
+        self.objects: list[dict[str, list[Any]]] = []  # per shard, the objects its task uploaded (into a URL)
         self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
@@ -301,6 +357,7 @@ class _Gatherer:
             self.shards.append(
                 ShardInfo(shard["file"], shard["num_samples"], self.samples, shard["bytes"], shard["sha256"])
             )
+            self.objects.append(result.get("objects") or {})
         self.samples += result["samples"]
         self.files_found += result["entries"]
         self.bytes_in += result["bytes_in"]
@@ -422,6 +479,7 @@ def convert_on_ray(
     progress: bool,
     address: str | None,
     started: float,
+    target: RemoteTarget | None = None,
 ) -> ConvertResult:
     """Run a checked conversion as Ray tasks; called by :func:`packdata.conversion.convert.convert`.
 
@@ -435,6 +493,8 @@ def convert_on_ray(
         progress: show a progress bar on stderr.
         address: the Ray cluster to join; None starts a local Ray instance.
         started: ``time.perf_counter()`` when the conversion began.
+        target: the URL the pack goes to; ``dst`` is then the driver's local
+            work folder, and no storage is shared with the workers.
 
     Raises:
         EngineError: Ray is missing or unreachable, or a task failed for good.
@@ -458,6 +518,7 @@ def convert_on_ray(
                 threads=workers or DEFAULT_TASK_THREADS,
                 resumed=resumed,
                 progress=progress,
+                target=target,
             )
         finally:
             gatherer.close()
@@ -467,6 +528,10 @@ def convert_on_ray(
     if gatherer.samples == 0:
         shutil.rmtree(partial)
         raise _no_samples_error(source, gatherer.skipped)
+    writer_cls = shard_writer(opts.format)
+    if target is not None:  # before the plan goes: a failure here is resumable
+        shards = writer_cls.final_shards(partial, gatherer.shards)
+        place_shards(target, gatherer.shards, shards, gatherer.objects)
     # The plan goes first: a run killed from here on starts afresh on --resume, never
     # resumes from task results whose index fragments are half deleted.
     (partial / _PLAN).unlink()
@@ -474,8 +539,8 @@ def convert_on_ray(
     shutil.rmtree(partial / TASKS_DIR)
     if resumed:
         _drop_strays(partial, gatherer.shards)
-    writer_cls = shard_writer(opts.format)
-    shards = writer_cls.finalize(partial, gatherer.shards)
+    if target is None:
+        shards = writer_cls.finalize(partial, gatherer.shards)
     extend_classes(source, partial)
     manifest = _make_manifest(
         source,
@@ -489,7 +554,11 @@ def convert_on_ray(
         field_names=gatherer.field_names,
     )
     write_manifest(partial, manifest)
-    _publish(partial, dst, overwrite=overwrite)
+    if target is None:
+        _publish(partial, dst, overwrite=overwrite)
+    else:  # index and skip report, then the manifest
+        upload_pack(partial, target.url, storage_options=target.storage_options, workers=workers, progress=progress)
+        shutil.rmtree(partial)
     return make_result(
         dst,
         opts,
@@ -515,6 +584,7 @@ def _run_tasks(
     threads: int,
     resumed: bool,
     progress: bool,
+    target: RemoteTarget | None,
 ) -> None:
     """Submit the plan with bounded tasks in flight and gather results in plan order."""
     remote = ray.remote(run_shard_task)
@@ -540,6 +610,8 @@ def _run_tasks(
                         path=partial,
                         hint="Fix the cause and rerun with --resume: finished shards are kept",
                     ) from exc
+                if "fragment" in result:
+                    result = _keep_fragment(partial, result)
                 results[result["number"]] = result
                 bar.update(entries)
         while queue and queue[0] in results:
@@ -554,7 +626,7 @@ def _run_tasks(
         with bar:
             for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size):
                 queue.append(task.number)  # the entries travel with the task, not kept here
-                saved = _saved_result(partial, task) if resumed else None
+                saved = _saved_result(partial, task, target) if resumed else None
                 if saved is not None:
                     results[task.number] = saved
                     bar.update(len(task.entries))
@@ -564,7 +636,7 @@ def _run_tasks(
                         max_retries=MAX_RETRIES,
                         retry_exceptions=[OSError],
                         name=f"packdata-shard-{task.number:05d}",
-                    ).remote(task, os.fspath(partial), opts, threads)
+                    ).remote(task, os.fspath(partial), opts, threads, target)
                     in_flight[ref] = (task.describe(), len(task.entries))
                 while len(in_flight) >= limit:
                     settle(block=True)

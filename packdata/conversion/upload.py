@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,15 @@ from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
-__all__ = ["ShardUploader", "download_source", "end_remote_pack", "upload_pack", "work_folder"]
+__all__ = [
+    "ShardUploader",
+    "download_source",
+    "end_remote_pack",
+    "file_md5",
+    "object_matches",
+    "upload_pack",
+    "work_folder",
+]
 
 
 def work_folder(url: str) -> Path:
@@ -242,19 +251,25 @@ def _move_renamed(fs: Any, root: str, local: Path, files: list[Path], early: dic
 
 def _already_there(fs: Any, target: str, path: Path) -> bool:
     """An object uploaded by an interrupted run: the same size and, when the store gives one, the same MD5."""
+    return object_matches(fs, target, path.stat().st_size, lambda: file_md5(path))
+
+
+def object_matches(fs: Any, target: str, size: int, md5: str | Callable[[], str]) -> bool:
+    """Whether the object ``target`` on ``fs`` has ``size`` bytes and, when the store reports one, MD5 ``md5``.
+
+    Stores report an object's MD5 as its ETag for single-part uploads only; a
+    multi-part object is checked by size. ``md5`` may be a function, called
+    only when there is an MD5 to compare.
+    """
     try:
         info = fs.info(target)
     except FileNotFoundError:
         return False
-    if int(info.get("size", -1)) != path.stat().st_size:
+    if int(info.get("size", -1)) != size:
         return False
     etag = str(info.get("ETag", info.get("etag", ""))).strip('"')
     if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
-        digest = hashlib.md5(usedforsecurity=False)
-        with open(path, "rb") as f:
-            while block := f.read(8 << 20):
-                digest.update(block)
-        return digest.hexdigest() == etag
+        return (md5() if callable(md5) else md5) == etag
     return True
 
 
@@ -274,6 +289,15 @@ def _check_room(folder: Path, needed: int, what: str) -> None:
             path=folder,
             hint=_WORK_FOLDER_HINT,
         )
+
+
+def file_md5(path: Path) -> str:
+    """The MD5 of a local file, hex (what a store reports as a single-part object's ETag)."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def clean_work_folder(local: Path) -> None:

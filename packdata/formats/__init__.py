@@ -51,7 +51,8 @@ class ShardWriter(Protocol):
     index within the shard of the first record to drop), makes them durable in
     :meth:`sync` and returns ``(bytes, sha256)`` from :meth:`close`. Its static
     ``shard_name(number)`` names shard files and ``finalize(pack, shards)``
-    gives them their final names once the shard count is known.
+    gives them their final names once the shard count is known
+    (``final_shards`` says which, without touching a file).
     """
 
     def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None: ...
@@ -62,6 +63,8 @@ class ShardWriter(Protocol):
     def shard_name(number: int) -> str: ...
     @staticmethod
     def finalize(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]: ...
+    @staticmethod
+    def final_shards(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]: ...
 
 
 @dataclass(frozen=True)

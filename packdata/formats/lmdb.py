@@ -152,6 +152,11 @@ class LMDBShardWriter:
         """LMDB shards keep the names they were written under."""
         return shards
 
+    @staticmethod
+    def final_shards(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """LMDB shards keep the names they were written under."""
+        return shards
+
     def _truncate(self, first_dropped: int) -> None:
         """Delete every record at or after index ``first_dropped``."""
         with self._env.begin(write=True) as txn:

@@ -162,14 +162,9 @@ class TFRecordShardWriter:
         ``.NAME.partial`` folder convert writes into. Repeatable: a file already
         under its final name (a run killed while renaming) is left there.
         """
-        name = Path(pack).name
-        if name.startswith(".") and name.endswith(".partial"):
-            name = name[1 : -len(".partial")]
-        name = (name[: -len(Path(name).suffix)] if Path(name).suffix else name) or "data"
-        out = []
-        for number, shard in enumerate(shards):
-            final = f"{name}-{number:05d}-of-{len(shards):05d}{SHARD_SUFFIX}"
-            old, new = Path(pack) / shard.file, Path(pack) / final
+        out = TFRecordShardWriter.final_shards(pack, shards)
+        for shard, final in zip(shards, out, strict=True):
+            old, new = Path(pack) / shard.file, Path(pack) / final.file
             for source, target, required in (
                 (index_path(old), index_path(new), True),
                 (payload_path(old), payload_path(new), False),
@@ -177,8 +172,20 @@ class TFRecordShardWriter:
             ):
                 if source.exists() or (required and not target.exists()):
                     os.replace(source, target)
-            out.append(dataclasses.replace(shard, file=final))
         return out
+
+    @staticmethod
+    def final_shards(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """``shards`` under the names :meth:`finalize` gives them; no file is touched."""
+        name = Path(pack).name
+        if name.startswith(".") and name.endswith(".partial"):
+            name = name[1 : -len(".partial")]
+        name = (name[: -len(Path(name).suffix)] if Path(name).suffix else name) or "data"
+        count = len(shards)
+        return [
+            dataclasses.replace(shard, file=f"{name}-{number:05d}-of-{count:05d}{SHARD_SUFFIX}")
+            for number, shard in enumerate(shards)
+        ]
 
     def _truncate(self, keep: int) -> None:
         lines = self.index_path.read_bytes().split(b"\n")

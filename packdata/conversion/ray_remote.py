@@ -1,0 +1,121 @@
+"""Ray conversion into object storage: each task uploads its own shard, the driver the manifest, last.
+
+No storage is shared between the driver and the Ray workers. A task writes its
+shard in a worker-local temporary folder, uploads the shard's files to the
+destination URL under the names it wrote them (``shard-00003.lmdb/data.mdb``,
+``part-00003.tfrecord``), and returns its index fragment and skip lines with
+each uploaded object's size and MD5. The driver keeps those small pieces in a
+local work folder (for ``resume``: a task whose objects are all there with
+their recorded size and MD5 is not run again), builds the index and manifest
+there, moves renamed shards (TFRecord ``-of-N`` names) on the store, checks the
+size of every object, then uploads the index, the skip report and the manifest
+last: the pack exists once its manifest does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packdata.conversion.upload import file_md5, object_matches
+from packdata.errors import EngineError, PackFormatError
+from packdata.pack.manifest import ShardInfo
+from packdata.pack.urls import display_url, open_url, remote_error
+
+__all__ = ["RemoteTarget", "check_object_name", "objects_complete", "place_shards", "upload_task_files"]
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """Where the tasks of a Ray conversion upload: the pack's URL and its fsspec options (never shown)."""
+
+    url: str
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def shown(self) -> str:
+        """The URL without credentials, for messages."""
+        return display_url(self.url)
+
+    def open(self) -> tuple[Any, str]:
+        """The filesystem and the pack's root on it (no trailing slash), with no cached listing."""
+        fs, root = open_url(self.url, self.storage_options)
+        fs.invalidate_cache()  # objects come and go from other processes (the tasks)
+        return fs, root.rstrip("/")
+
+
+def check_object_name(rel: str, where: str) -> str:
+    """``rel`` if it is a relative object name with no ``..``, ``.`` or empty parts.
+
+    Raises:
+        EngineError: it is not (a damaged or foreign task result).
+    """
+    if not isinstance(rel, str) or any(part in ("", ".", "..") for part in rel.split("/")) or "\\" in rel:
+        raise EngineError(f"a task result names the object {rel!r}, which is not a name inside the pack", path=where)
+    return rel
+
+
+def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str, list[Any]]:
+    """Upload every file under ``pack`` but the ``leave`` folder to ``target``; ``{name: [size, md5]}``.
+
+    Raises:
+        SourceError: an upload failed (the message shows the URL and the error's type only).
+    """
+    fs, root = target.open()
+    objects: dict[str, list[Any]] = {}
+    for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.relative_to(pack).parts[0] != leave):
+        rel = path.relative_to(pack).as_posix()
+        try:
+            fs.put_file(os.fspath(path), f"{root}/{rel}")
+        except Exception as exc:
+            raise remote_error(target.shown, f"uploading {rel} failed", exc, resumable=True) from exc
+        objects[rel] = [path.stat().st_size, file_md5(path)]
+    return objects
+
+
+def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> bool:
+    """Whether every object a task recorded is at ``target`` with its size and (when the store says) MD5."""
+    fs, root = target.open()
+    try:
+        return bool(objects) and all(
+            object_matches(fs, f"{root}/{check_object_name(rel, target.shown)}", int(size), str(md5))
+            for rel, (size, md5) in objects.items()
+        )
+    except (TypeError, ValueError):
+        return False  # a damaged record: run the task again
+
+
+def place_shards(
+    target: RemoteTarget, written: list[ShardInfo], final: list[ShardInfo], objects: list[dict[str, list[Any]]]
+) -> None:
+    """Move each shard's objects from their written names to their final ones, then check every object's size.
+
+    A shard's companions share its stem (``part-00003.tfindex``), so they move
+    with it. Repeatable: an object already under its final name is left there.
+
+    Raises:
+        PackFormatError: an object is missing or has another size than its task wrote (rerun with resume).
+        SourceError: a request failed.
+    """
+    fs, root = target.open()
+    for old, new, files in zip(written, final, objects, strict=True):
+        old_stem, new_stem = Path(old.file).stem, Path(new.file).stem
+        for rel, (size, _) in sorted(files.items()):
+            head, dot, rest = check_object_name(rel, target.shown).partition(".")
+            name = f"{new_stem}{dot}{rest}" if head == old_stem else rel
+            try:
+                if name != rel and fs.exists(f"{root}/{rel}"):
+                    fs.mv(f"{root}/{rel}", f"{root}/{name}")
+                found = int(fs.info(f"{root}/{name}").get("size", -1))
+            except FileNotFoundError:
+                found = -1
+            except Exception as exc:
+                raise remote_error(target.shown, f"cannot move or look up {name}", exc, resumable=True) from exc
+            if found != int(size):
+                state = "is missing" if found < 0 else f"holds {found} bytes"
+                raise PackFormatError(
+                    f"{target.shown}: {name} {state}; its task uploaded {size} bytes",
+                    hint="Rerun with --resume: that task runs again",
+                )
