@@ -524,3 +524,66 @@ def test_ray_into_s3_killed_driver_leaves_no_manifest_and_resume_reruns_only_unf
     _assert_same_pack(tmp_path / "local.lmdb", got)
     assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(got)
     assert SECRET.encode() not in output
+
+
+@pytest.mark.ray
+def test_ray_from_an_s3_folder_equals_local(ray_local, s3, poisoned_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    """Tasks read the objects in place (nothing is copied on the driver); the pack is the local folder's."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    (poisoned_folder / "class1" / ".hidden.jpg").write_bytes(_tiny_jpeg(3))
+    fs.put(str(poisoned_folder), "packs/src-folder", recursive=True)
+    limits = {"shard_samples": 7, "max_side": 9}
+    result = packdata.convert(
+        "s3://packs/src-folder", tmp_path / "ray.lmdb", storage_options=options, progress=False, engine="ray", **limits
+    )
+    local = packdata.convert(poisoned_folder, tmp_path / "local.lmdb", progress=False, **limits)
+    assert not (tmp_path / "work").exists()  # no copy of the source was made on the driver
+    _assert_same_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+    assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(tmp_path / "ray.lmdb")
+    assert result.packed == local.packed == N_CLASSES * PER_CLASS + 1 and result.found == local.found
+    assert result.skipped == local.skipped and result.skip_examples == local.skip_examples
+    assert result.bytes_in == local.bytes_in and result.reencoded == local.reencoded > 0
+    assert read_manifest(tmp_path / "ray.lmdb").classes == ["class0", "class1", "class2"]
+
+
+@pytest.mark.ray
+def test_ray_from_an_s3_folder_into_s3_skips_unsafe_names(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+):
+    """Objects named with '..' or empty parts are never read: skip report lines, as the local engine has them."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    fs.put(str(clean_folder), "packs/unsafe-src", recursive=True)
+    fs.pipe_file("packs/unsafe-src/class0/../../escaped.jpg", _tiny_jpeg(99))
+    fs.pipe_file("packs/unsafe-src/class2//5.jpg", _tiny_jpeg(98))
+    url = "s3://packs/from-s3.lmdb"
+    result = packdata.convert(
+        "s3://packs/unsafe-src", url, shard_samples=10, storage_options=options, progress=False, engine="ray"
+    )
+    local = tmp_path / "local" / "from-s3.lmdb"
+    expected = packdata.convert(
+        "s3://packs/unsafe-src", local, shard_samples=10, storage_options=options, progress=False
+    )
+    assert result.skipped == expected.skipped == {"unsafe name": 2} and result.found == expected.found
+    got = _download(fs, url, tmp_path / "got" / "from-s3.lmdb")
+    _assert_same_pack(local, got)
+    assert _lmdb_content(local) == _lmdb_content(got)
+    lines = [json.loads(line) for line in (got / "skipped.jsonl").read_text().splitlines()]
+    assert [(line["key"], line["reason"]) for line in lines] == [
+        ("class0/../../escaped.jpg", "unsafe name"),
+        ("class2//5.jpg", "unsafe name"),
+    ]
+    assert not (tmp_path / "escaped.jpg").exists() and SECRET not in (got / "skipped.jsonl").read_text()
+
+
+@pytest.mark.ray
+def test_ray_refuses_grouped_files_at_a_url(ray_local, s3, grouped_folder: Path) -> None:
+    from packdata.errors import ConfigError
+
+    options, fs = s3
+    fs.put(str(grouped_folder), "packs/grouped-src", recursive=True)
+    with pytest.raises(ConfigError, match=r"s3://packs/grouped-src: .* are grouped files; the Ray engine reads class"):
+        packdata.convert(
+            "s3://packs/grouped-src", "/nonexistent/x.lmdb", storage_options=options, progress=False, engine="ray"
+        )

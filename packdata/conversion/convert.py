@@ -32,6 +32,7 @@ from packdata.conversion.publish import (
     _check_paths,
     partial_path,
 )
+from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
 from packdata.conversion.sources import Skip, scan_source
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
@@ -87,7 +88,9 @@ def convert(
             ``storage_options``): tar shards and list files are read in place
             through fsspec (no local copy; a list's relative paths name objects
             beside it); a folder is first copied into a local work folder
-            (:func:`~packdata.conversion.upload.download_source`).
+            (:func:`~packdata.conversion.upload.download_source`), except on
+            Ray, whose tasks read class folders in place
+            (:mod:`packdata.conversion.remote_folder`).
         dst: the pack to create (``out.lmdb``; a folder for TFRecord), or a URL
             (``s3://bucket/out.lmdb``): packed locally, then uploaded, the
             manifest last (:mod:`packdata.conversion.upload`); on Ray each
@@ -135,7 +138,8 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
-    streamed = is_url(src) and _streams(os.fspath(src))  # tar shards or a list at a URL: read in place
+    # tar shards or a list at a URL, or on Ray a folder at a URL: read in place
+    streamed = is_url(src) and (_streams(os.fspath(src)) or engine == "ray")
     if is_url(src) and not streamed:
         return _convert_from_url(os.fspath(src), dst, locals())
     if is_url(dst):
@@ -161,10 +165,10 @@ def convert(
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
     source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
-    if engine == "ray" and (isinstance(source, TarSource) or streamed):
+    if engine == "ray" and (isinstance(source, TarSource) or (streamed and not isinstance(source, RemoteFolder))):
         raise ConfigError(
-            "the Ray engine packs local folders and list files (tar shards are read as one stream; "
-            "a list at a URL is read by the local engine)",
+            "the Ray engine packs local folders and list files, and class folders at a URL (tar shards are "
+            "read as one stream; a list at a URL is read by the local engine)",
             hint="Pass engine='local'",
         )
     if source.kind == "fields" and max_side is not None:
@@ -234,6 +238,10 @@ def _scan(
         if require:
             raise ConfigError("require is for grouped files and list files", hint="Drop require")
         return scan_tars(os.fspath(src), storage_options)
+    if isinstance(src, str) and os.path.splitext(src.rstrip("/"))[1].lower() not in LIST_SUFFIXES:
+        if require or label_column is not None:
+            raise ConfigError("require and label_column are for grouped files and list files", path=display_url(src))
+        return scan_remote_folder(src, storage_options, kind, layout)  # a folder at a URL, on Ray
     if isinstance(src, str):
         return scan_list(src, path_column=path_column, label_column=label_column, storage_options=storage_options)
     if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):

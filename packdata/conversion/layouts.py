@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from packdata.conversion.remote_folder import RemoteFolder
 from packdata.conversion.sources import RemoteFile, Skip, Source, SourceGroup, _is_hidden, _walk_files
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
@@ -328,5 +329,5 @@ def scan_list(
     return source
 
 
-AnySource = Source | GroupedSource | ListSource | TarSource
+AnySource = Source | GroupedSource | ListSource | TarSource | RemoteFolder
 """A scanned source of any layout: a walk of entries, classes, kind and field codecs."""

@@ -17,6 +17,7 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 
+from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup
 from packdata.errors import (
     ImageFormatError,
@@ -69,6 +70,8 @@ def _source_bytes(entry: Entry, sample: Sample, reencoded: bool) -> int:
     "bytes in" reports the source, so a ``max_side`` convert shows what it read,
     not what it wrote; should the file have gone since it was read, the data's size stands in.
     """
+    if reencoded and isinstance(entry, RemoteSourceFile):
+        return entry.size
     if reencoded and isinstance(entry, SourceFile):
         try:
             return os.stat(entry.path).st_size
@@ -84,7 +87,10 @@ def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Ski
     """
     if isinstance(entry, SourceGroup):
         return _load_group(entry, opts), False
-    data = _read_or_skip(entry.key, entry.path)
+    if isinstance(entry, RemoteSourceFile) and entry.remote is not None:
+        data = entry.remote.read(entry.key)
+    else:
+        data = _read_or_skip(entry.key, entry.path)
     if isinstance(data, Skip):
         return data, False
     if not data:

@@ -52,6 +52,7 @@ from packdata.conversion.ray_remote import (
     place_shards,
     upload_task_files,
 )
+from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import Skip, SourceFile, SourceGroup
 from packdata.conversion.upload import upload_pack
 from packdata.errors import ConfigError, EngineError
@@ -130,6 +131,8 @@ def _file_size(path: str) -> int:
 
 def _entry_size(entry: SourceFile | SourceGroup) -> int:
     """The source bytes of a file or a group (its files' sizes and its inline values)."""
+    if isinstance(entry, RemoteSourceFile):
+        return entry.size
     if isinstance(entry, SourceFile):
         return _file_size(entry.path)
     on_disk = sum(_file_size(path) for _, path in entry.files if isinstance(path, str))

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.publish import PROGRESS_FILE
+from packdata.conversion.remote_folder import list_folder
 from packdata.conversion.sources import Skip
-from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
@@ -319,31 +320,15 @@ def download_source(
     Raises:
         SourceError: the URL cannot be listed or holds no file.
     """
-    fs, root = open_url(url, storage_options)
-    root = root.rstrip("/")
+    fs, root, objects, refused = list_folder(url, storage_options)
     shown = display_url(url)
-    try:
-        listing = fs.find(root, detail=True)
-    except Exception as exc:
-        raise remote_error(shown, "cannot list the source", exc) from exc
     local = work_folder(f"source:{shown}")
     local.mkdir(parents=True, exist_ok=True)
     todo = []
-    refused: list[Skip] = []
-    for path, info in sorted(listing.items()):
-        if info.get("type") == "directory" or path.rstrip("/") == root:
-            continue
-        rel = path[len(root) + 1 :] if path.startswith(f"{root}/") else path
-        parts = rel.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            refused.append(Skip(rel, "unsafe name", "'..', '.' or empty parts would leave the work folder: not copied"))
-            continue
-        target = local.joinpath(*parts)
-        size = int(info.get("size") or 0)
+    for path, rel, size in objects:
+        target = local.joinpath(*rel.split("/"))
         if not (target.is_file() and target.stat().st_size == size):
             todo.append((path, target, size))
-    if not listing:
-        raise SourceError(f"{shown}: no files there", hint="Check the URL")
     _check_room(local, sum(size for _, _, size in todo), "the source's files")
 
     def get(item: tuple[str, Path, int]) -> int:
