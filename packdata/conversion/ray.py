@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +49,7 @@ from packdata.conversion.ray_remote import (
     check_object_name,
     objects_complete,
     place_shards,
+    task_folder,
     upload_task_files,
 )
 from packdata.conversion.remote_folder import RemoteSourceFile
@@ -197,9 +197,9 @@ def run_shard_task(
         if not (Path(partial) / TASKS_DIR).is_dir():
             raise EngineError("the conversion this task belongs to is gone", path=partial)
         return _write_shard(task, Path(partial), opts, threads)
-    pack = Path(tempfile.mkdtemp(prefix="packdata-task-"))
-    try:
-        (pack / TASKS_DIR).mkdir()
+    with task_folder() as folder:
+        pack = folder / "pack"  # beside the task's lock file, which is not uploaded
+        (pack / TASKS_DIR).mkdir(parents=True)
         summary = _write_shard(task, pack, opts, threads)
         if "failed" in summary:
             return summary
@@ -209,8 +209,6 @@ def run_shard_task(
             p.relative_to(work).as_posix(): p.read_bytes() for p in work.rglob("*") if p.is_file() and p.name != _RESULT
         }
         return summary
-    finally:
-        shutil.rmtree(pack, ignore_errors=True)
 
 
 def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> dict[str, Any]:

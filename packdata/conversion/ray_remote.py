@@ -14,17 +14,81 @@ last: the pack exists once its manifest does.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packdata.conversion.upload import file_md5, object_matches
 from packdata.errors import EngineError, PackFormatError
+from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.urls import display_url, open_url, remote_error
 
-__all__ = ["RemoteTarget", "check_object_name", "objects_complete", "place_shards", "upload_task_files"]
+__all__ = [
+    "RemoteTarget",
+    "check_object_name",
+    "objects_complete",
+    "place_shards",
+    "task_folder",
+    "upload_task_files",
+]
+
+_TASK_PREFIX = "packdata-task-"
+_TASK_LOCK = ".task.lock"
+_TASK_GRACE_S = 60.0  # a lock file this old and not held: its task died (a new one is held within microseconds)
+
+
+@contextlib.contextmanager
+def task_folder() -> Iterator[Path]:
+    """A worker-local temporary folder for one task (in ``$PACKDATA_TMP`` or the system's), removed after.
+
+    The task holds an ``flock`` on a lock file inside it while it runs. A
+    killed worker never runs its clean-up, so each new task first removes
+    sibling folders whose lock nobody holds and that are older than a minute:
+    their task is dead (the kernel drops a dead process's locks), and a shard
+    left there would fill the worker's disk over many retries.
+    """
+    base = Path(os.environ.get("PACKDATA_TMP") or tempfile.gettempdir())
+    _sweep_dead_tasks(base)
+    folder = Path(tempfile.mkdtemp(prefix=_TASK_PREFIX, dir=base))
+    try:
+        with hold_lock(folder / _TASK_LOCK, what="packdata convert (Ray task)", target=folder):
+            yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_dead_tasks(base: Path) -> None:
+    """Remove the task folders in ``base`` left by dead tasks (ours, real folders, unlocked, old)."""
+    try:
+        candidates = [p for p in base.iterdir() if p.name.startswith(_TASK_PREFIX)]
+    except OSError:
+        return
+    for folder in candidates:
+        try:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue  # a symlink or someone else's: never followed, never removed
+            fd = os.open(folder / _TASK_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue  # no lock file: not a task folder we can judge
+        try:
+            if time.time() - os.fstat(fd).st_mtime < _TASK_GRACE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)  # still holding the lock: no other sweeper races us
+        except OSError:
+            continue  # BlockingIOError: its task is alive
+        finally:
+            os.close(fd)
 
 
 @dataclass(frozen=True)

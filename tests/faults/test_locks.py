@@ -201,3 +201,62 @@ def test_a_file_in_the_place_of_the_lock_is_refused_and_left_untouched(
     if before_digest is not None:
         assert tree_digest(tmp_path / "out") == before_digest
     assert precious.read_text() == "not a lock\n"
+
+
+_HELD_TASK_FOLDER = """
+import os, sys, time
+from pathlib import Path
+from packdata.conversion.ray_remote import task_folder
+with task_folder() as folder:
+    (folder / "pack").mkdir()
+    (folder / "pack" / "data.mdb").write_bytes(b"x" * 4096)  # a half-written shard
+    Path(sys.argv[1] + ".tmp").write_text(str(folder))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+"""
+
+
+def _task_holder(tmp: Path, ready: Path) -> tuple[subprocess.Popen, Path]:
+    """A child process inside ``task_folder()`` (as a Ray task is) and the folder it holds."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HELD_TASK_FOLDER, str(ready)], env={**os.environ, "PACKDATA_TMP": str(tmp)}
+    )
+    _wait_for(ready.exists, child, "the task folder")
+    return child, Path(ready.read_text())
+
+
+def test_a_ray_task_removes_folders_only_of_dead_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed task's folder (lock not held, over a minute old) is swept by the next task; nothing else is."""
+    from packdata.conversion.ray_remote import task_folder
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp))
+    old = time.time() - 3600
+    dead, dead_folder = _task_holder(tmp, tmp_path / "ready1")
+    dead.kill()
+    dead.wait()
+    os.utime(dead_folder / ".task.lock", (old, old))
+    young, young_folder = _task_holder(tmp, tmp_path / "ready2")  # killed a moment ago: within the grace
+    young.kill()
+    young.wait()
+    alive, alive_folder = _task_holder(tmp, tmp_path / "ready3")
+    try:
+        os.utime(alive_folder / ".task.lock", (old, old))  # old, but its holder runs
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / ".task.lock").write_text("")
+        os.utime(outside / ".task.lock", (old, old))
+        (tmp / "packdata-task-link").symlink_to(outside)  # a link is never followed
+        (tmp / "packdata-task-nolock").mkdir()  # no lock file: not judged
+        with task_folder() as mine:
+            assert mine.parent == tmp and (mine / ".task.lock").is_file()
+            assert not dead_folder.exists()
+            assert (young_folder / "pack" / "data.mdb").is_file()
+            assert (alive_folder / "pack" / "data.mdb").is_file()
+        assert not mine.exists()
+        assert (outside / ".task.lock").exists() and (tmp / "packdata-task-link").is_symlink()
+        assert (tmp / "packdata-task-nolock").is_dir()
+    finally:
+        alive.kill()
+        alive.wait()
