@@ -311,12 +311,7 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
         raise ConfigError("a URL destination takes a new pack", hint="Append locally, then upload")
     if options["engine"] == "ray":
         return _convert_to_url_on_ray(src, url, options)
-    storage = options["storage_options"]
-    check_remote_destination(url, storage, overwrite=options["overwrite"])
-    local = work_folder(url)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k != "overwrite"}
-    kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
+    storage, local, kwargs = _into_url(url, options)
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
     end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
@@ -342,16 +337,22 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     return result
 
 
-def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
-    """Convert on Ray into ``url``: tasks upload their shards, the driver the index, skip report and manifest."""
-    from packdata.conversion.ray_remote import RemoteTarget
-
+def _into_url(url: str, options: dict[str, Any]) -> tuple[dict[str, Any] | None, Path, dict[str, Any]]:
+    """Check that ``url`` may take the pack; its storage options, local work folder and convert options."""
     storage = options["storage_options"]
     check_remote_destination(url, storage, overwrite=options["overwrite"])
     local = work_folder(url)
     local.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k != "overwrite"}
     kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
+    return storage, local, kwargs
+
+
+def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, Any]) -> ConvertResult:
+    """Convert on Ray into ``url``: tasks upload their shards, the driver the index, skip report and manifest."""
+    from packdata.conversion.ray_remote import RemoteTarget
+
+    storage, local, kwargs = _into_url(url, options)
     end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
     token = _UPLOAD_TO.set((local, RemoteTarget(url, storage)))
     try:
