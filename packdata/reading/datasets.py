@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -513,21 +512,23 @@ class LMDBDataset(PackView, Dataset):
         """The payloads at ``positions`` (in range), None where a shard has no valid location table."""
         if len(self._first) == 1:
             return self._readers[0].payloads(positions)  # a warm map is read in any order alike
-        shards = np.searchsorted(self._first_array, positions, side="right") - 1
-        if 4 * len(np.unique(shards)) > len(positions):  # runs of a few records (a pack of many shards):
-            local = (positions - self._first_array[shards]).tolist()  # a call per run would cost more
-            return [self._readers[s].payload(i) for s, i in zip(shards.tolist(), local, strict=True)]
-        order = np.argsort(positions, kind="stable")  # forward through the shards
-        ordered, shards = positions[order], shards[order]
-        cuts = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(order)]
-        runs = []
-        for a, b in itertools.pairwise(cuts):  # one run of the batch per shard
-            shard = int(shards[a])
-            runs.append(self._readers[shard].payloads(ordered[a:b] - self._first[shard]))
-        payloads: list[bytes | None] = [None] * len(positions)
-        for k, payload in zip(order.tolist(), itertools.chain.from_iterable(runs), strict=True):
-            payloads[k] = payload
-        return payloads
+        order = positions.argsort(kind="stable")  # forward through the shards
+        ordered = positions[order]
+        shards = np.searchsorted(self._first_array, ordered, side="right") - 1
+        local = ordered - self._first_array[shards]
+        cuts = (np.flatnonzero(shards[1:] != shards[:-1]) + 1).tolist()
+        flat: list[bytes | None]
+        if 4 * (len(cuts) + 1) > len(positions):  # runs of a few records (a pack of many shards):
+            readers = self._readers  # a call per run would cost more than the run
+            flat = [readers[s].payload(i) for s, i in zip(shards.tolist(), local.tolist(), strict=True)]
+        else:
+            starts, ends = [0, *cuts], [*cuts, len(ordered)]
+            flat = []
+            for shard, a, b in zip(shards[starts].tolist(), starts, ends, strict=True):  # one call per shard's run
+                flat += self._readers[shard].payloads(local[a:b])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return [flat[k] for k in inverse.tolist()]
 
     def _sample(self, index: int) -> Any:
         """A multi-field sample, decoded and transformed."""
