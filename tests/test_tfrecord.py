@@ -586,3 +586,24 @@ def test_indexed_batched_reads_equal_single_reads(tf_images: Path, tmp_path: Pat
     ds = TFRecordIndexedDataset(tmp_path / "p", decode="bytes")
     order = [len(ds) - 1, 0, 5, 5, -2, 2]
     assert ds.__getitems__(order) == [ds[i] for i in order]
+
+
+def test_indexed_reads_as_stored_equal_reads_through_the_decode_and_transform_layers(
+    tf_images: Path, tmp_path: Path
+) -> None:
+    """``decode="bytes"`` with no transform skips those layers; with them, the same bytes and labels go through."""
+    convert(tf_images, tmp_path / "p", format="tfrecord", shard_samples=4, progress=False)
+    plain = TFRecordIndexedDataset(tmp_path / "p", decode="bytes")
+    layered = TFRecordIndexedDataset(
+        tmp_path / "p", decode=lambda data: data[::-1], transform=bytes.hex, target_transform=lambda y: -y - 1
+    )
+    parsed = TFRecordIndexedDataset(tmp_path / "p", decode="bytes", check_crc=False)  # parses each Example
+    expected = [parsed[i] for i in range(len(parsed))]
+    assert [label for _, label in expected] == list(plain.targets)
+    assert sorted(data for data, _ in expected) == sorted(
+        data for data, _ in TFRecordDataset(tmp_path / "p", decode="bytes")
+    )
+    assert [plain[i] for i in range(len(plain))] == expected
+    assert all(type(data) is bytes for data, _ in expected)
+    assert [layered[i] for i in range(len(layered))] == [(d[::-1].hex(), -y - 1) for d, y in expected]
+    assert plain[-1] == expected[-1]

@@ -331,11 +331,14 @@ class TFRecordShardReader:
         at a bytes value of its own length (a damaged table row is named, never
         read as other bytes of the record).
         """
-        data = self.read(offset, length)
+        raw = os.pread(self._open(), length, offset)  # read() inlined: one call less per random fetch
+        if len(raw) < length:
+            raise self._truncated(offset, length, len(raw))
+        data = check_record(memoryview(raw), 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
         at, m = span
         if at < 0 or m < 0 or at + m > len(data) or not _span_ok(data, at, m):
             raise _damaged(self.path, offset, "the payload table does not point at the payload")
-        return bytes(data[at : at + m])
+        return raw[12 + at : 12 + at + m]  # the data starts after the 12-byte length header
 
     def stream(
         self,

@@ -63,12 +63,12 @@ def _span_ok(buf: bytes | memoryview, start: int, m: int) -> bool:
     An O(1) check that a payload-table row points at a bytes value of exactly
     its length, not some other slice of the (CRC-checked) record.
     """
-    head = bytearray([0x0A])
-    n = m
-    while n >= 0x80:
-        head.append((n & 0x7F) | 0x80)
-        n >>= 7
-    head.append(n)
+    if m < 0x80:  # payloads under 16 KiB (most): the header without a loop
+        head = bytes((0x0A, m))
+    elif m < 0x4000:
+        head = bytes((0x0A, (m & 0x7F) | 0x80, m >> 7))
+    else:
+        head = b"\x0a" + _varint_bytes(m)
     return start >= len(head) and buf[start - len(head) : start] == head
 
 
@@ -433,9 +433,11 @@ def check_record(buf: memoryview, pos: int, length: int, *, path: str, offset: i
     if n != length - 16:
         raise _damaged(path, offset, f"length field says {n} bytes, the index says {length - 16}")
     data = buf[pos + 12 : pos + 12 + n]
-    if check_crc:
-        if masked_crc(buf[pos : pos + 8]) != length_crc:
+    if check_crc:  # masked_crc inlined: this runs once per record read
+        crc = crc32c.crc32c(buf[pos : pos + 8])
+        if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
             raise _damaged(path, offset, "CRC32C of the length field does not match")
-        if masked_crc(data) != _U32.unpack_from(buf, pos + 12 + n)[0]:
+        crc = crc32c.crc32c(data)
+        if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != _U32.unpack_from(buf, pos + 12 + n)[0]:
             raise _damaged(path, offset, "CRC32C of the data does not match")
     return data

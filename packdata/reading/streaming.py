@@ -34,7 +34,7 @@ from packdata.formats.tfrecord_remote import RemoteShardReader, ShardRun, fetch_
 from packdata.formats.tfrecord_tables import read_index, read_payload_table
 from packdata.pack.records import RecordError
 from packdata.pack.urls import display_url, is_url, open_url
-from packdata.reading.datasets import PackView, ShardReaders
+from packdata.reading.datasets import _BYTES, PackView, ShardReaders
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.samplers import per_rank_count, resolve_rank_world
 
@@ -598,27 +598,38 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
-        index = self._sample_index(index)
+        return self._raw_at(self._sample_index(index))
+
+    def _raw_at(self, index: int) -> tuple[bytes, int]:
+        """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
         shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
-        offset = int(self._offsets[index])
+        offset, length = self._offsets.item(index), self._lengths.item(index)  # .item: no numpy scalars
         reader: TFRecordShardReader = self._readers[shard]
         table = self._payloads[shard]
         if table is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
             span = table[index - self._first_list[shard]].tolist()
-            return reader.read_payload(offset, int(self._lengths[index]), span), self.pack.index.labels.item(index)
-        data = reader.read(offset, int(self._lengths[index]))
+            return reader.read_payload(offset, length, span), self.pack.index.labels.item(index)
+        data = reader.read(offset, length)
         view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        return self._finish(*self.raw(index), index=self._sample_index(index))
+        position = self._sample_index(index)
+        if (
+            self.decode is _BYTES
+            and self.transform is None
+            and self.target_transform is None
+            and self.field_spec is None
+        ):
+            return self._raw_at(position)  # returned as stored: no decode or transform layers
+        return self._finish(*self._raw_at(position), index=position)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A whole batch in one call: records read in file order, returned in the order asked."""
         positions = [self._sample_index(i) for i in indices]
         out: list[Any] = [None] * len(positions)
         for k in sorted(range(len(positions)), key=positions.__getitem__):
-            out[k] = self._finish(*self.raw(positions[k]), index=positions[k])
+            out[k] = self._finish(*self._raw_at(positions[k]), index=positions[k])
         return out
 
     def __del__(self) -> None:
