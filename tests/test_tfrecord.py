@@ -607,36 +607,3 @@ def test_indexed_reads_as_stored_equal_reads_through_the_decode_and_transform_la
     assert all(type(data) is bytes for data, _ in expected)
     assert [layered[i] for i in range(len(layered))] == [(d[::-1].hex(), -y - 1) for d, y in expected]
     assert plain[-1] == expected[-1]
-
-
-def test_indexed_dataset_pickles_8_bytes_a_sample_and_maps_payload_tables_in_each_worker(
-    tf_texts: Path, tmp_path: Path
-) -> None:
-    """Spawned workers get record offsets only; each maps the payload tables itself, or parses if one changed."""
-    small, large = _text_pack(tf_texts, tmp_path, 10), tmp_path / "large"
-    (tmp_path / "more").mkdir()
-    for copy in range(5):  # the same texts five times over: 150 samples against 30
-        for cls in ("neg", "pos"):
-            for src in sorted((tf_texts / cls).iterdir()):
-                (tmp_path / "more" / cls).mkdir(exist_ok=True)
-                (tmp_path / "more" / cls / f"{copy}-{src.name}").write_bytes(src.read_bytes())
-    convert(tmp_path / "more", large, format="tfrecord", shard_samples=50, progress=False)  # 3 shards each
-    sizes = {}
-    for pack in (small, large):
-        ds = TFRecordIndexedDataset(pack, decode="bytes")
-        sizes[pack] = len(pickle.dumps(ds))
-        assert pickle.loads(pickle.dumps(ds))[3] == ds[3]
-    assert len(read_manifest(large).shards) == len(read_manifest(small).shards) == 3
-    assert sizes[large] - sizes[small] <= 8 * (150 - 30) + 100  # offsets only: no per-sample table is pickled
-
-    ds = TFRecordIndexedDataset(small, decode="bytes")
-    expected = [ds[i] for i in range(len(ds))]
-    assert expected == [TFRecordIndexedDataset(small, decode="bytes", check_crc=False)[i] for i in range(len(ds))]
-    loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="spawn", collate_fn=list)
-    assert [sample for batch in loader for sample in batch] == expected
-    table = payload_path(small / read_manifest(small).shards[1].file)
-    raw = bytearray(table.read_bytes())
-    raw[16 + 8] = 0xFF  # the first row's payload length, far past its record: the table is refused
-    table.write_bytes(bytes(raw))
-    loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="spawn", collate_fn=list)
-    assert [sample for batch in loader for sample in batch] == expected  # that shard's records are parsed

@@ -60,20 +60,19 @@ def read_payload_table(
     the manifest) and, given the records' framed ``lengths``, every span lies
     inside its record's data (checked once, here).
     """
-    path = payload_path(shard)
     try:
-        if path.stat().st_size != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
-            return None
-        with open(path, "rb") as f:
-            if _PAIR.unpack(f.read(_PAIR.size)) != (count, _sha_prefix(sha256_hex)):
-                return None
-        if not count:
-            return np.zeros((0, 2), np.int64)
-        # mapped read-only: every process shares the page cache's copy (16 bytes a sample)
-        table = np.memmap(path, dtype="<i8", mode="r", offset=_PAIR.size, shape=(count, 2)).view(np.ndarray)
-    except (OSError, ValueError):
+        raw = payload_path(shard).read_bytes()
+    except OSError:
         return None
-    if lengths is not None:
+    if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
+        return None
+    try:
+        if _PAIR.unpack_from(raw, 0) != (count, _sha_prefix(sha256_hex)):
+            return None
+    except ValueError:
+        return None
+    table = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
+    if lengths is not None and count:
         at, m = table[:, 0], table[:, 1]
         if len(lengths) != count or at.min() < 0 or m.min() < 0 or ((at + m) > (lengths - 16)).any():
             return None

@@ -531,10 +531,9 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     manifest and sample index without reading a record.
 
     Workers: ``__init__`` reads the manifest and every shard's offsets index
-    into one int64 array of record offsets (8 bytes per sample, pickled to
-    ``spawn``-ed workers, shared copy-on-write after ``fork``); a single-field
-    pack's payload tables are memory-mapped, never pickled: each process maps
-    them itself and shares the page cache's copy. File descriptors open on
+    into two int64 numpy arrays, and the payload tables of a single-field pack
+    (16 bytes per sample each, pickled to ``spawn``-ed
+    workers, shared copy-on-write after ``fork``). File descriptors open on
     first access in each process, keyed by ``os.getpid()``, and are never used
     across a fork; ``ds[0]`` in the parent before workers start is fine.
 
@@ -569,27 +568,24 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
                 hint="Stream it with TFRecordDataset(url), or stage it first: packdata.stage(url, to=DIR)",
             )
         _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
-        ends: list[np.ndarray] = []
-        # with CRCs off, records are parsed instead: the parse checks their structure and label
-        self._tabled: list[bool] = []  # per shard: payloads sliced by its .tfpayload table
-        self._payloads: list[np.ndarray | None] | None = []  # those tables, mapped (per process)
+        offsets, lengths = [], []
+        self._payloads: list[np.ndarray | None] = []  # per shard: payload spans in each record's data
         for shard, path_ in enumerate(self._shard_paths):
-            o, n = read_index(path_, size=self._bytes[shard])  # the records tile the shard: checked
+            o, n = read_index(path_, size=self._bytes[shard])
             if len(o) != self._counts[shard]:
                 raise PackFormatError(
                     f"offsets index lists {len(o)} records, the manifest says {self._counts[shard]}",
                     path=path_,
                     hint="Convert or stage the pack again",
                 )
-            ends += [o, np.array([self._bytes[shard]], np.int64)]
+            offsets.append(o)
+            lengths.append(n)
+            # with CRCs off, records are parsed instead: the parse checks their structure and label
             plain = self.field_spec is None and check_crc
-            table = read_payload_table(path_, len(o), self._sha256[shard], n) if plain else None
-            self._tabled.append(table is not None)
-            self._payloads.append(table)
+            self._payloads.append(read_payload_table(path_, len(o), self._sha256[shard], n) if plain else None)
         self._first_list: list[int] = self._first.tolist()
-        # per shard its records' offsets, then its size: record i of shard s starts at
-        # _ends[i + s] and is _ends[i + s + 1] - _ends[i + s] bytes long (8 bytes a sample)
-        self._ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._readers = ShardReaders(
             self._shard_paths,
             functools.partial(TFRecordShardReader, check_crc=check_crc),
@@ -607,34 +603,15 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     def _raw_at(self, index: int) -> tuple[bytes, int]:
         """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
         shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
-        offset = self._ends.item(index + shard)  # .item: no numpy scalars
-        length = self._ends.item(index + shard + 1) - offset
+        offset, length = self._offsets.item(index), self._lengths.item(index)  # .item: no numpy scalars
         reader: TFRecordShardReader = self._readers[shard]
-        table = (self._payloads if self._payloads is not None else self._map_tables())[shard]
+        table = self._payloads[shard]
         if table is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
             span = table[index - self._first_list[shard]].tolist()
             return reader.read_payload(offset, length, span), self.pack.index.labels.item(index)
         data = reader.read(offset, length)
         view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
-
-    def _map_tables(self) -> list[np.ndarray | None]:
-        """Map the payload tables again in this process (after unpickling: they are not pickled)."""
-        tables: list[np.ndarray | None] = []
-        for shard, path in enumerate(self._shard_paths):
-            table = None
-            if self._tabled[shard]:
-                first = self._first_list[shard] + shard
-                lengths = np.diff(self._ends[first : first + self._counts[shard] + 1])
-                table = read_payload_table(path, len(lengths), self._sha256[shard], lengths)
-            tables.append(table)  # a table changed since: records are parsed instead (CRC-checked)
-        self._payloads = tables
-        return tables
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_payloads"] = None  # mapped files: each process maps its own (shared page cache, not pickled)
-        return state
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         position = self._sample_index(index)
