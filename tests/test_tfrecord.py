@@ -26,7 +26,7 @@ from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, c
 from packdata.cli import main
 from packdata.formats.tfrecord import TFRecordShardWriter
 from packdata.formats.tfrecord_example import encode_example, example_fields, frame_record, parse_example
-from packdata.formats.tfrecord_tables import index_path, payload_path, read_payload_table
+from packdata.formats.tfrecord_tables import index_path, map_record_table, payload_path
 from packdata.pack.manifest import read_manifest
 from packdata.pack.records import RecordError, Sample
 
@@ -323,7 +323,7 @@ def test_indexed_reads_slice_payloads_by_the_table_and_name_a_damaged_row(tf_tex
     assert [fast[i] for i in range(len(fast))] == [parsed[i] for i in range(len(parsed))]
     table = payload_path(pack / read_manifest(pack).shards[0].file)
     raw = bytearray(table.read_bytes())
-    raw[16 + 16] -= 1  # the second record's payload offset, one byte back (row 0 is the header)
+    raw[48 + 24 + 8] -= 1  # the second record's payload offset, one byte back (rows 0 and 1 are the header)
     table.write_bytes(bytes(raw))
     damaged = TFRecordIndexedDataset(pack, decode="bytes")
     assert damaged[0] == fast[0]
@@ -434,9 +434,11 @@ def test_payload_table_used_when_valid_and_ignored_when_stale(tf_images: Path, t
     manifest = json.loads((pack / "manifest.json").read_text())
     shards = [pack / s["file"] for s in manifest["shards"]]
     for shard, info in zip(shards, manifest["shards"], strict=True):
-        table = read_payload_table(shard, info["num_samples"], info["sha256"])
-        assert table is not None and payload_path(shard).is_file()
-        for (_, data), (at, n) in zip(_records(shard), table.tolist(), strict=True):
+        table = map_record_table(shard, info["num_samples"], info["bytes"], info["sha256"], payloads=True)
+        assert table is not None and table.payloads is not None
+        records = _records(shard)
+        assert table.offsets.tolist() == [offset for offset, _ in records]
+        for (_, data), (at, n) in zip(records, table.payloads.tolist(), strict=True):
             assert data[at : at + n] == bytes(parse_example(data).data)
     keys = TFRecordIndexedDataset(pack, decode="bytes").keys
     want = [expected[k] for k in keys]
@@ -453,7 +455,7 @@ def test_payload_table_used_when_valid_and_ignored_when_stale(tf_images: Path, t
         assert not calls  # every shard's table is valid: no Example parsed
         stale = payload_path(shards[1])
         raw = bytearray(stale.read_bytes())
-        raw[8] ^= 1  # header no longer matches the shard's SHA-256
+        raw[32] ^= 1  # header no longer matches the shard's SHA-256
         stale.write_bytes(bytes(raw))
         payload_path(shards[2]).write_bytes(b"\0" * 16)  # an unfinished table
         payload_path(shards[3]).unlink()  # written by another tool
@@ -465,11 +467,10 @@ def test_payload_table_used_when_valid_and_ignored_when_stale(tf_images: Path, t
     convert(tf_images, tmp_path / "again", format="tfrecord", shard_samples=4, progress=False)
     shard = sorted((tmp_path / "again").glob("*.tfrecord"))[0]
     offset = int(index_path(shard).read_text().split()[0])
-    at = int(
-        read_payload_table(
-            shard, 4, json.loads((tmp_path / "again" / "manifest.json").read_text())["shards"][0]["sha256"]
-        )[0, 0]
-    )
+    info = json.loads((tmp_path / "again" / "manifest.json").read_text())["shards"][0]
+    table = map_record_table(shard, 4, info["bytes"], info["sha256"], payloads=True)
+    assert table is not None and table.payloads is not None
+    at = int(table.payloads[0, 0])
     blob = bytearray(shard.read_bytes())
     blob[offset + 12 + at + 3] ^= 0x10
     shard.write_bytes(bytes(blob))
@@ -485,12 +486,13 @@ def test_payload_table_follows_resume(tmp_path: Path) -> None:
     part = TFRecordShardWriter(tmp_path / "b.tfrecord")
     part.write(samples[:6])
     part.sync()
-    assert read_payload_table(tmp_path / "b.tfrecord", 6, part._sha.hexdigest()) is None  # not closed: invalid
+    # not closed: invalid
+    assert map_record_table(tmp_path / "b.tfrecord", 6, part.bytes, part._sha.hexdigest(), payloads=True) is None
     resumed = TFRecordShardWriter(tmp_path / "b.tfrecord", resume_at=4)
     resumed.write(samples[4:])
-    resumed.close()
+    size, _ = resumed.close()
     assert (tmp_path / "a.tfpayload").read_bytes() == (tmp_path / "b.tfpayload").read_bytes()
-    assert read_payload_table(tmp_path / "b.tfrecord", 9, digest) is not None
+    assert map_record_table(tmp_path / "b.tfrecord", 9, size, digest, payloads=True) is not None
     payload_path(tmp_path / "b.tfrecord").unlink()  # resuming a shard without a table writes none
     again = TFRecordShardWriter(tmp_path / "b.tfrecord", resume_at=4)
     again.write(samples[4:])

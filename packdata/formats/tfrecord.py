@@ -25,19 +25,19 @@ one line ``offset length`` per record, where ``offset`` is the record's first by
 in the shard and ``length`` its whole framed size (data + 16). DALI's
 ``tfrecord2idx`` writes the same layout, so both tools read it as is.
 
-Beside it lies ``NAME-00003-of-00016.tfpayload``, packdata's own payload table
-(other tools ignore it): int64 pairs, little-endian, first a header row
-``(record count, first 8 bytes of the shard's SHA-256 as a little-endian
-int64)``, then per record the byte offset of the payload (``image/encoded`` or
-``text/encoded``) inside the record's data and its length. The writer leaves
-the header ``(0, 0)`` until the shard is complete, so a table of an unfinished
-shard never validates. The streaming reader uses the table only when its header
-matches the manifest's record count and SHA-256 for the shard and its size is
-exactly ``16 * (count + 1)``: it then slices the payload out of the record data
-(CRCs of the whole record still checked) and takes the label from the pack's
-sample index, instead of parsing the Example. Without a valid table (a shard
-written by another tool, or changed since) it parses, so the table is an
-accelerator, never a second source of truth.
+Beside it lies ``NAME-00003-of-00016.tfpayload``, packdata's own record table
+(other tools ignore it; layout in :mod:`packdata.formats.tfrecord_tables`):
+per record its offset in the shard and its payload's span (``image/encoded``
+or ``text/encoded``) inside the record's data, under a header binding it to the
+shard's record count, size and SHA-256. The writer leaves the count and
+checksum unset until the shard is complete, so a table of an unfinished shard
+never validates. Readers map the table (shared by every process through the
+page cache), check it whole in numpy, then read a record without the text
+index and slice its payload out of the record data (CRCs of the whole record
+still checked), taking the label from the pack's sample index instead of
+parsing the Example. Without a valid table (a shard written by another tool or
+an older packdata, or changed since) they parse the ``.tfindex`` and the
+Examples, so the table is an accelerator, never a second source of truth.
 
 Reads never trust an index alone: every record's framing is checked against it,
 and CRCs are checked unless asked not to. A damaged record raises
@@ -52,7 +52,7 @@ import hashlib
 import itertools
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +77,19 @@ from packdata.formats.tfrecord_example import (
     parse_example,
 )
 from packdata.formats.tfrecord_tables import (
-    _PAIR,
+    _HEAD,
+    _ROW,
+    _TABLE_MAGIC,
+    _TABLE_VERSION,
     INDEX_SUFFIX,
     PAYLOAD_SUFFIX,
     SHARD_SUFFIX,
-    _sha_prefix,
     index_path,
+    map_record_table,
     payload_path,
     read_index,
     read_payload_table,
+    record_table_header,
 )
 from packdata.pack.fields import FieldError, encode_block
 from packdata.pack.manifest import ShardInfo
@@ -118,8 +122,11 @@ _CHUNK = 8 << 20  # bytes per positioned read when streaming a shard
 _COPY_MIN_RECORD = 16 << 10  # mean record size from which stream(copy=True) reads record by record
 
 
+_UNFINISHED = _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, 0) + _ROW.pack(0, 0, 0)  # a record table being written
+
+
 class TFRecordShardWriter:
-    """Appends framed Examples to one shard, its offsets index and its payload table.
+    """Appends framed Examples to one shard, its offsets index and its record table.
 
     The file bytes are exactly what is written, so the shard's SHA-256 is
     computed as it is written. :meth:`sync` makes data and index durable (call
@@ -134,14 +141,15 @@ class TFRecordShardWriter:
         self._sha = hashlib.sha256()
         self.count = 0
         self.bytes = 0
-        self._with_table = True  # False when resuming a shard whose payload table is missing
+        self._with_table = True  # False when resuming a shard whose record table is missing
+        self._spans = True  # every row holds its payload's span (False once a multi-field record is written)
         if resume_at is not None:
             self._truncate(resume_at)
         else:
             try:
                 self.path.write_bytes(b"")
                 self.index_path.write_bytes(b"")
-                self.payload_path.write_bytes(_PAIR.pack(0, 0))  # header filled in by close()
+                self.payload_path.write_bytes(_UNFINISHED)  # header completed by close()
             except OSError as exc:
                 raise destination_error(exc, self.path) from exc
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
@@ -209,9 +217,12 @@ class TFRecordShardWriter:
         os.truncate(self.path, end)
         self.index_path.write_bytes(kept)
         table = self.payload_path.read_bytes() if self.payload_path.is_file() else b""
-        if len(table) >= _PAIR.size * (keep + 1):  # the header goes back to (0, 0) until close()
-            self.payload_path.write_bytes(_PAIR.pack(0, 0) + table[_PAIR.size : _PAIR.size * (keep + 1)])
-        else:  # written without a table (or it was lost): the shard is read by parsing
+        end_row = _HEAD + _ROW.size * keep
+        if len(table) >= end_row and table[:16] == _UNFINISHED[:16]:  # this version's table: header unset until close()
+            rows = np.frombuffer(table[_HEAD:end_row], dtype="<i8").reshape(-1, 3)
+            self._spans = bool((rows[:, 1] >= 0).all())
+            self.payload_path.write_bytes(_UNFINISHED + table[_HEAD:end_row])
+        else:  # written without a table (or by an older packdata, or it was lost): the shard is read by parsing
             self.payload_path.unlink(missing_ok=True)
             self._with_table = False
         with open(self.path, "rb") as f:
@@ -222,15 +233,16 @@ class TFRecordShardWriter:
     def write(self, items: list[tuple[int, Sample]]) -> None:
         """Append ``(index in shard, sample)`` pairs; indices must continue the shard."""
         lines = []
-        spans = []
+        rows = []
         for index, sample in items:
             if index != self.count:
                 raise PackFormatError(f"record {index} is out of order (expected {self.count})", path=self.path)
             example = encode_example(sample)
-            if sample.kind == "fields" and self._table is not None:
-                self._drop_table()  # a multi-field record has no one payload: readers parse it
-            if self._table is not None:
-                spans.append(_PAIR.pack(*_payload_span(example)))
+            if sample.kind == "fields":  # no one payload: readers parse the Example
+                self._spans = False
+                rows.append(_ROW.pack(self.bytes, -1, -1))
+            else:
+                rows.append(_ROW.pack(self.bytes, *_payload_span(example)))
             record = frame_record(example)
             self._file.write(record)
             self._sha.update(record)
@@ -239,14 +251,7 @@ class TFRecordShardWriter:
             self.count += 1
         self._index.write("".join(lines).encode("ascii"))
         if self._table is not None:
-            self._table.write(b"".join(spans))
-
-    def _drop_table(self) -> None:
-        assert self._table is not None
-        self._table.close()
-        self._table = None
-        self.payload_path.unlink(missing_ok=True)
-        self._with_table = False
+            self._table.write(b"".join(rows))
 
     def sync(self) -> None:
         """Make every record written so far durable, data before index."""
@@ -265,7 +270,7 @@ class TFRecordShardWriter:
             self._table.close()
             self._table = None
             with open(self.payload_path, "r+b") as f:  # the header makes the table valid
-                f.write(_PAIR.pack(self.count, _sha_prefix(digest)))
+                f.write(record_table_header(self.count, self.bytes, digest, self._spans))
                 f.flush()
                 os.fsync(f.fileno())
         return self.bytes, digest
@@ -324,7 +329,7 @@ class TFRecordShardReader:
             raise self._truncated(offset, length, len(buf))
         return check_record(buf, 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
 
-    def read_payload(self, offset: int, length: int, span: tuple[int, int]) -> bytes:
+    def read_payload(self, offset: int, length: int, span: Sequence[int]) -> bytes:
         """The payload of the record at ``offset``, at ``span`` (its payload-table row) in the record's data.
 
         The record is checked as :meth:`read` checks it, and the span must point
@@ -642,7 +647,50 @@ def shard_layout(name: str) -> ShardLayout:
 
 def check_side_tables(shard: Path, info: ShardInfo) -> None:
     """Check ``.tfpayload`` row by row (the ``.tfindex`` is checked while the records are walked)."""
-    check_payload_table(shard, info.num_samples, info.sha256)
+    check_payload_table(shard, info.num_samples, info.sha256, info.bytes)
+
+
+def _table_spans(
+    shard: str | os.PathLike, info: tuple[int, int, str], offsets: np.ndarray, lengths: np.ndarray, shown: str
+) -> np.ndarray | None:
+    """The payload spans of a shard's ``.tfpayload`` to compare with its records; None without spans to check.
+
+    A record table must fit the shard (``info``: its count, size and SHA-256)
+    and list the records the ``.tfindex`` lists (``offsets``); a version-1
+    table must fit the shard. ``shown`` names the table in messages.
+
+    Raises:
+        PackFormatError: a table is there that is neither.
+    """
+    if not payload_path(shard).is_file():
+        return None
+    count, size, sha256_hex = info
+    hint = "Convert the pack again (or delete the table: readers then parse each record)"
+    table = map_record_table(shard, count, size, sha256_hex, payloads=True)
+    if table is not None:
+        bad = np.flatnonzero(table.offsets != offsets) if len(offsets) == count else [min(count, len(offsets))]
+        if len(bad):
+            k = int(bad[0])
+            raise PackFormatError(
+                f"record table row {k} does not hold the offset of record {k} the offsets index holds",
+                path=shown,
+                hint=hint,
+            )
+        rows = table.rows
+        if table.payloads is None and rows is not None and count and (rows[:, 1:] != -1).any():
+            k = int(np.flatnonzero((rows[:, 1:] != -1).any(axis=1))[0])
+            raise PackFormatError(
+                f"record table says its rows hold no payload spans, but row {k} holds one", path=shown, hint=hint
+            )
+        return table.payloads
+    spans = read_payload_table(shard, count, sha256_hex, lengths)
+    if spans is None:
+        raise PackFormatError(
+            "payload table does not belong to this shard (count, size or checksum differ, or a row is out of bounds)",
+            path=shown,
+            hint=hint,
+        )
+    return spans
 
 
 def iter_stream_samples(stream: ByteStream, shard: Path, info: ShardInfo, where: str) -> Iterator[tuple[int, Sample]]:
@@ -651,21 +699,15 @@ def iter_stream_samples(stream: ByteStream, shard: Path, info: ShardInfo, where:
     ``shard`` is where local copies of the shard's ``.tfindex`` and
     ``.tfpayload`` lie (the shard file itself need not); ``where`` names the
     shard in messages. The index must tile the manifest's byte size exactly,
-    and every payload table row is checked against its record on the way.
+    the record table must list the index's records, and every payload span is
+    checked against its record on the way.
 
     Raises:
         PackFormatError: naming ``where`` and the byte offset of the first bad record, or a bad table.
     """
     offsets, lengths = read_index(shard, size=info.bytes)
-    payloads = None
-    if payload_path(shard).is_file():
-        payloads = read_payload_table(shard, info.num_samples, info.sha256, lengths)
-        if payloads is None:
-            raise PackFormatError(
-                "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
-                path=where[: -len(SHARD_SUFFIX)] + PAYLOAD_SUFFIX if where.endswith(SHARD_SUFFIX) else where,
-                hint="Convert the pack again (or delete the table: readers then parse each record)",
-            )
+    shown = where[: -len(SHARD_SUFFIX)] + PAYLOAD_SUFFIX if where.endswith(SHARD_SUFFIX) else where
+    payloads = _table_spans(shard, (info.num_samples, info.bytes, info.sha256), offsets, lengths, shown)
     return walk_records(stream, info.bytes, offsets, lengths, info.first_index, where, payloads)
 
 
@@ -698,26 +740,19 @@ def read_remote_payload(
     return sample.data, sample.key, sample.label
 
 
-def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -> None:
-    """Check a shard's ``.tfpayload`` span by span against its records (for ``verify``).
+def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str, size: int) -> None:
+    """Check a shard's ``.tfpayload`` row by row against its records (for ``verify``).
 
-    A missing table is fine (readers parse the Examples).
+    A missing table is fine (readers parse the ``.tfindex`` and the Examples).
 
     Raises:
-        PackFormatError: the table is stale, foreign, or points anywhere but at a record's payload.
+        PackFormatError: the table is stale, foreign, or points anywhere but at a record or its payload.
     """
     path = payload_path(shard)
-    if not path.is_file():
-        return
-    hint = "Convert the pack again (or delete the table: readers then parse each record)"
     offsets, lengths = read_index(shard)
-    table = read_payload_table(shard, count, sha256_hex, lengths)
+    table = _table_spans(shard, (count, size, sha256_hex), offsets, lengths, os.fspath(path))
     if table is None:
-        raise PackFormatError(
-            "payload table does not belong to this shard (count or checksum differ, or a span is out of bounds)",
-            path=path,
-            hint=hint,
-        )
+        return
     reader = TFRecordShardReader(shard)
     try:
         for k, data in enumerate(reader.stream(offsets, lengths, 0, len(offsets))):
@@ -726,7 +761,7 @@ def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str) -
                     f"payload table row {k} does not point at the payload of record {k} "
                     f"(byte offset {int(offsets[k])})",
                     path=path,
-                    hint=hint,
+                    hint="Convert the pack again (or delete the table: readers then parse each record)",
                 )
     finally:
         reader.close()

@@ -1,11 +1,30 @@
 """A TFRecord shard's side tables: the ``.tfindex`` offsets index (the tfrecord package's
-and DALI's) and packdata's ``.tfpayload`` payload table, each checked against its shard.
+and DALI's) and packdata's ``.tfpayload`` record table, each checked against its shard.
+
+The ``.tfpayload`` record table (version 2) is int64 triples, little-endian::
+
+    row 0   magic b"PDTFREC2" (as an int64), 2 (version), record count
+    row 1   byte size of the shard, first 8 bytes of its SHA-256 (an int64), 1 if rows hold payload spans else 0
+    row 2+  per record: its byte offset in the shard, then the offset of its payload
+            (``image/encoded`` or ``text/encoded``) inside the record's data and its
+            length (-1, -1 for a multi-field record, whose Example is parsed)
+
+Records tile the shard, so a record's framed length is the next offset (the
+shard's size for the last) minus its own. Readers map the table (every process
+shares the page cache's copy) and check it in numpy before using it: header
+bound to the manifest's count, size and SHA-256; records tiling the shard (the
+first at 0, each at least 16 bytes, the last ending at the size); every span
+inside its record's data. A table that fails is ignored and the ``.tfindex``
+is parsed and checked instead, so the table is an accelerator, never a second
+source of truth. Version 1 (pairs: a header ``(count, SHA-256 prefix)``, then
+``(payload offset, payload length)`` rows) is still read, with the ``.tfindex``.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +35,16 @@ __all__ = [
     "INDEX_SUFFIX",
     "PAYLOAD_SUFFIX",
     "SHARD_SUFFIX",
+    "RecordTable",
+    "has_record_table",
     "index_path",
+    "map_record_table",
+    "parse_records",
     "payload_path",
     "read_index",
     "read_payload_table",
+    "record_table_header",
+    "shard_records",
 ]
 
 
@@ -31,6 +56,11 @@ PAYLOAD_SUFFIX = ".tfpayload"
 
 
 _PAIR = struct.Struct("<qq")
+_ROW = struct.Struct("<qqq")
+_TABLE_MAGIC = int.from_bytes(b"PDTFREC2", "little", signed=True)
+_TABLE_VERSION = 2
+_HEAD = 2 * _ROW.size  # bytes of the record table's header
+_CHECK_ROWS = 1 << 20  # rows checked at a time: flat memory on huge shards
 
 
 def index_path(shard: str | os.PathLike) -> Path:
@@ -115,3 +145,153 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
                 hint="The index is damaged or belongs to another shard: convert or stage the pack again",
             )
     return offsets, lengths
+
+
+class RecordTable:
+    """One shard's records: where each lies in the shard, and where its payload lies in its data.
+
+    Either mapped from a ``.tfpayload`` (``flat``: its rows, a view into the
+    page cache) or parsed from the ``.tfindex`` (``offsets`` and ``lengths``
+    private arrays, with a version-1 payload table if any). ``payloads`` is
+    None when payloads are not to be sliced out (the records are parsed).
+    """
+
+    __slots__ = ("_flat", "_lengths", "offsets", "payloads", "size")
+
+    def __init__(
+        self,
+        offsets: np.ndarray,
+        size: int,
+        *,
+        lengths: np.ndarray | None = None,
+        payloads: np.ndarray | None = None,
+        flat: np.ndarray | None = None,
+    ) -> None:
+        self.offsets, self.size, self.payloads = offsets, size, payloads
+        self._lengths, self._flat = lengths, flat
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """A mapped table's ``(offset, payload offset, payload length)`` rows as stored; None if parsed."""
+        return None if self._flat is None else self._flat.reshape(-1, 3)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Framed length of every record (of a mapped table: computed, a private array)."""
+        if self._lengths is None:
+            return np.diff(self.offsets, append=self.size)
+        return self._lengths
+
+    def record(self, k: int) -> tuple[int, int, list[int] | None]:
+        """Offset and framed length of record ``k``, and its payload span (None: parse the record)."""
+        if self._flat is not None:  # one slice of the map: this row and the next record's offset
+            row = self._flat[3 * k : 3 * k + 4].tolist()
+            end = row[3] if len(row) == 4 else self.size
+            return row[0], end - row[0], row[1:3] if self.payloads is not None else None
+        span = self.payloads[k].tolist() if self.payloads is not None else None
+        return int(self.offsets[k]), int(self.lengths[k]), span
+
+
+def record_table_header(count: int, size: int, sha256_hex: str, spans: bool) -> bytes:
+    """The two header rows of a complete record table (``sha256_hex``: the shard's SHA-256)."""
+    return _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, count) + _ROW.pack(size, _sha_prefix(sha256_hex), int(spans))
+
+
+def _bound(head: bytes, count: int, size: int, sha256_hex: str) -> bool:
+    """Whether a record table's header rows describe the shard the manifest describes."""
+    if len(head) < _HEAD or len(sha256_hex) < 16 or not _sha_prefix(sha256_hex):
+        return False
+    fields = _ROW.unpack_from(head, 0) + _ROW.unpack_from(head, _ROW.size)
+    expected = (_TABLE_MAGIC, _TABLE_VERSION, count, size, _sha_prefix(sha256_hex))
+    return fields[:5] == expected and fields[5] in (0, 1)
+
+
+def has_record_table(shard: str | os.PathLike, count: int, size: int, sha256_hex: str) -> bool:
+    """Whether the shard has a record table whose header and size fit it (:func:`map_record_table` checks rows)."""
+    try:
+        with open(payload_path(shard), "rb") as f:
+            head = f.read(_HEAD)
+            actual = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    return actual == _HEAD + _ROW.size * count and _bound(head, count, size, sha256_hex)
+
+
+def map_record_table(
+    shard: str | os.PathLike, count: int, size: int, sha256_hex: str, *, payloads: bool
+) -> RecordTable | None:
+    """The shard's record table, memory-mapped and checked; None if absent, of version 1, foreign or damaged.
+
+    Args:
+        shard: the shard file.
+        count, size, sha256_hex: the shard's record count, byte size and SHA-256 (the manifest's).
+        payloads: also check and return payload spans (None where rows hold none).
+    """
+    try:  # mapped, not read: every worker shares the page cache's copy
+        raw = np.memmap(payload_path(shard), dtype="<i8", mode="r").view(np.ndarray)
+    except (OSError, ValueError):  # absent, or empty
+        return None
+    if raw.size != 3 * (count + 2) or not _bound(raw[:6].tobytes(), count, size, sha256_hex):
+        return None
+    rows = raw[6:].reshape(-1, 3)
+    spans = payloads and int(raw[5]) == 1
+    if not _rows_fit(rows, size, spans):
+        return None
+    return RecordTable(rows[:, 0], size, payloads=rows[:, 1:] if spans else None, flat=raw[6:])
+
+
+def _rows_fit(rows: np.ndarray, size: int, spans: bool) -> bool:
+    """Records tile ``size`` bytes exactly, each of 16 bytes or more, and (``spans``) each span lies inside its data."""
+    if not len(rows):
+        return size == 0
+    if rows[0, 0] != 0:
+        return False
+    for start, stop, nxt in _chunks(rows, size):
+        offsets = rows[start:stop, 0]
+        if offsets.min() < 0 or offsets.max() > size:  # in range first: the differences cannot overflow
+            return False
+        room = np.append(offsets[1:], nxt) - offsets - 16  # each record's data bytes
+        if room.min() < 0:
+            return False
+        if spans:
+            at, m = rows[start:stop, 1], rows[start:stop, 2]
+            if at.min() < 0 or m.min() < 0 or (at > room).any() or (m > room - at).any():
+                return False
+    return True
+
+
+def _chunks(rows: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
+    """``(start, stop, offset after row stop - 1)`` of each run of rows checked together."""
+    for start in range(0, len(rows), _CHECK_ROWS):
+        stop = min(start + _CHECK_ROWS, len(rows))
+        yield start, stop, int(rows[stop, 0]) if stop < len(rows) else size
+
+
+def parse_records(shard: str | os.PathLike, count: int, size: int, sha256_hex: str, *, payloads: bool) -> RecordTable:
+    """The shard's records from its ``.tfindex`` (checked to tile the shard) and a version-1 payload table, if any.
+
+    Raises:
+        PackFormatError: the index is missing or malformed, does not tile the shard, or lists another record count.
+    """
+    offsets, lengths = read_index(shard, size=size)
+    if len(offsets) != count:
+        raise PackFormatError(
+            f"offsets index lists {len(offsets)} records, the manifest says {count}",
+            path=shard,
+            hint="Convert or stage the pack again",
+        )
+    table = read_payload_table(shard, count, sha256_hex, lengths) if payloads else None
+    return RecordTable(offsets, size, lengths=lengths, payloads=table)
+
+
+def shard_records(shard: str | os.PathLike, count: int, size: int, sha256_hex: str, *, payloads: bool) -> RecordTable:
+    """The shard's records: its record table mapped where valid, else parsed (:func:`parse_records`).
+
+    Raises:
+        PackFormatError: no valid record table, and the ``.tfindex`` is missing or damaged.
+    """
+    table = map_record_table(shard, count, size, sha256_hex, payloads=payloads)
+    return table if table is not None else parse_records(shard, count, size, sha256_hex, payloads=payloads)

@@ -31,7 +31,7 @@ from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord import TFRecordShardReader
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
 from packdata.formats.tfrecord_remote import RemoteShardReader, ShardRun, fetch_skeleton, stream_ahead
-from packdata.formats.tfrecord_tables import read_index, read_payload_table
+from packdata.formats.tfrecord_tables import RecordTable, has_record_table, parse_records, shard_records
 from packdata.pack.records import RecordError
 from packdata.pack.urls import display_url, is_url, open_url
 from packdata.reading.datasets import _BYTES, PackView, ShardReaders
@@ -110,6 +110,11 @@ class _TFRecordView(PackView):
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
         self._sha256 = [s.sha256 for s in shards]
         self._bytes = [s.bytes for s in shards]
+
+    def _load_records(self, shard: int, payloads: bool) -> RecordTable:
+        """Shard ``shard``'s records: its record table mapped where valid, else its ``.tfindex`` parsed."""
+        path, count = self._shard_paths[shard], int(self._counts[shard])
+        return shard_records(path, count, self._bytes[shard], self._sha256[shard], payloads=payloads)
 
     def _shard_reader(self, shard: int) -> TFRecordShardReader:
         """The reader of one shard: the local file, or ranged requests to the remote one."""
@@ -374,27 +379,18 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         return _segments(self._counts, self.shard_order(), start, stop)
 
     def _runs(self, segments: list[tuple[int, int, int]]) -> Iterator[ShardRun]:
-        """Each segment's shard opened, with its offsets index and payload table (None without a valid one)."""
+        """Each segment's shard opened, with its records' offsets, lengths and payload spans (None: parse)."""
         for shard, first, end in segments:
-            path = self._shard_paths[shard]
             reader = self._shard_reader(shard)
             try:
                 reader.open()
                 self.pack.check_unchanged()  # after the open: the file opened is the generation checked
-                offsets, lengths = read_index(path, size=self._bytes[shard])
+                table = self._load_records(shard, payloads=True)
             except PackFormatError:
                 reader.close()
                 self.pack.check_unchanged()  # a shard failing its checks because the pack changed: say so
                 raise
-            if len(offsets) != self._counts[shard]:
-                reader.close()
-                raise PackFormatError(
-                    f"offsets index lists {len(offsets)} records, the manifest says {self._counts[shard]}",
-                    path=path,
-                    hint="Convert or stage the pack again",
-                )
-            table = read_payload_table(path, len(offsets), self._sha256[shard], lengths)
-            yield ShardRun(reader, offsets, lengths, first, end, table, shard)
+            yield ShardRun(reader, table.offsets, table.lengths, first, end, table.payloads, shard)
 
     def _records(
         self, segments: list[tuple[int, int, int]], copy: bool = False
@@ -530,12 +526,16 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     ``classes``, ``class_to_idx``, ``targets`` and ``keys`` come from the
     manifest and sample index without reading a record.
 
-    Workers: ``__init__`` reads the manifest and every shard's offsets index
-    into two int64 numpy arrays, and the payload tables of a single-field pack
-    (16 bytes per sample each, pickled to ``spawn``-ed
-    workers, shared copy-on-write after ``fork``). File descriptors open on
-    first access in each process, keyed by ``os.getpid()``, and are never used
-    across a fork; ``ds[0]`` in the parent before workers start is fine.
+    Workers: the dataset pickles only paths, options and per-shard facts.
+    Each process maps a shard's ``.tfpayload`` record table (offsets and
+    payload spans) on its first read of the shard, keyed by ``os.getpid()``,
+    and checks it whole in numpy; every worker shares the page cache's copy,
+    so memory does not grow with samples x workers. File descriptors open the
+    same way and are never used across a fork; ``ds[0]`` in the parent before
+    workers start is fine. Shards without a valid record table (written by
+    another tool or an older packdata) have their ``.tfindex`` parsed in
+    ``__init__`` into int64 arrays (16 bytes per sample, pickled to
+    ``spawn``-ed workers): convert such a pack again to share its tables.
 
     Args:
         path: the pack (directory with ``manifest.json``).
@@ -568,24 +568,16 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
                 hint="Stream it with TFRecordDataset(url), or stage it first: packdata.stage(url, to=DIR)",
             )
         _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
-        offsets, lengths = [], []
-        self._payloads: list[np.ndarray | None] = []  # per shard: payload spans in each record's data
+        # with CRCs off, records are parsed instead: the parse checks their structure and label
+        self._slice_payloads = self.field_spec is None and check_crc
+        self._parsed: dict[int, RecordTable] = {}  # shards without a valid record table, parsed once, here
         for shard, path_ in enumerate(self._shard_paths):
-            o, n = read_index(path_, size=self._bytes[shard])
-            if len(o) != self._counts[shard]:
-                raise PackFormatError(
-                    f"offsets index lists {len(o)} records, the manifest says {self._counts[shard]}",
-                    path=path_,
-                    hint="Convert or stage the pack again",
-                )
-            offsets.append(o)
-            lengths.append(n)
-            # with CRCs off, records are parsed instead: the parse checks their structure and label
-            plain = self.field_spec is None and check_crc
-            self._payloads.append(read_payload_table(path_, len(o), self._sha256[shard], n) if plain else None)
+            facts = (int(self._counts[shard]), self._bytes[shard], self._sha256[shard])
+            if not has_record_table(path_, *facts):
+                self._parsed[shard] = parse_records(path_, *facts, payloads=self._slice_payloads)
         self._first_list: list[int] = self._first.tolist()
-        self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._tables: list[RecordTable | None] = []  # this process's, by shard (mapped on first use)
+        self._tables_pid = -1
         self._readers = ShardReaders(
             self._shard_paths,
             functools.partial(TFRecordShardReader, check_crc=check_crc),
@@ -603,15 +595,26 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     def _raw_at(self, index: int) -> tuple[bytes, int]:
         """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
         shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
-        offset, length = self._offsets.item(index), self._lengths.item(index)  # .item: no numpy scalars
         reader: TFRecordShardReader = self._readers[shard]
-        table = self._payloads[shard]
-        if table is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
-            span = table[index - self._first_list[shard]].tolist()
+        offset, length, span = self._table(shard).record(index - self._first_list[shard])
+        if span is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
             return reader.read_payload(offset, length, span), self.pack.index.labels.item(index)
         data = reader.read(offset, length)
         view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
+
+    def _table(self, shard: int) -> RecordTable:
+        """This process's records of ``shard``: mapped (and checked) on first use, or parsed in ``__init__``."""
+        if self._tables_pid != os.getpid():
+            self._tables = [None] * len(self._shard_paths)
+            self._tables_pid = os.getpid()
+        table = self._tables[shard]
+        if table is None:
+            table = self._parsed.get(shard)
+            if table is None:
+                table = self._load_records(shard, self._slice_payloads)
+            self._tables[shard] = table
+        return table
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         position = self._sample_index(index)
@@ -631,6 +634,11 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         for k in sorted(range(len(positions)), key=positions.__getitem__):
             out[k] = self._finish(*self._raw_at(positions[k]), index=positions[k])
         return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tables"], state["_tables_pid"] = [], -1  # maps are per process
+        return state
 
     def __del__(self) -> None:
         if hasattr(self, "_readers"):

@@ -64,11 +64,14 @@ def sibling_table(pack: Path) -> Path:
 
 
 def _rewrite_table_rows(pack: Path, change: Callable[[np.ndarray], None]) -> Path:
-    """Apply ``change`` to the per-record rows of shard 0's side table, header left valid."""
+    """Apply ``change`` to the per-record rows of shard 0's side table, header left valid.
+
+    Both formats' tables are int64 triples after two header rows; column 0 is
+    where the record (LMDB: its payload) lies in the data file.
+    """
     table = shard_files(pack)["table"]
-    width, header = (3, 2) if _manifest(pack)["format"] == "lmdb" else (2, 1)
-    raw = np.fromfile(table, dtype="<i8").reshape(-1, width)
-    change(raw[header:])
+    raw = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    change(raw[2:])
     raw.tofile(table)
     return table
 

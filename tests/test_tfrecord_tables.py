@@ -1,0 +1,197 @@
+"""The ``.tfpayload`` record table: mapped and shared by every worker, checked, and never read as other bytes."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+import packdata
+from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
+from packdata.formats.tfrecord_tables import has_record_table, map_record_table, payload_path
+from packdata.pack.manifest import read_manifest
+
+
+def _texts(root: Path, n: int) -> Path:
+    """``n`` text files in two classes, each holding its own key (so a payload names its sample)."""
+    for i in range(n):
+        key = f"c{i % 2}/t{i:04d}.txt"
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_text(f"{key}|" * (1 + i % 7), encoding="utf-8")
+    return root
+
+
+def _pack(tmp_path: Path, n: int, shards: int = 4, name: str = "p") -> Path:
+    pack = tmp_path / name
+    convert(_texts(tmp_path / f"src-{n}", n), pack, format="tfrecord", shard_samples=-(-n // shards), progress=False)
+    return pack
+
+
+def _key(data: bytes) -> str:
+    return data.split(b"|", 1)[0].decode()
+
+
+def _as_list(batch: list) -> list:
+    return batch
+
+
+def _all(ds: TFRecordIndexedDataset) -> list[tuple[bytes, int]]:
+    return [ds[i] for i in range(len(ds))]
+
+
+def _shard0(pack: Path) -> tuple[Path, Path]:
+    shard = pack / read_manifest(pack).shards[0].file
+    return shard, payload_path(shard)
+
+
+def test_pickled_dataset_does_not_grow_with_samples(tmp_path: Path) -> None:
+    sizes = []
+    for n in (40, 4000):
+        ds = TFRecordIndexedDataset(_pack(tmp_path, n, name=f"p{n}"), decode="bytes")
+        before = len(pickle.dumps(ds))
+        assert _key(ds[n - 1][0]) == ds.keys[n - 1]  # the last shard's table is mapped now
+        assert len(pickle.dumps(ds)) == before  # maps are dropped when pickled
+        assert not ds._parsed  # every shard read through its record table
+        sizes.append(before)
+    assert sizes[1] - sizes[0] < 256  # longer numbers in the manifest; 3960 samples more would add over 60 KB
+    maps = Path("/proc/self/maps")
+    if maps.is_file():  # the table is a shared mapping of the file, not a private copy
+        assert str(payload_path(ds._shard_paths[-1])) in maps.read_text()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_read_every_key_once(tmp_path: Path, context: str) -> None:
+    pack = _pack(tmp_path, 30)
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    ds[7]  # maps and descriptors opened in the parent are never used by a worker
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context, collate_fn=_as_list)
+    keys = [_key(data) for batch in loader for data, _ in batch]
+    assert sorted(keys) == sorted(f"c{i % 2}/t{i:04d}.txt" for i in range(30)) == sorted(ds.keys)
+
+
+def _rows(table: Path) -> np.ndarray:
+    return np.fromfile(table, dtype="<i8").reshape(-1, 3)
+
+
+def _edit(table: Path, change) -> None:  # type: ignore[no-untyped-def]
+    raw = _rows(table)
+    change(raw)
+    raw.tofile(table)
+
+
+def _other_shard(pack: Path, table: Path) -> None:
+    shard1 = pack / read_manifest(pack).shards[1].file
+    shutil.copyfile(payload_path(shard1), table)
+
+
+DAMAGES = {  # name -> (damage, whether the reader can only name it)
+    "row_offset": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 0), r[3, 0] + 1)), False),
+    "row_offset_past_end": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 0), 1 << 40)), False),
+    "span_offset": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 1), r[3, 1] - 1)), True),
+    "span_length": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 2), r[3, 2] - 1)), True),
+    "span_outside": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 2), 1 << 40)), False),
+    "truncated": (lambda pack, t: t.write_bytes(t.read_bytes()[:-8]), False),
+    "wrong_count": (lambda pack, t: _edit(t, lambda r: r.__setitem__((0, 2), r[0, 2] + 1)), False),
+    "wrong_size": (lambda pack, t: _edit(t, lambda r: r.__setitem__((1, 0), r[1, 0] - 1)), False),
+    "bad_flag": (lambda pack, t: _edit(t, lambda r: r.__setitem__((1, 2), 7)), False),
+    "other_shard": (_other_shard, False),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_table_is_named_or_ignored(tmp_path: Path, damage: str) -> None:
+    """Each reader names the damage or reads the clean bytes (the ``.tfindex`` checked instead); verify names it."""
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    shard, table = _shard0(pack)
+    change, only_named = DAMAGES[damage]
+    change(pack, table)
+    info = read_manifest(pack).shards[0]
+    mapped = map_record_table(shard, info.num_samples, info.bytes, info.sha256, payloads=True)
+    assert (mapped is not None) == only_named  # a table that fails its checks is never used
+    for make in (
+        lambda: _all(TFRecordIndexedDataset(pack, decode="bytes")),
+        lambda: list(TFRecordDataset(pack, decode="bytes", shuffle=False)),
+    ):
+        if only_named:
+            with pytest.raises(PackFormatError, match=re.escape(str(shard)) + ".*does not point at the payload"):
+                make()
+        else:
+            assert make() == clean
+    with pytest.raises(PackFormatError, match=re.escape(str(table))):
+        verify_pack(pack, progress=False)
+
+
+def test_random_flips_in_table_are_named_or_read_right(tmp_path: Path) -> None:
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    shard, table = _shard0(pack)
+    original = table.read_bytes()
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for _ in range(60):
+        raw = bytearray(original)
+        at = int(rng.integers(len(raw)))
+        raw[at] ^= 1 << int(rng.integers(8))
+        table.write_bytes(bytes(raw))
+        try:
+            got = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+        except PackFormatError as exc:
+            assert str(shard) in str(exc) or str(table) in str(exc), str(exc)
+            outcomes.add("named")
+        else:
+            assert got == clean
+            outcomes.add("exact")
+        with pytest.raises(PackFormatError, match=re.escape(str(table))):
+            verify_pack(pack, progress=False)
+    assert outcomes == {"named", "exact"}
+
+
+def _to_version_1(table: Path, count: int, sha256_hex: str) -> None:
+    """Rewrite a record table as packdata's earlier payload table: ``(count, SHA-256 prefix)``, then spans."""
+    spans = _rows(table)[2:, 1:]
+    prefix = int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
+    table.write_bytes(struct.pack("<qq", count, prefix) + spans.astype("<i8").tobytes())
+
+
+@pytest.mark.parametrize("layout", ["version_1", "none"])
+def test_older_packs_read_through_the_offsets_index(tmp_path: Path, layout: str) -> None:
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    for info in read_manifest(pack).shards:
+        table = payload_path(pack / info.file)
+        if layout == "none":
+            table.unlink()
+        else:
+            _to_version_1(table, info.num_samples, info.sha256)
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    assert sorted(ds._parsed) == list(range(4))  # parsed in __init__, as before record tables
+    assert all((t.payloads is not None) == (layout == "version_1") for t in ds._parsed.values())
+    assert _all(ds) == clean == _all(pickle.loads(pickle.dumps(ds)))
+    assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == clean
+    verify_pack(pack, progress=False)
+    index = pack / read_manifest(pack).shards[0].file.replace(".tfrecord", ".tfindex")
+    index.write_text(index.read_text().replace("\n", "\n1 ", 1))  # the checked path still names a bad index
+    with pytest.raises(PackFormatError, match=re.escape(str(index))):
+        TFRecordIndexedDataset(pack, decode="bytes")
+
+
+def test_multi_field_pack_maps_offsets_and_parses_records(tmp_path: Path) -> None:
+    samples = [{"__key__": f"k{i:02d}", "txt": f"text {i}", "cls": i % 3} for i in range(12)]
+    pack = tmp_path / "f.tfrecord"
+    packdata.write_pack(samples, pack, shard_samples=5, progress=False)
+    for info in read_manifest(pack).shards:
+        shard = pack / info.file
+        assert has_record_table(shard, info.num_samples, info.bytes, info.sha256)
+        table = map_record_table(shard, info.num_samples, info.bytes, info.sha256, payloads=True)
+        assert table is not None and table.payloads is None  # no one payload: the Example is parsed
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    assert not ds._parsed
+    assert [ds[i]["txt"] for i in range(12)] == [f"text {i}".encode() for i in range(12)]
+    verify_pack(pack, progress=False)
