@@ -45,6 +45,11 @@ def _all(ds: TFRecordIndexedDataset) -> list[tuple[bytes, int]]:
     return [ds[i] for i in range(len(ds))]
 
 
+def _parsed(ds: TFRecordIndexedDataset) -> dict:
+    """Shard -> its records parsed from the ``.tfindex`` in ``__init__`` (shards without a valid record table)."""
+    return {k: kw["parsed"] for k, kw in enumerate(ds._readers.kwargs) if kw["parsed"] is not None}
+
+
 def _shard0(pack: Path) -> tuple[Path, Path]:
     shard = pack / read_manifest(pack).shards[0].file
     return shard, payload_path(shard)
@@ -57,7 +62,7 @@ def test_pickled_dataset_does_not_grow_with_samples(tmp_path: Path) -> None:
         before = len(pickle.dumps(ds))
         assert _key(ds[n - 1][0]) == ds.keys[n - 1]  # the last shard's table is mapped now
         assert len(pickle.dumps(ds)) == before  # maps are dropped when pickled
-        assert not ds._parsed  # every shard read through its record table
+        assert not _parsed(ds)  # every shard read through its record table
         sizes.append(before)
     assert sizes[1] - sizes[0] < 256  # longer numbers in the manifest; 3960 samples more would add over 60 KB
     maps = Path("/proc/self/maps")
@@ -171,8 +176,8 @@ def test_older_packs_read_through_the_offsets_index(tmp_path: Path, layout: str)
         else:
             _to_version_1(table, info.num_samples, info.sha256)
     ds = TFRecordIndexedDataset(pack, decode="bytes")
-    assert sorted(ds._parsed) == list(range(4))  # parsed in __init__, as before record tables
-    assert all((t.payloads is not None) == (layout == "version_1") for t in ds._parsed.values())
+    assert sorted(_parsed(ds)) == list(range(4))  # parsed in __init__, as before record tables
+    assert all((t.payloads is not None) == (layout == "version_1") for t in _parsed(ds).values())
     assert _all(ds) == clean == _all(pickle.loads(pickle.dumps(ds)))
     assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == clean
     verify_pack(pack, progress=False)
@@ -192,6 +197,6 @@ def test_multi_field_pack_maps_offsets_and_parses_records(tmp_path: Path) -> Non
         table = map_record_table(shard, info.num_samples, info.bytes, info.sha256, payloads=True)
         assert table is not None and table.payloads is None  # no one payload: the Example is parsed
     ds = TFRecordIndexedDataset(pack, decode="bytes")
-    assert not ds._parsed
+    assert not _parsed(ds)
     assert [ds[i]["txt"] for i in range(12)] == [f"text {i}".encode() for i in range(12)]
     verify_pack(pack, progress=False)

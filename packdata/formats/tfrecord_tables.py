@@ -57,6 +57,7 @@ PAYLOAD_SUFFIX = ".tfpayload"
 
 _PAIR = struct.Struct("<qq")
 _ROW = struct.Struct("<qqq")
+_ROW_AND_NEXT = struct.Struct("<qqqq")  # a record table row and the next record's offset
 _TABLE_MAGIC = int.from_bytes(b"PDTFREC2", "little", signed=True)
 _TABLE_VERSION = 2
 _HEAD = 2 * _ROW.size  # bytes of the record table's header
@@ -150,13 +151,13 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
 class RecordTable:
     """One shard's records: where each lies in the shard, and where its payload lies in its data.
 
-    Either mapped from a ``.tfpayload`` (``flat``: its rows, a view into the
-    page cache) or parsed from the ``.tfindex`` (``offsets`` and ``lengths``
-    private arrays, with a version-1 payload table if any). ``payloads`` is
-    None when payloads are not to be sliced out (the records are parsed).
+    Either mapped from a ``.tfpayload`` (``mapped``: the whole table, a view
+    into the page cache, checked) or parsed from the ``.tfindex`` (``offsets``
+    and ``lengths``: private arrays, with a version-1 payload table if any).
+    ``payloads`` is None when payloads are not to be sliced out (the records are parsed).
     """
 
-    __slots__ = ("_flat", "_lengths", "offsets", "payloads", "size")
+    __slots__ = ("_buf", "_last", "_lengths", "_mapped", "offsets", "payloads", "size")
 
     def __init__(
         self,
@@ -165,10 +166,12 @@ class RecordTable:
         *,
         lengths: np.ndarray | None = None,
         payloads: np.ndarray | None = None,
-        flat: np.ndarray | None = None,
+        mapped: np.ndarray | None = None,
     ) -> None:
         self.offsets, self.size, self.payloads = offsets, size, payloads
-        self._lengths, self._flat = lengths, flat
+        self._lengths, self._mapped = lengths, mapped
+        self._buf = mapped.data if mapped is not None else None  # struct reads: no numpy call per record
+        self._last = len(offsets) - 1
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -176,7 +179,7 @@ class RecordTable:
     @property
     def rows(self) -> np.ndarray | None:
         """A mapped table's ``(offset, payload offset, payload length)`` rows as stored; None if parsed."""
-        return None if self._flat is None else self._flat.reshape(-1, 3)
+        return None if self._mapped is None else self._mapped[6:].reshape(-1, 3)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -185,12 +188,14 @@ class RecordTable:
             return np.diff(self.offsets, append=self.size)
         return self._lengths
 
-    def record(self, k: int) -> tuple[int, int, list[int] | None]:
-        """Offset and framed length of record ``k``, and its payload span (None: parse the record)."""
-        if self._flat is not None:  # one slice of the map: this row and the next record's offset
-            row = self._flat[3 * k : 3 * k + 4].tolist()
-            end = row[3] if len(row) == 4 else self.size
-            return row[0], end - row[0], row[1:3] if self.payloads is not None else None
+    def record(self, k: int) -> tuple[int, int, tuple[int, int] | None]:
+        """Offset and framed length of record ``k`` (``0 <= k < len(self)``), and its payload span (None: parse it)."""
+        if self._buf is not None:  # this row and the next record's offset in one unpack
+            if k < self._last:
+                offset, at, m, end = _ROW_AND_NEXT.unpack_from(self._buf, _HEAD + _ROW.size * k)
+            else:
+                (offset, at, m), end = _ROW.unpack_from(self._buf, _HEAD + _ROW.size * k), self.size
+            return offset, end - offset, (at, m) if self.payloads is not None else None
         span = self.payloads[k].tolist() if self.payloads is not None else None
         return int(self.offsets[k]), int(self.lengths[k]), span
 
@@ -240,7 +245,7 @@ def map_record_table(
     spans = payloads and int(raw[5]) == 1
     if not _rows_fit(rows, size, spans):
         return None
-    return RecordTable(rows[:, 0], size, payloads=rows[:, 1:] if spans else None, flat=raw[6:])
+    return RecordTable(rows[:, 0], size, payloads=rows[:, 1:] if spans else None, mapped=raw)
 
 
 def _rows_fit(rows: np.ndarray, size: int, spans: bool) -> bool:

@@ -516,6 +516,26 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         )
 
 
+class _IndexedShard(TFRecordShardReader):
+    """A shard's reader holding this process's record table: ``parsed`` (given), else mapped and checked now."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        check_crc: bool,
+        payloads: bool,
+        expected_bytes: int,
+        count: int,
+        sha256: str,
+        parsed: RecordTable | None,
+    ) -> None:
+        super().__init__(path, check_crc=check_crc, expected_bytes=expected_bytes)
+        self.records = (
+            parsed if parsed is not None else shard_records(path, count, expected_bytes, sha256, payloads=payloads)
+        )
+
+
 class TFRecordIndexedDataset(_TFRecordView, Dataset):
     """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through the offsets index.
 
@@ -527,15 +547,16 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     manifest and sample index without reading a record.
 
     Workers: the dataset pickles only paths, options and per-shard facts.
-    Each process maps a shard's ``.tfpayload`` record table (offsets and
-    payload spans) on its first read of the shard, keyed by ``os.getpid()``,
-    and checks it whole in numpy; every worker shares the page cache's copy,
-    so memory does not grow with samples x workers. File descriptors open the
-    same way and are never used across a fork; ``ds[0]`` in the parent before
-    workers start is fine. Shards without a valid record table (written by
-    another tool or an older packdata) have their ``.tfindex`` parsed in
-    ``__init__`` into int64 arrays (16 bytes per sample, pickled to
-    ``spawn``-ed workers): convert such a pack again to share its tables.
+    Each process opens a shard on its first read of it (keyed by
+    ``os.getpid()``): the file descriptor, and the shard's ``.tfpayload``
+    record table (offsets and payload spans), memory-mapped and checked whole
+    in numpy. Every worker shares the page cache's copy of the tables, so
+    memory does not grow with samples x workers; nothing opened is used
+    across a fork, and ``ds[0]`` in the parent before workers start is fine.
+    Shards without a valid record table (written by another tool or an older
+    packdata) have their ``.tfindex`` parsed in ``__init__`` into int64
+    arrays (16-32 bytes per sample, pickled to ``spawn``-ed workers): convert
+    such a pack again to share its tables.
 
     Args:
         path: the pack (directory with ``manifest.json``).
@@ -569,19 +590,18 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
             )
         _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
         # with CRCs off, records are parsed instead: the parse checks their structure and label
-        self._slice_payloads = self.field_spec is None and check_crc
-        self._parsed: dict[int, RecordTable] = {}  # shards without a valid record table, parsed once, here
+        payloads = self.field_spec is None and check_crc
+        kwargs = []
         for shard, path_ in enumerate(self._shard_paths):
             facts = (int(self._counts[shard]), self._bytes[shard], self._sha256[shard])
-            if not has_record_table(path_, *facts):
-                self._parsed[shard] = parse_records(path_, *facts, payloads=self._slice_payloads)
+            # a shard without a valid record table (an older pack) is parsed once, here
+            parsed = None if has_record_table(path_, *facts) else parse_records(path_, *facts, payloads=payloads)
+            kwargs.append({"count": facts[0], "expected_bytes": facts[1], "sha256": facts[2], "parsed": parsed})
         self._first_list: list[int] = self._first.tolist()
-        self._tables: list[RecordTable | None] = []  # this process's, by shard (mapped on first use)
-        self._tables_pid = -1
         self._readers = ShardReaders(
             self._shard_paths,
-            functools.partial(TFRecordShardReader, check_crc=check_crc),
-            [{"expected_bytes": b} for b in self._bytes],
+            functools.partial(_IndexedShard, check_crc=check_crc, payloads=payloads),
+            kwargs,
             self.pack.check_unchanged,
         )
 
@@ -595,26 +615,13 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
     def _raw_at(self, index: int) -> tuple[bytes, int]:
         """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
         shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
-        reader: TFRecordShardReader = self._readers[shard]
-        offset, length, span = self._table(shard).record(index - self._first_list[shard])
+        reader: _IndexedShard = self._readers[shard]
+        offset, length, span = reader.records.record(index - self._first_list[shard])
         if span is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
             return reader.read_payload(offset, length, span), self.pack.index.labels.item(index)
         data = reader.read(offset, length)
         view, label = self._parse(data, self._shard_paths[shard], offset, index)
         return bytes(view), label
-
-    def _table(self, shard: int) -> RecordTable:
-        """This process's records of ``shard``: mapped (and checked) on first use, or parsed in ``__init__``."""
-        if self._tables_pid != os.getpid():
-            self._tables = [None] * len(self._shard_paths)
-            self._tables_pid = os.getpid()
-        table = self._tables[shard]
-        if table is None:
-            table = self._parsed.get(shard)
-            if table is None:
-                table = self._load_records(shard, self._slice_payloads)
-            self._tables[shard] = table
-        return table
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         position = self._sample_index(index)
@@ -634,11 +641,6 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         for k in sorted(range(len(positions)), key=positions.__getitem__):
             out[k] = self._finish(*self._raw_at(positions[k]), index=positions[k])
         return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_tables"], state["_tables_pid"] = [], -1  # maps are per process
-        return state
 
     def __del__(self) -> None:
         if hasattr(self, "_readers"):
