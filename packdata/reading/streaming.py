@@ -537,7 +537,7 @@ class _IndexedShard(TFRecordShardReader):
 
 
 class TFRecordIndexedDataset(_TFRecordView, Dataset):
-    """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through the offsets index.
+    """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through each shard's record table.
 
     Each access is one positioned read (``os.pread``) of one record, its
     framing and (by default) CRCs checked, so any sampler works:
