@@ -158,6 +158,18 @@ def test_record_spans_point_at_the_records(small_texts: Path, tmp_path: Path, fm
     if fmt == "lmdb":  # without its table a shard gives no spans (and no hints), not an error
         (pack / manifest.shards[0].file / "records.i64").unlink()
         assert form.record_spans(pack / manifest.shards[0].file, manifest.shards[0].bytes) is None
+    else:  # from the mapped record table, as the .tfindex says; without the table, from the .tfindex
+        from packdata.formats.tfrecord_tables import payload_path, read_index
+
+        shard = pack / manifest.shards[0].file
+        offsets, lengths = form.record_spans(shard, manifest.shards[0].bytes)
+        assert not offsets.flags.owndata  # a view of the mapped table, not a parsed copy
+        expected = read_index(shard, size=manifest.shards[0].bytes)
+        assert offsets.tolist() == expected[0].tolist() and lengths.tolist() == expected[1].tolist()
+        assert form.record_spans(shard, manifest.shards[0].bytes + 1) is None  # a table for another size: no hints
+        payload_path(shard).unlink()
+        offsets, lengths = form.record_spans(shard, manifest.shards[0].bytes)
+        assert offsets.tolist() == expected[0].tolist() and lengths.tolist() == expected[1].tolist()
 
 
 def test_merged_ranges_cover_every_span_and_join_small_gaps() -> None:

@@ -89,6 +89,7 @@ from packdata.formats.tfrecord_tables import (
     payload_path,
     read_index,
     read_payload_table,
+    record_offsets,
     record_table_header,
 )
 from packdata.pack.fields import FieldError, encode_block
@@ -630,7 +631,13 @@ SHARD_WRITER = TFRecordShardWriter
 
 
 def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(offsets, lengths)`` of every record of the shard, from its ``.tfindex`` (read-ahead hints), or None."""
+    """``(offsets, lengths)`` of every record of the shard (read-ahead hints), or None.
+
+    From its record table (offsets mapped, lengths their differences), else its ``.tfindex``.
+    """
+    offsets = record_offsets(shard, size)
+    if offsets is not None:
+        return offsets, np.diff(offsets, append=size)
     try:
         return read_index(shard, size=size)
     except PackFormatError:

@@ -43,6 +43,7 @@ __all__ = [
     "payload_path",
     "read_index",
     "read_payload_table",
+    "record_offsets",
     "record_table_header",
     "shard_records",
 ]
@@ -223,6 +224,21 @@ def has_record_table(shard: str | os.PathLike, count: int, size: int, sha256_hex
     except OSError:
         return False
     return actual == _HEAD + _ROW.size * count and _bound(head, count, size, sha256_hex)
+
+
+def record_offsets(shard: str | os.PathLike, size: int) -> np.ndarray | None:
+    """Every record's offset from the shard's record table, mapped; None without one for a shard of ``size`` bytes.
+
+    Only the header is checked (version, size, row count): for read-ahead
+    hints, which never decide what is read. Readers use :func:`map_record_table`.
+    """
+    try:
+        raw = np.memmap(payload_path(shard), dtype="<i8", mode="r").view(np.ndarray)
+    except (OSError, ValueError):
+        return None
+    if raw.size < 6 or raw.size % 3 or (int(raw[0]), int(raw[1]), int(raw[3])) != (_TABLE_MAGIC, _TABLE_VERSION, size):
+        return None
+    return raw[6:].reshape(-1, 3)[:, 0] if int(raw[2]) == raw.size // 3 - 2 else None
 
 
 def map_record_table(
