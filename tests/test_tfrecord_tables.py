@@ -106,6 +106,9 @@ DAMAGES = {  # name -> (damage, whether the reader can only name it)
     "wrong_size": (lambda pack, t: _edit(t, lambda r: r.__setitem__((1, 0), r[1, 0] - 1)), False),
     "bad_flag": (lambda pack, t: _edit(t, lambda r: r.__setitem__((1, 2), 7)), False),
     "other_shard": (_other_shard, False),
+    "row_offset_negative": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 0), -16)), False),
+    "span_negative": (lambda pack, t: _edit(t, lambda r: r.__setitem__((3, 1), -1)), False),
+    "empty": (lambda pack, t: t.write_bytes(b""), False),
 }
 
 
@@ -200,3 +203,43 @@ def test_multi_field_pack_maps_offsets_and_parses_records(tmp_path: Path) -> Non
     assert not _parsed(ds)
     assert [ds[i]["txt"] for i in range(12)] == [f"text {i}".encode() for i in range(12)]
     verify_pack(pack, progress=False)
+
+
+def test_a_fifo_in_place_of_a_table_or_index_never_blocks(tmp_path: Path) -> None:
+    """A FIFO is not read (it would block the open forever): a table FIFO is ignored, an index FIFO is named."""
+    import os
+
+    from packdata.formats import get_format
+    from packdata.formats.tfrecord_tables import index_path
+
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    shard, table = _shard0(pack)
+    info = read_manifest(pack).shards[0]
+    table.unlink()
+    os.mkfifo(table)
+    assert _all(TFRecordIndexedDataset(pack, decode="bytes")) == clean  # the .tfindex, checked, instead
+    assert list(TFRecordDataset(pack, decode="bytes", shuffle=False)) == clean
+    assert get_format("tfrecord").record_spans(shard, info.bytes) is not None  # hints from the .tfindex
+    index_path(shard).unlink()
+    os.mkfifo(index_path(shard))
+    with pytest.raises(PackFormatError, match=re.escape(str(index_path(shard))) + ".*not a regular file"):
+        TFRecordIndexedDataset(pack, decode="bytes")
+    assert get_format("tfrecord").record_spans(shard, info.bytes) is None
+
+
+def test_a_fifo_in_place_of_an_lmdb_records_table_is_ignored(tmp_path: Path) -> None:
+    import os
+
+    from packdata.formats import get_format
+
+    pack = tmp_path / "p.lmdb"
+    convert(_texts(tmp_path / "src", 24), pack, shard_samples=8, progress=False)
+    clean = [packdata.LMDBDataset(pack, decode="bytes")[i] for i in range(24)]
+    shard = pack / read_manifest(pack).shards[0].file
+    (shard / "records.i64").unlink()
+    os.mkfifo(shard / "records.i64")
+    ds = packdata.LMDBDataset(pack, decode="bytes")
+    assert [ds[i] for i in range(24)] == clean  # LMDB's own lookup instead
+    assert ds.__getitems__(list(range(24))) == clean
+    assert get_format("lmdb").record_spans(shard, read_manifest(pack).shards[0].bytes) is None

@@ -50,7 +50,7 @@ import numpy as np
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
 from packdata.formats.residency import PagedFile, buffer_address
-from packdata.pack.files import file_sha256
+from packdata.pack.files import file_sha256, map_int64
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
 
@@ -348,11 +348,8 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
     environment's, and every row lies inside ``data.mdb`` (checked once, here).
     """
     table = os.path.join(path, RECORDS_FILE)
-    try:  # mapped, not read: every worker shares the page cache's copy (24 bytes a record)
-        raw = np.memmap(table, dtype="<i8", mode="r").view(np.ndarray)
-    except (OSError, ValueError):  # absent, or empty
-        return None
-    if raw.size != 3 * (entries + 2):
+    raw = map_int64(table)  # mapped, not read: every worker shares the page cache's copy (24 bytes a record)
+    if raw is None or raw.size != 3 * (entries + 2):
         return None  # absent, of an older packdata (pairs), or cut
     rows = raw.reshape(-1, 3)
     if tuple(rows[0]) != (_TABLE_MAGIC, _TABLE_VERSION, entries) or (rows[1, 0], rows[1, 1]) != (txnid, size):
@@ -513,10 +510,10 @@ def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None
     ``data.mdb`` of ``size`` bytes by its header; its rows are not checked here.
     """
     table = shard / RECORDS_FILE
-    try:
-        rows = np.memmap(table, dtype="<i8", mode="r").reshape(-1, 3)
-    except (OSError, ValueError):
+    raw = map_int64(table)
+    if raw is None or raw.size % 3:
         return None
+    rows = raw.reshape(-1, 3)
     if len(rows) < 2 or tuple(rows[0, :2]) != (_TABLE_MAGIC, _TABLE_VERSION) or rows[1, 1] != size:
         return None
     if rows[0, 2] != len(rows) - 2:

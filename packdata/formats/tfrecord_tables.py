@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError
+from packdata.pack.files import map_int64, read_regular
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -93,7 +94,7 @@ def read_payload_table(
     inside its record's data (checked once, here).
     """
     try:
-        raw = payload_path(shard).read_bytes()
+        raw = read_regular(payload_path(shard))
     except OSError:
         return None
     if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
@@ -123,7 +124,7 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
     """
     path = index_path(shard)
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path)
     except OSError as exc:
         raise PackFormatError(
             f"cannot read the shard's offsets index: {exc.strerror or exc}",
@@ -217,13 +218,8 @@ def _bound(head: bytes, count: int, size: int, sha256_hex: str) -> bool:
 
 def has_record_table(shard: str | os.PathLike, count: int, size: int, sha256_hex: str) -> bool:
     """Whether the shard has a record table whose header and size fit it (:func:`map_record_table` checks rows)."""
-    try:
-        with open(payload_path(shard), "rb") as f:
-            head = f.read(_HEAD)
-            actual = os.fstat(f.fileno()).st_size
-    except OSError:
-        return False
-    return actual == _HEAD + _ROW.size * count and _bound(head, count, size, sha256_hex)
+    raw = map_int64(payload_path(shard))
+    return raw is not None and raw.size == 3 * (count + 2) and _bound(raw[:6].tobytes(), count, size, sha256_hex)
 
 
 def record_offsets(shard: str | os.PathLike, size: int) -> np.ndarray | None:
@@ -232,11 +228,10 @@ def record_offsets(shard: str | os.PathLike, size: int) -> np.ndarray | None:
     Only the header is checked (version, size, row count): for read-ahead
     hints, which never decide what is read. Readers use :func:`map_record_table`.
     """
-    try:
-        raw = np.memmap(payload_path(shard), dtype="<i8", mode="r").view(np.ndarray)
-    except (OSError, ValueError):
+    raw = map_int64(payload_path(shard))
+    if raw is None or raw.size < 6 or raw.size % 3:
         return None
-    if raw.size < 6 or raw.size % 3 or (int(raw[0]), int(raw[1]), int(raw[3])) != (_TABLE_MAGIC, _TABLE_VERSION, size):
+    if (int(raw[0]), int(raw[1]), int(raw[3])) != (_TABLE_MAGIC, _TABLE_VERSION, size):
         return None
     return raw[6:].reshape(-1, 3)[:, 0] if int(raw[2]) == raw.size // 3 - 2 else None
 
@@ -251,11 +246,8 @@ def map_record_table(
         count, size, sha256_hex: the shard's record count, byte size and SHA-256 (the manifest's).
         payloads: also check and return payload spans (None where rows hold none).
     """
-    try:  # mapped, not read: every worker shares the page cache's copy
-        raw = np.memmap(payload_path(shard), dtype="<i8", mode="r").view(np.ndarray)
-    except (OSError, ValueError):  # absent, or empty
-        return None
-    if raw.size != 3 * (count + 2) or not _bound(raw[:6].tobytes(), count, size, sha256_hex):
+    raw = map_int64(payload_path(shard))  # mapped, not read: every worker shares the page cache's copy
+    if raw is None or raw.size != 3 * (count + 2) or not _bound(raw[:6].tobytes(), count, size, sha256_hex):
         return None
     rows = raw[6:].reshape(-1, 3)
     spans = payloads and int(raw[5]) == 1

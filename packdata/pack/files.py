@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
+import stat
 from io import BufferedReader
 from pathlib import Path
 
-__all__ = ["atomic_write", "file_sha256", "fsync_dir", "stream_sha256"]
+import numpy as np
+
+__all__ = ["atomic_write", "file_sha256", "fsync_dir", "map_int64", "read_regular", "stream_sha256"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -48,3 +53,48 @@ def file_sha256(path: str | os.PathLike) -> str:
     """SHA-256 hex digest of the file at ``path``."""
     with open(path, "rb") as f:
         return stream_sha256(f)
+
+
+def _open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path``, only if it is a regular file.
+
+    ``O_NONBLOCK`` keeps a FIFO in a pack from blocking the open forever; the
+    type is checked on the opened descriptor.
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (``EINVAL``).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks)."""
+    with os.fdopen(_open_regular(path), "rb") as f:
+        return f.read()
+
+
+def map_int64(path: str | os.PathLike) -> np.ndarray | None:
+    """A read-only memory map of the regular file at ``path`` as little-endian int64s (a side table).
+
+    Every process mapping it shares the page cache's copy. None when it is
+    missing, not a regular file (never blocks on a FIFO), empty, or not a
+    whole number of int64s.
+    """
+    try:
+        fd = _open_regular(path)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or size % 8:
+            return None
+        return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), dtype="<i8")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
