@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,3 +119,26 @@ def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout: floa
         pytest.fail(f"torchrun {' '.join(args)} hung for {timeout}s:\n{output[-4000:]}")
     assert proc.returncode == 0, output[-4000:]
     return output
+
+
+@contextlib.contextmanager
+def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]:
+    """A moto S3 server on loopback with a ``packs`` bucket; yields (storage_options, s3fs filesystem).
+
+    ``credentials`` go into the storage options (``{"key": ..., "secret": ...}``),
+    or are empty when the caller sets them in the environment first.
+    """
+    moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
+    s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        options = {**credentials, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+        fs = s3fs.S3FileSystem(**options)
+        fs.mkdir("packs")
+        yield options, fs
+    finally:
+        server.stop()

@@ -11,7 +11,6 @@ import io
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import moto_s3
 from PIL import Image
 
 import packdata
@@ -411,24 +411,8 @@ def s3():
     workers started before this fixture, so the tasks can only have them from
     the options the driver passes.
     """
-    moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
-    s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    options = {
-        "key": "ray-testing-key-id",
-        "secret": SECRET,
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-    }
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("packs")
-    try:
+    with moto_s3({"key": "ray-testing-key-id", "secret": SECRET}) as (options, fs):
         yield options, fs
-    finally:
-        server.stop()
 
 
 def _download(fs, url: str, to: Path) -> Path:

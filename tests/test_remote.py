@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -16,41 +15,29 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import image_bytes, moto_s3
 from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
 from packdata.errors import PackFormatError
 
-moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
+pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
 s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
 
 SECRET = "never-print-this-secret-9f3c"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
-    """A moto S3 server on loopback with dummy credentials; yields (storage_options, filesystem)."""
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
+    """A moto S3 server on loopback with dummy credentials in the environment; yields (storage_options, filesystem)."""
     env = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("packs")
     try:
-        yield options, fs
+        with moto_s3({}) as (options, fs):
+            yield options, fs
     finally:
-        server.stop()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
