@@ -103,7 +103,8 @@ class DecodeCrop:
                     img.draft("RGB", (math.ceil(width / shrink), math.ceil(height / shrink)))
             sx, sy = img.size[0] / width, img.size[1] / height  # the scale the decoder chose
             box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-            return img.convert("RGB").resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
+            rgb = img if img.mode == "RGB" else img.convert("RGB")  # convert("RGB") of RGB is a full copy
+            return rgb.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_rng": None, "_pid": -1}
