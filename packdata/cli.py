@@ -503,10 +503,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--persistent-workers", is_flag=True, help="Keep workers between epochs.")
 @click.option(
     "--decode",
-    type=click.Choice(["bytes", "pil", "reduced"]),
+    type=click.Choice(["bytes", "pil", "reduced", "crop"]),
     default="pil",
     show_default=True,
-    help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to --size.",
+    help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to --size; crop: DecodeCrop, "
+    "decoding only what the random crop needs (the ceiling is then PIL's full decode + crop).",
 )
 @click.option("--no-transform", is_flag=True, help="Skip the standard transform (crop to --size, flip, uint8).")
 @click.option(
@@ -579,6 +580,7 @@ def bench(
       packdata bench train.lmdb ./images --workers 0,2,4 --batch-size 64,128
       packdata bench train.lmdb --step-ms 50 --seconds 10
       packdata bench train.lmdb --decode reduced --json bench.json --plot bench.png
+      packdata bench train.lmdb --decode crop     # DecodeCrop against PIL's full decode + crop
     """
     from packdata.measure.bench import run_bench
     from packdata.measure.plot import plot_bench
@@ -634,7 +636,7 @@ def bench(
     help="Your training batch size (kept); several values, comma-separated, are searched (e.g. 32,64,128).",
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
-@click.option("--decode", type=click.Choice(["bytes", "pil", "reduced"]), default="pil", show_default=True)
+@click.option("--decode", type=click.Choice(["bytes", "pil", "reduced", "crop"]), default="pil", show_default=True)
 @click.option(
     "--seconds",
     type=click.FloatRange(min=0, min_open=True),

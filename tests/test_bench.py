@@ -115,6 +115,21 @@ def test_bench_reduced_decode_and_persistent_workers(pack: Path) -> None:
     assert min(full.size) == 64
 
 
+def test_bench_crop_decode_against_the_full_decode_and_crop(pack: Path) -> None:
+    result = run_bench(pack, workers=(0,), batch_sizes=(BATCH,), batches=BATCHES, warmup=1, decode="crop", size=32)
+    _check_consistent(result.to_dict())
+    assert result.settings["decode"] == "crop"
+    # the sources decode with DecodeCrop and only flip after it; the ceiling is the work it replaces
+    assert "RandomResizedCrop" not in result.settings["transform"]
+    ceiling = next(s for s in result.sources if s["name"] == CEILING)
+    assert ceiling["decode"] == "pil" and "RandomResizedCrop" in ceiling["transform"]
+    assert all(r.vs_ceiling is not None for r in result.for_source(str(pack)))
+    assert "what DecodeCrop replaces" in result.table()
+    dataset, _ = open_source(pack, decode="crop", transform=None, size=32)
+    image, _ = dataset[0]
+    assert image.size == (32, 32) and image.mode == "RGB"
+
+
 def test_bench_records_bad_sources_and_settings_without_stopping(pack: Path, tmp_path: Path) -> None:
     result = run_bench([tmp_path / "missing", pack], workers=0, batch_sizes=(BATCH, 64), batches=BATCHES, warmup=1)
     assert any("missing" in w for w in result.warnings)

@@ -7,7 +7,9 @@ warm-up (:mod:`packdata.measure.loop`); a background thread samples the memory
 of the main process and every worker (:mod:`packdata.measure.memory`). Next to
 the sources, the **ceiling** is always measured: the same decode and transform
 on bytes already in memory, through the same DataLoader settings, so every
-figure is also a ratio to what decoding alone allows.
+figure is also a ratio to what decoding alone allows. With ``decode="crop"``
+the ceiling is PIL's full decode and the standard crop, the work
+:class:`packdata.DecodeCrop` replaces, so the ratio is its gain.
 """
 
 from __future__ import annotations
@@ -112,7 +114,12 @@ class BenchResult:
         lines.append(
             f"samples/s: median of {repeats} run{'s' * (repeats != 1)}; spread: (max - min) / median"
             + (" (one run: rerun with --repeat 3 for a noise estimate)" if repeats == 1 else "")
-            + "; x ceiling: over the same decode on bytes in memory (ratios within the spread are noise)"
+            + (
+                "; x ceiling: over PIL full decode + the standard crop on bytes in memory (what DecodeCrop replaces)"
+                if self.settings.get("decode") == "crop"
+                else "; x ceiling: over the same decode on bytes in memory"
+            )
+            + " (ratios within the spread are noise)"
             + ("; wait%: share of each step spent waiting for data" if waiting else "")
             + "; private mem: peak USS of the main process plus the workers (page cache of mapped packs excluded)"
         )
@@ -211,7 +218,9 @@ def run_bench(
             (every combination); ``pin_memory`` is measured off without CUDA.
         persistent_workers: keep workers between epochs.
         decode: ``"bytes"``, ``"pil"``, ``"reduced"`` (DCT-scaled JPEG decode to
-            ``size``, see :class:`packdata.DecodeJPEG`) or a callable.
+            ``size``, see :class:`packdata.DecodeJPEG`), ``"crop"`` (:class:`packdata.DecodeCrop`
+            to ``size``; the ceiling is then PIL's full decode and the standard
+            transform, the work it replaces) or a callable.
         transform: ``"standard"`` (random resized crop to ``size``, flip,
             uint8 tensor), None, or a callable.
         size: output side of the standard transform.
@@ -240,7 +249,7 @@ def run_bench(
     if isinstance(transform, str):
         if transform != "standard":
             raise ConfigError(f"transform should be 'standard', None or a callable, but got transform={transform!r}")
-        transform = standard_transform(size)
+        transform = standard_transform(size, crop=decode != "crop")  # DecodeCrop crops as it decodes
     if collate_fn is None and (transform is None or decode == "bytes"):
         collate_fn = list_collate
     configs = [
@@ -347,12 +356,23 @@ def _make_ceiling(
         if view is None:
             continue
         kind = facts.get("kind", "image")
-        decoder = _decoder(decode, kind, size)
-        tf = transform if kind == "image" and decode != "bytes" else None
+        tf: Callable[[Any], Any] | None
+        if decode == "crop":  # the reference is the work DecodeCrop replaces: full decode, then the crop
+            decoder, tf = _decoder("pil", kind, size), standard_transform(size) if kind == "image" else None
+        else:
+            decoder, tf = _decoder(decode, kind, size), transform if kind == "image" and decode != "bytes" else None
         memory = InMemoryDataset.from_dataset(view, max_samples=max_samples, transform=tf, decode=decoder)
         return (
             CEILING,
             memory,
-            {"kind": kind, "format": "memory", "samples": len(memory), "mean_bytes": memory.mean_bytes, "from": name},
+            {
+                "kind": kind,
+                "format": "memory",
+                "samples": len(memory),
+                "mean_bytes": memory.mean_bytes,
+                "from": name,
+                "decode": decoder if isinstance(decoder, str) else repr(decoder),
+                "transform": repr(tf),
+            },
         )
     return CEILING, None, {"error": "no source could give its bytes for the ceiling"}

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from packdata.conversion.sources import SourceFile, scan_source
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
+from packdata.reading.crop import DecodeCrop
 from packdata.reading.decode import DecodeFn, DecodeJPEG, resolve_decoder
 from packdata.reading.open import open_dataset
 
@@ -168,15 +169,16 @@ class InMemoryDataset(Dataset):
         return sample, int(self.targets[index])
 
 
-DECODE_CHOICES = ("bytes", "pil", "reduced")
-"""What ``decode`` may name in bench and tune (or pass a callable): stored bytes, full PIL decode, reduced decode."""
+DECODE_CHOICES = ("bytes", "pil", "reduced", "crop")
+"""What ``decode`` may name in bench and tune (or pass a callable): stored bytes, full PIL decode, reduced
+decode, :class:`DecodeCrop` (the decoder is the random resized crop)."""
 
 
 def check_decode(decode: str | DecodeFn) -> None:
     """Raise :class:`ConfigError` unless ``decode`` is a callable or one of :data:`DECODE_CHOICES`."""
     if not callable(decode) and decode not in DECODE_CHOICES:
         raise ConfigError(
-            f"decode should be 'bytes', 'pil', 'reduced' or a callable, but got decode={decode!r}",
+            f"decode should be 'bytes', 'pil', 'reduced', 'crop' or a callable, but got decode={decode!r}",
             hint="Pass decode='bytes' to skip decoding",
         )
 
@@ -187,7 +189,9 @@ def _decoder(decode: str | DecodeFn, kind: str, size: int) -> DecodeFn | str:
         return "bytes" if decode == "bytes" else "text"
     if callable(decode):
         return decode
-    return DecodeJPEG(size) if decode == "reduced" else decode
+    if decode == "reduced":
+        return DecodeJPEG(size)
+    return DecodeCrop(size) if decode == "crop" else decode
 
 
 def open_source(
@@ -202,9 +206,10 @@ def open_source(
     Args:
         path: a pack directory (with ``manifest.json``) or a source folder.
         decode: ``"bytes"`` (no decoding), ``"pil"``, ``"reduced"`` (:class:`DecodeJPEG`
-            to ``size``), or a callable. Text sources always decode to text (or bytes with ``"bytes"``).
+            to ``size``), ``"crop"`` (:class:`DecodeCrop` to ``size``), or a callable.
+            Text sources always decode to text (or bytes with ``"bytes"``).
         transform: applied to decoded images (ignored for text and ``"bytes"``).
-        size: the output size for ``"reduced"``.
+        size: the output size for ``"reduced"`` and ``"crop"``.
 
     Returns:
         ``(dataset, facts)``, facts being the source's ``kind``, ``format``,

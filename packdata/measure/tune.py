@@ -366,7 +366,7 @@ def run_tune(
     if isinstance(transform, str):
         if transform != "standard":
             raise ConfigError(f"transform should be 'standard', None or a callable, but got transform={transform!r}")
-        transform = standard_transform(size)
+        transform = standard_transform(size, crop=decode != "crop")  # DecodeCrop crops as it decodes
     dataset, facts = open_source(source, decode=decode, transform=transform, size=size)
     collate = list_collate if transform is None or decode == "bytes" or facts["kind"] != "image" else None
     sample_bytes = 3 * size * size if collate is None else max(int(facts["mean_bytes"]), 1)

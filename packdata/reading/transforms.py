@@ -161,18 +161,20 @@ class ToUint8Tensor:
         return "ToUint8Tensor()"
 
 
-def standard_transform(size: int = 224, *, flip: bool = True, output: str = "tensor") -> Compose:
+def standard_transform(size: int = 224, *, crop: bool = True, flip: bool = True, output: str = "tensor") -> Compose:
     """Random resized crop to ``size``, horizontal flip, then a ``uint8`` image.
 
     Args:
         size: output side in pixels.
+        crop: start with the random resized crop (leave it out after a decoder
+            that crops, :class:`packdata.DecodeCrop`).
         flip: add the random horizontal flip.
         output: ``"tensor"`` (CHW ``uint8`` tensor, for the default collate) or
             ``"array"`` (HWC ``uint8`` numpy array, for :func:`packdata.fast_collate`).
     """
     if output not in ("tensor", "array"):
         raise ValueError(f"output should be 'tensor' or 'array', but got output={output!r}")
-    steps: list[Callable[[Any], Any]] = [RandomResizedCrop(size)]
+    steps: list[Callable[[Any], Any]] = [RandomResizedCrop(size)] if crop else []
     if flip:
         steps.append(RandomHorizontalFlip())
     steps.append(ToUint8Tensor() if output == "tensor" else ToUint8Array())
