@@ -82,7 +82,7 @@ def pack(image_folder: Path, tmp_path: Path) -> Path:
 def test_bench_and_tune_say_bytes_and_reject_none(pack: Path) -> None:
     result = run_bench(pack, workers=0, batch_sizes=2, batches=1, warmup=0, decode="bytes")
     assert [r.error for r in result.results] == [None, None] and result.settings["decode"] == "bytes"
-    with pytest.raises(ConfigError, match=r"decode should be 'bytes', 'pil', 'reduced' or a callable.*'none'"):
+    with pytest.raises(ConfigError, match=r"decode should be 'bytes', 'pil', 'reduced', 'crop' or a callable.*'none'"):
         run_bench(pack, workers=0, batch_sizes=2, batches=1, decode="none")
     with pytest.raises(ConfigError, match=r"but got decode='none'"):
         run_tune(pack, memory_budget=GiB, batch_sizes=(2,), batches=1, decode="none")
