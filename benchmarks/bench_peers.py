@@ -11,6 +11,8 @@ sync of the same files (source page cache dropped first, unless --skip-cold):
 packdata ``convert`` (LMDB and TFRecord), WebDataset ``ShardWriter``, Streaming
 ``MDSWriter``, LitData ``optimize``, the ``tfrecord`` package's
 ``TFRecordWriter`` (+ its index) and a naive py-lmdb writer; shards of 64 MiB.
+Each writes in a fresh process; packdata's with ``keep_freed_memory()`` first,
+as its CLI (``packdata convert``) runs.
 
 Readers, each in a fresh process, each in its own shuffled training mode:
 raw warm (``DataLoader``, batch 64, 0 workers, after one untimed epoch), raw
@@ -52,6 +54,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import packdata
 from packdata.formats.lmdb import encode_key
+from packdata.host.allocator import keep_freed_memory
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.decode import decode_pil
 from packdata.reading.transforms import standard_transform
@@ -151,10 +154,12 @@ def write_tar(data: Data, out: Path) -> None:
 
 
 def write_lmdb(data: Data, out: Path) -> None:
+    keep_freed_memory()  # as `packdata convert` does (this process writes, then ends)
     packdata.convert(data.src, out, shard_size=SHARD, progress=False)
 
 
 def write_pd_tfrecord(data: Data, out: Path) -> None:
+    keep_freed_memory()
     packdata.convert(data.src, out, format="tfrecord", shard_size=SHARD, progress=False)
 
 

@@ -215,9 +215,11 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
       packdata convert /nfs/train s3://bucket/train.lmdb --engine ray   # tasks upload their shards
     """
     from packdata.conversion.convert import convert as run_convert
+    from packdata.host.allocator import keep_freed_memory
 
     if options.get("address") and options.get("engine") != "ray":
         raise click.UsageError("--address needs --engine ray")
+    keep_freed_memory()  # this process converts, then ends: freed batches are reused, not faulted in again
 
     try:
         if options.get("storage_options"):
