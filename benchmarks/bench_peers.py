@@ -5,6 +5,7 @@ One run, side by side, on generated text files (4.6 KB mean) and JPEGs (about
 ``pip uninstall -y torchvision``; see the README)::
 
     python benchmarks/bench_peers.py [--text 50000] [--images 12000] [--repeats 3] [--skip-cold] [--only lmdb,wds]
+        [--batches 40] [--text-batches 300]
 
 Writers, each timed to its ``os.sync()`` and given as a ratio to ``tar -cf`` +
 sync of the same files (source page cache dropped first, unless --skip-cold):
@@ -588,7 +589,8 @@ def bench(data: Data, readers: list[str], args: argparse.Namespace, cold: bool) 
             if cold and reader != CEILING:
                 results.update(in_fresh_process(run_cold, reader, data))
             if "error" not in results:
-                results.update(in_fresh_process(run_warm, reader, data, repeat == 0, args.batches))
+                batches = args.batches if data.kind == "images" else args.text_batches
+                results.update(in_fresh_process(run_warm, reader, data, repeat == 0, batches))
             if "error" in results:
                 errors[reader] = results["error"]
                 continue
@@ -604,7 +606,10 @@ def main() -> None:
     parser.add_argument("--text", type=int, default=50_000, help="text files (0: none)")
     parser.add_argument("--images", type=int, default=12_000, help="JPEG files (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=40, help="decoded batches timed per reader")
+    parser.add_argument("--batches", type=int, default=40, help="decoded image batches timed per reader")
+    parser.add_argument(
+        "--text-batches", type=int, default=300, help="decoded text batches timed per reader (a text batch is ~2 ms)"
+    )
     parser.add_argument("--skip-cold", action="store_true", help="no cold reads, warm source for converts")
     parser.add_argument("--only", default="", help=f"readers, comma-separated, from {','.join(READERS)}")
     parser.add_argument("--data", type=Path, default=Path("/tmp/peers-data"))
@@ -613,12 +618,13 @@ def main() -> None:
     unknown = sorted(set(readers) - set(READERS))
     if unknown:
         parser.error(f"--only: unknown reader(s) {', '.join(unknown)}; choose from {', '.join(READERS)}")
-    need = (args.batches + DECODED_SPARE) * BATCH  # one epoch must hold the warm-up and the timed batches
-    for name, count in (("text", args.text), ("images", args.images)):
+    for name, count, batches in (("text", args.text, args.text_batches), ("images", args.images, args.batches)):
+        need = (batches + DECODED_SPARE) * BATCH  # one epoch must hold the warm-up and the timed batches
         if 0 < count < need:
+            flag = "--text-batches" if name == "text" else "--batches"
             parser.error(
-                f"--{name} {count}: the decoded run needs {need} ({args.batches} timed batches of {BATCH} "
-                f"and {DECODED_SPARE} more); give more, or lower --batches"
+                f"--{name} {count}: the decoded run needs {need} ({batches} timed batches of {BATCH} "
+                f"and {DECODED_SPARE} more); give more, or lower {flag}"
             )
     cold = not args.skip_cold and drop_caches()
     if not args.skip_cold and not cold:
