@@ -178,7 +178,7 @@ def check_decode(decode: str | DecodeFn) -> None:
     """Raise :class:`ConfigError` unless ``decode`` is a callable or one of :data:`DECODE_CHOICES`."""
     if not callable(decode) and decode not in DECODE_CHOICES:
         raise ConfigError(
-            f"decode should be 'bytes', 'pil', 'reduced', 'crop' or a callable, but got decode={decode!r}",
+            f"decode should be {', '.join(map(repr, DECODE_CHOICES))} or a callable, but got decode={decode!r}",
             hint="Pass decode='bytes' to skip decoding",
         )
 
