@@ -263,3 +263,30 @@ def test_map_slices_when_warm_and_pread_when_cold(pack: Path) -> None:
         pages.close()
     finally:
         os.close(fd)
+
+
+def test_a_shard_that_warms_up_is_mapped_after_a_quarter_of_it_is_read(pack: Path) -> None:
+    """The residency check also comes by bytes read: a shard of a few large records switches to the map.
+
+    (By read count alone, 4,096 reads between checks, such a shard kept ``pread`` for epochs.)
+    """
+    from packdata.formats.residency import PagedFile
+
+    data = next(pack.glob("shard-*.lmdb")) / "data.mdb"
+    size = data.stat().st_size
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        pages = PagedFile(fd, size)
+        if pages.resident_share() >= 0.95:
+            pytest.skip("the kernel kept the pages (cannot make the file cold here)")
+        chunk = size // 16 + 1  # four reads pass a quarter of the file, three do not
+        assert pages.read(0, chunk) == data.read_bytes()[:chunk] and not pages.warm  # checked cold, then warmed
+        for k in range(1, 4):  # three reads: by count, 4,093 reads short of the next check
+            assert pages.read(k * chunk, chunk) == data.read_bytes()[k * chunk : (k + 1) * chunk]
+        assert not pages.warm
+        assert pages.read(4 * chunk, chunk) == data.read_bytes()[4 * chunk : 5 * chunk]  # past a quarter: checked
+        assert pages.warm
+        pages.close()
+    finally:
+        os.close(fd)

@@ -641,7 +641,7 @@ class LMDBShardReader:
             offsets, lengths, crcs = self._locations.reshape(-1, 3)[indices].T.tolist()
         except IndexError:  # past the table: record by record, None where it has no row
             return [self.payload(int(i)) for i in indices]
-        mapped = self._pages.warm_map(len(offsets))
+        mapped = self._pages.warm_map(len(offsets), sum(lengths))
         if mapped is not None:
             datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
         else:

@@ -6,8 +6,9 @@ cold cache each first touch of a page is a synchronous 4 KB fault, where one
 ``pread`` is one I/O request the kernel can read ahead for. :class:`PagedFile`
 asks the kernel (``mincore`` over its map, one call for the whole file) what
 share of the file is resident, and slices the map only while nearly all of it
-is; it asks again every ``recheck`` reads, so a pack that warms up (or is
-evicted) switches path on its own. Where ``mincore`` or ``mmap`` is not
+is; it asks again every ``recheck`` reads or after reading a quarter of the
+file's size, whichever comes first, so a pack that warms up (or is evicted)
+switches path on its own, also a shard of a few hundred large records. Where ``mincore`` or ``mmap`` is not
 available it always uses ``pread``.
 """
 
@@ -55,7 +56,8 @@ class PagedFile:
     Args:
         fd: an open, readable file descriptor (not closed here).
         size: the file's size; reads past it are the caller's to refuse.
-        recheck: reads between two residency checks.
+        recheck: reads between two residency checks (at most; a quarter of
+            ``size`` read in bytes also brings the next check).
     """
 
     def __init__(self, fd: int, size: int, *, recheck: int = 4096) -> None:
@@ -63,6 +65,7 @@ class PagedFile:
         self._map: mmap.mmap | None = None
         self._address = 0
         self._countdown = 0
+        self._bytes_left = 0  # bytes to read before the next check
         self.warm = False
         if _mincore is not None and size > 0:
             try:
@@ -82,19 +85,23 @@ class PagedFile:
         resident = bytes(vec)
         return (pages - resident.count(0)) / pages if not resident.strip(b"\x00\x01") else resident.count(1) / pages
 
-    def warm_map(self, reads: int = 1) -> mmap.mmap | None:
-        """The map while the file is resident (slice it for ``reads`` reads), else None (use ``pread``)."""
+    def warm_map(self, reads: int = 1, nbytes: int = 0) -> mmap.mmap | None:
+        """The map while the file is resident (slice it for ``reads`` reads of ``nbytes`` in all), else None.
+
+        None: use ``pread``.
+        """
         if self._map is None:
             return None
         self._countdown -= reads
-        if self._countdown < 0:
+        self._bytes_left -= nbytes
+        if self._countdown < 0 or self._bytes_left < 0:
             self.warm = self.resident_share() >= _WARM
-            self._countdown = self._recheck
+            self._countdown, self._bytes_left = self._recheck, self._size // 4
         return self._map if self.warm else None
 
     def read(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` (fewer at the end of the file, as ``pread`` gives)."""
-        mapped = self.warm_map()
+        mapped = self.warm_map(1, length)
         if mapped is not None:
             return mapped[offset : offset + length]
         return os.pread(self._fd, length, offset)
