@@ -31,12 +31,12 @@ import io
 import json
 import math
 import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 from PIL import Image
+from zlib_ng.zlib_ng import crc32
 
 from packdata.pack.images import IMAGE_EXTENSIONS, encode_image
 
@@ -166,7 +166,7 @@ def encode_block(fields: Mapping[str, bytes]) -> bytes:
     for name in names:
         encoded = check_field_name(name).encode("utf-8")
         data = fields[name]
-        head.append(bytes((len(encoded),)) + encoded + _ENTRY.pack(len(data), zlib.crc32(data)))
+        head.append(bytes((len(encoded),)) + encoded + _ENTRY.pack(len(data), crc32(data)))
     return b"".join(head + [fields[name] for name in names])
 
 
@@ -239,7 +239,7 @@ def decode_block(
         if wanted is not None and entry.name not in wanted:
             continue
         data = bytes(block[entry.start : entry.start + entry.length])
-        if check_crc and zlib.crc32(data) != entry.crc:
+        if check_crc and crc32(data) != entry.crc:
             raise FieldError(f"field {entry.name!r}: CRC-32 does not match, the record is damaged")
         out[entry.name] = data
     return out

@@ -18,8 +18,9 @@ Any tool can read it with ``struct.unpack_from("<4sBiIH", value)``.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
+
+from zlib_ng.zlib_ng import crc32
 
 __all__ = [
     "KINDS",
@@ -62,7 +63,7 @@ def encode_record(sample: Sample) -> bytes:
     key = sample.key.encode("utf-8")
     if len(key) > _MAX_KEY:
         raise RecordError(f"key is {len(key)} bytes long, but at most {_MAX_KEY} fit")
-    header = _HEADER.pack(RECORD_MAGIC, KINDS.index(sample.kind), sample.label, zlib.crc32(sample.data), len(key))
+    header = _HEADER.pack(RECORD_MAGIC, KINDS.index(sample.kind), sample.label, crc32(sample.data), len(key))
     return b"".join((header, key, sample.data))
 
 
@@ -90,7 +91,7 @@ def record_payload(value: bytes | memoryview, *, check_crc: bool = False) -> tup
     """
     _, label, crc, key_len = _header(value)
     payload = bytes(value[_HEADER.size + key_len :])
-    if check_crc and zlib.crc32(payload) != crc:
+    if check_crc and crc32(payload) != crc:
         raise RecordError("payload CRC-32 does not match: the record is damaged")
     return payload, label
 
@@ -104,6 +105,6 @@ def decode_record(value: bytes | memoryview, *, check_crc: bool = True) -> Sampl
     except UnicodeDecodeError as exc:
         raise RecordError("record key is not valid UTF-8") from exc
     payload = bytes(value[start + key_len :])
-    if check_crc and zlib.crc32(payload) != crc:
+    if check_crc and crc32(payload) != crc:
         raise RecordError("payload CRC-32 does not match: the record is damaged")
     return Sample(key=key, label=label, data=payload, kind=KINDS[kind])

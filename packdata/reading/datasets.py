@@ -12,13 +12,13 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 from torch.utils.data import Dataset
+from zlib_ng.zlib_ng import crc32
 
 from packdata.errors import ConfigError, ImageFormatError, PackFormatError
 from packdata.formats.lmdb import NAME as LMDB
@@ -470,7 +470,7 @@ class LMDBDataset(PackView, Dataset):
                 data = reader.payload_span(local, entry.start, entry.length)
                 if data is None:
                     return None
-                if self.check_crc and zlib.crc32(data) != entry.crc:
+                if self.check_crc and crc32(data) != entry.crc:
                     raise FieldError(f"field {entry.name!r}: CRC-32 does not match")
                 out[entry.name] = data
         return out
