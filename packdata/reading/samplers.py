@@ -332,8 +332,10 @@ class BlockShuffleSampler(Sampler[int]):
         hints = self._hints()
         span = self.block_size * self.window
         for position, index in enumerate(order):
-            if hints is not None and position % span == 0:  # a window ahead of the one starting here
-                hints.advise(order[position + span * (position > 0) : position + 2 * span])
+            if hints is not None and position % span == 0:  # the window after the one starting here
+                if position == 0:  # and this one, first: its reads are the first to wait
+                    hints.advise(order[:span])
+                hints.advise(order[position + span : position + 2 * span])
             self._yielded += 1
             yield index
 
