@@ -121,6 +121,16 @@ def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None
     (tmp_path / "plain").mkdir()
     with pytest.raises(PackFormatError, match=r"plain: not a packdata pack.*packdata convert"):
         LMDBDataset(tmp_path / "plain")
+    for stand_in, what in (
+        ("fifo", r"not a regular file \(mode prw"),
+        ("dir", "not a regular file"),
+        ("link", "a broken link"),
+    ):
+        odd = tmp_path / stand_in
+        odd.mkdir()
+        {"fifo": os.mkfifo, "dir": os.mkdir, "link": lambda p: p.symlink_to("gone")}[stand_in](odd / "manifest.json")
+        with pytest.raises(PackFormatError, match=rf"{stand_in}/manifest\.json: manifest\.json is {what}"):
+            LMDBDataset(odd)  # named as what it is (a FIFO is never opened: reading it would block)
     manifest = json.loads((pack / "manifest.json").read_text())
     manifest["format_version"] = 99
     (pack / "manifest.json").write_text(json.dumps(manifest))

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -409,6 +410,9 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
 
 def _read(pack: Path, *, external: bool) -> Manifest:
     path = pack / MANIFEST_NAME
+    if not path.is_file() and (path.exists() or path.is_symlink()):  # something else stands in its place
+        what = f"not a regular file (mode {stat.filemode(path.stat().st_mode)})" if path.exists() else "a broken link"
+        raise PackFormatError(f"{MANIFEST_NAME} is {what}", path=path, hint=_HINT)
     if not path.is_file():
         hint = "Convert a folder with `packdata convert SRC DST` first"
         if (pack.parent / f".{pack.name}.partial").exists():
