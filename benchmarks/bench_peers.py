@@ -17,7 +17,8 @@ as its CLI (``packdata convert``) runs.
 
 Readers, each in a fresh process, each in its own shuffled training mode:
 raw warm (``DataLoader``, batch 64, 0 workers, after one untimed epoch), raw
-cold (page cache dropped, a full epoch), decoded with 2 workers (PIL decode +
+cold (page cache dropped, a full epoch; also split into the wait for its first
+batch, start-up included, and the rate after it), decoded with 2 workers (PIL decode +
 random resized crop 224 + flip for images, UTF-8 decode to a byte tensor for
 text) against the in-memory decode ceiling (the same decode on bytes already in
 memory), and the peak PSS of the loader process and its workers during the
@@ -434,13 +435,19 @@ def _loader(reader: str, data: Data, workers: int, decode: Callable[[Any], Any] 
     raise ValueError(f"unknown reader {reader!r}")
 
 
-def _epoch(reader: str, data: Data, workers: int, check: bool) -> float:
-    """One raw epoch: samples/s; raises unless every sample came once (``check``: by content, else count and bytes)."""
+def _epoch(reader: str, data: Data, workers: int, check: bool) -> tuple[float, float, float]:
+    """One raw epoch: samples/s, seconds to the first batch, samples/s after it.
+
+    Raises unless every sample came once (``check``: by content, else by count and bytes).
+    """
     loader, extract = _loader(reader, data, workers, None)
     digests: list[bytes] = []
     count = nbytes = 0
     start = time.perf_counter()
+    first = 0.0
     for batch in loader:
+        if not first:
+            first, first_count = time.perf_counter() - start, len(batch)
         for item in batch:
             payload = extract(item)
             count += 1
@@ -454,7 +461,7 @@ def _epoch(reader: str, data: Data, workers: int, check: bool) -> float:
         )
     if check and b"".join(sorted(digests)) != data.digests:
         raise RuntimeError(f"{reader} did not return every sample's bytes exactly once (workers={workers})")
-    return count / elapsed
+    return count / elapsed, first, (count - first_count) / (elapsed - first)
 
 
 def _decoded(reader: str, data: Data, batches: int) -> tuple[float, int]:
@@ -488,7 +495,7 @@ def run_warm(reader: str, data: Data, check: bool, batches: int) -> dict[str, An
             _epoch(reader, data, 0, check)  # warms the page cache too
             if check:
                 _epoch(reader, data, 2, True)
-            result["warm"] = _epoch(reader, data, 0, False)
+            result["warm"] = _epoch(reader, data, 0, False)[0]
         result["decoded"], result["pss"] = _decoded(reader, data, batches)
     except Exception as exc:
         traceback.print_exc()
@@ -500,7 +507,8 @@ def run_cold(reader: str, data: Data) -> dict[str, Any]:
     """In a fresh process, page cache dropped: one raw epoch, 0 workers."""
     try:
         drop_caches()
-        return {"cold": _epoch(reader, data, 0, False)}
+        rate, first, after = _epoch(reader, data, 0, False)
+        return {"cold": rate, "cold_first_ms": 1e3 * first, "cold_after": after}
     except Exception as exc:
         traceback.print_exc()
         return {"error": _failure(exc)}
@@ -531,9 +539,9 @@ def table(
     lines = [
         f"{data.kind}: {len(data.files):,} files of {mib:,.1f} KiB mean ({data.total_bytes / 2**20:,.0f} MiB)",
         "",
-        "| reader (writer) | convert + sync, s | vs tar | raw warm, /s | raw cold, /s | decoded, 2 workers, /s "
-        "| vs ceiling | peak PSS, MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| reader (writer) | convert + sync, s | vs tar | raw warm, /s | raw cold, /s | cold: first batch, ms "
+        "| cold: after it, /s | decoded, 2 workers, /s | vs ceiling | peak PSS, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     tar = writes.get("tar", [])
     ceiling = reads.get(CEILING, {}).get("decoded", [])
@@ -549,15 +557,16 @@ def table(
             convert = "(same pack)"
         error = errors.get(reader)
         if error:
-            lines.append(f"| {name} | {convert} | {ratio} | n/a ({error}) | | | | |")
+            lines.append(f"| {name} | {convert} | {ratio} | n/a ({error}) | | | | | | |")
             continue
         pss = [v / 2**20 for v in r.get("pss", [])]
         lines.append(
             f"| {name} | {convert} | {ratio} | {_cell(r.get('warm', []))} | {_cell(r.get('cold', []))} "
+            f"| {_cell(r.get('cold_first_ms', []))} | {_cell(r.get('cold_after', []))} "
             f"| {_cell(r.get('decoded', []))} | {_ratio(r.get('decoded', []), ceiling)} | {_cell(pss)} |"
         )
     if tar:
-        lines.append(f"| {WRITERS['tar']} | {_cell(tar, '{:.1f}')} | 1.00x | | | | | |")
+        lines.append(f"| {WRITERS['tar']} | {_cell(tar, '{:.1f}')} | 1.00x | | | | | | | |")
     return "\n".join(lines)
 
 
