@@ -300,3 +300,31 @@ def test_a_shard_that_warms_up_is_mapped_after_a_quarter_of_it_is_read(pack: Pat
         pages.close()
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_shards_are_unmapped_once_no_dataset_reads_them(pack: Path) -> None:
+    """Readers share one LMDB environment per shard file; the last to go closes it, so no map outlives them.
+
+    (Kept open for the process's life, a replaced pack's old files stayed mapped and their disk space taken.)
+    """
+    import gc
+
+    files = [str(shard / "data.mdb") for shard in sorted(pack.glob("shard-*.lmdb"))]
+
+    def mapped() -> list[str]:
+        maps = Path("/proc/self/maps").read_text()
+        return [f for f in files if f in maps]
+
+    first, second = LMDBDataset(pack), LMDBDataset(pack, decode="bytes")
+    everything = [first[i] for i in range(len(first))]
+    assert len(everything) == len(first) and mapped() == files
+    del first, everything
+    gc.collect()
+    assert [second[i][1] for i in range(len(second))] == second.targets.tolist()  # the other still reads
+    assert mapped() == files
+    del second
+    gc.collect()
+    assert mapped() == []
+    again = LMDBDataset(pack, decode="bytes")  # and a new dataset opens them afresh
+    assert again[len(again) - 1][0] and mapped() == files[-1:]

@@ -41,6 +41,7 @@ import os
 import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -246,8 +247,15 @@ def _free(path: Path) -> str:
     return f"{stat.f_bavail * stat.f_frsize / 1e6:.1f} MB"
 
 
-_open_envs: dict[tuple[int, int], tuple[int, lmdb.Environment]] = {}
-"""Open read-only environments by ``data.mdb``'s (device, inode): pid and handle."""
+@dataclass
+class _SharedEnv:
+    pid: int
+    env: lmdb.Environment
+    users: int = 1
+
+
+_open_envs: dict[tuple[int, int], _SharedEnv] = {}
+"""Open read-only environments by ``data.mdb``'s (device, inode): pid, handle, readers using it."""
 
 
 def _identity(path: str) -> tuple[int, int]:
@@ -255,8 +263,8 @@ def _identity(path: str) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
 
-def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
-    """One read-only environment per shard file per process, reopened after a fork.
+def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Environment]:
+    """One read-only environment per shard file per process, reopened after a fork: its key and handle.
 
     py-lmdb refuses to open an environment twice in one process, and a forked
     child inherits that refusal along with the parent's handle. Sharing the
@@ -265,15 +273,17 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
     one pack, and ``ds[0]`` in the parent before DataLoader workers fork. The
     handle is keyed by the ``data.mdb`` file too (device and inode), so a pack
     converted again at the same path is opened afresh, never read through the
-    old generation's map.
+    old generation's map. Each call is one more user; :func:`_release_env`
+    closes the handle when the last is done, so a process that read a pack
+    does not keep its files mapped (and a replaced pack's space taken) after.
     """
     identity = _identity(path)
     entry = _open_envs.get(identity)
     if entry is not None:
-        pid, env = entry
-        if pid == os.getpid():
-            return env  # this file, through this path or another (a hard link of a merged pack)
-        env.close()  # the parent's handle, inherited through fork
+        if entry.pid == os.getpid():
+            entry.users += 1
+            return identity, entry.env  # this file, through this path or another (a hard link of a merged pack)
+        entry.env.close()  # the parent's handle, inherited through fork
     env = lmdb.open(
         path,
         readonly=True,
@@ -284,8 +294,19 @@ def _shared_env(path: str, readahead: bool) -> lmdb.Environment:
         subdir=True,
         create=False,
     )
-    _open_envs[identity] = (os.getpid(), env)
-    return env
+    _open_envs[identity] = _SharedEnv(os.getpid(), env)
+    return identity, env
+
+
+def _release_env(identity: tuple[int, int]) -> None:
+    """One user of a shared environment is done; the last one closes it (a parent's, after a fork, is left)."""
+    entry = _open_envs.get(identity)
+    if entry is None or entry.pid != os.getpid():
+        return
+    entry.users -= 1
+    if entry.users <= 0:
+        del _open_envs[identity]
+        entry.env.close()
 
 
 def _map_base(data_file: str) -> int:
@@ -311,10 +332,10 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
     entry = _open_envs.get(_identity(os.fspath(path)))
-    shared = entry is not None and entry[0] == os.getpid()  # LMDB opens an environment once per process
+    shared = entry is not None and entry.pid == os.getpid()  # LMDB opens an environment once per process
     try:
-        if shared:
-            env = _shared_env(os.fspath(path), True)
+        if entry is not None and shared:
+            env = entry.env  # a reader's in this process: borrowed, left open
         else:
             env = lmdb.open(os.fspath(path), readonly=True, lock=False, readahead=True, subdir=True, create=False)
     except lmdb.Error as exc:
@@ -561,8 +582,12 @@ class LMDBShardReader:
     ) -> None:
         self.path = os.fspath(path)
         self.check_crc = check_crc
+        self._pid = os.getpid()
         self._fd = -1
+        self._held: tuple[int, int] | None = None  # the shared environment this reader is a user of
+        self._in_txn = False
         self._locations: np.ndarray | None = None
+        self._pages: PagedFile | None = None
         data = os.path.join(self.path, DATA_FILE)
         if not os.path.isfile(data):
             raise PackFormatError(
@@ -579,7 +604,14 @@ class LMDBShardReader:
                 "run `packdata verify`, and recreate the dataset after changing a pack",
             )
         try:
-            self._env = _shared_env(self.path, readahead)
+            self._open(data, size, readahead, expected_sha256)
+        except BaseException:
+            self.close()  # lets go of the environment too
+            raise
+
+    def _open(self, data: str, size: int, readahead: bool, expected_sha256: str | None) -> None:
+        try:
+            self._held, self._env = _shared_env(self.path, readahead)
             info = self._env.info()
             page = self._env.stat()["psize"]
             if size < (info["last_pgno"] + 1) * page:  # reading past the end would fault (SIGBUS)
@@ -590,13 +622,13 @@ class LMDBShardReader:
                     hint="Convert or stage the pack again",
                 )
             self._txn = self._env.begin(buffers=True)
+            self._in_txn = True
             self._entries = self._txn.stat()["entries"]
         except lmdb.Error as exc:
             raise _lmdb_error(self.path, exc) from exc
         found = _read_table(self.path, self._entries, info["last_txnid"], size)
         if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
             self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
-        self._pages: PagedFile | None = None
         if self._locations is not None:
             self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
             self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
@@ -682,18 +714,31 @@ class LMDBShardReader:
             raise _lmdb_error(self.path, exc) from exc
 
     def close(self) -> None:
-        """End the read transaction and close the file (the shared environment stays open)."""
-        self._txn.abort()
+        """End the read transaction, close the file, and let go of the shared environment.
+
+        The environment (LMDB's map of ``data.mdb``) closes with its last user in this process.
+        """
+        if self._in_txn:
+            self._txn.abort()
+            self._in_txn = False
         if self._pages is not None:
             self._pages.close()
             self._pages = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._held is not None:
+            identity, self._held = self._held, None
+            _release_env(identity)
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
+        try:
+            if self._pid == os.getpid():
+                self.close()
+            elif self._fd >= 0:  # a parent's reader, dropped in a forked child: only the descriptor is the child's
+                os.close(self._fd)
+        except Exception:  # at interpreter exit: nothing left to let go of
+            pass
 
 
 SHARD_WRITER = LMDBShardWriter
