@@ -328,3 +328,42 @@ def test_shards_are_unmapped_once_no_dataset_reads_them(pack: Path) -> None:
     assert mapped() == []
     again = LMDBDataset(pack, decode="bytes")  # and a new dataset opens them afresh
     assert again[len(again) - 1][0] and mapped() == files[-1:]
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.endswith(" " + str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+def test_a_file_that_turns_warm_is_mapped_in_one_call(tmp_path: Path) -> None:
+    """Slices then need no page fault each: the whole resident file is in this process's page table at once."""
+    import mmap
+
+    from packdata.formats.residency import PagedFile
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(4 << 20))
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        probe.madvise(22)  # MADV_POPULATE_READ
+    except OSError:
+        pytest.skip("the kernel has no MADV_POPULATE_READ (before 5.14)")
+    finally:
+        probe.close()
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        pages = PagedFile(fd, 4 << 20, recheck=0)
+        data.read_bytes()  # resident
+        assert _mapped_kib(data) == 0
+        assert pages.read(100, 10) == data.read_bytes()[100:110] and pages.warm
+        assert _mapped_kib(data) >= 4096 * 0.95  # not just the page read and its neighbours
+        pages.close()
+    finally:
+        os.close(fd)
