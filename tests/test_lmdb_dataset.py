@@ -367,3 +367,28 @@ def test_a_file_that_turns_warm_is_mapped_in_one_call(tmp_path: Path) -> None:
         pages.close()
     finally:
         os.close(fd)
+
+
+def test_threads_opening_one_pack_at_once_all_read_it(pack: Path) -> None:
+    """Datasets in several threads open their first readers together (LMDB opens a file once per process)."""
+    import threading
+
+    errors: list[BaseException] = []
+    for _ in range(10):
+        barrier = threading.Barrier(8)
+        datasets = [LMDBDataset(pack, decode="bytes") for _ in range(8)]
+
+        def read_all(ds: LMDBDataset, barrier: threading.Barrier) -> None:
+            barrier.wait()
+            try:
+                assert [ds[i][1] for i in range(len(ds))] == ds.targets.tolist()
+            except BaseException as exc:  # reported by the assertion below, from the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read_all, args=(ds, barrier)) for ds in datasets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        del datasets
+    assert errors == []

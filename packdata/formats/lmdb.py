@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -256,6 +257,15 @@ class _SharedEnv:
 
 _open_envs: dict[tuple[int, int], _SharedEnv] = {}
 """Open read-only environments by ``data.mdb``'s (device, inode): pid, handle, readers using it."""
+_open_envs_lock = threading.RLock()  # threads may open a shard's first reader at once; a reader's __del__ re-enters
+
+
+def _new_lock_after_fork() -> None:
+    global _open_envs_lock
+    _open_envs_lock = threading.RLock()  # one held by another thread at the fork would never be let go in the child
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _identity(path: str) -> tuple[int, int]:
@@ -278,35 +288,37 @@ def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Envir
     does not keep its files mapped (and a replaced pack's space taken) after.
     """
     identity = _identity(path)
-    entry = _open_envs.get(identity)
-    if entry is not None:
-        if entry.pid == os.getpid():
-            entry.users += 1
-            return identity, entry.env  # this file, through this path or another (a hard link of a merged pack)
-        entry.env.close()  # the parent's handle, inherited through fork
-    env = lmdb.open(
-        path,
-        readonly=True,
-        lock=False,
-        readahead=readahead,
-        meminit=False,
-        max_readers=MAX_READERS,
-        subdir=True,
-        create=False,
-    )
-    _open_envs[identity] = _SharedEnv(os.getpid(), env)
-    return identity, env
+    with _open_envs_lock:
+        entry = _open_envs.get(identity)
+        if entry is not None:
+            if entry.pid == os.getpid():
+                entry.users += 1
+                return identity, entry.env  # this file, through this path or another (a merged pack's hard link)
+            entry.env.close()  # the parent's handle, inherited through fork
+        env = lmdb.open(
+            path,
+            readonly=True,
+            lock=False,
+            readahead=readahead,
+            meminit=False,
+            max_readers=MAX_READERS,
+            subdir=True,
+            create=False,
+        )
+        _open_envs[identity] = _SharedEnv(os.getpid(), env)
+        return identity, env
 
 
 def _release_env(identity: tuple[int, int]) -> None:
     """One user of a shared environment is done; the last one closes it (a parent's, after a fork, is left)."""
-    entry = _open_envs.get(identity)
-    if entry is None or entry.pid != os.getpid():
-        return
-    entry.users -= 1
-    if entry.users <= 0:
-        del _open_envs[identity]
-        entry.env.close()
+    with _open_envs_lock:
+        entry = _open_envs.get(identity)
+        if entry is None or entry.pid != os.getpid():
+            return
+        entry.users -= 1
+        if entry.users <= 0:
+            del _open_envs[identity]
+            entry.env.close()
 
 
 def _map_base(data_file: str) -> int:
