@@ -555,3 +555,19 @@ def test_token_buckets_measure_the_text_field(tmp_path: Path) -> None:
     assert sorted(i for batch in sampler for i in batch) == list(range(7))
     with pytest.raises(ConfigError, match="field should name"):
         packdata.TokenBucketSampler(ds, max_tokens=60)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 4096, (1 << 20) + 3])
+def test_record_and_field_crcs_are_zlibs(size: int) -> None:
+    """The CRC-32 (computed by zlib-ng) is the stdlib's zlib.crc32: packs written before still check, any tool can."""
+    import struct
+    import zlib
+
+    from packdata.pack.fields import encode_block, read_directory
+    from packdata.pack.records import Sample, encode_record
+
+    data = os.urandom(size)
+    assert struct.unpack_from("<4sBiIH", encode_record(Sample("k", 0, data)))[3] == zlib.crc32(data)
+    entries = read_directory(encode_block({"a": data, "b": data[::-1]}))
+    assert entries is not None
+    assert [e.crc for e in entries] == [zlib.crc32(data), zlib.crc32(data[::-1])]

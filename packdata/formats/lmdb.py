@@ -343,13 +343,8 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
-    entry = _open_envs.get(_identity(os.fspath(path)))
-    shared = entry is not None and entry.pid == os.getpid()  # LMDB opens an environment once per process
-    try:
-        if entry is not None and shared:
-            env = entry.env  # a reader's in this process: borrowed, left open
-        else:
-            env = lmdb.open(os.fspath(path), readonly=True, lock=False, readahead=True, subdir=True, create=False)
+    try:  # one more user of this process's environment (LMDB opens a file once per process)
+        identity, env = _shared_env(os.fspath(path), True)
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     try:
@@ -369,8 +364,7 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     finally:
-        if not shared:
-            env.close()
+        _release_env(identity)
     return txnid, out
 
 
