@@ -18,7 +18,8 @@ as its CLI (``packdata convert``) runs.
 Readers, each in a fresh process, each in its own shuffled training mode:
 raw warm (``DataLoader``, batch 64, 0 workers, after one untimed epoch), raw
 cold (page cache dropped, a full epoch; also split into the wait for its first
-batch, start-up included, and the rate after it), decoded with 2 workers (PIL decode +
+batch, start-up included, and the rate after it; its payload bytes/s read against
+``dd`` of packdata's LMDB shards, cold, the disk's sequential rate), decoded with 2 workers (PIL decode +
 random resized crop 224 + flip for images, UTF-8 decode to a byte tensor for
 text) against the in-memory decode ceiling (the same decode on bytes already in
 memory), and the peak PSS of the loader process and its workers during the
@@ -514,6 +515,19 @@ def run_cold(reader: str, data: Data) -> dict[str, Any]:
         return {"error": _failure(exc)}
 
 
+def run_dd(data: Data) -> float:
+    """The disk's cold sequential rate, bytes/s: ``dd`` (1 MiB blocks) of packdata's LMDB shards, page cache dropped.
+
+    The ceiling of a cold epoch: a reader's cold rate times the mean sample size is read against it.
+    """
+    files = sorted((data.out / "lmdb").glob("shard-*/data.mdb"))
+    drop_caches()
+    start = time.perf_counter()
+    for file in files:
+        subprocess.run(["dd", f"if={file}", "of=/dev/null", "bs=1M", "status=none"], check=True)
+    return sum(f.stat().st_size for f in files) / (time.perf_counter() - start)
+
+
 # ----------------------------------------------------------------------------- table
 
 
@@ -533,15 +547,20 @@ def _ratio(values: list[float], reference: list[float]) -> str:
 
 
 def table(
-    data: Data, writes: dict[str, list[float]], reads: dict[str, dict[str, list[float]]], errors: dict[str, str]
+    data: Data,
+    writes: dict[str, list[float]],
+    reads: dict[str, dict[str, list[float]]],
+    errors: dict[str, str],
+    dd: list[float],
 ) -> str:
     mib = data.total_bytes / len(data.files) / 1024
+    mean = data.total_bytes / len(data.files)
     lines = [
         f"{data.kind}: {len(data.files):,} files of {mib:,.1f} KiB mean ({data.total_bytes / 2**20:,.0f} MiB)",
         "",
-        "| reader (writer) | convert + sync, s | vs tar | raw warm, /s | raw cold, /s | cold: first batch, ms "
-        "| cold: after it, /s | decoded, 2 workers, /s | vs ceiling | peak PSS, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| reader (writer) | convert + sync, s | vs tar | raw warm, /s | raw cold, /s | cold vs `dd` "
+        "| cold: first batch, ms | cold: after it, /s | decoded, 2 workers, /s | vs ceiling | peak PSS, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     tar = writes.get("tar", [])
     ceiling = reads.get(CEILING, {}).get("decoded", [])
@@ -557,16 +576,21 @@ def table(
             convert = "(same pack)"
         error = errors.get(reader)
         if error:
-            lines.append(f"| {name} | {convert} | {ratio} | n/a ({error}) | | | | | | |")
+            lines.append(f"| {name} | {convert} | {ratio} | n/a ({error}) | | | | | | | |")
             continue
         pss = [v / 2**20 for v in r.get("pss", [])]
+        cold = r.get("cold", [])
         lines.append(
-            f"| {name} | {convert} | {ratio} | {_cell(r.get('warm', []))} | {_cell(r.get('cold', []))} "
-            f"| {_cell(r.get('cold_first_ms', []))} | {_cell(r.get('cold_after', []))} "
+            f"| {name} | {convert} | {ratio} | {_cell(r.get('warm', []))} | {_cell(cold)} "
+            f"| {_ratio([v * mean for v in cold], dd)} | {_cell(r.get('cold_first_ms', []))} "
+            f"| {_cell(r.get('cold_after', []))} "
             f"| {_cell(r.get('decoded', []))} | {_ratio(r.get('decoded', []), ceiling)} | {_cell(pss)} |"
         )
     if tar:
-        lines.append(f"| {WRITERS['tar']} | {_cell(tar, '{:.1f}')} | 1.00x | | | | | | | |")
+        lines.append(f"| {WRITERS['tar']} | {_cell(tar, '{:.1f}')} | 1.00x | | | | | | | | |")
+    if dd:
+        rate = _cell([v / 1e6 for v in dd], "{:,.0f} MB/s")
+        lines.append(f"| `dd` of packdata's LMDB shards, cold (reference) | | | | {rate} | 1.00x | | | | | |")
     return "\n".join(lines)
 
 
@@ -578,6 +602,7 @@ def bench(data: Data, readers: list[str], args: argparse.Namespace, cold: bool) 
     writes: dict[str, list[float]] = {w: [] for w in writers}
     reads: dict[str, dict[str, list[float]]] = {r: {} for r in [*readers, CEILING]}
     errors: dict[str, str] = {}
+    dd: list[float] = []
     for repeat in range(args.repeats):
         for writer in writers:
             if f"write {writer}" in errors:
@@ -591,6 +616,8 @@ def bench(data: Data, readers: list[str], args: argparse.Namespace, cold: bool) 
                 for reader in readers:
                     if READERS[reader][1] == writer:
                         errors.setdefault(reader, f"its writer failed: {_failure(exc)}")
+        if cold and "lmdb" in writers and "write lmdb" not in errors:
+            dd.append(run_dd(data))
         for reader in [*readers, CEILING]:
             if reader in errors:
                 continue
@@ -607,7 +634,7 @@ def bench(data: Data, readers: list[str], args: argparse.Namespace, cold: bool) 
                 reads[reader].setdefault(key, []).append(value)
             shown = ", ".join(f"{k} {v:,.0f}" for k, v in results.items() if k != "pss")
             print(f"{data.kind} #{repeat}: {reader}: {shown}", file=sys.stderr)
-    return table(data, writes, reads, errors)
+    return table(data, writes, reads, errors, dd)
 
 
 def main() -> None:

@@ -392,3 +392,27 @@ def test_threads_opening_one_pack_at_once_all_read_it(pack: Path) -> None:
             thread.join()
         del datasets
     assert errors == []
+
+
+def test_the_location_tables_crc32cs_are_the_reference_ones_and_batches_read_through_them(pack: Path) -> None:
+    """Each shard's table holds the payload's CRC-32C as the ``crc32c`` package computes it (the RFC 3720 value).
+
+    A wrong value would not fail a read: the reader would fall back to LMDB's lookup for every
+    record, silently slower. So the batch read must also come whole from the table.
+    """
+    import crc32c
+
+    from packdata.formats.lmdb import LMDBShardReader, record_locations
+
+    ds = LMDBDataset(pack, decode="bytes")
+    for info in read_manifest(pack).shards:
+        reader = LMDBShardReader(pack / info.file, expected_sha256=info.sha256)
+        try:
+            indices = np.arange(info.num_samples)
+            payloads = reader.payloads(indices)
+            assert None not in payloads  # all through the table, length and CRC checked
+            expected = [ds[info.first_index + i][0] for i in range(info.num_samples)]
+            assert payloads == expected
+            assert record_locations(pack / info.file)[1][:, 2].tolist() == [crc32c.crc32c(p) for p in payloads]
+        finally:
+            reader.close()

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import crc32c
 import lmdb
 import numpy as np
+from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
@@ -359,7 +359,7 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
                     start = payload_start(value)
                 except RecordError as exc:
                     raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
-                out[i] = (buffer_address(value) - base + start, len(value) - start, crc32c.crc32c(value[start:]))
+                out[i] = (buffer_address(value) - base + start, len(value) - start, crc32c(value[start:]))
         txnid = env.info()["last_txnid"]
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
@@ -485,7 +485,7 @@ def read_remote_payload(
         data = fs.cat_file(f"{root}/{rel}", start=offset, end=offset + length)
     except Exception as exc:
         raise remote_error(where, f"cannot read bytes {offset}-{offset + length}", exc) from exc
-    if len(data) != length or crc32c.crc32c(data) != crc:
+    if len(data) != length or crc32c(data) != crc:
         raise PackFormatError(
             f"record {info.first_index + j} at byte offset {offset} is damaged: its payload's CRC32C does not match",
             path=where,
@@ -663,7 +663,7 @@ class LMDBShardReader:
         offset, length, crc = self._locations[3 * index : 3 * index + 3].tolist()
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
-        if len(data) != length or (self.check_crc and crc32c.crc32c(data) != crc):
+        if len(data) != length or (self.check_crc and crc32c(data) != crc):
             return None
         return data
 
@@ -684,11 +684,11 @@ class LMDBShardReader:
             datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
         else:
             datas = [os.pread(self._fd, length, offset) for offset, length in zip(offsets, lengths, strict=True)]
-        crc32, check = crc32c.crc32c, self.check_crc
-        if list(map(len, datas)) == lengths and (not check or list(map(crc32, datas)) == crcs):
+        check = self.check_crc
+        if list(map(len, datas)) == lengths and (not check or list(map(crc32c, datas)) == crcs):
             return cast(list[bytes | None], datas)  # all whole and checked: the usual case, two C loops
         return [
-            data if len(data) == length and (not check or crc32(data) == crc) else None
+            data if len(data) == length and (not check or crc32c(data) == crc) else None
             for data, length, crc in zip(datas, lengths, crcs, strict=True)
         ]
 

@@ -56,8 +56,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
+from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import PackFormatError, destination_error
 from packdata.formats import ByteStream, ShardLayout
@@ -408,7 +408,7 @@ class TFRecordShardReader:
     ) -> Iterator[memoryview]:
         """The data (or payloads) of records ``i..j-1`` held in ``buf`` (file bytes from ``base``), checked."""
         check_crc = self.check_crc
-        crc, header, u32 = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from
+        crc, header, u32 = crc32c, _HEADER.unpack_from, _U32.unpack_from
         nbuf = len(buf)
         # plain ints: numpy scalars cost a conversion per access
         starts = (offsets[i:j] - base).tolist()
@@ -446,7 +446,7 @@ class TFRecordShardReader:
             yield from self._read_payloads(fd, offsets, lengths, start, stop, payloads)
             return
         check_crc = self.check_crc
-        crc, header, u32, pread = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
+        crc, header, u32, pread = crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
         for offset, length in zip(offsets[start:stop].tolist(), lengths[start:stop].tolist(), strict=True):
             record = pread(fd, length, offset)
             if len(record) < length:
@@ -478,7 +478,7 @@ class TFRecordShardReader:
         CRC computed over the three parts in order.
         """
         check_crc = self.check_crc
-        crc, header, u32, pread = crc32c.crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
+        crc, header, u32, pread = crc32c, _HEADER.unpack_from, _U32.unpack_from, os.pread
         offs, lens, spans = offsets[start:stop].tolist(), lengths[start:stop].tolist(), payloads[start:stop].tolist()
         last = len(offs) - 1
         pending: bytes | None = None
