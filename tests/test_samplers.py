@@ -230,14 +230,51 @@ def test_sampler_order_is_the_same_with_and_without_read_ahead(small_texts: Path
     on._read_ahead.close()
 
 
+def _make_cold(pack: Path) -> None:
+    """Evict the pack's shards from the page cache, or skip the test where the kernel keeps them (tmpfs)."""
+    for data in pack.glob("shard-*/data.mdb"):
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if _resident_share(data, 0, data.stat().st_size) > 0.5:
+            pytest.skip("the kernel kept the shards' pages (tmpfs?): cannot make the pack cold here")
+
+
+def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
+    """Hints are for pages not in memory: on a warm pack the sampler asks nothing (no thread, no system call)."""
+    from packdata.reading.readahead import ReadAhead
+
+    monkeypatch.setattr(ReadAhead, "IDLE", 0.05)
+    monkeypatch.setattr(ReadAhead, "RECHECK", 0.5)
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    pack = tmp_path / "p.lmdb"
+    for data in pack.glob("shard-*/data.mdb"):
+        data.read_bytes()  # warm
+    hints = ReadAhead(pack, LMDBDataset(pack).pack.manifest)
+    hints.advise(list(range(40)))  # the thread asks the kernel once per shard: all warm
+    hints.close()
+    assert hints.advised_bytes == 0
+    hints.advise(list(range(40)))  # known warm: nothing queued, no thread started
+    assert hints._thread is None
+    _make_cold(pack)
+    time.sleep(0.6)  # the warm verdicts expire: the kernel is asked again
+    hints.advise(list(range(40)))
+    hints.close()
+    assert hints.advised_bytes > 0
+
+
 def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
     import threading
 
     from packdata.reading.readahead import ReadAhead
 
     monkeypatch.setattr(ReadAhead, "IDLE", 0.05)
+    monkeypatch.setattr(ReadAhead, "RECHECK", 0.0)  # the shards' residency is asked anew at each window
     convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
     sampler = BlockShuffleSampler(LMDBDataset(tmp_path / "p.lmdb"), block_size=4, window=2)
+    _make_cold(tmp_path / "p.lmdb")  # a warm shard gets no hints
 
     def hint_threads() -> int:
         return sum(t.name == "packdata-sampler-hints" for t in threading.enumerate())
@@ -251,5 +288,6 @@ def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, 
     assert len(list(sampler)) == 40
     first = settled(1)
     assert first > 0 and hint_threads() == 0  # the hints were given, then an idle thread ended on its own
+    _make_cold(tmp_path / "p.lmdb")  # the hints brought the pages in
     assert len(list(sampler)) == 40
     assert settled(first + 1) > first and hint_threads() == 0  # and it started again when needed

@@ -23,9 +23,10 @@ import mmap
 import os
 import sys
 
-__all__ = ["PagedFile", "buffer_address"]
+__all__ = ["WARM_SHARE", "PagedFile", "buffer_address"]
 
-_WARM = 0.95  # share of pages resident above which map slices are used
+WARM_SHARE = 0.95
+"""Share of a file's pages in the page cache at or above which it counts as warm (map slices, no read-ahead)."""
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _mincore = getattr(_libc, "mincore", None)
 if _mincore is not None:
@@ -99,7 +100,7 @@ class PagedFile:
         self._countdown -= reads
         self._bytes_left -= nbytes
         if self._countdown < 0 or self._bytes_left < 0:
-            warm = self.resident_share() >= _WARM
+            warm = self.resident_share() >= WARM_SHARE
             if warm and not self.warm:
                 self._populate()
             self.warm = warm

@@ -7,9 +7,13 @@ shards (each format's side table: ``records.i64``, ``.tfindex``), merges ranges
 closer than :attr:`ReadAhead.GAP`, and calls ``posix_fadvise(WILLNEED)`` on
 them. The kernel then reads those runs in large sequential requests while the
 DataLoader workers are still busy with the window before, so on a cold page
-cache the workers' reads find their pages in memory. Hints change only *when*
-bytes are read, never *what* a reader returns: every record is still read and
-checked by its reader.
+cache the workers' reads find their pages in memory. Whether a shard is warm (at
+least :data:`~packdata.formats.residency.WARM_SHARE` of it in the page cache) is
+asked with one ``mincore`` and trusted for :attr:`ReadAhead.RECHECK` seconds; a
+warm shard gets no hints, and a window of warm shards only costs the sampler a
+lookup: the thread's work took the GIL from the training loop (a warm epoch of
+4.6 KB records ran about 25% slower with hints than without). Hints change only *when* bytes are read, never *what* a
+reader returns: every record is still read and checked by its reader.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 from packdata.formats import get_format
+from packdata.formats.residency import WARM_SHARE, PagedFile
 from packdata.pack.manifest import Manifest
 
 __all__ = ["ReadAhead"]
@@ -46,6 +52,9 @@ class ReadAhead:
     IDLE = 2.0
     """Seconds without work after which the thread ends and the files close (the next hint starts them again)."""
 
+    RECHECK = 1.0
+    """Seconds a shard's residency (warm: no hints; cold: hints) is trusted before the kernel is asked again."""
+
     def __init__(self, root: Path, manifest: Manifest) -> None:
         fmt = get_format(manifest.format)
         self._root = root
@@ -54,17 +63,26 @@ class ReadAhead:
         self._first = np.array([s.first_index for s in self._shards], dtype=np.int64)
         self._spans: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self._fds: dict[int, int] = {}
+        self._residency: dict[int, tuple[bool, float]] = {}  # shard: (warm, time.monotonic() it expires at)
         self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # whether the thread runs is decided under it
         self.advised_bytes = 0  # asked for so far (for tests and benchmarks)
 
     def advise(self, indices: np.ndarray | list[int]) -> None:
-        """Queue the samples at ``indices`` (global sample indices) for a hint; returns at once."""
+        """Queue the samples at ``indices`` (global sample indices) for a hint; returns at once.
+
+        Nothing is queued when every shard they lie in was found warm within :attr:`RECHECK` seconds.
+        """
         if len(indices) == 0:
             return
+        indices = np.asarray(indices, dtype=np.int64)
+        now, known = time.monotonic(), self._residency
+        shards = np.unique(np.searchsorted(self._first, indices, side="right") - 1).tolist()
+        if all(known.get(shard, (False, 0.0)) >= (True, now) for shard in shards):
+            return
         with self._lock:
-            self._queue.put(np.asarray(indices, dtype=np.int64))
+            self._queue.put(indices)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="packdata-sampler-hints", daemon=True)
                 self._thread.start()
@@ -106,7 +124,7 @@ class ReadAhead:
         indices = np.sort(indices)
         shard_of = np.searchsorted(self._first, indices, side="right") - 1
         for shard in np.unique(shard_of):
-            if shard < 0:
+            if shard < 0 or self._is_warm(int(shard)):
                 continue
             spans = self._shard_spans(int(shard))
             if spans is None:
@@ -119,6 +137,21 @@ class ReadAhead:
             for start, length in _merged(starts, starts + lengths, self.GAP):
                 os.posix_fadvise(self._fd(int(shard)), start, length, os.POSIX_FADV_WILLNEED)
                 self.advised_bytes += length
+
+    def _is_warm(self, shard: int) -> bool:
+        """Whether the shard's data file is in the page cache (asked of the kernel at most every RECHECK s)."""
+        now = time.monotonic()
+        warm, until = self._residency.get(shard, (False, 0.0))
+        if until > now:
+            return warm
+        fd = self._fd(shard)
+        pages = PagedFile(fd, os.fstat(fd).st_size)
+        try:
+            warm = pages.resident_share() >= WARM_SHARE
+        finally:
+            pages.close()
+        self._residency[shard] = (warm, now + self.RECHECK)
+        return warm
 
     def _shard_spans(self, shard: int) -> tuple[np.ndarray, np.ndarray] | None:
         if shard not in self._spans:
