@@ -28,7 +28,9 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
-def test_file_sha256_is_sha256(tmp_path: Path) -> None:
-    data = bytes(range(256)) * 5000
+@pytest.mark.parametrize("size", [0, 1, 1_280_000, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (8 << 20) + 7])
+def test_file_sha256_is_sha256(tmp_path: Path, size: int) -> None:
+    """Whole, at any size: empty, under one block, a block's edges, several blocks."""
+    data = (bytes(range(256)) * (size // 256 + 1))[:size]
     (tmp_path / "f").write_bytes(data)
     assert file_sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
