@@ -138,6 +138,27 @@ def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None
         LMDBDataset(pack)
 
 
+@pytest.mark.parametrize("stand_in", ["fifo", "dir", "link", "gone"])
+def test_a_shard_file_that_is_not_a_file_is_named_as_such_by_readers_and_verify(pack: Path, stand_in: str) -> None:
+    """A FIFO, a folder or a broken link where data.mdb should be is named; a FIFO is never opened (it would block)."""
+    from packdata import verify_pack
+
+    data = next(pack.glob("shard-*.lmdb")) / "data.mdb"
+    data.unlink()
+    {"fifo": os.mkfifo, "dir": os.mkdir, "link": lambda p: p.symlink_to("gone.mdb"), "gone": str}[stand_in](data)
+    what = {
+        "fifo": r"is not a regular file \(mode prw",
+        "dir": r"is not a regular file \(mode d",
+        "link": "is a broken link",
+        "gone": "is missing",
+    }[stand_in]
+    with pytest.raises(PackFormatError, match=rf"data\.mdb: shard file {what}"):
+        verify_pack(pack)
+    ds = LMDBDataset(pack, decode="bytes")
+    with pytest.raises(PackFormatError, match=rf"data\.mdb: the shard's data\.mdb {what}"):
+        ds[0]
+
+
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:
     overwrite_lmdb_record(pack, b"XXXX" + b"\0" * 40)
     with pytest.raises(PackFormatError, match=r"shard-00000\.lmdb: record 0 is damaged.*packdata verify"):

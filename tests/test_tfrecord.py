@@ -356,6 +356,23 @@ def test_damaged_shard_names_shard_and_offset(tf_texts: Path, tmp_path: Path, mo
     assert result.exit_code == 1 and "Error:" in result.output and str(shard) in result.output
 
 
+@pytest.mark.timeout(60)  # a FIFO opened for reading blocks until a writer comes: a hang is the failure
+def test_a_fifo_in_place_of_a_shard_is_named_and_never_opened(tf_texts: Path, tmp_path: Path) -> None:
+    import os
+
+    pack = _text_pack(tf_texts, tmp_path, 10)
+    shard = sorted(pack.glob("*.tfrecord"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    message = re.escape(str(shard)) + r": shard file is not a regular file \(mode prw"
+    with pytest.raises(PackFormatError, match=message):
+        list(TFRecordDataset(pack, decode="bytes", shuffle=False))
+    with pytest.raises(PackFormatError, match=message):
+        TFRecordIndexedDataset(pack, decode="bytes")[0]
+    with pytest.raises(PackFormatError, match=message):
+        verify_pack(pack, progress=False)
+
+
 def test_cli_info_and_verify(tf_images: Path, tmp_path: Path) -> None:
     convert(tf_images, tmp_path / "out.tfrecord", shard_samples=5, progress=False)
     runner = CliRunner()

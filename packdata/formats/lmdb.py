@@ -53,7 +53,7 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
 from packdata.formats.residency import PagedFile, buffer_address
-from packdata.pack.files import file_sha256, map_int64
+from packdata.pack.files import file_sha256, map_int64, not_a_file
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
 
@@ -595,10 +595,11 @@ class LMDBShardReader:
         self._locations: np.ndarray | None = None
         self._pages: PagedFile | None = None
         data = os.path.join(self.path, DATA_FILE)
-        if not os.path.isfile(data):
+        problem = not_a_file(data)
+        if problem:
             raise PackFormatError(
-                f"shard is missing its {DATA_FILE}",
-                path=self.path,
+                f"the shard's {DATA_FILE} {problem}",
+                path=data,
                 hint="The pack is incomplete: convert or stage it again",
             )
         size = os.path.getsize(data)

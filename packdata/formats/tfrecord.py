@@ -93,6 +93,7 @@ from packdata.formats.tfrecord_tables import (
     record_table_header,
 )
 from packdata.pack.fields import FieldError, encode_block
+from packdata.pack.files import not_a_file, open_regular
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample
 
@@ -298,10 +299,11 @@ class TFRecordShardReader:
     def _open(self) -> int:
         if self._fd < 0:
             try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_regular(self.path)  # a FIFO in its place would block a plain open for ever
             except OSError as exc:
+                problem = not_a_file(self.path) or f"cannot be opened: {exc.strerror or exc}"
                 raise PackFormatError(
-                    f"cannot open shard: {exc.strerror or exc}", path=self.path, hint="Convert or stage the pack again"
+                    f"shard file {problem}", path=self.path, hint="Convert or stage the pack again"
                 ) from exc
             size = os.fstat(fd).st_size
             if self.expected_bytes is not None and size != self.expected_bytes:

@@ -11,7 +11,7 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
-from packdata.pack.files import file_sha256
+from packdata.pack.files import file_sha256, not_a_file
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from packdata.pack.records import Sample
@@ -163,8 +163,9 @@ def verify_pack(
         for shard in manifest.shards:
             shard_path = shard.path(pack)
             data_file = fmt.shard_layout(os.path.basename(shard.file)).data_path(shard_path)
-            if not data_file.is_file():
-                raise PackFormatError("shard file is missing", path=data_file, hint="Convert or stage the pack again")
+            problem = not_a_file(data_file)
+            if problem:
+                raise PackFormatError(f"shard file {problem}", path=data_file, hint="Convert or stage the pack again")
             size = data_file.stat().st_size
             if size != shard.bytes:
                 raise PackFormatError(

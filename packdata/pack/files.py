@@ -12,7 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["atomic_write", "file_sha256", "fsync_dir", "map_int64", "read_regular", "stream_sha256"]
+__all__ = [
+    "atomic_write",
+    "file_sha256",
+    "fsync_dir",
+    "map_int64",
+    "not_a_file",
+    "open_regular",
+    "read_regular",
+    "stream_sha256",
+]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -63,13 +72,32 @@ def stream_sha256(f: BufferedReader) -> str:
     return digest.hexdigest()
 
 
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a regular file, in words to follow its name, or None when it is one (links followed).
+
+    "is missing", "is a broken link", "is not a regular file (mode prw-r--r--)": a
+    FIFO or a folder standing where a pack file should be is named as such, not reported missing.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a broken link" if os.path.islink(path) else "is missing"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror or exc})"
+    return None if stat.S_ISREG(mode) else f"is not a regular file (mode {stat.filemode(mode)})"
+
+
 def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 hex digest of the file at ``path``."""
-    with open(path, "rb") as f:
+    """SHA-256 hex digest of the regular file at ``path`` (a FIFO is refused, never read).
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (``EINVAL``).
+    """
+    with os.fdopen(open_regular(path), "rb") as f:
         return stream_sha256(f)
 
 
-def _open_regular(path: str | os.PathLike) -> int:
+def open_regular(path: str | os.PathLike) -> int:
     """A read-only descriptor of ``path``, only if it is a regular file.
 
     ``O_NONBLOCK`` keeps a FIFO in a pack from blocking the open forever; the
@@ -88,7 +116,7 @@ def _open_regular(path: str | os.PathLike) -> int:
 
 def read_regular(path: str | os.PathLike) -> bytes:
     """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks)."""
-    with os.fdopen(_open_regular(path), "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read()
 
 
@@ -100,7 +128,7 @@ def map_int64(path: str | os.PathLike) -> np.ndarray | None:
     whole number of int64s.
     """
     try:
-        fd = _open_regular(path)
+        fd = open_regular(path)
     except OSError:
         return None
     try:

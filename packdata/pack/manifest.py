@@ -14,14 +14,13 @@ import hashlib
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packdata.errors import PackFormatError
 from packdata.pack.fields import CODECS
-from packdata.pack.files import atomic_write, file_sha256
+from packdata.pack.files import atomic_write, file_sha256, not_a_file
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -410,10 +409,10 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
 
 def _read(pack: Path, *, external: bool) -> Manifest:
     path = pack / MANIFEST_NAME
-    if not path.is_file() and (path.exists() or path.is_symlink()):  # something else stands in its place
-        what = f"not a regular file (mode {stat.filemode(path.stat().st_mode)})" if path.exists() else "a broken link"
-        raise PackFormatError(f"{MANIFEST_NAME} is {what}", path=path, hint=_HINT)
-    if not path.is_file():
+    problem = not_a_file(path)
+    if problem and problem != "is missing":  # something else stands in its place
+        raise PackFormatError(f"{MANIFEST_NAME} {problem}", path=path, hint=_HINT)
+    if problem:
         hint = "Convert a folder with `packdata convert SRC DST` first"
         if (pack.parent / f".{pack.name}.partial").exists():
             hint = "A conversion into it was interrupted: rerun it with resume=True"
