@@ -265,6 +265,40 @@ def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: 
     assert hints.advised_bytes > 0
 
 
+@pytest.mark.timeout(60)  # a FIFO opened for reading blocks until a writer comes: a hang is the failure
+@pytest.mark.parametrize("damage", ["fifo", "negative offsets", "past the end"])
+def test_read_ahead_skips_a_shard_that_lies_and_hints_the_others(
+    small_texts: Path, tmp_path: Path, damage: str
+) -> None:
+    """A shard whose data file is a FIFO (never opened) or whose table points outside the file: no error, no hang.
+
+    That shard's records get no hint inside any file (past the end: at most one page the kernel ignores),
+    and the other shards' records are all still hinted.
+    """
+    from packdata.reading.readahead import ReadAhead
+
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    pack = tmp_path / "p.lmdb"
+    hints = ReadAhead(pack, LMDBDataset(pack).pack.manifest)
+    _make_cold(pack)  # hints are due
+    first = sorted(pack.glob("shard-*.lmdb"))[0]
+    if damage == "fifo":
+        (first / "data.mdb").unlink()
+        os.mkfifo(first / "data.mdb")
+    else:
+        table = np.fromfile(first / "records.i64", dtype="<i8").reshape(-1, 3)
+        table[2:, 0] = -4096 if damage == "negative offsets" else 1 << 40
+        table[2:, 1] = -1 if damage == "negative offsets" else 4096
+        table.tofile(first / "records.i64")
+    hints.advise(list(range(40)))
+    hints.close()
+    assert hints._thread is None
+    others = [p for p in sorted(pack.glob("shard-*.lmdb")) if p != first]
+    wanted = sum(int(np.fromfile(p / "records.i64", dtype="<i8").reshape(-1, 3)[2:, 1].sum()) for p in others)
+    room = sum((p / "data.mdb").stat().st_size for p in others)
+    assert wanted <= hints.advised_bytes <= room + (4096 if damage == "past the end" else 0)
+
+
 def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
     import threading
 

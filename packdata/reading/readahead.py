@@ -28,6 +28,7 @@ import numpy as np
 
 from packdata.formats import get_format
 from packdata.formats.residency import WARM_SHARE, PagedFile
+from packdata.pack.files import open_regular
 from packdata.pack.manifest import Manifest
 
 __all__ = ["ReadAhead"]
@@ -111,10 +112,7 @@ class ReadAhead:
                     with self._lock:
                         self._thread = None
                     return
-                try:
-                    self._hint(indices)
-                except (OSError, ValueError, IndexError):
-                    continue  # a hint is never worth an error: the reader reports a damaged pack
+                self._hint(indices)  # a hint is never worth an error: the reader reports a damaged pack
         finally:
             for fd in self._fds.values():
                 os.close(fd)
@@ -123,20 +121,28 @@ class ReadAhead:
     def _hint(self, indices: np.ndarray) -> None:
         indices = np.sort(indices)
         shard_of = np.searchsorted(self._first, indices, side="right") - 1
-        for shard in np.unique(shard_of):
-            if shard < 0 or self._is_warm(int(shard)):
+        for shard in np.unique(shard_of).tolist():
+            if shard < 0:
                 continue
-            spans = self._shard_spans(int(shard))
-            if spans is None:
-                continue
-            local = indices[shard_of == shard] - self._first[shard]
-            local = local[(local >= 0) & (local < len(spans[0]))]
-            if len(local) == 0:
-                continue
-            starts, lengths = spans[0][local], spans[1][local]
-            for start, length in _merged(starts, starts + lengths, self.GAP):
-                os.posix_fadvise(self._fd(int(shard)), start, length, os.POSIX_FADV_WILLNEED)
-                self.advised_bytes += length
+            try:
+                self._hint_shard(shard, indices[shard_of == shard] - self._first[shard])
+            except (OSError, ValueError, IndexError):
+                continue  # this shard only (not a regular file, a table that lies): its reader names the damage
+
+    def _hint_shard(self, shard: int, local: np.ndarray) -> None:
+        """Hint the records ``local`` (indices within the shard) unless the shard is warm or has no spans."""
+        if self._is_warm(shard):
+            return
+        spans = self._shard_spans(shard)
+        if spans is None:
+            return
+        local = local[(local >= 0) & (local < len(spans[0]))]
+        if len(local) == 0:
+            return
+        starts, lengths = spans[0][local], spans[1][local]
+        for start, length in _merged(starts, starts + lengths, self.GAP):
+            os.posix_fadvise(self._fd(shard), start, length, os.POSIX_FADV_WILLNEED)
+            self.advised_bytes += length
 
     def _is_warm(self, shard: int) -> bool:
         """Whether the shard's data file is in the page cache (asked of the kernel at most every RECHECK s)."""
@@ -162,7 +168,7 @@ class ReadAhead:
     def _fd(self, shard: int) -> int:
         if shard not in self._fds:
             path = self._root / self._format.data_name(self._shards[shard].file)
-            self._fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fds[shard] = open_regular(path)  # a FIFO in its place is refused, never waited on
         return self._fds[shard]
 
 
