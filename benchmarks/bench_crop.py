@@ -2,9 +2,11 @@
 
 In memory (the decode ceiling: no I/O), single process, interleaved repeats::
 
-    python benchmarks/bench_crop.py [--images 200] [--side 1024] [--repeats 5]
+    python benchmarks/bench_crop.py [--images 200] [--side 1024] [--repeats 5] [--folder DIR]
 
-Both draw the same boxes (``crop_box``, RandomResizedCrop's distribution) and
+``DecodeCrop`` is measured through PIL (DCT scaling only) and, where TurboJPEG 3
+is found (``pip install 'packdata[turbo]'``), through it (only the box's rows and
+columns decoded). All draw the same boxes (``crop_box``, RandomResizedCrop's distribution) and
 output 224x224 RGB; the reference decodes every JPEG at full size first, as
 ``torchvision.transforms.RandomResizedCrop`` after a PIL loader does.
 """
@@ -16,11 +18,13 @@ import io
 import random
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from packdata.reading.crop import DecodeCrop, crop_box
+from packdata.reading.turbo import turbojpeg
 
 
 def _jpegs(n: int, side: int) -> list[bytes]:
@@ -49,26 +53,36 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--side", type=int, default=1024, help="longer side of the generated JPEGs")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--folder", help="read the first --images JPEGs under this folder instead of generating them")
     args = parser.parse_args()
-    data = _jpegs(args.images, args.side)
-    rates: dict[str, list[float]] = {"PIL full decode + crop": [], "DecodeCrop(224)": []}
+    if args.folder:
+        paths = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
+        data = [p.read_bytes() for p in paths[: args.images]]
+        with Image.open(io.BytesIO(data[0])) as first:
+            what = f"{len(data)} JPEGs from {args.folder} (the first {first.width}x{first.height})"
+    else:
+        data = _jpegs(args.images, args.side)
+        what = f"{args.images} JPEGs of {args.side}x{args.side * 3 // 4}"
+    backends = {"DecodeCrop(224), PIL": False} | ({"DecodeCrop(224), TurboJPEG 3": True} if turbojpeg() else {})
+    rates: dict[str, list[float]] = {"PIL full decode + crop": []} | {name: [] for name in backends}
     for r in range(args.repeats):
         rng = random.Random(r)
         start = time.perf_counter()
         for blob in data:
             _full_decode_crop(blob, rng)
         rates["PIL full decode + crop"].append(len(data) / (time.perf_counter() - start))
-        decode = DecodeCrop(224, seed=r)
-        start = time.perf_counter()
-        for blob in data:
-            decode(blob)
-        rates["DecodeCrop(224)"].append(len(data) / (time.perf_counter() - start))
+        for name, turbo in backends.items():
+            decode = DecodeCrop(224, seed=r, turbo=turbo)
+            start = time.perf_counter()
+            for blob in data:
+                decode(blob)
+            rates[name].append(len(data) / (time.perf_counter() - start))
     base = statistics.median(rates["PIL full decode + crop"])
     size = sum(map(len, data)) / len(data) / 1e3
-    print(f"{args.images} JPEGs of {args.side}x{args.side * 3 // 4} ({size:.0f} KB mean), {args.repeats} repeats")
+    print(f"{what} ({size:.0f} KB mean), {args.repeats} repeats")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"  {name:<24} {median:8.1f} images/s [{min(values):.1f} - {max(values):.1f}]  {median / base:.2f}x")
+        print(f"  {name:<30} {median:8.1f} images/s [{min(values):.1f} - {max(values):.1f}]  {median / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,plot,ray]"
+.venv/bin/python -m pip install -q -e ".[dev,plot,ray,turbo]"

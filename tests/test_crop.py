@@ -14,9 +14,14 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import packdata
+from packdata.errors import ConfigError
+from packdata.reading import turbo as turbo_module
 from packdata.reading.crop import DecodeCrop, crop_box
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+HAVE_TURBO = turbo_module.turbojpeg() is not None
+needs_turbo = pytest.mark.skipif(not HAVE_TURBO, reason="no TurboJPEG 3 library (pip install 'packdata[turbo]')")
+BACKENDS = [False, pytest.param(True, marks=needs_turbo)]
 
 
 def _torchvision_get_params(width: int, height: int, scale, ratio) -> tuple[int, int, int, int]:
@@ -75,10 +80,11 @@ def _reference(data: bytes, box: tuple[int, int, int, int], size: int) -> np.nda
     return np.asarray(full, dtype=np.int16)
 
 
+@pytest.mark.parametrize("turbo", BACKENDS)
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
-def test_output_is_the_full_decodes_crop_within_jpeg_rounding(fmt: str) -> None:
+def test_output_is_the_full_decodes_crop_within_jpeg_rounding(fmt: str, turbo: bool) -> None:
     data = image_bytes(3, (1600, 1200), fmt=fmt)
-    decode = DecodeCrop(224, seed=11)
+    decode = DecodeCrop(224, seed=11, turbo=turbo)
     boxes = random.Random(11)
     worst = 0.0
     for _ in range(12):
@@ -99,3 +105,99 @@ def test_decode_crop_in_spawned_workers_differs_per_worker(tmp_path) -> None:
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     crops = [np.asarray(img).tobytes() for img, _ in loader]
     assert len(crops) == 8 and len(set(crops)) == 8
+
+
+def _textured_jpeg(size: tuple[int, int], mode: str, subsampling: int) -> bytes:
+    """A JPEG with detail in every block (a one-column slip of the decoded region shows)."""
+    w, h = size
+    rng = np.random.default_rng(5)
+    y, x = np.mgrid[0:h, 0:w]
+    base = (np.sin(x / 3.0) * 60 + np.cos(y / 5.0) * 60 + 128)[..., None] + rng.normal(0, 20, (h, w, 3))
+    pixels = np.clip(base * [1.0, 0.8, 0.6], 0, 255).astype(np.uint8)
+    img = Image.fromarray(pixels).convert(mode)
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=90, subsampling=subsampling)
+    return out.getvalue()
+
+
+@needs_turbo
+@pytest.mark.parametrize(("mode", "subsampling"), [("RGB", 0), ("RGB", 1), ("RGB", 2), ("L", 0)])
+def test_turbo_region_decode_is_the_full_decodes_crop(mode: str, subsampling: int) -> None:
+    """At full scale the region TurboJPEG decodes, cropped and resized, is PIL's full decode's crop."""
+    data = _textured_jpeg((403, 301), mode, subsampling)  # odd sides: regions end inside a block
+    decode = DecodeCrop(160, seed=3, turbo=True)
+    boxes = random.Random(3)
+    for _ in range(20):
+        box = crop_box(403, 301, boxes, SCALE, RATIO)
+        diff = np.abs(np.asarray(decode(data), dtype=np.int16) - _reference(data, box, 160))
+        # the same IDCT and colour conversion; only the chroma upsampling at the region's edges differs
+        assert diff.mean() < 0.3 and np.quantile(diff, 0.99) <= 3, (box, diff.mean(), np.quantile(diff, 0.99))
+
+
+@needs_turbo
+def test_turbo_and_pil_give_the_same_crops_at_every_dct_scale() -> None:
+    data = _textured_jpeg((1600, 1200), "RGB", 2)
+    turbo, pil = DecodeCrop(100, seed=8, turbo=True), DecodeCrop(100, seed=8, turbo=False)
+    for _ in range(16):  # boxes from 1/8 to all of the area: scales 1/8 to 1/2 against 100 px
+        diff = np.abs(np.asarray(turbo(data), dtype=np.int16) - np.asarray(pil(data), dtype=np.int16))
+        assert diff.mean() < 3.0, diff.mean()
+
+
+@pytest.mark.parametrize("turbo", BACKENDS)
+def test_a_truncated_jpeg_is_named_whatever_the_box(turbo: bool) -> None:
+    data = _textured_jpeg((400, 300), "RGB", 2)
+    cut = data[: len(data) * 9 // 10]  # the last rows' scan data is gone: a box at the top never reaches them
+    decode = DecodeCrop(64, scale=(0.08, 0.1), seed=0, turbo=turbo)
+    for _ in range(20):
+        with pytest.raises(OSError, match=r"truncated|Premature end"):
+            decode(cut)
+
+
+@needs_turbo
+def test_turbo_decode_names_damage_inside_the_box() -> None:
+    data = bytearray(_textured_jpeg((400, 300), "RGB", 2))
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\xff\x00" * 32 + b"\xff\xd0" * 16  # markers inside scan data
+    tj = turbo_module.turbojpeg()
+    assert tj is not None
+    with pytest.raises(OSError, match="JPEG cannot be decoded"):
+        tj.decode(bytes(data), (0, 0, 400, 300), 1)
+
+
+@needs_turbo
+def test_cmyk_and_png_take_pils_path_with_turbo() -> None:
+    rgb = Image.open(io.BytesIO(_textured_jpeg((320, 240), "RGB", 0))).convert("CMYK")
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=90)
+    for data in (out.getvalue(), image_bytes(2, (320, 240), fmt="PNG")):
+        a, b = DecodeCrop(64, seed=4, turbo=True)(data), DecodeCrop(64, seed=4, turbo=False)(data)
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_turbo_true_without_the_library_fails_with_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(turbo_module, "_candidates", list)  # no library anywhere
+    turbo_module.turbojpeg.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="packdata\\[turbo\\]"):
+            DecodeCrop(64, turbo=True)
+        assert np.asarray(DecodeCrop(64, seed=1)(image_bytes(1, (200, 150)))).shape == (64, 64, 3)
+    finally:
+        monkeypatch.undo()
+        turbo_module.turbojpeg.cache_clear()
+
+
+@needs_turbo
+def test_a_library_path_that_is_not_turbojpeg_3_warns_and_the_next_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes.util
+
+    libz = ctypes.util.find_library("z")
+    if libz is None:
+        pytest.skip("no libz to stand in for a wrong library")
+    monkeypatch.setenv(turbo_module.ENV, libz)
+    turbo_module.turbojpeg.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=turbo_module.ENV):
+            found = turbo_module.turbojpeg()
+        assert found is not None and found.path != libz
+    finally:
+        monkeypatch.undo()
+        turbo_module.turbojpeg.cache_clear()

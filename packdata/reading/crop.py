@@ -11,6 +11,16 @@ small, the full-resolution decode is kept, so the output is the full decode's
 crop within JPEG rounding. Other formats decode at full size. No extra library
 is needed (libjpeg-turbo, inside Pillow, does the scaling).
 
+Where TurboJPEG 3 is found (``pip install 'packdata[turbo]'``, or a system
+``libturbojpeg`` 3: :mod:`packdata.reading.turbo`), an RGB or greyscale JPEG is
+decoded through it instead, and only the box's rows and columns are decoded
+(at the same DCT scale): rows below the box are never read, and the inverse
+DCT and colour conversion run on the box alone. A JPEG that does not end with
+its end-of-image marker (cut short) still goes through PIL's full decode, which
+names it, since rows after the cut may lie below the box, where the partial
+decode never reads. ``DecodeCrop(turbo=False)`` keeps PIL; ``turbo=True`` fails
+when the library is missing.
+
 Use it as the dataset's decoder, in place of decode + ``RandomResizedCrop``::
 
     ds = packdata.LMDBDataset("train.lmdb", decode=packdata.DecodeCrop(224), transform=flip_and_to_tensor)
@@ -28,7 +38,9 @@ import random
 import torch
 from PIL import Image
 
+from packdata.errors import ConfigError
 from packdata.pack.images import open_image
+from packdata.reading.turbo import turbojpeg
 
 __all__ = ["DecodeCrop", "crop_box"]
 
@@ -68,6 +80,8 @@ class DecodeCrop:
         scale: the range of the crop's share of the image area.
         ratio: the range of the crop's aspect ratio (width / height).
         seed: a fixed seed (tests and reproducible runs); by default per process from torch.
+        turbo: decode JPEGs through TurboJPEG 3: None when it is found, True
+            always (``ConfigError`` when it is not found), False never.
     """
 
     def __init__(
@@ -77,12 +91,18 @@ class DecodeCrop:
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         *,
         seed: int | None = None,
+        turbo: bool | None = None,
     ) -> None:
         height, width = (size, size) if isinstance(size, int) else size
         if height < 1 or width < 1 or not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
             raise ValueError(f"size, scale and ratio should be positive ranges, but got {size}, {scale}, {ratio}")
         self.size = (int(height), int(width))
-        self.scale, self.ratio, self.seed = scale, ratio, seed
+        if turbo and turbojpeg() is None:
+            raise ConfigError(
+                "DecodeCrop(turbo=True): no TurboJPEG 3 library found",
+                hint="pip install 'packdata[turbo]', or set PACKDATA_LIBTURBOJPEG to a libturbojpeg.so of version 3",
+            )
+        self.scale, self.ratio, self.seed, self.turbo = scale, ratio, seed, turbo
         self._rng: random.Random | None = None
         self._pid = -1
 
@@ -93,21 +113,28 @@ class DecodeCrop:
         return self._rng
 
     def __call__(self, data: bytes) -> Image.Image:
+        data = bytes(data)  # a no-op for bytes; a memoryview (a mapped pack's slice) is copied once
         with open_image(data) as img:
             width, height = img.size
             top, left, h, w = crop_box(width, height, self._generator(), self.scale, self.ratio)
             out_h, out_w = self.size
+            box = (left, top, left + w, top + h)
             if img.format == "JPEG":
-                shrink = min(w / out_w, h / out_h)  # how far the box may shrink and still cover the output
-                if shrink >= 2:
-                    img.draft("RGB", (math.ceil(width / shrink), math.ceil(height / shrink)))
+                reach = min(w / out_w, h / out_h)  # how far the box may shrink and still cover the output
+                turbo = turbojpeg() if self.turbo is not False and img.mode in ("RGB", "L") else None
+                if turbo is not None and data.rstrip(b"\0").endswith(b"\xff\xd9"):  # whole: ends with EOI
+                    shrink = next(f for f in (8, 4, 2, 1) if f <= max(reach, 1))  # the scales PIL's draft uses
+                    pixels, region = turbo.decode(data, box, shrink)
+                    return Image.fromarray(pixels).resize((out_w, out_h), Image.Resampling.BILINEAR, box=region)
+                if reach >= 2:
+                    img.draft("RGB", (math.ceil(width / reach), math.ceil(height / reach)))
             sx, sy = img.size[0] / width, img.size[1] / height  # the scale the decoder chose
-            box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
+            scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
             rgb = img if img.mode == "RGB" else img.convert("RGB")  # convert("RGB") of RGB is a full copy
-            return rgb.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
+            return rgb.resize((out_w, out_h), Image.Resampling.BILINEAR, box=scaled)
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_rng": None, "_pid": -1}
 
     def __repr__(self) -> str:
-        return f"DecodeCrop(size={self.size}, scale={self.scale}, ratio={self.ratio})"
+        return f"DecodeCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, turbo={self.turbo})"

@@ -1,0 +1,155 @@
+"""Decode one region of a JPEG at a DCT scale, through libjpeg-turbo's TurboJPEG 3 API (ctypes).
+
+Pillow's JPEG decoder runs the inverse DCT and colour conversion on every block
+of the image; TurboJPEG 3 (``tj3SetCroppingRegion``) skips them for the rows
+above a region, stops after its last row and leaves out the columns beside it
+(only entropy decoding still runs across a row). The library is looked for, in
+order: at the path in ``PACKDATA_LIBTURBOJPEG``, as the system's
+``libturbojpeg`` when it is version 3 or newer, and inside the ``turbojpeg``
+wheel (``pip install 'packdata[turbo]'``). Without one, :func:`turbojpeg`
+returns None and callers decode with PIL.
+
+Any error or warning stops the decode and raises (``ImageFormatError``): a
+truncated or damaged JPEG is never returned with its missing rows filled in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import importlib.util
+import math
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from packdata.errors import ImageFormatError
+
+__all__ = ["TurboJPEG", "turbojpeg"]
+
+ENV = "PACKDATA_LIBTURBOJPEG"
+_DECOMPRESS = 1  # TJINIT_DECOMPRESS
+_STOPONWARNING, _SUBSAMP, _WIDTH, _HEIGHT, _PRECISION, _SCANLIMIT = 0, 4, 5, 6, 7, 13  # TJPARAM_*
+_PF_RGB = 0  # TJPF_RGB
+_MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # tjMCUWidth, by TJSAMP_* (444, 422, 420, GRAY, 440, 411, 441)
+SCAN_LIMIT = 500  # progressive scans one JPEG may have (a crafted file can hold thousands: CPU for nothing)
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_int), ("y", ctypes.c_int), ("w", ctypes.c_int), ("h", ctypes.c_int)]
+
+
+class _Scale(ctypes.Structure):
+    _fields_ = [("num", ctypes.c_int), ("denom", ctypes.c_int)]
+
+
+class _Handle:
+    """A TurboJPEG decompressor, destroyed with its last reference (one per thread: a handle is not thread-safe)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self.value = lib.tj3Init(_DECOMPRESS)
+        if not self.value:
+            raise MemoryError("tj3Init failed")
+        for param, value in ((_STOPONWARNING, 1), (_SCANLIMIT, SCAN_LIMIT)):
+            lib.tj3Set(self.value, param, value)
+
+    def __del__(self) -> None:
+        if getattr(self, "value", None):
+            self._lib.tj3Destroy(self.value)
+
+
+class TurboJPEG:
+    """The TurboJPEG 3 calls packdata uses."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        if not hasattr(lib, "tj3SetCroppingRegion"):
+            raise OSError(f"{path}: not TurboJPEG 3 or newer (no tj3SetCroppingRegion)")
+        handle, buf, size = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+        lib.tj3Init.restype, lib.tj3Init.argtypes = handle, [ctypes.c_int]
+        lib.tj3Destroy.restype, lib.tj3Destroy.argtypes = None, [handle]
+        lib.tj3Set.argtypes = [handle, ctypes.c_int, ctypes.c_int]
+        lib.tj3Get.argtypes = [handle, ctypes.c_int]
+        lib.tj3DecompressHeader.argtypes = [handle, buf, size]
+        lib.tj3SetScalingFactor.argtypes = [handle, _Scale]
+        lib.tj3SetCroppingRegion.argtypes = [handle, _Region]
+        lib.tj3Decompress8.argtypes = [handle, buf, size, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [handle]
+        self.path = path
+        self._lib = lib
+        self._local = threading.local()
+
+    def _handle(self) -> int:
+        handle = getattr(self._local, "handle", None)
+        if handle is None:
+            handle = self._local.handle = _Handle(self._lib)
+        return handle.value
+
+    def _check(self, handle: int, status: int) -> None:
+        if status != 0:
+            message = (self._lib.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace")
+            raise ImageFormatError(f"JPEG cannot be decoded: {message}", hint="The bytes are damaged")
+
+    def decode(
+        self, data: bytes, box: tuple[int, int, int, int], shrink: int
+    ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
+        """The RGB pixels around ``box`` (``left, top, right, bottom`` in full-size pixels), decoded at 1/``shrink``.
+
+        ``shrink`` is 1, 2, 4 or 8. Returns the pixels (height x width x 3) and the
+        box in their coordinates: the region starts at a block (iMCU) edge, so a
+        few columns left of the box come with it, and at a scale the box's edges
+        fall between pixels.
+        """
+        handle = self._handle()
+        self._check(handle, self._lib.tj3DecompressHeader(handle, data, len(data)))
+        if self._lib.tj3Get(handle, _PRECISION) != 8:
+            raise ImageFormatError("JPEG cannot be decoded: not 8 bits per sample", hint="Convert it to 8-bit JPEG")
+        width, height = self._lib.tj3Get(handle, _WIDTH), self._lib.tj3Get(handle, _HEIGHT)
+        left, top, right, bottom = box
+        if not (0 <= left < right <= width and 0 <= top < bottom <= height):
+            raise ValueError(f"box {box} is not inside the {width}x{height} image")
+        self._check(handle, self._lib.tj3SetScalingFactor(handle, _Scale(1, shrink)))
+        scaled_w, scaled_h = -(-width // shrink), -(-height // shrink)  # TJSCALED: rounded up
+        sx, sy = scaled_w / width, scaled_h / height
+        x0, x1 = int(left * sx), min(scaled_w, math.ceil(right * sx))
+        y0, y1 = int(top * sy), min(scaled_h, math.ceil(bottom * sy))
+        subsamp = self._lib.tj3Get(handle, _SUBSAMP)
+        if 0 <= subsamp < len(_MCU_WIDTH):
+            x0 -= x0 % -(-_MCU_WIDTH[subsamp] // shrink)
+        else:  # subsampling TurboJPEG cannot name: it crops no columns
+            x0, x1 = 0, scaled_w
+        self._check(handle, self._lib.tj3SetCroppingRegion(handle, _Region(x0, y0, x1 - x0, y1 - y0)))
+        out = np.empty((y1 - y0, x1 - x0, 3), dtype=np.uint8)
+        status = self._lib.tj3Decompress8(handle, data, len(data), out.ctypes.data, out.strides[0], _PF_RGB)
+        self._check(handle, status)
+        return out, (left * sx - x0, top * sy - y0, right * sx - x0, bottom * sy - y0)
+
+
+def _candidates() -> list[str]:
+    """Where libturbojpeg may be, in the order of the module docstring."""
+    paths = [os.environ[ENV]] if os.environ.get(ENV) else []
+    system = ctypes.util.find_library("turbojpeg")
+    if system:
+        paths.append(system)
+    spec = importlib.util.find_spec("turbojpeg")
+    if spec is not None and spec.origin:
+        libs = os.path.join(os.path.dirname(spec.origin), "turbojpeg.libs")
+        paths += sorted(glob.glob(os.path.join(libs, "libturbojpeg*.so*")))
+    return paths
+
+
+@functools.cache
+def turbojpeg() -> TurboJPEG | None:
+    """The first TurboJPEG 3 library found (see the module docstring), loaded once per process; None if none."""
+    for path in _candidates():
+        try:
+            return TurboJPEG(path)
+        except OSError as exc:
+            if path == os.environ.get(ENV):
+                warnings.warn(f"{ENV}={path} cannot be used ({exc}); looking elsewhere", stacklevel=2)
+    return None
