@@ -1,13 +1,17 @@
-"""pack.files: the one atomic write and the one file hash."""
+"""pack.files: the one atomic write, the one file hash, and the one way a file's type is checked and named."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
 
-from packdata.pack.files import atomic_write, file_sha256
+from packdata.errors import PackFormatError
+from packdata.pack.files import atomic_write, file_kind, file_sha256, open_regular
+from packdata.staging.copy import sha256_of
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -34,3 +38,39 @@ def test_file_sha256_is_sha256(tmp_path: Path, size: int) -> None:
     data = (bytes(range(256)) * (size // 256 + 1))[:size]
     (tmp_path / "f").write_bytes(data)
     assert file_sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_file_kind_names_each_type(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_bytes(b"x")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    kinds = {name: file_kind(os.lstat(tmp_path / name).st_mode) for name in ("fifo", "file", "link")}
+    assert kinds == {"fifo": "a FIFO", "file": "a regular file", "link": "a symlink"}
+    assert file_kind(os.stat(tmp_path).st_mode) == "a folder"
+    assert file_kind(os.stat("/dev/null").st_mode) == "a character device"
+
+
+def test_open_regular_refuses_what_is_not_a_regular_file_and_says_what_it_is(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_bytes(b"data")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    with pytest.raises(OSError, match="not a regular file: a FIFO") as fifo:
+        open_regular(tmp_path / "fifo")  # O_NONBLOCK: refused at once, never waits for a writer
+    assert fifo.value.errno == errno.EINVAL
+    with pytest.raises(OSError, match="not a regular file: a folder"):
+        open_regular(tmp_path)
+    os.close(open_regular(tmp_path / "link"))  # followed by default
+    with pytest.raises(OSError) as link:
+        open_regular(tmp_path / "link", follow_symlinks=False)
+    assert link.value.errno == errno.ELOOP
+
+
+def test_staging_hashes_only_a_packs_own_regular_files(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_bytes(b"data")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    assert sha256_of(tmp_path / "file") == hashlib.sha256(b"data").hexdigest()
+    with pytest.raises(PackFormatError, match="fifo: is not a regular file: a FIFO"):
+        sha256_of(tmp_path / "fifo")
+    with pytest.raises(PackFormatError, match="link: is a symlink"):
+        sha256_of(tmp_path / "link")

@@ -10,13 +10,13 @@ folder of 100 M files is never held in memory as one list.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, SourceError
+from packdata.pack.files import file_kind
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.urls import remote_error
 
@@ -206,20 +206,11 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
 
 
 def _file_type(path: str) -> str:
-    """What a non-regular entry is, in words (from ``lstat``/``stat``; never opens it)."""
+    """What a non-regular entry is, in words (from ``stat``; never opens it)."""
     try:
-        mode = os.stat(path).st_mode
+        return file_kind(os.stat(path).st_mode)
     except OSError as exc:
         return exc.strerror or str(exc)
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _detect_kind(root: Path) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 __all__ = [
     "atomic_write",
     "file_sha256",
+    "file_kind",
     "fsync_dir",
     "map_int64",
     "not_a_file",
@@ -72,10 +73,26 @@ def stream_sha256(f: BufferedReader) -> str:
     return digest.hexdigest()
 
 
+def file_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words: "a regular file", "a FIFO", "a folder", "a symlink", ..."""
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
 def not_a_file(path: str | os.PathLike) -> str | None:
     """Why ``path`` is not a regular file, in words to follow its name, or None when it is one (links followed).
 
-    "is missing", "is a broken link", "is not a regular file (mode prw-r--r--)": a
+    "is missing", "is a broken link", "is not a regular file (mode prw-r--r--, a FIFO)": a
     FIFO or a folder standing where a pack file should be is named as such, not reported missing.
     """
     try:
@@ -84,7 +101,7 @@ def not_a_file(path: str | os.PathLike) -> str | None:
         return "is a broken link" if os.path.islink(path) else "is missing"
     except OSError as exc:
         return f"cannot be looked at ({exc.strerror or exc})"
-    return None if stat.S_ISREG(mode) else f"is not a regular file (mode {stat.filemode(mode)})"
+    return None if stat.S_ISREG(mode) else f"is not a regular file (mode {stat.filemode(mode)}, {file_kind(mode)})"
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -97,19 +114,23 @@ def file_sha256(path: str | os.PathLike) -> str:
         return stream_sha256(f)
 
 
-def open_regular(path: str | os.PathLike) -> int:
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> int:
     """A read-only descriptor of ``path``, only if it is a regular file.
 
     ``O_NONBLOCK`` keeps a FIFO in a pack from blocking the open forever; the
-    type is checked on the opened descriptor.
+    type is checked on the opened descriptor, so a swap after a check cannot
+    slip through. ``follow_symlinks=False`` refuses a symlink (``ELOOP``).
 
     Raises:
-        OSError: it cannot be opened, or is not a regular file (``EINVAL``).
+        OSError: it cannot be opened, or is not a regular file (``EINVAL``, the
+            message says what it is).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        raise OSError(errno.EINVAL, f"not a regular file: {file_kind(mode)}", os.fspath(path))
     os.set_blocking(fd, True)
     return fd
 

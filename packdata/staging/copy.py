@@ -26,7 +26,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import get_format
-from packdata.pack.files import atomic_write, stream_sha256
+from packdata.pack.files import atomic_write, file_kind, open_regular, stream_sha256
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
@@ -115,17 +115,10 @@ def _require_regular(path: Path, what: str) -> None:
         raise PackFormatError(f"{what} is missing", path=path, hint="Convert the pack again") from None
     if not stat.S_ISREG(mode):
         raise PackFormatError(
-            f"{what} is not a regular file (it is a {_kind(mode)})",
+            f"{what} is not a regular file (it is {file_kind(mode)})",
             path=path,
             hint="packdata copies only a pack's own regular files: replace it by the real file or convert again",
         )
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO")):
-        if test(mode):
-            return name
-    return "device or socket" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode) else "special file"
 
 
 def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles]:
@@ -166,29 +159,18 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
 def _open_regular(path: Path) -> int:
     """Open ``path`` for reading without following a symlink, and only if it is a regular file.
 
-    ``O_NONBLOCK`` keeps a FIFO from blocking the open; the type is checked on
-    the opened descriptor, so a swap after a check cannot slip through.
+    Raises:
+        PackFormatError: a symlink, a FIFO, a device or a folder (named), or it cannot be opened.
     """
+    hint = "packdata copies only a pack's own regular files"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path, follow_symlinks=False)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise PackFormatError(
-                "is a symlink, not a regular file of the pack",
-                path=path,
-                hint="packdata copies only a pack's own regular files",
-            ) from exc
+            raise PackFormatError("is a symlink, not a regular file of the pack", path=path, hint=hint) from exc
+        if exc.errno == errno.EINVAL:  # the message names what it is
+            raise PackFormatError(f"is {exc.strerror}", path=path, hint=hint) from exc
         raise PackFormatError(f"cannot be opened: {exc.strerror}", path=path) from exc
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise PackFormatError(
-            f"is a {_kind(mode)}, not a regular file of the pack",
-            path=path,
-            hint="packdata copies only a pack's own regular files",
-        )
-    os.set_blocking(fd, True)
-    return fd
 
 
 def sha256_of(path: Path) -> str:
