@@ -82,6 +82,7 @@ READERS = {  # id -> (what the table calls it, the writer whose output it reads)
     "folder": ("folder (one file per sample)", None),
     "lmdb": ("packdata `LMDBDataset`", "lmdb"),
     "lmdb-block": ("packdata `LMDBDataset` + `BlockShuffleSampler`", "lmdb"),
+    "lmdb-crop": ("packdata `LMDBDataset` + `DecodeCrop` (decoded only; images)", "lmdb"),
     "pd-tfrecord": ("packdata `TFRecordDataset`", "pd-tfrecord"),
     "wds": ("WebDataset `WebDataset`", "wds"),
     "mds": ("Streaming `StreamingDataset`", "mds"),
@@ -350,11 +351,18 @@ def _then(extract: Callable[[Any], Any], fn: Callable[[Any], Any], item: Any) ->
 
 
 _TRANSFORM = standard_transform(224)
+_CROP = packdata.DecodeCrop(224)  # the crop drawn from the header, only its region decoded
+_FLIP = standard_transform(224, crop=False)
 
 
 def decode_image(payload: Any) -> torch.Tensor:
     """PIL decode + random resized crop 224 + flip, as a CHW uint8 tensor."""
     return _TRANSFORM(decode_pil(payload if isinstance(payload, bytes) else bytes(payload)))
+
+
+def decode_crop(payload: Any) -> torch.Tensor:
+    """``DecodeCrop(224)`` (the same boxes as the random resized crop) + flip, as a CHW uint8 tensor."""
+    return _FLIP(_CROP(payload))
 
 
 def decode_text(payload: Any) -> torch.Tensor:
@@ -394,9 +402,9 @@ def _loader(reader: str, data: Data, workers: int, decode: Callable[[Any], Any] 
         if decode is not None:
             ds = MapDataset(ds, functools.partial(_then, extract, decode))
         return DataLoader(ds, shuffle=True, **kwargs), extract
-    if reader in ("lmdb", "lmdb-block"):
+    if reader in ("lmdb", "lmdb-block", "lmdb-crop"):
         ds = packdata.LMDBDataset(out, decode=decode or "bytes")
-        if reader == "lmdb":
+        if reader != "lmdb-block":
             return DataLoader(ds, shuffle=True, **kwargs), _first
         return DataLoader(ds, sampler=packdata.BlockShuffleSampler(ds, seed=0), **kwargs), _first
     if reader == "pd-tfrecord":
@@ -467,7 +475,7 @@ def _epoch(reader: str, data: Data, workers: int, check: bool) -> tuple[float, f
 
 def _decoded(reader: str, data: Data, batches: int) -> tuple[float, int]:
     """Decoded samples/s with 2 workers over ``batches`` batches after 3 warm-up batches, and the peak PSS."""
-    decode = decode_image if data.kind == "images" else decode_text
+    decode = decode_text if data.kind == "text" else decode_crop if reader == "lmdb-crop" else decode_image
     loader, _ = _loader(reader, data, 2, decode)
     with _MemorySampler(interval=0.1) as sampler:
         it = iter(loader)
@@ -492,7 +500,7 @@ def run_warm(reader: str, data: Data, check: bool, batches: int) -> dict[str, An
     """In a fresh process: raw warm reads after one untimed epoch (checked by content when ``check``), then decoded."""
     result: dict[str, Any] = {}
     try:
-        if reader != CEILING:
+        if reader not in (CEILING, "lmdb-crop"):  # lmdb-crop's raw reads are lmdb's
             _epoch(reader, data, 0, check)  # warms the page cache too
             if check:
                 _epoch(reader, data, 2, True)
@@ -576,10 +584,10 @@ def table(
             continue
         r = reads.get(reader, {})
         convert = ratio = ""
-        if writer is not None and reader != "lmdb-block":
+        if writer is not None and reader not in ("lmdb-block", "lmdb-crop"):
             convert = errors.get(f"write {writer}") or _cell(writes.get(writer, []), "{:.1f}")
             ratio = _ratio(writes.get(writer, []), tar)
-        elif reader == "lmdb-block":
+        elif reader in ("lmdb-block", "lmdb-crop"):
             convert = "(same pack)"
         error = errors.get(reader)
         if error:
@@ -629,7 +637,7 @@ def bench(data: Data, readers: list[str], args: argparse.Namespace, cold: bool) 
             if reader in errors:
                 continue
             results = {}
-            if cold and reader != CEILING:
+            if cold and reader not in (CEILING, "lmdb-crop"):
                 results.update(in_fresh_process(run_cold, reader, data))
             if "error" not in results:
                 batches = args.batches if data.kind == "images" else args.text_batches
@@ -679,7 +687,8 @@ def main() -> None:
     for kind, count in (("text", args.text), ("images", args.images)):
         if count:
             data = _generate(kind, count, args.data)
-            tables.append(bench(data, readers, args, cold))
+            kept = [r for r in readers if kind == "images" or r != "lmdb-crop"]  # DecodeCrop decodes images
+            tables.append(bench(data, kept, args, cold))
             print(tables[-1] + "\n", file=sys.stderr)
     print(f"`{command}`: {cpus} CPUs, {args.repeats} interleaved repeats, medians [min-max]")
     print(f"cold: {'page cache dropped' if cold else 'skipped'}; batch {BATCH}; shards of {SHARD >> 20} MiB\n")

@@ -112,7 +112,9 @@ class TurboJPEG:
         width, height = self._lib.tj3Get(handle, _WIDTH), self._lib.tj3Get(handle, _HEIGHT)
         left, top, right, bottom = box
         if not (0 <= left < right <= width and 0 <= top < bottom <= height):
-            raise ValueError(f"box {box} is not inside the {width}x{height} image")
+            raise ImageFormatError(
+                f"JPEG header gives {width}x{height}, too small for box {box}", hint="The bytes are damaged"
+            )
         self._check(handle, self._lib.tj3SetScalingFactor(handle, _Scale(1, shrink)))
         scaled_w, scaled_h = -(-width // shrink), -(-height // shrink)  # TJSCALED: rounded up
         sx, sy = scaled_w / width, scaled_h / height
