@@ -662,6 +662,11 @@ def test_verify_names_a_damaged_remote_object(s3, remote_pack, remote_tfrecord) 
     fs.pipe_file(mdb, fs.cat_file("packs/train.lmdb/shard-00001.lmdb/data.mdb"))
     out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
     assert out.output.startswith("Error: s3://packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb: shard file is missing")
+    fs.pipe_file("packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb/part", b"x")  # a prefix where the shard was
+    out = _cli("verify", "s3://packs/bad-verify.lmdb", "-q", options=options)
+    assert out.output.startswith(
+        "Error: s3://packs/bad-verify.lmdb/shard-00002.lmdb/data.mdb: is a folder (a prefix of other objects), not"
+    ), out.output
 
 
 def test_ls_and_cat_read_a_remote_pack_in_place(s3, remote_pack, remote_tfrecord, tmp_path: Path) -> None:

@@ -86,14 +86,20 @@ def remote_size(fs: Any, path: str, where: str) -> int | None:
     """The byte size of ``path`` on ``fs``, or None when there is no such object.
 
     Raises:
+        PackFormatError: ``path`` is a folder (a prefix of other objects) or anything but a file.
         SourceError: the request failed.
     """
     try:
-        return int(fs.info(path)["size"])
+        info = fs.info(path)
     except FileNotFoundError:
         return None
     except Exception as exc:
         raise remote_error(where, "cannot look the object up", exc) from exc
+    kind = info.get("type", "file")
+    if kind != "file":
+        shown = "a folder (a prefix of other objects)" if kind == "directory" else f"of type {kind!r}"
+        raise PackFormatError(f"is {shown}, not a file", path=where, hint="Upload or convert the pack again")
+    return int(info["size"])
 
 
 class RemoteStream:

@@ -36,6 +36,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
 from packdata.formats import get_format
+from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
@@ -237,14 +238,10 @@ def _add_manifest_digest(folder: Path, digest: str) -> None:
 
 
 def _remote_size(fs: Any, path: str, required: bool) -> int | None:
-    try:
-        return int(fs.info(path)["size"])
-    except FileNotFoundError:
-        if required:
-            raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing") from None
-        return None
-    except Exception as exc:
-        raise remote_error(display_url(path), "cannot look the file up", exc) from exc
+    size = remote_size(fs, path, display_url(path))
+    if size is None and required:
+        raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing")
+    return size
 
 
 def _part(local: Path) -> Path:
