@@ -100,10 +100,10 @@ class TurboJPEG:
     ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
         """The RGB pixels around ``box`` (``left, top, right, bottom`` in full-size pixels), decoded at 1/``shrink``.
 
-        ``shrink`` is 1, 2, 4 or 8. Returns the pixels (height x width x 3) and the
-        box in their coordinates: the region starts at a block (iMCU) edge, so a
-        few columns left of the box come with it, and at a scale the box's edges
-        fall between pixels.
+        ``data`` is the whole JPEG as ``bytes``; ``shrink`` is 1, 2, 4 or 8. Returns the
+        pixels (height x width x 3) and the box in their coordinates: the region
+        starts at a block (iMCU) edge, so a few columns left of the box come with
+        it, and at a scale the box's edges fall between pixels.
         """
         handle = self._handle()
         self._check(handle, self._lib.tj3DecompressHeader(handle, data, len(data)))
