@@ -509,7 +509,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     default="pil",
     show_default=True,
     help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to --size; crop: DecodeCrop, "
-    "decoding only what the random crop needs (the ceiling is then PIL's full decode + crop).",
+    "decoding only what the random crop needs: its rows and columns with TurboJPEG 3 (pip install "
+    "'packdata[turbo]'), else PIL's DCT scaling (the ceiling is then PIL's full decode + crop).",
 )
 @click.option("--no-transform", is_flag=True, help="Skip the standard transform (crop to --size, flip, uint8).")
 @click.option(

@@ -325,3 +325,17 @@ def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, 
     _make_cold(tmp_path / "p.lmdb")  # the hints brought the pages in
     assert len(list(sampler)) == 40
     assert settled(first + 1) > first and hint_threads() == 0  # and it started again when needed
+
+
+def test_the_first_block_is_asked_for_alone_before_its_window(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
+    """The first batch waits on the first block's reads: they go to the kernel before the rest of the window's."""
+    from packdata.reading.readahead import ReadAhead
+
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    ds = LMDBDataset(tmp_path / "p.lmdb", decode="bytes")
+    asked: list[list[int]] = []
+    monkeypatch.setattr(ReadAhead, "advise", lambda self, indices: asked.append(list(indices)))
+    sampler = BlockShuffleSampler(ds, block_size=4, window=3, seed=5)
+    order = list(sampler)
+    assert asked[0] == order[:4]  # the first block, alone
+    assert asked[1] == order[:12] and asked[2] == order[12:24]  # then its window, then the next

@@ -333,7 +333,8 @@ class BlockShuffleSampler(Sampler[int]):
         span = self.block_size * self.window
         for position, index in enumerate(order):
             if hints is not None and position % span == 0:  # the window after the one starting here
-                if position == 0:  # and this one, first: its reads are the first to wait
+                if position == 0:  # and this one, first: its reads are the first to wait,
+                    hints.advise(order[: self.block_size])  # its first block before the rest: the first batch
                     hints.advise(order[:span])
                 hints.advise(order[position + span : position + 2 * span])
             self._yielded += 1
