@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from packdata.reading.crop import DecodeCrop, crop_box
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--folder", help="read the first --images JPEGs under this folder instead of generating them")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # one core's work, as in a DataLoader worker (DecodeCrop resizes with torch)
     if args.folder:
         paths = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
         data = [p.read_bytes() for p in paths[: args.images]]
