@@ -85,7 +85,8 @@ def _resize(pixels: np.ndarray, height: int, width: int) -> Image.Image:
     """
     image = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)  # channels-last strides: the fast path
     out = torch.nn.functional.interpolate(image, size=(height, width), mode="bilinear", antialias=True)
-    return Image.fromarray(out[0].permute(1, 2, 0).numpy())
+    planes = out[0].contiguous().numpy()  # one plane per channel: merged by PIL, not transposed by numpy or torch
+    return Image.merge("RGB", [Image.frombuffer("L", (width, height), plane, "raw", "L", 0, 1) for plane in planes])
 
 
 class DecodeCrop:
