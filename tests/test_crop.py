@@ -201,3 +201,24 @@ def test_a_library_path_that_is_not_turbojpeg_3_warns_and_the_next_is_used(monke
     finally:
         monkeypatch.undo()
         turbo_module.turbojpeg.cache_clear()
+
+
+@needs_turbo
+def test_a_box_outside_the_jpegs_own_header_is_named_as_damage() -> None:
+    """The box comes from PIL's reading of the header; TurboJPEG's reading is checked against it before any pixel."""
+    data = _textured_jpeg((64, 48), "RGB", 2)
+    tj = turbo_module.turbojpeg()
+    assert tj is not None
+    for box in [(0, 0, 72, 48), (0, 0, 64, 56), (-8, 0, 32, 32), (16, 16, 16, 32)]:  # wider, taller, negative, empty
+        with pytest.raises(OSError, match=r"JPEG header gives 64x48, too small for box"):
+            tj.decode(data, box, 1)
+
+
+@pytest.mark.parametrize("turbo", BACKENDS)
+def test_a_header_claiming_a_huge_image_is_refused_before_decoding(turbo: bool) -> None:
+    """A stranger's JPEG whose frame header claims 30000x30000: PIL's decompression-bomb check, on every path."""
+    data = bytearray(_textured_jpeg((64, 48), "RGB", 2))
+    sof = data.index(b"\xff\xc0")  # baseline frame header: length(2) precision(1) height(2) width(2)
+    data[sof + 5 : sof + 9] = (30000).to_bytes(2, "big") * 2
+    with pytest.raises(Image.DecompressionBombError):
+        DecodeCrop(64, seed=0, turbo=turbo)(bytes(data))
