@@ -32,6 +32,20 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
+def test_atomic_write_never_follows_a_symlink_planted_as_its_temporary(tmp_path: Path) -> None:
+    """A leftover ``.NAME.tmp`` that points elsewhere is replaced, its target untouched (stage, convert, append)."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("user data")
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / ".manifest.json.tmp").symlink_to(victim)
+    atomic_write(pack / "manifest.json", b"{}")
+    assert victim.read_text() == "user data"
+    assert (pack / "manifest.json").read_bytes() == b"{}"
+    assert not (pack / "manifest.json").is_symlink()
+    assert sorted(p.name for p in pack.iterdir()) == ["manifest.json"]
+
+
 @pytest.mark.parametrize("size", [0, 1, 1_280_000, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (8 << 20) + 7])
 def test_file_sha256_is_sha256(tmp_path: Path, size: int) -> None:
     """Whole, at any size: empty, under one block, a block's edges, several blocks."""

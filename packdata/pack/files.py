@@ -38,12 +38,16 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, tmp_suffix: str = ".tm
     """Write ``data`` to ``path``: a hidden temporary file beside it, fsync, rename, fsync of the folder.
 
     A crash at any instant leaves either the old file or the new one, never a
-    mix; the temporary file (``.NAME<tmp_suffix>``) is removed on error.
+    mix; the temporary file (``.NAME<tmp_suffix>``) is removed on error. A
+    leftover temporary is unlinked and a new one created exclusively, so a
+    symlink planted under its name is never followed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}{tmp_suffix}")
+    tmp.unlink(missing_ok=True)
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
