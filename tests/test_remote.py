@@ -187,6 +187,27 @@ def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Pat
     assert upload.work_folder(url).name == "converted.lmdb"
 
 
+@pytest.mark.parametrize("url", ["s3://packs/train/..", "s3://packs/.", "s3://packs/./train.lmdb"])
+def test_a_destination_url_with_dot_parts_is_refused_and_no_work_folder_is_touched(
+    s3, tmp_path: Path, monkeypatch, url: str
+) -> None:
+    """A URL ending in '..' once made the upload work folder the parent of every job's: its clean-up deleted them."""
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    other = tmp_path / "work" / "packdata-upload" / "0123456789abcdef" / "big.lmdb"  # another job's, resumable
+    other.mkdir(parents=True)
+    (other / "progress.json").write_text("{}")
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    (src / "0.jpg").write_bytes(image_bytes(0, (30, 20)))
+    with pytest.raises(packdata.ConfigError, match=r"cannot have '\.' or '\.\.' parts"):
+        packdata.convert(tmp_path / "src", url, storage_options=options, progress=False)
+    assert (other / "progress.json").read_text() == "{}"
+    from packdata.conversion.upload import work_folder
+
+    assert work_folder(url).parent.parent == tmp_path / "work" / "packdata-upload"
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_convert_into_s3_uploads_shards_as_they_close(s3, tmp_path: Path, monkeypatch, fmt: str) -> None:
     """Shards go up while the conversion runs; TFRecord shards are moved to their -of-N names at the end."""

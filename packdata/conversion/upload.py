@@ -61,16 +61,24 @@ def work_folder(url: str) -> Path:
     base = Path(os.environ.get("PACKDATA_TMP") or tempfile.gettempdir()) / "packdata-upload"
     shown = display_url(url)
     tag = hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
-    return base / tag / (shown.rstrip("/").rsplit("/", 1)[-1] or "pack")
+    name = shown.rstrip("/").rsplit("/", 1)[-1]
+    return base / tag / (name if name not in ("", ".", "..") else "pack")  # never the tag folder or above it
 
 
 def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool) -> None:
     """Refuse a URL that already holds a pack, unless ``overwrite``.
 
     Raises:
-        ConfigError: a manifest is there and ``overwrite`` is off.
+        ConfigError: a manifest is there and ``overwrite`` is off, or the
+            URL's path has ``.`` or ``..`` parts (object stores keep them as
+            names, so the pack would not be where the URL seems to say).
     """
     fs, root = open_url(url, storage_options)
+    if any(part in (".", "..") for part in root.split("/")):
+        raise ConfigError(
+            f"{display_url(url)}: a destination URL's path cannot have '.' or '..' parts",
+            hint="Name the pack's folder plainly, e.g. s3://bucket/packs/train",
+        )
     try:
         exists = fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}")
     except Exception as exc:
