@@ -115,6 +115,43 @@ def test_non_utf8_file_name_is_skipped_with_reason(image_folder: Path, tmp_path:
     assert result.skipped == {"name not UTF-8": 1}
 
 
+@pytest.mark.parametrize("layout", ["classes", "grouped"])
+def test_a_class_folder_named_in_non_utf8_bytes_is_no_class_and_its_files_are_skipped(
+    tmp_path: Path, layout: str
+) -> None:
+    """Once the class reached the manifest, which cannot hold it: the run died at its very end, and every resume."""
+    src = tmp_path / "src"
+    (src / "good").mkdir(parents=True)
+    bad = os.fsencode(src) + b"/cl\xe9ss"
+    try:
+        os.mkdir(bad)
+    except OSError:
+        pytest.skip("filesystem refuses non-UTF-8 names")
+    if layout == "classes":
+        (src / "good" / "1.txt").write_text("fine")
+        Path(os.fsdecode(bad + b"/f.txt")).write_text("in a latin-1 named class folder")
+    else:
+        for stem, folder in (("a", os.fsencode(src / "good")), ("b", bad)):
+            Path(os.fsdecode(folder + f"/{stem}.txt".encode())).write_text("text")
+            Path(os.fsdecode(folder + f"/{stem}.json".encode())).write_text("{}")
+    result = convert(src, tmp_path / "out.lmdb", progress=False, layout=layout)
+    assert result.packed == 1 and result.skipped == {"name not UTF-8": 1 if layout == "classes" else 2}
+    manifest = json.loads((tmp_path / "out.lmdb" / "manifest.json").read_text())
+    assert manifest["classes"] == ["good"]
+
+
+def test_a_destination_name_too_long_for_the_names_made_from_it_is_refused_before_packing(
+    text_folder: Path, tmp_path: Path
+) -> None:
+    """A legal 242-byte name once packed everything, then failed to name its shards (ENAMETOOLONG), every resume too."""
+    with pytest.raises(ConfigError, match=r"the destination's name is 242 bytes.* at most 215"):
+        convert(text_folder, tmp_path / ("d" * 233 + ".tfrecord"), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [text_folder.name]  # nothing made
+    longest = tmp_path / ("d" * 206 + ".tfrecord")  # at the limit: every name made from it fits
+    convert(text_folder, longest, progress=False)
+    verify_pack(longest, progress=False)
+
+
 def test_text_kind_round_trip(text_folder: Path, tmp_path: Path) -> None:
     result = convert(text_folder, tmp_path / "t.lmdb", progress=False)
     assert result.kind == "text" and result.packed == 20
@@ -201,6 +238,68 @@ def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_p
     partial_path(tmp_path / "out.lmdb").mkdir()
     with pytest.raises(ConfigError, match="--resume to continue it"):
         convert(image_folder, tmp_path / "out.lmdb", progress=False)
+
+
+def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5) -> None:
+    """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2."""
+    from packdata.conversion import local
+
+    monkeypatch.setattr(local, "_COMMIT_SAMPLES", 2)
+    real_add = local._Packer._add
+
+    def add(self, *args, **kwargs):
+        if self.cp.samples_done >= after:
+            raise KeyboardInterrupt
+        return real_add(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(local._Packer, "_add", add)
+        with pytest.raises(KeyboardInterrupt):
+            convert(src, dst, progress=False, workers=1)
+    assert (partial_path(dst) / "progress.json").is_file()
+
+
+@pytest.mark.parametrize("planted", ["skipped.jsonl", "index/labels.i32", "shard-00000.lmdb/data.mdb"])
+def test_resume_refuses_a_symlink_planted_in_the_partial_pack(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """A resume truncates and appends to the partial's files: a link there would send that elsewhere."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    victim = tmp_path / "precious.bin"
+    victim.write_bytes(b"user data " * 500)
+    (partial_path(dst) / planted).unlink()
+    (partial_path(dst) / planted).symlink_to(victim)
+    with pytest.raises(ConfigError, match=f"holds .*{planted}, a symlink: packdata never writes one"):
+        convert(image_folder, dst, progress=False, resume=True)
+    assert victim.read_bytes() == b"user data " * 500
+    assert not dst.exists()
+    convert(image_folder, dst, progress=False, overwrite=True)  # --overwrite starts again
+    assert victim.read_bytes() == b"user data " * 500
+    assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_a_partial_pack_that_is_not_a_folder_is_named_and_overwrite_replaces_only_it(
+    image_folder: Path, tmp_path: Path, kind: str
+) -> None:
+    dst = tmp_path / "out.lmdb"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    if kind == "symlink":
+        partial_path(dst).symlink_to(elsewhere)
+    else:
+        partial_path(dst).write_text("x")
+    with pytest.raises(
+        ConfigError, match=f"is a {'symlink' if kind == 'symlink' else 'regular file'}, not an interrupted"
+    ):
+        convert(image_folder, dst, progress=False, resume=True)
+    with pytest.raises(ConfigError, match="--resume to continue it"):
+        convert(image_folder, dst, progress=False)
+    convert(image_folder, dst, progress=False, overwrite=True)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"]
+    assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
 
 
 _SLOW_CONVERT = """

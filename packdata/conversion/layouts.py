@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from packdata.conversion.remote_folder import RemoteFolder
-from packdata.conversion.sources import RemoteFile, Skip, Source, SourceGroup, _is_hidden, _walk_files
+from packdata.conversion.sources import (
+    RemoteFile,
+    Skip,
+    Source,
+    SourceGroup,
+    _is_hidden,
+    _is_utf8,
+    _printable,
+    _walk_files,
+)
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
@@ -61,6 +70,9 @@ class GroupedSource:
         for rel, path, problem in _walk_files(self.root):
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
+                continue
+            if not _is_utf8(rel):
+                yield Skip(_printable(rel), "name not UTF-8", problem=False)
                 continue
             if problem is not None:
                 yield Skip(rel, *problem)
@@ -114,7 +126,7 @@ def detect_grouped(root: Path, sample: int = 1000) -> bool:
 
 def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
     """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0)."""
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_utf8(e.name))
     for name in require:
         check_field_name(name)
     return GroupedSource(root=root, classes=classes, require=require)

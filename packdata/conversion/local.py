@@ -26,6 +26,8 @@ from packdata.conversion.publish import (
     _no_samples_error,
     _publish,
     bad_file_error,
+    check_resumable,
+    discard_partial,
     extend_classes,
     make_result,
     partial_path,
@@ -137,17 +139,19 @@ def _convert_local(
     """The local engine: threads read, this process writes; run under the destination's lock."""
     partial = partial_path(dst)
     checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts))
+    if resume and os.path.lexists(partial):
+        check_resumable(partial)
     resumed = resume and checkpoint.path.is_file()
     if resumed:
         checkpoint.load()
-    elif partial.exists():
+    elif os.path.lexists(partial):
         if not overwrite and not resume:
             raise ConfigError(
                 f"an interrupted conversion into {dst} is in {partial}",
                 path=dst,
                 hint="Pass --resume to continue it, or --overwrite to start again",
             )
-        shutil.rmtree(partial)
+        discard_partial(partial)
     try:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,7 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import fsync_dir
+from packdata.pack.files import file_kind, fsync_dir
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
@@ -37,6 +38,8 @@ __all__ = [
     "SKIP_REPORT",
     "ConvertResult",
     "bad_file_error",
+    "check_resumable",
+    "discard_partial",
     "extend_classes",
     "make_result",
     "partial_path",
@@ -81,6 +84,39 @@ def partial_path(dst: str | os.PathLike) -> Path:
     """The hidden sibling a conversion into ``dst`` writes before renaming."""
     dst = Path(dst)
     return dst.parent / f".{dst.name}.partial"
+
+
+def discard_partial(partial: Path) -> None:
+    """Remove what stands at ``partial``: the folder an interrupted run left, or only the link or file itself."""
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    elif os.path.lexists(partial):
+        partial.unlink()
+
+
+def check_resumable(partial: Path) -> None:
+    """Refuse to resume into anything but a folder of folders and regular files, as packdata writes them.
+
+    A resume truncates and appends to the files it finds: a symlink, FIFO or
+    device planted in the partial pack would send those writes elsewhere.
+
+    Raises:
+        ConfigError: ``partial``, or something inside it, is of another type (named).
+    """
+    hint = "Move it away, or start again with --overwrite"
+    mode = os.lstat(partial).st_mode
+    if not stat.S_ISDIR(mode):
+        raise ConfigError(f"{partial} is {file_kind(mode)}, not an interrupted conversion", path=partial, hint=hint)
+    for root, folders, files in os.walk(partial):
+        for name in (*folders, *files):
+            mode = os.lstat(os.path.join(root, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                where = os.path.join(root, name)
+                raise ConfigError(
+                    f"the interrupted conversion holds {where}, {file_kind(mode)}: packdata never writes one",
+                    path=partial,
+                    hint=hint,
+                )
 
 
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
@@ -186,6 +222,10 @@ def _check_replaceable(dst: Path) -> None:
 _MIN_FREE_BYTES = 1 << 20
 
 
+_NAME_ROOM = 40
+"""Bytes packdata adds to a destination's name (``.NAME.append.partial``, ``STEM-000000-of-000000.tfpayload``)."""
+
+
 def _check_destination_writable(dst: Path) -> None:
     """Refuse, with one line, a destination packdata cannot write a pack at.
 
@@ -222,6 +262,14 @@ def _check_destination_writable(dst: Path) -> None:
             hint="Choose a writable destination",
         )
     st = os.statvfs(parent)
+    longest = st.f_namemax or 255
+    if len(os.fsencode(dst.name)) + _NAME_ROOM > longest:
+        raise ConfigError(
+            f"the destination's name is {len(os.fsencode(dst.name))} bytes: the names packdata makes from it "
+            f"(shards, the partial pack) need it at most {longest - _NAME_ROOM}",
+            path=dst,
+            hint="Choose a shorter name",
+        )
     if st.f_blocks == 0:
         raise ConfigError(
             "the destination's parent folder is on a file system without storage (such as /proc or /sys)",

@@ -38,6 +38,8 @@ from packdata.conversion.publish import (
     _no_samples_error,
     _publish,
     bad_file_error,
+    check_resumable,
+    discard_partial,
     extend_classes,
     make_result,
     partial_path,
@@ -403,7 +405,9 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
     """Make the partial folder ready; True when an interrupted Ray run into it is resumed."""
     state = {"engine": "ray", "options": asdict(opts)}
     plan = partial / _PLAN
-    if partial.exists():
+    if resume and os.path.lexists(partial):
+        check_resumable(partial)
+    if os.path.lexists(partial):
         if resume and plan.is_file():
             saved = json.loads(plan.read_text(encoding="utf-8"))
             if saved != state:
@@ -426,7 +430,7 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
                 path=dst,
                 hint="Pass --resume to continue it, or --overwrite to start again",
             )
-        shutil.rmtree(partial)
+        discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
     plan.write_text(json.dumps(state), encoding="utf-8")
     return False

@@ -117,9 +117,7 @@ class Source:
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
                 continue
-            try:
-                rel.encode("utf-8")
-            except UnicodeEncodeError:
+            if not _is_utf8(rel):
                 yield Skip(_printable(rel), "name not UTF-8", problem=False)
                 continue
             if problem is not None:
@@ -136,6 +134,15 @@ class Source:
 
 def _printable(rel: str) -> str:
     return rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name with bytes that are not UTF-8 (decoded by the OS as surrogates)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_hidden(rel: str) -> bool:
@@ -255,10 +262,13 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
         kind = _detect_kind(root)
     elif kind not in _EXTENSIONS:
         raise ConfigError(f"kind should be 'image', 'text' or 'auto', but got kind={kind!r}")
-    classes = sorted(
+    classes = sorted(  # a folder whose name is not UTF-8 is no class: the walk skips its files by name
         entry.name
         for entry in os.scandir(root)
-        if entry.is_dir() and not entry.name.startswith(".") and _has_candidate(Path(entry.path), kind)
+        if entry.is_dir()
+        and not entry.name.startswith(".")
+        and _is_utf8(entry.name)
+        and _has_candidate(Path(entry.path), kind)
     )
     return Source(root=root, kind=kind, classes=classes, _class_to_idx={c: i for i, c in enumerate(classes)})
 

@@ -28,6 +28,7 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _publish,
+    discard_partial,
     make_result,
     partial_path,
 )
@@ -102,8 +103,7 @@ class PackWriter:
         self._stack.enter_context(hold_lock(convert_lock_path(self.dst), what="packdata PackWriter", target=self.dst))
         self._partial = partial_path(self.dst)
         try:
-            if self._partial.exists():
-                shutil.rmtree(self._partial)  # a writer's partial is never resumable
+            discard_partial(self._partial)  # a writer's partial is never resumable
             self._partial.mkdir(parents=True)
         except OSError as exc:
             self._stack.close()
