@@ -343,6 +343,48 @@ def test_kill_9_then_resume_equals_a_clean_run(tmp_path: Path) -> None:
     verify_pack(dst, progress=False)
 
 
+_SLOW_CLOSE = """
+import os, sys, time
+from pathlib import Path
+from packdata import convert
+from packdata.formats.lmdb import LMDBShardWriter
+close = LMDBShardWriter.close
+def slow_close(self):
+    (Path(sys.argv[3]) / self.path.name).touch()  # this shard is closing
+    time.sleep(0.5)
+    return close(self)
+LMDBShardWriter.close = slow_close
+convert(sys.argv[1], sys.argv[2], shard_samples=20, workers=2, progress=False)
+"""
+
+
+def test_a_kill_while_a_shard_closes_then_resume_gives_the_same_bytes(tmp_path: Path) -> None:
+    """A shard closes in a thread while the next fills; no checkpoint lists it before it is closed."""
+    src = tmp_path / "src"
+    for c in range(2):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(40):
+            (src / f"c{c}/{i:03d}.txt").write_text(f"sample {c} {i} " * (i + 1))
+    dst, marks = tmp_path / "out.lmdb", tmp_path / "closing"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLOSE, str(src), str(dst), str(marks)])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (marks / "shard-00001.lmdb").exists():
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)  # shard 1 is closing, shard 2 open
+    proc.wait()
+    listed = json.loads((partial_path(dst) / "progress.json").read_text())["shards"]
+    assert [s["file"] for s in listed] == ["shard-00000.lmdb"] and listed[0]["sha256"]
+    convert(src, dst, progress=False, resume=True, shard_samples=20)
+    convert(src, tmp_path / "clean.lmdb", progress=False, shard_samples=20)
+    resumed, clean = tree_digest(dst), tree_digest(tmp_path / "clean.lmdb")
+    assert resumed.pop("manifest.json") and clean.pop("manifest.json")  # it holds times
+    assert resumed == clean  # every shard and index file, byte for byte
+    shards = [json.loads((p / "manifest.json").read_text())["shards"] for p in (dst, tmp_path / "clean.lmdb")]
+    assert shards[0] == shards[1] and len(shards[0]) == 4
+    verify_pack(dst, progress=False)
+
+
 def test_decoded_images_are_rgb(image_folder: Path, tmp_path: Path) -> None:
     convert(image_folder, tmp_path / "out.lmdb", progress=False)
     img, label = LMDBDataset(tmp_path / "out.lmdb")[0]

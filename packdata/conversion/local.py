@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -11,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,9 @@ class _Checkpoint:
         self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
         self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
 
-    def save(self) -> None:
-        state = {
+    def state(self) -> dict[str, Any]:
+        """What :meth:`save` writes, as of now."""
+        return {
             "options": self.options,
             "files_done": self.files_done,
             "samples_done": self.samples_done,
@@ -96,7 +99,10 @@ class _Checkpoint:
             "finishing": self.finishing,
             "field_names": self.field_names,
         }
-        atomic_write(self.path, json.dumps(state).encode("utf-8"))
+
+    def save(self, state: dict[str, Any] | None = None) -> None:
+        """Write the state (by default, as of now) to ``progress.json``, atomically."""
+        atomic_write(self.path, json.dumps(self.state() if state is None else state).encode("utf-8"))
 
     def load(self) -> dict[str, Any]:
         state = json.loads(self.path.read_text(encoding="utf-8"))
@@ -238,6 +244,8 @@ class _Packer:
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
         self.shard_samples = cp.samples_done - cp.shard_first
+        # a full shard closing in a thread, and the checkpoint to save once it is closed
+        self._closing: tuple[Future[tuple[int, str]], dict[str, Any]] | None = None
 
     def _open_shard(self, resume_at: int | None = None) -> ShardWriter:
         path = self.partial / self.writer_cls.shard_name(len(self.cp.shards))
@@ -322,34 +330,61 @@ class _Packer:
         if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
             self._commit()
 
-    def _commit(self) -> None:
-        """Write the batch, make everything durable, then record the checkpoint."""
+    def _write_batch(self) -> None:
+        """Hand the batch to the shard, and the index and skip report to the disk (a checkpoint comes after)."""
         assert self.writer is not None  # internal invariant: only called while packing
         if self.batch:
             self.writer.write(self.batch)
             self.batch, self.batch_bytes = [], 0
-        self.writer.sync()
         self.index.flush()
         self.report.flush()
         os.fsync(self.report.fileno())
         self.cp.skip_report_bytes = self.report.tell()
+
+    def _commit(self) -> None:
+        """Write the batch, make everything durable, then record the checkpoint."""
+        self._settle()
+        self._write_batch()
+        assert self.writer is not None
+        self.writer.sync()
         self.cp.save()
 
     def _roll_shard(self) -> None:
-        """Close the full shard, list it and open the next (a checkpoint before and after).
+        """Write the full shard's last batch, hand the shard to a thread that closes it, and open the next.
 
-        Killed between the two checkpoints, a resume reopens the closed shard at
-        its full count and rolls it again: closing is repeatable.
+        Closing (sync, checksum, side tables) runs while the next shard fills;
+        the checkpoint that lists the closed shard is saved when it is done
+        (:meth:`_settle`, before any later checkpoint). Killed before that, a
+        resume starts again from the previous checkpoint and writes the shard
+        again: closing is repeatable.
         """
-        self._commit()
+        self._settle()
+        self._write_batch()
         assert self.writer is not None
-        nbytes, digest = self.writer.close()
         name = self.writer_cls.shard_name(len(self.cp.shards))
-        self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, nbytes, digest))
+        self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, 0, ""))  # sized when closed
         self.cp.shard_first = self.cp.samples_done
         self.shard_samples = self.cp.shard_bytes = 0
+        closer = ThreadPoolExecutor(1, thread_name_prefix="packdata-shard-close")
+        self._closing = (closer.submit(self.writer.close), self.cp.state())
+        closer.shutdown(wait=False)  # its thread ends with the close
         self.writer = self._open_shard()
-        self.cp.save()
+
+    def _settle(self) -> None:
+        """Wait for the shard closing in its thread, list its size and checksum, and save its checkpoint.
+
+        Raises:
+            whatever closing it raised (a full disk: ``OSError``, ``CapacityError``).
+        """
+        if self._closing is None:
+            return
+        closing, state = self._closing
+        self._closing = None
+        nbytes, digest = closing.result()
+        number = len(state["shards"]) - 1
+        self.cp.shards[number] = dataclasses.replace(self.cp.shards[number], bytes=nbytes, sha256=digest)
+        state["shards"][number] = asdict(self.cp.shards[number])
+        self.cp.save(state)
 
     def close_files(self, failed: bool = False) -> None:
         """Close the skip report and the index files (safe to call twice).
@@ -357,6 +392,10 @@ class _Packer:
         After a failure, errors closing them (a full disk) are ignored: the last
         checkpoint, not these buffers, is what a resume continues from.
         """
+        if self._closing is not None and failed:
+            with contextlib.suppress(BaseException):  # the failure being raised is the one to report
+                self._closing[0].result()  # no thread writes into the partial pack once this returns
+            self._closing = None
         if self.report.closed:
             return
         try:
@@ -375,6 +414,7 @@ class _Packer:
         (:meth:`finalize` is repeatable).
         """
         if not self.cp.finishing:
+            self._settle()
             assert self.writer is not None
             nbytes, digest = self.writer.close()
             name = self.writer_cls.shard_name(len(self.cp.shards))

@@ -36,6 +36,7 @@ source of truth.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
@@ -128,6 +129,10 @@ class LMDBShardWriter:
 
     def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None:
         self.path = Path(path)
+        if resume_at == 0:  # none of it is kept: start afresh, so the shard's bytes are an uninterrupted run's
+            for name in (DATA_FILE, RECORDS_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / name).unlink()
         _reserve_lock_file(self.path)
         self._env = lmdb.open(
             os.fspath(self.path),
@@ -142,7 +147,7 @@ class LMDBShardWriter:
         )
         self._map_size = self._env.info()["map_size"]
         self._page = self._env.stat()["psize"]
-        if resume_at is not None:
+        if resume_at:
             self._truncate(resume_at)
 
     @staticmethod
