@@ -119,6 +119,16 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     assert not (tmp_path / "cache" / "bad.lmdb").exists()
 
 
+@pytest.mark.parametrize("name", ["../escaped", ""])
+def test_a_name_that_is_not_a_plain_folder_name_is_refused_for_a_url(s3, remote_pack, tmp_path: Path, name) -> None:
+    options, _ = s3
+    url, _ = remote_pack
+    cache = tmp_path / "cache"
+    with pytest.raises(packdata.ConfigError, match=r"cache: the staged pack's name should be one plain folder name"):
+        packdata.stage(url, to=cache, name=name, storage_options=options, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_errors_never_show_credentials(s3, tmp_path: Path) -> None:
     options, _ = s3
     with pytest.raises(PackFormatError) as info:

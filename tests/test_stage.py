@@ -224,6 +224,23 @@ def test_refuses_to_write_into_a_folder_it_did_not_stage(lmdb_pack: Path, tmp_pa
     assert (tmp_path / "nvme" / "train.lmdb" / "precious.txt").exists()
 
 
+@pytest.mark.parametrize("name", ["../escaped", "{tmp}/elsewhere/abs", "", ".", ".."])
+def test_a_name_that_is_not_a_plain_folder_name_is_refused(lmdb_pack: Path, tmp_path: Path, name: str) -> None:
+    name = name.format(tmp=tmp_path)
+    area = tmp_path / "area"
+    area.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "--name", name, "-q"])
+    assert out.exit_code == 1, out.output
+    assert out.output == (
+        f"Error: {area}: the staged pack's name should be one plain folder name inside the area, but got {name!r}. "
+        "Pass --name NAME without '/' (such as --name train.lmdb): the staged pack is AREA/NAME\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and list(area.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"area: the staged pack's name should be one plain folder name"):
+        stage(lmdb_pack, to=area, name=name, progress=False)
+
+
 @pytest.mark.root
 @needs_root
 def test_free_space_checked_before_copying(lmdb_pack: Path, tmpfs) -> None:

@@ -18,7 +18,7 @@ from packdata._version import __version__
 from packdata.errors import ConfigError
 from packdata.staging.copy import only_lock_left, write_json
 
-__all__ = ["STAGED_FILE", "check_destination", "read_marker", "write_marker"]
+__all__ = ["STAGED_FILE", "check_destination", "check_name", "read_marker", "write_marker"]
 
 STAGED_FILE = "staged.json"
 
@@ -73,6 +73,28 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
         if name in data and (not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool))):
             return None
     return data
+
+
+def check_name(name: str, *, area: Path, url: str | None = None) -> None:
+    """Refuse a staged pack's folder name that is not one plain name, so that the pack lands in ``area`` itself.
+
+    Args:
+        name: the folder name, given as ``name=`` or (``url``) taken from the pack's URL.
+        area: the staging area or cache folder the pack goes into.
+        url: the pack's URL, when ``name`` was taken from it.
+
+    Raises:
+        ConfigError: ``name`` is empty, ``.`` or ``..``, or holds a path separator or a NUL byte.
+    """
+    if name not in ("", ".", "..") and not any(c in name for c in {"/", os.sep, os.altsep or "/", "\0"}):
+        return
+    if url is not None:
+        raise ConfigError(f"cannot name the staged pack after the URL ({name!r})", path=url, hint="Pass name=NAME")
+    raise ConfigError(
+        f"the staged pack's name should be one plain folder name inside the area, but got {name!r}",
+        path=area,
+        hint="Pass name=NAME without '/' (such as name=train.lmdb): the staged pack is AREA/NAME",
+    )
 
 
 def check_destination(source: Path, dest: Path) -> None:

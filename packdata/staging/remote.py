@@ -47,7 +47,7 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import dir_bytes
-from packdata.staging.marker import STAGED_FILE, read_marker, write_marker
+from packdata.staging.marker import STAGED_FILE, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
 __all__ = ["RemoteStageResult", "evict_for", "stage_remote"]
@@ -90,7 +90,7 @@ def stage_remote(
     Args:
         url: the pack in object storage (``s3://bucket/train.lmdb``).
         to: the local cache folder (NVMe, or a tmpfs mount).
-        name: the staged pack's folder name (default: the URL's last part).
+        name: the staged pack's folder name in ``to``, one plain name (default: the URL's last part).
         storage_options: passed to fsspec (credentials, endpoint, ``anon``).
         workers: parallel requests (default 16: object stores want many).
         wait_seconds: how long a rank waits for another one's download.
@@ -101,7 +101,7 @@ def stage_remote(
             (see :func:`evict_for`).
 
     Raises:
-        ConfigError: no ``to``, or the URL cannot be opened.
+        ConfigError: no ``to``, a ``name`` that is not a plain folder name, or the URL cannot be opened.
         CapacityError: the cache cannot hold the whole pack, or memory checks refuse.
         PackFormatError: the remote pack is not a pack, or a shard fails its checksum.
         LockedError: another process kept the download for longer than ``wait_seconds``.
@@ -111,10 +111,12 @@ def stage_remote(
         raise ConfigError("staging from a URL needs to=DIR: the local cache folder", hint="Pass --to /nvme/cache")
     fs, root = open_url(url, storage_options)
     shown = display_url(url)
-    name = name or PurePosixPath(root.rstrip("/")).name
-    if not name or name in (".", "..") or "/" in name:
-        raise ConfigError(f"{shown}: cannot name the staged pack after the URL", hint="Pass name=NAME")
     cache = Path(to).absolute()
+    if name is None:
+        name = PurePosixPath(root.rstrip("/")).name
+        check_name(name, area=cache, url=shown)
+    else:
+        check_name(name, area=cache)
     cache.mkdir(parents=True, exist_ok=True)
     lock = cache / f".{name}.lock"
     while True:

@@ -73,7 +73,7 @@ from packdata.staging.copy import (
     shard_files,
     staged_manifest,
 )
-from packdata.staging.marker import STAGED_FILE, check_destination, read_marker, write_marker
+from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.remote import RemoteStageResult, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
@@ -258,7 +258,7 @@ def stage(
         budget: most bytes of this pack's shards to hold at the destination
             (default: what fits its free space).
         shards: shard numbers or names in priority order; only these are staged.
-        name: the staged pack's folder name inside the area.
+        name: the staged pack's folder name inside the area (one plain name: no '/', '.' or '..').
         workers: parallel copy threads (default: up to 4).
         force: stage even when the memory checks refuse.
         reserve: memory kept for training in the tmpfs checks.
@@ -275,8 +275,8 @@ def stage(
         CapacityError: the chosen shards do not fit, the tmpfs is unsafe, or
             the destination filled up while copying (the partial shard is removed).
         PackFormatError: the source is not a pack or a shard fails its checksum.
-        ConfigError: contradictory options, not root for a mount, or a destination
-            packdata did not stage.
+        ConfigError: contradictory options, a ``name`` that is not a plain folder name,
+            not root for a mount, or a destination packdata did not stage.
         LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named).
     """
     if is_url(pack):
@@ -310,6 +310,8 @@ def stage(
     manifest = read_manifest(source)
     source = source.resolve()
     order = resolve_order(manifest, shards)
+    name = source.name if name is None else name
+    check_name(name, area=Path(to if to is not None else mount or DEFAULT_AREA).absolute())  # before making the area
 
     area_info: TmpfsArea | None = None
     if tmpfs is not None:
@@ -326,7 +328,7 @@ def stage(
                 path=area,
                 hint="Prepare one with `sudo packdata stage --tmpfs 30G`, or give --to DIR",
             )
-    dest = area / (name or source.name)
+    dest = area / name
     check_destination(source, dest)
     dest.mkdir(exist_ok=True)
 
