@@ -224,6 +224,25 @@ def test_refuses_to_write_into_a_folder_it_did_not_stage(lmdb_pack: Path, tmp_pa
     assert (tmp_path / "nvme" / "train.lmdb" / "precious.txt").exists()
 
 
+@pytest.mark.parametrize("to", ["train.lmdb", "train.lmdb/sub/deeper"])
+def test_a_destination_inside_the_source_pack_is_refused_and_the_pack_untouched(
+    lmdb_pack: Path, tmp_path: Path, to: str
+) -> None:
+    before = tree_digest(lmdb_pack), sorted(p.relative_to(lmdb_pack) for p in lmdb_pack.rglob("*"))
+    out = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(tmp_path / to), "-q"])
+    assert out.exit_code == 1, out.output
+    assert out.output == (
+        f"Error: {tmp_path / to / 'train.lmdb'}: the staging destination is inside the pack being staged "
+        f"({lmdb_pack}). Give a --to DIR outside the pack; stage never writes into its source\n"
+    )
+    assert (tree_digest(lmdb_pack), sorted(p.relative_to(lmdb_pack) for p in lmdb_pack.rglob("*"))) == before
+    with pytest.raises(ConfigError, match=r"train\.lmdb: the staging destination is inside the pack being staged"):
+        stage(lmdb_pack, to=tmp_path / to, progress=False)
+    with pytest.raises(ConfigError, match=r"the staging destination holds the pack being staged"):
+        stage(lmdb_pack, to=tmp_path.parent, name=tmp_path.name, progress=False)
+    assert (tree_digest(lmdb_pack), sorted(p.relative_to(lmdb_pack) for p in lmdb_pack.rglob("*"))) == before
+
+
 @pytest.mark.parametrize("name", ["../escaped", "{tmp}/elsewhere/abs", "", ".", ".."])
 def test_a_name_that_is_not_a_plain_folder_name_is_refused(lmdb_pack: Path, tmp_path: Path, name: str) -> None:
     name = name.format(tmp=tmp_path)

@@ -98,9 +98,22 @@ def check_name(name: str, *, area: Path, url: str | None = None) -> None:
 
 
 def check_destination(source: Path, dest: Path) -> None:
-    """Refuse a staging destination that is the pack itself, a foreign folder, or another pack's staged copy."""
-    if dest.resolve() == source.resolve():
+    """Refuse a staging destination that is the pack, inside it or around it, a foreign folder, or another's copy."""
+    real_source, real_dest = source.resolve(), dest.resolve()
+    if real_dest == real_source:
         raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another to=DIR")
+    if real_dest.is_relative_to(real_source):
+        raise ConfigError(
+            f"the staging destination is inside the pack being staged ({source})",
+            path=dest,
+            hint="Give a to=DIR outside the pack; stage never writes into its source",
+        )
+    if real_source.is_relative_to(real_dest):
+        raise ConfigError(
+            f"the staging destination holds the pack being staged ({source})",
+            path=dest,
+            hint="Choose a to=DIR or name=NAME that does not contain the pack",
+        )
     if dest.exists():
         marker = read_marker(dest)
         if marker is None:

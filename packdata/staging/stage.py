@@ -311,7 +311,9 @@ def stage(
     source = source.resolve()
     order = resolve_order(manifest, shards)
     name = source.name if name is None else name
-    check_name(name, area=Path(to if to is not None else mount or DEFAULT_AREA).absolute())  # before making the area
+    planned = Path(to if to is not None else mount or DEFAULT_AREA).absolute()
+    check_name(name, area=planned)
+    check_destination(source, planned / name)  # before the area is made or mounted: never inside the source
 
     area_info: TmpfsArea | None = None
     if tmpfs is not None:
