@@ -119,6 +119,34 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     assert not (tmp_path / "cache" / "bad.lmdb").exists()
 
 
+def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
+    options, _ = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    (cache / "train.lmdb").mkdir(parents=True)
+    (cache / "train.lmdb" / "thesis.tex").write_text("three years of work")  # a user's folder, not a staged pack
+    args = ["stage", url, "--to", str(cache), "--storage-options", json.dumps(options), "-q"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 1 and out.output == (
+        f"Error: {cache / 'train.lmdb'}: exists and is not a staged pack. Choose another --to DIR or --name NAME; "
+        "packdata only writes into packs it staged\n"
+    )
+    assert (cache / "train.lmdb" / "thesis.tex").read_text() == "three years of work"
+    assert sorted(p.name for p in cache.iterdir()) == ["train.lmdb"]  # nothing downloaded
+    (cache / "train.lmdb" / "thesis.tex").unlink()
+    packdata.stage(local, to=cache, progress=False)  # a local pack's staged copy under the same name
+    with pytest.raises(packdata.ConfigError, match=rf"train\.lmdb: holds a staged copy of another pack \({local}\)"):
+        packdata.stage(url, to=cache, storage_options=options, progress=False)
+    assert json.loads((cache / "train.lmdb" / "staged.json").read_text())["origin"] == str(local)
+    packdata.unstage(cache / "train.lmdb")
+    first = packdata.stage(url, to=cache, storage_options=options, progress=False)
+    marker = json.loads((first.staged / "staged.json").read_text())
+    (first.staged / "staged.json").write_text(json.dumps({**marker, "manifest_sha256": "0" * 64}))  # outdated
+    again = packdata.stage(url, to=cache, storage_options=options, progress=False)  # its own copy: replaced
+    assert again.downloaded and _samples(again.staged) == _samples(local)
+    assert sorted(p.name for p in cache.iterdir()) == ["train.lmdb"]
+
+
 @pytest.mark.parametrize("name", ["../escaped", ""])
 def test_a_name_that_is_not_a_plain_folder_name_is_refused_for_a_url(s3, remote_pack, tmp_path: Path, name) -> None:
     options, _ = s3

@@ -97,24 +97,34 @@ def check_name(name: str, *, area: Path, url: str | None = None) -> None:
     )
 
 
-def check_destination(source: Path, dest: Path) -> None:
-    """Refuse a staging destination that is the pack, inside it or around it, a foreign folder, or another's copy."""
-    real_source, real_dest = source.resolve(), dest.resolve()
-    if real_dest == real_source:
-        raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another to=DIR")
-    if real_dest.is_relative_to(real_source):
-        raise ConfigError(
-            f"the staging destination is inside the pack being staged ({source})",
-            path=dest,
-            hint="Give a to=DIR outside the pack; stage never writes into its source",
-        )
-    if real_source.is_relative_to(real_dest):
-        raise ConfigError(
-            f"the staging destination holds the pack being staged ({source})",
-            path=dest,
-            hint="Choose a to=DIR or name=NAME that does not contain the pack",
-        )
-    if dest.exists():
+def check_destination(source: Path | str, dest: Path) -> None:
+    """Refuse a staging destination that is the pack, inside it or around it, a foreign folder, or another's copy.
+
+    Args:
+        source: the pack's folder, or the URL of a pack in object storage (as ``display_url`` shows it).
+        dest: the folder the staged pack goes into, ``AREA/NAME``.
+
+    Raises:
+        ConfigError: ``dest`` must not be written; only an empty folder, one a killed stage left
+            holding only its lock, or a staged copy of ``source`` may be.
+    """
+    if isinstance(source, Path):
+        real_source, real_dest = source.resolve(), dest.resolve()
+        if real_dest == real_source:
+            raise ConfigError("the staging destination is the pack itself", path=dest, hint="Give another to=DIR")
+        if real_dest.is_relative_to(real_source):
+            raise ConfigError(
+                f"the staging destination is inside the pack being staged ({source})",
+                path=dest,
+                hint="Give a to=DIR outside the pack; stage never writes into its source",
+            )
+        if real_source.is_relative_to(real_dest):
+            raise ConfigError(
+                f"the staging destination holds the pack being staged ({source})",
+                path=dest,
+                hint="Choose a to=DIR or name=NAME that does not contain the pack",
+            )
+    if dest.exists() or dest.is_symlink():
         marker = read_marker(dest)
         if marker is None:
             if dest.is_dir() and (not any(dest.iterdir()) or only_lock_left(dest)):
@@ -125,7 +135,8 @@ def check_destination(source: Path, dest: Path) -> None:
                 hint="Choose another to=DIR or name=NAME; packdata only writes into packs it staged",
             )
         origin = marker.get("origin")
-        if origin and Path(origin) != source.resolve():
+        same = origin == source if isinstance(source, str) else Path(str(origin)) == source.resolve()
+        if origin and not same:
             raise ConfigError(
                 f"holds a staged copy of another pack ({origin})",
                 path=dest,

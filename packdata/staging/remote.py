@@ -17,6 +17,9 @@ the finished copy. The steps:
    right, so a rerun resumes.
 4. The manifest is written last, then the folder is renamed to ``CACHE/NAME``
    (a previous copy is moved aside and deleted): a reader never sees a half copy.
+   Only a staged copy of the same URL (its ``staged.json`` says so) or an empty
+   folder is replaced; any other folder at ``CACHE/NAME`` is refused before a
+   byte is downloaded.
 
 An LMDB pack is read through local files only, so a pack is staged whole or
 not at all: a cache without room for it is refused before anything is downloaded.
@@ -47,7 +50,7 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import dir_bytes
-from packdata.staging.marker import STAGED_FILE, check_name, read_marker, write_marker
+from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
 __all__ = ["RemoteStageResult", "evict_for", "stage_remote"]
@@ -101,7 +104,8 @@ def stage_remote(
             (see :func:`evict_for`).
 
     Raises:
-        ConfigError: no ``to``, a ``name`` that is not a plain folder name, or the URL cannot be opened.
+        ConfigError: no ``to``, a ``name`` that is not a plain folder name, ``to/NAME`` holds a folder
+            that is not a staged copy of ``url``, or the URL cannot be opened.
         CapacityError: the cache cannot hold the whole pack, or memory checks refuse.
         PackFormatError: the remote pack is not a pack, or a shard fails its checksum.
         LockedError: another process kept the download for longer than ``wait_seconds``.
@@ -177,6 +181,7 @@ def _stage_locked(
     start = time.monotonic()
     manifest, raw = read_url_manifest(fs, root, shown)
     dest, partial = cache / name, cache / f".{name}.partial"
+    check_destination(shown, dest)  # a folder there is replaced only when it is a staged copy of this URL
     digest = hashlib.sha256(raw).hexdigest()
     marker = read_marker(dest) if dest.is_dir() else None
     if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
@@ -223,6 +228,7 @@ def _stage_locked(
     _add_manifest_digest(partial, digest)
     fsync_dir(partial)
     old = cache / f".{name}.old-{os.getpid()}"
+    check_destination(shown, dest)  # again: a folder may have appeared there while downloading
     if dest.exists():
         os.rename(dest, old)
     os.rename(partial, dest)
