@@ -157,6 +157,9 @@ def _skeleton_names(manifest: Manifest, *, report: bool) -> list[tuple[str, bool
     return names
 
 
+_COPY_BLOCK = 4 << 20
+
+
 def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown: str, dest: Path) -> Path:
     """Copy a pack's files but its shards' data into the new folder ``dest``, the manifest last.
 
@@ -170,8 +173,9 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     for name, required in _skeleton_names(manifest, report=True):
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            target.write_bytes(fs.cat_file(f"{root}/{name}"))
+        try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
+            with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
+                shutil.copyfileobj(remote, local, _COPY_BLOCK)
         except FileNotFoundError:
             if required:
                 raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
