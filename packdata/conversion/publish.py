@@ -30,7 +30,7 @@ from packdata.formats import get_format
 from packdata.pack.fields import codec_of
 from packdata.pack.files import file_kind, fsync_dir
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_files
-from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
 __all__ = [
     "MAX_SKIP_EXAMPLES",
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 
-SKIP_REPORT = "skipped.jsonl"
 PROGRESS_FILE = "progress.json"
 """The local engine's checkpoint in the partial pack (its presence says which engine was interrupted)."""
 MAX_SKIP_EXAMPLES = 20

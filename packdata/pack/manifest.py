@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SINGLE_FIELD_VERSION",
     "MANIFEST_NAME",
+    "SKIP_REPORT",
     "Manifest",
     "ShardInfo",
     "file_sha256",
@@ -46,6 +47,8 @@ SINGLE_FIELD_VERSION = 1
 FIELDS_VERSION = 2
 """Packs of multi-field samples (kind ``"fields"``, with ``codecs``)."""
 MANIFEST_NAME = "manifest.json"
+SKIP_REPORT = "skipped.jsonl"
+"""The skip report a conversion writes (``skipped.report`` names it)."""
 CHECKSUM_KEY = "checksum"
 """The manifest's own SHA-256 (:func:`manifest_checksum`); manifests of packdata before 0.2 have none."""
 
@@ -292,6 +295,24 @@ def _shards(path: Path, value: object, staged: bool) -> list[ShardInfo]:
     return shards
 
 
+def _check_index_names(path: Path, index: dict[str, str], shards: list[ShardInfo], report: object) -> None:
+    """The index folders (``dir``, and ``previous``, which an append deletes) name no shard or other pack file."""
+    taken = {s.file: "a shard" for s in shards if not os.path.isabs(s.file)}
+    taken.update({MANIFEST_NAME: "the manifest", f".{MANIFEST_NAME}.tmp": "the manifest's temporary file"})
+    for name in (SKIP_REPORT, report):
+        if isinstance(name, str):
+            taken[name] = "the skip report"
+    current = index.get("dir", "index")
+    if current in taken:
+        raise _field_error(path, "index.dir", f"should name the sample index folder, not {taken[current]}", current)
+    previous = index.get("previous")
+    if previous is not None and (previous == current or previous in taken):
+        what = "the current index folder (index.dir)" if previous == current else taken[previous]
+        raise _field_error(
+            path, "index.previous", f"should name the index folder an append replaced, not {what}", previous
+        )
+
+
 def _optional_dict(path: Path, data: dict[str, Any], key: str, *, nullable: bool = False) -> None:
     if key in data and not (isinstance(data[key], dict) or (nullable and data[key] is None)):
         raise _field_error(path, key, "should be an object" + (" or null" if nullable else ""), data[key])
@@ -356,6 +377,7 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     if report is not None and plain_name_problem(report) is not None:
         raise _field_error(where, "skipped.report", f"{plain_name_problem(report)} inside the pack", report)
     shards = _shards(where, data["shards"], staged_from is not None)
+    _check_index_names(where, index, shards, report)
     counted = sum(s.num_samples for s in shards)
     if counted != num_samples:
         raise PackFormatError(

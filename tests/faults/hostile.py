@@ -157,6 +157,15 @@ PATH_CASES: dict[str, Callable[[Path, str], None]] = {
     ),
     "symlinked-shard": _symlinked_shard,
     "symlinked-index": _symlinked_index,
+    # the folder an append replaced, which the next append deletes: never a shard, the index or the manifest
+    "previous-shard": lambda p, f: rewrite_manifest(
+        p, lambda d: d["index"].__setitem__("previous", d["shards"][0]["file"])
+    ),
+    "previous-index": lambda p, f: rewrite_manifest(p, lambda d: d["index"].__setitem__("previous", "index")),
+    "previous-manifest": lambda p, f: rewrite_manifest(
+        p, lambda d: d["index"].__setitem__("previous", "manifest.json")
+    ),
+    "index-shard": lambda p, f: rewrite_manifest(p, lambda d: d["index"].__setitem__("dir", d["shards"][0]["file"])),
 }
 """Each hostile path case: ``apply(pack, fmt)``; every command and reader must refuse the pack."""
 

@@ -110,6 +110,10 @@ _PATH_EXPECTED = {
     "report-dotdot": "skipped.report",
     "symlinked-shard": "symlink leading out",
     "symlinked-index": "symlink leading out",
+    "previous-shard": "'index.previous' should name the index folder an append replaced, not a shard",
+    "previous-index": "'index.previous' should name the index folder an append replaced, not the current index",
+    "previous-manifest": "'index.previous' should name the index folder an append replaced, not the manifest",
+    "index-shard": "'index.dir' should name the sample index folder, not a shard",
 }
 
 
