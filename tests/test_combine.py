@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import image_bytes, tree_digest
+from faults.hostile import rewrite_manifest
 
 import packdata
 from packdata.cli import main as cli
@@ -174,3 +177,195 @@ def test_cli_merge(tmp_path: Path) -> None:
     done = runner.invoke(cli, ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), "-o", str(tmp_path / "m")])
     assert done.exit_code == 0, done.output
     assert "2 samples in 2 shards (2 linked, 0 copied, 0 rewritten)" in done.output
+
+
+_KILL_DRIVER = r"""
+import importlib, os, signal, sys
+import packdata
+for name in ("conversion.convert", "formats.lmdb", "formats.tfrecord"):  # imported once, before any fork
+    importlib.import_module("packdata." + name)
+WRITES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.link", "os.truncate", "shutil.rmtree"}
+run = {"kill_at": 0, "calls": 0, "armed": False, "dst": "", "extra": ""}
+
+def ours(path):
+    return path == run["extra"] or path.startswith((run["extra"] + os.sep, run["dst"] + os.sep))
+
+def hook(event, args):  # in a run: SIGKILL right before its kill_at-th change to the file system
+    if not run["kill_at"] or not (event in WRITES or (event == "open" and args[2] & (os.O_WRONLY | os.O_CREAT))):
+        return
+    # armed from the conversion's rename into the hidden sibling pack on; then every change counts
+    run["armed"] = run["armed"] or any(ours(os.fspath(a)) for a in args if isinstance(a, (str, os.PathLike)))
+    if run["armed"]:
+        run["calls"] += 1
+        if run["calls"] == run["kill_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+for line in sys.stdin:  # "SRC\tDST\tKILL_AT": one append, in a forked process
+    src, dst, kill_at = line.rstrip("\n").split("\t")
+    pid = os.fork()
+    if pid == 0:
+        dst = os.path.abspath(dst)
+        extra = os.path.join(os.path.dirname(dst), "." + os.path.basename(dst) + ".append")
+        run.update(kill_at=int(kill_at), dst=dst, extra=extra)
+        packdata.convert(src, dst, append=True, shard_samples=2, progress=False)
+        print("finished after", run["calls"], flush=True)
+        os._exit(0)
+    print("exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+def _tree(pack: Path) -> dict[str, str]:
+    """Every file of a pack -> SHA-256 (LMDB's lock files aside: readers make them)."""
+    return {name: digest for name, digest in tree_digest(pack).items() if not name.endswith("lock.mdb")}
+
+
+def _grown_pack(tmp_path: Path, fmt: str) -> tuple[Path, Path, Path]:
+    """A pack grown once (so a second append deletes the index two generations old), a source to append
+    (two shards: one rewritten, ant 0 -> 2; one moved as it is, dog 1 -> 1), and that append done uninterrupted."""
+    template = tmp_path / "template" / f"p.{fmt}"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg", "2.jpg"], "dog": ["3.jpg"]}), template, progress=False)
+    packdata.convert(_folder(tmp_path / "b", {"cat": ["4.jpg"]}), template, append=True, progress=False)
+    new = _folder(tmp_path / "c", {"ant": ["5.jpg"], "dog": ["6.jpg", "7.jpg", "8.jpg"]})
+    reference = tmp_path / "reference" / f"p.{fmt}"
+    shutil.copytree(template, reference)
+    packdata.convert(new, reference, append=True, shard_samples=2, progress=False)
+    assert read_manifest(reference).index == {"dir": "index-a2", "previous": "index-a1"}
+    assert "index" not in os.listdir(reference)  # two generations old: deleted
+    return template, new, reference
+
+
+class _KilledAppends:
+    """Appends run in processes forked by one driver (imported once), each SIGKILLed at a chosen change."""
+
+    def __init__(self) -> None:
+        self.driver = subprocess.Popen(
+            [sys.executable, "-c", _KILL_DRIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
+
+    def run(self, src: Path, pack: Path, kill_at: int) -> bool:
+        """Append ``src`` to ``pack``, killed right before its ``kill_at``-th change; False if it ended before."""
+        stdin, stdout = self.driver.stdin, self.driver.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(f"{src}\t{pack}\t{kill_at}\n")
+        stdin.flush()
+        line = stdout.readline()
+        if line.startswith("finished"):
+            assert line.split() == ["finished", "after", str(kill_at - 1)]
+            assert stdout.readline().split() == ["exit", "0"]
+            return False
+        assert line.split() == ["exit", str(-signal.SIGKILL)], (kill_at, line)
+        return True
+
+    def __enter__(self) -> _KilledAppends:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.driver.stdin is not None
+        self.driver.stdin.close()
+        self.driver.wait(timeout=30)
+
+
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "again"])
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_append_killed_at_every_step_then_rerun_equals_an_uninterrupted_one(
+    tmp_path: Path, fmt: str, resume: bool
+) -> None:
+    # Killed at each change the append makes to the file system in turn, then run again: resumed (finished
+    # from where it stopped), or not (undone and done again, or, once it took effect, refused: keys repeat).
+    template, new, reference = _grown_pack(tmp_path, fmt)
+    before, tree_before = _samples(template), _tree(template)
+    after, tree_after = _samples(reference), _tree(reference)
+    runner = CliRunner()
+    kill_at, states, refused = 0, set(), 0
+    with _KilledAppends() as appends:
+        while True:
+            kill_at += 1
+            pack = tmp_path / f"kill{kill_at}" / f"p.{fmt}"
+            shutil.copytree(template, pack)
+            if not appends.run(new, pack, kill_at):  # it ended before its kill_at-th change: every instant was tried
+                assert _tree(pack) == tree_after
+                break
+            killed = _samples(pack)  # the pack is readable, as it was or grown
+            assert killed in (before, after), kill_at
+            states.add(len(killed))
+            args = ["convert", str(new), str(pack), "--append", "--shard-samples", "2", "-q"]
+            done = runner.invoke(cli, args + ["--resume"] * resume)
+            if done.exit_code == 1:  # the append had taken effect
+                refusal = "there is no interrupted append to resume" if resume else "repeat key 'ant/5.jpg'"
+                assert refusal in done.output and killed == after, (kill_at, done.output)
+                refused += 1
+            else:
+                assert done.exit_code == 0, (kill_at, done.output)
+            assert _tree(pack) == tree_after, kill_at
+            assert sorted(os.listdir(pack.parent)) == [pack.name], kill_at  # the sibling pack and the locks are gone
+    assert kill_at > 30 and states == {4, 8}  # killed before and after the manifest changed
+    # resumed, only a run killed at its lock's removal has nothing left to do; run again, every one that took effect
+    assert refused == 1 if resume else refused > 5
+    assert tree_before != tree_after and packdata.verify_pack(pack, progress=False).records == 8
+
+
+def test_resumed_append_refuses_a_lost_shard_and_leaves_the_pack_as_it_was(tmp_path: Path) -> None:
+    template, new, reference = _grown_pack(tmp_path, "lmdb")
+    before, tree_before = _samples(template), _tree(template)
+    with _KilledAppends() as appends:
+        for kill_at in range(1, 100):  # the first instant with the plan written and a shard file still to move
+            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
+            lost = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
+            shutil.copytree(template, pack)
+            assert appends.run(new, pack, kill_at)
+            if (pack / ".append-a2.json").exists() and lost.exists():
+                break
+    lost.unlink()
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--resume", "-q", "--shard-samples", "2"])
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith(f"Error: {lost}: shard file is missing") and "without resume" in done.output
+    assert _samples(pack) == before and packdata.verify_pack(pack, progress=False).records == 4
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "-q", "--shard-samples", "2"])
+    assert done.exit_code == 0, done.output
+    assert _tree(pack) == _tree(reference) != tree_before
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_append_deletes_as_index_previous_only_a_folder_of_index_files(tmp_path: Path, fmt: str) -> None:
+    pack = tmp_path / f"p.{fmt}"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), pack, progress=False)
+    new = _folder(tmp_path / "b", {"cat": ["2.jpg"]})
+    runner = CliRunner()
+    append = ["convert", str(new), str(pack), "--append", "-q"]
+    shard = read_manifest(pack).shards[0].file
+    rewrite_manifest(pack, lambda d: d["index"].__setitem__("previous", shard))  # what the next append deletes
+    around = tree_digest(pack)
+    for command in (["verify", "-q", str(pack)], append):
+        done = runner.invoke(cli, command)
+        assert done.exit_code == 1 and done.output.startswith(
+            f"Error: {pack / 'manifest.json'}: manifest field 'index.previous' should name the index folder an "
+            f"append replaced, not a shard, but got '{shard}'. The manifest is damaged"
+        ), done.output
+    assert tree_digest(pack) == around
+    # names the manifest cannot tell from an index folder: one holding something else, a shard's side table
+    shutil.copytree(pack / "index", pack / "index-old")
+    (pack / "index-old" / "notes.txt").write_text("mine")
+    victims = {"index-old": "holds 'notes.txt', which is not a sample index file"}
+    if fmt == "tfrecord":
+        victims[shard.replace(".tfrecord", ".tfindex")] = "is not a folder"
+    for victim, problem in victims.items():
+        rewrite_manifest(pack, lambda d, victim=victim: d["index"].__setitem__("previous", victim))
+        around = tree_digest(pack)
+        done = runner.invoke(cli, append)
+        assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+        assert done.output.startswith(f"Error: {pack / victim}: the index folder an append replaced") and (
+            f"(index.previous in manifest.json) {problem}; the next append deletes that folder. Move" in done.output
+        ), done.output
+        assert tree_digest(pack) == around and packdata.verify_pack(pack, progress=False).records == 1
+    (pack / "index-old" / "notes.txt").unlink()  # now a folder of index files: the append deletes it
+    rewrite_manifest(pack, lambda d: d["index"].__setitem__("previous", "index-old"))
+    done = runner.invoke(cli, append)
+    assert done.exit_code == 0, done.output
+    assert "index-old" not in os.listdir(pack) and read_manifest(pack).index == {"dir": "index-a1", "previous": "index"}
+    assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg", "cat/2.jpg"]

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
-from packdata.conversion.combine import append_pack
+from packdata.conversion.combine import append_pack, interrupted_append
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
@@ -47,7 +47,7 @@ from packdata.conversion.upload import (
 from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.manifest import MANIFEST_NAME, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.urls import display_url, is_url
 
 __all__ = ["convert"]
@@ -256,7 +256,12 @@ def _scan(
 
 
 def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResult:
-    """Convert ``src`` into a hidden sibling pack, then move its shards into ``dst`` (under ``dst``'s lock)."""
+    """Convert ``src`` into a hidden sibling pack, then move its shards into ``dst`` (under ``dst``'s lock).
+
+    With ``resume``, an append stopped after its plan was written is finished
+    without converting again; one stopped before goes on from the sibling pack
+    (converted, or resumed where its conversion stopped).
+    """
     if options["overwrite"]:
         raise ConfigError("append adds to a pack, overwrite replaces it: pass one of them")
     manifest = read_manifest(dst)
@@ -265,18 +270,33 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
     kwargs.update(format=manifest.format, append=False)
     extra = dst.parent / f".{dst.name}.append"
+    resume, started = bool(options["resume"]), float(options["started"])
     with hold_lock(convert_lock_path(dst), what="packdata convert --append", target=dst):
-        if extra.exists() and not options["resume"]:
-            shutil.rmtree(extra)  # a finished but unapplied append from a run killed before it moved shards
-        # Converted before an interruption: apply it now; else convert (resuming a partial one).
-        result = _result_of(extra, float(options["started"])) if extra.exists() else convert(src, extra, **kwargs)
-        if result.kind != manifest.kind:
-            shutil.rmtree(extra)
-            raise ConfigError(f"the source holds {result.kind} samples, the pack {manifest.kind}", path=dst)
-        merged = append_pack(dst, extra)
+        with hold_lock(convert_lock_path(extra), what="packdata convert --append", target=extra):
+            pass  # the lock a conversion into extra killed before its end left: taken over and removed
+        planned = interrupted_append(dst) if resume else None
+        if planned is not None:  # its shards are moving into dst: finish that
+            result = _summary(planned, extra, started)
+        else:
+            for leftover in () if resume else (extra, partial_path(extra)):
+                if leftover.exists():  # what a run killed before it moved shards converted (or began to): again
+                    shutil.rmtree(leftover)
+            if resume and not extra.exists() and not partial_path(extra).exists():
+                raise ConfigError(
+                    "there is no interrupted append to resume",
+                    path=dst,
+                    hint="The last append into it finished (or none began): append without resume",
+                )
+            # Converted before an interruption: apply it now; else convert (resuming a partial one).
+            result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
+            if result.kind != manifest.kind:
+                shutil.rmtree(extra)
+                raise ConfigError(f"the source holds {result.kind} samples, the pack {manifest.kind}", path=dst)
+        merged = append_pack(dst, extra, resume=resume)
     result.pack = dst
     result.shards = merged.shards
-    result.packed = merged.samples - manifest.num_samples
+    if merged.appended is not None:
+        result.packed = merged.appended.num_samples
     return result
 
 
@@ -285,7 +305,11 @@ _CONVERT_OPTIONS = tuple(inspect.signature(convert).parameters)[2:]
 
 def _result_of(pack: Path, started: float) -> ConvertResult:
     """What a finished conversion did, from its manifest (an append resumed after the conversion ended)."""
-    manifest = read_manifest(pack)
+    return _summary(read_manifest(pack), pack, started)
+
+
+def _summary(manifest: Manifest, pack: Path, started: float) -> ConvertResult:
+    """What the conversion that wrote ``manifest`` (a pack at ``pack``) did."""
     return ConvertResult(
         pack=pack,
         format=manifest.format,
