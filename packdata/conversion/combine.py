@@ -1,4 +1,4 @@
-"""Grow and combine packs: ``merge`` several packs into one, ``append`` a pack's samples to another.
+"""Combine packs: ``merge`` several packs into one (``append``, in :mod:`packdata.conversion.append`, grows one).
 
 Both take shards whole (hard links where the packs share a filesystem, copies
 otherwise; moved, for an append) and write a new sample index and manifest:
@@ -9,28 +9,11 @@ otherwise; moved, for an append) and write a new sample index and manifest:
 - keys stay unique: a key met twice fails (``on_duplicate="error"``) or, with
   ``"rename"``, the later sample becomes ``KEY~N`` (N: its pack's position),
   which rewrites that pack's shards (records carry their keys).
-
-An append never touches the existing shards. It prepares the new index and skip
-report in ``.append-aN.partial`` in the pack (N: the append's generation), then
-writes its plan, ``.append-aN.json`` (the manifest to publish, the files to move,
-the index folder to delete). It then moves the index and the new shards' files
-in, replaces the manifest atomically (the append takes effect), cleans up, and
-deletes the plan last.
-The index folder the old manifest named is kept (one generation), so a reader
-opened before the append keeps reading the pack it opened.
-
-A run killed at any instant leaves the pack as it was (the manifest names none
-of the new files) or grown. The next append finishes one that took effect; with
-``resume=True`` it carries out a written plan from where it stopped, each step
-done once (a file to move is found at its source or its target, never lost);
-otherwise it deletes what the interrupted one made and starts over.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -50,22 +33,20 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.fields import codec_of
 from packdata.pack.files import atomic_write, fsync_dir
-from packdata.pack.index import ALL_FILES, INDEX_DIR, SampleIndex, SampleIndexWriter
+from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
     FIELDS_VERSION,
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
-    plain_name_problem,
     read_manifest,
     resolve_in_pack,
-    validate_manifest,
     write_manifest,
 )
 from packdata.pack.records import Sample
 
-__all__ = ["MergeResult", "append_pack", "interrupted_append", "merge_packs"]
+__all__ = ["MergeResult", "merge_packs"]
 
 _CHUNK = 1 << 16  # index rows copied per step: memory stays flat on huge packs
 
@@ -311,271 +292,6 @@ def merge_packs(
     return result
 
 
-def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool = False) -> MergeResult:
-    """Move the samples of pack ``new`` into pack ``dst`` as new shards (see the module docstring).
-
-    ``new`` is consumed: its shards are moved, then it is deleted. Keys of
-    ``new`` already in ``dst`` fail. Call under ``dst``'s conversion lock.
-
-    Args:
-        dst: the pack to grow.
-        new: the pack whose samples are appended.
-        resume: finish the append of ``new`` that an interruption stopped after
-            its plan was written (see :func:`interrupted_append`); without one,
-            append ``new`` as usual. Without ``resume``, what an interrupted
-            append left is removed first (or finished, where it had taken effect).
-
-    Raises:
-        ConfigError: the packs differ in format or kind, or a key repeats.
-        PackFormatError: a shard of ``new`` is missing, or ``index.previous`` of
-            ``dst`` (the folder this append deletes) holds more than a sample index.
-    """
-    dst, new = Path(dst), Path(new)
-    done = _recover(dst, new, resume=resume)
-    if done is not None:
-        return done
-    try:
-        inputs, classes, fields, codecs = _plan([dst, new], "append")
-    except ConfigError:
-        shutil.rmtree(new)
-        raise
-    old, extra = inputs
-    fmt = old.manifest.format
-    generation = 1 + max((_generation(s.file) for s in old.manifest.shards), default=0)
-    generation = max(generation, 1 + _generation(old.manifest.index_dir))
-    index_dir = f"{INDEX_DIR}-a{generation}"
-    drop = old.manifest.index.get("previous")
-    if drop in (index_dir, old.manifest.index_dir):
-        drop = None
-    if drop is not None:
-        _check_index_folder(dst, drop)  # before anything moves: what it holds is deleted once the append took effect
-    count = len(extra.manifest.shards)
-    shards = list(old.manifest.shards)
-    base = old.manifest.num_samples
-    moves: list[tuple[str, str]] = []
-    for k, shard in enumerate(extra.manifest.shards):
-        name = f"shard-a{generation}-{k:05d}-of-{count:05d}{Path(shard.file).suffix}"
-        info = ShardInfo(name, shard.num_samples, base + shard.first_index, shard.bytes, shard.sha256)
-        source = shard.file
-        pairs = _shard_pairs(fmt, new, source, name)  # raises unless its data file is there
-        if _needs_rewrite(extra, shard):  # labels renumbered into the pack's classes: written anew
-            source = f".{name}"
-            _remove_shard(fmt, new / source)  # what a run interrupted while rewriting it left
-            nbytes, digest = _rewrite_shard(extra, fmt, new / shard.file, new / source, shard.first_index)
-            info = replace(info, bytes=nbytes, sha256=digest)
-            pairs = _shard_pairs(fmt, new, source, name)
-        moves.extend(pairs)
-        shards.append(info)
-    staging = _staging_path(dst, generation)
-    staging.mkdir()
-    _write_index(staging, inputs, fields=old.manifest.kind == "fields")
-    atomic_write(staging / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
-    manifest = _manifest(inputs, shards, classes, fields, codecs)
-    manifest.index = {"dir": index_dir, "previous": old.manifest.index_dir}
-    plan = {
-        "manifest": manifest.to_dict(),
-        "appended": extra.manifest.to_dict(),
-        "moves": [list(pair) for pair in moves],
-        "drop": drop,
-    }
-    journal = _journal_path(dst, generation)
-    atomic_write(staging / journal.name, json.dumps(plan, indent=1, ensure_ascii=False).encode("utf-8"))
-    os.rename(staging / journal.name, journal)  # the plan is written: from here on it is carried out, as read back
-    fsync_dir(dst)
-    return _roll_forward(dst, new, _read_journal(dst, journal))
-
-
-_STAGING = ".append-a"
-"""An append's files are prepared in ``.append-aN.partial`` in the pack (N: the append's generation)."""
-_RESTART = "Append again without resume: the pack holds nothing of that append yet"
-
-
-def _journal_path(dst: Path, generation: int) -> Path:
-    """Where an append writes its plan, once complete: ``.append-aN.json`` in the pack, deleted last."""
-    return dst / f"{_STAGING}{generation}.json"
-
-
-def _staging_path(dst: Path, generation: int) -> Path:
-    return dst / f"{_STAGING}{generation}.partial"
-
-
-@dataclass
-class _Journal:
-    """An append's plan, read back from its file (every name checked)."""
-
-    path: Path
-    manifest: Manifest  # the pack's manifest once the append took effect
-    appended: Manifest  # the appended pack's manifest (what the append adds)
-    moves: list[tuple[str, str]]  # (path in the appended pack, path in the pack) of every file it moves
-    drop: str | None  # the index folder two appends old, deleted once this one took effect
-
-    @property
-    def generation(self) -> int:
-        return _generation(self.manifest.index_dir)
-
-
-def _read_journal(dst: Path, path: Path) -> _Journal:
-    """The plan of an append into ``dst``, from the file ``path``.
-
-    Raises:
-        PackFormatError: the plan is damaged.
-    """
-    hint = f"Remove {path.name} from the pack, then append again without resume"
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise PackFormatError(f"the plan of an interrupted append is unreadable ({exc})", path=path, hint=hint) from exc
-    if not isinstance(data, dict) or set(data) != {"manifest", "appended", "moves", "drop"}:
-        raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)
-    manifest = validate_manifest(data["manifest"], path)
-    appended = validate_manifest(data["appended"], path)
-    moves, drop = data["moves"], data["drop"]
-    generation = _generation(manifest.index_dir)
-    if not (
-        isinstance(moves, list)
-        and all(isinstance(m, list) and len(m) == 2 and all(map(_relative_in_pack, m)) for m in moves)
-        and all(m[1].startswith(f"shard-a{generation}-") for m in moves)  # the new shards' files only
-        and (drop is None or plain_name_problem(drop) is None)
-        and generation > 0
-        and path == _journal_path(dst, generation)
-    ):
-        raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)
-    return _Journal(path, manifest, appended, [(a, b) for a, b in moves], drop)
-
-
-def _relative_in_pack(path: object) -> bool:
-    """Whether ``path`` is a file name in a pack, or a name in a shard folder there (``NAME/FILE``)."""
-    if not isinstance(path, str):
-        return False
-    parts = path.split("/")
-    return len(parts) <= 2 and all(plain_name_problem(part) is None for part in parts)
-
-
-def _fits(journal: _Journal, manifest: Manifest) -> bool:
-    """Whether an append's plan grows the pack as it is now (its shards kept, its index the one replaced)."""
-    kept = journal.manifest.shards[: len(manifest.shards)]
-    return (
-        kept == manifest.shards
-        and journal.manifest.index.get("previous") == manifest.index_dir
-        and journal.generation > _generation(manifest.index_dir)
-        and (journal.manifest.format, journal.manifest.kind) == (manifest.format, manifest.kind)
-    )
-
-
-def _journals(dst: Path) -> list[Path]:
-    """The plans of appends in ``dst`` (``.append-aN.json``), newest first."""
-    found = []
-    for entry in os.scandir(dst):
-        digits = entry.name[len(_STAGING) : -len(".json")]
-        if entry.name.startswith(_STAGING) and entry.name.endswith(".json") and digits.isdigit():
-            found.append((int(digits), Path(entry.path)))
-    return [path for _, path in sorted(found, reverse=True)]
-
-
-def _interrupted(dst: Path, manifest: Manifest, *, resume: bool) -> tuple[_Journal, bool] | None:
-    """The plan of an interrupted append in ``dst``, and whether that append took effect.
-
-    One that took effect (the manifest names its index) comes first; else,
-    with ``resume``, the newest plan that fits the pack.
-    """
-    journals = _journals(dst)
-    for path in journals:
-        if path == _journal_path(dst, _generation(manifest.index_dir)):
-            return _read_journal(dst, path), True
-    if resume:
-        for path in journals:
-            journal = _read_journal(dst, path)
-            if _fits(journal, manifest):
-                return journal, False
-    return None
-
-
-def interrupted_append(dst: str | os.PathLike) -> Manifest | None:
-    """The manifest of the pack that an interrupted append into ``dst`` adds, when ``resume=True`` finishes it.
-
-    That is an append stopped after its plan was written: :func:`append_pack`
-    with ``resume=True`` finishes it without its source. None when there is
-    none (an append stopped before starts again). Call under ``dst``'s lock.
-
-    Raises:
-        PackFormatError: ``dst`` or the plan is damaged.
-    """
-    dst = Path(dst)
-    found = _interrupted(dst, read_manifest(dst), resume=True)
-    return found[0].appended if found else None
-
-
-def _recover(dst: Path, new: Path, *, resume: bool) -> MergeResult | None:
-    """Deal with what an interrupted append left in ``dst``; the result when ``resume`` finished it.
-
-    One that took effect is finished (its skip report and cleanup); one whose
-    plan fits the pack is carried out with ``resume``; anything else an append
-    made that the manifest does not name is deleted (the pack is as before it).
-    """
-    found = _interrupted(dst, read_manifest(dst), resume=resume)
-    result = None
-    if found is not None:
-        journal, took_effect = found
-        if took_effect:
-            _finish(dst, journal, new if resume else None)
-            result = _merge_result(dst, journal) if resume else None
-        else:  # with resume: a plan that fits the pack
-            result = _roll_forward(dst, new, journal)
-    _remove_leftovers(dst)
-    return result
-
-
-def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
-    """Carry out an append's plan from wherever it stopped: every step is done once, whatever ran before."""
-    index = _staging_path(dst, journal.generation) / INDEX_DIR
-    target = dst / journal.manifest.index_dir
-    if index.is_dir():
-        os.rename(index, target)
-    elif not target.is_dir():
-        raise PackFormatError("the sample index of an interrupted append is missing", path=index, hint=_RESTART)
-    folders = set()
-    for source, placed in journal.moves:
-        src, to = new / source, dst / placed
-        if to.parent != dst and to.parent not in folders:
-            to.parent.mkdir(exist_ok=True)
-            folders.add(to.parent)
-        if os.path.lexists(src):
-            os.replace(src, to)
-        elif not os.path.lexists(to):
-            raise PackFormatError(
-                "shard file is missing: the interrupted append moved neither it nor its copy into the pack",
-                path=src,
-                hint=_RESTART,
-            )
-    for folder in sorted(folders):
-        fsync_dir(folder)
-    fsync_dir(dst)
-    write_manifest(dst, journal.manifest)  # the append takes effect here, atomically
-    _finish(dst, journal, new)
-    return _merge_result(dst, journal)
-
-
-def _finish(dst: Path, journal: _Journal, new: Path | None) -> None:
-    """What follows an append taking effect: its skip report, the index two appends old, ``new``, the plan last."""
-    staging = _staging_path(dst, journal.generation)
-    report = staging / SKIP_REPORT
-    if report.is_file():
-        os.replace(report, dst / SKIP_REPORT)
-    if journal.drop is not None:
-        _drop_index(dst, journal.drop)
-    if new is not None and new.exists():
-        shutil.rmtree(new)
-    if staging.exists():
-        shutil.rmtree(staging)
-    journal.path.unlink()  # the append is over
-    fsync_dir(dst)
-
-
-def _merge_result(dst: Path, journal: _Journal) -> MergeResult:
-    manifest = journal.manifest
-    return MergeResult(dst, manifest.num_samples, len(manifest.shards), appended=journal.appended)
-
-
 def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[str, str]]:
     """Each file of shard ``source`` in ``pack`` and its name in shard ``target``: data file first, side tables present.
 
@@ -595,57 +311,6 @@ def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[s
     return [pairs[0], *(pair for pair in pairs[1:] if os.path.lexists(pack / pair[0]))]
 
 
-def _remove_shard(fmt: str, shard: Path) -> None:
-    """Delete the shard at ``shard`` (a folder, or a file and its side files), if it is there."""
-    layout = get_format(fmt).shard_layout(shard.name)
-    if layout.folder:
-        shutil.rmtree(shard, ignore_errors=True)
-    else:
-        for path in (shard, *layout.side_paths(shard)):
-            path.unlink(missing_ok=True)
-
-
-def _index_folder_problem(path: Path) -> str | None:
-    """Why the folder ``path`` is not a sample index and nothing else; None when it is one (or is not there)."""
-    if not os.path.lexists(path):
-        return None
-    if path.is_symlink() or not path.is_dir():
-        return "is not a folder"
-    for entry in os.scandir(path):
-        if entry.name not in ALL_FILES or not entry.is_file(follow_symlinks=False):
-            return f"holds {entry.name!r}, which is not a sample index file"
-    return None
-
-
-def _check_index_folder(dst: Path, name: str) -> None:
-    """Raise unless ``index.previous`` of ``dst`` names a sample index folder and nothing else (or nothing).
-
-    Raises:
-        PackFormatError: naming the folder and what else it holds.
-    """
-    path = resolve_in_pack(dst, name, field="index.previous", manifest=dst / MANIFEST_NAME)
-    problem = _index_folder_problem(path)
-    if problem is not None:
-        raise PackFormatError(
-            f"the index folder an append replaced (index.previous in {MANIFEST_NAME}) {problem}; "
-            "the next append deletes that folder",
-            path=path,
-            hint="Move what is not a sample index file out of the pack, then append again",
-        )
-
-
-def _drop_index(dst: Path, name: str) -> None:
-    """Delete the index folder ``name`` of ``dst``: its sample index files, then the folder, never anything else."""
-    _check_index_folder(dst, name)
-    path = dst / name
-    if not os.path.lexists(path):
-        return
-    for entry in os.scandir(path):
-        if entry.name in ALL_FILES:
-            os.unlink(entry.path)
-    os.rmdir(path)  # fails rather than delete what is not an index file
-
-
 def _report_lines(item: _Input) -> Iterator[bytes]:
     name = item.manifest.skipped.get("report")
     if not name:
@@ -655,41 +320,3 @@ def _report_lines(item: _Input) -> Iterator[bytes]:
         with open(path, "rb") as f:
             for line in f:
                 yield line if line.endswith(b"\n") else line + b"\n"
-
-
-def _generation(name: str) -> int:
-    """N of a name an append gave (``shard-aN-...``, ``index-aN``), else 0."""
-    for prefix in ("shard-a", f"{INDEX_DIR}-a"):
-        if name.startswith(prefix):
-            digits = name[len(prefix) :].split("-", 1)[0]
-            if digits.isdigit():
-                return int(digits)
-    return 0
-
-
-def _remove_leftovers(dst: Path) -> None:
-    """Delete what an interrupted append left in ``dst``: append-made names the manifest does not list.
-
-    Call only once an append that took effect is finished, and one to resume carried out (:func:`_recover`):
-    the plans left (``.append-aN.json``) are of appends that did not take effect.
-    """
-    manifest = read_manifest(dst)
-    for journal in _journals(dst):  # first: an append not taken effect cannot be resumed once this starts
-        journal.unlink()
-    known = {s.file for s in manifest.shards} | {manifest.index_dir, manifest.index.get("previous", "")}
-    layout_of = get_format(manifest.format).shard_layout
-    for shard in manifest.shards:
-        layout = layout_of(shard.file)
-        if not layout.folder:
-            known.update(layout.side)
-    for entry in os.scandir(dst):
-        name = entry.name
-        older = name.startswith(f".{INDEX_DIR}-a") and name.endswith(".partial")  # packdata before the plans
-        ours = _generation(name) > 0 or older or name.startswith(_STAGING)
-        if not ours or name in known:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
-from packdata.conversion.combine import append_pack, interrupted_append
+from packdata.conversion.append import append_pack, interrupted_append
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options
 from packdata.conversion.local import _convert_local
@@ -30,6 +30,7 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _check_paths,
+    discard_partial,
     partial_path,
 )
 from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
@@ -279,8 +280,7 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
             result = _summary(planned, extra, started)
         else:
             for leftover in () if resume else (extra, partial_path(extra)):
-                if leftover.exists():  # what a run killed before it moved shards converted (or began to): again
-                    shutil.rmtree(leftover)
+                discard_partial(leftover)  # what a run killed before it moved shards converted (or began to): again
             if resume and not extra.exists() and not partial_path(extra).exists():
                 raise ConfigError(
                     "there is no interrupted append to resume",

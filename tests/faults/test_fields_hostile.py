@@ -14,7 +14,7 @@ import pytest
 from conftest import image_bytes
 
 import packdata
-from packdata.conversion.combine import append_pack
+from packdata.conversion.append import append_pack
 from packdata.errors import PackFormatError
 from packdata.formats.contents import export_pack
 from packdata.pack.fields import FieldError, decode_block, encode_block, read_directory
