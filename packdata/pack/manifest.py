@@ -318,6 +318,22 @@ def _optional_dict(path: Path, data: dict[str, Any], key: str, *, nullable: bool
         raise _field_error(path, key, "should be an object" + (" or null" if nullable else ""), data[key])
 
 
+def _check_skipped(where: Path, skipped: dict[str, Any]) -> None:
+    """The ``skipped`` object: a count, counts by reason, and the skip report's plain name (each optional)."""
+    if "count" in skipped:
+        _count(where, "skipped.count", skipped["count"])
+    by_reason = skipped.get("by_reason", {})
+    problem = "should be an object of reason -> count (an integer from 0 to 2**63-1)"
+    if not isinstance(by_reason, dict):
+        raise _field_error(where, "skipped.by_reason", problem, by_reason)
+    for reason, n in by_reason.items():
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= _MAX_INT:
+            raise _field_error(where, "skipped.by_reason", problem, {reason: n})
+    report = skipped.get("report")
+    if report is not None and plain_name_problem(report) is not None:
+        raise _field_error(where, "skipped.report", f"{plain_name_problem(report)} inside the pack", report)
+
+
 def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     """Check a parsed manifest's whole schema and build the :class:`Manifest`.
 
@@ -373,11 +389,9 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     _optional_dict(where, data, "reencode", nullable=True)
     _optional_dict(where, data, "skipped")
     _optional_dict(where, data, "source")
-    report = data.get("skipped", {}).get("report")
-    if report is not None and plain_name_problem(report) is not None:
-        raise _field_error(where, "skipped.report", f"{plain_name_problem(report)} inside the pack", report)
+    _check_skipped(where, data.get("skipped", {}))
     shards = _shards(where, data["shards"], staged_from is not None)
-    _check_index_names(where, index, shards, report)
+    _check_index_names(where, index, shards, data.get("skipped", {}).get("report"))
     counted = sum(s.num_samples for s in shards)
     if counted != num_samples:
         raise PackFormatError(

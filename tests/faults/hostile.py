@@ -212,6 +212,15 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
     "bad-sha": (_edit(lambda d: d["shards"][0].__setitem__("sha256", "zz")), "'shards[0].sha256'"),
     "unknown-field": (_edit(lambda d: d.__setitem__("evil", 1)), "'evil'"),
     "format-version-string": (_edit(lambda d: d.__setitem__("format_version", "1")), "'format_version'"),
+    "skipped-by-reason-list": (
+        _edit(lambda d: d["skipped"].update(count=1, by_reason=["x"])),
+        "'skipped.by_reason' should be an object",
+    ),
+    "skipped-reason-count": (
+        _edit(lambda d: d["skipped"].update(count=1, by_reason={"corrupt": "1"})),
+        "'skipped.by_reason' should be an object of reason -> count",
+    ),
+    "skipped-count-negative": (_edit(lambda d: d["skipped"].update(count=-1)), "'skipped.count'"),
 }
 """Each malformed manifest: ``(apply(pack, fmt), text the one-line error must hold)``."""
 
