@@ -437,3 +437,35 @@ def test_the_location_tables_crc32cs_are_the_reference_ones_and_batches_read_thr
             assert record_locations(pack / info.file)[1][:, 2].tolist() == [crc32c.crc32c(p) for p in payloads]
         finally:
             reader.close()
+
+
+@pytest.mark.parametrize("table", ["kept", "removed"])
+def test_a_shard_whose_record_count_is_not_the_manifests_is_refused_on_open(pack: Path, table: str) -> None:
+    """One sample moved between two shards' counts (total and checksum kept) shifted every read after it.
+
+    ds[7] returned sample 8's bytes under sample 7's key and label: only the
+    shard's size and checksum were compared with the manifest.
+    """
+    from faults.hostile import rewrite_manifest
+
+    def move_one(d: dict) -> None:
+        d["shards"][0]["num_samples"] -= 1
+        d["shards"][1]["first_index"] -= 1
+        d["shards"][1]["num_samples"] += 1
+
+    rewrite_manifest(pack, move_one)
+    if table == "removed":
+        for t in pack.glob("shard-*/records.i64"):
+            t.unlink()
+    ds = LMDBDataset(pack, decode="bytes")
+    first = r"shard-00000\.lmdb/data\.mdb: shard holds 8 records, the manifest .*says 7.*packdata verify"
+    second = r"shard-00001\.lmdb/data\.mdb: shard holds 8 records, the manifest .*says 9"
+    with pytest.raises(PackFormatError, match=first):
+        ds[0]
+    with pytest.raises(PackFormatError, match=second):
+        ds[7]
+    with pytest.raises(PackFormatError, match=second):
+        ds.__getitems__([8, 9])
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(PackFormatError, match=first):  # every process checks on its own first open
+        next(iter(loader))

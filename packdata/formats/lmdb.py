@@ -574,9 +574,10 @@ class LMDBShardReader:
         path: the shard directory.
         readahead: let the kernel read ahead on the LMDB map.
         check_crc: check each payload's CRC (table reads: CRC32C; LMDB lookups: the record's CRC-32).
-        expected_bytes, expected_sha256: the shard's size and SHA-256 from the
-            manifest the caller read. A ``data.mdb`` of another size raises; a
-            table is used only when bound to this checksum.
+        expected_bytes, expected_sha256, expected_records: the shard's size,
+            SHA-256 and record count from the manifest the caller read. A
+            ``data.mdb`` of another size or count raises; a table is used only
+            when bound to this checksum.
 
     Raises:
         PackFormatError: the shard is missing, truncated, replaced, or LMDB finds it damaged.
@@ -590,6 +591,7 @@ class LMDBShardReader:
         check_crc: bool = True,
         expected_bytes: int | None = None,
         expected_sha256: str | None = None,
+        expected_records: int | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.check_crc = check_crc
@@ -616,12 +618,14 @@ class LMDBShardReader:
                 "run `packdata verify`, and recreate the dataset after changing a pack",
             )
         try:
-            self._open(data, size, readahead, expected_sha256)
+            self._open(data, size, readahead, expected_sha256, expected_records)
         except BaseException:
             self.close()  # lets go of the environment too
             raise
 
-    def _open(self, data: str, size: int, readahead: bool, expected_sha256: str | None) -> None:
+    def _open(
+        self, data: str, size: int, readahead: bool, expected_sha256: str | None, expected_records: int | None
+    ) -> None:
         try:
             self._held, self._env = _shared_env(self.path, readahead)
             info = self._env.info()
@@ -638,6 +642,14 @@ class LMDBShardReader:
             self._entries = self._txn.stat()["entries"]
         except lmdb.Error as exc:
             raise _lmdb_error(self.path, exc) from exc
+        if expected_records is not None and self._entries != expected_records:  # records would shift between shards
+            raise PackFormatError(
+                f"shard holds {self._entries} records, the manifest read when the dataset was opened says "
+                f"{expected_records}",
+                path=data,
+                hint="The manifest does not describe this shard: run `packdata verify`, and recreate the dataset "
+                "after converting or staging a pack again",
+            )
         found = _read_table(self.path, self._entries, info["last_txnid"], size)
         if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
             self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups

@@ -393,7 +393,10 @@ class LMDBDataset(PackView, Dataset):
         self._readers = ShardReaders(
             self._shard_paths,
             functools.partial(LMDBShardReader, readahead=readahead, check_crc=self.check_crc),
-            [{"expected_bytes": s.bytes, "expected_sha256": s.sha256} for s in shards],
+            [
+                {"expected_bytes": s.bytes, "expected_sha256": s.sha256, "expected_records": s.num_samples}
+                for s in shards
+            ],
             self.pack.check_unchanged,
         )
 
