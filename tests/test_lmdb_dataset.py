@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -469,3 +470,42 @@ def test_a_shard_whose_record_count_is_not_the_manifests_is_refused_on_open(pack
     loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
     with pytest.raises(PackFormatError, match=first):  # every process checks on its own first open
         next(iter(loader))
+
+
+@pytest.mark.parametrize("table", ["removed", "kept-but-a-payload-damaged"])
+def test_a_node_pointer_past_the_end_of_data_mdb_is_an_error_not_a_sigbus(tmp_path: Path, table: str) -> None:
+    """One damaged byte of a leaf page's node pointer sent LMDB's lookup past the end of data.mdb.
+
+    The environment was mapped with py-lmdb's default 10 MiB, larger than the
+    file, so the read killed the process with SIGBUS (returncode -7). Read in
+    a subprocess, so a crash fails this test instead of killing pytest.
+    """
+    import subprocess
+    import sys
+
+    from conftest import image_bytes
+
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    for i in range(4):
+        (src / f"{i}.png").write_bytes(image_bytes(i, size=(8, 8), fmt="PNG"))
+    pack = tmp_path / "out.lmdb"
+    convert(tmp_path / "src", pack, shard_samples=4, progress=False)
+    data = pack / "shard-00000.lmdb" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    page = 4096
+    leaf = next(p for p in range(2, len(raw) // page) if struct.unpack_from("<H", raw, p * page + 10)[0] & 0x02)
+    pointer = leaf * page + 16 + 2 * 2  # record 2's node pointer (an offset inside its page)
+    struct.pack_into("<H", raw, pointer, 0xB8A8)  # 47 KB into a page of a 12 KB file
+    assert leaf * page + 0xB8A8 > len(raw)
+    table_file = pack / "shard-00000.lmdb" / "records.i64"
+    if table == "removed":
+        table_file.unlink()
+    else:  # the table read fails its CRC32C: the reader falls back to LMDB's lookup
+        offset, length = np.fromfile(table_file, dtype="<i8").reshape(-1, 3)[2 + 2, :2]
+        raw[int(offset) + int(length) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    code = "import sys, packdata; ds = packdata.LMDBDataset(sys.argv[1], decode='bytes'); [ds[i] for i in range(4)]"
+    done = subprocess.run([sys.executable, "-c", code, str(pack)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, (done.returncode, done.stderr[-500:])
+    assert re.search(r"PackFormatError: .*shard-00000\.lmdb.*packdata verify", done.stderr), done.stderr[-500:]

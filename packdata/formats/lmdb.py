@@ -302,6 +302,7 @@ def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Envir
             entry.env.close()  # the parent's handle, inherited through fork
         env = lmdb.open(
             path,
+            map_size=_read_map_size(path),
             readonly=True,
             lock=False,
             readahead=readahead,
@@ -312,6 +313,19 @@ def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Envir
         )
         _open_envs[identity] = _SharedEnv(os.getpid(), env)
         return identity, env
+
+
+def _read_map_size(path: str) -> int:
+    """The map of a read-only environment: ``data.mdb``'s size, not py-lmdb's default 10 MiB.
+
+    LMDB follows a damaged node pointer blindly; in a map larger than the file
+    a read past its end is a ``SIGBUS`` that kills the process. LMDB widens a
+    map to the pages its header says are in use (a file shorter than that is
+    refused before any read), and refuses a page number past them
+    (``MDB_PAGE_NOTFOUND``) and a node's data running off its page
+    (``MDB_CORRUPTED``): errors, which readers turn into ``PackFormatError``.
+    """
+    return max(os.path.getsize(os.path.join(path, DATA_FILE)), 1)
 
 
 def _release_env(identity: tuple[int, int]) -> None:
