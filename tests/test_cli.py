@@ -61,6 +61,34 @@ def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> 
     assert result.exit_code == 1 and "checksum does not match" in result.output and "data.mdb" in result.output
 
 
+def test_verify_reads_only_the_packs_own_skip_report_and_location_tables(bad_files: Path, tmp_path: Path) -> None:
+    """A skip report or records.i64 that is a symlink or a FIFO is named, never followed or read.
+
+    verify followed a skipped.jsonl linked to an outside file: its line count
+    showed in the error, and a file of the right count passed.
+    """
+    dst = tmp_path / "out.lmdb"
+    assert _run("convert", str(bad_files), str(dst), "-q").exit_code == 0
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret\n" * 4)  # as many lines as the 4 skips the manifest counts
+    report, table = dst / "skipped.jsonl", dst / "shard-00000.lmdb" / "records.i64"
+    kept = {report: report.read_bytes(), table: table.read_bytes()}
+    for victim in (report, table):
+        for stand_in, what in (("link", "is a symlink, not a regular file of the pack"), ("fifo", "a FIFO")):
+            victim.unlink()
+            if stand_in == "fifo":
+                os.mkfifo(victim)
+            else:  # the table's link stays inside the shard (one leading out of it is refused with the shard)
+                victim.symlink_to(outside if victim == report else "data.mdb")
+            result = _run("verify", str(dst), "-q")
+            lines = result.output.strip().splitlines()
+            assert result.exit_code == 1 and len(lines) == 1, result.output
+            assert lines[0].startswith(f"Error: {victim}: ") and what in lines[0], lines[0]
+            victim.unlink()
+            victim.write_bytes(kept[victim])
+    assert _run("verify", str(dst), "-q").exit_code == 0
+
+
 def test_bad_options_exit_2(image_folder: Path, tmp_path: Path) -> None:
     result = _run("convert", str(image_folder), str(tmp_path / "o.lmdb"), "--shard-size", "3 apples")
     assert result.exit_code == 2 and "invalid size" in result.output

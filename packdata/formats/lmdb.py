@@ -54,7 +54,7 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
 from packdata.formats.residency import PagedFile, buffer_address
-from packdata.pack.files import file_sha256, map_int64, not_a_file
+from packdata.pack.files import file_sha256, map_int64, not_a_file, open_pack_file
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record, encode_record, payload_start
 
@@ -524,11 +524,15 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
     """
     path = os.fspath(path)
     table = os.path.join(path, RECORDS_FILE)
-    if not os.path.isfile(table):
+    try:
+        fd = open_pack_file(table)  # a symlink leading out of the pack, or a FIFO, is refused, never read
+    except FileNotFoundError:
         return
+    with os.fdopen(fd, "rb") as f:
+        blob = f.read()
     txnid, locations = record_locations(path)
     size = os.path.getsize(os.path.join(path, DATA_FILE))
-    raw = np.fromfile(table, dtype="<i8")
+    raw = np.frombuffer(blob[: len(blob) - len(blob) % 8], dtype="<i8")
     hint = "Convert the pack again (or delete the table: readers then use LMDB's own lookup)"
     if raw.size == 3 * (len(locations) + 2):
         found = _read_table(path, len(locations), txnid, size)

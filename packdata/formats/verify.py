@@ -11,7 +11,7 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
-from packdata.pack.files import file_sha256, not_a_file
+from packdata.pack.files import file_sha256, not_a_file, open_pack_file
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from packdata.pack.records import Sample
@@ -78,14 +78,18 @@ def _check_counts(manifest: Manifest, pack: Path, where: str | Path | None = Non
     report = manifest.skipped.get("report")
     if not skipped or not isinstance(report, str):
         return
-    report_path = pack / report
-    if "/" in report or report.startswith(".") or not report_path.is_file():
-        raise PackFormatError(
-            f"the manifest counts {skipped} skipped files, but the skip report {report!r} is missing",
-            path=where,
-            hint="Convert or stage the pack again",
-        )
-    with open(report_path, "rb") as f:
+    missing = PackFormatError(
+        f"the manifest counts {skipped} skipped files, but the skip report {report!r} is missing",
+        path=where,
+        hint="Convert or stage the pack again",
+    )
+    if "/" in report or report.startswith("."):
+        raise missing
+    try:
+        fd = open_pack_file(pack / report, shown=f"{where}/{report}")
+    except FileNotFoundError:
+        raise missing from None
+    with os.fdopen(fd, "rb") as f:
         lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
     if lines != skipped:
         raise PackFormatError(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from packdata.errors import PackFormatError
+
 __all__ = [
     "atomic_write",
     "file_sha256",
@@ -19,6 +21,7 @@ __all__ = [
     "fsync_dir",
     "map_int64",
     "not_a_file",
+    "open_pack_file",
     "open_regular",
     "read_regular",
     "stream_sha256",
@@ -137,6 +140,33 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> in
         raise OSError(errno.EINVAL, f"not a regular file: {file_kind(mode)}", os.fspath(path))
     os.set_blocking(fd, True)
     return fd
+
+
+def open_pack_file(path: str | os.PathLike, *, shown: str | os.PathLike | None = None) -> int:
+    """A read-only descriptor of a pack's own file ``path``: a regular file, not a symlink (never followed).
+
+    For files a pack names by a fixed name (the skip report, a side table):
+    a link could lead anywhere outside the pack, a FIFO would block a read.
+
+    Args:
+        path: the file.
+        shown: its name in messages (default ``path``; a URL for a downloaded copy).
+
+    Raises:
+        FileNotFoundError: there is nothing at ``path`` (the caller says what that means).
+        PackFormatError: a symlink, FIFO, folder or device is there, or it cannot be opened.
+    """
+    try:
+        return open_regular(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        problem = {
+            errno.ELOOP: "is a symlink, not a regular file of the pack",
+            errno.EINVAL: f"is {exc.strerror}",  # names what it is: "not a regular file: a FIFO"
+        }.get(exc.errno or 0, f"cannot be opened: {exc.strerror}")
+        hint = "A pack's files are its own regular files: convert or stage the pack again"
+        raise PackFormatError(problem, path=shown if shown is not None else path, hint=hint) from exc
 
 
 def read_regular(path: str | os.PathLike) -> bytes:
