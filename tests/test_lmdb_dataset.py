@@ -509,3 +509,52 @@ def test_a_node_pointer_past_the_end_of_data_mdb_is_an_error_not_a_sigbus(tmp_pa
     done = subprocess.run([sys.executable, "-c", code, str(pack)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, (done.returncode, done.stderr[-500:])
     assert re.search(r"PackFormatError: .*shard-00000\.lmdb.*packdata verify", done.stderr), done.stderr[-500:]
+
+
+def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> None:
+    """An index claiming 2**23 samples (sparse files: a few KB on disk) is checked in chunks.
+
+    The whole-array check allocated about 3 bytes per claimed sample at once
+    (24 MiB here, 384 MiB for 2**27); the one label out of range, in the last
+    chunk, is still found and counted. The manifest is read before tracing
+    (reading one reserves a buffer of its own).
+    """
+    import tracemalloc
+
+    from faults.hostile import rewrite_manifest
+
+    from packdata import verify_pack
+    from packdata.formats.verify import _open_index
+    from packdata.reading.datasets import PackInfo
+
+    n = 1 << 23
+    index = pack / "index"
+    for name, size in (("labels.i32", 4 * n), ("sizes.i64", 8 * n), ("key_offsets.i64", 8 * (n + 1)), ("keys.utf8", 0)):
+        with open(index / name, "wb") as f:
+            f.truncate(size)
+    with open(index / "labels.i32", "r+b") as f:
+        f.seek(4 * (n - 1))
+        f.write(struct.pack("<i", 99))
+
+    def claim(d: dict) -> None:
+        d["shards"][-1]["num_samples"] += n - d["num_samples"]
+        d["source"]["files_found"] += n - d["num_samples"]
+        d["num_samples"] = n
+
+    rewrite_manifest(pack, claim)
+    expected = rf"labels\.i32: sample {n - 1} has label 99, outside \[-1, 3\)"
+    with pytest.raises(PackFormatError, match=rf"{expected} for 3 classes \(1 samples out of range\)"):
+        LMDBDataset(pack)
+    with pytest.raises(PackFormatError, match=expected):
+        verify_pack(pack, progress=False)
+    info, manifest = PackInfo(pack), read_manifest(pack)
+    assert len(info.index.labels) == n  # mapped before tracing
+    for check in (info.check_labels, lambda: _open_index(manifest, pack, pack)):
+        tracemalloc.start()
+        try:
+            with pytest.raises(PackFormatError, match=expected):
+                check()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, peak

@@ -12,7 +12,7 @@ from packdata.errors import PackFormatError
 from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256, not_a_file, open_pack_file
-from packdata.pack.index import SampleIndex
+from packdata.pack.index import SampleIndex, labels_out_of_range
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
@@ -111,8 +111,8 @@ def _open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleInde
             f"sample index is missing or damaged: {problem}", path=shown_dir, hint="Convert the pack again"
         ) from exc
     labels = index.labels
-    bad = [int(i) for i in ((labels < -1) | (labels >= len(manifest.classes))).nonzero()[0][:1]]
-    if bad:
+    bad = labels_out_of_range(labels, len(manifest.classes))
+    if bad is not None:
         raise PackFormatError(
             f"sample {bad[0]} has label {int(labels[bad[0]])}, outside [-1, {len(manifest.classes)})",
             path=f"{shown_dir}/labels.i32",

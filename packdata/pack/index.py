@@ -48,6 +48,7 @@ __all__ = [
     "SampleIndex",
     "SampleIndexWriter",
     "index_files",
+    "labels_out_of_range",
 ]
 
 INDEX_DIR = "index"
@@ -271,6 +272,22 @@ class SampleIndex:
             return np.zeros(0, dtype=dtype)
         # a plain ndarray over the map: np.memmap's Python-level hooks cost microseconds on every slice
         return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
+
+
+def labels_out_of_range(labels: np.ndarray, num_classes: int, chunk: int = 1 << 20) -> tuple[int, int] | None:
+    """The first sample whose label lies outside ``[-1, num_classes)`` and how many do, or None when none does.
+
+    Checked in chunks of ``chunk`` labels: memory stays flat whatever count an
+    index claims (a mapped file of 2**27 labels is never copied whole).
+    """
+    first, count = -1, 0
+    for start in range(0, len(labels), chunk):
+        part = labels[start : start + chunk]
+        bad = np.flatnonzero((part < -1) | (part >= num_classes))
+        if len(bad):
+            first = start + int(bad[0]) if first < 0 else first
+            count += len(bad)
+    return (first, count) if count else None
 
 
 def _check_offsets(offsets: np.ndarray, path: Path, chunk: int = 1 << 20) -> None:

@@ -25,7 +25,7 @@ from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS
-from packdata.pack.index import INDEX_DIR, KeyList, LabelList, SampleIndex
+from packdata.pack.index import INDEX_DIR, KeyList, LabelList, SampleIndex, labels_out_of_range
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
@@ -103,14 +103,12 @@ class PackInfo:
             PackFormatError: naming the first sample whose label is out of range.
         """
         labels = self.index.labels
-        if not len(labels):
-            return
-        bad = np.flatnonzero((labels < -1) | (labels >= len(self.classes)))
-        if len(bad):
-            i = int(bad[0])
+        bad = labels_out_of_range(labels, len(self.classes))
+        if bad is not None:
+            i, count = bad
             raise PackFormatError(
                 f"sample {i} has label {int(labels[i])}, outside [-1, {len(self.classes)}) for "
-                f"{len(self.classes)} classes ({len(bad)} samples out of range)",
+                f"{len(self.classes)} classes ({count} samples out of range)",
                 path=self.path / self.manifest.index.get("dir", INDEX_DIR) / "labels.i32",
                 hint="The sample index is damaged or does not belong to this manifest: convert the pack again",
             )
