@@ -340,11 +340,13 @@ def _release_env(identity: tuple[int, int]) -> None:
             entry.env.close()
 
 
-def _map_base(data_file: str) -> int:
-    """Start address of this process's mapping of ``data_file`` (from /proc/self/maps, by device and inode).
+def _map_base(data_file: str, address: int) -> int:
+    """Start address of this process's mapping of ``data_file`` that holds ``address`` (from /proc/self/maps).
 
-    By inode, not name: a shard opened through a hard link (a merged pack)
-    shows in the maps under the name it was first opened by.
+    By device and inode, not name: a shard opened through a hard link (a
+    merged pack) shows in the maps under the name it was first opened by. By
+    ``address`` (a value LMDB returned), not the first mapping found: a
+    reader's own map of the same file may lie before LMDB's.
     """
     st = os.stat(data_file)
     device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
@@ -352,7 +354,9 @@ def _map_base(data_file: str) -> int:
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[4] == str(st.st_ino) and fields[3] == device and fields[2] == "00000000":
-                return int(fields[0].split("-")[0], 16)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return start
     raise OSError(f"{data_file} is not mapped in this process")
 
 
@@ -367,11 +371,12 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     try:
-        base = _map_base(os.path.join(path, DATA_FILE))
+        base = 0
         with env.begin(buffers=True) as txn:
             n = txn.stat()["entries"]
             out = np.empty((n, 3), dtype=np.int64)
             for i, (key, value) in enumerate(txn.cursor()):
+                base = base or _map_base(os.path.join(path, DATA_FILE), buffer_address(value))
                 if _KEY.unpack(key)[0] != i:
                     raise PackFormatError(f"record {i} is missing", path=path)
                 try:
