@@ -20,7 +20,7 @@ from typing import Any
 
 from packdata.errors import PackFormatError
 from packdata.pack.fields import CODECS
-from packdata.pack.files import atomic_write, file_sha256, not_a_file
+from packdata.pack.files import atomic_write, file_sha256, not_a_file, open_regular
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -231,9 +231,9 @@ def _strings(where: Path, field: str, value: object) -> list[str]:
 
 
 def _parse(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    try:  # a FIFO is refused, never waited on; only what the file holds is allocated
+        with os.fdopen(open_regular(path), "rb") as f:
+            raw = f.read(min(os.fstat(f.fileno()).st_size, _MAX_MANIFEST_BYTES) + 1)
     except OSError as exc:
         raise PackFormatError(f"manifest is unreadable: {exc.strerror}", path=path) from exc
     if len(raw) > _MAX_MANIFEST_BYTES:

@@ -326,3 +326,19 @@ def test_read_manifest_accepts_what_convert_writes(templates: dict[str, Path], t
         manifest = read_manifest(_pack(templates, tmp_path / fmt, fmt))
         assert json.loads(json.dumps(manifest.to_dict())) == manifest.to_dict()
         assert "staged_from" not in manifest.to_dict()
+
+
+def test_reading_a_manifest_allocates_what_it_holds_not_the_size_limit(
+    templates: dict[str, Path], tmp_path: Path
+) -> None:
+    """The limit (256 MiB) was read as one request: every open of every pack allocated it (untouched, but traced)."""
+    import tracemalloc
+
+    pack = _pack(templates, tmp_path, "lmdb")
+    tracemalloc.start()
+    try:
+        read_manifest(pack)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
