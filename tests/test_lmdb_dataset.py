@@ -166,6 +166,35 @@ def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:
         LMDBDataset(pack, decode="bytes")[0]
 
 
+def test_a_payload_that_fails_its_table_crc_is_named_and_never_looked_up_by_lmdb(
+    pack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table is bound to this file, so a mismatch is damage: LMDB's lookup (whose damaged pages
+    could lead it past its map, a SIGBUS) is not tried."""
+    from packdata.formats.lmdb import LMDBShardReader, record_locations
+
+    shard = next(pack.glob("shard-*.lmdb"))
+    _, rows = record_locations(shard)
+    offset, length, _ = (int(v) for v in rows[2])
+    with open(shard / "data.mdb", "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    def no_lookup(self, index):
+        raise AssertionError("LMDB's lookup was used")
+
+    monkeypatch.setattr(LMDBShardReader, "get", no_lookup)
+    ds = LMDBDataset(pack, decode="bytes")
+    message = rf"shard-00000\.lmdb/data\.mdb: record 2 is damaged: the payload at byte offset {offset}: its CRC32C"
+    with pytest.raises(PackFormatError, match=message):
+        ds[2]
+    with pytest.raises(PackFormatError, match=message):
+        ds.__getitems__([0, 1, 2, 3])
+    assert ds[3][0] == ds.__getitems__([3])[0][0]  # the others read as before
+
+
 def test_a_malicious_pack_cannot_run_code(pack: Path, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 

@@ -695,9 +695,15 @@ class LMDBShardReader:
     def payload(self, index: int) -> bytes | None:
         """The payload of the record at ``index`` in one ``pread``, complete and CRC-checked.
 
-        None without a valid location table, or when the bytes read are not the
-        ones the table describes (short, or another CRC32C): the caller then
-        reads the record through :meth:`get`, which has its own checks.
+        None without a valid location table (the caller then reads the record
+        through :meth:`get`, which has its own checks).
+
+        Raises:
+            PackFormatError: the bytes read are not the ones the table describes
+                (short, or another CRC32C). The table is bound to this very
+                file (its size and checksum), so the file is damaged: it is
+                named, never walked by LMDB's lookup, whose damaged pages could
+                lead it past its map.
         """
         if self._locations is None or not 0 <= index < self._entries:
             return None
@@ -705,11 +711,22 @@ class LMDBShardReader:
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
         if len(data) != length or (self.check_crc and crc32c(data) != crc):
-            return None
+            raise self._damaged(index, offset, length, len(data))
         return data
+
+    def _damaged(self, index: int, offset: int, length: int, got: int) -> PackFormatError:
+        what = f"only {got} of its {length} bytes could be read" if got != length else "its CRC32C does not match"
+        return PackFormatError(
+            f"record {index} is damaged: the payload at byte offset {offset}: {what}",
+            path=os.path.join(self.path, DATA_FILE),
+            hint="Run `packdata verify` on the pack, then convert it again",
+        )
 
     def payloads(self, indices: np.ndarray) -> list[bytes | None]:
         """:meth:`payload` of several records, the table rows looked up at once (a batch read).
+
+        Raises:
+            PackFormatError: as :meth:`payload`, for the first damaged payload.
 
         ``indices`` is an int64 array of record numbers, none negative (a batch
         read is the hot path: one past the table is caught by numpy's bounds check).
@@ -726,12 +743,11 @@ class LMDBShardReader:
         else:
             datas = [os.pread(self._fd, length, offset) for offset, length in zip(offsets, lengths, strict=True)]
         check = self.check_crc
-        if list(map(len, datas)) == lengths and (not check or list(map(crc32c, datas)) == crcs):
-            return cast(list[bytes | None], datas)  # all whole and checked: the usual case, two C loops
-        return [
-            data if len(data) == length and (not check or crc32c(data) == crc) else None
-            for data, length, crc in zip(datas, lengths, crcs, strict=True)
-        ]
+        if list(map(len, datas)) != lengths or (check and list(map(crc32c, datas)) != crcs):  # two C loops
+            for index, data, offset, length, crc in zip(indices.tolist(), datas, offsets, lengths, crcs, strict=True):
+                if len(data) != length or (check and crc32c(data) != crc):
+                    raise self._damaged(index, offset, length, len(data))
+        return cast(list[bytes | None], datas)
 
     def payload_length(self, index: int) -> int | None:
         """The payload length of the record at ``index`` from the location table, or None without one."""
