@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import image_bytes
 from torch.utils.data import DataLoader
 
 import packdata
@@ -159,6 +160,48 @@ def test_random_flips_in_table_are_named_or_read_right(tmp_path: Path) -> None:
         with pytest.raises(PackFormatError, match=re.escape(str(table))):
             verify_pack(pack, progress=False)
     assert outcomes == {"named", "exact"}
+
+
+def _sources(root: Path, kind: str) -> Path:
+    """Two records per class: small texts, images, or texts over 16 KB (streamed one positioned read each)."""
+    for i in range(4):
+        key = root / f"c{i % 2}/s{i}.{'png' if kind == 'image' else 'txt'}"
+        key.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "image":
+            key.write_bytes(image_bytes(i, (8, 8), "PNG"))
+        else:
+            key.write_text(f"sample {i} " * (3000 if kind == "large" else 1), encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "large"])
+def test_a_row_pointing_at_another_bytes_value_is_named(tmp_path: Path, kind: str) -> None:
+    """A row moved onto the record's ``image/filename`` or ``image/format`` value is named, never read as the payload.
+
+    Such a value has the same protobuf header (tag 1, its length) as the payload:
+    only the feature name and the Feature/BytesList framing before it tell them apart.
+    """
+    pack = tmp_path / "p"
+    convert(_sources(tmp_path / "src", kind), pack, format="tfrecord", progress=False)
+    shard, table = _shard0(pack)
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    clean = _all(ds)
+    name, value = (b"image/format", b"png") if kind == "image" else (b"image/filename", ds.keys[1].encode())
+    blob = shard.read_bytes()
+    rows = _rows(table)
+    record = blob[rows[3, 0] + 12 : rows[3, 0] + 12 + int.from_bytes(blob[rows[3, 0] : rows[3, 0] + 8], "little")]
+    at = record.index(value, record.rindex(name))  # the value that follows the feature's name
+    _edit(table, lambda r: r.__setitem__((3, slice(1, 3)), (at, len(value))))  # record 1's row
+    for make in (
+        lambda: _all(TFRecordIndexedDataset(pack, decode="bytes")),
+        lambda: list(TFRecordDataset(pack, decode="bytes", shuffle=False)),  # copied: one read per record
+        lambda: list(TFRecordDataset(pack, decode="bytes", shuffle=True)),  # views into mapped chunks
+    ):
+        with pytest.raises(PackFormatError, match=re.escape(str(shard)) + ".*does not point at the payload"):
+            make()
+    assert TFRecordIndexedDataset(pack, decode="bytes")[0] == clean[0]
+    with pytest.raises(PackFormatError, match=re.escape(str(table))):
+        verify_pack(pack, progress=False)
 
 
 def _to_version_1(table: Path, count: int, sha256_hex: str) -> None:

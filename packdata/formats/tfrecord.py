@@ -335,9 +335,9 @@ class TFRecordShardReader:
     def read_payload(self, offset: int, length: int, span: Sequence[int]) -> bytes:
         """The payload of the record at ``offset``, at ``span`` (its payload-table row) in the record's data.
 
-        The record is checked as :meth:`read` checks it, and the span must point
-        at a bytes value of its own length (a damaged table row is named, never
-        read as other bytes of the record).
+        The record is checked as :meth:`read` checks it, and the span must be
+        the value of its ``image/encoded`` or ``text/encoded`` feature (a
+        damaged table row is named, never read as other bytes of the record).
         """
         raw = os.pread(self._open(), length, offset)  # read() inlined: one call less per random fetch
         if len(raw) < length:

@@ -57,19 +57,60 @@ def masked_crc(data: bytes | memoryview) -> int:
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
-def _span_ok(buf: bytes | memoryview, start: int, m: int) -> bool:
-    """Whether the ``m`` bytes at ``start`` are preceded by their protobuf header (tag 1, length ``m``).
+_IMAGE_KEY, _TEXT_KEY = b"\x0a\x0dimage/encoded", b"\x0a\x0ctext/encoded"
+"""The map-entry key (tag 1, length, name) of each feature a payload-table row may point into."""
 
-    An O(1) check that a payload-table row points at a bytes value of exactly
-    its length, not some other slice of the (CRC-checked) record.
+
+def _span_ok(buf: bytes | memoryview, start: int, m: int) -> bool:
+    """Whether the ``m`` bytes at ``start`` are the value of the ``image/encoded`` or ``text/encoded`` feature.
+
+    An O(1) check that a payload-table row points at the payload, not at
+    another bytes value of the (CRC-checked) record such as ``image/format``
+    or ``image/filename``: the bytes just before the span must be what
+    :func:`encode_example` writes there, the map entry's key (tag 1, length,
+    the feature's name), then ``Feature`` (tag 2, length), ``BytesList``
+    (tag 1, length) and the value's header (tag 1, ``m``).
     """
-    if m < 0x80:  # payloads under 16 KiB (most): the header without a loop
-        head = bytes((0x0A, m))
-    elif m < 0x4000:
-        head = bytes((0x0A, (m & 0x7F) | 0x80, m >> 7))
+    if m < 0x7C:  # lengths m, m + 2 and m + 4 take one byte each (short text)
+        head = bytes((0x12, m + 4, 0x0A, m + 2, 0x0A, m))
+    elif 0x80 <= m < 0x3FFA:  # m, m + 3 and m + 6: two bytes each
+        inner, outer = m + 3, m + 6
+        head = bytes(
+            (
+                0x12, (outer & 0x7F) | 0x80, outer >> 7,
+                0x0A, (inner & 0x7F) | 0x80, inner >> 7,
+                0x0A, (m & 0x7F) | 0x80, m >> 7,
+            )
+        )  # fmt: skip
+    elif 0x4000 <= m < 0x1FFFF8:  # m, m + 4 and m + 8: three bytes each (images of 16 KiB to 2 MiB)
+        inner, outer = m + 4, m + 8
+        head = bytes(
+            (
+                0x12, (outer & 0x7F) | 0x80, ((outer >> 7) & 0x7F) | 0x80, outer >> 14,
+                0x0A, (inner & 0x7F) | 0x80, ((inner >> 7) & 0x7F) | 0x80, inner >> 14,
+                0x0A, (m & 0x7F) | 0x80, ((m >> 7) & 0x7F) | 0x80, m >> 14,
+            )
+        )  # fmt: skip
     else:
-        head = b"\x0a" + _varint_bytes(m)
-    return start >= len(head) and buf[start - len(head) : start] == head
+        value = _short_varint(m)
+        listed = 1 + len(value) + m
+        inner_bytes = _short_varint(listed)
+        head = b"\x12" + _short_varint(1 + len(inner_bytes) + listed) + b"\x0a" + inner_bytes + b"\x0a" + value
+    end = start - len(head)
+    if end < len(_TEXT_KEY) or buf[end:start] != head:
+        return False
+    return buf[end - len(_IMAGE_KEY) : end] == _IMAGE_KEY or buf[end - len(_TEXT_KEY) : end] == _TEXT_KEY
+
+
+def _short_varint(n: int) -> bytes:
+    """:func:`_varint_bytes` of a length, without its loop for the lengths of most payloads (under 2 MiB)."""
+    if n < 0x80:
+        return bytes((n,))
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
+    return _varint_bytes(n)
 
 
 def _address(view: memoryview) -> int:
