@@ -356,6 +356,35 @@ def test_damaged_shard_names_shard_and_offset(tf_texts: Path, tmp_path: Path, mo
     assert result.exit_code == 1 and "Error:" in result.output and str(shard) in result.output
 
 
+def test_records_swapped_within_a_label_are_named_by_key(tf_images: Path, tmp_path: Path) -> None:
+    """Two records of one class swapped (index rewritten, record table gone, manifest kept): the key is compared.
+
+    The shard keeps its size, and both records carry the label the index expects
+    at each place: only the record's own key (``image/filename``) tells the swap.
+    """
+    pack = tmp_path / "swapped"
+    convert(tf_images, pack, format="tfrecord", shard_samples=5, progress=False)
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    assert ds.targets[0] == ds.targets[1]
+    shard = pack / read_manifest(pack).shards[0].file
+    records = [frame_record(data) for _, data in _records(shard)]
+    records[0], records[1] = records[1], records[0]
+    shard.write_bytes(b"".join(records))
+    starts = np.cumsum([0] + [len(r) for r in records])
+    index_path(shard).write_text("".join(f"{start} {len(r)}\n" for start, r in zip(starts, records, strict=False)))
+    payload_path(shard).unlink()  # as another TFRecord tool rewrites a shard: records are parsed
+    message = re.escape(str(shard)) + r": record 0 at byte offset 0 is damaged: it holds key 'cat/b c.JPEG', "
+    message += r"the sample index says 'cat/a.jpg'"
+    for make in (
+        lambda: TFRecordIndexedDataset(pack, decode="bytes")[0],
+        lambda: TFRecordIndexedDataset(pack, decode="bytes", check_crc=False)[0],
+        lambda: next(iter(TFRecordDataset(pack, decode="bytes", shuffle=False))),
+        lambda: list(TFRecordDataset(pack, shuffle=True)),  # decoded: the same check before the decode
+    ):
+        with pytest.raises(PackFormatError, match=message):
+            make()
+
+
 @pytest.mark.timeout(60)  # a FIFO opened for reading blocks until a writer comes: a hang is the failure
 def test_a_fifo_in_place_of_a_shard_is_named_and_never_opened(tf_texts: Path, tmp_path: Path) -> None:
     import os

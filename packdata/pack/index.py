@@ -173,6 +173,10 @@ class KeyList(Sequence[str]):
                 f"key {i} is not UTF-8 ({exc})", path=self._path, hint="Convert the pack again"
             ) from exc
 
+    def encoded(self, i: int) -> bytes:
+        """Key ``i`` (``0 <= i < len(self)``) as stored, UTF-8 bytes not decoded: for comparing with a record's key."""
+        return self._blob[self._offsets.item(i) : self._offsets.item(i + 1)].tobytes()
+
 
 class LabelList(Sequence[int]):
     """Every sample's label as a read-only ``list[int]`` look-alike over the memory-mapped index.

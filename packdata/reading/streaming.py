@@ -136,10 +136,15 @@ class _TFRecordView(PackView):
                     raise RecordError(f"it holds key {key!r}, the sample index says {self.keys[index]!r}")
                 parsed = ParsedExample(memoryview(data), label, b"", "fields")
             else:
-                parsed = parse_example(data, with_key=False)
+                parsed = parse_example(data)
+                if parsed.key != self.pack.index.keys.encoded(index):  # as multi-field and LMDB reads check
+                    held = parsed.key.decode("utf-8", "backslashreplace")
+                    raise RecordError(f"it holds key {held!r}, the sample index says {self.keys[index]!r}")
         except RecordError as exc:
             raise PackFormatError(
-                f"record at byte offset {offset} is damaged: {exc}", path=path, hint="Run `packdata verify` on the pack"
+                f"record {index} at byte offset {offset} is damaged: {exc}",
+                path=path,
+                hint="Run `packdata verify` on the pack, then convert or stage it again",
             ) from exc
         expected = self.pack.index.labels.item(index)
         if parsed.label != expected:
