@@ -21,6 +21,7 @@ from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 from torch.utils.data import DataLoader
 
+import packdata
 import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
@@ -383,6 +384,31 @@ def test_records_swapped_within_a_label_are_named_by_key(tf_images: Path, tmp_pa
     ):
         with pytest.raises(PackFormatError, match=message):
             make()
+
+
+@pytest.mark.parametrize(
+    ("case", "old", "new"), [("key", b"\x0a\x02k0", b"\x0a\x02k\xff"), ("field", b"json", b"js\xffn")]
+)
+def test_a_multi_field_record_not_utf8_is_named(tmp_path: Path, case: str, old: bytes, new: bytes) -> None:
+    """A record whose key or a field name is not UTF-8 (CRCs valid) is one PackFormatError naming shard and record."""
+    pack = tmp_path / "f"
+    samples = [{"__key__": f"k{i}", "json": {"i": i}, "txt": f"t{i}"} for i in range(3)]
+    packdata.write_pack(samples, pack, format="tfrecord", progress=False)
+    shard = pack / read_manifest(pack).shards[0].file
+    (offset, data), *_ = _records(shard)
+    assert data.count(old) == (1 if case == "key" else 2)  # the field's feature and its name in packdata/fields
+    blob = shard.read_bytes()
+    record = frame_record(data.replace(old, new))  # the same length: the shard keeps the manifest's size
+    shard.write_bytes(blob[:offset] + record + blob[offset + len(record) :])
+    message = re.escape(str(shard)) + r": record 0 at byte offset 0 is damaged: .* which is not UTF-8"
+    for make in (
+        lambda: TFRecordIndexedDataset(pack)[0],
+        lambda: next(iter(TFRecordDataset(pack, shuffle=False))),
+    ):
+        with pytest.raises(PackFormatError, match=message):
+            make()
+    with pytest.raises(PackFormatError, match=re.escape(str(shard))):
+        verify_pack(pack, progress=False)
 
 
 @pytest.mark.timeout(60)  # a FIFO opened for reading blocks until a writer comes: a hang is the failure

@@ -617,15 +617,21 @@ def walk_records(
 
 def _sample_of(data: memoryview) -> Sample:
     """The :class:`Sample` an Example holds (a multi-field one as the field block it was written from)."""
+    multi_field_error: RecordError | None = None
     if FIELDS_FEATURE in bytes(data):
         try:
             fields, label, key = example_fields(data)
-        except RecordError:
-            pass  # the marker bytes occur inside some payload: an image or text Example
+        except RecordError as exc:
+            multi_field_error = exc  # or the marker bytes occur inside some payload: an image or text Example
         else:
             sizes = tuple(sorted((name, len(value)) for name, value in fields.items()))
             return Sample(key, label, encode_block(fields), "fields", sizes)
-    parsed = parse_example(data)
+    try:
+        parsed = parse_example(data)
+    except RecordError:
+        if multi_field_error is not None:  # neither: the multi-field reason says more
+            raise multi_field_error from None
+        raise
     return Sample(parsed.key.decode("utf-8"), parsed.label, bytes(parsed.data), parsed.kind)
 
 

@@ -406,7 +406,8 @@ def example_fields(record: bytes | memoryview) -> tuple[dict[str, bytes], int, s
     """The fields, label and key of a multi-field Example (see :func:`encode_example`).
 
     Raises:
-        RecordError: not a packdata multi-field Example, or a field it lists is missing.
+        RecordError: not a packdata multi-field Example, a field it lists is
+            missing, or its key or a field name is not UTF-8.
     """
     found = _features(memoryview(record), None)
     listed = found.get(FIELDS_FEATURE)
@@ -414,17 +415,25 @@ def example_fields(record: bytes | memoryview) -> tuple[dict[str, bytes], int, s
         raise RecordError(f"Example has no {FIELDS_FEATURE.decode()} feature: not a multi-field sample")
     names = _all_bytes(memoryview(record), FIELDS_FEATURE)
     primary = found.get(PRIMARY_FEATURE, ("bytes", None))[1]
-    primary_name = bytes(primary).decode("utf-8") if isinstance(primary, memoryview) else None
+    primary_name = _utf8(primary, PRIMARY_FEATURE) if isinstance(primary, memoryview) else None
     fields = {}
     for raw in names:
-        name = raw.decode("utf-8")
+        name = _utf8(raw, FIELDS_FEATURE)
         feature = b"image/encoded" if name == primary_name else raw
         kind, value = found.get(feature, ("", None))
         if kind != "bytes" or not isinstance(value, memoryview):
             raise RecordError(f"field {name!r} is listed but has no bytes feature")
         fields[name] = bytes(value)
     key = found.get(b"image/filename", ("bytes", None))[1]
-    return fields, _label_of(found), bytes(key).decode("utf-8") if isinstance(key, memoryview) else ""
+    return fields, _label_of(found), _utf8(key, b"image/filename") if isinstance(key, memoryview) else ""
+
+
+def _utf8(raw: bytes | memoryview, feature: bytes) -> str:
+    """A name or key held by bytes feature ``feature``, decoded; :class:`RecordError` if it is not UTF-8."""
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"{feature.decode()} holds {bytes(raw)!r}, which is not UTF-8 ({exc.reason})") from None
 
 
 def _all_bytes(buf: memoryview, name: bytes) -> list[bytes]:

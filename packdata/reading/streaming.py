@@ -390,7 +390,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             try:
                 reader.open()
                 self.pack.check_unchanged()  # after the open: the file opened is the generation checked
-                table = self._load_records(shard, payloads=True)
+                table = self._load_records(shard, payloads=self.field_spec is None)  # multi-field: parsed
             except PackFormatError:
                 reader.close()
                 self.pack.check_unchanged()  # a shard failing its checks because the pack changed: say so
