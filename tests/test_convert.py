@@ -401,6 +401,19 @@ def test_jpeg_with_a_damaged_header_is_skipped_without_verify(image_folder: Path
     assert {e["key"] for e in result.skip_examples} == {"cat/fake.jpg", "cat/headless.jpg"}
 
 
+@pytest.mark.parametrize("verify_images", [False, True])
+def test_an_image_of_a_few_bytes_is_skipped_as_corrupt(image_folder: Path, tmp_path: Path, verify_images: bool) -> None:
+    """Under 4 bytes, PIL's other plug-ins' signature tests read past the data (struct.error): still a skip."""
+    for name, data in (("two.png", b"\x89P"), ("bm.bmp", b"BM"), ("three.gif", b"GIF")):
+        (image_folder / "cat" / name).write_bytes(data)
+    args = ["convert", str(image_folder), str(tmp_path / "out.lmdb"), *(["--verify-images"] if verify_images else [])]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "SKIPPED 3 files: 3 corrupt image" in result.output
+    assert "cat/two.png: corrupt image: not a recognised image format" in result.output
+    assert len(LMDBDataset(tmp_path / "out.lmdb")) == 19
+
+
 @pytest.mark.root
 def test_full_disk_gives_one_clear_error_and_resumes_after_space_is_freed(tmp_path: Path) -> None:
     if os.geteuid() != 0:

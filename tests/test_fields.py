@@ -6,6 +6,7 @@ import filecmp
 import io
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb import DATA_FILE
 from packdata.pack.fields import decode_block
-from packdata.pack.manifest import read_manifest
+from packdata.pack.manifest import manifest_checksum, read_manifest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1-imagefolder.lmdb"
 KEYS = ["0001", "a b", "café", "x-2"]
@@ -127,6 +128,40 @@ def test_a_damaged_field_is_named_and_other_fields_still_read(tmp_path: Path) ->
         packdata.LMDBDataset(tmp_path / "out.lmdb")[i]
     with pytest.raises(PackFormatError, match="shard checksum"):
         packdata.verify_pack(tmp_path / "out.lmdb", progress=False)
+
+
+def _graft_shards(pack: Path, donor: Path) -> None:
+    """Put ``donor``'s shard files (same names) into ``pack``, keeping its index; its manifest describes them."""
+    for item in donor.iterdir():
+        if item.name not in ("manifest.json", "index", "skipped.jsonl"):
+            target = pack / item.name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            (shutil.copytree if item.is_dir() else shutil.copyfile)(item, target)
+    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest["shards"] = json.loads((donor / "manifest.json").read_text())["shards"]
+    manifest["checksum"] = manifest_checksum(manifest)
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_field_the_manifest_does_not_list_is_named(tmp_path: Path, fmt: str) -> None:
+    """A record holding a field the manifest lacks: one PackFormatError naming pack and sample, not a KeyError."""
+    rows = [{"__key__": f"k{i}", "json": {"i": i}, "txt": f"t{i}"} for i in range(3)]
+    pack, donor = tmp_path / "a" / "p", tmp_path / "b" / "p"
+    pack.parent.mkdir(), donor.parent.mkdir()
+    packdata.write_pack(rows, pack, format=fmt, progress=False)
+    packdata.write_pack([{**rows[0], "zz.bin": b"extra"}, *rows[1:]], donor, format=fmt, progress=False)
+    _graft_shards(pack, donor)
+    message = re.escape(f"{pack}: sample 'k0' (index 0) holds field 'zz.bin', which is not in the manifest")
+    indexed = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    for first in (
+        lambda: indexed(pack)[0],
+        lambda: next(iter(indexed(pack))),
+        *([lambda: next(iter(packdata.TFRecordDataset(pack, shuffle=False)))] if fmt == "tfrecord" else []),
+    ):
+        with pytest.raises(PackFormatError, match=message + r".*packdata verify"):
+            first()
+    assert indexed(pack, fields=("json", "txt"))[0] == ({"i": 0}, "t0")  # the extra field is not asked for
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import image_bytes
 from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from packdata import LMDBDataset, PackFormatError, convert
+from packdata import ImageFormatError, LMDBDataset, PackFormatError, convert, write_pack
 from packdata.pack.manifest import read_manifest
 
 
@@ -193,6 +194,31 @@ def test_a_payload_that_fails_its_table_crc_is_named_and_never_looked_up_by_lmdb
     with pytest.raises(PackFormatError, match=message):
         ds.__getitems__([0, 1, 2, 3])
     assert ds[3][0] == ds.__getitems__([3])[0][0]  # the others read as before
+
+
+def test_an_image_that_cannot_be_decoded_is_named_by_pack_and_key(image_folder: Path, tmp_path: Path) -> None:
+    """A truncated image (PIL's OSError) or one of 2 bytes (PIL's struct.error): ImageFormatError naming the sample."""
+    whole = image_bytes(4, size=(128, 96), fmt="PNG")
+    (image_folder / "cat" / "half.png").write_bytes(whole[: len(whole) // 2])  # packed: not decoded at convert
+    pack = tmp_path / "out.lmdb"
+    convert(image_folder, pack, progress=False)
+    ds = LMDBDataset(pack)
+    i = ds.keys.index("cat/half.png")
+    message = re.escape(f"{pack}: sample 'cat/half.png' (index {i}): image data is truncated or damaged")
+    with pytest.raises(ImageFormatError, match=message + r".*verify_images=True"):
+        ds[i]
+    with pytest.raises(ImageFormatError, match=message):
+        ds.__getitems__([0, i])
+    fields = tmp_path / "fields.lmdb"
+    write_pack(
+        [{"__key__": "k0", "jpg": b"BM"}, {"__key__": "k1", "png": whole[: len(whole) // 2]}], fields, progress=False
+    )
+    for k, problem in enumerate(("not an image in a known format", "image data is truncated or damaged")):
+        with pytest.raises(
+            ImageFormatError,
+            match=re.escape(f"{fields}: sample 'k{k}' (index {k}), field '{('jpg', 'png')[k]}': {problem}"),
+        ):
+            LMDBDataset(fields)[k]
 
 
 def test_a_malicious_pack_cannot_run_code(pack: Path, tmp_path: Path) -> None:

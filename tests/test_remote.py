@@ -320,7 +320,7 @@ def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Pat
         packdata.TFRecordIndexedDataset(url)
     ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=tmp_path / "cache")
     held = list(ds._records(ds.reader_segments(0, 1)))  # what a shuffle buffer holds: copies, not chunk views
-    assert len(held) == 20 and all(type(data) is bytes for data, _ in held)
+    assert len(held) == 20 and all(type(data) is bytes for data, _, _ in held)
 
 
 def test_a_missing_object_is_reported_without_retries(s3) -> None:

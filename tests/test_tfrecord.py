@@ -411,6 +411,19 @@ def test_a_multi_field_record_not_utf8_is_named(tmp_path: Path, case: str, old: 
         verify_pack(pack, progress=False)
 
 
+def test_an_image_that_cannot_be_decoded_is_named_by_key_in_both_readers(tf_images: Path, tmp_path: Path) -> None:
+    whole = image_bytes(4, (128, 96), "PNG")
+    (tf_images / "dog" / "half.png").write_bytes(whole[: len(whole) // 2])  # packed: not decoded at convert
+    pack = tmp_path / "p"
+    convert(tf_images, pack, format="tfrecord", shard_samples=5, progress=False)
+    ds = TFRecordIndexedDataset(pack)
+    i = ds.keys.index("dog/half.png")
+    message = re.escape(f"{pack}: sample 'dog/half.png' (index {i}): image data is truncated or damaged")
+    for make in (lambda: ds[i], lambda: list(TFRecordDataset(pack, shuffle=True))):
+        with pytest.raises(packdata.ImageFormatError, match=message):
+            make()
+
+
 @pytest.mark.timeout(60)  # a FIFO opened for reading blocks until a writer comes: a hang is the failure
 def test_a_fifo_in_place_of_a_shard_is_named_and_never_opened(tf_texts: Path, tmp_path: Path) -> None:
     import os

@@ -43,7 +43,7 @@ import torch
 from PIL import Image
 
 from packdata.errors import ConfigError
-from packdata.pack.images import open_image
+from packdata.pack.images import decoding_errors, open_image
 from packdata.reading.turbo import turbojpeg
 
 __all__ = ["DecodeCrop", "crop_box"]
@@ -131,7 +131,7 @@ class DecodeCrop:
 
     def __call__(self, data: bytes) -> Image.Image:
         data = bytes(data)  # a no-op for bytes; a memoryview (a mapped pack's slice) is copied once
-        with open_image(data) as img:
+        with decoding_errors(), open_image(data) as img:
             width, height = img.size
             top, left, h, w = crop_box(width, height, self._generator(), self.scale, self.ratio)
             out_h, out_w = self.size

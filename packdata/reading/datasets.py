@@ -254,7 +254,7 @@ class PackView:
         manifest = self.pack.manifest
         self.field_spec: FieldSpec | None = None
         if manifest.kind == "fields":
-            self.field_spec = FieldSpec(manifest, fields, decode, transforms)
+            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.path)
             self.decode: DecodeFn = resolve_decoder("bytes")
         else:
             if fields is not None or transforms or isinstance(decode, Mapping):
@@ -537,7 +537,7 @@ class LMDBDataset(PackView, Dataset):
         assert spec is not None
         position = self._sample_index(index)
         stored = self.raw_fields(position, spec.stored)
-        sample = spec.build(stored, self.keys[position], self.pack.index.labels.item(position))
+        sample = spec.build(stored, self.keys[position], self.pack.index.labels.item(position), position)
         return self.transform(sample) if self.transform is not None else sample
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from packdata.pack.images import IMAGE_FORMATS, open_image
+from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
 
 __all__ = [
     "IMAGE_FORMATS",
@@ -36,9 +36,9 @@ def decode_pil(data: bytes) -> Image.Image:
     """Decode image bytes into an RGB PIL image, as ImageFolder's loader does.
 
     Raises:
-        ImageFormatError: not one of :data:`IMAGE_FORMATS`.
+        ImageFormatError: not one of :data:`IMAGE_FORMATS`, or truncated or damaged.
     """
-    with open_image(data) as img:
+    with decoding_errors(), open_image(data) as img:
         return img.convert("RGB")
 
 
@@ -69,7 +69,7 @@ class DecodeJPEG:
         self.min_size = (int(height), int(width))
 
     def __call__(self, data: bytes) -> Image.Image:
-        with open_image(data) as img:
+        with decoding_errors(), open_image(data) as img:
             if img.format == "JPEG":
                 height, width = self.min_size
                 img.draft("RGB", (width, height))

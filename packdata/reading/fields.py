@@ -7,10 +7,11 @@ picklable, so it travels to ``spawn``-ed workers with the dataset.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, ImageFormatError, PackFormatError
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
 from packdata.pack.manifest import Manifest
 from packdata.reading.decode import CODEC_DECODERS, DecodeFn, resolve_decoder
@@ -29,6 +30,7 @@ class FieldSpec:
             field name -> decoder; fields not named get their codec's default
             (images -> RGB PIL, ``txt`` -> str, ``json`` -> parsed, ``npy`` -> array, else bytes).
         transforms: field name -> callable applied to that field after decoding.
+        path: the pack, named in errors about a sample.
 
     Raises:
         ConfigError: a field, decoder or transform names a field the pack does not have.
@@ -40,7 +42,10 @@ class FieldSpec:
         fields: Sequence[str] | None,
         decode: str | DecodeFn | Mapping[str, str | DecodeFn],
         transforms: Mapping[str, Callable[[Any], Any]] | None,
+        *,
+        path: str | os.PathLike | None = None,
     ) -> None:
+        self.path = os.fspath(path) if path is not None else None
         known = set(manifest.fields) | {KEY_FIELD, LABEL_FIELD}
         if isinstance(fields, str):
             raise ConfigError(f"fields should be a sequence of names, but got fields={fields!r}; write ({fields!r},)")
@@ -65,15 +70,35 @@ class FieldSpec:
         """Whether stored field ``name`` is read."""
         return self.stored is None or name in self.stored
 
-    def build(self, stored: dict[str, bytes], key: str, label: int) -> dict[str, Any] | tuple[Any, ...]:
+    def build(
+        self, stored: dict[str, bytes], key: str, label: int, index: int | None = None
+    ) -> dict[str, Any] | tuple[Any, ...]:
         """The sample: decoded, transformed fields (plus ``__key__`` and ``cls``), as a dict or a tuple.
+
+        ``index``, when known, is the sample's position in the pack (named in errors).
 
         Raises:
             KeyError: a field asked for in ``fields`` is missing from this sample.
+            PackFormatError: the sample holds a field the manifest does not list.
+            ImageFormatError: an image field cannot be decoded (naming the sample and field).
         """
         sample: dict[str, Any] = {KEY_FIELD: key}
+        which = f"sample {key!r}" + (f" (index {index})" if index is not None else "")
         for name, data in stored.items():
-            value = self.decoders[name](data)
+            decode = self.decoders.get(name)
+            if decode is None:
+                raise PackFormatError(
+                    f"{which} holds field {name!r}, which is not in the manifest (its fields are "
+                    f"{', '.join(self.decoders)})",
+                    path=self.path,
+                    hint="The record does not belong to this pack: run `packdata verify`, then convert it again",
+                )
+            try:
+                value = decode(data)
+            except ImageFormatError as exc:
+                raise ImageFormatError(
+                    f"{which}, field {name!r}: {exc}", path=self.path, detected=exc.detected
+                ) from exc
             if name in self.transforms:
                 value = self.transforms[name](value)
             sample[name] = value

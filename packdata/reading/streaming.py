@@ -161,7 +161,7 @@ class _TFRecordView(PackView):
             return super()._finish(data, label, index)
         fields, label, key = example_fields(data)
         stored = {name: value for name, value in fields.items() if self.field_spec.wants(name)}
-        sample = self.field_spec.build(stored, key, label)
+        sample = self.field_spec.build(stored, key, label, index)
         return self.transform(sample) if self.transform is not None else sample
 
 
@@ -399,8 +399,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
     def _records(
         self, segments: list[tuple[int, int, int]], copy: bool = False
-    ) -> Iterator[tuple[memoryview | bytes, int]]:
-        """``(payload, label)`` of each record: views into mapped shard chunks, or ``bytes`` with ``copy``.
+    ) -> Iterator[tuple[memoryview | bytes, int, int]]:
+        """``(payload, label, sample index)`` of each record: views into mapped chunks, or ``bytes`` with ``copy``.
 
         ``copy`` (no shuffle buffer holds the records) lets large records be read one by one
         (see :meth:`TFRecordShardReader.stream`). A remote pack's shards stream
@@ -421,10 +421,11 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             try:
                 if run.payloads is not None:  # written by packdata: payloads sliced out, labels from the index
                     labels = self.pack.index.labels[base + first : base + run.stop].tolist()
-                    yield from zip(data, labels, strict=True)
+                    yield from zip(data, labels, range(base + first, base + run.stop), strict=True)
                 else:
                     for k, record in enumerate(data, first):
-                        yield self._parse(record, path, int(run.offsets[k]), base + k)
+                        payload, label = self._parse(record, path, int(run.offsets[k]), base + k)
+                        yield payload, label, base + k
             finally:
                 run.reader.close()
 
@@ -448,13 +449,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             and self.transform is None
             and self.target_transform is None
         ):
-            for data, label in records:  # raw bytes: no decode or transform call per sample
+            for data, label, _ in records:  # raw bytes: no decode or transform call per sample
                 self._position += 1
                 yield bytes(data), label
             return
-        for data, label in records:  # the buffer holds page-cache views; copy each payload once here
+        for data, label, index in records:  # the buffer holds page-cache views; copy each payload once here
             self._position += 1
-            yield self._finish(bytes(data), label)
+            yield self._finish(bytes(data), label, index)
 
     def _resumed(self, state: dict[str, Any], worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
         """The rest of a pass from ``state``: consumed records are skipped, not read."""
@@ -488,9 +489,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             records = _shuffled(records, self.shuffle_buffer, random.Random(seed))
         self._position = skip
         for item in itertools.islice(records, skip, None):
-            data, label = item
+            data, label, index = item
             self._position += 1
-            yield self._finish(bytes(data), label)
+            yield self._finish(bytes(data), label, index)
         if skip == length and num_workers == 1 and skip > 0:
             self.set_epoch(self.epoch + 1)  # resumed where the epoch ended: the next pass is the next epoch
 
