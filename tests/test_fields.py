@@ -579,6 +579,62 @@ def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
         packdata.convert(str(tmp_path / "tars" / "data-{000000..000009}.tar"), tmp_path / "x.lmdb", progress=False)
 
 
+def _tar_of(members: list[tuple[str | bytes, bytes]]) -> bytes:
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(os.fsdecode(name) if isinstance(name, bytes) else name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["cut at a member's end", "a damaged header", "a zeroed header"])
+def test_a_tar_damaged_between_members_is_named_not_ended_in_silence(tmp_path: Path, damage: str) -> None:
+    """tarfile's stream mode ended the archive without a word at such a header: the samples after it were lost."""
+    raw = bytearray(_tar_of([(f"s{i}.txt", b"sample %d " % i * 50) for i in range(4)]))
+    header = 2 * 1024  # the third member's header (each member: a header block and one data block)
+    if damage == "cut at a member's end":
+        raw = raw[:header]
+    elif damage == "a damaged header":
+        raw[header + 3] ^= 0xFF
+    else:
+        raw[header : header + 512] = bytes(512)
+    (tmp_path / "data.tar").write_bytes(bytes(raw))
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"corrupt tar": 1}
+    assert result.packed == 1  # s0; s1 (the sample being read) is dropped, never packed partly
+    assert result.skip_examples[0]["key"] == "data.tar:s1"
+
+
+def test_a_gzipped_tar_is_checked_whole_before_any_sample_is_packed(tmp_path: Path) -> None:
+    """gzip's CRC is at its end, and tarfile's stream mode never read it: a flipped byte was packed as data."""
+    import gzip
+
+    first = os.urandom(3000)  # incompressible: stored, so the flip lands in the member's bytes
+    packed = bytearray(gzip.compress(_tar_of([("a.bin", first), ("b.bin", os.urandom(3000))]), compresslevel=0))
+    packed[packed.index(first[:64]) + 100] ^= 0xFF
+    (tmp_path / "flip.tar.gz").write_bytes(bytes(packed))
+    (tmp_path / "cut.tar.gz").write_bytes(gzip.compress(_tar_of([("c.bin", b"c" * 3000)]))[:-12])
+    for name in ("flip.tar.gz", "cut.tar.gz"):
+        with pytest.raises(packdata.SourceError, match=r"skipped: 1 corrupt tar"):
+            packdata.convert(str(tmp_path / name), tmp_path / f"{name}.lmdb", progress=False)
+    whole = tmp_path / "whole.tar.gz"
+    whole.write_bytes(gzip.compress(_tar_of([("a.bin", first)])))
+    assert (
+        packdata.LMDBDataset(packdata.convert(str(whole), tmp_path / "w.lmdb", progress=False).pack)[0]["bin"] == first
+    )
+
+
+def test_a_tar_member_named_in_non_utf8_bytes_is_skipped_by_name(tmp_path: Path) -> None:
+    """It once reached the sample index, which cannot hold it: a traceback, and no resume could pass it."""
+    (tmp_path / "data.tar").write_bytes(_tar_of([(b"caf\xe9.txt", b"x"), ("ok.txt", b"y")]))
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"name not UTF-8": 1}
+
+
 def test_token_buckets_measure_the_text_field(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "t.lmdb") as w:
         for i in range(6):

@@ -20,16 +20,20 @@ are not a tar is skipped and reported as locally.
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
+import lzma
 import os
 import re
 import tarfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self, cast
 
-from packdata.conversion.sources import Skip, SourceGroup
+from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
@@ -140,14 +144,26 @@ class TarSource:
         name = os.path.basename(shard)
         key: str | None = None
         fields: dict[str, bytes] = {}
-        corrupt: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError)
+        corrupt: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, gzip.BadGzipFile, lzma.LZMAError)
+        corrupt += (zlib.error,)
         if self.fs is None:
             corrupt += (OSError,)  # a local file that cannot be read is skipped as before
         try:
-            with self._open(shard) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+            with self._open(shard) as stream, _decompressed(stream) as plain:
+                if plain is not stream:  # compressed: its checksum is at its end, so read it through before packing
+                    while plain.read(_BLOCK):
+                        pass
+            with (
+                self._open(shard) as stream,
+                _decompressed(stream) as plain,
+                tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo) as tar,
+            ):
                 for member in tar:
                     where = f"{name}:{member.name}"
                     if member.isdir():
+                        continue
+                    if not _is_utf8(member.name):
+                        yield Skip(f"{name}:{_printable(member.name)}", "name not UTF-8", problem=False)
                         continue
                     if not member.isfile():
                         yield Skip(where, "not a regular file", "a link or device in the tar")
@@ -166,16 +182,67 @@ class TarSource:
                         yield Skip(where, "duplicate field", f"sample {base!r} has two {ext!r} members")
                         continue
                     fields[ext] = data
+                _check_end(tar)
         except corrupt as exc:
             # The sample being read may lack members or hold a cut one: it is dropped, never packed partly.
-            where = f"{name}:{key}" if key is not None else name
-            yield Skip(where, "corrupt tar", f"{exc}; the samples before this one in the tar are kept")
+            if key is None:
+                yield Skip(name, "corrupt tar", f"{exc}; no sample of this tar is packed")
+            else:
+                yield Skip(f"{name}:{key}", "corrupt tar", f"{exc}; the samples before this one in the tar are kept")
             return
         except Exception as exc:  # a request that failed: stop, resumable, rather than skip on a transient failure
             shown = display_url(f"{self.scheme}://{shard}")
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None:
             yield _group(key, fields)
+
+
+def _decompressed(stream: BinaryIO) -> BinaryIO:
+    """``stream`` read through its compression, told by its first bytes (gzip, bzip2, xz), or as it is.
+
+    Python's own readers check each format's checksums and end marker (tarfile's
+    stream mode never reads gzip's CRC: a flipped byte was packed as data).
+    """
+    magic = stream.read(6)
+    stream.seek(0)
+    if magic[:2] == b"\x1f\x8b":
+        return cast(BinaryIO, gzip.GzipFile(fileobj=stream, mode="rb"))
+    if magic[:3] == b"BZh":
+        return cast(BinaryIO, bz2.BZ2File(stream))
+    if magic == b"\xfd7zXZ\x00":
+        return cast(BinaryIO, lzma.LZMAFile(stream))
+    return stream
+
+
+class _CheckedTarInfo(tarfile.TarInfo):
+    """Member headers as tarfile reads them, but a damaged or missing one past the first is an error.
+
+    tarfile's stream mode ends the archive, silently, at a header that is
+    truncated, fails its checksum or is missing (a file cut at a member's
+    end): the samples after it were lost without a word.
+    """
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> Self:
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as exc:
+            kind = type(exc).__name__
+            if tar.offset == 0 or kind == "EOFHeaderError":  # EOF: a zero block, the end-of-archive marker
+                raise
+            if kind == "EmptyHeaderError":
+                raise tarfile.ReadError(
+                    f"the tar ends at byte {tar.offset} without its end-of-archive blocks (cut short?)"
+                ) from None
+            raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
+
+
+def _check_end(tar: tarfile.TarFile) -> None:
+    """Raise unless only zero bytes follow the end-of-archive marker (reading on to the end checks a gzip's CRC)."""
+    assert tar.fileobj is not None
+    while chunk := tar.fileobj.read(1 << 16):
+        if chunk.strip(b"\0"):
+            raise tarfile.ReadError(f"data follows a zero block at byte {tar.offset}: a damaged member header?")
 
 
 def _split(name: str) -> tuple[str | None, str]:
