@@ -339,6 +339,27 @@ def test_a_missing_object_is_reported_without_retries(s3) -> None:
     assert len(calls) == 1
 
 
+def test_an_object_shorter_than_the_pack_says_is_named_without_retries(s3) -> None:
+    """A short read was retried as a network fault, and the error pointed at the network."""
+    from packdata.formats.remote_pack import fetch_range
+
+    _, fs = s3
+    fs.pipe("packs/short-object", b"x" * 675)
+    calls = []
+
+    class Counting:
+        def cat_file(self, path, start=None, end=None):
+            calls.append(path)
+            return fs.cat_file(path, start=start, end=end)
+
+        def info(self, path):
+            return fs.info(path)
+
+    with pytest.raises(PackFormatError, match=r"the object is 675 bytes, but the pack's tables place bytes 100-775"):
+        fetch_range(Counting(), "packs/short-object", "s3://packs/short-object", 100, 775, backoff=5)
+    assert len(calls) == 1
+
+
 def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypatch) -> None:
     options, fs = s3
     src = tmp_path / "src" / "c"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, SourceError
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write
 from packdata.pack.index import index_files
@@ -68,6 +68,8 @@ def fetch_range(
             break
         except Exception as exc:
             problem = type(exc).__name__
+        else:
+            _check_not_short(fs, path, where, start, end)
         if tries < retries:
             if stop is None:
                 time.sleep(delay)
@@ -80,6 +82,20 @@ def fetch_range(
         path=where,
         hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
     )
+
+
+def _check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> None:
+    """After a short read: raise if the object itself ends before ``end`` (no retry helps); else let it retry."""
+    try:
+        size = remote_size(fs, path, where)
+    except SourceError:  # the lookup failed too: a transient fault, retried as one
+        return
+    if size is not None and size < end:
+        raise PackFormatError(
+            f"the object is {size} bytes, but the pack's tables place bytes {start}-{end} in it",
+            path=where,
+            hint="The object is truncated or was replaced: run `packdata verify` on the pack",
+        )
 
 
 def remote_size(fs: Any, path: str, where: str) -> int | None:
