@@ -988,3 +988,49 @@ def test_a_full_work_disk_while_packing_for_a_url_names_the_work_folder(s3, smal
     assert str(small_work_disk) in message and "PACKDATA_TMP" in message and "--resume" in message
     assert "free on its disk" in str(full.value.__cause__)  # it ran out writing a shard, past the start check
     assert not fs.exists("packs/too-big.lmdb/manifest.json")  # no manifest: no pack
+
+
+def _open_at_once(url: str, options: dict, cache: str, barrier, out) -> None:
+    """One rank: wait for the others, open the remote stream into the shared cache, send back its sorted samples."""
+    try:
+        barrier.wait(timeout=60)
+        ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+        out.put(("ok", sorted(data for data, _ in ds)))
+    except Exception as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_ranks_opening_a_remote_pack_on_a_fresh_cache_share_one_download(
+    s3, remote_tfrecord, tmp_path: Path, monkeypatch
+) -> None:
+    import multiprocessing
+
+    from packdata.formats import remote_pack
+
+    options, _ = s3
+    url, local = remote_tfrecord
+    log = tmp_path / "downloads"
+    download = remote_pack.download_skeleton
+
+    def slow_download(*args, **kwargs):  # every rank that downloads is still at it when the first one finishes
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.3)
+        return download(*args, **kwargs)
+
+    monkeypatch.setattr(remote_pack, "download_skeleton", slow_download)
+    ctx = multiprocessing.get_context("fork")  # the patched download reaches the ranks
+    barrier, out = ctx.Barrier(8), ctx.Queue()
+    ranks = [
+        ctx.Process(target=_open_at_once, args=(url, options, str(tmp_path / "cache"), barrier, out)) for _ in range(8)
+    ]
+    for rank in ranks:
+        rank.start()
+    outcomes = [out.get(timeout=90) for _ in ranks]
+    for rank in ranks:
+        rank.join(timeout=30)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    assert [status for status, _ in outcomes] == ["ok"] * 8, [why for status, why in outcomes if status != "ok"]
+    assert all(samples == expected for _, samples in outcomes)
+    assert len(log.read_text().split()) == 1  # one rank downloaded; the others waited and used its copy
+    assert not list((tmp_path / "cache").rglob(".*partial*")) and not list((tmp_path / "cache").rglob(".*old*"))

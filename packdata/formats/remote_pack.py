@@ -12,20 +12,22 @@ credentials.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import PackFormatError, SourceError
+from packdata.errors import LockedError, PackFormatError, SourceError
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write
 from packdata.pack.index import index_files
+from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
 
@@ -201,13 +203,45 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     return dest
 
 
+_LOCK_POLL = 0.05  # seconds between tries for a cache entry another process is filling
+
+
+def _holds(dest: Path, digest: str) -> bool:
+    """Whether the cached copy ``dest`` is complete and its manifest's sha256 is ``digest``."""
+    try:
+        return hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() == digest
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+@contextlib.contextmanager
+def _hold_entry(dest: Path) -> Iterator[None]:
+    """Hold the lock of the cache entry ``dest`` (``.NAME.lock`` beside it), waiting while another process does.
+
+    The wait has no limit: the holder is downloading, and the kernel drops its
+    lock if it dies.
+    """
+    with contextlib.ExitStack() as stack:
+        while True:
+            try:
+                stack.enter_context(
+                    hold_lock(convert_lock_path(dest), what="packdata (remote pack cache)", target=dest)
+                )
+                break
+            except LockedError:
+                time.sleep(_LOCK_POLL)
+        yield
+
+
 def fetch_pack_skeleton(
     url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None
 ) -> tuple[Path, Manifest, Any, str]:
     """A cached local copy of a remote pack without its shards' data (see the module docstring).
 
     Kept in ``cache_dir`` (default the system's temporary folder) and reused
-    while the remote manifest is the same, replaced atomically when not.
+    while the remote manifest is the same, replaced atomically when not. Processes
+    sharing ``cache_dir`` take turns on an entry: one downloads it while the
+    others wait, then use its copy; a copy whose manifest matches is never replaced.
 
     Returns:
         ``(local copy, manifest, filesystem, path of the pack on it)``.
@@ -222,14 +256,18 @@ def fetch_pack_skeleton(
     digest = hashlib.sha256(raw).hexdigest()
     base = Path(cache_dir or Path(tempfile.gettempdir()) / "packdata-remote")
     dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / (root.rsplit("/", 1)[-1] or "pack")
-    if (dest / MANIFEST_NAME).is_file() and hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() == digest:
+    if _holds(dest, digest):
         return dest, manifest, fs, root
-    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    download_skeleton(fs, root, manifest, raw, shown, partial)
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _hold_entry(dest):  # one process at a time checks, downloads and replaces this entry
+        if _holds(dest, digest):  # another process made it while this one waited
+            return dest, manifest, fs, root
+        partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        download_skeleton(fs, root, manifest, raw, shown, partial)
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        if dest.exists():
+            os.rename(dest, old)
+        os.rename(partial, dest)
+        shutil.rmtree(old, ignore_errors=True)
     return dest, manifest, fs, root
