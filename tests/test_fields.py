@@ -406,6 +406,52 @@ def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "fine" / "one.txt").read_text() == "z"
 
 
+def test_export_refuses_a_key_the_file_system_rejects_and_goes_on(tmp_path: Path) -> None:
+    with packdata.PackWriter(tmp_path / "long.lmdb") as writer:
+        writer.write({"__key__": "a", "txt": "first"})
+        writer.write({"__key__": "x" * 300, "txt": "a name too long for the file system"})
+        writer.write({"__key__": "d/" + "y" * 300, "txt": "its folder is made, then removed"})
+        writer.write({"__key__": "z", "txt": "last"})
+    result = export_pack(tmp_path / "long.lmdb", tmp_path / "out")
+    assert (result.samples, result.files) == (2, 2)
+    assert [r["key"] for r in result.refused] == ["x" * 300, "d/" + "y" * 300]
+    assert all("the file system refuses its files (File name too long)" in r["reason"] for r in result.refused)
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["a.txt", "z.txt"]
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "long.lmdb"), str(tmp_path / "cli")])
+    assert done.exit_code == 1 and "exported 2 samples as 2 files" in done.output  # refusals exit 1, listed
+    assert f"{'x' * 300}: the file system refuses its files (File name too long)" in done.output
+    assert done.exception is None or isinstance(done.exception, SystemExit)
+
+
+def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from packdata.formats import contents
+
+    with packdata.PackWriter(tmp_path / "p.lmdb") as writer:
+        for key in ("a", "b", "c"):
+            writer.write({"__key__": key, "txt": key * 10})
+
+    class _Full(io.BytesIO):
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_after_one(path, mode="r", *args, **kwargs):  # 'a' is written, then the disk is full
+        if Path(path).name == "a.txt":
+            return open(path, mode, *args, **kwargs)  # the caller closes it
+        open(path, mode, *args, **kwargs).close()  # the file exists, as it would on a full disk
+        return _Full()
+
+    monkeypatch.setattr(contents, "open", full_after_one, raising=False)
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(tmp_path / "out")])
+    assert done.exit_code == 1
+    assert done.output == (
+        f"Error: {tmp_path / 'out'}: the disk is full (No space left on device) after 1 samples were exported. "
+        "Free space, delete the partial export and run it again\n"
+    )
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.txt"]  # b's partly written file is gone
+
+
 def _same_tree(comparison: filecmp.dircmp) -> bool:
     _, mismatch, errors = filecmp.cmpfiles(comparison.left, comparison.right, comparison.common_files, shallow=False)
     if comparison.left_only or comparison.right_only or mismatch or errors:

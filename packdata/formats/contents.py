@@ -9,13 +9,15 @@ re-encoding (the round trip a user runs before trusting a format).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
@@ -215,8 +217,15 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             packs) or ``"grouped"`` (``KEY.FIELD`` files; a ``KEY.cls`` file
             holds a label its class folder does not already give). Default: by the pack's kind.
 
+    Returns:
+        What was written, and the samples refused with their reasons: a key that
+        is not a plain path inside ``dst``, that clashes with another key's
+        files, or that the file system rejects (a name too long). A refused
+        sample leaves no file behind; the export goes on.
+
     Raises:
         ConfigError: ``dst`` is not empty, or the layout does not fit the pack.
+        CapacityError: the disk filled up (the samples before stay written).
     """
     pack, dst = Path(pack), Path(dst)
     manifest = read_manifest(pack)
@@ -246,14 +255,39 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
                         written.append(target)
                         f.write(data)
             except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-                for path in written:  # no half sample is left behind
-                    path.unlink()
+                _undo(dst, written, targets)  # no half sample is left behind
                 result.refused.append({"key": sample.key, "reason": f"clashes with another key's files ({exc})"})
+                continue
+            except OSError as exc:
+                _undo(dst, written, targets)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityError(
+                        f"the disk is full ({exc.strerror or exc}) after {result.samples} samples were exported",
+                        path=dst,
+                        hint="Free space, delete the partial export and run it again",
+                    ) from exc
+                reason = exc.strerror or str(exc)  # a name too long, a character the file system rejects
+                result.refused.append({"key": sample.key, "reason": f"the file system refuses its files ({reason})"})
                 continue
             result.files += len(written)
             result.samples += 1
     fsync_dir(dst)
     return result
+
+
+def _undo(dst: Path, written: list[Path], targets: list[tuple[Path | None, bytes]]) -> None:
+    """Remove one sample's files ``written`` and the folders made for it that are left empty."""
+    for path in written:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    for target, _ in targets:
+        folder = target.parent if target is not None else dst
+        while folder != dst and dst in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another sample's files), or never made
+                break
+            folder = folder.parent
 
 
 def _files_of(sample: Sample, manifest: Manifest, layout: str, pack: Path) -> list[tuple[str, bytes]]:
