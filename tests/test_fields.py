@@ -423,33 +423,28 @@ def test_export_refuses_a_key_the_file_system_rejects_and_goes_on(tmp_path: Path
     assert done.exception is None or isinstance(done.exception, SystemExit)
 
 
-def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path, monkeypatch) -> None:
-    import errno
+def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -> None:
+    """A real 1 MiB tmpfs: two samples of 400 KB fit, the third fills it."""
+    import subprocess
 
-    from packdata.formats import contents
-
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
     with packdata.PackWriter(tmp_path / "p.lmdb") as writer:
         for key in ("a", "b", "c"):
-            writer.write({"__key__": key, "txt": key * 10})
-
-    class _Full(io.BytesIO):
-        def write(self, data) -> int:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    def full_after_one(path, mode="r", *args, **kwargs):  # 'a' is written, then the disk is full
-        if Path(path).name == "a.txt":
-            return open(path, mode, *args, **kwargs)  # the caller closes it
-        open(path, mode, *args, **kwargs).close()  # the file exists, as it would on a full disk
-        return _Full()
-
-    monkeypatch.setattr(contents, "open", full_after_one, raising=False)
-    done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(tmp_path / "out")])
-    assert done.exit_code == 1
-    assert done.output == (
-        f"Error: {tmp_path / 'out'}: the disk is full (No space left on device) after 1 samples were exported. "
-        "Free space, delete the partial export and run it again\n"
-    )
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.txt"]  # b's partly written file is gone
+            writer.write({"__key__": key, "txt": key * 400_000})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(disk / "out")])
+        assert done.exit_code == 1
+        assert done.output == (
+            f"Error: {disk / 'out'}: the disk is full (No space left on device) after 2 samples were exported. "
+            "Free space, delete the partial export and run it again\n"
+        )
+        assert sorted(p.name for p in (disk / "out").iterdir()) == ["a.txt", "b.txt"]  # c's partly written file is gone
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _same_tree(comparison: filecmp.dircmp) -> bool:
