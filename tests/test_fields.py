@@ -669,6 +669,14 @@ def test_a_gzipped_tar_is_checked_whole_before_any_sample_is_packed(tmp_path: Pa
     )
 
 
+def test_a_fifo_matched_by_a_shard_glob_is_skipped_as_corrupt_not_waited_on(tmp_path: Path) -> None:
+    (tmp_path / "data-0.tar").write_bytes(_tar_of([("a.txt", b"x")]))
+    os.mkfifo(tmp_path / "data-1.tar")  # an open() for reading would block until a writer came
+    result = packdata.convert(str(tmp_path / "data-*.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"corrupt tar": 1}
+    assert "a FIFO" in result.skip_examples[0]["detail"]
+
+
 def test_a_tar_member_named_in_non_utf8_bytes_is_skipped_by_name(tmp_path: Path) -> None:
     """It once reached the sample index, which cannot hold it: a traceback, and no resume could pass it."""
     (tmp_path / "data.tar").write_bytes(_tar_of([(b"caf\xe9.txt", b"x"), ("ok.txt", b"y")]))

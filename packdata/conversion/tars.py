@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Self, cast
 from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
+from packdata.pack.files import open_regular
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
 __all__ = ["TarSource", "expand_shards", "is_tar_pattern", "scan_tars"]
@@ -136,8 +137,8 @@ class TarSource:
                 yield entry
 
     def _open(self, shard: str) -> BinaryIO:
-        if self.fs is None:
-            return open(shard, "rb")
+        if self.fs is None:  # a FIFO a glob matched is refused (EINVAL, named), never waited on
+            return os.fdopen(open_regular(shard), "rb")
         return self.fs.open(shard, "rb", block_size=_BLOCK, cache_type="readahead")
 
     def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
