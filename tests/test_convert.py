@@ -470,3 +470,17 @@ def test_reads_in_flight_grow_only_while_they_pay() -> None:
     limits = run(warm_cache, lambda limit: 1.0 + 0.1 * limit, 12)  # more in flight is slower: stay at 2
     assert set(limits) == {2, 4} and limits.count(4) <= 4  # a trial of 4 now and then, never kept
     assert _InFlight(1).limit == 1
+
+
+def test_a_checkpoint_snapshot_does_not_follow_later_skips_or_fields(tmp_path: Path) -> None:
+    """A closed shard's checkpoint is taken at hand-off and saved later: skips and fields met since stay out of it."""
+    from packdata.conversion.local import _Checkpoint
+
+    checkpoint = _Checkpoint(tmp_path / "progress.json", {})
+    snapshot = checkpoint.state()
+    checkpoint.skip_examples.append({"key": "later", "reason": "corrupt image", "detail": ""})
+    checkpoint.field_names.append("json")
+    checkpoint.skipped["corrupt image"] += 1
+    checkpoint.save(snapshot)
+    saved = json.loads((tmp_path / "progress.json").read_text())
+    assert saved["skip_examples"] == [] and saved["field_names"] == [] and saved["skipped"] == {}

@@ -90,14 +90,14 @@ class _Checkpoint:
             "walk_sha256": self.walk.hexdigest(),
             "skip_report_bytes": self.skip_report_bytes,
             "skipped": dict(self.skipped),
-            "skip_examples": self.skip_examples,
+            "skip_examples": list(self.skip_examples),  # a copy: a snapshot is saved later (_settle)
             "bytes_in": self.bytes_in,
             "reencoded": self.reencoded,
             "shards": [asdict(s) for s in self.shards],
             "shard_first": self.shard_first,
             "shard_bytes": self.shard_bytes,
             "finishing": self.finishing,
-            "field_names": self.field_names,
+            "field_names": list(self.field_names),
         }
 
     def save(self, state: dict[str, Any] | None = None) -> None:
