@@ -29,6 +29,7 @@ from packdata._version import __version__
 _EXPORTS = {
     "CapacityError": "errors",
     "ConfigError": "errors",
+    "DecodeError": "errors",
     "EngineError": "errors",
     "ImageFormatError": "errors",
     "LockedError": "errors",

@@ -13,12 +13,14 @@ __all__ = [
     "CapacityError",
     "EngineError",
     "ConfigError",
+    "DecodeError",
     "ImageFormatError",
     "LockedError",
     "PackFormatError",
     "PackdataError",
     "SourceError",
     "destination_error",
+    "sample_error",
 ]
 
 
@@ -77,6 +79,20 @@ class ImageFormatError(PackFormatError, OSError):
     ) -> None:
         super().__init__(message, path=path, hint=hint)
         self.detected = detected
+
+
+class DecodeError(PackFormatError, ValueError):
+    """Stored bytes their decoder cannot read: text that is not UTF-8, JSON or ``.npy`` that does not parse.
+
+    A ``ValueError`` too, as what ``bytes.decode``, ``json.loads`` and ``numpy.load`` raise is.
+    """
+
+
+def sample_error(exc: ImageFormatError | DecodeError, which: str, path: str | os.PathLike | None) -> PackFormatError:
+    """``exc`` raised again by a dataset, led by the sample it came from (``which``) and the pack (``path``)."""
+    if isinstance(exc, ImageFormatError):
+        return ImageFormatError(f"{which}: {exc}", path=path, detected=exc.detected)
+    return DecodeError(f"{which}: {exc}", path=path)
 
 
 def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:

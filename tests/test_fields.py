@@ -144,6 +144,58 @@ def _graft_shards(pack: Path, donor: Path) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_text_json_and_npy_that_cannot_be_decoded_are_named_by_pack_sample_and_field(tmp_path: Path, fmt: str) -> None:
+    """Bytes their decoder refuses: one DecodeError naming pack, sample and field, never a bare ValueError."""
+    good = io.BytesIO()
+    np.save(good, np.arange(6, dtype=np.int64))
+    cut_npy = good.getvalue()[:-8]  # a header asking for 48 bytes, 40 follow: refused before allocating
+    object_npy = io.BytesIO()
+    np.save(object_npy, np.array([1, "a"], dtype=object), allow_pickle=True)
+    bad = [("txt", b"caf\xe9"), ("json", b'{"a": '), ("json", b"[" * 100_000), ("npy", cut_npy)]
+    bad.append(("npy", object_npy.getvalue()))
+    rows = [
+        {"__key__": f"k{k}", **{n: (v if n == name else ok) for n, ok in _GOOD.items()}}
+        for k, (name, v) in enumerate(bad)
+    ]
+    pack = tmp_path / "p"
+    packdata.write_pack(rows, pack, format=fmt, progress=False)
+    problems = [
+        "text is not UTF-8",
+        "JSON cannot be parsed",
+        "JSON cannot be parsed",
+        ".npy array cannot be read",
+        ".npy array cannot be read (it holds Python objects",
+    ]
+    indexed = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    for k, ((name, _), problem) in enumerate(zip(bad, problems, strict=True)):
+        message = re.escape(f"{pack}: sample 'k{k}' (index {k}), field '{name}': {problem}")
+        with pytest.raises(packdata.DecodeError, match=message + r".*packdata verify"):
+            indexed(pack)[k]
+    with pytest.raises(packdata.DecodeError, match=re.escape(f"{pack}: sample 'k0' (index 0), field 'txt'")):
+        next(iter(DataLoader(indexed(pack), batch_size=2, num_workers=1)))  # named in the worker too
+    assert indexed(pack, fields=("npy",))[0][0].tolist() == list(range(6))  # the fields asked for still read
+
+
+_GOOD_NPY = io.BytesIO()
+np.save(_GOOD_NPY, np.arange(6, dtype=np.int64))
+_GOOD = {"txt": b"fine", "json": b'{"a": 1}', "npy": _GOOD_NPY.getvalue()}
+
+
+def test_a_single_field_pack_read_with_a_decoder_that_refuses_names_the_sample(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """decode="text" over image bytes: a DecodeError naming pack and sample, for single reads and batches."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(image_folder, pack, progress=False)
+    key = packdata.LMDBDataset(pack).keys[1]
+    message = re.escape(f"{pack}: sample {key!r} (index 1): text is not UTF-8") + r".*decode=.*packdata verify"
+    with pytest.raises(packdata.DecodeError, match=message):
+        packdata.LMDBDataset(pack, decode="text")[1]
+    with pytest.raises(packdata.DecodeError, match=message):
+        packdata.LMDBDataset(pack, decode="text").__getitems__([1, 0])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_a_field_the_manifest_does_not_list_is_named(tmp_path: Path, fmt: str) -> None:
     """A record holding a field the manifest lacks: one PackFormatError naming pack and sample, not a KeyError."""
     rows = [{"__key__": f"k{i}", "json": {"i": i}, "txt": f"t{i}"} for i in range(3)]

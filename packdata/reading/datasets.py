@@ -20,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 from zlib_ng.zlib_ng import crc32
 
-from packdata.errors import ConfigError, ImageFormatError, PackFormatError
+from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
 from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
@@ -322,9 +322,9 @@ class PackView:
         """Decode and transform one sample (``index``: its position, to name it in errors)."""
         try:
             sample = self.decode(data)
-        except ImageFormatError as exc:
+        except (ImageFormatError, DecodeError) as exc:
             which = f"sample {self.keys[index]!r} (index {index})" if index is not None else "a sample"
-            raise ImageFormatError(f"{which}: {exc}", path=self.path, detected=exc.detected) from exc
+            raise sample_error(exc, which, self.path) from exc
         if self.transform is not None:
             sample = self.transform(sample)
         target: Any = label

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.lib.format as npy_format
 from PIL import Image
 
+from packdata.errors import DecodeError
 from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
 ]
 
 DecodeFn = Callable[[bytes], Any]
+_DAMAGED = "Check that decode= (or the field's codec) fits the data; if it does, run `packdata verify` on the pack"
 
 
 def decode_pil(data: bytes) -> Image.Image:
@@ -86,8 +90,15 @@ class DecodeJPEG:
 
 
 def decode_text(data: bytes) -> str:
-    """Decode UTF-8 text."""
-    return data.decode("utf-8")
+    """Decode UTF-8 text.
+
+    Raises:
+        DecodeError: the bytes are not UTF-8.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"text is not UTF-8 ({exc})", hint=_DAMAGED) from exc
 
 
 def _identity(data: bytes) -> bytes:
@@ -95,13 +106,41 @@ def _identity(data: bytes) -> bytes:
 
 
 def decode_json(data: bytes) -> Any:
-    """Parse UTF-8 JSON."""
-    return json.loads(data)
+    """Parse UTF-8 JSON.
+
+    Raises:
+        DecodeError: not UTF-8, not JSON, or nested too deep for the parser.
+    """
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DecodeError(f"JSON cannot be parsed ({type(exc).__name__}: {exc})", hint=_DAMAGED) from exc
 
 
 def decode_npy(data: bytes) -> np.ndarray:
-    """Load a ``.npy`` array; object arrays are refused (``allow_pickle=False``): a pack never runs code."""
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """Load a ``.npy`` array.
+
+    Object arrays are refused (``allow_pickle=False``: a pack never runs code),
+    and so is a header whose shape and dtype do not account for exactly the
+    bytes that follow (it is read before anything is allocated for the array).
+
+    Raises:
+        DecodeError: not a ``.npy`` file, damaged, cut, or holding objects.
+    """
+    stream = io.BytesIO(data)
+    try:
+        version = npy_format.read_magic(stream)
+        read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        shape, _, dtype = read_header(stream)  # a version-3 (UTF-8) header reads as one of latin-1: sizes alike
+        needed = math.prod(shape) * dtype.itemsize
+        if dtype.hasobject:
+            raise ValueError("it holds Python objects (pickled data), which a pack never loads")
+        if needed != len(data) - stream.tell():
+            raise ValueError(f"its header asks for {needed} bytes of array data, {len(data) - stream.tell()} follow")
+        stream.seek(0)
+        return npy_format.read_array(stream, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        raise DecodeError(f".npy array cannot be read ({exc})", hint=_DAMAGED) from exc
 
 
 _DECODERS: dict[str, DecodeFn] = {

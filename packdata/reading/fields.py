@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from packdata.errors import ConfigError, ImageFormatError, PackFormatError
+from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
 from packdata.pack.manifest import Manifest
 from packdata.reading.decode import CODEC_DECODERS, DecodeFn, resolve_decoder
@@ -80,7 +80,7 @@ class FieldSpec:
         Raises:
             KeyError: a field asked for in ``fields`` is missing from this sample.
             PackFormatError: the sample holds a field the manifest does not list.
-            ImageFormatError: an image field cannot be decoded (naming the sample and field).
+            ImageFormatError, DecodeError: a field cannot be decoded (naming the sample and field).
         """
         sample: dict[str, Any] = {KEY_FIELD: key}
         which = f"sample {key!r}" + (f" (index {index})" if index is not None else "")
@@ -95,10 +95,8 @@ class FieldSpec:
                 )
             try:
                 value = decode(data)
-            except ImageFormatError as exc:
-                raise ImageFormatError(
-                    f"{which}, field {name!r}: {exc}", path=self.path, detected=exc.detected
-                ) from exc
+            except (ImageFormatError, DecodeError) as exc:
+                raise sample_error(exc, f"{which}, field {name!r}", self.path) from exc
             if name in self.transforms:
                 value = self.transforms[name](value)
             sample[name] = value
