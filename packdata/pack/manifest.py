@@ -329,6 +329,10 @@ def _check_skipped(where: Path, skipped: dict[str, Any]) -> None:
     for reason, n in by_reason.items():
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= _MAX_INT:
             raise _field_error(where, "skipped.by_reason", problem, {reason: n})
+    if "count" in skipped and "by_reason" in skipped and sum(by_reason.values()) != skipped["count"]:
+        # a merge or an append adds up the reasons: a lie here would become a miscount there
+        problem = f"should add up to skipped.count ({skipped['count']})"
+        raise _field_error(where, "skipped.by_reason", problem, by_reason)
     report = skipped.get("report")
     if report is not None and plain_name_problem(report) is not None:
         raise _field_error(where, "skipped.report", f"{plain_name_problem(report)} inside the pack", report)

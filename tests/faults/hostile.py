@@ -221,6 +221,10 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
         "'skipped.by_reason' should be an object of reason -> count",
     ),
     "skipped-count-negative": (_edit(lambda d: d["skipped"].update(count=-1)), "'skipped.count'"),
+    "skipped-reasons-miscounted": (
+        _edit(lambda d: d["skipped"].update(count=1, by_reason={"corrupt": 1, "unreadable": 4})),
+        "'skipped.by_reason' should add up to skipped.count (1)",
+    ),
 }
 """Each malformed manifest: ``(apply(pack, fmt), text the one-line error must hold)``."""
 
