@@ -72,6 +72,15 @@ _ZERO_OK = {"reserve"}  # sizes where 0 means something (keep nothing free)
 _SIZE_HELP = f"Sizes need a unit: {SIZE_RULE}."
 
 
+def _shown(text: str) -> str:
+    """``text`` for one line of output: as it is, or quoted and escaped if it holds a newline, tab or control.
+
+    A key or file name from a pack or a source may hold any of them: raw, one
+    sample would print as two lines, or a terminal escape sequence would run.
+    """
+    return text if text.isprintable() else repr(text)
+
+
 def _count(n: int, noun: str) -> str:
     """``1 shard``, ``2 shards``."""
     return f"{n} {noun}{'s' * (n != 1)}"
@@ -248,7 +257,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
             f"  SKIPPED {skipped} {noun}: {reasons} (all listed in {result.pack}/skipped.jsonl)", fg="yellow", err=False
         )
         for example in result.skip_examples[:10]:
-            click.echo(f"    {example['key']}: {example['reason']}: {example['detail']}")
+            click.echo(f"    {_shown(example['key'])}: {example['reason']}: {_shown(example['detail'])}")
 
 
 @main.command()
@@ -401,9 +410,9 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: str | None) -> Non
         if as_json:
             click.echo(json.dumps(row, ensure_ascii=False))
             continue
-        label = f"{row['label']}" + (f" ({row['class']})" if row["class"] is not None else "")
+        label = f"{row['label']}" + (f" ({_shown(row['class'])})" if row["class"] is not None else "")
         fields = " ".join(f"{name}:{format_size(size)}" for name, size in row["fields"].items())
-        click.echo(f"#{row['index']}\t{row['key']}\t{label}\t{fields}\t{row['shard']}")
+        click.echo(f"#{row['index']}\t{_shown(row['key'])}\t{label}\t{fields}\t{row['shard']}")
 
 
 @main.command(name="cat")
@@ -457,7 +466,7 @@ def export(pack: str, dst: str, layout: str | None) -> None:
     if result.refused:
         click.secho(f"  REFUSED {len(result.refused)} samples:", fg="yellow")
         for item in result.refused[:10]:
-            click.echo(f"    {item['key']}: {item['reason']}")
+            click.echo(f"    {_shown(item['key'])}: {_shown(item['reason'])}")
         sys.exit(1)
 
 

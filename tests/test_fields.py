@@ -432,6 +432,30 @@ def test_ls_cat_export_round_trip(tmp_path: Path) -> None:
     assert _same_tree(comparison), comparison.report_full_closure()
 
 
+def test_ls_and_convert_show_keys_with_newlines_and_control_characters_escaped(tmp_path: Path) -> None:
+    """A key holding a newline prints as one line, quoted; an escape sequence never reaches the terminal raw."""
+    odd = "cat\x1b[2J"
+    keys = [f"{odd}/a\nb.jpg", f"{odd}/tab\there.jpg", "dog/plain café.jpg"]
+    for k, key in enumerate(keys):
+        (tmp_path / "src" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / key).write_bytes(image_bytes(k))
+    bad = f"{odd}/bad\nname.jpg"
+    (tmp_path / "src" / bad).write_bytes(b"not an image")
+    pack = tmp_path / "out.lmdb"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(tmp_path / "src"), str(pack), "--verify-images"])
+    assert done.exit_code == 0, done.output
+    assert f"    {bad!r}: corrupt image: " in done.output
+    assert "\x1b" not in done.output
+    listed = runner.invoke(cli, ["ls", str(pack)])
+    assert listed.exit_code == 0 and "\x1b" not in listed.output, listed.output
+    columns = [line.split("\t") for line in listed.output.splitlines()]
+    assert [c[1] for c in columns] == [repr(keys[0]), repr(keys[1]), keys[2]]  # one line each; plain keys as they are
+    assert [c[2] for c in columns] == [f"0 ({odd!r})", f"0 ({odd!r})", "1 (dog)"]
+    rows = [json.loads(line) for line in runner.invoke(cli, ["ls", str(pack), "--json"]).output.splitlines()]
+    assert [row["key"] for row in rows] == keys  # JSON: exact
+
+
 def test_export_of_an_imagefolder_pack_gives_the_source_back(tmp_path: Path) -> None:
     src = tmp_path / "src"
     for c in ("a", "b"):
