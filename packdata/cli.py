@@ -49,7 +49,10 @@ _KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
 
 
 def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn packdata's own errors into one line, in flags rather than keyword arguments, and exit 1."""
+    """Turn packdata's own errors into one line, in flags rather than keyword arguments, and exit 1.
+
+    A newline, tab or control character in the message (a path, a key) is escaped.
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -63,7 +66,8 @@ def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
                 if isinstance(param, click.Option)
                 for opt in param.opts[:1]
             }
-            raise click.ClickException(as_flags(str(exc), flags)) from exc
+            message = as_flags(str(exc), flags)
+            raise click.ClickException("".join(c if c.isprintable() else repr(c)[1:-1] for c in message)) from exc
 
     return wrapper
 

@@ -48,6 +48,10 @@ def test_errors_are_one_line_with_exit_1(image_folder: Path, tmp_path: Path) -> 
     ]
     missing = _run("info", str(tmp_path / "nope"))
     assert missing.exit_code == 1 and "no such pack" in missing.output
+    odd = tmp_path / "two\nlines\x1b[2J"
+    missing = _run("info", str(odd))  # a path holding a newline and an escape sequence: escaped, still one line
+    assert missing.exit_code == 1 and missing.output.count("\n") == 1 and "\x1b" not in missing.output
+    assert missing.output.startswith(f"Error: {tmp_path}/two\\nlines\\x1b[2J: no such pack"), missing.output
 
 
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
