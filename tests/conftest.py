@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,14 @@ def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout: floa
     """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (CPU, gloo).
 
     Fails the test with the output's tail on a non-zero exit or a hang (the whole
-    process group is killed after ``timeout`` seconds). Returns the output.
+    process group is killed after ``timeout`` seconds). Returns the output. The
+    run's temporary files (torchelastic's folders) go to a folder removed after it.
     """
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        return _run_torchrun(script, args, nproc, timeout, scratch)
+
+
+def _run_torchrun(script: Path, args: list[str], nproc: int, timeout: float, scratch: str) -> str:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
         "--nproc_per_node", str(nproc), str(script), *args,
@@ -124,6 +131,7 @@ def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout: floa
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
+        "TMPDIR": scratch,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.Popen(
