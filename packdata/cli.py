@@ -239,7 +239,11 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
             options["storage_options"] = json.loads(options["storage_options"])
         result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
     except KeyboardInterrupt:
-        click.echo(f"\nInterrupted: nothing was published at {dst}; rerun with --resume to continue.", err=True)
+        if options.get("append"):  # the pack reads as before the append, or with all of it: never in between
+            message = f"the append into {dst} did not finish; rerun with --append --resume to complete it"
+        else:
+            message = f"nothing was published at {dst}; rerun with --resume to continue"
+        click.echo(f"\nInterrupted: {message}.", err=True)
         sys.exit(130)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))

@@ -369,3 +369,30 @@ def test_append_deletes_as_index_previous_only_a_folder_of_index_files(tmp_path:
     assert done.exit_code == 0, done.output
     assert "index-old" not in os.listdir(pack) and read_manifest(pack).index == {"dir": "index-a1", "previous": "index"}
     assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg", "cat/2.jpg"]
+
+
+def test_an_interrupted_append_says_how_to_finish_it_and_that_advice_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during convert --append: the message names --append --resume, not "nothing was published"; it works."""
+    import packdata.conversion.convert as convert_module
+
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), pack, progress=False)
+    new = _folder(tmp_path / "b", {"cat": ["2.jpg"]})
+    real = convert_module.append_pack
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(convert_module, "append_pack", real)
+        raise KeyboardInterrupt  # Ctrl-C once the new samples are converted, before they move in
+
+    monkeypatch.setattr(convert_module, "append_pack", interrupted)
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "-q"])
+    assert done.exit_code == 130 and "nothing was published" not in done.output, done.output
+    assert f"Interrupted: the append into {pack} did not finish" in done.output
+    assert "rerun with --append --resume to complete it" in done.output
+    assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg"]  # the pack still reads as before
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--resume", "-q"])
+    assert done.exit_code == 0, done.output
+    assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg", "cat/2.jpg"]
