@@ -396,3 +396,30 @@ def test_an_interrupted_append_says_how_to_finish_it_and_that_advice_works(
     done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--resume", "-q"])
     assert done.exit_code == 0, done.output
     assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg", "cat/2.jpg"]
+
+
+def test_overwrite_of_a_pack_with_an_interrupted_append_says_to_finish_it(tmp_path: Path) -> None:
+    """Its plan left in the pack: overwrite names the interrupted append, and finishing it first lets overwrite run."""
+    template, new, _ = _grown_pack(tmp_path, "lmdb")
+    with _KilledAppends() as appends:
+        for kill_at in range(1, 100):  # the first instant with the plan written
+            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
+            shutil.copytree(template, pack)
+            assert appends.run(new, pack, kill_at)
+            if (pack / ".append-a2.json").exists():
+                break
+    runner = CliRunner()
+    around = tree_digest(pack)
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--overwrite", "-q"])
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith(f"Error: {pack}: destination holds '.append-a2.json': an append into it was "), (
+        done.output
+    )
+    assert "Finish the append first (--append with --resume), then overwrite" in done.output
+    assert tree_digest(pack) == around
+    args = ["convert", str(new), str(pack), "--append", "--resume", "-q", "--shard-samples", "2"]
+    assert runner.invoke(cli, args).exit_code == 0
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--overwrite", "-q"])
+    assert done.exit_code == 0, done.output
+    sources = sorted(p.relative_to(new).as_posix() for p in new.rglob("*") if p.is_file())
+    assert [key for key, _, _ in _samples(pack)] == sources and not any(p.name.startswith(".") for p in pack.iterdir())

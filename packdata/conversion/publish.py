@@ -210,6 +210,12 @@ def _check_replaceable(dst: Path) -> None:
                 hint=hint,
             )
     foreign = _foreign_entry(manifest, dst)
+    if foreign is not None and foreign.startswith(".append-a"):  # conversion.append's plan or staging folder
+        raise ConfigError(
+            f"destination holds {foreign!r}: an append into it was interrupted; refusing to replace it",
+            path=dst,
+            hint="Finish the append first (append=True with resume=True), then overwrite",
+        )
     if foreign is not None:
         raise ConfigError(
             f"destination holds {foreign!r}, which is not part of a packdata pack; refusing to replace it",
