@@ -1034,3 +1034,48 @@ def test_ranks_opening_a_remote_pack_on_a_fresh_cache_share_one_download(
     assert all(samples == expected for _, samples in outcomes)
     assert len(log.read_text().split()) == 1  # one rank downloaded; the others waited and used its copy
     assert not list((tmp_path / "cache").rglob(".*partial*")) and not list((tmp_path / "cache").rglob(".*old*"))
+
+
+_KILLED_DOWNLOAD = """
+import json, sys, time
+import packdata
+from packdata.formats import remote_pack
+download = remote_pack.download_skeleton
+def stalled(*args, **kwargs):  # the partial copy is written; the process is killed before it renames it
+    download(*args, **kwargs)
+    print("downloaded", flush=True)
+    time.sleep(60)
+remote_pack.download_skeleton = stalled
+packdata.TFRecordDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]), cache_dir=sys.argv[3])
+"""
+
+
+def test_a_partial_copy_left_by_a_killed_download_is_removed_by_the_next_one(
+    s3, remote_tfrecord, tmp_path: Path
+) -> None:
+    options, _ = s3
+    url, local = remote_tfrecord
+    cache = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_DOWNLOAD, url, json.dumps(options), str(cache)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "downloaded"
+    child.kill()  # SIGKILL: no clean-up runs
+    child.wait()
+    (stale,) = cache.rglob(".verify-tf.partial-*")
+    assert stale.name == f".verify-tf.partial-{child.pid}" and (stale / "manifest.json").is_file()
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "data.bin").write_bytes(b"not the cache's")
+    link = stale.with_name(".verify-tf.partial-99999999")
+    link.symlink_to(outside / "keep")
+    other = stale.with_name(".verify-tf.partial-1x")  # not a partial's name: left alone
+    other.mkdir()
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=cache)
+    assert sorted(data for data, _ in ds) == sorted(
+        data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes")
+    )
+    assert not stale.exists() and not os.path.lexists(link) and other.is_dir()
+    assert (outside / "keep" / "data.bin").read_bytes() == b"not the cache's"  # the link went, never its target

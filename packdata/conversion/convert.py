@@ -30,7 +30,6 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _check_paths,
-    discard_partial,
     partial_path,
 )
 from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
@@ -47,6 +46,7 @@ from packdata.conversion.upload import (
 )
 from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
+from packdata.pack.files import discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.urls import display_url, is_url

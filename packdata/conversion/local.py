@@ -29,7 +29,6 @@ from packdata.conversion.publish import (
     _publish,
     bad_file_error,
     check_resumable,
-    discard_partial,
     extend_classes,
     make_result,
     partial_path,
@@ -44,7 +43,7 @@ from packdata.errors import (
     destination_error,
 )
 from packdata.formats import ShardWriter, shard_writer
-from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.files import atomic_write, discard_partial, fsync_dir
 from packdata.pack.index import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample

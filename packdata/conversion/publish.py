@@ -39,7 +39,6 @@ __all__ = [
     "ConvertResult",
     "bad_file_error",
     "check_resumable",
-    "discard_partial",
     "extend_classes",
     "make_result",
     "partial_path",
@@ -83,14 +82,6 @@ def partial_path(dst: str | os.PathLike) -> Path:
     """The hidden sibling a conversion into ``dst`` writes before renaming."""
     dst = Path(dst)
     return dst.parent / f".{dst.name}.partial"
-
-
-def discard_partial(partial: Path) -> None:
-    """Remove what stands at ``partial``: the folder an interrupted run left, or only the link or file itself."""
-    if partial.is_dir() and not partial.is_symlink():
-        shutil.rmtree(partial)
-    elif os.path.lexists(partial):
-        partial.unlink()
 
 
 def check_resumable(partial: Path) -> None:

@@ -39,7 +39,6 @@ from packdata.conversion.publish import (
     _publish,
     bad_file_error,
     check_resumable,
-    discard_partial,
     extend_classes,
     make_result,
     partial_path,
@@ -59,7 +58,7 @@ from packdata.conversion.sources import Skip, SourceFile, SourceGroup
 from packdata.conversion.upload import upload_pack
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
-from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.files import atomic_write, discard_partial, fsync_dir
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,

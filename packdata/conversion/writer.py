@@ -28,13 +28,13 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _publish,
-    discard_partial,
     make_result,
     partial_path,
 )
 from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
+from packdata.pack.files import discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress

@@ -1,4 +1,4 @@
-"""The one way packdata writes a small file that must never be seen half-written, and hashes a file."""
+"""How packdata writes a small file that must never be seen half-written, hashes a file, and removes a leftover."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import errno
 import hashlib
 import mmap
 import os
+import shutil
 import stat
 from io import BufferedReader
 from pathlib import Path
@@ -16,6 +17,7 @@ from packdata.errors import PackFormatError
 
 __all__ = [
     "atomic_write",
+    "discard_partial",
     "file_sha256",
     "file_kind",
     "fsync_dir",
@@ -195,3 +197,11 @@ def map_int64(path: str | os.PathLike) -> np.ndarray | None:
         return None
     finally:
         os.close(fd)
+
+
+def discard_partial(partial: Path) -> None:
+    """Remove what stands at ``partial``: the folder an interrupted run left, or only the link or file itself."""
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    elif os.path.lexists(partial):
+        partial.unlink()
