@@ -1079,3 +1079,53 @@ def test_a_partial_copy_left_by_a_killed_download_is_removed_by_the_next_one(
     )
     assert not stale.exists() and not os.path.lexists(link) and other.is_dir()
     assert (outside / "keep" / "data.bin").read_bytes() == b"not the cache's"  # the link went, never its target
+
+
+_STALLED_URL_STAGE = """
+import json, sys, threading
+import packdata
+from packdata.staging import remote
+fetch, gate, released = remote._fetch_range, threading.Lock(), []
+def stalled(*args):  # the first range waits for a line on stdin; the stage holds its locks meanwhile
+    with gate:
+        if not released:
+            print("downloading", flush=True)
+            sys.stdin.readline()
+            released.append(True)
+    return fetch(*args)
+remote._fetch_range = stalled
+packdata.stage(sys.argv[1], to=sys.argv[2], storage_options=json.loads(sys.argv[3]), progress=False)
+print("staged", flush=True)
+"""
+
+
+def test_a_local_stage_is_refused_while_a_url_stage_downloads_into_the_same_folder(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """As a second local stage into the folder is: LockedError at once, naming the holder and its lock file."""
+    from packdata.errors import LockedError
+
+    options, _ = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_URL_STAGE, url, str(cache), json.dumps(options)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline().strip() == "downloading"
+        lock = re.escape(str(cache / ".train.lmdb.lock"))
+        with pytest.raises(LockedError, match=rf"pid {child.pid} on host .*\(packdata stage \(download\).*{lock}"):
+            packdata.stage(local, to=cache, progress=False)
+        assert not (cache / "train.lmdb" / "staged.json").exists()  # the local stage wrote nothing
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "staged"
+    finally:
+        child.kill()
+        child.wait()
+    assert json.loads((cache / "train.lmdb" / "staged.json").read_text())["origin"] == url
+    assert _samples(cache / "train.lmdb") == _samples(local)

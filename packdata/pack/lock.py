@@ -1,14 +1,16 @@
 """One writer at a time: an ``flock`` on a small lock file that names its holder.
 
 ``convert`` holds ``.NAME.lock`` beside its destination (from before the
-partial folder is touched until after the publish rename); ``stage`` and
-``unstage`` hold ``.stage.lock`` inside the staged pack. The kernel drops an
-``flock`` when its process dies, however it dies, so a lock file left by a
-killed run is simply taken over by the next one: staleness is never guessed
-from age. The holder writes its pid, host, command and start time into the file
-so a refused run can say who holds it. A clean release unlinks the file
-(while still holding it); a run that locked a file just unlinked by its
-previous holder notices (the path no longer names its inode) and starts over.
+partial folder is touched until after the publish rename); ``stage`` from a
+URL holds the same ``.NAME.lock`` beside its copy, and a local ``stage`` and
+``unstage`` hold it too, then ``.stage.lock`` inside the staged pack. The
+kernel drops an ``flock`` when its process dies, however it dies, so a lock
+file left by a killed run is simply taken over by the next one: staleness is
+never guessed from age. The holder writes its pid, host, command and start
+time into the file so a refused run can say who holds it. A clean release
+unlinks the file (while still holding it); a run that locked a file just
+unlinked by its previous holder notices (the path no longer names its inode)
+and starts over.
 Lock files are opened with ``O_NOFOLLOW`` and checked before anything is
 written: a symlink, hard link, non-regular file, or a file whose content is not
 a packdata lock record is refused, never truncated or removed.

@@ -28,7 +28,7 @@ from packdata.errors import CapacityError, ConfigError, PackdataError, PackForma
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write, file_kind, open_regular, stream_sha256
 from packdata.pack.index import ALL_FILES as INDEX_FILES
-from packdata.pack.lock import hold_lock
+from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
@@ -345,8 +345,13 @@ def remove_leftovers(dest: Path) -> None:
 
 @contextlib.contextmanager
 def locked(dest: Path, what: str = "packdata stage") -> Iterator[None]:
-    """Hold ``dest``'s ``.stage.lock`` (see :mod:`packdata.pack.lock`); LockedError names the holder."""
-    with hold_lock(dest / LOCK, what=what, target=dest):
+    """Hold ``dest``'s locks (see :mod:`packdata.pack.lock`); LockedError names the holder.
+
+    ``.NAME.lock`` beside ``dest`` is the one a stage from a URL into the same
+    folder holds (it replaces the whole folder, so its lock lives outside it);
+    ``.stage.lock`` inside is the one any other path to ``dest`` (a symlink) shares.
+    """
+    with hold_lock(convert_lock_path(dest), what=what, target=dest), hold_lock(dest / LOCK, what=what, target=dest):
         yield
 
 

@@ -4,7 +4,9 @@
 called by every rank of a job: one process per cache folder downloads while
 the others wait on ``.NAME.lock`` there (an ``flock``: a process that dies
 holding it releases it, so nobody hangs on a dead downloader), then all open
-the finished copy. The steps:
+the finished copy. A local ``stage`` or ``unstage`` of ``CACHE/NAME`` takes
+the same lock: it is refused while a download runs, and a download waits for
+it. The steps:
 
 1. The remote ``manifest.json`` is read and validated like a local one.
 2. When ``CACHE/NAME`` already holds a complete copy of this manifest, nothing
@@ -45,7 +47,7 @@ from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
 from packdata.pack.files import atomic_write, file_sha256, fsync_dir
 from packdata.pack.index import index_files
-from packdata.pack.lock import hold_lock
+from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
@@ -122,7 +124,7 @@ def stage_remote(
     else:
         check_name(name, area=cache)
     cache.mkdir(parents=True, exist_ok=True)
-    lock = cache / f".{name}.lock"
+    lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
     while True:
         try:
             with hold_lock(lock, what="packdata stage (download)", target=cache / name):
