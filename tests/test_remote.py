@@ -1129,3 +1129,67 @@ def test_a_local_stage_is_refused_while_a_url_stage_downloads_into_the_same_fold
         child.wait()
     assert json.loads((cache / "train.lmdb" / "staged.json").read_text())["origin"] == url
     assert _samples(cache / "train.lmdb") == _samples(local)
+
+
+_READ_ACROSS_A_CHANGE = """
+import json, sys
+import packdata
+from packdata.errors import PackFormatError
+from packdata.formats import tfrecord_remote
+tfrecord_remote.RemoteShardReader.CHUNK = 100  # a record or two per request: most of the shard is fetched later
+ds = packdata.TFRecordDataset(
+    sys.argv[1], decode="bytes", shuffle=False, storage_options=json.loads(sys.argv[2]), cache_dir=sys.argv[3]
+)
+it = iter(ds)
+print(json.dumps([next(it)[0].decode() for _ in range(2)]), flush=True)
+sys.stdin.readline()  # meanwhile the pack is uploaded again and another process opens it, replacing the cache copy
+read, error = [], ""
+try:
+    read += [data.decode() for data, _ in it]
+except PackFormatError as exc:
+    error = str(exc)
+print(json.dumps({"read": read, "error": error}), flush=True)
+"""
+
+
+def _text_pack(root: Path, tag: str) -> Path:
+    """A one-shard TFRecord pack ``root/changing`` of 12 text samples whose bytes start with ``tag``."""
+    for c in ("x", "y"):
+        (root / "src" / c).mkdir(parents=True)
+        for i in range(6):
+            (root / "src" / c / f"{i}.txt").write_text(f"{tag}{c}{i}" * 10)
+    packdata.convert(root / "src", root / "changing", format="tfrecord", shard_samples=12, progress=False)
+    return root / "changing"
+
+
+def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear_error(s3, tmp_path: Path) -> None:
+    """The pack uploaded again, its records of the same lengths: nothing read after the replacement is the new one's."""
+    options, fs = s3
+    url, cache = "s3://packs/changing", tmp_path / "cache"
+    first, second = _text_pack(tmp_path / "v1", "A"), _text_pack(tmp_path / "v2", "B")
+    fs.put(str(first), "packs/changing", recursive=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READ_ACROSS_A_CHANGE, url, json.dumps(options), str(cache)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdin is not None and reader.stdout is not None
+        assert json.loads(reader.stdout.readline()) == ["Ax0" * 10, "Ax1" * 10]
+        fs.rm("packs/changing", recursive=True)
+        fs.put(str(second), "packs/changing", recursive=True)
+        fs.invalidate_cache()
+        other = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+        assert sorted(data[:1] for data, _ in other) == [b"B"] * 12  # this process reads the new pack
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        outcome = json.loads(reader.stdout.readline())
+    finally:
+        reader.kill()
+        reader.wait()
+    assert all(data.startswith("A") for data in outcome["read"]), outcome["read"]  # never the new pack's records
+    assert re.fullmatch(
+        rf"{re.escape(str(cache))}/\w+/changing/manifest\.json: pack changed since the dataset was opened .*",
+        outcome["error"],
+    ), outcome["error"]

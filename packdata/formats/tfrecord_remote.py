@@ -19,7 +19,7 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -122,7 +122,9 @@ class ShardRun:
     shard: int = -1
 
 
-def stream_ahead(runs: Iterable[ShardRun], *, ahead: int = 2) -> Iterator[tuple[ShardRun, Iterator[memoryview]]]:
+def stream_ahead(
+    runs: Iterable[ShardRun], *, ahead: int = 2, check: Callable[[], None] | None = None
+) -> Iterator[tuple[ShardRun, Iterator[memoryview]]]:
     """Each run with an iterator of its checked records (data, or payloads), chunks fetched ahead across runs.
 
     One background thread fetches the chunks of all the runs in order, at most
@@ -139,12 +141,16 @@ def stream_ahead(runs: Iterable[ShardRun], *, ahead: int = 2) -> Iterator[tuple[
     retry waiting for its backoff, and lets the thread end with the request it
     is running.
 
+    ``check``, when given, runs as each chunk arrives (or fails to), before
+    any of its records is checked or yielded (a dataset's ``check_unchanged``):
+    what it raises is raised instead.
+
     Raises:
         PackFormatError: a chunk could not be read (naming the shard's URL and
             byte range), or a record is damaged; raised when its chunk is reached.
         RuntimeError: a run's records were not all read before the next run.
     """
-    read_ahead = _ReadAhead(iter(runs), ahead)
+    read_ahead = _ReadAhead(iter(runs), ahead, check)
     try:
         while (run := read_ahead.next_run()) is not None:
             yield run, read_ahead.records(run)
@@ -158,9 +164,10 @@ _Chunk = tuple[int, int, int, int]  # first record, end record, first byte, end 
 class _ReadAhead:
     """The state of :func:`stream_ahead`: runs pulled, chunks to request, requests in flight."""
 
-    def __init__(self, runs: Iterator[ShardRun], ahead: int) -> None:
+    def __init__(self, runs: Iterator[ShardRun], ahead: int, check: Callable[[], None] | None) -> None:
         self._runs = runs
         self._ahead = max(0, ahead)
+        self._check = check
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packdata-readahead")
         self._stop = threading.Event()
         self._ready: deque[ShardRun] = deque()  # pulled, not handed to the caller yet
@@ -223,7 +230,11 @@ class _ReadAhead:
             owner, (i, j, base, _), future = self._pending.popleft()
             if owner is not run:
                 raise RuntimeError("stream_ahead: read every record of a run before asking for the next one")
-            data = future.result()
+            try:
+                data = future.result()
+            finally:  # a chunk read, or failing to be read, after the pack changed: say that it changed
+                if self._check is not None:
+                    self._check()
             self._top_up()
             yield from run.reader.check_chunk(memoryview(data), base, run.offsets, run.lengths, i, j, run.payloads)
 

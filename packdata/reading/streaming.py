@@ -415,7 +415,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 for run in runs
             )
         else:  # records copied out of the downloaded chunks: a held record must not pin its chunk
-            streams = ((run, map(bytes, data)) for run, data in stream_ahead(runs))
+            # each chunk checked as it arrives: a copy replaced since (the remote pack changed) stops the reader
+            checked = stream_ahead(runs, check=self.pack.check_unchanged)
+            streams = ((run, map(bytes, data)) for run, data in checked)
         for run, data in streams:
             path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
             try:
