@@ -623,6 +623,7 @@ class LMDBShardReader:
         self._held: tuple[int, int] | None = None  # the shared environment this reader is a user of
         self._in_txn = False
         self._locations: np.ndarray | None = None
+        self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
         self._pages: PagedFile | None = None
         data = os.path.join(self.path, DATA_FILE)
         problem = not_a_file(data)
@@ -676,6 +677,7 @@ class LMDBShardReader:
         found = _read_table(self.path, self._entries, info["last_txnid"], size)
         if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
             self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
+            self._rows = self._locations.data.cast("B").cast("q")
         if self._locations is not None:
             self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
             self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
@@ -705,9 +707,11 @@ class LMDBShardReader:
                 named, never walked by LMDB's lookup, whose damaged pages could
                 lead it past its map.
         """
-        if self._locations is None or not 0 <= index < self._entries:
+        rows = self._rows
+        if rows is None or not 0 <= index < self._entries:
             return None
-        offset, length, crc = self._locations[3 * index : 3 * index + 3].tolist()
+        at = 3 * index
+        offset, length, crc = rows[at], rows[at + 1], rows[at + 2]
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
         if len(data) != length or (self.check_crc and crc32c(data) != crc):
@@ -784,6 +788,7 @@ class LMDBShardReader:
         if self._in_txn:
             self._txn.abort()
             self._in_txn = False
+        self._rows = None
         if self._pages is not None:
             self._pages.close()
             self._pages = None
