@@ -29,7 +29,9 @@ request. Without a valid table (none, a table of an older packdata, a damaged
 or foreign one, or any later write to the environment) or on any mismatch the
 reader falls back to LMDB's own lookup, where the record's own CRC-32 and its
 key and label are checked, so the table is an accelerator, never a second
-source of truth.
+source of truth. LMDB trusts its file, so before it opens a shard its meta
+pages are checked, and before its lookup or cursor walks one, every page they
+can reach (:mod:`packdata.formats.lmdb_pages`).
 """
 
 # Over ~500 lines: writer, records.i64 table and the reader that checks it.
@@ -53,6 +55,7 @@ from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import ShardLayout
+from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
 from packdata.formats.residency import PagedFile, buffer_address
 from packdata.pack.files import file_sha256, map_int64, not_a_file, open_pack_file
 from packdata.pack.manifest import ShardInfo
@@ -300,6 +303,7 @@ def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Envir
                 entry.users += 1
                 return identity, entry.env  # this file, through this path or another (a merged pack's hard link)
             entry.env.close()  # the parent's handle, inherited through fork
+        read_lmdb_meta(os.path.join(path, DATA_FILE))  # LMDB maps the pages its meta says are in use
         env = lmdb.open(
             path,
             map_size=_read_map_size(path),
@@ -318,12 +322,13 @@ def _shared_env(path: str, readahead: bool) -> tuple[tuple[int, int], lmdb.Envir
 def _read_map_size(path: str) -> int:
     """The map of a read-only environment: ``data.mdb``'s size, not py-lmdb's default 10 MiB.
 
-    LMDB follows a damaged node pointer blindly; in a map larger than the file
-    a read past its end is a ``SIGBUS`` that kills the process. LMDB widens a
-    map to the pages its header says are in use (a file shorter than that is
-    refused before any read), and refuses a page number past them
-    (``MDB_PAGE_NOTFOUND``) and a node's data running off its page
-    (``MDB_CORRUPTED``): errors, which readers turn into ``PackFormatError``.
+    In a map larger than the file, a read past its end is a ``SIGBUS`` that
+    kills the process. LMDB widens a map to the pages its meta page says are
+    in use: :func:`~packdata.formats.lmdb_pages.read_lmdb_meta` refuses a
+    file shorter than that before it is opened, and
+    :func:`~packdata.formats.lmdb_pages.check_lmdb_tree` every page number,
+    node and value that would lead LMDB's lookups and cursors off a page or
+    out of the file before they walk it.
     """
     return max(os.path.getsize(os.path.join(path, DATA_FILE)), 1)
 
@@ -366,6 +371,7 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
+    check_lmdb_tree(os.path.join(path, DATA_FILE))  # before LMDB's cursor walks it
     try:  # one more user of this process's environment (LMDB opens a file once per process)
         identity, env = _shared_env(os.fspath(path), True)
     except lmdb.Error as exc:
@@ -625,6 +631,7 @@ class LMDBShardReader:
         self._locations: np.ndarray | None = None
         self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
         self._pages: PagedFile | None = None
+        self._tree_checked = False  # LMDB's lookups and cursor walk the B-tree only once it is checked
         data = os.path.join(self.path, DATA_FILE)
         problem = not_a_file(data)
         if problem:
@@ -651,16 +658,8 @@ class LMDBShardReader:
         self, data: str, size: int, readahead: bool, expected_sha256: str | None, expected_records: int | None
     ) -> None:
         try:
-            self._held, self._env = _shared_env(self.path, readahead)
+            self._held, self._env = _shared_env(self.path, readahead)  # its meta pages checked first
             info = self._env.info()
-            page = self._env.stat()["psize"]
-            if size < (info["last_pgno"] + 1) * page:  # reading past the end would fault (SIGBUS)
-                raise PackFormatError(
-                    f"{DATA_FILE} is truncated: {size} bytes, but LMDB's header says "
-                    f"{(info['last_pgno'] + 1) * page} are in use",
-                    path=data,
-                    hint="Convert or stage the pack again",
-                )
             self._txn = self._env.begin(buffers=True)
             self._in_txn = True
             self._entries = self._txn.stat()["entries"]
@@ -684,6 +683,7 @@ class LMDBShardReader:
 
     def get(self, index: int) -> memoryview:
         """The whole record at ``index`` within the shard, valid until :meth:`close`."""
+        self._check_tree()
         try:
             value = self._txn.get(encode_key(index))
         except lmdb.Error as exc:
@@ -774,11 +774,22 @@ class LMDBShardReader:
 
     def items(self):
         """Iterate ``(index in shard, record)`` in key order."""
+        self._check_tree()
         try:
             for key, value in self._txn.cursor():
                 yield _KEY.unpack(key)[0], value
         except lmdb.Error as exc:
             raise _lmdb_error(self.path, exc) from exc
+
+    def _check_tree(self) -> None:
+        """Check every page LMDB's lookups and cursor can reach (once per file per process) before they walk it.
+
+        Raises:
+            PackFormatError: a page number, node or value would lead LMDB off a page or out of ``data.mdb``.
+        """
+        if not self._tree_checked:
+            check_lmdb_tree(os.path.join(self.path, DATA_FILE))
+            self._tree_checked = True
 
     def close(self) -> None:
         """End the read transaction, close the file, and let go of the shared environment.

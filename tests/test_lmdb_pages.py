@@ -1,0 +1,300 @@
+"""LMDB's lookups and cursors never walk a damaged or crafted page out of data.mdb: one error, no crash."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import image_bytes
+from faults.hostile import rewrite_manifest
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from packdata import LMDBDataset, convert, verify_pack
+from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
+
+_BRANCH, _LEAF, _BIGDATA = 0x01, 0x02, 0x01
+
+
+def _noise_jpeg(seed: int) -> bytes:
+    """A JPEG of noise, about 10 KB: stored on overflow pages, not inside a leaf."""
+    pixels = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.fixture
+def pack(tmp_path: Path) -> Path:
+    return _table_less_pack(tmp_path)
+
+
+def _table_less_pack(tmp_path: Path) -> Path:
+    """One shard two levels deep (a branch root over several leaves), small values inline and large ones on
+    overflow pages, its records.i64 deleted so readers fall back to LMDB's lookup."""
+    src = tmp_path / "src"
+    for c, cls in enumerate(("cat", "dog")):
+        (src / cls).mkdir(parents=True)
+        for i in range(12):
+            (src / cls / f"{i:02d}.jpg").write_bytes(image_bytes(10 * c + i))
+        for i in range(3):
+            (src / cls / f"big{i}.jpg").write_bytes(_noise_jpeg(10 * c + i))
+    out = tmp_path / "out.lmdb"
+    convert(src, out, progress=False)
+    (out / "shard-00000.lmdb" / "records.i64").unlink()
+    return out
+
+
+class _Page:
+    """One page LMDB reaches from the main DB's root: its number, flags and nodes (file offsets)."""
+
+    def __init__(self, raw: bytes | bytearray, number: int, psize: int) -> None:
+        self.number = number
+        base = number * psize
+        self.flags, lower = struct.unpack_from("<HH", raw, base + 10)
+        self.pointers = [base + 16 + 2 * i for i in range((lower - 16) // 2)]  # where each node's offset is
+        self.nodes = [base + struct.unpack_from("<H", raw, at)[0] for at in self.pointers]
+
+
+def _layout(raw: bytes | bytearray) -> tuple[int, int, list[_Page]]:
+    """``(page size, the meta page LMDB uses, every tree page in depth-first order)``, as mdb_stat -a would walk."""
+    psize = struct.unpack_from("<I", raw, 40)[0]
+    txnids = [struct.unpack_from("<Q", raw, n * psize + 144)[0] for n in (0, 1)]
+    meta = int(txnids[0] < txnids[1])
+    pages, todo = [], [struct.unpack_from("<Q", raw, meta * psize + 128)[0]]
+    while todo:
+        page = _Page(raw, todo.pop(), psize)
+        pages.append(page)
+        if page.flags == _BRANCH:
+            todo.extend(_child(raw, node) for node in reversed(page.nodes))
+    return psize, meta, pages
+
+
+def _child(raw: bytes | bytearray, node: int) -> int:
+    lo, hi, flags = struct.unpack_from("<HHH", raw, node)
+    return lo | hi << 16 | flags << 32
+
+
+def _big_node(pages: list[_Page], raw: bytes | bytearray) -> tuple[_Page, int]:
+    """The first leaf node whose value lies on overflow pages: its page and index."""
+    for page in pages:
+        for i, node in enumerate(page.nodes):
+            if page.flags == _LEAF and struct.unpack_from("<H", raw, node + 4)[0] & _BIGDATA:
+                return page, i
+    raise AssertionError("no overflow value in the pack")
+
+
+def _set_pgno(raw: bytearray, node: int, pgno: int) -> None:
+    struct.pack_into("<HHH", raw, node, pgno & 0xFFFF, pgno >> 16 & 0xFFFF, pgno >> 32)
+
+
+def _branch_child_past_the_end(raw: bytearray) -> str:
+    _, _, pages = _layout(raw)
+    root = pages[0]
+    assert root.flags == _BRANCH, "the pack should be two levels deep"
+    past = len(raw) // 4096 + 100  # 4 KB pages on x86
+    _set_pgno(raw, root.nodes[1], past)
+    return rf"page {root.number} \(the root\): node 1 points at page {past}, outside 2-"
+
+
+def _overflow_page_past_the_end(raw: bytearray) -> str:
+    _, _, pages = _layout(raw)
+    page, i = _big_node(pages, raw)
+    past = len(raw) // 4096 + 7
+    struct.pack_into("<Q", raw, page.nodes[i] + 8 + 8, past)  # after the node header and the 8-byte key
+    return rf"page {page.number} \(a child of page \d+\): node {i}'s value is on page {past}, outside 2-"
+
+
+def _overflow_run_huge(raw: bytearray) -> str:
+    psize, _, pages = _layout(raw)
+    page, i = _big_node(pages, raw)
+    first = struct.unpack_from("<Q", raw, page.nodes[i] + 16)[0]
+    struct.pack_into("<I", raw, first * psize + 12, 0xFFFFFFF0)
+    return rf"overflow page {first} \(a value of leaf page {page.number}\): a run of 4294967280 pages runs past"
+
+
+def _overflow_value_huge(raw: bytearray) -> str:
+    _, _, pages = _layout(raw)
+    page, i = _big_node(pages, raw)
+    struct.pack_into("<HH", raw, page.nodes[i], 0xFFFF, 0x7FFF)  # a 2 GiB value where ~10 KB are stored
+    return (
+        rf"overflow page \d+ \(a value of leaf page {page.number}\): a run of \d+ pages is too short for its 2147483647"
+    )
+
+
+def _node_offset_out_of_its_page(raw: bytearray) -> str:
+    psize, _, pages = _layout(raw)
+    last = max((p for p in pages if p.flags == _LEAF), key=lambda p: p.number)  # the leaf nearest the file's end
+    struct.pack_into("<H", raw, last.pointers[1], 0xFFF0)  # 64 KB on: past the end of the file
+    assert last.number * psize + 0xFFF0 > len(raw)
+    return rf"page {last.number} \(a child of page \d+\): node 1's offset 65520 is outside its area \d+-4096"
+
+
+def _inline_value_off_its_page(raw: bytearray) -> str:
+    _, _, pages = _layout(raw)
+    last = max((p for p in pages if p.flags == _LEAF), key=lambda p: p.number)
+    i = next(i for i, node in enumerate(last.nodes) if not struct.unpack_from("<H", raw, node + 4)[0] & _BIGDATA)
+    struct.pack_into("<H", raw, last.nodes[i] + 2, 0x10)  # its size + 1 MiB
+    return rf"page {last.number} \(a child of page \d+\): node {i} runs to byte \d+, past its 4096-byte page"
+
+
+def _meta_root_past_the_end(raw: bytearray) -> str:
+    psize, meta, _ = _layout(raw)
+    past = len(raw) // psize + 5
+    struct.pack_into("<Q", raw, meta * psize + 128, past)
+    return rf"meta page {meta}: the main DB's root page {past} is outside pages 2-"
+
+
+def _meta_page_size_zero(raw: bytearray) -> str:
+    struct.pack_into("<I", raw, 40, 0)  # LMDB refuses it too, as 'not an LMDB file'
+    return r"meta page 0: page size 0, not a power of two in \[512, 32768\]"
+
+
+def _meta_last_page_past_the_end(raw: bytearray) -> str:
+    psize, meta, _ = _layout(raw)
+    struct.pack_into("<Q", raw, meta * psize + 136, 1 << 40)  # LMDB maps that much: 'Cannot allocate memory'
+    return rf"is truncated: \d+ bytes, but LMDB's meta page {meta} says \d+ are in use"
+
+
+DAMAGE: dict[str, Callable[[bytearray], str]] = {
+    "branch child past the end": _branch_child_past_the_end,
+    "overflow page past the end": _overflow_page_past_the_end,
+    "overflow run huge": _overflow_run_huge,
+    "overflow value huge": _overflow_value_huge,
+    "node offset out of its page": _node_offset_out_of_its_page,
+    "inline value off its page": _inline_value_off_its_page,
+    "meta root past the end": _meta_root_past_the_end,
+    "meta page size zero": _meta_page_size_zero,
+    "meta last page past the end": _meta_last_page_past_the_end,
+}
+
+
+def _damage(pack: Path, how: Callable[[bytearray], str]) -> str:
+    """Damage data.mdb and reseal the manifest (size, checksum) as a stranger's pack would be; the error expected."""
+    data = pack / "shard-00000.lmdb" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    expected = how(raw)
+    data.write_bytes(bytes(raw))
+
+    def reseal(manifest: dict) -> None:
+        manifest["shards"][0]["sha256"] = hashlib.sha256(raw).hexdigest()
+
+    rewrite_manifest(pack, reseal)
+    return expected
+
+
+_READ_THREE_WAYS = """
+import sys
+from torch.utils.data import DataLoader
+import packdata
+from packdata import LMDBDataset, PackFormatError
+pack = sys.argv[1]
+ds = LMDBDataset(pack, decode="bytes")
+ways = {
+    "item": lambda: [ds[i] for i in range(len(ds))],
+    "loader": lambda: list(DataLoader(LMDBDataset(pack, decode="bytes"), batch_size=4, num_workers=2)),
+    "verify": lambda: packdata.verify_pack(pack, progress=False),
+}
+for name, way in ways.items():
+    try:
+        way()
+        print(name, "read without an error", flush=True)
+    except PackFormatError as exc:
+        print(name, str(exc).replace("\\n", " "), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_page_is_one_error_naming_data_mdb_never_a_crash(pack: Path, how: str) -> None:
+    """Each damage, met by every item, every batch of a DataLoader (2 workers) and verify, in a subprocess.
+
+    Before the check LMDB followed them: a value size past the file killed the
+    process (SIGSEGV), a node offset 64 KB past its page was read from other
+    memory of the process ("record 26 is missing"), a huge overflow run read
+    without an error, and the rest were LMDB errors naming neither data.mdb nor the page.
+    """
+    expected = _damage(pack, DAMAGE[how])
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_THREE_WAYS, str(pack)], capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 0, (
+        signal.Signals(-done.returncode).name if done.returncode < 0 else done.returncode,
+        done.stdout,
+        done.stderr[-2000:],
+    )
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["item", "loader", "verify"], done.stdout
+    data = re.escape(str(pack / "shard-00000.lmdb" / "data.mdb"))
+    for line in lines:
+        assert re.search(rf"{data}: {expected}.*packdata verify", line), (expected, line)
+
+
+def test_a_table_less_pack_reads_every_sample_as_its_table_does(pack: Path, tmp_path: Path) -> None:
+    """LMDB's lookup, once the tree is checked, gives every sample's bytes and label exactly as the table's preads."""
+    with_table = tmp_path / "with-table.lmdb"
+    convert(tmp_path / "src", with_table, progress=False)
+    assert not (pack / "shard-00000.lmdb" / "records.i64").exists()
+
+    def every_sample(path: Path) -> dict[str, tuple[bytes, int]]:
+        ds = LMDBDataset(path, decode="bytes")
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        return {ds.keys[i]: (bytes(data), int(label)) for i, (data, label) in enumerate(loader)}
+
+    expected = every_sample(with_table)
+    assert len(expected) == 30
+    assert every_sample(pack) == expected
+    assert verify_pack(pack, progress=False).records == 30
+
+
+def _mdb_stat(shard: Path) -> dict[str, int]:
+    """Branch, leaf and overflow page counts of the main DB, as ``mdb_stat`` prints them."""
+    out = subprocess.run(["mdb_stat", str(shard)], capture_output=True, text=True, check=True).stdout
+    return {m[1]: int(m[2]) for m in re.finditer(r"(Branch|Leaf|Overflow) pages: (\d+)", out)}
+
+
+def _counted(raw: bytes) -> dict[str, int]:
+    """The same counts from walking the tree with :func:`_layout`."""
+    psize, _, pages = _layout(raw)
+    runs = [
+        struct.unpack_from("<I", raw, struct.unpack_from("<Q", raw, node + 16)[0] * psize + 12)[0]
+        for page in pages
+        if page.flags == _LEAF
+        for node in page.nodes
+        if struct.unpack_from("<H", raw, node + 4)[0] & _BIGDATA
+    ]
+    kinds = [page.flags for page in pages]
+    return {"Branch": kinds.count(_BRANCH), "Leaf": kinds.count(_LEAF), "Overflow": sum(runs)}
+
+
+@pytest.mark.skipif(not shutil.which("mdb_stat"), reason="needs mdb_stat (lmdb-utils)")
+def test_the_check_accepts_every_shard_the_writer_makes(image_folder: Path, text_folder: Path, tmp_path: Path) -> None:
+    """Images and text, several shards each, inline and overflow values, and shards appended to a pack.
+
+    The test's own walk of each shard counts the pages mdb_stat counts, so the damage above lands where it says.
+    """
+    images, texts = tmp_path / "images.lmdb", tmp_path / "texts.lmdb"
+    convert(image_folder, images, shard_samples=8, progress=False)
+    convert(text_folder, texts, kind="text", shard_samples=7, progress=False)
+    _table_less_pack(tmp_path / "big")
+    convert(tmp_path / "big" / "src", images, append=True, shard_samples=16, progress=False)
+    shards = sorted(images.glob("shard-*.lmdb")) + sorted(texts.glob("shard-*.lmdb"))
+    assert len(shards) == 3 + 2 + 3
+    for shard in shards:
+        raw = (shard / "data.mdb").read_bytes()
+        meta = check_lmdb_tree(shard / "data.mdb")
+        assert meta == read_lmdb_meta(shard / "data.mdb")
+        assert meta.page_size == 4096 and meta.last_page < meta.file_pages
+        assert _counted(raw) == _mdb_stat(shard), shard
+    assert verify_pack(images, progress=False).records == 19 + 30
+    assert verify_pack(texts, progress=False).records == 20
