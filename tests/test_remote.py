@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
+from packdata.conversion.upload import download_source
 from packdata.errors import PackFormatError
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
@@ -664,6 +665,27 @@ def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
     assert not any((tmp_path / "work").rglob("*.jpg"))  # the work folder is gone once the pack is published
     with pytest.raises(packdata.SourceError, match=r"s3://packs/empty: no files there"):
         packdata.convert("s3://packs/empty", tmp_path / "e.lmdb", storage_options=options, progress=False)
+
+
+def test_a_source_changed_since_an_interrupted_download_is_packed_as_it_is_now(s3, tmp_path: Path, monkeypatch):
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    old, same, gone = image_bytes(1, (20, 20)), image_bytes(2, (20, 20)), image_bytes(3, (20, 20))
+    for name, data in (("cat/0.jpg", old), ("cat/1.jpg", gone), ("dog/0.jpg", same)):
+        fs.pipe_file(f"packs/changed/{name}", data)
+    local, _ = download_source("s3://packs/changed", options, workers=2, progress=False)  # then the run was killed
+    (local / "cat" / ".1.jpg.part").write_bytes(gone)  # what a download killed in the middle left
+    new = bytearray(old)
+    new[-3] ^= 0xFF  # rewritten with other bytes of the same size
+    fs.pipe_file("packs/changed/cat/0.jpg", bytes(new))
+    fs.rm_file("packs/changed/cat/1.jpg")
+    result = packdata.convert("s3://packs/changed", tmp_path / "out.lmdb", storage_options=options, progress=False)
+    assert result.found == result.packed == 2
+    assert _samples(tmp_path / "out.lmdb") == [("cat/0.jpg", bytes(new), 0), ("dog/0.jpg", same, 1)]
+    local, _ = download_source("s3://packs/changed", options, workers=2, progress=False)
+    kept = (local / "dog" / "0.jpg").stat().st_ino
+    local, _ = download_source("s3://packs/changed", options, workers=2, progress=False)
+    assert (local / "dog" / "0.jpg").stat().st_ino == kept  # an object unchanged since it was downloaded is kept
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,14 @@ def unsafe_name_skip(rel: str) -> Skip:
 
 def list_folder(
     url: str, storage_options: dict[str, Any] | None
-) -> tuple[Any, str, list[tuple[str, str, int]], list[Skip]]:
-    """List the objects under ``url`` once: ``(fs, root, [(path, name, size)], refused)``.
+) -> tuple[Any, str, list[tuple[str, str, int, str]], list[Skip]]:
+    """List the objects under ``url`` once: ``(fs, root, [(path, name, size, version)], refused)``.
 
     ``name`` is the path relative to ``root`` (``cat/1.jpg``); entries are in
-    the order a local walk of the same tree gives. Objects with unsafe names
-    are left out and returned as skips, sorted.
+    the order a local walk of the same tree gives. ``version`` is what the
+    store says changes whenever the object is written (its ETag, else its
+    modification time), or ``""`` when it says nothing. Objects with unsafe
+    names are left out and returned as skips, sorted.
 
     Raises:
         SourceError: the URL cannot be listed or holds no object.
@@ -60,7 +62,8 @@ def list_folder(
         if any(part in ("", ".", "..") for part in rel.split("/")):
             refused.append(unsafe_name_skip(rel))
             continue
-        objects.append((path, rel, max(0, int(info.get("size") or 0))))
+        version = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+        objects.append((path, rel, max(0, int(info.get("size") or 0)), version))
     objects.sort(key=lambda item: item[1].split("/"))  # depth first, names sorted at every level
     return fs, root, objects, refused
 
@@ -81,7 +84,7 @@ class RemoteFolder:
     kind: str
     classes: list[str]
     fs: Any = field(repr=False, default=None)
-    objects: list[tuple[str, str, int]] = field(repr=False, default_factory=list)
+    objects: list[tuple[str, str, int, str]] = field(repr=False, default_factory=list)
     refused: list[Skip] = field(repr=False, default_factory=list)
     codecs: dict[str, str] = field(default_factory=dict)
 
@@ -90,7 +93,7 @@ class RemoteFolder:
         yield from self.refused
         extensions = _EXTENSIONS[self.kind]
         labels = {name: number for number, name in enumerate(self.classes)}
-        for path, rel, size in self.objects:
+        for path, rel, size, _ in self.objects:
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
                 continue
@@ -117,7 +120,7 @@ def scan_remote_folder(
     if layout == "grouped":
         raise _grouped_error(shown, "layout='grouped'")
     fs, _, objects, refused = list_folder(url, storage_options)
-    names = [rel for _, rel, _ in objects]
+    names = [rel for _, rel, _, _ in objects]
     if layout == "auto" and kind == "auto":
         _refuse_grouped(names[: _KIND_SAMPLE + 1], shown)
     if kind == "auto":
@@ -128,7 +131,7 @@ def scan_remote_folder(
     classes = sorted(
         {
             top
-            for top, _, rest in (rel.partition("/") for _, rel, _ in objects)
+            for top, _, rest in (rel.partition("/") for _, rel, _, _ in objects)
             if rest
             and not top.startswith(".")
             and not _is_hidden(rest)

@@ -319,8 +319,13 @@ def download_source(
 ) -> tuple[Path, list[Skip]]:
     """Copy the source folder at ``url`` into a local work folder (resumable); return it and the objects refused.
 
-    Files already there with the remote size are kept (a rerun continues). An
-    object whose name has ``..``, ``.`` or empty parts (``a/../b``, ``a//b``,
+    A file an earlier run downloaded is kept only when the journal beside the
+    folder says it was downloaded from the object as it is now (same size and
+    version, see :func:`~packdata.conversion.remote_folder.list_folder`); any
+    other file in the folder (an object since removed or rewritten, a partial
+    download) is removed or downloaded again, so the folder holds exactly the
+    listing. Downloads go to a folder of their own and are renamed into place.
+    An object whose name has ``..``, ``.`` or empty parts (``a/../b``, ``a//b``,
     a leading ``/``) is not downloaded: it could land outside the folder or on
     another object's file. It is returned as a :class:`Skip` (sorted by name)
     for the conversion's skip report, never dropped silently.
@@ -328,32 +333,76 @@ def download_source(
     Raises:
         SourceError: the URL cannot be listed or holds no file.
     """
-    fs, root, objects, refused = list_folder(url, storage_options)
+    fs, _, objects, refused = list_folder(url, storage_options)
     shown = display_url(url)
     local = work_folder(f"source:{shown}")
     local.mkdir(parents=True, exist_ok=True)
+    journal = local.parent / _DOWNLOADED
+    incoming = local.parent / ".incoming"
+    shutil.rmtree(incoming, ignore_errors=True)
+    incoming.mkdir()
+    done = _read_journal(journal)
+    _remove_unlisted(local, {rel for _, rel, _, _ in objects})
     todo = []
-    for path, rel, size in objects:
+    for path, rel, size, version in objects:
         target = local.joinpath(*rel.split("/"))
-        if not (target.is_file() and target.stat().st_size == size):
-            todo.append((path, target, size))
-    _check_room(local, sum(size for _, _, size in todo), "the source's files")
+        kept = version and done.get(rel) == [size, version] and target.is_file() and target.stat().st_size == size
+        if not kept:
+            target.unlink(missing_ok=True)
+            todo.append((path, rel, target, size, version))
+    _check_room(local, sum(item[3] for item in todo), "the source's files")
+    lock = threading.Lock()
 
-    def get(item: tuple[str, Path, int]) -> int:
-        path, target, size = item
+    def get(item: tuple[str, str, Path, int, str]) -> int:
+        path, rel, target, size, version = item
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.part")
+        fd, tmp = tempfile.mkstemp(dir=incoming)
+        os.close(fd)
         try:
-            fs.get_file(path, os.fspath(tmp))
+            fs.get_file(path, tmp)
         except Exception as exc:
-            raise remote_error(shown, f"cannot read {path[len(root) :].lstrip('/')}; rerun to resume", exc) from exc
+            raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
         os.replace(tmp, target)
+        with lock, open(journal, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"name": rel, "size": size, "version": version}) + "\n")
         return size
 
     with (
-        show_progress(desc="download source", unit="B", total=sum(s for _, _, s in todo), disable=not progress) as bar,
+        show_progress(desc="download source", unit="B", total=sum(i[3] for i in todo), disable=not progress) as bar,
         ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-source") as pool,
     ):
-        for done in pool.map(get, todo):
-            bar.update(done)
+        for got in pool.map(get, todo):
+            bar.update(got)
+    shutil.rmtree(incoming, ignore_errors=True)
     return local, refused
+
+
+_DOWNLOADED = "downloaded.jsonl"
+"""Beside a source's work folder: one line per object downloaded (name, size, version), appended once in place."""
+
+
+def _read_journal(journal: Path) -> dict[str, list[Any]]:
+    """The objects an earlier run downloaded: name -> [size, version]; a torn or odd line counts for nothing."""
+    done: dict[str, list[Any]] = {}
+    try:
+        lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return done
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            done[str(entry["name"])] = [entry["size"], entry["version"]]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def _remove_unlisted(local: Path, names: set[str]) -> None:
+    """Remove from the work folder every file, link or empty folder that is not one of the listed ``names``."""
+    for folder, dirs, files in os.walk(local, topdown=False):
+        here = Path(folder)
+        for name in files + [d for d in dirs if (here / d).is_symlink()]:
+            if (here / name).relative_to(local).as_posix() not in names or (here / name).is_symlink():
+                (here / name).unlink()
+        if here != local and not any(here.iterdir()):
+            here.rmdir()
