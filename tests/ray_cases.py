@@ -229,6 +229,43 @@ def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
 
 
 @pytest.mark.ray
+def test_ray_resume_reruns_a_task_whose_saved_result_names_another_shard(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A result.json naming a file outside the partial folder, or another task's fragment, is never used."""
+    from packdata.conversion import ray as engine
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray import _prepare_partial
+
+    dst = tmp_path / "out"
+    partial = partial_path(dst)
+    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
+    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
+    with pytest.raises(EngineError):
+        packdata.convert(
+            clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray"
+        )
+    (partial / "part-00003.tfindex").rmdir()
+    victim = {tmp_path / "victim.tfrecord": b"someone's records", tmp_path / "victim.tfindex": b"0 17\n"}
+    for path, data in victim.items():
+        path.write_bytes(data)
+    results = {int(p.parent.name): p for p in (partial / engine.TASKS_DIR).glob("*/result.json")}
+    assert len(results) >= 2  # with 2 CPUs, two tasks had finished when the last one started
+    first, second = sorted(results)[:2]
+    saved = {n: json.loads(results[n].read_text()) for n in (first, second)}
+    saved[first]["shard"]["file"] = "../victim.tfrecord"  # outside the partial folder
+    saved[second]["number"] = first  # the first task's fragment again, in place of its own
+    for n, data in saved.items():
+        results[n].write_text(json.dumps(data))
+    packdata.convert(clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
+    assert {path: path.read_bytes() for path in victim} == victim  # still there, unchanged
+    packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local", dst)
+    assert packdata.verify_pack(dst, progress=False).records == N_CLASSES * PER_CLASS + 1
+
+
+@pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     from packdata.conversion.load import _Options
     from packdata.conversion.ray import _prepare_partial

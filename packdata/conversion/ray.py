@@ -295,9 +295,11 @@ def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _saved_result(partial: Path, task: ShardTask, target: RemoteTarget | None) -> dict[str, Any] | None:
-    """The result an interrupted run saved for ``task``, if it is complete and for the same files.
+def _saved_result(partial: Path, task: ShardTask, name: str, target: RemoteTarget | None) -> dict[str, Any] | None:
+    """The result an interrupted run saved for ``task``, if it is complete, its own and for the same files.
 
+    Its own: it names this task's number and, if any, the shard ``name`` this
+    task writes (never a file elsewhere, or another task's fragment).
     Complete: its shard is in the partial folder or, with a ``target`` URL,
     every object the task uploaded is there with its recorded size and MD5.
     """
@@ -306,9 +308,15 @@ def _saved_result(partial: Path, task: ShardTask, target: RemoteTarget | None) -
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if saved.get("fingerprint") != task.fingerprint:
+    if (
+        not isinstance(saved, dict)
+        or saved.get("fingerprint") != task.fingerprint
+        or saved.get("number") != task.number
+    ):
         return None
     shard = saved.get("shard")
+    if shard is not None and (not isinstance(shard, dict) or shard.get("file") != name):
+        return None
     if shard is not None and target is None and not (partial / shard["file"]).exists():
         return None
     if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
@@ -592,6 +600,7 @@ def _run_tasks(
 ) -> None:
     """Submit the plan with bounded tasks in flight and gather results in plan order."""
     remote = ray.remote(run_shard_task)
+    name = shard_writer(opts.format).shard_name
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     limit = cpus + min(cpus, 64)  # every CPU busy, plus a bounded queue (task arguments live in the object store)
     in_flight: dict[Any, tuple[str, int]] = {}  # ref -> (description, walk entries)
@@ -630,7 +639,7 @@ def _run_tasks(
         with bar:
             for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size):
                 queue.append(task.number)  # the entries travel with the task, not kept here
-                saved = _saved_result(partial, task, target) if resumed else None
+                saved = _saved_result(partial, task, name(task.number), target) if resumed else None
                 if saved is not None:
                     results[task.number] = saved
                     bar.update(len(task.entries))
