@@ -247,6 +247,29 @@ def test_a_destination_url_with_dot_parts_is_refused_and_no_work_folder_is_touch
     assert work_folder(url).parent.parent == tmp_path / "work" / "packdata-upload"
 
 
+def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint naming a shard outside the work pack (``..``, an absolute path) uploads nothing of it."""
+    options, fs = s3
+    import packdata.conversion.upload as upload
+
+    monkeypatch.setattr(upload.ShardUploader, "PERIOD", 0.005)
+    (tmp_path / "secret.txt").write_text("not part of any pack")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "key.pem").write_text("not part of any pack either")
+    partial = tmp_path / "work" / ".train.lmdb.partial"
+    (partial / "shard-00000.lmdb").mkdir(parents=True)
+    (partial / "shard-00000.lmdb" / "data.mdb").write_bytes(b"shard bytes")
+    names = ["../../secret.txt", os.fspath(tmp_path / "elsewhere"), "shard-00000.lmdb"]
+    (partial / "progress.json").write_text(json.dumps({"shards": [{"file": name} for name in names]}))
+    with upload.ShardUploader(partial, "s3://packs/early-only-inside", options) as uploader:
+        deadline = time.monotonic() + 30
+        while "shard-00000.lmdb/data.mdb" not in uploader.uploaded and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # a few more looks at the checkpoint
+    assert uploader.uploaded == {"shard-00000.lmdb/data.mdb": 11}
+    assert fs.find("packs/early-only-inside") == ["packs/early-only-inside/shard-00000.lmdb/data.mdb"]
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_convert_into_s3_uploads_shards_as_they_close(s3, tmp_path: Path, monkeypatch, fmt: str) -> None:
     """Shards go up while the conversion runs; TFRecord shards are moved to their -of-N names at the end."""

@@ -40,7 +40,7 @@ from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
-from packdata.pack.manifest import MANIFEST_NAME, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
@@ -106,8 +106,9 @@ class ShardUploader:
 
     A thread reads the conversion's checkpoint (``progress.json``) every
     :attr:`PERIOD` seconds and uploads the files of every shard listed there as
-    closed, under their names in the work folder, ``workers`` at a time. It is
-    only a head start: a failed or interrupted upload is left for
+    closed, under their names in the work folder, ``workers`` at a time (a
+    shard named by a path out of the work pack is ignored). It is only a head
+    start: a failed or interrupted upload is left for
     :func:`upload_pack`, which checks every object before the manifest goes
     up. Objects an interrupted run uploaded count as uploaded when their size
     and MD5 match.
@@ -148,8 +149,8 @@ class ShardUploader:
             return []  # not written yet, or replaced while read: the next look sees it
         new = []
         for name in names:
-            if name in self._seen:
-                continue
+            if plain_name_problem(name) is not None or name in self._seen:
+                continue  # a shard is a plain name in the work pack: never a path out of it
             self._seen.add(name)
             top = self.partial / name
             try:
