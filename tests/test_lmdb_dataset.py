@@ -531,9 +531,10 @@ def test_a_shard_whose_record_count_is_not_the_manifests_is_refused_on_open(pack
 def test_a_node_pointer_past_the_end_of_data_mdb_is_an_error_not_a_sigbus(tmp_path: Path, table: str) -> None:
     """One damaged byte of a leaf page's node pointer sent LMDB's lookup past the end of data.mdb.
 
-    The environment was mapped with py-lmdb's default 10 MiB, larger than the
-    file, so the read killed the process with SIGBUS (returncode -7). Read in
-    a subprocess, so a crash fails this test instead of killing pytest.
+    In a map larger than the file (py-lmdb's default 10 MiB) the read killed
+    the process with SIGBUS (returncode -7); the pages LMDB can reach are now
+    checked before it walks them (``formats.lmdb_pages``). Read in a
+    subprocess, so a crash fails this test instead of killing pytest.
     """
     import subprocess
     import sys
