@@ -6,10 +6,12 @@ import contextlib
 import gc
 import hashlib
 import io
+import json
 import multiprocessing
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,34 @@ def tree_digest(root: Path) -> dict[str, str]:
         for d, _, files in os.walk(root)
         for f in files
     }
+
+
+INDEX_FILES = ("labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64")
+FIELD_INDEX_FILES = ("field_sizes.i64", "field_offsets.i64")
+
+
+def assert_index_digests(pack: Path) -> dict[str, str]:
+    """Assert the manifest's ``index.sha256`` names every index file of ``pack`` with its SHA-256; return it.
+
+    Read from the raw JSON and hashed here, independently of packdata.
+    """
+    data = json.loads((pack / "manifest.json").read_text(encoding="utf-8"))
+    folder = pack / data["index"]["dir"]
+    names = INDEX_FILES + (FIELD_INDEX_FILES if data["kind"] == "fields" else ())
+    assert data["index"].get("sha256") == {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names}
+    return data["index"]["sha256"]
+
+
+def flip_label(pack: Path) -> Path:
+    """Flip the low bit of the first label 0 or 1 in ``pack``'s ``labels.i32`` (still in range); return the file."""
+    folder = json.loads((pack / "manifest.json").read_text(encoding="utf-8"))["index"]["dir"]
+    path = pack / folder / "labels.i32"
+    labels = np.fromfile(path, dtype="<i4")
+    i = int(np.flatnonzero((labels == 0) | (labels == 1))[0])
+    with open(path, "r+b") as f:
+        f.seek(4 * i)
+        f.write(struct.pack("<i", int(labels[i]) ^ 1))
+    return path
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import moto_s3
+from conftest import assert_index_digests, moto_s3
 from PIL import Image
 
 import packdata
@@ -123,6 +123,13 @@ def test_ray_lmdb_matches_local(ray_local, poisoned_folder: Path, tmp_path: Path
     keys = packdata.LMDBDataset(tmp_path / "ray.lmdb", decode="bytes").keys
     assert result.bytes_in == local.bytes_in == sum((poisoned_folder / key).stat().st_size for key in keys)
     assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == result.packed
+
+
+@pytest.mark.ray
+def test_ray_manifest_records_the_digest_of_each_index_file(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """The Ray engine's manifest holds each index file's SHA-256, as the local engine's does."""
+    packdata.convert(clean_folder, tmp_path / "ray.lmdb", shard_samples=10, progress=False, engine="ray")
+    assert len(assert_index_digests(tmp_path / "ray.lmdb")) == 4
 
 
 @pytest.mark.ray

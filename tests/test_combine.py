@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes, tree_digest
+from conftest import assert_index_digests, flip_label, image_bytes, tree_digest
 from faults.hostile import rewrite_manifest
 
 import packdata
 from packdata.cli import main as cli
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.lmdb import DATA_FILE
 from packdata.pack.manifest import read_manifest
 
@@ -52,6 +53,37 @@ def test_merge_unites_classes_by_name_and_keeps_every_sample(tmp_path: Path, fmt
     assert ds.classes == ["cat", "dog", "ant"]
     assert _samples(tmp_path / f"ab.{fmt}") == _samples(tmp_path / f"a.{fmt}") + _samples(tmp_path / f"b.{fmt}")
     assert packdata.verify_pack(tmp_path / f"ab.{fmt}", progress=False).records == 6
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_merge_and_append_record_their_index_digests_and_refuse_a_damaged_index(tmp_path: Path, fmt: str) -> None:
+    """The manifest of a merge and of an append holds the SHA-256 of the index each wrote.
+
+    A pack whose ``labels.i32`` lost a bit is never merged or appended to: its
+    labels would be renumbered into a new index with digests of their own,
+    and the damage could no longer be seen. Nothing is written then.
+    """
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg", "2.jpg"], "dog": ["3.jpg"]})
+    b = _folder(tmp_path / "b", {"ant": ["4.jpg"], "dog": ["5.jpg"]})
+    c = _folder(tmp_path / "c", {"cat": ["6.jpg"], "eel": ["7.jpg"]})
+    for folder in (a, b):
+        packdata.convert(folder, tmp_path / f"{folder.name}.{fmt}", progress=False)
+    merged = tmp_path / f"ab.{fmt}"
+    packdata.merge_packs([tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"], merged)
+    assert_index_digests(merged)
+    packdata.convert(c, merged, append=True, progress=False)
+    assert read_manifest(merged).index_dir == "index-a1"
+    assert_index_digests(merged)
+
+    labels = flip_label(tmp_path / f"a.{fmt}")
+    with pytest.raises(PackFormatError, match=re.escape(f"{labels}: sample index file labels.i32 does not match")):
+        packdata.merge_packs([tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"], tmp_path / f"x.{fmt}")
+    assert not (tmp_path / f"x.{fmt}").exists() and not (tmp_path / f".x.{fmt}.partial").exists()
+    labels = flip_label(merged)
+    tree = _tree(merged)
+    with pytest.raises(PackFormatError, match=re.escape(f"{labels}: sample index file labels.i32 does not match")):
+        packdata.convert(_folder(tmp_path / "d", {"cat": ["8.jpg"]}), merged, append=True, progress=False)
+    assert _tree(merged) == tree
 
 
 def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) -> None:
@@ -230,7 +262,9 @@ def _grown_pack(tmp_path: Path, fmt: str) -> tuple[Path, Path, Path]:
     reference = tmp_path / "reference" / f"p.{fmt}"
     shutil.copytree(template, reference)
     packdata.convert(new, reference, append=True, shard_samples=2, progress=False)
-    assert read_manifest(reference).index == {"dir": "index-a2", "previous": "index-a1"}
+    index = read_manifest(reference).index
+    assert (index["dir"], index["previous"]) == ("index-a2", "index-a1")
+    assert_index_digests(reference)
     assert "index" not in os.listdir(reference)  # two generations old: deleted
     return template, new, reference
 
@@ -367,7 +401,8 @@ def test_append_deletes_as_index_previous_only_a_folder_of_index_files(tmp_path:
     rewrite_manifest(pack, lambda d: d["index"].__setitem__("previous", "index-old"))
     done = runner.invoke(cli, append)
     assert done.exit_code == 0, done.output
-    assert "index-old" not in os.listdir(pack) and read_manifest(pack).index == {"dir": "index-a1", "previous": "index"}
+    index = read_manifest(pack).index
+    assert "index-old" not in os.listdir(pack) and (index["dir"], index["previous"]) == ("index-a1", "index")
     assert [key for key, _, _ in _samples(pack)] == ["cat/1.jpg", "cat/2.jpg"]
 
 

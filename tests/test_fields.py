@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import assert_index_digests, flip_label, image_bytes
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -174,6 +174,19 @@ def test_text_json_and_npy_that_cannot_be_decoded_are_named_by_pack_sample_and_f
     with pytest.raises(packdata.DecodeError, match=re.escape(f"{pack}: sample 'k0' (index 0), field 'txt'")):
         next(iter(DataLoader(indexed(pack), batch_size=2, num_workers=1)))  # named in the worker too
     assert indexed(pack, fields=("npy",))[0][0].tolist() == list(range(6))  # the fields asked for still read
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_write_pack_records_each_index_file_digest_and_a_flipped_label_is_named(tmp_path: Path, fmt: str) -> None:
+    """A multi-field pack's manifest holds the SHA-256 of all six index files; one flipped label bit is refused."""
+    rows = [{"__key__": f"k{i}", "txt": f"row {i}", "cls": i % 2} for i in range(6)]
+    pack = tmp_path / "p"
+    packdata.write_pack(rows, pack, format=fmt, shard_samples=4, progress=False)
+    assert len(assert_index_digests(pack)) == 6  # the field sizes and their offsets too
+    labels = flip_label(pack)
+    indexed = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    with pytest.raises(PackFormatError, match=re.escape(f"{labels}: sample index file labels.i32 does not match")):
+        indexed(pack)
 
 
 _GOOD_NPY = io.BytesIO()

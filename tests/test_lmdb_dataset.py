@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import image_bytes
+from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -596,6 +596,7 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
         d["shards"][-1]["num_samples"] += n - d["num_samples"]
         d["source"]["files_found"] += n - d["num_samples"]
         d["num_samples"] = n
+        d["index"].pop("sha256")  # as packdata before the index digests wrote it: the range check alone
 
     rewrite_manifest(pack, claim)
     expected = rf"labels\.i32: sample {n - 1} has label 99, outside \[-1, 3\)"
@@ -614,3 +615,28 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
         finally:
             tracemalloc.stop()
         assert peak < 4 << 20, peak
+
+
+def test_a_flipped_label_in_range_is_named_at_open_and_by_verify(pack: Path) -> None:
+    """One bit of ``labels.i32`` flipped, the label still a class: a read would train on the wrong label.
+
+    The fast read path takes the label from the index, not the record: the
+    dataset refuses to open, naming the file and ``packdata verify``; verify
+    names the file before it reads a record. A pack written before the
+    manifest recorded index digests (none in its manifest) still opens.
+    """
+    from faults.hostile import rewrite_manifest
+
+    from packdata import verify_pack
+
+    assert_index_digests(pack)
+    before = LMDBDataset(pack).targets.tolist()
+    labels = flip_label(pack)
+    damaged = rf"{re.escape(str(labels))}: sample index file labels\.i32 does not match its SHA-256 in the manifest"
+    with pytest.raises(PackFormatError, match=rf"{damaged}\. .*run `packdata verify`"):
+        LMDBDataset(pack)
+    with pytest.raises(PackFormatError, match=damaged):
+        verify_pack(pack, progress=False)
+    rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))  # as packdata before the digests wrote it
+    ds = LMDBDataset(pack)
+    assert sum(a != b for a, b in zip(ds.targets.tolist(), before, strict=True)) == 1

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import image_bytes, moto_s3
@@ -118,6 +119,13 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     with pytest.raises(PackFormatError, match=r"s3://packs/bad\.lmdb: shard-00001\.lmdb/data\.mdb does not match"):
         packdata.stage("s3://packs/bad.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
     assert not (tmp_path / "cache" / "bad.lmdb").exists()
+    fs.put(str(local), "packs/flip.lmdb", recursive=True)  # a label bit flipped, the label still a class
+    labels = np.fromfile(local / "index" / "labels.i32", dtype="<i4")
+    labels[0] ^= 1
+    fs.pipe_file("packs/flip.lmdb/index/labels.i32", labels.tobytes())
+    with pytest.raises(PackFormatError, match=r"s3://packs/flip\.lmdb: index/labels\.i32 does not match"):
+        packdata.stage("s3://packs/flip.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
+    assert not (tmp_path / "cache" / "flip.lmdb").exists()
 
 
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:

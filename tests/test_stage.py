@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
 from packdata.staging.stage import STAGED_FILE, stage, stage_status, unstage
 from packdata.staging.tmpfs import prepare_tmpfs
-from tests.conftest import tree_digest
+from tests.conftest import assert_index_digests, flip_label, tree_digest
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
@@ -174,6 +175,30 @@ def test_damaged_source_is_never_staged(lmdb_pack: Path, tmp_path: Path) -> None
     assert not [p for p in staged.iterdir() if p.name.endswith(".partial")]
     # the interim manifest still reads correctly: it points at the originals
     assert len(LMDBDataset(staged, decode="bytes")) == 36
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_staged_index_is_checked_against_the_source_manifest(fmt: str, noise_folder: Path, tmp_path: Path) -> None:
+    """The staged manifest keeps the source's index digests, and a damaged source index is never staged.
+
+    Neither when copied anew nor when a staged copy damaged the same way is
+    already there (equal to its source, unequal to the manifest): a stage never
+    makes a damaged index look sound.
+    """
+    pack = tmp_path / ("train.lmdb" if fmt == "lmdb" else "train")
+    packdata.convert(noise_folder, pack, format=fmt, shard_samples=6, progress=False)
+    stage(pack, to=tmp_path / "nvme", progress=False)
+    staged = tmp_path / "nvme" / pack.name
+    assert assert_index_digests(staged) == assert_index_digests(pack)
+    labels = flip_label(pack)
+    damaged = re.escape(f"{labels}: sample index file labels.i32 does not match its SHA-256 in the manifest")
+    with pytest.raises(PackFormatError, match=rf"{damaged}\. .*packdata verify"):
+        stage(pack, to=tmp_path / "nvme", progress=False)
+    (staged / "index" / "labels.i32").write_bytes(labels.read_bytes())  # the staged copy damaged alike
+    with pytest.raises(PackFormatError, match=damaged):
+        stage(pack, to=tmp_path / "nvme", progress=False)
+    with pytest.raises(PackFormatError, match=damaged):
+        stage(pack, to=tmp_path / "elsewhere", progress=False)
 
 
 def test_partial_staging_with_budget_reads_the_mix(lmdb_pack: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import assert_index_digests, flip_label, image_bytes
 from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 from torch.utils.data import DataLoader
@@ -694,3 +694,26 @@ def test_indexed_reads_as_stored_equal_reads_through_the_decode_and_transform_la
     assert all(type(data) is bytes for data, _ in expected)
     assert [layered[i] for i in range(len(layered))] == [(d[::-1].hex(), -y - 1) for d, y in expected]
     assert plain[-1] == expected[-1]
+
+
+def test_a_flipped_label_in_range_is_named_when_either_dataset_opens(tf_images: Path, tmp_path: Path) -> None:
+    """Both TFRecord datasets read labels from ``labels.i32`` (the ``.tfpayload`` path reads only payloads).
+
+    One bit flipped, the label still a class: each refuses to open naming the
+    file and ``packdata verify``, and verify names it; without the digests (a
+    pack written before them) the pack opens as before.
+    """
+    from faults.hostile import rewrite_manifest
+
+    pack = tmp_path / "out"
+    convert(tf_images, pack, format="tfrecord", shard_samples=4, progress=False)
+    assert_index_digests(pack)
+    labels = flip_label(pack)
+    damaged = rf"{re.escape(str(labels))}: sample index file labels\.i32 does not match its SHA-256 in the manifest"
+    for dataset in (TFRecordIndexedDataset, TFRecordDataset):
+        with pytest.raises(PackFormatError, match=rf"{damaged}\. .*run `packdata verify`"):
+            dataset(pack)
+    with pytest.raises(PackFormatError, match=damaged):
+        verify_pack(pack, progress=False)
+    rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))
+    assert len(TFRecordIndexedDataset(pack)) == len(TFRecordDataset(pack)) == 13

@@ -114,8 +114,8 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
     staging.mkdir()
     _write_index(staging, inputs, fields=old.manifest.kind == "fields")
     atomic_write(staging / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
-    manifest = _manifest(inputs, shards, classes, fields, codecs)
-    manifest.index = {"dir": index_dir, "previous": old.manifest.index_dir}
+    manifest = _manifest(inputs, staging, shards, classes, fields, codecs)  # the new index hashed where it is staged
+    manifest.index.update(dir=index_dir, previous=old.manifest.index_dir)
     plan = {
         "manifest": manifest.to_dict(),
         "appended": extra.manifest.to_dict(),

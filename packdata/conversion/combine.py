@@ -33,7 +33,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.fields import codec_of
 from packdata.pack.files import atomic_write, fsync_dir
-from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter
+from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, check_index_digests, index_digests
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
     FIELDS_VERSION,
@@ -80,6 +80,7 @@ def _open(path: Path) -> tuple[Manifest, SampleIndex]:
     if manifest.staged_from is not None:
         raise ConfigError("is a staged pack; merge or append its origin", path=path)
     fields = manifest.fields if manifest.kind == "fields" else None
+    check_index_digests(path / manifest.index_dir, manifest.index_sha256)  # a damaged index is never rewritten as sound
     return manifest, SampleIndex(path / manifest.index_dir, manifest.num_samples, fields)
 
 
@@ -211,8 +212,14 @@ def _write_index(out: Path, inputs: list[_Input], *, fields: bool) -> None:
 
 
 def _manifest(
-    inputs: list[_Input], shards: list[ShardInfo], classes: list[str], fields: list[str], codecs: dict[str, str]
+    inputs: list[_Input],
+    out: Path,
+    shards: list[ShardInfo],
+    classes: list[str],
+    fields: list[str],
+    codecs: dict[str, str],
 ) -> Manifest:
+    """The manifest of the united pack whose finished index :func:`_write_index` wrote into ``out``."""
     first = inputs[0].manifest
     skipped: dict[str, int] = {}
     for item in inputs:
@@ -225,7 +232,7 @@ def _manifest(
         classes=classes,
         num_samples=sum(item.manifest.num_samples for item in inputs),
         shards=shards,
-        index={"dir": INDEX_DIR},
+        index={"dir": INDEX_DIR, "sha256": index_digests(out / INDEX_DIR, first.kind)},
         fields=fields if first.kind == "fields" else list(first.fields),
         codecs=codecs if first.kind == "fields" else {},
         skipped={"count": sum(skipped.values()), "by_reason": skipped, "report": SKIP_REPORT},
@@ -280,7 +287,7 @@ def merge_packs(
             shards = writer_cls.finalize(partial, shards)
             _write_index(partial, inputs, fields=inputs[0].manifest.kind == "fields")
             atomic_write(partial / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
-            manifest = _manifest(inputs, shards, classes, fields, codecs)
+            manifest = _manifest(inputs, partial, shards, classes, fields, codecs)
             write_manifest(partial, manifest)
             fsync_dir(partial)
             _publish(partial, out, overwrite=overwrite)

@@ -425,6 +425,7 @@ class _Packer:
         manifest = _make_manifest(
             self.source,
             self.opts,
+            self.partial,
             shards,
             samples=self.cp.samples_done,
             files_found=self.cp.files_done,

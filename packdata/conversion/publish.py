@@ -29,7 +29,7 @@ from packdata.errors import (
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
 from packdata.pack.files import file_kind, fsync_dir
-from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_files
+from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
 __all__ = [
@@ -302,6 +302,7 @@ def extend_classes(source: AnySource, partial: Path) -> None:
 def _make_manifest(
     source: AnySource,
     opts: _Options,
+    partial: Path,
     shards: list[ShardInfo],
     *,
     samples: int,
@@ -311,7 +312,8 @@ def _make_manifest(
     skipped: Counter[str],
     field_names: list[str] | None = None,
 ) -> Manifest:
-    """The manifest of a finished pack (shards already finalized); every engine writes this one."""
+    """The manifest of the finished pack ``partial`` (shards finalized, index closed); every engine writes this one."""
+    index = {"dir": INDEX_DIR, "sha256": index_digests(partial / INDEX_DIR, source.kind)}
     if source.kind == "fields":
         names = list(field_names or [])
         return Manifest(
@@ -320,7 +322,7 @@ def _make_manifest(
             classes=source.classes,
             num_samples=samples,
             shards=shards,
-            index={"dir": "index"},
+            index=index,
             fields=names,
             codecs={name: source.codecs.get(name) or codec_of(name) for name in names},
             skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
@@ -333,7 +335,7 @@ def _make_manifest(
         classes=source.classes,
         num_samples=samples,
         shards=shards,
-        index={"dir": "index"},
+        index=index,
         fields=[opts.kind, "label", "key"],
         reencode={"max_side": opts.max_side, "quality": opts.quality, "count": reencoded} if opts.max_side else None,
         skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},

@@ -557,6 +557,7 @@ def convert_on_ray(
     manifest = _make_manifest(
         source,
         opts,
+        partial,
         shards,
         samples=gatherer.samples,
         files_found=gatherer.files_found,

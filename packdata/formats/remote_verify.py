@@ -62,8 +62,8 @@ def verify_remote_pack(
     fmt = get_format(manifest.format)
     with tempfile.TemporaryDirectory(prefix="packdata-verify-") as tmp:
         local = download_skeleton(fs, root, manifest, raw, shown, Path(tmp) / "pack")
-        _check_counts(manifest, local, shown)
         index = _open_index(manifest, local, shown)
+        _check_counts(manifest, local, shown)
         lock = threading.Lock()
         with (
             show_progress(total=manifest.total_bytes, desc="verifying", unit="B", disable=not progress) as bar,

@@ -12,7 +12,7 @@ from packdata.errors import PackFormatError
 from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256, not_a_file, open_pack_file
-from packdata.pack.index import SampleIndex, labels_out_of_range
+from packdata.pack.index import SampleIndex, check_index_digests, labels_out_of_range
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
@@ -100,9 +100,14 @@ def _check_counts(manifest: Manifest, pack: Path, where: str | Path | None = Non
 
 
 def _open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex:
-    """The pack's sample index, every label checked to lie in ``[-1, len(classes))``."""
+    """The pack's sample index: each file checked against its SHA-256 in the manifest, every label to lie in range.
+
+    Labels must lie in ``[-1, len(classes))``; a pack written before the
+    manifest recorded index digests is checked for range only.
+    """
     index_dir = pack / manifest.index_dir
     shown_dir = f"{where}/{manifest.index_dir}"
+    check_index_digests(index_dir, manifest.index_sha256, shown=shown_dir)
     try:
         index = SampleIndex(index_dir, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
     except (OSError, ValueError) as exc:
@@ -130,7 +135,8 @@ def verify_pack(
 ) -> VerifyResult:
     """Read every record of a pack and check it against the manifest and index.
 
-    Checks that every source file the manifest counts is packed or skipped
+    Checks each sample index file against its SHA-256 in the manifest (first),
+    that every source file the manifest counts is packed or skipped
     (and each skip listed in the skip report), each shard's byte size and
     SHA-256, each record's CRC, that indices run without gaps, that every
     record's key and label equal the index, that every label lies in
@@ -159,8 +165,8 @@ def verify_pack(
         return verify_remote_pack(os.fspath(path), storage_options=storage_options, progress=progress, workers=workers)
     pack = Path(path)
     manifest = read_manifest(pack)
+    index = _open_index(manifest, pack, pack)  # first: a damaged index file is named before anything else
     _check_counts(manifest, pack)
-    index = _open_index(manifest, pack, pack)
     fmt = get_format(manifest.format)
     checked = nbytes = 0
     with show_progress(total=manifest.num_samples, desc="verifying", unit=" records", disable=not progress) as bar:

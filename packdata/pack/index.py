@@ -17,6 +17,10 @@ A pack of multi-field samples adds each sample's fields and their sizes:
 
 The writer appends as samples are packed (memory stays flat whatever the
 dataset size) and can be cut back to a committed count when a conversion resumes.
+
+The manifest's ``index.sha256`` records each file's SHA-256 once the index is
+final (:func:`index_digests`), so a flipped bit in ``labels.i32`` is named
+(:func:`check_index_digests`) instead of read as another label.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from __future__ import annotations
 import os
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import overload
 
 import numpy as np
 
 from packdata.errors import PackFormatError
+from packdata.pack.files import file_sha256
 
 __all__ = [
     "ALL_FILES",
@@ -47,6 +52,9 @@ __all__ = [
     "LabelList",
     "SampleIndex",
     "SampleIndexWriter",
+    "check_index_digests",
+    "damaged_index_file",
+    "index_digests",
     "index_files",
     "labels_out_of_range",
 ]
@@ -57,11 +65,55 @@ FIELD_SIZES_FILE, FIELD_OFFSETS_FILE = "field_sizes.i64", "field_offsets.i64"
 FILES = (LABELS_FILE, SIZES_FILE, KEYS_FILE, KEY_OFFSETS_FILE)
 FIELD_FILES = (FIELD_SIZES_FILE, FIELD_OFFSETS_FILE)
 ALL_FILES = FILES + FIELD_FILES
+_AGAIN = "Convert the pack again"
 
 
 def index_files(kind: str) -> tuple[str, ...]:
     """The index files a pack of ``kind`` holds (a fields pack adds the field sizes)."""
     return ALL_FILES if kind == "fields" else FILES
+
+
+def index_digests(directory: str | os.PathLike, kind: str) -> dict[str, str]:
+    """File name -> SHA-256 of each index file in ``directory`` of a pack of ``kind``: the manifest's ``index.sha256``.
+
+    Call once the files are final (closed, never appended to again).
+    """
+    return {name: file_sha256(Path(directory) / name) for name in index_files(kind)}
+
+
+def damaged_index_file(path: str | os.PathLike, *, hint: str) -> PackFormatError:
+    """The error of an index file whose bytes differ from the SHA-256 the manifest records for it."""
+    return PackFormatError(
+        f"sample index file {os.path.basename(path)} does not match its SHA-256 in the manifest",
+        path=path,
+        hint=hint,
+    )
+
+
+def check_index_digests(
+    directory: str | os.PathLike, digests: Mapping[str, str], *, shown: str | os.PathLike | None = None
+) -> None:
+    """Hash each index file ``digests`` names (labels first) and raise at the first that differs.
+
+    Args:
+        directory: the index folder.
+        digests: the manifest's ``index.sha256`` (empty for a pack written before it: nothing checked).
+        shown: the index folder as messages name it (a URL for a downloaded copy); default ``directory``.
+
+    Raises:
+        PackFormatError: naming the damaged or unreadable file.
+    """
+    for name in (n for n in ALL_FILES if n in digests):
+        path = Path(directory) / name
+        where = f"{shown}/{name}" if shown else path  # a URL keeps its "//"
+        try:
+            actual = file_sha256(path)
+        except OSError as exc:
+            raise PackFormatError(
+                f"sample index file {name} is unreadable: {exc.strerror}", path=where, hint=_AGAIN
+            ) from exc
+        if actual != digests[name]:
+            raise damaged_index_file(where, hint=_AGAIN)
 
 
 class SampleIndexWriter:
@@ -139,9 +191,6 @@ class SampleIndexWriter:
             self.flush()
             for f in self._files.values():
                 f.close()
-
-
-_AGAIN = "Convert the pack again"
 
 
 class KeyList(Sequence[str]):

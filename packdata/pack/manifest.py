@@ -2,9 +2,9 @@
 
 ``manifest.json`` sits at the top of every pack. It is small, human-readable
 JSON: format version, packdata version, format, kind, classes, sample count, the
-sample index files, and per shard its file, sample count, first global index,
-byte size and SHA-256. A pack without it is incomplete by definition: convert
-writes it last and renames the pack into place only after.
+sample index folder and each index file's SHA-256, and per shard its file, sample
+count, first global index, byte size and SHA-256. A pack without it is incomplete
+by definition: convert writes it last and renames the pack into place only after.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.pack.fields import CODECS
 from packdata.pack.files import atomic_write, file_sha256, not_a_file, open_regular
+from packdata.pack.index import index_files
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -77,7 +78,7 @@ class Manifest:
     classes: list[str]
     num_samples: int
     shards: list[ShardInfo]
-    index: dict[str, str] = field(default_factory=dict)
+    index: dict[str, Any] = field(default_factory=dict)  # dir, previous (an append's), sha256 (file -> digest)
     fields: list[str] = field(default_factory=list)
     codecs: dict[str, str] = field(default_factory=dict)  # kind "fields": each field's codec
     reencode: dict[str, Any] | None = None
@@ -91,6 +92,11 @@ class Manifest:
     def index_dir(self) -> str:
         """The sample index folder's name inside the pack."""
         return self.index.get("dir", "index")
+
+    @property
+    def index_sha256(self) -> dict[str, str]:
+        """Index file name -> its SHA-256 (empty for a pack written before packdata recorded them)."""
+        return dict(self.index.get("sha256", {}))
 
     @property
     def total_bytes(self) -> int:
@@ -289,7 +295,7 @@ def _shards(path: Path, value: object, staged: bool) -> list[ShardInfo]:
         first += count
         size = _count(path, f"{where}.bytes", item["bytes"])
         sha = item["sha256"]
-        if not isinstance(sha, str) or len(sha) != 64 or not all(c in "0123456789abcdef" for c in sha):
+        if not _is_sha256(sha):
             raise _field_error(path, f"{where}.sha256", "should be 64 lowercase hex digits", sha)
         shards.append(ShardInfo(file, count, start, size, sha))
     return shards
@@ -311,6 +317,21 @@ def _check_index_names(path: Path, index: dict[str, str], shards: list[ShardInfo
         raise _field_error(
             path, "index.previous", f"should name the index folder an append replaced, not {what}", previous
         )
+
+
+def _check_index_sha256(where: Path, digests: object, kind: object) -> None:
+    """``index.sha256``: each index file of a pack of ``kind`` -> 64 lowercase hex digits."""
+    names = index_files(kind) if isinstance(kind, str) else ()
+    if not isinstance(digests, dict) or set(digests) != set(names):
+        problem = f"should be an object naming each index file once ({', '.join(names)})"
+        raise _field_error(where, "index.sha256", problem, digests)
+    for name, digest in digests.items():
+        if not _is_sha256(digest):
+            raise _field_error(where, f"index.sha256.{name}", "should be 64 lowercase hex digits", digest)
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _optional_dict(path: Path, data: dict[str, Any], key: str, *, nullable: bool = False) -> None:
@@ -385,8 +406,10 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         raise _field_error(where, "codecs", "should name each of the manifest's fields once", codecs)
     num_samples = _count(where, "num_samples", data["num_samples"])
     index = data.get("index", {})
-    if not isinstance(index, dict) or not all(isinstance(v, str) for v in index.values()):
-        raise _field_error(where, "index", "should be an object of strings", index)
+    if not isinstance(index, dict) or not all(isinstance(v, str) for k, v in index.items() if k != "sha256"):
+        raise _field_error(where, "index", "should be an object of folder names (and sha256, of digests)", index)
+    if "sha256" in index:
+        _check_index_sha256(where, index["sha256"], data["kind"])
     for key in ("dir", "previous"):
         if key in index and plain_name_problem(index[key]) is not None:
             raise _field_error(where, f"index.{key}", f"{plain_name_problem(index[key])} inside the pack", index[key])

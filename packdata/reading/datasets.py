@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,14 @@ from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS
-from packdata.pack.index import INDEX_DIR, KeyList, LabelList, SampleIndex, labels_out_of_range
+from packdata.pack.index import (
+    LABELS_FILE,
+    KeyList,
+    LabelList,
+    SampleIndex,
+    damaged_index_file,
+    labels_out_of_range,
+)
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
@@ -97,19 +105,29 @@ class PackInfo:
         )
 
     def check_labels(self) -> None:
-        """Raise unless every label of the index lies in ``[-1, len(classes))`` (one pass over the index).
+        """Raise unless ``labels.i32`` matches its SHA-256 in the manifest and each label is in ``[-1, len(classes))``.
+
+        One pass over the mapped labels (4 bytes a sample), in the process that
+        opens the dataset: a flipped bit would otherwise read as another label.
+        A pack written before the manifest recorded index digests is checked for range only.
 
         Raises:
-            PackFormatError: naming the first sample whose label is out of range.
+            PackFormatError: naming ``labels.i32`` when it is damaged, or the
+                first sample whose label is out of range.
         """
         labels = self.index.labels
+        path = self.path / self.manifest.index_dir / LABELS_FILE
+        expected = self.manifest.index_sha256.get(LABELS_FILE)
+        if expected is not None and hashlib.sha256(labels.data).hexdigest() != expected:
+            hint = "The sample index is damaged: run `packdata verify` on the pack, then convert it again"
+            raise damaged_index_file(path, hint=hint)
         bad = labels_out_of_range(labels, len(self.classes))
         if bad is not None:
             i, count = bad
             raise PackFormatError(
                 f"sample {i} has label {int(labels[i])}, outside [-1, {len(self.classes)}) for "
                 f"{len(self.classes)} classes ({count} samples out of range)",
-                path=self.path / self.manifest.index.get("dir", INDEX_DIR) / "labels.i32",
+                path=path,
                 hint="The sample index is damaged or does not belong to this manifest: convert the pack again",
             )
 
@@ -117,7 +135,7 @@ class PackInfo:
     def index(self) -> SampleIndex:
         """The memory-mapped sample index of this pack."""
         if self._index is None:
-            directory = self.path / self.manifest.index.get("dir", INDEX_DIR)
+            directory = self.path / self.manifest.index_dir
             try:
                 fields = self.manifest.fields if self.manifest.kind == "fields" else None
                 self._index = SampleIndex(directory, self.manifest.num_samples, fields)

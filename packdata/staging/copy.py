@@ -28,6 +28,7 @@ from packdata.errors import CapacityError, ConfigError, PackdataError, PackForma
 from packdata.formats import get_format
 from packdata.pack.files import atomic_write, file_kind, open_regular, stream_sha256
 from packdata.pack.index import ALL_FILES as INDEX_FILES
+from packdata.pack.index import damaged_index_file
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.progress import progress as show_progress
@@ -287,8 +288,12 @@ def dir_bytes(path: Path) -> int:
     return sum(p.lstat().st_size for p in path.rglob("*") if _is_regular(p))
 
 
-def same_tree(src: Path, dst: Path) -> bool:
-    """``dst`` holds the same sample index files as ``src`` (only the index's own files count)."""
+def same_tree(src: Path, dst: Path, digests: dict[str, str]) -> bool:
+    """``dst`` holds the same sample index files as ``src``, each with its SHA-256 in ``digests`` where it has one.
+
+    Only the index's own files count. ``digests`` is the manifest's
+    ``index.sha256``: a copy of a damaged index is never kept as current.
+    """
     if dst.is_symlink() or not dst.is_dir():
         return False
     for name in INDEX_FILES:
@@ -297,7 +302,8 @@ def same_tree(src: Path, dst: Path) -> bool:
             continue
         if not _is_regular(other) or other.lstat().st_size != mine.lstat().st_size:
             return False
-        if sha256_of(other) != sha256_of(mine):
+        copied = sha256_of(other)
+        if copied != sha256_of(mine) or copied != digests.get(name, copied):
             return False
     return True
 
@@ -307,16 +313,27 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
 
     Only the index's own files are copied, each as a regular file (see
     :func:`copy_regular`); anything else in the source's index folder is left.
+    Each copy must match its SHA-256 in the manifest (``index.sha256``), which
+    the staged manifest keeps: the staged index is the one the pack was written with.
+
+    Raises:
+        PackFormatError: an index file of the source is damaged (its copy does
+            not match the manifest) or is not a regular file.
     """
     name = manifest.index_dir
     src = source / name
-    if src.is_dir() and not src.is_symlink() and not same_tree(src, dest / name):
+    digests = manifest.index_sha256
+    if src.is_dir() and not src.is_symlink() and not same_tree(src, dest / name, digests):
         temp = dest / f".{name}{PARTIAL}"
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir()
         for file in INDEX_FILES:
-            if os.path.lexists(src / file):
-                copy_regular(src / file, temp / file)
+            if file in digests or os.path.lexists(src / file):
+                _, digest = copy_regular(src / file, temp / file)
+                if digest != digests.get(file, digest):
+                    shutil.rmtree(temp)
+                    hint = "The source pack is damaged: run `packdata verify` on it and convert it again"
+                    raise damaged_index_file(src / file, hint=hint)
         old = dest / f".{name}.old{PARTIAL}"
         if os.path.lexists(dest / name):
             os.rename(dest / name, old)

@@ -160,7 +160,8 @@ def _pack_files(manifest: Manifest) -> list[tuple[str, int | None, str | None, b
         files.append((data, shard.bytes, shard.sha256, True))
         base = shard.file if layout.folder else str(PurePosixPath(shard.file).parent)
         files += [(str(PurePosixPath(base) / side), None, None, False) for side in layout.side]
-    files += [(f"{manifest.index_dir}/{n}", None, None, True) for n in index_files(manifest.kind)]
+    digests = manifest.index_sha256  # empty for a pack written before them
+    files += [(f"{manifest.index_dir}/{n}", None, digests.get(n), True) for n in index_files(manifest.kind)]
     report = manifest.skipped.get("report")
     if report:
         files.append((report, None, None, False))
@@ -298,7 +299,7 @@ def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: i
 
 
 def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
-    """Check a downloaded shard against the manifest's SHA-256, make it durable and give it its name."""
+    """Check a downloaded file against the manifest's SHA-256 (if it has one), make it durable and give it its name."""
     tmp = _part(local)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())

@@ -344,7 +344,7 @@ def stage(
         valid = {u.number for u in units if is_staged(u)}
         existing = sum(u.dest_bytes() for u in units)
         index_dir = source / manifest.index.get("dir", INDEX_DIR)
-        fresh_index = index_dir.is_dir() and not same_tree(index_dir, dest / index_dir.name)
+        fresh_index = index_dir.is_dir() and not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
         index_bytes = dir_bytes(index_dir) if fresh_index else 0
         free = _free_bytes(area)
         capacity = max(free + existing - index_bytes - _HEADROOM, 0)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from conftest import flip_label
 
 __all__ = ["DAMAGES", "shard_files"]
 
@@ -120,6 +121,7 @@ def labels_out_of_range(pack: Path) -> Path:
 
 
 DAMAGES: dict[str, Callable[[Path], Path]] = {
+    "label_flipped": flip_label,  # still in range: only the index digest tells
     "truncate": truncate_shard,
     "flip_payload": flip_payload_byte,
     "sibling_table": sibling_table,

@@ -196,6 +196,28 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
     "classes-string": (_edit(lambda d: d.__setitem__("classes", "cat")), "'classes'"),
     "classes-ints": (_edit(lambda d: d.__setitem__("classes", [1, 2])), "'classes'"),
     "index-list": (_edit(lambda d: d.__setitem__("index", ["index"])), "'index'"),
+    "index-sha256-list": (_edit(lambda d: d["index"].__setitem__("sha256", ["x"])), "'index.sha256'"),
+    "index-sha256-unknown-file": (
+        _edit(lambda d: d["index"]["sha256"].__setitem__("../manifest.json", "0" * 64)),
+        "'index.sha256' should be an object naming each index file once",
+    ),
+    "index-sha256-file-of-another-kind": (  # field sizes belong to multi-field packs only
+        _edit(lambda d: d["index"]["sha256"].__setitem__("field_sizes.i64", "0" * 64)),
+        "'index.sha256' should be an object naming each index file once",
+    ),
+    "index-sha256-lacks-labels": (_edit(lambda d: d["index"]["sha256"].pop("labels.i32")), "'index.sha256'"),
+    "index-sha256-upper-hex": (
+        _edit(lambda d: d["index"]["sha256"].__setitem__("labels.i32", "A" * 64)),
+        "'index.sha256.labels.i32' should be 64 lowercase hex digits",
+    ),
+    "index-sha256-short": (
+        _edit(lambda d: d["index"]["sha256"].__setitem__("sizes.i64", "ab")),
+        "'index.sha256.sizes.i64'",
+    ),
+    "index-sha256-number": (
+        _edit(lambda d: d["index"]["sha256"].__setitem__("keys.utf8", 7)),
+        "'index.sha256.keys.utf8'",
+    ),
     "shards-object": (_edit(lambda d: d.__setitem__("shards", {"a": 1})), "'shards'"),
     "shards-empty": (_edit(lambda d: d.__setitem__("shards", [])), "'shards'"),
     "shard-not-object": (_edit(lambda d: d["shards"].__setitem__(0, "x")), "'shards[0]'"),
