@@ -1246,3 +1246,66 @@ def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear
         rf"{re.escape(str(cache))}/\w+/changing/manifest\.json: pack changed since the dataset was opened .*",
         outcome["error"],
     ), outcome["error"]
+
+
+_KILLED_SWAP = """
+import json, os, sys, time
+import packdata
+rename = os.rename
+def stalled(src, dst):  # the old copy is moved aside; the process is killed before the new one takes its name
+    rename(src, dst)
+    if ".old-" in os.fspath(dst):
+        print("swapping", flush=True)
+        time.sleep(60)
+os.rename = stalled
+url, options, cache, how = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+if how == "stage":
+    packdata.stage(url, to=cache, storage_options=options, progress=False)
+else:
+    packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
+"""
+
+
+@pytest.mark.parametrize("how", ["cache", "stage"])
+def test_an_old_copy_left_by_a_process_killed_mid_swap_is_removed_by_the_next_one(
+    s3, remote_pack, remote_tfrecord, tmp_path: Path, how: str
+) -> None:
+    """A kill between the two renames of a swap leaves the whole old copy as .NAME.old-PID; the next swap removes it."""
+    options, _ = s3
+    url, local = remote_pack if how == "stage" else remote_tfrecord
+    cache = tmp_path / "cache"
+    if how == "stage":
+        entry = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+        marker = json.loads((entry / "staged.json").read_text())
+        (entry / "staged.json").write_text(json.dumps({**marker, "manifest_sha256": "0" * 64}))  # an outdated copy
+    else:
+        packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
+        (entry,) = cache.glob("*/verify-tf")
+        (entry / "manifest.json").write_bytes((entry / "manifest.json").read_bytes() + b" ")  # an outdated copy
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SWAP, url, json.dumps(options), str(cache), how],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "swapping"
+    child.kill()  # SIGKILL between the renames: no clean-up runs
+    child.wait()
+    stale = entry.with_name(f".{entry.name}.old-{child.pid}")
+    assert stale.is_dir() and not entry.exists()
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "data.bin").write_bytes(b"not the cache's")
+    link = entry.with_name(f".{entry.name}.old-99999999")
+    link.symlink_to(outside / "keep")
+    other = entry.with_name(f".{entry.name}.old-1x")  # not an old copy's name: left alone
+    other.mkdir()
+    if how == "stage":
+        packdata.stage(url, to=cache, storage_options=options, progress=False)
+        assert _samples(entry) == _samples(local)
+    else:
+        ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=cache)
+        assert sorted(data for data, _ in ds) == sorted(
+            data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes")
+        )
+    assert not stale.exists() and not os.path.lexists(link) and other.is_dir()
+    assert (outside / "keep" / "data.bin").read_bytes() == b"not the cache's"  # the link went, never its target

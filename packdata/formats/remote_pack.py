@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -26,7 +25,7 @@ from typing import Any
 
 from packdata.errors import LockedError, PackFormatError, SourceError
 from packdata.formats import get_format
-from packdata.pack.files import atomic_write, discard_partial
+from packdata.pack.files import atomic_write, discard_stale
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -234,19 +233,6 @@ def _hold_entry(dest: Path) -> Iterator[None]:
         yield
 
 
-def _discard_partials(dest: Path) -> None:
-    """Remove the ``.NAME.partial-PID`` folders that killed downloads of the entry ``dest`` left (held under its lock).
-
-    Nothing else writes a partial of this entry while its lock is held. A
-    symlink of such a name is unlinked, never followed.
-    """
-    stale = re.compile(rf"\.{re.escape(dest.name)}\.partial-[0-9]+")
-    for entry in dest.parent.iterdir():
-        if stale.fullmatch(entry.name):
-            with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the open
-                discard_partial(entry)
-
-
 def fetch_pack_skeleton(
     url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None
 ) -> tuple[Path, Manifest, Any, str]:
@@ -256,7 +242,7 @@ def fetch_pack_skeleton(
     while the remote manifest is the same, replaced atomically when not. Processes
     sharing ``cache_dir`` take turns on an entry: one downloads it while the
     others wait, then use its copy; a copy whose manifest matches is never replaced.
-    A download first removes the partial copies that killed downloads of the entry left.
+    A download first removes the partial and old copies that killed downloads of the entry left.
 
     Returns:
         ``(local copy, manifest, filesystem, path of the pack on it)``.
@@ -277,7 +263,7 @@ def fetch_pack_skeleton(
     with _hold_entry(dest):  # one process at a time checks, downloads and replaces this entry
         if _holds(dest, digest):  # another process made it while this one waited
             return dest, manifest, fs, root
-        _discard_partials(dest)
+        discard_stale(dest, "partial", "old")  # what killed downloads and swaps of this entry left
         partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
         download_skeleton(fs, root, manifest, raw, shown, partial)
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import stat
 from io import BufferedReader
@@ -18,6 +20,7 @@ from packdata.errors import PackFormatError
 __all__ = [
     "atomic_write",
     "discard_partial",
+    "discard_stale",
     "file_sha256",
     "file_kind",
     "fsync_dir",
@@ -205,3 +208,17 @@ def discard_partial(partial: Path) -> None:
         shutil.rmtree(partial)
     elif os.path.lexists(partial):
         partial.unlink()
+
+
+def discard_stale(dest: Path, *kinds: str) -> None:
+    """Remove the ``.NAME.KIND-PID`` siblings of ``dest`` that killed runs left (``kinds``: ``"partial"``, ``"old"``).
+
+    Call it holding ``dest``'s lock, under which no live process writes one.
+    Only names matching exactly ``.NAME.KIND-<digits>`` go; a symlink is
+    unlinked, never followed; one that cannot be removed costs disk, never the caller.
+    """
+    stale = re.compile(rf"\.{re.escape(dest.name)}\.(?:{'|'.join(map(re.escape, kinds))})-[0-9]+")
+    for entry in dest.parent.iterdir():
+        if stale.fullmatch(entry.name):
+            with contextlib.suppress(OSError):
+                discard_partial(entry)

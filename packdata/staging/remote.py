@@ -19,6 +19,8 @@ it. The steps:
    right, so a rerun resumes.
 4. The manifest is written last, then the folder is renamed to ``CACHE/NAME``
    (a previous copy is moved aside and deleted): a reader never sees a half copy.
+   An old copy that a stage killed in between left (``.NAME.old-PID``) is
+   deleted by the next stage of ``NAME``.
    Only a staged copy of the same URL (its ``staged.json`` says so) or an empty
    folder is replaced; any other folder at ``CACHE/NAME`` is refused before a
    byte is downloaded.
@@ -45,7 +47,7 @@ from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
-from packdata.pack.files import atomic_write, file_sha256, fsync_dir
+from packdata.pack.files import atomic_write, discard_stale, file_sha256, fsync_dir
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -185,6 +187,7 @@ def _stage_locked(
     manifest, raw = read_url_manifest(fs, root, shown)
     dest, partial = cache / name, cache / f".{name}.partial"
     check_destination(shown, dest)  # a folder there is replaced only when it is a staged copy of this URL
+    discard_stale(dest, "old")  # the copy a stage killed between the renames of its swap moved aside
     digest = hashlib.sha256(raw).hexdigest()
     marker = read_marker(dest) if dest.is_dir() else None
     if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
