@@ -565,3 +565,33 @@ def test_unitless_or_zero_sizes_are_refused_by_every_size_option(lmdb_pack: Path
         assert out.exit_code == 2, (args, out.output)
         assert "has no unit" in out.output or "is zero" in out.output
     assert not (tmp_path / "ram").exists() and not (tmp_path / "x.lmdb").exists()
+
+
+_HOLDER = """
+import sys
+from packdata.pack.lock import hold_lock
+with hold_lock(sys.argv[1], what="another stage", target=sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_stage_refused_by_the_lock_leaves_nothing_it_created(lmdb_pack: Path, tmp_path: Path) -> None:
+    """Another process holds .NAME.lock: LockedError, and no empty AREA/NAME is left; once it is free, it stages."""
+    from packdata.errors import LockedError
+
+    area = tmp_path / "area"
+    area.mkdir()
+    lock = area / f".{lmdb_pack.name}.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError, match=rf"pid {holder.pid} on host .*\(another stage.*{re.escape(str(lock))}"):
+            stage(lmdb_pack, to=area, progress=False)
+        assert sorted(p.name for p in area.iterdir()) == [lock.name]  # the holder's lock file only
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert stage(lmdb_pack, to=area, progress=False).copied
+    assert _all_bytes(area / lmdb_pack.name) == _all_bytes(lmdb_pack)

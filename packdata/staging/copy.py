@@ -362,14 +362,21 @@ def remove_leftovers(dest: Path) -> None:
 
 @contextlib.contextmanager
 def locked(dest: Path, what: str = "packdata stage") -> Iterator[None]:
-    """Hold ``dest``'s locks (see :mod:`packdata.pack.lock`); LockedError names the holder.
+    """Hold ``dest``'s locks (see :mod:`packdata.pack.lock`), making ``dest`` once the first is held.
 
     ``.NAME.lock`` beside ``dest`` is the one a stage from a URL into the same
     folder holds (it replaces the whole folder, so its lock lives outside it);
     ``.stage.lock`` inside is the one any other path to ``dest`` (a symlink) shares.
+    A run refused by the first lock creates nothing; one refused by the second
+    found ``dest`` already there.
+
+    Raises:
+        LockedError: another process holds either lock (it is named).
     """
-    with hold_lock(convert_lock_path(dest), what=what, target=dest), hold_lock(dest / LOCK, what=what, target=dest):
-        yield
+    with hold_lock(convert_lock_path(dest), what=what, target=dest):
+        dest.mkdir(exist_ok=True)
+        with hold_lock(dest / LOCK, what=what, target=dest):
+            yield
 
 
 def only_lock_left(dest: Path) -> bool:

@@ -332,9 +332,8 @@ def stage(
             )
     dest = area / name
     check_destination(source, dest)
-    dest.mkdir(exist_ok=True)
 
-    with locked(dest):
+    with locked(dest):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
