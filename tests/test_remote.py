@@ -1309,3 +1309,63 @@ def test_an_old_copy_left_by_a_process_killed_mid_swap_is_removed_by_the_next_on
         )
     assert not stale.exists() and not os.path.lexists(link) and other.is_dir()
     assert (outside / "keep" / "data.bin").read_bytes() == b"not the cache's"  # the link went, never its target
+
+
+def test_cache_limit_never_evicts_a_copy_whose_lock_another_process_holds(s3, remote_pack, tmp_path: Path) -> None:
+    """A copy another process is staging, replacing or unstaging (it holds .NAME.lock) is skipped, never deleted."""
+    options, fs = s3
+    url, local = remote_pack
+    fs.put(str(local), "packs/second.lmdb", recursive=True)
+    cache = tmp_path / "cache"
+    first = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    limit = int(1.5 * size)  # one copy fits, not two: the first must go for the second
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(packdata.CapacityError, match="cache limit"):
+            packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                           cache_limit=limit)  # fmt: skip
+        assert _samples(first) == _samples(local) and not (cache / "second.lmdb").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    result = packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                            cache_limit=limit)  # fmt: skip
+    assert result.downloaded and not first.exists() and _samples(result.staged) == _samples(local)
+
+
+_KILLED_BEFORE_RENAME = """
+import json, os, sys, time
+import packdata
+rename = os.rename
+def stalled(src, dst):  # the copy is complete in .NAME.partial; the process is killed before it takes its name
+    if os.fspath(src).endswith(".partial"):
+        print("renaming", flush=True)
+        time.sleep(60)
+    rename(src, dst)
+os.rename = stalled
+packdata.stage(sys.argv[1], to=sys.argv[2], storage_options=json.loads(sys.argv[3]), progress=False)
+"""
+
+
+def test_cache_limit_never_evicts_the_partial_copy_of_the_pack_being_staged(s3, remote_pack, tmp_path: Path) -> None:
+    """A stage killed before its rename leaves a complete .NAME.partial; the next stage of NAME resumes it."""
+    options, _ = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_BEFORE_RENAME, url, str(cache), json.dumps(options)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "renaming"
+    child.kill()
+    child.wait()
+    partial = cache / ".train.lmdb.partial"
+    size = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file())
+    result = packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=int(1.5 * size))
+    assert result.files == 0 and _samples(result.staged) == _samples(local)  # resumed: nothing downloaded again
+    assert not partial.exists()

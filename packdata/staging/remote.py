@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -315,15 +316,26 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
     os.replace(tmp, local)
 
 
+_SWAP_TEMPORARY = re.compile(r"\.(.+)\.(?:partial|old-[0-9]+)")  # .NAME.partial, .NAME.old-PID
+
+
+def _owner(entry: Path) -> Path:
+    """The staged copy ``entry`` stands for: itself, or the copy whose partial or moved-aside folder it is."""
+    temporary = _SWAP_TEMPORARY.fullmatch(entry.name)
+    return entry.with_name(temporary.group(1)) if temporary else entry
+
+
 def evict_for(
     cache: Path, incoming: int, limit: int, *, keep: Path, storage_options: dict[str, Any] | None = None
 ) -> list[Path]:
     """Delete least recently used staged copies in ``cache`` until they and ``incoming`` bytes fit ``limit``.
 
     Only complete, verified copies of packs in object storage are candidates,
-    and each only when no process has a file of it open or mapped (a live
-    reader) and its origin's manifest is still there (never the last copy).
-    ``keep`` (the copy being staged) is never evicted.
+    each deleted holding its ``.NAME.lock`` (taken without waiting: a copy
+    another process is staging, replacing or unstaging is skipped), and only
+    when no process has a file of it open or mapped (a live reader) and its
+    origin's manifest is still there (never the last copy). ``keep`` (the
+    copy being staged) and its partial or old folders are never evicted.
 
     Returns:
         The copies deleted, oldest first.
@@ -334,35 +346,50 @@ def evict_for(
     copies = []
     for entry in cache.iterdir():
         marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
-        if marker is None or entry == keep:
+        if marker is None or _owner(entry) == keep:
             continue
-        size = dir_bytes(entry)
-        copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, size, marker))
+        copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, dir_bytes(entry), marker))
     total = incoming + sum(size for _, _, size, _ in copies)
     evicted: list[Path] = []
     for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
         if total <= limit:
             break
-        origin = marker.get("origin")
-        if not (marker.get("complete") and isinstance(origin, str) and is_url(origin)):
-            continue  # a local pack's copy, or an incomplete one: not ours to evict
-        if open_by_any_process(entry) is not None:
-            continue  # a live reader uses it
+        if not _remote_copy(marker):
+            continue  # a local pack's copy, or an incomplete one: not ours to evict (its lock is never taken)
+        owner = _owner(entry)
         try:
-            fs, root = open_url(origin, storage_options)
-            still_there = fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}")
-        except Exception:
-            still_there = False
-        if not still_there:
-            continue
-        shutil.rmtree(entry)
-        evicted.append(entry)
-        total -= size
+            with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
+                if _evictable(entry, storage_options):
+                    shutil.rmtree(entry)
+                    evicted.append(entry)
+                    total -= size
+        except LockedError:
+            continue  # another process is staging, replacing or unstaging it
     if total > limit:
         raise CapacityError(
-            f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers, "
-            f"of local packs, or whose origin is gone leave {total:,} bytes",
+            f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers "
+            f"or other stages, of local packs, or whose origin is gone leave {total:,} bytes",
             path=cache,
             hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
         )
     return evicted
+
+
+def _remote_copy(marker: dict[str, Any] | None) -> bool:
+    """Whether a staged copy's marker says it is a complete copy of a pack in object storage."""
+    origin = marker.get("origin") if marker else None
+    return bool(marker and marker.get("complete") and isinstance(origin, str) and is_url(origin))
+
+
+def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``entry`` (its lock held) is still a complete remote copy, read by no process, whose origin is there."""
+    marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
+    if marker is None or not _remote_copy(marker):
+        return False  # replaced or removed before its lock was taken
+    if open_by_any_process(entry) is not None:
+        return False  # a live reader uses it
+    try:
+        fs, root = open_url(marker["origin"], storage_options)
+        return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))
+    except Exception:
+        return False
