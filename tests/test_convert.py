@@ -484,3 +484,50 @@ def test_a_checkpoint_snapshot_does_not_follow_later_skips_or_fields(tmp_path: P
     checkpoint.save(snapshot)
     saved = json.loads((tmp_path / "progress.json").read_text())
     assert saved["skip_examples"] == [] and saved["field_names"] == [] and saved["skipped"] == {}
+
+
+_KILLED_OVERWRITE = r"""
+import os, signal, sys
+import packdata
+src, dst, event = sys.argv[1:]
+
+def hook(name, args):  # SIGKILL right before the rename of the new pack into place, or the old pack's deletion
+    if name == event and (name != "os.rename" or os.fspath(args[1]) == dst):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.convert(src, dst, overwrite=True, progress=False)
+"""
+
+
+def _hidden(dst: Path) -> list[str]:
+    return sorted(name for name in os.listdir(dst.parent) if name.startswith(f".{dst.name}.old-"))
+
+
+@pytest.mark.parametrize("event", ["os.rename", "shutil.rmtree"])
+def test_an_overwrite_killed_while_replacing_the_pack_loses_neither_pack_nor_leaves_one(
+    tmp_path: Path, event: str
+) -> None:
+    """Killed between its two renames, the old pack comes back; killed while deleting it, its rest goes.
+
+    An overwrite moves the old pack aside as .NAME.old-PID and deletes it once the new one has the name:
+    a kill between the renames left no pack at DST (the old one hidden for good), a kill in the deletion
+    left a half-deleted copy, and no later run removed either.
+    """
+    old_src, new_src = tmp_path / "old", tmp_path / "new"
+    for src, n in ((old_src, 2), (new_src, 3)):
+        (src / "cat").mkdir(parents=True)
+        for i in range(n):
+            (src / "cat" / f"{src.name}{i}.jpg").write_bytes(image_bytes(i + 10 * n))
+    dst = tmp_path / "p.lmdb"
+    convert(old_src, dst, progress=False)
+    done = subprocess.run([sys.executable, "-c", _KILLED_OVERWRITE, str(new_src), str(dst), event], timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    assert len(_hidden(dst)) == 1 and os.path.exists(dst) == (event == "shutil.rmtree")
+    if event == "os.rename":  # no pack at DST: the next run puts the old one back, and refuses to replace it
+        with pytest.raises(ConfigError, match="already exists"):
+            convert(new_src, dst, progress=False)
+        assert list(LMDBDataset(dst).keys) == ["cat/old0.jpg", "cat/old1.jpg"] and _hidden(dst) == []
+    convert(new_src, dst, overwrite=True, progress=False)
+    assert list(LMDBDataset(dst).keys) == ["cat/new0.jpg", "cat/new1.jpg", "cat/new2.jpg"] and _hidden(dst) == []
+    assert verify_pack(dst, progress=False).records == 3

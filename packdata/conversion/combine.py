@@ -28,6 +28,7 @@ from packdata.conversion.publish import (
     _check_existing,
     _publish,
     partial_path,
+    recover_replaced,
 )
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
@@ -263,6 +264,7 @@ def merge_packs(
     writer_cls = shard_writer(fmt)
     result = MergeResult(out, 0, 0)
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
+        recover_replaced(out)
         partial = partial_path(out)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

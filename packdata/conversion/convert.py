@@ -31,6 +31,7 @@ from packdata.conversion.publish import (
     _check_existing,
     _check_paths,
     partial_path,
+    recover_replaced,
 )
 from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
 from packdata.conversion.sources import Skip, scan_source
@@ -188,6 +189,7 @@ def convert(
     opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
+        recover_replaced(dst)  # a pack a killed --overwrite moved aside goes back (or its leftover goes)
         _check_source_and_destination(src, dst, overwrite)  # again, under the lock: another may have published
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -28,7 +29,7 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import file_kind, fsync_dir
+from packdata.pack.files import discard_partial, file_kind, fsync_dir
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
@@ -43,6 +44,7 @@ __all__ = [
     "make_result",
     "partial_path",
     "record_skip",
+    "recover_replaced",
     "skip_line",
 ]
 
@@ -341,6 +343,30 @@ def _make_manifest(
         skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
         source={"files_found": files_found, "bytes": bytes_in},
     )
+
+
+def recover_replaced(dst: Path) -> None:
+    """Undo or finish a replacement of ``dst`` that a killed run left; call it holding ``dst``'s lock.
+
+    :func:`_publish` moves the old pack aside as ``.NAME.old-PID`` and deletes
+    it once the new pack has the name. Killed between the two renames, ``dst``
+    is gone and the old pack hidden: it is moved back when it is a complete
+    pack. Any other such sibling is what a killed deletion left: removed (a
+    symlink is unlinked, never followed).
+    """
+    stale = re.compile(rf"\.{re.escape(dst.name)}\.old-[0-9]+(?:-[0-9]+)?")
+    olds = [Path(e.path) for e in os.scandir(dst.parent) if stale.fullmatch(e.name)] if dst.parent.is_dir() else []
+    for old in olds:
+        if not os.path.lexists(dst):
+            try:
+                _check_replaceable(old)  # complete: every shard and index file, nothing else
+            except ConfigError:
+                pass
+            else:
+                os.rename(old, dst)
+                fsync_dir(dst.parent)
+                continue
+        discard_partial(old)
 
 
 def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:

@@ -30,6 +30,7 @@ from packdata.conversion.publish import (
     _publish,
     make_result,
     partial_path,
+    recover_replaced,
 )
 from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
@@ -101,6 +102,7 @@ class PackWriter:
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(hold_lock(convert_lock_path(self.dst), what="packdata PackWriter", target=self.dst))
+        recover_replaced(self.dst)
         self._partial = partial_path(self.dst)
         try:
             discard_partial(self._partial)  # a writer's partial is never resumable
