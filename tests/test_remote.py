@@ -278,6 +278,96 @@ def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: 
     assert fs.find("packs/early-only-inside") == ["packs/early-only-inside/shard-00000.lmdb/data.mdb"]
 
 
+_KILLED_AT_MANIFEST = """
+import json, os, signal, sys
+import s3fs
+import packdata
+options = json.loads(sys.argv[3])
+fs = s3fs.S3FileSystem(**options)  # fsspec caches filesystems: convert gets this very instance
+real_put = fs.put_file
+
+def put(lpath, rpath, *args, **kwargs):
+    if rpath.endswith("manifest.json"):
+        os.kill(os.getpid(), signal.SIGKILL)  # killed with everything but the manifest uploaded
+    return real_put(lpath, rpath, *args, **kwargs)
+
+fs.put_file = put
+packdata.convert(sys.argv[1], sys.argv[2], overwrite=True, storage_options=options, progress=False, workers=1)
+"""
+
+
+def _text_source(root: Path, seed: int) -> Path:
+    """Two 6 MiB text files of random hex: an LMDB shard of over 10 MiB, the same size for every seed."""
+    rng = np.random.default_rng(seed)
+    (root / "cls").mkdir(parents=True)
+    for i in range(2):
+        (root / "cls" / f"{i}.txt").write_text(rng.bytes(3 << 20).hex())
+    return root
+
+
+def test_an_older_packs_object_of_the_same_size_is_replaced_and_a_resume_skips_only_its_own(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """An old multi-part shard with the new one's size (its ETag no MD5) once stayed under the new manifest."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    old, new = _text_source(tmp_path / "old", 1), _text_source(tmp_path / "new", 2)
+    packdata.convert(old, tmp_path / "old-pack" / "trust.lmdb", progress=False)
+    expected = tmp_path / "new-pack" / "trust.lmdb"
+    packdata.convert(new, expected, progress=False)
+    shard = "shard-00000.lmdb/data.mdb"
+    old_shard = tmp_path / "old-pack" / "trust.lmdb" / shard
+    assert old_shard.stat().st_size == (expected / shard).stat().st_size > 10 << 20
+    assert old_shard.read_bytes() != (expected / shard).read_bytes()
+    fs.put(str(tmp_path / "old-pack" / "trust.lmdb"), "packs/trust.lmdb", recursive=True)
+    fs.put_file(str(old_shard), f"packs/trust.lmdb/{shard}", chunksize=5 << 20)  # multi-part, as from 100 MiB on
+    assert fs.info(f"packs/trust.lmdb/{shard}")["ETag"].endswith('-3"')  # an ETag that is no MD5
+    url = "s3://packs/trust.lmdb"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT_MANIFEST, str(new), url, json.dumps(options)], capture_output=True, text=True
+    )
+    assert child.returncode == -9, child.stderr[-2000:]
+    fs.invalidate_cache()
+    assert not fs.exists("packs/trust.lmdb/manifest.json")
+    before = {name: info["ETag"] for name, info in fs.find("packs/trust.lmdb", detail=True).items()}
+    real_put = fs.put_file  # fsspec caches filesystems: convert gets this very instance
+    puts: list[str] = []
+
+    def counting_put(lpath, rpath, *args, **kwargs):
+        puts.append(rpath)
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", counting_put)
+    packdata.convert(new, url, overwrite=True, resume=True, storage_options=options, progress=False)
+    assert puts == ["packs/trust.lmdb/manifest.json"]  # what the killed run uploaded is not sent again
+    fs.invalidate_cache()
+    after = {name: info["ETag"] for name, info in fs.find("packs/trust.lmdb", detail=True).items()}
+    assert {k: v for k, v in after.items() if not k.endswith("manifest.json")} == before
+    names = sorted(p.relative_to(expected).as_posix() for p in expected.rglob("*") if p.is_file())
+    assert sorted(name[len("packs/trust.lmdb/") :] for name in after) == names
+    for name in names:  # the new pack, byte for byte: the old shard of the same size is gone
+        assert fs.cat_file(f"packs/trust.lmdb/{name}") == (expected / name).read_bytes(), name
+
+
+def test_a_ray_task_whose_object_was_rewritten_with_the_same_size_is_not_complete(s3, tmp_path: Path) -> None:
+    """A Ray resume trusted a multi-part object (its ETag no MD5) by its size: now by the version its task saw."""
+    from packdata.conversion.ray_remote import RemoteTarget, objects_complete, upload_task_files
+
+    options, fs = s3
+    pack = tmp_path / "pack"
+    (pack / "shard-00000.lmdb").mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    (pack / "shard-00000.lmdb" / "data.mdb").write_bytes(rng.bytes(11 << 20))
+    target = RemoteTarget("s3://packs/ray-task.lmdb", options)
+    objects = upload_task_files(pack, "tasks", target)
+    assert objects_complete(target, objects)
+    other = tmp_path / "other.mdb"
+    other.write_bytes(rng.bytes(11 << 20))  # another pack's shard: same size, other bytes
+    fs.put_file(str(other), "packs/ray-task.lmdb/shard-00000.lmdb/data.mdb", chunksize=5 << 20)
+    assert fs.info("packs/ray-task.lmdb/shard-00000.lmdb/data.mdb")["ETag"].endswith('-3"')  # multi-part
+    assert not objects_complete(target, objects)  # the task runs again
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_convert_into_s3_uploads_shards_as_they_close(s3, tmp_path: Path, monkeypatch, fmt: str) -> None:
     """Shards go up while the conversion runs; TFRecord shards are moved to their -of-N names at the end."""

@@ -192,7 +192,7 @@ def run_shard_task(
     With a ``target`` URL, ``partial`` is not used: the task writes in a
     worker-local temporary folder, uploads its shard files to the URL and
     returns its fragment files in the summary (``"fragment"``: name -> bytes)
-    with the uploaded objects' sizes and MD5s (``"objects"``).
+    with the uploaded objects' sizes, MD5s and versions (``"objects"``).
     """
     if target is None:
         if not (Path(partial) / TASKS_DIR).is_dir():
@@ -301,7 +301,7 @@ def _saved_result(partial: Path, task: ShardTask, name: str, target: RemoteTarge
     Its own: it names this task's number and, if any, the shard ``name`` this
     task writes (never a file elsewhere, or another task's fragment).
     Complete: its shard is in the partial folder or, with a ``target`` URL,
-    every object the task uploaded is there with its recorded size and MD5.
+    the store still reports every object the task uploaded with its recorded size and version.
     """
     path = _task_dir(partial, task.number) / _RESULT
     try:

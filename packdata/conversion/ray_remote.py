@@ -4,9 +4,10 @@ No storage is shared between the driver and the Ray workers. A task writes its
 shard in a worker-local temporary folder, uploads the shard's files to the
 destination URL under the names it wrote them (``shard-00003.lmdb/data.mdb``,
 ``part-00003.tfrecord``), and returns its index fragment and skip lines with
-each uploaded object's size and MD5. The driver keeps those small pieces in a
-local work folder (for ``resume``: a task whose objects are all there with
-their recorded size and MD5 is not run again), builds the index and manifest
+each uploaded object's size, MD5 and the version (ETag) the store reported
+after the upload. The driver keeps those small pieces in a local work folder
+(for ``resume``: a task whose objects the store still reports with their
+recorded size and version is not run again), builds the index and manifest
 there, moves renamed shards (TFRecord ``-of-N`` names) on the store, checks the
 size of every object, then uploads the index, the skip report and the manifest
 last: the pack exists once its manifest does.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.remote_folder import object_version
 from packdata.conversion.upload import file_md5, object_matches
 from packdata.errors import EngineError, PackFormatError
 from packdata.pack.lock import hold_lock
@@ -122,7 +124,10 @@ def check_object_name(rel: str, where: str) -> str:
 
 
 def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str, list[Any]]:
-    """Upload every file under ``pack`` but the ``leave`` folder to ``target``; ``{name: [size, md5]}``.
+    """Upload every file under ``pack`` but the ``leave`` folder to ``target``; ``{name: [size, md5, version]}``.
+
+    ``version`` is what the store reports for the object right after the upload
+    (its ETag): a resume trusts the object only while the store still says so.
 
     Raises:
         SourceError: an upload failed (the message shows the URL and the error's type only).
@@ -133,19 +138,21 @@ def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str,
         rel = path.relative_to(pack).as_posix()
         try:
             fs.put_file(os.fspath(path), f"{root}/{rel}")
+            fs.invalidate_cache(f"{root}/{rel}")
+            version = object_version(fs.info(f"{root}/{rel}"))
         except Exception as exc:
             raise remote_error(target.shown, f"uploading {rel} failed", exc, resumable=True) from exc
-        objects[rel] = [path.stat().st_size, file_md5(path)]
+        objects[rel] = [path.stat().st_size, file_md5(path), version]
     return objects
 
 
 def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> bool:
-    """Whether every object a task recorded is at ``target`` with its size and (when the store says) MD5."""
+    """Whether the store still reports every object a task recorded with its size and version (see object_matches)."""
     fs, root = target.open()
     try:
         return bool(objects) and all(
-            object_matches(fs, f"{root}/{check_object_name(rel, target.shown)}", int(size), str(md5))
-            for rel, (size, md5) in objects.items()
+            object_matches(fs, f"{root}/{check_object_name(rel, target.shown)}", int(size), str(version), str(md5))
+            for rel, (size, md5, version) in objects.items()
         )
     except (TypeError, ValueError):
         return False  # a damaged record: run the task again
@@ -166,7 +173,7 @@ def place_shards(
     fs, root = target.open()
     for old, new, files in zip(written, final, objects, strict=True):
         old_stem, new_stem = Path(old.file).stem, Path(new.file).stem
-        for rel, (size, _) in sorted(files.items()):
+        for rel, (size, *_) in sorted(files.items()):
             head, dot, rest = check_object_name(rel, target.shown).partition(".")
             name = f"{new_stem}{dot}{rest}" if head == old_stem else rel
             try:

@@ -21,7 +21,14 @@ from packdata.errors import ConfigError, SourceError
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.urls import display_url, open_url, remote_error
 
-__all__ = ["RemoteFolder", "RemoteSourceFile", "list_folder", "scan_remote_folder", "unsafe_name_skip"]
+__all__ = [
+    "RemoteFolder",
+    "RemoteSourceFile",
+    "list_folder",
+    "object_version",
+    "scan_remote_folder",
+    "unsafe_name_skip",
+]
 
 _KIND_SAMPLE = 1000  # objects looked at to tell images from text, as for a local folder
 
@@ -62,10 +69,14 @@ def list_folder(
         if any(part in ("", ".", "..") for part in rel.split("/")):
             refused.append(unsafe_name_skip(rel))
             continue
-        version = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
-        objects.append((path, rel, max(0, int(info.get("size") or 0)), version))
+        objects.append((path, rel, max(0, int(info.get("size") or 0)), object_version(info)))
     objects.sort(key=lambda item: item[1].split("/"))  # depth first, names sorted at every level
     return fs, root, objects, refused
+
+
+def object_version(info: dict[str, Any]) -> str:
+    """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``."""
+    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
 
 
 @dataclass(frozen=True)

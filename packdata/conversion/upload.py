@@ -15,10 +15,13 @@ closed (under the name it has in the work folder; a TFRecord shard's final
 When the pack is complete, :func:`upload_pack` uploads what is not there yet,
 in parallel, and ``manifest.json`` last: a pack in object storage exists when
 its manifest does, so a reader never opens a half upload.
-An upload resumed after an interruption skips objects already there with the
-local file's size and, where the store reports an MD5 (single-part uploads),
-the same MD5. With ``overwrite`` the old manifest is deleted first (the old
-pack ceases to exist before any of its files is replaced).
+A journal beside the work folder (``uploaded.jsonl``) records each object
+this conversion uploaded: its size, SHA-256, MD5 and the version (ETag) the
+store reported after the upload. A resumed upload skips an object only when
+the journal has it for the local file's bytes and the store still reports
+that size and version; anything else (an older pack's object of the same
+size, say) is uploaded again. With ``overwrite`` the old manifest is deleted
+first (the old pack ceases to exist before any of its files is replaced).
 """
 
 from __future__ import annotations
@@ -29,17 +32,17 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from packdata.conversion.publish import PROGRESS_FILE
-from packdata.conversion.remote_folder import list_folder
+from packdata.conversion.remote_folder import list_folder, object_version
 from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
+from packdata.pack.files import file_sha256
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import display_url, open_url, remote_error
 from packdata.progress import progress as show_progress
@@ -110,8 +113,8 @@ class ShardUploader:
     shard named by a path out of the work pack is ignored). It is only a head
     start: a failed or interrupted upload is left for
     :func:`upload_pack`, which checks every object before the manifest goes
-    up. Objects an interrupted run uploaded count as uploaded when their size
-    and MD5 match.
+    up. An object counts as uploaded when the journal says this conversion
+    uploaded it (see :class:`_UploadJournal`).
     """
 
     PERIOD = 1.0
@@ -122,6 +125,7 @@ class ShardUploader:
         self.fs, root = open_url(url, storage_options)
         self.root = root.rstrip("/")
         self.uploaded: dict[str, int] = {}  # path relative to the pack -> bytes, uploaded or found there
+        self.journal = _UploadJournal(partial.parent)
         self._seen: set[str] = set()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-upload-early")
@@ -165,8 +169,8 @@ class ShardUploader:
         target = f"{self.root}/{rel}"
         try:
             size = path.stat().st_size
-            if not _already_there(self.fs, target, path):
-                self.fs.put_file(os.fspath(path), target)
+            if not self.journal.holds(self.fs, target, rel, path):
+                self.journal.put(self.fs, path, target, rel)
             self.uploaded[rel] = size
         except Exception:  # a head start only: upload_pack uploads, and reports, what failed here
             return
@@ -186,7 +190,9 @@ def upload_pack(
     ``early``: files a :class:`ShardUploader` uploaded while the pack was written
     (path in the work folder -> size); one whose name changed when the pack was
     finished (a TFRecord shard's ``-of-N`` name) is moved on the store, and
-    objects under names the pack no longer has are removed.
+    objects under names the pack no longer has are removed. Any other file is
+    skipped only when the journal beside ``local`` holds it (see
+    :class:`_UploadJournal`).
 
     Raises:
         PackFormatError: an upload failed (rerun with resume to continue).
@@ -198,19 +204,20 @@ def upload_pack(
     end_remote_pack(url, storage_options)
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     early = dict(early or {})
-    _move_renamed(fs, root, local, files, early)
+    journal = _UploadJournal(local.parent)
+    _move_renamed(fs, root, local, files, early, journal)
     todo = [
         p
         for p in files
-        if early.get(p.relative_to(local).as_posix()) != p.stat().st_size
-        and not _already_there(fs, f"{root}/{p.relative_to(local).as_posix()}", p)
+        if early.get(rel := p.relative_to(local).as_posix()) != p.stat().st_size
+        and not journal.holds(fs, f"{root}/{rel}", rel, p)
     ]
     total = sum(p.stat().st_size for p in todo)
 
     def put(path: Path) -> int:
-        target = f"{root}/{path.relative_to(local).as_posix()}"
+        rel = path.relative_to(local).as_posix()
         try:
-            fs.put_file(os.fspath(path), target)
+            journal.put(fs, path, f"{root}/{rel}", rel)
         except Exception as exc:
             raise PackFormatError(
                 f"{shown}: uploading {path.relative_to(local)} failed ({type(exc).__name__})",
@@ -228,14 +235,16 @@ def upload_pack(
     return total
 
 
-def _move_renamed(fs: Any, root: str, local: Path, files: list[Path], early: dict[str, int]) -> None:
+def _move_renamed(
+    fs: Any, root: str, local: Path, files: list[Path], early: dict[str, int], journal: _UploadJournal
+) -> None:
     """Move early uploads of files renamed when the pack was finished to their final names.
 
     The shard numbered ``i`` was written as ``shard_name(i)`` and is now the
     manifest's ``shards[i].file``; its companions share its stem. An early
-    object whose final file is the same size is moved (a copy on the store);
-    one that matches no final file is removed. ``early`` is updated to the
-    final names.
+    object whose final file has the bytes the journal recorded for it is moved
+    (a copy on the store) and journaled under its final name; one that matches
+    no final file is removed. ``early`` is updated to the final names.
     """
     manifest = read_manifest(local)
     renamed = {
@@ -249,8 +258,9 @@ def _move_renamed(fs: Any, root: str, local: Path, files: list[Path], early: dic
         stem, dot, rest = rel.partition(".")
         final = f"{renamed[stem]}{dot}{rest}" if stem in renamed else None
         try:
-            if final in present and (local / final).stat().st_size == size and final not in early:
+            if final in present and final not in early and journal.same_bytes(rel, local / final):
                 fs.mv(f"{root}/{rel}", f"{root}/{final}")
+                journal.record(fs, f"{root}/{final}", final, journal.entries[rel][:3])
                 early[final] = size
             else:
                 fs.rm_file(f"{root}/{rel}")
@@ -259,28 +269,73 @@ def _move_renamed(fs: Any, root: str, local: Path, files: list[Path], early: dic
         del early[rel]
 
 
-def _already_there(fs: Any, target: str, path: Path) -> bool:
-    """An object uploaded by an interrupted run: the same size and, when the store gives one, the same MD5."""
-    return object_matches(fs, target, path.stat().st_size, lambda: file_md5(path))
+class _UploadJournal:
+    """The objects a conversion into a URL uploaded: ``uploaded.jsonl`` in its work folder's parent.
+
+    One line per object, appended once the store reports it: name, size,
+    SHA-256 and MD5 of the local file, and the version (ETag) the store gave
+    after the upload. Only this journal makes an object count as uploaded: an
+    object found at the URL with the right size may be an older pack's (a
+    multi-part object's ETag is no MD5 of its bytes, so nothing else tells).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / _UPLOADED
+        self.entries = _read_journal(self.path, ("size", "sha256", "md5", "version"))
+        self._lock = threading.Lock()
+
+    def put(self, fs: Any, path: Path, target: str, rel: str) -> None:
+        """Upload ``path`` to ``target`` and journal it as ``rel``."""
+        digests = [path.stat().st_size, file_sha256(path), file_md5(path)]
+        fs.put_file(os.fspath(path), target)
+        self.record(fs, target, rel, digests)
+
+    def record(self, fs: Any, target: str, rel: str, digests: list[Any]) -> None:
+        """Journal ``target`` as ``rel``: ``[size, sha256, md5]``, with the version the store reports now."""
+        fs.invalidate_cache(target)
+        entry = [*digests, object_version(fs.info(target))]
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            size, sha256, md5, version = entry
+            line = {"name": rel, "size": size, "sha256": sha256, "md5": md5, "version": version}
+            f.write(json.dumps(line) + "\n")
+            self.entries[rel] = entry
+
+    def same_bytes(self, rel: str, path: Path) -> bool:
+        """Whether the journal holds ``rel`` with the size and SHA-256 of the local file ``path``."""
+        entry = self.entries.get(rel)
+        return entry is not None and entry[0] == path.stat().st_size and entry[1] == file_sha256(path)
+
+    def holds(self, fs: Any, target: str, rel: str, path: Path) -> bool:
+        """Whether ``target`` is what this conversion uploaded from ``path``'s bytes, unchanged since."""
+        entry = self.entries.get(rel)
+        if entry is None or entry[0] != path.stat().st_size:
+            return False
+        fs.invalidate_cache(target)
+        return object_matches(fs, target, entry[0], entry[3], entry[2]) and self.same_bytes(rel, path)
 
 
-def object_matches(fs: Any, target: str, size: int, md5: str | Callable[[], str]) -> bool:
-    """Whether the object ``target`` on ``fs`` has ``size`` bytes and, when the store reports one, MD5 ``md5``.
+_UPLOADED = "uploaded.jsonl"
+"""Beside a destination's work folder: one line per object uploaded (name, size, sha256, md5, version)."""
 
-    Stores report an object's MD5 as its ETag for single-part uploads only; a
-    multi-part object is checked by size. ``md5`` may be a function, called
-    only when there is an MD5 to compare.
+
+def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> bool:
+    """Whether the store still reports ``target`` as the object uploaded: ``size`` bytes and version ``version``.
+
+    ``version`` is what the store reported right after the upload (see
+    :func:`~packdata.conversion.remote_folder.object_version`): it changes
+    whenever the object is written, so an older object of the same size (a
+    multi-part one, whose ETag is no MD5) never passes; an empty one never
+    matches. Where the ETag is a single-part upload's MD5, it must be ``md5``.
     """
     try:
         info = fs.info(target)
     except FileNotFoundError:
         return False
-    if int(info.get("size", -1)) != size:
+    found = object_version(info)
+    if int(info.get("size", -1)) != size or not version or found != version:
         return False
-    etag = str(info.get("ETag", info.get("etag", ""))).strip('"')
-    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
-        return (md5() if callable(md5) else md5) == etag
-    return True
+    etag = found.strip('"')
+    return len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag) or etag == md5
 
 
 _WORK_FOLDER_HINT = "Set PACKDATA_TMP to a folder on a disk with room (the work folder lives there), or free space"
@@ -342,7 +397,7 @@ def download_source(
     incoming = local.parent / ".incoming"
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.mkdir()
-    done = _read_journal(journal)
+    done = _read_journal(journal, ("size", "version"))
     _remove_unlisted(local, {rel for _, rel, _, _ in objects})
     todo = []
     for path, rel, size, version in objects:
@@ -382,8 +437,8 @@ _DOWNLOADED = "downloaded.jsonl"
 """Beside a source's work folder: one line per object downloaded (name, size, version), appended once in place."""
 
 
-def _read_journal(journal: Path) -> dict[str, list[Any]]:
-    """The objects an earlier run downloaded: name -> [size, version]; a torn or odd line counts for nothing."""
+def _read_journal(journal: Path, fields: tuple[str, ...]) -> dict[str, list[Any]]:
+    """The objects a journal lists: name -> its ``fields``' values; a torn or odd line counts for nothing."""
     done: dict[str, list[Any]] = {}
     try:
         lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -392,7 +447,7 @@ def _read_journal(journal: Path) -> dict[str, list[Any]]:
     for line in lines:
         try:
             entry = json.loads(line)
-            done[str(entry["name"])] = [entry["size"], entry["version"]]
+            done[str(entry["name"])] = [entry[key] for key in fields]
         except (ValueError, KeyError, TypeError):
             continue
     return done
