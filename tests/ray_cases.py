@@ -273,6 +273,43 @@ def test_ray_resume_reruns_a_task_whose_saved_result_names_another_shard(
 
 
 @pytest.mark.ray
+def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A saved shard was trusted because it existed: a flipped byte or a cut file was published as the pack."""
+    from packdata.conversion import ray as engine
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray import _prepare_partial
+
+    dst = tmp_path / "out"
+    partial = partial_path(dst)
+    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
+    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
+    with pytest.raises(EngineError):
+        packdata.convert(
+            clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray"
+        )
+    (partial / "part-00003.tfindex").rmdir()
+    done = sorted(int(p.parent.name) for p in (partial / engine.TASKS_DIR).glob("*/result.json"))
+    assert len(done) >= 2  # with 2 CPUs, two tasks had finished when the last one started
+    altered, cut = (partial / f"part-{n:05d}.tfrecord" for n in done[:2])
+    jpeg = (clean_folder / "class0" / "img000.jpg").read_bytes()
+    data = bytearray(altered.read_bytes())
+    at = data.index(jpeg) + len(jpeg) // 2
+    data[at] ^= 0xFF  # one byte of an image, same size (a record's CRC would catch it only when read)
+    altered.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-10])
+    packdata.convert(clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
+    packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local", dst)
+    assert packdata.verify_pack(dst, progress=False).records == N_CLASSES * PER_CLASS + 1
+    pairs = zip(read_manifest(dst).shards, read_manifest(tmp_path / "local").shards, strict=True)
+    for ours, local in pairs:  # shard names follow the pack's name
+        assert (dst / ours.file).read_bytes() == (tmp_path / "local" / local.file).read_bytes(), ours.file
+
+
+@pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     from packdata.conversion.load import _Options
     from packdata.conversion.ray import _prepare_partial

@@ -57,8 +57,8 @@ from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import Skip, SourceFile, SourceGroup
 from packdata.conversion.upload import upload_pack
 from packdata.errors import ConfigError, EngineError
-from packdata.formats import shard_writer
-from packdata.pack.files import atomic_write, discard_partial, fsync_dir
+from packdata.formats import get_format, shard_writer
+from packdata.pack.files import atomic_write, discard_partial, file_sha256, fsync_dir
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,
@@ -295,13 +295,17 @@ def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _saved_result(partial: Path, task: ShardTask, name: str, target: RemoteTarget | None) -> dict[str, Any] | None:
+def _saved_result(
+    partial: Path, task: ShardTask, name: str, data: str, target: RemoteTarget | None
+) -> dict[str, Any] | None:
     """The result an interrupted run saved for ``task``, if it is complete, its own and for the same files.
 
     Its own: it names this task's number and, if any, the shard ``name`` this
     task writes (never a file elsewhere, or another task's fragment).
-    Complete: its shard is in the partial folder or, with a ``target`` URL,
-    the store still reports every object the task uploaded with its recorded size and version.
+    Complete: its shard's records file (``data``, inside the partial folder)
+    has the size and SHA-256 the result recorded or, with a ``target`` URL, the
+    store still reports every object the task uploaded with its recorded size
+    and version.
     """
     path = _task_dir(partial, task.number) / _RESULT
     try:
@@ -317,11 +321,19 @@ def _saved_result(partial: Path, task: ShardTask, name: str, target: RemoteTarge
     shard = saved.get("shard")
     if shard is not None and (not isinstance(shard, dict) or shard.get("file") != name):
         return None
-    if shard is not None and target is None and not (partial / shard["file"]).exists():
+    if shard is not None and target is None and not _holds_shard(partial / data, shard):
         return None
     if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
         return None
     return saved
+
+
+def _holds_shard(data: Path, shard: dict[str, Any]) -> bool:
+    """Whether the records file ``data`` has the size and SHA-256 its task's result recorded (hashed once)."""
+    try:
+        return data.stat().st_size == shard.get("bytes") and file_sha256(data) == shard.get("sha256")
+    except OSError:
+        return False  # missing, or not a regular file: the task runs again
 
 
 class _Gatherer:
@@ -602,6 +614,7 @@ def _run_tasks(
     """Submit the plan with bounded tasks in flight and gather results in plan order."""
     remote = ray.remote(run_shard_task)
     name = shard_writer(opts.format).shard_name
+    data_name = get_format(opts.format).data_name
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     limit = cpus + min(cpus, 64)  # every CPU busy, plus a bounded queue (task arguments live in the object store)
     in_flight: dict[Any, tuple[str, int]] = {}  # ref -> (description, walk entries)
@@ -640,7 +653,9 @@ def _run_tasks(
         with bar:
             for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size):
                 queue.append(task.number)  # the entries travel with the task, not kept here
-                saved = _saved_result(partial, task, name(task.number), target) if resumed else None
+                saved = None
+                if resumed:
+                    saved = _saved_result(partial, task, name(task.number), data_name(name(task.number)), target)
                 if saved is not None:
                     results[task.number] = saved
                     bar.update(len(task.entries))
