@@ -312,3 +312,36 @@ def test_tfrecord_plain_dataloader_resume(packs: dict[str, Path], workers: int) 
             assert before + after == full, stop
         else:  # each worker continues exactly, but a plain DataLoader restarts its round-robin at worker 0
             assert sorted(before + after) == sorted(full), stop
+
+
+@pytest.mark.parametrize(
+    ("counts", "problem"),
+    [
+        ([0], "a list of 2 counts"),  # shorter than the workers: an IndexError in worker 1
+        ([0, 0, 0], "a list of 2 counts"),  # longer: the extra count was ignored
+        ([-1, 0], "from 0 to"),  # negative: worker 0 replayed more than it read
+        ([0, 10**9], "from 0 to"),  # more than the worker's stream holds
+        ([0, "3"], "from 0 to"),
+        ({"0": 0}, "a list of 2 counts"),
+    ],
+)
+def test_a_loader_state_with_bad_yielded_per_worker_is_refused_at_load(
+    packs: dict[str, Path], counts: object, problem: str
+) -> None:
+    """A state whose counts do not fit the workers failed in a worker (IndexError) or skipped samples."""
+    from torch.utils.data import DataLoader
+
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    state = {**ds.loader_state_dict(3, batch_size=BATCH, num_workers=2), "yielded_per_worker": counts}
+    fresh = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    with pytest.raises(ConfigError, match=rf"yielded_per_worker should be {problem}.*but got"):
+        fresh.load_state_dict(state)
+        list(DataLoader(fresh, batch_size=BATCH, num_workers=2, collate_fn=_collate))
+
+
+@pytest.mark.parametrize("workers", [0, -1, "2", True])
+def test_a_loader_state_with_bad_num_workers_is_refused_at_load(packs: dict[str, Path], workers: object) -> None:
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    state = {**ds.loader_state_dict(3, batch_size=BATCH, num_workers=2), "num_workers": workers}
+    with pytest.raises(ConfigError, match=r"num_workers should be a positive number of workers, but got"):
+        TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)

@@ -314,8 +314,10 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
         Raises:
             ConfigError: the state was saved with other options (seed, shuffle,
-                shuffle buffer, pack, rank, world size, drop_uneven); the
-                worker is checked when iteration starts.
+                shuffle buffer, pack, rank, world size, drop_uneven), or a
+                :meth:`loader_state_dict` state's ``num_workers`` or
+                ``yielded_per_worker`` do not describe that many streams of
+                this epoch; the worker is checked when iteration starts.
         """
         for name, mine in self._state_key().items():
             if state_dict.get(name) != mine:
@@ -326,8 +328,38 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                     hint="Resume with the options, pack and world size the state was saved with",
                 )
         self.epoch = int(state_dict["epoch"])
+        if "yielded_per_worker" in state_dict:
+            self._check_loader_state(state_dict)
         self._resume = dict(state_dict)
         self._position = int(state_dict.get("yielded", 0))
+
+    def _check_loader_state(self, state: dict[str, Any]) -> None:
+        """Refuse a :meth:`loader_state_dict` state whose counts do not fit its workers' streams of this epoch."""
+        streams = state.get("num_workers")
+        if type(streams) is not int or streams < 1:
+            raise ConfigError(
+                f"the reader state's num_workers should be a positive number of workers, but got {streams!r}",
+                path=self.path,
+                hint="Pass the state loader_state_dict returned, unchanged",
+            )
+        counts = state["yielded_per_worker"]
+        if not isinstance(counts, list) or len(counts) != streams:
+            got = f"a list of {len(counts)}" if isinstance(counts, list) else type(counts).__name__
+            raise ConfigError(
+                f"the reader state's yielded_per_worker should be a list of {streams} counts (num_workers={streams}), "
+                f"but got {got}",
+                path=self.path,
+                hint="Pass the state loader_state_dict returned, unchanged",
+            )
+        for worker, count in enumerate(counts):
+            length = sum(end - first for _, first, end in self.reader_segments(worker, streams))
+            if type(count) is not int or not 0 <= count <= length:
+                raise ConfigError(
+                    f"the reader state's yielded_per_worker should be from 0 to {length} for worker {worker} "
+                    f"(the samples its stream holds this epoch), but got yielded_per_worker[{worker}]={count!r}",
+                    path=self.path,
+                    hint="Pass the state loader_state_dict returned, unchanged",
+                )
 
     def loader_state_dict(self, batches: int, *, batch_size: int, num_workers: int = 0) -> dict[str, Any]:
         """This rank's state after a plain ``DataLoader`` yielded ``batches`` batches of this epoch.
