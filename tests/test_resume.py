@@ -345,3 +345,16 @@ def test_a_loader_state_with_bad_num_workers_is_refused_at_load(packs: dict[str,
     state = {**ds.loader_state_dict(3, batch_size=BATCH, num_workers=2), "num_workers": workers}
     with pytest.raises(ConfigError, match=r"num_workers should be a positive number of workers, but got"):
         TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)
+
+
+@pytest.mark.parametrize("epoch", ["missing", None, -1, "1", 1.0, True])
+def test_a_reader_state_with_a_bad_epoch_is_refused_at_load(packs: dict[str, Path], epoch: object) -> None:
+    """A missing or non-integer epoch was a bare KeyError or TypeError (or ValueError) from load_state_dict."""
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    state = ds.loader_state_dict(3, batch_size=BATCH, num_workers=2)
+    if epoch == "missing":
+        del state["epoch"]
+    else:
+        state["epoch"] = epoch
+    with pytest.raises(ConfigError, match=r"epoch should be a number from 0 on, but got"):
+        TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)

@@ -314,7 +314,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
         Raises:
             ConfigError: the state was saved with other options (seed, shuffle,
-                shuffle buffer, pack, rank, world size, drop_uneven), or a
+                shuffle buffer, pack, rank, world size, drop_uneven), its epoch
+                is not an integer from 0 on, or a
                 :meth:`loader_state_dict` state's ``num_workers`` or
                 ``yielded_per_worker`` do not describe that many streams of
                 this epoch; the worker is checked when iteration starts.
@@ -327,7 +328,14 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                     path=self.path,
                     hint="Resume with the options, pack and world size the state was saved with",
                 )
-        self.epoch = int(state_dict["epoch"])
+        epoch = state_dict.get("epoch")
+        if type(epoch) is not int or epoch < 0:
+            raise ConfigError(
+                f"the reader state's epoch should be a number from 0 on, but got {epoch!r}",
+                path=self.path,
+                hint="Pass the state state_dict or loader_state_dict returned, unchanged",
+            )
+        self.epoch = epoch
         if "yielded_per_worker" in state_dict:
             self._check_loader_state(state_dict)
         self._resume = dict(state_dict)
