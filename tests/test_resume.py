@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from packdata import BlockShuffleSampler, LMDBDataset, TFRecordDataset, convert
@@ -358,3 +359,5 @@ def test_a_reader_state_with_a_bad_epoch_is_refused_at_load(packs: dict[str, Pat
         state["epoch"] = epoch
     with pytest.raises(ConfigError, match=r"epoch should be a number from 0 on, but got"):
         TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)
+    state["epoch"] = np.int64(0)  # an epoch set from numpy (set_epoch keeps what it is given) still loads
+    TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)

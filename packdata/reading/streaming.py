@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import numbers
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -329,13 +330,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                     hint="Resume with the options, pack and world size the state was saved with",
                 )
         epoch = state_dict.get("epoch")
-        if type(epoch) is not int or epoch < 0:
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:  # numpy's ints pass
             raise ConfigError(
                 f"the reader state's epoch should be a number from 0 on, but got {epoch!r}",
                 path=self.path,
                 hint="Pass the state state_dict or loader_state_dict returned, unchanged",
             )
-        self.epoch = epoch
+        self.epoch = int(epoch)
         if "yielded_per_worker" in state_dict:
             self._check_loader_state(state_dict)
         self._resume = dict(state_dict)
