@@ -235,25 +235,30 @@ def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
     packdata.convert(src, dst, shard_samples=10, resume=True, progress=False, engine="ray")
 
 
+def _interrupted_tfrecord_run(src: Path, dst: Path) -> Path:
+    """A Ray TFRecord conversion of ``src`` into ``dst`` whose last task failed for good; its partial folder."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray import _prepare_partial
+
+    partial = partial_path(dst)
+    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
+    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
+    with pytest.raises(EngineError):
+        packdata.convert(src, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
+    (partial / "part-00003.tfindex").rmdir()
+    return partial
+
+
 @pytest.mark.ray
 def test_ray_resume_reruns_a_task_whose_saved_result_names_another_shard(
     ray_local, clean_folder: Path, tmp_path: Path
 ) -> None:
     """A result.json naming a file outside the partial folder, or another task's fragment, is never used."""
     from packdata.conversion import ray as engine
-    from packdata.conversion.load import _Options
-    from packdata.conversion.ray import _prepare_partial
 
     dst = tmp_path / "out"
-    partial = partial_path(dst)
-    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
-    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
-    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
-    with pytest.raises(EngineError):
-        packdata.convert(
-            clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray"
-        )
-    (partial / "part-00003.tfindex").rmdir()
+    partial = _interrupted_tfrecord_run(clean_folder, dst)
     victim = {tmp_path / "victim.tfrecord": b"someone's records", tmp_path / "victim.tfindex": b"0 17\n"}
     for path, data in victim.items():
         path.write_bytes(data)
@@ -278,19 +283,9 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
 ) -> None:
     """A saved shard was trusted because it existed: a flipped byte or a cut file was published as the pack."""
     from packdata.conversion import ray as engine
-    from packdata.conversion.load import _Options
-    from packdata.conversion.ray import _prepare_partial
 
     dst = tmp_path / "out"
-    partial = partial_path(dst)
-    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
-    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
-    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
-    with pytest.raises(EngineError):
-        packdata.convert(
-            clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray"
-        )
-    (partial / "part-00003.tfindex").rmdir()
+    partial = _interrupted_tfrecord_run(clean_folder, dst)
     done = sorted(int(p.parent.name) for p in (partial / engine.TASKS_DIR).glob("*/result.json"))
     assert len(done) >= 2  # with 2 CPUs, two tasks had finished when the last one started
     altered, cut = (partial / f"part-{n:05d}.tfrecord" for n in done[:2])

@@ -744,13 +744,21 @@ sys.stdin.readline()
 """
 
 
-def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote_pack, tmp_path: Path) -> None:
+def _staged_and_second(s3, remote_pack, tmp_path: Path) -> tuple[dict, Path, Path, Path, int]:
+    """The remote pack staged into ``tmp_path/cache`` and a second one uploaded at s3://packs/second.lmdb.
+
+    Returns the storage options, the local pack, the cache, the staged copy and its size in bytes.
+    """
     options, fs = s3
     url, local = remote_pack
     fs.put(str(local), "packs/second.lmdb", recursive=True)
     cache = tmp_path / "cache"
     first = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
-    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    return options, local, cache, first, sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+
+
+def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote_pack, tmp_path: Path) -> None:
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
     packdata.stage(local, to=cache, name="local-copy", progress=False)  # a local pack's copy: never evicted
     limit = int(2.5 * size)  # the local copy and one remote copy fit, not two
     reader = subprocess.Popen(
@@ -1403,12 +1411,7 @@ def test_an_old_copy_left_by_a_process_killed_mid_swap_is_removed_by_the_next_on
 
 def test_cache_limit_never_evicts_a_copy_whose_lock_another_process_holds(s3, remote_pack, tmp_path: Path) -> None:
     """A copy another process is staging, replacing or unstaging (it holds .NAME.lock) is skipped, never deleted."""
-    options, fs = s3
-    url, local = remote_pack
-    fs.put(str(local), "packs/second.lmdb", recursive=True)
-    cache = tmp_path / "cache"
-    first = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
-    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
     limit = int(1.5 * size)  # one copy fits, not two: the first must go for the second
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
