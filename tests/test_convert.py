@@ -531,3 +531,20 @@ def test_an_overwrite_killed_while_replacing_the_pack_loses_neither_pack_nor_lea
     convert(new_src, dst, overwrite=True, progress=False)
     assert list(LMDBDataset(dst).keys) == ["cat/new0.jpg", "cat/new1.jpg", "cat/new2.jpg"] and _hidden(dst) == []
     assert verify_pack(dst, progress=False).records == 3
+
+
+def test_planted_old_siblings_are_never_followed_or_restored(tmp_path: Path) -> None:
+    """A link named .NAME.old-PID to a pack elsewhere, and a FIFO so named: removed as themselves, never moved in."""
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    (src / "cat" / "a.jpg").write_bytes(image_bytes(1))
+    outside = tmp_path / "elsewhere" / "theirs.lmdb"
+    outside.parent.mkdir()
+    convert(src, outside, progress=False)
+    around = tree_digest(outside)
+    dst = tmp_path / "p.lmdb"
+    (tmp_path / ".p.lmdb.old-1").symlink_to(outside)
+    os.mkfifo(tmp_path / ".p.lmdb.old-2-1")
+    convert(src, dst, progress=False)
+    assert not dst.is_symlink() and list(LMDBDataset(dst).keys) == ["cat/a.jpg"] and _hidden(dst) == []
+    assert tree_digest(outside) == around

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import stat
 import time
@@ -29,7 +28,7 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import discard_partial, file_kind, fsync_dir
+from packdata.pack.files import discard_stale, file_kind, fsync_dir, stale_siblings
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
@@ -351,22 +350,18 @@ def recover_replaced(dst: Path) -> None:
     :func:`_publish` moves the old pack aside as ``.NAME.old-PID`` and deletes
     it once the new pack has the name. Killed between the two renames, ``dst``
     is gone and the old pack hidden: it is moved back when it is a complete
-    pack. Any other such sibling is what a killed deletion left: removed (a
-    symlink is unlinked, never followed).
+    pack (never a link). Any other such sibling is what a killed deletion left:
+    removed (:func:`~packdata.pack.files.discard_stale`).
     """
-    stale = re.compile(rf"\.{re.escape(dst.name)}\.old-[0-9]+(?:-[0-9]+)?")
-    olds = [Path(e.path) for e in os.scandir(dst.parent) if stale.fullmatch(e.name)] if dst.parent.is_dir() else []
-    for old in olds:
-        if not os.path.lexists(dst):
-            try:
-                _check_replaceable(old)  # complete: every shard and index file, nothing else
-            except ConfigError:
-                pass
-            else:
-                os.rename(old, dst)
-                fsync_dir(dst.parent)
-                continue
-        discard_partial(old)
+    for old in [] if os.path.lexists(dst) else stale_siblings(dst, "old"):
+        try:
+            _check_replaceable(old)  # complete: every shard and index file, nothing else; a folder, not a link
+        except ConfigError:
+            continue
+        os.rename(old, dst)
+        fsync_dir(dst.parent)
+        break
+    discard_stale(dst, "old")
 
 
 def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "atomic_write",
     "discard_partial",
     "discard_stale",
+    "stale_siblings",
     "file_sha256",
     "file_kind",
     "fsync_dir",
@@ -210,15 +211,23 @@ def discard_partial(partial: Path) -> None:
         partial.unlink()
 
 
+def stale_siblings(dest: Path, *kinds: str) -> list[Path]:
+    """The ``.NAME.KIND-PID`` (or ``-PID-N``) siblings of ``dest`` that runs left (``kinds``: ``"partial"``, ``"old"``).
+
+    Only names matching exactly that pattern; none when ``dest``'s folder is missing.
+    """
+    stale = re.compile(rf"\.{re.escape(dest.name)}\.(?:{'|'.join(map(re.escape, kinds))})-[0-9]+(?:-[0-9]+)?")
+    if not dest.parent.is_dir():
+        return []
+    return [Path(entry.path) for entry in os.scandir(dest.parent) if stale.fullmatch(entry.name)]
+
+
 def discard_stale(dest: Path, *kinds: str) -> None:
-    """Remove the ``.NAME.KIND-PID`` siblings of ``dest`` that killed runs left (``kinds``: ``"partial"``, ``"old"``).
+    """Remove the :func:`stale_siblings` of ``dest`` that killed runs left.
 
     Call it holding ``dest``'s lock, under which no live process writes one.
-    Only names matching exactly ``.NAME.KIND-<digits>`` go; a symlink is
-    unlinked, never followed; one that cannot be removed costs disk, never the caller.
+    A symlink is unlinked, never followed; one that cannot be removed costs disk, never the caller.
     """
-    stale = re.compile(rf"\.{re.escape(dest.name)}\.(?:{'|'.join(map(re.escape, kinds))})-[0-9]+")
-    for entry in dest.parent.iterdir():
-        if stale.fullmatch(entry.name):
-            with contextlib.suppress(OSError):
-                discard_partial(entry)
+    for entry in stale_siblings(dest, *kinds):
+        with contextlib.suppress(OSError):
+            discard_partial(entry)
