@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import packdata
 from packdata.cli import main
+from packdata.host.facts import nvml_gpus
 from packdata.watch.diagnose import Diagnosis, Measurements, diagnose
 from packdata.watch.loop import EpochSummary
 
@@ -130,7 +131,8 @@ def test_cli_monitor_finds_a_real_job_its_workers_and_its_staged_pack(tmp_path: 
         assert last["pid"] == job.pid and len(workers) == 2
         assert all(p["private"] > 0 for p in last["processes"]) and last["mem_available"] > 0
         assert {"path": str(staged), "staged": True, "origin": str((tmp_path / "p.lmdb").resolve())} in last["packs"]
-        assert last["gpus"] == []  # no NVML here: nothing breaks
+        seen = [(g.index, g.name, g.total_bytes) for g in nvml_gpus() or []]  # [] without NVML: nothing breaks
+        assert [(g["index"], g["name"], g["total_bytes"]) for g in last["gpus"]] == seen
         lines = CliRunner().invoke(main, ["monitor", str(job.pid), "--count", "1", "--interval", "0.2"])
         assert "2 workers, private" in lines.output and "cpu" in lines.output
     finally:

@@ -33,7 +33,8 @@ class _MemorySampler:
     def __init__(self, interval: float = 0.25) -> None:
         self.interval = interval
         self.main = psutil.Process()
-        self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int]] = []
+        # (main's memory, each readable descendant's memory, MemAvailable, swap used, descendants seen)
+        self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int, int]] = []
         self._procs: dict[int, psutil.Process] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -52,7 +53,7 @@ class _MemorySampler:
             mem = process_memory(proc)
             if mem is not None:
                 workers.append(mem)
-        tick = (main, workers, psutil.virtual_memory().available, psutil.swap_memory().used)
+        tick = (main, workers, psutil.virtual_memory().available, psutil.swap_memory().used, len(children))
         with self._lock:
             self.ticks.append(tick)
 
@@ -102,7 +103,7 @@ class _MemorySampler:
 
         def peak(key: str, group: str) -> int:
             values = []
-            for main, workers, _, _ in ticks:
+            for main, workers, *_ in ticks:
                 if group == "main":
                     values.append(main.get(key, 0))
                 elif group == "workers":
@@ -114,7 +115,7 @@ class _MemorySampler:
         total_uss = [m + w for m, w in zip(main_uss, workers_uss, strict=True)]
         return {
             "samples": len(ticks),
-            "processes_peak": max((1 + len(t[1]) for t in ticks), default=1),
+            "processes_peak": max((1 + t[4] for t in ticks), default=1),  # a worker whose memory was unreadable counts
             "main": {
                 "uss_peak": max(main_uss, default=0),
                 "uss_mean": int(np.mean(main_uss)) if ticks else 0,
