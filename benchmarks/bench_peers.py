@@ -351,7 +351,7 @@ def _then(extract: Callable[[Any], Any], fn: Callable[[Any], Any], item: Any) ->
 
 
 _TRANSFORM = standard_transform(224)
-_CROP = packdata.DecodeCrop(224)  # the crop drawn from the header, only its region decoded
+_CROP = packdata.DecodeCrop(224, output="tensor")  # the crop drawn from the header, only its region decoded
 _FLIP = standard_transform(224, crop=False)
 
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import image_bytes
 
@@ -127,7 +128,7 @@ def test_bench_crop_decode_against_the_full_decode_and_crop(pack: Path) -> None:
     assert "what DecodeCrop replaces" in result.table()
     dataset, _ = open_source(pack, decode="crop", transform=None, size=32)
     image, _ = dataset[0]
-    assert image.size == (32, 32) and image.mode == "RGB"
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8  # DecodeCrop(output="tensor"): no PIL round trip
 
 
 def test_bench_records_bad_sources_and_settings_without_stopping(pack: Path, tmp_path: Path) -> None:
@@ -139,8 +140,6 @@ def test_bench_records_bad_sources_and_settings_without_stopping(pack: Path, tmp
 
 
 def test_bench_pin_memory_falls_back_without_cuda(pack: Path) -> None:
-    import torch
-
     result = run_bench(pack, workers=0, batch_sizes=BATCH, pin_memory=True, batches=2, warmup=0)
     for r in result.results:
         assert r.error is None and r.pin_memory

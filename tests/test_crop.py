@@ -95,6 +95,48 @@ def test_output_is_the_full_decodes_crop_within_jpeg_rounding(fmt: str, turbo: b
     assert worst < (0.01 if fmt == "PNG" else 4.0), worst
 
 
+@pytest.mark.parametrize("turbo", BACKENDS)
+@pytest.mark.parametrize(
+    ("fmt", "mode", "size"), [("JPEG", "RGB", 224), ("JPEG", "RGB", 64), ("JPEG", "L", 224), ("PNG", "RGB", 224)]
+)
+def test_tensor_output_is_the_pil_outputs_pixels(fmt: str, mode: str, size: int, turbo: bool) -> None:
+    """``output="tensor"`` gives the PIL output's pixels as a CHW tensor, at full and at DCT scales."""
+    image = Image.open(io.BytesIO(image_bytes(4, (1600, 1200), fmt=fmt))).convert(mode)
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    data = out.getvalue()
+    pil, tensor = DecodeCrop(size, seed=5, turbo=turbo), DecodeCrop(size, seed=5, turbo=turbo, output="tensor")
+    for _ in range(12):  # boxes of 8-100% against 64 px: DCT scales 1/8 to 1; against 224: mostly full scale
+        expected = torch.from_numpy(np.asarray(pil(data)).transpose(2, 0, 1).copy())
+        got = tensor(data)
+        assert got.dtype == torch.uint8 and got.is_contiguous() and torch.equal(got, expected)
+
+
+def test_the_standard_transform_flips_a_tensor_as_it_flips_the_image() -> None:
+    data = image_bytes(6, (640, 480))
+    flip_to_tensor = packdata.standard_transform(96, crop=False)
+    flip_to_array = packdata.standard_transform(96, crop=False, output="array")
+    pil, tensor = DecodeCrop(96, seed=2), DecodeCrop(96, seed=2, output="tensor")
+    flipped = 0
+    for i in range(16):
+        image, chw = pil(data), tensor(data)
+        torch.manual_seed(i)
+        expected = flip_to_tensor(image)
+        torch.manual_seed(i)
+        got = flip_to_tensor(chw)
+        assert torch.equal(got, expected)
+        flipped += not torch.equal(got, chw)
+        torch.manual_seed(i)
+        array = flip_to_array(chw)
+        torch.manual_seed(i)
+        assert np.array_equal(array, flip_to_array(image))
+    assert 0 < flipped < 16  # both sides of the coin were tested
+    with pytest.raises(TypeError, match="uint8 CHW tensor"):
+        flip_to_tensor(torch.zeros(3, 8, 8))  # float: not an image the collate expects
+    with pytest.raises(ValueError, match="output"):
+        DecodeCrop(96, output="array")
+
+
 def test_decode_crop_in_spawned_workers_differs_per_worker(tmp_path) -> None:
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)

@@ -191,7 +191,7 @@ def _decoder(decode: str | DecodeFn, kind: str, size: int) -> DecodeFn | str:
         return decode
     if decode == "reduced":
         return DecodeJPEG(size)
-    return DecodeCrop(size) if decode == "crop" else decode
+    return DecodeCrop(size, output="tensor") if decode == "crop" else decode
 
 
 def open_source(

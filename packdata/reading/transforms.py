@@ -117,16 +117,16 @@ class RandomResizedCrop:
 
 
 class RandomHorizontalFlip:
-    """Mirror a PIL image left to right with probability ``p``."""
+    """Mirror a PIL image or a CHW tensor left to right with probability ``p``."""
 
     def __init__(self, p: float = 0.5) -> None:
         if not 0 <= p <= 1:
             raise ValueError(f"p should be in [0, 1], but got p={p!r}")
         self.p = p
 
-    def __call__(self, img: Image.Image) -> Image.Image:
+    def __call__(self, img: Image.Image | torch.Tensor) -> Image.Image | torch.Tensor:
         if _rand() < self.p:
-            return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            return img.flip(-1) if isinstance(img, torch.Tensor) else img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return img
 
     def __repr__(self) -> str:
@@ -141,19 +141,33 @@ def _as_hwc(img: Image.Image | np.ndarray) -> np.ndarray:
 
 
 class ToUint8Array:
-    """PIL image -> ``uint8`` numpy array, HWC (what :func:`packdata.fast_collate` stacks)."""
+    """PIL image or ``uint8`` CHW tensor -> ``uint8`` numpy array, HWC (what :func:`packdata.fast_collate` stacks)."""
 
-    def __call__(self, img: Image.Image) -> np.ndarray:
+    def __call__(self, img: Image.Image | torch.Tensor) -> np.ndarray:
+        if isinstance(img, torch.Tensor):
+            return _chw_tensor(img).permute(1, 2, 0).numpy()
         return _as_hwc(img)
 
     def __repr__(self) -> str:
         return "ToUint8Array()"
 
 
-class ToUint8Tensor:
-    """PIL image -> ``uint8`` CHW tensor (like torchvision's ``PILToTensor``), no float conversion."""
+def _chw_tensor(img: torch.Tensor) -> torch.Tensor:
+    """``img`` itself when it is a ``uint8`` CHW tensor (what ``DecodeCrop(output="tensor")`` gives)."""
+    if img.dtype != torch.uint8 or img.ndim != 3:
+        raise TypeError(f"expected a uint8 CHW tensor, but got {img.dtype} of shape {tuple(img.shape)}")
+    return img
 
-    def __call__(self, img: Image.Image) -> torch.Tensor:
+
+class ToUint8Tensor:
+    """PIL image -> ``uint8`` CHW tensor (like torchvision's ``PILToTensor``), no float conversion.
+
+    A ``uint8`` CHW tensor passes through unchanged.
+    """
+
+    def __call__(self, img: Image.Image | torch.Tensor) -> torch.Tensor:
+        if isinstance(img, torch.Tensor):
+            return _chw_tensor(img)
         array = np.ascontiguousarray(_as_hwc(img).transpose(2, 0, 1))
         return torch.from_numpy(array)
 
