@@ -20,7 +20,7 @@ import lmdb
 import numpy as np
 from PIL import Image
 
-from packdata.formats.lmdb import encode_key
+from packdata.formats.lmdb_env import encode_key
 
 __all__ = ["NaiveLMDB", "drop_caches", "import_streaming", "in_fresh_process", "make_images", "make_texts"]
 

@@ -56,7 +56,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import packdata
-from packdata.formats.lmdb import encode_key
+from packdata.formats.lmdb_env import encode_key
 from packdata.host.allocator import keep_freed_memory
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.decode import decode_pil

@@ -19,7 +19,7 @@ from faults.hostile import rewrite_manifest
 import packdata
 from packdata.cli import main as cli
 from packdata.errors import ConfigError, PackFormatError
-from packdata.formats.lmdb import DATA_FILE
+from packdata.formats.lmdb_env import DATA_FILE
 from packdata.pack.manifest import read_manifest
 
 

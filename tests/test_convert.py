@@ -20,7 +20,7 @@ from PIL import Image
 from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
-from packdata.formats.lmdb import encode_key
+from packdata.formats.lmdb_env import encode_key
 from packdata.pack.records import decode_record
 
 
@@ -347,7 +347,7 @@ _SLOW_CLOSE = """
 import os, sys, time
 from pathlib import Path
 from packdata import convert
-from packdata.formats.lmdb import LMDBShardWriter
+from packdata.formats.lmdb_writer import LMDBShardWriter
 close = LMDBShardWriter.close
 def slow_close(self):
     (Path(sys.argv[3]) / self.path.name).touch()  # this shard is closing

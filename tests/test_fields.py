@@ -22,7 +22,7 @@ import packdata
 from packdata.cli import main as cli
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.contents import export_pack, list_samples, read_field
-from packdata.formats.lmdb import DATA_FILE
+from packdata.formats.lmdb_env import DATA_FILE
 from packdata.pack.fields import decode_block
 from packdata.pack.manifest import manifest_checksum, read_manifest
 

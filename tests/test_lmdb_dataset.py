@@ -172,7 +172,8 @@ def test_a_payload_that_fails_its_table_crc_is_named_and_never_looked_up_by_lmdb
 ) -> None:
     """The table is bound to this file, so a mismatch is damage: LMDB's lookup (whose damaged pages
     could lead it past its map, a SIGBUS) is not tried."""
-    from packdata.formats.lmdb import LMDBShardReader, record_locations
+    from packdata.formats.lmdb_reader import LMDBShardReader
+    from packdata.formats.lmdb_tables import record_locations
 
     shard = next(pack.glob("shard-*.lmdb"))
     _, rows = record_locations(shard)
@@ -479,7 +480,8 @@ def test_the_location_tables_crc32cs_are_the_reference_ones_and_batches_read_thr
     """
     import crc32c
 
-    from packdata.formats.lmdb import LMDBShardReader, record_locations
+    from packdata.formats.lmdb_reader import LMDBShardReader
+    from packdata.formats.lmdb_tables import record_locations
 
     ds = LMDBDataset(pack, decode="bytes")
     for info in read_manifest(pack).shards:

@@ -23,7 +23,7 @@ from zlib_ng.zlib_ng import crc32
 
 from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
 from packdata.formats.lmdb import NAME as LMDB
-from packdata.formats.lmdb import LMDBShardReader
+from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.index import (

@@ -22,7 +22,7 @@ import lmdb
 from conftest import image_bytes
 
 from packdata.conversion.convert import convert
-from packdata.formats.lmdb import encode_key
+from packdata.formats.lmdb_env import encode_key
 from packdata.pack.manifest import manifest_checksum
 
 __all__ = [

@@ -109,7 +109,7 @@ def test_full_and_read_only_disks(text_folder: Path, mounts: dict[str, Path], na
 def test_lmdb_shard_on_a_full_tmpfs_raises_instead_of_sigbus(mounts: dict[str, Path]) -> None:
     """LMDB maps its lock file: on a full tmpfs that write is a SIGBUS unless its blocks are allocated first."""
     code = (
-        "from packdata.formats.lmdb import LMDBShardWriter\n"
+        "from packdata.formats.lmdb_writer import LMDBShardWriter\n"
         "from packdata.errors import CapacityError\n"
         f"try:\n    LMDBShardWriter({str(mounts['full'] / 'shard')!r})\n"
         "except CapacityError as exc:\n    print('CapacityError', exc)\n"

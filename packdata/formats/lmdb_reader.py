@@ -1,0 +1,263 @@
+"""Reading LMDB shards: :class:`LMDBShardReader`, a payload in one ``pread`` through ``records.i64`` or LMDB's lookup.
+
+When the shard's ``records.i64`` is bound to it (:mod:`packdata.formats.lmdb_tables`),
+the reader fetches a payload with one ``pread`` instead of a B-tree lookup
+through the memory map, checks that it got every byte and (by default) its
+CRC32C, about 2 us per 40 KB, a few thousandths of a JPEG decode. That
+matters cold: py-lmdb touches every page of a value before returning it, so
+with readahead off a 40 KB value costs ten synchronous 4 KB faults, about 4x
+slower than reading the same bytes from a folder; one ``pread`` is one I/O
+request. Without a valid table (none, a table of an older packdata, a damaged
+or foreign one, or any later write to the environment) or on any mismatch the
+reader falls back to LMDB's own lookup, where the record's own CRC-32 and its
+key and label are checked. LMDB trusts its file, so before it opens a shard its meta
+pages are checked, and before its lookup or cursor walks one, every page they
+can reach (:mod:`packdata.formats.lmdb_pages`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import cast
+
+import lmdb
+import numpy as np
+from fastcrc.crc32 import iscsi as crc32c
+
+from packdata.errors import PackFormatError
+from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
+from packdata.formats.lmdb_pages import check_lmdb_tree
+from packdata.formats.lmdb_tables import _read_table, _sha_prefix
+from packdata.formats.residency import PagedFile
+from packdata.pack.files import not_a_file
+
+__all__ = ["LMDBShardReader"]
+
+
+class LMDBShardReader:
+    """Reads records of one shard by their index within the shard.
+
+    Opened lazily in the process that uses it. Records are fetched with one
+    ``pread`` each through the shard's ``records.i64`` table when it is valid
+    for this shard (see the module docstring), else through LMDB's lookup;
+    ``readahead`` applies to the LMDB map only.
+
+    Args:
+        path: the shard directory.
+        readahead: let the kernel read ahead on the LMDB map.
+        check_crc: check each payload's CRC (table reads: CRC32C; LMDB lookups: the record's CRC-32).
+        expected_bytes, expected_sha256, expected_records: the shard's size,
+            SHA-256 and record count from the manifest the caller read. A
+            ``data.mdb`` of another size or count raises; a table is used only
+            when bound to this checksum.
+
+    Raises:
+        PackFormatError: the shard is missing, truncated, replaced, or LMDB finds it damaged.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        readahead: bool = False,
+        check_crc: bool = True,
+        expected_bytes: int | None = None,
+        expected_sha256: str | None = None,
+        expected_records: int | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.check_crc = check_crc
+        self._pid = os.getpid()
+        self._fd = -1
+        self._held: tuple[int, int] | None = None  # the shared environment this reader is a user of
+        self._in_txn = False
+        self._locations: np.ndarray | None = None
+        self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
+        self._pages: PagedFile | None = None
+        self._tree_checked = False  # LMDB's lookups and cursor walk the B-tree only once it is checked
+        data = os.path.join(self.path, DATA_FILE)
+        problem = not_a_file(data)
+        if problem:
+            raise PackFormatError(
+                f"the shard's {DATA_FILE} {problem}",
+                path=data,
+                hint="The pack is incomplete: convert or stage it again",
+            )
+        size = os.path.getsize(data)
+        if expected_bytes is not None and size != expected_bytes:
+            raise PackFormatError(
+                f"{DATA_FILE} is {size} bytes, the manifest read when the dataset was opened says {expected_bytes}",
+                path=data,
+                hint="The shard is truncated, or the pack was converted or staged again since: "
+                "run `packdata verify`, and recreate the dataset after changing a pack",
+            )
+        try:
+            self._open(data, size, readahead, expected_sha256, expected_records)
+        except BaseException:
+            self.close()  # lets go of the environment too
+            raise
+
+    def _open(
+        self, data: str, size: int, readahead: bool, expected_sha256: str | None, expected_records: int | None
+    ) -> None:
+        try:
+            self._held, self._env = _shared_env(self.path, readahead)  # its meta pages checked first
+            info = self._env.info()
+            self._txn = self._env.begin(buffers=True)
+            self._in_txn = True
+            self._entries = self._txn.stat()["entries"]
+        except lmdb.Error as exc:
+            raise _lmdb_error(self.path, exc) from exc
+        if expected_records is not None and self._entries != expected_records:  # records would shift between shards
+            raise PackFormatError(
+                f"shard holds {self._entries} records, the manifest read when the dataset was opened says "
+                f"{expected_records}",
+                path=data,
+                hint="The manifest does not describe this shard: run `packdata verify`, and recreate the dataset "
+                "after converting or staging a pack again",
+            )
+        found = _read_table(self.path, self._entries, info["last_txnid"], size)
+        if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
+            self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
+            self._rows = self._locations.data.cast("B").cast("q")
+        if self._locations is not None:
+            self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+            self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
+
+    def get(self, index: int) -> memoryview:
+        """The whole record at ``index`` within the shard, valid until :meth:`close`."""
+        self._check_tree()
+        try:
+            value = self._txn.get(encode_key(index))
+        except lmdb.Error as exc:
+            raise _lmdb_error(self.path, exc) from exc
+        if value is None:
+            raise PackFormatError(
+                f"record {index} is missing", path=self.path, hint="The shard is damaged: run `packdata verify`"
+            )
+        return value
+
+    def payload(self, index: int) -> bytes | None:
+        """The payload of the record at ``index`` in one ``pread``, complete and CRC-checked.
+
+        None without a valid location table (the caller then reads the record
+        through :meth:`get`, which has its own checks).
+
+        Raises:
+            PackFormatError: the bytes read are not the ones the table describes
+                (short, or another CRC32C). The table is bound to this very
+                file (its size and checksum), so the file is damaged: it is
+                named, never walked by LMDB's lookup, whose damaged pages could
+                lead it past its map.
+        """
+        rows = self._rows
+        if rows is None or not 0 <= index < self._entries:
+            return None
+        at = 3 * index
+        offset, length, crc = rows[at], rows[at + 1], rows[at + 2]
+        assert self._pages is not None  # opened with the table
+        data = self._pages.read(offset, length)
+        if len(data) != length or (self.check_crc and crc32c(data) != crc):
+            raise self._damaged(index, offset, length, len(data))
+        return data
+
+    def _damaged(self, index: int, offset: int, length: int, got: int) -> PackFormatError:
+        what = f"only {got} of its {length} bytes could be read" if got != length else "its CRC32C does not match"
+        return PackFormatError(
+            f"record {index} is damaged: the payload at byte offset {offset}: {what}",
+            path=os.path.join(self.path, DATA_FILE),
+            hint="Run `packdata verify` on the pack, then convert it again",
+        )
+
+    def payloads(self, indices: np.ndarray) -> list[bytes | None]:
+        """:meth:`payload` of several records, the table rows looked up at once (a batch read).
+
+        Raises:
+            PackFormatError: as :meth:`payload`, for the first damaged payload.
+
+        ``indices`` is an int64 array of record numbers, none negative (a batch
+        read is the hot path: one past the table is caught by numpy's bounds check).
+        """
+        if self._locations is None or self._pages is None:
+            return [None] * len(indices)
+        try:
+            offsets, lengths, crcs = self._locations.reshape(-1, 3)[indices].T.tolist()
+        except IndexError:  # past the table: record by record, None where it has no row
+            return [self.payload(int(i)) for i in indices]
+        mapped = self._pages.warm_map(len(offsets), sum(lengths))
+        if mapped is not None:
+            datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
+        else:
+            datas = [os.pread(self._fd, length, offset) for offset, length in zip(offsets, lengths, strict=True)]
+        check = self.check_crc
+        if list(map(len, datas)) != lengths or (check and list(map(crc32c, datas)) != crcs):  # two C loops
+            for index, data, offset, length, crc in zip(indices.tolist(), datas, offsets, lengths, crcs, strict=True):
+                if len(data) != length or (check and crc32c(data) != crc):
+                    raise self._damaged(index, offset, length, len(data))
+        return cast(list[bytes | None], datas)
+
+    def payload_length(self, index: int) -> int | None:
+        """The payload length of the record at ``index`` from the location table, or None without one."""
+        if self._locations is None or not 0 <= index < self._entries:
+            return None
+        return int(self._locations[3 * index + 1])
+
+    def payload_span(self, index: int, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` inside the payload of the record at ``index``, in one ``pread``.
+
+        Not CRC-checked (the caller checks the part it asked for); None without
+        a valid table, when the span does not lie inside the payload, or on a short read.
+        """
+        total = self.payload_length(index)
+        if total is None or start < 0 or length < 0 or start + length > total:
+            return None
+        offset = int(self._locations[3 * index]) + start  # type: ignore[index]
+        data = self._pages.read(offset, length)  # type: ignore[union-attr]
+        return data if len(data) == length else None
+
+    def items(self):
+        """Iterate ``(index in shard, record)`` in key order."""
+        self._check_tree()
+        try:
+            for key, value in self._txn.cursor():
+                yield _KEY.unpack(key)[0], value
+        except lmdb.Error as exc:
+            raise _lmdb_error(self.path, exc) from exc
+
+    def _check_tree(self) -> None:
+        """Check every page LMDB's lookups and cursor can reach (once per file per process) before they walk it.
+
+        Raises:
+            PackFormatError: a page number, node or value would lead LMDB off a page or out of ``data.mdb``.
+        """
+        if not self._tree_checked:
+            check_lmdb_tree(os.path.join(self.path, DATA_FILE))
+            self._tree_checked = True
+
+    def close(self) -> None:
+        """End the read transaction, close the file, and let go of the shared environment.
+
+        The environment (LMDB's map of ``data.mdb``) closes with its last user in this process.
+        """
+        if self._in_txn:
+            self._txn.abort()
+            self._in_txn = False
+        self._rows = None
+        if self._pages is not None:
+            self._pages.close()
+            self._pages = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._held is not None:
+            identity, self._held = self._held, None
+            _release_env(identity)
+
+    def __del__(self) -> None:
+        try:
+            if self._pid == os.getpid():
+                self.close()
+            elif self._fd >= 0:  # a parent's reader, dropped in a forked child: only the descriptor is the child's
+                os.close(self._fd)
+        except Exception:  # at interpreter exit: nothing left to let go of
+            pass

@@ -1,0 +1,226 @@
+"""``records.i64``: where each payload of an LMDB shard lies in its ``data.mdb``, bound to that very file.
+
+The writer (:mod:`packdata.formats.lmdb_writer`) leaves it beside ``data.mdb``
+on close, a table of int64 triples, little-endian::
+
+    row 0   magic b"PDRLOC02" (as an int64), 2 (version), record count
+    row 1   last LMDB transaction id, byte size of data.mdb, first 8 bytes of its SHA-256
+    row 2+  per record: byte offset and length of its payload (the file's bytes)
+            inside data.mdb, and the payload's CRC32C
+
+The header binds the table to one ``data.mdb``: a reader uses it only when the
+count, transaction id and size match the environment it opened and the
+SHA-256 prefix matches the manifest's checksum of the shard (counters alone
+repeat across shards; the checksum does not), and every row lies inside
+``data.mdb``. The table is an accelerator, never a second source of truth:
+without a valid one the reader uses LMDB's own lookup
+(:mod:`packdata.formats.lmdb_reader`), and ``verify`` checks it row by row
+against the records (:func:`check_records_table`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import numpy as np
+from fastcrc.crc32 import iscsi as crc32c
+
+from packdata.errors import PackFormatError
+from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env
+from packdata.formats.lmdb_pages import check_lmdb_tree
+from packdata.formats.residency import buffer_address
+from packdata.pack.files import map_int64, open_pack_file
+from packdata.pack.records import RecordError, payload_start
+
+__all__ = ["RECORDS_FILE", "check_records_table", "location_table", "record_locations", "record_spans"]
+
+RECORDS_FILE = "records.i64"
+_TABLE_MAGIC = int.from_bytes(b"PDRLOC02", "little", signed=True)
+_TABLE_VERSION = 2
+
+
+def _sha_prefix(sha256_hex: str) -> int:
+    """The first 8 bytes of a hex SHA-256 as a little-endian int64 (0 when there is none)."""
+    if len(sha256_hex) < 16:
+        return 0
+    try:
+        return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
+    except ValueError:
+        return 0
+
+
+def _map_base(data_file: str, address: int) -> int:
+    """Start address of this process's mapping of ``data_file`` that holds ``address`` (from /proc/self/maps).
+
+    By device and inode, not name: a shard opened through a hard link (a
+    merged pack) shows in the maps under the name it was first opened by. By
+    ``address`` (a value LMDB returned), not the first mapping found: a
+    reader's own map of the same file may lie before LMDB's.
+    """
+    st = os.stat(data_file)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[4] == str(st.st_ino) and fields[3] == device and fields[2] == "00000000":
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return start
+    raise OSError(f"{data_file} is not mapped in this process")
+
+
+def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
+    """The last transaction id, and ``(offset, length, CRC32C)`` of every payload inside ``data.mdb`` in key order.
+
+    Raises:
+        PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
+    """
+    check_lmdb_tree(os.path.join(path, DATA_FILE))  # before LMDB's cursor walks it
+    try:  # one more user of this process's environment (LMDB opens a file once per process)
+        identity, env = _shared_env(os.fspath(path), True)
+    except lmdb.Error as exc:
+        raise _lmdb_error(path, exc) from exc
+    try:
+        base = 0
+        with env.begin(buffers=True) as txn:
+            n = txn.stat()["entries"]
+            out = np.empty((n, 3), dtype=np.int64)
+            for i, (key, value) in enumerate(txn.cursor()):
+                base = base or _map_base(os.path.join(path, DATA_FILE), buffer_address(value))
+                if _KEY.unpack(key)[0] != i:
+                    raise PackFormatError(f"record {i} is missing", path=path)
+                try:
+                    start = payload_start(value)
+                except RecordError as exc:
+                    raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
+                out[i] = (buffer_address(value) - base + start, len(value) - start, crc32c(value[start:]))
+        txnid = env.info()["last_txnid"]
+    except lmdb.Error as exc:
+        raise _lmdb_error(path, exc) from exc
+    finally:
+        _release_env(identity)
+    return txnid, out
+
+
+def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np.ndarray] | None:
+    """``(sha256 prefix, rows)`` of a current-version ``records.i64`` that fits this environment, else None.
+
+    Fits: the header's count, transaction id and ``data.mdb`` size equal the
+    environment's, and every row lies inside ``data.mdb`` (checked once, here).
+    """
+    table = os.path.join(path, RECORDS_FILE)
+    raw = map_int64(table)  # mapped, not read: every worker shares the page cache's copy (24 bytes a record)
+    if raw is None or raw.size != 3 * (entries + 2):
+        return None  # absent, of an older packdata (pairs), or cut
+    rows = raw.reshape(-1, 3)
+    if tuple(rows[0]) != (_TABLE_MAGIC, _TABLE_VERSION, entries) or (rows[1, 0], rows[1, 1]) != (txnid, size):
+        return None
+    body = rows[2:]
+    offsets, lengths, crcs = body[:, 0], body[:, 1], body[:, 2]
+    if entries and (
+        offsets.min() < 0
+        or lengths.min() < 0
+        or (offsets + lengths).max() > size
+        or (offsets > size).any()
+        or crcs.min() < 0
+        or crcs.max() > 0xFFFFFFFF
+    ):
+        return None
+    return int(rows[1, 2]), body
+
+
+def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.ndarray | None:
+    """The ``(offset, length, CRC32C)`` rows of a ``records.i64``'s bytes, or None when they do not fit.
+
+    Fit: a current-version table of ``count`` records bound to a ``data.mdb``
+    of ``size`` bytes whose SHA-256 is ``sha256_hex`` (the manifest's), every
+    row inside the file. Without the environment at hand the transaction id is
+    not compared (for reads from object storage): the checksum binding, and
+    the CRC32C each payload read is checked against, stand for it.
+    """
+    if len(raw) != 24 * (count + 2):
+        return None
+    rows = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
+    if tuple(rows[0]) != (_TABLE_MAGIC, _TABLE_VERSION, count) or int(rows[1, 1]) != size:
+        return None
+    if int(rows[1, 2]) != _sha_prefix(sha256_hex) or not _sha_prefix(sha256_hex):
+        return None
+    body = rows[2:]
+    if count and (
+        body[:, 0].min() < 0
+        or body[:, 1].min() < 0
+        or (body[:, 0] + body[:, 1]).max() > size
+        or body[:, 2].min() < 0
+        or body[:, 2].max() > 0xFFFFFFFF
+    ):
+        return None
+    return body
+
+
+def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
+    """Check a shard's ``records.i64`` row by row against the records themselves (for ``verify``).
+
+    A missing table is fine (readers use LMDB's lookup); a table of an older
+    packdata (pairs, no checksum binding) is checked row by row too.
+
+    Raises:
+        PackFormatError: the table does not describe this shard exactly.
+    """
+    path = os.fspath(path)
+    table = os.path.join(path, RECORDS_FILE)
+    try:
+        fd = open_pack_file(table)  # a symlink leading out of the pack, or a FIFO, is refused, never read
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "rb") as f:
+        blob = f.read()
+    txnid, locations = record_locations(path)
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    raw = np.frombuffer(blob[: len(blob) - len(blob) % 8], dtype="<i8")
+    hint = "Convert the pack again (or delete the table: readers then use LMDB's own lookup)"
+    if raw.size == 3 * (len(locations) + 2):
+        found = _read_table(path, len(locations), txnid, size)
+        if found is None:
+            raise PackFormatError(
+                f"{RECORDS_FILE} does not fit this shard (count, transaction id, size or a row out of bounds)",
+                path=table,
+                hint=hint,
+            )
+        prefix, rows = found
+        if prefix != _sha_prefix(sha256_hex):
+            raise PackFormatError(f"{RECORDS_FILE} belongs to another shard (checksum differs)", path=table, hint=hint)
+        bad = np.flatnonzero((rows != locations).any(axis=1))
+    elif raw.size == 2 * (len(locations) + 1) and tuple(raw[:2]) == (txnid, len(locations)):
+        bad = np.flatnonzero((raw[2:].reshape(-1, 2) != locations[:, :2]).any(axis=1))
+    else:
+        raise PackFormatError(
+            f"{RECORDS_FILE} is {raw.size * 8} bytes, which fits no table of {len(locations)} records",
+            path=table,
+            hint=hint,
+        )
+    if len(bad):
+        raise PackFormatError(
+            f"{RECORDS_FILE} row {int(bad[0])} does not point at record {int(bad[0])} ({len(bad)} rows wrong)",
+            path=table,
+            hint=hint,
+        )
+
+
+def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(offsets, lengths)`` of every payload in ``data.mdb``, memory-mapped from ``records.i64`` (read-ahead hints).
+
+    None when the table is absent, of another version, or does not fit a
+    ``data.mdb`` of ``size`` bytes by its header; its rows are not checked here.
+    """
+    table = shard / RECORDS_FILE
+    raw = map_int64(table)
+    if raw is None or raw.size % 3:
+        return None
+    rows = raw.reshape(-1, 3)
+    if len(rows) < 2 or tuple(rows[0, :2]) != (_TABLE_MAGIC, _TABLE_VERSION) or rows[1, 1] != size:
+        return None
+    if rows[0, 2] != len(rows) - 2:
+        return None
+    return rows[2:, 0], rows[2:, 1]

@@ -1,0 +1,175 @@
+"""Writing LMDB shards: :class:`LMDBShardWriter` appends records and leaves ``records.i64`` beside ``data.mdb``."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from packdata.errors import CapacityError, PackFormatError, destination_error
+from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
+from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, _sha_prefix, record_locations
+from packdata.pack.files import file_sha256
+from packdata.pack.manifest import ShardInfo
+from packdata.pack.records import Sample, encode_record
+
+__all__ = ["LMDBShardWriter"]
+
+_INITIAL_MAP = 64 << 20
+_LOCK_BYTES = 64 * MAX_READERS + 4096  # LMDB's lock file: a header and one 64-byte slot per reader
+
+
+def _reserve_lock_file(shard: Path) -> None:
+    """Create the shard folder and allocate its ``lock.mdb`` before LMDB maps it.
+
+    LMDB grows the lock file with ``ftruncate`` and writes it through a shared
+    map; on a full tmpfs that write is a ``SIGBUS`` that kills the process.
+    Allocating the blocks first turns a full disk into an ``ENOSPC`` here.
+
+    Raises:
+        CapacityError: the disk is full.
+        ConfigError: the folder or file cannot be created.
+    """
+    lock = shard / "lock.mdb"
+    try:
+        shard.mkdir(exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, _LOCK_BYTES)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: LMDB allocates as usual
+                raise
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise destination_error(exc, lock if shard.is_dir() else shard) from exc
+
+
+class LMDBShardWriter:
+    """Appends records to one LMDB shard in large transactions.
+
+    The map starts small and doubles before any transaction that might not fit
+    it, so a user never meets ``MapFullError`` and a small disk never sees a
+    1 TB sparse map. Writes are not synced per commit; :meth:`sync` makes
+    everything committed durable (call it before recording a checkpoint).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None:
+        self.path = Path(path)
+        if resume_at == 0:  # none of it is kept: start afresh, so the shard's bytes are an uninterrupted run's
+            for name in (DATA_FILE, RECORDS_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / name).unlink()
+        _reserve_lock_file(self.path)
+        self._env = lmdb.open(
+            os.fspath(self.path),
+            map_size=_INITIAL_MAP,
+            subdir=True,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            meminit=True,  # zero unused page bytes: the same source gives a byte-identical data.mdb
+            max_readers=MAX_READERS,
+            lock=True,
+        )
+        self._map_size = self._env.info()["map_size"]
+        self._page = self._env.stat()["psize"]
+        if resume_at:
+            self._truncate(resume_at)
+
+    @staticmethod
+    def shard_name(number: int) -> str:
+        """File name of shard ``number`` inside the pack."""
+        return f"shard-{number:05d}.lmdb"
+
+    @staticmethod
+    def finalize(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """LMDB shards keep the names they were written under."""
+        return shards
+
+    @staticmethod
+    def final_shards(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """LMDB shards keep the names they were written under."""
+        return shards
+
+    def _truncate(self, first_dropped: int) -> None:
+        """Delete every record at or after index ``first_dropped``."""
+        with self._env.begin(write=True) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(encode_key(first_dropped)):
+                while cursor.delete():
+                    pass
+
+    def _used_bytes(self) -> int:
+        return (self._env.info()["last_pgno"] + 1) * self._page
+
+    def _grow_to(self, needed: int) -> None:
+        size = self._map_size
+        while size < needed:
+            size *= 2
+        if size != self._map_size:
+            self._env.set_mapsize(size)
+            self._map_size = size
+
+    def write(self, items: list[tuple[int, Sample]]) -> None:
+        """Append ``(index in shard, sample)`` pairs in one transaction, growing the map as needed."""
+        records = [(index, encode_record(sample)) for index, sample in items]
+        payload = sum(len(v) + self._page for _, v in records)  # overflow pages round up
+        self._grow_to(self._used_bytes() + 2 * payload + (16 << 20))
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    # one call for the batch: fewer trips for the GIL while reader threads run
+                    _, added = txn.cursor().putmulti(
+                        [(encode_key(index), value) for index, value in records], append=True
+                    )
+                    if added != len(records):
+                        raise PackFormatError(
+                            f"record {records[added][0]} is out of order or already written", path=self.path
+                        )
+                return
+            except lmdb.MapFullError:
+                self._grow_to(self._map_size * 2)
+            except lmdb.Error as exc:  # a short write on a full disk surfaces as EIO or ENOSPC
+                raise CapacityError(
+                    f"cannot write the shard ({exc}); {_free(self.path)} free on its disk",
+                    path=self.path,
+                    hint="Free space on the destination disk and rerun with --resume",
+                ) from exc
+
+    def sync(self) -> None:
+        """Make every committed transaction durable."""
+        self._env.sync(True)
+
+    def close(self) -> tuple[int, str]:
+        """Sync and close; the shard is complete. Returns its byte size and SHA-256.
+
+        Every transaction is committed, so the file's bytes are final: the
+        checksum pass reads them from the page cache while the sync writes them
+        out (both release the GIL), instead of one after the other.
+        """
+        data = self.path / DATA_FILE
+        with ThreadPoolExecutor(1, thread_name_prefix="packdata-shard-sha") as pool:
+            hashing = pool.submit(file_sha256, data)
+            self.sync()
+            digest = hashing.result()
+        self._env.close()
+        (self.path / "lock.mdb").unlink(missing_ok=True)
+        size = data.stat().st_size
+        txnid, locations = record_locations(self.path)
+        header = [[_TABLE_MAGIC, _TABLE_VERSION, len(locations)], [txnid, size, _sha_prefix(digest)]]
+        with open(self.path / RECORDS_FILE, "wb") as f:
+            f.write(np.array(header, dtype="<i8").tobytes())
+            f.write(locations.astype("<i8").tobytes())
+            os.fsync(f.fileno())
+        return size, digest
+
+
+def _free(path: Path) -> str:
+    stat = os.statvfs(path)
+    return f"{stat.f_bavail * stat.f_frsize / 1e6:.1f} MB"
