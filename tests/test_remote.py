@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -1462,3 +1464,159 @@ def test_cache_limit_never_evicts_the_partial_copy_of_the_pack_being_staged(s3, 
     result = packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=int(1.5 * size))
     assert result.files == 0 and _samples(result.staged) == _samples(local)  # resumed: nothing downloaded again
     assert not partial.exists()
+
+
+def _in_own_pid_namespace() -> list[str]:
+    """A command prefix running a process in a PID namespace of its own, as a container sharing the cache would be.
+
+    There no ``/proc`` scan sees this test's processes: only the readers' lock tells it the copy is read.
+    """
+    for prefix in (
+        ["unshare", "--pid", "--fork", "--mount-proc"],
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"],
+    ):
+        if shutil.which("unshare") and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    pytest.skip("needs unshare and PID namespaces (root, or unprivileged user namespaces)")
+
+
+_STAGE_WITH_LIMIT = """
+import json, os, shutil, sys
+import packdata
+from packdata.staging import remote
+url, cache, options, limit, stall = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def wait():  # for a line on stdin
+    print("evicting", flush=True)
+    sys.stdin.readline()
+evictable, rename, rmtree = remote._evictable, os.rename, shutil.rmtree
+def checked(entry, options):  # eviction has checked the copy is unread, and has not deleted it yet
+    found = evictable(entry, options)
+    wait()
+    return found
+def moved(src, dst):  # the copy about to leave its path, its locks held
+    if ".old-" in os.fspath(dst):
+        wait()
+    rename(src, dst)
+def deleted(path, *args, **kwargs):  # (before readers' locks, it was deleted where it was)
+    if os.path.basename(path) == "train.lmdb":
+        wait()
+    rmtree(path, *args, **kwargs)
+if stall == "check":
+    remote._evictable = checked
+elif stall == "delete":
+    os.rename, shutil.rmtree = moved, deleted
+try:
+    packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=limit)
+    print("staged", flush=True)
+except packdata.CapacityError as exc:
+    print(f"refused: {exc}", flush=True)
+"""
+
+
+def _stage_second(cache: Path, options: dict, limit: int, *, stall: str = "") -> subprocess.Popen:
+    """``stage s3://packs/second.lmdb --cache-limit LIMIT`` into ``cache``, in a PID namespace of its own.
+
+    ``stall``: ``"check"`` or ``"delete"``, where eviction waits for a line on stdin (it prints ``evicting``).
+    """
+    script = [sys.executable, "-c", _STAGE_WITH_LIMIT, "s3://packs/second.lmdb", str(cache), json.dumps(options)]
+    return subprocess.Popen(
+        [*_in_own_pid_namespace(), *script, str(limit), stall or "run"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_cache_limit_keeps_a_copy_a_dataset_opened_but_has_not_read_yet(s3, remote_pack, tmp_path: Path) -> None:
+    """A dataset holds its staged copy from construction; once it is garbage collected, the copy may go."""
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    limit = int(1.5 * size)  # one copy fits, not two: the first must go for the second
+    ds = packdata.LMDBDataset(first, decode="bytes")  # built, no shard opened yet
+    out, _ = _stage_second(cache, options, limit).communicate(timeout=120)
+    assert out.startswith("refused:") and "cache limit" in out, out
+    assert first.is_dir() and not (cache / "second.lmdb").exists()
+    assert [ds[i] for i in range(len(ds))] == list(packdata.LMDBDataset(local, decode="bytes"))
+    assert not (local / ".readers.lock").exists()  # a pack not staged from a URL: nothing created in it
+    del ds
+    gc.collect()
+    out, _ = _stage_second(cache, options, limit).communicate(timeout=120)
+    assert out.strip() == "staged" and not first.exists() and _samples(cache / "second.lmdb") == _samples(local)
+
+
+def test_cache_limit_keeps_a_copy_spawned_workers_read_while_it_runs(s3, remote_pack, tmp_path: Path) -> None:
+    """Eviction runs mid-epoch (each worker has opened only the first shard): the epoch reads every sample once."""
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    limit = int(1.5 * size)
+    ds = packdata.LMDBDataset(first, decode="bytes")
+    loader = DataLoader(ds, batch_size=1, num_workers=2, multiprocessing_context="spawn", collate_fn=list)
+    batches = iter(loader)
+    read = [*next(batches), *next(batches)]  # shard 0 of 3 only (6 samples a shard; 4 batches prefetched at most)
+    lock = os.stat(first / ".readers.lock")
+    inode = f"{os.major(lock.st_dev):02x}:{os.minor(lock.st_dev):02x}:{lock.st_ino} "
+    holders = [line for line in Path("/proc/locks").read_text().splitlines() if inode in line]
+    assert len(holders) == 3 and all("FLOCK  ADVISORY  READ" in h for h in holders), holders  # this one, each worker
+    out, _ = _stage_second(cache, options, limit).communicate(timeout=120)
+    read += itertools.chain.from_iterable(batches)
+    assert out.startswith("refused:") and "cache limit" in out, out
+    assert sorted(read) == sorted(packdata.LMDBDataset(local, decode="bytes"))
+    del batches, loader, ds  # its workers are gone with the iterator
+    gc.collect()
+    out, _ = _stage_second(cache, options, limit).communicate(timeout=120)
+    assert out.strip() == "staged" and not first.exists()
+
+
+def _open_during_eviction(evictor: subprocess.Popen, copy: Path) -> object:
+    """Open a dataset on ``copy`` and read a sample while ``evictor`` is stalled; what that gave (sample or error)."""
+    assert evictor.stdin is not None and evictor.stdout is not None
+    outcome: list[object] = []
+    opened = []  # alive until the eviction is over
+
+    def open_and_read() -> None:
+        try:
+            opened.append(packdata.LMDBDataset(copy, decode="bytes"))
+            outcome.append(opened[0][0])
+        except PackFormatError as exc:
+            outcome.append(exc)
+
+    try:
+        assert evictor.stdout.readline().strip() == "evicting"
+        reader = threading.Thread(target=open_and_read)
+        reader.start()
+        deadline = time.monotonic() + 5
+        while not outcome and time.monotonic() < deadline and ".readers.lock" not in _open_files():
+            time.sleep(0.01)  # until it has read, or waits on the readers' lock eviction holds
+        evictor.stdin.write("\n")
+        evictor.stdin.flush()
+        evictor.communicate(timeout=60)
+        reader.join(30)
+    finally:
+        evictor.kill()
+        evictor.wait()
+    (found,) = outcome
+    return found
+
+
+def test_a_dataset_opened_just_after_evictions_check_keeps_its_copy(s3, remote_pack, tmp_path: Path) -> None:
+    """Opened between eviction's check that nobody reads the copy and its deletion: the copy stays, the reads work."""
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    found = _open_during_eviction(_stage_second(cache, options, int(1.5 * size), stall="check"), first)
+    assert found == packdata.LMDBDataset(local, decode="bytes")[0]
+    assert first.is_dir() and not (cache / "second.lmdb").exists()
+
+
+def test_a_dataset_opened_while_its_copy_is_evicted_says_so(s3, remote_pack, tmp_path: Path) -> None:
+    """Opened as eviction deletes the copy: one clear error naming the copy and what to do."""
+    options, _, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    found = _open_during_eviction(_stage_second(cache, options, int(1.5 * size), stall="delete"), first)
+    assert not first.exists() and (cache / "second.lmdb").is_dir()
+    assert isinstance(found, PackFormatError), found
+    assert str(found) == (
+        f"{first}: the staged copy was evicted from its cache (a stage with a cache limit needed the room) or "
+        "unstaged. Stage the pack again, then recreate the dataset"
+    )
+
+
+def _open_files() -> str:
+    """The paths this process has open, one a line."""
+    links = (f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd"))
+    return "\n".join(os.readlink(link) for link in links if os.path.exists(link))

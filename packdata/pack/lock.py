@@ -14,6 +14,12 @@ and starts over.
 Lock files are opened with ``O_NOFOLLOW`` and checked before anything is
 written: a symlink, hard link, non-regular file, or a file whose content is not
 a packdata lock record is refused, never truncated or removed.
+
+Readers of a copy staged from a URL hold a shared ``flock`` on its
+``.readers.lock`` (:func:`hold_readers_lock`), from the moment a dataset opens
+the pack for as long as it lives; eviction takes it exclusively without
+waiting (:func:`exclude_readers`) and skips the copy when it cannot. It is
+never the writers' ``.NAME.lock``, so readers never block a stage.
 """
 
 from __future__ import annotations
@@ -29,9 +35,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from packdata.errors import ConfigError, LockedError
+from packdata.errors import ConfigError, LockedError, PackFormatError
 
-__all__ = ["convert_lock_path", "hold_lock"]
+__all__ = [
+    "READERS_LOCK",
+    "convert_lock_path",
+    "copy_evicted",
+    "create_readers_lock",
+    "exclude_readers",
+    "hold_lock",
+    "hold_readers_lock",
+]
+
+READERS_LOCK = ".readers.lock"
+"""In a copy staged from a URL: the file its readers hold shared, and eviction exclusively."""
 
 
 def convert_lock_path(dst: str | os.PathLike) -> Path:
@@ -143,4 +160,83 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
         if _same_file(fd, path):  # never unlink a lock file that someone else created since
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        os.close(fd)
+
+
+def create_readers_lock(copy: Path) -> None:
+    """Create the empty ``.readers.lock`` in ``copy`` (a stage from a URL, holding ``.NAME.lock``), if missing.
+
+    One that cannot be created (a read-only copy) leaves the copy's readers unlocked, as before.
+    """
+    with contextlib.suppress(OSError):
+        os.close(os.open(copy / READERS_LOCK, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644))
+
+
+def copy_evicted(copy: str | os.PathLike) -> PackFormatError:
+    """The error of a reader whose staged copy is gone."""
+    return PackFormatError(
+        "the staged copy was evicted from its cache (a stage with a cache limit needed the room) or unstaged",
+        path=copy,
+        hint="Stage the pack again, then recreate the dataset",
+    )
+
+
+def hold_readers_lock(pack: str | os.PathLike) -> int | None:
+    """A descriptor holding a shared ``flock`` on ``pack/.readers.lock``, or None when there is none to hold.
+
+    Waits while an eviction decides (it holds the lock only for that and the
+    deletion). Creates nothing: a pack without the file (not a copy staged from
+    a URL, or one staged before readers' locks) or whose file cannot be opened
+    or locked (permissions, a symlink or other file in its place) gives None,
+    and is read unprotected as before: eviction then spares it only while a
+    process visibly has one of its files open or mapped. Closing the last
+    descriptor of the lock (the dataset and every forked copy of it gone)
+    releases it.
+
+    Raises:
+        PackFormatError: the copy was evicted while this waited (:func:`copy_evicted`).
+    """
+    path = Path(pack) / READERS_LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    if not _same_file(fd, path):  # moved aside and deleted by the eviction this waited for
+        os.close(fd)
+        raise copy_evicted(pack)
+    return fd
+
+
+@contextlib.contextmanager
+def exclude_readers(copy: Path) -> Iterator[bool]:
+    """Hold ``copy/.readers.lock`` exclusively for the block, if no reader holds it; yields whether it may go.
+
+    Yields False, without waiting, while a reader holds it shared. A copy
+    without a lock file (staged before readers' locks) yields True: its
+    readers are only seen through their open files.
+    """
+    try:
+        fd = os.open(copy / READERS_LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        yield True
+        return
+    except OSError:  # a symlink or unreadable file in its place: not a copy to delete
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free = True
+        except BlockingIOError:
+            free = False
+        yield free
+    finally:
         os.close(fd)

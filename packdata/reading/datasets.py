@@ -13,6 +13,7 @@ import bisect
 import functools
 import hashlib
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -34,6 +35,7 @@ from packdata.pack.index import (
     damaged_index_file,
     labels_out_of_range,
 )
+from packdata.pack.lock import copy_evicted, hold_readers_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
@@ -56,12 +58,23 @@ class PackInfo:
     replace the manifest whenever they replace a pack, so
     :meth:`check_unchanged`, called by readers after they open a shard, tells a
     reader that would read a newer pack than its manifest and index describe.
+
+    A copy staged from a URL is locked against eviction for as long as this
+    object lives: a shared ``flock`` on its ``.readers.lock`` taken here, in
+    the process that opens the dataset, inherited by forked workers, and taken
+    again lazily (at the first shard a reader opens) in a ``spawn``-ed one; the
+    descriptor is dropped when pickled and closed when the object is garbage
+    collected. A pack without that file, or whose file cannot be opened or
+    locked, is read unlocked as before and nothing is created in it (see
+    :func:`packdata.pack.lock.hold_readers_lock`).
     """
 
     def __init__(self, path: str | os.PathLike, expected_format: str | None = None) -> None:
         self.path = Path(path)
         self._generation = _manifest_identity(self.path)
         self.manifest: Manifest = read_manifest(self.path)
+        self._locked_in = -1  # the pid that took (or tried) the readers' lock; forked children inherit it
+        self._staged = self._hold_readers_lock()
         if _manifest_identity(self.path) != self._generation:
             raise PackFormatError("pack was replaced while it was being opened", path=self.path, hint="Open it again")
         if expected_format and self.manifest.format != expected_format:
@@ -74,13 +87,28 @@ class PackInfo:
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._index: SampleIndex | None = None
 
+    def _hold_readers_lock(self) -> bool:
+        """Take this process's shared lock on a staged copy's ``.readers.lock``; whether there is one to hold."""
+        self._locked_in = os.getpid()
+        fd = hold_readers_lock(self.path)
+        if fd is None:
+            return False
+        weakref.finalize(self, os.close, fd)  # released with the last process holding this descriptor
+        return True
+
     def check_unchanged(self) -> None:
         """Raise if the pack's manifest is no longer the one this object read (the pack changed).
 
+        In a ``spawn``-ed worker of a staged copy, the first call takes the worker's readers' lock.
+
         Raises:
-            PackFormatError: the pack was converted or staged again since.
+            PackFormatError: the pack was converted or staged again since, or its staged copy was evicted.
         """
+        if self._staged and self._locked_in == -1:
+            self._hold_readers_lock()
         identity = _manifest_identity(self.path)
+        if identity is None and self._staged:
+            raise copy_evicted(self.path)
         if identity != self._generation and self._grown_by_append():
             self._generation = identity  # an append kept every shard and index file this dataset reads
         if identity != self._generation:
@@ -148,6 +176,7 @@ class PackInfo:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_index"] = None
+        state["_locked_in"] = -1  # the process that unpickles it takes its own readers' lock
         return state
 
 

@@ -50,7 +50,7 @@ from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
 from packdata.pack.files import atomic_write, discard_stale, file_sha256, fsync_dir
 from packdata.pack.index import index_files
-from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.lock import convert_lock_path, create_readers_lock, exclude_readers, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
@@ -193,6 +193,7 @@ def _stage_locked(
     marker = read_marker(dest) if dest.is_dir() else None
     if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
+        create_readers_lock(dest)  # a copy staged before readers' locks gets one
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
     partial.mkdir(exist_ok=True)
     files = _pack_files(manifest)
@@ -233,6 +234,7 @@ def _stage_locked(
         complete=True,
     )
     _add_manifest_digest(partial, digest)
+    create_readers_lock(partial)
     fsync_dir(partial)
     old = cache / f".{name}.old-{os.getpid()}"
     check_destination(shown, dest)  # again: a folder may have appeared there while downloading
@@ -333,9 +335,14 @@ def evict_for(
     Only complete, verified copies of packs in object storage are candidates,
     each deleted holding its ``.NAME.lock`` (taken without waiting: a copy
     another process is staging, replacing or unstaging is skipped), and only
-    when no process has a file of it open or mapped (a live reader) and its
-    origin's manifest is still there (never the last copy). ``keep`` (the
-    copy being staged) and its partial or old folders are never evicted.
+    when no dataset holds its ``.readers.lock`` (taken exclusively without
+    waiting; see :func:`packdata.pack.lock.hold_readers_lock`), no process has
+    a file of it open or mapped (readers that take no lock: other tools, older
+    copies; only processes this one may inspect are seen) and its origin's
+    manifest is still there (never the last copy). A deleted copy is first
+    renamed aside, so a reader opening it meanwhile finds it gone, never half
+    deleted. ``keep`` (the copy being staged) and its partial or old folders
+    are never evicted.
 
     Returns:
         The copies deleted, oldest first.
@@ -359,8 +366,7 @@ def evict_for(
         owner = _owner(entry)
         try:
             with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
-                if _evictable(entry, storage_options):
-                    shutil.rmtree(entry)
+                if _evictable(entry, storage_options) and _delete_unread(entry, owner):
                     evicted.append(entry)
                     total -= size
         except LockedError:
@@ -379,6 +385,23 @@ def _remote_copy(marker: dict[str, Any] | None) -> bool:
     """Whether a staged copy's marker says it is a complete copy of a pack in object storage."""
     origin = marker.get("origin") if marker else None
     return bool(marker and marker.get("complete") and isinstance(origin, str) and is_url(origin))
+
+
+def _delete_unread(entry: Path, owner: Path) -> bool:
+    """Delete ``entry`` (its ``.NAME.lock`` held) unless a dataset holds its readers' lock; whether it did.
+
+    The copy is renamed aside first (``.NAME.old-PID``, which the next stage of
+    NAME discards if this one is killed), so no reader opens it half deleted.
+    """
+    with exclude_readers(entry) as unread:  # after _evictable: its scan would count this descriptor as a reader
+        if not unread:
+            return False
+        doomed = entry
+        if entry == owner:
+            doomed = owner.with_name(f".{owner.name}.old-{os.getpid()}")
+            os.rename(entry, doomed)
+        shutil.rmtree(doomed)
+    return True
 
 
 def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
