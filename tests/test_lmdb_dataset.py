@@ -619,6 +619,42 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
         assert peak < 4 << 20, peak
 
 
+@pytest.mark.parametrize("damage", ["a key's letter", "a key boundary"])
+def test_a_changed_key_is_named_at_the_first_key_read(pack: Path, damage: str) -> None:
+    """A bit of ``keys.utf8`` flipped (still UTF-8), or a boundary in ``key_offsets.i64`` moved (still in order).
+
+    Either reads as other keys (a sample's ``__key__``, ``ls``); the first key read in a process
+    hashes both files and names the damaged one. A pack without index digests reads them as they are.
+    """
+    from faults.hostile import rewrite_manifest
+
+    from packdata.formats.contents import list_samples
+
+    keys_before = LMDBDataset(pack).keys[:]
+    index = pack / json.loads((pack / "manifest.json").read_text(encoding="utf-8"))["index"]["dir"]
+    if damage == "a key's letter":
+        damaged = index / "keys.utf8"
+        blob = bytearray(damaged.read_bytes())
+        blob[0] ^= 1  # an ASCII letter stays ASCII
+    else:
+        damaged = index / "key_offsets.i64"
+        offsets = np.fromfile(damaged, dtype="<i8")
+        offsets[1] += 1  # key 0 takes key 1's first byte
+        blob = bytearray(offsets.tobytes())
+    damaged.write_bytes(bytes(blob))
+    named = rf"{re.escape(str(damaged))}: sample index file {re.escape(damaged.name)} does not match its SHA-256"
+    ds = LMDBDataset(pack)  # opening maps the keys, reads none
+    with pytest.raises(PackFormatError, match=named):
+        ds.keys[5]
+    with pytest.raises(PackFormatError, match=named):
+        ds.samples[0]
+    with pytest.raises(PackFormatError, match=named):
+        list(list_samples(pack))
+    rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))  # as packdata before the digests wrote it
+    changed = LMDBDataset(pack).keys[:]
+    assert changed[0] != keys_before[0] and changed[2:] == keys_before[2:]
+
+
 def test_a_flipped_label_in_range_is_named_at_open_and_by_verify(pack: Path) -> None:
     """One bit of ``labels.i32`` flipped, the label still a class: a read would train on the wrong label.
 

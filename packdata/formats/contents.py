@@ -33,7 +33,8 @@ __all__ = ["ExportResult", "export_pack", "list_samples", "read_field", "resolve
 def _index(pack: Path, manifest: Manifest) -> SampleIndex:
     directory = pack / manifest.index_dir
     try:
-        return SampleIndex(directory, manifest.num_samples, manifest.fields if manifest.kind == "fields" else None)
+        fields = manifest.fields if manifest.kind == "fields" else None
+        return SampleIndex(directory, manifest.num_samples, fields, manifest.index_sha256)
     except (OSError, ValueError) as exc:
         raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory) from exc
 

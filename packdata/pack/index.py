@@ -25,6 +25,7 @@ final (:func:`index_digests`), so a flipped bit in ``labels.i32`` is named
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from array import array
@@ -194,12 +195,36 @@ class SampleIndexWriter:
 
 
 class KeyList(Sequence[str]):
-    """Read-only sequence of keys over the index files (decoded on access)."""
+    """Read-only sequence of keys over the index files (decoded on access).
 
-    def __init__(self, blob: np.ndarray, offsets: np.ndarray, path: str | os.PathLike | None = None) -> None:
+    With ``digests`` (the manifest's ``index.sha256``), the first key read in a
+    process hashes ``keys.utf8`` and ``key_offsets.i64`` against them (a bit
+    flipped there would read as another key: a multi-field sample's ``__key__``,
+    ``ls``, an error's sample name). Once per process and index, about 1 s a
+    2 GB of keys; a forked worker inherits a finished check.
+    """
+
+    def __init__(
+        self,
+        blob: np.ndarray,
+        offsets: np.ndarray,
+        path: str | os.PathLike | None = None,
+        digests: Mapping[str, str] | None = None,
+    ) -> None:
         self._blob = blob
         self._offsets = offsets
         self._path = path
+        given = digests or {}
+        self._unchecked = {name: given[name] for name in (KEY_OFFSETS_FILE, KEYS_FILE) if name in given}
+
+    def _check(self) -> None:
+        """Raise unless the keys and their offsets match the manifest's digests; after that, never again."""
+        for name, data in ((KEY_OFFSETS_FILE, self._offsets), (KEYS_FILE, self._blob)):
+            expected = self._unchecked.get(name)
+            if expected is not None and hashlib.sha256(data.data).hexdigest() != expected:
+                where = Path(self._path).with_name(name) if self._path is not None else name
+                raise damaged_index_file(where, hint="Run `packdata verify` on the pack, then convert it again")
+        self._unchecked = {}
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -215,6 +240,8 @@ class KeyList(Sequence[str]):
         if not -n <= i < n:
             raise IndexError(f"key index {i} out of range for {n} samples")
         i %= n
+        if self._unchecked:
+            self._check()
         try:
             return self._blob[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -224,6 +251,8 @@ class KeyList(Sequence[str]):
 
     def encoded(self, i: int) -> bytes:
         """Key ``i`` (``0 <= i < len(self)``) as stored, UTF-8 bytes not decoded: for comparing with a record's key."""
+        if self._unchecked:
+            self._check()
         return self._blob[self._offsets.item(i) : self._offsets.item(i + 1)].tobytes()
 
 
@@ -272,14 +301,21 @@ class LabelList(Sequence[int]):
 class SampleIndex:
     """The index of a finished pack, memory-mapped (shared by forked workers)."""
 
-    def __init__(self, directory: str | os.PathLike, num_samples: int, fields: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        num_samples: int,
+        fields: list[str] | None = None,
+        digests: Mapping[str, str] | None = None,
+    ) -> None:
+        """Map the index in ``directory``; ``digests`` (``index.sha256``) are checked by :class:`KeyList`."""
         directory = Path(directory)
         self.labels = self._map(directory / LABELS_FILE, "<i4", num_samples)
         self.sizes = self._map(directory / SIZES_FILE, "<i8", num_samples)
         offsets = self._map(directory / KEY_OFFSETS_FILE, "<i8", num_samples + 1)
         _check_offsets(offsets, directory / KEY_OFFSETS_FILE)
         blob = self._map(directory / KEYS_FILE, "u1", int(offsets[-1]))
-        self.keys = KeyList(blob, offsets, directory / KEYS_FILE)
+        self.keys = KeyList(blob, offsets, directory / KEYS_FILE, digests)
         self.field_names = list(fields or [])
         self._field_offsets: np.ndarray | None = None
         self._field_pairs: np.ndarray | None = None

@@ -166,7 +166,7 @@ class PackInfo:
             directory = self.path / self.manifest.index_dir
             try:
                 fields = self.manifest.fields if self.manifest.kind == "fields" else None
-                self._index = SampleIndex(directory, self.manifest.num_samples, fields)
+                self._index = SampleIndex(directory, self.manifest.num_samples, fields, self.manifest.index_sha256)
             except (OSError, ValueError) as exc:
                 raise PackFormatError(
                     f"sample index is missing or damaged: {exc}", path=directory, hint="Convert the pack again"
