@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.remote_folder import object_version
 from packdata.conversion.upload import file_md5, object_matches
 from packdata.errors import EngineError, PackFormatError
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo
-from packdata.pack.urls import display_url, open_url, remote_error
+from packdata.pack.urls import display_url, object_version, open_url, remote_error
 
 __all__ = [
     "RemoteTarget",

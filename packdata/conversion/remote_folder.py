@@ -19,13 +19,12 @@ from typing import Any
 from packdata.conversion.sources import _EXTENSIONS, RemoteFile, Skip, SourceFile, _is_hidden
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.images import IMAGE_EXTENSIONS
-from packdata.pack.urls import display_url, open_url, remote_error
+from packdata.pack.urls import display_url, object_version, open_url, remote_error
 
 __all__ = [
     "RemoteFolder",
     "RemoteSourceFile",
     "list_folder",
-    "object_version",
     "scan_remote_folder",
     "unsafe_name_skip",
 ]
@@ -72,11 +71,6 @@ def list_folder(
         objects.append((path, rel, max(0, int(info.get("size") or 0)), object_version(info)))
     objects.sort(key=lambda item: item[1].split("/"))  # depth first, names sorted at every level
     return fs, root, objects, refused
-
-
-def object_version(info: dict[str, Any]) -> str:
-    """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``."""
-    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
 
 
 @dataclass(frozen=True)

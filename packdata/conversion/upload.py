@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.publish import PROGRESS_FILE
-from packdata.conversion.remote_folder import list_folder, object_version
+from packdata.conversion.remote_folder import list_folder
 from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
 from packdata.pack.files import file_sha256
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
-from packdata.pack.urls import display_url, open_url, remote_error
+from packdata.pack.urls import display_url, object_version, open_url, remote_error
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
@@ -322,7 +322,7 @@ def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> b
     """Whether the store still reports ``target`` as the object uploaded: ``size`` bytes and version ``version``.
 
     ``version`` is what the store reported right after the upload (see
-    :func:`~packdata.conversion.remote_folder.object_version`): it changes
+    :func:`~packdata.pack.urls.object_version`): it changes
     whenever the object is written, so an older object of the same size (a
     multi-part one, whose ETag is no MD5) never passes; an empty one never
     matches. Where the ETag is a single-part upload's MD5, it must be ``md5``.

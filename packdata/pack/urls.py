@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
-__all__ = ["EXTRAS", "display_url", "is_url", "open_url", "read_url_manifest", "remote_error"]
+__all__ = ["EXTRAS", "display_url", "is_url", "object_version", "open_url", "read_url_manifest", "remote_error"]
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 """URL scheme -> the packdata extra that installs its fsspec filesystem."""
@@ -35,6 +35,11 @@ def display_url(url: str) -> str:
     if parts.port:
         host += f":{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def object_version(info: dict[str, Any]) -> str:
+    """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``."""
+    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
 
 
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
