@@ -492,16 +492,15 @@ def test_remote_stream_retries_then_names_the_shard(s3, tmp_path: Path, monkeypa
         (src / f"{i}.jpg").write_bytes(image_bytes(i, (30, 20)))
     packdata.convert(tmp_path / "src", tmp_path / "p", format="tfrecord", progress=False)
     fs.put(str(tmp_path / "p"), "packs/flaky", recursive=True)
-    real = fs.cat_file
     failures = {"left": 2}
 
-    def flaky(path, *args, **kwargs):
-        if path.endswith(".tfrecord") and failures["left"] > 0:
+    def flaky(name: str, start: int) -> bool:
+        if failures["left"] > 0:
             failures["left"] -= 1
-            raise ConnectionResetError("reset by peer")
-        return real(path, *args, **kwargs)
+            return True
+        return False
 
-    monkeypatch.setattr(fs, "cat_file", flaky)
+    _logged(monkeypatch, fs, flaky)
     import packdata.formats.tfrecord_remote as remote
 
     monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
@@ -538,20 +537,27 @@ def small_chunks(monkeypatch) -> None:
     monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
 
 
-def _logged(monkeypatch, fs, fail=lambda path, start: False) -> list[tuple[str, int]]:
-    """Log every ranged request to a shard as (file name, first byte); ``fail(name, start)`` drops one."""
-    real = fs.cat_file  # fsspec caches filesystems: the dataset gets this very instance
+def _logged(
+    monkeypatch, fs, fail=lambda name, start: False, calls: list[tuple[str, dict]] | None = None
+) -> list[tuple[str, int]]:
+    """Log every ranged GET of a shard as (file name, first byte); ``fail(name, start)`` drops one.
+
+    ``calls``, when given, gets every S3 request as (operation, arguments).
+    """
+    real = fs._call_s3  # fsspec caches filesystems: the dataset gets this very instance
     log: list[tuple[str, int]] = []
 
-    def cat_file(path, start=None, end=None, **kwargs):
-        if path.endswith(".tfrecord"):
-            name = path.rsplit("/", 1)[-1]
+    async def call_s3(method, *args, **kwargs):
+        if calls is not None:
+            calls.append((method, kwargs))
+        if method == "get_object" and kwargs["Key"].endswith(".tfrecord"):
+            name, start = kwargs["Key"].rsplit("/", 1)[-1], int(kwargs["Range"].split("=")[1].split("-")[0])
             log.append((name, start))
             if fail(name, start):
                 raise ConnectionResetError("reset by peer")
-        return real(path, start=start, end=end, **kwargs)
+        return await real(method, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "cat_file", cat_file)
+    monkeypatch.setattr(fs, "_call_s3", call_s3)
     return log
 
 
@@ -1346,6 +1352,99 @@ def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear
         rf"{re.escape(str(cache))}/\w+/changing/manifest\.json: pack changed since the dataset was opened .*",
         outcome["error"],
     ), outcome["error"]
+
+
+def _convert_to_s3(root: Path, tag: str, url: str, options: dict) -> None:
+    """Convert 12 text samples of 300 bytes starting with ``tag`` into ``url`` (one shard), over any pack there.
+
+    Every tag gives records of the same lengths, keys and labels: only their bytes differ.
+    """
+    for c in ("x", "y"):
+        (root / c).mkdir(parents=True)
+        for i in range(6):
+            (root / c / f"{i}.txt").write_text(f"{tag}{c}{i}" * 100)
+    packdata.convert(root, url, format="tfrecord", shard_samples=12, overwrite=True, storage_options=options,
+                     progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("if_match", [True, False])
+def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record(
+    s3, tmp_path: Path, monkeypatch, if_match: bool
+) -> None:
+    """The pack converted over itself while read, records of the same lengths: the epoch once mixed both packs."""
+    import packdata.formats.remote_pack as remote_pack
+    import packdata.formats.tfrecord_remote as remote
+
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    monkeypatch.setattr(remote.RemoteShardReader, "CHUNK", 400)  # one record a request: most are fetched later
+    if not if_match:  # a store without If-Match: the version is looked up after each read
+        monkeypatch.setattr(remote_pack, "_conditional", lambda fs: False, raising=False)
+    url = f"s3://packs/mid-epoch-{if_match}"
+    _convert_to_s3(tmp_path / "v1", "A", url, options)
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    it = iter(ds)
+    read = [next(it)[0]]
+    _convert_to_s3(tmp_path / "v2", "B", url, options)
+    with pytest.raises(
+        PackFormatError,
+        match=rf"^s3://packs/mid-epoch-{if_match}/mid-epoch-{if_match}-00000-of-00001\.tfrecord: was replaced "
+        r"\(re-uploaded\?\) while this reader ran\. Rebuild the dataset",
+    ):
+        for data, _ in it:
+            read.append(data)
+    assert 1 <= len(read) < 12 and all(data.startswith(b"A") for data in read), read  # never the new pack's bytes
+    fresh = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    assert [data[:1] for data, _ in fresh] == [b"B"] * 12  # a dataset built again reads the new pack
+
+
+def test_a_pack_uploaded_again_after_the_dataset_opened_is_refused_at_its_first_read(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = "s3://packs/before-read"
+    _convert_to_s3(tmp_path / "v1", "A", url, options)
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    _convert_to_s3(tmp_path / "v2", "B", url, options)  # the manifest deleted, the shard replaced, a new manifest
+    read = []
+    with pytest.raises(PackFormatError, match=r"before-read-00000-of-00001\.tfrecord: was replaced \(re-uploaded"):
+        for data, _ in ds:
+            read.append(data)
+    assert read == []
+    table = ds._load_records(0, payloads=False)
+    with pytest.raises(PackFormatError, match=r"tfrecord: was replaced"):  # a single read too
+        ds._shard_reader(0).read(int(table.offsets[0]), int(table.lengths[0]))
+
+
+def test_an_unchanged_remote_pack_costs_one_version_lookup_per_shard_and_no_request_per_chunk(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path: Path
+) -> None:
+    options, fs = s3
+    _, local, shards = remote_shards
+    fs.put(str(local), "packs/pinned", recursive=True)  # a pack no other test has read in this process
+    expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
+    calls: list[tuple[str, dict]] = []
+    log = _logged(monkeypatch, fs, calls=calls)
+    ds = packdata.TFRecordDataset(
+        "s3://packs/pinned", decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path
+    )
+    calls.clear()  # what opening the dataset asked for
+    for epoch in (0, 1):
+        log.clear()
+        assert [data for data, _ in ds] == expected  # every record once, in order
+        assert len(log) == len(set(log)) > len(shards)  # each chunk requested once, several a shard
+        heads = sorted(kwargs["Key"] for method, kwargs in calls if method == "head_object")
+        manifests = [kwargs for method, kwargs in calls if method == "get_object" and kwargs["Key"].endswith(".json")]
+        if epoch == 0:  # each shard pinned at its first read: its version, then the manifest read again
+            assert [key for key in heads if key.endswith(".tfrecord")] == [f"pinned/{name}" for name, _ in shards]
+            assert len(manifests) == len(shards)
+        else:  # pinned already: nothing but the chunks
+            assert heads == [] and manifests == []
+        gets = [kwargs for method, kwargs in calls if method == "get_object" and kwargs["Key"].endswith(".tfrecord")]
+        assert len(gets) == len(log) and all(kwargs["IfMatch"] for kwargs in gets)  # every read from the version
+        assert {method for method, _ in calls} <= {"head_object", "get_object"}
+        calls.clear()
 
 
 _KILLED_SWAP = """

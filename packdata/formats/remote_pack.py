@@ -8,6 +8,11 @@ ranged requests of about 8 MiB, hashing it on the way (memory stays bounded
 whatever the shard's size), for ``verify``. Every failed request is retried
 with backoff (:func:`fetch_range`), and every message names the URL without
 credentials.
+
+A reader that names the manifest it opened reads each shard object at the
+version pinned at its first access in the process (:func:`pinned_version`), so
+a pack uploaded again while it reads (``convert ... --overwrite``) stops it
+with one error instead of mixing two packs' records.
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from packdata.pack.files import atomic_write, discard_stale
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_error
+from packdata.pack.urls import display_url, object_version, open_url, read_url_manifest, remote_error
 
-__all__ = ["RemoteStream", "download_skeleton", "fetch_pack_skeleton", "fetch_range", "remote_size"]
+__all__ = [
+    "RemoteStream",
+    "download_skeleton",
+    "fetch_pack_skeleton",
+    "fetch_range",
+    "pinned_version",
+    "remote_size",
+]
 
 _CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
 
@@ -46,6 +58,7 @@ def fetch_range(
     retries: int = 4,
     backoff: float = 0.5,
     stop: threading.Event | None = None,
+    opened: Manifest | None = None,
 ) -> bytes:
     """Bytes ``[start, end)`` of ``path`` on ``fs``, retried with doubling backoff (4 tries wait 0.5 + 1 + 2 s).
 
@@ -53,22 +66,39 @@ def fetch_range(
 
     ``stop``, once set, ends the retries at once (a reader that was closed).
 
+    ``opened``: the manifest of the pack ``path`` is a shard of, as the reader
+    opened it. The bytes then come only from the object's version pinned for
+    that manifest (:func:`pinned_version`): on S3 each request carries
+    ``If-Match`` (a replaced object answers 412, at no extra request); on other
+    stores the object's version is looked up again after each read (one
+    metadata request a read). A store that reports no version (no ETag,
+    generation or modification time) is read as without ``opened``, but for
+    the manifest check at the pin.
+
     Raises:
-        PackFormatError: the bytes could not be read in ``retries`` tries (``where`` names the object).
+        PackFormatError: the bytes could not be read in ``retries`` tries
+            (``where`` names the object), or the object was replaced since it was pinned.
     """
     delay = backoff
     problem = ""
     tries = 0
     for tries in range(1, retries + 1):
         try:
-            data = fs.cat_file(path, start=start, end=end)
+            version = "" if opened is None else pinned_version(fs, path, where, opened)
+            data = _read_range(fs, path, start, end, version)
             if len(data) == end - start:
+                if version and not _conditional(fs):
+                    _check_version(fs, path, where, version)
                 return data
             problem = f"got {len(data)} of {end - start} bytes"
+        except PackFormatError:  # the pack was replaced: no retry helps
+            raise
         except (FileNotFoundError, PermissionError) as exc:  # the object is gone or denied: no retry helps
             problem = type(exc).__name__
             break
         except Exception as exc:
+            if _precondition_failed(exc):
+                raise _replaced(where) from exc
             problem = type(exc).__name__
         else:
             _check_not_short(fs, path, where, start, end)
@@ -84,6 +114,99 @@ def fetch_range(
         path=where,
         hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
     )
+
+
+_PINS: dict[tuple[Any, str], tuple[Manifest, str]] = {}
+"""(filesystem, object path) -> (the manifest its version was pinned for, that version), in this process."""
+
+
+def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
+    """The version of the shard object ``path`` this process reads for the pack whose manifest is ``opened``.
+
+    The first call for ``path`` and ``opened`` in a process (forked children
+    inherit the pins) asks the store for the object's version
+    (:func:`~packdata.pack.urls.object_version`), then reads the pack's
+    manifest again: packdata replaces a pack in object storage manifest first
+    (``convert --overwrite`` deletes the old manifest before it uploads any
+    shard, and puts the new one last), so the same manifest after the lookup
+    proves the version is the opened pack's. Later calls return the pinned
+    version; ``""`` where the store reports none. A pack uploaded by other
+    means (a plain recursive copy) carries no such proof.
+
+    Raises:
+        PackFormatError: the manifest is gone or changed (the pack was replaced since it was opened).
+        FileNotFoundError: the object is missing.
+    """
+    held = _PINS.get((fs, path))
+    if held is not None and held[0] == opened:
+        return held[1]
+    fs.invalidate_cache(path)  # a listing cached earlier may predate the object
+    version = object_version(fs.info(path))
+    root, shown = path.rsplit("/", 1)[0], where.rsplit("/", 1)[0]
+    try:
+        current, _ = read_url_manifest(fs, root, shown)
+    except PackFormatError as exc:  # no manifest: a new pack is being uploaded
+        raise _replaced(where) from exc
+    if current != opened:
+        raise _replaced(where)
+    _PINS[fs, path] = (opened, version)  # a pin for another manifest (an older dataset's) is replaced
+    return version
+
+
+def _replaced(where: str) -> PackFormatError:
+    return PackFormatError(
+        "was replaced (re-uploaded?) while this reader ran",
+        path=where,
+        hint="Rebuild the dataset (and its DataLoader) to read the new pack",
+    )
+
+
+def _conditional(fs: Any) -> bool:
+    """Whether ``fs`` reads a range only from a given version (S3's ``If-Match``): s3fs."""
+    protocol = getattr(fs, "protocol", ())
+    return "s3" in ((protocol,) if isinstance(protocol, str) else protocol) and hasattr(fs, "_call_s3")
+
+
+def _read_range(fs: Any, path: str, start: int, end: int, version: str) -> bytes:
+    """Bytes ``[start, end)`` of ``path``; on S3 with a ``version`` (an ETag), only from that version."""
+    if not version or not _conditional(fs):
+        return fs.cat_file(path, start=start, end=end)
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+    return sync(fs.loop, _s3_get, fs, bucket, key, f"bytes={start}-{end - 1}", version)
+
+
+async def _s3_get(fs: Any, bucket: str, key: str, byte_range: str, etag: str) -> bytes:
+    """One ranged GET through s3fs (its credentials, endpoint and request options) with ``If-Match: etag``."""
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=byte_range, IfMatch=etag)
+    try:
+        return await response["Body"].read()
+    finally:
+        response["Body"].close()
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether a request failed with HTTP 412 (its ``If-Match`` no longer holds: the object was replaced)."""
+    for error in (exc, exc.__cause__):  # s3fs raises an OSError caused by botocore's ClientError
+        response = getattr(error, "response", None)
+        if isinstance(response, dict) and (
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+            or response.get("Error", {}).get("Code") == "PreconditionFailed"
+        ):
+            return True
+    return False
+
+
+def _check_version(fs: Any, path: str, where: str, version: str) -> None:
+    """Raise if ``path`` is no longer at ``version`` (read just now: the bytes read may be another object's)."""
+    fs.invalidate_cache(path)
+    try:
+        now = object_version(fs.info(path))
+    except FileNotFoundError as exc:
+        raise _replaced(where) from exc
+    if now != version:
+        raise _replaced(where)
 
 
 def _check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> None:

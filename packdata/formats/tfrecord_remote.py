@@ -10,7 +10,10 @@ one is checked: a shard boundary costs no round trip. A request that fails (a
 dropped connection, a throttled read) is retried with backoff; a chunk that
 still cannot be read raises one :class:`~packdata.errors.PackFormatError`
 naming the shard's URL and byte range, when the reader gets to that chunk, so
-an epoch never skips or repeats a record silently.
+an epoch never skips or repeats a record silently. A reader given the manifest
+its dataset opened reads every range of a shard from the object's version
+pinned at the first access in the process, so a pack uploaded again meanwhile
+stops it with one error (see :func:`~packdata.formats.remote_pack.fetch_range`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from packdata.formats.remote_pack import fetch_pack_skeleton, fetch_range
 from packdata.formats.tfrecord import NAME, TFRecordShardReader, chunk_plan
 from packdata.formats.tfrecord_example import check_record
 from packdata.formats.tfrecord_tables import index_path
+from packdata.pack.manifest import Manifest
 from packdata.pack.urls import display_url
 
 __all__ = ["RemoteShardReader", "ShardRun", "fetch_skeleton", "stream_ahead"]
@@ -51,6 +55,9 @@ class RemoteShardReader(TFRecordShardReader):
         retries: tries per chunk before giving up.
         backoff: seconds before the first retry, doubling (default :attr:`BACKOFF`).
         ahead: chunks fetched ahead of the one being checked.
+        opened: the manifest of the pack as the dataset opened it: every read (streamed or
+            single) then comes from the object's pinned version, and a replaced object
+            raises :class:`~packdata.errors.PackFormatError`. None: read whatever is there.
     """
 
     BACKOFF = 0.5
@@ -67,9 +74,10 @@ class RemoteShardReader(TFRecordShardReader):
         retries: int = 4,
         backoff: float | None = None,
         ahead: int = 2,
+        opened: Manifest | None = None,
     ) -> None:
         super().__init__(shown, check_crc=check_crc, expected_bytes=size)
-        self.fs, self.remote_path, self.size = fs, remote_path, size
+        self.fs, self.remote_path, self.size, self.opened = fs, remote_path, size, opened
         self.retries, self.ahead = retries, ahead
         self.backoff = self.BACKOFF if backoff is None else backoff
 
@@ -80,7 +88,15 @@ class RemoteShardReader(TFRecordShardReader):
     def fetch(self, base: int, end: int, stop: threading.Event | None = None) -> bytes:
         """Bytes ``[base, end)`` of the shard (see :func:`~packdata.formats.remote_pack.fetch_range`)."""
         return fetch_range(
-            self.fs, self.remote_path, self.path, base, end, retries=self.retries, backoff=self.backoff, stop=stop
+            self.fs,
+            self.remote_path,
+            self.path,
+            base,
+            end,
+            retries=self.retries,
+            backoff=self.backoff,
+            stop=stop,
+            opened=self.opened,
         )
 
     def stream(

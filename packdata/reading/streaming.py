@@ -126,7 +126,10 @@ class _TFRecordView(PackView):
         fs, root = open_url(self._url, self._storage_options)
         name = self.pack.manifest.shards[shard].file
         shown = f"{display_url(self._url)}/{name}"
-        return RemoteShardReader(fs, f"{root.rstrip('/')}/{name}", shown, self._bytes[shard], check_crc=self.check_crc)
+        remote = f"{root.rstrip('/')}/{name}"
+        return RemoteShardReader(
+            fs, remote, shown, self._bytes[shard], check_crc=self.check_crc, opened=self.pack.manifest
+        )
 
     def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
         """Payload and label of sample ``index``'s record (a multi-field pack: the whole Example); labels must agree."""
