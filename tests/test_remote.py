@@ -298,6 +298,29 @@ packdata.convert(sys.argv[1], sys.argv[2], overwrite=True, storage_options=optio
 """
 
 
+def test_a_pack_uploaded_after_this_process_listed_the_url_is_still_ended_first(s3, tmp_path: Path) -> None:
+    """fsspec's cached listing of the URL predates the pack: its manifest is still removed before any shard goes up.
+
+    Streaming readers rely on it: an unchanged manifest after they pin a shard's
+    version proves the version is their pack's.
+    """
+    import s3fs
+
+    from packdata.conversion.upload import check_remote_destination, end_remote_pack
+
+    options, fs = s3
+    fs.pipe_file("packs/late.lmdb/notes.txt", b"not a pack yet")
+    assert fs.ls("packs/late.lmdb") == ["packs/late.lmdb/notes.txt"]  # cached in the instance convert gets
+    other = s3fs.S3FileSystem(skip_instance_cache=True, **options)  # another process, as far as caches go
+    other.pipe_file("packs/late.lmdb/manifest.json", b"{}")
+    assert not fs.exists("packs/late.lmdb/manifest.json")  # the stale listing
+    with pytest.raises(packdata.ConfigError, match="a pack already exists there"):
+        check_remote_destination("s3://packs/late.lmdb", options, overwrite=False)
+    end_remote_pack("s3://packs/late.lmdb", options)
+    other.invalidate_cache()
+    assert not other.exists("packs/late.lmdb/manifest.json")
+
+
 def _text_source(root: Path, seed: int) -> Path:
     """Two 6 MiB text files of random hex: an LMDB shard of over 10 MiB, the same size for every seed."""
     rng = np.random.default_rng(seed)

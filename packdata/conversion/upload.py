@@ -83,7 +83,7 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
             hint="Name the pack's folder plainly, e.g. s3://bucket/packs/train",
         )
     try:
-        exists = fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}")
+        exists = _manifest_there(fs, f"{root.rstrip('/')}/{MANIFEST_NAME}")
     except Exception as exc:
         raise remote_error(display_url(url), "cannot reach the destination", exc) from exc
     if exists and not overwrite:
@@ -98,10 +98,21 @@ def end_remote_pack(url: str, storage_options: dict[str, Any] | None) -> None:
     fs, root = open_url(url, storage_options)
     manifest = f"{root.rstrip('/')}/{MANIFEST_NAME}"
     try:
-        if fs.exists(manifest):
+        if _manifest_there(fs, manifest):
             fs.rm_file(manifest)
     except Exception as exc:
         raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
+
+
+def _manifest_there(fs: Any, manifest: str) -> bool:
+    """Whether ``manifest`` exists now: asked of the store, not of a listing this process cached earlier.
+
+    fsspec keeps one filesystem per URL and options, with its listings, for the
+    whole process: one made before another process uploaded a pack there would
+    say no pack is there, and the old pack would not end before its files are replaced.
+    """
+    fs.invalidate_cache(manifest)
+    return bool(fs.exists(manifest))
 
 
 class ShardUploader:
