@@ -1,4 +1,4 @@
-"""Storage formats: the registry, and one module per format (writer, reader, side tables).
+"""Storage formats: the registry, and per format one module the registry loads plus its `NAME_*` siblings.
 
 A caller asks the registry (:func:`get_format`) for what it needs of a format:
 its shard writer, the files a shard consists of, how to walk and check a shard.
