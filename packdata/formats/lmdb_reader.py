@@ -27,9 +27,9 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import PackFormatError
 from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree
-from packdata.formats.lmdb_tables import _read_table, _sha_prefix
+from packdata.formats.lmdb_tables import _read_table
 from packdata.formats.residency import PagedFile
-from packdata.pack.files import not_a_file
+from packdata.pack.files import not_a_file, sha256_prefix
 
 __all__ = ["LMDBShardReader"]
 
@@ -117,7 +117,7 @@ class LMDBShardReader:
                 "after converting or staging a pack again",
             )
         found = _read_table(self.path, self._entries, info["last_txnid"], size)
-        if found is not None and expected_sha256 is not None and found[0] == _sha_prefix(expected_sha256):
+        if found is not None and expected_sha256 is not None and found[0] == sha256_prefix(expected_sha256):
             self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
             self._rows = self._locations.data.cast("B").cast("q")
         if self._locations is not None:

@@ -31,7 +31,7 @@ from packdata.errors import PackFormatError
 from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.residency import buffer_address
-from packdata.pack.files import map_int64, open_pack_file
+from packdata.pack.files import map_int64, open_pack_file, sha256_prefix
 from packdata.pack.records import RecordError, payload_start
 
 __all__ = ["RECORDS_FILE", "check_records_table", "location_table", "record_locations", "record_spans"]
@@ -39,16 +39,6 @@ __all__ = ["RECORDS_FILE", "check_records_table", "location_table", "record_loca
 RECORDS_FILE = "records.i64"
 _TABLE_MAGIC = int.from_bytes(b"PDRLOC02", "little", signed=True)
 _TABLE_VERSION = 2
-
-
-def _sha_prefix(sha256_hex: str) -> int:
-    """The first 8 bytes of a hex SHA-256 as a little-endian int64 (0 when there is none)."""
-    if len(sha256_hex) < 16:
-        return 0
-    try:
-        return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
-    except ValueError:
-        return 0
 
 
 def _map_base(data_file: str, address: int) -> int:
@@ -145,7 +135,7 @@ def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.nda
     rows = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
     if tuple(rows[0]) != (_TABLE_MAGIC, _TABLE_VERSION, count) or int(rows[1, 1]) != size:
         return None
-    if int(rows[1, 2]) != _sha_prefix(sha256_hex) or not _sha_prefix(sha256_hex):
+    if int(rows[1, 2]) != sha256_prefix(sha256_hex) or not sha256_prefix(sha256_hex):
         return None
     body = rows[2:]
     if count and (
@@ -189,7 +179,7 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
                 hint=hint,
             )
         prefix, rows = found
-        if prefix != _sha_prefix(sha256_hex):
+        if prefix != sha256_prefix(sha256_hex):
             raise PackFormatError(f"{RECORDS_FILE} belongs to another shard (checksum differs)", path=table, hint=hint)
         bad = np.flatnonzero((rows != locations).any(axis=1))
     elif raw.size == 2 * (len(locations) + 1) and tuple(raw[:2]) == (txnid, len(locations)):

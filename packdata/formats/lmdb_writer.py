@@ -13,8 +13,8 @@ import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
-from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, _sha_prefix, record_locations
-from packdata.pack.files import file_sha256
+from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
+from packdata.pack.files import file_sha256, sha256_prefix
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample, encode_record
 
@@ -162,7 +162,7 @@ class LMDBShardWriter:
         (self.path / "lock.mdb").unlink(missing_ok=True)
         size = data.stat().st_size
         txnid, locations = record_locations(self.path)
-        header = [[_TABLE_MAGIC, _TABLE_VERSION, len(locations)], [txnid, size, _sha_prefix(digest)]]
+        header = [[_TABLE_MAGIC, _TABLE_VERSION, len(locations)], [txnid, size, sha256_prefix(digest)]]
         with open(self.path / RECORDS_FILE, "wb") as f:
             f.write(np.array(header, dtype="<i8").tobytes())
             f.write(locations.astype("<i8").tobytes())

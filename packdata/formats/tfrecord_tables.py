@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError
-from packdata.pack.files import map_int64, read_regular
+from packdata.pack.files import map_int64, read_regular, sha256_prefix
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -80,10 +80,6 @@ def payload_path(shard: str | os.PathLike) -> Path:
     return shard.with_name(stem + PAYLOAD_SUFFIX)
 
 
-def _sha_prefix(sha256_hex: str) -> int:
-    return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
-
-
 def read_payload_table(
     shard: str | os.PathLike, count: int, sha256_hex: str, lengths: np.ndarray | None = None
 ) -> np.ndarray | None:
@@ -100,7 +96,7 @@ def read_payload_table(
     if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
         return None
     try:
-        if _PAIR.unpack_from(raw, 0) != (count, _sha_prefix(sha256_hex)):
+        if _PAIR.unpack_from(raw, 0) != (count, sha256_prefix(sha256_hex)):
             return None
     except ValueError:
         return None
@@ -204,15 +200,15 @@ class RecordTable:
 
 def record_table_header(count: int, size: int, sha256_hex: str, spans: bool) -> bytes:
     """The two header rows of a complete record table (``sha256_hex``: the shard's SHA-256)."""
-    return _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, count) + _ROW.pack(size, _sha_prefix(sha256_hex), int(spans))
+    return _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, count) + _ROW.pack(size, sha256_prefix(sha256_hex), int(spans))
 
 
 def _bound(head: bytes, count: int, size: int, sha256_hex: str) -> bool:
     """Whether a record table's header rows describe the shard the manifest describes."""
-    if len(head) < _HEAD or len(sha256_hex) < 16 or not _sha_prefix(sha256_hex):
+    if len(head) < _HEAD or len(sha256_hex) < 16 or not sha256_prefix(sha256_hex):
         return False
     fields = _ROW.unpack_from(head, 0) + _ROW.unpack_from(head, _ROW.size)
-    expected = (_TABLE_MAGIC, _TABLE_VERSION, count, size, _sha_prefix(sha256_hex))
+    expected = (_TABLE_MAGIC, _TABLE_VERSION, count, size, sha256_prefix(sha256_hex))
     return fields[:5] == expected and fields[5] in (0, 1)
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "discard_stale",
     "stale_siblings",
     "file_sha256",
+    "sha256_prefix",
     "file_kind",
     "fsync_dir",
     "map_int64",
@@ -115,6 +116,16 @@ def not_a_file(path: str | os.PathLike) -> str | None:
     except OSError as exc:
         return f"cannot be looked at ({exc.strerror or exc})"
     return None if stat.S_ISREG(mode) else f"is not a regular file (mode {stat.filemode(mode)}, {file_kind(mode)})"
+
+
+def sha256_prefix(sha256_hex: str) -> int:
+    """The first 8 bytes of a hex SHA-256 as a little-endian int64, binding a side table to its file (0: none)."""
+    if len(sha256_hex) < 16:
+        return 0
+    try:
+        return int.from_bytes(bytes.fromhex(sha256_hex[:16]), "little", signed=True)
+    except ValueError:
+        return 0
 
 
 def file_sha256(path: str | os.PathLike) -> str:
