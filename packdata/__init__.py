@@ -45,7 +45,7 @@ _EXPORTS = {
     "verify_pack": "formats.verify",
     "LMDBDataset": "reading.datasets",
     "TFRecordDataset": "reading.streaming",
-    "TFRecordIndexedDataset": "reading.streaming",
+    "TFRecordIndexedDataset": "reading.tfrecord_indexed",
     "BlockShuffleSampler": "reading.samplers",
     "shuffle_quality": "reading.samplers",
     "DecodeJPEG": "reading.decode",

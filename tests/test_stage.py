@@ -25,7 +25,8 @@ from packdata.cli import main
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
-from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 from packdata.staging.stage import STAGED_FILE, stage, stage_status, unstage
 from packdata.staging.tmpfs import prepare_tmpfs
 from tests.conftest import assert_index_digests, flip_label, tree_digest

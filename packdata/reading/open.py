@@ -8,7 +8,8 @@ from typing import Any
 from packdata.errors import ConfigError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
-from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
 __all__ = ["open_dataset"]
 

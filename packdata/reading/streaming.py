@@ -1,4 +1,4 @@
-"""Torch datasets over TFRecord packs: streaming (:class:`TFRecordDataset`) and by index.
+"""The streaming torch dataset over a TFRecord pack: :class:`TFRecordDataset`, its split, shuffle and resume.
 
 How an epoch is split: the pack's shards are put in the epoch's order
 (shuffled from ``(seed, epoch)``, the same on every rank), laid end to end, and
@@ -9,14 +9,15 @@ starts or ends inside a shard, a record range found through the shard's offsets
 index. With many shards each reader gets whole shards; with fewer shards than
 readers, shards are shared by record ranges. Either way every sample is read
 exactly once per epoch and no two readers read the same record.
-"""
 
-# Over ~500 lines: split, shuffle and resume are one state machine.
+Split, shuffle and resume are one state machine, so they stay in one class
+here; the view it shares with the map-style
+:class:`~packdata.reading.tfrecord_indexed.TFRecordIndexedDataset` is in
+:mod:`packdata.reading.tfrecord_view`.
+"""
 
 from __future__ import annotations
 
-import bisect
-import functools
 import itertools
 import numbers
 import os
@@ -25,21 +26,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
-from packdata.formats.tfrecord import TFRecordShardReader
-from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
-from packdata.formats.tfrecord_remote import RemoteShardReader, ShardRun, fetch_skeleton, stream_ahead
-from packdata.formats.tfrecord_tables import RecordTable, has_record_table, parse_records, shard_records
-from packdata.pack.records import RecordError
-from packdata.pack.urls import display_url, is_url, open_url
-from packdata.reading.datasets import _BYTES, PackView, ShardReaders
+from packdata.formats.tfrecord_remote import ShardRun, stream_ahead
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.samplers import per_rank_count, resolve_rank_world
+from packdata.reading.tfrecord_view import _TFRecordView
 
-__all__ = ["TFRecordDataset", "TFRecordIndexedDataset"]
+__all__ = ["TFRecordDataset"]
 
 DEFAULT_SHUFFLE_BUFFER = 1024
 
@@ -81,92 +77,6 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
         buffer[j] = item
     rng.shuffle(buffer)
     yield from buffer
-
-
-class _TFRecordView(PackView):
-    """Shared by both TFRecord datasets: the shard layout and CRC option."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        transform: Callable[[Any], Any] | None,
-        target_transform: Callable[[int], Any] | None,
-        decode: str | DecodeFn | Mapping[str, str | DecodeFn],
-        check_crc: bool,
-        fields: Sequence[str] | None = None,
-        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
-        storage_options: dict[str, Any] | None = None,
-        cache_dir: str | os.PathLike | None = None,
-    ) -> None:
-        self._url: str | None = None
-        self._storage_options = storage_options
-        if is_url(path):  # shards stream from object storage; the manifest and index come from a local copy
-            self._url = os.fspath(path).rstrip("/")
-            path = fetch_skeleton(self._url, storage_options, cache_dir)
-        super().__init__(path, TFRECORD, transform, target_transform, decode, fields, transforms)
-        self.check_crc = check_crc
-        shards = self.pack.manifest.shards
-        self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
-        self._counts = np.array([s.num_samples for s in shards], dtype=np.int64)
-        self._first = np.array([s.first_index for s in shards], dtype=np.int64)
-        self._sha256 = [s.sha256 for s in shards]
-        self._bytes = [s.bytes for s in shards]
-
-    def _load_records(self, shard: int, payloads: bool) -> RecordTable:
-        """Shard ``shard``'s records: its record table mapped where valid, else its ``.tfindex`` parsed."""
-        path, count = self._shard_paths[shard], int(self._counts[shard])
-        return shard_records(path, count, self._bytes[shard], self._sha256[shard], payloads=payloads)
-
-    def _shard_reader(self, shard: int) -> TFRecordShardReader:
-        """The reader of one shard: the local file, or ranged requests to the remote one."""
-        if self._url is None:
-            return TFRecordShardReader(
-                self._shard_paths[shard], check_crc=self.check_crc, expected_bytes=self._bytes[shard]
-            )
-        fs, root = open_url(self._url, self._storage_options)
-        name = self.pack.manifest.shards[shard].file
-        shown = f"{display_url(self._url)}/{name}"
-        remote = f"{root.rstrip('/')}/{name}"
-        return RemoteShardReader(
-            fs, remote, shown, self._bytes[shard], check_crc=self.check_crc, opened=self.pack.manifest
-        )
-
-    def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
-        """Payload and label of sample ``index``'s record (a multi-field pack: the whole Example); labels must agree."""
-        try:
-            if self.field_spec is not None:
-                _, label, key = example_fields(data)
-                if key != self.keys[index]:
-                    raise RecordError(f"it holds key {key!r}, the sample index says {self.keys[index]!r}")
-                parsed = ParsedExample(memoryview(data), label, b"", "fields")
-            else:
-                parsed = parse_example(data)
-                if parsed.key != self.pack.index.keys.encoded(index):  # as multi-field and LMDB reads check
-                    held = parsed.key.decode("utf-8", "backslashreplace")
-                    raise RecordError(f"it holds key {held!r}, the sample index says {self.keys[index]!r}")
-        except RecordError as exc:
-            raise PackFormatError(
-                f"record {index} at byte offset {offset} is damaged: {exc}",
-                path=path,
-                hint="Run `packdata verify` on the pack, then convert or stage it again",
-            ) from exc
-        expected = self.pack.index.labels.item(index)
-        if parsed.label != expected:
-            raise PackFormatError(
-                f"record {index} at byte offset {offset} has label {parsed.label}, the sample index says {expected}",
-                path=path,
-                hint="The pack is damaged or changed since the dataset was opened: run `packdata verify`, "
-                "and recreate the dataset after converting a pack again",
-            )
-        return parsed.data, parsed.label
-
-    def _finish(self, data: bytes, label: int, index: int | None = None) -> Any:
-        if self.field_spec is None:
-            return super()._finish(data, label, index)
-        fields, label, key = example_fields(data)
-        stored = {name: value for name, value in fields.items() if self.field_spec.wants(name)}
-        sample = self.field_spec.build(stored, key, label, index)
-        return self.transform(sample) if self.transform is not None else sample
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
@@ -566,137 +476,3 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             f"TFRecordDataset({os.fspath(self.path)!r}, samples={self.pack.manifest.num_samples}, "
             f"shards={len(self._counts)}, rank={self.rank}/{self.world_size})"
         )
-
-
-class _IndexedShard(TFRecordShardReader):
-    """A shard's reader holding this process's record table: ``parsed`` (given), else mapped and checked now."""
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        check_crc: bool,
-        payloads: bool,
-        expected_bytes: int,
-        count: int,
-        sha256: str,
-        parsed: RecordTable | None,
-    ) -> None:
-        super().__init__(path, check_crc=check_crc, expected_bytes=expected_bytes)
-        self.records = (
-            parsed if parsed is not None else shard_records(path, count, expected_bytes, sha256, payloads=payloads)
-        )
-
-
-class TFRecordIndexedDataset(_TFRecordView, Dataset):
-    """Map-style access to a TFRecord pack: ``ds[i] -> (sample, label)`` through each shard's record table.
-
-    Each access is one positioned read (``os.pread``) of one record, its
-    framing and (by default) CRCs checked, so any sampler works:
-    ``DistributedSampler``, class-balanced samplers, or
-    :class:`~packdata.reading.samplers.BlockShuffleSampler` for reads in long runs.
-    ``classes``, ``class_to_idx``, ``targets`` and ``keys`` come from the
-    manifest and sample index without reading a record.
-
-    Workers: the dataset pickles only paths, options and per-shard facts.
-    Each process opens a shard on its first read of it (keyed by
-    ``os.getpid()``): the file descriptor, and the shard's ``.tfpayload``
-    record table (offsets and payload spans), memory-mapped and checked whole
-    in numpy. Every worker shares the page cache's copy of the tables, so
-    memory does not grow with samples x workers; nothing opened is used
-    across a fork, and ``ds[0]`` in the parent before workers start is fine.
-    Shards without a valid record table (written by another tool or an older
-    packdata) have their ``.tfindex`` parsed in ``__init__`` into int64
-    arrays (16-32 bytes per sample, pickled to ``spawn``-ed workers): convert
-    such a pack again to share its tables.
-
-    Args:
-        path: the pack (directory with ``manifest.json``).
-        transform: applied to the decoded sample.
-        target_transform: applied to the label.
-        decode: ``"auto"`` (by the manifest's kind), ``"pil"``, ``"bytes"``,
-            ``"text"``, or a callable on the bytes; a multi-field pack also takes
-            a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
-        check_crc: check both CRC32Cs of every record (framing is always checked).
-        fields, transforms: a multi-field pack's fields to return and per-field
-            transforms, as for :class:`~packdata.LMDBDataset`.
-    """
-
-    pack_format = TFRECORD
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        transform: Callable[[Any], Any] | None = None,
-        target_transform: Callable[[int], Any] | None = None,
-        decode: str | DecodeFn | Mapping[str, str | DecodeFn] = "auto",
-        *,
-        check_crc: bool = True,
-        fields: Sequence[str] | None = None,
-        transforms: Mapping[str, Callable[[Any], Any]] | None = None,
-    ) -> None:
-        if is_url(path):
-            raise ConfigError(
-                f"{display_url(os.fspath(path))}: random access reads local shards",
-                hint="Stream it with TFRecordDataset(url), or stage it first: packdata.stage(url, to=DIR)",
-            )
-        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
-        # with CRCs off, records are parsed instead: the parse checks their structure and label
-        payloads = self.field_spec is None and check_crc
-        kwargs = []
-        for shard, path_ in enumerate(self._shard_paths):
-            facts = (int(self._counts[shard]), self._bytes[shard], self._sha256[shard])
-            # a shard without a valid record table (an older pack) is parsed once, here
-            parsed = None if has_record_table(path_, *facts) else parse_records(path_, *facts, payloads=payloads)
-            kwargs.append({"count": facts[0], "expected_bytes": facts[1], "sha256": facts[2], "parsed": parsed})
-        self._first_list: list[int] = self._first.tolist()
-        self._readers = ShardReaders(
-            self._shard_paths,
-            functools.partial(_IndexedShard, check_crc=check_crc, payloads=payloads),
-            kwargs,
-            self.pack.check_unchanged,
-        )
-
-    def __len__(self) -> int:
-        return self.pack.manifest.num_samples
-
-    def raw(self, index: int) -> tuple[bytes, int]:
-        """The stored bytes and label of sample ``index``, undecoded."""
-        return self._raw_at(self._sample_index(index))
-
-    def _raw_at(self, index: int) -> tuple[bytes, int]:
-        """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
-        shard = bisect.bisect_right(self._first_list, index) - 1  # a Python list: numpy's scalar calls cost more
-        reader: _IndexedShard = self._readers[shard]
-        offset, length, span = reader.records.record(index - self._first_list[shard])
-        if span is not None:  # written by packdata: the payload sliced out, the label from the index (as streams do)
-            return reader.read_payload(offset, length, span), self.pack.index.labels.item(index)
-        data = reader.read(offset, length)
-        view, label = self._parse(data, self._shard_paths[shard], offset, index)
-        return bytes(view), label
-
-    def __getitem__(self, index: int) -> tuple[Any, Any]:
-        position = self._sample_index(index)
-        if (
-            self.decode is _BYTES
-            and self.transform is None
-            and self.target_transform is None
-            and self.field_spec is None
-        ):
-            return self._raw_at(position)  # returned as stored: no decode or transform layers
-        return self._finish(*self._raw_at(position), index=position)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A whole batch in one call: records read in file order, returned in the order asked."""
-        positions = [self._sample_index(i) for i in indices]
-        out: list[Any] = [None] * len(positions)
-        for k in sorted(range(len(positions)), key=positions.__getitem__):
-            out[k] = self._finish(*self._raw_at(positions[k]), index=positions[k])
-        return out
-
-    def __del__(self) -> None:
-        if hasattr(self, "_readers"):
-            self._readers.close()
-
-    def __repr__(self) -> str:
-        return f"TFRecordIndexedDataset({os.fspath(self.path)!r}, samples={len(self)}, classes={len(self.classes)})"

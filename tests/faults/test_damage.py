@@ -14,7 +14,8 @@ from faults.damage import DAMAGES, swap_foreign_shard
 from faults.hostile import rewrite_manifest
 from packdata import LMDBDataset, PackFormatError, convert
 from packdata.cli import main
-from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
 READERS = {
     "lmdb": [lambda p: LMDBDataset(p, decode="bytes")],

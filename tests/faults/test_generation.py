@@ -9,7 +9,8 @@ from conftest import image_bytes
 from torch.utils.data import DataLoader
 
 from packdata import LMDBDataset, PackFormatError, convert
-from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
 MAKERS = {
     "lmdb": lambda p: LMDBDataset(p, decode="bytes"),

@@ -32,7 +32,8 @@ from packdata.cli import main as cli_main
 from packdata.errors import ConfigError, PackdataError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
-from packdata.reading.streaming import TFRecordDataset, TFRecordIndexedDataset
+from packdata.reading.streaming import TFRecordDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
 FORMATS = ("lmdb", "tfrecord")
 COMMANDS = ("info", "verify", "stage", "convert-overwrite", "readers")
