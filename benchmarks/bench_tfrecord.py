@@ -26,7 +26,7 @@ from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 
 from packdata import TFRecordDataset, TFRecordIndexedDataset, convert
-from packdata.formats.tfrecord import index_path
+from packdata.formats.tfrecord_tables import index_path
 
 
 def timed(readers: dict, rounds: int = 5) -> dict[str, float]:

@@ -25,9 +25,9 @@ import packdata
 import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
-from packdata.formats.tfrecord import TFRecordShardWriter
 from packdata.formats.tfrecord_example import encode_example, example_fields, frame_record, parse_example
 from packdata.formats.tfrecord_tables import index_path, map_record_table, payload_path
+from packdata.formats.tfrecord_writer import TFRecordShardWriter
 from packdata.pack.manifest import read_manifest
 from packdata.pack.records import RecordError, Sample
 

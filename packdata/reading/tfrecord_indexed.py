@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from packdata.errors import ConfigError
 from packdata.formats.tfrecord import NAME as TFRECORD
-from packdata.formats.tfrecord import TFRecordShardReader
+from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_tables import RecordTable, has_record_table, parse_records, shard_records
 from packdata.pack.urls import display_url, is_url
 from packdata.reading.datasets import _BYTES, ShardReaders

@@ -18,8 +18,8 @@ import numpy as np
 
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
-from packdata.formats.tfrecord import TFRecordShardReader
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
+from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_remote import RemoteShardReader, fetch_skeleton
 from packdata.formats.tfrecord_tables import RecordTable, shard_records
 from packdata.pack.records import RecordError

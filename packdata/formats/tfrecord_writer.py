@@ -1,0 +1,187 @@
+"""The TFRecord shard writer: framed Examples appended to a shard, its ``.tfindex`` and its ``.tfpayload``.
+
+The on-disk layout is described in :mod:`packdata.formats.tfrecord` (framing,
+Example features, offsets index) and :mod:`packdata.formats.tfrecord_tables`
+(the record table, whose header stays unset until the shard is complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from packdata.errors import PackFormatError, destination_error
+from packdata.formats.tfrecord_example import _payload_span, encode_example, frame_record
+from packdata.formats.tfrecord_reader import _CHUNK
+from packdata.formats.tfrecord_tables import (
+    _HEAD,
+    _ROW,
+    _TABLE_MAGIC,
+    _TABLE_VERSION,
+    SHARD_SUFFIX,
+    index_path,
+    payload_path,
+    record_table_header,
+)
+from packdata.pack.manifest import ShardInfo
+from packdata.pack.records import Sample
+
+__all__ = ["TFRecordShardWriter"]
+
+
+_UNFINISHED = _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, 0) + _ROW.pack(0, 0, 0)  # a record table being written
+
+
+class TFRecordShardWriter:
+    """Appends framed Examples to one shard, its offsets index and its record table.
+
+    The file bytes are exactly what is written, so the shard's SHA-256 is
+    computed as it is written. :meth:`sync` makes data and index durable (call
+    it before recording a checkpoint); ``resume_at=k`` cuts both back to their
+    first ``k`` records.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume_at: int | None = None) -> None:
+        self.path = Path(path)
+        self.index_path = index_path(self.path)
+        self.payload_path = payload_path(self.path)
+        self._sha = hashlib.sha256()
+        self.count = 0
+        self.bytes = 0
+        self._with_table = True  # False when resuming a shard whose record table is missing
+        self._spans = True  # every row holds its payload's span (False once a multi-field record is written)
+        if resume_at is not None:
+            self._truncate(resume_at)
+        else:
+            try:
+                self.path.write_bytes(b"")
+                self.index_path.write_bytes(b"")
+                self.payload_path.write_bytes(_UNFINISHED)  # header completed by close()
+            except OSError as exc:
+                raise destination_error(exc, self.path) from exc
+        self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
+        self._index = open(self.index_path, "ab")  # noqa: SIM115
+        self._table = open(self.payload_path, "ab") if self._with_table else None  # noqa: SIM115
+
+    @staticmethod
+    def shard_name(number: int) -> str:
+        """Temporary file name of shard ``number``; :meth:`finalize` gives the TF-style name."""
+        return f"part-{number:05d}{SHARD_SUFFIX}"
+
+    @staticmethod
+    def finalize(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """Rename shards (and indexes) to ``NAME-00003-of-00016.tfrecord``.
+
+        ``NAME`` is the pack's name without its suffix (``out.tfrecord`` and
+        ``out`` give ``out``), or ``data``; ``pack`` may be the hidden
+        ``.NAME.partial`` folder convert writes into. Repeatable: a file already
+        under its final name (a run killed while renaming) is left there.
+        """
+        out = TFRecordShardWriter.final_shards(pack, shards)
+        for shard, final in zip(shards, out, strict=True):
+            old, new = Path(pack) / shard.file, Path(pack) / final.file
+            for source, target, required in (
+                (index_path(old), index_path(new), True),
+                (payload_path(old), payload_path(new), False),
+                (old, new, True),
+            ):
+                if source.exists() or (required and not target.exists()):
+                    os.replace(source, target)
+        return out
+
+    @staticmethod
+    def final_shards(pack: Path, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """``shards`` under the names :meth:`finalize` gives them; no file is touched."""
+        name = Path(pack).name
+        if name.startswith(".") and name.endswith(".partial"):
+            name = name[1 : -len(".partial")]
+        name = (name[: -len(Path(name).suffix)] if Path(name).suffix else name) or "data"
+        count = len(shards)
+        return [
+            dataclasses.replace(shard, file=f"{name}-{number:05d}-of-{count:05d}{SHARD_SUFFIX}")
+            for number, shard in enumerate(shards)
+        ]
+
+    def _truncate(self, keep: int) -> None:
+        lines = self.index_path.read_bytes().split(b"\n")
+        if len(lines) - 1 < keep:  # the last element follows the last newline
+            raise PackFormatError(
+                f"offsets index holds {len(lines) - 1} complete records, cannot resume at {keep}",
+                path=self.index_path,
+                hint="Start the conversion again with --overwrite",
+            )
+        kept = b"".join(line + b"\n" for line in lines[:keep])
+        end = 0
+        if keep:
+            offset, length = (int(v) for v in lines[keep - 1].split())
+            end = offset + length
+        if self.path.stat().st_size < end:
+            raise PackFormatError(
+                f"shard is shorter than its checkpoint ({end} bytes)",
+                path=self.path,
+                hint="Start the conversion again with --overwrite",
+            )
+        os.truncate(self.path, end)
+        self.index_path.write_bytes(kept)
+        table = self.payload_path.read_bytes() if self.payload_path.is_file() else b""
+        end_row = _HEAD + _ROW.size * keep
+        if len(table) >= end_row and table[:16] == _UNFINISHED[:16]:  # this version's table: header unset until close()
+            rows = np.frombuffer(table[_HEAD:end_row], dtype="<i8").reshape(-1, 3)
+            self._spans = bool((rows[:, 1] >= 0).all())
+            self.payload_path.write_bytes(_UNFINISHED + table[_HEAD:end_row])
+        else:  # written without a table (or by an older packdata, or it was lost): the shard is read by parsing
+            self.payload_path.unlink(missing_ok=True)
+            self._with_table = False
+        with open(self.path, "rb") as f:
+            while block := f.read(_CHUNK):
+                self._sha.update(block)
+        self.count, self.bytes = keep, end
+
+    def write(self, items: list[tuple[int, Sample]]) -> None:
+        """Append ``(index in shard, sample)`` pairs; indices must continue the shard."""
+        lines = []
+        rows = []
+        for index, sample in items:
+            if index != self.count:
+                raise PackFormatError(f"record {index} is out of order (expected {self.count})", path=self.path)
+            example = encode_example(sample)
+            if sample.kind == "fields":  # no one payload: readers parse the Example
+                self._spans = False
+                rows.append(_ROW.pack(self.bytes, -1, -1))
+            else:
+                rows.append(_ROW.pack(self.bytes, *_payload_span(example)))
+            record = frame_record(example)
+            self._file.write(record)
+            self._sha.update(record)
+            lines.append(f"{self.bytes} {len(record)}\n")
+            self.bytes += len(record)
+            self.count += 1
+        self._index.write("".join(lines).encode("ascii"))
+        if self._table is not None:
+            self._table.write(b"".join(rows))
+
+    def sync(self) -> None:
+        """Make every record written so far durable, data before index."""
+        for f in (self._file, self._index, self._table):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def close(self) -> tuple[int, str]:
+        """Sync and close; the shard is complete. Returns its byte size and SHA-256."""
+        self.sync()
+        self._file.close()
+        self._index.close()
+        digest = self._sha.hexdigest()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+            with open(self.payload_path, "r+b") as f:  # the header makes the table valid
+                f.write(record_table_header(self.count, self.bytes, digest, self._spans))
+                f.flush()
+                os.fsync(f.fileno())
+        return self.bytes, digest
