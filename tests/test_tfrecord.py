@@ -696,6 +696,22 @@ def test_indexed_reads_as_stored_equal_reads_through_the_decode_and_transform_la
     assert plain[-1] == expected[-1]
 
 
+def test_a_changed_key_is_named_when_either_dataset_opens(tf_images: Path, tmp_path: Path) -> None:
+    """Every TFRecord read matches the record to its key: the keys are hashed once, when the dataset opens.
+
+    (LMDB datasets hash them at the first key read; a forked worker inherits the check either way.)
+    """
+    pack = tmp_path / "out"
+    convert(tf_images, pack, format="tfrecord", shard_samples=4, progress=False)
+    keys = pack / json.loads((pack / "manifest.json").read_text(encoding="utf-8"))["index"]["dir"] / "keys.utf8"
+    blob = bytearray(keys.read_bytes())
+    blob[-1] ^= 1  # the last key's last letter: still ASCII
+    keys.write_bytes(bytes(blob))
+    for dataset in (TFRecordIndexedDataset, TFRecordDataset):
+        with pytest.raises(PackFormatError, match=rf"{re.escape(str(keys))}: sample index file keys\.utf8 does not"):
+            dataset(pack)
+
+
 def test_a_flipped_label_in_range_is_named_when_either_dataset_opens(tf_images: Path, tmp_path: Path) -> None:
     """Both TFRecord datasets read labels from ``labels.i32`` (the ``.tfpayload`` path reads only payloads).
 

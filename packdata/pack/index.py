@@ -217,8 +217,12 @@ class KeyList(Sequence[str]):
         given = digests or {}
         self._unchecked = {name: given[name] for name in (KEY_OFFSETS_FILE, KEYS_FILE) if name in given}
 
-    def _check(self) -> None:
-        """Raise unless the keys and their offsets match the manifest's digests; after that, never again."""
+    def check(self) -> None:
+        """Raise unless the keys and their offsets match the manifest's digests (hashed once; then nothing).
+
+        Raises:
+            PackFormatError: naming ``keys.utf8`` or ``key_offsets.i64``.
+        """
         for name, data in ((KEY_OFFSETS_FILE, self._offsets), (KEYS_FILE, self._blob)):
             expected = self._unchecked.get(name)
             if expected is not None and hashlib.sha256(data.data).hexdigest() != expected:
@@ -241,7 +245,7 @@ class KeyList(Sequence[str]):
             raise IndexError(f"key index {i} out of range for {n} samples")
         i %= n
         if self._unchecked:
-            self._check()
+            self.check()
         try:
             return self._blob[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -252,7 +256,7 @@ class KeyList(Sequence[str]):
     def encoded(self, i: int) -> bytes:
         """Key ``i`` (``0 <= i < len(self)``) as stored, UTF-8 bytes not decoded: for comparing with a record's key."""
         if self._unchecked:
-            self._check()
+            self.check()
         return self._blob[self._offsets.item(i) : self._offsets.item(i + 1)].tobytes()
 
 

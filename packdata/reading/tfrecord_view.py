@@ -51,6 +51,7 @@ class _TFRecordView(PackView):
             self._url = os.fspath(path).rstrip("/")
             path = fetch_skeleton(self._url, storage_options, cache_dir)
         super().__init__(path, TFRECORD, transform, target_transform, decode, fields, transforms)
+        self.pack.index.keys.check()  # every record read is matched to its key: hashed here once, not per worker
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
