@@ -1628,19 +1628,21 @@ if stall == "check":
 elif stall == "delete":
     os.rename, shutil.rmtree = moved, deleted
 try:
-    packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=limit)
+    packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=limit or None)
     print("staged", flush=True)
-except packdata.CapacityError as exc:
+except (packdata.CapacityError, packdata.LockedError) as exc:
     print(f"refused: {exc}", flush=True)
 """
 
 
-def _stage_second(cache: Path, options: dict, limit: int, *, stall: str = "") -> subprocess.Popen:
-    """``stage s3://packs/second.lmdb --cache-limit LIMIT`` into ``cache``, in a PID namespace of its own.
+def _stage_second(
+    cache: Path, options: dict, limit: int, *, stall: str = "", url: str = "s3://packs/second.lmdb"
+) -> subprocess.Popen:
+    """``stage URL --cache-limit LIMIT`` (0: none) into ``cache``, in a PID namespace of its own.
 
     ``stall``: ``"check"`` or ``"delete"``, where eviction waits for a line on stdin (it prints ``evicting``).
     """
-    script = [sys.executable, "-c", _STAGE_WITH_LIMIT, "s3://packs/second.lmdb", str(cache), json.dumps(options)]
+    script = [sys.executable, "-c", _STAGE_WITH_LIMIT, url, str(cache), json.dumps(options)]
     return subprocess.Popen(
         [*_in_own_pid_namespace(), *script, str(limit), stall or "run"],
         stdin=subprocess.PIPE,
@@ -1742,3 +1744,30 @@ def _open_files() -> str:
     """The paths this process has open, one a line."""
     links = (f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd"))
     return "\n".join(os.readlink(link) for link in links if os.path.exists(link))
+
+
+def test_a_copy_read_by_a_dataset_is_not_replaced_by_a_newer_version(s3, remote_pack, tmp_path: Path) -> None:
+    """The pack changes at its origin while a dataset reads its copy: the copy stays until the dataset is gone."""
+    options, fs = s3
+    _, local = remote_pack
+    fs.put(str(local), "packs/changing.lmdb", recursive=True)
+    cache = tmp_path / "cache"
+    copy = packdata.stage("s3://packs/changing.lmdb", to=cache, storage_options=options, progress=False).staged
+    ds = packdata.LMDBDataset(copy, decode="bytes")
+    read = [ds[0]]  # shard 0 of 3 opened, the others not yet
+    newer = tmp_path / "newer.lmdb"  # the same samples in 2 shards: another manifest
+    packdata.convert(local.parent / "src", newer, shard_samples=9, progress=False)
+    fs.rm("packs/changing.lmdb", recursive=True)
+    fs.put(str(newer), "packs/changing.lmdb", recursive=True)
+    out, _ = _stage_second(cache, options, 0, url="s3://packs/changing.lmdb").communicate(timeout=120)
+    assert out.startswith(f"refused: {copy}: holds a copy of an older version of s3://packs/changing.lmdb that is "
+                          "still read"), out  # fmt: skip
+    read += [ds[i] for i in range(1, len(ds))]
+    assert read == list(packdata.LMDBDataset(local, decode="bytes"))
+    assert len(packdata.LMDBDataset(copy).pack.manifest.shards) == 3 and not (cache / ".changing.lmdb.partial").exists()
+    del ds
+    gc.collect()
+    out, _ = _stage_second(cache, options, 0, url="s3://packs/changing.lmdb").communicate(timeout=120)
+    assert out.strip() == "staged", out
+    assert len(packdata.LMDBDataset(copy).pack.manifest.shards) == 2 and _samples(copy) == _samples(local)
+    assert [p.name for p in cache.iterdir()] == ["changing.lmdb"]  # the old copy deleted, nothing aside

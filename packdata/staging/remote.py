@@ -20,7 +20,10 @@ it. The steps:
 4. The manifest is written last, then the folder is renamed to ``CACHE/NAME``
    (a previous copy is moved aside and deleted): a reader never sees a half copy.
    An old copy that a stage killed in between left (``.NAME.old-PID``) is
-   deleted by the next stage of ``NAME``.
+   deleted by the next stage of ``NAME``. A previous copy that is still read
+   (see :func:`delete_unread`) is never replaced: the stage is refused, before
+   downloading and again at the swap, and a rerun once its readers are gone
+   resumes from the finished download.
    Only a staged copy of the same URL (its ``staged.json`` says so) or an empty
    folder is replaced; any other folder at ``CACHE/NAME`` is refused before a
    byte is downloaded.
@@ -31,12 +34,14 @@ not at all: a cache without room for it is refused before anything is downloaded
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -58,7 +63,7 @@ from packdata.staging.copy import dir_bytes
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
-__all__ = ["RemoteStageResult", "evict_for", "stage_remote"]
+__all__ = ["RemoteStageResult", "delete_unread", "evict_for", "stage_remote"]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 _WAIT_POLL = 0.5
@@ -113,7 +118,8 @@ def stage_remote(
             that is not a staged copy of ``url``, or the URL cannot be opened.
         CapacityError: the cache cannot hold the whole pack, or memory checks refuse.
         PackFormatError: the remote pack is not a pack, or a shard fails its checksum.
-        LockedError: another process kept the download for longer than ``wait_seconds``.
+        LockedError: another process kept the download for longer than ``wait_seconds``, or
+            ``to/NAME`` holds a copy of an older version of the pack that is still read.
     """
     start = time.monotonic()
     if to is None:
@@ -128,27 +134,18 @@ def stage_remote(
         check_name(name, area=cache)
     cache.mkdir(parents=True, exist_ok=True)
     lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
-    while True:
-        try:
-            with hold_lock(lock, what="packdata stage (download)", target=cache / name):
-                result = _stage_locked(
-                    fs,
-                    root.rstrip("/"),
-                    shown,
-                    cache,
-                    name,
-                    workers,
-                    reserve,
-                    force,
-                    progress,
-                    cache_limit,
-                    storage_options,
-                )
+    with contextlib.ExitStack() as held:
+        while True:  # only the lock is waited for: a refusal under it (a copy still read) is final
+            try:
+                held.enter_context(hold_lock(lock, what="packdata stage (download)", target=cache / name))
                 break
-        except LockedError:
-            if time.monotonic() - start > wait_seconds:
-                raise
-            time.sleep(_WAIT_POLL)
+            except LockedError:
+                if time.monotonic() - start > wait_seconds:
+                    raise
+                time.sleep(_WAIT_POLL)
+        result = _stage_locked(
+            fs, root.rstrip("/"), shown, cache, name, workers, reserve, force, progress, cache_limit, storage_options
+        )
     result.waited_seconds = time.monotonic() - start - result.seconds
     return result
 
@@ -195,6 +192,10 @@ def _stage_locked(
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
+    if dest.is_dir():
+        with _unread(dest) as unread:
+            if not unread:
+                raise _still_read(dest, shown)  # before a byte is downloaded
     partial.mkdir(exist_ok=True)
     files = _pack_files(manifest)
     sizes = {rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files}
@@ -236,15 +237,22 @@ def _stage_locked(
     _add_manifest_digest(partial, digest)
     create_readers_lock(partial)
     fsync_dir(partial)
-    old = cache / f".{name}.old-{os.getpid()}"
     check_destination(shown, dest)  # again: a folder may have appeared there while downloading
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    fsync_dir(cache)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if not dest.exists():
+        os.rename(partial, dest)
+        fsync_dir(cache)
+    elif not delete_unread(dest, successor=partial):
+        raise _still_read(dest, shown)  # again: a reader may have opened it while downloading
     return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
+
+
+def _still_read(dest: Path, shown: str) -> LockedError:
+    return LockedError(
+        f"holds a copy of an older version of {shown} that is still read (a dataset holds it, or a process has "
+        "its files open), so it is not replaced",
+        path=dest,
+        hint="Stage again once its readers are done (the download is kept), or stage under another name=NAME",
+    )
 
 
 def _add_manifest_digest(folder: Path, digest: str) -> None:
@@ -335,14 +343,11 @@ def evict_for(
     Only complete, verified copies of packs in object storage are candidates,
     each deleted holding its ``.NAME.lock`` (taken without waiting: a copy
     another process is staging, replacing or unstaging is skipped), and only
-    when no dataset holds its ``.readers.lock`` (taken exclusively without
-    waiting; see :func:`packdata.pack.lock.hold_readers_lock`), no process has
-    a file of it open or mapped (readers that take no lock: other tools, older
-    copies; only processes this one may inspect are seen) and its origin's
-    manifest is still there (never the last copy). A deleted copy is first
-    renamed aside, so a reader opening it meanwhile finds it gone, never half
-    deleted. ``keep`` (the copy being staged) and its partial or old folders
-    are never evicted.
+    when its origin's manifest is still there (never the last copy) and nobody
+    reads it: no dataset holds its ``.readers.lock`` and no process visibly has
+    a file of it open (:func:`delete_unread`, which renames it aside before
+    deleting it). ``keep`` (the copy being staged) and its partial or old
+    folders are never evicted.
 
     Returns:
         The copies deleted, oldest first.
@@ -366,7 +371,7 @@ def evict_for(
         owner = _owner(entry)
         try:
             with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
-                if _evictable(entry, storage_options) and _delete_unread(entry, owner):
+                if _evictable(entry, storage_options) and delete_unread(entry, owner):
                     evicted.append(entry)
                     total -= size
         except LockedError:
@@ -387,30 +392,56 @@ def _remote_copy(marker: dict[str, Any] | None) -> bool:
     return bool(marker and marker.get("complete") and isinstance(origin, str) and is_url(origin))
 
 
-def _delete_unread(entry: Path, owner: Path) -> bool:
-    """Delete ``entry`` (its ``.NAME.lock`` held) unless a dataset holds its readers' lock; whether it did.
+@contextlib.contextmanager
+def _unread(copy: Path) -> Iterator[bool]:
+    """Hold ``copy``'s readers' lock exclusively for the block if nobody reads it; yields whether nobody does.
 
-    The copy is renamed aside first (``.NAME.old-PID``, which the next stage of
-    NAME discards if this one is killed), so no reader opens it half deleted.
+    Read: a dataset holds its ``.readers.lock`` (taken without waiting, see
+    :func:`packdata.pack.lock.exclude_readers`), or a process visibly has one of
+    its files open or mapped (readers that take no lock: other tools, copies
+    staged before readers' locks; only processes this one may inspect are seen).
     """
-    with exclude_readers(entry) as unread:  # after _evictable: its scan would count this descriptor as a reader
+    if open_by_any_process(copy) is not None:
+        yield False
+        return
+    with exclude_readers(copy) as unread:  # after the scan: it would count this descriptor as a reader
+        yield unread
+
+
+def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | None = None) -> bool:
+    """Delete the staged copy ``entry`` (``owner``'s ``.NAME.lock`` held) unless it is read; whether it did.
+
+    Under its readers' lock (see :func:`_unread`) the copy is renamed aside
+    (``.NAME.old-PID``, which the next stage of NAME discards if this one is
+    killed) and ``successor``, a finished copy, renamed into its place, so a
+    reader opening it meanwhile finds it gone or replaced, never half deleted.
+    A copy that never stood at its name is deleted where it is.
+
+    Args:
+        entry: the staged copy, or a partial or moved-aside folder of one.
+        owner: the copy ``entry`` stands for (default: ``entry``, see :func:`_owner`).
+        successor: the folder that takes ``entry``'s place.
+    """
+    owner = entry if owner is None else owner
+    with _unread(entry) as unread:
         if not unread:
             return False
         doomed = entry
         if entry == owner:
             doomed = owner.with_name(f".{owner.name}.old-{os.getpid()}")
             os.rename(entry, doomed)
-        shutil.rmtree(doomed)
+        if successor is not None:
+            os.rename(successor, entry)
+            fsync_dir(entry.parent)
+        shutil.rmtree(doomed, ignore_errors=successor is not None)  # a leftover there costs disk; swept later
     return True
 
 
 def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
-    """Whether ``entry`` (its lock held) is still a complete remote copy, read by no process, whose origin is there."""
+    """Whether ``entry`` (its lock held) is still a complete remote copy whose origin is there."""
     marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
     if marker is None or not _remote_copy(marker):
         return False  # replaced or removed before its lock was taken
-    if open_by_any_process(entry) is not None:
-        return False  # a live reader uses it
     try:
         fs, root = open_url(marker["origin"], storage_options)
         return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))
