@@ -881,9 +881,10 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
 @main.command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--unmount", is_flag=True, help="Also unmount the area's tmpfs (only one packdata mounted).")
+@click.option("--force", is_flag=True, help="Remove staged packs that datasets still read (they then fail).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_friendly
-def unstage(path: str, unmount: bool, as_json: bool) -> None:
+def unstage(path: str, unmount: bool, force: bool, as_json: bool) -> None:
     """Remove the staged pack PATH (or every staged pack in the area PATH); originals are never touched.
 
     \b
@@ -893,7 +894,7 @@ def unstage(path: str, unmount: bool, as_json: bool) -> None:
     """
     from packdata.staging.stage import unstage as run_unstage
 
-    result = run_unstage(path, unmount=unmount)
+    result = run_unstage(path, unmount=unmount, force=force)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
         return

@@ -1771,3 +1771,56 @@ def test_a_copy_read_by_a_dataset_is_not_replaced_by_a_newer_version(s3, remote_
     assert out.strip() == "staged", out
     assert len(packdata.LMDBDataset(copy).pack.manifest.shards) == 2 and _samples(copy) == _samples(local)
     assert [p.name for p in cache.iterdir()] == ["changing.lmdb"]  # the old copy deleted, nothing aside
+
+
+_UNSTAGE = """
+import sys
+import packdata
+try:
+    packdata.unstage(sys.argv[1])
+    print("unstaged", flush=True)
+except packdata.LockedError as exc:
+    print(f"refused: {exc}", flush=True)
+"""
+
+
+def _unstage_elsewhere(copy: Path) -> str:
+    """What ``unstage COPY`` says, run in a PID namespace of its own (no /proc scan sees this test's readers)."""
+    command = [*_in_own_pid_namespace(), sys.executable, "-c", _UNSTAGE, str(copy)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+
+
+def test_unstage_keeps_a_copy_a_dataset_reads(s3, remote_pack, tmp_path: Path) -> None:
+    """unstage refuses a copy a dataset holds, which reads on; once the dataset is gone, the copy is removed."""
+    options, _ = s3
+    url, local = remote_pack
+    copy = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).staged
+    ds = packdata.LMDBDataset(copy, decode="bytes")
+    read = [ds[0]]  # shard 0 of 3 opened, the others not yet
+    assert _unstage_elsewhere(copy) == (
+        f"refused: {copy}: is still read (a dataset holds it, or a process has its files open), so it is not "
+        "removed. Stop its readers and unstage again, or pass force=True (its readers then stop with an error)\n"
+    )
+    read += [ds[i] for i in range(1, len(ds))]
+    assert read == list(packdata.LMDBDataset(local, decode="bytes"))
+    del ds
+    gc.collect()
+    assert _unstage_elsewhere(copy) == "unstaged\n"
+    assert list(copy.parent.iterdir()) == []
+
+
+def test_cli_unstage_force_removes_a_copy_a_dataset_reads(s3, remote_pack, tmp_path: Path) -> None:
+    """``packdata unstage`` names --force; with it the copy goes, and the dataset's next shard says so."""
+    options, _ = s3
+    url, _ = remote_pack
+    copy = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).staged
+    ds = packdata.LMDBDataset(copy, decode="bytes")
+    first = ds[0]
+    out = CliRunner().invoke(main, ["unstage", str(copy)])
+    assert out.exit_code == 1 and out.output.endswith("or pass --force (its readers then stop with an error)\n")
+    assert copy.is_dir()
+    out = CliRunner().invoke(main, ["unstage", str(copy), "--force"])
+    assert out.exit_code == 0 and not copy.exists(), out.output
+    assert ds[0] == first  # shard 0's open files stay valid
+    with pytest.raises(PackFormatError, match=r"the staged copy was evicted from its cache .* or unstaged"):
+        ds[len(ds) - 1]

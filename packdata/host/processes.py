@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import psutil
@@ -51,11 +52,12 @@ def _psutil_memory(proc: psutil.Process) -> dict[str, int] | None:
     }
 
 
-def open_by_any_process(folder: str | Path, root: str = "/") -> int | None:
+def open_by_any_process(folder: str | Path, root: str = "/", *, ignore: Collection[str] = ()) -> int | None:
     """The pid of a process that has a file under ``folder`` open or memory-mapped, or None.
 
     Reads every ``/proc/PID/maps`` and ``/proc/PID/fd`` this process may read;
-    a process it may not inspect is taken as not using the folder.
+    a process it may not inspect is taken as not using the folder. Open files
+    named in ``ignore`` (lock files, the caller's own among them) do not count.
     """
     prefix = os.path.realpath(folder).rstrip(os.sep) + os.sep
     proc = Path(root) / "proc"
@@ -68,7 +70,8 @@ def open_by_any_process(folder: str | Path, root: str = "/") -> int | None:
                     return int(entry.name)
             for fd in os.listdir(Path(entry.path) / "fd"):
                 with contextlib.suppress(OSError):
-                    if os.readlink(Path(entry.path) / "fd" / fd).startswith(prefix):
+                    target = os.readlink(Path(entry.path) / "fd" / fd)
+                    if target.startswith(prefix) and os.path.basename(target) not in ignore:
                         return int(entry.name)
         except OSError:
             continue

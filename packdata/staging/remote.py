@@ -55,10 +55,11 @@ from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
 from packdata.pack.files import atomic_write, discard_stale, file_sha256, fsync_dir
 from packdata.pack.index import index_files
-from packdata.pack.lock import convert_lock_path, create_readers_lock, exclude_readers, hold_lock
+from packdata.pack.lock import READERS_LOCK, convert_lock_path, create_readers_lock, exclude_readers, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
+from packdata.staging.copy import LOCK as STAGE_LOCK
 from packdata.staging.copy import dir_bytes
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
@@ -401,10 +402,10 @@ def _unread(copy: Path) -> Iterator[bool]:
     its files open or mapped (readers that take no lock: other tools, copies
     staged before readers' locks; only processes this one may inspect are seen).
     """
-    if open_by_any_process(copy) is not None:
+    if open_by_any_process(copy, ignore=(READERS_LOCK, STAGE_LOCK)) is not None:  # readers hold no lock file
         yield False
         return
-    with exclude_readers(copy) as unread:  # after the scan: it would count this descriptor as a reader
+    with exclude_readers(copy) as unread:
         yield unread
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError
+from packdata.errors import CapacityError, ConfigError, LockedError
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.index import INDEX_DIR
@@ -74,7 +74,7 @@ from packdata.staging.copy import (
     staged_manifest,
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
-from packdata.staging.remote import RemoteStageResult, stage_remote
+from packdata.staging.remote import RemoteStageResult, delete_unread, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
     TMPFS_SOURCE,
@@ -491,17 +491,21 @@ def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
     )
 
 
-def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
+def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = False) -> UnstageResult:
     """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
 
     Only folders holding packdata's ``staged.json`` (or nothing but the
     ``.stage.lock`` of a stage killed before it wrote one) are deleted; the
-    originals are never touched.
+    originals are never touched. A staged pack that is still read (a dataset
+    holds its ``.readers.lock``, or a process visibly has a file of it open:
+    :func:`~packdata.staging.remote.delete_unread`) is kept unless ``force``;
+    the others in an area are removed.
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
             ``unmount`` was asked for a mount packdata did not make.
-        LockedError: a ``packdata stage`` is writing the pack (it is named).
+        LockedError: a ``packdata stage`` is writing the pack (it is named), or
+            a staged pack is still read and ``force`` is False.
     """
     target = Path(path).absolute()
     if target.is_symlink():
@@ -543,11 +547,23 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False) -> UnstageResult:
                 path=area,
                 hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
             )
-    freed = 0
+    freed, read = 0, []
     for pack in packs:
         with locked(pack, what="packdata unstage"):  # never under a stage still writing it
-            freed += dir_bytes(pack)
-            shutil.rmtree(pack)
+            size = dir_bytes(pack)
+            if force:
+                shutil.rmtree(pack)
+            elif not delete_unread(pack):
+                read.append(pack)
+                continue
+            freed += size
+    if read:
+        more = f"; {len(read) - 1} more staged packs here are not either" if len(read) > 1 else ""
+        raise LockedError(
+            f"is still read (a dataset holds it, or a process has its files open), so it is not removed{more}",
+            path=read[0],
+            hint="Stop its readers and unstage again, or pass force=True (its readers then stop with an error)",
+        )
     unmounted = None
     if mount is not None:
         if os.geteuid() != 0:
