@@ -1790,11 +1790,13 @@ def _unstage_elsewhere(copy: Path) -> str:
     return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
 
 
-def test_unstage_keeps_a_copy_a_dataset_reads(s3, remote_pack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("origin", ["url", "local"])
+def test_unstage_keeps_a_copy_a_dataset_reads(s3, remote_pack, tmp_path: Path, origin: str) -> None:
     """unstage refuses a copy a dataset holds, which reads on; once the dataset is gone, the copy is removed."""
     options, _ = s3
     url, local = remote_pack
-    copy = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).staged
+    source = url if origin == "url" else local  # a local pack's copy holds a readers' lock too
+    copy = packdata.stage(source, to=tmp_path / "cache", storage_options=options, progress=False).staged
     ds = packdata.LMDBDataset(copy, decode="bytes")
     read = [ds[0]]  # shard 0 of 3 opened, the others not yet
     assert _unstage_elsewhere(copy) == (

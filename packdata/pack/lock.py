@@ -15,11 +15,11 @@ Lock files are opened with ``O_NOFOLLOW`` and checked before anything is
 written: a symlink, hard link, non-regular file, or a file whose content is not
 a packdata lock record is refused, never truncated or removed.
 
-Readers of a copy staged from a URL hold a shared ``flock`` on its
-``.readers.lock`` (:func:`hold_readers_lock`), from the moment a dataset opens
-the pack for as long as it lives; eviction takes it exclusively without
-waiting (:func:`exclude_readers`) and skips the copy when it cannot. It is
-never the writers' ``.NAME.lock``, so readers never block a stage.
+Readers of a staged copy hold a shared ``flock`` on its ``.readers.lock``
+(:func:`hold_readers_lock`), from the moment a dataset opens the pack for as
+long as it lives; eviction, unstage and a stage replacing an older copy take it
+exclusively without waiting (:func:`exclude_readers`) and leave the copy when
+they cannot. It is never the writers' ``.NAME.lock``, so readers never block a stage.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 READERS_LOCK = ".readers.lock"
-"""In a copy staged from a URL: the file its readers hold shared, and eviction exclusively."""
+"""In a staged copy: the file its readers hold shared, and whoever deletes the copy exclusively."""
 
 
 def convert_lock_path(dst: str | os.PathLike) -> Path:
@@ -164,7 +164,7 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
 
 
 def create_readers_lock(copy: Path) -> None:
-    """Create the empty ``.readers.lock`` in ``copy`` (a stage from a URL, holding ``.NAME.lock``), if missing.
+    """Create the empty ``.readers.lock`` in ``copy`` (by a stage, holding ``.NAME.lock``), if missing.
 
     One that cannot be created (a read-only copy) leaves the copy's readers unlocked, as before.
     """
@@ -185,8 +185,8 @@ def hold_readers_lock(pack: str | os.PathLike) -> int | None:
     """A descriptor holding a shared ``flock`` on ``pack/.readers.lock``, or None when there is none to hold.
 
     Waits while an eviction decides (it holds the lock only for that and the
-    deletion). Creates nothing: a pack without the file (not a copy staged from
-    a URL, or one staged before readers' locks) or whose file cannot be opened
+    deletion). Creates nothing: a pack without the file (not a staged copy, or
+    one staged before readers' locks) or whose file cannot be opened
     or locked (permissions, a symlink or other file in its place) gives None,
     and is read unprotected as before: eviction then spares it only while a
     process visibly has one of its files open or mapped. Closing the last

@@ -59,8 +59,8 @@ class PackInfo:
     :meth:`check_unchanged`, called by readers after they open a shard, tells a
     reader that would read a newer pack than its manifest and index describe.
 
-    A copy staged from a URL is locked against eviction for as long as this
-    object lives: a shared ``flock`` on its ``.readers.lock`` taken here, in
+    A staged copy is locked against eviction, unstage and replacement for as
+    long as this object lives: a shared ``flock`` on its ``.readers.lock`` taken here, in
     the process that opens the dataset, inherited by forked workers, and taken
     again lazily (at the first shard a reader opens) in a ``spawn``-ed one; the
     descriptor is dropped when pickled and closed when the object is garbage

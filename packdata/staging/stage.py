@@ -57,6 +57,7 @@ from packdata.errors import CapacityError, ConfigError, LockedError
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.index import INDEX_DIR
+from packdata.pack.lock import create_readers_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
 from packdata.staging.copy import (
@@ -390,6 +391,7 @@ def stage(
         staged = chosen
         write_manifest(dest, staged_manifest(manifest, source, units, staged))
         _mark(dest, source, manifest, units, staged, sizes, complete=True)
+        create_readers_lock(dest)  # its datasets hold it: unstage then keeps the copy while they live
 
     names = {u.number: u.name for u in units}
     return StageResult(
