@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,19 @@ def test_incremental_restage_copies_nothing(lmdb_pack: Path, tmp_path: Path) -> 
     again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
     assert again.copied == [] and again.bytes_copied == 0
     assert len(again.reused) == 6
+
+
+def test_a_copy_an_unstage_left_aside_is_removed_by_the_next_stage(lmdb_pack: Path, tmp_path: Path) -> None:
+    """An unstage killed between renaming the copy aside and deleting it leaves ``.NAME.old-PID`` (on tmpfs: RAM)."""
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    staged = tmp_path / "nvme" / "train.lmdb"
+    aside = staged.with_name(".train.lmdb.old-4242")
+    shutil.copytree(staged, aside)
+    unrelated = staged.with_name(".other.lmdb.old-4242")  # another pack's: not this stage's to remove
+    unrelated.mkdir()
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert not aside.exists() and unrelated.is_dir()
+    assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

@@ -56,6 +56,7 @@ from typing import Any
 from packdata.errors import CapacityError, ConfigError, LockedError
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.pack.files import discard_stale
 from packdata.pack.index import INDEX_DIR
 from packdata.pack.lock import create_readers_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
@@ -336,6 +337,7 @@ def stage(
 
     with locked(dest):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
+        discard_stale(dest, "old")  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
         sizes = {u.number: u.size for u in units}
