@@ -1,0 +1,91 @@
+"""What every command shares: library errors said in flags as one line, escaped output, sizes with units."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from packdata.errors import PackdataError
+from packdata.units import SIZE_RULE
+
+__all__ = ["as_flags"]
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """Say a library message in flags: ``overwrite=True`` -> ``--overwrite``, ``to=DIR`` -> ``--to DIR``.
+
+    ``flags`` maps keyword arguments to the command's options (``{"to": "--to"}``);
+    other words are left as they are.
+    """
+
+    def flag(match: re.Match[str]) -> str:
+        option = flags.get(match.group(1))
+        if option is None:
+            return match.group(0)
+        value = match.group(2)
+        return option if value == "True" else f"{option} {value.strip(chr(39))}"
+
+    return _KEYWORD.sub(flag, message)
+
+
+_KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
+
+
+def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn packdata's own errors into one line, in flags rather than keyword arguments, and exit 1.
+
+    A newline, tab or control character in the message (a path, a key) is escaped.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except PackdataError as exc:
+            command = click.get_current_context().command
+            flags = {
+                opt.lstrip("-").replace("-", "_"): opt
+                for param in command.params
+                if isinstance(param, click.Option)
+                for opt in param.opts[:1]
+            }
+            message = as_flags(str(exc), flags)
+            raise click.ClickException("".join(c if c.isprintable() else repr(c)[1:-1] for c in message)) from exc
+
+    return wrapper
+
+
+_ZERO_OK = {"reserve"}  # sizes where 0 means something (keep nothing free)
+
+
+_SIZE_HELP = f"Sizes need a unit: {SIZE_RULE}."
+
+
+def _shown(text: str) -> str:
+    """``text`` for one line of output: as it is, or quoted and escaped if it holds a newline, tab or control.
+
+    A key or file name from a pack or a source may hold any of them: raw, one
+    sample would print as two lines, or a terminal escape sequence would run.
+    """
+    return text if text.isprintable() else repr(text)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    from packdata.units import parse_size
+
+    try:
+        return parse_size(value, zero_ok=param.name in _ZERO_OK)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _mb(n: int) -> str:
+    from packdata.units import format_size
+
+    return format_size(n)

@@ -1,0 +1,188 @@
+"""Commands that read a pack: info, verify, ls, cat, export."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from packdata.cli.common import _friendly, _mb, _shown
+
+__all__ = ["cat", "export", "info", "ls", "verify"]
+
+
+@click.command()
+@click.argument("pack", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@_friendly
+def info(pack: str, as_json: bool, storage_options: str | None) -> None:
+    """Show what PACK holds: format, samples, classes, fields, shards, bytes, version.
+
+    \b
+    Examples:
+      packdata info train.lmdb
+      packdata info train.lmdb --json | jq .classes
+      packdata info s3://bucket/train.lmdb
+    """
+    from packdata.formats.verify import pack_info
+
+    facts = pack_info(pack, storage_options=json.loads(storage_options) if storage_options else None)
+    if as_json:
+        click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
+        return
+    classes = facts["classes"]
+    shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+    click.echo(f"pack:     {facts['path']}")
+    click.echo(f"format:   {facts['format']} ({facts['kind']}), written by packdata {facts['packdata_version']}")
+    click.echo(f"samples:  {facts['num_samples']}")
+    click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
+    click.echo(f"shards:   {len(facts['shards'])}, {_mb(facts['total_bytes'])}")
+    if facts.get("codecs"):
+        click.echo("fields:   " + ", ".join(f"{name} ({codec})" for name, codec in facts["codecs"].items()))
+    skipped = facts.get("skipped") or {}
+    if skipped.get("count"):
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.get("by_reason", {}).items()))
+        click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {skipped.get('report')})")
+    reencode = facts.get("reencode")
+    if reencode:
+        click.echo(
+            f"reencode: {reencode.get('count', 0)} images re-encoded as JPEG to at most {reencode.get('max_side')} px "
+            f"(quality {reencode.get('quality')})"
+        )
+
+
+@click.command()
+@click.argument("pack", type=click.Path(path_type=str))
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="For a PACK URL: shards read at once (about 8 MiB of memory each).  [default: 8]",
+)
+@_friendly
+def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, workers: int | None) -> None:
+    """Read every record of PACK and check checksums, keys and labels.
+
+    Exits 1 naming the first bad shard or record.
+
+    PACK may be a URL (s3://...), verified in place without staging: every
+    shard is read once and its size and SHA-256 checked against the manifest,
+    along with the counts, skip report and labels. A TFRecord pack's records
+    are checked as for a local pack (framing, CRCs, index, keys, labels,
+    fields) while its shards stream. An LMDB pack's records are read through
+    LMDB, which needs a local file, so at a URL only its checksums (and the
+    binding of each records.i64 table to its shard) are checked, and the
+    output says so: stage it and verify the staged copy to check its records.
+
+    \b
+    Examples:
+      packdata verify train.lmdb
+      packdata verify /mnt/packdata/train.lmdb -q --json
+      packdata verify s3://bucket/train --workers 16
+    """
+    from packdata.formats.verify import verify_pack
+
+    options = json.loads(storage_options) if storage_options else None
+    result = verify_pack(pack, progress=not quiet, storage_options=options, workers=workers)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    shards = f"{result.shards} shard{'s' * (result.shards != 1)}"
+    if result.checks == "checksums":
+        click.echo(
+            f"ok: {shards}, {_mb(result.bytes)}: sizes and SHA-256 match the manifest. Records NOT checked: "
+            f"an LMDB pack's records are checked in local files (packdata stage {result.path} --to DIR, "
+            "then packdata verify the staged copy)"
+        )
+        return
+    click.echo(f"ok: {result.records} records, {_mb(result.bytes)} in {shards} verified")
+
+
+@click.command(name="ls")
+@click.argument("pack", type=click.Path(path_type=str))
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True, help="Samples to list (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@_friendly
+def ls(pack: str, limit: int, as_json: bool, storage_options: str | None) -> None:
+    """List the samples of PACK: index, key, label/class, fields with sizes, shard (from the index only).
+
+    PACK may be a URL (s3://...): only its manifest and sample index are
+    downloaded (cached in the temporary folder while the manifest is the same).
+
+    \b
+    Examples:
+      packdata ls train.lmdb --limit 5
+      packdata ls train.lmdb --limit 0 --json > samples.jsonl
+      packdata ls s3://bucket/train.lmdb
+    """
+    from packdata.formats.contents import list_samples
+    from packdata.units import format_size
+
+    options = json.loads(storage_options) if storage_options else None
+    for row in list_samples(pack, limit=limit or None, storage_options=options):
+        if as_json:
+            click.echo(json.dumps(row, ensure_ascii=False))
+            continue
+        label = f"{row['label']}" + (f" ({_shown(row['class'])})" if row["class"] is not None else "")
+        fields = " ".join(f"{name}:{format_size(size)}" for name, size in row["fields"].items())
+        click.echo(f"#{row['index']}\t{_shown(row['key'])}\t{label}\t{fields}\t{row['shard']}")
+
+
+@click.command(name="cat")
+@click.argument("pack", type=click.Path(path_type=str))
+@click.argument("sample")
+@click.option("--field", "field_name", help="The field to print (needed when the sample has several).")
+@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@_friendly
+def cat(pack: str, sample: str, field_name: str | None, storage_options: str | None) -> None:
+    """Write the stored bytes of one field of SAMPLE (a key, or #N for index N) to stdout.
+
+    PACK may be a URL (s3://...): the record is read with one ranged request,
+    through the offsets index of a TFRecord pack or the records.i64 table of
+    an LMDB shard (an LMDB shard without one: stage the pack first).
+
+    \b
+    Examples:
+      packdata cat train.lmdb n01440764/0001.JPEG > x.jpg
+      packdata cat caps.lmdb '#0' --field txt
+      packdata cat s3://bucket/train '#0' > x.jpg
+    """
+    from packdata.formats.contents import read_field
+
+    options = json.loads(storage_options) if storage_options else None
+    sys.stdout.buffer.write(read_field(pack, sample, field_name, storage_options=options))
+    sys.stdout.buffer.flush()
+
+
+@click.command()
+@click.argument("pack", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option(
+    "--layout",
+    type=click.Choice(["imagefolder", "grouped"]),
+    help="imagefolder: one file per sample at its key; grouped: KEY.FIELD files. Default: by the pack's kind.",
+)
+@_friendly
+def export(pack: str, dst: str, layout: str | None) -> None:
+    """Write PACK back into files under DST (a new or empty folder).
+
+    Keys that are not plain paths inside DST are refused and listed, never followed.
+
+    \b
+    Examples:
+      packdata export train.lmdb ./train-files && diff -r ./train ./train-files
+    """
+    from packdata.formats.contents import export_pack
+
+    result = export_pack(pack, dst, layout=layout)
+    click.echo(f"exported {result.samples} samples as {result.files} files into {result.path}")
+    if result.refused:
+        click.secho(f"  REFUSED {len(result.refused)} samples:", fg="yellow")
+        for item in result.refused[:10]:
+            click.echo(f"    {_shown(item['key'])}: {_shown(item['reason'])}")
+        sys.exit(1)
