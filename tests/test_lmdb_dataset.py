@@ -583,7 +583,7 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
 
     from packdata import verify_pack
     from packdata.formats.verify import _open_index
-    from packdata.reading.datasets import PackInfo
+    from packdata.reading.pack_info import PackInfo
 
     n = 1 << 23
     index = pack / "index"

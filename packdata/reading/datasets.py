@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-import hashlib
 import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -27,166 +24,16 @@ from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS
-from packdata.pack.index import (
-    LABELS_FILE,
-    KeyList,
-    LabelList,
-    SampleIndex,
-    damaged_index_file,
-    labels_out_of_range,
-)
-from packdata.pack.lock import copy_evicted, hold_readers_lock
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.index import KeyList, LabelList
 from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.fields import FieldSpec
+from packdata.reading.pack_info import PackInfo
+from packdata.reading.shard_readers import ShardReaders
 
-__all__ = ["LMDBDataset", "PackInfo", "PackView", "SampleList", "ShardReaders"]
+__all__ = ["LMDBDataset", "PackView", "SampleList"]
 
 _BYTES = resolve_decoder("bytes")
-
-
-class PackInfo:
-    """What every pack dataset shares: the manifest, classes and the sample index.
-
-    The index (labels, keys, sizes) is memory-mapped on first use in each
-    process and dropped when pickled, so workers share its pages with the page
-    cache instead of each holding a copy.
-
-    The pack generation is pinned at construction: the identity of the
-    ``manifest.json`` read (device, inode, size, mtime). Convert and stage
-    replace the manifest whenever they replace a pack, so
-    :meth:`check_unchanged`, called by readers after they open a shard, tells a
-    reader that would read a newer pack than its manifest and index describe.
-
-    A staged copy is locked against eviction, unstage and replacement for as
-    long as this object lives: a shared ``flock`` on its ``.readers.lock`` taken here, in
-    the process that opens the dataset, inherited by forked workers, and taken
-    again lazily (at the first shard a reader opens) in a ``spawn``-ed one; the
-    descriptor is dropped when pickled and closed when the object is garbage
-    collected. A pack without that file, or whose file cannot be opened or
-    locked, is read unlocked as before and nothing is created in it (see
-    :func:`packdata.pack.lock.hold_readers_lock`).
-    """
-
-    def __init__(self, path: str | os.PathLike, expected_format: str | None = None) -> None:
-        self.path = Path(path)
-        self._generation = _manifest_identity(self.path)
-        self.manifest: Manifest = read_manifest(self.path)
-        self._locked_in = -1  # the pid that took (or tried) the readers' lock; forked children inherit it
-        self._staged = self._hold_readers_lock()
-        if _manifest_identity(self.path) != self._generation:
-            raise PackFormatError("pack was replaced while it was being opened", path=self.path, hint="Open it again")
-        if expected_format and self.manifest.format != expected_format:
-            raise PackFormatError(
-                f"pack is in {self.manifest.format} format, not {expected_format}",
-                path=self.path,
-                hint=f"Open it with the {self.manifest.format} dataset instead",
-            )
-        self.classes: list[str] = list(self.manifest.classes)
-        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        self._index: SampleIndex | None = None
-
-    def _hold_readers_lock(self) -> bool:
-        """Take this process's shared lock on a staged copy's ``.readers.lock``; whether there is one to hold."""
-        self._locked_in = os.getpid()
-        fd = hold_readers_lock(self.path)
-        if fd is None:
-            return False
-        weakref.finalize(self, os.close, fd)  # released with the last process holding this descriptor
-        return True
-
-    def check_unchanged(self) -> None:
-        """Raise if the pack's manifest is no longer the one this object read (the pack changed).
-
-        In a ``spawn``-ed worker of a staged copy, the first call takes the worker's readers' lock.
-
-        Raises:
-            PackFormatError: the pack was converted or staged again since, or its staged copy was evicted.
-        """
-        if self._staged and self._locked_in == -1:
-            self._hold_readers_lock()
-        identity = _manifest_identity(self.path)
-        if identity is None and self._staged:
-            raise copy_evicted(self.path)
-        if identity != self._generation and self._grown_by_append():
-            self._generation = identity  # an append kept every shard and index file this dataset reads
-        if identity != self._generation:
-            raise PackFormatError(
-                "pack changed since the dataset was opened (its manifest was replaced); "
-                "reading on would mix two generations of the pack",
-                path=self.path / MANIFEST_NAME,
-                hint="Recreate the dataset (and its DataLoader) after converting or staging a pack again",
-            )
-
-    def _grown_by_append(self) -> bool:
-        """Whether the pack's current manifest is this one's with shards appended (this one's index kept)."""
-        try:
-            current = read_manifest(self.path)
-        except PackFormatError:
-            return False
-        mine = self.manifest
-        return (
-            current.shards[: len(mine.shards)] == mine.shards
-            and mine.index_dir in (current.index_dir, current.index.get("previous"))
-            and current.format == mine.format
-        )
-
-    def check_labels(self) -> None:
-        """Raise unless ``labels.i32`` matches its SHA-256 in the manifest and each label is in ``[-1, len(classes))``.
-
-        One pass over the mapped labels (4 bytes a sample), in the process that
-        opens the dataset: a flipped bit would otherwise read as another label.
-        A pack written before the manifest recorded index digests is checked for range only.
-
-        Raises:
-            PackFormatError: naming ``labels.i32`` when it is damaged, or the
-                first sample whose label is out of range.
-        """
-        labels = self.index.labels
-        path = self.path / self.manifest.index_dir / LABELS_FILE
-        expected = self.manifest.index_sha256.get(LABELS_FILE)
-        if expected is not None and hashlib.sha256(labels.data).hexdigest() != expected:
-            hint = "The sample index is damaged: run `packdata verify` on the pack, then convert it again"
-            raise damaged_index_file(path, hint=hint)
-        bad = labels_out_of_range(labels, len(self.classes))
-        if bad is not None:
-            i, count = bad
-            raise PackFormatError(
-                f"sample {i} has label {int(labels[i])}, outside [-1, {len(self.classes)}) for "
-                f"{len(self.classes)} classes ({count} samples out of range)",
-                path=path,
-                hint="The sample index is damaged or does not belong to this manifest: convert the pack again",
-            )
-
-    @property
-    def index(self) -> SampleIndex:
-        """The memory-mapped sample index of this pack."""
-        if self._index is None:
-            directory = self.path / self.manifest.index_dir
-            try:
-                fields = self.manifest.fields if self.manifest.kind == "fields" else None
-                self._index = SampleIndex(directory, self.manifest.num_samples, fields, self.manifest.index_sha256)
-            except (OSError, ValueError) as exc:
-                raise PackFormatError(
-                    f"sample index is missing or damaged: {exc}", path=directory, hint="Convert the pack again"
-                ) from exc
-        return self._index
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_index"] = None
-        state["_locked_in"] = -1  # the process that unpickles it takes its own readers' lock
-        return state
-
-
-def _manifest_identity(pack: Path) -> tuple[int, int, int, int] | None:
-    """Device, inode, size and mtime of a pack's manifest: which generation of the pack is there."""
-    try:
-        st = os.stat(pack / MANIFEST_NAME)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class SampleList(Sequence[tuple[str, int]]):
@@ -207,72 +54,6 @@ class SampleList(Sequence[tuple[str, int]]):
             return [self[j] for j in range(*i.indices(len(self)))]
         key = self._keys[i]
         return key, int(self._labels[i % len(self)])
-
-
-class ShardReaders:
-    """One reader per shard, opened on first use in the process that reads.
-
-    After a fork, or once unpickled in a ``spawn``-ed worker, the list starts
-    empty: a parent's file descriptors and maps are never used by a child.
-    ``make`` must be picklable (a class or a ``functools.partial`` of one),
-    called as ``make(path, **kwargs[shard])``. ``check``, when given, runs after
-    each reader is made (it raises if the pack changed since the dataset opened it).
-    """
-
-    def __init__(
-        self,
-        paths: list[str],
-        make: Callable[..., Any],
-        kwargs: list[dict[str, Any]] | None = None,
-        check: Callable[[], None] | None = None,
-    ) -> None:
-        self.paths = paths
-        self.make = make
-        self.kwargs = kwargs or [{} for _ in paths]
-        self.check = check
-        self._readers: list[Any] = []
-        self._pid = -1
-
-    def __getitem__(self, shard: int) -> Any:
-        if self._pid != os.getpid():
-            self._readers = [None] * len(self.paths)
-            self._pid = os.getpid()
-        reader = self._readers[shard]
-        if reader is None:
-            try:
-                reader = self.make(self.paths[shard], **self.kwargs[shard])
-                if hasattr(reader, "open"):
-                    reader.open()  # a reader that opens lazily opens now, before the check
-            except PackFormatError:
-                if self.check is not None:
-                    self.check()  # a shard that fails its checks because the pack changed: say so
-                raise
-            if self.check is not None:
-                try:
-                    self.check()  # after the open: the files opened are the generation checked
-                except BaseException:
-                    reader.close()
-                    raise
-            self._readers[shard] = reader
-        return reader
-
-    def close(self) -> None:
-        """Close this process's readers (a parent's inherited ones are left alone)."""
-        if self._pid == os.getpid():
-            for reader in self._readers:
-                if reader is not None:
-                    reader.close()
-            self._readers = [None] * len(self.paths)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            "paths": self.paths,
-            "make": self.make,
-            "kwargs": self.kwargs,
-            "check": self.check,
-            "_readers": [],
-            "_pid": -1,
-        }
 
 
 class PackView:

@@ -15,8 +15,9 @@ from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_tables import RecordTable, has_record_table, parse_records, shard_records
 from packdata.pack.urls import display_url, is_url
-from packdata.reading.datasets import _BYTES, ShardReaders
+from packdata.reading.datasets import _BYTES
 from packdata.reading.decode import DecodeFn
+from packdata.reading.shard_readers import ShardReaders
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordIndexedDataset"]
