@@ -195,7 +195,7 @@ def test_ray_on_error_fail_names_the_file(ray_local, poisoned_folder: Path, tmp_
 @pytest.mark.ray
 def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     """A task that fails for good names its shard and files, leaves no DST, and --resume finishes the job."""
-    from packdata.conversion import ray as engine
+    from packdata.conversion.ray_tasks import TASKS_DIR
 
     dst = tmp_path / "out.lmdb"
     partial = partial_path(dst)
@@ -208,7 +208,7 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
     assert "cannot write the destination" in message and "--resume" in message
     assert not dst.exists() and partial.is_dir()
     done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
-            for p in (partial / engine.TASKS_DIR).glob("*/result.json")}  # fmt: skip
+            for p in (partial / TASKS_DIR).glob("*/result.json")}  # fmt: skip
     assert done
 
     (partial / "shard-00003.lmdb").unlink()
@@ -225,7 +225,7 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
     """Start a Ray conversion whose partial folder already holds a file at ``blocked``."""
     from packdata.conversion.load import _Options
-    from packdata.conversion.ray import _prepare_partial
+    from packdata.conversion.ray_gather import _prepare_partial
 
     partial = partial_path(dst)
     _prepare_partial(
@@ -238,7 +238,7 @@ def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
 def _interrupted_tfrecord_run(src: Path, dst: Path) -> Path:
     """A Ray TFRecord conversion of ``src`` into ``dst`` whose last task failed for good; its partial folder."""
     from packdata.conversion.load import _Options
-    from packdata.conversion.ray import _prepare_partial
+    from packdata.conversion.ray_gather import _prepare_partial
 
     partial = partial_path(dst)
     opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
@@ -255,14 +255,14 @@ def test_ray_resume_reruns_a_task_whose_saved_result_names_another_shard(
     ray_local, clean_folder: Path, tmp_path: Path
 ) -> None:
     """A result.json naming a file outside the partial folder, or another task's fragment, is never used."""
-    from packdata.conversion import ray as engine
+    from packdata.conversion.ray_tasks import TASKS_DIR
 
     dst = tmp_path / "out"
     partial = _interrupted_tfrecord_run(clean_folder, dst)
     victim = {tmp_path / "victim.tfrecord": b"someone's records", tmp_path / "victim.tfindex": b"0 17\n"}
     for path, data in victim.items():
         path.write_bytes(data)
-    results = {int(p.parent.name): p for p in (partial / engine.TASKS_DIR).glob("*/result.json")}
+    results = {int(p.parent.name): p for p in (partial / TASKS_DIR).glob("*/result.json")}
     assert len(results) >= 2  # with 2 CPUs, two tasks had finished when the last one started
     first, second = sorted(results)[:2]
     saved = {n: json.loads(results[n].read_text()) for n in (first, second)}
@@ -282,11 +282,11 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
     ray_local, clean_folder: Path, tmp_path: Path
 ) -> None:
     """A saved shard was trusted because it existed: a flipped byte or a cut file was published as the pack."""
-    from packdata.conversion import ray as engine
+    from packdata.conversion.ray_tasks import TASKS_DIR
 
     dst = tmp_path / "out"
     partial = _interrupted_tfrecord_run(clean_folder, dst)
-    done = sorted(int(p.parent.name) for p in (partial / engine.TASKS_DIR).glob("*/result.json"))
+    done = sorted(int(p.parent.name) for p in (partial / TASKS_DIR).glob("*/result.json"))
     assert len(done) >= 2  # with 2 CPUs, two tasks had finished when the last one started
     altered, cut = (partial / f"part-{n:05d}.tfrecord" for n in done[:2])
     jpeg = (clean_folder / "class0" / "img000.jpg").read_bytes()
@@ -307,7 +307,7 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
 @pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     from packdata.conversion.load import _Options
-    from packdata.conversion.ray import _prepare_partial
+    from packdata.conversion.ray_gather import _prepare_partial
     from packdata.errors import ConfigError
 
     dst = tmp_path / "out.lmdb"
@@ -446,7 +446,7 @@ def test_unknown_engine(clean_folder: Path, tmp_path: Path) -> None:
 
 
 def test_plan_is_a_deterministic_partition(poisoned_folder: Path) -> None:
-    from packdata.conversion.ray import plan_tasks
+    from packdata.conversion.ray_tasks import plan_tasks
 
     source = scan_source(poisoned_folder)
     walk = list(source.walk())
@@ -462,7 +462,7 @@ def test_plan_is_a_deterministic_partition(poisoned_folder: Path) -> None:
 
 
 def test_plan_by_bytes(clean_folder: Path) -> None:
-    from packdata.conversion.ray import plan_tasks
+    from packdata.conversion.ray_tasks import plan_tasks
 
     source = scan_source(clean_folder)
     plan = list(plan_tasks(source, shard_samples=None, shard_size=2500))
@@ -543,13 +543,13 @@ def test_ray_into_s3_killed_driver_leaves_no_manifest_and_resume_reruns_only_unf
     ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """A driver killed mid-run leaves no manifest at the URL; resume reruns only tasks without complete objects."""
-    from packdata.conversion import ray as engine
+    from packdata.conversion.ray_tasks import TASKS_DIR
     from packdata.conversion.upload import work_folder
 
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     url = "s3://packs/killed.lmdb"
-    tasks = partial_path(work_folder(url)) / engine.TASKS_DIR
+    tasks = partial_path(work_folder(url)) / TASKS_DIR
     address = ray_local.get_runtime_context().gcs_address
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER, str(clean_folder), url, json.dumps(options), address],

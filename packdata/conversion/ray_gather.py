@@ -1,0 +1,236 @@
+"""The Ray driver's side of the partial folder: resume checks, saved task results and the gather.
+
+:func:`_prepare_partial` readies or resumes ``.NAME.partial``; :func:`_saved_result`
+tells which tasks an interrupted run finished; :class:`_Gatherer` appends the
+task results in plan order into the pack's index, skip report and shard list;
+:func:`_drop_strays` removes what is no shard of the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packdata.conversion.load import _Options
+from packdata.conversion.publish import (
+    MAX_SKIP_EXAMPLES,
+    PROGRESS_FILE,
+    SKIP_REPORT,
+    check_resumable,
+)
+from packdata.conversion.ray_remote import (
+    RemoteTarget,
+    check_object_name,
+    objects_complete,
+)
+from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir
+from packdata.errors import ConfigError
+from packdata.pack.files import atomic_write, discard_partial, file_sha256
+from packdata.pack.index import (
+    FIELD_OFFSETS_FILE,
+    FIELD_SIZES_FILE,
+    INDEX_DIR,
+    KEY_OFFSETS_FILE,
+    KEYS_FILE,
+    LABELS_FILE,
+    SIZES_FILE,
+    index_files,
+)
+from packdata.pack.manifest import ShardInfo
+
+__all__: list[str] = []
+
+_PLAN = "ray-plan.json"
+_CHUNK = 1 << 20  # index entries per copy when gathering fragments
+
+
+def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """Write the fragment files a remote task returned into ``tasks/NNNNN`` and save its result there, last."""
+    work = _task_dir(partial, int(result["number"]))
+    if work.exists():
+        shutil.rmtree(work)
+    for rel, data in result.pop("fragment").items():
+        path = work.joinpath(*check_object_name(rel, os.fspath(work)).split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    atomic_write(work / _RESULT, json.dumps(result, ensure_ascii=False).encode("utf-8"))
+    return result
+
+
+def _saved_result(
+    partial: Path, task: ShardTask, name: str, data: str, target: RemoteTarget | None
+) -> dict[str, Any] | None:
+    """The result an interrupted run saved for ``task``, if it is complete, its own and for the same files.
+
+    Its own: it names this task's number and, if any, the shard ``name`` this
+    task writes (never a file elsewhere, or another task's fragment).
+    Complete: its shard's records file (``data``, inside the partial folder)
+    has the size and SHA-256 the result recorded or, with a ``target`` URL, the
+    store still reports every object the task uploaded with its recorded size
+    and version.
+    """
+    path = _task_dir(partial, task.number) / _RESULT
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("fingerprint") != task.fingerprint
+        or saved.get("number") != task.number
+    ):
+        return None
+    shard = saved.get("shard")
+    if shard is not None and (not isinstance(shard, dict) or shard.get("file") != name):
+        return None
+    if shard is not None and target is None and not _holds_shard(partial / data, shard):
+        return None
+    if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
+        return None
+    return saved
+
+
+def _holds_shard(data: Path, shard: dict[str, Any]) -> bool:
+    """Whether the records file ``data`` has the size and SHA-256 its task's result recorded (hashed once)."""
+    try:
+        return data.stat().st_size == shard.get("bytes") and file_sha256(data) == shard.get("sha256")
+    except OSError:
+        return False  # missing, or not a regular file: the task runs again
+
+
+class _Gatherer:
+    """Appends task results, in plan order, to the pack's index, skip report and shard list.
+
+    A fields pack numbers its fields in order of first appearance over the
+    whole walk (as the local engine does): each task's own numbers are mapped
+    to the pack's as its fragment is appended.
+    """
+
+    def __init__(self, partial: Path, kind: str) -> None:
+        self.partial = partial
+        directory = partial / INDEX_DIR
+        directory.mkdir(exist_ok=True)
+        # open for the whole gather, closed in close()
+        self.files = {name: open(directory / name, "wb") for name in index_files(kind)}  # noqa: SIM115
+        for name in (KEY_OFFSETS_FILE, FIELD_OFFSETS_FILE):
+            if name in self.files:
+                self.files[name].write(np.int64(0).tobytes())
+        self.field_names: list[str] = []
+        self.field_numbers: dict[str, int] = {}
+        self.field_end = 0
+        self.report = open(partial / SKIP_REPORT, "wb")  # noqa: SIM115
+        self.shards: list[ShardInfo] = []
+        self.objects: list[dict[str, list[Any]]] = []  # per shard, the objects its task uploaded (into a URL)
+        self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+
+    def add(self, result: dict[str, Any]) -> None:
+        fragment = _task_dir(self.partial, result["number"])
+        source = fragment / INDEX_DIR
+        for name in (LABELS_FILE, SIZES_FILE, KEYS_FILE):
+            with open(source / name, "rb") as f:
+                shutil.copyfileobj(f, self.files[name], 8 << 20)
+        self.key_end += self._append_offsets(source / KEY_OFFSETS_FILE, self.key_end)
+        if FIELD_SIZES_FILE in self.files:
+            self._append_fields(source, result.get("field_names", []))
+        with open(fragment / SKIP_REPORT, "rb") as f:
+            shutil.copyfileobj(f, self.report, 8 << 20)
+        shard = result["shard"]
+        if shard is not None:
+            self.shards.append(
+                ShardInfo(shard["file"], shard["num_samples"], self.samples, shard["bytes"], shard["sha256"])
+            )
+            self.objects.append(result.get("objects") or {})
+        self.samples += result["samples"]
+        self.files_found += result["entries"]
+        self.bytes_in += result["bytes_in"]
+        self.reencoded += result["reencoded"]
+        self.skipped.update(result["skipped"])
+        room = MAX_SKIP_EXAMPLES - len(self.skip_examples)
+        self.skip_examples.extend(result["skip_examples"][:room])
+
+    def _append_offsets(self, fragment: Path, base: int) -> int:
+        """Append a fragment's offsets (after its leading 0) moved up by ``base``; its last offset."""
+        last = 0
+        with open(fragment, "rb") as f:
+            f.seek(8)  # every fragment starts with offset 0
+            while len(chunk := np.fromfile(f, dtype="<i8", count=_CHUNK)):
+                self.files[fragment.name].write((chunk + base).astype("<i8").tobytes())
+                last = int(chunk[-1])
+        return last
+
+    def _append_fields(self, fragment: Path, names: list[str]) -> None:
+        """Append a fragment's field sizes with the task's field numbers mapped to the pack's."""
+        for name in names:
+            if name not in self.field_numbers:
+                self.field_numbers[name] = len(self.field_names)
+                self.field_names.append(name)
+        pack_number = np.array([self.field_numbers[name] for name in names], dtype="<i8")
+        with open(fragment / FIELD_SIZES_FILE, "rb") as f:
+            while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
+                pairs = pairs.reshape(-1, 2)
+                pairs[:, 0] = pack_number[pairs[:, 0]]
+                self.files[FIELD_SIZES_FILE].write(pairs.astype("<i8").tobytes())
+        self.field_end += self._append_offsets(fragment / FIELD_OFFSETS_FILE, self.field_end)
+
+    def close(self) -> None:
+        for f in (*self.files.values(), self.report):
+            if not f.closed:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+
+def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: bool, resume: bool) -> bool:
+    """Make the partial folder ready; True when an interrupted Ray run into it is resumed."""
+    state = {"engine": "ray", "options": asdict(opts)}
+    plan = partial / _PLAN
+    if resume and os.path.lexists(partial):
+        check_resumable(partial)
+    if os.path.lexists(partial):
+        if resume and plan.is_file():
+            saved = json.loads(plan.read_text(encoding="utf-8"))
+            if saved != state:
+                raise ConfigError(
+                    f"the interrupted conversion used other options ({saved.get('options')})",
+                    path=partial,
+                    hint="Resume with the same options, or start again with --overwrite",
+                )
+            (partial / TASKS_DIR).mkdir(exist_ok=True)
+            return True
+        if resume and (partial / PROGRESS_FILE).is_file():
+            raise ConfigError(
+                "the interrupted conversion into it ran on the local engine",
+                path=dst,
+                hint="Resume it with --engine local, or start again with --overwrite",
+            )
+        if not overwrite and not resume:
+            raise ConfigError(
+                f"an interrupted conversion into {dst} is in {partial}",
+                path=dst,
+                hint="Pass --resume to continue it, or --overwrite to start again",
+            )
+        discard_partial(partial)
+    (partial / TASKS_DIR).mkdir(parents=True)
+    plan.write_text(json.dumps(state), encoding="utf-8")
+    return False
+
+
+def _drop_strays(partial: Path, shards: list[ShardInfo]) -> None:
+    """Remove what an interrupted run left that is no shard of this plan (the source may have shrunk)."""
+    stems = tuple(Path(s.file).stem + "." for s in shards)  # a shard and its companions (a .tfindex)
+    for path in partial.iterdir():
+        if path.name in (INDEX_DIR, SKIP_REPORT) or path.name.startswith(stems):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
