@@ -189,6 +189,17 @@ def test_write_pack_records_each_index_file_digest_and_a_flipped_label_is_named(
         indexed(pack)
 
 
+def test_a_multi_field_pack_with_a_changed_key_is_refused_when_it_opens(tmp_path: Path) -> None:
+    """Every multi-field sample carries its ``__key__``: the keys are hashed when the dataset opens, not per worker."""
+    rows = [{"__key__": f"k{i}", "txt": f"row {i}"} for i in range(6)]
+    pack = tmp_path / "p"
+    packdata.write_pack(rows, pack, format="lmdb", progress=False)
+    keys = pack / json.loads((pack / "manifest.json").read_text(encoding="utf-8"))["index"]["dir"] / "keys.utf8"
+    keys.write_bytes(keys.read_bytes().replace(b"k3", b"k9"))  # another sample's key, silently
+    with pytest.raises(PackFormatError, match=re.escape(f"{keys}: sample index file keys.utf8 does not match")):
+        packdata.LMDBDataset(pack)
+
+
 _GOOD_NPY = io.BytesIO()
 np.save(_GOOD_NPY, np.arange(6, dtype=np.int64))
 _GOOD = {"txt": b"fine", "json": b'{"a": 1}', "npy": _GOOD_NPY.getvalue()}

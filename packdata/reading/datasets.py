@@ -83,6 +83,7 @@ class PackView:
         self.field_spec: FieldSpec | None = None
         if manifest.kind == "fields":
             self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.path)
+            self.pack.index.keys.check()  # every sample carries its key: hashed here once, forked workers inherit it
             self.decode: DecodeFn = resolve_decoder("bytes")
         else:
             if fields is not None or transforms or isinstance(decode, Mapping):
