@@ -195,6 +195,36 @@ def test_stage_copies_only_the_packs_own_regular_files(
     assert len(reader) == 6  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["fifo", "symlink-out", "folder"])
+def test_a_planted_readers_lock_is_never_followed_or_waited_on(
+    templates: dict[str, Path], tmp_path: Path, fmt: str, kind: str
+) -> None:
+    """A stranger's pack with ``.readers.lock`` as a FIFO, a link to a file outside or a folder: read unlocked.
+
+    A dataset must not hang on the FIFO, lock or create anything through the link, or fail on the folder.
+    """
+    import fcntl
+
+    pack = _pack(templates, tmp_path, fmt)
+    outside = tmp_path / "victim.txt"
+    outside.write_bytes(b"keep")
+    lock = pack / ".readers.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "symlink-out":
+        lock.symlink_to(outside)
+    else:
+        lock.mkdir()
+    around = snapshot(tmp_path)
+    reader = LMDBDataset(pack) if fmt == "lmdb" else TFRecordIndexedDataset(pack)
+    labels = [reader[i][1] for i in range(len(reader))]  # type: ignore[arg-type]
+    assert len(labels) == 6 and set(labels) <= {0, 1}
+    with open(outside, "rb") as f:  # the dataset holds no lock on what the link points at
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert snapshot(tmp_path) == around and outside.read_bytes() == b"keep"
+
+
 # --------------------------------------------------------------------------- staged manifests and unstage
 
 
