@@ -675,6 +675,18 @@ def test_a_next_shard_that_keeps_failing_ends_the_epoch_after_the_current_one(
     assert got == expected[: shards[0][1] + shards[1][1]]  # every record before the failing range, none after
 
 
+def _readahead_threads(besides: set[threading.Thread] = frozenset()) -> set[threading.Thread]:
+    """The read-ahead threads alive now, but those in ``besides`` (another test's reader not yet collected)."""
+    return {t for t in threading.enumerate() if t.name.startswith("packdata-readahead")} - besides
+
+
+def _wait_gone(threads: set[threading.Thread], limit: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not any(t.is_alive() for t in threads)
+
+
 def test_an_abandoned_remote_reader_leaves_no_thread_behind(s3, remote_shards, small_chunks, monkeypatch, tmp_path):
     import packdata.formats.tfrecord_remote as remote
 
@@ -683,6 +695,7 @@ def test_an_abandoned_remote_reader_leaves_no_thread_behind(s3, remote_shards, s
     monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 30.0)  # a retry waiting far longer than the test
     log = _logged(monkeypatch, fs, lambda name, start: name == shards[1][0])
     ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    others = _readahead_threads()
     it = iter(ds)
     for _ in range(shards[0][1]):
         next(it)
@@ -690,13 +703,29 @@ def test_an_abandoned_remote_reader_leaves_no_thread_behind(s3, remote_shards, s
     while (shards[1][0], 0) not in log and time.monotonic() < deadline:  # the read-ahead is in its backoff
         time.sleep(0.01)
     assert (shards[1][0], 0) in log
-    started = time.monotonic()
+    ours = _readahead_threads(others)
+    assert len(ours) == 1
     it.close()  # what a DataLoader shutting down or a training loop breaking out does
     del it
-    while any(t.name.startswith("packdata-readahead") for t in threading.enumerate()):
-        assert time.monotonic() - started < 5, "the read-ahead thread outlived its reader"
-        time.sleep(0.01)
+    assert _wait_gone(ours), "the read-ahead thread outlived its reader"
     assert log.count((shards[1][0], 0)) == 1  # the retry was not made
+
+
+def test_a_reader_stopped_by_an_error_leaves_no_thread_behind(s3, remote_shards, small_chunks, monkeypatch, tmp_path):
+    """The error's traceback (held here, as a caller logging it would) must not keep the read-ahead running."""
+    import packdata.formats.tfrecord_remote as remote
+
+    options, fs = s3
+    url, _, shards = remote_shards
+    monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
+    _logged(monkeypatch, fs, lambda name, start: name in (shards[1][0], shards[2][0]))  # failing with more ahead
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    others = _readahead_threads()
+    with pytest.raises(PackFormatError, match=shards[1][0]) as raised:
+        for _ in ds:
+            pass
+    assert raised.value.__traceback__ is not None
+    assert _wait_gone(_readahead_threads(others)), "the read-ahead thread outlived the error that ended its reader"
 
 
 _HOLDER = """

@@ -22,8 +22,9 @@ import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any, cast
 
@@ -111,8 +112,10 @@ class RemoteShardReader(TFRecordShardReader):
         copy: bool = False,
     ) -> Iterator[memoryview | bytes]:
         """The data (or payloads) of records ``start..stop-1``, checked, chunks fetched ahead."""
-        for _, records in stream_ahead([ShardRun(self, offsets, lengths, start, stop, payloads)], ahead=self.ahead):
-            yield from records
+        runs = [ShardRun(self, offsets, lengths, start, stop, payloads)]
+        with closing(stream_ahead(runs, ahead=self.ahead)) as streams:  # an error must not leave the thread running
+            for _, records in streams:
+                yield from records
 
     def read(self, offset: int, length: int) -> memoryview:
         """One record (random access): a single ranged request, checked."""
@@ -141,7 +144,7 @@ class ShardRun:
 
 def stream_ahead(
     runs: Iterable[ShardRun], *, ahead: int = 2, check: Callable[[], None] | None = None
-) -> Iterator[tuple[ShardRun, Iterator[memoryview]]]:
+) -> Generator[tuple[ShardRun, Iterator[memoryview]], None, None]:
     """Each run with an iterator of its checked records (data, or payloads), chunks fetched ahead across runs.
 
     One background thread fetches the chunks of all the runs in order, at most

@@ -23,6 +23,7 @@ import numbers
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, closing
 from typing import Any
 
 import numpy as np
@@ -363,27 +364,29 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         """
         runs = self._runs(segments)
         streams: Iterator[tuple[ShardRun, Iterator[memoryview | bytes]]]
-        if self._url is None:
-            streams = (
-                (run, run.reader.stream(run.offsets, run.lengths, run.start, run.stop, run.payloads, copy=copy))
-                for run in runs
-            )
-        else:  # records copied out of the downloaded chunks: a held record must not pin its chunk
-            # each chunk checked as it arrives: a copy replaced since (the remote pack changed) stops the reader
-            checked = stream_ahead(runs, check=self.pack.check_unchanged)
-            streams = ((run, map(bytes, data)) for run, data in checked)
-        for run, data in streams:
-            path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
-            try:
-                if run.payloads is not None:  # written by packdata: payloads sliced out, labels from the index
-                    labels = self.pack.index.labels[base + first : base + run.stop].tolist()
-                    yield from zip(data, labels, range(base + first, base + run.stop), strict=True)
-                else:
-                    for k, record in enumerate(data, first):
-                        payload, label = self._parse(record, path, int(run.offsets[k]), base + k)
-                        yield payload, label, base + k
-            finally:
-                run.reader.close()
+        with ExitStack() as stack:
+            if self._url is None:
+                streams = (
+                    (run, run.reader.stream(run.offsets, run.lengths, run.start, run.stop, run.payloads, copy=copy))
+                    for run in runs
+                )
+            else:  # records copied out of the downloaded chunks: a held record must not pin its chunk
+                # each chunk checked as it arrives: a copy replaced since (the remote pack changed) stops the reader;
+                # closed however this reader ends: an error's traceback must not keep the read-ahead thread running
+                checked = stack.enter_context(closing(stream_ahead(runs, check=self.pack.check_unchanged)))
+                streams = ((run, map(bytes, data)) for run, data in checked)
+            for run, data in streams:
+                path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
+                try:
+                    if run.payloads is not None:  # written by packdata: payloads sliced out, labels from the index
+                        labels = self.pack.index.labels[base + first : base + run.stop].tolist()
+                        yield from zip(data, labels, range(base + first, base + run.stop), strict=True)
+                    else:
+                        for k, record in enumerate(data, first):
+                            payload, label = self._parse(record, path, int(run.offsets[k]), base + k)
+                            yield payload, label, base + k
+                finally:
+                    run.reader.close()
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
