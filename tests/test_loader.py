@@ -72,11 +72,13 @@ def test_background_prefetcher_propagates_exceptions_in_place() -> None:
 
 
 def test_background_prefetcher_stops_its_thread_on_early_exit() -> None:
-    before = threading.active_count()
+    others = {t for t in threading.enumerate() if t.name == "packdata-prefetch"}
     iterator = iter(BackgroundPrefetcher(range(10**9), depth=2))
     assert next(iterator) == 0
+    ours = {t for t in threading.enumerate() if t.name == "packdata-prefetch"} - others
+    assert len(ours) == 1
     iterator.close()
-    assert threading.active_count() == before
+    assert not any(t.is_alive() for t in ours)
 
 
 def test_background_prefetcher_rejects_depth_zero() -> None:
