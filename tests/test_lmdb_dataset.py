@@ -297,6 +297,10 @@ def test_batched_reads_equal_single_reads(pack: Path) -> None:
         ds.__getitems__([0, len(ds)])
     decoded = LMDBDataset(pack, transform=lambda im: im.size)
     assert decoded.__getitems__([2, 1]) == [decoded[2], decoded[1]]
+    expected = [ds[i] for i in range(len(ds))]
+    (pack / "shard-00001.lmdb" / "records.i64").unlink()  # that shard's records come through LMDB's lookup
+    order = [9, 0, 16, 10, 1, 18, 8]  # runs of one record, shards with and without a table
+    assert LMDBDataset(pack, decode="bytes").__getitems__(order) == [expected[i] for i in order]
 
 
 def test_batched_reads_of_a_one_shard_pack_equal_single_reads(image_folder: Path, tmp_path: Path) -> None:
