@@ -28,8 +28,11 @@ from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset
 from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
-from packdata.staging.stage import STAGED_FILE, stage, stage_status, unstage
+from packdata.staging.marker import STAGED_FILE
+from packdata.staging.stage import stage
+from packdata.staging.status import stage_status
 from packdata.staging.tmpfs import prepare_tmpfs
+from packdata.staging.unstage import unstage
 from tests.conftest import assert_index_digests, flip_label, tree_digest
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0

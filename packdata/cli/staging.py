@@ -89,7 +89,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     """
     from packdata.staging.remote import RemoteStageResult
     from packdata.staging.stage import stage as run_stage
-    from packdata.staging.stage import stage_status
+    from packdata.staging.status import stage_status
     from packdata.staging.tmpfs import prepare_tmpfs
 
     if status:
@@ -186,7 +186,7 @@ def unstage(path: str, unmount: bool, force: bool, as_json: bool) -> None:
       packdata unstage /mnt/packdata/train.lmdb
       sudo packdata unstage /mnt/packdata --unmount
     """
-    from packdata.staging.stage import unstage as run_unstage
+    from packdata.staging.unstage import unstage as run_unstage
 
     result = run_unstage(path, unmount=unmount, force=force)
     if as_json:

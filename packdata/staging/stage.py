@@ -38,13 +38,9 @@ tmpfs contents live in RAM and vanish at reboot or unmount: the originals stay
 the source of truth, and ``staged.json`` records where they are.
 """
 
-# Over ~500 lines: stage, status and unstage share result types and checks (one flow).
-
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -53,13 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, LockedError
-from packdata.host.facts import Mount, gather_facts, read_mounts
+from packdata.errors import CapacityError, ConfigError
+from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.files import discard_stale
 from packdata.pack.index import INDEX_DIR
 from packdata.pack.lock import create_readers_lock
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
+from packdata.pack.manifest import Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
 from packdata.staging.copy import (
     ShardFiles,
@@ -68,36 +64,26 @@ from packdata.staging.copy import (
     dir_bytes,
     is_staged,
     locked,
-    only_lock_left,
     remove_leftovers,
     resolve_order,
     same_tree,
     shard_files,
     staged_manifest,
 )
-from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
-from packdata.staging.remote import RemoteStageResult, delete_unread, stage_remote
+from packdata.staging.marker import STAGED_FILE, check_destination, check_name, write_marker
+from packdata.staging.remote import RemoteStageResult, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
-    TMPFS_SOURCE,
     TmpfsArea,
     mount_of,
     prepare_tmpfs,
-    run_mount,
     tmpfs_mount_at,
 )
 from packdata.units import format_size
 
 __all__ = [
-    "STAGED_FILE",
-    "AreaStatus",
     "StageResult",
-    "StageStatus",
-    "StagedPack",
-    "UnstageResult",
     "stage",
-    "stage_status",
-    "unstage",
 ]
 
 _HEADROOM = 64 << 10  # left free on the destination beyond the staged files (directory blocks, staged.json)
@@ -153,62 +139,6 @@ class StageResult:
             data["tmpfs"] = self.tmpfs.to_dict()
         data["mb_per_s"] = round(self.mb_per_s, 1)
         return data
-
-
-@dataclass
-class StagedPack:
-    """A staged pack found in an area."""
-
-    path: Path
-    origin: str
-    format: str
-    shards_staged: int
-    shards_left: int
-    bytes_staged: int
-    bytes_left: int
-    complete: bool
-    staged_at: str
-
-
-@dataclass
-class AreaStatus:
-    """One staging area: its filesystem, space, and the packs staged in it."""
-
-    path: Path
-    fstype: str
-    size: int
-    used: int
-    free: int
-    mounted_by_packdata: bool
-    packs: list[StagedPack]
-
-
-@dataclass
-class StageStatus:
-    """``packdata stage --status``: areas, packs, and the memory facts that matter for tmpfs."""
-
-    areas: list[AreaStatus]
-    memory: dict[str, Any]
-    warnings: list[SafetyWarning]
-
-    def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(dataclasses.asdict(self), default=os.fspath))
-
-
-@dataclass
-class UnstageResult:
-    """What ``unstage`` removed."""
-
-    removed: list[Path]
-    bytes_freed: int
-    unmounted: Path | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "removed": [os.fspath(p) for p in self.removed],
-            "bytes_freed": self.bytes_freed,
-            "unmounted": os.fspath(self.unmounted) if self.unmounted else None,
-        }
 
 
 # --------------------------------------------------------------------------- shard units
@@ -435,149 +365,3 @@ def _mark(
         bytes_left=sum(sizes[u.number] for u in units if u.number not in staged),
         complete=complete,
     )
-
-
-def _read_marker(path: Path) -> StagedPack | None:
-    data = read_marker(path)
-    if data is None:
-        return None
-    return StagedPack(
-        path=path,
-        origin=str(data.get("origin", "")),
-        format=str(data.get("format", "")),
-        shards_staged=len(data.get("staged", [])),
-        shards_left=len(data.get("left", [])),
-        bytes_staged=int(data.get("bytes_staged", 0)),
-        bytes_left=int(data.get("bytes_left", 0)),
-        complete=bool(data.get("complete")) and (path / MANIFEST_NAME).is_file(),
-        staged_at=str(data.get("staged_at", "")),
-    )
-
-
-def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
-    usage = shutil.disk_usage(path)
-    mount = mount_of(path, mounts)
-    packs = [p for p in (_read_marker(d) for d in sorted(path.iterdir()) if d.is_dir()) if p is not None]
-    own = _read_marker(path)
-    if own is not None:
-        packs.insert(0, own)
-    return AreaStatus(
-        path=path,
-        fstype=mount.fstype if mount else "",
-        size=usage.total,
-        used=usage.used,
-        free=usage.free,
-        mounted_by_packdata=mount is not None and mount.device == TMPFS_SOURCE and Path(mount.mountpoint) == path,
-        packs=packs,
-    )
-
-
-def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
-    """Staging areas with their staged packs, sizes and free space, and the memory facts.
-
-    Args:
-        area: one area (or staged pack) to report; default :data:`DEFAULT_AREA`
-            and every tmpfs packdata mounted.
-    """
-    mounts = read_mounts()
-    if area is not None:
-        paths = [Path(area).absolute()]
-        if not paths[0].is_dir():
-            raise ConfigError("no such staging area", path=paths[0])
-    else:
-        paths = [DEFAULT_AREA] if DEFAULT_AREA.is_dir() else []
-        paths += [Path(m.mountpoint) for m in mounts if m.device == TMPFS_SOURCE and Path(m.mountpoint) not in paths]
-    facts = gather_facts(include_gpus=False)
-    return StageStatus(
-        areas=[_area_status(p, mounts) for p in paths],
-        memory={**facts.to_dict()["memory"], "swap_used": facts.memory.swap_used, "cgroup": facts.to_dict()["cgroup"]},
-        warnings=memory_warnings(facts),
-    )
-
-
-def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = False) -> UnstageResult:
-    """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
-
-    Only folders holding packdata's ``staged.json`` (or nothing but the
-    ``.stage.lock`` of a stage killed before it wrote one) are deleted; the
-    originals are never touched. A staged pack that is still read (a dataset
-    holds its ``.readers.lock``, or a process visibly has a file of it open:
-    :func:`~packdata.staging.remote.delete_unread`) is kept unless ``force``;
-    the others in an area are removed.
-
-    Raises:
-        ConfigError: ``path`` is neither a staged pack nor an area holding one, or
-            ``unmount`` was asked for a mount packdata did not make.
-        LockedError: a ``packdata stage`` is writing the pack (it is named), or
-            a staged pack is still read and ``force`` is False.
-    """
-    target = Path(path).absolute()
-    if target.is_symlink():
-        raise ConfigError(
-            "is a symlink; unstage the staged pack itself",
-            path=target,
-            hint=f"Run `packdata unstage {target.resolve()}`",
-        )
-    if not target.is_dir():
-        raise ConfigError("no such staged pack or staging area", path=target)
-    if (target / STAGED_FILE).is_file() or only_lock_left(target):
-        packs, area = [target], target.parent
-    else:
-        packs = [
-            d
-            for d in sorted(target.iterdir())
-            if d.is_dir() and not d.is_symlink() and ((d / STAGED_FILE).is_file() or only_lock_left(d))
-        ]
-        area = target
-        if not packs and not unmount:
-            raise ConfigError(
-                "is not a staged pack and holds none",
-                path=target,
-                hint="unstage only removes what `packdata stage` wrote (folders with staged.json)",
-            )
-    mount = None
-    if unmount:
-        mount = tmpfs_mount_at(area)
-        if mount is None or mount.device != TMPFS_SOURCE:
-            raise ConfigError(
-                "is not a tmpfs that packdata mounted, so it is not unmounted",
-                path=area,
-                hint="Unmount it yourself with `sudo umount` if you mean to",
-            )
-        others = [d for d in area.iterdir() if d.is_dir() and d not in packs]
-        if others:
-            raise ConfigError(
-                f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
-                path=area,
-                hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
-            )
-    freed, read = 0, []
-    for pack in packs:
-        with locked(pack, what="packdata unstage"):  # never under a stage still writing it
-            size = dir_bytes(pack)
-            if force:
-                shutil.rmtree(pack)
-            elif not delete_unread(pack):
-                read.append(pack)
-                continue
-            freed += size
-    if read:
-        more = f"; {len(read) - 1} more staged packs here are not either" if len(read) > 1 else ""
-        raise LockedError(
-            f"is still read (a dataset holds it, or a process has its files open), so it is not removed{more}",
-            path=read[0],
-            hint="Stop its readers and unstage again, or pass force=True (its readers then stop with an error)",
-        )
-    unmounted = None
-    if mount is not None:
-        if os.geteuid() != 0:
-            raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
-        run_mount(
-            ["umount", os.fspath(area)],
-            area,
-            "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
-        )
-        unmounted = area
-        with contextlib.suppress(OSError):
-            area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
-    return UnstageResult(removed=packs, bytes_freed=freed, unmounted=unmounted)

@@ -1,0 +1,125 @@
+"""``packdata stage --status``: the staging areas, the packs staged in each (read from their
+``staged.json``), their space, and the memory facts that matter for tmpfs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packdata.errors import ConfigError
+from packdata.host.facts import Mount, gather_facts, read_mounts
+from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.pack.manifest import MANIFEST_NAME
+from packdata.staging.marker import read_marker
+from packdata.staging.tmpfs import DEFAULT_AREA, TMPFS_SOURCE, mount_of
+
+__all__ = [
+    "AreaStatus",
+    "StageStatus",
+    "StagedPack",
+    "stage_status",
+]
+
+
+@dataclass
+class StagedPack:
+    """A staged pack found in an area."""
+
+    path: Path
+    origin: str
+    format: str
+    shards_staged: int
+    shards_left: int
+    bytes_staged: int
+    bytes_left: int
+    complete: bool
+    staged_at: str
+
+
+@dataclass
+class AreaStatus:
+    """One staging area: its filesystem, space, and the packs staged in it."""
+
+    path: Path
+    fstype: str
+    size: int
+    used: int
+    free: int
+    mounted_by_packdata: bool
+    packs: list[StagedPack]
+
+
+@dataclass
+class StageStatus:
+    """``packdata stage --status``: areas, packs, and the memory facts that matter for tmpfs."""
+
+    areas: list[AreaStatus]
+    memory: dict[str, Any]
+    warnings: list[SafetyWarning]
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self), default=os.fspath))
+
+
+def _read_marker(path: Path) -> StagedPack | None:
+    data = read_marker(path)
+    if data is None:
+        return None
+    return StagedPack(
+        path=path,
+        origin=str(data.get("origin", "")),
+        format=str(data.get("format", "")),
+        shards_staged=len(data.get("staged", [])),
+        shards_left=len(data.get("left", [])),
+        bytes_staged=int(data.get("bytes_staged", 0)),
+        bytes_left=int(data.get("bytes_left", 0)),
+        complete=bool(data.get("complete")) and (path / MANIFEST_NAME).is_file(),
+        staged_at=str(data.get("staged_at", "")),
+    )
+
+
+def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
+    usage = shutil.disk_usage(path)
+    mount = mount_of(path, mounts)
+    packs = [p for p in (_read_marker(d) for d in sorted(path.iterdir()) if d.is_dir()) if p is not None]
+    own = _read_marker(path)
+    if own is not None:
+        packs.insert(0, own)
+    return AreaStatus(
+        path=path,
+        fstype=mount.fstype if mount else "",
+        size=usage.total,
+        used=usage.used,
+        free=usage.free,
+        mounted_by_packdata=mount is not None and mount.device == TMPFS_SOURCE and Path(mount.mountpoint) == path,
+        packs=packs,
+    )
+
+
+def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
+    """Staging areas with their staged packs, sizes and free space, and the memory facts.
+
+    Args:
+        area: one area (or staged pack) to report; default :data:`DEFAULT_AREA`
+            and every tmpfs packdata mounted.
+    """
+    mounts = read_mounts()
+    if area is not None:
+        paths = [Path(area).absolute()]
+        if not paths[0].is_dir():
+            raise ConfigError("no such staging area", path=paths[0])
+    else:
+        paths = [DEFAULT_AREA] if DEFAULT_AREA.is_dir() else []
+        paths += [Path(m.mountpoint) for m in mounts if m.device == TMPFS_SOURCE and Path(m.mountpoint) not in paths]
+    facts = gather_facts(include_gpus=False)
+    return StageStatus(
+        areas=[_area_status(p, mounts) for p in paths],
+        memory={**facts.to_dict()["memory"], "swap_used": facts.memory.swap_used, "cgroup": facts.to_dict()["cgroup"]},
+        warnings=memory_warnings(facts),
+    )

@@ -1,0 +1,127 @@
+"""``packdata unstage``: remove what ``packdata stage`` wrote (never the originals), and unmount a
+tmpfs packdata mounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packdata.errors import ConfigError, LockedError
+from packdata.staging.copy import dir_bytes, locked, only_lock_left
+from packdata.staging.marker import STAGED_FILE
+from packdata.staging.remote import delete_unread
+from packdata.staging.tmpfs import TMPFS_SOURCE, run_mount, tmpfs_mount_at
+
+__all__ = [
+    "UnstageResult",
+    "unstage",
+]
+
+
+@dataclass
+class UnstageResult:
+    """What ``unstage`` removed."""
+
+    removed: list[Path]
+    bytes_freed: int
+    unmounted: Path | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "removed": [os.fspath(p) for p in self.removed],
+            "bytes_freed": self.bytes_freed,
+            "unmounted": os.fspath(self.unmounted) if self.unmounted else None,
+        }
+
+
+def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = False) -> UnstageResult:
+    """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
+
+    Only folders holding packdata's ``staged.json`` (or nothing but the
+    ``.stage.lock`` of a stage killed before it wrote one) are deleted; the
+    originals are never touched. A staged pack that is still read (a dataset
+    holds its ``.readers.lock``, or a process visibly has a file of it open:
+    :func:`~packdata.staging.remote.delete_unread`) is kept unless ``force``;
+    the others in an area are removed.
+
+    Raises:
+        ConfigError: ``path`` is neither a staged pack nor an area holding one, or
+            ``unmount`` was asked for a mount packdata did not make.
+        LockedError: a ``packdata stage`` is writing the pack (it is named), or
+            a staged pack is still read and ``force`` is False.
+    """
+    target = Path(path).absolute()
+    if target.is_symlink():
+        raise ConfigError(
+            "is a symlink; unstage the staged pack itself",
+            path=target,
+            hint=f"Run `packdata unstage {target.resolve()}`",
+        )
+    if not target.is_dir():
+        raise ConfigError("no such staged pack or staging area", path=target)
+    if (target / STAGED_FILE).is_file() or only_lock_left(target):
+        packs, area = [target], target.parent
+    else:
+        packs = [
+            d
+            for d in sorted(target.iterdir())
+            if d.is_dir() and not d.is_symlink() and ((d / STAGED_FILE).is_file() or only_lock_left(d))
+        ]
+        area = target
+        if not packs and not unmount:
+            raise ConfigError(
+                "is not a staged pack and holds none",
+                path=target,
+                hint="unstage only removes what `packdata stage` wrote (folders with staged.json)",
+            )
+    mount = None
+    if unmount:
+        mount = tmpfs_mount_at(area)
+        if mount is None or mount.device != TMPFS_SOURCE:
+            raise ConfigError(
+                "is not a tmpfs that packdata mounted, so it is not unmounted",
+                path=area,
+                hint="Unmount it yourself with `sudo umount` if you mean to",
+            )
+        others = [d for d in area.iterdir() if d.is_dir() and d not in packs]
+        if others:
+            raise ConfigError(
+                f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
+                path=area,
+                hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
+            )
+    freed, read = 0, []
+    for pack in packs:
+        with locked(pack, what="packdata unstage"):  # never under a stage still writing it
+            size = dir_bytes(pack)
+            if force:
+                shutil.rmtree(pack)
+            elif not delete_unread(pack):
+                read.append(pack)
+                continue
+            freed += size
+    if read:
+        more = f"; {len(read) - 1} more staged packs here are not either" if len(read) > 1 else ""
+        raise LockedError(
+            f"is still read (a dataset holds it, or a process has its files open), so it is not removed{more}",
+            path=read[0],
+            hint="Stop its readers and unstage again, or pass force=True (its readers then stop with an error)",
+        )
+    unmounted = None
+    if mount is not None:
+        if os.geteuid() != 0:
+            raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
+        run_mount(
+            ["umount", os.fspath(area)],
+            area,
+            "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
+        )
+        unmounted = area
+        with contextlib.suppress(OSError):
+            area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
+    return UnstageResult(removed=packs, bytes_freed=freed, unmounted=unmounted)
