@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 
-def _package(module: str) -> str:
+def _package(module: str, root: Path) -> str:
+    """The room of ``module``: ``packdata`` or its subpackage holding it (a subpackage is its own room)."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+    if not (root.joinpath(*parts) / "__init__.py").is_file():  # a plain module: the package around it
+        parts = parts[:-1]
+    return ".".join(parts[:2])
 
 
 def main(root: Path) -> int:
@@ -25,7 +28,7 @@ def main(root: Path) -> int:
             if not isinstance(node, ast.ImportFrom) or not node.module or not node.module.startswith("packdata"):
                 continue
             private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-            if private and _package(node.module) != _package(module):
+            if private and _package(node.module, root) != _package(module, root):
                 problems.append(f"{path}:{node.lineno}: {module} imports {', '.join(private)} from {node.module}")
     print("\n".join(problems) or "no private names cross a package")
     return 1 if problems else 0
