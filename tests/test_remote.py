@@ -1802,6 +1802,36 @@ def test_a_copy_read_by_a_dataset_is_not_replaced_by_a_newer_version(s3, remote_
     assert [p.name for p in cache.iterdir()] == ["changing.lmdb"]  # the old copy deleted, nothing aside
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_copy_whose_readers_lock_is_not_a_file_is_neither_evicted_nor_replaced(
+    s3, remote_pack, tmp_path: Path, kind: str
+) -> None:
+    """Readers never lock a FIFO or folder there, so nothing tells the copy is unread: it stays, the error says why."""
+    options, fs = s3
+    _, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    url = f"s3://packs/planted-{kind}.lmdb"
+    fs.put(str(local), url.removeprefix("s3://"), recursive=True)
+    copy = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    for lock in (first / ".readers.lock", copy / ".readers.lock"):
+        lock.unlink()
+        os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    what = "a FIFO" if kind == "fifo" else "a folder"
+    with pytest.raises(packdata.CapacityError, match="cache limit") as evicting:
+        packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                       cache_limit=int(2.5 * size))  # fmt: skip
+    assert f"{first / '.readers.lock'}: is {what}, not the readers' lock a stage makes" in str(evicting.value)
+    assert not (cache / "second.lmdb").exists()
+    newer = tmp_path / "newer.lmdb"  # the same samples in 2 shards: another manifest
+    packdata.convert(local.parent / "src", newer, shard_samples=9, progress=False)
+    fs.rm(url.removeprefix("s3://"), recursive=True)
+    fs.put(str(newer), url.removeprefix("s3://"), recursive=True)
+    message = f"{copy / '.readers.lock'}: is {what}, not the readers' lock a stage makes: whether the copy is read"
+    with pytest.raises(packdata.ConfigError, match=re.escape(message)):
+        packdata.stage(url, to=cache, storage_options=options, progress=False)
+    assert _samples(first) == _samples(local) and _samples(copy) == _samples(local)
+    assert len(packdata.LMDBDataset(copy).pack.manifest.shards) == 3
+
+
 _UNSTAGE = """
 import sys
 import packdata

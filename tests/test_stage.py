@@ -405,6 +405,39 @@ def test_status_and_unstage(lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
     assert list(area.iterdir()) == []
 
 
+def _plant(lock: Path, kind: str, outside: Path) -> None:
+    """Put a FIFO, a folder or a symlink to ``outside`` where a staged copy's ``.readers.lock`` was."""
+    lock.unlink()
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        lock.symlink_to(outside)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "symlink"])
+def test_unstage_keeps_a_copy_whose_readers_lock_is_not_a_file_and_says_why(
+    lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path, kind: str
+) -> None:
+    """Readers never lock such a file, so nothing tells that the copy is unread: it stays, the others in the area go."""
+    area = tmp_path / "nvme"
+    copy = stage(lmdb_pack, to=area, progress=False).staged
+    other = stage(tfrecord_pack, to=area, progress=False).staged
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep")
+    _plant(copy / ".readers.lock", kind, outside)
+    what = {"fifo": "is a FIFO", "folder": "is a folder", "symlink": "is a symlink"}[kind]
+    message = f"{copy / '.readers.lock'}: {what}, not the readers' lock a stage makes: whether the copy is read"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        unstage(area)
+    assert not other.exists() and _all_bytes(copy) == _all_bytes(lmdb_pack) and outside.read_bytes() == b"keep"
+    out = CliRunner().invoke(main, ["unstage", os.fspath(copy)])
+    assert out.exit_code == 1 and message in out.output and out.output.endswith("unstage the copy with --force\n")
+    assert copy.is_dir()
+    assert unstage(copy, force=True).removed == [copy] and not copy.exists() and outside.read_bytes() == b"keep"
+
+
 def test_cli_stage_status_unstage(lmdb_pack: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packdata.errors import ConfigError, LockedError, PackFormatError
+from packdata.pack.files import file_kind
 
 __all__ = [
     "READERS_LOCK",
@@ -222,16 +223,27 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
     Yields False, without waiting, while a reader holds it shared. A copy
     without a lock file (staged before readers' locks) yields True: its
     readers are only seen through their open files.
+
+    Raises:
+        ConfigError: the lock is not a regular file (a symlink, FIFO, folder,
+            ...): not one a stage made, and readers never hold it
+            (:func:`hold_readers_lock`), so whether the copy is read cannot be
+            told and it must be kept.
     """
+    path = copy / READERS_LOCK
     try:
-        fd = os.open(copy / READERS_LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         yield True
         return
-    except OSError:  # a symlink or unreadable file in its place: not a copy to delete
-        yield False
-        return
+    except OSError as exc:
+        raise _not_a_readers_lock(
+            path, "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+        ) from exc
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO or folder opens and locks, yet no reader ever holds it
+            raise _not_a_readers_lock(path, f"is {file_kind(mode)}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             free = True
@@ -240,3 +252,12 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
         yield free
     finally:
         os.close(fd)
+
+
+def _not_a_readers_lock(path: Path, problem: str) -> ConfigError:
+    """The refusal to delete a staged copy whose ``.readers.lock`` (``path``) is not one readers can hold."""
+    return ConfigError(
+        f"{problem}, not the readers' lock a stage makes: whether the copy is read cannot be told, so it is kept",
+        path=path,
+        hint="Remove it if nothing reads the copy, or unstage the copy with force=True",
+    )

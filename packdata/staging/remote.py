@@ -364,6 +364,7 @@ def evict_for(
         copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, dir_bytes(entry), marker))
     total = incoming + sum(size for _, _, size, _ in copies)
     evicted: list[Path] = []
+    unknown = ""  # why a copy whose readers cannot be told was kept
     for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
         if total <= limit:
             break
@@ -372,15 +373,18 @@ def evict_for(
         owner = _owner(entry)
         try:
             with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
-                if _evictable(entry, storage_options) and delete_unread(entry, owner):
-                    evicted.append(entry)
-                    total -= size
+                try:
+                    if _evictable(entry, storage_options) and delete_unread(entry, owner):
+                        evicted.append(entry)
+                        total -= size
+                except ConfigError as exc:  # its .readers.lock is not one a stage made
+                    unknown = unknown or f" ({exc})"
         except LockedError:
             continue  # another process is staging, replacing or unstaging it
     if total > limit:
         raise CapacityError(
             f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers "
-            f"or other stages, of local packs, or whose origin is gone leave {total:,} bytes",
+            f"or other stages, of local packs, or whose origin is gone leave {total:,} bytes{unknown}",
             path=cache,
             hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
         )
@@ -422,6 +426,10 @@ def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | N
         entry: the staged copy, or a partial or moved-aside folder of one.
         owner: the copy ``entry`` stands for (default: ``entry``, see :func:`_owner`).
         successor: the folder that takes ``entry``'s place.
+
+    Raises:
+        ConfigError: its ``.readers.lock`` is not a regular file, so its readers
+            cannot be told (:func:`packdata.pack.lock.exclude_readers`): it is kept.
     """
     owner = entry if owner is None else owner
     with _unread(entry) as unread:

@@ -54,6 +54,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             ``unmount`` was asked for a mount packdata did not make.
         LockedError: a ``packdata stage`` is writing the pack (it is named), or
             a staged pack is still read and ``force`` is False.
+        ConfigError: a staged pack's ``.readers.lock`` is not a regular file
+            (so whether it is read cannot be told) and ``force`` is False: it is kept.
     """
     target = Path(path).absolute()
     if target.is_symlink():
@@ -96,13 +98,18 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
             )
     freed, read = 0, []
+    unknown: ConfigError | None = None
     for pack in packs:
         with locked(pack, what="packdata unstage"):  # never under a stage still writing it
             size = dir_bytes(pack)
-            if force:
-                shutil.rmtree(pack)
-            elif not delete_unread(pack):
-                read.append(pack)
+            try:
+                if force:
+                    shutil.rmtree(pack)
+                elif not delete_unread(pack):
+                    read.append(pack)
+                    continue
+            except ConfigError as exc:  # its .readers.lock is not one a stage made: its readers cannot be told
+                unknown = unknown or exc
                 continue
             freed += size
     if read:
@@ -112,6 +119,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             path=read[0],
             hint="Stop its readers and unstage again, or pass force=True (its readers then stop with an error)",
         )
+    if unknown is not None:
+        raise unknown
     unmounted = None
     if mount is not None:
         if os.geteuid() != 0:
