@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -436,6 +437,16 @@ def test_unstage_keeps_a_copy_whose_readers_lock_is_not_a_file_and_says_why(
     assert out.exit_code == 1 and message in out.output and out.output.endswith("unstage the copy with --force\n")
     assert copy.is_dir()
     assert unstage(copy, force=True).removed == [copy] and not copy.exists() and outside.read_bytes() == b"keep"
+
+
+@pytest.mark.timeout(60)  # opening a FIFO for writing blocks until a reader comes: a hang is the failure
+def test_staging_again_over_a_readers_lock_that_is_a_fifo_never_waits_on_it(lmdb_pack: Path, tmp_path: Path) -> None:
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    lock = copy / ".readers.lock"
+    _plant(lock, "fifo", tmp_path)
+    again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert again.copied == [] and len(again.reused) == 6 and _all_bytes(copy) == _all_bytes(lmdb_pack)
+    assert stat.S_ISFIFO(os.lstat(lock).st_mode)  # left as it was, never replaced
 
 
 def test_cli_stage_status_unstage(lmdb_pack: Path, tmp_path: Path) -> None:

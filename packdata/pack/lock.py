@@ -167,10 +167,12 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
 def create_readers_lock(copy: Path) -> None:
     """Create the empty ``.readers.lock`` in ``copy`` (by a stage, holding ``.NAME.lock``), if missing.
 
-    One that cannot be created (a read-only copy) leaves the copy's readers unlocked, as before.
+    One that cannot be created (a read-only copy) leaves the copy's readers
+    unlocked, as before; a FIFO in its place is never waited on.
     """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     with contextlib.suppress(OSError):
-        os.close(os.open(copy / READERS_LOCK, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644))
+        os.close(os.open(copy / READERS_LOCK, flags, 0o644))
 
 
 def copy_evicted(copy: str | os.PathLike) -> PackFormatError:
