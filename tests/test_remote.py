@@ -839,6 +839,38 @@ def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote
         packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)
 
 
+def test_eviction_moves_a_copy_aside_past_a_leftover_under_its_own_pid(s3, remote_pack, tmp_path: Path) -> None:
+    """A killed process whose pid this one reuses left ``.NAME.old-PID`` full of files: the copy is still evicted."""
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    leftover = cache / f".train.lmdb.old-{os.getpid()}"
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "sub" / "data.mdb").write_bytes(b"left by a killed eviction")
+    result = packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                            cache_limit=int(1.5 * size))  # fmt: skip
+    assert result.downloaded and not first.exists() and _samples(result.staged) == _samples(local)
+    assert (leftover / "sub" / "data.mdb").read_bytes() == b"left by a killed eviction"  # not this eviction's
+    assert sorted(p.name for p in cache.iterdir()) == [leftover.name, "second.lmdb"]
+
+
+def test_a_copy_moved_aside_under_a_numbered_name_is_still_its_copys_to_evict(s3, remote_pack, tmp_path: Path) -> None:
+    """``.NAME.old-PID-N`` (``.NAME.old-PID`` was taken) is NAME's: eviction skips it while NAME's lock is held."""
+    options, _, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    aside = cache / f".train.lmdb.old-{os.getpid()}-1"
+    os.rename(first, aside)  # as an eviction holding .train.lmdb.lock leaves it, deleting it
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(packdata.CapacityError, match="cache limit"):
+            packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                           cache_limit=int(1.5 * size))  # fmt: skip
+        assert (aside / "staged.json").is_file() and not (cache / "second.lmdb").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))

@@ -150,6 +150,19 @@ def test_a_copy_an_unstage_left_aside_is_removed_by_the_next_stage(lmdb_pack: Pa
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
+def test_unstage_moves_the_copy_aside_past_a_leftover_under_its_own_pid(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A killed process whose pid this reuses left ``.NAME.old-PID`` full of files: unstage still removes it."""
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    leftover = copy.with_name(f".train.lmdb.old-{os.getpid()}")
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "sub" / "data.mdb").write_bytes(b"left by a killed unstage")
+    assert unstage(copy).removed == [copy] and not copy.exists()
+    assert (leftover / "sub" / "data.mdb").read_bytes() == b"left by a killed unstage"  # not this unstage's
+    assert sorted(p.name for p in copy.parent.iterdir()) == [leftover.name]
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)  # the next stage of the name sweeps it
+    assert not leftover.exists() and _all_bytes(copy) == _all_bytes(lmdb_pack)
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_changed_source_shard_is_recopied(fmt: str, noise_folder: Path, tmp_path: Path) -> None:
     pack = tmp_path / ("train.lmdb" if fmt == "lmdb" else "train")

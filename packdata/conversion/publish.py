@@ -28,7 +28,7 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import discard_stale, file_kind, fsync_dir, stale_siblings
+from packdata.pack.files import aside_path, discard_stale, file_kind, fsync_dir, stale_siblings
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
@@ -381,11 +381,7 @@ def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
                 hint=f"The new pack is left in {partial}: move what is at the destination away and convert again",
             )
         _check_replaceable(dst)
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        counter = 0
-        while os.path.lexists(old):
-            counter += 1
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}-{counter}"
+        old = aside_path(dst)
         os.rename(dst, old)
     try:
         os.rename(partial, dst)

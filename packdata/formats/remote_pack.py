@@ -30,7 +30,7 @@ from typing import Any
 
 from packdata.errors import LockedError, PackFormatError, SourceError
 from packdata.formats import get_format
-from packdata.pack.files import atomic_write, discard_stale
+from packdata.pack.files import aside_path, atomic_write, discard_stale
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -389,7 +389,7 @@ def fetch_pack_skeleton(
         discard_stale(dest, "partial", "old")  # what killed downloads and swaps of this entry left
         partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
         download_skeleton(fs, root, manifest, raw, shown, partial)
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        old = aside_path(dest)
         if dest.exists():
             os.rename(dest, old)
         os.rename(partial, dest)

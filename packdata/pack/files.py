@@ -18,6 +18,7 @@ import numpy as np
 from packdata.errors import PackFormatError
 
 __all__ = [
+    "aside_path",
     "atomic_write",
     "discard_partial",
     "discard_stale",
@@ -231,6 +232,21 @@ def stale_siblings(dest: Path, *kinds: str) -> list[Path]:
     if not dest.parent.is_dir():
         return []
     return [Path(entry.path) for entry in os.scandir(dest.parent) if stale.fullmatch(entry.name)]
+
+
+def aside_path(dest: Path) -> Path:
+    """Where to move ``dest`` aside before deleting it: ``.NAME.old-PID``, or ``-PID-N`` when that is taken.
+
+    A leftover at ``.NAME.old-PID`` (a killed process whose pid this one
+    reuses) is passed over, never renamed onto; :func:`discard_stale` removes
+    it later. Call it holding ``dest``'s lock.
+    """
+    aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    counter = 0
+    while os.path.lexists(aside):
+        counter += 1
+        aside = dest.with_name(f".{dest.name}.old-{os.getpid()}-{counter}")
+    return aside
 
 
 def discard_stale(dest: Path, *kinds: str) -> None:

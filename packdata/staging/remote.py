@@ -53,7 +53,7 @@ from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
-from packdata.pack.files import atomic_write, discard_stale, file_sha256, fsync_dir
+from packdata.pack.files import aside_path, atomic_write, discard_stale, file_sha256, fsync_dir
 from packdata.pack.index import index_files
 from packdata.pack.lock import READERS_LOCK, convert_lock_path, create_readers_lock, exclude_readers, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -327,7 +327,7 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
     os.replace(tmp, local)
 
 
-_SWAP_TEMPORARY = re.compile(r"\.(.+)\.(?:partial|old-[0-9]+)")  # .NAME.partial, .NAME.old-PID
+_SWAP_TEMPORARY = re.compile(r"\.(.+)\.(?:partial|old-[0-9]+(?:-[0-9]+)?)")  # .NAME.partial, .NAME.old-PID[-N]
 
 
 def _owner(entry: Path) -> Path:
@@ -437,7 +437,7 @@ def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | N
             return False
         doomed = entry
         if entry == owner:
-            doomed = owner.with_name(f".{owner.name}.old-{os.getpid()}")
+            doomed = aside_path(owner)
             os.rename(entry, doomed)
         if successor is not None:
             os.rename(successor, entry)
