@@ -1438,7 +1438,7 @@ def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear
     ), outcome["error"]
 
 
-def _convert_to_s3(root: Path, tag: str, url: str, options: dict) -> None:
+def _convert_to_s3(root: Path, tag: str, url: str, options: dict, fmt: str = "tfrecord") -> None:
     """Convert 12 text samples of 300 bytes starting with ``tag`` into ``url`` (one shard), over any pack there.
 
     Every tag gives records of the same lengths, keys and labels: only their bytes differ.
@@ -1447,8 +1447,35 @@ def _convert_to_s3(root: Path, tag: str, url: str, options: dict) -> None:
         (root / c).mkdir(parents=True)
         for i in range(6):
             (root / c / f"{i}.txt").write_text(f"{tag}{c}{i}" * 100)
-    packdata.convert(root, url, format="tfrecord", shard_samples=12, overwrite=True, storage_options=options,
+    packdata.convert(root, url, format=fmt, shard_samples=12, overwrite=True, storage_options=options,
                      progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "lmdb"])
+def test_cat_never_prints_a_record_of_a_pack_uploaded_again_after_it_read_the_index(
+    s3, tmp_path: Path, monkeypatch, fmt: str
+) -> None:
+    """The pack converted over itself between cat's index download and its ranged read: same lengths, keys, labels."""
+    import packdata.formats.contents as contents
+
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = f"s3://packs/cat-{fmt}"
+    _convert_to_s3(tmp_path / "v1", "A", url, options, fmt)
+    assert _cli("cat", url, "x/0.txt", options=options).stdout_bytes == b"Ax0" * 100
+    fetch = contents.fetch_pack_skeleton
+
+    def then_uploaded_again(*args: object) -> object:
+        opened = fetch(*args)
+        _convert_to_s3(tmp_path / "v2", "B", url, options, fmt)
+        return opened
+
+    monkeypatch.setattr(contents, "fetch_pack_skeleton", then_uploaded_again)
+    out = _cli("cat", url, "x/0.txt", options=options)
+    assert out.exit_code == 1 and out.stdout_bytes == b"", out.output
+    assert re.match(rf"Error: {url}/.*: was replaced \(re-uploaded\?\) while this reader ran", out.output), out.output
+    monkeypatch.setattr(contents, "fetch_pack_skeleton", fetch)
+    assert _cli("cat", url, "x/0.txt", options=options).stdout_bytes == b"Bx0" * 100  # a new cat reads the new pack
 
 
 @pytest.mark.parametrize("if_match", [True, False])

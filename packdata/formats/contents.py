@@ -115,7 +115,8 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
         raise PackFormatError(f"no shard holds record {i}", path=shown, hint=_VERIFY)
     fmt = get_format(manifest.format)
     rel = fmt.data_name(shard.file)
-    data, key, label = fmt.read_remote_payload(fs, root, shown, rel, local / shard.file, shard, i - shard.first_index)
+    j = i - shard.first_index
+    data, key, label = fmt.read_remote_payload(fs, root, shown, rel, local / shard.file, shard, j, opened=manifest)
     index = _index(local, manifest)
     if (key is not None and key != index.keys[i]) or (label is not None and label != int(index.labels[i])):
         raise PackFormatError(

@@ -31,7 +31,7 @@ from packdata.formats.lmdb_env import DATA_FILE
 from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.formats.lmdb_tables import RECORDS_FILE, check_records_table, location_table, record_spans
 from packdata.formats.lmdb_writer import LMDBShardWriter
-from packdata.pack.manifest import ShardInfo
+from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.pack.records import RecordError, Sample, decode_record
 
 __all__ = [
@@ -94,7 +94,7 @@ def check_remote_side_tables(shard: Path, info: ShardInfo, where: str) -> None:
 
 
 def read_remote_payload(
-    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest
 ) -> tuple[bytes, str | None, int | None]:
     """The payload of record ``j`` of a shard in object storage, in one ranged read through its ``records.i64``.
 
@@ -103,14 +103,16 @@ def read_remote_payload(
 
     The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
     the shard's ``data.mdb`` is ``rel`` inside it, and ``shard`` is a local
-    folder holding a copy of the shard's table.
+    folder holding a copy of the shard's table, downloaded with ``opened``
+    (the pack's manifest): the payload is read from the shard object's
+    version pinned for it (:func:`~packdata.formats.remote_pack.fetch_range`).
 
     Raises:
         ConfigError: no table fits the shard (the record is then only found by LMDB's lookup, in a local file).
-        PackFormatError: the bytes read are not the payload the table describes.
-        SourceError: the request failed.
+        PackFormatError: the bytes read are not the payload the table describes,
+            the request failed, or the pack was replaced since ``opened`` was read.
     """
-    from packdata.pack.urls import remote_error
+    from packdata.formats.remote_pack import fetch_range
 
     table = shard / RECORDS_FILE
     rows = location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256) if table.is_file() else None
@@ -122,11 +124,8 @@ def read_remote_payload(
             hint=f"Stage the pack first (packdata stage {shown} --to DIR), then read the staged copy",
         )
     offset, length, crc = (int(v) for v in rows[j])
-    try:
-        data = fs.cat_file(f"{root}/{rel}", start=offset, end=offset + length)
-    except Exception as exc:
-        raise remote_error(where, f"cannot read bytes {offset}-{offset + length}", exc) from exc
-    if len(data) != length or crc32c(data) != crc:
+    data = fetch_range(fs, f"{root}/{rel}", where, offset, offset + length, opened=opened)
+    if crc32c(data) != crc:
         raise PackFormatError(
             f"record {info.first_index + j} at byte offset {offset} is damaged: its payload's CRC32C does not match",
             path=where,

@@ -142,7 +142,7 @@ def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
         return held[1]
     fs.invalidate_cache(path)  # a listing cached earlier may predate the object
     version = object_version(fs.info(path))
-    root, shown = path.rsplit("/", 1)[0], where.rsplit("/", 1)[0]
+    root, shown = _pack_of(path, where, opened)
     try:
         current, _ = read_url_manifest(fs, root, shown)
     except PackFormatError as exc:  # no manifest: a new pack is being uploaded
@@ -151,6 +151,19 @@ def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
         raise _replaced(where)
     _PINS[fs, path] = (opened, version)  # a pin for another manifest (an older dataset's) is replaced
     return version
+
+
+def _pack_of(path: str, where: str, opened: Manifest) -> tuple[str, str]:
+    """The root and shown URL of the pack whose manifest is ``opened``, from one of its shard objects' ``path``.
+
+    The shard's records file may lie in a folder of the pack (an LMDB shard's ``NAME.lmdb/data.mdb``).
+    """
+    fmt = get_format(opened.format)
+    for shard in opened.shards:
+        rel = fmt.data_name(shard.file)
+        if path.endswith(f"/{rel}"):
+            return path[: -len(rel) - 1], where[: -len(rel) - 1]
+    raise PackFormatError("is not a shard of the pack this reader opened", path=where)
 
 
 def _replaced(where: str) -> PackFormatError:

@@ -90,7 +90,7 @@ from packdata.formats.tfrecord_tables import (
 )
 from packdata.formats.tfrecord_writer import TFRecordShardWriter
 from packdata.pack.fields import FieldError, encode_block
-from packdata.pack.manifest import ShardInfo
+from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.pack.records import RecordError, Sample
 
 __all__ = [
@@ -294,25 +294,26 @@ def iter_stream_samples(stream: ByteStream, shard: Path, info: ShardInfo, where:
 
 
 def read_remote_payload(
-    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest
 ) -> tuple[bytes, str | None, int | None]:
     """Record ``j`` of a shard in object storage in one ranged read through its offsets index, CRCs checked.
 
     The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
     the shard is ``rel`` inside it, and ``shard`` is where a local copy of its
-    ``.tfindex`` lies. Returns the payload (a multi-field sample's field
-    block), and the key and label the record holds.
+    ``.tfindex`` lies, downloaded with ``opened`` (the pack's manifest): the
+    record is read from the shard object's version pinned for it. Returns the
+    payload (a multi-field sample's field block), and the key and label the record holds.
 
     Raises:
-        PackFormatError: the index or the record is damaged.
-        SourceError: the request failed.
+        PackFormatError: the index or the record is damaged, the request
+            failed, or the pack was replaced since ``opened`` was read.
     """
     from packdata.formats.tfrecord_remote import RemoteShardReader
 
     offsets, lengths = read_index(shard, size=info.bytes)
     if not 0 <= j < len(offsets):
         raise PackFormatError(f"offsets index lists {len(offsets)} records, not record {j}", path=f"{shown}/{rel}")
-    reader = RemoteShardReader(fs, f"{root}/{rel}", f"{shown}/{rel}", info.bytes)
+    reader = RemoteShardReader(fs, f"{root}/{rel}", f"{shown}/{rel}", info.bytes, opened=opened)
     offset = int(offsets[j])
     data = reader.read(offset, int(lengths[j]))
     try:
