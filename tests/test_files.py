@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,23 @@ def test_open_regular_refuses_what_is_not_a_regular_file_and_says_what_it_is(tmp
     with pytest.raises(OSError) as link:
         open_regular(tmp_path / "link", follow_symlinks=False)
     assert link.value.errno == errno.ELOOP
+
+
+def test_open_regular_never_opens_a_fifo_or_a_device_node(tmp_path: Path) -> None:
+    """Opening a device can act on it (a tape rewinds): refused from its type, not after an open."""
+    from faults.hostile import opens_of
+
+    os.mkfifo(tmp_path / "fifo")
+    planted = {"fifo": "a FIFO"}
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "device", 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        planted["device"] = "a character device"
+    for name, what in planted.items():
+        for follow in (True, False):
+            with opens_of(tmp_path / name) as opens:
+                with pytest.raises(OSError, match=f"not a regular file: {what}") as refused:
+                    open_regular(tmp_path / name, follow_symlinks=follow)
+                assert refused.value.errno == errno.EINVAL and opens() == 0
 
 
 def test_staging_hashes_only_a_packs_own_regular_files(tmp_path: Path) -> None:

@@ -142,22 +142,34 @@ def file_sha256(path: str | os.PathLike) -> str:
 def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = True) -> int:
     """A read-only descriptor of ``path``, only if it is a regular file.
 
-    ``O_NONBLOCK`` keeps a FIFO in a pack from blocking the open forever; the
-    type is checked on the opened descriptor, so a swap after a check cannot
-    slip through. ``follow_symlinks=False`` refuses a symlink (``ELOOP``).
+    A device node, FIFO or socket in its place is refused before it is opened
+    (opening a device can act on it: a tape rewinds); ``O_NONBLOCK`` keeps a
+    FIFO swapped in after that check from blocking the open forever, and the
+    type is checked again on the opened descriptor, so a swap cannot slip
+    through. ``follow_symlinks=False`` refuses a symlink (``ELOOP``).
 
     Raises:
         OSError: it cannot be opened, or is not a regular file (``EINVAL``, the
             message says what it is).
     """
+    try:
+        mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
+    except OSError:
+        mode = stat.S_IFREG  # missing or unreadable: the open says so
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise _not_regular(path, mode)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     fd = os.open(path, flags)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, f"not a regular file: {file_kind(mode)}", os.fspath(path))
+        raise _not_regular(path, mode)
     os.set_blocking(fd, True)
     return fd
+
+
+def _not_regular(path: str | os.PathLike, mode: int) -> OSError:
+    return OSError(errno.EINVAL, f"not a regular file: {file_kind(mode)}", os.fspath(path))
 
 
 def open_pack_file(path: str | os.PathLike, *, shown: str | os.PathLike | None = None) -> int:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packdata.errors import ConfigError, LockedError, PackFormatError
-from packdata.pack.files import file_kind
+from packdata.pack.files import file_kind, open_regular
 
 __all__ = [
     "READERS_LOCK",
@@ -201,13 +201,10 @@ def hold_readers_lock(pack: str | os.PathLike) -> int | None:
     """
     path = Path(pack) / READERS_LOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path, follow_symlinks=False)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError:
         os.close(fd)
@@ -234,18 +231,13 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
     """
     path = copy / READERS_LOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path, follow_symlinks=False)  # a FIFO or folder locks, yet no reader ever holds it
     except FileNotFoundError:
         yield True
         return
     except OSError as exc:
-        raise _not_a_readers_lock(
-            path, "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-        ) from exc
+        raise _not_a_readers_lock(path, _what_is_there(path, exc)) from exc
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO or folder opens and locks, yet no reader ever holds it
-            raise _not_a_readers_lock(path, f"is {file_kind(mode)}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             free = True
@@ -254,6 +246,15 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
         yield free
     finally:
         os.close(fd)
+
+
+def _what_is_there(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be opened as a regular file, in words to follow its name: "is a FIFO", ..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = stat.S_IFREG
+    return f"is {file_kind(mode)}" if not stat.S_ISREG(mode) else f"cannot be opened ({exc.strerror})"
 
 
 def _not_a_readers_lock(path: Path, problem: str) -> ConfigError:

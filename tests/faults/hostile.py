@@ -10,11 +10,13 @@ prove nothing outside (or inside) was touched.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = [
     "PATH_CASES",
     "PLANTED",
     "build_pack",
+    "opens_of",
     "rewrite_manifest",
     "snapshot",
     "symlink_out_of_shard",
@@ -61,6 +64,28 @@ def snapshot(root: Path) -> dict[str, Entry]:
             else:
                 out[rel] = ("special", stat.S_IFMT(st.st_mode), 0, "")
     return out
+
+
+@contextlib.contextmanager
+def opens_of(path: Path) -> Iterator[Callable[[], int]]:
+    """Count the opens of ``path`` (any process, any file type) through inotify's ``IN_OPEN``, while in the block."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(path), 0x20) < 0:  # IN_OPEN
+        raise OSError(ctypes.get_errno(), "inotify", os.fspath(path))
+    seen = 0
+
+    def count() -> int:
+        nonlocal seen
+        with contextlib.suppress(BlockingIOError):
+            while events := os.read(fd, 4096):
+                seen += len(events) // 16  # one 16-byte event each: no name on a watched file
+        return seen
+
+    try:
+        yield count
+    finally:
+        os.close(fd)
 
 
 def build_pack(tmp_path: Path, fmt: str) -> Path:

@@ -23,6 +23,7 @@ from faults.hostile import (
     PATH_CASES,
     PLANTED,
     build_pack,
+    opens_of,
     rewrite_manifest,
     snapshot,
     symlink_out_of_shard,
@@ -196,29 +197,44 @@ def test_stage_copies_only_the_packs_own_regular_files(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", ["fifo", "symlink-out", "folder"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "symlink-out", "folder"])
 def test_a_planted_readers_lock_is_never_followed_or_waited_on(
     templates: dict[str, Path], tmp_path: Path, fmt: str, kind: str
 ) -> None:
-    """A stranger's pack with ``.readers.lock`` as a FIFO, a link to a file outside or a folder: read unlocked.
+    """A stranger's pack with ``.readers.lock`` as a FIFO, a device node, a link to a file outside or a folder.
 
-    A dataset must not hang on the FIFO, lock or create anything through the link, or fail on the folder.
+    A dataset reads it unlocked: it must not hang on the FIFO, open the FIFO or
+    the device at all (opening a device can act on it), lock or create anything
+    through the link, or fail on the folder. Eviction keeps such a copy, naming
+    what the lock is, and opens nothing either.
     """
     import fcntl
 
+    from packdata.pack.lock import exclude_readers
+
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
     pack = _pack(templates, tmp_path, fmt)
     outside = tmp_path / "victim.txt"
     outside.write_bytes(b"keep")
     lock = pack / ".readers.lock"
     if kind == "fifo":
         os.mkfifo(lock)
+    elif kind == "device":
+        os.mknod(lock, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers: harmless if opened
     elif kind == "symlink-out":
         lock.symlink_to(outside)
     else:
         lock.mkdir()
     around = snapshot(tmp_path)
-    reader = LMDBDataset(pack) if fmt == "lmdb" else TFRecordIndexedDataset(pack)
-    labels = [reader[i][1] for i in range(len(reader))]  # type: ignore[arg-type]
+    with opens_of(lock) as opens:
+        reader = LMDBDataset(pack) if fmt == "lmdb" else TFRecordIndexedDataset(pack)
+        labels = [reader[i][1] for i in range(len(reader))]  # type: ignore[arg-type]
+        what = {"fifo": "a FIFO", "device": "a character device", "symlink-out": "a symlink", "folder": "a folder"}
+        refused = f"is {what[kind]}, not the readers' lock a stage makes"
+        with pytest.raises(ConfigError, match=refused), exclude_readers(pack):
+            pass
+        assert kind == "folder" or opens() == 0
     assert len(labels) == 6 and set(labels) <= {0, 1}
     with open(outside, "rb") as f:  # the dataset holds no lock on what the link points at
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
