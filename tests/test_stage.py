@@ -453,13 +453,27 @@ def test_unstage_keeps_a_copy_whose_readers_lock_is_not_a_file_and_says_why(
 
 
 @pytest.mark.timeout(60)  # opening a FIFO for writing blocks until a reader comes: a hang is the failure
-def test_staging_again_over_a_readers_lock_that_is_a_fifo_never_waits_on_it(lmdb_pack: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_staging_again_over_a_readers_lock_that_is_a_fifo_or_device_never_opens_it(
+    lmdb_pack: Path, tmp_path: Path, kind: str
+) -> None:
+    from faults.hostile import opens_of
+
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
     copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
     lock = copy / ".readers.lock"
-    _plant(lock, "fifo", tmp_path)
-    again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    lock.unlink()
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        os.mknod(lock, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers: harmless if opened
+    with opens_of(lock) as opens:
+        again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+        assert opens() == 0  # opening a device for writing can act on it
     assert again.copied == [] and len(again.reused) == 6 and _all_bytes(copy) == _all_bytes(lmdb_pack)
-    assert stat.S_ISFIFO(os.lstat(lock).st_mode)  # left as it was, never replaced
+    mode = os.lstat(lock).st_mode
+    assert stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISCHR(mode)  # left as it was, never replaced
 
 
 def test_cli_stage_status_unstage(lmdb_pack: Path, tmp_path: Path) -> None:

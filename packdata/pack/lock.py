@@ -168,9 +168,10 @@ def create_readers_lock(copy: Path) -> None:
     """Create the empty ``.readers.lock`` in ``copy`` (by a stage, holding ``.NAME.lock``), if missing.
 
     One that cannot be created (a read-only copy) leaves the copy's readers
-    unlocked, as before; a FIFO in its place is never waited on.
+    unlocked, as before; whatever is already in its place (a FIFO, a device
+    node) is left unopened (``O_EXCL``).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     with contextlib.suppress(OSError):
         os.close(os.open(copy / READERS_LOCK, flags, 0o644))
 
