@@ -51,3 +51,22 @@ def test_a_private_name_of_a_subpackage_init_imported_from_outside_is_reported(t
         f"{root / 'packdata/reading/__init__.py'}:1: packdata.reading imports _REGISTRY from packdata.formats",
         f"{root / 'packdata/units.py'}:1: packdata.units imports _REGISTRY from packdata.formats",
     ]
+
+
+def test_relative_imports_are_resolved_and_other_top_level_packages_ignored(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "packdata/formats/__init__.py": "_REGISTRY = {}\n",
+            "packdata/formats/lmdb.py": "from . import _REGISTRY\n_open = None\n",  # its own package: fine
+            "packdata/reading/datasets.py": "from ..formats import _REGISTRY\nfrom ..formats.lmdb import _open\n",
+            "packdata/reading/__init__.py": "from .datasets import _x\nfrom packdata_extra import _y\n",
+        },
+    )
+    result = _check(root)
+    assert result.returncode == 1
+    shown = root / "packdata/reading/datasets.py"
+    assert sorted(result.stdout.splitlines()) == [
+        f"{shown}:1: packdata.reading.datasets imports _REGISTRY from packdata.formats",
+        f"{shown}:2: packdata.reading.datasets imports _open from packdata.formats.lmdb",
+    ]
