@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -450,26 +452,64 @@ def test_bad_options_are_one_config_error_that_is_also_a_value_error(
     assert not (tmp_path / "out.lmdb").exists()
 
 
-def test_reads_in_flight_grow_only_while_they_pay() -> None:
-    """The read pipeline doubles the chunks in flight while throughput rises, and backs off when it does not."""
+def test_reads_in_flight_follow_what_pays() -> None:
+    """The read pipeline keeps the chunks in flight (0: none, the caller reads) that gave the most chunks a second."""
     from packdata.conversion.load import _InFlight
 
     now = [0.0]
 
-    def run(in_flight: _InFlight, seconds_per_chunk, windows: int) -> list[int]:
+    def run(seconds_per_chunk: Callable[[int], float], windows: int = 60) -> list[int]:
+        in_flight = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
         limits = []
         for _ in range(windows * in_flight.window):
             now[0] += seconds_per_chunk(in_flight.limit)
             in_flight.done()
             limits.append(in_flight.limit)
-        return limits[:: in_flight.window]
+        return limits[:: in_flight.window]  # the limit of each window
 
-    slow_storage = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
-    assert run(slow_storage, lambda limit: 1.0 / limit, 8)[-1] == 16  # each doubling halves the time: up to most
-    warm_cache = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
-    limits = run(warm_cache, lambda limit: 1.0 + 0.1 * limit, 12)  # more in flight is slower: stay at 2
-    assert set(limits) == {2, 4} and limits.count(4) <= 4  # a trial of 4 now and then, never kept
+    slow_storage = run(lambda limit: 1.0 / max(limit, 1))  # each doubling halves the time; none is one at a time
+    assert slow_storage.index(16) <= 10 and slow_storage[-5:] == [16] * 5  # up to most, soon
+    tries = [i for i, limit in enumerate(slow_storage) if limit == 0]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert len(tries) == 5 and gaps == sorted(gaps) and gaps[-1] >= 3 * gaps[0]  # none tried ever less often
+    warm_cache = run(lambda limit: 1.0 + 0.1 * limit)  # threads only take the GIL from the writer: none is fastest
+    assert set(warm_cache) == {0, 2} and warm_cache[2:].count(0) >= 40  # none kept, threads tried now and then
+    two_best = run(lambda limit: {0: 1.0, 2: 0.5}.get(limit, 0.6))
+    assert set(two_best) == {0, 2, 4} and two_best.count(2) >= 40  # 2 kept; 4 and none tried, never kept
     assert _InFlight(1).limit == 1
+
+
+def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(monkeypatch) -> None:
+    """Whatever the limit does (none, 2, 4 in flight), results come in input order, each chunk where it was run."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import packdata.conversion.load as load
+
+    class Cycling(load._InFlight):
+        def __init__(self, most: int) -> None:
+            super().__init__(most)
+            self._schedule = iter([2, 0, 0, 4, 0, 2, 2, 0] * 100)
+            self.limit = next(self._schedule)
+
+        def done(self) -> None:
+            self.limit = next(self._schedule)
+
+    monkeypatch.setattr(load, "_InFlight", Cycling)
+
+    def where(x: int) -> tuple[int, str]:
+        if x == 500:
+            raise ValueError("item 500")
+        return 2 * x, threading.current_thread().name
+
+    got = []
+    with ThreadPoolExecutor(4, thread_name_prefix="pool") as pool, pytest.raises(ValueError, match="item 500"):
+        for item, result in load.ordered_map(where, iter(range(1000)), pool, depth=8, chunk=10):
+            got.append((item, result))
+    assert [item for item, _ in got] == list(range(500))  # every item before the failing chunk's, in order
+    assert all(result == 2 * item for item, (result, _) in got)
+    threads = {name for _, (_, name) in got}
+    assert threading.current_thread().name in threads and any(name.startswith("pool") for name in threads)
 
 
 def test_a_checkpoint_snapshot_does_not_follow_later_skips_or_fields(tmp_path: Path) -> None:

@@ -309,8 +309,9 @@ def ordered_map(
     """``fn`` over ``items`` in the pool, a chunk per task, yielding ``(item, result)`` in input order.
 
     At most ``depth`` chunks are in flight, so memory stays bounded whatever
-    the number of items; how many is tuned as it runs (:class:`_InFlight`).
-    An exception from ``fn`` is raised where its item's result is due.
+    the number of items; how many, or none (``fn`` then runs in the caller's
+    thread), is tuned as it runs (:class:`_InFlight`). An exception from ``fn``
+    is raised where its item's result is due.
     """
     pending: deque[tuple[list[T], Future[list[R]]]] = deque()
     in_flight = _InFlight(depth)
@@ -322,24 +323,31 @@ def ordered_map(
         yield from zip(batch, results, strict=True)
 
     for batch in _chunks(items, chunk):
+        if in_flight.limit == 0 and not pending:  # no hand-off between threads: each costs the GIL twice
+            results = _apply(fn, batch)
+            in_flight.done()
+            yield from zip(batch, results, strict=True)
+            continue
         pending.append((batch, pool.submit(_apply, fn, batch)))
-        while len(pending) >= in_flight.limit:
+        while len(pending) >= max(1, in_flight.limit):
             yield from resolve(pending.popleft())
     while pending:
         yield from resolve(pending.popleft())
 
 
 class _InFlight:
-    """How many chunks to keep in flight: doubled while that raises throughput, else kept low.
+    """How many chunks to keep in flight, or none (the caller's thread runs them): tried as it runs, the faster kept.
 
     More reads in flight pay where each waits on storage (a cold disk, a
     network filesystem); on a warm page cache the reads are Python work under
-    the GIL, and more threads only take it from the writer (8 reader threads
-    convert small files about 1.5x slower than 2 on 2 cores). So it starts at
-    2, tries twice as many for a window of ``window`` chunks, keeps the higher
-    count if chunks came at least 10% faster, and otherwise goes back and
-    tries again ``patience`` windows later (storage can change: a cold
-    source warms up, a slow one gets busy).
+    the GIL, and threads only take it from the writer (8 reader threads
+    convert small files about 1.5x slower than 2 on 2 cores, and 2 about 1.35x
+    slower than none). So it starts at 2 and, one window of ``window`` chunks
+    at a time, tries none, or twice as many, keeping a trial only if chunks came
+    at least 10% faster. A failed doubling is tried again ``patience`` windows
+    later; a failed try of none waits twice as long each time, so on slow
+    storage the trials cost little. From none it tries threads again every
+    ``patience`` windows (storage can change: a cold source warms up, a slow one gets busy).
     """
 
     def __init__(
@@ -347,9 +355,11 @@ class _InFlight:
     ) -> None:
         self.most, self.window, self.patience, self._clock = max(1, most), window, patience, clock
         self.limit = min(2, self.most)
+        self._threaded = self.limit  # the count with threads to try again from none
         self._count, self._since = 0, clock()
         self._trial_from: tuple[int, float] | None = None  # (limit before the trial, its rate)
-        self._wait = 0  # windows before the next trial
+        self._wait = 1  # windows before the next doubling, or (at none) the next try of threads
+        self._none_wait, self._none_backoff = 1, patience  # windows before the next try of none
 
     def done(self) -> None:
         """Count one chunk taken by the caller; at the end of a window, judge the trial or start one."""
@@ -359,16 +369,33 @@ class _InFlight:
         now = self._clock()
         rate, self._count, self._since = self._count / max(now - self._since, 1e-9), 0, now
         if self._trial_from is not None:
-            before, before_rate = self._trial_from
-            self._trial_from = None
-            if rate < 1.1 * before_rate:  # no gain: back, and wait before trying again
-                self.limit, self._wait = before, self.patience
-                return
-        if self._wait > 0:
+            self._judge(*self._trial_from, rate)
+        elif self.limit == 0:
             self._wait -= 1
-        elif self.limit < self.most:
-            self._trial_from = (self.limit, rate)
-            self.limit = min(self.most, 2 * self.limit)
+            if self._wait <= 0:
+                self._try(self._threaded, rate)
+        else:
+            self._wait, self._none_wait = self._wait - 1, self._none_wait - 1
+            if self._none_wait <= 0:
+                self._try(0, rate)
+            elif self._wait <= 0 and self.limit < self.most:
+                self._try(min(self.most, 2 * self.limit), rate)
+
+    def _try(self, limit: int, rate: float) -> None:
+        self._trial_from, self.limit = (self.limit, rate), limit
+
+    def _judge(self, before: int, before_rate: float, rate: float) -> None:
+        """End a trial: keep its limit if it paid, else go back; either way, schedule the next."""
+        self._trial_from, trial = None, self.limit
+        kept = rate >= 1.1 * before_rate
+        if not kept:
+            self.limit = before
+        if self.limit:
+            self._threaded = self.limit
+        if (trial == 0 and not kept) or (before == 0 and kept):  # none was the slower: try it less often
+            self._none_wait, self._none_backoff = self._none_backoff, 2 * self._none_backoff
+        if self.limit == 0 or (not kept and trial > before > 0):  # at none, or a doubling that did not pay
+            self._wait = self.patience
 
 
 def _apply(fn: Callable[[T], R], batch: list[T]) -> list[R]:
