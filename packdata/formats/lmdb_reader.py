@@ -18,7 +18,7 @@ can reach (:mod:`packdata.formats.lmdb_pages`).
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import cast
 
 import lmdb
 import numpy as np
@@ -31,7 +31,7 @@ from packdata.formats.lmdb_tables import _read_table
 from packdata.formats.residency import PagedFile
 from packdata.pack.files import not_a_file, sha256_prefix
 
-__all__ = ["LMDBShardReader", "read_payloads"]
+__all__ = ["LMDBShardReader"]
 
 
 class LMDBShardReader:
@@ -261,57 +261,3 @@ class LMDBShardReader:
                 os.close(self._fd)
         except Exception:  # at interpreter exit: nothing left to let go of
             pass
-
-
-def read_payloads(readers: Any, shards: list[int], indices: list[int]) -> list[bytes | None]:
-    """:meth:`LMDBShardReader.payload` of record ``indices[k]`` of shard ``shards[k]``, for each k (a batch read).
-
-    ``readers[shard]`` is the shard's reader (a
-    :class:`~packdata.reading.shard_readers.ShardReaders`). One pass over the
-    batch and no call per record, so a batch from a pack of many shards (runs
-    of a record or two) costs what a batch from one shard costs. None where a
-    shard has no valid location table, or the index is past it.
-
-    Raises:
-        PackFormatError: as :meth:`LMDBShardReader.payload`, for the first damaged payload.
-    """
-    opened: dict[int, LMDBShardReader] = {shard: readers[shard] for shard in dict.fromkeys(shards)}
-    spans: list[tuple[int, int, int] | None] = []  # (offset, length, crc) of each record
-    reads = dict.fromkeys(opened, (0, 0))  # the records and bytes read from each shard: residency's budget
-    for shard, index in zip(shards, indices, strict=True):
-        reader = opened[shard]
-        rows = reader._rows
-        if rows is None or not 0 <= index < reader._entries:
-            spans.append(None)
-            continue
-        at = 3 * index
-        spans.append((rows[at], rows[at + 1], rows[at + 2]))
-        count, nbytes = reads[shard]
-        reads[shard] = (count + 1, nbytes + rows[at + 1])
-    maps = {
-        shard: reader._pages.warm_map(*reads[shard]) for shard, reader in opened.items() if reader._pages is not None
-    }
-    datas: list[bytes | None] = []
-    for shard, span in zip(shards, spans, strict=True):
-        if span is None:
-            datas.append(None)
-            continue
-        mapped, (offset, length, _) = maps[shard], span
-        datas.append(
-            mapped[offset : offset + length] if mapped is not None else os.pread(opened[shard]._fd, length, offset)
-        )
-    got = [data for data in datas if data is not None]
-    expected = [span for span in spans if span is not None]
-    check = any(reader.check_crc for reader in opened.values())
-    if list(map(len, got)) != [span[1] for span in expected] or (  # C loops: the clean batch pays for no branch
-        check and list(map(crc32c, got)) != [span[2] for span in expected]
-    ):
-        for shard, index, data, span in zip(shards, indices, datas, spans, strict=True):
-            reader = opened[shard]
-            if (
-                data is not None
-                and span is not None
-                and (len(data) != span[1] or (reader.check_crc and crc32c(data) != span[2]))
-            ):
-                raise reader._damaged(index, span[0], span[1], len(data))
-    return datas
