@@ -458,23 +458,28 @@ def test_reads_in_flight_follow_what_pays() -> None:
 
     now = [0.0]
 
-    def run(seconds_per_chunk: Callable[[int], float], windows: int = 60) -> list[int]:
+    def run(seconds_per_chunk: Callable[[int], float], item_seconds: float, windows: int = 60) -> list[int]:
         in_flight = _InFlight(16, window=4, patience=3, clock=lambda: now[0])
         limits = []
         for _ in range(windows * in_flight.window):
             now[0] += seconds_per_chunk(in_flight.limit)
-            in_flight.done()
+            in_flight.done(item_seconds)
             limits.append(in_flight.limit)
         return limits[:: in_flight.window]  # the limit of each window
 
-    slow_storage = run(lambda limit: 1.0 / max(limit, 1))  # each doubling halves the time; none is one at a time
-    assert slow_storage.index(16) <= 10 and slow_storage[-5:] == [16] * 5  # up to most, soon
-    tries = [i for i, limit in enumerate(slow_storage) if limit == 0]
+    def slow_storage(limit: int) -> float:
+        return 1.0 / max(limit, 1)  # each doubling halves the time; none reads one item at a time
+
+    waits = run(slow_storage, item_seconds=0.005)  # items that wait 5 ms: none is never tried
+    assert 0 not in waits and waits.index(16) <= 6 and waits[-5:] == [16] * 5  # up to the most, soon
+    cheap = run(slow_storage, item_seconds=50e-6)  # cheap items, yet more in flight pays: none tried ever less often
+    assert cheap.index(16) <= 10 and cheap[-5:] == [16] * 5
+    tries = [i for i, limit in enumerate(cheap) if limit == 0]
     gaps = [b - a for a, b in itertools.pairwise(tries)]
-    assert len(tries) == 5 and gaps == sorted(gaps) and gaps[-1] >= 3 * gaps[0]  # none tried ever less often
-    warm_cache = run(lambda limit: 1.0 + 0.1 * limit)  # threads only take the GIL from the writer: none is fastest
+    assert len(tries) == 5 and gaps == sorted(gaps) and gaps[-1] >= 3 * gaps[0]
+    warm_cache = run(lambda limit: 1.0 + 0.1 * limit, item_seconds=50e-6)  # threads only take the GIL: none fastest
     assert set(warm_cache) == {0, 2} and warm_cache[2:].count(0) >= 40  # none kept, threads tried now and then
-    two_best = run(lambda limit: {0: 1.0, 2: 0.5}.get(limit, 0.6))
+    two_best = run(lambda limit: {0: 1.0, 2: 0.5}.get(limit, 0.6), item_seconds=50e-6)
     assert set(two_best) == {0, 2, 4} and two_best.count(2) >= 40  # 2 kept; 4 and none tried, never kept
     assert _InFlight(1).limit == 1
 
@@ -492,7 +497,7 @@ def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(m
             self._schedule = iter([2, 0, 0, 4, 0, 2, 2, 0] * 100)
             self.limit = next(self._schedule)
 
-        def done(self) -> None:
+        def done(self, item_seconds: float = 0.0) -> None:
             self.limit = next(self._schedule)
 
     monkeypatch.setattr(load, "_InFlight", Cycling)

@@ -313,19 +313,19 @@ def ordered_map(
     thread), is tuned as it runs (:class:`_InFlight`). An exception from ``fn``
     is raised where its item's result is due.
     """
-    pending: deque[tuple[list[T], Future[list[R]]]] = deque()
+    pending: deque[tuple[list[T], Future[tuple[list[R], float]]]] = deque()
     in_flight = _InFlight(depth)
 
-    def resolve(item: tuple[list[T], Future[list[R]]]) -> Iterator[tuple[T, R]]:
+    def resolve(item: tuple[list[T], Future[tuple[list[R], float]]]) -> Iterator[tuple[T, R]]:
         batch, future = item
-        results = future.result()
-        in_flight.done()
+        results, seconds = future.result()
+        in_flight.done(seconds)
         yield from zip(batch, results, strict=True)
 
     for batch in _chunks(items, chunk):
         if in_flight.limit == 0 and not pending:  # no hand-off between threads: each costs the GIL twice
-            results = _apply(fn, batch)
-            in_flight.done()
+            results, seconds = _apply(fn, batch)
+            in_flight.done(seconds)
             yield from zip(batch, results, strict=True)
             continue
         pending.append((batch, pool.submit(_apply, fn, batch)))
@@ -344,11 +344,15 @@ class _InFlight:
     convert small files about 1.5x slower than 2 on 2 cores, and 2 about 1.35x
     slower than none). So it starts at 2 and, one window of ``window`` chunks
     at a time, tries none, or twice as many, keeping a trial only if chunks came
-    at least 10% faster. A failed doubling is tried again ``patience`` windows
-    later; a failed try of none waits twice as long each time, so on slow
-    storage the trials cost little. From none it tries threads again every
+    at least 10% faster. None is tried only while an item took under
+    :attr:`CHEAP` seconds (served from memory: no wait for threads to overlap;
+    a window of remote reads one at a time would cost minutes), and a failed
+    try waits twice as long each time; a failed doubling is tried again
+    ``patience`` windows later. From none it tries threads again every
     ``patience`` windows (storage can change: a cold source warms up, a slow one gets busy).
     """
+
+    CHEAP = 200e-6
 
     def __init__(
         self, most: int, window: int = 32, patience: int = 16, clock: Callable[[], float] = time.perf_counter
@@ -360,14 +364,17 @@ class _InFlight:
         self._trial_from: tuple[int, float] | None = None  # (limit before the trial, its rate)
         self._wait = 1  # windows before the next doubling, or (at none) the next try of threads
         self._none_wait, self._none_backoff = 1, patience  # windows before the next try of none
+        self._item_seconds = 0.0  # summed over the window's chunks
 
-    def done(self) -> None:
-        """Count one chunk taken by the caller; at the end of a window, judge the trial or start one."""
+    def done(self, item_seconds: float = 0.0) -> None:
+        """Count one chunk taken by the caller, whose items took ``item_seconds`` each; judge or start a trial."""
         self._count += 1
+        self._item_seconds += item_seconds
         if self._count < self.window:
             return
         now = self._clock()
-        rate, self._count, self._since = self._count / max(now - self._since, 1e-9), 0, now
+        cheap = self._item_seconds / self._count < self.CHEAP
+        rate, self._count, self._since, self._item_seconds = self._count / max(now - self._since, 1e-9), 0, now, 0.0
         if self._trial_from is not None:
             self._judge(*self._trial_from, rate)
         elif self.limit == 0:
@@ -376,7 +383,7 @@ class _InFlight:
                 self._try(self._threaded, rate)
         else:
             self._wait, self._none_wait = self._wait - 1, self._none_wait - 1
-            if self._none_wait <= 0:
+            if self._none_wait <= 0 and cheap:
                 self._try(0, rate)
             elif self._wait <= 0 and self.limit < self.most:
                 self._try(min(self.most, 2 * self.limit), rate)
@@ -398,8 +405,11 @@ class _InFlight:
             self._wait = self.patience
 
 
-def _apply(fn: Callable[[T], R], batch: list[T]) -> list[R]:
-    return [fn(item) for item in batch]
+def _apply(fn: Callable[[T], R], batch: list[T]) -> tuple[list[R], float]:
+    """``fn`` over ``batch``, and the seconds it took an item on average."""
+    start = time.perf_counter()
+    results = [fn(item) for item in batch]
+    return results, (time.perf_counter() - start) / len(batch)
 
 
 def _chunks(items: Iterator[T], size: int) -> Iterator[list[T]]:
