@@ -375,11 +375,11 @@ class _InFlight:
         now = self._clock()
         cheap = self._item_seconds / self._count < self.CHEAP
         rate, self._count, self._since, self._item_seconds = self._count / max(now - self._since, 1e-9), 0, now, 0.0
-        if self._trial_from is not None:
-            self._judge(*self._trial_from, rate)
-        elif self.limit == 0:
+        if self._trial_from is not None and not self._judge(*self._trial_from, rate):
+            return
+        if self.limit == 0:
             self._wait -= 1
-            if self._wait <= 0:
+            if self._wait <= 0 or not cheap:  # items turned slow (a cold part of the source): threads at once
                 self._try(self._threaded, rate)
         else:
             self._wait, self._none_wait = self._wait - 1, self._none_wait - 1
@@ -391,8 +391,11 @@ class _InFlight:
     def _try(self, limit: int, rate: float) -> None:
         self._trial_from, self.limit = (self.limit, rate), limit
 
-    def _judge(self, before: int, before_rate: float, rate: float) -> None:
-        """End a trial: keep its limit if it paid, else go back; either way, schedule the next."""
+    def _judge(self, before: int, before_rate: float, rate: float) -> bool:
+        """End a trial: keep its limit if it paid, else go back, and schedule the next; True when more in flight paid.
+
+        (The next doubling is then tried at once, so a slow source climbs to ``most`` in as many windows.)
+        """
         self._trial_from, trial = None, self.limit
         kept = rate >= 1.1 * before_rate
         if not kept:
@@ -403,6 +406,7 @@ class _InFlight:
             self._none_wait, self._none_backoff = self._none_backoff, 2 * self._none_backoff
         if self.limit == 0 or (not kept and trial > before > 0):  # at none, or a doubling that did not pay
             self._wait = self.patience
+        return kept and trial > before  # more in flight paid: try more at once
 
 
 def _apply(fn: Callable[[T], R], batch: list[T]) -> tuple[list[R], float]:
