@@ -108,6 +108,10 @@ def _samples_digest_in_child(pack: Path, fmt: str) -> str:
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout
 
 
+def _shard_bytes(pack: Path) -> int:
+    return sum(shard.bytes for shard in read_manifest(pack).shards)
+
+
 def _all_bytes(path: Path) -> list[tuple[bytes, int]]:
     ds = LMDBDataset(path, decode="bytes")
     return [ds[i] for i in range(len(ds))]
@@ -156,11 +160,87 @@ def test_unstage_moves_the_copy_aside_past_a_leftover_under_its_own_pid(lmdb_pac
     leftover = copy.with_name(f".train.lmdb.old-{os.getpid()}")
     (leftover / "sub").mkdir(parents=True)
     (leftover / "sub" / "data.mdb").write_bytes(b"left by a killed unstage")
-    assert unstage(copy).removed == [copy] and not copy.exists()
-    assert (leftover / "sub" / "data.mdb").read_bytes() == b"left by a killed unstage"  # not this unstage's
-    assert sorted(p.name for p in copy.parent.iterdir()) == [leftover.name]
-    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)  # the next stage of the name sweeps it
-    assert not leftover.exists() and _all_bytes(copy) == _all_bytes(lmdb_pack)
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "data.mdb").write_bytes(b"not the area's")
+    link = copy.with_name(".train.lmdb.old-99999999")
+    link.symlink_to(outside / "keep")
+    other = copy.with_name(".train.lmdb.old-1x")  # not an aside's name: left alone
+    other.mkdir()
+    result = unstage(copy)  # moves the copy aside past the leftover, then sweeps the leftover under NAME's lock
+    assert sorted(result.removed) == sorted([copy, leftover, link]) and not copy.exists()
+    assert result.bytes_freed >= len(b"left by a killed unstage") + _shard_bytes(lmdb_pack)
+    assert sorted(p.name for p in copy.parent.iterdir()) == [other.name]
+    assert (outside / "keep" / "data.mdb").read_bytes() == b"not the area's"  # the link went, never its target
+
+
+_KILLED_UNSTAGE = """
+import os, sys, time
+from packdata.staging.unstage import unstage
+rename = os.rename
+def stalled(src, dst):  # the copy is moved aside; the process is killed before its delete ends
+    rename(src, dst)
+    print("deleting", flush=True)
+    time.sleep(60)
+os.rename = stalled
+unstage(sys.argv[1])
+"""
+
+_HOLDS_LOCK = """
+import sys, time
+from pathlib import Path
+from packdata.pack.lock import convert_lock_path, hold_lock
+with hold_lock(convert_lock_path(sys.argv[1]), what="packdata unstage", target=sys.argv[1]):
+    print("holding", flush=True)
+    time.sleep(60)
+"""
+
+
+def _child(script: str, arg: Path, says: str) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", script, os.fspath(arg)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == says
+    return child
+
+
+def test_unstage_of_an_area_removes_the_copy_an_unstage_killed_mid_delete_left(
+    lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
+) -> None:
+    """A killed unstage leaves ``.NAME.old-PID`` and no NAME (on tmpfs: RAM for good); unstaging the area sweeps it.
+
+    Only under NAME's lock: the aside of a live unstage holding it stays. A ``.NAME.old-PID``
+    that is no staged copy (a killed ``convert --overwrite``'s old pack) is never the area's to remove.
+    """
+    area = tmp_path / "nvme"
+    copy = stage(lmdb_pack, to=area, progress=False).staged
+    other = stage(tfrecord_pack, to=area, progress=False).staged
+    staged = tree_digest(copy)
+    child = _child(_KILLED_UNSTAGE, copy, "deleting")
+    child.kill()  # SIGKILL between the rename and the end of the delete: no clean-up runs
+    child.wait()
+    leftover = copy.with_name(f".train.lmdb.old-{child.pid}")
+    assert tree_digest(leftover).items() >= staged.items() and not copy.exists()  # the whole copy, aside
+    converted = area / f".val.lmdb.old-{child.pid}"  # a pack, not a staged copy: its convert moves it back
+    shutil.copytree(lmdb_pack, converted)
+    pack = tree_digest(converted)
+    result = unstage(area)
+    assert sorted(result.removed) == sorted([other, leftover])
+    assert result.bytes_freed >= _shard_bytes(lmdb_pack) + _shard_bytes(tfrecord_pack)
+    assert sorted(p.name for p in area.iterdir()) == [converted.name]  # and no .train.lmdb.lock made or kept
+    assert tree_digest(converted) == pack
+
+    copy = stage(lmdb_pack, to=area, progress=False).staged  # a live owner: its aside is kept
+    stage(tfrecord_pack, to=area, progress=False)
+    staged = tree_digest(copy)
+    holder = _child(_HOLDS_LOCK, copy, "holding")
+    aside = copy.with_name(f".train.lmdb.old-{holder.pid}")
+    os.rename(copy, aside)  # as the holder, an unstage, does before deleting it
+    try:
+        result = unstage(area)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.removed == [other] and tree_digest(aside) == staged
+    assert unstage(area).removed == [aside] and sorted(p.name for p in area.iterdir()) == [converted.name]
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

@@ -18,6 +18,7 @@ import numpy as np
 from packdata.errors import PackFormatError
 
 __all__ = [
+    "aside_owner",
     "aside_path",
     "atomic_write",
     "discard_partial",
@@ -259,6 +260,15 @@ def aside_path(dest: Path) -> Path:
         counter += 1
         aside = dest.with_name(f".{dest.name}.old-{os.getpid()}-{counter}")
     return aside
+
+
+_ASIDE = re.compile(r"\.(.+)\.old-[0-9]+(?:-[0-9]+)?")
+
+
+def aside_owner(entry: Path) -> Path | None:
+    """The folder ``entry`` was moved aside from (``.NAME.old-PID`` or ``-PID-N``: ``NAME`` beside it), or None."""
+    aside = _ASIDE.fullmatch(entry.name)
+    return entry.with_name(aside.group(1)) if aside else None
 
 
 def discard_stale(dest: Path, *kinds: str) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, LockedError
+from packdata.pack.files import aside_owner, discard_partial, stale_siblings
+from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
 from packdata.staging.remote import delete_unread
@@ -47,7 +49,10 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     originals are never touched. A staged pack that is still read (a dataset
     holds its ``.readers.lock``, or a process visibly has a file of it open:
     :func:`~packdata.staging.remote.delete_unread`) is kept unless ``force``;
-    the others in an area are removed.
+    the others in an area are removed. The ``.NAME.old-PID`` copies killed
+    unstages, evictions or swaps left aside are removed too, each holding
+    ``.NAME.lock`` (a live run holding it keeps its own): beside the staged
+    pack NAME, and in an area any that is a staged copy, whoever's NAME it was.
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
@@ -66,16 +71,15 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         )
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
+    asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
     if (target / STAGED_FILE).is_file() or only_lock_left(target):
         packs, area = [target], target.parent
     else:
-        packs = [
-            d
-            for d in sorted(target.iterdir())
-            if d.is_dir() and not d.is_symlink() and ((d / STAGED_FILE).is_file() or only_lock_left(d))
-        ]
+        entries = sorted(target.iterdir())
+        packs = [d for d in entries if aside_owner(d) is None and _staged(d)]
+        asides = [d for d in entries if aside_owner(d) not in (None, *packs) and _staged(d)]
         area = target
-        if not packs and not unmount:
+        if not packs and not asides and not unmount:
             raise ConfigError(
                 "is not a staged pack and holds none",
                 path=target,
@@ -90,14 +94,14 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 path=area,
                 hint="Unmount it yourself with `sudo umount` if you mean to",
             )
-        others = [d for d in area.iterdir() if d.is_dir() and d not in packs]
+        others = [d for d in area.iterdir() if d.is_dir() and d not in packs and d not in asides]
         if others:
             raise ConfigError(
                 f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
                 path=area,
                 hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
             )
-    freed, read = 0, []
+    freed, read, removed = 0, [], list(packs)
     unknown: ConfigError | None = None
     for pack in packs:
         with locked(pack, what="packdata unstage"):  # never under a stage still writing it
@@ -105,13 +109,20 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             try:
                 if force:
                     shutil.rmtree(pack)
-                elif not delete_unread(pack):
+                    freed += size
+                elif delete_unread(pack):
+                    freed += size
+                else:
                     read.append(pack)
-                    continue
             except ConfigError as exc:  # its .readers.lock is not one a stage made: its readers cannot be told
                 unknown = unknown or exc
-                continue
-            freed += size
+            freed += _sweep(pack, removed, staged_only=False)
+    for owner in dict.fromkeys(filter(None, map(aside_owner, asides))):
+        try:
+            with hold_lock(convert_lock_path(owner), what="packdata unstage", target=owner):
+                freed += _sweep(owner, removed, staged_only=True)
+        except (LockedError, ConfigError):
+            continue  # a live stage, unstage or convert of NAME holds its lock: what is aside is its own
     if read:
         more = f"; {len(read) - 1} more staged packs here are not either" if len(read) > 1 else ""
         raise LockedError(
@@ -133,4 +144,30 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         unmounted = area
         with contextlib.suppress(OSError):
             area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
-    return UnstageResult(removed=packs, bytes_freed=freed, unmounted=unmounted)
+    return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
+
+
+def _staged(folder: Path) -> bool:
+    """``folder`` is what ``packdata stage`` wrote: a folder (no link) with ``staged.json``, or only its lock."""
+    return folder.is_dir() and not folder.is_symlink() and ((folder / STAGED_FILE).is_file() or only_lock_left(folder))
+
+
+def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
+    """Remove the ``.NAME.old-PID`` entries killed runs left beside ``copy``, holding its ``.NAME.lock``; bytes freed.
+
+    The rule a stage of NAME sweeps by (:func:`~packdata.pack.files.discard_stale`):
+    under that lock no live process has one, exact names only, a symlink is
+    unlinked, never followed. ``staged_only`` (NAME is no staged pack here)
+    keeps what is not a staged copy: a killed ``convert --overwrite``'s old
+    pack, which its next run moves back. Each one removed is added to ``removed``.
+    """
+    freed = 0
+    for aside in stale_siblings(copy, "old"):
+        if staged_only and not _staged(aside):
+            continue
+        size = 0 if aside.is_symlink() else dir_bytes(aside)
+        with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the unstage
+            discard_partial(aside)
+            removed.append(aside)
+            freed += size
+    return freed
