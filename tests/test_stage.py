@@ -243,6 +243,29 @@ def test_unstage_of_an_area_removes_the_copy_an_unstage_killed_mid_delete_left(
     assert unstage(area).removed == [aside] and sorted(p.name for p in area.iterdir()) == [converted.name]
 
 
+def test_a_restaged_index_is_never_moved_aside_onto_a_leftover(lmdb_pack: Path, tmp_path: Path) -> None:
+    """``.index.old.partial`` that a killed run left and could not be removed no longer fails the index's swap.
+
+    The old index goes aside under a free ``.index.old-PID`` name; the
+    ``.index.old-PID`` a run killed mid-swap left is swept, holding the stage's lock as stage does.
+    """
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    (copy / "index" / "labels.i32").write_bytes(b"\0" * 8)  # damaged: the next stage copies the index again
+    blocker = copy / ".index.old.partial"
+    (blocker / "index").mkdir(parents=True)
+    (blocker / "index" / "labels.i32").write_bytes(b"left by a killed stage")
+    killed = copy / f".index.old-{os.getpid()}"
+    killed.mkdir()
+    (killed / "labels.i32").write_bytes(b"left mid-swap")
+    with copy_module.locked(copy):  # as stage calls it, after remove_leftovers could not remove the blocker
+        copy_module.copy_index(lmdb_pack.resolve(), copy, read_manifest(lmdb_pack))
+    assert tree_digest(copy / "index") == tree_digest(lmdb_pack / "index")
+    assert (blocker / "index" / "labels.i32").read_bytes() == b"left by a killed stage"  # remove_leftovers' to remove
+    assert not killed.exists() and not list(copy.glob(".index.old-*"))
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert not blocker.exists() and _all_bytes(copy) == _all_bytes(lmdb_pack)
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_changed_source_shard_is_recopied(fmt: str, noise_folder: Path, tmp_path: Path) -> None:
     pack = tmp_path / ("train.lmdb" if fmt == "lmdb" else "train")

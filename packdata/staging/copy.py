@@ -26,7 +26,15 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import get_format
-from packdata.pack.files import atomic_write, file_kind, open_regular, stream_sha256
+from packdata.pack.files import (
+    aside_path,
+    atomic_write,
+    discard_partial,
+    discard_stale,
+    file_kind,
+    open_regular,
+    stream_sha256,
+)
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.index import damaged_index_file
 from packdata.pack.lock import convert_lock_path, hold_lock
@@ -315,6 +323,8 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
     :func:`copy_regular`); anything else in the source's index folder is left.
     Each copy must match its SHA-256 in the manifest (``index.sha256``), which
     the staged manifest keeps: the staged index is the one the pack was written with.
+    The old index is moved aside (:func:`~packdata.pack.files.aside_path`) and
+    deleted; call it holding ``dest``'s lock.
 
     Raises:
         PackFormatError: an index file of the source is damaged (its copy does
@@ -334,14 +344,13 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
                     shutil.rmtree(temp)
                     hint = "The source pack is damaged: run `packdata verify` on it and convert it again"
                     raise damaged_index_file(src / file, hint=hint)
-        old = dest / f".{name}.old{PARTIAL}"
+        discard_stale(dest / name, "old")  # what a run killed between the renames below left
+        old = aside_path(dest / name)  # never onto a leftover that could not be removed
         if os.path.lexists(dest / name):
             os.rename(dest / name, old)
         os.rename(temp, dest / name)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # one that cannot be removed costs disk; the next stage sweeps it
+            discard_partial(old)
     for extra in EXTRA_FILES:
         if os.path.lexists(source / extra):
             tmp = dest / f".{extra}{PARTIAL}"
