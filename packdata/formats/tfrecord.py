@@ -57,6 +57,7 @@ The format's modules:
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,7 @@ from packdata.formats.tfrecord_tables import (
 )
 from packdata.formats.tfrecord_writer import TFRecordShardWriter
 from packdata.pack.fields import FieldError, encode_block
+from packdata.pack.files import open_regular
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.pack.records import RecordError, Sample
 
@@ -123,7 +125,13 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
     """
     path = os.fspath(path)
     offsets, lengths = read_index(path)
-    with open(path, "rb", buffering=_CHUNK) as f:
+    try:
+        fd = open_regular(path)  # a FIFO in its place would block the read, a device node act when opened
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        raise PackFormatError(f"is {exc.strerror}", path=path, hint="Convert the pack again") from exc
+    with os.fdopen(fd, "rb", buffering=_CHUNK) as f:
         yield from walk_records(f, os.fstat(f.fileno()).st_size, offsets, lengths, first_index, path)
 
 

@@ -120,6 +120,12 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
     path = Path(path)
     while True:
         try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG  # missing (created below), or the open says why not
+        try:
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a device is never opened: that can act on it
+                raise OSError(errno.EINVAL, f"{file_kind(mode)} is in its place", os.fspath(path))
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
@@ -210,6 +216,9 @@ def hold_readers_lock(pack: str | os.PathLike) -> int | None:
     except OSError:
         os.close(fd)
         return None
+    except BaseException:  # interrupted while an eviction held it (Ctrl-C): no descriptor left behind
+        os.close(fd)
+        raise
     if not _same_file(fd, path):  # moved aside and deleted by the eviction this waited for
         os.close(fd)
         raise copy_evicted(pack)
@@ -220,8 +229,9 @@ def hold_readers_lock(pack: str | os.PathLike) -> int | None:
 def exclude_readers(copy: Path) -> Iterator[bool]:
     """Hold ``copy/.readers.lock`` exclusively for the block, if no reader holds it; yields whether it may go.
 
-    Yields False, without waiting, while a reader holds it shared. A copy
-    without a lock file (staged before readers' locks) yields True: its
+    Yields False, without waiting, while a reader holds it shared, or when a
+    lock that is a regular file cannot be opened (another user's copy): kept.
+    A copy without a lock file (staged before readers' locks) yields True: its
     readers are only seen through their open files.
 
     Raises:
@@ -237,7 +247,11 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
         yield True
         return
     except OSError as exc:
-        raise _not_a_readers_lock(path, _what_is_there(path, exc)) from exc
+        what = _what_is_there(path)
+        if what is None:  # a lock this process may not open (another user's copy, no descriptors left): read
+            yield False
+            return
+        raise _not_a_readers_lock(path, what) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -249,13 +263,13 @@ def exclude_readers(copy: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def _what_is_there(path: Path, exc: OSError) -> str:
-    """Why ``path`` could not be opened as a regular file, in words to follow its name: "is a FIFO", ..."""
+def _what_is_there(path: Path) -> str | None:
+    """What stands at ``path`` when it is not a regular file, in words to follow its name ("is a FIFO"); else None."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
-        mode = stat.S_IFREG
-    return f"is {file_kind(mode)}" if not stat.S_ISREG(mode) else f"cannot be opened ({exc.strerror})"
+        return None
+    return None if stat.S_ISREG(mode) else f"is {file_kind(mode)}"
 
 
 def _not_a_readers_lock(path: Path, problem: str) -> ConfigError:

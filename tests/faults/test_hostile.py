@@ -241,6 +241,45 @@ def test_a_planted_readers_lock_is_never_followed_or_waited_on(
     assert snapshot(tmp_path) == around and outside.read_bytes() == b"keep"
 
 
+@pytest.mark.timeout(60)  # a FIFO opened for reading waits for a writer: a hang is the failure
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_tfrecord_shard_that_is_a_fifo_or_device_is_named_never_opened(
+    templates: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """cat and export walk a shard whole (not through the dataset's checks): a planted FIFO or device is refused."""
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
+    pack = _pack(templates, tmp_path, "tfrecord")
+    shard = pack / read_manifest(pack).shards[0].file
+    shard.unlink()  # its .tfindex stays, so the walk gets as far as opening the shard
+    if kind == "fifo":
+        os.mkfifo(shard)
+    else:
+        os.mknod(shard, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers: harmless if opened
+    what = {"fifo": "a FIFO", "device": "a character device"}[kind]
+    with opens_of(shard) as opens:
+        _one_error_line(_cli("cat", str(pack), "#0"), shard.name, f"is not a regular file: {what}")
+        _one_error_line(_cli("export", str(pack), str(tmp_path / "out")), shard.name, what)
+        assert opens() == 0
+
+
+def test_a_lock_file_that_is_a_fifo_or_device_is_refused_never_opened(tmp_path: Path) -> None:
+    from packdata.pack.lock import hold_lock
+
+    planted = {"fifo": "a FIFO"}
+    os.mkfifo(tmp_path / ".fifo.lock")
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / ".device.lock", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        planted["device"] = "a character device"
+    for name, what in planted.items():
+        lock = tmp_path / f".{name}.lock"
+        with opens_of(lock) as opens:
+            refused = pytest.raises(ConfigError, match=f"cannot create the lock file: {what} is in its place")
+            with refused, hold_lock(lock, what="packdata convert", target=tmp_path / name):
+                pass
+            assert opens() == 0
+
+
 # --------------------------------------------------------------------------- staged manifests and unstage
 
 

@@ -260,3 +260,33 @@ def test_a_ray_task_removes_folders_only_of_dead_tasks(tmp_path: Path, monkeypat
     finally:
         alive.kill()
         alive.wait()
+
+
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+from pathlib import Path
+from packdata.pack.lock import exclude_readers
+copy = Path(sys.argv[1])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+try:
+    while True:
+        os.open(os.devnull, os.O_RDONLY)  # fill every free number below the limit: the next open fails (EMFILE)
+except OSError:
+    pass
+with exclude_readers(copy) as free:
+    print(free)
+"""
+
+
+def test_a_readers_lock_that_cannot_be_opened_keeps_the_copy_quietly(tmp_path: Path) -> None:
+    """A regular lock this process may not open (another user's copy; no descriptors left): read, not an error."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / ".readers.lock").touch()
+    done = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # kept, as while a reader holds it
