@@ -787,3 +787,33 @@ def test_a_stage_refused_by_the_lock_leaves_nothing_it_created(lmdb_pack: Path, 
         holder.communicate("\n", timeout=30)
     assert stage(lmdb_pack, to=area, progress=False).copied
     assert _all_bytes(area / lmdb_pack.name) == _all_bytes(lmdb_pack)
+
+
+def test_unstaging_an_area_leaves_a_live_downloads_partial_and_removes_a_killed_ones(
+    lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """A stage from a URL writes staged.json into .NAME.partial just before its rename, holding .NAME.lock.
+
+    Unstaging the area must not take that download for a pack (and delete it under another lock); once no
+    stage holds NAME's lock, the partial is a killed stage's leftover and goes with the area.
+    """
+    area = tmp_path / "area"
+    stage(lmdb_pack, to=area, progress=False)
+    download = area / ".val.lmdb.partial"
+    shutil.copytree(area / lmdb_pack.name, download)  # a finished download: files, staged.json, readers' lock
+    before = _all_bytes(download)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(area / ".val.lmdb.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        result = unstage(area)
+        assert result.removed == [area / lmdb_pack.name] and not (area / lmdb_pack.name).exists()
+        assert _all_bytes(download) == before  # the live stage's download, untouched
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert unstage(area).removed == [download] and not download.exists()
+    assert not (area / "val.lmdb").exists() and not (area / ".val.lmdb.lock").exists()

@@ -52,7 +52,9 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     the others in an area are removed. The ``.NAME.old-PID`` copies killed
     unstages, evictions or swaps left aside are removed too, each holding
     ``.NAME.lock`` (a live run holding it keeps its own): beside the staged
-    pack NAME, and in an area any that is a staged copy, whoever's NAME it was.
+    pack NAME, and in an area any that is a staged copy, whoever's NAME it was,
+    and the ``.NAME.partial`` download of a stage from a URL that was killed
+    (one a live stage still writes is its own: kept).
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
@@ -72,14 +74,16 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
     asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
+    downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
     if (target / STAGED_FILE).is_file() or only_lock_left(target):
         packs, area = [target], target.parent
     else:
         entries = sorted(target.iterdir())
-        packs = [d for d in entries if aside_owner(d) is None and _staged(d)]
+        packs = [d for d in entries if aside_owner(d) is None and _download_of(d) is None and _staged(d)]
         asides = [d for d in entries if aside_owner(d) not in (None, *packs) and _staged(d)]
+        downloads = [d for d in entries if _download_of(d) is not None and d.is_dir() and not d.is_symlink()]
         area = target
-        if not packs and not asides and not unmount:
+        if not packs and not asides and not downloads and not unmount:
             raise ConfigError(
                 "is not a staged pack and holds none",
                 path=target,
@@ -94,7 +98,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 path=area,
                 hint="Unmount it yourself with `sudo umount` if you mean to",
             )
-        others = [d for d in area.iterdir() if d.is_dir() and d not in packs and d not in asides]
+        others = [d for d in area.iterdir() if d.is_dir() and d not in (*packs, *asides, *downloads)]
         if others:
             raise ConfigError(
                 f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
@@ -117,10 +121,18 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             except ConfigError as exc:  # its .readers.lock is not one a stage made: its readers cannot be told
                 unknown = unknown or exc
             freed += _sweep(pack, removed, staged_only=False)
-    for owner in dict.fromkeys(filter(None, map(aside_owner, asides))):
+    owners = [*filter(None, map(aside_owner, asides)), *filter(None, map(_download_of, downloads))]
+    for owner in dict.fromkeys(owners):
         try:
             with hold_lock(convert_lock_path(owner), what="packdata unstage", target=owner):
                 freed += _sweep(owner, removed, staged_only=True)
+                download = owner.with_name(f".{owner.name}.partial")
+                if download in downloads:  # no live stage holds NAME's lock: a killed stage's download
+                    size = dir_bytes(download)
+                    with contextlib.suppress(OSError):
+                        discard_partial(download)
+                        removed.append(download)
+                        freed += size
         except (LockedError, ConfigError):
             continue  # a live stage, unstage or convert of NAME holds its lock: what is aside is its own
     if read:
@@ -145,6 +157,14 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         with contextlib.suppress(OSError):
             area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
     return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
+
+
+def _download_of(entry: Path) -> Path | None:
+    """The staged copy NAME whose download a stage from a URL makes in ``.NAME.partial`` (``entry``), or None."""
+    name = entry.name
+    if name.startswith(".") and name.endswith(".partial") and len(name) > len("..partial"):
+        return entry.with_name(name[1 : -len(".partial")])
+    return None
 
 
 def _staged(folder: Path) -> bool:
