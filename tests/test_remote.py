@@ -721,11 +721,15 @@ def test_a_reader_stopped_by_an_error_leaves_no_thread_behind(s3, remote_shards,
     _logged(monkeypatch, fs, lambda name, start: name in (shards[1][0], shards[2][0]))  # failing with more ahead
     ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
     others = _readahead_threads()
+    it = iter(ds)
+    next(it)  # the read-ahead has started
+    ours = _readahead_threads(others)
+    assert len(ours) == 1
     with pytest.raises(PackFormatError, match=shards[1][0]) as raised:
-        for _ in ds:
+        for _ in it:
             pass
     assert raised.value.__traceback__ is not None
-    assert _wait_gone(_readahead_threads(others)), "the read-ahead thread outlived the error that ended its reader"
+    assert _wait_gone(ours), "the read-ahead thread outlived the error that ended its reader"
 
 
 _HOLDER = """

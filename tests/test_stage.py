@@ -817,3 +817,20 @@ def test_unstaging_an_area_leaves_a_live_downloads_partial_and_removes_a_killed_
         holder.communicate("\n", timeout=30)
     assert unstage(area).removed == [download] and not download.exists()
     assert not (area / "val.lmdb").exists() and not (area / ".val.lmdb.lock").exists()
+
+
+def test_unstaging_an_area_reads_dot_names_as_no_ones_temporaries(lmdb_pack: Path, tmp_path: Path) -> None:
+    """``....old-1`` and ``...partial`` would name ``..`` and ``.`` as NAME: nothing outside the area is locked."""
+    area = tmp_path / "outer" / "area"
+    stage(lmdb_pack, to=area, progress=False)
+    for name in ("....old-1", "...old-2", "...partial"):  # staged copies by their content, with hostile names
+        shutil.copytree(area / lmdb_pack.name, area / name)
+
+    def outside() -> list[list[str]]:
+        return [sorted(p.name for p in folder.iterdir()) for folder in (tmp_path, tmp_path / "outer")]
+
+    around = outside()
+    result = unstage(area)
+    assert sorted(p.name for p in result.removed) == sorted(["....old-1", "...old-2", "...partial", lmdb_pack.name])
+    assert outside() == around
+    assert sorted(p.name for p in area.iterdir()) == []  # each removed as a staged pack, under its own lock

@@ -30,6 +30,7 @@ from packdata.conversion.publish import (
     bad_file_error,
     check_resumable,
     extend_classes,
+    interrupted_error,
     make_result,
     partial_path,
     record_skip,
@@ -151,11 +152,7 @@ def _convert_local(
         checkpoint.load()
     elif os.path.lexists(partial):
         if not overwrite and not resume:
-            raise ConfigError(
-                f"an interrupted conversion into {dst} is in {partial}",
-                path=dst,
-                hint="Pass --resume to continue it, or --overwrite to start again",
-            )
+            raise interrupted_error(dst, partial)
         discard_partial(partial)
     try:
         partial.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ __all__ = [
     "bad_file_error",
     "check_resumable",
     "extend_classes",
+    "interrupted_error",
     "make_result",
     "partial_path",
     "record_skip",
@@ -83,6 +84,15 @@ def partial_path(dst: str | os.PathLike) -> Path:
     """The hidden sibling a conversion into ``dst`` writes before renaming."""
     dst = Path(dst)
     return dst.parent / f".{dst.name}.partial"
+
+
+def interrupted_error(dst: str | os.PathLike, partial: Path) -> ConfigError:
+    """The refusal to start over an interrupted conversion into ``dst`` (in ``partial``) unasked."""
+    return ConfigError(
+        f"an interrupted conversion into {dst} is in {partial}",
+        path=dst,
+        hint="Pass --resume to continue it, or --overwrite to start again",
+    )
 
 
 def check_resumable(partial: Path) -> None:

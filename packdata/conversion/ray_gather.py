@@ -24,6 +24,7 @@ from packdata.conversion.publish import (
     PROGRESS_FILE,
     SKIP_REPORT,
     check_resumable,
+    interrupted_error,
 )
 from packdata.conversion.ray_remote import (
     RemoteTarget,
@@ -213,11 +214,7 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
                 hint="Resume it with --engine local, or start again with --overwrite",
             )
         if not overwrite and not resume:
-            raise ConfigError(
-                f"an interrupted conversion into {dst} is in {partial}",
-                path=dst,
-                hint="Pass --resume to continue it, or --overwrite to start again",
-            )
+            raise interrupted_error(dst, partial)
         discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
     plan.write_text(json.dumps(state), encoding="utf-8")

@@ -18,7 +18,6 @@ import numpy as np
 from packdata.errors import PackFormatError
 
 __all__ = [
-    "aside_owner",
     "aside_path",
     "atomic_write",
     "discard_partial",
@@ -34,6 +33,7 @@ __all__ = [
     "open_regular",
     "read_regular",
     "stream_sha256",
+    "temporary_owner",
 ]
 
 
@@ -262,13 +262,21 @@ def aside_path(dest: Path) -> Path:
     return aside
 
 
-_ASIDE = re.compile(r"\.(.+)\.old-[0-9]+(?:-[0-9]+)?")
+_TEMPORARY = {"old": r"old-[0-9]+(?:-[0-9]+)?", "partial": "partial"}  # .NAME.old-PID[-N], .NAME.partial
 
 
-def aside_owner(entry: Path) -> Path | None:
-    """The folder ``entry`` was moved aside from (``.NAME.old-PID`` or ``-PID-N``: ``NAME`` beside it), or None."""
-    aside = _ASIDE.fullmatch(entry.name)
-    return entry.with_name(aside.group(1)) if aside else None
+def temporary_owner(entry: Path, *kinds: str) -> Path | None:
+    """``NAME`` beside ``entry`` when ``entry`` is its temporary of one of ``kinds``, else None.
+
+    ``"old"``: ``.NAME.old-PID`` or ``-PID-N``, a copy moved aside before its
+    deletion (:func:`aside_path`); ``"partial"``: ``.NAME.partial``, a stage's
+    download. NAME is a plain name: ``...partial`` or ``....old-1`` stand for
+    no folder beside them (``.``, ``..``) and give None.
+    """
+    match = re.fullmatch(rf"\.(.+)\.(?:{'|'.join(_TEMPORARY[kind] for kind in kinds)})", entry.name)
+    if match is None or match.group(1) in (".", ".."):
+        return None
+    return entry.with_name(match.group(1))
 
 
 def discard_stale(dest: Path, *kinds: str) -> None:

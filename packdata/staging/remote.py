@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -53,7 +52,7 @@ from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
-from packdata.pack.files import aside_path, atomic_write, discard_stale, file_sha256, fsync_dir
+from packdata.pack.files import aside_path, atomic_write, discard_stale, file_sha256, fsync_dir, temporary_owner
 from packdata.pack.index import index_files
 from packdata.pack.lock import READERS_LOCK, convert_lock_path, create_readers_lock, exclude_readers, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -327,13 +326,9 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
     os.replace(tmp, local)
 
 
-_SWAP_TEMPORARY = re.compile(r"\.(.+)\.(?:partial|old-[0-9]+(?:-[0-9]+)?)")  # .NAME.partial, .NAME.old-PID[-N]
-
-
 def _owner(entry: Path) -> Path:
     """The staged copy ``entry`` stands for: itself, or the copy whose partial or moved-aside folder it is."""
-    temporary = _SWAP_TEMPORARY.fullmatch(entry.name)
-    return entry.with_name(temporary.group(1)) if temporary else entry
+    return temporary_owner(entry, "partial", "old") or entry
 
 
 def evict_for(

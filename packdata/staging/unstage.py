@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, LockedError
-from packdata.pack.files import aside_owner, discard_partial, stale_siblings
+from packdata.pack.files import discard_partial, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
@@ -79,9 +79,9 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         packs, area = [target], target.parent
     else:
         entries = sorted(target.iterdir())
-        packs = [d for d in entries if aside_owner(d) is None and _download_of(d) is None and _staged(d)]
-        asides = [d for d in entries if aside_owner(d) not in (None, *packs) and _staged(d)]
-        downloads = [d for d in entries if _download_of(d) is not None and d.is_dir() and not d.is_symlink()]
+        packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and _staged(d)]
+        asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and _staged(d)]
+        downloads = [d for d in entries if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink()]
         area = target
         if not packs and not asides and not downloads and not unmount:
             raise ConfigError(
@@ -121,8 +121,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             except ConfigError as exc:  # its .readers.lock is not one a stage made: its readers cannot be told
                 unknown = unknown or exc
             freed += _sweep(pack, removed, staged_only=False)
-    owners = [*filter(None, map(aside_owner, asides)), *filter(None, map(_download_of, downloads))]
-    for owner in dict.fromkeys(owners):
+    owners = [temporary_owner(d, "old", "partial") for d in (*asides, *downloads)]
+    for owner in dict.fromkeys(filter(None, owners)):
         try:
             with hold_lock(convert_lock_path(owner), what="packdata unstage", target=owner):
                 freed += _sweep(owner, removed, staged_only=True)
@@ -157,14 +157,6 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         with contextlib.suppress(OSError):
             area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
     return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
-
-
-def _download_of(entry: Path) -> Path | None:
-    """The staged copy NAME whose download a stage from a URL makes in ``.NAME.partial`` (``entry``), or None."""
-    name = entry.name
-    if name.startswith(".") and name.endswith(".partial") and len(name) > len("..partial"):
-        return entry.with_name(name[1 : -len(".partial")])
-    return None
 
 
 def _staged(folder: Path) -> bool:
