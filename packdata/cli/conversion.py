@@ -46,7 +46,12 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--require", callback=_names, help="Grouped files or a list: fields every sample needs, e.g. jpg,json.")
 @click.option("--path-column", default="path", show_default=True, help="A list file's column of file paths.")
 @click.option("--label-column", help="A list file's column of labels (class names or integers).")
-@click.option("--workers", type=click.IntRange(min=1), help="Parallel reader threads. Default: 4 per CPU, at most 32.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Most parallel reader threads (a warm source of small files is read in the writer's own thread when that "
+    "measures faster). Default: 4 per CPU, at most 32.",
+)
 @click.option(
     "--on-error",
     type=click.Choice(["skip", "fail"]),
