@@ -348,7 +348,8 @@ class _Packer:
     def _roll_shard(self) -> None:
         """Write the full shard's last batch, hand the shard to a thread that closes it, and open the next.
 
-        Closing (sync, checksum, side tables) runs while the next shard fills;
+        Closing (sync, checksum, side tables) runs while the next shard fills
+        (sealing, its part that needs the GIL, runs here first);
         the checkpoint that lists the closed shard is saved when it is done
         (:meth:`_settle`, before any later checkpoint). Killed before that, a
         resume starts again from the previous checkpoint and writes the shard
@@ -357,6 +358,7 @@ class _Packer:
         self._settle()
         self._write_batch()
         assert self.writer is not None
+        self.writer.seal()  # its Python work here: in the thread, it would hold the GIL against this one
         name = self.writer_cls.shard_name(len(self.cp.shards))
         self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, 0, ""))  # sized when closed
         self.cp.shard_first = self.cp.samples_done

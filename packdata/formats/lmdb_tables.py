@@ -74,24 +74,24 @@ def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
         raise _lmdb_error(path, exc) from exc
     try:
         base = 0
+        rows: list[tuple[int, int, int]] = []
         with env.begin(buffers=True) as txn:
-            n = txn.stat()["entries"]
-            out = np.empty((n, 3), dtype=np.int64)
             for i, (key, value) in enumerate(txn.cursor()):
-                base = base or _map_base(os.path.join(path, DATA_FILE), buffer_address(value))
+                address = buffer_address(value)
+                base = base or _map_base(os.path.join(path, DATA_FILE), address)
                 if _KEY.unpack(key)[0] != i:
                     raise PackFormatError(f"record {i} is missing", path=path)
                 try:
                     start = payload_start(value)
                 except RecordError as exc:
                     raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
-                out[i] = (buffer_address(value) - base + start, len(value) - start, crc32c(value[start:]))
+                rows.append((address - base + start, len(value) - start, crc32c(value[start:])))
         txnid = env.info()["last_txnid"]
     except lmdb.Error as exc:
         raise _lmdb_error(path, exc) from exc
     finally:
         _release_env(identity)
-    return txnid, out
+    return txnid, np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
 def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np.ndarray] | None:
