@@ -28,7 +28,7 @@ class PackdataError(Exception):
     """Base class of every error packdata raises on purpose."""
 
     def __init__(self, message: str, *, path: str | os.PathLike | None = None, hint: str | None = None) -> None:
-        self.path = os.fspath(path) if path is not None else None
+        self.message, self.path = message, os.fspath(path) if path is not None else None
         self.hint = hint
         text = f"{self.path}: {message}" if self.path else message
         if hint:

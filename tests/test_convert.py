@@ -281,6 +281,29 @@ def test_resume_refuses_a_symlink_planted_in_the_partial_pack(
     assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
 
 
+def test_resume_names_a_partial_shard_cut_short_instead_of_dying_in_lmdb(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMDB maps as many pages as the meta page says: on a cut file its truncation walk was a SIGBUS."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    data = partial_path(dst) / "shard-00000.lmdb" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    resume = subprocess.run(
+        [sys.executable, "-m", "packdata.cli", "convert", str(image_folder), str(dst), "--resume", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resume.returncode == 1, resume.stderr
+    last = resume.stderr.strip().splitlines()[-1]
+    assert f"{data}: the interrupted conversion's shard is damaged: is truncated" in last
+    assert last.endswith("Convert again with --overwrite")
+    assert partial_path(dst).is_dir() and not dst.exists()
+    convert(image_folder, dst, progress=False, overwrite=True)
+    assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+
+
 @pytest.mark.parametrize("kind", ["symlink", "file"])
 def test_a_partial_pack_that_is_not_a_folder_is_named_and_overwrite_replaces_only_it(
     image_folder: Path, tmp_path: Path, kind: str

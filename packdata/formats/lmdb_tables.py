@@ -61,13 +61,17 @@ def _map_base(data_file: str, address: int) -> int:
     raise OSError(f"{data_file} is not mapped in this process")
 
 
-def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
+def record_locations(path: str | os.PathLike, *, trust_tree: bool = False) -> tuple[int, np.ndarray]:
     """The last transaction id, and ``(offset, length, CRC32C)`` of every payload inside ``data.mdb`` in key order.
+
+    ``trust_tree``: skip the structural check of the file's pages, for a
+    ``data.mdb`` this process created and only LMDB wrote (a writer's own).
 
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
     """
-    check_lmdb_tree(os.path.join(path, DATA_FILE))  # before LMDB's cursor walks it
+    if not trust_tree:
+        check_lmdb_tree(os.path.join(path, DATA_FILE))  # before LMDB's cursor walks it
     try:  # one more user of this process's environment (LMDB opens a file once per process)
         identity, env = _shared_env(os.fspath(path), True)
     except lmdb.Error as exc:

@@ -13,6 +13,7 @@ import numpy as np
 
 from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
+from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
 from packdata.pack.files import file_sha256, open_regular, sha256_prefix
 from packdata.pack.manifest import ShardInfo
@@ -65,6 +66,20 @@ class LMDBShardWriter:
             for name in (DATA_FILE, RECORDS_FILE):
                 with contextlib.suppress(FileNotFoundError):
                     (self.path / name).unlink()
+        data = self.path / DATA_FILE
+        try:
+            self._fresh = os.lstat(data).st_size == 0  # LMDB writes every page of the file in this process
+        except OSError:  # none there (or no folder: creating it next says why)
+            self._fresh = True
+        if not self._fresh:  # an interrupted run's shard: LMDB trusts its file (a cut one is a SIGBUS)
+            try:
+                check_lmdb_tree(data)
+            except PackFormatError as exc:
+                raise PackFormatError(
+                    f"the interrupted conversion's shard is damaged: {exc.message}",
+                    path=exc.path,
+                    hint="Convert again with --overwrite",
+                ) from exc
         _reserve_lock_file(self.path)
         self._env = lmdb.open(
             os.fspath(self.path),
@@ -165,7 +180,7 @@ class LMDBShardWriter:
         if self._located is None:
             self._env.close()
             (self.path / "lock.mdb").unlink(missing_ok=True)
-            self._located = record_locations(self.path)
+            self._located = record_locations(self.path, trust_tree=self._fresh)
 
     def close(self) -> tuple[int, str]:
         """Seal, sync and close; the shard is complete. Returns its byte size and SHA-256.
