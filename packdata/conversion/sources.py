@@ -113,7 +113,6 @@ class Source:
         """Yield every entry under the root in sorted order: files to pack and skips."""
         extensions = _EXTENSIONS[self.kind]
         for rel, path, problem in _walk_files(self.root):
-            name = rel.rsplit("/", 1)[-1]
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
                 continue
@@ -123,7 +122,7 @@ class Source:
             if problem is not None:
                 yield Skip(rel, *problem)
                 continue
-            if os.path.splitext(name)[1].lower() not in extensions:
+            if _extension(rel) not in extensions:
                 yield Skip(
                     rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions", problem=False
                 )
@@ -146,7 +145,15 @@ def _is_utf8(name: str) -> bool:
 
 
 def _is_hidden(rel: str) -> bool:
-    return any(part.startswith(".") for part in rel.split("/"))
+    """True when a part of ``rel`` starts with a dot."""
+    return rel.startswith(".") or "/." in rel
+
+
+def _extension(rel: str) -> str:
+    """The lowercased extension of ``rel``'s last part, as ``os.path.splitext`` finds it."""
+    name = rel[rel.rfind("/") + 1 :].lstrip(".")
+    dot = name.rfind(".")
+    return name[dot:].lower() if dot > 0 else ""
 
 
 def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]:
