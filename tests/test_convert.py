@@ -626,3 +626,15 @@ def test_planted_old_siblings_are_never_followed_or_restored(tmp_path: Path) -> 
     convert(src, dst, progress=False)
     assert not dst.is_symlink() and list(LMDBDataset(dst).keys) == ["cat/a.jpg"] and _hidden(dst) == []
     assert tree_digest(outside) == around
+
+
+def test_the_walks_extension_and_hidden_tests_agree_with_splitext_and_the_parts() -> None:
+    """The walk's string searches stand for os.path.splitext and a test of every part, on every short path."""
+    from packdata.conversion.sources import _extension, _is_hidden
+
+    for length in range(1, 7):
+        for chars in itertools.product("a./", repeat=length):
+            rel = "".join(chars)
+            assert _extension(rel) == os.path.splitext(rel.rsplit("/", 1)[-1])[1].lower(), rel
+            assert _is_hidden(rel) == any(part.startswith(".") for part in rel.split("/")), rel
+    assert _extension("class0/IMG.JPEG") == ".jpeg"
