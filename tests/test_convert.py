@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
 from PIL import Image
 
-from packdata import CapacityError, ConfigError, LMDBDataset, SourceError, convert, verify_pack
+from packdata import CapacityError, ConfigError, LMDBDataset, PackFormatError, SourceError, convert, verify_pack
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.formats.lmdb_env import encode_key
@@ -302,6 +302,26 @@ def test_resume_names_a_partial_shard_cut_short_instead_of_dying_in_lmdb(
     assert partial_path(dst).is_dir() and not dst.exists()
     convert(image_folder, dst, progress=False, overwrite=True)
     assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+
+
+def test_resume_refuses_a_kept_record_damaged_since_it_was_written(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The location table is built from the shard's bytes: a record damaged on disk must not be vouched for."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    data = partial_path(dst) / "shard-00000.lmdb" / "data.mdb"
+    first = (image_folder / "cat" / "a.jpg").read_bytes()
+    blob = bytearray(data.read_bytes())
+    at = blob.find(first)
+    assert at > 0
+    while at > 0:  # every copy: LMDB's freed pages keep older ones
+        blob[at + len(first) // 2] ^= 0x55
+        at = blob.find(first, at + 1)
+    data.write_bytes(bytes(blob))
+    with pytest.raises(PackFormatError, match="record 0 is damaged: payload CRC-32 does not match"):
+        convert(image_folder, dst, progress=False, resume=True)
+    assert not dst.exists()
 
 
 @pytest.mark.parametrize("kind", ["symlink", "file"])

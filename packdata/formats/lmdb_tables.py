@@ -32,7 +32,7 @@ from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.residency import buffer_address
 from packdata.pack.files import map_int64, open_pack_file, sha256_prefix
-from packdata.pack.records import RecordError, payload_start
+from packdata.pack.records import RecordError, checked_payload_start
 
 __all__ = ["RECORDS_FILE", "check_records_table", "location_table", "record_locations", "record_spans"]
 
@@ -64,8 +64,10 @@ def _map_base(data_file: str, address: int) -> int:
 def record_locations(path: str | os.PathLike, *, trust_tree: bool = False) -> tuple[int, np.ndarray]:
     """The last transaction id, and ``(offset, length, CRC32C)`` of every payload inside ``data.mdb`` in key order.
 
-    ``trust_tree``: skip the structural check of the file's pages, for a
-    ``data.mdb`` this process created and only LMDB wrote (a writer's own).
+    Each payload must match its record's own CRC-32 first, so the table never
+    vouches for bytes damaged since they were encoded. ``trust_tree``: skip
+    the structural check of the file's pages, for a ``data.mdb`` this process
+    created and only LMDB wrote (a writer's own).
 
     Raises:
         PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
@@ -85,8 +87,8 @@ def record_locations(path: str | os.PathLike, *, trust_tree: bool = False) -> tu
                 base = base or _map_base(os.path.join(path, DATA_FILE), address)
                 if _KEY.unpack(key)[0] != i:
                     raise PackFormatError(f"record {i} is missing", path=path)
-                try:
-                    start = payload_start(value)
+                try:  # the table's CRC32C attests these bytes: first, that they are the record's own
+                    start = checked_payload_start(value)
                 except RecordError as exc:
                     raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
                 rows.append((address - base + start, len(value) - start, crc32c(value[start:])))

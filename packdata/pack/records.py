@@ -27,6 +27,7 @@ __all__ = [
     "RECORD_MAGIC",
     "RecordError",
     "Sample",
+    "checked_payload_start",
     "decode_record",
     "encode_record",
     "payload_start",
@@ -81,6 +82,19 @@ def _header(value: bytes | memoryview) -> tuple[int, int, int, int]:
 def payload_start(value: bytes | memoryview) -> int:
     """Offset of the payload inside a record (after the header and the key)."""
     return _HEADER.size + _header(value)[3]
+
+
+def checked_payload_start(value: bytes | memoryview) -> int:
+    """Offset of the payload inside a record, once the payload's CRC-32 is found to match (nothing copied).
+
+    Raises:
+        RecordError: the value is not a packdata record, or its CRC does not match.
+    """
+    _, _, crc, key_len = _header(value)
+    start = _HEADER.size + key_len
+    if crc32(value[start:]) != crc:
+        raise RecordError("payload CRC-32 does not match: the record is damaged")
+    return start
 
 
 def record_payload(value: bytes | memoryview, *, check_crc: bool = False) -> tuple[bytes, int]:
