@@ -242,8 +242,8 @@ def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_p
         convert(image_folder, tmp_path / "out.lmdb", progress=False)
 
 
-def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5) -> None:
-    """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2."""
+def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5, **options) -> None:
+    """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2 (``options``: convert's)."""
     from packdata.conversion import local
 
     monkeypatch.setattr(local, "_COMMIT_SAMPLES", 2)
@@ -257,7 +257,7 @@ def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, 
     with monkeypatch.context() as m:
         m.setattr(local._Packer, "_add", add)
         with pytest.raises(KeyboardInterrupt):
-            convert(src, dst, progress=False, workers=1)
+            convert(src, dst, progress=False, workers=1, **options)
     assert (partial_path(dst) / "progress.json").is_file()
 
 
@@ -304,13 +304,14 @@ def test_resume_names_a_partial_shard_cut_short_instead_of_dying_in_lmdb(
     assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_resume_refuses_a_kept_record_damaged_since_it_was_written(
-    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
-    """The location table is built from the shard's bytes: a record damaged on disk must not be vouched for."""
-    dst = tmp_path / "out.lmdb"
-    _interrupted_convert(image_folder, dst, monkeypatch)
-    data = partial_path(dst) / "shard-00000.lmdb" / "data.mdb"
+    """A resume keeps the shard's records as found: one damaged on disk must not be vouched for by the new pack."""
+    dst = tmp_path / f"out.{fmt}"
+    _interrupted_convert(image_folder, dst, monkeypatch, format=fmt)
+    data = partial_path(dst) / ("shard-00000.lmdb/data.mdb" if fmt == "lmdb" else "part-00000.tfrecord")
     first = (image_folder / "cat" / "a.jpg").read_bytes()
     blob = bytearray(data.read_bytes())
     at = blob.find(first)
@@ -319,8 +320,24 @@ def test_resume_refuses_a_kept_record_damaged_since_it_was_written(
         blob[at + len(first) // 2] ^= 0x55
         at = blob.find(first, at + 1)
     data.write_bytes(bytes(blob))
-    with pytest.raises(PackFormatError, match="record 0 is damaged: payload CRC-32 does not match"):
-        convert(image_folder, dst, progress=False, resume=True)
+    found = "record 0 is damaged: payload CRC-32" if fmt == "lmdb" else "shard is damaged: .* CRC32C of the data"
+    with pytest.raises(PackFormatError, match=found):
+        convert(image_folder, dst, progress=False, resume=True, format=fmt)
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("line", [b"0 x", b"0", b"5 1000", b"-16 16"])
+def test_resume_names_a_damaged_tfrecord_offsets_index(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes
+) -> None:
+    """The partial's offsets index says where the kept records end: a damaged line is named, never followed."""
+    dst = tmp_path / "out.tfrecord"
+    _interrupted_convert(image_folder, dst, monkeypatch, format="tfrecord")
+    index = partial_path(dst) / "part-00000.tfindex"
+    lines = index.read_bytes().split(b"\n")
+    index.write_bytes(b"\n".join([line, *lines[1:]]))
+    with pytest.raises(PackFormatError, match="offsets index is damaged"):
+        convert(image_folder, dst, progress=False, resume=True, format="tfrecord")
     assert not dst.exists()
 
 

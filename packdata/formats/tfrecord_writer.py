@@ -16,7 +16,7 @@ import numpy as np
 
 from packdata.errors import PackFormatError, destination_error
 from packdata.formats.tfrecord_example import _payload_span, encode_example, frame_record
-from packdata.formats.tfrecord_reader import _CHUNK
+from packdata.formats.tfrecord_reader import _CHUNK, TFRecordShardReader
 from packdata.formats.tfrecord_tables import (
     _HEAD,
     _ROW,
@@ -33,6 +33,7 @@ from packdata.pack.records import Sample
 __all__ = ["TFRecordShardWriter"]
 
 
+_OVERWRITE = "Start the conversion again with --overwrite"
 _UNFINISHED = _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, 0) + _ROW.pack(0, 0, 0)  # a record table being written
 
 
@@ -112,18 +113,26 @@ class TFRecordShardWriter:
             raise PackFormatError(
                 f"offsets index holds {len(lines) - 1} complete records, cannot resume at {keep}",
                 path=self.index_path,
-                hint="Start the conversion again with --overwrite",
+                hint=_OVERWRITE,
             )
         kept = b"".join(line + b"\n" for line in lines[:keep])
-        end = 0
-        if keep:
-            offset, length = (int(v) for v in lines[keep - 1].split())
-            end = offset + length
+        try:
+            listed = np.array([[int(v) for v in line.split()] for line in lines[:keep]], dtype=np.int64)
+            offsets, lengths = listed.reshape(keep, 2).T
+        except ValueError as exc:
+            raise PackFormatError(
+                "offsets index is damaged: a line is not two integers", path=self.index_path, hint=_OVERWRITE
+            ) from exc
+        if keep and (offsets[0] != 0 or (lengths < 16).any() or (offsets[1:] != offsets[:-1] + lengths[:-1]).any()):
+            raise PackFormatError(
+                "offsets index is damaged: its records do not follow one another", path=self.index_path, hint=_OVERWRITE
+            )
+        end = int(offsets[-1] + lengths[-1]) if keep else 0
         if self.path.stat().st_size < end:
             raise PackFormatError(
                 f"shard is shorter than its checkpoint ({end} bytes)",
                 path=self.path,
-                hint="Start the conversion again with --overwrite",
+                hint=_OVERWRITE,
             )
         os.truncate(self.path, end)
         self.index_path.write_bytes(kept)
@@ -136,6 +145,16 @@ class TFRecordShardWriter:
         else:  # written without a table (or by an older packdata, or it was lost): the shard is read by parsing
             self.payload_path.unlink(missing_ok=True)
             self._with_table = False
+        reader = TFRecordShardReader(self.path)
+        try:  # the kept records are the pack's: each one's framing and CRCs are checked, not taken as found
+            for _ in reader.stream(offsets, lengths, 0, keep):
+                pass
+        except PackFormatError as exc:
+            raise PackFormatError(
+                f"the interrupted conversion's shard is damaged: {exc.message}", path=exc.path, hint=_OVERWRITE
+            ) from exc
+        finally:
+            reader.close()
         with open(self.path, "rb") as f:
             while block := f.read(_CHUNK):
                 self._sha.update(block)
