@@ -326,6 +326,43 @@ def test_resume_refuses_a_kept_record_damaged_since_it_was_written(
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("name", ["labels.i32", "keys.utf8", "key_offsets.i64"])
+def test_resume_refuses_a_sample_index_changed_since_its_checkpoint(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The kept part of the index is the pack's keys and labels: a flipped byte would change them silently."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    path = partial_path(dst) / "index" / name
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2 if name == "keys.utf8" else 8] ^= 0x01  # a label, a key's byte, the second key's offset
+    path.write_bytes(bytes(blob))
+    with pytest.raises(PackFormatError, match=f"{name}: the interrupted conversion's sample index is damaged"):
+        convert(image_folder, dst, progress=False, resume=True)
+    assert not dst.exists()
+    convert(image_folder, dst, progress=False, overwrite=True)
+    assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_resumed_pack_equals_an_uninterrupted_one_index_included(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: bool
+) -> None:
+    """Resume hashes the kept index and goes on hashing what it appends (``earlier``: a checkpoint without digests)."""
+    _interrupted_convert(image_folder, tmp_path / "resumed.lmdb", monkeypatch)
+    if earlier:
+        progress = partial_path(tmp_path / "resumed.lmdb") / "progress.json"
+        state = json.loads(progress.read_text())
+        del state["index_files"]
+        progress.write_text(json.dumps(state))
+    convert(image_folder, tmp_path / "resumed.lmdb", progress=False, resume=True)
+    convert(image_folder, tmp_path / "whole.lmdb", progress=False)
+    for name in ("labels.i32", "sizes.i64", "keys.utf8", "key_offsets.i64"):
+        resumed, whole = (tmp_path / p / "index" / name for p in ("resumed.lmdb", "whole.lmdb"))
+        assert resumed.read_bytes() == whole.read_bytes(), name
+    assert verify_pack(tmp_path / "resumed.lmdb", progress=False).records == 19  # raises on a digest that differs
+
+
 @pytest.mark.parametrize("line", [b"0 x", b"0", b"5 1000", b"-16 16"])
 def test_resume_names_a_damaged_tfrecord_offsets_index(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes

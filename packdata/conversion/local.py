@@ -80,6 +80,7 @@ class _Checkpoint:
         self.walk_expected = ""
         self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
         self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
+        self.index_files: dict[str, list[object]] | None = None  # the sample index's sizes and SHA-256s
 
     def state(self) -> dict[str, Any]:
         """What :meth:`save` writes, as of now."""
@@ -98,6 +99,7 @@ class _Checkpoint:
             "shard_bytes": self.shard_bytes,
             "finishing": self.finishing,
             "field_names": list(self.field_names),
+            "index_files": self.index_files,
         }
 
     def save(self, state: dict[str, Any] | None = None) -> None:
@@ -128,6 +130,7 @@ class _Checkpoint:
         self.walk_expected = state["walk_sha256"]
         self.finishing = bool(state.get("finishing", False))
         self.field_names = list(state.get("field_names", []))
+        self.index_files = state.get("index_files")  # None from an earlier packdata
         return state
 
 
@@ -226,7 +229,10 @@ class _Packer:
         self.source, self.partial, self.opts, self.cp = source, partial, opts, cp
         self.writer_cls = shard_writer(opts.format)
         self.index = SampleIndexWriter(
-            partial, resume_at=cp.samples_done if resumed else None, fields=source.kind == "fields"
+            partial,
+            resume_at=cp.samples_done if resumed else None,
+            fields=source.kind == "fields",
+            kept=cp.index_files if resumed else None,
         )
         self.field_numbers = {name: i for i, name in enumerate(cp.field_names)}
         report = partial / SKIP_REPORT
@@ -333,6 +339,7 @@ class _Packer:
             self.writer.write(self.batch)
             self.batch, self.batch_bytes = [], 0
         self.index.flush()
+        self.cp.index_files = self.index.checkpoint()
         self.report.flush()
         os.fsync(self.report.fileno())
         self.cp.skip_report_bytes = self.report.tell()
