@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import assert_index_digests, flip_label, image_bytes, tree_digest
@@ -84,6 +85,50 @@ def test_merge_and_append_record_their_index_digests_and_refuse_a_damaged_index(
     with pytest.raises(PackFormatError, match=re.escape(f"{labels}: sample index file labels.i32 does not match")):
         packdata.convert(_folder(tmp_path / "d", {"cat": ["8.jpg"]}), merged, append=True, progress=False)
     assert _tree(merged) == tree
+
+
+def _set_labels(pack: Path, change: dict[int, int]) -> None:
+    """Write labels into ``pack``'s ``labels.i32`` and recompute its digest, as a hostile author would."""
+    from packdata.pack.index import index_digests
+
+    path = pack / read_manifest(pack).index_dir / "labels.i32"
+    labels = np.fromfile(path, dtype="<i4")
+    for i, label in change.items():
+        labels[i] = label
+    labels.tofile(path)
+    rewrite_manifest(pack, lambda d: d["index"].update(sha256=index_digests(path.parent, d["kind"])))
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("lie", ["fewer classes", "label -3", "record disagrees"])
+def test_merge_and_append_refuse_labels_that_lie(tmp_path: Path, fmt: str, lie: str) -> None:
+    """Labels outside the classes once crashed a merge (IndexError) or, below -1, wrapped around to another class.
+
+    A record whose label disagrees with the index is named when its shard is
+    rewritten, never renumbered from an unchecked value. Nothing is written.
+    """
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"], "dog": ["2.jpg", "3.jpg"]})
+    b = _folder(tmp_path / "b", {"ant": ["4.jpg"], "dog": ["5.jpg"]})
+    pack, other = tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"
+    packdata.convert(a, pack, format=fmt, progress=False)
+    packdata.convert(b, other, format=fmt, progress=False)
+    if lie == "fewer classes":
+        rewrite_manifest(pack, lambda d: d.update(classes=["cat"]))
+        problem = r"sample 1 has label 1, outside \[-1, 1\)"
+    elif lie == "label -3":
+        _set_labels(pack, {1: -3})
+        problem = r"sample 1 has label -3, outside \[-1, 2\)"
+    else:
+        _set_labels(pack, {1: 0})  # the record says dog (1)
+        problem = r"record 1 holds label 1, the sample index says 0"
+    tree = _tree(pack)
+    with pytest.raises(PackFormatError, match=problem):
+        packdata.merge_packs([other, pack], tmp_path / f"m.{fmt}")  # a's labels move: its shard is rewritten
+    assert not (tmp_path / f"m.{fmt}").exists() and not (tmp_path / f".m.{fmt}.partial").exists()
+    if lie != "record disagrees":  # an append rewrites the new samples' shards only, never the pack's
+        with pytest.raises(PackFormatError, match=problem):
+            packdata.convert(_folder(tmp_path / "c", {"eel": ["6.jpg"]}), pack, append=True, progress=False)
+    assert _tree(pack) == tree
 
 
 def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) -> None:

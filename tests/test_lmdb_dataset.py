@@ -586,7 +586,7 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
     from faults.hostile import rewrite_manifest
 
     from packdata import verify_pack
-    from packdata.formats.verify import _open_index
+    from packdata.formats.verify import open_index
     from packdata.reading.pack_info import PackInfo
 
     n = 1 << 23
@@ -612,7 +612,7 @@ def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> 
         verify_pack(pack, progress=False)
     info, manifest = PackInfo(pack), read_manifest(pack)
     assert len(info.index.labels) == n  # mapped before tracing
-    for check in (info.check_labels, lambda: _open_index(manifest, pack, pack)):
+    for check in (info.check_labels, lambda: open_index(manifest, pack, pack)):
         tracemalloc.start()
         try:
             with pytest.raises(PackFormatError, match=expected):

@@ -32,9 +32,10 @@ from packdata.conversion.publish import (
 )
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
+from packdata.formats.verify import open_index
 from packdata.pack.fields import codec_of
 from packdata.pack.files import atomic_write, fsync_dir
-from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, check_index_digests, index_digests
+from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
     FIELDS_VERSION,
@@ -80,9 +81,8 @@ def _open(path: Path) -> tuple[Manifest, SampleIndex]:
     manifest = read_manifest(path)
     if manifest.staged_from is not None:
         raise ConfigError("is a staged pack; merge or append its origin", path=path)
-    fields = manifest.fields if manifest.kind == "fields" else None
-    check_index_digests(path / manifest.index_dir, manifest.index_sha256)  # a damaged index is never rewritten as sound
-    return manifest, SampleIndex(path / manifest.index_dir, manifest.num_samples, fields)
+    # a damaged index, or labels outside the classes, is never rewritten as sound (nor renumbered through a wrap)
+    return manifest, open_index(manifest, path, path)
 
 
 def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[str], list[str], dict[str, str]]:
@@ -182,6 +182,13 @@ def _rewrite_shard(item: _Input, fmt: str, src: Path, dst: Path, first_index: in
     writer = shard_writer(fmt)(dst)
     batch: list[tuple[int, Sample]] = []
     for i, sample in get_format(fmt).iter_samples(src, first_index):
+        expected = int(item.index.labels[i])  # checked to lie in range; the record's label was not
+        if sample.label != expected:
+            raise PackFormatError(
+                f"record {i} holds label {sample.label}, the sample index says {expected}",
+                path=src,
+                hint="Run `packdata verify` on the pack, then convert it again",
+            )
         key = item.renames.get(i, sample.key)
         label = int(item.label_map[sample.label + 1])
         batch.append((i - first_index, replace(sample, key=key, label=label)))

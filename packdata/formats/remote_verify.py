@@ -29,7 +29,7 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.formats import PackFormat, get_format
 from packdata.formats.remote_pack import RemoteStream, download_skeleton, remote_size
-from packdata.formats.verify import VerifyResult, _check_counts, _open_index, check_shard_records
+from packdata.formats.verify import VerifyResult, _check_counts, check_shard_records, open_index
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.pack.urls import display_url, open_url, read_url_manifest
@@ -62,7 +62,7 @@ def verify_remote_pack(
     fmt = get_format(manifest.format)
     with tempfile.TemporaryDirectory(prefix="packdata-verify-") as tmp:
         local = download_skeleton(fs, root, manifest, raw, shown, Path(tmp) / "pack")
-        index = _open_index(manifest, local, shown)
+        index = open_index(manifest, local, shown)
         _check_counts(manifest, local, shown)
         lock = threading.Lock()
         with (

@@ -18,7 +18,7 @@ from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
 from packdata.progress import progress as show_progress
 
-__all__ = ["VerifyResult", "check_shard_records", "pack_info", "verify_pack"]
+__all__ = ["VerifyResult", "check_shard_records", "open_index", "pack_info", "verify_pack"]
 
 
 def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def _check_counts(manifest: Manifest, pack: Path, where: str | Path | None = Non
         )
 
 
-def _open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex:
+def open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex:
     """The pack's sample index: each file checked against its SHA-256 in the manifest, every label to lie in range.
 
     Labels must lie in ``[-1, len(classes))``; a pack written before the
@@ -165,7 +165,7 @@ def verify_pack(
         return verify_remote_pack(os.fspath(path), storage_options=storage_options, progress=progress, workers=workers)
     pack = Path(path)
     manifest = read_manifest(pack)
-    index = _open_index(manifest, pack, pack)  # first: a damaged index file is named before anything else
+    index = open_index(manifest, pack, pack)  # first: a damaged index file is named before anything else
     _check_counts(manifest, pack)
     fmt = get_format(manifest.format)
     checked = nbytes = 0
