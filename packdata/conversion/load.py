@@ -22,7 +22,7 @@ from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGrou
 from packdata.errors import (
     ImageFormatError,
 )
-from packdata.pack.fields import LABEL_FIELD, codec_of, encode_block
+from packdata.pack.fields import LABEL_FIELD, FieldError, codec_of, encode_block
 from packdata.pack.images import open_image
 from packdata.pack.records import Sample
 
@@ -174,8 +174,12 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
             label = value
             continue
         fields[name] = data
+    try:
+        block = encode_block(fields)
+    except FieldError as exc:  # more fields than a block holds (a tar, list or folder can name any number)
+        return Skip(group.key, "too many fields", str(exc))
     sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
-    return Sample(group.key, label, encode_block(fields), "fields", sizes)
+    return Sample(group.key, label, block, "fields", sizes)
 
 
 def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | None:

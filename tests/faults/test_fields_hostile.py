@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
 import tarfile
@@ -154,6 +155,27 @@ def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_pa
     out = export_pack(tmp_path / "t.lmdb", tmp_path / "out")
     assert sorted(r["key"] for r in out.refused) == ["../../escape", "/etc/owned"]
     assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["a.txt"]
+
+
+@pytest.mark.parametrize("source", ["jsonl", "tar"])
+def test_a_sample_with_more_fields_than_a_block_holds_is_skipped_not_a_traceback(tmp_path: Path, source: str) -> None:
+    """A list row with 65535 columns beside its file, or a tar with 65536 members of one key: once a raw FieldError."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    if source == "jsonl":
+        rows = [{"path": "a.txt", **{f"c{i}": "v" for i in range(65535)}}, {"path": "b.txt"}]
+        src = tmp_path / "list.jsonl"
+        src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        src = tmp_path / "data.tar"
+        with tarfile.open(src, "w", format=tarfile.GNU_FORMAT) as tar:
+            for name in [f"a.f{i}" for i in range(65536)] + ["b.txt"]:
+                tar.addfile(tarfile.TarInfo(name), io.BytesIO(b""))
+    result = packdata.convert(src, tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"too many fields": 1}
+    assert result.skip_examples[0]["key"] == "a"
+    assert result.skip_examples[0]["detail"] == "a sample has 65536 fields, at most 65535 fit"
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["b"]
 
 
 def test_leftover_links_from_a_killed_append_are_unlinked_never_followed(tmp_path: Path) -> None:
