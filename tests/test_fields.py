@@ -784,6 +784,39 @@ def test_a_tar_member_named_in_non_utf8_bytes_is_skipped_by_name(tmp_path: Path)
     assert result.packed == 1 and result.skipped == {"name not UTF-8": 1}
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_tar_member_whose_key_no_record_holds_is_skipped(tmp_path: Path, fmt: str) -> None:
+    """A pax name of 70,000 bytes; an LMDB record holds 65,535 (a uint16 length): it once crashed the writer."""
+    import tarfile
+
+    key = "k" * 70_000
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in (f"{key}.txt", "ok.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    (tmp_path / "data.tar").write_bytes(out.getvalue())
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / f"out.{fmt}", progress=False)
+    assert result.packed == 1 and result.skipped == {"key too long": 1}
+    assert result.skip_examples[0] == {
+        "key": f"{key[:100]}...",
+        "reason": "key too long",
+        "detail": "70000 bytes in UTF-8, at most 65535 fit",
+    }
+
+
+def test_pack_writer_refuses_a_key_no_record_holds_when_it_is_written(tmp_path: Path) -> None:
+    """Such keys were taken, then failed the whole pack at close with a raw RecordError or UnicodeEncodeError."""
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        with pytest.raises(ConfigError, match=r"is longer than 65535 bytes in UTF-8"):
+            writer.write({"__key__": "k" * 65_536, "txt": "x"})
+        with pytest.raises(ConfigError, match=r"key 'caf\\udce9' is not valid UTF-8"):
+            writer.write({"__key__": "caf\udce9", "txt": "x"})
+        writer.write({"__key__": "k" * 65_535, "txt": "the longest key fits"})
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "w.lmdb")] == ["k" * 65_535]
+
+
 def test_token_buckets_measure_the_text_field(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "t.lmdb") as w:
         for i in range(6):

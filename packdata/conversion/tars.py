@@ -37,6 +37,7 @@ from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import open_regular
+from packdata.pack.records import MAX_KEY_BYTES
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
 __all__ = ["TarSource", "expand_shards", "is_tar_pattern", "scan_tars"]
@@ -255,6 +256,9 @@ def _split(name: str) -> tuple[str | None, str]:
 
 
 def _group(key: str, fields: dict[str, bytes]) -> SourceGroup | Skip:
+    size = len(key.encode("utf-8"))
+    if size > MAX_KEY_BYTES:  # a pax or GNU long name: any length
+        return Skip(f"{key[:100]}...", "key too long", f"{size} bytes in UTF-8, at most {MAX_KEY_BYTES} fit")
     for name in fields:
         try:
             check_field_name(name)

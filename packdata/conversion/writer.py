@@ -37,7 +37,7 @@ from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.records import Sample
+from packdata.pack.records import MAX_KEY_BYTES, Sample
 from packdata.progress import progress as show_progress
 from packdata.units import parse_size
 
@@ -135,6 +135,12 @@ class PackWriter:
         key = sample.get(KEY_FIELD)
         if not isinstance(key, str) or not key:
             raise ConfigError(f"a sample needs a non-empty string {KEY_FIELD!r}, but got {key!r}", path=self.dst)
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError as exc:  # a lone surrogate: what os.listdir makes of a name not in UTF-8
+            raise ConfigError(f"key {key!r} is not valid UTF-8 ({exc.reason})", path=self.dst) from exc
+        if size > MAX_KEY_BYTES:
+            raise ConfigError(f"key {key[:100]!r}... is longer than {MAX_KEY_BYTES} bytes in UTF-8", path=self.dst)
         label = sample.get(LABEL_FIELD, -1)
         if isinstance(label, bool) or not isinstance(label, int) or label < -1 or label >= 2**31:
             raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {label!r}", path=self.dst)

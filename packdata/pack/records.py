@@ -24,6 +24,7 @@ from zlib_ng.zlib_ng import crc32
 
 __all__ = [
     "KINDS",
+    "MAX_KEY_BYTES",
     "RECORD_MAGIC",
     "RecordError",
     "Sample",
@@ -37,7 +38,8 @@ __all__ = [
 RECORD_MAGIC = b"PDR1"
 KINDS = ("image", "text", "fields")
 _HEADER = struct.Struct("<4sBiIH")
-_MAX_KEY = 0xFFFF
+MAX_KEY_BYTES = 0xFFFF
+"""The longest key a record holds, in UTF-8 bytes (its length is a uint16)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class RecordError(ValueError):
 def encode_record(sample: Sample) -> bytes:
     """Encode ``sample`` as one LMDB value (layout in the module docstring)."""
     key = sample.key.encode("utf-8")
-    if len(key) > _MAX_KEY:
-        raise RecordError(f"key is {len(key)} bytes long, but at most {_MAX_KEY} fit")
+    if len(key) > MAX_KEY_BYTES:
+        raise RecordError(f"key is {len(key)} bytes long, but at most {MAX_KEY_BYTES} fit")
     header = _HEADER.pack(RECORD_MAGIC, KINDS.index(sample.kind), sample.label, crc32(sample.data), len(key))
     return b"".join((header, key, sample.data))
 
