@@ -131,6 +131,32 @@ def test_merge_and_append_refuse_labels_that_lie(tmp_path: Path, fmt: str, lie: 
     assert _tree(pack) == tree
 
 
+@pytest.mark.parametrize(("fmt", "planted"), [("tfrecord", "symlink"), ("tfrecord", "FIFO"), ("lmdb", "FIFO")])
+def test_merge_takes_only_a_packs_own_regular_side_tables(tmp_path: Path, fmt: str, planted: str) -> None:
+    """A side table that was a link or a FIFO was hard-linked into the merged pack; across file systems
+    a copy read the link's target outside the pack (a device: without end) or failed with a raw error.
+
+    Nothing is written then, and the file outside is left as it was.
+    """
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
+    b = _folder(tmp_path / "b", {"cat": ["2.jpg"]})
+    pack, other = tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"
+    packdata.convert(a, pack, format=fmt, progress=False)
+    packdata.convert(b, other, format=fmt, progress=False)
+    shard = other / read_manifest(other).shards[0].file
+    side = shard / "records.i64" if fmt == "lmdb" else shard.with_suffix(".tfindex")
+    outside = tmp_path / "outside"
+    outside.write_bytes(side.read_bytes())
+    side.unlink()
+    if planted == "FIFO":
+        os.mkfifo(side)
+    else:
+        side.symlink_to(outside)
+    with pytest.raises(PackFormatError, match=re.escape(f"{side}: shard file is a {planted}, not a regular file")):
+        packdata.merge_packs([pack, other], tmp_path / f"m.{fmt}")
+    assert not (tmp_path / f"m.{fmt}").exists() and not (tmp_path / f".m.{fmt}.partial").exists()
+
+
 def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) -> None:
     a = _folder(tmp_path / "a", {"cat": ["1.jpg", "2.jpg"]})
     packdata.convert(a, tmp_path / "a.lmdb", progress=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,7 +35,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import open_index
 from packdata.pack.fields import codec_of
-from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.files import atomic_write, file_kind, fsync_dir
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
@@ -312,7 +313,9 @@ def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[s
     """Each file of shard ``source`` in ``pack`` and its name in shard ``target``: data file first, side tables present.
 
     Raises:
-        PackFormatError: the shard's data file is missing.
+        PackFormatError: the shard's data file is missing, or a file is not
+            a regular file itself (a link is never followed: its target lies
+            outside the pack, a device would be copied without end).
     """
     layout_of = get_format(fmt).shard_layout
     a, b = layout_of(source), layout_of(target)
@@ -320,11 +323,21 @@ def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[s
         pairs = [(f"{source}/{x}", f"{target}/{y}") for x, y in zip((a.data, *a.side), (b.data, *b.side), strict=True)]
     else:
         pairs = [(source, target), *zip(a.side, b.side, strict=True)]
-    if not (pack / pairs[0][0]).is_file():
-        raise PackFormatError(
-            "shard file is missing", path=pack / pairs[0][0], hint="The pack is damaged: convert it again"
-        )
-    return [pairs[0], *(pair for pair in pairs[1:] if os.path.lexists(pack / pair[0]))]
+    present = [pairs[0], *(pair for pair in pairs[1:] if os.path.lexists(pack / pair[0]))]
+    for name, _ in present:
+        try:
+            mode = os.lstat(pack / name).st_mode
+        except FileNotFoundError:
+            raise PackFormatError(
+                "shard file is missing", path=pack / name, hint="The pack is damaged: convert it again"
+            ) from None
+        if not stat.S_ISREG(mode):
+            raise PackFormatError(
+                f"shard file is {file_kind(mode)}, not a regular file of the pack",
+                path=pack / name,
+                hint="The pack is damaged or was not written by packdata: convert it again",
+            )
+    return present
 
 
 def _report_lines(item: _Input) -> Iterator[bytes]:
