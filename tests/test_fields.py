@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -283,6 +284,25 @@ def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
     assert list(ds.targets) == [3, 0] and ds.classes == ["0", "1", "2", "3"]
     assert ds[0] == {"__key__": "a", "txt": "alpha", "meta": {"n": 1}, "cls": 3}
     assert ds[1] == {"__key__": "b", "txt": "beta", "cls": 0}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
+def test_list_rows_naming_a_device_or_fifo_are_skipped_without_opening_them(tmp_path: Path) -> None:
+    """A list from elsewhere names any path: a device is refused from its type, never opened (a tape rewinds)."""
+    from faults.hostile import opens_of
+
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    os.mknod(tmp_path / "dev.txt", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    os.mkfifo(tmp_path / "fifo.txt")
+    listing = tmp_path / "l.csv"
+    listing.write_text("path\na.txt\ndev.txt\nfifo.txt\n", encoding="utf-8")
+    with opens_of(tmp_path / "dev.txt") as dev_opens, opens_of(tmp_path / "fifo.txt") as fifo_opens:
+        result = packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+        assert (dev_opens(), fifo_opens()) == (0, 0)
+    assert result.packed == 1 and result.skipped == {"not a regular file": 2}
+    details = sorted(example["detail"] for example in result.skip_examples)
+    assert re.fullmatch(r"field 'txt': mode c[-rwx]{9}, never opened", details[0]), details
+    assert re.fullmatch(r"field 'txt': mode p[-rwx]{9}, never opened", details[1]), details
 
 
 def test_list_rows_whose_paths_differ_after_the_first_dot_are_one_key_reported(tmp_path: Path) -> None:

@@ -106,10 +106,10 @@ def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Ski
     return Sample(entry.key, entry.label, checked, "image"), checked is not data
 
 
-def _read_or_skip(key: str, path: str) -> bytes | Skip:
-    """The file's bytes, or why it cannot be read."""
+def _read_or_skip(key: str, path: str, *, stat_first: bool = False) -> bytes | Skip:
+    """The file's bytes, or why it cannot be read (``stat_first``: see :func:`_read_regular`)."""
     try:
-        return _read_regular(path)
+        return _read_regular(path, stat_first=stat_first)
     except _NotReadable as skip:
         return Skip(key, skip.reason, skip.detail)
     except FileNotFoundError as exc:
@@ -160,8 +160,8 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
             data: bytes | Skip = source
         elif isinstance(source, RemoteFile):
             data = source.read(group.key)
-        else:
-            data = _read_or_skip(group.key, source)
+        else:  # a list file's row names any path: its type is looked at before any open
+            data = _read_or_skip(group.key, source, stat_first=True)
         if isinstance(data, Skip):
             return Skip(group.key, data.reason, f"field {name!r}: {data.detail}")
         problem = _field_problem(name, data, opts)
@@ -220,8 +220,12 @@ class _NotReadable(Exception):
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-def _read_regular(path: str) -> bytes:
+def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
     """The bytes of the regular file at ``path`` (links followed), read as one consistent version.
+
+    ``stat_first``: for a path no walk has seen (a list file's row), refuse a
+    device node, FIFO or socket from its type before opening it at all
+    (opening a device can act on it: a tape rewinds).
 
     The file is opened non-blocking (a FIFO put in its place never blocks) and
     checked with ``fstat`` on the open descriptor: anything but a regular file
@@ -234,6 +238,10 @@ def _read_regular(path: str) -> bytes:
         _NotReadable: not a regular file, or changed while read.
         OSError: it cannot be opened or read.
     """
+    if stat_first:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise _NotReadable("not a regular file", f"mode {stat.filemode(mode)}, never opened")
     fd = os.open(path, _OPEN_FLAGS)
     try:
         before = os.fstat(fd)
