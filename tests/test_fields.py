@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -690,6 +691,27 @@ def test_webdataset_tars_convert_field_equal(tmp_path: Path) -> None:
         assert ds[i] == {**expected, "txt": expected["txt"]}
     again = packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "glob.lmdb", progress=False)
     assert again.packed == 7
+
+
+def test_a_tar_of_a_folder_made_with_tar_c_dot_keys_samples_without_its_dot_prefix(tmp_path: Path) -> None:
+    """``tar -cf x.tar -C DIR .`` names members ./KEY.FIELD: the key is KEY (a '.' part would stop export)."""
+    files = tmp_path / "files"
+    (files / "sub").mkdir(parents=True)
+    for key in ("000", "sub/001"):
+        (files / f"{key}.jpg").write_bytes(image_bytes(int(key[-1])))
+        (files / f"{key}.txt").write_text(f"caption {key}", encoding="utf-8")
+    subprocess.run(["tar", "-cf", str(tmp_path / "x.tar"), "-C", str(files), "."], check=True)
+    result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and not result.skipped
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb").keys[:] == ["000", "sub/001"]
+    export_pack(tmp_path / "out.lmdb", tmp_path / "back")
+    assert not filecmp.dircmp(files, tmp_path / "back").diff_files
+    assert sorted(p.relative_to(tmp_path / "back").as_posix() for p in (tmp_path / "back").rglob("*.*")) == [
+        "000.jpg",
+        "000.txt",
+        "sub/001.jpg",
+        "sub/001.txt",
+    ]
 
 
 def test_tars_are_read_once_even_with_a_progress_bar(tmp_path: Path, monkeypatch) -> None:

@@ -170,7 +170,7 @@ class TarSource:
                     if not member.isfile():
                         yield Skip(where, "not a regular file", "a link or device in the tar")
                         continue
-                    base, ext = _split(member.name)
+                    base, ext = _split(_relative(member.name))
                     if base is None:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
                         continue
@@ -245,6 +245,13 @@ def _check_end(tar: tarfile.TarFile) -> None:
     while chunk := tar.fileobj.read(1 << 16):
         if chunk.strip(b"\0"):
             raise tarfile.ReadError(f"data follows a zero block at byte {tar.offset}: a damaged member header?")
+
+
+def _relative(name: str) -> str:
+    """A member name without the ``./`` prefixes ``tar -C DIR .`` writes (the same path to tar, not part of a key)."""
+    while name.startswith("./"):
+        name = name[2:]
+    return name
 
 
 def _split(name: str) -> tuple[str | None, str]:
