@@ -886,3 +886,55 @@ def test_record_and_field_crcs_are_zlibs(size: int) -> None:
     entries = read_directory(encode_block({"a": data, "b": data[::-1]}))
     assert entries is not None
     assert [e.crc for e in entries] == [zlib.crc32(data), zlib.crc32(data[::-1])]
+
+
+def test_a_file_or_tar_member_over_the_sample_limit_is_skipped_unread(tmp_path: Path) -> None:
+    """A sample over 2 GiB fits no Example protobuf parses (nor, over 4 GiB, an LMDB value): skipped, never read."""
+    import resource
+    import tarfile
+
+    from packdata.pack.records import MAX_SAMPLE_BYTES
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("alpha", encoding="utf-8")
+    with open(texts / "huge.txt", "wb") as f:
+        f.truncate(MAX_SAMPLE_BYTES + 1)  # sparse: nothing is written
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = packdata.convert(texts, tmp_path / "texts.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"too large": 1}
+    assert (
+        result.skip_examples[0]["detail"]
+        == f"{MAX_SAMPLE_BYTES + 1} bytes; a sample holds at most {MAX_SAMPLE_BYTES} (2 GiB less 1 MiB)"
+    )
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: the file was never read
+
+    out = io.BytesIO()  # a member whose header claims more than the limit, then the tar ends
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo("ok.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    header = tarfile.TarInfo("big.txt")
+    header.size = MAX_SAMPLE_BYTES + 1
+    (tmp_path / "data.tar").write_bytes(out.getvalue()[:1024] + header.tobuf())
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "tar.lmdb", progress=False, on_error="skip")
+    assert result.packed == 1 and result.skipped["too large"] == 1
+
+
+def test_pack_writer_and_list_groups_refuse_a_sample_over_the_limit(tmp_path: Path, monkeypatch) -> None:
+    """The limit is checked on the whole encoded sample too (a group of files, an object read whole, write_pack)."""
+    from packdata.conversion import load, writer
+
+    monkeypatch.setattr(writer, "MAX_SAMPLE_BYTES", 100)
+    with packdata.PackWriter(tmp_path / "w.lmdb") as pack:
+        with pytest.raises(ConfigError, match=r"sample 'big' is \d+ bytes; a sample holds at most 100"):
+            pack.write({"__key__": "big", "txt": "x" * 200})
+        pack.write({"__key__": "small", "txt": "fits"})
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "w.lmdb")] == ["small"]
+
+    monkeypatch.setattr(load, "MAX_SAMPLE_BYTES", 100)
+    for name, text in (("a.txt", "x" * 200), ("b.txt", "fits")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    (tmp_path / "l.csv").write_text("path\na.txt\nb.txt\n", encoding="utf-8")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "l.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"too large": 1}

@@ -18,13 +18,13 @@ import numpy as np
 from PIL import Image
 
 from packdata.conversion.remote_folder import RemoteSourceFile
-from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup
+from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import (
     ImageFormatError,
 )
 from packdata.pack.fields import LABEL_FIELD, FieldError, codec_of, encode_block
 from packdata.pack.images import open_image
-from packdata.pack.records import Sample
+from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 
 __all__ = ["number_fields", "ordered_map"]
 
@@ -95,6 +95,8 @@ def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Ski
         return data, False
     if not data:
         return Skip(entry.key, "empty", "file has 0 bytes"), False
+    if len(data) > MAX_SAMPLE_BYTES:  # an object read whole (a file is refused before its read)
+        return Skip(entry.key, *too_large(len(data))), False
     if opts.kind == "text":
         problem = _text_problem(data)
         if problem:
@@ -178,6 +180,8 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
         block = encode_block(fields)
     except FieldError as exc:  # more fields than a block holds (a tar, list or folder can name any number)
         return Skip(group.key, "too many fields", str(exc))
+    if len(block) > MAX_SAMPLE_BYTES:
+        return Skip(group.key, *too_large(len(block)))
     sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
     return Sample(group.key, label, block, "fields", sizes)
 
@@ -248,6 +252,8 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
         if not stat.S_ISREG(before.st_mode):
             raise _NotReadable("not a regular file", f"mode {stat.filemode(before.st_mode)} when opened")
         size = before.st_size
+        if size > MAX_SAMPLE_BYTES:  # never read into memory
+            raise _NotReadable(*too_large(size))
         chunks, got = [], 0
         while got <= size:
             wanted = size + 1 - got

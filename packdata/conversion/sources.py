@@ -18,6 +18,7 @@ from typing import Any
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.files import file_kind
 from packdata.pack.images import IMAGE_EXTENSIONS
+from packdata.pack.records import MAX_SAMPLE_BYTES
 from packdata.pack.urls import remote_error
 
 __all__ = [
@@ -97,6 +98,11 @@ class Skip:
     reason: str
     detail: str = ""
     problem: bool = True
+
+
+def too_large(size: int) -> tuple[str, str]:
+    """The skip reason and detail of a sample of ``size`` bytes, over :data:`MAX_SAMPLE_BYTES`."""
+    return "too large", f"{size} bytes; a sample holds at most {MAX_SAMPLE_BYTES} (2 GiB less 1 MiB)"
 
 
 @dataclass

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Self, cast
 
-from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable
+from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable, too_large
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import open_regular
-from packdata.pack.records import MAX_KEY_BYTES
+from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
 __all__ = ["TarSource", "expand_shards", "is_tar_pattern", "scan_tars"]
@@ -178,6 +178,9 @@ class TarSource:
                         if key is not None:
                             yield _group(key, fields)
                         key, fields = base, {}
+                    if member.size > MAX_SAMPLE_BYTES:  # never read into memory
+                        yield Skip(where, *too_large(member.size))
+                        continue
                     extracted = tar.extractfile(member)
                     data = extracted.read() if extracted is not None else b""
                     if ext in fields:

@@ -37,7 +37,7 @@ from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.records import MAX_KEY_BYTES, Sample
+from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES, Sample
 from packdata.progress import progress as show_progress
 from packdata.units import parse_size
 
@@ -153,6 +153,10 @@ class PackWriter:
             block = encode_block(fields)
         except FieldError as exc:
             raise ConfigError(f"sample {key!r}: {exc}", path=self.dst) from exc
+        if len(block) > MAX_SAMPLE_BYTES:
+            raise ConfigError(
+                f"sample {key!r} is {len(block)} bytes; a sample holds at most {MAX_SAMPLE_BYTES}", path=self.dst
+            )
         sizes = tuple(sorted((name, len(data)) for name, data in fields.items()))
         return Sample(key, label, block, "fields", sizes)
 

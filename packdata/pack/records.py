@@ -25,6 +25,7 @@ from zlib_ng.zlib_ng import crc32
 __all__ = [
     "KINDS",
     "MAX_KEY_BYTES",
+    "MAX_SAMPLE_BYTES",
     "RECORD_MAGIC",
     "RecordError",
     "Sample",
@@ -40,6 +41,10 @@ KINDS = ("image", "text", "fields")
 _HEADER = struct.Struct("<4sBiIH")
 MAX_KEY_BYTES = 0xFFFF
 """The longest key a record holds, in UTF-8 bytes (its length is a uint16)."""
+MAX_SAMPLE_BYTES = (1 << 31) - (1 << 20)
+"""The largest sample payload a pack holds, in either format: protobuf parses no
+message over 2 GiB (a ``tf.train.Example``; 1 MiB is left for its other fields)
+and LMDB's values end at 4 GiB."""
 
 
 @dataclass(frozen=True)
