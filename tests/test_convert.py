@@ -378,6 +378,99 @@ def test_resume_names_a_damaged_tfrecord_offsets_index(
     assert not dst.exists()
 
 
+def _set(**values: object) -> Callable[[dict], object]:
+    def edit(state: dict) -> object:
+        state.update(values)
+        return state
+
+    return edit
+
+
+def _shard0(**values: object) -> Callable[[dict], object]:
+    def edit(state: dict) -> object:
+        state["shards"][0].update(values)
+        return state
+
+    return edit
+
+
+_DAMAGED_CHECKPOINTS = {  # how progress.json is damaged -> the field the error names
+    "not JSON": (lambda state: "{", "not JSON"),
+    "nested deeply": (lambda state: "[" * 100_000, "not JSON .maximum recursion depth"),
+    "a list": (lambda state: [state], "a JSON list, not an object"),
+    "a key missing": (lambda state: {k: v for k, v in state.items() if k != "samples_done"}, "it lacks samples_done"),
+    "a string count": (_set(files_done="5"), "files_done should be an integer >= 0, but got files_done='5'"),
+    "a float count": (_set(samples_done=4.0), "samples_done should be an integer >= 0"),
+    "null": (_set(bytes_in=None), "bytes_in should be an integer >= 0, but got bytes_in=None"),
+    "a boolean count": (_set(shard_bytes=True), "shard_bytes should be an integer >= 0"),
+    "a negative report length": (_set(skip_report_bytes=-1), "skip_report_bytes should be an integer >= 0"),
+    "a report length past the report": (_set(skip_report_bytes=10**6), "skip_report_bytes should be at most the 0"),
+    "files walked again": (_set(files_done=0), r"files_done should be samples_done plus the files skipped \(4\)"),
+    "skips as a list": (_set(skipped=["corrupt image"]), "skipped should be an object of reason -> count"),
+    "a skip count as text": (_set(skipped={"empty": "1"}), "skipped should be an object of reason -> count"),
+    "a bad skip example": (_set(skip_examples=[1]), "skip_examples should be a list of at most 20 skip lines"),
+    "fields as text": (_set(field_names="jpg"), "field_names should be a list of distinct strings"),
+    "a field number": (_set(field_names=[1]), "field_names should be a list of distinct strings"),
+    "finishing as text": (_set(finishing="false"), "finishing should be true or false, but got finishing='false'"),
+    "finishing with a shard open": (_set(finishing=True), r"shards should be every shard, 4 samples in all"),
+    "index files as a list": (_set(index_files=[1]), "index_files should be an object of file name -> .size, SHA-256."),
+    "shard_first moved": (_set(shard_first=1), "shard_first should be the 2 samples of the shards listed"),
+    "shards as an object": (_set(shards={}), "shards should be a list"),
+    "a shard as a number": (_set(shards=[1]), r"shards\[0\] should be an object of bytes, file, first_index"),
+    "a shard count as text": (_shard0(num_samples="2"), r"shards\[0\].num_samples should be an integer >= 0"),
+    "a shard moved": (_shard0(first_index=1), r"shards\[0\].first_index should be 0"),
+    "a shard without checksum": (_shard0(sha256=""), r"shards\[0\].sha256 should be 64 lowercase hex digits"),
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGED_CHECKPOINTS))
+def test_resume_names_a_damaged_checkpoint_field_and_changes_nothing(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """Every value in progress.json is checked before a resume truncates, appends or renames by it."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch, shard_samples=2)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_text())
+    assert state["samples_done"] == 4 and len(state["shards"]) == 1 and state["skip_report_bytes"] == 0
+    edit, named = _DAMAGED_CHECKPOINTS[damage]
+    damaged = edit(state)
+    progress.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    before = tree_digest(partial_path(dst))
+    with pytest.raises(
+        PackFormatError, match=f"progress.json: the interrupted conversion's checkpoint is damaged: {named}"
+    ):
+        convert(image_folder, dst, progress=False, resume=True, shard_samples=2)
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
+    result = CliRunner().invoke(main, ["convert", str(image_folder), str(dst), "--resume", "--shard-samples", "2"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output  # one line, no traceback
+    assert result.output.rstrip().endswith("Start the conversion again with --overwrite")
+    convert(image_folder, dst, progress=False, overwrite=True, shard_samples=2)
+    assert verify_pack(dst, progress=False).records == 19
+
+
+@pytest.mark.parametrize("name", ["../victim.tfrecord", "absolute", "skipped.jsonl", "part-00001.tfrecord"])
+def test_resume_renames_no_file_a_checkpoint_names_outside_its_shards(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A TFRecord pack's last step renames the listed shards: only the partial pack's own shard files may be named."""
+    dst = tmp_path / "out"
+    _interrupted_convert(image_folder, dst, monkeypatch, format="tfrecord", shard_samples=2, after=7)
+    victims = {tmp_path / "victim.tfrecord": b"precious records", tmp_path / "victim.tfindex": b"0 16\n"}
+    for path, data in victims.items():
+        path.write_bytes(data)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_text())
+    assert [s["file"] for s in state["shards"]] == ["part-00000.tfrecord", "part-00001.tfrecord"]
+    state["shards"][0]["file"] = os.fspath(tmp_path / "victim.tfrecord") if name == "absolute" else name
+    progress.write_text(json.dumps(state))
+    before = tree_digest(partial_path(dst))
+    with pytest.raises(PackFormatError, match=r"shards\[0\].file should be 'part-00000.tfrecord', but got"):
+        convert(image_folder, dst, progress=False, resume=True, format="tfrecord", shard_samples=2)
+    assert {path: path.read_bytes() for path in victims} == victims
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
+
+
 @pytest.mark.parametrize("kind", ["symlink", "file"])
 def test_a_partial_pack_that_is_not_a_folder_is_named_and_overwrite_replaces_only_it(
     image_folder: Path, tmp_path: Path, kind: str
@@ -626,7 +719,7 @@ def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(m
 
 def test_a_checkpoint_snapshot_does_not_follow_later_skips_or_fields(tmp_path: Path) -> None:
     """A closed shard's checkpoint is taken at hand-off and saved later: skips and fields met since stay out of it."""
-    from packdata.conversion.local import _Checkpoint
+    from packdata.conversion.checkpoint import _Checkpoint
 
     checkpoint = _Checkpoint(tmp_path / "progress.json", {})
     snapshot = checkpoint.state()

@@ -6,18 +6,17 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
-import json
 import os
 import shutil
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.checkpoint import _Checkpoint
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
@@ -39,12 +38,11 @@ from packdata.conversion.publish import (
 from packdata.conversion.sources import Skip
 from packdata.errors import (
     CapacityError,
-    ConfigError,
     SourceError,
     destination_error,
 )
 from packdata.formats import ShardWriter, shard_writer
-from packdata.pack.files import atomic_write, discard_partial, fsync_dir
+from packdata.pack.files import discard_partial, fsync_dir
 from packdata.pack.index import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -58,80 +56,6 @@ _COMMIT_BYTES = 128 << 20
 
 
 _COMMIT_SAMPLES = 20_000
-
-
-class _Checkpoint:
-    """The resumable state of a conversion, saved in ``progress.json``."""
-
-    def __init__(self, path: Path, options: dict[str, Any]) -> None:
-        self.path = path
-        self.options = options
-        self.files_done = 0
-        self.samples_done = 0
-        self.walk = hashlib.sha256()
-        self.skip_report_bytes = 0
-        self.skipped: Counter[str] = Counter()
-        self.skip_examples: list[dict[str, str]] = []
-        self.bytes_in = 0
-        self.reencoded = 0
-        self.shards: list[ShardInfo] = []
-        self.shard_first = 0
-        self.shard_bytes = 0
-        self.walk_expected = ""
-        self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
-        self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
-        self.index_files: dict[str, list[object]] | None = None  # the sample index's sizes and SHA-256s
-
-    def state(self) -> dict[str, Any]:
-        """What :meth:`save` writes, as of now."""
-        return {
-            "options": self.options,
-            "files_done": self.files_done,
-            "samples_done": self.samples_done,
-            "walk_sha256": self.walk.hexdigest(),
-            "skip_report_bytes": self.skip_report_bytes,
-            "skipped": dict(self.skipped),
-            "skip_examples": list(self.skip_examples),  # a copy: a snapshot is saved later (_settle)
-            "bytes_in": self.bytes_in,
-            "reencoded": self.reencoded,
-            "shards": [asdict(s) for s in self.shards],
-            "shard_first": self.shard_first,
-            "shard_bytes": self.shard_bytes,
-            "finishing": self.finishing,
-            "field_names": list(self.field_names),
-            "index_files": self.index_files,
-        }
-
-    def save(self, state: dict[str, Any] | None = None) -> None:
-        """Write the state (by default, as of now) to ``progress.json``, atomically."""
-        atomic_write(self.path, json.dumps(self.state() if state is None else state).encode("utf-8"))
-
-    def load(self) -> dict[str, Any]:
-        state = json.loads(self.path.read_text(encoding="utf-8"))
-        if state["options"] != self.options:
-            raise ConfigError(
-                f"the interrupted conversion used other options ({state['options']})",
-                path=self.path.parent,
-                hint="Resume with the same options, or start again with --overwrite",
-            )
-        for name in (
-            "files_done",
-            "samples_done",
-            "skip_report_bytes",
-            "bytes_in",
-            "reencoded",
-            "shard_first",
-            "shard_bytes",
-        ):
-            setattr(self, name, state[name])
-        self.skipped = Counter(state["skipped"])
-        self.skip_examples = state["skip_examples"]
-        self.shards = [ShardInfo(**s) for s in state["shards"]]
-        self.walk_expected = state["walk_sha256"]
-        self.finishing = bool(state.get("finishing", False))
-        self.field_names = list(state.get("field_names", []))
-        self.index_files = state.get("index_files")  # None from an earlier packdata
-        return state
 
 
 def _convert_local(
@@ -152,7 +76,7 @@ def _convert_local(
         check_resumable(partial)
     resumed = resume and checkpoint.path.is_file()
     if resumed:
-        checkpoint.load()
+        checkpoint.load(shard_writer(opts.format).shard_name)
     elif os.path.lexists(partial):
         if not overwrite and not resume:
             raise interrupted_error(dst, partial)

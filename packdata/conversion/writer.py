@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.checkpoint import _Checkpoint
 from packdata.conversion.load import _Options, ordered_map
-from packdata.conversion.local import _Checkpoint, _Packer
+from packdata.conversion.local import _Packer
 from packdata.conversion.publish import (
     PROGRESS_FILE,
     ConvertResult,

@@ -33,6 +33,7 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "file_sha256",
+    "is_sha256",
     "manifest_checksum",
     "plain_name_problem",
     "read_manifest",
@@ -295,7 +296,7 @@ def _shards(path: Path, value: object, staged: bool) -> list[ShardInfo]:
         first += count
         size = _count(path, f"{where}.bytes", item["bytes"])
         sha = item["sha256"]
-        if not _is_sha256(sha):
+        if not is_sha256(sha):
             raise _field_error(path, f"{where}.sha256", "should be 64 lowercase hex digits", sha)
         shards.append(ShardInfo(file, count, start, size, sha))
     return shards
@@ -326,11 +327,12 @@ def _check_index_sha256(where: Path, digests: object, kind: object) -> None:
         problem = f"should be an object naming each index file once ({', '.join(names)})"
         raise _field_error(where, "index.sha256", problem, digests)
     for name, digest in digests.items():
-        if not _is_sha256(digest):
+        if not is_sha256(digest):
             raise _field_error(where, f"index.sha256.{name}", "should be 64 lowercase hex digits", digest)
 
 
-def _is_sha256(value: object) -> bool:
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a SHA-256 as packdata writes one: 64 lowercase hex digits."""
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 

@@ -1,0 +1,202 @@
+"""The local engine's checkpoint, ``progress.json`` in the partial pack: what it records, and its one loader.
+
+A resume truncates, appends to and renames files by what the checkpoint says,
+so :meth:`_Checkpoint.load` checks every value (types, ranges, how they add up,
+shard names, the skip report's length) before any is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import reprlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from packdata.conversion.publish import MAX_SKIP_EXAMPLES, SKIP_REPORT
+from packdata.errors import ConfigError, PackFormatError
+from packdata.pack.files import atomic_write
+from packdata.pack.manifest import ShardInfo, is_sha256
+
+__all__: list[str] = []
+
+_COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
+_REQUIRED = ("options", "walk_sha256", "skipped", "skip_examples", "shards", *_COUNTS)
+_SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
+_EXAMPLE_KEYS = {"key", "reason", "detail"}
+
+
+class _Checkpoint:
+    """The resumable state of a conversion, saved in ``progress.json``."""
+
+    def __init__(self, path: Path, options: dict[str, Any]) -> None:
+        self.path = path
+        self.options = options
+        self.files_done = 0
+        self.samples_done = 0
+        self.walk = hashlib.sha256()
+        self.skip_report_bytes = 0
+        self.skipped: Counter[str] = Counter()
+        self.skip_examples: list[dict[str, str]] = []
+        self.bytes_in = 0
+        self.reencoded = 0
+        self.shards: list[ShardInfo] = []
+        self.shard_first = 0
+        self.shard_bytes = 0
+        self.walk_expected = ""
+        self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
+        self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
+        self.index_files: dict[str, list[object]] | None = None  # the sample index's sizes and SHA-256s
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`save` writes, as of now."""
+        return {
+            "options": self.options,
+            "files_done": self.files_done,
+            "samples_done": self.samples_done,
+            "walk_sha256": self.walk.hexdigest(),
+            "skip_report_bytes": self.skip_report_bytes,
+            "skipped": dict(self.skipped),
+            "skip_examples": list(self.skip_examples),  # a copy: a snapshot is saved later (_settle)
+            "bytes_in": self.bytes_in,
+            "reencoded": self.reencoded,
+            "shards": [asdict(s) for s in self.shards],
+            "shard_first": self.shard_first,
+            "shard_bytes": self.shard_bytes,
+            "finishing": self.finishing,
+            "field_names": list(self.field_names),
+            "index_files": self.index_files,
+        }
+
+    def save(self, state: dict[str, Any] | None = None) -> None:
+        """Write the state (by default, as of now) to ``progress.json``, atomically."""
+        atomic_write(self.path, json.dumps(self.state() if state is None else state).encode("utf-8"))
+
+    def load(self, shard_name: Callable[[int], str]) -> None:
+        """Take the saved state, every value checked first (``shard_name``: the format's name of shard ``i``).
+
+        Raises:
+            ConfigError: the interrupted conversion used other options.
+            PackFormatError: ``progress.json`` is not a checkpoint packdata wrote (naming the first bad field).
+        """
+        state = _checked_state(self.path, self.options, shard_name)
+        for name in _COUNTS:
+            setattr(self, name, state[name])
+        self.skipped = Counter(state["skipped"])
+        self.skip_examples = state["skip_examples"]
+        self.shards = [ShardInfo(**s) for s in state["shards"]]
+        self.walk_expected = state["walk_sha256"]
+        self.finishing = state.get("finishing", False)
+        self.field_names = state.get("field_names", [])
+        self.index_files = state.get("index_files")  # None from an earlier packdata
+
+
+def _damaged(path: Path, what: str) -> PackFormatError:
+    return PackFormatError(
+        f"the interrupted conversion's checkpoint is damaged: {what}",
+        path=path,
+        hint="Start the conversion again with --overwrite",
+    )
+
+
+def _bad(path: Path, field: str, should: str, value: object) -> PackFormatError:
+    return _damaged(path, f"{field} should be {should}, but got {field}={reprlib.repr(value)}")
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[int], str]) -> dict[str, Any]:
+    """``progress.json`` parsed, with each value of the right type and range and all of them agreeing.
+
+    Agreeing: each file walked gave a sample or a skip; the shards are named
+    ``shard_name(0)``, ``shard_name(1)``, ... and their samples follow one
+    another up to ``shard_first`` (up to ``samples_done`` once ``finishing``);
+    the skip report holds at least the bytes the checkpoint kept of it.
+    """
+    try:
+        state = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested past Python's stack
+        raise _damaged(path, f"not JSON ({exc})") from exc
+    if not isinstance(state, dict):
+        raise _damaged(path, f"a JSON {type(state).__name__}, not an object")
+    for name in _REQUIRED:
+        if name not in state:
+            raise _damaged(path, f"it lacks {name}")
+    if state["options"] != options:
+        raise ConfigError(
+            f"the interrupted conversion used other options ({state['options']})",
+            path=path.parent,
+            hint="Resume with the same options, or start again with --overwrite",
+        )
+    for name in _COUNTS:
+        if not _is_count(state[name]):
+            raise _bad(path, name, "an integer >= 0", state[name])
+    if not is_sha256(state["walk_sha256"]):
+        raise _bad(path, "walk_sha256", "64 lowercase hex digits", state["walk_sha256"])
+    skipped = state["skipped"]
+    if not isinstance(skipped, dict) or not all(_is_count(n) for n in skipped.values()):
+        raise _bad(path, "skipped", "an object of reason -> count", skipped)
+    walked = state["samples_done"] + sum(skipped.values())
+    if state["files_done"] != walked:
+        raise _bad(path, "files_done", f"samples_done plus the files skipped ({walked})", state["files_done"])
+    examples = state["skip_examples"]
+    if not (
+        isinstance(examples, list)
+        and len(examples) <= MAX_SKIP_EXAMPLES
+        and all(isinstance(e, dict) and set(e) == _EXAMPLE_KEYS for e in examples)
+        and all(isinstance(v, str) for e in examples for v in e.values())
+    ):
+        raise _bad(path, "skip_examples", f"a list of at most {MAX_SKIP_EXAMPLES} skip lines", examples)
+    finishing = state.get("finishing", False)  # absent from an earlier packdata's
+    if not isinstance(finishing, bool):
+        raise _bad(path, "finishing", "true or false", finishing)
+    _check_shards(path, state, shard_name)
+    names = state.get("field_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise _bad(path, "field_names", "a list of distinct strings", names)
+    kept = state.get("index_files")
+    if kept is not None and not (
+        isinstance(kept, dict)
+        and all(isinstance(v, list) and len(v) == 2 and _is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
+    ):
+        raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
+    report = path.parent / SKIP_REPORT
+    size = report.stat().st_size if report.is_file() else 0
+    if state["skip_report_bytes"] > size:
+        raise _bad(path, "skip_report_bytes", f"at most the {size} bytes of {SKIP_REPORT}", state["skip_report_bytes"])
+    return state
+
+
+def _check_shards(path: Path, state: dict[str, Any], shard_name: Callable[[int], str]) -> None:
+    """The closed shards: named as the format numbers them (never a path), their samples following one another."""
+    shards = state["shards"]
+    if not isinstance(shards, list):
+        raise _bad(path, "shards", "a list", shards)
+    first = 0
+    for i, shard in enumerate(shards):
+        where = f"shards[{i}]"
+        if not isinstance(shard, dict) or set(shard) != _SHARD_KEYS:
+            raise _bad(path, where, f"an object of {', '.join(sorted(_SHARD_KEYS))}", shard)
+        if shard["file"] != shard_name(i):
+            raise _bad(path, f"{where}.file", repr(shard_name(i)), shard["file"])
+        for key in ("num_samples", "bytes"):
+            if not _is_count(shard[key]):
+                raise _bad(path, f"{where}.{key}", "an integer >= 0", shard[key])
+        if shard["first_index"] != first:
+            raise _bad(
+                path, f"{where}.first_index", f"{first} (the samples of the shards before)", shard["first_index"]
+            )
+        if not is_sha256(shard["sha256"]):
+            raise _bad(path, f"{where}.sha256", "64 lowercase hex digits", shard["sha256"])
+        first += shard["num_samples"]
+    if state.get("finishing") is True:  # the last shard is closed and listed too
+        if not shards or first != state["samples_done"] or shards[-1]["first_index"] != state["shard_first"]:
+            raise _bad(path, "shards", f"every shard, {state['samples_done']} samples in all (finishing)", shards)
+    elif state["shard_first"] != first or first > state["samples_done"]:
+        raise _bad(path, "shard_first", f"the {first} samples of the shards listed", state["shard_first"])
