@@ -305,6 +305,58 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize(
+    ("damaged", "error"),
+    [
+        ("{", r"ray-plan.json: the interrupted conversion's plan is damaged: not JSON"),
+        ("[1]", r"other options \(\[1\]\)"),
+    ],
+)
+def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, damaged: str, error: str) -> None:
+    """ray-plan.json is read before Ray starts: a damaged one was a raw JSONDecodeError or AttributeError."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.errors import ConfigError, PackFormatError
+
+    dst = tmp_path / "out.lmdb"
+    _prepare_partial(
+        partial_path(dst),
+        dst,
+        _Options("lmdb", "image", "skip", False, None, 90, None, 10),
+        overwrite=False,
+        resume=False,
+    )
+    (partial_path(dst) / "ray-plan.json").write_text(damaged)
+    with pytest.raises((PackFormatError, ConfigError), match=rf"{error}.*--overwrite"):
+        packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
+
+
+@pytest.mark.ray
+def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A result.json's counts are added into the pack: one of the wrong type or disagreeing is never used."""
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = _interrupted_tfrecord_run(clean_folder, dst)
+    results = {int(p.parent.name): p for p in (partial / TASKS_DIR).glob("*/result.json")}
+    assert len(results) >= 2  # with 2 CPUs, two tasks had finished when the last one started
+    first, second = sorted(results)[:2]
+    saved = {n: json.loads(results[n].read_text()) for n in (first, second)}
+    assert saved[first]["samples"] == saved[first]["shard"]["num_samples"] == 10
+    saved[first]["samples"] = "10"  # a string: a raw TypeError in the gather
+    saved[second]["samples"] = saved[second]["shard"]["num_samples"] = 9  # one sample short of its index
+    saved[second]["skipped"] = {"lost": 1}  # so the entries still add up
+    for n, data in saved.items():
+        results[n].write_text(json.dumps(data))
+    packdata.convert(clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
+    packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local", dst)
+    assert packdata.verify_pack(dst, progress=False).records == N_CLASSES * PER_CLASS + 1
+
+
+@pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     from packdata.conversion.load import _Options
     from packdata.conversion.ray_gather import _prepare_partial

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.publish import MAX_SKIP_EXAMPLES, SKIP_REPORT
+from packdata.conversion.publish import MAX_SKIP_EXAMPLES, SKIP_REPORT, is_count, is_skip_counts, is_skip_lines
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -27,7 +27,6 @@ __all__: list[str] = []
 _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
 _REQUIRED = ("options", "walk_sha256", "skipped", "skip_examples", "shards", *_COUNTS)
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
-_EXAMPLE_KEYS = {"key", "reason", "detail"}
 
 
 class _Checkpoint:
@@ -107,10 +106,6 @@ def _bad(path: Path, field: str, should: str, value: object) -> PackFormatError:
     return _damaged(path, f"{field} should be {should}, but got {field}={reprlib.repr(value)}")
 
 
-def _is_count(value: object) -> bool:
-    return type(value) is int and value >= 0
-
-
 def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[int], str]) -> dict[str, Any]:
     """``progress.json`` parsed, with each value of the right type and range and all of them agreeing.
 
@@ -135,24 +130,18 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
             hint="Resume with the same options, or start again with --overwrite",
         )
     for name in _COUNTS:
-        if not _is_count(state[name]):
+        if not is_count(state[name]):
             raise _bad(path, name, "an integer >= 0", state[name])
     if not is_sha256(state["walk_sha256"]):
         raise _bad(path, "walk_sha256", "64 lowercase hex digits", state["walk_sha256"])
     skipped = state["skipped"]
-    if not isinstance(skipped, dict) or not all(_is_count(n) for n in skipped.values()):
+    if not is_skip_counts(skipped):
         raise _bad(path, "skipped", "an object of reason -> count", skipped)
     walked = state["samples_done"] + sum(skipped.values())
     if state["files_done"] != walked:
         raise _bad(path, "files_done", f"samples_done plus the files skipped ({walked})", state["files_done"])
-    examples = state["skip_examples"]
-    if not (
-        isinstance(examples, list)
-        and len(examples) <= MAX_SKIP_EXAMPLES
-        and all(isinstance(e, dict) and set(e) == _EXAMPLE_KEYS for e in examples)
-        and all(isinstance(v, str) for e in examples for v in e.values())
-    ):
-        raise _bad(path, "skip_examples", f"a list of at most {MAX_SKIP_EXAMPLES} skip lines", examples)
+    if not is_skip_lines(state["skip_examples"]):
+        raise _bad(path, "skip_examples", f"a list of at most {MAX_SKIP_EXAMPLES} skip lines", state["skip_examples"])
     finishing = state.get("finishing", False)  # absent from an earlier packdata's
     if not isinstance(finishing, bool):
         raise _bad(path, "finishing", "true or false", finishing)
@@ -163,7 +152,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     kept = state.get("index_files")
     if kept is not None and not (
         isinstance(kept, dict)
-        and all(isinstance(v, list) and len(v) == 2 and _is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
+        and all(isinstance(v, list) and len(v) == 2 and is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
     ):
         raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
     report = path.parent / SKIP_REPORT
@@ -186,7 +175,7 @@ def _check_shards(path: Path, state: dict[str, Any], shard_name: Callable[[int],
         if shard["file"] != shard_name(i):
             raise _bad(path, f"{where}.file", repr(shard_name(i)), shard["file"])
         for key in ("num_samples", "bytes"):
-            if not _is_count(shard[key]):
+            if not is_count(shard[key]):
                 raise _bad(path, f"{where}.{key}", "an integer >= 0", shard[key])
         if shard["first_index"] != first:
             raise _bad(

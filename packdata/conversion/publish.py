@@ -41,6 +41,9 @@ __all__ = [
     "check_resumable",
     "extend_classes",
     "interrupted_error",
+    "is_count",
+    "is_skip_counts",
+    "is_skip_lines",
     "make_result",
     "partial_path",
     "record_skip",
@@ -417,6 +420,26 @@ def record_skip(
     if read_error and len(examples) < MAX_SKIP_EXAMPLES:
         examples.append(line)
     report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def is_count(value: object) -> bool:
+    """Whether ``value``, read from a file, is a count: an integer (never a boolean) >= 0."""
+    return type(value) is int and value >= 0
+
+
+def is_skip_counts(value: object) -> bool:
+    """Whether ``value``, read from a file, is skip counts as :func:`record_skip` keeps them (reason -> count)."""
+    return isinstance(value, dict) and all(is_count(n) for n in value.values())
+
+
+def is_skip_lines(value: object) -> bool:
+    """Whether ``value``, read from a file, is skip examples as :func:`record_skip` keeps them (:func:`skip_line`)."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_SKIP_EXAMPLES
+        and all(isinstance(e, dict) and set(e) == {"key", "reason", "detail"} for e in value)
+        and all(isinstance(v, str) for e in value for v in e.values())
+    )
 
 
 def bad_file_error(root: Path | str, line: dict[str, str]) -> SourceError:

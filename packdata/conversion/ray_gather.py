@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import shutil
 from collections import Counter
 from dataclasses import asdict
@@ -25,6 +26,9 @@ from packdata.conversion.publish import (
     SKIP_REPORT,
     check_resumable,
     interrupted_error,
+    is_count,
+    is_skip_counts,
+    is_skip_lines,
 )
 from packdata.conversion.ray_remote import (
     RemoteTarget,
@@ -32,7 +36,7 @@ from packdata.conversion.ray_remote import (
     objects_complete,
 )
 from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write, discard_partial, file_sha256
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
@@ -95,7 +99,31 @@ def _saved_result(
         return None
     if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
         return None
-    return saved
+    return saved if _adds_up(partial, task, saved) else None
+
+
+def _adds_up(partial: Path, task: ShardTask, saved: dict[str, Any]) -> bool:
+    """Whether a saved result holds what :class:`_Gatherer` adds, of the right types and agreeing with its task.
+
+    Agreeing: each entry a sample or a skip, the shard holding the samples, the index fragment one label a sample.
+    """
+    names = saved.get("field_names")
+    if not (
+        all(is_count(saved.get(key)) for key in ("samples", "bytes_in", "reencoded"))
+        and is_skip_counts(saved.get("skipped"))
+        and is_skip_lines(saved.get("skip_examples"))
+        and isinstance(names, list)
+        and all(isinstance(n, str) for n in names)
+        and len(set(names)) == len(names)
+    ):
+        return False
+    samples, shard = saved["samples"], saved.get("shard")
+    if saved.get("entries") != len(task.entries) or samples + sum(saved["skipped"].values()) != len(task.entries):
+        return False
+    if (shard is None) != (samples == 0) or (shard is not None and shard.get("num_samples") != samples):
+        return False
+    labels = _task_dir(partial, task.number) / INDEX_DIR / LABELS_FILE
+    return labels.is_file() and labels.stat().st_size == 4 * samples
 
 
 def _holds_shard(data: Path, shard: dict[str, Any]) -> bool:
@@ -198,10 +226,18 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
         check_resumable(partial)
     if os.path.lexists(partial):
         if resume and plan.is_file():
-            saved = json.loads(plan.read_text(encoding="utf-8"))
+            try:
+                saved = json.loads(plan.read_bytes())
+            except (ValueError, RecursionError) as exc:
+                raise PackFormatError(
+                    f"the interrupted conversion's plan is damaged: not JSON ({exc})",
+                    path=plan,
+                    hint="Start the conversion again with --overwrite",
+                ) from exc
             if saved != state:
+                options = saved.get("options") if isinstance(saved, dict) else saved
                 raise ConfigError(
-                    f"the interrupted conversion used other options ({saved.get('options')})",
+                    f"the interrupted conversion used other options ({reprlib.repr(options)})",
                     path=partial,
                     hint="Resume with the same options, or start again with --overwrite",
                 )
