@@ -363,6 +363,24 @@ def test_a_resumed_pack_equals_an_uninterrupted_one_index_included(
     assert verify_pack(tmp_path / "resumed.lmdb", progress=False).records == 19  # raises on a digest that differs
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_resume_names_a_closed_shard_gone_or_cut_since_the_interruption(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, damage: str
+) -> None:
+    """A shard closed before the interruption is listed from the checkpoint: it must still be the file closed."""
+    dst = tmp_path / f"out.{fmt}"
+    _interrupted_convert(image_folder, dst, monkeypatch, after=7, format=fmt, shard_samples=2)
+    data = partial_path(dst) / ("shard-00000.lmdb/data.mdb" if fmt == "lmdb" else "part-00000.tfrecord")
+    if damage == "deleted":
+        data.unlink()
+    else:
+        os.truncate(data, data.stat().st_size - 1)
+    with pytest.raises(PackFormatError, match="a shard of the interrupted conversion is"):
+        convert(image_folder, dst, progress=False, resume=True, format=fmt, shard_samples=2)
+    assert not dst.exists()
+
+
 @pytest.mark.parametrize("line", [b"0 x", b"0", b"5 1000", b"-16 16"])
 def test_resume_names_a_damaged_tfrecord_offsets_index(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -38,11 +39,12 @@ from packdata.conversion.publish import (
 from packdata.conversion.sources import Skip
 from packdata.errors import (
     CapacityError,
+    PackFormatError,
     SourceError,
     destination_error,
 )
-from packdata.formats import ShardWriter, shard_writer
-from packdata.pack.files import discard_partial, fsync_dir
+from packdata.formats import ShardWriter, get_format, shard_writer
+from packdata.pack.files import discard_partial, file_kind, fsync_dir
 from packdata.pack.index import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -129,6 +131,33 @@ def _convert_local(
         reencoded=checkpoint.reencoded,
         resumed=resumed,
         started=started,
+    )
+
+
+def _check_shard_files(partial: Path, fmt: str, shards: list[ShardInfo], final: list[ShardInfo]) -> None:
+    """Each shard's data file is a regular file of the size closing it recorded (a resume trusts no earlier run's).
+
+    A shard is under its name while written or, once a killed run renamed it, its ``final`` name.
+
+    Raises:
+        PackFormatError: a shard file is missing, not a regular file, or of another size.
+    """
+    data_name = get_format(fmt).data_name
+    for shard, named in zip(shards, final, strict=True):
+        path = partial / data_name(shard.file)
+        if not os.path.lexists(path):
+            path = partial / data_name(named.file)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise _shard_changed(partial / data_name(shard.file), "is missing") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != shard.bytes:
+            raise _shard_changed(path, f"is {file_kind(st.st_mode)} of {st.st_size} bytes, closed at {shard.bytes}")
+
+
+def _shard_changed(path: Path, what: str) -> PackFormatError:
+    return PackFormatError(
+        f"a shard of the interrupted conversion {what}", path=path, hint="Start the conversion again with --overwrite"
     )
 
 
@@ -351,6 +380,8 @@ class _Packer:
             self.cp.finishing = True
             self.cp.save()
         extend_classes(self.source, self.partial)
+        final = self.writer_cls.final_shards(self.partial, list(self.cp.shards))
+        _check_shard_files(self.partial, self.opts.format, self.cp.shards, final)
         shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
         manifest = _make_manifest(
             self.source,
