@@ -75,12 +75,18 @@ def decoding_errors() -> Iterator[None]:
     Wrap an image decode in it (``with decoding_errors(): ...``): PIL raises
     ``OSError`` (``image file is truncated``), ``SyntaxError``, ``EOFError`` or
     ``struct.error`` there, which a dataset cannot tell from its own failures.
-    ``ImageFormatError`` passes unchanged.
+    An image over PIL's decompression-bomb limit (``DecompressionBombError``,
+    not an ``OSError``) is refused the same way. ``ImageFormatError`` passes unchanged.
     """
     try:
         yield
     except ImageFormatError:
         raise
+    except Image.DecompressionBombError as exc:
+        raise ImageFormatError(
+            f"image is too large to decode ({exc})",
+            hint="If the image is genuine, raise PIL.Image.MAX_IMAGE_PIXELS in the process that decodes it",
+        ) from exc
     except (OSError, SyntaxError, EOFError, ValueError, struct.error) as exc:
         raise ImageFormatError(
             f"image data is truncated or damaged ({exc})",
