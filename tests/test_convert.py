@@ -620,7 +620,7 @@ def test_an_image_of_a_few_bytes_is_skipped_as_corrupt(image_folder: Path, tmp_p
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "SKIPPED 3 files: 3 corrupt image" in result.output
-    assert "cat/two.png: corrupt image: not a recognised image format" in result.output
+    assert "cat/two.png: corrupt image: not an image in a known format" in result.output
     assert len(LMDBDataset(tmp_path / "out.lmdb")) == 19
 
 

@@ -146,7 +146,7 @@ def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
     except ImageFormatError as exc:
         if exc.detected is not None:
             return "unsupported image format", str(exc)
-        return "corrupt image", "not a recognised image format"
+        return "corrupt image", exc.message
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         return "corrupt image", str(exc)
     return data

@@ -11,7 +11,15 @@ from PIL import Image, UnidentifiedImageError
 
 from packdata.errors import ImageFormatError
 
-__all__ = ["IMAGE_EXTENSIONS", "IMAGE_FORMATS", "JPEG_QUALITY", "decoding_errors", "encode_image", "open_image"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "IMAGE_FORMATS",
+    "JPEG_QUALITY",
+    "SCAN_LIMIT",
+    "decoding_errors",
+    "encode_image",
+    "open_image",
+]
 
 #: File extensions packed as images (any letter case), and the image field names.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -23,6 +31,11 @@ IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 
 #: The JPEG quality a PIL image given for a ``jpg`` field is saved at.
 JPEG_QUALITY = 95
+
+#: The scans one JPEG may have. A progressive JPEG's scans each pass over every
+#: block of the image, and a crafted file of a few kilobytes a scan can hold
+#: thousands (a valid one needs at most about 2,700; encoders write about 10).
+SCAN_LIMIT = 500
 
 _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF"}
 _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
@@ -52,8 +65,16 @@ def open_image(data: bytes) -> Image.Image:
 
     Raises:
         ImageFormatError: the bytes are in another format (named when PIL knows
-            it, e.g. EPS or PPM) or in none.
+            it, e.g. EPS or PPM) or in none, or are a JPEG of more than
+            :data:`SCAN_LIMIT` scans (PIL's decoder has no such limit).
     """
+    if data[:2] == b"\xff\xd8":
+        scans = bytes(data).count(b"\xff\xda")  # SOS markers (at most: only metadata, never scan data, holds FF DA)
+        if scans > SCAN_LIMIT:
+            raise ImageFormatError(
+                f"JPEG has {scans} start-of-scan markers, more than the {SCAN_LIMIT} scans packdata decodes",
+                hint="Each scan of a progressive JPEG is a pass over the whole image; re-encode it if it is genuine",
+            )
     try:
         return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 
 from packdata.errors import ImageFormatError
+from packdata.pack.images import SCAN_LIMIT
 
 __all__ = ["TurboJPEG", "turbojpeg"]
 
@@ -36,7 +37,6 @@ _DECOMPRESS = 1  # TJINIT_DECOMPRESS
 _STOPONWARNING, _SUBSAMP, _WIDTH, _HEIGHT, _PRECISION, _SCANLIMIT = 0, 4, 5, 6, 7, 13  # TJPARAM_*
 _PF_RGB = 0  # TJPF_RGB
 _MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # tjMCUWidth, by TJSAMP_* (444, 422, 420, GRAY, 440, 411, 441)
-SCAN_LIMIT = 500  # progressive scans one JPEG may have (a crafted file can hold thousands: CPU for nothing)
 
 
 class _Region(ctypes.Structure):

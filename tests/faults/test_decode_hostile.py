@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import re
+import struct
 from pathlib import Path
 
 import pytest
 from conftest import image_bytes
+from PIL import Image
 from torch.utils.data import DataLoader
 
 import packdata
 from packdata.errors import ImageFormatError
+from packdata.pack.images import SCAN_LIMIT
+from packdata.reading.decode import decode_pil
+from packdata.reading.turbo import turbojpeg
 
 
 def _huge_jpeg() -> bytes:
@@ -47,3 +53,70 @@ def test_an_image_field_over_the_decompression_bomb_limit_is_named(tmp_path: Pat
     with pytest.raises(ImageFormatError, match=re.escape(f"{pack}: sample 'k' (index 0), field 'jpg': image is too")):
         packdata.LMDBDataset(pack)[0]
     assert packdata.LMDBDataset(pack, fields=("txt",))[0] == ("a caption",)
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes((0xFF, marker)) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def _progressive_jpeg(side: int, scans: int) -> bytes:
+    """A flat grey ``side`` x ``side`` progressive JPEG of ``scans`` scans, its progression valid (up to 883 scans).
+
+    A DC scan, then per AC coefficient a first scan at bit 13 and its 13
+    refinements; every coefficient is 0, so a scan is one end-of-band run over
+    all blocks (``side`` a power of two): a few bytes, yet a pass over the image.
+    """
+    blocks = (side // 8) ** 2
+    run = min(blocks.bit_length() - 1, 14)  # EOBRUN of 2**run blocks: Huffman code "0" and run zero bits
+    bits = (blocks >> run) * (1 + run)
+    ac_data = b"\x00" * (bits // 8) + (bytes((0xFF >> bits % 8,)) if bits % 8 else b"")  # padded with 1 bits
+    table = bytes((1,) + (0,) * 15)  # one Huffman code, "0"
+    out = [b"\xff\xd8", _segment(0xDB, b"\x00" + b"\x01" * 64)]
+    out.append(_segment(0xC2, struct.pack(">BHHB", 8, side, side, 1) + b"\x01\x11\x00"))
+    out += [_segment(0xC4, b"\x00" + table + b"\x00"), _segment(0xC4, b"\x10" + table + bytes((run << 4,)))]
+    out.append(_segment(0xDA, b"\x01\x01\x00\x00\x00\x00") + b"\x00" * (blocks // 8))  # DC: code "0" a block
+    plan = [(k, 0, 13) for k in range(1, 64)] + [(k, a + 1, a) for a in range(12, -1, -1) for k in range(1, 64)]
+    for k, high, low in plan[: scans - 1]:
+        out.append(_segment(0xDA, b"\x01\x01\x00" + bytes((k, k, high << 4 | low))) + ac_data)
+    return b"".join(out) + b"\xff\xd9"
+
+
+DECODERS = [
+    pytest.param(decode_pil, id="pil"),
+    pytest.param(packdata.DecodeJPEG(224), id="jpeg"),
+    pytest.param(packdata.DecodeCrop(32, seed=0, turbo=False), id="crop"),
+    pytest.param(
+        packdata.DecodeCrop(32, seed=0, turbo=True) if turbojpeg() else None,
+        id="crop-turbo",
+        marks=pytest.mark.skipif(turbojpeg() is None, reason="no TurboJPEG 3 library"),
+    ),
+]
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_a_jpeg_of_more_scans_than_the_limit_is_refused_before_decoding(decode) -> None:
+    """PIL's libjpeg has no scan limit: 883 scans of a 4096x4096 grey JPEG (70 KB) took 3 s, 5,883 scans as long.
+
+    Only TurboJPEG stopped at 500 scans, after decoding them. Now every decoder
+    refuses such a file from its markers, and a JPEG of 500 scans still decodes.
+    """
+    assert decode(_progressive_jpeg(64, SCAN_LIMIT)).getextrema() == ((128, 128),) * 3  # flat grey
+    with pytest.raises(ImageFormatError, match=r"JPEG has 883 start-of-scan markers, more than the 500 scans"):
+        decode(_progressive_jpeg(4096, 883))
+
+
+def test_a_progressive_jpeg_as_encoders_write_it_decodes() -> None:
+    out = io.BytesIO()
+    Image.open(io.BytesIO(image_bytes(3))).save(out, "JPEG", progressive=True)
+    assert decode_pil(out.getvalue()).size == (64, 48)
+
+
+def test_convert_skips_a_jpeg_of_too_many_scans_saying_so(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    (src / "cat" / "scans.jpg").write_bytes(_progressive_jpeg(64, SCAN_LIMIT + 1))
+    (src / "cat" / "fine.jpg").write_bytes(image_bytes(2))
+    result = packdata.convert(src, tmp_path / "p.lmdb", verify_images=True, progress=False)
+    assert result.skipped == {"corrupt image": 1}
+    assert result.skip_examples[0]["key"] == "cat/scans.jpg"
+    assert result.skip_examples[0]["detail"].startswith("JPEG has 501 start-of-scan markers")
