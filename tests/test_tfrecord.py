@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import assert_index_digests, flip_label, image_bytes
+from google.protobuf.message import DecodeError as ProtobufDecodeError
 from tfrecord import example_pb2
 from tfrecord.reader import tfrecord_loader
 from torch.utils.data import DataLoader
@@ -510,6 +511,55 @@ def test_parser_agrees_with_protobuf_on_random_examples() -> None:
         cut = blob[: int(rng.integers(1, len(blob)))]
         with pytest.raises(RecordError):
             parse_example(cut)
+
+
+def _field(tag: int, body: bytes, length: int | None = None) -> bytes:
+    """Protobuf field ``tag`` (its key byte) holding ``body``, its length ``length`` when given (a lie)."""
+    n = len(body) if length is None else length
+    return bytes((tag,)) + (bytes((n,)) if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7))) + body
+
+
+_KEY_ENTRY = _field(0x0A, _field(0x0A, b"image/filename") + _field(0x12, _field(0x0A, _field(0x0A, b"k.txt"))))
+_TEXT = _field(0x0A, b"text/encoded")
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        # the text value claims the next feature's bytes too; its own feature ends after "hello"
+        _field(
+            0x0A, _field(0x0A, _TEXT + _field(0x12, _field(0x0A, _field(0x0A, b"hello" + _KEY_ENTRY))), 25) + _KEY_ENTRY
+        ),
+        # a feature longer than the features holding it (the rest would be read as Example fields)
+        _field(0x0A, _field(0x0A, _TEXT + _field(0x12, _field(0x0A, _field(0x0A, b"hello")))), 3)
+        + _field(0x0A, _KEY_ENTRY),
+        # a label's packed values run past their list, and an unpacked one past its list
+        _field(
+            0x0A,
+            _field(0x0A, _TEXT + _field(0x12, _field(0x0A, _field(0x0A, b"hi"))))
+            + _field(0x0A, _field(0x0A, b"image/class/label") + _field(0x12, _field(0x1A, _field(0x0A, b"\x05", 9)))),
+        )
+        + _KEY_ENTRY,
+        _field(
+            0x0A,
+            _field(0x0A, _TEXT + _field(0x12, _field(0x0A, _field(0x0A, b"hi"))))
+            + _field(0x0A, _field(0x0A, b"image/class/label") + _field(0x12, _field(0x1A, b"\x08\x85", 2) + b"\x01")),
+        )
+        + _KEY_ENTRY,
+    ],
+    ids=["value-past-feature", "feature-past-features", "packed-past-list", "varint-past-list"],
+)
+def test_a_length_that_runs_past_its_enclosing_message_is_refused_as_protobuf_does(blob: bytes) -> None:
+    """Each nested length must end inside its parent: before, the first read the next feature as text.
+
+    On the previous commit the parser returned b"hello" plus the filename
+    feature's bytes as the text, read a feature that its features do not hold,
+    or a label from outside its list.
+    """
+    with pytest.raises(ProtobufDecodeError, match="Error parsing message"):
+        example_pb2.Example().ParseFromString(blob)
+    with pytest.raises(RecordError, match=r"runs? past"):
+        parse_example(blob)
 
 
 def test_payload_table_used_when_valid_and_ignored_when_stale(tf_images: Path, tmp_path: Path) -> None:

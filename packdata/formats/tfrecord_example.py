@@ -301,13 +301,17 @@ def _first_value(buf: memoryview, pos: int, end: int) -> tuple[str, memoryview |
                     raise RecordError("a bytes value runs past its list")
                 value = buf[inner : inner + m]
             elif tag == 0x08 and field == 3:
-                value = _varint(buf, inner)[0]
+                value, inner = _varint(buf, inner)
             elif tag == 0x0A and field == 3:  # packed int64
                 m, inner = _varint(buf, inner)
+                if inner + m > list_end:
+                    raise RecordError("packed int64 values run past their list")
                 value = _varint(buf, inner)[0] if m else None
                 inner += m
             else:
                 inner = _skip(buf, inner, tag & 7)
+            if inner > list_end:
+                raise RecordError("a value runs past its list")
         pos = list_end
     return kind, value
 
@@ -330,6 +334,8 @@ def _features(
                 continue
             n, pos = _varint(buf, pos)
             features_end = pos + n
+            if features_end > end:
+                raise RecordError("features run past the message")
             while pos < features_end:
                 if buf[pos] != 0x0A:  # not a Features.feature map entry
                     tag, pos = _varint(buf, pos)
@@ -341,6 +347,8 @@ def _features(
                 else:
                     pos += 2
                 entry_end = pos + n
+                if entry_end > features_end:
+                    raise RecordError("a feature runs past its features")
                 name = b""
                 value_span = None
                 while pos < entry_end:
@@ -354,6 +362,8 @@ def _features(
                         m, pos = _varint(buf, pos + 1)
                     else:
                         pos += 2
+                    if pos + m > entry_end:
+                        raise RecordError("a feature's name or value runs past the feature")
                     if tag == 0x0A:
                         name = bytes(buf[pos : pos + m])
                     else:
@@ -363,7 +373,10 @@ def _features(
                     found[name] = _first_value(buf, *value_span)
                     if spans is not None:
                         spans[name] = value_span
-                pos = entry_end
+                if pos != entry_end:
+                    raise RecordError("a field runs past its feature")
+            if pos != features_end:
+                raise RecordError("a field runs past its features")
         if pos != end:
             raise RecordError("message ends inside a field")
     except IndexError:
