@@ -139,7 +139,7 @@ def decode_npy(data: bytes) -> np.ndarray:
             raise ValueError(f"its header asks for {needed} bytes of array data, {len(data) - stream.tell()} follow")
         stream.seek(0)
         return npy_format.read_array(stream, allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
+    except (ValueError, EOFError, OSError, TypeError, OverflowError) as exc:  # the last two: a shape numpy cannot take
         raise DecodeError(f".npy array cannot be read ({exc})", hint=_DAMAGED) from exc
 
 

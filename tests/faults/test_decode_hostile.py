@@ -120,3 +120,25 @@ def test_convert_skips_a_jpeg_of_too_many_scans_saying_so(tmp_path: Path) -> Non
     assert result.skipped == {"corrupt image": 1}
     assert result.skip_examples[0]["key"] == "cat/scans.jpg"
     assert result.skip_examples[0]["detail"].startswith("JPEG has 501 start-of-scan markers")
+
+
+def _npy(header: str, body: bytes) -> bytes:
+    """A version-1 ``.npy`` file of ``header`` (a dict literal, padded as numpy pads it) and ``body``."""
+    text = header.encode("latin1")
+    text += b" " * (-(10 + len(text) + 1) % 16) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + body
+
+
+def test_an_npy_header_whose_shape_numpy_cannot_take_is_named(tmp_path: Path) -> None:
+    """A shape of True, or of 2**70 items of 0 bytes, passed the length check and left numpy as a bare error."""
+    rows = [
+        {"__key__": "bool", "npy": _npy("{'descr': '<f8', 'fortran_order': False, 'shape': (True,), }", bytes(8))},
+        {"__key__": "huge", "npy": _npy(f"{{'descr': '|S0', 'fortran_order': False, 'shape': ({2**70},), }}", b"")},
+    ]
+    pack = tmp_path / "p.lmdb"
+    packdata.write_pack(rows, pack, progress=False)
+    ds = packdata.LMDBDataset(pack)
+    for index, (key, problem) in enumerate([("bool", "an integer is required"), ("huge", "Python int too large")]):
+        message = f"{pack}: sample '{key}' (index {index}), field 'npy': .npy array cannot be read ({problem}"
+        with pytest.raises(packdata.DecodeError, match=re.escape(message)):
+            ds[index]
