@@ -207,6 +207,15 @@ np.save(_GOOD_NPY, np.arange(6, dtype=np.int64))
 _GOOD = {"txt": b"fine", "json": b'{"a": 1}', "npy": _GOOD_NPY.getvalue()}
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_field_of_the_cls_codec_reads_as_its_bytes(tmp_path: Path, fmt: str) -> None:
+    """A field named ``x.cls`` (codec cls, not the label): its pack failed to open with a bare KeyError 'cls'."""
+    pack = tmp_path / "p"
+    packdata.write_pack([{"__key__": "a", "txt": "hi", "x.cls": 3, "cls": 1}], pack, format=fmt, progress=False)
+    indexed = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    assert indexed(pack)[0] == {"__key__": "a", "txt": "hi", "x.cls": b"3", "cls": 1}
+
+
 def test_a_single_field_pack_read_with_a_decoder_that_refuses_names_the_sample(
     image_folder: Path, tmp_path: Path
 ) -> None:

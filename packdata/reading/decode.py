@@ -150,7 +150,14 @@ _DECODERS: dict[str, DecodeFn] = {
     "json": decode_json,
     "npy": decode_npy,
 }
-CODEC_DECODERS: dict[str, str] = {"image": "pil", "txt": "text", "json": "json", "npy": "npy", "bytes": "bytes"}
+CODEC_DECODERS: dict[str, str] = {
+    "image": "pil",
+    "txt": "text",
+    "json": "json",
+    "npy": "npy",
+    "cls": "bytes",  # a field such as ``x.cls`` (the label itself is never a stored field)
+    "bytes": "bytes",
+}
 """The default decoder of each field codec (:data:`packdata.pack.fields.CODECS`)."""
 
 
