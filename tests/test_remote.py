@@ -405,9 +405,9 @@ def test_convert_into_s3_uploads_shards_as_they_close(s3, tmp_path: Path, monkey
 
     real_read = load._read_regular
 
-    def slow_read(path: str) -> bytes:  # packing outlasts several looks of the uploader, however fast the disk
+    def slow_read(path: str, **options: bool) -> bytes:  # packing outlasts several looks of the uploader
         time.sleep(0.01)
-        return real_read(path)
+        return real_read(path, **options)
 
     monkeypatch.setattr(load, "_read_regular", slow_read)
     src = tmp_path / "src" / "cls"
