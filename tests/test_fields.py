@@ -947,3 +947,21 @@ def test_pack_writer_and_list_groups_refuse_a_sample_over_the_limit(tmp_path: Pa
     (tmp_path / "l.csv").write_text("path\na.txt\nb.txt\n", encoding="utf-8")
     result = packdata.convert(tmp_path / "l.csv", tmp_path / "l.lmdb", progress=False)
     assert result.packed == 1 and result.skipped == {"too large": 1}
+
+
+def test_a_source_npy_whose_header_claims_a_huge_array_is_skipped_unallocated(tmp_path: Path) -> None:
+    """Convert checked a .npy with np.load, which allocates the declared shape first: 80 GB from a 200-byte file."""
+    from numpy.lib import format as npy_format
+
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**10,)})
+    (tmp_path / "a.npy").write_bytes(header.getvalue() + bytes(64))
+    good = io.BytesIO()
+    np.save(good, np.arange(3))
+    (tmp_path / "b.npy").write_bytes(good.getvalue())
+    (tmp_path / "l.csv").write_text("path\na.npy\nb.npy\n", encoding="utf-8")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"not npy": 1}
+    detail = "field 'npy': its header asks for 80000000000 bytes of array data, 64 follow"
+    assert result.skip_examples[0]["detail"] == detail
+    assert np.array_equal(packdata.LMDBDataset(tmp_path / "out.lmdb")[0]["npy"], np.arange(3))

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.lib.format as npy_format
 from PIL import Image
 from zlib_ng.zlib_ng import crc32
 
@@ -48,6 +49,7 @@ __all__ = [
     "LABEL_FIELD",
     "KEY_FIELD",
     "check_field_name",
+    "check_npy",
     "codec_of",
     "decode_block",
     "encode_block",
@@ -110,6 +112,29 @@ def check_field_name(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise FieldError(f"field name {name!r} is not valid UTF-8") from exc
     return name
+
+
+def check_npy(data: bytes | memoryview) -> int:
+    """The offset of a ``.npy``'s array data, once its header is found sound; nothing is allocated for the array.
+
+    Raises:
+        ValueError: not a ``.npy``, a header numpy cannot read (or a shape it
+            cannot take), an object dtype (pickled data), or a shape and dtype
+            that do not account for exactly the bytes that follow.
+    """
+    stream = io.BytesIO(data)
+    try:
+        version = npy_format.read_magic(stream)
+        read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        shape, _, dtype = read_header(stream)  # a version-3 (UTF-8) header reads as one of latin-1: sizes alike
+        needed = math.prod(shape) * dtype.itemsize
+    except (EOFError, TypeError, OverflowError) as exc:  # the last two: a shape numpy cannot take
+        raise ValueError(str(exc)) from exc
+    if dtype.hasobject:
+        raise ValueError("it holds Python objects (pickled data), which a pack never loads")
+    if needed != len(data) - stream.tell():
+        raise ValueError(f"its header asks for {needed} bytes of array data, {len(data) - stream.tell()} follow")
+    return stream.tell()
 
 
 def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy.lib.format as npy_format
 from PIL import Image
 
 from packdata.errors import DecodeError
+from packdata.pack.fields import check_npy
 from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
 
 __all__ = [
@@ -127,19 +127,10 @@ def decode_npy(data: bytes) -> np.ndarray:
     Raises:
         DecodeError: not a ``.npy`` file, damaged, cut, or holding objects.
     """
-    stream = io.BytesIO(data)
     try:
-        version = npy_format.read_magic(stream)
-        read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
-        shape, _, dtype = read_header(stream)  # a version-3 (UTF-8) header reads as one of latin-1: sizes alike
-        needed = math.prod(shape) * dtype.itemsize
-        if dtype.hasobject:
-            raise ValueError("it holds Python objects (pickled data), which a pack never loads")
-        if needed != len(data) - stream.tell():
-            raise ValueError(f"its header asks for {needed} bytes of array data, {len(data) - stream.tell()} follow")
-        stream.seek(0)
-        return npy_format.read_array(stream, allow_pickle=False)
-    except (ValueError, EOFError, OSError, TypeError, OverflowError) as exc:  # the last two: a shape numpy cannot take
+        check_npy(data)
+        return npy_format.read_array(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
         raise DecodeError(f".npy array cannot be read ({exc})", hint=_DAMAGED) from exc
 
 
