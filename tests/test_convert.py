@@ -344,6 +344,44 @@ def test_resume_refuses_a_sample_index_changed_since_its_checkpoint(
     assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "gone"),
+    [
+        ("lmdb", "index/sizes.i64"),
+        ("lmdb", "shard-00000.lmdb/data.mdb"),
+        ("tfrecord", "part-00000.tfindex"),
+        ("tfrecord", "part-00000.tfrecord"),
+    ],
+)
+def test_resume_names_a_partial_file_that_is_gone(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, gone: str
+) -> None:
+    """A file the checkpoint keeps part of, deleted since: one line, not a raw FileNotFoundError or a late failure."""
+    dst = tmp_path / f"out.{fmt}"
+    _interrupted_convert(image_folder, dst, monkeypatch, format=fmt)
+    (partial_path(dst) / gone).unlink()
+    with pytest.raises(PackFormatError, match=r"interrupted conversion's .*(missing|gone).*--overwrite"):
+        convert(image_folder, dst, progress=False, resume=True, format=fmt)
+    assert not dst.exists()
+
+
+def test_a_tfrecord_resume_checks_the_record_table_rows_it_keeps(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .tfpayload rows say where each payload lies: a kept row shifted since was published, then met by readers."""
+    import numpy as np
+
+    dst = tmp_path / "out.tfrecord"
+    _interrupted_convert(image_folder, dst, monkeypatch, format="tfrecord")
+    table = partial_path(dst) / "part-00000.tfpayload"
+    rows = np.frombuffer(table.read_bytes(), dtype="<i8").copy()
+    rows[7] += 6  # the first record's payload offset (two header rows of three, then offset, payload start)
+    table.write_bytes(rows.tobytes())
+    with pytest.raises(PackFormatError, match=r"shard is damaged: .*payload table does not point at the payload"):
+        convert(image_folder, dst, progress=False, resume=True, format="tfrecord")
+    assert not dst.exists()
+
+
 @pytest.mark.parametrize("earlier", [False, True])
 def test_a_resumed_pack_equals_an_uninterrupted_one_index_included(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: bool
@@ -381,7 +419,7 @@ def test_resume_names_a_closed_shard_gone_or_cut_since_the_interruption(
     assert not dst.exists()
 
 
-@pytest.mark.parametrize("line", [b"0 x", b"0", b"5 1000", b"-16 16"])
+@pytest.mark.parametrize("line", [b"0 x", b"0", b"5 1000", b"-16 16", b"0 99999999999999999999999"])
 def test_resume_names_a_damaged_tfrecord_offsets_index(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes
 ) -> None:

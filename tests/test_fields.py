@@ -942,11 +942,32 @@ def test_pack_writer_and_list_groups_refuse_a_sample_over_the_limit(tmp_path: Pa
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "w.lmdb")] == ["small"]
 
     monkeypatch.setattr(load, "MAX_SAMPLE_BYTES", 100)
-    for name, text in (("a.txt", "x" * 200), ("b.txt", "fits")):
+    for name, text in (("a.txt", "x" * 60), ("b.txt", "fits")):  # each file under the limit: the block over it
         (tmp_path / name).write_text(text, encoding="utf-8")
-    (tmp_path / "l.csv").write_text("path\na.txt\nb.txt\n", encoding="utf-8")
+    (tmp_path / "l.csv").write_text(f"path,caption\na.txt,{'y' * 60}\nb.txt,short\n", encoding="utf-8")
     result = packdata.convert(tmp_path / "l.csv", tmp_path / "l.lmdb", progress=False)
     assert result.packed == 1 and result.skipped == {"too large": 1}
+    assert result.skip_examples[0]["key"] == "a"
+
+
+def test_a_tar_sample_with_a_member_over_the_limit_is_skipped_whole(tmp_path: Path, monkeypatch) -> None:
+    """Never packed in part: the sample's other members go with it (as a folder's or a list's would)."""
+    import tarfile
+
+    from packdata.conversion import tars
+
+    monkeypatch.setattr(tars, "MAX_SAMPLE_BYTES", 100)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in (("s1.txt", b"one"), ("s1.bin", b"x" * 200), ("s1.json", b"{}"), ("s2.txt", b"two")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "x.tar").write_bytes(out.getvalue())
+    result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"too large": 1}
+    assert result.skip_examples[0]["key"] == "x.tar:s1"
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
 
 
 def test_a_source_npy_whose_header_claims_a_huge_array_is_skipped_unallocated(tmp_path: Path) -> None:

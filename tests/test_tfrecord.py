@@ -546,8 +546,19 @@ _TEXT = _field(0x0A, b"text/encoded")
             + _field(0x0A, _field(0x0A, b"image/class/label") + _field(0x12, _field(0x1A, b"\x08\x85", 2) + b"\x01")),
         )
         + _KEY_ENTRY,
+        # a packed run of one byte whose varint continues past it (into the next run of the list)
+        _field(
+            0x0A,
+            _field(0x0A, _TEXT + _field(0x12, _field(0x0A, _field(0x0A, b"hi"))))
+            + _field(
+                0x0A,
+                _field(0x0A, b"image/class/label")
+                + _field(0x12, _field(0x1A, _field(0x0A, b"\x85") + _field(0x0A, b"\x01"))),
+            ),
+        )
+        + _KEY_ENTRY,
     ],
-    ids=["value-past-feature", "feature-past-features", "packed-past-list", "varint-past-list"],
+    ids=["value-past-feature", "feature-past-features", "packed-past-list", "varint-past-list", "varint-past-run"],
 )
 def test_a_length_that_runs_past_its_enclosing_message_is_refused_as_protobuf_does(blob: bytes) -> None:
     """Each nested length must end inside its parent: before, the first read the next feature as text.

@@ -145,7 +145,7 @@ class TarSource:
     def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
         name = os.path.basename(shard)
         key: str | None = None
-        fields: dict[str, bytes] = {}
+        fields: dict[str, bytes] | None = {}  # None: the sample is skipped whole (a member too large)
         corrupt: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, gzip.BadGzipFile, lzma.LZMAError)
         corrupt += (zlib.error,)
         if self.fs is None:
@@ -175,11 +175,15 @@ class TarSource:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
                         continue
                     if base != key:
-                        if key is not None:
+                        if key is not None and fields is not None:
                             yield _group(key, fields)
                         key, fields = base, {}
-                    if member.size > MAX_SAMPLE_BYTES:  # never read into memory
-                        yield Skip(where, *too_large(member.size))
+                    if fields is None:
+                        continue
+                    if member.size > MAX_SAMPLE_BYTES:  # never read into memory; nor is the sample packed in part
+                        reason, detail = too_large(member.size)
+                        yield Skip(f"{name}:{base}", reason, f"field {ext!r}: {detail}")
+                        fields = None
                         continue
                     extracted = tar.extractfile(member)
                     data = extracted.read() if extracted is not None else b""
@@ -198,7 +202,7 @@ class TarSource:
         except Exception as exc:  # a request that failed: stop, resumable, rather than skip on a transient failure
             shown = display_url(f"{self.scheme}://{shard}")
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
-        if key is not None:
+        if key is not None and fields is not None:
             yield _group(key, fields)
 
 

@@ -71,6 +71,12 @@ class LMDBShardWriter:
             self._fresh = os.lstat(data).st_size == 0  # LMDB writes every page of the file in this process
         except OSError:  # none there (or no folder: creating it next says why)
             self._fresh = True
+        if resume_at and self._fresh:
+            raise PackFormatError(
+                f"the interrupted conversion's shard is gone: its checkpoint keeps {resume_at} records of it",
+                path=data,
+                hint="Convert again with --overwrite",
+            )
         if not self._fresh:  # an interrupted run's shard: LMDB trusts its file (a cut one is a SIGBUS)
             try:
                 check_lmdb_tree(data)
@@ -180,7 +186,16 @@ class LMDBShardWriter:
         if self._located is None:
             self._env.close()
             (self.path / "lock.mdb").unlink(missing_ok=True)
-            self._located = record_locations(self.path, trust_tree=self._fresh)
+            try:
+                self._located = record_locations(self.path, trust_tree=self._fresh)
+            except PackFormatError as exc:
+                if self._fresh:
+                    raise
+                raise PackFormatError(  # a record kept from the interrupted run
+                    f"the interrupted conversion's shard is damaged: {exc.message}",
+                    path=exc.path,
+                    hint="Convert again with --overwrite",
+                ) from exc
 
     def close(self) -> tuple[int, str]:
         """Seal, sync and close; the shard is complete. Returns its byte size and SHA-256.

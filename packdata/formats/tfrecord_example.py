@@ -306,7 +306,10 @@ def _first_value(buf: memoryview, pos: int, end: int) -> tuple[str, memoryview |
                 m, inner = _varint(buf, inner)
                 if inner + m > list_end:
                     raise RecordError("packed int64 values run past their list")
-                value = _varint(buf, inner)[0] if m else None
+                if m:
+                    value, after = _varint(buf, inner)
+                    if after > inner + m:
+                        raise RecordError("a packed int64 value runs past its values")
                 inner += m
             else:
                 inner = _skip(buf, inner, tag & 7)

@@ -27,6 +27,7 @@ from packdata.formats.tfrecord_tables import (
     payload_path,
     record_table_header,
 )
+from packdata.pack.files import atomic_write
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample
 
@@ -108,7 +109,20 @@ class TFRecordShardWriter:
         ]
 
     def _truncate(self, keep: int) -> None:
-        lines = self.index_path.read_bytes().split(b"\n")
+        """Cut the shard, its offsets index and its record table back to their first ``keep`` records.
+
+        The kept records are the pack's: every one is checked first (framing,
+        CRC32C, its table row), and only then is anything cut; the index and
+        table are replaced atomically, so a resume killed here can resume again.
+        """
+        try:
+            lines = self.index_path.read_bytes().split(b"\n")
+            size = self.path.stat().st_size
+        except FileNotFoundError as exc:
+            missing = os.path.basename(exc.filename)
+            raise PackFormatError(
+                f"the interrupted conversion's {missing} is missing", path=self.path, hint=_OVERWRITE
+            ) from exc
         if len(lines) - 1 < keep:  # the last element follows the last newline
             raise PackFormatError(
                 f"offsets index holds {len(lines) - 1} complete records, cannot resume at {keep}",
@@ -119,7 +133,7 @@ class TFRecordShardWriter:
         try:
             listed = np.array([[int(v) for v in line.split()] for line in lines[:keep]], dtype=np.int64)
             offsets, lengths = listed.reshape(keep, 2).T
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             raise PackFormatError(
                 "offsets index is damaged: a line is not two integers", path=self.index_path, hint=_OVERWRITE
             ) from exc
@@ -128,26 +142,41 @@ class TFRecordShardWriter:
                 "offsets index is damaged: its records do not follow one another", path=self.index_path, hint=_OVERWRITE
             )
         end = int(offsets[-1] + lengths[-1]) if keep else 0
-        if self.path.stat().st_size < end:
+        if size < end:
             raise PackFormatError(
-                f"shard is shorter than its checkpoint ({end} bytes)",
-                path=self.path,
-                hint=_OVERWRITE,
+                f"shard is shorter than its checkpoint ({end} bytes)", path=self.path, hint=_OVERWRITE
             )
-        os.truncate(self.path, end)
-        self.index_path.write_bytes(kept)
         table = self.payload_path.read_bytes() if self.payload_path.is_file() else b""
         end_row = _HEAD + _ROW.size * keep
+        rows = None  # written without a table (or by an older packdata, or it was lost): the shard is read by parsing
         if len(table) >= end_row and table[:16] == _UNFINISHED[:16]:  # this version's table: header unset until close()
             rows = np.frombuffer(table[_HEAD:end_row], dtype="<i8").reshape(-1, 3)
-            self._spans = bool((rows[:, 1] >= 0).all())
-            self.payload_path.write_bytes(_UNFINISHED + table[_HEAD:end_row])
-        else:  # written without a table (or by an older packdata, or it was lost): the shard is read by parsing
+            multi = rows[:, 1] < 0  # a multi-field record's row: (offset, -1, -1)
+            if (rows[:, 0] != offsets).any() or (rows[multi, 1:] != -1).any():
+                raise PackFormatError(
+                    "record table is damaged: a row does not start where its record does",
+                    path=self.payload_path,
+                    hint=_OVERWRITE,
+                )
+            self._spans = not multi.any()
+        self._check_kept(offsets, lengths, keep, rows[:, 1:] if rows is not None and self._spans else None)
+        os.truncate(self.path, end)
+        atomic_write(self.index_path, kept)
+        if rows is not None:
+            atomic_write(self.payload_path, _UNFINISHED + table[_HEAD:end_row])
+        else:
             self.payload_path.unlink(missing_ok=True)
             self._with_table = False
+        with open(self.path, "rb") as f:
+            while block := f.read(_CHUNK):
+                self._sha.update(block)
+        self.count, self.bytes = keep, end
+
+    def _check_kept(self, offsets: np.ndarray, lengths: np.ndarray, keep: int, spans: np.ndarray | None) -> None:
+        """Stream the kept records through the reader's checks (and, with ``spans``, each table row's payload span)."""
         reader = TFRecordShardReader(self.path)
-        try:  # the kept records are the pack's: each one's framing and CRCs are checked, not taken as found
-            for _ in reader.stream(offsets, lengths, 0, keep):
+        try:
+            for _ in reader.stream(offsets, lengths, 0, keep, spans):
                 pass
         except PackFormatError as exc:
             raise PackFormatError(
@@ -155,10 +184,6 @@ class TFRecordShardWriter:
             ) from exc
         finally:
             reader.close()
-        with open(self.path, "rb") as f:
-            while block := f.read(_CHUNK):
-                self._sha.update(block)
-        self.count, self.bytes = keep, end
 
     def write(self, items: list[tuple[int, Sample]]) -> None:
         """Append ``(index in shard, sample)`` pairs; indices must continue the shard."""

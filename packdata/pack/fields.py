@@ -31,6 +31,7 @@ import io
 import json
 import math
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -127,9 +128,11 @@ def check_npy(data: bytes | memoryview) -> int:
         version = npy_format.read_magic(stream)
         read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
         shape, _, dtype = read_header(stream)  # a version-3 (UTF-8) header reads as one of latin-1: sizes alike
-        needed = math.prod(shape) * dtype.itemsize
-    except (EOFError, TypeError, OverflowError) as exc:  # the last two: a shape numpy cannot take
+    except EOFError as exc:
         raise ValueError(str(exc)) from exc
+    if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) > sys.maxsize:
+        raise ValueError(f"its header's shape {shape!r} is not one numpy can take")
+    needed = math.prod(shape) * dtype.itemsize
     if dtype.hasobject:
         raise ValueError("it holds Python objects (pickled data), which a pack never loads")
     if needed != len(data) - stream.tell():

@@ -68,7 +68,7 @@ def open_image(data: bytes) -> Image.Image:
             it, e.g. EPS or PPM) or in none, or are a JPEG of more than
             :data:`SCAN_LIMIT` scans (PIL's decoder has no such limit).
     """
-    if data[:2] == b"\xff\xd8":
+    if data[:2] == b"\xff\xd8" and _progressive(data):  # a baseline JPEG has one scan per component
         scans = bytes(data).count(b"\xff\xda")  # SOS markers (at most: only metadata, never scan data, holds FF DA)
         if scans > SCAN_LIMIT:
             raise ImageFormatError(
@@ -87,6 +87,31 @@ def open_image(data: bytes) -> Image.Image:
             detected=detected,
         ) from None
     raise ImageFormatError(f"not an image in a known format (expected one of {allowed})", hint="The bytes are damaged")
+
+
+def _progressive(data: bytes | memoryview) -> bool:
+    """Whether a JPEG's frame header (its first SOF marker) is progressive; True when the header cannot be walked.
+
+    Walks the marker segments before the frame (a few, about 3 us), instead of
+    searching the whole file for scans (about 60 us on 70 KB, each decode).
+    """
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return True
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
+            return marker in (0xC2, 0xC6, 0xCA, 0xCE)  # SOF2, SOF6, SOF10, SOF14: progressive
+        else:
+            length = int.from_bytes(data[i + 2 : i + 4], "big")
+            if length < 2:
+                return True
+            i += 2 + length
+    return True
 
 
 @contextlib.contextmanager

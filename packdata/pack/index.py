@@ -175,10 +175,13 @@ class SampleIndexWriter:
                     raise _resume_error(self.dir / name, f"the checkpoint records {entry[0]} bytes for {n} samples")
         for name in self._names:
             path, size = self.dir / name, sizes[name]
-            with open(path, "rb") as f:
-                while self._written[name] < size and (got := f.read(min(1 << 22, size - self._written[name]))):
-                    self._digests[name].update(got)
-                    self._written[name] += len(got)
+            try:
+                with open(path, "rb") as f:
+                    while self._written[name] < size and (got := f.read(min(1 << 22, size - self._written[name]))):
+                        self._digests[name].update(got)
+                        self._written[name] += len(got)
+            except FileNotFoundError:
+                raise _resume_error(path, "it is missing") from None
             if self._written[name] != size:
                 raise _resume_error(path, f"{self._written[name]} bytes, shorter than the {size} its checkpoint kept")
             if kept is not None and self._digests[name].hexdigest() != kept[name][1]:

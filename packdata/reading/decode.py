@@ -130,7 +130,7 @@ def decode_npy(data: bytes) -> np.ndarray:
     try:
         check_npy(data)
         return npy_format.read_array(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
+    except (ValueError, EOFError, OSError, TypeError, OverflowError) as exc:  # numpy's own, on what check_npy passed
         raise DecodeError(f".npy array cannot be read ({exc})", hint=_DAMAGED) from exc
 
 
