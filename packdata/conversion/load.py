@@ -22,7 +22,7 @@ from packdata.errors import (
     ImageFormatError,
 )
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
-from packdata.pack.images import open_image
+from packdata.pack.images import jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 
 __all__ = ["number_fields", "ordered_map"]
@@ -132,7 +132,7 @@ def _text_problem(data: bytes) -> str:
 def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
     """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``."""
     if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
-        if _jpeg_header_ok(data):
+        if jpeg_frame(data) is not None:
             return data
         return "corrupt image", "JPEG header is damaged or incomplete"
     try:
@@ -270,34 +270,6 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
             f"{size} bytes when opened, {got} read, {after.st_size} after; it is being written to",
         )
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _jpeg_header_ok(data: bytes) -> bool:
-    """Walk a JPEG's marker segments up to the start of scan, as PIL's header parser does.
-
-    About 20x cheaper than ``Image.open`` (which parses the same segments in
-    Python objects); it catches files that are not JPEGs past the first bytes
-    and headers cut short. Truncated scan data needs ``verify_images``.
-    """
-    i, n, frame = 2, len(data), False
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            return False
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
-            i += 2
-            continue
-        length = int.from_bytes(data[i + 2 : i + 4], "big")
-        if length < 2:
-            return False
-        if marker == 0xDA:  # start of scan: the header is complete
-            return frame and i + 2 + length <= n
-        frame = frame or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC))
-        i += 2 + length
-    return False
 
 
 def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:

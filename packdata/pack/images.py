@@ -18,6 +18,7 @@ __all__ = [
     "SCAN_LIMIT",
     "decoding_errors",
     "encode_image",
+    "jpeg_frame",
     "open_image",
 ]
 
@@ -37,6 +38,7 @@ JPEG_QUALITY = 95
 #: thousands (a valid one needs at most about 2,700; encoders write about 10).
 SCAN_LIMIT = 500
 
+_SEQUENTIAL = frozenset({0xC0, 0xC1, 0xC3, 0xC5, 0xC7, 0xC9, 0xCB, 0xCD, 0xCF})  # SOF markers, not progressive
 _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF"}
 _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
 
@@ -68,7 +70,7 @@ def open_image(data: bytes) -> Image.Image:
             it, e.g. EPS or PPM) or in none, or are a JPEG of more than
             :data:`SCAN_LIMIT` scans (PIL's decoder has no such limit).
     """
-    if data[:2] == b"\xff\xd8" and _progressive(data):  # a baseline JPEG has one scan per component
+    if data[:2] == b"\xff\xd8" and jpeg_frame(data) not in _SEQUENTIAL:  # a sequential frame: a scan a component
         scans = bytes(data).count(b"\xff\xda")  # SOS markers (at most: only metadata, never scan data, holds FF DA)
         if scans > SCAN_LIMIT:
             raise ImageFormatError(
@@ -89,29 +91,34 @@ def open_image(data: bytes) -> Image.Image:
     raise ImageFormatError(f"not an image in a known format (expected one of {allowed})", hint="The bytes are damaged")
 
 
-def _progressive(data: bytes | memoryview) -> bool:
-    """Whether a JPEG's frame header (its first SOF marker) is progressive; True when the header cannot be walked.
+def jpeg_frame(data: bytes | memoryview) -> int | None:
+    """The start-of-frame marker (0xC0 baseline, 0xC2 progressive, ...) of a JPEG whose header is whole, else None.
 
-    Walks the marker segments before the frame (a few, about 3 us), instead of
-    searching the whole file for scans (about 60 us on 70 KB, each decode).
+    Walks the marker segments up to the start of scan as PIL's header parser
+    does, about 20x cheaper than ``Image.open``: None for bytes that are not
+    a JPEG past their first bytes, a header cut short, or no frame before the
+    scan. Truncated scan data is found only by a decode.
     """
-    i, n = 2, len(data)
+    i, n, frame = 2, len(data), None
     while i + 4 <= n:
         if data[i] != 0xFF:
-            return True
+            return None
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
-        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
             i += 2
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
-            return marker in (0xC2, 0xC6, 0xCA, 0xCE)  # SOF2, SOF6, SOF10, SOF14: progressive
-        else:
-            length = int.from_bytes(data[i + 2 : i + 4], "big")
-            if length < 2:
-                return True
-            i += 2 + length
-    return True
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if length < 2:
+            return None
+        if marker == 0xDA:  # start of scan: the header is complete
+            return frame if i + 2 + length <= n else None
+        if frame is None and 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            frame = marker
+        i += 2 + length
+    return None
 
 
 @contextlib.contextmanager

@@ -146,12 +146,12 @@ def test_an_npy_header_whose_shape_numpy_cannot_take_is_named(tmp_path: Path) ->
 
 
 def test_only_a_progressive_jpeg_has_its_scans_counted() -> None:
-    """The count is a pass over the whole file (about 60 us on 70 KB): a baseline frame, one scan, needs none."""
-    from packdata.pack.images import _progressive
+    """The count is a pass over the whole file (about 60 us on 70 KB): a sequential frame, one scan, needs none."""
+    from packdata.pack.images import jpeg_frame
 
-    for progressive in (False, True):
+    for progressive, frame in ((False, 0xC0), (True, 0xC2)):
         out = io.BytesIO()
         Image.new("RGB", (64, 48), (10, 200, 30)).save(out, "JPEG", progressive=progressive)
-        assert _progressive(out.getvalue()) is progressive
-    assert _progressive(_progressive_jpeg(64, SCAN_LIMIT)) is True
-    assert _progressive(b"\xff\xd8\xff\xe0\x00\x01") is True  # a header that cannot be walked: counted
+        assert jpeg_frame(out.getvalue()) == frame
+    assert jpeg_frame(_progressive_jpeg(64, SCAN_LIMIT)) == 0xC2
+    assert jpeg_frame(b"\xff\xd8\xff\xe0\x00\x01") is None  # a header that cannot be walked: its scans are counted
