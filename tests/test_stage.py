@@ -154,6 +154,19 @@ def test_a_copy_an_unstage_left_aside_is_removed_by_the_next_stage(lmdb_pack: Pa
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
+@pytest.mark.parametrize("suffix", ["old-4242", "partial"])
+def test_unstage_of_a_copy_moved_aside_points_at_its_area(lmdb_pack: Path, tmp_path: Path, suffix: str) -> None:
+    """Such a copy is NAME's, under NAME's lock: taken for a pack, it was deleted under a lock of its own name."""
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    aside = copy.with_name(f".train.lmdb.{suffix}")
+    os.rename(copy, aside)
+    before = tree_digest(aside)
+    with pytest.raises(ConfigError, match=r"is train.lmdb's copy moved aside .* Run `packdata unstage .*nvme`"):
+        unstage(aside)
+    assert tree_digest(aside) == before and not aside.with_name(f"..train.lmdb.{suffix}.lock").exists()
+    assert unstage(tmp_path / "nvme").removed == [aside]
+
+
 def test_unstage_moves_the_copy_aside_past_a_leftover_under_its_own_pid(lmdb_pack: Path, tmp_path: Path) -> None:
     """A killed process whose pid this reuses left ``.NAME.old-PID`` full of files: unstage still removes it."""
     copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged

@@ -73,6 +73,13 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         )
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
+    owner = temporary_owner(target, "old", "partial")
+    if owner is not None:  # its lock is NAME's, which a live unstage, eviction or stage moving it holds
+        raise ConfigError(
+            f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
+            path=target,
+            hint=f"Run `packdata unstage {target.parent}`: it removes such copies under {owner.name}'s lock",
+        )
     asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
     downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
     if (target / STAGED_FILE).is_file() or only_lock_left(target):
