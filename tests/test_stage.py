@@ -154,6 +154,32 @@ def test_a_copy_an_unstage_left_aside_is_removed_by_the_next_stage(lmdb_pack: Pa
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
+_INTERRUPTED_DELETE = """
+import os, signal, sys
+from packdata.staging.unstage import unstage
+unlink = os.unlink
+def dying(path, *args, **kwargs):  # killed as the delete comes to staged.json: no clean-up runs
+    if os.path.basename(path) == "staged.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    unlink(path, *args, **kwargs)
+os.unlink = dying
+unstage(sys.argv[1])
+"""
+
+
+def test_an_unstage_killed_mid_delete_leaves_a_copy_the_area_unstage_still_knows(
+    lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """The copy goes aside, then its files: staged.json last, so a delete killed at any point leaves it marked."""
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    child = subprocess.run([sys.executable, "-c", _INTERRUPTED_DELETE, str(copy)], timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    (aside,) = (tmp_path / "nvme").glob(".train.lmdb.old-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["staged.json"] and not copy.exists()
+    assert unstage(tmp_path / "nvme").removed == [aside]
+    assert list((tmp_path / "nvme").iterdir()) == []
+
+
 @pytest.mark.parametrize("suffix", ["old-4242", "partial"])
 def test_unstage_of_a_copy_moved_aside_points_at_its_area(lmdb_pack: Path, tmp_path: Path, suffix: str) -> None:
     """Such a copy is NAME's, under NAME's lock: taken for a pack, it was deleted under a lock of its own name."""

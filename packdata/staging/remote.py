@@ -63,7 +63,7 @@ from packdata.staging.copy import dir_bytes
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
-__all__ = ["RemoteStageResult", "delete_unread", "evict_for", "stage_remote"]
+__all__ = ["RemoteStageResult", "delete_copy", "delete_unread", "evict_for", "stage_remote"]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 _WAIT_POLL = 0.5
@@ -437,8 +437,30 @@ def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | N
         if successor is not None:
             os.rename(successor, entry)
             fsync_dir(entry.parent)
-        shutil.rmtree(doomed, ignore_errors=successor is not None)  # a leftover there costs disk; swept later
+        delete_copy(doomed, ignore_errors=successor is not None)  # a leftover there costs disk; swept later
     return True
+
+
+def delete_copy(copy: Path, *, ignore_errors: bool = False) -> None:
+    """Delete a staged copy (a folder, not a link), its ``staged.json`` last.
+
+    A delete killed midway so leaves a folder still known as a staged copy,
+    which ``unstage AREA`` sweeps; without its marker it would stay for good
+    (on tmpfs: RAM) unless NAME were staged there again.
+    """
+    with os.scandir(copy) as entries:
+        inside = [Path(entry.path) for entry in entries if entry.name != STAGED_FILE]
+    try:
+        for path in inside:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    except OSError:
+        if not ignore_errors:
+            raise
+        return
+    shutil.rmtree(copy, ignore_errors=ignore_errors)
 
 
 def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from packdata.pack.files import discard_partial, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
-from packdata.staging.remote import delete_unread
+from packdata.staging.remote import delete_copy, delete_unread
 from packdata.staging.tmpfs import TMPFS_SOURCE, run_mount, tmpfs_mount_at
 
 __all__ = [
@@ -119,7 +118,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             size = dir_bytes(pack)
             try:
                 if force:
-                    shutil.rmtree(pack)
+                    delete_copy(pack)
                     freed += size
                 elif delete_unread(pack):
                     freed += size
@@ -186,7 +185,10 @@ def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
             continue
         size = 0 if aside.is_symlink() else dir_bytes(aside)
         with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the unstage
-            discard_partial(aside)
+            if _staged(aside):
+                delete_copy(aside)
+            else:
+                discard_partial(aside)
             removed.append(aside)
             freed += size
     return freed
