@@ -432,6 +432,42 @@ def test_ray_grouped_folder_matches_local(ray_local, grouped_folder: Path, tmp_p
     assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == 14
 
 
+def _finished_fields_task(grouped_folder: Path, tmp_path: Path) -> tuple[Path, dict]:
+    """The first task of a grouped folder, run here as a Ray worker runs it: its partial folder and result."""
+    from packdata.conversion.layouts import scan_grouped
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
+
+    partial = tmp_path / "partial"
+    (partial / TASKS_DIR).mkdir(parents=True)
+    task = next(plan_tasks(scan_grouped(grouped_folder), shard_samples=4, shard_size=None))
+    opts = _Options("lmdb", "fields", "skip", False, None, 90, None, 4)
+    return partial, run_shard_task(task, str(partial), opts, 1)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("number", [-1, 4])
+def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
+    grouped_folder: Path, tmp_path: Path, number: int
+) -> None:
+    """A task's field number indexes its field names: -1 picked the last one unseen, 4 was a raw IndexError."""
+    from packdata.conversion.ray_gather import _Gatherer
+    from packdata.errors import PackFormatError
+
+    partial, result = _finished_fields_task(grouped_folder, tmp_path)
+    assert len(result["field_names"]) == 4
+    sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
+    pairs = np.fromfile(sizes, dtype="<i8")
+    pairs[0] = number
+    pairs.tofile(sizes)
+    gatherer = _Gatherer(partial, "fields")
+    try:
+        with pytest.raises(PackFormatError, match=rf"00000/index/field_sizes.i64: field number {number} is out of"):
+            gatherer.add(result)
+    finally:
+        gatherer.close()
+
+
 @pytest.mark.ray
 def test_ray_list_file_matches_local(ray_local, tmp_path: Path) -> None:
     images = tmp_path / "imgs"

@@ -197,7 +197,11 @@ class _Gatherer:
         return last
 
     def _append_fields(self, fragment: Path, names: list[str]) -> None:
-        """Append a fragment's field sizes with the task's field numbers mapped to the pack's."""
+        """Append a fragment's field sizes with the task's field numbers mapped to the pack's.
+
+        Raises:
+            PackFormatError: a field number is not one of the task's ``names``.
+        """
         for name in names:
             if name not in self.field_numbers:
                 self.field_numbers[name] = len(self.field_names)
@@ -206,6 +210,13 @@ class _Gatherer:
         with open(fragment / FIELD_SIZES_FILE, "rb") as f:
             while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
                 pairs = pairs.reshape(-1, 2)
+                bad = pairs[(pairs[:, 0] < 0) | (pairs[:, 0] >= len(names)), 0]
+                if len(bad):
+                    raise PackFormatError(
+                        f"field number {int(bad[0])} is out of range for its task's {len(names)} fields",
+                        path=fragment / FIELD_SIZES_FILE,
+                        hint="Start the conversion again with --overwrite",
+                    )
                 pairs[:, 0] = pack_number[pairs[:, 0]]
                 self.files[FIELD_SIZES_FILE].write(pairs.astype("<i8").tobytes())
         self.field_end += self._append_offsets(fragment / FIELD_OFFSETS_FILE, self.field_end)
