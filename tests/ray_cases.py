@@ -357,6 +357,27 @@ def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("rel", ["index/labels.i32", "skipped.jsonl"])
+def test_ray_resume_reruns_a_task_whose_saved_fragment_changed(
+    ray_local, poisoned_folder: Path, tmp_path: Path, rel: str
+) -> None:
+    """A byte flipped in a saved index fragment or skip list (a label, a key) was published as found."""
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = _interrupted_tfrecord_run(poisoned_folder, dst)
+    saved = sorted(p.parent / rel for p in (partial / TASKS_DIR).glob("*/result.json"))
+    fragment = next(p for p in saved if p.stat().st_size)  # task 1 holds the first skips
+    data = bytearray(fragment.read_bytes())
+    data[data.find(b'"key": "') + 8 if rel == "skipped.jsonl" else 0] ^= 1  # label 0 -> 1; key class... -> blass...
+    fragment.write_bytes(bytes(data))
+    options = {"format": "tfrecord", "shard_samples": 10, "progress": False}
+    packdata.convert(poisoned_folder, dst, resume=True, engine="ray", **options)
+    packdata.convert(poisoned_folder, tmp_path / "local", **options)
+    _assert_same_pack(tmp_path / "local", dst)
+
+
+@pytest.mark.ray
 def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     from packdata.conversion.load import _Options
     from packdata.conversion.ray_gather import _prepare_partial
@@ -453,6 +474,7 @@ def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
     """A task's field number indexes its field names: -1 picked the last one unseen, 4 was a raw IndexError."""
     from packdata.conversion.ray_gather import _Gatherer
     from packdata.errors import PackFormatError
+    from packdata.pack.files import file_sha256
 
     partial, result = _finished_fields_task(grouped_folder, tmp_path)
     assert len(result["field_names"]) == 4
@@ -460,9 +482,28 @@ def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
     pairs = np.fromfile(sizes, dtype="<i8")
     pairs[0] = number
     pairs.tofile(sizes)
+    result["fragment_files"]["index/field_sizes.i64"][1] = file_sha256(sizes)  # as if the task had written it
     gatherer = _Gatherer(partial, "fields")
     try:
         with pytest.raises(PackFormatError, match=rf"00000/index/field_sizes.i64: field number {number} is out of"):
+            gatherer.add(result)
+    finally:
+        gatherer.close()
+
+
+def test_ray_gather_names_a_fragment_changed_since_its_task_ended(grouped_folder: Path, tmp_path: Path) -> None:
+    """A byte flipped in a finished task's labels.i32 was appended as another label."""
+    from packdata.conversion.ray_gather import _Gatherer
+    from packdata.errors import PackFormatError
+
+    partial, result = _finished_fields_task(grouped_folder, tmp_path)
+    labels = partial / "tasks" / "00000" / "index" / "labels.i32"
+    data = bytearray(labels.read_bytes())
+    data[0] ^= 1
+    labels.write_bytes(bytes(data))
+    gatherer = _Gatherer(partial, "fields")
+    try:
+        with pytest.raises(PackFormatError, match=r"00000/index/labels.i32: this task's fragment file .*--resume"):
             gatherer.add(result)
     finally:
         gatherer.close()

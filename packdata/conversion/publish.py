@@ -414,12 +414,18 @@ def skip_line(skip: Skip) -> dict[str, str]:
 
 def record_skip(
     report: BinaryIO, counts: Counter[str], examples: list[dict[str, str]], line: dict[str, str], *, read_error: bool
-) -> None:
-    """Count a skip by reason, keep it as an example (the first few read errors), and append it to the report."""
+) -> bytes:
+    """Count a skip by reason, keep it as an example (the first few read errors), and append it to the report.
+
+    Returns:
+        The bytes appended to the report.
+    """
     counts[line["reason"]] += 1
     if read_error and len(examples) < MAX_SKIP_EXAMPLES:
         examples.append(line)
-    report.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+    data = json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n"
+    report.write(data)
+    return data
 
 
 def is_count(value: object) -> bool:

@@ -269,7 +269,9 @@ def _run_tasks(
                 queue.append(task.number)  # the entries travel with the task, not kept here
                 saved = None
                 if resumed:
-                    saved = _saved_result(partial, task, name(task.number), data_name(name(task.number)), target)
+                    saved = _saved_result(
+                        partial, task, opts.kind, name(task.number), data_name(name(task.number)), target
+                    )
                 if saved is not None:
                     results[task.number] = saved
                     bar.update(len(task.entries))

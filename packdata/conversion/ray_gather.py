@@ -70,7 +70,7 @@ def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _saved_result(
-    partial: Path, task: ShardTask, name: str, data: str, target: RemoteTarget | None
+    partial: Path, task: ShardTask, kind: str, name: str, data: str, target: RemoteTarget | None
 ) -> dict[str, Any] | None:
     """The result an interrupted run saved for ``task``, if it is complete, its own and for the same files.
 
@@ -79,7 +79,8 @@ def _saved_result(
     Complete: its shard's records file (``data``, inside the partial folder)
     has the size and SHA-256 the result recorded or, with a ``target`` URL, the
     store still reports every object the task uploaded with its recorded size
-    and version.
+    and version; and its fragment files (of a pack of ``kind``) still have the
+    sizes and SHA-256 it recorded.
     """
     path = _task_dir(partial, task.number) / _RESULT
     try:
@@ -95,11 +96,17 @@ def _saved_result(
     shard = saved.get("shard")
     if shard is not None and (not isinstance(shard, dict) or shard.get("file") != name):
         return None
-    if shard is not None and target is None and not _holds_shard(partial / data, shard):
+    if (
+        shard is not None
+        and target is None
+        and not _file_matches(partial / data, shard.get("bytes"), shard.get("sha256"))
+    ):
         return None
     if shard is not None and target is not None and not objects_complete(target, saved.get("objects") or {}):
         return None
-    return saved if _adds_up(partial, task, saved) else None
+    if not _adds_up(partial, task, saved):
+        return None
+    return saved if _fragment_mismatch(_task_dir(partial, task.number), saved, kind) is None else None
 
 
 def _adds_up(partial: Path, task: ShardTask, saved: dict[str, Any]) -> bool:
@@ -126,12 +133,24 @@ def _adds_up(partial: Path, task: ShardTask, saved: dict[str, Any]) -> bool:
     return labels.is_file() and labels.stat().st_size == 4 * samples
 
 
-def _holds_shard(data: Path, shard: dict[str, Any]) -> bool:
-    """Whether the records file ``data`` has the size and SHA-256 its task's result recorded (hashed once)."""
+def _file_matches(path: Path, size: object, sha256: object) -> bool:
+    """Whether ``path`` has the ``size`` and SHA-256 a task's result recorded (hashed only when the size matches)."""
     try:
-        return data.stat().st_size == shard.get("bytes") and file_sha256(data) == shard.get("sha256")
+        return path.stat().st_size == size and file_sha256(path) == sha256
     except OSError:
         return False  # missing, or not a regular file: the task runs again
+
+
+def _fragment_mismatch(work: Path, result: dict[str, Any], kind: str) -> str | None:
+    """The first fragment file the gather appends (index files of ``kind``, then the skip list) that differs from
+    the size and SHA-256 its task recorded in ``result`` (or is missing, or unrecorded), relative to ``work``; None
+    when each matches."""
+    recorded = result.get("fragment_files")
+    for rel in (*(f"{INDEX_DIR}/{name}" for name in index_files(kind)), SKIP_REPORT):
+        entry = recorded.get(rel) if isinstance(recorded, dict) else None
+        if not (isinstance(entry, list) and len(entry) == 2 and _file_matches(work / rel, *entry)):
+            return rel
+    return None
 
 
 class _Gatherer:
@@ -144,6 +163,7 @@ class _Gatherer:
 
     def __init__(self, partial: Path, kind: str) -> None:
         self.partial = partial
+        self.kind = kind
         directory = partial / INDEX_DIR
         directory.mkdir(exist_ok=True)
         # open for the whole gather, closed in close()
@@ -162,7 +182,19 @@ class _Gatherer:
         self.skip_examples: list[dict[str, str]] = []
 
     def add(self, result: dict[str, Any]) -> None:
+        """Append one task's result, its fragment files checked first against the sizes and SHA-256 it recorded.
+
+        Raises:
+            PackFormatError: a fragment file differs from its record, or holds a field number out of range.
+        """
         fragment = _task_dir(self.partial, result["number"])
+        damaged = _fragment_mismatch(fragment, result, self.kind)
+        if damaged is not None:
+            raise PackFormatError(
+                "this task's fragment file is missing or differs from the size and SHA-256 its task recorded",
+                path=fragment / damaged,
+                hint="Rerun with --resume (the task runs again) or --overwrite",
+            )
         source = fragment / INDEX_DIR
         for name in (LABELS_FILE, SIZES_FILE, KEYS_FILE):
             with open(source / name, "rb") as f:

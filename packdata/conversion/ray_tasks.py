@@ -39,6 +39,7 @@ from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write
 from packdata.pack.index import (
+    INDEX_DIR,
     SampleIndexWriter,
 )
 from packdata.pack.records import Sample
@@ -129,7 +130,8 @@ def run_shard_task(
 
     Starts from scratch every attempt, so a retried task overwrites what a dead
     attempt left. Returns a small JSON-ready summary, also saved as
-    ``tasks/NNNNN/result.json`` (written last) for ``resume``; with
+    ``tasks/NNNNN/result.json`` (written last) for ``resume``, with the size
+    and SHA-256 of each fragment file as written (``"fragment_files"``); with
     ``on_error="fail"`` a bad file is returned as ``{"failed": ...}``.
     With a ``target`` URL, ``partial`` is not used: the task writes in a
     worker-local temporary folder, uploads its shard files to the URL and
@@ -172,6 +174,7 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
     index = SampleIndexWriter(work, fields=opts.kind == "fields")
     field_numbers: dict[str, int] = {}
     field_names: list[str] = []  # this task's field numbers; the driver renumbers them for the pack
+    report_digest, report_bytes = hashlib.sha256(), 0  # of the skip list as written
     shard = None
     try:
         with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
@@ -181,7 +184,9 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
                     line = skip_line(result)
                     if read_error and opts.on_error == "fail":
                         return {"number": task.number, "failed": line}
-                    record_skip(report, skipped, examples, line, read_error=read_error)
+                    written = record_skip(report, skipped, examples, line, read_error=read_error)
+                    report_digest.update(written)
+                    report_bytes += len(written)
                     continue
                 if writer is None:
                     writer = writer_cls(pack / name)
@@ -219,6 +224,11 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
         "skip_examples": examples,
         "shard": shard,
         "field_names": field_names,
+        # what the gather appends, as written: it checks each file against these first
+        "fragment_files": {
+            **{f"{INDEX_DIR}/{name}": entry for name, entry in index.checkpoint().items()},
+            SKIP_REPORT: [report_bytes, report_digest.hexdigest()],
+        },
     }
     atomic_write(work / _RESULT, json.dumps(summary, ensure_ascii=False).encode("utf-8"))
     return summary
