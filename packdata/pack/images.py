@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import struct
 from collections.abc import Iterator
 
@@ -33,12 +34,14 @@ IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 #: The JPEG quality a PIL image given for a ``jpg`` field is saved at.
 JPEG_QUALITY = 95
 
-#: The scans one JPEG may have. A progressive JPEG's scans each pass over every
-#: block of the image, and a crafted file of a few kilobytes a scan can hold
-#: thousands (a valid one needs at most about 2,700; encoders write about 10).
+#: The scans one JPEG may have. Each scan passes over every block of its
+#: components, and a crafted file of ten bytes a scan can hold thousands: a
+#: progressive one (a valid one needs at most about 2,700; encoders write about
+#: 10), or a sequential one whose first scan holds one component (libjpeg then
+#: decodes any number of scans, a valid file needing one a component).
 SCAN_LIMIT = 500
 
-_SEQUENTIAL = frozenset({0xC0, 0xC1, 0xC3, 0xC5, 0xC7, 0xC9, 0xCB, 0xCD, 0xCF})  # SOF markers, not progressive
+_START_OF_SCAN = re.compile(rb"\xff\xda")  # re finds it by memchr: 3x faster than bytes.count
 _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF"}
 _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
 
@@ -70,13 +73,8 @@ def open_image(data: bytes) -> Image.Image:
             it, e.g. EPS or PPM) or in none, or are a JPEG of more than
             :data:`SCAN_LIMIT` scans (PIL's decoder has no such limit).
     """
-    if data[:2] == b"\xff\xd8" and jpeg_frame(data) not in _SEQUENTIAL:  # a sequential frame: a scan a component
-        scans = bytes(data).count(b"\xff\xda")  # SOS markers (at most: only metadata, never scan data, holds FF DA)
-        if scans > SCAN_LIMIT:
-            raise ImageFormatError(
-                f"JPEG has {scans} start-of-scan markers, more than the {SCAN_LIMIT} scans packdata decodes",
-                hint="Each scan of a progressive JPEG is a pass over the whole image; re-encode it if it is genuine",
-            )
+    if data[:2] == b"\xff\xd8":
+        _check_scans(data)
     try:
         return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
@@ -89,6 +87,25 @@ def open_image(data: bytes) -> Image.Image:
             detected=detected,
         ) from None
     raise ImageFormatError(f"not an image in a known format (expected one of {allowed})", hint="The bytes are damaged")
+
+
+def _check_scans(data: bytes) -> None:
+    """Refuse a JPEG of more than :data:`SCAN_LIMIT` start-of-scan markers (an upper bound on its scans).
+
+    Only metadata, never scan data, holds FF DA. About 25 us on 90 KB, 3% of
+    PIL's decode; no match object is made past the limit (a sample of
+    millions of markers is counted by ``bytes.count``).
+
+    Raises:
+        ImageFormatError: naming the count.
+    """
+    for count, _ in enumerate(_START_OF_SCAN.finditer(data), 1):
+        if count > SCAN_LIMIT:
+            total = bytes(data).count(b"\xff\xda")  # the exact count, no match objects
+            raise ImageFormatError(
+                f"JPEG has {total} start-of-scan markers, more than the {SCAN_LIMIT} scans packdata decodes",
+                hint="Each scan is a pass over the whole image; re-encode the file if it is genuine",
+            )
 
 
 def jpeg_frame(data: bytes | memoryview) -> int | None:
