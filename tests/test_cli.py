@@ -32,6 +32,20 @@ def test_convert_info_verify(bad_files: Path, tmp_path: Path) -> None:
     assert verified.exit_code == 0 and "ok: 19 records" in verified.output
 
 
+def test_counts_are_printed_with_thousands_separators(tmp_path: Path) -> None:
+    """A summary of 100 M files must be readable at a glance: "packed 1,200 of 1,200", not "1200 of 1200"."""
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    for i in range(1200):
+        (src / f"{i:04d}.txt").write_text(f"note {i}")
+    dst = str(tmp_path / "out.lmdb")
+    converted = _run("convert", str(src.parent), dst, "-q")
+    assert converted.exit_code == 0 and "packed 1,200 of 1,200 files into" in converted.output
+    assert re.search(r"out [0-9.]+ [KM]iB, [0-9,]+ files/s", converted.output), converted.output
+    assert "samples:  1,200" in _run("info", dst).output
+    assert "ok: 1,200 records" in _run("verify", dst, "-q").output
+
+
 def test_convert_json_summary(image_folder: Path, tmp_path: Path) -> None:
     result = _run("convert", str(image_folder), str(tmp_path / "out.lmdb"), "-q", "--json")
     summary = json.loads(result.output)

@@ -155,18 +155,20 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     skipped = sum(result.skipped.values())
     noun = "samples" if result.kind == "fields" else "files"
     click.echo(
-        f"packed {result.packed} of {result.found} {noun} into {result.pack} "
+        f"packed {result.packed:,} of {result.found:,} {noun} into {result.pack} "
         f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
     )
     click.echo(
         f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
-        f"{result.packed / max(result.seconds, 1e-9):.0f} files/s"
+        f"{result.packed / max(result.seconds, 1e-9):,.0f} {noun}/s"
         + (f", {result.reencoded} re-encoded" if result.reencoded else "")
     )
     if skipped:
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(result.skipped.items()))
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(result.skipped.items()))
         click.secho(
-            f"  SKIPPED {skipped} {noun}: {reasons} (all listed in {result.pack}/skipped.jsonl)", fg="yellow", err=False
+            f"  SKIPPED {skipped:,} {noun}: {reasons} (all listed in {result.pack}/skipped.jsonl)",
+            fg="yellow",
+            err=False,
         )
         for example in result.skip_examples[:10]:
             click.echo(f"    {_shown(example['key'])}: {example['reason']}: {_shown(example['detail'])}")

@@ -36,7 +36,7 @@ def info(pack: str, as_json: bool, storage_options: str | None) -> None:
     shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
     click.echo(f"pack:     {facts['path']}")
     click.echo(f"format:   {facts['format']} ({facts['kind']}), written by packdata {facts['packdata_version']}")
-    click.echo(f"samples:  {facts['num_samples']}")
+    click.echo(f"samples:  {facts['num_samples']:,}")
     click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
     click.echo(f"shards:   {len(facts['shards'])}, {_mb(facts['total_bytes'])}")
     if facts.get("codecs"):
@@ -99,7 +99,7 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, w
             "then packdata verify the staged copy)"
         )
         return
-    click.echo(f"ok: {result.records} records, {_mb(result.bytes)} in {shards} verified")
+    click.echo(f"ok: {result.records:,} records, {_mb(result.bytes)} in {shards} verified")
 
 
 @click.command(name="ls")
