@@ -44,6 +44,11 @@ def test_counts_are_printed_with_thousands_separators(tmp_path: Path) -> None:
     assert re.search(r"out [0-9.]+ [KM]iB, [0-9,]+ files/s", converted.output), converted.output
     assert "samples:  1,200" in _run("info", dst).output
     assert "ok: 1,200 records" in _run("verify", dst, "-q").output
+    exported = _run("export", dst, str(tmp_path / "back"))
+    assert "exported 1,200 samples as 1,200 files" in exported.output, exported.output
+    area = str(tmp_path / "area")
+    assert _run("stage", dst, "--to", area, "-q").exit_code == 0
+    assert "out.lmdb: 1 shard staged" in _run("stage", "--status", area).output
 
 
 def test_convert_json_summary(image_folder: Path, tmp_path: Path) -> None:

@@ -35,6 +35,11 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 _KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``, ``1,200 files``."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
 def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn packdata's own errors into one line, in flags rather than keyword arguments, and exit 1.
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _friendly, _mb, _shown, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _mb, _shown, _size
 from packdata.formats import FORMATS
 
 __all__ = ["convert", "merge"]
@@ -156,7 +156,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     noun = "samples" if result.kind == "fields" else "files"
     click.echo(
         f"packed {result.packed:,} of {result.found:,} {noun} into {result.pack} "
-        f"({result.format}, {result.shards} shard{'s' * (result.shards != 1)}) in {result.seconds:.1f}s"
+        f"({result.format}, {_count(result.shards, 'shard')}) in {result.seconds:.1f}s"
     )
     click.echo(
         f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
@@ -201,7 +201,8 @@ def merge(packs: tuple[str, ...], out: str, on_duplicate: str, overwrite: bool) 
 
     result = merge_packs(packs, out, on_duplicate=on_duplicate, overwrite=overwrite)
     click.echo(
-        f"merged {len(packs)} packs into {result.pack}: {result.samples} samples in {result.shards} shards "
+        f"merged {len(packs)} packs into {result.pack}: "
+        f"{_count(result.samples, 'sample')} in {_count(result.shards, 'shard')} "
         f"({result.linked} linked, {result.copied} copied, {result.rewritten} rewritten"
         + (f"; {result.renamed_keys} keys renamed" if result.renamed_keys else "")
         + ")"

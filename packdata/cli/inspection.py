@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from packdata.cli.common import _friendly, _mb, _shown
+from packdata.cli.common import _count, _friendly, _mb, _shown
 
 __all__ = ["cat", "export", "info", "ls", "verify"]
 
@@ -91,7 +91,7 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, w
     if as_json:
         click.echo(json.dumps(result.to_dict()))
         return
-    shards = f"{result.shards} shard{'s' * (result.shards != 1)}"
+    shards = _count(result.shards, "shard")
     if result.checks == "checksums":
         click.echo(
             f"ok: {shards}, {_mb(result.bytes)}: sizes and SHA-256 match the manifest. Records NOT checked: "
@@ -180,9 +180,9 @@ def export(pack: str, dst: str, layout: str | None) -> None:
     from packdata.formats.contents import export_pack
 
     result = export_pack(pack, dst, layout=layout)
-    click.echo(f"exported {result.samples} samples as {result.files} files into {result.path}")
+    click.echo(f"exported {_count(result.samples, 'sample')} as {_count(result.files, 'file')} into {result.path}")
     if result.refused:
-        click.secho(f"  REFUSED {len(result.refused)} samples:", fg="yellow")
+        click.secho(f"  REFUSED {_count(len(result.refused), 'sample')}:", fg="yellow")
         for item in result.refused[:10]:
             click.echo(f"    {_shown(item['key'])}: {_shown(item['reason'])}")
         sys.exit(1)

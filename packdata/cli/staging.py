@@ -7,14 +7,9 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _friendly, _mb, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _mb, _size
 
 __all__ = ["doctor", "stage", "unstage"]
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 shard``, ``2 shards``."""
-    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _warn(warnings: Any) -> None:
@@ -115,7 +110,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
             for p in area.packs:
                 state = "" if p.complete else " INCOMPLETE (stage it again)"
                 click.echo(
-                    f"  {p.path.name}: {p.shards_staged} shards staged ({_mb(p.bytes_staged)}), "
+                    f"  {p.path.name}: {_count(p.shards_staged, 'shard')} staged ({_mb(p.bytes_staged)}), "
                     f"{p.shards_left} left ({_mb(p.bytes_left)}) from {p.origin}{state}"
                 )
         _warn(report.warnings)
