@@ -19,8 +19,11 @@ __all__ = [
     "PackFormatError",
     "PackdataError",
     "SourceError",
+    "OUT_OF_FILES_HINT",
     "destination_error",
+    "out_of_files_error",
     "sample_error",
+    "too_many_open_files",
 ]
 
 
@@ -51,7 +54,7 @@ class PackFormatError(PackdataError):
 
 
 class CapacityError(PackdataError):
-    """Not enough disk space or memory for the requested operation."""
+    """Not enough disk space, memory or file descriptors for the requested operation."""
 
 
 class ConfigError(PackdataError, ValueError):
@@ -110,6 +113,43 @@ def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:
         path=path,
         hint="Choose a destination on a writable local or network file system",
     )
+
+
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def too_many_open_files(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, says the process or the system is out of file descriptors.
+
+    Errors of C libraries that carry no ``errno`` (py-lmdb's) are known by the
+    C library's message for it ("Too many open files").
+    """
+    messages = tuple(os.strerror(code) for code in _OUT_OF_FILES)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _OUT_OF_FILES:
+            return True
+        if any(message in str(current) for message in messages):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def out_of_files_error(path: str | os.PathLike) -> CapacityError:
+    """Out of file descriptors opening ``path``, said as such (never as a damaged file). Raise it ``from`` the error."""
+    return CapacityError(
+        "too many open files: the limit on open files (ulimit -n) is reached",
+        path=path,
+        hint=OUT_OF_FILES_HINT,
+    )
+
+
+OUT_OF_FILES_HINT = (
+    "Raise the hard limit (ulimit -Hn as root, LimitNOFILE= for a service, --ulimit nofile= for a container), "
+    "or convert with a larger --shard-size so the pack has fewer shards"
+)
 
 
 class EngineError(PackdataError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackdataError, PackFormatError, out_of_files_error, too_many_open_files
 from packdata.formats.lmdb_pages import read_lmdb_meta
 
 __all__ = ["DATA_FILE", "MAX_READERS", "encode_key"]
@@ -118,8 +118,13 @@ def _release_env(identity: tuple[int, int]) -> None:
             entry.env.close()
 
 
-def _lmdb_error(path: str | os.PathLike, exc: lmdb.Error) -> PackFormatError:
-    """An LMDB error (a damaged header or page, a bad map) as one line naming the shard."""
+def _lmdb_error(path: str | os.PathLike, exc: lmdb.Error) -> PackdataError:
+    """An LMDB error (a damaged header or page, a bad map) as one line naming the shard.
+
+    Out of file descriptors is a :class:`CapacityError`, never called damage.
+    """
+    if too_many_open_files(exc):
+        return out_of_files_error(path)
     return PackFormatError(
         f"LMDB cannot read the shard: {type(exc).__name__}: {exc}".rstrip(": "),
         path=path,

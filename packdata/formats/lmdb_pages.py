@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 from packdata.pack.files import open_regular
 
 __all__ = ["LMDBMeta", "check_lmdb_tree", "read_lmdb_meta"]
@@ -113,6 +113,8 @@ def read_lmdb_meta(data_file: str | os.PathLike) -> LMDBMeta:
         finally:
             os.close(fd)
     except OSError as exc:
+        if too_many_open_files(exc):
+            raise out_of_files_error(path) from exc
         raise _refuse(path, f"cannot be read: {exc.strerror or exc}") from exc
     metas = []
     for number, raw in enumerate((first, second)):

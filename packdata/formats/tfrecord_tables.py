@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 from packdata.pack.files import map_int64, read_regular, sha256_prefix
 
 __all__ = [
@@ -122,6 +122,8 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
     try:
         raw = read_regular(path)
     except OSError as exc:
+        if too_many_open_files(exc):
+            raise out_of_files_error(path) from exc
         raise PackFormatError(
             f"cannot read the shard's offsets index: {exc.strerror or exc}",
             path=path,

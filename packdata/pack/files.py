@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 
 __all__ = [
     "aside_path",
@@ -212,17 +212,24 @@ def map_int64(path: str | os.PathLike) -> np.ndarray | None:
     Every process mapping it shares the page cache's copy. None when it is
     missing, not a regular file (never blocks on a FIFO), empty, or not a
     whole number of int64s.
+
+    Raises:
+        CapacityError: out of file descriptors (a table is not absent for that).
     """
     try:
         fd = open_regular(path)
-    except OSError:
+    except OSError as exc:
+        if too_many_open_files(exc):
+            raise out_of_files_error(path) from exc
         return None
     try:
         size = os.fstat(fd).st_size
         if size == 0 or size % 8:
             return None
         return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), dtype="<i8")
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if too_many_open_files(exc):
+            raise out_of_files_error(path) from exc
         return None
     finally:
         os.close(fd)

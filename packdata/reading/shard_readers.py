@@ -6,9 +6,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from packdata.errors import PackFormatError
+from packdata.errors import OUT_OF_FILES_HINT, CapacityError, PackdataError, PackFormatError, too_many_open_files
+from packdata.host.descriptors import open_files_limit, raise_open_files_limit
 
 __all__ = ["ShardReaders"]
+
+_FILES_PER_READER = 4  # at most, once a shard is read: LMDB's own descriptor, the positioned reads', the maps'
 
 
 class ShardReaders:
@@ -33,30 +36,62 @@ class ShardReaders:
         self.kwargs = kwargs or [{} for _ in paths]
         self.check = check
         self._readers: list[Any] = []
+        self._held = 0  # readers open in this process
         self._pid = -1
 
     def __getitem__(self, shard: int) -> Any:
         if self._pid != os.getpid():
             self._readers = [None] * len(self.paths)
+            self._held = 0
             self._pid = os.getpid()
         reader = self._readers[shard]
         if reader is None:
+            if (self._held + 1) * _FILES_PER_READER > open_files_limit()[0] // 2 >= 0:
+                raise_open_files_limit()  # readers would take half the soft limit: up to the hard one
             try:
-                reader = self.make(self.paths[shard], **self.kwargs[shard])
-                if hasattr(reader, "open"):
-                    reader.open()  # a reader that opens lazily opens now, before the check
-            except PackFormatError:
-                if self.check is not None:
-                    self.check()  # a shard that fails its checks because the pack changed: say so
-                raise
-            if self.check is not None:
-                try:
-                    self.check()  # after the open: the files opened are the generation checked
-                except BaseException:
-                    reader.close()
+                reader = self._open(shard)
+            except (OSError, PackdataError) as exc:
+                if not too_many_open_files(exc):
+                    raise
+                if not raise_open_files_limit():
+                    raise self._out_of_files(shard) from exc
+                try:  # the soft limit is raised to the hard one: once more
+                    reader = self._open(shard)
+                except (OSError, PackdataError) as again:
+                    if too_many_open_files(again):
+                        raise self._out_of_files(shard) from again
                     raise
             self._readers[shard] = reader
+            self._held += 1
         return reader
+
+    def _open(self, shard: int) -> Any:
+        try:
+            reader = self.make(self.paths[shard], **self.kwargs[shard])
+            if hasattr(reader, "open"):
+                reader.open()  # a reader that opens lazily opens now, before the check
+        except PackFormatError as exc:
+            if self.check is not None and not too_many_open_files(exc):
+                self.check()  # a shard that fails its checks because the pack changed: say so
+            raise
+        if self.check is not None:
+            try:
+                self.check()  # after the open: the files opened are the generation checked
+            except BaseException:
+                reader.close()
+                raise
+        return reader
+
+    def _out_of_files(self, shard: int) -> CapacityError:
+        """Out of file descriptors at the hard limit, said as such (not as a damaged shard)."""
+        soft, hard = open_files_limit()
+        return CapacityError(
+            f"too many open files opening shard {shard} of {len(self.paths):,}: this process holds "
+            f"{self._held:,} shard readers (2-4 files each) and may open {soft:,} files (ulimit -n; hard limit "
+            f"{'none' if hard < 0 else format(hard, ',')})",
+            path=self.paths[shard],
+            hint=OUT_OF_FILES_HINT,
+        )
 
     def close(self) -> None:
         """Close this process's readers (a parent's inherited ones are left alone)."""
@@ -65,6 +100,7 @@ class ShardReaders:
                 if reader is not None:
                     reader.close()
             self._readers = [None] * len(self.paths)
+            self._held = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -73,5 +109,6 @@ class ShardReaders:
             "kwargs": self.kwargs,
             "check": self.check,
             "_readers": [],
+            "_held": 0,
             "_pid": -1,
         }

@@ -1,0 +1,107 @@
+"""A pack of more shards than the open-file limit allows readers to hold: the soft limit is raised, or one line says so.
+
+Each shard a dataset has read keeps two or three files open in that process;
+with a soft limit of 1,024 (many systems' default) a few hundred shards were
+enough to stop every worker with "cannot be read: Too many open files. The
+shard is damaged ... convert or stage the pack again", about an intact pack.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import packdata
+from packdata.pack.manifest import read_manifest
+
+SHARDS = 40  # 80-120 files held once all are read: past a soft limit of 64
+SOFT = 64
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 120 texts in an LMDB and a TFRecord pack of about 40 shards each."""
+    root = tmp_path_factory.mktemp("open-files")
+    src = root / "src" / "notes"
+    src.mkdir(parents=True)
+    for i in range(120):
+        (src / f"{i:03d}.txt").write_text(f"note {i} " * 100)
+    packs = {}
+    for fmt in ("lmdb", "tfrecord"):
+        packs[fmt] = root / f"p.{fmt}"
+        packdata.convert(src.parent, packs[fmt], format=fmt, shard_size=2800, progress=False)
+        assert len(read_manifest(packs[fmt]).shards) >= SHARDS
+    return packs
+
+
+_READ_ALL = textwrap.dedent(
+    """
+    import resource, sys
+    import packdata
+    from torch.utils.data import DataLoader
+
+    fmt, path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cls = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    ds = cls(path, decode="bytes")
+    try:
+        if workers:
+            loader = DataLoader(ds, batch_size=7, num_workers=workers, collate_fn=list, multiprocessing_context="spawn")
+            texts = [text for batch in loader for text, _ in batch]
+        else:
+            texts = [ds[i][0] for i in range(len(ds))]
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+    assert sorted(texts) == sorted(f"note {i} ".encode() * 100 for i in range(120)), "samples differ"
+    print("read", len(texts), "soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    """
+)
+
+
+def _read_all(fmt: str, pack: Path, workers: int, hard: int) -> subprocess.CompletedProcess[str]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, hard))
+
+    return subprocess.run(
+        [sys.executable, "-c", _READ_ALL, fmt, str(pack), str(workers)],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _hard_limit() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reader_out_of_descriptors_raises_the_soft_limit_and_reads_on(many_shards, fmt: str, workers: int) -> None:
+    hard = _hard_limit()
+    if hard < 4 * SHARDS + 64:
+        pytest.skip(f"the hard limit on open files here ({hard}) leaves no room to raise the soft one")
+    done = _read_all(fmt, many_shards[fmt], workers, hard)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "read 120" in done.stdout
+    if not workers:  # the workers raised their own limits; this process read nothing
+        assert f"soft limit {hard}" in done.stdout
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_reader_out_of_descriptors_at_the_hard_limit_says_so_in_one_line(many_shards, fmt: str) -> None:
+    done = _read_all(fmt, many_shards[fmt], 0, SOFT)
+    assert done.returncode == 3, done.stdout + done.stderr
+    line = done.stdout.strip()
+    assert line.startswith("CapacityError ") and "\n" not in line
+    assert (
+        "too many open files opening shard" in line and f"may open {SOFT} files (ulimit -n; hard limit {SOFT})" in line
+    )
+    assert "Raise the hard limit" in line and "--shard-size" in line
+    assert "damaged" not in line and "again" not in line
