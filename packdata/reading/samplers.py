@@ -328,17 +328,19 @@ class BlockShuffleSampler(Sampler[int]):
         self._start = self._yielded = position
         self._pending = True
 
-    def _iterate(self, order: list[int]) -> Iterator[int]:
+    def _iterate(self, order: np.ndarray) -> Iterator[int]:
+        """Yield ``order`` a window at a time (as Python ints only a window at a time: 100 M of them are 3.6 GB)."""
         hints = self._hints()
         span = self.block_size * self.window
-        for position, index in enumerate(order):
-            if hints is not None and position % span == 0:  # the window after the one starting here
-                if position == 0:  # and this one, first: its reads are the first to wait,
+        for start in range(0, len(order), span):
+            if hints is not None:  # the window after the one starting here
+                if start == 0:  # and this one, first: its reads are the first to wait,
                     hints.advise(order[: self.block_size])  # its first block before the rest: the first batch
                     hints.advise(order[:span])
-                hints.advise(order[position + span : position + 2 * span])
-            self._yielded += 1
-            yield index
+                hints.advise(order[start + span : start + 2 * span])
+            for index in order[start : start + span].tolist():
+                self._yielded += 1
+                yield index
 
     def _hints(self) -> ReadAhead | None:
         """The read-ahead of this sampler's pack, made in the process that iterates it (None without a pack)."""
@@ -379,7 +381,7 @@ class BlockShuffleSampler(Sampler[int]):
             self.epoch += 1
             return iter([])
         self._yielded = self._start
-        return self._iterate(stream[self._start :].tolist())
+        return self._iterate(stream[self._start :])
 
     def __len__(self) -> int:
         return per_rank_count(self.num_samples_total, self.world_size, self.drop_last)
