@@ -282,6 +282,12 @@ def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
     out = CliRunner().invoke(cli_main, args)
     assert out.exit_code == 0, out.output
     assert "# projected = workers x per-worker private memory" in out.stdout
+    # sizes as every command prints them (binary units, one decimal), rates with separators
+    assert re.search(
+        r"# recommended: [\d,]+ samples/s; .* in this short run \d+\.\d [KMG]iB, projected for training "
+        r"\d+\.\d [KMG]iB \(budget \d+\.\d [KMG]iB, ",
+        out.stdout,
+    ), out.stdout
     tried = CliRunner().invoke(cli_main, [*args, "--json"])
     assert {t["config"]["batch_size"] for t in json.loads(tried.stdout)["trials"]} == {4, 8}
 

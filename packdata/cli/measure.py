@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _friendly, _size
+from packdata.cli.common import _friendly, _mb, _size
 
 __all__ = ["bench", "tune"]
 
@@ -226,10 +226,9 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, 
 
     def describe(label: str, trial: Any) -> None:
         click.echo(
-            f"# {label}: {trial.samples_per_s:.0f} samples/s; peak private memory in this short run "
-            f"{(trial.memory_peak_bytes or 0) / 2**20:.0f} MiB, projected for training "
-            f"{trial.projected_bytes / 2**20:.0f} MiB (budget {result.memory_budget / 2**20:.0f} MiB, "
-            f"{result.budget_source})"
+            f"# {label}: {trial.samples_per_s:,.0f} samples/s; peak private memory in this short run "
+            f"{_mb(trial.memory_peak_bytes or 0)}, projected for training {_mb(trial.projected_bytes)} "
+            f"(budget {_mb(result.memory_budget)}, {result.budget_source})"
         )
 
     describe("recommended", result.recommended)
