@@ -127,6 +127,8 @@ def jpeg_frame(data: bytes | memoryview) -> int | None:
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
             i += 2
             continue
+        if marker == 0x00:  # no marker: decoders skip it as junk, so no length after it may be trusted
+            return None
         length = int.from_bytes(data[i + 2 : i + 4], "big")
         if length < 2:
             return None

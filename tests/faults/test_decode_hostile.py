@@ -192,3 +192,8 @@ def test_jpeg_frame_names_the_frame() -> None:
     assert jpeg_frame(_progressive_jpeg(64, SCAN_LIMIT)) == 0xC2
     assert jpeg_frame(_sequential_jpeg(64, SCAN_LIMIT)) == 0xC0
     assert jpeg_frame(b"\xff\xd8\xff\xe0\x00\x01") is None
+    # FF 00 is no marker (decoders skip it): read as one with a length, it hid a baseline frame in an APP1
+    fake = b"\xff\xc0\x00\x0b\x08\x00\x10\x00\x10\x01\x01\x11\x00\xff\xda\x00\x02"
+    progressive = _progressive_jpeg(64, 10)
+    hidden = b"\xff\xd8\xff\x00\x00\x06\xff\xe1" + struct.pack(">H", len(fake) + 2) + fake + progressive[2:]
+    assert jpeg_frame(hidden) is None
