@@ -491,6 +491,27 @@ def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
         gatherer.close()
 
 
+@pytest.mark.ray
+def test_ray_gather_names_a_fragment_with_a_negative_field_size(grouped_folder: Path, tmp_path: Path) -> None:
+    """A negative field size was appended into the pack as found, and only its reader refused the pack."""
+    from packdata.conversion.ray_gather import _Gatherer
+    from packdata.errors import PackFormatError
+    from packdata.pack.files import file_sha256
+
+    partial, result = _finished_fields_task(grouped_folder, tmp_path)
+    sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
+    pairs = np.fromfile(sizes, dtype="<i8")
+    pairs[1] = -5
+    pairs.tofile(sizes)
+    result["fragment_files"]["index/field_sizes.i64"][1] = file_sha256(sizes)  # as if the task had written it
+    gatherer = _Gatherer(partial, "fields")
+    try:
+        with pytest.raises(PackFormatError, match=r"00000/index/field_sizes.i64: field size -5 is negative"):
+            gatherer.add(result)
+    finally:
+        gatherer.close()
+
+
 def test_ray_gather_names_a_fragment_changed_since_its_task_ended(grouped_folder: Path, tmp_path: Path) -> None:
     """A byte flipped in a finished task's labels.i32 was appended as another label."""
     from packdata.conversion.ray_gather import _Gatherer

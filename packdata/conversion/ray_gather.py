@@ -46,6 +46,7 @@ from packdata.pack.index import (
     KEYS_FILE,
     LABELS_FILE,
     SIZES_FILE,
+    field_pairs_problem,
     index_files,
 )
 from packdata.pack.manifest import ShardInfo
@@ -232,7 +233,7 @@ class _Gatherer:
         """Append a fragment's field sizes with the task's field numbers mapped to the pack's.
 
         Raises:
-            PackFormatError: a field number is not one of the task's ``names``.
+            PackFormatError: a field number is not one of the task's ``names``, or a field size is negative.
         """
         for name in names:
             if name not in self.field_numbers:
@@ -242,10 +243,10 @@ class _Gatherer:
         with open(fragment / FIELD_SIZES_FILE, "rb") as f:
             while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
                 pairs = pairs.reshape(-1, 2)
-                bad = pairs[(pairs[:, 0] < 0) | (pairs[:, 0] >= len(names)), 0]
-                if len(bad):
+                problem = field_pairs_problem(pairs, len(names))
+                if problem is not None:
                     raise PackFormatError(
-                        f"field number {int(bad[0])} is out of range for its task's {len(names)} fields",
+                        problem,
                         path=fragment / FIELD_SIZES_FILE,
                         hint="Start the conversion again with --overwrite",
                     )

@@ -55,6 +55,7 @@ __all__ = [
     "SampleIndexWriter",
     "check_index_digests",
     "damaged_index_file",
+    "field_pairs_problem",
     "index_digests",
     "index_files",
     "labels_out_of_range",
@@ -378,10 +379,9 @@ class SampleIndex:
             field_offsets = self._map(directory / FIELD_OFFSETS_FILE, "<i8", num_samples + 1)
             _check_offsets(field_offsets, directory / FIELD_OFFSETS_FILE)
             pairs = self._map(directory / FIELD_SIZES_FILE, "<i8", 2 * int(field_offsets[-1])).reshape(-1, 2)
-            if len(pairs) and (pairs[:, 0].min() < 0 or pairs[:, 0].max() >= len(fields) or pairs[:, 1].min() < 0):
-                raise PackFormatError(
-                    "a field number or size is out of range", path=directory / FIELD_SIZES_FILE, hint=_AGAIN
-                )
+            problem = field_pairs_problem(pairs, len(fields))
+            if problem is not None:
+                raise PackFormatError(problem, path=directory / FIELD_SIZES_FILE, hint=_AGAIN)
             self._field_offsets, self._field_pairs = field_offsets, pairs
 
     def sample_fields(self, index: int) -> dict[str, int]:
@@ -416,6 +416,22 @@ class SampleIndex:
             return np.zeros(0, dtype=dtype)
         # a plain ndarray over the map: np.memmap's Python-level hooks cost microseconds on every slice
         return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
+
+
+def field_pairs_problem(pairs: np.ndarray, num_fields: int) -> str | None:
+    """What is out of range in ``(field number, byte length)`` rows of ``field_sizes.i64``, or None when nothing is.
+
+    A number must index one of ``num_fields`` fields, a length must not be
+    negative. Found with a min and a max per column: no copy of a mapped file.
+    """
+    if not len(pairs):
+        return None
+    low, high = int(pairs[:, 0].min()), int(pairs[:, 0].max())
+    if low < 0 or high >= num_fields:
+        return f"field number {low if low < 0 else high} is out of range for {num_fields} fields"
+    if (shortest := int(pairs[:, 1].min())) < 0:
+        return f"field size {shortest} is negative"
+    return None
 
 
 def labels_out_of_range(labels: np.ndarray, num_classes: int, chunk: int = 1 << 20) -> tuple[int, int] | None:

@@ -89,9 +89,9 @@ def test_a_record_holding_another_samples_key_is_refused(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("pairs", "problem"),
     [
-        ([[0, 2], [7, 2]], "field number or size is out of range"),  # a field number past the manifest's list
-        ([[-1, 2], [0, 2]], "field number or size is out of range"),
-        ([[0, -5], [1, 2]], "field number or size is out of range"),
+        ([[0, 2], [7, 2]], "field number 7 is out of range for 2 fields"),  # past the manifest's list
+        ([[-1, 2], [0, 2]], "field number -1 is out of range for 2 fields"),
+        ([[0, -5], [1, 2]], "field size -5 is negative"),
     ],
 )
 def test_a_lying_field_index_is_refused_at_open(tmp_path: Path, pairs: list[list[int]], problem: str) -> None:
