@@ -505,6 +505,37 @@ def test_resume_names_a_damaged_checkpoint_field_and_changes_nothing(
     assert verify_pack(dst, progress=False).records == 19
 
 
+@pytest.mark.parametrize(("kept", "named"), [(["json"], "1 field"), ([], "0 fields")])
+def test_resume_refuses_field_names_that_miss_a_kept_field_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: list[str], named: str
+) -> None:
+    """progress.json's field_names number the kept index's fields: cut short, a resume numbered md anew, and the
+    published index gave the kept samples' txt (or json) sizes to md."""
+    src = tmp_path / "grouped"
+    src.mkdir()
+    for i in range(10):  # json and txt, then md and txt: md is new after the checkpoint at 4 samples
+        (src / f"s{i:02d}.txt").write_text(f"t{i}", encoding="utf-8")
+        (src / (f"s{i:02d}.json" if i < 4 else f"s{i:02d}.md")).write_text(json.dumps({"n": i}), encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(src, dst, monkeypatch, after=5)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_text())
+    assert state["samples_done"] == 4 and state["field_names"] == ["json", "txt"]
+    progress.write_text(json.dumps({**state, "field_names": kept}))
+    with pytest.raises(
+        PackFormatError,
+        match=r"progress.json: the interrupted conversion's checkpoint is damaged: field_names should be a name for "
+        rf"each field number of the kept sample index \(field number 1 is out of range for {named}\), but got",
+    ):
+        convert(src, dst, progress=False, resume=True)
+    assert not dst.exists()
+    result = CliRunner().invoke(main, ["convert", str(src), str(dst), "--resume"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.rstrip().endswith("Start the conversion again with --overwrite")
+    convert(src, dst, progress=False, overwrite=True)
+    assert LMDBDataset(dst).pack.index.field_names == ["json", "txt", "md"]
+
+
 @pytest.mark.parametrize("name", ["../victim.tfrecord", "absolute", "skipped.jsonl", "part-00001.tfrecord"])
 def test_resume_renames_no_file_a_checkpoint_names_outside_its_shards(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str

@@ -20,6 +20,7 @@ from typing import Any
 from packdata.conversion.publish import MAX_SKIP_EXAMPLES, SKIP_REPORT, is_count, is_skip_counts, is_skip_lines
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write
+from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
 
 __all__: list[str] = []
@@ -92,6 +93,19 @@ class _Checkpoint:
         self.finishing = state.get("finishing", False)
         self.field_names = state.get("field_names", [])
         self.index_files = state.get("index_files")  # None from an earlier packdata
+
+    def check_field_names(self, field_sizes: Path) -> None:
+        """Refuse ``field_names`` that do not name every field number of the field sizes a resume kept.
+
+        Call once the kept index files matched the SHA-256s the checkpoint records.
+
+        Raises:
+            PackFormatError: naming ``progress.json``'s ``field_names``.
+        """
+        problem = field_file_problem(field_sizes, len(self.field_names))
+        if problem is not None:
+            should = f"a name for each field number of the kept sample index ({problem})"
+            raise _bad(self.path, "field_names", should, self.field_names)
 
 
 def _damaged(path: Path, what: str) -> PackFormatError:

@@ -45,7 +45,7 @@ from packdata.errors import (
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
 from packdata.pack.files import discard_partial, file_kind, fsync_dir
-from packdata.pack.index import SampleIndexWriter
+from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress
@@ -187,6 +187,12 @@ class _Packer:
             fields=source.kind == "fields",
             kept=cp.index_files if resumed else None,
         )
+        if resumed and source.kind == "fields":
+            try:
+                cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
+            except PackFormatError:
+                self.index.close()
+                raise
         self.field_numbers = {name: i for i, name in enumerate(cp.field_names)}
         report = partial / SKIP_REPORT
         report.touch()

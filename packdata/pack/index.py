@@ -55,6 +55,7 @@ __all__ = [
     "SampleIndexWriter",
     "check_index_digests",
     "damaged_index_file",
+    "field_file_problem",
     "field_pairs_problem",
     "index_digests",
     "index_files",
@@ -428,9 +429,20 @@ def field_pairs_problem(pairs: np.ndarray, num_fields: int) -> str | None:
         return None
     low, high = int(pairs[:, 0].min()), int(pairs[:, 0].max())
     if low < 0 or high >= num_fields:
-        return f"field number {low if low < 0 else high} is out of range for {num_fields} fields"
+        fields = f"{num_fields} field" + ("" if num_fields == 1 else "s")
+        return f"field number {low if low < 0 else high} is out of range for {fields}"
     if (shortest := int(pairs[:, 1].min())) < 0:
         return f"field size {shortest} is negative"
+    return None
+
+
+def field_file_problem(path: str | os.PathLike, num_fields: int, chunk: int = 1 << 20) -> str | None:
+    """:func:`field_pairs_problem` over a ``field_sizes.i64`` file, ``chunk`` pairs at a time (flat memory)."""
+    with open(path, "rb") as f:
+        while len(values := np.fromfile(f, dtype="<i8", count=2 * chunk)):
+            problem = field_pairs_problem(values[: len(values) // 2 * 2].reshape(-1, 2), num_fields)
+            if problem is not None:
+                return problem
     return None
 
 
