@@ -434,6 +434,20 @@ def test_a_pickled_npy_file_is_never_loaded(tmp_path: Path) -> None:
     assert np.array_equal(packdata.LMDBDataset(tmp_path / "out.lmdb")[0]["npy"], np.ones(3))
 
 
+def test_a_source_json_nested_past_the_parser_is_skipped_not_a_traceback(tmp_path: Path) -> None:
+    """Convert's check of a .json let json.loads's RecursionError out: the whole conversion died with a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("deep", encoding="utf-8")
+    (src / "a.json").write_text("[" * 100_000, encoding="utf-8")
+    (src / "b.txt").write_text("flat", encoding="utf-8")
+    (src / "b.json").write_text("[1]", encoding="utf-8")
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert result.skipped == {"not JSON": 1}
+    assert result.skip_examples[0]["detail"] == "field 'json': nested deeper than the JSON parser goes"
+    assert [s["json"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [[1]]
+
+
 def _npy(array: np.ndarray) -> bytes:
     import io
 

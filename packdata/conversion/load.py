@@ -200,6 +200,8 @@ def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | 
             json.loads(data)
         except ValueError as exc:
             return "not JSON", str(exc)
+        except RecursionError:
+            return "not JSON", "nested deeper than the JSON parser goes"
     if codec == "cls":
         text = data.strip()
         if not text.isdigit() or len(text) > 9:
