@@ -448,6 +448,32 @@ def test_a_source_json_nested_past_the_parser_is_skipped_not_a_traceback(tmp_pat
     assert [s["json"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [[1]]
 
 
+@pytest.mark.parametrize("descr", ["|S0", "|V0", "<U0", []])
+def test_an_npy_of_zero_byte_elements_is_refused_past_one_element_a_byte(tmp_path: Path, descr: object) -> None:
+    """A header alone declared 10**18 elements of 0 bytes: checked sound, np.load gave an array no loop finishes."""
+    from numpy.lib import format as npy_format
+
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": (10**18,)})
+    huge = header.getvalue()
+    problem = "its header's shape (1000000000000000000,) holds 1000000000000000000 elements of 0 bytes"
+    small = _npy(np.zeros(4, dtype=("f8", (0,))))  # numpy writes this: 4 elements of 0 bytes (|V0), 128 bytes
+    pack = tmp_path / "p.lmdb"
+    packdata.write_pack([{"__key__": "huge", "npy": huge}, {"__key__": "small", "npy": small}], pack, progress=False)
+    named = f"sample 'huge' (index 0), field 'npy': .npy array cannot be read ({problem}"
+    with pytest.raises(packdata.DecodeError, match=re.escape(named)):
+        packdata.LMDBDataset(pack)[0]
+    assert packdata.LMDBDataset(pack)[1]["npy"].shape == (4,)
+    src = tmp_path / "src"
+    src.mkdir()
+    for key, data in [("huge", huge), ("small", small)]:
+        (src / f"{key}.txt").write_text(key, encoding="utf-8")
+        (src / f"{key}.npy").write_bytes(data)
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert result.skipped == {"not npy": 1} and result.skip_examples[0]["detail"].startswith(f"field 'npy': {problem}")
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["small"]
+
+
 def _npy(array: np.ndarray) -> bytes:
     import io
 

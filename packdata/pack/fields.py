@@ -120,8 +120,10 @@ def check_npy(data: bytes | memoryview) -> int:
 
     Raises:
         ValueError: not a ``.npy``, a header numpy cannot read (or a shape it
-            cannot take), an object dtype (pickled data), or a shape and dtype
-            that do not account for exactly the bytes that follow.
+            cannot take), more elements than the file has bytes (only a dtype
+            of 0-byte elements can: ``|V0``, ``|S0``, ``[]``), an object dtype
+            (pickled data), or a shape and dtype that do not account for exactly
+            the bytes that follow.
     """
     stream = io.BytesIO(data)
     try:
@@ -132,11 +134,17 @@ def check_npy(data: bytes | memoryview) -> int:
         raise ValueError(str(exc)) from exc
     if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) > sys.maxsize:
         raise ValueError(f"its header's shape {shape!r} is not one numpy can take")
-    needed = math.prod(shape) * dtype.itemsize
+    count = math.prod(shape)
+    needed = count * dtype.itemsize
     if dtype.hasobject:
         raise ValueError("it holds Python objects (pickled data), which a pack never loads")
     if needed != len(data) - stream.tell():
         raise ValueError(f"its header asks for {needed} bytes of array data, {len(data) - stream.tell()} follow")
+    if count > len(data):  # 0-byte elements: numpy reads (10**18,) of them from a header alone
+        raise ValueError(
+            f"its header's shape {shape!r} holds {count} elements of {dtype.itemsize} bytes ({dtype.str}), "
+            f"more than the {len(data)} bytes of the file"
+        )
     return stream.tell()
 
 
