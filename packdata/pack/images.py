@@ -6,7 +6,9 @@ import contextlib
 import io
 import re
 import struct
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 from PIL import Image, UnidentifiedImageError
 
@@ -18,6 +20,7 @@ __all__ = [
     "JPEG_QUALITY",
     "SCAN_LIMIT",
     "decoding_errors",
+    "decoding_sample",
     "encode_image",
     "jpeg_frame",
     "open_image",
@@ -40,6 +43,10 @@ JPEG_QUALITY = 95
 #: 10), or a sequential one whose first scan holds one component (libjpeg then
 #: decodes any number of scans, a valid file needing one a component).
 SCAN_LIMIT = 500
+
+#: Set by a dataset around an image's decode: what names the sample (called
+#: only when :func:`open_image` warns of a possible decompression bomb).
+decoding_sample: ContextVar[Callable[[], str] | None] = ContextVar("packdata_decoding_sample", default=None)
 
 _START_OF_SCAN = re.compile(rb"\xff\xda")  # re finds it by memchr: 3x faster than bytes.count
 _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF"}
@@ -68,6 +75,10 @@ def encode_image(image: Image.Image, extension: str) -> bytes:
 def open_image(data: bytes) -> Image.Image:
     """Open image bytes with PIL's plug-ins for :data:`IMAGE_FORMATS` only (lazily, like ``Image.open``).
 
+    PIL's ``DecompressionBombWarning`` (more than ``Image.MAX_IMAGE_PIXELS``
+    pixels, at most twice that) names no image: under :data:`decoding_sample`
+    a second one, of the same category, names the sample.
+
     Raises:
         ImageFormatError: the bytes are in another format (named when PIL knows
             it, e.g. EPS or PPM) or in none, or are a JPEG of more than
@@ -76,9 +87,12 @@ def open_image(data: bytes) -> Image.Image:
     if data[:2] == b"\xff\xd8":
         _check_scans(data)
     try:
-        return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
         detected = _sniff_format(data)
+    else:
+        _name_bomb_warning(image.size)
+        return image
     allowed = ", ".join(IMAGE_FORMATS)
     if detected is not None:
         raise ImageFormatError(
@@ -87,6 +101,19 @@ def open_image(data: bytes) -> Image.Image:
             detected=detected,
         ) from None
     raise ImageFormatError(f"not an image in a known format (expected one of {allowed})", hint="The bytes are damaged")
+
+
+def _name_bomb_warning(size: tuple[int, int]) -> None:
+    """Warn naming the sample :data:`decoding_sample` names where PIL, opening an image of ``size``, warned."""
+    limit, name = Image.MAX_IMAGE_PIXELS, decoding_sample.get()
+    pixels = max(1, size[0]) * max(1, size[1])  # PIL's count
+    if name is not None and limit is not None and pixels > limit:
+        warnings.warn(
+            f"{name()}: image of {size[0]}x{size[1]} ({pixels} pixels) is over PIL.Image.MAX_IMAGE_PIXELS "
+            f"({limit}), possibly a decompression bomb; decoded, as it is at most twice the limit",
+            Image.DecompressionBombWarning,
+            stacklevel=3,  # the decoder that opened it
+        )
 
 
 def _check_scans(data: bytes) -> None:

@@ -23,7 +23,7 @@ from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackForm
 from packdata.formats.lmdb import NAME as LMDB
 from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.pack.fields import FieldError, decode_block, read_directory
-from packdata.pack.images import IMAGE_EXTENSIONS
+from packdata.pack.images import IMAGE_EXTENSIONS, decoding_sample
 from packdata.pack.index import KeyList, LabelList
 from packdata.pack.records import RecordError, decode_record
 from packdata.reading.decode import DecodeFn, resolve_decoder
@@ -96,6 +96,7 @@ class PackView:
             if decode == "auto":  # the manifest says what the samples are
                 decode = "text" if manifest.kind == "text" else "pil"
             self.decode = resolve_decoder(decode)  # type: ignore[arg-type]
+        self._images = manifest.kind == "image"  # a decode names its sample in PIL's bomb warning
 
     @property
     def classes(self) -> list[str]:
@@ -140,6 +141,10 @@ class PackView:
         """The file extensions packed as images, for an image pack (else None)."""
         return tuple(sorted(IMAGE_EXTENSIONS)) if self.pack.manifest.kind == "image" else None
 
+    def _which(self, index: int | None) -> str:
+        """Sample ``index`` as messages name it (its key is read only then)."""
+        return f"sample {self.keys[index]!r} (index {index})" if index is not None else "a sample"
+
     def _sample_index(self, index: int) -> int:
         """``index`` as a position in the pack (negative counts from the end), or IndexError."""
         n = self.pack.manifest.num_samples
@@ -148,12 +153,15 @@ class PackView:
         return index % n
 
     def _finish(self, data: bytes, label: int, index: int | None = None) -> tuple[Any, Any]:
-        """Decode and transform one sample (``index``: its position, to name it in errors)."""
+        """Decode and transform one sample (``index``: its position, to name it in errors and image warnings)."""
+        token = decoding_sample.set(lambda: f"{self.path}: {self._which(index)}") if self._images else None
         try:
             sample = self.decode(data)
         except (ImageFormatError, DecodeError) as exc:
-            which = f"sample {self.keys[index]!r} (index {index})" if index is not None else "a sample"
-            raise sample_error(exc, which, self.path) from exc
+            raise sample_error(exc, self._which(index), self.path) from exc
+        finally:
+            if token is not None:
+                decoding_sample.reset(token)
         if self.transform is not None:
             sample = self.transform(sample)
         target: Any = label

@@ -13,6 +13,7 @@ from typing import Any
 
 from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
+from packdata.pack.images import decoding_sample
 from packdata.pack.manifest import Manifest
 from packdata.reading.decode import CODEC_DECODERS, DecodeFn, resolve_decoder
 
@@ -65,6 +66,7 @@ class FieldSpec:
                 choice = CODEC_DECODERS[manifest.codecs[name]]
             self.decoders[name] = resolve_decoder(choice)
         self.transforms = dict(transforms or {})
+        self.image_fields = frozenset(name for name in manifest.fields if manifest.codecs[name] == "image")
 
     def wants(self, name: str) -> bool:
         """Whether stored field ``name`` is read."""
@@ -93,10 +95,15 @@ class FieldSpec:
                     path=self.path,
                     hint="The record does not belong to this pack: run `packdata verify`, then convert it again",
                 )
+            named = f"{self.path}: {which}, field {name!r}" if name in self.image_fields else None
+            token = decoding_sample.set(named.__str__) if named else None  # PIL's bomb warning names it
             try:
                 value = decode(data)
             except (ImageFormatError, DecodeError) as exc:
                 raise sample_error(exc, f"{which}, field {name!r}", self.path) from exc
+            finally:
+                if token is not None:
+                    decoding_sample.reset(token)
             if name in self.transforms:
                 value = self.transforms[name](value)
             sample[name] = value

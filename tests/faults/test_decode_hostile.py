@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,34 @@ def test_an_image_field_over_the_decompression_bomb_limit_is_named(tmp_path: Pat
     with pytest.raises(ImageFormatError, match=re.escape(f"{pack}: sample 'k' (index 0), field 'jpg': image is too")):
         packdata.LMDBDataset(pack)[0]
     assert packdata.LMDBDataset(pack, fields=("txt",))[0] == ("a caption",)
+
+
+@pytest.mark.parametrize(
+    "decode", ["pil", packdata.DecodeJPEG(224), packdata.DecodeCrop(64, seed=0)], ids=["pil", "jpeg", "crop"]
+)
+def test_the_decompression_bomb_warning_names_the_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decode
+) -> None:
+    """PIL's DecompressionBombWarning (over MAX_IMAGE_PIXELS, at most twice it) named no image: which sample?"""
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    (src / "cat" / "big.jpg").write_bytes(image_bytes(1))  # 64x48: 3072 pixels
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(src, pack, progress=False)
+    fields = tmp_path / "f.lmdb"
+    packdata.write_pack([{"__key__": "k", "jpg": image_bytes(2), "txt": "a caption"}], fields, progress=False)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
+    named = re.escape(f"{pack}: sample 'cat/big.jpg' (index 0): image of 64x48 (3072 pixels) is over PIL.Image.")
+    with pytest.warns(Image.DecompressionBombWarning, match=named + r"MAX_IMAGE_PIXELS \(2000\)"):
+        packdata.LMDBDataset(pack, decode=decode)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own: each message once per place
+        for _ in range(3):
+            packdata.LMDBDataset(pack, decode=decode)[0]
+    assert sum("sample 'cat/big.jpg'" in str(w.message) for w in caught) == 1  # once per sample
+    named = re.escape(f"{fields}: sample 'k' (index 0), field 'jpg': image of 64x48 (3072 pixels)")
+    with pytest.warns(Image.DecompressionBombWarning, match=named):
+        assert packdata.LMDBDataset(fields, decode={"jpg": decode})[0]["txt"] == "a caption"
 
 
 def _segment(marker: int, payload: bytes) -> bytes:
