@@ -96,7 +96,8 @@ class PackView:
             if decode == "auto":  # the manifest says what the samples are
                 decode = "text" if manifest.kind == "text" else "pil"
             self.decode = resolve_decoder(decode)  # type: ignore[arg-type]
-        self._images = manifest.kind == "image"  # a decode names its sample in PIL's bomb warning
+        # a decode of an image names its sample in PIL's bomb warning (bytes returned as stored decode nothing)
+        self._images = manifest.kind == "image" and self.decode is not _BYTES
 
     @property
     def classes(self) -> list[str]:
