@@ -512,6 +512,44 @@ def test_ray_gather_names_a_fragment_with_a_negative_field_size(grouped_folder: 
         gatherer.close()
 
 
+def test_ray_gather_names_a_field_sizes_fragment_cut_between_pairs(grouped_folder: Path, tmp_path: Path) -> None:
+    """A field_sizes.i64 of an odd number of int64s stopped the gather with numpy's raw reshape ValueError."""
+    from packdata.conversion.ray_gather import _Gatherer
+    from packdata.errors import PackFormatError
+    from packdata.pack.files import file_sha256
+
+    partial, result = _finished_fields_task(grouped_folder, tmp_path)
+    sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
+    sizes.write_bytes(sizes.read_bytes()[:-8])
+    result["fragment_files"]["index/field_sizes.i64"] = [sizes.stat().st_size, file_sha256(sizes)]  # as written
+    gatherer = _Gatherer(partial, "fields")
+    try:
+        with pytest.raises(PackFormatError, match=r"field_sizes.i64: \d+ bytes: not a whole number of .* pairs"):
+            gatherer.add(result)
+    finally:
+        gatherer.close()
+
+
+@pytest.mark.ray
+def test_ray_resume_reruns_a_task_whose_saved_result_was_changed(
+    ray_local, poisoned_folder: Path, tmp_path: Path
+) -> None:
+    """Nothing checked result.json's own content: a skip reason changed in it (counts kept) was published."""
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = _interrupted_tfrecord_run(poisoned_folder, dst)
+    results = sorted((partial / TASKS_DIR).glob("*/result.json"))
+    path = next(p for p in results if json.loads(p.read_text())["skipped"])
+    text = path.read_text()
+    reason = next(iter(json.loads(text)["skipped"]))
+    path.write_text(text.replace(f'"{reason}"', f'"{reason[:-1]}?"'))  # same counts, another reason
+    options = {"format": "tfrecord", "shard_samples": 10, "progress": False}
+    packdata.convert(poisoned_folder, dst, resume=True, engine="ray", **options)
+    packdata.convert(poisoned_folder, tmp_path / "local", **options)
+    _assert_same_pack(tmp_path / "local", dst)
+
+
 def test_ray_gather_names_a_fragment_changed_since_its_task_ended(grouped_folder: Path, tmp_path: Path) -> None:
     """A byte flipped in a finished task's labels.i32 was appended as another label."""
     from packdata.conversion.ray_gather import _Gatherer

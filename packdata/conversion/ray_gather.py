@@ -35,9 +35,9 @@ from packdata.conversion.ray_remote import (
     check_object_name,
     objects_complete,
 )
-from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir
+from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir, load_result, save_result
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import atomic_write, discard_partial, file_sha256
+from packdata.pack.files import discard_partial, file_sha256
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,
@@ -66,7 +66,7 @@ def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
         path = work.joinpath(*check_object_name(rel, os.fspath(work)).split("/"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    atomic_write(work / _RESULT, json.dumps(result, ensure_ascii=False).encode("utf-8"))
+    save_result(work, result)
     return result
 
 
@@ -83,16 +83,8 @@ def _saved_result(
     and version; and its fragment files (of a pack of ``kind``) still have the
     sizes and SHA-256 it recorded.
     """
-    path = _task_dir(partial, task.number) / _RESULT
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if (
-        not isinstance(saved, dict)
-        or saved.get("fingerprint") != task.fingerprint
-        or saved.get("number") != task.number
-    ):
+    saved = load_result(_task_dir(partial, task.number) / _RESULT)
+    if saved is None or saved.get("fingerprint") != task.fingerprint or saved.get("number") != task.number:
         return None
     shard = saved.get("shard")
     if shard is not None and (not isinstance(shard, dict) or shard.get("file") != name):
@@ -241,6 +233,12 @@ class _Gatherer:
                 self.field_names.append(name)
         pack_number = np.array([self.field_numbers[name] for name in names], dtype="<i8")
         with open(fragment / FIELD_SIZES_FILE, "rb") as f:
+            if (size := os.fstat(f.fileno()).st_size) % 16:
+                raise PackFormatError(
+                    f"{size} bytes: not a whole number of (field number, size) pairs of 16 bytes",
+                    path=fragment / FIELD_SIZES_FILE,
+                    hint="Start the conversion again with --overwrite",
+                )
             while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
                 pairs = pairs.reshape(-1, 2)
                 problem = field_pairs_problem(pairs, len(names))

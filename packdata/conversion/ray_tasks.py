@@ -44,7 +44,7 @@ from packdata.pack.index import (
 )
 from packdata.pack.records import Sample
 
-__all__ = ["TASKS_DIR", "ShardTask", "plan_tasks", "run_shard_task"]
+__all__ = ["TASKS_DIR", "ShardTask", "load_result", "plan_tasks", "run_shard_task", "save_result"]
 
 TASKS_DIR = "tasks"
 _RESULT = "result.json"
@@ -230,5 +230,35 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
             SKIP_REPORT: [report_bytes, report_digest.hexdigest()],
         },
     }
-    atomic_write(work / _RESULT, json.dumps(summary, ensure_ascii=False).encode("utf-8"))
+    save_result(work, summary)
     return summary
+
+
+_RESULT_SHA256 = "result_sha256"
+
+
+def save_result(work: Path, result: dict[str, Any]) -> None:
+    """Write a task's ``result.json`` into ``work``, with the SHA-256 of its own content (see :func:`load_result`)."""
+    body = {key: value for key, value in result.items() if key != _RESULT_SHA256}
+    digest = hashlib.sha256(_canonical(body)).hexdigest()
+    atomic_write(work / _RESULT, json.dumps({**body, _RESULT_SHA256: digest}, ensure_ascii=False).encode("utf-8"))
+
+
+def load_result(path: Path) -> dict[str, Any] | None:
+    """A saved ``result.json`` whose content still has the SHA-256 it was saved with, else None.
+
+    None also for one that cannot be read or parsed, or one of an earlier packdata (no digest): its task runs again.
+    """
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    digest = saved.pop(_RESULT_SHA256, None)
+    return saved if digest == hashlib.sha256(_canonical(saved)).hexdigest() else None
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    """One byte string for a JSON value, whatever order its keys were written in."""
+    return json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
