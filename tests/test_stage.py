@@ -193,6 +193,18 @@ def test_unstage_of_a_copy_moved_aside_points_at_its_area(lmdb_pack: Path, tmp_p
     assert unstage(tmp_path / "nvme").removed == [aside]
 
 
+def test_a_copy_moved_aside_whose_name_holds_a_newline_is_still_its_names(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A copy an older packdata staged as ``a\\nb``, moved aside: never taken for a pack, deleted under its own lock."""
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    aside = copy.with_name(".a\nb.old-4242")
+    os.rename(copy, aside)
+    before = tree_digest(aside)
+    with pytest.raises(ConfigError, match=r"is a\nb's copy moved aside .* Run `packdata unstage .*nvme`"):
+        unstage(aside)
+    assert tree_digest(aside) == before
+    assert unstage(tmp_path / "nvme").removed == [aside]
+
+
 def test_unstage_moves_the_copy_aside_past_a_leftover_under_its_own_pid(lmdb_pack: Path, tmp_path: Path) -> None:
     """A killed process whose pid this reuses left ``.NAME.old-PID`` full of files: unstage still removes it."""
     copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
@@ -442,7 +454,7 @@ def test_a_destination_inside_the_source_pack_is_refused_and_the_pack_untouched(
     assert (tree_digest(lmdb_pack), sorted(p.relative_to(lmdb_pack) for p in lmdb_pack.rglob("*"))) == before
 
 
-@pytest.mark.parametrize("name", ["../escaped", "{tmp}/elsewhere/abs", "", ".", ".."])
+@pytest.mark.parametrize("name", ["../escaped", "{tmp}/elsewhere/abs", "", ".", "..", "a\nb", "a\tb", "a\x7fb"])
 def test_a_name_that_is_not_a_plain_folder_name_is_refused(lmdb_pack: Path, tmp_path: Path, name: str) -> None:
     name = name.format(tmp=tmp_path)
     area = tmp_path / "area"
@@ -452,7 +464,7 @@ def test_a_name_that_is_not_a_plain_folder_name_is_refused(lmdb_pack: Path, tmp_
     assert out.exit_code == 1, out.output
     assert out.output == (
         f"Error: {area}: the staged pack's name should be one plain folder name inside the area, but got {name!r}. "
-        "Pass --name NAME without '/' (such as --name train.lmdb): the staged pack is AREA/NAME\n"
+        "Pass --name NAME without '/' or control characters (such as --name train.lmdb): the staged pack is AREA/NAME\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == before and list(area.iterdir()) == []
     with pytest.raises(ConfigError, match=r"area: the staged pack's name should be one plain folder name"):

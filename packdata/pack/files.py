@@ -277,10 +277,11 @@ def temporary_owner(entry: Path, *kinds: str) -> Path | None:
 
     ``"old"``: ``.NAME.old-PID`` or ``-PID-N``, a copy moved aside before its
     deletion (:func:`aside_path`); ``"partial"``: ``.NAME.partial``, a stage's
-    download. NAME is a plain name: ``...partial`` or ``....old-1`` stand for
-    no folder beside them (``.``, ``..``) and give None.
+    download. NAME is a plain name, whatever characters it holds (a newline
+    too): ``...partial`` or ``....old-1`` stand for no folder beside them
+    (``.``, ``..``) and give None.
     """
-    match = re.fullmatch(rf"\.(.+)\.(?:{'|'.join(_TEMPORARY[kind] for kind in kinds)})", entry.name)
+    match = re.fullmatch(rf"\.(.+)\.(?:{'|'.join(_TEMPORARY[kind] for kind in kinds)})", entry.name, re.DOTALL)
     if match is None or match.group(1) in (".", ".."):
         return None
     return entry.with_name(match.group(1))

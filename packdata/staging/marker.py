@@ -84,16 +84,18 @@ def check_name(name: str, *, area: Path, url: str | None = None) -> None:
         url: the pack's URL, when ``name`` was taken from it.
 
     Raises:
-        ConfigError: ``name`` is empty, ``.`` or ``..``, or holds a path separator or a NUL byte.
+        ConfigError: ``name`` is empty, ``.`` or ``..``, or holds a path separator or a control character
+            (a newline in a name hid a copy moved aside, ``.NAME.old-PID``, from what recognises one).
     """
-    if name not in ("", ".", "..") and not any(c in name for c in {"/", os.sep, os.altsep or "/", "\0"}):
+    separators = {"/", os.sep, os.altsep or "/"}
+    if name not in ("", ".", "..") and not any(c in separators or ord(c) < 0x20 or c == "\x7f" for c in name):
         return
     if url is not None:
         raise ConfigError(f"cannot name the staged pack after the URL ({name!r})", path=url, hint="Pass name=NAME")
     raise ConfigError(
         f"the staged pack's name should be one plain folder name inside the area, but got {name!r}",
         path=area,
-        hint="Pass name=NAME without '/' (such as name=train.lmdb): the staged pack is AREA/NAME",
+        hint="Pass name=NAME without '/' or control characters (such as name=train.lmdb): the staged pack is AREA/NAME",
     )
 
 
