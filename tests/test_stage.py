@@ -471,6 +471,19 @@ def test_a_name_that_is_not_a_plain_folder_name_is_refused(lmdb_pack: Path, tmp_
         stage(lmdb_pack, to=area, name=name, progress=False)
 
 
+@pytest.mark.parametrize("name", [".y.partial", ".y.old-123", ".y.old-123-2"])
+def test_a_name_packdata_gives_its_temporaries_is_refused(lmdb_pack: Path, tmp_path: Path, name: str) -> None:
+    """Such a pack was y's temporary to unstage: refused by its path, and removed by the area's even while read."""
+    area = tmp_path / "area"
+    with pytest.raises(
+        ConfigError,
+        match=rf"area: the staged pack's name '{re.escape(name)}' cannot be unstaged: it is how packdata names y's "
+        r"copy moved aside or being downloaded\. Choose another name=NAME \(such as name=y\)",
+    ):
+        stage(lmdb_pack, to=area, name=name, progress=False)
+    assert not area.exists()
+
+
 @pytest.mark.root
 @needs_root
 def test_free_space_checked_before_copying(lmdb_pack: Path, tmpfs) -> None:

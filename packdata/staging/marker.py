@@ -16,6 +16,7 @@ from typing import Any
 
 from packdata._version import __version__
 from packdata.errors import ConfigError
+from packdata.pack.files import temporary_owner
 from packdata.staging.copy import only_lock_left, write_json
 
 __all__ = ["STAGED_FILE", "check_destination", "check_name", "read_marker", "write_marker"]
@@ -85,13 +86,24 @@ def check_name(name: str, *, area: Path, url: str | None = None) -> None:
 
     Raises:
         ConfigError: ``name`` is empty, ``.`` or ``..``, or holds a path separator or a control character
-            (a newline in a name hid a copy moved aside, ``.NAME.old-PID``, from what recognises one).
+            (a newline in a name hid a copy moved aside, ``.NAME.old-PID``, from what recognises one); or it is
+            the name of a copy moved aside or a download (``.NAME.old-PID``, ``.NAME.partial``), which unstage
+            never takes for a pack.
     """
     separators = {"/", os.sep, os.altsep or "/"}
-    if name not in ("", ".", "..") and not any(c in separators or ord(c) < 0x20 or c == "\x7f" for c in name):
+    plain = name not in ("", ".", "..") and not any(c in separators or ord(c) < 0x20 or c == "\x7f" for c in name)
+    owner = temporary_owner(area / name, "old", "partial") if plain else None
+    if plain and owner is None:
         return
+    why = f": it is how packdata names {owner.name}'s copy moved aside or being downloaded" if owner else ""
     if url is not None:
-        raise ConfigError(f"cannot name the staged pack after the URL ({name!r})", path=url, hint="Pass name=NAME")
+        raise ConfigError(f"cannot name the staged pack after the URL ({name!r}){why}", path=url, hint="Pass name=NAME")
+    if owner is not None:
+        raise ConfigError(
+            f"the staged pack's name {name!r} cannot be unstaged{why}",
+            path=area,
+            hint=f"Choose another name=NAME (such as name={owner.name})",
+        )
     raise ConfigError(
         f"the staged pack's name should be one plain folder name inside the area, but got {name!r}",
         path=area,
