@@ -193,6 +193,23 @@ def test_unstage_of_a_copy_moved_aside_points_at_its_area(lmdb_pack: Path, tmp_p
     assert unstage(tmp_path / "nvme").removed == [aside]
 
 
+def test_unstage_of_a_folder_named_as_moved_aside_that_is_no_staged_copy_says_so(
+    lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """A killed ``convert --overwrite``'s old pack: the hint was its area, whose unstage finds no staged pack there."""
+    converted = tmp_path / "nvme" / ".train.lmdb.old-77"
+    shutil.copytree(lmdb_pack, converted)
+    before = tree_digest(converted)
+    with pytest.raises(
+        ConfigError,
+        match=r"nvme/\.train\.lmdb\.old-77: is named as train\.lmdb moved aside, but is no staged copy \(it holds no "
+        r"staged\.json\): not unstage's\. A killed `packdata convert --overwrite` leaves its old pack so: the next "
+        r"convert into .*nvme/train\.lmdb moves it back or removes it\. Otherwise delete it yourself$",
+    ):
+        unstage(converted)
+    assert tree_digest(converted) == before
+
+
 def test_a_copy_moved_aside_whose_name_holds_a_newline_is_still_its_names(lmdb_pack: Path, tmp_path: Path) -> None:
     """A copy an older packdata staged as ``a\\nb``, moved aside: never taken for a pack, deleted under its own lock."""
     copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged

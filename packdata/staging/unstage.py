@@ -73,11 +73,18 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
     owner = temporary_owner(target, "old", "partial")
-    if owner is not None:  # its lock is NAME's, which a live unstage, eviction or stage moving it holds
+    if owner is not None and (_staged(target) or temporary_owner(target, "partial")):  # NAME's, under NAME's lock
         raise ConfigError(
             f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
             path=target,
             hint=f"Run `packdata unstage {target.parent}`: it removes such copies under {owner.name}'s lock",
+        )
+    if owner is not None:
+        raise ConfigError(
+            f"is named as {owner.name} moved aside, but is no staged copy (it holds no {STAGED_FILE}): not unstage's",
+            path=target,
+            hint=f"A killed `packdata convert --overwrite` leaves its old pack so: the next convert into "
+            f"{owner} moves it back or removes it. Otherwise delete it yourself",
         )
     asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
     downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
