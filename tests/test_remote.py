@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -1578,6 +1579,33 @@ if how == "stage":
 else:
     packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
 """
+
+
+_KILLED_SWEEP = """
+import json, os, signal, sys
+import packdata
+unlink = os.unlink
+def dying(path, *args, **kwargs):  # killed as the delete comes to staged.json: no clean-up runs
+    if os.path.basename(path) == "staged.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    unlink(path, *args, **kwargs)
+os.unlink = dying
+packdata.stage(sys.argv[1], to=sys.argv[3], storage_options=json.loads(sys.argv[2]), progress=False)
+"""
+
+
+def test_a_stage_killed_while_it_sweeps_an_old_copy_leaves_it_marked(s3, remote_pack, tmp_path: Path) -> None:
+    """The next stage of NAME deletes an old copy a killed swap left as unstage does: staged.json last."""
+    options, _ = s3
+    url, _ = remote_pack
+    cache = tmp_path / "cache"
+    entry = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    aside = entry.with_name(".train.lmdb.old-4242")
+    os.rename(entry, aside)  # as a stage killed between the renames of its swap leaves it
+    child = subprocess.run([sys.executable, "-c", _KILLED_SWEEP, url, json.dumps(options), str(cache)], timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in aside.iterdir()) == ["staged.json"]
+    assert packdata.unstage(cache).removed == [aside] and not aside.exists()
 
 
 @pytest.mark.parametrize("how", ["cache", "stage"])

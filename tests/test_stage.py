@@ -180,6 +180,22 @@ def test_an_unstage_killed_mid_delete_leaves_a_copy_the_area_unstage_still_knows
     assert list((tmp_path / "nvme").iterdir()) == []
 
 
+_INTERRUPTED_SWEEP = _INTERRUPTED_DELETE.replace(  # the same kill, in a stage
+    "from packdata.staging.unstage import unstage", "from packdata.staging.stage import stage"
+).replace("unstage(sys.argv[1])", "stage(sys.argv[1], to=sys.argv[2], progress=False)")
+
+
+def test_a_stage_killed_while_it_sweeps_a_copy_left_aside_leaves_it_marked(lmdb_pack: Path, tmp_path: Path) -> None:
+    """The next stage of NAME deletes a copy an unstage left aside as unstage does: staged.json last."""
+    copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    aside = copy.with_name(".train.lmdb.old-4242")
+    os.rename(copy, aside)  # as an unstage killed after moving it aside leaves it
+    child = subprocess.run([sys.executable, "-c", _INTERRUPTED_SWEEP, str(lmdb_pack), str(copy.parent)], timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in aside.iterdir()) == ["staged.json"]
+    assert aside in unstage(tmp_path / "nvme").removed and not aside.exists()
+
+
 @pytest.mark.parametrize("suffix", ["old-4242", "partial"])
 def test_unstage_of_a_copy_moved_aside_points_at_its_area(lmdb_pack: Path, tmp_path: Path, suffix: str) -> None:
     """Such a copy is NAME's, under NAME's lock: taken for a pack, it was deleted under a lock of its own name."""

@@ -52,7 +52,15 @@ from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
-from packdata.pack.files import aside_path, atomic_write, discard_stale, file_sha256, fsync_dir, temporary_owner
+from packdata.pack.files import (
+    aside_path,
+    atomic_write,
+    discard_partial,
+    file_sha256,
+    fsync_dir,
+    stale_siblings,
+    temporary_owner,
+)
 from packdata.pack.index import index_files
 from packdata.pack.lock import READERS_LOCK, convert_lock_path, create_readers_lock, exclude_readers, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -63,7 +71,15 @@ from packdata.staging.copy import dir_bytes
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
-__all__ = ["RemoteStageResult", "delete_copy", "delete_unread", "evict_for", "stage_remote"]
+__all__ = [
+    "RemoteStageResult",
+    "delete_copy",
+    "delete_unread",
+    "discard_aside",
+    "discard_stale_copies",
+    "evict_for",
+    "stage_remote",
+]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 _WAIT_POLL = 0.5
@@ -185,7 +201,7 @@ def _stage_locked(
     manifest, raw = read_url_manifest(fs, root, shown)
     dest, partial = cache / name, cache / f".{name}.partial"
     check_destination(shown, dest)  # a folder there is replaced only when it is a staged copy of this URL
-    discard_stale(dest, "old")  # the copy a stage killed between the renames of its swap moved aside
+    discard_stale_copies(dest)  # the copy a stage killed between the renames of its swap moved aside
     digest = hashlib.sha256(raw).hexdigest()
     marker = read_marker(dest) if dest.is_dir() else None
     if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
@@ -461,6 +477,26 @@ def delete_copy(copy: Path, *, ignore_errors: bool = False) -> None:
             raise
         return
     shutil.rmtree(copy, ignore_errors=ignore_errors)
+
+
+def discard_aside(aside: Path) -> None:
+    """Remove a ``.NAME.old-PID`` a killed run left: a folder as :func:`delete_copy` does, a link or file itself."""
+    if aside.is_dir() and not aside.is_symlink():
+        delete_copy(aside)
+    else:
+        discard_partial(aside)
+
+
+def discard_stale_copies(dest: Path) -> None:
+    """Remove the copies of ``dest`` that killed runs left aside (:func:`~packdata.pack.files.discard_stale`'s rule).
+
+    Each goes by :func:`discard_aside`: a staged copy's ``staged.json`` last,
+    so a stage killed midway leaves it still known to ``unstage AREA``. Call it
+    holding ``dest``'s lock; one that cannot be removed costs disk, never the caller.
+    """
+    for aside in stale_siblings(dest, "old"):
+        with contextlib.suppress(OSError):
+            discard_aside(aside)
 
 
 def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:

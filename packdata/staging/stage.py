@@ -52,7 +52,6 @@ from typing import Any
 from packdata.errors import CapacityError, ConfigError
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.pack.files import discard_stale
 from packdata.pack.index import INDEX_DIR
 from packdata.pack.lock import create_readers_lock
 from packdata.pack.manifest import Manifest, read_manifest, write_manifest
@@ -71,7 +70,7 @@ from packdata.staging.copy import (
     staged_manifest,
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, write_marker
-from packdata.staging.remote import RemoteStageResult, stage_remote
+from packdata.staging.remote import RemoteStageResult, discard_stale_copies, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
     TmpfsArea,
@@ -267,7 +266,7 @@ def stage(
 
     with locked(dest):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
-        discard_stale(dest, "old")  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
+        discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
         sizes = {u.number: u.size for u in units}

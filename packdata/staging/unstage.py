@@ -15,7 +15,7 @@ from packdata.pack.files import discard_partial, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
-from packdata.staging.remote import delete_copy, delete_unread
+from packdata.staging.remote import delete_copy, delete_unread, discard_aside
 from packdata.staging.tmpfs import TMPFS_SOURCE, run_mount, tmpfs_mount_at
 
 __all__ = [
@@ -180,7 +180,7 @@ def _staged(folder: Path) -> bool:
 def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
     """Remove the ``.NAME.old-PID`` entries killed runs left beside ``copy``, holding its ``.NAME.lock``; bytes freed.
 
-    The rule a stage of NAME sweeps by (:func:`~packdata.pack.files.discard_stale`):
+    The rule a stage of NAME sweeps by (:func:`~packdata.staging.remote.discard_stale_copies`):
     under that lock no live process has one, exact names only, a symlink is
     unlinked, never followed. ``staged_only`` (NAME is no staged pack here)
     keeps what is not a staged copy: a killed ``convert --overwrite``'s old
@@ -192,10 +192,7 @@ def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
             continue
         size = 0 if aside.is_symlink() else dir_bytes(aside)
         with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the unstage
-            if _staged(aside):
-                delete_copy(aside)
-            else:
-                discard_partial(aside)
+            discard_aside(aside)
             removed.append(aside)
             freed += size
     return freed
