@@ -468,10 +468,7 @@ def delete_copy(copy: Path, *, ignore_errors: bool = False) -> None:
         inside = [Path(entry.path) for entry in entries if entry.name != STAGED_FILE]
     try:
         for path in inside:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            discard_partial(path)
     except OSError:
         if not ignore_errors:
             raise
