@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes, moto_s3
+from conftest import image_bytes, moto_s3, tree_digest
 from torch.utils.data import DataLoader
 
 import packdata
@@ -81,6 +81,27 @@ def test_stage_from_s3_downloads_verifies_and_then_reuses(s3, remote_pack, tmp_p
     again = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
     assert not again.downloaded and again.bytes_downloaded == 0
     assert not list((tmp_path / "cache").glob(".*partial*"))
+
+
+def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(
+    s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed convert's ``.NAME.partial`` was taken for the stage's own download: files were fetched into it."""
+    from tests.test_convert import _interrupted_convert
+
+    options, _ = s3
+    url, _local = remote_pack
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    for i in range(8):
+        (src / f"{i}.jpg").write_bytes(image_bytes(i, (40, 30)))
+    cache = tmp_path / "cache"
+    _interrupted_convert(src.parent, cache / "train.lmdb", monkeypatch)
+    partial = cache / ".train.lmdb.partial"
+    before = tree_digest(partial)
+    with pytest.raises(packdata.ConfigError, match=r"lmdb\.partial is an interrupted conversion into train\.lmdb"):
+        packdata.stage(url, to=cache, storage_options=options, progress=False)
+    assert tree_digest(partial) == before and not (cache / "train.lmdb").exists()
 
 
 _RANK = """

@@ -226,6 +226,26 @@ def test_unstage_of_a_folder_named_as_moved_aside_that_is_no_staged_copy_says_so
     assert tree_digest(converted) == before
 
 
+def test_unstage_of_an_area_keeps_an_interrupted_conversion_into_it(
+    lmdb_pack: Path, noise_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed convert's ``.NAME.partial`` was taken for a killed stage's download and deleted: its work was lost."""
+    from tests.test_convert import _interrupted_convert
+
+    area = tmp_path / "nvme"
+    stage(lmdb_pack, to=area, progress=False)
+    _interrupted_convert(noise_folder, area / "val.lmdb", monkeypatch)
+    partial = area / ".val.lmdb.partial"
+    before = tree_digest(partial)
+    assert unstage(area).removed == [area / "train.lmdb"]
+    assert tree_digest(partial) == before
+    with pytest.raises(ConfigError, match=r"is an interrupted conversion into val\.lmdb .* with --resume"):
+        unstage(partial)
+    assert tree_digest(partial) == before
+    done = packdata.convert(noise_folder, area / "val.lmdb", resume=True, progress=False)
+    assert done.packed == 36 and not partial.exists()
+
+
 def test_a_copy_moved_aside_whose_name_holds_a_newline_is_still_its_names(lmdb_pack: Path, tmp_path: Path) -> None:
     """A copy an older packdata staged as ``a\\nb``, moved aside: never taken for a pack, deleted under its own lock."""
     copy = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged

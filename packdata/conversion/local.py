@@ -21,7 +21,6 @@ from packdata.conversion.checkpoint import _Checkpoint
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
-    PROGRESS_FILE,
     SKIP_REPORT,
     ConvertResult,
     _make_manifest,
@@ -44,7 +43,7 @@ from packdata.errors import (
     destination_error,
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
-from packdata.pack.files import discard_partial, file_kind, fsync_dir
+from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir
 from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample

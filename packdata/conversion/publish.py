@@ -34,7 +34,6 @@ from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, M
 
 __all__ = [
     "MAX_SKIP_EXAMPLES",
-    "PROGRESS_FILE",
     "SKIP_REPORT",
     "ConvertResult",
     "bad_file_error",
@@ -52,8 +51,6 @@ __all__ = [
 ]
 
 
-PROGRESS_FILE = "progress.json"
-"""The local engine's checkpoint in the partial pack (its presence says which engine was interrupted)."""
 MAX_SKIP_EXAMPLES = 20
 """Read errors kept as examples in the result (all of them are in the skip report)."""
 

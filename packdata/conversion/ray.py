@@ -35,7 +35,6 @@ from packdata.conversion.publish import (
     partial_path,
 )
 from packdata.conversion.ray_gather import (
-    _PLAN,
     _drop_strays,
     _Gatherer,
     _keep_fragment,
@@ -50,7 +49,7 @@ from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
 from packdata.conversion.upload import upload_pack
 from packdata.errors import EngineError
 from packdata.formats import get_format, shard_writer
-from packdata.pack.files import fsync_dir
+from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
 from packdata.progress import progress as show_progress
 
@@ -172,7 +171,7 @@ def convert_on_ray(
         place_shards(target, gatherer.shards, shards, gatherer.objects)
     # The plan goes first: a run killed from here on starts afresh on --resume, never
     # resumes from task results whose index fragments are half deleted.
-    (partial / _PLAN).unlink()
+    (partial / RAY_PLAN_FILE).unlink()
     fsync_dir(partial)
     shutil.rmtree(partial / TASKS_DIR)
     if resumed:

@@ -22,7 +22,6 @@ import numpy as np
 from packdata.conversion.load import _Options
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
-    PROGRESS_FILE,
     SKIP_REPORT,
     check_resumable,
     interrupted_error,
@@ -37,7 +36,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir, load_result, save_result
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import discard_partial, file_sha256
+from packdata.pack.files import PROGRESS_FILE, RAY_PLAN_FILE, discard_partial, file_sha256
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,
@@ -53,7 +52,6 @@ from packdata.pack.manifest import ShardInfo
 
 __all__: list[str] = []
 
-_PLAN = "ray-plan.json"
 _CHUNK = 1 << 20  # index entries per copy when gathering fragments
 
 
@@ -263,7 +261,7 @@ class _Gatherer:
 def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: bool, resume: bool) -> bool:
     """Make the partial folder ready; True when an interrupted Ray run into it is resumed."""
     state = {"engine": "ray", "options": asdict(opts)}
-    plan = partial / _PLAN
+    plan = partial / RAY_PLAN_FILE
     if resume and os.path.lexists(partial):
         check_resumable(partial)
     if os.path.lexists(partial):

@@ -36,13 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.publish import PROGRESS_FILE
 from packdata.conversion.remote_folder import list_folder
 from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
-from packdata.pack.files import file_sha256
+from packdata.pack.files import PROGRESS_FILE, file_sha256
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import display_url, object_version, open_url, remote_error
 from packdata.progress import progress as show_progress

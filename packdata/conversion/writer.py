@@ -24,7 +24,6 @@ from packdata.conversion.checkpoint import _Checkpoint
 from packdata.conversion.load import _Options, ordered_map
 from packdata.conversion.local import _Packer
 from packdata.conversion.publish import (
-    PROGRESS_FILE,
     ConvertResult,
     _check_destination_writable,
     _check_existing,
@@ -36,7 +35,7 @@ from packdata.conversion.publish import (
 from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
-from packdata.pack.files import discard_partial
+from packdata.pack.files import PROGRESS_FILE, discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES, Sample
 from packdata.progress import progress as show_progress

@@ -18,6 +18,8 @@ import numpy as np
 from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 
 __all__ = [
+    "PROGRESS_FILE",
+    "RAY_PLAN_FILE",
     "aside_path",
     "atomic_write",
     "discard_partial",
@@ -27,6 +29,7 @@ __all__ = [
     "sha256_prefix",
     "file_kind",
     "fsync_dir",
+    "holds_conversion",
     "map_int64",
     "not_a_file",
     "open_pack_file",
@@ -35,6 +38,21 @@ __all__ = [
     "stream_sha256",
     "temporary_owner",
 ]
+
+
+PROGRESS_FILE = "progress.json"
+"""The local engine's checkpoint in a conversion's partial folder (its presence says which engine was interrupted)."""
+
+RAY_PLAN_FILE = "ray-plan.json"
+"""The Ray engine's plan in a conversion's partial folder."""
+
+
+def holds_conversion(folder: Path) -> bool:
+    """Whether ``folder`` is an interrupted conversion's partial folder (it holds a checkpoint or a Ray plan).
+
+    A ``.NAME.partial`` is also the name of a stage's download from a URL, which holds neither.
+    """
+    return any(os.path.lexists(folder / name) for name in (PROGRESS_FILE, RAY_PLAN_FILE))
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

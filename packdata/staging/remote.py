@@ -58,6 +58,7 @@ from packdata.pack.files import (
     discard_partial,
     file_sha256,
     fsync_dir,
+    holds_conversion,
     stale_siblings,
     temporary_owner,
 )
@@ -212,6 +213,12 @@ def _stage_locked(
         with _unread(dest) as unread:
             if not unread:
                 raise _still_read(dest, shown)  # before a byte is downloaded
+    if holds_conversion(partial):  # not a download of ours: a conversion into NAME was interrupted here
+        raise ConfigError(
+            f"{partial.name} is an interrupted conversion into {name} (it holds its checkpoint), not a download",
+            path=partial,
+            hint=f"Finish it (packdata convert ... {dest} --resume), drop it (--overwrite), or stage as another name",
+        )
     partial.mkdir(exist_ok=True)
     files = _pack_files(manifest)
     sizes = {rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, LockedError
-from packdata.pack.files import discard_partial, stale_siblings, temporary_owner
+from packdata.pack.files import discard_partial, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
@@ -73,6 +73,12 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     if not target.is_dir():
         raise ConfigError("no such staged pack or staging area", path=target)
     owner = temporary_owner(target, "old", "partial")
+    if owner is not None and temporary_owner(target, "partial") and holds_conversion(target):
+        raise ConfigError(
+            f"is an interrupted conversion into {owner.name} (it holds its checkpoint), not a staged pack",
+            path=target,
+            hint=f"Run the same `packdata convert ... {owner}` with --resume to finish it, or --overwrite to drop it",
+        )
     if owner is not None and (_staged(target) or temporary_owner(target, "partial")):  # NAME's, under NAME's lock
         raise ConfigError(
             f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
@@ -94,7 +100,11 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         entries = sorted(target.iterdir())
         packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and _staged(d)]
         asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and _staged(d)]
-        downloads = [d for d in entries if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink()]
+        downloads = [  # never an interrupted conversion's partial folder: its work resumes
+            d
+            for d in entries
+            if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink() and not holds_conversion(d)
+        ]
         area = target
         if not packs and not asides and not downloads and not unmount:
             raise ConfigError(
