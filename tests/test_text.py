@@ -78,6 +78,14 @@ def test_token_buckets_split_evenly_across_ranks(lengths) -> None:
     assert len(flat) == len(set(flat))
 
 
+@pytest.mark.parametrize(("samples", "max_tokens", "world"), [(3, 1000, 3), (4, 20, 5), (6, 10, 7)])
+def test_token_buckets_pad_every_rank_when_batches_are_fewer_than_ranks(samples, max_tokens, world) -> None:
+    """1 batch over 3 ranks, 1 over 5, 3 over 7: every rank still steps once, and no sample is lost."""
+    ranks = [TokenBucketSampler([5] * samples, max_tokens, rank=r, world_size=world) for r in range(world)]
+    assert [len(list(s)) for s in ranks] == [len(s) for s in ranks] == [1] * world
+    assert sorted({i for s in ranks for b in s for i in b}) == list(range(samples))
+
+
 def test_pad_collate_pads_to_the_longest() -> None:
     padded, lengths, labels = pad_collate([(b"abc", 0), ("é", 1), (torch.tensor([7]), 2)])
     assert padded.dtype == torch.uint8 and padded.shape == (3, 3)

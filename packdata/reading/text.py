@@ -15,6 +15,7 @@ English BPE: 4 bytes per token) or your own ``lengths`` array of token counts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -193,7 +194,7 @@ class TokenBucketSampler(Sampler[list[int]]):
             batches = batches[:usable]
         else:
             total = math.ceil(len(batches) / self.world_size) * self.world_size
-            batches = batches + batches[: total - len(batches)]
+            batches = batches + list(itertools.islice(itertools.cycle(batches), total - len(batches)))
         return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
