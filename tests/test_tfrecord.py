@@ -293,6 +293,24 @@ def test_dataloader_spawn_workers_exactly_once(tf_texts: Path, tmp_path: Path) -
     assert sorted(ids) == ALL_IDS
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(tf_texts: Path, tmp_path: Path, context: str) -> None:
+    """Each epoch of a persistent_workers loader yields that epoch's order: the one a fresh loader yields."""
+    pack = _text_pack(tf_texts, tmp_path, 4)
+    ds = TFRecordDataset(pack, decode="bytes", seed=5, shuffle_buffer=4)
+    kw = {"batch_size": 4, "num_workers": 2, "collate_fn": _as_list}
+    persistent = DataLoader(ds, multiprocessing_context=context, persistent_workers=True, **kw)
+    orders = []
+    for epoch in (0, 1, 1, 2):  # epoch 1 twice: the same order again
+        ds.set_epoch(epoch)
+        got = [_sample_id(d) for batch in persistent for d, _ in batch]
+        fresh = [_sample_id(d) for batch in DataLoader(ds, multiprocessing_context="fork", **kw) for d, _ in batch]
+        assert got == fresh, f"epoch {epoch}"
+        orders.append(got)
+    assert sorted(orders[0]) == ALL_IDS
+    assert orders[1] == orders[2] and len({tuple(orders[0]), tuple(orders[1]), tuple(orders[3])}) == 3
+
+
 def test_datasets_pickle(tf_texts: Path, tmp_path: Path) -> None:
     pack = _text_pack(tf_texts, tmp_path, 8)
     indexed = TFRecordIndexedDataset(pack, decode="bytes")

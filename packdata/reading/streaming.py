@@ -27,6 +27,7 @@ from contextlib import ExitStack, closing
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packdata.errors import ConfigError, PackFormatError
@@ -97,9 +98,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     workers and nothing is shared across a fork. The rank and world size are
     resolved once, at construction (``torch.distributed`` if initialised,
     else ``RANK``/``WORLD_SIZE``): build the dataset after
-    ``init_process_group``. ``set_epoch`` changes the copy it is called on:
-    with ``persistent_workers=True`` the workers keep the epoch they started
-    with, so leave persistent workers off to reshuffle.
+    ``init_process_group``. ``set_epoch`` (called before each epoch's loader
+    iterator is made) also reaches the copies ``persistent_workers=True`` keeps.
 
     Resuming: see ``docs/architecture.md``; resume at the same world size and ``num_workers``.
 
@@ -162,6 +162,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_uneven = drop_uneven
         self.epoch = 0
+        self._epoch_calls = 0  # set_epoch calls this copy has seen
+        # [epoch, set_epoch calls] in shared memory: persistent workers' copies read it when a pass starts
+        self._shared_epoch = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         n = self.pack.manifest.num_samples
@@ -176,8 +179,15 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         """Use the order of ``epoch`` on the next iteration (call on every rank).
 
         A state loaded by :meth:`load_state_dict` belongs to its epoch: setting
-        another epoch discards it.
+        another epoch discards it. The epoch also reaches the copies held by
+        ``persistent_workers``: each takes it when its next pass starts.
         """
+        self._use_epoch(epoch)
+        self._epoch_calls += 1
+        self._shared_epoch[0], self._shared_epoch[1] = epoch, self._epoch_calls
+
+    def _use_epoch(self, epoch: int) -> None:
+        """Take ``epoch`` in this copy only."""
         if epoch != self.epoch:
             self._resume, self._position = None, 0
         self.epoch = epoch
@@ -391,6 +401,10 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, calls = self._shared_epoch.tolist()
+        if calls != self._epoch_calls:  # a persistent worker's copy: set_epoch was called on the original since
+            self._epoch_calls = calls
+            self._use_epoch(epoch)
         resume, self._resume = self._resume, None
         self._position = 0
         if resume is not None:
