@@ -86,6 +86,13 @@ def test_token_buckets_pad_every_rank_when_batches_are_fewer_than_ranks(samples,
     assert sorted({i for s in ranks for b in s for i in b}) == list(range(samples))
 
 
+def test_token_buckets_refuse_a_drop_last_that_leaves_no_batch() -> None:
+    """1 batch over 3 ranks with drop_last: an error, not an epoch of 0 steps on every rank."""
+    sampler = TokenBucketSampler([5] * 3, 1000, rank=0, world_size=3, drop_last=True)
+    with pytest.raises(ConfigError, match=r"drop_last=True leaves no batches: epoch 0 has 1 over world_size=3"):
+        list(sampler)
+
+
 def test_pad_collate_pads_to_the_longest() -> None:
     padded, lengths, labels = pad_collate([(b"abc", 0), ("é", 1), (torch.tensor([7]), 2)])
     assert padded.dtype == torch.uint8 and padded.shape == (3, 3)

@@ -97,7 +97,8 @@ class TokenBucketSampler(Sampler[list[int]]):
         drop_last: with several ranks, drop the batches that do not divide evenly.
 
     Raises:
-        ConfigError: a sample is longer than ``max_tokens`` and ``oversize="error"``.
+        ConfigError: a sample is longer than ``max_tokens`` and ``oversize="error"``;
+            on iteration, ``drop_last=True`` leaves an epoch no batch.
     """
 
     def __init__(
@@ -191,6 +192,12 @@ class TokenBucketSampler(Sampler[list[int]]):
             return batches
         if self.drop_last:
             usable = len(batches) - len(batches) % self.world_size
+            if usable == 0:
+                raise ConfigError(
+                    f"drop_last=True leaves no batches: epoch {self.epoch} has {len(batches)} over "
+                    f"world_size={self.world_size}",
+                    hint="Pass drop_last=False to pad instead, or lower max_tokens",
+                )
             batches = batches[:usable]
         else:
             total = math.ceil(len(batches) / self.world_size) * self.world_size
