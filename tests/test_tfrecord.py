@@ -249,6 +249,18 @@ def test_exactly_once_per_epoch(
             assert sum(counts.values()) - 30 == world * len(ranks[0]) - 30  # only padding repeats
 
 
+def test_drop_uneven_leaving_no_samples_is_an_option_error_not_a_damaged_pack(tf_texts: Path, tmp_path: Path) -> None:
+    """It was a PackFormatError (a damaged pack) for 30 samples over world_size=31: the options are what is wrong."""
+    import packdata
+
+    pack = _text_pack(tf_texts, tmp_path, 16)
+    with pytest.raises(
+        packdata.ConfigError, match=r"drop_uneven=True leaves no samples: 30 samples over world_size=31"
+    ):
+        TFRecordDataset(pack, rank=0, world_size=31, drop_uneven=True)
+    assert len(TFRecordDataset(pack, rank=0, world_size=31)) == 1  # padded
+
+
 def test_order_changes_per_epoch_and_repeats_for_same_seed(tf_texts: Path, tmp_path: Path) -> None:
     pack = _text_pack(tf_texts, tmp_path, 4)
 
