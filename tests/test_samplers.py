@@ -262,6 +262,33 @@ def _make_cold(pack: Path) -> None:
             pytest.skip("the kernel kept the shards' pages (tmpfs?): cannot make the pack cold here")
 
 
+def test_read_ahead_keeps_few_shard_files_open(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
+    """The hint thread kept every cold shard's data file and record table open until it idled: two descriptors a
+    shard in the training process, which a pack of thousands of shards ran out of."""
+    from packdata.reading.readahead import ReadAhead
+
+    monkeypatch.setattr(ReadAhead, "OPEN_FILES", 4)
+    monkeypatch.setattr(ReadAhead, "IDLE", 30.0)  # the thread, and the files it keeps, stay while this test looks
+    pack = tmp_path / "p.lmdb"
+    convert(small_texts, pack, shard_samples=2, progress=False)  # 20 shards
+    _make_cold(pack)
+    hints = ReadAhead(pack, LMDBDataset(pack).pack.manifest)
+    try:
+        hints.advise(list(range(40)))
+        deadline = time.monotonic() + 10
+        while hints.advised_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the hint covers every shard in one pass
+        shard_files = [
+            target
+            for fd in os.listdir("/proc/self/fd")
+            if (target := os.path.realpath(f"/proc/self/fd/{fd}")).startswith(str(pack.resolve()))
+        ]
+        assert hints.advised_bytes > 0 and 1 <= len(shard_files) <= 2 * 4, shard_files
+    finally:
+        hints.close()
+
+
 def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
     """Hints are for pages not in memory: on a warm pack the sampler asks nothing (no thread, no system call)."""
     from packdata.reading.readahead import ReadAhead

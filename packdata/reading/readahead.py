@@ -53,6 +53,10 @@ class ReadAhead:
     IDLE = 2.0
     """Seconds without work after which the thread ends and the files close (the next hint starts them again)."""
 
+    OPEN_FILES = 64
+    """Shards whose data file and record table the thread keeps open at most (a window of blocks spans a few;
+    keeping all ran the training process out of file descriptors on a pack of thousands of shards)."""
+
     RECHECK = 1.0
     """Seconds a shard's residency (warm: no hints; cold: hints) is trusted before the kernel is asked again."""
 
@@ -160,16 +164,27 @@ class ReadAhead:
         return warm
 
     def _shard_spans(self, shard: int) -> tuple[np.ndarray, np.ndarray] | None:
-        if shard not in self._spans:
+        """The shard's record spans, kept for at most :attr:`OPEN_FILES` shards (a mapped table holds a file)."""
+        if shard in self._spans:
+            spans = self._spans.pop(shard)
+        else:
+            if len(self._spans) >= self.OPEN_FILES:
+                del self._spans[next(iter(self._spans))]  # the least recently used: its map closes with it
             info = self._shards[shard]
-            self._spans[shard] = self._format.record_spans(self._root / info.file, info.bytes)
-        return self._spans[shard]
+            spans = self._format.record_spans(self._root / info.file, info.bytes)
+        self._spans[shard] = spans  # the most recently used last
+        return spans
 
     def _fd(self, shard: int) -> int:
-        if shard not in self._fds:
+        """The shard's data file, open; at most :attr:`OPEN_FILES` stay open, the least recently used closed first."""
+        fd = self._fds.pop(shard, None)
+        if fd is None:
+            if len(self._fds) >= self.OPEN_FILES:
+                os.close(self._fds.pop(next(iter(self._fds))))
             path = self._root / self._format.data_name(self._shards[shard].file)
-            self._fds[shard] = open_regular(path)  # a FIFO in its place is refused, never waited on
-        return self._fds[shard]
+            fd = open_regular(path)  # a FIFO in its place is refused, never waited on
+        self._fds[shard] = fd  # the most recently used last
+        return fd
 
 
 def _merged(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, int]]:
