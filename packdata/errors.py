@@ -22,6 +22,8 @@ __all__ = [
     "OUT_OF_FILES_HINT",
     "destination_error",
     "out_of_files_error",
+    "out_of_maps",
+    "out_of_maps_error",
     "sample_error",
     "too_many_open_files",
 ]
@@ -124,12 +126,22 @@ def too_many_open_files(exc: BaseException) -> bool:
     Errors of C libraries that carry no ``errno`` (py-lmdb's) are known by the
     C library's message for it ("Too many open files").
     """
-    messages = tuple(os.strerror(code) for code in _OUT_OF_FILES)
+    return _caused_by(exc, _OUT_OF_FILES)
+
+
+def out_of_maps(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a memory map refused (``ENOMEM``: too many, or memory)."""
+    return _caused_by(exc, (errno.ENOMEM,))
+
+
+def _caused_by(exc: BaseException, codes: tuple[int, ...]) -> bool:
+    """Whether ``exc`` or its causes carry one of the ``errno`` ``codes``, or the C library's message for one."""
+    messages = tuple(os.strerror(code) for code in codes)
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _OUT_OF_FILES:
+        if isinstance(current, OSError) and current.errno in codes:
             return True
         if any(message in str(current) for message in messages):
             return True
@@ -143,6 +155,27 @@ def out_of_files_error(path: str | os.PathLike) -> CapacityError:
         "too many open files: the limit on open files (ulimit -n) is reached",
         path=path,
         hint=OUT_OF_FILES_HINT,
+    )
+
+
+def out_of_maps_error(path: str | os.PathLike) -> CapacityError:
+    """A memory map of ``path`` refused (``ENOMEM``), said as such (never as damage). Raise it ``from`` the error.
+
+    Readers map two or three files for each shard they have read; Linux allows a
+    process ``vm.max_map_count`` maps (65,530 by default), about 20,000 shards.
+    """
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            limit = f"{int(f.read()):,}"
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            used = f"{sum(1 for _ in f):,}"
+    except (OSError, ValueError):
+        limit = used = "?"
+    return CapacityError(
+        f"cannot map the file: out of memory maps ({used} in use, vm.max_map_count {limit}) or of memory",
+        path=path,
+        hint="Raise vm.max_map_count (sysctl -w vm.max_map_count=262144, as root), read fewer shards per process "
+        "(BlockShuffleSampler), or convert with a larger --shard-size so the pack has fewer shards",
     )
 
 

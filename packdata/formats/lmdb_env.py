@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import lmdb
 
-from packdata.errors import PackdataError, PackFormatError, out_of_files_error, too_many_open_files
+from packdata.errors import (
+    PackdataError,
+    PackFormatError,
+    out_of_files_error,
+    out_of_maps,
+    out_of_maps_error,
+    too_many_open_files,
+)
 from packdata.formats.lmdb_pages import read_lmdb_meta
 
 __all__ = ["DATA_FILE", "MAX_READERS", "encode_key"]
@@ -125,6 +132,8 @@ def _lmdb_error(path: str | os.PathLike, exc: lmdb.Error) -> PackdataError:
     """
     if too_many_open_files(exc):
         return out_of_files_error(path)
+    if out_of_maps(exc):  # its map refused: the process may map no more
+        return out_of_maps_error(path)
     return PackFormatError(
         f"LMDB cannot read the shard: {type(exc).__name__}: {exc}".rstrip(": "),
         path=path,

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
+from packdata.errors import PackFormatError, out_of_files_error, out_of_maps, out_of_maps_error, too_many_open_files
 from packdata.pack.files import open_regular
 
 __all__ = ["LMDBMeta", "check_lmdb_tree", "read_lmdb_meta"]
@@ -182,6 +182,10 @@ def check_lmdb_tree(data_file: str | os.PathLike) -> LMDBMeta:
     try:
         size = meta.file_pages * meta.page_size
         buffer = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        if out_of_maps(exc):
+            raise out_of_maps_error(path) from exc
+        raise _refuse(path, f"cannot be mapped: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
     _walk(path, np.frombuffer(buffer, dtype=np.uint8), meta)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
+from packdata.errors import PackFormatError, out_of_files_error, out_of_maps, out_of_maps_error, too_many_open_files
 
 __all__ = [
     "PROGRESS_FILE",
@@ -248,6 +248,8 @@ def map_int64(path: str | os.PathLike) -> np.ndarray | None:
     except (OSError, ValueError) as exc:
         if too_many_open_files(exc):
             raise out_of_files_error(path) from exc
+        if out_of_maps(exc):  # not absent: the process may map no more
+            raise out_of_maps_error(path) from exc
         return None
     finally:
         os.close(fd)

@@ -1,5 +1,7 @@
 """A pack of more shards than the open-file limit allows readers to hold: the soft limit is raised, or one line says so.
 
+And a reader that may map no more (``vm.max_map_count``, or address space) says that, not that the shard is damaged.
+
 Each shard a dataset has read keeps two or three files open in that process;
 with a soft limit of 1,024 (many systems' default) a few hundred shards were
 enough to stop every worker with "cannot be read: Too many open files. The
@@ -105,3 +107,45 @@ def test_a_reader_out_of_descriptors_at_the_hard_limit_says_so_in_one_line(many_
     )
     assert "Raise the hard limit" in line and "--shard-size" in line
     assert "damaged" not in line and "again" not in line
+
+
+_READ_UNDER_AN_ADDRESS_LIMIT = textwrap.dedent(
+    """
+    import resource, sys
+    import packdata
+
+    ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
+    ds[0]  # the first shard mapped; then no room for another shard's map
+    size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 20), resource.RLIM_INFINITY))
+    try:
+        for i in range(len(ds)):
+            ds[i]  # each sample dropped at once: only the maps need room
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+    print("read all")
+    """
+)
+
+
+def test_a_reader_that_may_map_no_more_says_so_not_damage(tmp_path: Path) -> None:
+    """ENOMEM from LMDB's map of a shard read as 'LMDB cannot read the shard ... The shard is damaged'."""
+    import random
+
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    rng = random.Random(0)
+    for i in range(300):
+        (src / f"{i:03d}.txt").write_text("".join(rng.choices("0123456789abcdef", k=20_000)))
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(src.parent, pack, shard_size=3 << 20, progress=False)
+    assert len(read_manifest(pack).shards) >= 2  # shards of 2-3 MB: a map needs more than the 1 MB left
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_UNDER_AN_ADDRESS_LIMIT, str(pack)], capture_output=True, text=True, timeout=120
+    )
+    line = done.stdout.strip()
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert line.startswith("CapacityError ") and "\n" not in line, line
+    assert "cannot map the file: out of memory maps (" in line and "vm.max_map_count" in line
+    assert "damaged" not in line
