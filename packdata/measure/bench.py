@@ -129,7 +129,7 @@ class BenchResult:
         if best is not None:
             lines.append(
                 f"best: {best.source} with num_workers={best.num_workers}, batch_size={best.batch_size}: "
-                f"{best.samples_per_s:.0f} samples/s"
+                f"{best.samples_per_s:,.0f} samples/s"
                 + (f" ({best.vs_ceiling:.2f}x the ceiling)" if best.vs_ceiling is not None else "")
             )
         return "\n".join(lines)
