@@ -9,7 +9,7 @@ raise it when they first run out, as Go's runtime does at start.
 
 from __future__ import annotations
 
-__all__ = ["open_files_limit", "raise_open_files_limit"]
+__all__ = ["max_map_count", "open_files_limit", "raise_open_files_limit"]
 
 
 def open_files_limit() -> tuple[int, int]:
@@ -42,3 +42,12 @@ def raise_open_files_limit() -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def max_map_count() -> int:
+    """The memory maps one process may hold (``vm.max_map_count``; Linux's default, 65,530, where it cannot be read)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530

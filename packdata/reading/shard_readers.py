@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from packdata.errors import OUT_OF_FILES_HINT, CapacityError, PackdataError, PackFormatError, too_many_open_files
-from packdata.host.descriptors import open_files_limit, raise_open_files_limit
+from packdata.host.descriptors import max_map_count, open_files_limit, raise_open_files_limit
 
 __all__ = ["ShardReaders"]
 
 _FILES_PER_READER = 4  # at most, once a shard is read: LMDB's own descriptor, the positioned reads', the maps'
+_MAPS_PER_READER = 4  # LMDB's map of data.mdb, the positioned reads' map, records.i64, a TFRecord table
 
 
 class ShardReaders:
@@ -22,6 +24,12 @@ class ShardReaders:
     ``make`` must be picklable (a class or a ``functools.partial`` of one),
     called as ``make(path, **kwargs[shard])``. ``check``, when given, runs after
     each reader is made (it raises if the pack changed since the dataset opened it).
+
+    A process keeps at most :meth:`most_open` readers, half of what its limits
+    on open files and memory maps allow (the soft file limit is raised to the
+    hard one first); past that, the reader opened first is closed. A reader
+    taken from here is for use at once, in the thread that took it: another
+    thread's read may close it.
     """
 
     def __init__(
@@ -36,18 +44,19 @@ class ShardReaders:
         self.kwargs = kwargs or [{} for _ in paths]
         self.check = check
         self._readers: list[Any] = []
-        self._held = 0  # readers open in this process
+        self._opened: deque[int] = deque()  # shards with a reader open in this process, the first opened first
+        self._most = 0  # readers this process keeps open at most (known at its first open)
         self._pid = -1
 
     def __getitem__(self, shard: int) -> Any:
         if self._pid != os.getpid():
             self._readers = [None] * len(self.paths)
-            self._held = 0
+            self._opened, self._most = deque(), 0
             self._pid = os.getpid()
         reader = self._readers[shard]
         if reader is None:
-            if (self._held + 1) * _FILES_PER_READER > open_files_limit()[0] // 2 >= 0:
-                raise_open_files_limit()  # readers would take half the soft limit: up to the hard one
+            if len(self._opened) >= self._most:
+                self._make_room()
             try:
                 reader = self._open(shard)
             except (OSError, PackdataError) as exc:
@@ -62,8 +71,26 @@ class ShardReaders:
                         raise self._out_of_files(shard) from again
                     raise
             self._readers[shard] = reader
-            self._held += 1
+            self._opened.append(shard)
         return reader
+
+    @staticmethod
+    def most_open() -> int:
+        """Readers a process keeps open: half what its soft file limit and ``vm.max_map_count`` allow at 4 each."""
+        soft = open_files_limit()[0]
+        files = soft if soft >= 0 else 1 << 30
+        return max(8, min(files // _FILES_PER_READER, max_map_count() // _MAPS_PER_READER) // 2)
+
+    def _make_room(self) -> None:
+        """Raise the soft file limit (once, to the hard one) or close the reader opened first, to open one more."""
+        if not self._most:
+            if len(self.paths) > self.most_open():
+                raise_open_files_limit()  # no privilege needed: up to the hard limit
+            self._most = self.most_open()
+        while len(self._opened) >= self._most:
+            first = self._opened.popleft()
+            reader, self._readers[first] = self._readers[first], None
+            reader.close()
 
     def _open(self, shard: int) -> Any:
         try:
@@ -87,7 +114,7 @@ class ShardReaders:
         soft, hard = open_files_limit()
         return CapacityError(
             f"too many open files opening shard {shard} of {len(self.paths):,}: this process holds "
-            f"{self._held:,} shard readers (2-4 files each) and may open {soft:,} files (ulimit -n; hard limit "
+            f"{len(self._opened):,} shard readers (2-4 files each) and may open {soft:,} files (ulimit -n; hard limit "
             f"{'none' if hard < 0 else format(hard, ',')})",
             path=self.paths[shard],
             hint=OUT_OF_FILES_HINT,
@@ -100,7 +127,7 @@ class ShardReaders:
                 if reader is not None:
                     reader.close()
             self._readers = [None] * len(self.paths)
-            self._held = 0
+            self._opened = deque()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -109,6 +136,7 @@ class ShardReaders:
             "kwargs": self.kwargs,
             "check": self.check,
             "_readers": [],
-            "_held": 0,
+            "_opened": deque(),
+            "_most": 0,
             "_pid": -1,
         }
