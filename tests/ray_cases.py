@@ -466,12 +466,9 @@ def _finished_fields_task(grouped_folder: Path, tmp_path: Path) -> tuple[Path, d
     return partial, run_shard_task(task, str(partial), opts, 1)
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("number", [-1, 4])
-def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
-    grouped_folder: Path, tmp_path: Path, number: int
-) -> None:
-    """A task's field number indexes its field names: -1 picked the last one unseen, 4 was a raw IndexError."""
+def _gather_refuses_changed_field_sizes(grouped_folder: Path, tmp_path: Path, change, error: str) -> None:
+    """A finished task's field_sizes.i64 changed by ``change`` (its recorded digest updated, as if the task had
+    written it so) is named by the gather with ``error``."""
     from packdata.conversion.ray_gather import _Gatherer
     from packdata.errors import PackFormatError
     from packdata.pack.files import file_sha256
@@ -479,55 +476,50 @@ def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
     partial, result = _finished_fields_task(grouped_folder, tmp_path)
     assert len(result["field_names"]) == 4
     sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
-    pairs = np.fromfile(sizes, dtype="<i8")
-    pairs[0] = number
-    pairs.tofile(sizes)
-    result["fragment_files"]["index/field_sizes.i64"][1] = file_sha256(sizes)  # as if the task had written it
+    change(sizes)
+    result["fragment_files"]["index/field_sizes.i64"] = [sizes.stat().st_size, file_sha256(sizes)]
     gatherer = _Gatherer(partial, "fields")
     try:
-        with pytest.raises(PackFormatError, match=rf"00000/index/field_sizes.i64: field number {number} is out of"):
+        with pytest.raises(PackFormatError, match=rf"00000/index/field_sizes.i64: {error}"):
             gatherer.add(result)
     finally:
         gatherer.close()
+
+
+def _set_pair_value(position: int, value: int):
+    def change(sizes: Path) -> None:
+        pairs = np.fromfile(sizes, dtype="<i8")
+        pairs[position] = value
+        pairs.tofile(sizes)
+
+    return change
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("number", [-1, 4])
+def test_ray_gather_names_a_fragment_with_an_out_of_range_field_number(
+    grouped_folder: Path, tmp_path: Path, number: int
+) -> None:
+    """A task's field number indexes its field names: -1 picked the last one unseen, 4 was a raw IndexError."""
+    change = _set_pair_value(0, number)
+    _gather_refuses_changed_field_sizes(grouped_folder, tmp_path, change, f"field number {number} is out of")
 
 
 @pytest.mark.ray
 def test_ray_gather_names_a_fragment_with_a_negative_field_size(grouped_folder: Path, tmp_path: Path) -> None:
     """A negative field size was appended into the pack as found, and only its reader refused the pack."""
-    from packdata.conversion.ray_gather import _Gatherer
-    from packdata.errors import PackFormatError
-    from packdata.pack.files import file_sha256
-
-    partial, result = _finished_fields_task(grouped_folder, tmp_path)
-    sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
-    pairs = np.fromfile(sizes, dtype="<i8")
-    pairs[1] = -5
-    pairs.tofile(sizes)
-    result["fragment_files"]["index/field_sizes.i64"][1] = file_sha256(sizes)  # as if the task had written it
-    gatherer = _Gatherer(partial, "fields")
-    try:
-        with pytest.raises(PackFormatError, match=r"00000/index/field_sizes.i64: field size -5 is negative"):
-            gatherer.add(result)
-    finally:
-        gatherer.close()
+    change = _set_pair_value(1, -5)
+    _gather_refuses_changed_field_sizes(grouped_folder, tmp_path, change, "field size -5 is negative")
 
 
+@pytest.mark.ray
 def test_ray_gather_names_a_field_sizes_fragment_cut_between_pairs(grouped_folder: Path, tmp_path: Path) -> None:
     """A field_sizes.i64 of an odd number of int64s stopped the gather with numpy's raw reshape ValueError."""
-    from packdata.conversion.ray_gather import _Gatherer
-    from packdata.errors import PackFormatError
-    from packdata.pack.files import file_sha256
 
-    partial, result = _finished_fields_task(grouped_folder, tmp_path)
-    sizes = partial / "tasks" / "00000" / "index" / "field_sizes.i64"
-    sizes.write_bytes(sizes.read_bytes()[:-8])
-    result["fragment_files"]["index/field_sizes.i64"] = [sizes.stat().st_size, file_sha256(sizes)]  # as written
-    gatherer = _Gatherer(partial, "fields")
-    try:
-        with pytest.raises(PackFormatError, match=r"field_sizes.i64: \d+ bytes: not a whole number of .* pairs"):
-            gatherer.add(result)
-    finally:
-        gatherer.close()
+    def cut(sizes: Path) -> None:
+        sizes.write_bytes(sizes.read_bytes()[:-8])
+
+    _gather_refuses_changed_field_sizes(grouped_folder, tmp_path, cut, r"\d+ bytes: not a whole number of .* pairs")
 
 
 @pytest.mark.ray
