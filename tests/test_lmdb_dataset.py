@@ -17,7 +17,7 @@ from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from packdata import ImageFormatError, LMDBDataset, PackFormatError, convert, write_pack
+from packdata import ConfigError, ImageFormatError, LMDBDataset, PackFormatError, convert, write_pack
 from packdata.pack.manifest import read_manifest
 
 
@@ -159,6 +159,23 @@ def test_a_shard_file_that_is_not_a_file_is_named_as_such_by_readers_and_verify(
     ds = LMDBDataset(pack, decode="bytes")
     with pytest.raises(PackFormatError, match=rf"data\.mdb: the shard's data\.mdb {what}"):
         ds[0]
+
+
+def test_a_shard_open_elsewhere_in_the_process_is_named_so_never_called_damaged(pack: Path) -> None:
+    """py-lmdb refuses a second handle on a file in one process: a user's own lmdb.open of a shard
+    (a notebook's look inside) made the dataset call the intact shard damaged."""
+    import lmdb
+
+    shard = pack / "shard-00000.lmdb"
+    own = lmdb.open(str(shard), readonly=True, lock=False)
+    ds = LMDBDataset(pack, decode="bytes")
+    try:
+        with pytest.raises(ConfigError, match=r"shard-00000\.lmdb: .*already open through another lmdb\.open") as err:
+            ds[0]
+        assert "damaged" not in str(err.value) and "env.close()" in str(err.value)
+    finally:
+        own.close()
+    assert ds[0] == LMDBDataset(pack, decode="bytes")[0]  # closed, the same dataset reads
 
 
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import lmdb
 
 from packdata.errors import (
+    ConfigError,
     PackdataError,
     PackFormatError,
     out_of_files_error,
@@ -128,12 +129,22 @@ def _release_env(identity: tuple[int, int]) -> None:
 def _lmdb_error(path: str | os.PathLike, exc: lmdb.Error) -> PackdataError:
     """An LMDB error (a damaged header or page, a bad map) as one line naming the shard.
 
-    Out of file descriptors is a :class:`CapacityError`, never called damage.
+    Out of file descriptors or maps is a :class:`CapacityError`, and a shard
+    some other code of this process opened with ``lmdb.open`` a
+    :class:`ConfigError`: never called damage.
     """
     if too_many_open_files(exc):
         return out_of_files_error(path)
     if out_of_maps(exc):  # its map refused: the process may map no more
         return out_of_maps_error(path)
+    if "already open in this process" in str(exc):  # py-lmdb's guard: this file has another handle here
+        return ConfigError(
+            "LMDB will not open the shard twice in one process, and it is already open through another "
+            "lmdb.open() (py-lmdb allows one handle per file per process); the shard itself is fine",
+            path=path,
+            hint="close that environment (env.close()) first, or read the pack only through packdata's "
+            "datasets, which share one handle",
+        )
     return PackFormatError(
         f"LMDB cannot read the shard: {type(exc).__name__}: {exc}".rstrip(": "),
         path=path,
