@@ -41,6 +41,7 @@ class TFRecordShardReader:
         self.check_crc = check_crc
         self.expected_bytes = expected_bytes
         self._fd = -1
+        self._pid = -1  # the process that opened the file
 
     def open(self) -> TFRecordShardReader:
         """Open the file now (else on first read); a size other than ``expected_bytes`` raises."""
@@ -65,7 +66,7 @@ class TFRecordShardReader:
                     hint="The shard is truncated, or the pack was converted or staged again since: "
                     "run `packdata verify`, and recreate the dataset after changing a pack",
                 )
-            self._fd = fd
+            self._fd, self._pid = fd, os.getpid()
         return self._fd
 
     def _truncated(self, offset: int, needed: int, got: int) -> PackFormatError:
@@ -274,6 +275,14 @@ class TFRecordShardReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # a reader let go of while still read (ShardReaders) closes here, when its last user drops it
+        try:
+            if self._fd >= 0 and self._pid == os.getpid():
+                self.close()
+        except Exception:  # at interpreter exit: nothing left to let go of
+            pass
 
 
 def chunk_plan(

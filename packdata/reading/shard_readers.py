@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,18 @@ __all__ = ["ShardReaders"]
 
 _FILES_PER_READER = 4  # at most, once a shard is read: LMDB's own descriptor, the positioned reads', the maps'
 _MAPS_PER_READER = 4  # LMDB's map of data.mdb, the positioned reads' map, records.i64, a TFRecord table
+
+_lock = threading.Lock()  # opens and evictions of every ShardReaders in this process, one thread at a time
+
+
+def _new_lock() -> None:
+    """A forked child's lock: one another thread held at the fork would never be released there."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock)
 
 
 class ShardReaders:
@@ -27,9 +40,9 @@ class ShardReaders:
 
     A process keeps at most :meth:`most_open` readers, half of what its limits
     on open files and memory maps allow (the soft file limit is raised to the
-    hard one first); past that, the reader opened first is closed. A reader
-    taken from here is for use at once, in the thread that took it: another
-    thread's read may close it.
+    hard one first); past that, the reader opened first is let go of: it
+    closes once no caller holds it (a thread still reading it, a batch), never
+    under a read. Opens and evictions hold a lock, so threads may share a dataset.
     """
 
     def __init__(
@@ -49,14 +62,19 @@ class ShardReaders:
         self._pid = -1
 
     def __getitem__(self, shard: int) -> Any:
-        if self._pid != os.getpid():
-            self._readers = [None] * len(self.paths)
-            self._opened, self._most = deque(), 0
-            self._pid = os.getpid()
-        reader = self._readers[shard]
-        if reader is None:
-            if len(self._opened) >= self._most:
-                self._make_room()
+        if self._pid == os.getpid():
+            reader = self._readers[shard]
+            if reader is not None:
+                return reader
+        with _lock:  # one thread opens a shard, and the count of readers open stays true
+            if self._pid != os.getpid():
+                self._readers = [None] * len(self.paths)
+                self._opened, self._most = deque(), 0
+                self._pid = os.getpid()
+            reader = self._readers[shard]
+            if reader is not None:
+                return reader
+            evicted = self._make_room() if len(self._opened) >= self._most else []
             try:
                 reader = self._open(shard)
             except (OSError, PackdataError) as exc:
@@ -72,6 +90,7 @@ class ShardReaders:
                     raise
             self._readers[shard] = reader
             self._opened.append(shard)
+        del evicted  # each closes here unless another thread still reads it (then when it is done)
         return reader
 
     @staticmethod
@@ -81,16 +100,22 @@ class ShardReaders:
         files = soft if soft >= 0 else 1 << 30
         return max(8, min(files // _FILES_PER_READER, max_map_count() // _MAPS_PER_READER) // 2)
 
-    def _make_room(self) -> None:
-        """Raise the soft file limit (once, to the hard one) or close the reader opened first, to open one more."""
+    def _make_room(self) -> list[Any]:
+        """Raise the soft file limit (once, to the hard one) or let go of the readers opened first; those let go of.
+
+        A reader let go of is not closed here: it closes (its ``__del__``) when
+        the last caller holding it drops it, at once where none does.
+        """
         if not self._most:
             if len(self.paths) > self.most_open():
                 raise_open_files_limit()  # no privilege needed: up to the hard limit
             self._most = self.most_open()
+        evicted = []
         while len(self._opened) >= self._most:
             first = self._opened.popleft()
-            reader, self._readers[first] = self._readers[first], None
-            reader.close()
+            evicted.append(self._readers[first])
+            self._readers[first] = None
+        return evicted
 
     def _open(self, shard: int) -> Any:
         try:

@@ -163,3 +163,53 @@ def test_a_reader_that_may_map_no_more_says_so_not_damage(tmp_path: Path) -> Non
     assert line.startswith("CapacityError ") and "\n" not in line, line
     assert "cannot map the file: out of memory maps (" in line and "vm.max_map_count" in line
     assert "damaged" not in line
+
+
+_READ_IN_THREADS = textwrap.dedent(
+    """
+    import random, sys
+    from concurrent.futures import ThreadPoolExecutor
+    import packdata
+
+    fmt, path, check_crc = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    cls = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    ds = cls(path, decode="bytes", check_crc=check_crc)
+
+    def read(i):
+        try:
+            return "ok" if ds[i][0] == f"note {i} ".encode() * 100 else f"sample {i}: other bytes"
+        except Exception as exc:
+            return f"sample {i}: {type(exc).__name__} {exc}"
+
+    order = random.Random(0).sample(range(len(ds)), len(ds)) * 10  # every shard closed and opened again, often
+    with ThreadPoolExecutor(4) as pool:  # as write_pack's threads fetch dataset[i]
+        wrong = [got for got in pool.map(read, order) if got != "ok"]
+    print("\\n".join(wrong[:5]) or f"read {len(order)}")
+    """
+)
+
+
+@pytest.mark.parametrize("check_crc", [True, False])
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_threads_sharing_a_dataset_past_the_hard_limit_read_every_sample_as_written(
+    many_shards, fmt: str, check_crc: bool
+) -> None:
+    """A reader one thread let go of (to open another shard) was closed under another thread's read of it.
+
+    Its file descriptor, reused by the next shard opened, gave that shard's
+    bytes (returned as the sample's with check_crc=False, 'record ... is
+    damaged' with it), and LMDB's aborted transaction 'The shard is damaged'.
+    """
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_IN_THREADS, fmt, str(many_shards[fmt]), "1" if check_crc else "0"],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "read 1200", done.stdout
