@@ -191,7 +191,7 @@ _READ_IN_THREADS = textwrap.dedent(
 
 @pytest.mark.parametrize("check_crc", [True, False])
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
-def test_threads_sharing_a_dataset_past_the_hard_limit_read_every_sample_as_written(
+def test_threads_sharing_a_dataset_past_its_budget_of_readers_read_every_sample_as_written(
     many_shards, fmt: str, check_crc: bool
 ) -> None:
     """A reader one thread let go of (to open another shard) was closed under another thread's read of it.
@@ -201,8 +201,8 @@ def test_threads_sharing_a_dataset_past_the_hard_limit_read_every_sample_as_writ
     damaged' with it), and LMDB's aborted transaction 'The shard is damaged'.
     """
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
+    def limit() -> None:  # 16 readers kept of 40 shards, and room for the 4 a thread may still hold
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * SOFT, 2 * SOFT))
 
     done = subprocess.run(
         [sys.executable, "-c", _READ_IN_THREADS, fmt, str(many_shards[fmt]), "1" if check_crc else "0"],
