@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -17,12 +18,16 @@ _FILES_PER_READER = 4  # at most, once a shard is read: LMDB's own descriptor, t
 _MAPS_PER_READER = 4  # LMDB's map of data.mdb, the positioned reads' map, records.i64, a TFRecord table
 
 _lock = threading.Lock()  # opens and evictions of every ShardReaders in this process, one thread at a time
+_opened: deque[tuple[weakref.ref[ShardReaders], int]] = deque()  # every dataset's readers here, first opened first
+_budget = [0]  # readers this process keeps open at most, all datasets together (known at a first open)
 
 
 def _new_lock() -> None:
-    """A forked child's lock: one another thread held at the fork would never be released there."""
+    """A forked child's lock and budget: a lock another thread held at the fork would never be released there."""
     global _lock
     _lock = threading.Lock()
+    _opened.clear()  # the parent's readers: each dataset lets go of them at its first read here
+    _budget[0] = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -38,7 +43,7 @@ class ShardReaders:
     called as ``make(path, **kwargs[shard])``. ``check``, when given, runs after
     each reader is made (it raises if the pack changed since the dataset opened it).
 
-    A process keeps at most :meth:`most_open` readers, half of what its limits
+    A process keeps at most :meth:`most_open` readers (all its datasets together), half of what its limits
     on open files and memory maps allow (the soft file limit is raised to the
     hard one first); past that, the reader opened first is let go of: it
     closes once no caller holds it (a thread still reading it, a batch), never
@@ -57,8 +62,7 @@ class ShardReaders:
         self.kwargs = kwargs or [{} for _ in paths]
         self.check = check
         self._readers: list[Any] = []
-        self._opened: deque[int] = deque()  # shards with a reader open in this process, the first opened first
-        self._most = 0  # readers this process keeps open at most (known at its first open)
+        self._most = 0  # this process's budget once this object's first open here has checked the limits
         self._pid = -1
 
     def __getitem__(self, shard: int) -> Any:
@@ -69,12 +73,12 @@ class ShardReaders:
         with _lock:  # one thread opens a shard, and the count of readers open stays true
             if self._pid != os.getpid():
                 self._readers = [None] * len(self.paths)
-                self._opened, self._most = deque(), 0
+                self._most = 0
                 self._pid = os.getpid()
             reader = self._readers[shard]
             if reader is not None:
                 return reader
-            evicted = self._make_room() if len(self._opened) >= self._most else []
+            evicted = self._make_room()
             try:
                 reader = self._open(shard)
             except (OSError, PackdataError) as exc:
@@ -89,7 +93,7 @@ class ShardReaders:
                         raise self._out_of_files(shard) from again
                     raise
             self._readers[shard] = reader
-            self._opened.append(shard)
+            _opened.append((weakref.ref(self), shard))
         del evicted  # each closes here unless another thread still reads it (then when it is done)
         return reader
 
@@ -103,18 +107,21 @@ class ShardReaders:
     def _make_room(self) -> list[Any]:
         """Raise the soft file limit (once, to the hard one) or let go of the readers opened first; those let go of.
 
-        A reader let go of is not closed here: it closes (its ``__del__``) when
-        the last caller holding it drops it, at once where none does.
+        The readers are any dataset's in this process. One let go of is not
+        closed here: it closes (its ``__del__``) when the last caller holding
+        it drops it, at once where none does.
         """
         if not self._most:
             if len(self.paths) > self.most_open():
                 raise_open_files_limit()  # no privilege needed: up to the hard limit
-            self._most = self.most_open()
+            self._most = _budget[0] = self.most_open()
         evicted = []
-        while len(self._opened) >= self._most:
-            first = self._opened.popleft()
-            evicted.append(self._readers[first])
-            self._readers[first] = None
+        while len(_opened) >= _budget[0]:
+            owner, first = _opened.popleft()
+            readers = owner()
+            if readers is not None and readers._pid == os.getpid() and readers._readers[first] is not None:
+                evicted.append(readers._readers[first])
+                readers._readers[first] = None
         return evicted
 
     def _open(self, shard: int) -> Any:
@@ -139,7 +146,7 @@ class ShardReaders:
         soft, hard = open_files_limit()
         return CapacityError(
             f"too many open files opening shard {shard} of {len(self.paths):,}: this process holds "
-            f"{len(self._opened):,} shard readers (2-4 files each) and may open {soft:,} files (ulimit -n; hard limit "
+            f"{len(_opened):,} shard readers (2-4 files each) and may open {soft:,} files (ulimit -n; hard limit "
             f"{'none' if hard < 0 else format(hard, ',')})",
             path=self.paths[shard],
             hint=OUT_OF_FILES_HINT,
@@ -152,7 +159,6 @@ class ShardReaders:
                 if reader is not None:
                     reader.close()
             self._readers = [None] * len(self.paths)
-            self._opened = deque()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -161,7 +167,6 @@ class ShardReaders:
             "kwargs": self.kwargs,
             "check": self.check,
             "_readers": [],
-            "_opened": deque(),
             "_most": 0,
             "_pid": -1,
         }

@@ -213,3 +213,42 @@ def test_threads_sharing_a_dataset_past_its_budget_of_readers_read_every_sample_
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "read 1200", done.stdout
+
+
+_READ_TWO_PACKS = textwrap.dedent(
+    """
+    import random, shutil, sys
+    import packdata
+
+    path, copy = sys.argv[1], sys.argv[2]
+    shutil.copytree(path, copy)  # another pack: its own files
+    train, val = packdata.LMDBDataset(path, decode="bytes"), packdata.LMDBDataset(copy, decode="bytes")
+    order = random.Random(0).sample(range(len(train)), len(train))
+    try:
+        same = all(train[i][0] == val[i][0] == f"note {i} ".encode() * 100 for i in order)
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+    print("read", len(order), "same" if same else "differ")
+    """
+)
+
+
+def test_two_datasets_in_one_process_share_its_budget_of_readers(many_shards, tmp_path: Path) -> None:
+    """Each dataset kept half of what the limits allow, so two (train and validation) in one process took all of it.
+
+    At a hard limit of 64 files, reading two 40-shard packs in turn raised 'too many open files opening shard'.
+    """
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_TWO_PACKS, str(many_shards["lmdb"]), str(tmp_path / "copy.lmdb")],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "read 120 same", done.stdout
