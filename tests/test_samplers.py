@@ -289,6 +289,50 @@ def test_read_ahead_keeps_few_shard_files_open(small_texts: Path, tmp_path: Path
         hints.close()
 
 
+_HINTS_OUT_OF_FILES = """
+import os, resource, sys, time
+from pathlib import Path
+from packdata.pack.manifest import read_manifest
+from packdata.reading.readahead import ReadAhead
+
+pack = Path(sys.argv[1])
+hints = ReadAhead(pack, read_manifest(pack))
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    os.close(held.pop())  # one left: the thread opens shard 0's data file, and its records.i64 is out of files
+hints.advise([0, 1])
+time.sleep(0.5)
+for fd in held:
+    os.close(fd)
+hints.advise(list(range(40)))  # every shard, cold: hinted once the thread takes it
+deadline = time.monotonic() + 5
+while hints.advised_bytes == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("advised", hints.advised_bytes)
+"""
+
+
+def test_read_ahead_out_of_files_skips_the_hint_and_keeps_hinting(small_texts: Path, tmp_path: Path) -> None:
+    """A record table that could not be mapped for want of descriptors (a CapacityError since e10a135) ended the
+    hint thread with a traceback, and the sampler, thinking it alive, queued every later window for no one."""
+    import subprocess
+    import sys
+
+    pack = tmp_path / "p.lmdb"
+    convert(small_texts, pack, shard_samples=2, progress=False)  # 20 shards
+    _make_cold(pack)
+    done = subprocess.run(
+        [sys.executable, "-c", _HINTS_OUT_OF_FILES, str(pack)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Exception in thread" not in done.stderr, done.stderr
+    assert done.stdout.startswith("advised ") and int(done.stdout.split()[1]) > 0, done.stdout + done.stderr
+
+
 def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: Path, monkeypatch) -> None:
     """Hints are for pages not in memory: on a warm pack the sampler asks nothing (no thread, no system call)."""
     from packdata.reading.readahead import ReadAhead

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from packdata.errors import PackdataError
 from packdata.formats import get_format
 from packdata.formats.residency import WARM_SHARE, PagedFile
 from packdata.pack.files import open_regular
@@ -130,8 +131,8 @@ class ReadAhead:
                 continue
             try:
                 self._hint_shard(shard, indices[shard_of == shard] - self._first[shard])
-            except (OSError, ValueError, IndexError):
-                continue  # this shard only (not a regular file, a table that lies): its reader names the damage
+            except (OSError, ValueError, IndexError, PackdataError):
+                continue  # this shard only (not a regular file, a table that lies, out of files): its reader says so
 
     def _hint_shard(self, shard: int, local: np.ndarray) -> None:
         """Hint the records ``local`` (indices within the shard) unless the shard is warm or has no spans."""
