@@ -86,7 +86,9 @@ class ShardReaders:
                     raise
                 if not raise_open_files_limit():
                     raise self._out_of_files(shard) from exc
-                try:  # the soft limit is raised to the hard one: once more
+                reader = None
+            if reader is None:  # the soft limit is raised to the hard one: once more, outside the handler above,
+                try:  # so an error of this open (a damaged shard) does not carry the first one's "too many files"
                     reader = self._open(shard)
                 except (OSError, PackdataError) as again:
                     if too_many_open_files(again):

@@ -252,3 +252,57 @@ def test_two_datasets_in_one_process_share_its_budget_of_readers(many_shards, tm
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "read 120 same", done.stdout
+
+
+_READ_DAMAGED_OUT_OF_FILES = textwrap.dedent(
+    """
+    import os, resource, sys  # resource: what the readers ask the limits with, loaded while files are left
+    import packdata
+
+    ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
+    held = []
+    try:
+        while True:  # the soft limit reached: the first open of the shard runs out of files
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        ds[0]
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+    print("read")
+    """
+)
+
+
+def test_a_damaged_shard_opened_again_past_the_soft_limit_is_called_damaged(tmp_path: Path) -> None:
+    """The open retried once the soft limit was raised ran inside the handler of the first one's 'Too many open
+    files', so the damage it found carried that error as its context and was reported as out of files."""
+    hard = _hard_limit()
+    if hard < 4 * SOFT:
+        pytest.skip(f"the hard limit on open files here ({hard}) leaves no room to raise the soft one")
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"note {i}")
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(src.parent, pack, progress=False)  # one shard: no limit raised before its first open
+    with open(pack / "shard-00000.lmdb" / "data.mdb", "r+b") as f:
+        f.seek(16)  # meta page 0's magic
+        f.write(b"\0\0\0\0")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, hard))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_DAMAGED_OUT_OF_FILES, str(pack)],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = done.stdout.strip()
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert line.startswith("PackFormatError ") and "is not an LMDB meta page" in line, line
+    assert "too many open files" not in line
