@@ -9,13 +9,13 @@ raise it when they first run out, as Go's runtime does at start.
 
 from __future__ import annotations
 
+import resource  # here, not where first needed: that is when a process is out of files, and an import opens one
+
 __all__ = ["max_map_count", "open_files_limit", "raise_open_files_limit"]
 
 
 def open_files_limit() -> tuple[int, int]:
     """This process's ``(soft, hard)`` limits on open files (``ulimit -n``; -1 where there is none)."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return int(soft), int(hard)
 
@@ -25,8 +25,6 @@ def raise_open_files_limit() -> bool:
 
     A hard limit of "unlimited" is taken as the kernel's ceiling (``fs.nr_open``).
     """
-    import resource
-
     soft, hard = open_files_limit()
     target = hard
     if hard == resource.RLIM_INFINITY:

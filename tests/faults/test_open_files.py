@@ -256,7 +256,7 @@ def test_two_datasets_in_one_process_share_its_budget_of_readers(many_shards, tm
 
 _READ_DAMAGED_OUT_OF_FILES = textwrap.dedent(
     """
-    import os, resource, sys  # resource: what the readers ask the limits with, loaded while files are left
+    import os, sys
     import packdata
 
     ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
@@ -306,3 +306,41 @@ def test_a_damaged_shard_opened_again_past_the_soft_limit_is_called_damaged(tmp_
     assert done.returncode == 3, done.stdout + done.stderr
     assert line.startswith("PackFormatError ") and "is not an LMDB meta page" in line, line
     assert "too many open files" not in line
+
+
+_READ_AT_THE_LIMIT = textwrap.dedent(
+    """
+    import os, sys
+    import packdata  # nothing here has asked the limits yet
+
+    ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
+    held = []
+    try:
+        while True:  # the training script's own files: none left for the first shard
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        ds[0]
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+    """
+)
+
+
+def test_a_process_out_of_files_at_its_first_shard_gets_the_one_line_error(many_shards) -> None:
+    """The readers imported ``resource`` when they first asked the limits, that is when out of files: the
+    import itself failed ('cannot open shared object file: Too many open files'), a raw ImportError."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_AT_THE_LIMIT, str(many_shards["lmdb"])],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("CapacityError ") and "too many open files opening shard 0" in done.stdout
