@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pickle
 import re
 import struct
@@ -321,6 +323,28 @@ def test_set_epoch_reaches_persistent_workers(tf_texts: Path, tmp_path: Path, co
         orders.append(got)
     assert sorted(orders[0]) == ALL_IDS
     assert orders[1] == orders[2] and len({tuple(orders[0]), tuple(orders[1]), tuple(orders[3])}) == 3
+
+
+def _shared_memory_files() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+    return count
+
+
+def test_a_stream_takes_shared_memory_only_for_spawned_workers(tf_texts: Path, tmp_path: Path) -> None:
+    """Each TFRecordDataset made a shared-memory tensor when built (a file of /dev/shm held open, and no
+    dataset at all where /dev/shm is unusable), though only a copy pickled for a spawned worker needs one."""
+    pack = _text_pack(tf_texts, tmp_path, 4)
+    before = _shared_memory_files()
+    streams = [TFRecordDataset(pack, decode="bytes", seed=5) for _ in range(3)]
+    for ds in streams:
+        ds.set_epoch(1)
+        list(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork", collate_fn=_as_list))
+    assert _shared_memory_files() == before
+    pickle.dumps(streams[0])  # as for a spawned worker: now it has one
+    assert _shared_memory_files() == before + 1
 
 
 def test_datasets_pickle(tf_texts: Path, tmp_path: Path) -> None:

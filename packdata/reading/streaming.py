@@ -19,11 +19,13 @@ here; the view it shares with the map-style
 from __future__ import annotations
 
 import itertools
+import mmap
 import numbers
 import os
 import random
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, suppress
 from typing import Any
 
 import numpy as np
@@ -79,6 +81,46 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
         buffer[j] = item
     rng.shuffle(buffer)
     yield from buffer
+
+
+_BOARD = struct.Struct("<qq")
+
+
+class _EpochBoard:
+    """``(epoch, set_epoch calls)``, where a dataset's copies in ``DataLoader`` workers read it when a pass starts.
+
+    Forked workers share an anonymous shared map with the dataset (no file, no
+    ``/dev/shm``). A copy pickled for a ``spawn``-ed worker carries a
+    shared-memory tensor, made at the first pickling and written with the map
+    from then on; a loader without workers, or with forked ones, makes none.
+    """
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, _BOARD.size)
+        self._tensor: torch.Tensor | None = None
+
+    def write(self, epoch: int, calls: int) -> None:
+        _BOARD.pack_into(self._map, 0, epoch, calls)
+        if self._tensor is not None:
+            self._tensor[0], self._tensor[1] = epoch, calls
+
+    def read(self) -> tuple[int, int]:
+        if self._tensor is not None:
+            epoch, calls = self._tensor.tolist()
+            return epoch, calls
+        return _BOARD.unpack_from(self._map, 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._tensor is None:
+            tensor = torch.tensor(self.read(), dtype=torch.int64)
+            with suppress(RuntimeError, OSError):  # else no usable shared memory: a copy by value, as pickle makes
+                tensor.share_memory_()
+            self._tensor = tensor
+        return {"tensor": self._tensor}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._map = mmap.mmap(-1, _BOARD.size)
+        self._tensor = state["tensor"]
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
@@ -163,8 +205,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.drop_uneven = drop_uneven
         self.epoch = 0
         self._epoch_calls = 0  # set_epoch calls this copy has seen
-        # [epoch, set_epoch calls] in shared memory: persistent workers' copies read it when a pass starts
-        self._shared_epoch = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._shared_epoch = _EpochBoard()  # persistent workers' copies read it when a pass starts
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         n = self.pack.manifest.num_samples
@@ -184,7 +225,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         """
         self._use_epoch(epoch)
         self._epoch_calls += 1
-        self._shared_epoch[0], self._shared_epoch[1] = epoch, self._epoch_calls
+        self._shared_epoch.write(epoch, self._epoch_calls)
 
     def _use_epoch(self, epoch: int) -> None:
         """Take ``epoch`` in this copy only."""
@@ -401,7 +442,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, calls = self._shared_epoch.tolist()
+        epoch, calls = self._shared_epoch.read()
         if calls != self._epoch_calls:  # a persistent worker's copy: set_epoch was called on the original since
             self._epoch_calls = calls
             self._use_epoch(epoch)
