@@ -52,7 +52,7 @@ def main() -> None:
     text_ds = packdata.LMDBDataset(packs["texts.lmdb"], decode="text")
     seen = sum(len(batch[0]) for batch in DataLoader(text_ds, batch_size=100, num_workers=2))
     print(
-        f"texts.lmdb: read {seen} of {len(text_ds)} text samples back through 2 workers; "
+        f"texts.lmdb: read {seen:,} of {len(text_ds):,} text samples back through 2 workers; "
         f"first: {text_ds.keys[0]!r} -> {text_ds[0][0][:40]!r}..."
     )
 
