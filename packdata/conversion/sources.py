@@ -176,8 +176,11 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
         SourceError: ``root`` itself cannot be listed.
     """
     seen: dict[tuple[int, int], str] = {}
+    path_to: set[tuple[int, int]] = set()  # the folders from the root down to the one being walked
+    folders: list[tuple[Iterator[os.DirEntry[str]], str, tuple[int, int]]] = []  # a stack, not recursion: any depth
 
-    def visit(directory: str, prefix: str, parents: set[tuple[int, int]]) -> Iterator[tuple[str, str, Any]]:
+    def enter(directory: str, prefix: str) -> tuple[str, str, tuple[str, str]] | None:
+        """Start walking a folder (its entries sorted), or the entry that says why it is not walked."""
         try:
             st = os.stat(directory)
             with os.scandir(directory) as it:
@@ -187,18 +190,22 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
                 raise SourceError(
                     f"cannot list the folder: {exc.strerror or exc}", path=directory, hint="Check its permissions"
                 ) from exc
-            yield prefix.rstrip("/"), directory, ("unreadable folder", exc.strerror or str(exc))
-            return
+            return prefix.rstrip("/"), directory, ("unreadable folder", exc.strerror or str(exc))
         ident = (st.st_dev, st.st_ino)
         if ident in seen:
             first = seen[ident] or "."
-            if ident in parents:
-                yield prefix.rstrip("/"), directory, ("symlink loop", f"leads back to folder {first!r}")
-            else:
-                yield prefix.rstrip("/"), directory, ("duplicate folder", f"same folder as {first!r}, walked once")
-            return
+            if ident in path_to:
+                return prefix.rstrip("/"), directory, ("symlink loop", f"leads back to folder {first!r}")
+            return prefix.rstrip("/"), directory, ("duplicate folder", f"same folder as {first!r}, walked once")
         seen[ident] = prefix.rstrip("/")
-        parents = parents | {ident}
+        path_to.add(ident)
+        folders.append((iter(entries), prefix, ident))
+        return None
+
+    real_root = os.path.realpath(root)
+    enter(os.fspath(root), "")
+    while folders:
+        entries, prefix, ident = folders[-1]
         for entry in entries:
             rel = prefix + entry.name
             try:
@@ -210,19 +217,22 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
                 target = os.path.realpath(entry.path)
                 if target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep):
                     st = os.stat(target)
-                    reason = "symlink loop" if (st.st_dev, st.st_ino) in parents else "duplicate folder"
+                    reason = "symlink loop" if (st.st_dev, st.st_ino) in path_to else "duplicate folder"
                     inside = os.path.relpath(target, real_root)
                     yield rel, entry.path, (reason, f"link to the source's folder {inside!r}, walked there")
                     continue
             if is_dir:
-                yield from visit(entry.path, rel + "/", parents)
+                problem = enter(entry.path, rel + "/")
+                if problem is None:
+                    break  # into the subfolder; this folder's walk goes on after it
+                yield problem
             elif is_file or (entry.is_symlink() and not os.path.exists(entry.path)):
                 yield rel, entry.path, None  # a broken link is left to the read, which reports it unreadable
             else:
                 yield rel, entry.path, ("not a regular file", _file_type(entry.path))
-
-    real_root = os.path.realpath(root)
-    yield from visit(os.fspath(root), "", set())
+        else:  # this folder is done
+            folders.pop()
+            path_to.discard(ident)
 
 
 def _file_type(path: str) -> str:

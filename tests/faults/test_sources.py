@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from packdata import convert
+from packdata import LMDBDataset, convert
 from packdata.conversion.load import _read_regular
 from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import scan_source
@@ -76,6 +76,37 @@ def test_symlink_loop_and_duplicate_folder_are_reported(image_folder: Path, tmp_
     assert report["again"]["reason"] == "duplicate folder"
     assert "dog" in report["again"]["detail"]
     assert result.packed == 19
+
+
+def test_a_folder_nested_deeper_than_pythons_recursion_limit_is_walked(tmp_path: Path) -> None:
+    """The walk recursed once per folder level: a source with a folder 1,200 levels deep (paths of 2,400
+    characters, well inside PATH_MAX) stopped the conversion with a RecursionError traceback."""
+    src = tmp_path / "src"
+    (src / "top").mkdir(parents=True)
+    (src / "top" / "a.txt").write_text("near")
+    fd = os.open(src / "top", os.O_RDONLY)
+    try:
+        for _ in range(1200):  # one folder at a time, by descriptor: every path-based helper recurses too
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        leaf = os.open("deep.txt", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+        os.write(leaf, b"far down")
+        os.close(leaf)
+    finally:
+        os.close(fd)
+    try:
+        result = convert(src, tmp_path / "out.lmdb", progress=False)
+        assert result.packed == 2
+        ds = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+        deep_key = "top/" + "d/" * 1200 + "deep.txt"
+        assert dict(zip(ds.keys, (ds[i][0] for i in range(len(ds))), strict=True)) == {
+            "top/a.txt": b"near",
+            deep_key: b"far down",
+        }
+    finally:  # shutil.rmtree (pytest's clean-up of old temporary folders) recurses once per level as well
+        subprocess.run(["rm", "-rf", str(src)], check=True)
 
 
 def test_vanished_file_is_a_defined_skip(image_folder: Path, tmp_path: Path) -> None:
