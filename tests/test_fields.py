@@ -593,6 +593,20 @@ def test_export_refuses_a_key_the_file_system_rejects_and_goes_on(tmp_path: Path
     assert done.exception is None or isinstance(done.exception, SystemExit)
 
 
+def test_export_of_a_key_of_many_folders_writes_it_without_running_out_of_stack(tmp_path: Path) -> None:
+    """A key of 1,500 parts (3,000 bytes: a path Linux takes): Path.mkdir(parents=True) recursed once a folder."""
+    deep = "d/" * 1500 + "leaf"
+    with packdata.PackWriter(tmp_path / "deep.lmdb") as writer:
+        writer.write({"__key__": deep, "txt": "deep"})
+        writer.write({"__key__": "d/" * 1499 + "e", "txt": "beside it, in folders already made"})
+        writer.write({"__key__": "z", "txt": "last"})
+    result = export_pack(tmp_path / "deep.lmdb", tmp_path / "out")
+    assert (result.samples, result.files, result.refused) == (3, 3, [])
+    assert (tmp_path / "out" / f"{deep}.txt").read_text() == "deep"
+    assert (tmp_path / "out" / ("d/" * 1499 + "e.txt")).read_text() == "beside it, in folders already made"
+    assert (tmp_path / "out" / "z.txt").read_text() == "last"
+
+
 def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -> None:
     """A real 1 MiB tmpfs: two samples of 400 KB fit, the third fills it."""
     import subprocess

@@ -252,7 +252,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             try:
                 for target, data in targets:
                     assert target is not None
-                    target.parent.mkdir(parents=True, exist_ok=True)
+                    _make_folders(dst, target.parent)
                     with open(target, "xb") as f:  # never over another sample's file
                         written.append(target)
                         f.write(data)
@@ -275,6 +275,20 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             result.samples += 1
     fsync_dir(dst)
     return result
+
+
+def _make_folders(dst: Path, folder: Path) -> None:
+    """Make ``folder`` and the missing folders between it and ``dst``, outermost first, in a loop.
+
+    ``Path.mkdir(parents=True)`` recurses once per missing folder: a key of
+    1,500 parts (3,000 bytes, a path the file system takes) overflowed Python's stack.
+    """
+    missing: list[Path] = []
+    while folder != dst and not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir(exist_ok=True)  # a file in the way: FileExistsError, a clash
 
 
 def _undo(dst: Path, written: list[Path], targets: list[tuple[Path | None, bytes]]) -> None:
