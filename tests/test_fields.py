@@ -1024,6 +1024,60 @@ def test_a_tar_sample_with_a_member_over_the_limit_is_skipped_whole(tmp_path: Pa
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
 
 
+def test_a_tar_sample_whose_members_together_pass_the_limit_is_skipped_before_the_one_that_passes_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each member fits, not all of them: a .tar.gz of 1.5 GB members of one key was read whole, then refused."""
+    import tarfile
+
+    from packdata.conversion import tars
+
+    monkeypatch.setattr(tars, "MAX_SAMPLE_BYTES", 100)
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in (("s1.a", b"x" * 60), ("s1.b", b"y" * 60), ("s1.c", b"z"), ("s2.txt", b"two")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "x.tar").write_bytes(out.getvalue())
+    result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"too large": 1}
+    assert result.skip_examples[0]["key"] == "x.tar:s1"
+    assert result.skip_examples[0]["detail"].startswith("field 'b': 120 bytes; a sample holds at most")
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
+
+
+def test_a_sparse_tar_member_is_skipped_not_read_as_its_claimed_size_of_zeros(tmp_path: Path) -> None:
+    """A 10 KB tar of two pax sparse members claiming 1 GiB each (no data): tarfile reads the holes as zeros."""
+    import resource
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("s1.a", "s1.b"):
+            info = tarfile.TarInfo(f"GNUSparseFile.0/{name}")
+            info.pax_headers = {
+                "GNU.sparse.major": "1",
+                "GNU.sparse.minor": "0",
+                "GNU.sparse.name": name,
+                "GNU.sparse.realsize": str(1 << 30),
+            }
+            sparse_map = b"1\n0\n0\n".ljust(512, b"\0")  # one chunk of 0 bytes at 0: the rest is a hole
+            info.size = len(sparse_map)
+            tar.addfile(info, io.BytesIO(sparse_map))
+        info = tarfile.TarInfo("s2.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"two"))
+    (tmp_path / "x.tar").write_bytes(out.getvalue())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: never read
+    assert result.packed == 1 and result.skipped == {"not a regular file": 2}
+    assert [e["key"] for e in result.skip_examples] == ["x.tar:s1.a", "x.tar:s1.b"]
+    assert result.skip_examples[0]["detail"] == f"a sparse member ({1 << 30} bytes, 0 stored)"
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
+
+
 def test_a_source_npy_whose_header_claims_a_huge_array_is_skipped_unallocated(tmp_path: Path) -> None:
     """Convert checked a .npy with np.load, which allocates the declared shape first: 80 GB from a 200-byte file."""
     from numpy.lib import format as npy_format

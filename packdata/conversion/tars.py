@@ -5,8 +5,11 @@ ranges in order, glob matches sorted), and grouped by WebDataset's rule:
 consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
-tars. A ``cls`` member is the label. Links, devices and other non-file members
-are skipped and reported; the tars are only read, never extracted to disk.
+tars. A ``cls`` member is the label. Links, devices, sparse members (whose
+size is only claimed: tarfile reads their holes as zeros) and other non-file
+members are skipped and reported; the tars are only read, never extracted to
+disk. A sample whose members together pass the sample limit is skipped whole
+before the member that passes it is read.
 
 Shards at a URL (``s3://bucket/shards/data-{000000..000009}.tar``; brace
 ranges expanded here, globs by the URL's fsspec filesystem, sorted) are
@@ -146,6 +149,7 @@ class TarSource:
         name = os.path.basename(shard)
         key: str | None = None
         fields: dict[str, bytes] | None = {}  # None: the sample is skipped whole (a member too large)
+        total = 0  # the sample's member sizes so far: all of them together must fit a sample
         corrupt: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, gzip.BadGzipFile, lzma.LZMAError)
         corrupt += (zlib.error,)
         if self.fs is None:
@@ -170,6 +174,11 @@ class TarSource:
                     if not member.isfile():
                         yield Skip(where, "not a regular file", "a link or device in the tar")
                         continue
+                    if member.issparse():  # its size is a claim: tarfile reads the holes as zeros, all in memory
+                        stored = sum(size for _, size in cast("list[tuple[int, int]]", member.sparse or []))
+                        detail = f"a sparse member ({member.size} bytes, {stored} stored)"
+                        yield Skip(where, "not a regular file", detail)
+                        continue
                     base, ext = _split(_relative(member.name))
                     if base is None:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
@@ -177,11 +186,12 @@ class TarSource:
                     if base != key:
                         if key is not None and fields is not None:
                             yield _group(key, fields)
-                        key, fields = base, {}
+                        key, fields, total = base, {}, 0
                     if fields is None:
                         continue
-                    if member.size > MAX_SAMPLE_BYTES:  # never read into memory; nor is the sample packed in part
-                        reason, detail = too_large(member.size)
+                    total += member.size
+                    if total > MAX_SAMPLE_BYTES:  # never read into memory; nor is the sample packed in part
+                        reason, detail = too_large(total)
                         yield Skip(f"{name}:{base}", reason, f"field {ext!r}: {detail}")
                         fields = None
                         continue
