@@ -1078,6 +1078,24 @@ def test_a_sparse_tar_member_is_skipped_not_read_as_its_claimed_size_of_zeros(tm
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
 
 
+def test_a_tar_whose_pax_sparse_map_is_not_numbers_is_a_corrupt_tar_not_a_failed_request(tmp_path: Path) -> None:
+    """tarfile's int() of GNU.sparse.map raised a bare ValueError: the run stopped, 'Check the URL ... resume'."""
+    import tarfile
+
+    for name, pax in (("a.tar", {}), ("b.tar", {"GNU.sparse.map": "x,y", "GNU.sparse.size": "3"})):
+        with tarfile.open(tmp_path / name, "w", format=tarfile.PAX_FORMAT) as tar:
+            for member in (f"{name[0]}1.txt", f"{name[0]}2.txt"):
+                info = tarfile.TarInfo(member)
+                info.size = 3
+                info.pax_headers = pax if member.endswith("2.txt") else {}
+                tar.addfile(info, io.BytesIO(b"abc"))
+    result = packdata.convert(str(tmp_path / "{a,b}.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and result.skipped == {"corrupt tar": 1}
+    assert result.skip_examples[0]["key"] == "b.tar:b1"
+    assert "damaged member header at byte 3072: invalid literal for int()" in result.skip_examples[0]["detail"]
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "a2"]
+
+
 def test_a_source_npy_whose_header_claims_a_huge_array_is_skipped_unallocated(tmp_path: Path) -> None:
     """Convert checked a .npy with np.load, which allocates the declared shape first: 80 GB from a 200-byte file."""
     from numpy.lib import format as npy_format

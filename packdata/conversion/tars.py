@@ -238,7 +238,9 @@ class _CheckedTarInfo(tarfile.TarInfo):
 
     tarfile's stream mode ends the archive, silently, at a header that is
     truncated, fails its checksum or is missing (a file cut at a member's
-    end): the samples after it were lost without a word.
+    end): the samples after it were lost without a word. A pax header whose
+    sparse map is not numbers raised a bare ValueError, which stopped the
+    whole conversion as a failed request; it is a damaged header too.
     """
 
     @classmethod
@@ -253,6 +255,8 @@ class _CheckedTarInfo(tarfile.TarInfo):
                 raise tarfile.ReadError(
                     f"the tar ends at byte {tar.offset} without its end-of-archive blocks (cut short?)"
                 ) from None
+            raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
+        except ValueError as exc:  # a pax record tarfile parses with int() unguarded (GNU.sparse.map, a sparse map)
             raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
 
 
