@@ -50,6 +50,24 @@ from packdata.pack.urls import display_url, is_url, open_url, remote_error
 __all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "detect_grouped", "scan_grouped", "scan_list"]
 
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
+_FREE_CLASSES = 1 << 20
+"""Integer labels name classes 0..N, one manifest entry each, so a label claims memory: a list's labels
+may reach this many classes, or as many as it has rows; a row with a larger label is a "bad label" skip."""
+
+
+def _integer(value: Any) -> int | None:
+    """A label given as a JSON integer or as ASCII digits (at most 10: labels are int32), else None.
+
+    ``str.isdigit`` also takes ``'²'``, which ``int`` refuses, and ``int`` refuses
+    more than 4,300 digits: both were raw ValueErrors.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isascii() and text.isdigit() and len(text) <= 10:
+            return int(text)
+    return None
 
 
 @dataclass
@@ -170,7 +188,8 @@ class ListSource:
                 value = row.get(self.label_column)
                 label = self._label(value)
                 if label < 0:
-                    yield Skip(key, "bad label", f"{where}: label {value!r} is not a class or a non-negative integer")
+                    detail = f"label {value!r} is not a class or a non-negative integer below {len(self.classes)}"
+                    yield Skip(key, "bad label", f"{where}: {detail}")
                     continue
             path: str | RemoteFile
             if self.fs is not None:
@@ -199,14 +218,12 @@ class ListSource:
         return f"{self.root}/{os.path.basename(self.list_file)}" if self.fs is not None else self.list_file
 
     def _label(self, value: Any) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value if value >= 0 else -1
-        if isinstance(value, str):
-            if value in self._labels:
-                return self._labels[value]
-            if value.strip().isdigit() and not self._labels:
-                return int(value)
-        return -1
+        if isinstance(value, str) and value in self._labels:
+            return self._labels[value]
+        number = _integer(value)
+        if number is None or (isinstance(value, str) and self._labels):
+            return -1
+        return number if 0 <= number < len(self.classes) else -1
 
 
 def _open_text(list_file: Path | str, fs: Any) -> TextIO:
@@ -242,8 +259,12 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                     continue
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as exc:
+                except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
                     raise SourceError(f"line {number} is not JSON: {exc}", path=where) from exc
+                except RecursionError as exc:
+                    raise SourceError(
+                        f"line {number} is not JSON: nested deeper than the parser goes", path=where
+                    ) from exc
                 if not isinstance(row, dict):
                     raise SourceError(f"line {number} is not a JSON object", path=where)
                 yield number, row
@@ -290,7 +311,7 @@ def scan_list(
     columns: dict[str, bool] = {}  # column -> every value is a string
     string_labels: set[str] = set()
     int_labels = False
-    top_label = -1
+    numbers: set[int] = set()  # the integer labels: at most one a row
     rows = 0
     try:
         for _, row in _rows(list_file, fs, where):
@@ -309,11 +330,11 @@ def scan_list(
                 label = row.get(label_column)
                 if isinstance(label, int) and not isinstance(label, bool):
                     int_labels = True
-                    top_label = max(top_label, label)
                 elif isinstance(label, str):
                     string_labels.add(label)
-                    if label.strip().isdigit():
-                        top_label = max(top_label, int(label))
+                number = _integer(label)
+                if number is not None:
+                    numbers.add(number)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise SourceError(f"cannot read the list file: {exc}", path=where) from exc
     if rows == 0:
@@ -333,10 +354,12 @@ def scan_list(
     else:
         root = Path(list_file).parent
     source = ListSource(root, list_file, path_column, label_column, [], codecs, fs=fs, base=base)
-    if string_labels and not (int_labels or all(s.strip().isdigit() for s in string_labels)):
+    if string_labels and not (int_labels or all(_integer(s) is not None for s in string_labels)):
         source.classes = sorted(string_labels)
         source._labels = {c: i for i, c in enumerate(source.classes)}
-    else:  # integer labels stay; their classes are their numbers
+    else:  # integer labels stay; their classes are their numbers, as many as the list may claim
+        bound = max(_FREE_CLASSES, rows)
+        top_label = max((n for n in numbers if n < bound), default=-1)
         source.classes = [str(i) for i in range(top_label + 1)]
     return source
 

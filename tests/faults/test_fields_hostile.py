@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import tarfile
 import zlib
@@ -16,7 +17,7 @@ from conftest import image_bytes
 
 import packdata
 from packdata.conversion.append import append_pack
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, SourceError
 from packdata.formats.contents import export_pack
 from packdata.pack.fields import FieldError, decode_block, encode_block, read_directory
 from packdata.pack.records import RECORD_MAGIC
@@ -140,6 +141,40 @@ def test_a_list_naming_a_fifo_a_folder_or_nothing_skips_those_rows(tmp_path: Pat
     reasons = {e["key"]: e["reason"] for e in result.skip_examples}
     assert result.skipped == {"not a regular file": 2, "vanished": 1}
     assert reasons == {"pipe": "not a regular file", "dir": "not a regular file", "missing": "vanished"}
+
+
+def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
+    """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    rows = [{"path": "a.txt", "label": 10**11}, {"path": "b.txt", "label": 2}]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", label_column="label", progress=False)
+    assert result.packed == 1 and result.skipped == {"bad label": 1}
+    detail = "row 1: label 100000000000 is not a class or a non-negative integer below 3"
+    assert result.skip_examples[0] == {"key": "a", "reason": "bad label", "detail": detail}
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb").classes == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("label", ["\u00b2", "1" * 5000])  # a digit to str.isdigit, not int(); past int()'s 4,300
+def test_a_csv_label_int_refuses_is_a_class_name_not_a_traceback(tmp_path: Path, label: str) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "l.csv").write_text(f"path,label\na.txt,{label}\nb.txt,7\n", encoding="utf-8")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", label_column="label", progress=False)
+    assert result.packed == 2 and packdata.LMDBDataset(tmp_path / "out.lmdb").classes == sorted([label, "7"])
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("1" * 5000, "line 2 is not JSON: Exceeds the limit"), ("[" * 100_000, "line 2 is not JSON: nested deeper")],
+)
+def test_a_jsonl_row_json_cannot_hold_is_one_source_error(tmp_path: Path, value: str, problem: str) -> None:
+    """A 5,000-digit number or 100,000 nested lists: json.loads raised a bare ValueError or RecursionError."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "l.jsonl").write_text(f'{{"path": "a.txt"}}\n{{"path": "a.txt", "n": {value}}}\n')
+    with pytest.raises(SourceError, match=re.escape(f"{tmp_path / 'l.jsonl'}: {problem}")):
+        packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", progress=False)
 
 
 def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_path: Path) -> None:
