@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -434,6 +435,33 @@ def test_resumed_append_refuses_a_lost_shard_and_leaves_the_pack_as_it_was(tmp_p
     done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "-q", "--shard-samples", "2"])
     assert done.exit_code == 0, done.output
     assert _tree(pack) == _tree(reference) != tree_before
+
+
+def test_resumed_append_never_moves_a_shard_file_through_a_link_in_the_pack(tmp_path: Path) -> None:
+    """A stranger's pack whose interrupted append's shard folder is a link out: resume moved data.mdb through it."""
+    template, new, _ = _grown_pack(tmp_path, "lmdb")
+    with _KilledAppends() as appends:
+        for kill_at in range(1, 100):  # the first instant with the plan written and a shard file still to move
+            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
+            waiting = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
+            shutil.copytree(template, pack)
+            assert appends.run(new, pack, kill_at)
+            if (pack / ".append-a2.json").exists() and waiting.exists():
+                break
+    plan = json.loads((pack / ".append-a2.json").read_text())
+    placed = next(to for source, to in plan["moves"] if source == f"shard-00001.lmdb/{DATA_FILE}")
+    folder = pack / placed.split("/")[0]
+    if folder.exists():
+        shutil.rmtree(folder)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder.symlink_to(outside, target_is_directory=True)
+    args = ["convert", str(new), str(pack), "--append", "--resume", "-q", "--shard-samples", "2"]
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    refusal = f"Error: {folder}: the interrupted append's shard folder is not a folder (a link or a file)"
+    assert done.output.startswith(refusal), done.output
+    assert os.listdir(outside) == [] and _samples(pack) == _samples(template)  # the pack as it was
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

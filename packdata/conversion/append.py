@@ -281,6 +281,12 @@ def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
     for source, placed in journal.moves:
         src, to = new / source, dst / placed
         if to.parent != dst and to.parent not in folders:
+            if to.parent.is_symlink() or (os.path.lexists(to.parent) and not to.parent.is_dir()):
+                raise PackFormatError(  # a link planted there would take the shard's files out of the pack
+                    "the interrupted append's shard folder is not a folder (a link or a file)",
+                    path=to.parent,
+                    hint=_RESTART,
+                )
             to.parent.mkdir(exist_ok=True)
             folders.add(to.parent)
         if os.path.lexists(src):
