@@ -600,11 +600,14 @@ def test_export_of_a_key_of_many_folders_writes_it_without_running_out_of_stack(
         writer.write({"__key__": deep, "txt": "deep"})
         writer.write({"__key__": "d/" * 1499 + "e", "txt": "beside it, in folders already made"})
         writer.write({"__key__": "z", "txt": "last"})
-    result = export_pack(tmp_path / "deep.lmdb", tmp_path / "out")
-    assert (result.samples, result.files, result.refused) == (3, 3, [])
-    assert (tmp_path / "out" / f"{deep}.txt").read_text() == "deep"
-    assert (tmp_path / "out" / ("d/" * 1499 + "e.txt")).read_text() == "beside it, in folders already made"
-    assert (tmp_path / "out" / "z.txt").read_text() == "last"
+    try:
+        result = export_pack(tmp_path / "deep.lmdb", tmp_path / "out")
+        assert (result.samples, result.files, result.refused) == (3, 3, [])
+        assert (tmp_path / "out" / f"{deep}.txt").read_text() == "deep"
+        assert (tmp_path / "out" / ("d/" * 1499 + "e.txt")).read_text() == "beside it, in folders already made"
+        assert (tmp_path / "out" / "z.txt").read_text() == "last"
+    finally:  # shutil.rmtree (pytest's clean-up of old temporary folders) recurses once per level: a crash later
+        subprocess.run(["rm", "-rf", str(tmp_path / "out")], check=True)
 
 
 def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -> None:

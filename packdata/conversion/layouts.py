@@ -311,7 +311,8 @@ def scan_list(
     columns: dict[str, bool] = {}  # column -> every value is a string
     string_labels: set[str] = set()
     int_labels = False
-    numbers: set[int] = set()  # the integer labels: at most one a row
+    top_free = -1  # the largest integer label below _FREE_CLASSES
+    past_free: set[int] = set()  # integer labels from _FREE_CLASSES up: each costs its row, and lists rarely have any
     rows = 0
     try:
         for _, row in _rows(list_file, fs, where):
@@ -333,8 +334,10 @@ def scan_list(
                 elif isinstance(label, str):
                     string_labels.add(label)
                 number = _integer(label)
-                if number is not None:
-                    numbers.add(number)
+                if number is not None and number < _FREE_CLASSES:
+                    top_free = max(top_free, number)
+                elif number is not None:
+                    past_free.add(number)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise SourceError(f"cannot read the list file: {exc}", path=where) from exc
     if rows == 0:
@@ -358,8 +361,7 @@ def scan_list(
         source.classes = sorted(string_labels)
         source._labels = {c: i for i, c in enumerate(source.classes)}
     else:  # integer labels stay; their classes are their numbers, as many as the list may claim
-        bound = max(_FREE_CLASSES, rows)
-        top_label = max((n for n in numbers if n < bound), default=-1)
+        top_label = max((n for n in past_free if n < rows), default=top_free)
         source.classes = [str(i) for i in range(top_label + 1)]
     return source
 
