@@ -519,6 +519,9 @@ def test_ls_cat_export_round_trip(tmp_path: Path) -> None:
     assert read_field(pack, "#0", "jpg") == (src / f"{rows[0]['key']}.jpg").read_bytes()
     missing = runner.invoke(cli, ["cat", str(pack), "nope"])
     assert missing.exit_code == 1 and "no sample has the key 'nope'" in missing.output
+    for odd, said in [("#²", "no sample has the key '#²'"), ("#" + "9" * 5000, "index 999999999999999999... is out")]:
+        refused = runner.invoke(cli, ["cat", str(pack), odd])  # a raw ValueError each (isdigit takes '²'; int() 4,300)
+        assert refused.exit_code == 1 and said in refused.output, refused.output
     out = tmp_path / "exported"
     done = runner.invoke(cli, ["export", str(pack), str(out)])
     assert done.exit_code == 0, done.output

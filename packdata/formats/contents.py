@@ -80,11 +80,12 @@ def resolve_sample(pack: str | os.PathLike, which: str) -> int:
 
 
 def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> int:
-    if which.startswith("#") and which[1:].isdigit():
-        i = int(which[1:])
-        if i >= manifest.num_samples:
-            raise ConfigError(f"index {i} is out of range for {manifest.num_samples} samples", path=where)
-        return i
+    digits = which[1:]
+    if which.startswith("#") and digits.isascii() and digits.isdigit():  # ASCII: isdigit alone takes '²'
+        if len(digits) > 18 or int(digits) >= manifest.num_samples:  # int() refuses over 4,300 digits
+            shown = digits if len(digits) <= 18 else f"{digits[:18]}..."
+            raise ConfigError(f"index {shown} is out of range for {manifest.num_samples} samples", path=where)
+        return int(digits)
     keys = _index(pack, manifest).keys
     for i in range(len(keys)):
         if keys[i] == which:
