@@ -103,6 +103,7 @@ class ReadAhead:
             thread.join()
 
     def _run(self) -> None:
+        """The thread: hint each queued window; end when idle or closed, or on an error, its files closed."""
         try:
             while True:
                 try:
@@ -110,18 +111,29 @@ class ReadAhead:
                 except queue.Empty:
                     with self._lock:
                         if self._queue.empty():  # idle: end, so an abandoned sampler leaves no thread
-                            self._thread = None
+                            self._end()
                             return
                     continue
                 if indices is None:
                     with self._lock:
-                        self._thread = None
+                        self._end()
                     return
                 self._hint(indices)  # a hint is never worth an error: the reader reports a damaged pack
-        finally:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        except BaseException:
+            with self._lock:
+                self._end()  # the next hint starts a thread again
+            raise
+
+    def _end(self) -> None:
+        """Close the thread's files and mark it gone; called under the lock, so the next thread opens only after.
+
+        Closed outside it, the files of a thread started by the next hint went with them, or (their numbers
+        reused by a shard reader since) a reader's file: 'Bad file descriptor', or another shard's bytes.
+        """
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        self._thread = None
 
     def _hint(self, indices: np.ndarray) -> None:
         indices = np.sort(indices)

@@ -68,19 +68,22 @@ _READ_ALL = textwrap.dedent(
 )
 
 
-def _read_all(fmt: str, pack: Path, workers: int, hard: int, hold: int = 0) -> subprocess.CompletedProcess[str]:
-    """Read every sample under a soft limit of :data:`SOFT` open files, holding ``hold`` more files open meanwhile."""
+def _run_limited(
+    script: str, args: list[str], soft: int, hard: int, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``args`` in a fresh Python whose open-file limit is ``soft`` (hard limit ``hard``)."""
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     return subprocess.run(
-        [sys.executable, "-c", _READ_ALL, fmt, str(pack), str(workers), str(hold)],
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", script, *args], preexec_fn=limit, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _read_all(fmt: str, pack: Path, workers: int, hard: int, hold: int = 0) -> subprocess.CompletedProcess[str]:
+    """Read every sample under a soft limit of :data:`SOFT` open files, holding ``hold`` more files open meanwhile."""
+    return _run_limited(_READ_ALL, [fmt, str(pack), str(workers), str(hold)], SOFT, hard)
 
 
 def _hard_limit() -> int:
@@ -201,16 +204,8 @@ def test_threads_sharing_a_dataset_past_its_budget_of_readers_read_every_sample_
     damaged' with it), and LMDB's aborted transaction 'The shard is damaged'.
     """
 
-    def limit() -> None:  # 16 readers kept of 40 shards, and room for the 4 a thread may still hold
-        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * SOFT, 2 * SOFT))
-
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_IN_THREADS, fmt, str(many_shards[fmt]), "1" if check_crc else "0"],
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [fmt, str(many_shards[fmt]), "1" if check_crc else "0"]
+    done = _run_limited(_READ_IN_THREADS, args, 2 * SOFT, 2 * SOFT)  # 16 readers of 40 shards, room for 4 more
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "read 1200", done.stdout
 
@@ -240,16 +235,7 @@ def test_two_datasets_in_one_process_share_its_budget_of_readers(many_shards, tm
     At a hard limit of 64 files, reading two 40-shard packs in turn raised 'too many open files opening shard'.
     """
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
-
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_TWO_PACKS, str(many_shards["lmdb"]), str(tmp_path / "copy.lmdb")],
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_limited(_READ_TWO_PACKS, [str(many_shards["lmdb"]), str(tmp_path / "copy.lmdb")], SOFT, SOFT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "read 120 same", done.stdout
 
@@ -292,16 +278,7 @@ def test_a_damaged_shard_opened_again_past_the_soft_limit_is_called_damaged(tmp_
         f.seek(16)  # meta page 0's magic
         f.write(b"\0\0\0\0")
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, hard))
-
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_DAMAGED_OUT_OF_FILES, str(pack)],
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_limited(_READ_DAMAGED_OUT_OF_FILES, [str(pack)], SOFT, hard, timeout=120)
     line = done.stdout.strip()
     assert done.returncode == 3, done.stdout + done.stderr
     assert line.startswith("PackFormatError ") and "is not an LMDB meta page" in line, line
@@ -332,15 +309,50 @@ def test_a_process_out_of_files_at_its_first_shard_gets_the_one_line_error(many_
     """The readers imported ``resource`` when they first asked the limits, that is when out of files: the
     import itself failed ('cannot open shared object file: Too many open files'), a raw ImportError."""
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, SOFT))
-
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_AT_THE_LIMIT, str(many_shards["lmdb"])],
-        preexec_fn=limit,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_limited(_READ_AT_THE_LIMIT, [str(many_shards["lmdb"])], SOFT, SOFT, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("CapacityError ") and "too many open files opening shard 0" in done.stdout
+
+
+_READ_AFTER_HINTS = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import numpy as np
+    import packdata
+    from packdata.pack.manifest import read_manifest
+    from packdata.reading.readahead import ReadAhead
+
+    ReadAhead.IDLE, ReadAhead.RECHECK = 0.001, 0.0  # the thread ends and starts again between almost every hint
+    ds = packdata.TFRecordIndexedDataset(sys.argv[1], decode="bytes", check_crc=False)
+    hints = ReadAhead(Path(sys.argv[1]), read_manifest(sys.argv[1]))
+    rng, wrong = np.random.default_rng(0), []
+    for _ in range(1500):
+        window = rng.integers(0, len(ds), 8).tolist()
+        hints.advise(window)
+        for i in window:
+            try:
+                if ds[i][0] != f"note {i} ".encode() * 40:
+                    wrong.append(f"sample {i}: other bytes")
+            except Exception as exc:
+                wrong.append(f"sample {i}: {type(exc).__name__} {exc}")
+    hints.close()
+    print("\\n".join(wrong[:5]) or "read as written")
+    """
+)
+
+
+def test_reads_between_read_ahead_threads_get_their_own_bytes(tmp_path: Path) -> None:
+    """A read-ahead thread ending on idle closed its files after letting the next one start: the new thread's
+    files, or a shard reader's that had reused their numbers, were closed under them ('Bad file descriptor', an
+    intact shard called damaged, or with check_crc=False another shard's bytes)."""
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    for i in range(300):
+        (src / f"{i:03d}.txt").write_text(f"note {i} " * 40)
+    pack = tmp_path / "p.tfrecord"
+    packdata.convert(src.parent, pack, format="tfrecord", shard_samples=5, progress=False)
+    assert len(read_manifest(pack).shards) == 60  # more than the 128-file limit lets readers and hints both keep
+    done = _run_limited(_READ_AFTER_HINTS, [str(pack)], 2 * SOFT, 2 * SOFT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "read as written", done.stdout
