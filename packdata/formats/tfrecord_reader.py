@@ -8,6 +8,7 @@ purpose: they are the hot path of every TFRecord read.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -41,7 +42,6 @@ class TFRecordShardReader:
         self.check_crc = check_crc
         self.expected_bytes = expected_bytes
         self._fd = -1
-        self._pid = -1  # the process that opened the file
 
     def open(self) -> TFRecordShardReader:
         """Open the file now (else on first read); a size other than ``expected_bytes`` raises."""
@@ -66,7 +66,7 @@ class TFRecordShardReader:
                     hint="The shard is truncated, or the pack was converted or staged again since: "
                     "run `packdata verify`, and recreate the dataset after changing a pack",
                 )
-            self._fd, self._pid = fd, os.getpid()
+            self._fd = fd
         return self._fd
 
     def _truncated(self, offset: int, needed: int, got: int) -> PackFormatError:
@@ -277,12 +277,10 @@ class TFRecordShardReader:
             self._fd = -1
 
     def __del__(self) -> None:
-        # a reader let go of while still read (ShardReaders) closes here, when its last user drops it
-        try:
-            if self._fd >= 0 and self._pid == os.getpid():
-                self.close()
-        except Exception:  # at interpreter exit: nothing left to let go of
-            pass
+        # a reader let go of while still read (ShardReaders) closes here, when its last user drops it; a parent's,
+        # dropped in a forked child, closes the child's copy of the descriptor (held there for nothing otherwise)
+        with contextlib.suppress(Exception):  # at interpreter exit: nothing left to let go of
+            self.close()
 
 
 def chunk_plan(

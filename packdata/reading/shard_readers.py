@@ -78,7 +78,7 @@ class ShardReaders:
             reader = self._readers[shard]
             if reader is not None:
                 return reader
-            evicted = self._make_room()
+            self._make_room()
             try:
                 reader = self._open(shard)
             except (OSError, PackdataError) as exc:
@@ -96,7 +96,6 @@ class ShardReaders:
                     raise
             self._readers[shard] = reader
             _opened.append((weakref.ref(self), shard))
-        del evicted  # each closes here unless another thread still reads it (then when it is done)
         return reader
 
     @staticmethod
@@ -106,25 +105,22 @@ class ShardReaders:
         files = soft if soft >= 0 else 1 << 30
         return max(8, min(files // _FILES_PER_READER, max_map_count() // _MAPS_PER_READER) // 2)
 
-    def _make_room(self) -> list[Any]:
-        """Raise the soft file limit (once, to the hard one) or let go of the readers opened first; those let go of.
+    def _make_room(self) -> None:
+        """Raise the soft file limit (once, to the hard one) or let go of the readers opened first.
 
         The readers are any dataset's in this process. One let go of is not
         closed here: it closes (its ``__del__``) when the last caller holding
-        it drops it, at once where none does.
+        it drops it, at once where none does, so before the next open needs its files.
         """
         if not self._most:
             if len(self.paths) > self.most_open():
                 raise_open_files_limit()  # no privilege needed: up to the hard limit
             self._most = _budget[0] = self.most_open()
-        evicted = []
         while len(_opened) >= _budget[0]:
             owner, first = _opened.popleft()
             readers = owner()
-            if readers is not None and readers._pid == os.getpid() and readers._readers[first] is not None:
-                evicted.append(readers._readers[first])
+            if readers is not None and readers._pid == os.getpid():
                 readers._readers[first] = None
-        return evicted
 
     def _open(self, shard: int) -> Any:
         try:

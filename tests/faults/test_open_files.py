@@ -356,3 +356,82 @@ def test_reads_between_read_ahead_threads_get_their_own_bytes(tmp_path: Path) ->
     done = _run_limited(_READ_AFTER_HINTS, [str(pack)], 2 * SOFT, 2 * SOFT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "read as written", done.stdout
+
+
+_READ_WITH_NO_FILE_TO_SPARE = textwrap.dedent(
+    """
+    import os, sys
+    import packdata
+    from packdata.pack.manifest import read_manifest
+
+    fmt, path = sys.argv[1], sys.argv[2]
+    cls = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
+    ds = cls(path, decode="bytes")
+    budget = read_manifest(path).shards[8].first_index  # 8 readers: the most a 64-file limit allows
+    texts = [ds[i][0] for i in range(budget)]
+    held = []
+    try:
+        while True:  # every other descriptor taken: the next reader can only have an evicted one's files
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        texts += [ds[i][0] for i in range(budget, len(ds))]
+    except packdata.PackdataError as exc:
+        print(type(exc).__name__, exc)
+        sys.exit(3)
+    print("read as written" if texts == [f"note {i} ".encode() * 100 for i in range(len(ds))] else "other bytes")
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_reader_let_go_of_closes_before_the_next_one_opens(many_shards, fmt: str) -> None:
+    """The readers evicted to make room stayed open until the new one had opened: every open past the budget
+    needed one reader's files more than the budget allows ('too many open files opening shard 8')."""
+    done = _run_limited(_READ_WITH_NO_FILE_TO_SPARE, [fmt, str(many_shards[fmt])], SOFT, SOFT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "read as written", done.stdout
+
+
+_READ_IN_A_FORKED_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    import packdata
+    from packdata.pack.manifest import read_manifest
+    from torch.utils.data import DataLoader, Dataset
+
+    class ShardFilesSeen(Dataset):
+        def __init__(self, ds):
+            self.ds = ds
+
+        def __len__(self):
+            return len(self.ds)
+
+        def __getitem__(self, i):
+            sample = self.ds[i][0]
+            return sample, sum(is_shard(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd"))
+
+    def is_shard(fd_link):
+        try:
+            return os.readlink(fd_link).endswith(".tfrecord")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            return False
+
+    ds = packdata.TFRecordIndexedDataset(sys.argv[1], decode="bytes")
+    budget = read_manifest(sys.argv[1]).shards[8].first_index  # 8 readers: the most a 64-file limit allows
+    [ds[i] for i in range(budget)]  # the parent holds 8 shard files when the worker forks
+    loader = DataLoader(ShardFilesSeen(ds), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    texts, seen = zip(*loader)
+    assert list(texts) == [f"note {i} ".encode() * 100 for i in range(len(ds))], "other bytes"
+    print("shard files held at most", max(seen))
+    """
+)
+
+
+def test_a_forked_worker_closes_the_tfrecord_files_it_inherited(many_shards) -> None:
+    """A parent's TFRecord readers, dropped in a forked worker, kept the worker's copies of their descriptors
+    open (LMDB's closed them): the worker held the parent's shard files beside its own budget of them."""
+    done = _run_limited(_READ_IN_A_FORKED_WORKER, [str(many_shards["tfrecord"])], SOFT, SOFT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "shard files held at most 8", done.stdout
