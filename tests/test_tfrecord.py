@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pickle
@@ -307,11 +308,21 @@ def test_dataloader_spawn_workers_exactly_once(tf_texts: Path, tmp_path: Path) -
     assert sorted(ids) == ALL_IDS
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_set_epoch_reaches_persistent_workers(tf_texts: Path, tmp_path: Path, context: str) -> None:
-    """Each epoch of a persistent_workers loader yields that epoch's order: the one a fresh loader yields."""
+@pytest.mark.parametrize(
+    ("context", "copy_by"), [("fork", None), ("spawn", None), ("fork", "pickle"), ("fork", "deepcopy")]
+)
+def test_set_epoch_reaches_persistent_workers(tf_texts: Path, tmp_path: Path, context: str, copy_by: str) -> None:
+    """Each epoch of a persistent_workers loader yields that epoch's order: the one a fresh loader yields.
+
+    Also for a copy of the dataset (pickle or deepcopy): it kept the unshared tensor it was copied with and read
+    its epoch there, so its forked workers never saw ``set_epoch``.
+    """
     pack = _text_pack(tf_texts, tmp_path, 4)
     ds = TFRecordDataset(pack, decode="bytes", seed=5, shuffle_buffer=4)
+    if copy_by == "pickle":
+        ds = pickle.loads(pickle.dumps(ds))
+    elif copy_by == "deepcopy":
+        ds = copy.deepcopy(ds)
     kw = {"batch_size": 4, "num_workers": 2, "collate_fn": _as_list}
     persistent = DataLoader(ds, multiprocessing_context=context, persistent_workers=True, **kw)
     orders = []

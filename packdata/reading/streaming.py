@@ -111,16 +111,21 @@ class _EpochBoard:
         return _BOARD.unpack_from(self._map, 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._tensor is None:
-            tensor = torch.tensor(self.read(), dtype=torch.int64)
-            with suppress(RuntimeError, OSError):  # else no usable shared memory: a copy by value, as pickle makes
-                tensor.share_memory_()
+        if self._tensor is not None:
+            return {"tensor": self._tensor}
+        tensor = torch.tensor(self.read(), dtype=torch.int64)
+        with suppress(RuntimeError, OSError):  # else no usable shared memory: a copy by value, as pickle makes
+            tensor.share_memory_()
+        if tensor.is_shared():
             self._tensor = tensor
-        return {"tensor": self._tensor}
+        return {"tensor": tensor}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._map = mmap.mmap(-1, _BOARD.size)
-        self._tensor = state["tensor"]
+        tensor = state["tensor"]
+        self._tensor = tensor if tensor.is_shared() else None
+        if self._tensor is None:  # a copy by value (pickle, deepcopy): its own board, which its forked workers share
+            _BOARD.pack_into(self._map, 0, *tensor.tolist())
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
