@@ -52,7 +52,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,8 +151,8 @@ def read_lmdb_meta(data_file: str | os.PathLike) -> LMDBMeta:
 
 
 _checked: set[tuple[int, int, int, int]] = set()
-"""``data.mdb`` files whose tree was found sound: (device, inode, size, mtime in ns)."""
-_checked_lock = threading.Lock()
+"""``data.mdb`` files whose tree was found sound: (device, inode, size, mtime in ns). Added to without a lock: one
+``set.add`` is atomic, and a lock held by another thread at a fork would never be released in the child."""
 
 
 def check_lmdb_tree(data_file: str | os.PathLike) -> LMDBMeta:
@@ -189,8 +188,7 @@ def check_lmdb_tree(data_file: str | os.PathLike) -> LMDBMeta:
     finally:
         os.close(fd)
     _walk(path, np.frombuffer(buffer, dtype=np.uint8), meta)
-    with _checked_lock:
-        _checked.add(identity)
+    _checked.add(identity)
     return meta
 
 
