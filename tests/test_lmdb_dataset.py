@@ -163,19 +163,22 @@ def test_a_shard_file_that_is_not_a_file_is_named_as_such_by_readers_and_verify(
 
 def test_a_shard_open_elsewhere_in_the_process_is_named_so_never_called_damaged(pack: Path) -> None:
     """py-lmdb refuses a second handle on a file in one process: a user's own lmdb.open of a shard
-    (a notebook's look inside) made the dataset call the intact shard damaged."""
+    (a notebook's look inside) made the dataset call the intact shard damaged. A shard read through its
+    records.i64 table never opens LMDB, so reads on; one read through LMDB's lookups is refused in one line."""
     import lmdb
 
     shard = pack / "shard-00000.lmdb"
     own = lmdb.open(str(shard), readonly=True, lock=False)
-    ds = LMDBDataset(pack, decode="bytes")
     try:
+        first = LMDBDataset(pack, decode="bytes")[0]  # through the table: LMDB never opened
+        (shard / "records.i64").unlink()  # the same shard through LMDB's lookups
+        ds = LMDBDataset(pack, decode="bytes")
         with pytest.raises(ConfigError, match=r"shard-00000\.lmdb: .*already open through another lmdb\.open") as err:
             ds[0]
         assert "damaged" not in str(err.value) and "env.close()" in str(err.value)
     finally:
         own.close()
-    assert ds[0] == LMDBDataset(pack, decode="bytes")[0]  # closed, the same dataset reads
+    assert ds[0] == first  # closed, the same dataset reads
 
 
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:

@@ -13,11 +13,20 @@ reader falls back to LMDB's own lookup, where the record's own CRC-32 and its
 key and label are checked. LMDB trusts its file, so before it opens a shard its meta
 pages are checked, and before its lookup or cursor walks one, every page they
 can reach (:mod:`packdata.formats.lmdb_pages`).
+
+A shard read through its table never opens LMDB at all: the record count and
+transaction id the table is bound to come from the meta page packdata reads
+itself. So a reader holds one file, not LMDB's map and handle too, and a
+DataLoader worker forked while another thread of its parent was inside an
+LMDB call inherits nothing of LMDB's (py-lmdb refuses a second handle on a
+file in one process, and its ``close`` waits for the calls in flight at the
+fork, which never end in the child).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import cast
 
 import lmdb
@@ -26,7 +35,7 @@ from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import PackFormatError
 from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
-from packdata.formats.lmdb_pages import check_lmdb_tree
+from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
 from packdata.formats.lmdb_tables import _read_table
 from packdata.formats.residency import PagedFile
 from packdata.pack.files import not_a_file, sha256_prefix
@@ -69,8 +78,10 @@ class LMDBShardReader:
         self.check_crc = check_crc
         self._pid = os.getpid()
         self._fd = -1
+        self._readahead = readahead
         self._held: tuple[int, int] | None = None  # the shared environment this reader is a user of
         self._in_txn = False
+        self._lookups_lock = threading.Lock()  # LMDB is opened once, by the first lookup that needs it
         self._locations: np.ndarray | None = None
         self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
         self._pages: PagedFile | None = None
@@ -92,22 +103,14 @@ class LMDBShardReader:
                 "run `packdata verify`, and recreate the dataset after changing a pack",
             )
         try:
-            self._open(data, size, readahead, expected_sha256, expected_records)
+            self._open(data, size, expected_sha256, expected_records)
         except BaseException:
             self.close()  # lets go of the environment too
             raise
 
-    def _open(
-        self, data: str, size: int, readahead: bool, expected_sha256: str | None, expected_records: int | None
-    ) -> None:
-        try:
-            self._held, self._env = _shared_env(self.path, readahead)  # its meta pages checked first
-            info = self._env.info()
-            self._txn = self._env.begin(buffers=True)
-            self._in_txn = True
-            self._entries = self._txn.stat()["entries"]
-        except lmdb.Error as exc:
-            raise _lmdb_error(self.path, exc) from exc
+    def _open(self, data: str, size: int, expected_sha256: str | None, expected_records: int | None) -> None:
+        meta = read_lmdb_meta(data)  # the meta page LMDB would use, both checked
+        self._entries = meta.entries
         if expected_records is not None and self._entries != expected_records:  # records would shift between shards
             raise PackFormatError(
                 f"shard holds {self._entries} records, the manifest read when the dataset was opened says "
@@ -116,19 +119,33 @@ class LMDBShardReader:
                 hint="The manifest does not describe this shard: run `packdata verify`, and recreate the dataset "
                 "after converting or staging a pack again",
             )
-        found = _read_table(self.path, self._entries, info["last_txnid"], size)
-        if found is not None and expected_sha256 is not None and found[0] == sha256_prefix(expected_sha256):
-            self._locations = found[1].ravel()  # else stale or foreign (e.g. a sibling's): LMDB lookups
-            self._rows = self._locations.data.cast("B").cast("q")
-        if self._locations is not None:
-            self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
-            self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
+        found = _read_table(self.path, meta.entries, meta.txnid, size)
+        if found is None or expected_sha256 is None or found[0] != sha256_prefix(expected_sha256):
+            self._lookups()  # stale or foreign (e.g. a sibling's): LMDB's lookups
+            return
+        self._locations = found[1].ravel()
+        self._rows = self._locations.data.cast("B").cast("q")
+        self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+        self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
+
+    def _lookups(self) -> lmdb.Transaction:
+        """The read transaction of LMDB's lookups; LMDB is opened (shared in the process) by the first call."""
+        if not self._in_txn:
+            with self._lookups_lock:
+                if not self._in_txn:
+                    try:
+                        self._held, env = _shared_env(self.path, self._readahead)  # its meta pages checked first
+                        self._txn = env.begin(buffers=True)
+                    except lmdb.Error as exc:
+                        raise _lmdb_error(self.path, exc) from exc
+                    self._in_txn = True
+        return self._txn
 
     def get(self, index: int) -> memoryview:
         """The whole record at ``index`` within the shard, valid until :meth:`close`."""
         self._check_tree()
         try:
-            value = self._txn.get(encode_key(index))
+            value = cast(memoryview | None, self._lookups().get(encode_key(index)))  # buffers=True
         except lmdb.Error as exc:
             raise _lmdb_error(self.path, exc) from exc
         if value is None:
@@ -219,7 +236,7 @@ class LMDBShardReader:
         """Iterate ``(index in shard, record)`` in key order."""
         self._check_tree()
         try:
-            for key, value in self._txn.cursor():
+            for key, value in self._lookups().cursor():
                 yield _KEY.unpack(key)[0], value
         except lmdb.Error as exc:
             raise _lmdb_error(self.path, exc) from exc

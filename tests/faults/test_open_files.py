@@ -147,7 +147,11 @@ _READ_UNDER_AN_ADDRESS_LIMIT = textwrap.dedent(
 
 
 def test_a_reader_that_may_map_no_more_says_so_not_damage(tmp_path: Path) -> None:
-    """ENOMEM from LMDB's map of a shard read as 'LMDB cannot read the shard ... The shard is damaged'."""
+    """ENOMEM from LMDB's map of a shard read as 'LMDB cannot read the shard ... The shard is damaged'.
+
+    Shards read through their records.i64 tables need no map (LMDB is never opened; reads fall back to
+    ``pread``): they are read. Without the tables, LMDB's lookups map each shard: one line says it cannot.
+    """
     import random
 
     src = tmp_path / "src" / "notes"
@@ -157,10 +161,18 @@ def test_a_reader_that_may_map_no_more_says_so_not_damage(tmp_path: Path) -> Non
         (src / f"{i:03d}.txt").write_text("".join(rng.choices("0123456789abcdef", k=20_000)))
     pack = tmp_path / "p.lmdb"
     packdata.convert(src.parent, pack, shard_size=3 << 20, progress=False)
-    assert len(read_manifest(pack).shards) >= 2  # shards of 2-3 MB: a map needs more than the 1 MB left
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_UNDER_AN_ADDRESS_LIMIT, str(pack)], capture_output=True, text=True, timeout=120
-    )
+    shards = read_manifest(pack).shards
+    assert len(shards) >= 2  # shards of 2-3 MB: a map needs more than the 1 MB left
+
+    def read_all() -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, "-c", _READ_UNDER_AN_ADDRESS_LIMIT, str(pack)]
+        return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+    done = read_all()
+    assert done.returncode == 0 and done.stdout.strip() == "read all", done.stdout + done.stderr
+    for shard in shards:
+        (pack / shard.file / "records.i64").unlink()  # LMDB's lookups: a map of each shard
+    done = read_all()
     line = done.stdout.strip()
     assert done.returncode == 3, done.stdout + done.stderr
     assert line.startswith("CapacityError ") and "\n" not in line, line
@@ -435,3 +447,55 @@ def test_a_forked_worker_closes_the_tfrecord_files_it_inherited(many_shards) -> 
     done = _run_limited(_READ_IN_A_FORKED_WORKER, [str(many_shards["tfrecord"])], SOFT, SOFT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "shard files held at most 8", done.stdout
+
+
+_FORK_WHILE_THREADS_OPEN_SHARDS = textwrap.dedent(
+    """
+    import random, sys, threading, time
+    import packdata
+    from torch.utils.data import DataLoader
+
+    path = sys.argv[1]
+    ds = packdata.LMDBDataset(path, decode="bytes")
+    stop = threading.Event()
+    errors = []
+
+    def spin(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            i = rng.randrange(len(ds))
+            try:
+                if ds[i][0] != f"note {i} ".encode() * 100:
+                    errors.append(f"thread: sample {i} other bytes")
+            except Exception as exc:
+                errors.append(f"thread: {type(exc).__name__} {exc}")
+
+    threads = [threading.Thread(target=spin, args=(s,), daemon=True) for s in range(6)]  # opening, evicting shards
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + float(sys.argv[2])
+    rounds = 0
+    while time.monotonic() < deadline and not errors:  # forks land inside the threads' opens and closes
+        rounds += 1
+        loader = DataLoader(ds, batch_size=10, num_workers=2, multiprocessing_context="fork", collate_fn=list)
+        try:
+            got = [s for batch in loader for s, _ in batch]
+            if sorted(got) != sorted(f"note {i} ".encode() * 100 for i in range(len(ds))):
+                errors.append("loader: samples differ")
+        except Exception as exc:
+            errors.append(f"loader: {type(exc).__name__} {str(exc)[-300:]}")
+    stop.set()
+    for t in threads:
+        t.join()
+    print("\\n".join(errors[:3]) or f"read as written ({rounds} loaders)")
+    """
+)
+
+
+def test_workers_forked_while_threads_open_shards_read_every_sample(many_shards) -> None:
+    """A DataLoader forked while another thread was inside lmdb.open (or an environment's close) gave its workers
+    a handle py-lmdb counted open and nothing else named: their reads of that intact shard were refused as
+    'already open through another lmdb.open'. Shards read through their tables no longer open LMDB at all."""
+    done = _run_limited(_FORK_WHILE_THREADS_OPEN_SHARDS, [str(many_shards["lmdb"]), "8"], 4 * SOFT, 4 * SOFT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().startswith("read as written"), done.stdout
