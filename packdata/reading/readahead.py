@@ -29,6 +29,7 @@ import numpy as np
 from packdata.errors import PackdataError
 from packdata.formats import get_format
 from packdata.formats.residency import WARM_SHARE, PagedFile
+from packdata.host.descriptors import open_files_limit
 from packdata.pack.files import open_regular
 from packdata.pack.manifest import Manifest
 
@@ -56,7 +57,9 @@ class ReadAhead:
 
     OPEN_FILES = 64
     """Shards whose data file and record table the thread keeps open at most (a window of blocks spans a few;
-    keeping all ran the training process out of file descriptors on a pack of thousands of shards)."""
+    keeping all ran the training process out of file descriptors on a pack of thousands of shards), and no more
+    than a sixteenth of the soft limit on open files: two files each, an eighth of it, beside the half the
+    shard readers may keep (:class:`~packdata.reading.shard_readers.ShardReaders`)."""
 
     RECHECK = 1.0
     """Seconds a shard's residency (warm: no hints; cold: hints) is trusted before the kernel is asked again."""
@@ -73,6 +76,8 @@ class ReadAhead:
         self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # whether the thread runs is decided under it
+        soft = open_files_limit()[0]
+        self._open_files = self.OPEN_FILES if soft < 0 else max(2, min(self.OPEN_FILES, soft // 16))
         self.advised_bytes = 0  # asked for so far (for tests and benchmarks)
 
     def advise(self, indices: np.ndarray | list[int]) -> None:
@@ -181,7 +186,7 @@ class ReadAhead:
         if shard in self._spans:
             spans = self._spans.pop(shard)
         else:
-            if len(self._spans) >= self.OPEN_FILES:
+            if len(self._spans) >= self._open_files:
                 del self._spans[next(iter(self._spans))]  # the least recently used: its map closes with it
             info = self._shards[shard]
             spans = self._format.record_spans(self._root / info.file, info.bytes)
@@ -192,7 +197,7 @@ class ReadAhead:
         """The shard's data file, open; at most :attr:`OPEN_FILES` stay open, the least recently used closed first."""
         fd = self._fds.pop(shard, None)
         if fd is None:
-            if len(self._fds) >= self.OPEN_FILES:
+            if len(self._fds) >= self._open_files:
                 os.close(self._fds.pop(next(iter(self._fds))))
             path = self._root / self._format.data_name(self._shards[shard].file)
             fd = open_regular(path)  # a FIFO in its place is refused, never waited on
