@@ -415,17 +415,25 @@ def test_append_killed_at_every_step_then_rerun_equals_an_uninterrupted_one(
     assert tree_before != tree_after and packdata.verify_pack(pack, progress=False).records == 8
 
 
+def _append_killed_with_a_shard_file_to_move(template: Path, new: Path, tmp_path: Path) -> Path:
+    """A copy of ``template`` whose append of ``new`` was killed at the first instant with its plan written and a
+    shard file (``shard-00001.lmdb``'s data.mdb) still to move into the pack."""
+    with _KilledAppends() as appends:
+        for kill_at in range(1, 100):
+            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
+            shutil.copytree(template, pack)
+            assert appends.run(new, pack, kill_at)
+            waiting = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
+            if (pack / ".append-a2.json").exists() and waiting.exists():
+                return pack
+    raise AssertionError("no instant of the append had its plan written and a shard file still to move")
+
+
 def test_resumed_append_refuses_a_lost_shard_and_leaves_the_pack_as_it_was(tmp_path: Path) -> None:
     template, new, reference = _grown_pack(tmp_path, "lmdb")
     before, tree_before = _samples(template), _tree(template)
-    with _KilledAppends() as appends:
-        for kill_at in range(1, 100):  # the first instant with the plan written and a shard file still to move
-            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
-            lost = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
-            shutil.copytree(template, pack)
-            assert appends.run(new, pack, kill_at)
-            if (pack / ".append-a2.json").exists() and lost.exists():
-                break
+    pack = _append_killed_with_a_shard_file_to_move(template, new, tmp_path)
+    lost = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
     lost.unlink()
     runner = CliRunner()
     done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--resume", "-q", "--shard-samples", "2"])
@@ -440,14 +448,7 @@ def test_resumed_append_refuses_a_lost_shard_and_leaves_the_pack_as_it_was(tmp_p
 def test_resumed_append_never_moves_a_shard_file_through_a_link_in_the_pack(tmp_path: Path) -> None:
     """A stranger's pack whose interrupted append's shard folder is a link out: resume moved data.mdb through it."""
     template, new, _ = _grown_pack(tmp_path, "lmdb")
-    with _KilledAppends() as appends:
-        for kill_at in range(1, 100):  # the first instant with the plan written and a shard file still to move
-            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
-            waiting = pack.parent / ".p.lmdb.append" / "shard-00001.lmdb" / DATA_FILE
-            shutil.copytree(template, pack)
-            assert appends.run(new, pack, kill_at)
-            if (pack / ".append-a2.json").exists() and waiting.exists():
-                break
+    pack = _append_killed_with_a_shard_file_to_move(template, new, tmp_path)
     plan = json.loads((pack / ".append-a2.json").read_text())
     placed = next(to for source, to in plan["moves"] if source == f"shard-00001.lmdb/{DATA_FILE}")
     folder = pack / placed.split("/")[0]

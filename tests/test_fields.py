@@ -1012,18 +1012,12 @@ def test_pack_writer_and_list_groups_refuse_a_sample_over_the_limit(tmp_path: Pa
 
 def test_a_tar_sample_with_a_member_over_the_limit_is_skipped_whole(tmp_path: Path, monkeypatch) -> None:
     """Never packed in part: the sample's other members go with it (as a folder's or a list's would)."""
-    import tarfile
-
     from packdata.conversion import tars
 
     monkeypatch.setattr(tars, "MAX_SAMPLE_BYTES", 100)
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for name, data in (("s1.txt", b"one"), ("s1.bin", b"x" * 200), ("s1.json", b"{}"), ("s2.txt", b"two")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    (tmp_path / "x.tar").write_bytes(out.getvalue())
+    (tmp_path / "x.tar").write_bytes(
+        _tar_of([("s1.txt", b"one"), ("s1.bin", b"x" * 200), ("s1.json", b"{}"), ("s2.txt", b"two")])
+    )
     result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
     assert result.packed == 1 and result.skipped == {"too large": 1}
     assert result.skip_examples[0]["key"] == "x.tar:s1"
@@ -1034,18 +1028,12 @@ def test_a_tar_sample_whose_members_together_pass_the_limit_is_skipped_before_th
     tmp_path: Path, monkeypatch
 ) -> None:
     """Each member fits, not all of them: a .tar.gz of 1.5 GB members of one key was read whole, then refused."""
-    import tarfile
-
     from packdata.conversion import tars
 
     monkeypatch.setattr(tars, "MAX_SAMPLE_BYTES", 100)
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for name, data in (("s1.a", b"x" * 60), ("s1.b", b"y" * 60), ("s1.c", b"z"), ("s2.txt", b"two")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    (tmp_path / "x.tar").write_bytes(out.getvalue())
+    (tmp_path / "x.tar").write_bytes(
+        _tar_of([("s1.a", b"x" * 60), ("s1.b", b"y" * 60), ("s1.c", b"z"), ("s2.txt", b"two")])
+    )
     result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
     assert result.packed == 1 and result.skipped == {"too large": 1}
     assert result.skip_examples[0]["key"] == "x.tar:s1"
