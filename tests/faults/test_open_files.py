@@ -25,19 +25,24 @@ SHARDS = 40  # 80-120 files held once all are read: past a soft limit of 64
 SOFT = 64
 
 
-@pytest.fixture(scope="module")
-def many_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same 120 texts in an LMDB and a TFRecord pack of about 40 shards each."""
-    root = tmp_path_factory.mktemp("open-files")
+def _note_packs(root: Path, notes: int, repeat: int, **shards: int) -> dict[str, Path]:
+    """``notes`` texts (note ``i`` ``repeat`` times) in an LMDB and a TFRecord pack, cut into shards by ``shards``."""
     src = root / "src" / "notes"
     src.mkdir(parents=True)
-    for i in range(120):
-        (src / f"{i:03d}.txt").write_text(f"note {i} " * 100)
+    for i in range(notes):
+        (src / f"{i:03d}.txt").write_text(f"note {i} " * repeat)
     packs = {}
     for fmt in ("lmdb", "tfrecord"):
         packs[fmt] = root / f"p.{fmt}"
-        packdata.convert(src.parent, packs[fmt], format=fmt, shard_size=2800, progress=False)
-        assert len(read_manifest(packs[fmt]).shards) >= SHARDS
+        packdata.convert(src.parent, packs[fmt], format=fmt, progress=False, **shards)
+    return packs
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 120 texts in an LMDB and a TFRecord pack of about 40 shards each."""
+    packs = _note_packs(tmp_path_factory.mktemp("open-files"), 120, 100, shard_size=2800)
+    assert all(len(read_manifest(pack).shards) >= SHARDS for pack in packs.values())
     return packs
 
 
@@ -357,16 +362,8 @@ _READ_AFTER_HINTS = textwrap.dedent(
 @pytest.fixture(scope="module")
 def sixty_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """300 short texts in an LMDB and a TFRecord pack of 60 shards each."""
-    root = tmp_path_factory.mktemp("sixty-shards")
-    src = root / "src" / "notes"
-    src.mkdir(parents=True)
-    for i in range(300):
-        (src / f"{i:03d}.txt").write_text(f"note {i} " * 40)
-    packs = {}
-    for fmt in ("lmdb", "tfrecord"):
-        packs[fmt] = root / f"p.{fmt}"
-        packdata.convert(src.parent, packs[fmt], format=fmt, shard_samples=5, progress=False)
-        assert len(read_manifest(packs[fmt]).shards) == 60
+    packs = _note_packs(tmp_path_factory.mktemp("sixty-shards"), 300, 40, shard_samples=5)
+    assert all(len(read_manifest(pack).shards) == 60 for pack in packs.values())
     return packs
 
 
