@@ -16,7 +16,7 @@ can reach (:mod:`packdata.formats.lmdb_pages`).
 
 A shard read through its table never opens LMDB at all: the record count and
 transaction id the table is bound to come from the meta page packdata reads
-itself. So a reader holds one file, not LMDB's map and handle too, and a
+itself. So a reader holds neither LMDB's handle (a file) nor its map, and a
 DataLoader worker forked while another thread of its parent was inside an
 LMDB call inherits nothing of LMDB's (py-lmdb refuses a second handle on a
 file in one process, and its ``close`` waits for the calls in flight at the
