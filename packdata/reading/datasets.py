@@ -295,14 +295,19 @@ class LMDBDataset(PackView, Dataset):
         return found
 
     def _fields_by_span(self, reader: LMDBShardReader, local: int, names: Sequence[str] | None) -> dict | None:
-        """Some fields of a record read span by span through the table, or None (read the whole block then)."""
+        """Some fields of a record read span by span through the table, or None (read the whole block then).
+
+        None too when the directory lacks a field asked for: the directory is
+        not covered by the fields' CRC-32s, so a damaged name would read as a
+        field the sample does not have; the whole block's CRC32C tells.
+        """
         total = reader.payload_length(local)
         if names is None or total is None:
             return None
         head = reader.payload_span(local, 0, min(total, 512))
         entries = None if head is None else read_directory(head, total)
-        if entries is None:
-            return None
+        if entries is None or not set(names) <= {entry.name for entry in entries}:
+            return None  # a name missing may be a damaged directory, which no CRC covers: the whole block's tells
         out = {}
         for entry in entries:
             if entry.name in names:

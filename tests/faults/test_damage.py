@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import IMAGE_EXTS, expected_samples
+from conftest import IMAGE_EXTS, expected_samples, image_bytes
 from torch.utils.data import DataLoader
 
-from faults.damage import DAMAGES, swap_foreign_shard
+from faults.damage import DAMAGES, shard_files, swap_foreign_shard
 from faults.hostile import rewrite_manifest
 from packdata import LMDBDataset, PackFormatError, convert
 from packdata.cli import main
@@ -99,3 +100,37 @@ def test_truncated_shard_through_workers(image_folder: Path, tmp_path: Path, fmt
         loader = DataLoader(make(pack), batch_size=None, num_workers=2, multiprocessing_context=context)
         with pytest.raises(PackFormatError, match=re.escape(str(damaged))):
             list(loader)
+
+
+def test_a_damaged_field_name_read_through_the_table_is_named_not_a_missing_field(tmp_path: Path) -> None:
+    """A field read alone through ``records.i64`` is checked against its own CRC-32; the directory naming it is not.
+
+    One flipped bit in record 1's directory ("txt" -> "tyt") made ``raw_fields(1, ["txt"])`` return ``{}``
+    and ``ds[1]`` with ``fields=("__key__", "txt")`` raise a bare ``KeyError`` ("has no field 'txt'"), as for a
+    sample without a caption, where the whole record read says it is damaged. A field a sample really lacks
+    still reads as missing.
+    """
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"k{i}.jpg").write_bytes(image_bytes(i))
+        (src / f"k{i}.txt").write_text(f"caption {i}")
+    (src / "k4.jpg").write_bytes(image_bytes(4))  # no caption
+    pack = tmp_path / "out.lmdb"
+    convert(src, pack, progress=False)
+    data = shard_files(pack)["data"]
+    offset = int(np.fromfile(shard_files(pack)["table"], dtype="<i8").reshape(-1, 3)[3, 0])  # record 1's payload
+    blob = bytearray(data.read_bytes())
+    at = offset + bytes(blob[offset : offset + 64]).index(b"\x03txt") + 2
+    blob[at] ^= 0x01
+    data.write_bytes(bytes(blob))
+    ds = LMDBDataset(pack, decode="bytes")
+    damaged = re.escape(f"{data}: record 1 is damaged")
+    with pytest.raises(PackFormatError, match=damaged):
+        ds.raw_fields(1, ["txt"])
+    with pytest.raises(PackFormatError, match=damaged):
+        LMDBDataset(pack, fields=("__key__", "txt"))[1]
+    assert ds.raw_fields(2, ["txt"]) == {"txt": b"caption 2"}
+    assert ds.raw_fields(4, ["txt"]) == {}  # k4 has no caption
+    with pytest.raises(KeyError, match="has no field 'txt'"):
+        LMDBDataset(pack, fields=("__key__", "txt"))[4]
