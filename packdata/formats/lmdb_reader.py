@@ -25,6 +25,7 @@ fork, which never end in the child).
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from typing import cast
@@ -36,7 +37,7 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import PackFormatError
 from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
-from packdata.formats.lmdb_tables import _read_table
+from packdata.formats.lmdb_tables import RECORDS_FILE, _read_table
 from packdata.formats.residency import PagedFile
 from packdata.pack.files import not_a_file, sha256_prefix
 
@@ -86,6 +87,7 @@ class LMDBShardReader:
         self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
         self._pages: PagedFile | None = None
         self._tree_checked = False  # LMDB's lookups and cursor walk the B-tree only once it is checked
+        self._bounds = (0, 0)  # where the table's payloads may lie: [first byte, end of data.mdb)
         data = os.path.join(self.path, DATA_FILE)
         problem = not_a_file(data)
         if problem:
@@ -120,11 +122,14 @@ class LMDBShardReader:
                 "after converting or staging a pack again",
             )
         found = _read_table(self.path, meta.entries, meta.txnid, size)
+        if found is not None and meta.entries and found[1][:, 0].min() < 2 * meta.page_size:
+            found = None  # a payload in LMDB's meta pages: not this file's table
         if found is None or expected_sha256 is None or found[0] != sha256_prefix(expected_sha256):
             self._lookups()  # stale or foreign (e.g. a sibling's): LMDB's lookups
             return
         self._locations = found[1].ravel()
         self._rows = self._locations.data.cast("B").cast("q")
+        self._bounds = (2 * meta.page_size, size)  # a payload lies past LMDB's two meta pages, inside the file
         self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
         self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
 
@@ -172,11 +177,23 @@ class LMDBShardReader:
             return None
         at = 3 * index
         offset, length, crc = rows[at], rows[at + 1], rows[at + 2]
+        first, end = self._bounds
+        if offset < first or length < 0 or offset + length > end:  # the table was checked at open, but is mapped
+            raise self._table_changed(index, offset, length)
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
         if len(data) != length or (self.check_crc and crc32c(data) != crc):
             raise self._damaged(index, offset, length, len(data))
         return data
+
+    def _table_changed(self, index: int, offset: int, length: int) -> PackFormatError:
+        """``records.i64`` changed in place since it was checked: a row no longer lies where payloads can."""
+        return PackFormatError(
+            f"record {index}'s row says its payload is {length} bytes at byte offset {offset}, outside the "
+            f"payloads of a {self._bounds[1]}-byte data.mdb: the table changed since the shard was opened",
+            path=os.path.join(self.path, RECORDS_FILE),
+            hint="Recreate the dataset after changing a pack, and run `packdata verify` on it",
+        )
 
     def _damaged(self, index: int, offset: int, length: int, got: int) -> PackFormatError:
         what = f"only {got} of its {length} bytes could be read" if got != length else "its CRC32C does not match"
@@ -201,6 +218,9 @@ class LMDBShardReader:
             offsets, lengths, crcs = self._locations.reshape(-1, 3)[indices].T.tolist()
         except IndexError:  # past the table: record by record, None where it has no row
             return [self.payload(int(i)) for i in indices]
+        first, end = self._bounds
+        if offsets and (min(offsets) < first or min(lengths) < 0 or max(map(operator.add, offsets, lengths)) > end):
+            return [self.payload(int(i)) for i in indices]  # a row changed since the open: the first one raises
         mapped = self._pages.warm_map(len(offsets), sum(lengths))
         if mapped is not None:
             datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
@@ -228,7 +248,10 @@ class LMDBShardReader:
         total = self.payload_length(index)
         if total is None or start < 0 or length < 0 or start + length > total:
             return None
-        offset = int(self._locations[3 * index]) + start  # type: ignore[index]
+        row = int(self._locations[3 * index])  # type: ignore[index]
+        if row < self._bounds[0] or row + total > self._bounds[1]:
+            raise self._table_changed(index, row, total)
+        offset = row + start
         data = self._pages.read(offset, length)  # type: ignore[union-attr]
         return data if len(data) == length else None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -134,3 +135,35 @@ def test_a_damaged_field_name_read_through_the_table_is_named_not_a_missing_fiel
     assert ds.raw_fields(4, ["txt"]) == {}  # k4 has no caption
     with pytest.raises(KeyError, match="has no field 'txt'"):
         LMDBDataset(pack, fields=("__key__", "txt"))[4]
+
+
+@pytest.mark.parametrize("change", ["cut", "offset_negative", "length_past_end"])
+def test_a_table_changed_in_place_after_the_open_is_named_never_read_as_an_empty_sample(
+    image_folder: Path, tmp_path: Path, change: str
+) -> None:
+    """``records.i64`` is checked when a reader opens it, then read through its map on every read.
+
+    Cut in place to its header (a table under a page: the rows read as zeros) it gave every sample of the
+    shard as ``b""`` with its label, ``ds[i]`` and batches alike (offset 0, length 0, CRC32C 0 "match"); a
+    row rewritten in place to a negative offset or a length past the file was called damage of ``data.mdb``
+    (warm) or, read by ``pread`` (cold), a bare ``OSError`` or ``MemoryError``. Each now raises a
+    PackFormatError naming the table; the other shards read as before.
+    """
+    pack = _pack(image_folder, tmp_path, "lmdb")
+    expected = expected_samples(image_folder, IMAGE_EXTS)
+    ds = LMDBDataset(pack, decode="bytes")
+    assert ds[0] == expected[ds.keys[0]] and ds.__getitems__([1]) == [expected[ds.keys[1]]]  # the reader is open
+    table = shard_files(pack)["table"]
+    raw = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    if change == "cut":
+        os.truncate(table, 48)
+    else:
+        raw[3] = (-100, raw[3, 1], raw[3, 2]) if change == "offset_negative" else (raw[3, 0], 1 << 40, raw[3, 2])
+        with open(table, "r+b") as f:  # in place: the reader's map sees it
+            f.write(raw.tobytes())
+    message = re.escape(f"{table}: record ") + r"{}'s row says its payload is .*the table changed since the shard"
+    with pytest.raises(PackFormatError, match=message.format(1)):
+        ds[1]
+    with pytest.raises(PackFormatError, match=message.format(0 if change == "cut" else 1)):  # the first changed
+        ds.__getitems__([0, 1, 2])
+    assert ds[5] == expected[ds.keys[5]]  # shard 1
