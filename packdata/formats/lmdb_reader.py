@@ -25,7 +25,6 @@ fork, which never end in the child).
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 from typing import cast
@@ -215,12 +214,14 @@ class LMDBShardReader:
         if self._locations is None or self._pages is None:
             return [None] * len(indices)
         try:
-            offsets, lengths, crcs = self._locations.reshape(-1, 3)[indices].T.tolist()
+            rows = self._locations.reshape(-1, 3)[indices]
         except IndexError:  # past the table: record by record, None where it has no row
             return [self.payload(int(i)) for i in indices]
         first, end = self._bounds
-        if offsets and (min(offsets) < first or min(lengths) < 0 or max(map(operator.add, offsets, lengths)) > end):
+        starts, sizes = rows[:, 0], rows[:, 1]
+        if len(rows) and (starts.min() < first or sizes.min() < 0 or sizes.max() > end or (starts > end - sizes).any()):
             return [self.payload(int(i)) for i in indices]  # a row changed since the open: the first one raises
+        offsets, lengths, crcs = rows.T.tolist()
         mapped = self._pages.warm_map(len(offsets), sum(lengths))
         if mapped is not None:
             datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]

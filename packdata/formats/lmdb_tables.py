@@ -118,8 +118,8 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
     if entries and (
         offsets.min() < 0
         or lengths.min() < 0
-        or (offsets + lengths).max() > size
-        or (offsets > size).any()
+        or lengths.max() > size
+        or (offsets > size - lengths).any()  # not offsets + lengths > size: int64 wraps past 2**63
         or crcs.min() < 0
         or crcs.max() > 0xFFFFFFFF
     ):
@@ -147,7 +147,8 @@ def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.nda
     if count and (
         body[:, 0].min() < 0
         or body[:, 1].min() < 0
-        or (body[:, 0] + body[:, 1]).max() > size
+        or body[:, 1].max() > size
+        or (body[:, 0] > size - body[:, 1]).any()  # not their sum: int64 wraps past 2**63
         or body[:, 2].min() < 0
         or body[:, 2].max() > 0xFFFFFFFF
     ):

@@ -167,3 +167,34 @@ def test_a_table_changed_in_place_after_the_open_is_named_never_read_as_an_empty
     with pytest.raises(PackFormatError, match=message.format(0 if change == "cut" else 1)):  # the first changed
         ds.__getitems__([0, 1, 2])
     assert ds[5] == expected[ds.keys[5]]  # shard 1
+
+
+def test_a_table_row_whose_end_wraps_past_2_63_is_refused_not_read_cold(tmp_path: Path) -> None:
+    """``records.i64`` rows were bounded by ``offsets + lengths <= size`` in int64: a length of 2**63 minus
+    the offset wraps the sum negative, so the table was used, and the read of that record, cold (``pread``),
+    raised a bare ``MemoryError`` (warm, a PackFormatError calling data.mdb damaged). The table is now refused
+    at open: LMDB's lookup reads the record right, and ``verify`` names the table.
+    """
+    from PIL import Image
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(16):  # ~4 MB of noise: the last record lies beyond the kernel's read-ahead of the meta pages
+        Image.fromarray(rng.integers(0, 255, (300, 300, 3), dtype=np.uint8)).save(src / f"{i:02d}.png")
+    pack = _pack(tmp_path / "src", tmp_path, "lmdb", name="big")
+    table, data = shard_files(pack)["table"], shard_files(pack)["data"]
+    raw = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    last = len(raw) - 3
+    raw[2 + last, 1] = (1 << 63) - int(raw[2 + last, 0])
+    raw.tofile(table)
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the reader reads by pread
+    finally:
+        os.close(fd)
+    ds = LMDBDataset(pack, decode="bytes")
+    assert ds[last] == ((src / f"{last:02d}.png").read_bytes(), 0)
+    result = CliRunner().invoke(main, ["verify", "-q", str(pack)])
+    assert result.exit_code == 1 and f"{table}: records.i64 does not fit this shard" in result.output, result.output
