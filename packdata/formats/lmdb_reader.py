@@ -120,15 +120,14 @@ class LMDBShardReader:
                 hint="The manifest does not describe this shard: run `packdata verify`, and recreate the dataset "
                 "after converting or staging a pack again",
             )
-        found = _read_table(self.path, meta.entries, meta.txnid, size)
-        if found is not None and meta.entries and found[1][:, 0].min() < 2 * meta.page_size:
-            found = None  # a payload in LMDB's meta pages: not this file's table
+        payloads_from = 2 * meta.page_size  # a payload lies past LMDB's two meta pages, inside the file
+        found = _read_table(self.path, meta.entries, meta.txnid, size, payloads_from)
         if found is None or expected_sha256 is None or found[0] != sha256_prefix(expected_sha256):
             self._lookups()  # stale or foreign (e.g. a sibling's): LMDB's lookups
             return
         self._locations = found[1].ravel()
         self._rows = self._locations.data.cast("B").cast("q")
-        self._bounds = (2 * meta.page_size, size)  # a payload lies past LMDB's two meta pages, inside the file
+        self._bounds = (payloads_from, size)
         self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
         self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
 
@@ -176,14 +175,18 @@ class LMDBShardReader:
             return None
         at = 3 * index
         offset, length, crc = rows[at], rows[at + 1], rows[at + 2]
-        first, end = self._bounds
-        if offset < first or length < 0 or offset + length > end:  # the table was checked at open, but is mapped
+        if self._outside(offset, length):  # the table was checked at open, but is mapped: it may change since
             raise self._table_changed(index, offset, length)
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
         if len(data) != length or (self.check_crc and crc32c(data) != crc):
             raise self._damaged(index, offset, length, len(data))
         return data
+
+    def _outside(self, offset: int, length: int) -> bool:
+        """Whether a row's payload lies outside where payloads can (see ``_bounds``)."""
+        first, end = self._bounds
+        return offset < first or length < 0 or offset + length > end
 
     def _table_changed(self, index: int, offset: int, length: int) -> PackFormatError:
         """``records.i64`` changed in place since it was checked: a row no longer lies where payloads can."""
@@ -250,7 +253,7 @@ class LMDBShardReader:
         if total is None or start < 0 or length < 0 or start + length > total:
             return None
         row = int(self._locations[3 * index])  # type: ignore[index]
-        if row < self._bounds[0] or row + total > self._bounds[1]:
+        if self._outside(row, total):
             raise self._table_changed(index, row, total)
         offset = row + start
         data = self._pages.read(offset, length)  # type: ignore[union-attr]

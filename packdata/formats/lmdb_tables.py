@@ -100,11 +100,12 @@ def record_locations(path: str | os.PathLike, *, trust_tree: bool = False) -> tu
     return txnid, np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np.ndarray] | None:
+def _read_table(path: str, entries: int, txnid: int, size: int, first: int = 0) -> tuple[int, np.ndarray] | None:
     """``(sha256 prefix, rows)`` of a current-version ``records.i64`` that fits this environment, else None.
 
     Fits: the header's count, transaction id and ``data.mdb`` size equal the
-    environment's, and every row lies inside ``data.mdb`` (checked once, here).
+    environment's, and every row lies inside ``data.mdb`` from byte ``first``
+    on (a reader passes the end of LMDB's two meta pages; checked once, here).
     """
     table = os.path.join(path, RECORDS_FILE)
     raw = map_int64(table)  # mapped, not read: every worker shares the page cache's copy (24 bytes a record)
@@ -116,7 +117,7 @@ def _read_table(path: str, entries: int, txnid: int, size: int) -> tuple[int, np
     body = rows[2:]
     offsets, lengths, crcs = body[:, 0], body[:, 1], body[:, 2]
     if entries and (
-        offsets.min() < 0
+        offsets.min() < first
         or lengths.min() < 0
         or lengths.max() > size
         or (offsets > size - lengths).any()  # not offsets + lengths > size: int64 wraps past 2**63

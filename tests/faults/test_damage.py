@@ -198,3 +198,20 @@ def test_a_table_row_whose_end_wraps_past_2_63_is_refused_not_read_cold(tmp_path
     assert ds[last] == ((src / f"{last:02d}.png").read_bytes(), 0)
     result = CliRunner().invoke(main, ["verify", "-q", str(pack)])
     assert result.exit_code == 1 and f"{table}: records.i64 does not fit this shard" in result.output, result.output
+
+
+def test_a_table_row_inside_lmdbs_meta_pages_is_not_used(image_folder: Path, tmp_path: Path) -> None:
+    """No payload lies in LMDB's two meta pages: a table whose row points there does not fit the shard, so the
+    record is read through LMDB's lookup (key and label checked), not as the meta page's bytes called damage of
+    an intact data.mdb; ``verify`` names the table."""
+    pack = _pack(image_folder, tmp_path, "lmdb")
+    expected = expected_samples(image_folder, IMAGE_EXTS)
+    table = shard_files(pack)["table"]
+    raw = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    raw[2, 0] = 0  # record 0's payload "at byte 0", its length and CRC32C as written
+    raw.tofile(table)
+    ds = LMDBDataset(pack, decode="bytes")
+    assert [ds[i] for i in range(len(ds))] == [expected[key] for key in ds.keys]
+    result = CliRunner().invoke(main, ["verify", "-q", str(pack)])
+    assert result.exit_code == 1, result.output
+    assert f"{table}: records.i64 row 0 does not point at record 0" in result.output, result.output
