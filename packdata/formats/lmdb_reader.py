@@ -33,12 +33,12 @@ import lmdb
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, too_many_open_files
 from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
 from packdata.formats.lmdb_tables import RECORDS_FILE, _read_table
 from packdata.formats.residency import PagedFile
-from packdata.pack.files import not_a_file, sha256_prefix
+from packdata.pack.files import not_a_file, open_regular, sha256_prefix
 
 __all__ = ["LMDBShardReader"]
 
@@ -128,7 +128,7 @@ class LMDBShardReader:
         self._locations = found[1].ravel()
         self._rows = self._locations.data.cast("B").cast("q")
         self._bounds = (payloads_from, size)
-        self._fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = _open_data(data, size)
         self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
 
     def _lookups(self) -> lmdb.Transaction:
@@ -305,3 +305,35 @@ class LMDBShardReader:
                 os.close(self._fd)
         except Exception:  # at interpreter exit: nothing left to let go of
             pass
+
+
+def _open_data(data: str, size: int) -> int:
+    """A descriptor of ``data.mdb``, still the regular file of ``size`` bytes its table was checked against.
+
+    The shard was looked at by path; a FIFO swapped in since would block a
+    plain open forever, another file of another size would be read against
+    the old one's table.
+
+    Raises:
+        OSError: out of file descriptors (the caller may raise its limit and retry).
+        PackFormatError: it cannot be opened, is no longer a regular file, or changed size.
+    """
+    try:
+        fd = open_regular(data)
+    except OSError as exc:
+        if too_many_open_files(exc):
+            raise
+        raise PackFormatError(
+            f"the shard's {DATA_FILE} cannot be opened: {exc.strerror or exc}",
+            path=data,
+            hint="The pack changed while it was opened: run `packdata verify` on it",
+        ) from exc
+    now = os.fstat(fd).st_size
+    if now != size:
+        os.close(fd)
+        raise PackFormatError(
+            f"{DATA_FILE} changed while the shard was opened: {size} bytes, then {now}",
+            path=data,
+            hint="Recreate the dataset after changing a pack, and run `packdata verify` on it",
+        )
+    return fd

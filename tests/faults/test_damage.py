@@ -16,6 +16,7 @@ from faults.damage import DAMAGES, shard_files, swap_foreign_shard
 from faults.hostile import rewrite_manifest
 from packdata import LMDBDataset, PackFormatError, convert
 from packdata.cli import main
+from packdata.formats import lmdb_reader
 from packdata.reading.streaming import TFRecordDataset
 from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
@@ -215,3 +216,33 @@ def test_a_table_row_inside_lmdbs_meta_pages_is_not_used(image_folder: Path, tmp
     result = CliRunner().invoke(main, ["verify", "-q", str(pack)])
     assert result.exit_code == 1, result.output
     assert f"{table}: records.i64 row 0 does not point at record 0" in result.output, result.output
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("swap", ["fifo", "shorter"])
+def test_a_data_file_swapped_while_the_shard_opens_is_named(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str
+) -> None:
+    """data.mdb is looked at by path (its meta pages, its size), then opened for the table's reads: a FIFO swapped
+    in between blocked that open forever, and a shorter file was read against the old one's table (its records
+    called damaged). The swap is made by the real meta-page reader's caller, at that instant."""
+    pack = _pack(image_folder, tmp_path, "lmdb")
+    data = shard_files(pack)["data"]
+    read_meta = lmdb_reader.read_lmdb_meta
+
+    def read_then_swap(path):
+        meta = read_meta(path)
+        if Path(path) == data and not data.with_name("swapped").exists():
+            data.with_name("swapped").write_bytes(data.read_bytes())  # the original, kept aside once
+            data.unlink()
+            if swap == "fifo":
+                os.mkfifo(data)
+            else:
+                data.write_bytes(data.with_name("swapped").read_bytes()[:8192])
+        return meta
+
+    monkeypatch.setattr(lmdb_reader, "read_lmdb_meta", read_then_swap)
+    ds = LMDBDataset(pack, decode="bytes")
+    found = "cannot be opened: not a regular file: a FIFO" if swap == "fifo" else "changed while the shard was opened"
+    with pytest.raises(PackFormatError, match=re.escape(f"{data}: ") + ".*" + found):
+        ds[0]
