@@ -233,6 +233,26 @@ def test_older_packs_read_through_the_offsets_index(tmp_path: Path, layout: str)
         TFRecordIndexedDataset(pack, decode="bytes")
 
 
+def test_a_version_1_span_whose_end_wraps_past_2_63_is_refused(tmp_path: Path) -> None:
+    """A version-1 payload table's spans were bounded by ``at + m <= length - 16`` in int64: a length of 2**63
+    minus the offset wraps the sum negative, so the table was used and an intact record read as damaged
+    ("does not point at the payload"), and ``verify`` blamed the shard. The table is refused: the record is
+    parsed from the shard, and ``verify`` names the table."""
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    info = read_manifest(pack).shards[0]
+    table = payload_path(pack / info.file)
+    _to_version_1(table, info.num_samples, info.sha256)
+    raw = np.fromfile(table, dtype="<i8")
+    raw[2 + 1] = (1 << 63) - int(raw[2])  # row 0 (after the two-int header): its length wraps at + m past 2**63
+    raw.tofile(table)
+    ds = TFRecordIndexedDataset(pack, decode="bytes")
+    assert _parsed(ds)[0].payloads is None  # the table is not used
+    assert _all(ds) == clean
+    with pytest.raises(PackFormatError, match=re.escape(str(table))):
+        verify_pack(pack, progress=False)
+
+
 def test_multi_field_pack_maps_offsets_and_parses_records(tmp_path: Path) -> None:
     samples = [{"__key__": f"k{i:02d}", "txt": f"text {i}", "cls": i % 3} for i in range(12)]
     pack = tmp_path / "f.tfrecord"

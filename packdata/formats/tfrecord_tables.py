@@ -103,7 +103,9 @@ def read_payload_table(
     table = np.frombuffer(raw, dtype="<i8").reshape(-1, 2)[1:].astype(np.int64)
     if lengths is not None and count:
         at, m = table[:, 0], table[:, 1]
-        if len(lengths) != count or at.min() < 0 or m.min() < 0 or ((at + m) > (lengths - 16)).any():
+        if len(lengths) != count or at.min() < 0 or m.min() < 0 or lengths.min() < 16:
+            return None
+        if (at > lengths - 16 - m).any():  # not at + m > lengths - 16: their sum wraps past 2**63 in int64
             return None
     return table
 
