@@ -253,6 +253,23 @@ def test_a_version_1_span_whose_end_wraps_past_2_63_is_refused(tmp_path: Path) -
         verify_pack(pack, progress=False)
 
 
+def test_an_offsets_index_whose_lengths_wrap_past_2_63_does_not_tile_the_shard(tmp_path: Path) -> None:
+    """The ``.tfindex`` is checked to tile the shard by a cumulative sum of its lengths in int64: four lengths
+    of 2**62 sum to 0 mod 2**64, so lines ``0 2**62``, ``2**62 2**62``, ``-2**63 2**62``, ``-2**62 2**62``
+    ahead of lines tiling the shard "tiled" it too, and the dataset opened on it. Such an index is refused
+    at open, naming it."""
+    pack = _pack(tmp_path, 24)
+    shard = pack / read_manifest(pack).shards[0].file
+    payload_path(shard).unlink()  # the index is parsed and checked, as for a pack of another tool
+    index = shard.with_name(shard.name.replace(".tfrecord", ".tfindex"))
+    lines = [f"{(k << 62) - (1 << 64 if k >= 2 else 0)} {1 << 62}" for k in range(4)]
+    first = int(index.read_text().split()[1])  # the real records: the first, then the other five as one line
+    lines += [f"0 {first}", f"{first} {shard.stat().st_size - first}"]  # six lines: the manifest's count
+    index.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PackFormatError, match=re.escape(str(index)) + ".*does not tile"):
+        TFRecordIndexedDataset(pack, decode="bytes")
+
+
 def test_multi_field_pack_maps_offsets_and_parses_records(tmp_path: Path) -> None:
     samples = [{"__key__": f"k{i:02d}", "txt": f"text {i}", "cls": i % 3} for i in range(12)]
     pack = tmp_path / "f.tfrecord"

@@ -139,7 +139,9 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
     if size is not None:
         ends = np.cumsum(lengths)
         starts = ends - lengths
-        bad = np.flatnonzero((lengths < 16) | (offsets != starts))
+        # each offset and length inside the file too: then no sum of an offset and a length wraps in int64,
+        # so lengths whose sum wraps past 2**63 cannot tile the shard modulo 2**64
+        bad = np.flatnonzero((lengths < 16) | (lengths > size) | (offsets < 0) | (offsets > size) | (offsets != starts))
         if len(bad) or (ends[-1] if len(ends) else 0) != size:
             where = f"line {int(bad[0]) + 1} ({int(offsets[bad[0]])} {int(lengths[bad[0]])})" if len(bad) else "its end"
             raise PackFormatError(
