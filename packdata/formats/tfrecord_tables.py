@@ -155,13 +155,13 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
 class RecordTable:
     """One shard's records: where each lies in the shard, and where its payload lies in its data.
 
-    Either mapped from a ``.tfpayload`` (``mapped``: the whole table, a view
-    into the page cache, checked) or parsed from the ``.tfindex`` (``offsets``
-    and ``lengths``: private arrays, with a version-1 payload table if any).
+    Either mapped from a ``.tfpayload`` at ``path`` (``mapped``: the whole
+    table, a view into the page cache, checked) or parsed from the ``.tfindex``
+    (``offsets`` and ``lengths``: private arrays, with a version-1 payload table if any).
     ``payloads`` is None when payloads are not to be sliced out (the records are parsed).
     """
 
-    __slots__ = ("_buf", "_last", "_lengths", "_mapped", "offsets", "payloads", "size")
+    __slots__ = ("_buf", "_last", "_lengths", "_mapped", "offsets", "path", "payloads", "size")
 
     def __init__(
         self,
@@ -171,8 +171,9 @@ class RecordTable:
         lengths: np.ndarray | None = None,
         payloads: np.ndarray | None = None,
         mapped: np.ndarray | None = None,
+        path: Path | None = None,
     ) -> None:
-        self.offsets, self.size, self.payloads = offsets, size, payloads
+        self.offsets, self.size, self.payloads, self.path = offsets, size, payloads, path
         self._lengths, self._mapped = lengths, mapped
         self._buf = mapped.data if mapped is not None else None  # struct reads: no numpy call per record
         self._last = len(offsets) - 1
@@ -199,9 +200,22 @@ class RecordTable:
                 offset, at, m, end = _ROW_AND_NEXT.unpack_from(self._buf, _HEAD + _ROW.size * k)
             else:
                 (offset, at, m), end = _ROW.unpack_from(self._buf, _HEAD + _ROW.size * k), self.size
-            return offset, end - offset, (at, m) if self.payloads is not None else None
+            spans = self.payloads is not None
+            # checked at open, but mapped: the file may have been rewritten in place since
+            if offset < 0 or end > self.size or end - offset < 16 or (spans and not 0 <= at <= end - offset - 16 - m):
+                raise self._changed(k, offset, end)
+            return offset, end - offset, (at, m) if spans else None
         span = self.payloads[k].tolist() if self.payloads is not None else None
         return int(self.offsets[k]), int(self.lengths[k]), span
+
+    def _changed(self, k: int, offset: int, end: int) -> PackFormatError:
+        """The mapped table no longer describes records tiling the shard: it changed since it was checked."""
+        return PackFormatError(
+            f"record {k}'s row says it spans bytes {offset} to {end} of the {self.size}-byte shard, with its "
+            f"payload inside: not a record of it, so the table changed since the shard was opened",
+            path=self.path,
+            hint="Recreate the dataset after changing a pack, and run `packdata verify` on it",
+        )
 
 
 def record_table_header(count: int, size: int, sha256_hex: str, spans: bool) -> bytes:
@@ -255,7 +269,7 @@ def map_record_table(
     spans = payloads and int(raw[5]) == 1
     if not _rows_fit(rows, size, spans):
         return None
-    return RecordTable(rows[:, 0], size, payloads=rows[:, 1:] if spans else None, mapped=raw)
+    return RecordTable(rows[:, 0], size, payloads=rows[:, 1:] if spans else None, mapped=raw, path=payload_path(shard))
 
 
 def _rows_fit(rows: np.ndarray, size: int, spans: bool) -> bool:
