@@ -17,7 +17,7 @@ from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from packdata import ConfigError, ImageFormatError, LMDBDataset, PackFormatError, convert, write_pack
+from packdata import ImageFormatError, LMDBDataset, PackFormatError, convert, write_pack
 from packdata.pack.manifest import read_manifest
 
 
@@ -161,24 +161,22 @@ def test_a_shard_file_that_is_not_a_file_is_named_as_such_by_readers_and_verify(
         ds[0]
 
 
-def test_a_shard_open_elsewhere_in_the_process_is_named_so_never_called_damaged(pack: Path) -> None:
+def test_a_shard_open_elsewhere_in_the_process_does_not_stop_a_dataset(pack: Path) -> None:
     """py-lmdb refuses a second handle on a file in one process: a user's own lmdb.open of a shard
-    (a notebook's look inside) made the dataset call the intact shard damaged. A shard read through its
-    records.i64 table never opens LMDB, so reads on; one read through LMDB's lookups is refused in one line."""
+    (a notebook's look inside) made the dataset call the intact shard damaged, and later refuse it as
+    open elsewhere. A dataset never opens LMDB now, with the shard's records.i64 table or without."""
     import lmdb
 
     shard = pack / "shard-00000.lmdb"
     own = lmdb.open(str(shard), readonly=True, lock=False)
     try:
-        first = LMDBDataset(pack, decode="bytes")[0]  # through the table: LMDB never opened
-        (shard / "records.i64").unlink()  # the same shard through LMDB's lookups
-        ds = LMDBDataset(pack, decode="bytes")
-        with pytest.raises(ConfigError, match=r"shard-00000\.lmdb: .*already open through another lmdb\.open") as err:
-            ds[0]
-        assert "damaged" not in str(err.value) and "env.close()" in str(err.value)
+        first = LMDBDataset(pack, decode="bytes")[0]  # through the table
+        (shard / "records.i64").unlink()  # the same shard through its own pages
+        assert LMDBDataset(pack, decode="bytes")[0] == first
+        with own.begin() as txn:  # and the user's handle reads on beside it
+            assert txn.stat()["entries"] > 0
     finally:
         own.close()
-    assert ds[0] == first  # closed, the same dataset reads
 
 
 def test_damaged_record_raises_naming_shard_and_record(pack: Path) -> None:

@@ -56,7 +56,7 @@ def shard_layout(name: str) -> ShardLayout:
 
 def iter_samples(shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
     """``(global index, Sample)`` of every record in key order, record CRCs checked."""
-    reader = LMDBShardReader(shard, readahead=True)
+    reader = LMDBShardReader(shard)
     try:
         for local, value in reader.items():
             i = first_index + local

@@ -59,7 +59,7 @@ import numpy as np
 from packdata.errors import PackFormatError, out_of_files_error, out_of_maps, out_of_maps_error, too_many_open_files
 from packdata.pack.files import open_regular
 
-__all__ = ["LMDBMeta", "check_lmdb_tree", "read_lmdb_meta"]
+__all__ = ["LMDBMeta", "check_lmdb_tree", "read_lmdb_meta", "value_locations"]
 
 _HEADER = 16  # page header bytes
 _META = struct.Struct("<QHHHH II QQ IHHQQQQQ IHHQQQQQ QQ")  # header, meta up to the transaction id
@@ -155,6 +155,46 @@ _checked: set[tuple[int, int, int, int]] = set()
 ``set.add`` is atomic, and a lock held by another thread at a fork would never be released in the child."""
 
 
+def value_locations(data_file: str | os.PathLike) -> np.ndarray:
+    """``(offset, length)`` of every record's value inside ``data_file``, by record number, from its own pages.
+
+    The whole tree is checked as :func:`check_lmdb_tree` checks it, while the
+    leaves are walked for their values (inline or in an overflow run): so a
+    reader finds any record without LMDB's lookup, and without LMDB's handle
+    or map in its process. A value is where LMDB would hand it back.
+
+    Raises:
+        PackFormatError: as :func:`check_lmdb_tree`, or the keys are not the record numbers 0 to entries - 1.
+    """
+    path = os.fspath(data_file)
+    meta = read_lmdb_meta(path)
+    keys, offsets, lengths = _walk(path, _map_pages(path, meta), meta)
+    gap = np.flatnonzero(keys != np.arange(len(keys), dtype=np.uint64))
+    if len(gap):
+        raise _refuse(path, f"record {int(gap[0])} is missing (the key in its place is {int(keys[gap[0]])})")
+    _checked.add(_identity(path))
+    return np.stack([offsets, lengths], axis=1)
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _map_pages(path: str, meta: LMDBMeta) -> np.ndarray:
+    """The pages of ``path`` LMDB's meta says are in use, mapped read-only, as bytes."""
+    fd = open_regular(path)
+    try:
+        buffer = mmap.mmap(fd, meta.file_pages * meta.page_size, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        if out_of_maps(exc):
+            raise out_of_maps_error(path) from exc
+        raise _refuse(path, f"cannot be mapped: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
 def check_lmdb_tree(data_file: str | os.PathLike) -> LMDBMeta:
     """Check every page LMDB can reach from the main DB's root, once per file per process; the meta used.
 
@@ -172,33 +212,27 @@ def check_lmdb_tree(data_file: str | os.PathLike) -> LMDBMeta:
         PackFormatError: naming ``data_file``, the page and what is wrong.
     """
     path = os.fspath(data_file)
-    st = os.stat(path)
-    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    identity = _identity(path)
     meta = read_lmdb_meta(path)
     if identity in _checked:
         return meta
-    fd = open_regular(path)
-    try:
-        size = meta.file_pages * meta.page_size
-        buffer = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    except OSError as exc:
-        if out_of_maps(exc):
-            raise out_of_maps_error(path) from exc
-        raise _refuse(path, f"cannot be mapped: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-    _walk(path, np.frombuffer(buffer, dtype=np.uint8), meta)
+    _walk(path, _map_pages(path, meta), meta)
     _checked.add(identity)
     return meta
 
 
-def _walk(path: str, data: np.ndarray, meta: LMDBMeta) -> None:
-    """Walk the main DB from its root depth first (see :func:`check_lmdb_tree`)."""
+def _walk(path: str, data: np.ndarray, meta: LMDBMeta) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Walk the main DB from its root depth first (see :func:`check_lmdb_tree`): keys, value offsets and lengths.
+
+    In key order (uint64, int64, int64 arrays), each value's offset a byte of ``data``.
+    """
     if meta.root == _NO_ROOT:
-        return
+        empty = np.empty(0, dtype=np.int64)
+        return empty.astype(np.uint64), empty, empty
     psize, last = meta.page_size, meta.last_page
     tree = np.zeros(last + 1, dtype=bool)
     runs: list[np.ndarray] = []  # per leaf page: (overflow page, value size, node's page) of its BIGDATA nodes
+    leaves: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per leaf page: keys, value offsets, sizes
     entries = 0
     todo = [(meta.root, 1, -1)]
     while todo:
@@ -246,6 +280,7 @@ def _walk(path: str, data: np.ndarray, meta: LMDBMeta) -> None:
         sizes = lo | hi << 16
         big = node_flags == _BIGDATA
         _inside_page(path, where, ptrs + 8 + ksize + np.where(big, 8, sizes), psize)
+        values = number * psize + ptrs + 8 + _KEY_BYTES  # inline: after the key
         if big.any():
             at = ptrs[big] + 8 + _KEY_BYTES
             first = page[at[:, None] + np.arange(8)].view("<u8").ravel()
@@ -254,10 +289,15 @@ def _walk(path: str, data: np.ndarray, meta: LMDBMeta) -> None:
                 node = np.flatnonzero(big)[bad[0]]
                 raise _refuse(path, f"{where}: node {node}'s value is on page {first[bad[0]]}, outside 2-{last}")
             runs.append(np.stack([first.astype(np.int64), sizes[big], np.full(len(at), number)], axis=1))
+            values[big] = first.astype(np.int64) * psize + _HEADER  # an overflow run: after its page header
+        keys = page[(ptrs + 8)[:, None] + np.arange(_KEY_BYTES)].view(">u8").ravel()
+        leaves.append((keys, values, sizes))
         entries += len(ptrs)
     if entries != meta.entries:
         raise _refuse(path, f"the leaves hold {entries} entries, LMDB's meta says {meta.entries}")
     _check_runs(path, data, meta, tree, np.concatenate(runs) if runs else np.empty((0, 3), dtype=np.int64))
+    keys, values, sizes = (np.concatenate(column) for column in zip(*leaves, strict=True))
+    return keys.astype(np.uint64), values, sizes
 
 
 def _inside_page(path: str, where: str, ends: np.ndarray, psize: int) -> None:

@@ -1,4 +1,4 @@
-"""Reading LMDB shards: :class:`LMDBShardReader`, a payload in one ``pread`` through ``records.i64`` or LMDB's lookup.
+"""Reading LMDB shards: :class:`LMDBShardReader`, a record in one ``pread``, located without LMDB.
 
 When the shard's ``records.i64`` is bound to it (:mod:`packdata.formats.lmdb_tables`),
 the reader fetches a payload with one ``pread`` instead of a B-tree lookup
@@ -8,34 +8,33 @@ matters cold: py-lmdb touches every page of a value before returning it, so
 with readahead off a 40 KB value costs ten synchronous 4 KB faults, about 4x
 slower than reading the same bytes from a folder; one ``pread`` is one I/O
 request. Without a valid table (none, a table of an older packdata, a damaged
-or foreign one, or any later write to the environment) or on any mismatch the
-reader falls back to LMDB's own lookup, where the record's own CRC-32 and its
-key and label are checked. LMDB trusts its file, so before it opens a shard its meta
-pages are checked, and before its lookup or cursor walks one, every page they
-can reach (:mod:`packdata.formats.lmdb_pages`).
+or foreign one, or any later write to the environment), and for whole records
+(``get``, ``items``), the reader walks the shard's B-tree itself
+(:func:`~packdata.formats.lmdb_pages.value_locations`: every page checked as
+it goes) for where each record's value lies, and reads it the same way; the
+record's own CRC-32, key and label are checked by the caller.
 
-A shard read through its table never opens LMDB at all: the record count and
-transaction id the table is bound to come from the meta page packdata reads
-itself. So a reader holds neither LMDB's handle (a file) nor its map, and a
-DataLoader worker forked while another thread of its parent was inside an
-LMDB call inherits nothing of LMDB's (py-lmdb refuses a second handle on a
-file in one process, and its ``close`` waits for the calls in flight at the
-fork, which never end in the child).
+So a reader never opens LMDB: the record count and transaction id the table
+is bound to come from the meta page packdata reads itself. It holds neither
+LMDB's handle (a file) nor its map, and a DataLoader worker forked while
+another thread of its parent was reading inherits nothing of LMDB's (py-lmdb
+refuses a second handle on a file in one process, and its ``close`` waits for
+the calls in flight at the fork, which never end in the child); a user's own
+``lmdb.open`` of a shard does not stand in its way.
 """
 
 from __future__ import annotations
 
 import os
-import threading
+from collections.abc import Iterator
 from typing import cast
 
-import lmdb
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import PackFormatError, too_many_open_files
-from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env, encode_key
-from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
+from packdata.formats.lmdb_env import DATA_FILE
+from packdata.formats.lmdb_pages import read_lmdb_meta, value_locations
 from packdata.formats.lmdb_tables import RECORDS_FILE, _read_table
 from packdata.formats.residency import PagedFile
 from packdata.pack.files import not_a_file, open_regular, sha256_prefix
@@ -46,15 +45,14 @@ __all__ = ["LMDBShardReader"]
 class LMDBShardReader:
     """Reads records of one shard by their index within the shard.
 
-    Opened lazily in the process that uses it. Records are fetched with one
+    Opened lazily in the process that uses it. Payloads are fetched with one
     ``pread`` each through the shard's ``records.i64`` table when it is valid
-    for this shard (see the module docstring), else through LMDB's lookup;
-    ``readahead`` applies to the LMDB map only.
+    for this shard (see the module docstring); whole records through the
+    value locations of the shard's own pages, walked on first use.
 
     Args:
         path: the shard directory.
-        readahead: let the kernel read ahead on the LMDB map.
-        check_crc: check each payload's CRC (table reads: CRC32C; LMDB lookups: the record's CRC-32).
+        check_crc: check each payload's CRC32C (table reads; whole records are checked by their reader).
         expected_bytes, expected_sha256, expected_records: the shard's size,
             SHA-256 and record count from the manifest the caller read. A
             ``data.mdb`` of another size or count raises; a table is used only
@@ -68,7 +66,6 @@ class LMDBShardReader:
         self,
         path: str | os.PathLike,
         *,
-        readahead: bool = False,
         check_crc: bool = True,
         expected_bytes: int | None = None,
         expected_sha256: str | None = None,
@@ -78,14 +75,10 @@ class LMDBShardReader:
         self.check_crc = check_crc
         self._pid = os.getpid()
         self._fd = -1
-        self._readahead = readahead
-        self._held: tuple[int, int] | None = None  # the shared environment this reader is a user of
-        self._in_txn = False
-        self._lookups_lock = threading.Lock()  # LMDB is opened once, by the first lookup that needs it
         self._locations: np.ndarray | None = None
         self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
+        self._values: memoryview | None = None  # whole records: (offset, length) int64 pairs, walked on first use
         self._pages: PagedFile | None = None
-        self._tree_checked = False  # LMDB's lookups and cursor walk the B-tree only once it is checked
         self._bounds = (0, 0)  # where the table's payloads may lie: [first byte, end of data.mdb)
         data = os.path.join(self.path, DATA_FILE)
         problem = not_a_file(data)
@@ -106,7 +99,7 @@ class LMDBShardReader:
         try:
             self._open(data, size, expected_sha256, expected_records)
         except BaseException:
-            self.close()  # lets go of the environment too
+            self.close()
             raise
 
     def _open(self, data: str, size: int, expected_sha256: str | None, expected_records: int | None) -> None:
@@ -123,39 +116,39 @@ class LMDBShardReader:
         payloads_from = 2 * meta.page_size  # a payload lies past LMDB's two meta pages, inside the file
         found = _read_table(self.path, meta.entries, meta.txnid, size, payloads_from)
         if found is None or expected_sha256 is None or found[0] != sha256_prefix(expected_sha256):
-            self._lookups()  # stale or foreign (e.g. a sibling's): LMDB's lookups
-            return
-        self._locations = found[1].ravel()
-        self._rows = self._locations.data.cast("B").cast("q")
-        self._bounds = (payloads_from, size)
+            self._walk_values(data)  # stale or foreign (e.g. a sibling's): the shard's own pages
+        else:
+            self._locations = found[1].ravel()
+            self._rows = self._locations.data.cast("B").cast("q")
+            self._bounds = (payloads_from, size)
         self._fd = _open_data(data, size)
         self._pages = PagedFile(self._fd, size)  # map slices when warm, pread when cold
 
-    def _lookups(self) -> lmdb.Transaction:
-        """The read transaction of LMDB's lookups; LMDB is opened (shared in the process) by the first call."""
-        if not self._in_txn:
-            with self._lookups_lock:
-                if not self._in_txn:
-                    try:
-                        self._held, env = _shared_env(self.path, self._readahead)  # its meta pages checked first
-                        self._txn = env.begin(buffers=True)
-                    except lmdb.Error as exc:
-                        raise _lmdb_error(self.path, exc) from exc
-                    self._in_txn = True
-        return self._txn
+    def _walk_values(self, data: str) -> memoryview:
+        """Where every whole record lies, from the shard's pages (walked and checked once per reader)."""
+        if self._values is None:  # two threads may both walk: the same table either way
+            self._values = value_locations(data).ravel().data.cast("B").cast("q")
+        return self._values
 
-    def get(self, index: int) -> memoryview:
-        """The whole record at ``index`` within the shard, valid until :meth:`close`."""
-        self._check_tree()
-        try:
-            value = cast(memoryview | None, self._lookups().get(encode_key(index)))  # buffers=True
-        except lmdb.Error as exc:
-            raise _lmdb_error(self.path, exc) from exc
-        if value is None:
+    def get(self, index: int) -> bytes:
+        """The whole record at ``index`` within the shard, in one ``pread`` (or a slice of the resident file).
+
+        Raises:
+            PackFormatError: the index is past the shard's records, or fewer bytes could be read than the tree says.
+        """
+        if not 0 <= index < self._entries:
             raise PackFormatError(
-                f"record {index} is missing", path=self.path, hint="The shard is damaged: run `packdata verify`"
+                f"record {index} is missing: the shard holds {self._entries}",
+                path=self.path,
+                hint="The shard is damaged: run `packdata verify`",
             )
-        return value
+        values = self._walk_values(os.path.join(self.path, DATA_FILE))
+        offset, length = values[2 * index], values[2 * index + 1]
+        assert self._pages is not None  # opened
+        data = self._pages.read(offset, length)
+        if len(data) != length:
+            raise self._damaged(index, offset, length, len(data), "record")
+        return data
 
     def payload(self, index: int) -> bytes | None:
         """The payload of the record at ``index`` in one ``pread``, complete and CRC-checked.
@@ -197,10 +190,10 @@ class LMDBShardReader:
             hint="Recreate the dataset after changing a pack, and run `packdata verify` on it",
         )
 
-    def _damaged(self, index: int, offset: int, length: int, got: int) -> PackFormatError:
+    def _damaged(self, index: int, offset: int, length: int, got: int, part: str = "payload") -> PackFormatError:
         what = f"only {got} of its {length} bytes could be read" if got != length else "its CRC32C does not match"
         return PackFormatError(
-            f"record {index} is damaged: the payload at byte offset {offset}: {what}",
+            f"record {index} is damaged: the {part} at byte offset {offset}: {what}",
             path=os.path.join(self.path, DATA_FILE),
             hint="Run `packdata verify` on the pack, then convert it again",
         )
@@ -259,43 +252,20 @@ class LMDBShardReader:
         data = self._pages.read(offset, length)  # type: ignore[union-attr]
         return data if len(data) == length else None
 
-    def items(self):
+    def items(self) -> Iterator[tuple[int, bytes]]:
         """Iterate ``(index in shard, record)`` in key order."""
-        self._check_tree()
-        try:
-            for key, value in self._lookups().cursor():
-                yield _KEY.unpack(key)[0], value
-        except lmdb.Error as exc:
-            raise _lmdb_error(self.path, exc) from exc
-
-    def _check_tree(self) -> None:
-        """Check every page LMDB's lookups and cursor can reach (once per file per process) before they walk it.
-
-        Raises:
-            PackFormatError: a page number, node or value would lead LMDB off a page or out of ``data.mdb``.
-        """
-        if not self._tree_checked:
-            check_lmdb_tree(os.path.join(self.path, DATA_FILE))
-            self._tree_checked = True
+        for index in range(self._entries):
+            yield index, self.get(index)
 
     def close(self) -> None:
-        """End the read transaction, close the file, and let go of the shared environment.
-
-        The environment (LMDB's map of ``data.mdb``) closes with its last user in this process.
-        """
-        if self._in_txn:
-            self._txn.abort()
-            self._in_txn = False
-        self._rows = None
+        """Close the file and let go of the tables."""
+        self._rows = self._values = None
         if self._pages is not None:
             self._pages.close()
             self._pages = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._held is not None:
-            identity, self._held = self._held, None
-            _release_env(identity)
 
     def __del__(self) -> None:
         try:

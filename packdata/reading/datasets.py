@@ -195,8 +195,8 @@ class LMDBDataset(PackView, Dataset):
         fields: a multi-field pack: the field names to return, as a tuple in
             this order (``"__key__"``, ``"cls"`` included); default: a dict of all.
         transforms: a multi-field pack: field name -> transform after decoding.
-        readahead: let the kernel read ahead on page faults; leave off for random
-            access (values are prefetched one by one instead).
+        readahead: no effect, kept so older code runs: records are read with
+            ``pread`` (or slices of a resident file), never through page faults.
         check_crc: check each payload's checksum as it is read (on by default, as
             for TFRecord; about 2 us per 40 KB, under 1% of a JPEG decode).
             Whatever it is set to, a read returns the complete payload of the
@@ -228,7 +228,7 @@ class LMDBDataset(PackView, Dataset):
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
         self._readers = ShardReaders(
             self._shard_paths,
-            functools.partial(LMDBShardReader, readahead=readahead, check_crc=self.check_crc),
+            functools.partial(LMDBShardReader, check_crc=self.check_crc),
             [
                 {"expected_bytes": s.bytes, "expected_sha256": s.sha256, "expected_records": s.num_samples}
                 for s in shards
