@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from packdata import LMDBDataset, convert, verify_pack
-from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta
+from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta, value_locations
 
 _BRANCH, _LEAF, _BIGDATA = 0x01, 0x02, 0x01
 
@@ -241,7 +241,7 @@ def test_a_damaged_page_is_one_error_naming_data_mdb_never_a_crash(pack: Path, h
 
 
 def test_a_table_less_pack_reads_every_sample_as_its_table_does(pack: Path, tmp_path: Path) -> None:
-    """LMDB's lookup, once the tree is checked, gives every sample's bytes and label exactly as the table's preads."""
+    """The shard's own pages, walked for its values, give every sample's bytes and label as the table's preads."""
     with_table = tmp_path / "with-table.lmdb"
     convert(tmp_path / "src", with_table, progress=False)
     assert not (pack / "shard-00000.lmdb" / "records.i64").exists()
@@ -255,6 +255,27 @@ def test_a_table_less_pack_reads_every_sample_as_its_table_does(pack: Path, tmp_
     assert len(expected) == 30
     assert every_sample(pack) == expected
     assert verify_pack(pack, progress=False).records == 30
+
+
+def test_value_locations_find_the_values_lmdbs_cursor_returns(tmp_path: Path) -> None:
+    """An environment written by plain py-lmdb (values inline and in overflow runs of every length, a tree
+    of several levels): the walk finds each key's value where LMDB's cursor hands it back, byte for byte."""
+    import lmdb
+
+    rng = np.random.default_rng(0)
+    values = [rng.bytes(int(n)) for n in rng.integers(0, 12_000, 3000)]  # LMDB's pages: the OS page size
+    env = lmdb.open(str(tmp_path), map_size=1 << 28, subdir=True)
+    with env.begin(write=True) as txn:
+        for i in rng.permutation(len(values)).tolist():  # out of order: pages split as they fill
+            txn.put(struct.pack(">Q", i), values[i])
+    with env.begin() as txn:
+        expected = [bytes(value) for _, value in txn.cursor()]
+        depth = env.stat()["depth"]
+    env.close()
+    found = value_locations(tmp_path / "data.mdb")
+    raw = (tmp_path / "data.mdb").read_bytes()
+    assert depth >= 2 and len(found.locations) == len(values)
+    assert [raw[o : o + n] for o, n in found.locations.tolist()] == expected == values
 
 
 def _mdb_stat(shard: Path) -> dict[str, int]:

@@ -89,7 +89,7 @@ def check_remote_side_tables(shard: Path, info: ShardInfo, where: str) -> None:
         raise PackFormatError(
             f"{RECORDS_FILE} does not fit this shard (count, size, checksum or a row out of bounds)",
             path=f"{where.rsplit('/', 1)[0]}/{RECORDS_FILE}",
-            hint="Convert the pack again (or delete the table: readers then use LMDB's own lookup)",
+            hint="Convert the pack again (or delete the table: readers then walk the shard's pages)",
         )
 
 
@@ -108,7 +108,7 @@ def read_remote_payload(
     version pinned for it (:func:`~packdata.formats.remote_pack.fetch_range`).
 
     Raises:
-        ConfigError: no table fits the shard (the record is then only found by LMDB's lookup, in a local file).
+        ConfigError: no table fits the shard (the record is then only found by walking the pages of a local file).
         PackFormatError: the bytes read are not the payload the table describes,
             the request failed, or the pack was replaced since ``opened`` was read.
     """

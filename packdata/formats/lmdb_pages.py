@@ -53,13 +53,14 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from packdata.errors import PackFormatError, out_of_files_error, out_of_maps, out_of_maps_error, too_many_open_files
 from packdata.pack.files import open_regular
 
-__all__ = ["LMDBMeta", "check_lmdb_tree", "read_lmdb_meta", "value_locations"]
+__all__ = ["LMDBMeta", "ShardValues", "check_lmdb_tree", "read_lmdb_meta", "value_locations"]
 
 _HEADER = 16  # page header bytes
 _META = struct.Struct("<QHHHH II QQ IHHQQQQQ IHHQQQQQ QQ")  # header, meta up to the transaction id
@@ -155,25 +156,36 @@ _checked: set[tuple[int, int, int, int]] = set()
 ``set.add`` is atomic, and a lock held by another thread at a fork would never be released in the child."""
 
 
-def value_locations(data_file: str | os.PathLike) -> np.ndarray:
-    """``(offset, length)`` of every record's value inside ``data_file``, by record number, from its own pages.
+class ShardValues(NamedTuple):
+    """A shard's values as :func:`value_locations` found them."""
+
+    meta: LMDBMeta
+    locations: np.ndarray
+    """``(offset, length)`` of every record's value, by record number (int64)."""
+    pages: np.ndarray
+    """The file's pages in use, mapped read-only (uint8): the values lie in them."""
+
+
+def value_locations(data_file: str | os.PathLike) -> ShardValues:
+    """Where every record's value lies inside ``data_file``, by record number, from its own pages.
 
     The whole tree is checked as :func:`check_lmdb_tree` checks it, while the
-    leaves are walked for their values (inline or in an overflow run): so a
-    reader finds any record without LMDB's lookup, and without LMDB's handle
-    or map in its process. A value is where LMDB would hand it back.
+    leaves are walked for their values (inline or in an overflow run): so
+    records are found without LMDB's lookup or cursor, and without LMDB's
+    handle or map in the process. A value is where LMDB would hand it back.
 
     Raises:
         PackFormatError: as :func:`check_lmdb_tree`, or the keys are not the record numbers 0 to entries - 1.
     """
     path = os.fspath(data_file)
     meta = read_lmdb_meta(path)
-    keys, offsets, lengths = _walk(path, _map_pages(path, meta), meta)
+    pages = _map_pages(path, meta)
+    keys, offsets, lengths = _walk(path, pages, meta)
     gap = np.flatnonzero(keys != np.arange(len(keys), dtype=np.uint64))
     if len(gap):
         raise _refuse(path, f"record {int(gap[0])} is missing (the key in its place is {int(keys[gap[0]])})")
     _checked.add(_identity(path))
-    return np.stack([offsets, lengths], axis=1)
+    return ShardValues(meta, np.stack([offsets, lengths], axis=1), pages)
 
 
 def _identity(path: str) -> tuple[int, int, int, int]:

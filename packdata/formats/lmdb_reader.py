@@ -127,7 +127,7 @@ class LMDBShardReader:
     def _walk_values(self, data: str) -> memoryview:
         """Where every whole record lies, from the shard's pages (walked and checked once per reader)."""
         if self._values is None:  # two threads may both walk: the same table either way
-            self._values = value_locations(data).ravel().data.cast("B").cast("q")
+            self._values = value_locations(data).locations.ravel().data.cast("B").cast("q")
         return self._values
 
     def get(self, index: int) -> bytes:

@@ -13,7 +13,7 @@ count, transaction id and size match the environment it opened and the
 SHA-256 prefix matches the manifest's checksum of the shard (counters alone
 repeat across shards; the checksum does not), and every row lies inside
 ``data.mdb``. The table is an accelerator, never a second source of truth:
-without a valid one the reader uses LMDB's own lookup
+without a valid one the reader walks the shard's pages for its records
 (:mod:`packdata.formats.lmdb_reader`), and ``verify`` checks it row by row
 against the records (:func:`check_records_table`).
 """
@@ -23,14 +23,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import lmdb
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import PackFormatError
-from packdata.formats.lmdb_env import _KEY, DATA_FILE, _lmdb_error, _release_env, _shared_env
-from packdata.formats.lmdb_pages import check_lmdb_tree
-from packdata.formats.residency import buffer_address
+from packdata.formats.lmdb_env import DATA_FILE
+from packdata.formats.lmdb_pages import value_locations
 from packdata.pack.files import map_int64, open_pack_file, sha256_prefix
 from packdata.pack.records import RecordError, checked_payload_start
 
@@ -41,63 +39,29 @@ _TABLE_MAGIC = int.from_bytes(b"PDRLOC02", "little", signed=True)
 _TABLE_VERSION = 2
 
 
-def _map_base(data_file: str, address: int) -> int:
-    """Start address of this process's mapping of ``data_file`` that holds ``address`` (from /proc/self/maps).
-
-    By device and inode, not name: a shard opened through a hard link (a
-    merged pack) shows in the maps under the name it was first opened by. By
-    ``address`` (a value LMDB returned), not the first mapping found: a
-    reader's own map of the same file may lie before LMDB's.
-    """
-    st = os.stat(data_file)
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[4] == str(st.st_ino) and fields[3] == device and fields[2] == "00000000":
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return start
-    raise OSError(f"{data_file} is not mapped in this process")
-
-
-def record_locations(path: str | os.PathLike, *, trust_tree: bool = False) -> tuple[int, np.ndarray]:
+def record_locations(path: str | os.PathLike) -> tuple[int, np.ndarray]:
     """The last transaction id, and ``(offset, length, CRC32C)`` of every payload inside ``data.mdb`` in key order.
 
-    Each payload must match its record's own CRC-32 first, so the table never
-    vouches for bytes damaged since they were encoded. ``trust_tree``: skip
-    the structural check of the file's pages, for a ``data.mdb`` this process
-    created and only LMDB wrote (a writer's own).
+    Found by walking the shard's pages (:func:`~packdata.formats.lmdb_pages.value_locations`,
+    every page checked as it goes; LMDB is not opened). Each payload must
+    match its record's own CRC-32 first, so the table never vouches for bytes
+    damaged since they were encoded.
 
     Raises:
-        PackFormatError: a record is missing or damaged, or LMDB reports the shard damaged.
+        PackFormatError: a record is missing or damaged, or a page of the shard is.
     """
-    if not trust_tree:
-        check_lmdb_tree(os.path.join(path, DATA_FILE))  # before LMDB's cursor walks it
-    try:  # one more user of this process's environment (LMDB opens a file once per process)
-        identity, env = _shared_env(os.fspath(path), True)
-    except lmdb.Error as exc:
-        raise _lmdb_error(path, exc) from exc
-    try:
-        base = 0
-        rows: list[tuple[int, int, int]] = []
-        with env.begin(buffers=True) as txn:
-            for i, (key, value) in enumerate(txn.cursor()):
-                address = buffer_address(value)
-                base = base or _map_base(os.path.join(path, DATA_FILE), address)
-                if _KEY.unpack(key)[0] != i:
-                    raise PackFormatError(f"record {i} is missing", path=path)
-                try:  # the table's CRC32C attests these bytes: first, that they are the record's own
-                    start = checked_payload_start(value)
-                except RecordError as exc:
-                    raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
-                rows.append((address - base + start, len(value) - start, crc32c(value[start:])))
-        txnid = env.info()["last_txnid"]
-    except lmdb.Error as exc:
-        raise _lmdb_error(path, exc) from exc
-    finally:
-        _release_env(identity)
-    return txnid, np.array(rows, dtype=np.int64).reshape(-1, 3)
+    data_file = os.path.join(path, DATA_FILE)
+    meta, locations, pages = value_locations(data_file)
+    view = pages.data
+    rows: list[tuple[int, int, int]] = []
+    for i, (offset, length) in enumerate(locations.tolist()):
+        value = view[offset : offset + length]
+        try:  # the table's CRC32C attests these bytes: first, that they are the record's own
+            start = checked_payload_start(value)
+        except RecordError as exc:
+            raise PackFormatError(f"record {i} is damaged: {exc}", path=path) from exc
+        rows.append((offset + start, length - start, crc32c(value[start:])))
+    return meta.txnid, np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
 def _read_table(path: str, entries: int, txnid: int, size: int, first: int = 0) -> tuple[int, np.ndarray] | None:
@@ -160,7 +124,7 @@ def location_table(raw: bytes, count: int, size: int, sha256_hex: str) -> np.nda
 def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
     """Check a shard's ``records.i64`` row by row against the records themselves (for ``verify``).
 
-    A missing table is fine (readers use LMDB's lookup); a table of an older
+    A missing table is fine (readers walk the shard's pages); a table of an older
     packdata (pairs, no checksum binding) is checked row by row too.
 
     Raises:
@@ -177,7 +141,7 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
     txnid, locations = record_locations(path)
     size = os.path.getsize(os.path.join(path, DATA_FILE))
     raw = np.frombuffer(blob[: len(blob) - len(blob) % 8], dtype="<i8")
-    hint = "Convert the pack again (or delete the table: readers then use LMDB's own lookup)"
+    hint = "Convert the pack again (or delete the table: readers then walk the shard's pages)"
     if raw.size == 3 * (len(locations) + 2):
         found = _read_table(path, len(locations), txnid, size)
         if found is None:

@@ -187,7 +187,7 @@ class LMDBShardWriter:
             self._env.close()
             (self.path / "lock.mdb").unlink(missing_ok=True)
             try:
-                self._located = record_locations(self.path, trust_tree=self._fresh)
+                self._located = record_locations(self.path)
             except PackFormatError as exc:
                 if self._fresh:
                     raise

@@ -286,7 +286,7 @@ class LMDBDataset(PackView, Dataset):
             if found is None:
                 block: bytes | memoryview | None = reader.payload(local)  # one pread, CRC32C-checked
                 if block is None:
-                    block, _ = self.raw(index)  # LMDB's lookup: the record's key, label and CRC checked
+                    block, _ = self.raw(index)  # the whole record: its key, label and CRC checked
                 found = decode_block(block, names, check_crc=self.check_crc)
         except (FieldError, RecordError) as exc:
             raise PackFormatError(
@@ -347,7 +347,7 @@ class LMDBDataset(PackView, Dataset):
         out: list[Any] = []
         for k, position in enumerate(positions.tolist()):
             payload = payloads[k]
-            if payload is None:  # no valid location table: LMDB's lookup, with its own checks
+            if payload is None:  # no valid location table: the whole record, with its own checks
                 payload, _ = self.raw(position)
             out.append((payload, labels[k]) if plain else self._finish(payload, labels[k], index=position))
         return out
