@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import image_bytes, moto_s3, tree_digest
+from faults.hostile import rewrite_manifest
 from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
 from packdata.conversion.upload import download_source
 from packdata.errors import PackFormatError
+from packdata.pack.manifest import read_manifest
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
 s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
@@ -150,6 +152,31 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     with pytest.raises(PackFormatError, match=r"s3://packs/flip\.lmdb: index/labels\.i32 does not match"):
         packdata.stage("s3://packs/flip.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
     assert not (tmp_path / "cache" / "flip.lmdb").exists()
+
+
+@pytest.mark.parametrize("clash", ["side-table", "skip-report"])
+def test_a_remote_manifest_naming_one_file_twice_is_refused_before_a_download(
+    s3, remote_tfrecord, tmp_path: Path, clash: str
+) -> None:
+    """A stranger's manifest names a shard as another's offsets index, or its skip report as a shard."""
+    options, fs = s3
+    _, local = remote_tfrecord
+    pack = tmp_path / "pack"
+    shutil.copytree(local, pack)
+    first, second = (s.file for s in read_manifest(pack).shards[:2])
+    index = first.removesuffix(".tfrecord") + ".tfindex"
+    if clash == "side-table":
+        os.replace(pack / second, pack / index)
+        rewrite_manifest(pack, lambda d: d["shards"][1].__setitem__("file", index))
+        expected = rf"manifest names '{index}' as a side table of shard 0 and as shard 1"
+    else:
+        rewrite_manifest(pack, lambda d: d["skipped"].__setitem__("report", first))
+        expected = rf"manifest names '{first}' as shard 0 and as the skip report"
+    fs.put(str(pack), f"packs/clash-{clash}", recursive=True)
+    cache = tmp_path / "cache"
+    with pytest.raises(PackFormatError, match=rf"^s3://packs/clash-{clash}/manifest\.json: {expected}"):
+        packdata.stage(f"s3://packs/clash-{clash}", to=cache, storage_options=options, progress=False)
+    assert not [p.name for p in cache.iterdir() if "partial" in p.name or p.name == f"clash-{clash}"]
 
 
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from faults.hostile import rewrite_manifest
 from PIL import Image
 
 import packdata
@@ -414,6 +415,21 @@ def test_damaged_source_is_never_staged(lmdb_pack: Path, tmp_path: Path) -> None
     assert not [p for p in staged.iterdir() if p.name.endswith(".partial")]
     # the interim manifest still reads correctly: it points at the originals
     assert len(LMDBDataset(staged, decode="bytes")) == 36
+
+
+def test_a_manifest_naming_one_file_twice_is_refused_before_a_copy(tfrecord_pack: Path, tmp_path: Path) -> None:
+    """A stranger's manifest names shard 1 as shard 0's offsets index: both would be copied to one name."""
+    first, second = (s.file for s in read_manifest(tfrecord_pack).shards[:2])
+    clash = first.removesuffix(".tfrecord") + ".tfindex"
+    (tfrecord_pack / clash).unlink()
+    os.rename(tfrecord_pack / second, tfrecord_pack / clash)
+    rewrite_manifest(tfrecord_pack, lambda d: d["shards"][1].__setitem__("file", clash))
+    before = tree_digest(tfrecord_pack)
+    expected = rf"manifest\.json: manifest names '{clash}' as a side table of shard 0 and as shard 1"
+    with pytest.raises(PackFormatError, match=expected):
+        stage(tfrecord_pack, to=tmp_path / "nvme", progress=False)
+    assert not any((tmp_path / "nvme" / "train").iterdir())  # nothing copied
+    assert tree_digest(tfrecord_pack) == before
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackFormatError
+from packdata.pack.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,6 +120,36 @@ class PackFormat:
     def shard_layout(self, name: str) -> ShardLayout:
         """The files of the shard called ``name`` (a plain name)."""
         return self._impl().shard_layout(name)
+
+    def check_names(self, manifest: Manifest, path: str | os.PathLike) -> None:
+        """Refuse a manifest that gives two of the pack's files one name.
+
+        The shards' files (a shard's side tables too), the sample index folder,
+        the skip report and the manifest itself must each have a name of their
+        own, or copying the pack would write two files to one place.
+
+        Raises:
+            PackFormatError: naming the manifest at ``path`` and both uses of the name.
+        """
+        owners = {MANIFEST_NAME: "the manifest"}
+        names = []
+        for number, shard in enumerate(manifest.shards):
+            layout = self.shard_layout(os.path.basename(shard.file))
+            names.append((os.path.basename(shard.file), f"shard {number}"))
+            if not layout.folder:
+                names += [(side, f"a side table of shard {number}") for side in layout.side]
+        names.append((manifest.index_dir, "the sample index folder"))
+        report = manifest.skipped.get("report")
+        if isinstance(report, str) and report:
+            names.append((report, "the skip report"))
+        for name, what in names:
+            if name in owners:
+                raise PackFormatError(
+                    f"manifest names {name!r} as {owners[name]} and as {what}",
+                    path=path,
+                    hint="Not a pack packdata wrote: convert it again",
+                )
+            owners[name] = what
 
     def iter_samples(self, shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
         """``(global index, Sample)`` of every record in file order, every check made (for verify)."""

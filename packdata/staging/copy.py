@@ -38,7 +38,7 @@ from packdata.pack.files import (
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.index import damaged_index_file
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.manifest import Manifest, ShardInfo
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
@@ -137,7 +137,9 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
     origin shard's path) checked by :func:`packdata.pack.manifest.read_manifest`, so
     every destination lies directly in ``dest``.
     """
-    layout_of = get_format(manifest.format).shard_layout
+    fmt = get_format(manifest.format)
+    fmt.check_names(manifest, source / MANIFEST_NAME)
+    layout_of = fmt.shard_layout
     units = []
     for number, info in enumerate(manifest.shards):
         src = info.path(source)

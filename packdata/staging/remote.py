@@ -167,9 +167,11 @@ def stage_remote(
     return result
 
 
-def _pack_files(manifest: Manifest) -> list[tuple[str, int | None, str | None, bool]]:
-    """``(relative path, size, sha256, required)`` of every file of a pack."""
-    layout_of = get_format(manifest.format).shard_layout
+def _pack_files(manifest: Manifest, shown: str) -> list[tuple[str, int | None, str | None, bool]]:
+    """``(relative path, size, sha256, required)`` of every file of the pack at ``shown``, each named once."""
+    fmt = get_format(manifest.format)
+    fmt.check_names(manifest, f"{shown}/{MANIFEST_NAME}")
+    layout_of = fmt.shard_layout
     files: list[tuple[str, int | None, str | None, bool]] = []
     for shard in manifest.shards:
         layout = layout_of(shard.file)
@@ -200,6 +202,7 @@ def _stage_locked(
 ) -> RemoteStageResult:
     start = time.monotonic()
     manifest, raw = read_url_manifest(fs, root, shown)
+    files = _pack_files(manifest, shown)
     dest, partial = cache / name, cache / f".{name}.partial"
     check_destination(shown, dest)  # a folder there is replaced only when it is a staged copy of this URL
     discard_stale_copies(dest)  # the copy a stage killed between the renames of its swap moved aside
@@ -220,7 +223,6 @@ def _stage_locked(
             hint=f"Finish it (packdata convert ... {dest} --resume), drop it (--overwrite), or stage as another name",
         )
     partial.mkdir(exist_ok=True)
-    files = _pack_files(manifest)
     sizes = {rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files}
     todo = [
         (rel, size, sha)
