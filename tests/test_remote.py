@@ -1377,6 +1377,27 @@ def test_a_partial_copy_left_by_a_killed_download_is_removed_by_the_next_one(
     assert (outside / "keep" / "data.bin").read_bytes() == b"not the cache's"  # the link went, never its target
 
 
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_a_download_folder_that_is_a_link_or_a_file_is_replaced_never_written_through(
+    s3, remote_pack, tmp_path: Path, kind: str
+) -> None:
+    """A link (or a file) planted at the cache's .NAME.partial: the download goes into a folder of its own."""
+    options, _ = s3
+    url, local = remote_pack
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    cache.mkdir()
+    outside.mkdir()
+    if kind == "symlink":
+        (cache / ".train.lmdb.partial").symlink_to(outside)
+    else:
+        (cache / ".train.lmdb.partial").write_text("not a folder")
+    staged = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    assert not staged.is_symlink() and staged.parent == cache
+    assert not any(outside.iterdir())  # nothing was downloaded through the link
+    assert not os.path.lexists(cache / ".train.lmdb.partial")
+    assert _samples(staged) == _samples(local)
+
+
 _STALLED_URL_STAGE = """
 import json, sys, threading
 import packdata

@@ -216,6 +216,8 @@ def _stage_locked(
         with _unread(dest) as unread:
             if not unread:
                 raise _still_read(dest, shown)  # before a byte is downloaded
+    if partial.is_symlink() or (os.path.lexists(partial) and not partial.is_dir()):
+        discard_partial(partial)  # never downloaded through: only the link or file itself goes
     if holds_conversion(partial):  # not a download of ours: a conversion into NAME was interrupted here
         raise ConfigError(
             f"{partial.name} is an interrupted conversion into {name} (it holds its checkpoint), not a download",
