@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main
 from packdata.conversion.upload import download_source
-from packdata.errors import PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.pack.manifest import read_manifest
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
@@ -1396,6 +1396,33 @@ def test_a_download_folder_that_is_a_link_or_a_file_is_replaced_never_written_th
     assert not any(outside.iterdir())  # nothing was downloaded through the link
     assert not os.path.lexists(cache / ".train.lmdb.partial")
     assert _samples(staged) == _samples(local)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("inodes", [5, 12])  # the disk fills at a shard's file, at the index folder
+def test_a_read_only_or_full_cache_is_one_line_and_a_rerun_resumes(
+    s3, remote_pack, tmp_path: Path, inodes: int
+) -> None:
+    """A cache that fills up after the room check (its files: another stage into it) stops with one line."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount tmpfs")
+    options, _ = s3
+    url, local = remote_pack
+    ro, full = tmp_path / "ro", tmp_path / "full"
+    for point, mount_options in ((ro, "ro,size=1m"), (full, f"size=64m,nr_inodes={inodes}")):
+        point.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", mount_options, "tmpfs", str(point)], check=True)
+    try:
+        with pytest.raises(ConfigError, match=r"ro/cache: cannot write the destination \(Read-only file system\)"):
+            packdata.stage(url, to=ro / "cache", storage_options=options, progress=False)
+        with pytest.raises(CapacityError, match=r"full/\.train\.lmdb\.partial: the destination disk is full"):
+            packdata.stage(url, to=full, storage_options=options, progress=False)
+        subprocess.run(["mount", "-o", "remount,nr_inodes=1000", str(full)], check=True)
+        staged = packdata.stage(url, to=full, storage_options=options, progress=False)
+        assert _samples(staged.staged) == _samples(local)
+    finally:
+        for point in (ro, full):
+            subprocess.run(["umount", "-l", str(point)], check=False)
 
 
 _STALLED_URL_STAGE = """

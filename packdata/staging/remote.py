@@ -35,6 +35,7 @@ not at all: a cache without room for it is refused before anything is downloaded
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
 from packdata.formats import get_format
 from packdata.formats.remote_pack import remote_size
 from packdata.host.facts import gather_facts, read_mounts
@@ -131,9 +132,10 @@ def stage_remote(
             (see :func:`evict_for`).
 
     Raises:
-        ConfigError: no ``to``, a ``name`` that is not a plain folder name, ``to/NAME`` holds a folder
-            that is not a staged copy of ``url``, or the URL cannot be opened.
-        CapacityError: the cache cannot hold the whole pack, or memory checks refuse.
+        ConfigError: no ``to`` (or one that cannot be made), a ``name`` that is not a plain folder name,
+            ``to/NAME`` holds a folder that is not a staged copy of ``url``, or the URL cannot be opened.
+        CapacityError: the cache cannot hold the whole pack, memory checks refuse, or the
+            cache filled up while downloading (what was downloaded is kept: a rerun resumes).
         PackFormatError: the remote pack is not a pack, or a shard fails its checksum.
         LockedError: another process kept the download for longer than ``wait_seconds``, or
             ``to/NAME`` holds a copy of an older version of the pack that is still read.
@@ -149,7 +151,10 @@ def stage_remote(
         check_name(name, area=cache, url=shown)
     else:
         check_name(name, area=cache)
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise destination_error(exc, cache) from exc
     lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
     with contextlib.ExitStack() as held:
         while True:  # only the lock is waited for: a refusal under it (a copy still read) is final
@@ -224,17 +229,60 @@ def _stage_locked(
             path=partial,
             hint=f"Finish it (packdata convert ... {dest} --resume), drop it (--overwrite), or stage as another name",
         )
-    partial.mkdir(exist_ok=True)
-    sizes = {rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files}
-    todo = [
-        (rel, size, sha)
-        for rel, _, sha, _ in files
-        if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
-    ]
-    needed = sum(size for _, size, _ in todo)
-    if cache_limit is not None:
-        evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
-    _check_room(cache, needed, reserve, force)
+    try:  # the disk may fill after the check (another stage into the cache): what is downloaded is kept
+        partial.mkdir(exist_ok=True)
+        sizes = {
+            rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files
+        }
+        todo = [
+            (rel, size, sha)
+            for rel, _, sha, _ in files
+            if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
+        ]
+        needed = sum(size for _, size, _ in todo)
+        if cache_limit is not None:
+            evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
+        _check_room(cache, needed, reserve, force)
+        _download(fs, root, partial, todo, shown, name, needed, workers, progress)
+        atomic_write(partial / MANIFEST_NAME, raw)
+        write_marker(
+            partial,
+            origin=shown,
+            format=manifest.format,
+            staged=[s.file for s in manifest.shards],
+            left=[],
+            bytes_staged=manifest.total_bytes,
+            bytes_left=0,
+            complete=True,
+        )
+        _add_manifest_digest(partial, digest)
+        create_readers_lock(partial)
+        fsync_dir(partial)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise destination_error(exc, partial) from exc
+    check_destination(shown, dest)  # again: a folder may have appeared there while downloading
+    if not dest.exists():
+        os.rename(partial, dest)
+        fsync_dir(cache)
+    elif not delete_unread(dest, successor=partial):
+        raise _still_read(dest, shown)  # again: a reader may have opened it while downloading
+    return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
+
+
+def _download(
+    fs: Any,
+    root: str,
+    partial: Path,
+    todo: list[tuple[str, int, str | None]],
+    shown: str,
+    name: str,
+    needed: int,
+    workers: int | None,
+    progress: bool,
+) -> None:
+    """Download the files ``todo`` (``(relative path, size, sha256)``) into ``partial``, each checked and renamed."""
     ranges = []
     for rel, size, _ in todo:  # every file cut into ranges: a big shard downloads in parallel too
         tmp = _part(partial / rel)
@@ -250,27 +298,6 @@ def _stage_locked(
             bar.update(got)
     for rel, _, sha in todo:
         _finish_file(partial / rel, sha, shown, rel)
-    atomic_write(partial / MANIFEST_NAME, raw)
-    write_marker(
-        partial,
-        origin=shown,
-        format=manifest.format,
-        staged=[s.file for s in manifest.shards],
-        left=[],
-        bytes_staged=manifest.total_bytes,
-        bytes_left=0,
-        complete=True,
-    )
-    _add_manifest_digest(partial, digest)
-    create_readers_lock(partial)
-    fsync_dir(partial)
-    check_destination(shown, dest)  # again: a folder may have appeared there while downloading
-    if not dest.exists():
-        os.rename(partial, dest)
-        fsync_dir(cache)
-    elif not delete_unread(dest, successor=partial):
-        raise _still_read(dest, shown)  # again: a reader may have opened it while downloading
-    return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
 
 
 def _still_read(dest: Path, shown: str) -> LockedError:

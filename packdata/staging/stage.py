@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError
+from packdata.errors import CapacityError, ConfigError, destination_error
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.index import INDEX_DIR
@@ -252,7 +252,10 @@ def stage(
         area = area_info.path
     elif to is not None:
         area = Path(to).absolute()
-        area.mkdir(parents=True, exist_ok=True)
+        try:
+            area.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise destination_error(exc, area) from exc
     else:
         area = Path(mount or DEFAULT_AREA).absolute()
         if not area.is_dir() or (mount is None and tmpfs_mount_at(area) is None):

@@ -136,3 +136,17 @@ def test_unusable_sources(tmp_path: Path) -> None:
         assert result.exit_code in (1, 2), result.output  # click checks some SRCs itself: a usage error
         assert "Traceback" not in result.output
         assert next(line for line in result.output.splitlines() if line.startswith("Error: ")).count(str(src)) == 1
+
+
+@pytest.mark.parametrize("case", ["regular file", "parent is a file"])
+def test_stage_into_an_area_that_cannot_be_a_folder_is_one_line(text_folder: Path, tmp_path: Path, case: str) -> None:
+    from packdata import convert, stage
+
+    pack = convert(text_folder, tmp_path / "packs" / "train.lmdb", progress=False).pack
+    area, _, _ = _destinations(tmp_path)[case]
+    area = area.with_name("cache") if area.name == "PACK" else area
+    with pytest.raises(ConfigError, match="cannot write the destination"):
+        stage(pack, to=area, progress=False)
+    if case == "parent is a file":  # click refuses a file given as --to itself (a usage error)
+        _one_line_error(["stage", str(pack), "--to", str(area)], str(area))
+    assert (tmp_path / "a-file").read_text() == "x"
