@@ -892,6 +892,15 @@ def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote
         packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)
 
 
+def test_a_pack_larger_than_the_cache_limit_evicts_nothing(s3, remote_pack, tmp_path: Path) -> None:
+    options, local, cache, first, _ = _staged_and_second(s3, remote_pack, tmp_path)
+    incoming = read_manifest(local).total_bytes
+    with pytest.raises(packdata.CapacityError, match=rf"cache limit of {incoming // 2:,} bytes cannot hold the pack"):
+        packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                       cache_limit=incoming // 2)  # fmt: skip
+    assert _samples(first) == _samples(local)  # the copy another job may read next is kept
+
+
 def test_eviction_moves_a_copy_aside_past_a_leftover_under_its_own_pid(s3, remote_pack, tmp_path: Path) -> None:
     """A killed process whose pid this one reuses left ``.NAME.old-PID`` full of files: the copy is still evicted."""
     options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)

@@ -403,7 +403,8 @@ def evict_for(
         The copies deleted, oldest first.
 
     Raises:
-        CapacityError: the limit cannot be met by evicting what may be evicted.
+        CapacityError: the limit cannot be met by evicting what may be evicted (when
+            no eviction could meet it, such as a pack larger than the limit, nothing is evicted).
     """
     copies = []
     for entry in cache.iterdir():
@@ -412,6 +413,14 @@ def evict_for(
             continue
         copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, dir_bytes(entry), marker))
     total = incoming + sum(size for _, _, size, _ in copies)
+    kept = sum(size for _, _, size, marker in copies if not _remote_copy(marker))
+    if incoming + kept > limit:  # evicting every copy would not make room: evict none
+        beside = f" beside {kept:,} bytes of copies that are never evicted (of local packs, or incomplete)"
+        raise CapacityError(
+            f"the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes){beside if kept else ''}",
+            path=cache,
+            hint="Raise --cache-limit, or stage into another folder",
+        )
     evicted: list[Path] = []
     unknown = ""  # why a copy whose readers cannot be told was kept
     for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
