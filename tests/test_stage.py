@@ -729,6 +729,27 @@ def test_cli_stage_status_unstage(lmdb_pack: Path, tmp_path: Path) -> None:
     assert out.exit_code == 0 and "removed" in out.output
 
 
+def test_a_tmpfs_is_never_mounted_over_a_folder_that_holds_files(
+    lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """``--mount DIR`` on a folder of the user's, or one holding the pack being staged: mounting would hide it."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("three years of work")
+    for point in (notes, lmdb_pack.parent):
+        request.addfinalizer(lambda p=point: subprocess.run(["umount", "-l", os.fspath(p)], capture_output=True))
+        with pytest.raises(ConfigError, match=r"is not an empty folder: a tmpfs mounted here would hide what it holds"):
+            prepare_tmpfs(16 << 20, mount=point)
+        assert not os.path.ismount(point)
+    out = CliRunner().invoke(main, ["stage", "--tmpfs", "16M", "--mount", os.fspath(notes)])
+    assert out.exit_code == 1 and out.output == (
+        f"Error: {notes}: is not an empty folder: a tmpfs mounted here would hide what it holds. "
+        "Choose a new or empty --mount DIR (the default is /mnt/packdata)\n"
+    )
+    assert not os.path.ismount(notes) and (notes / "thesis.tex").read_text() == "three years of work"
+    assert _all_bytes(lmdb_pack)  # the pack is still there to read
+
+
 def test_without_root_one_line_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"needs root. Run `sudo packdata stage --tmpfs .*/dev/shm"):

@@ -88,14 +88,16 @@ def prepare_tmpfs(
 
     Args:
         size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
-        mount: the mount point, created when missing (default :data:`DEFAULT_AREA`).
+        mount: the mount point: a tmpfs there, an empty folder, or a path to create
+            (default :data:`DEFAULT_AREA`).
         resize: remount an existing tmpfs with the new size.
         force: mount or resize even when the memory checks refuse the size.
         reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
 
     Raises:
         CapacityError: the size is unsafe for this machine's memory (without ``force``).
-        ConfigError: not root, or something other than a tmpfs is mounted at ``mount``.
+        ConfigError: not root, something other than a tmpfs is mounted at ``mount``, or
+            nothing is and ``mount`` is not an empty folder (a mount would hide what it holds).
     """
     path = Path(mount).absolute()
     existing = tmpfs_mount_at(path)
@@ -104,6 +106,12 @@ def prepare_tmpfs(
             f"a {existing.fstype} filesystem is mounted here, not a tmpfs",
             path=path,
             hint="Choose another mount=DIR, or stage onto it with to=DIR",
+        )
+    if existing is None and os.path.lexists(path) and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(
+            "is not an empty folder: a tmpfs mounted here would hide what it holds",
+            path=path,
+            hint="Choose a new or empty mount=DIR (the default is /mnt/packdata)",
         )
     facts = gather_facts(include_gpus=False)
     current = shutil.disk_usage(path) if existing is not None else None
