@@ -249,6 +249,35 @@ def test_info_reads_a_remote_manifest(s3, remote_pack) -> None:
     assert "pack:     s3://packs/train.lmdb" in out.output and "samples:  18" in out.output
 
 
+_HUGE_MANIFEST = """
+import json, sys, tracemalloc
+import packdata
+from packdata.pack import manifest
+manifest._MAX_MANIFEST_BYTES = 1 << 20  # as the real 256 MiB, at test scale
+options = json.loads(sys.argv[1])
+packdata.pack_info("s3://packs/train.lmdb", storage_options=options)  # every import and connection made
+tracemalloc.start()
+try:
+    packdata.pack_info("s3://packs/huge", storage_options=options)
+except packdata.PackFormatError as exc:
+    print(exc)
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def test_a_remote_manifest_past_the_size_limit_is_refused_without_downloading_it(s3, remote_pack) -> None:
+    """A stranger's bucket whose manifest.json is huge: read up to the limit, never held whole in memory."""
+    options, fs = s3
+    fs.pipe_file("packs/huge/manifest.json", b'{"format": "lmdb", "pad": "' + b"x" * (64 << 20) + b'"}')
+    child = subprocess.run(
+        [sys.executable, "-c", _HUGE_MANIFEST, json.dumps(options)], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    message, peak = child.stdout.splitlines()
+    assert re.match(r"s3://packs/huge: .*manifest is larger than 1 MiB", message), message
+    assert int(peak) < 16 << 20, f"{int(peak):,} bytes held at once reading a 64 MiB manifest"
+
+
 def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Path, monkeypatch) -> None:
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))

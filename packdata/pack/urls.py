@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from packdata.errors import ConfigError, PackFormatError, SourceError
+from packdata.pack import manifest as manifest_file
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 __all__ = ["EXTRAS", "display_url", "is_url", "object_version", "open_url", "read_url_manifest", "remote_error"]
@@ -76,7 +77,8 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
             when its manifest.json does), unreadable, invalid, or a staged pack.
     """
     try:
-        raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}")
+        # one byte past the largest manifest read_manifest takes: a larger object is refused, never downloaded whole
+        raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}", start=0, end=manifest_file._MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
         raise PackFormatError(
             f"{shown}: no {MANIFEST_NAME} there: not a pack, or not finished (a pack exists when its "
