@@ -179,6 +179,21 @@ def test_a_remote_manifest_naming_one_file_twice_is_refused_before_a_download(
     assert not [p.name for p in cache.iterdir() if "partial" in p.name or p.name == f"clash-{clash}"]
 
 
+def test_a_remote_manifest_error_names_the_manifest_by_its_url(s3, remote_pack, tmp_path: Path) -> None:
+    """Not the temporary file the manifest was checked in, which is gone by the time the error is read."""
+    options, fs = s3
+    _, local = remote_pack
+    pack = tmp_path / "evil.lmdb"
+    shutil.copytree(local, pack)
+    rewrite_manifest(pack, lambda d: d["shards"][0].__setitem__("file", "../../etc"))
+    fs.put(str(pack), "packs/evil.lmdb", recursive=True)
+    out = _cli("info", "s3://packs/evil.lmdb", options=options)
+    assert out.exit_code == 1 and out.output.startswith(
+        "Error: s3://packs/evil.lmdb/manifest.json: manifest field 'shards[0].file' should"
+    ), out.output
+    assert out.output.count("\n") == 1 and "packdata-manifest-" not in out.output
+
+
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
     options, _ = s3
     url, local = remote_pack
@@ -274,7 +289,7 @@ def test_a_remote_manifest_past_the_size_limit_is_refused_without_downloading_it
     )
     assert child.returncode == 0, child.stderr[-2000:]
     message, peak = child.stdout.splitlines()
-    assert re.match(r"s3://packs/huge: .*manifest is larger than 1 MiB", message), message
+    assert message.startswith("s3://packs/huge/manifest.json: manifest is larger than 1 MiB. "), message
     assert int(peak) < 16 << 20, f"{int(peak):,} bytes held at once reading a 64 MiB manifest"
 
 

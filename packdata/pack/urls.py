@@ -91,8 +91,8 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
         Path(probe, MANIFEST_NAME).write_bytes(raw)
         try:
             manifest = read_manifest(probe)
-        except PackFormatError as exc:
-            raise PackFormatError(f"{shown}: {exc}") from exc
+        except PackFormatError as exc:  # named by its URL: the probe folder is gone once this returns
+            raise PackFormatError(exc.message, path=f"{shown}/{MANIFEST_NAME}", hint=exc.hint) from exc
     if manifest.staged_from is not None:
         raise PackFormatError(f"{shown}: is a staged pack; use its origin", hint="Point at the original pack")
     return manifest, raw
