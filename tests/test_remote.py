@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
-from packdata.conversion.upload import download_source
+from packdata.conversion.upload import download_source, work_folder
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.pack.manifest import read_manifest
 
@@ -192,6 +193,39 @@ def test_a_remote_manifest_error_names_the_manifest_by_its_url(s3, remote_pack, 
         "Error: s3://packs/evil.lmdb/manifest.json: manifest field 'shards[0].file' should"
     ), out.output
     assert out.output.count("\n") == 1 and "packdata-manifest-" not in out.output
+
+
+@pytest.mark.parametrize("planted", ["symlink", "folder anyone may write in"])
+def test_default_work_folders_are_never_ones_another_user_may_change(
+    s3, remote_tfrecord, tmp_path: Path, monkeypatch, planted: str
+) -> None:
+    """In a shared /tmp another user may make packdata's folder first, or a link there to a folder they chose."""
+    options, _ = s3
+    url, local = remote_tfrecord
+    shared, chosen = tmp_path / "shared-tmp", tmp_path / "chosen"
+    shared.mkdir()
+    chosen.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.delenv("PACKDATA_TMP", raising=False)
+    for kind in ("remote", "upload"):
+        for name in (f"packdata-{kind}", f"packdata-{kind}-{os.getuid()}"):  # the older name, and this version's
+            if planted == "symlink":
+                (shared / name).symlink_to(chosen)
+            else:
+                (shared / name).mkdir()
+                (shared / name).chmod(0o777)
+    problem = "a symlink, not a folder" if planted == "symlink" else "a folder others may write in"
+    with pytest.raises(ConfigError, match=rf"packdata-remote-{os.getuid()}: is {problem}: packdata keeps no files"):
+        packdata.TFRecordDataset(url, storage_options=options)
+    with pytest.raises(ConfigError, match=rf"packdata-upload-{os.getuid()}: is {problem}: .*PACKDATA_TMP"):
+        work_folder("s3://packs/new.lmdb")
+    assert not any(chosen.iterdir()) and not any(p.is_dir() and any(p.iterdir()) for p in shared.iterdir())
+    for entry in shared.iterdir():
+        entry.unlink() if entry.is_symlink() else entry.rmdir()
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options)
+    assert sorted(data for data, _ in ds) == expected
+    assert (shared / f"packdata-remote-{os.getuid()}").stat().st_mode & 0o777 == 0o700
 
 
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:

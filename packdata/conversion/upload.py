@@ -41,7 +41,7 @@ from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
-from packdata.pack.files import PROGRESS_FILE, file_sha256
+from packdata.pack.files import PROGRESS_FILE, file_sha256, private_temp_folder
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import display_url, object_version, open_url, remote_error
 from packdata.progress import progress as show_progress
@@ -58,9 +58,13 @@ __all__ = [
 ]
 
 
+_PRIVATE_HINT = "Remove it if it is not yours, or set PACKDATA_TMP to a folder of your own"
+
+
 def work_folder(url: str) -> Path:
     """The local folder a conversion into ``url`` packs into (stable per URL, so a resume finds it)."""
-    base = Path(os.environ.get("PACKDATA_TMP") or tempfile.gettempdir()) / "packdata-upload"
+    chosen = os.environ.get("PACKDATA_TMP")
+    base = Path(chosen) / "packdata-upload" if chosen else private_temp_folder("packdata-upload", hint=_PRIVATE_HINT)
     shown = display_url(url)
     tag = hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
     name = shown.rstrip("/").rsplit("/", 1)[-1]

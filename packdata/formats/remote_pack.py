@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from typing import Any
 
 from packdata.errors import LockedError, PackFormatError, SourceError
 from packdata.formats import get_format
-from packdata.pack.files import aside_path, atomic_write, discard_stale
+from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -339,6 +338,7 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     return dest
 
 
+_CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of your own)"
 _LOCK_POLL = 0.05  # seconds between tries for a cache entry another process is filling
 
 
@@ -374,7 +374,7 @@ def fetch_pack_skeleton(
 ) -> tuple[Path, Manifest, Any, str]:
     """A cached local copy of a remote pack without its shards' data (see the module docstring).
 
-    Kept in ``cache_dir`` (default the system's temporary folder) and reused
+    Kept in ``cache_dir`` (default ``packdata-remote-UID`` in the system's temporary folder) and reused
     while the remote manifest is the same, replaced atomically when not. Processes
     sharing ``cache_dir`` take turns on an entry: one downloads it while the
     others wait, then use its copy; a copy whose manifest matches is never replaced.
@@ -391,7 +391,7 @@ def fetch_pack_skeleton(
     shown = display_url(url)
     manifest, raw = read_url_manifest(fs, root, shown)
     digest = hashlib.sha256(raw).hexdigest()
-    base = Path(cache_dir or Path(tempfile.gettempdir()) / "packdata-remote")
+    base = Path(cache_dir) if cache_dir else private_temp_folder("packdata-remote", hint=_CACHE_HINT)
     dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / (root.rsplit("/", 1)[-1] or "pack")
     if _holds(dest, digest):
         return dest, manifest, fs, root

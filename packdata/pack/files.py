@@ -10,12 +10,20 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 from io import BufferedReader
 from pathlib import Path
 
 import numpy as np
 
-from packdata.errors import PackFormatError, out_of_files_error, out_of_maps, out_of_maps_error, too_many_open_files
+from packdata.errors import (
+    ConfigError,
+    PackFormatError,
+    out_of_files_error,
+    out_of_maps,
+    out_of_maps_error,
+    too_many_open_files,
+)
 
 __all__ = [
     "PROGRESS_FILE",
@@ -34,6 +42,7 @@ __all__ = [
     "not_a_file",
     "open_pack_file",
     "open_regular",
+    "private_temp_folder",
     "read_regular",
     "stream_sha256",
     "temporary_owner",
@@ -316,3 +325,29 @@ def discard_stale(dest: Path, *kinds: str) -> None:
     for entry in stale_siblings(dest, *kinds):
         with contextlib.suppress(OSError):
             discard_partial(entry)
+
+
+def private_temp_folder(name: str, *, hint: str) -> Path:
+    """``NAME-UID`` in the system's temporary folder, which only this user may write; made (mode 0700) when missing.
+
+    The temporary folder is shared: a folder another user made there first, or a
+    link, would let them change what packdata keeps in it or have packdata write
+    where they chose.
+
+    Raises:
+        ConfigError: it is a link or not a folder, another user's, or others may write in it
+            (``hint`` says where else to keep the files).
+    """
+    folder = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        problem = f"is {file_kind(info.st_mode)}, not a folder"
+    elif info.st_uid != os.getuid():
+        problem = "is another user's folder"
+    elif info.st_mode & 0o022:
+        problem = "is a folder others may write in"
+    else:
+        return folder
+    raise ConfigError(f"{problem}: packdata keeps no files there (others could change them)", path=folder, hint=hint)
