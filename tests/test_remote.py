@@ -228,6 +228,22 @@ def test_default_work_folders_are_never_ones_another_user_may_change(
     assert (shared / f"packdata-remote-{os.getuid()}").stat().st_mode & 0o777 == 0o700
 
 
+def test_a_remote_pack_named_dot_dot_is_cached_in_its_own_folder(s3, remote_tfrecord, tmp_path: Path) -> None:
+    """An object store keeps '..' as a plain name: s3://packs/dots/.. is a pack, never the cache folder's parent."""
+    options, fs = s3
+    _, local = remote_tfrecord
+    fs.put(str(local), "packs/dots/..", recursive=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "notes.txt").write_text("mine")
+    ds = packdata.TFRecordDataset("s3://packs/dots/..", decode="bytes", storage_options=options, cache_dir=cache)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    assert sorted(data for data, _ in ds) == expected
+    (tag,) = (p for p in cache.iterdir() if p.is_dir())
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["notes.txt", tag.name])
+    assert [p.name for p in tag.iterdir() if not p.name.endswith(".lock")] == ["pack"]
+
+
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
     options, _ = s3
     url, local = remote_pack

@@ -43,7 +43,7 @@ from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
 from packdata.pack.files import PROGRESS_FILE, file_sha256, private_temp_folder
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
-from packdata.pack.urls import display_url, object_version, open_url, remote_error
+from packdata.pack.urls import display_url, local_name, object_version, open_url, remote_error
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
@@ -67,8 +67,7 @@ def work_folder(url: str) -> Path:
     base = Path(chosen) / "packdata-upload" if chosen else private_temp_folder("packdata-upload", hint=_PRIVATE_HINT)
     shown = display_url(url)
     tag = hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
-    name = shown.rstrip("/").rsplit("/", 1)[-1]
-    return base / tag / (name if name not in ("", ".", "..") else "pack")  # never the tag folder or above it
+    return base / tag / local_name(shown)  # never the tag folder or above it
 
 
 def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool) -> None:

@@ -33,7 +33,7 @@ from packdata.pack.files import aside_path, atomic_write, discard_stale, private
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, object_version, open_url, read_url_manifest, remote_error
+from packdata.pack.urls import display_url, local_name, object_version, open_url, read_url_manifest, remote_error
 
 __all__ = [
     "RemoteStream",
@@ -392,7 +392,7 @@ def fetch_pack_skeleton(
     manifest, raw = read_url_manifest(fs, root, shown)
     digest = hashlib.sha256(raw).hexdigest()
     base = Path(cache_dir) if cache_dir else private_temp_folder("packdata-remote", hint=_CACHE_HINT)
-    dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / (root.rsplit("/", 1)[-1] or "pack")
+    dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / local_name(root)  # never the tag folder
     if _holds(dest, digest):
         return dest, manifest, fs, root
     dest.parent.mkdir(parents=True, exist_ok=True)

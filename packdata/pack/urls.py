@@ -17,7 +17,16 @@ from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack import manifest as manifest_file
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
-__all__ = ["EXTRAS", "display_url", "is_url", "object_version", "open_url", "read_url_manifest", "remote_error"]
+__all__ = [
+    "EXTRAS",
+    "display_url",
+    "is_url",
+    "local_name",
+    "object_version",
+    "open_url",
+    "read_url_manifest",
+    "remote_error",
+]
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 """URL scheme -> the packdata extra that installs its fsspec filesystem."""
@@ -36,6 +45,16 @@ def display_url(url: str) -> str:
     if parts.port:
         host += f":{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def local_name(url: str) -> str:
+    """The last part of ``url``'s path as one local folder name: ``"pack"`` when it has none (``""``, ``.``, ``..``).
+
+    An object store keeps ``.`` and ``..`` as plain names, so ``s3://bucket/x/..`` is a
+    pack of its own; a local folder so named would be the folder above.
+    """
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return name if name not in ("", ".", "..") else "pack"
 
 
 def object_version(info: dict[str, Any]) -> str:
