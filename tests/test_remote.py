@@ -244,6 +244,22 @@ def test_a_remote_pack_named_dot_dot_is_cached_in_its_own_folder(s3, remote_tfre
     assert [p.name for p in tag.iterdir() if not p.name.endswith(".lock")] == ["pack"]
 
 
+def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
+    """A clean-up of the cache (or a full disk) took an offsets index and cut the keys: not a pack to read so."""
+    options, _ = s3
+    url, local = remote_tfrecord
+    cache = tmp_path / "cache"
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+    assert sorted(data for data, _ in ds) == expected
+    next(cache.rglob("*.tfindex")).unlink()
+    (keys,) = cache.rglob("keys.utf8")
+    os.truncate(keys, keys.stat().st_size // 2)
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+    assert sorted(data for data, _ in ds) == expected
+    assert keys.read_bytes() == (local / "index" / "keys.utf8").read_bytes()
+
+
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
     options, _ = s3
     url, local = remote_pack

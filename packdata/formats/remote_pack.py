@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -311,6 +313,7 @@ def _skeleton_names(manifest: Manifest, *, report: bool) -> list[tuple[str, bool
 
 
 _COPY_BLOCK = 4 << 20
+_FILES = ".files.json"  # in a downloaded skeleton: {relative path: size} of each file downloaded
 
 
 def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown: str, dest: Path) -> Path:
@@ -323,6 +326,7 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
         PackFormatError: a file the pack needs is missing.
         SourceError: a request failed.
     """
+    sizes: dict[str, int] = {}
     for name, required in _skeleton_names(manifest, report=True):
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -334,6 +338,9 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                 raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
         except Exception as exc:
             raise remote_error(shown, f"cannot read {name}", exc) from exc
+        else:
+            sizes[name] = target.stat().st_size
+    atomic_write(dest / _FILES, json.dumps(sizes).encode("utf-8"))  # what a reused copy must still hold
     atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
     return dest
 
@@ -343,11 +350,25 @@ _LOCK_POLL = 0.05  # seconds between tries for a cache entry another process is 
 
 
 def _holds(dest: Path, digest: str) -> bool:
-    """Whether the cached copy ``dest`` is complete and its manifest's sha256 is ``digest``."""
+    """Whether the cached copy ``dest`` is of the manifest whose sha256 is ``digest`` and still holds every file.
+
+    Each file downloaded must still be a regular file of the size it had (a copy
+    that lost one, to a clean-up of the temporary folder or a full disk, is
+    downloaded again rather than read as a pack without it).
+    """
     try:
-        return hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() == digest
-    except (FileNotFoundError, NotADirectoryError):
+        if hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() != digest:
+            return False
+        sizes = json.loads((dest / _FILES).read_bytes())
+        return isinstance(sizes, dict) and all(_regular_size(dest / name) == size for name, size in sizes.items())
+    except (OSError, ValueError):
         return False
+
+
+def _regular_size(path: Path) -> int:
+    """``path``'s size, or -1 when it is not a regular file."""
+    info = path.lstat()
+    return info.st_size if stat.S_ISREG(info.st_mode) else -1
 
 
 @contextlib.contextmanager
