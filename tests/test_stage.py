@@ -417,6 +417,20 @@ def test_damaged_source_is_never_staged(lmdb_pack: Path, tmp_path: Path) -> None
     assert len(LMDBDataset(staged, decode="bytes")) == 36
 
 
+@pytest.mark.parametrize("index", ["symlink", "missing"])
+def test_a_source_whose_index_is_not_its_own_folder_is_refused_before_a_copy(
+    lmdb_pack: Path, tmp_path: Path, index: str
+) -> None:
+    """Once staged without a word, as a 'complete' pack that no reader could open (no index)."""
+    os.rename(lmdb_pack / "index", lmdb_pack / "index-real")
+    if index == "symlink":  # inside the pack, so the source itself still reads
+        (lmdb_pack / "index").symlink_to("index-real")
+    kind = "is not a folder of the pack (it is a symlink)" if index == "symlink" else "is missing"
+    with pytest.raises(PackFormatError, match=rf"train\.lmdb/index: the sample index folder {re.escape(kind)}"):
+        stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert not any((tmp_path / "nvme" / "train.lmdb").iterdir())  # nothing copied, no staged.json
+
+
 def test_a_manifest_naming_one_file_twice_is_refused_before_a_copy(tfrecord_pack: Path, tmp_path: Path) -> None:
     """A stranger's manifest names shard 1 as shard 0's offsets index: both would be copied to one name."""
     first, second = (s.file for s in read_manifest(tfrecord_pack).shards[:2])

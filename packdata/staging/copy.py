@@ -50,6 +50,7 @@ __all__ = [
     "copy_index",
     "copy_regular",
     "dir_bytes",
+    "index_folder",
     "is_staged",
     "locked",
     "only_lock_left",
@@ -318,6 +319,28 @@ def same_tree(src: Path, dst: Path, digests: dict[str, str]) -> bool:
     return True
 
 
+def index_folder(source: Path, manifest: Manifest) -> Path:
+    """The source pack's sample index folder, which stage copies: a folder of the pack's own, not a link.
+
+    Raises:
+        PackFormatError: it is missing, or is a symlink or not a folder.
+    """
+    folder = source / manifest.index_dir
+    try:
+        mode = folder.lstat().st_mode
+    except FileNotFoundError:
+        raise PackFormatError(
+            "the sample index folder is missing", path=folder, hint="Convert the pack again"
+        ) from None
+    if not stat.S_ISDIR(mode):
+        raise PackFormatError(
+            f"the sample index folder is not a folder of the pack (it is {file_kind(mode)})",
+            path=folder,
+            hint="packdata copies only a pack's own regular files: replace it by the real folder or convert again",
+        )
+    return folder
+
+
 def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
     """Copy the sample index (and small extras) unless the destination already holds the same files.
 
@@ -330,12 +353,13 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
 
     Raises:
         PackFormatError: an index file of the source is damaged (its copy does
-            not match the manifest) or is not a regular file.
+            not match the manifest) or is not a regular file, or the index folder
+            is not a folder of the pack (:func:`index_folder`).
     """
     name = manifest.index_dir
-    src = source / name
+    src = index_folder(source, manifest)
     digests = manifest.index_sha256
-    if src.is_dir() and not src.is_symlink() and not same_tree(src, dest / name, digests):
+    if not same_tree(src, dest / name, digests):
         temp = dest / f".{name}{PARTIAL}"
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir()

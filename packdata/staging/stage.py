@@ -52,7 +52,6 @@ from typing import Any
 from packdata.errors import CapacityError, ConfigError, destination_error
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.pack.index import INDEX_DIR
 from packdata.pack.lock import create_readers_lock
 from packdata.pack.manifest import Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
@@ -61,6 +60,7 @@ from packdata.staging.copy import (
     copy_all,
     copy_index,
     dir_bytes,
+    index_folder,
     is_staged,
     locked,
     remove_leftovers,
@@ -272,13 +272,13 @@ def stage(
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
+        index_dir = index_folder(source, manifest)
         sizes = {u.number: u.size for u in units}
         if not (dest / STAGED_FILE).is_file():  # claim the folder first, so a failed run can be retried
             _mark(dest, source, manifest, units, set(), sizes, complete=False)
         valid = {u.number for u in units if is_staged(u)}
         existing = sum(u.dest_bytes() for u in units)
-        index_dir = source / manifest.index.get("dir", INDEX_DIR)
-        fresh_index = index_dir.is_dir() and not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
+        fresh_index = not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
         index_bytes = dir_bytes(index_dir) if fresh_index else 0
         free = _free_bytes(area)
         capacity = max(free + existing - index_bytes - _HEADROOM, 0)
