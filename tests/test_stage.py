@@ -845,6 +845,35 @@ def test_tiny_tmpfs_default_budget_stages_what_fits(lmdb_pack: Path, tmpfs) -> N
     assert _all_bytes(result.staged) == _all_bytes(lmdb_pack)
 
 
+_PREPARE_AT_ONCE = """
+import os, sys, time
+from packdata.staging.tmpfs import prepare_tmpfs
+while not os.path.exists(sys.argv[2]):  # every child starts at the same moment
+    time.sleep(0.001)
+print(prepare_tmpfs(16 << 20, mount=sys.argv[1]).action)
+"""
+
+
+@pytest.mark.root
+@needs_root
+def test_stages_preparing_one_tmpfs_at_once_mount_it_once(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two jobs on a node each asking for the area: one mounts it, the others reuse it (never a tmpfs on a tmpfs)."""
+    point, go = tmp_path / "area", tmp_path / "go"
+    request.addfinalizer(lambda: [subprocess.run(["umount", os.fspath(point)], capture_output=True) for _ in range(6)])
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PREPARE_AT_ONCE, os.fspath(point), os.fspath(go)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    time.sleep(2)  # every child is waiting for the start
+    go.touch()
+    actions = sorted(child.communicate(timeout=60)[0].strip() for child in children)
+    assert actions == ["mounted"] + ["reused"] * 5
+    with open("/proc/mounts") as mounts:
+        assert sum(line.split()[1] == os.fspath(point) for line in mounts) == 1
+
+
 @pytest.mark.root
 @needs_root
 def test_cli_prepare_area_then_stage_into_it(lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:

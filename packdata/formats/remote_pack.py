@@ -17,7 +17,6 @@ with one error instead of mixing two packs' records.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -25,15 +24,15 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import LockedError, PackFormatError, SourceError
+from packdata.errors import PackFormatError, SourceError
 from packdata.formats import get_format
 from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
 from packdata.pack.index import index_files
-from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, local_name, object_version, open_url, read_url_manifest, remote_error
 
@@ -346,7 +345,6 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
 
 
 _CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of your own)"
-_LOCK_POLL = 0.05  # seconds between tries for a cache entry another process is filling
 
 
 def _holds(dest: Path, digest: str) -> bool:
@@ -369,25 +367,6 @@ def _regular_size(path: Path) -> int:
     """``path``'s size, or -1 when it is not a regular file."""
     info = path.lstat()
     return info.st_size if stat.S_ISREG(info.st_mode) else -1
-
-
-@contextlib.contextmanager
-def _hold_entry(dest: Path) -> Iterator[None]:
-    """Hold the lock of the cache entry ``dest`` (``.NAME.lock`` beside it), waiting while another process does.
-
-    The wait has no limit: the holder is downloading, and the kernel drops its
-    lock if it dies.
-    """
-    with contextlib.ExitStack() as stack:
-        while True:
-            try:
-                stack.enter_context(
-                    hold_lock(convert_lock_path(dest), what="packdata (remote pack cache)", target=dest)
-                )
-                break
-            except LockedError:
-                time.sleep(_LOCK_POLL)
-        yield
 
 
 def fetch_pack_skeleton(
@@ -417,7 +396,7 @@ def fetch_pack_skeleton(
     if _holds(dest, digest):
         return dest, manifest, fs, root
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _hold_entry(dest):  # one process at a time checks, downloads and replaces this entry
+    with wait_for_lock(convert_lock_path(dest), what="packdata (remote pack cache)", target=dest):  # one at a time
         if _holds(dest, digest):  # another process made it while this one waited
             return dest, manifest, fs, root
         discard_stale(dest, "partial", "old")  # what killed downloads and swaps of this entry left

@@ -46,10 +46,14 @@ __all__ = [
     "exclude_readers",
     "hold_lock",
     "hold_readers_lock",
+    "wait_for_lock",
 ]
 
 READERS_LOCK = ".readers.lock"
 """In a staged copy: the file its readers hold shared, and whoever deletes the copy exclusively."""
+
+
+_WAIT_POLL = 0.05  # seconds between tries for a lock another process holds
 
 
 def convert_lock_path(dst: str | os.PathLike) -> Path:
@@ -168,6 +172,22 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         os.close(fd)
+
+
+@contextlib.contextmanager
+def wait_for_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) -> Iterator[Path]:
+    """Hold the lock file ``path`` for the block (see :func:`hold_lock`), waiting while another process holds it.
+
+    The wait has no limit: the holder is at work, and the kernel drops its lock if it dies.
+    """
+    with contextlib.ExitStack() as stack:
+        while True:
+            try:
+                held = stack.enter_context(hold_lock(path, what=what, target=target))
+                break
+            except LockedError:
+                time.sleep(_WAIT_POLL)
+        yield held
 
 
 def create_readers_lock(copy: Path) -> None:

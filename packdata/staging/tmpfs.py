@@ -13,6 +13,7 @@ from typing import Any
 from packdata.errors import CapacityError, ConfigError
 from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.units import format_size
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
@@ -100,6 +101,15 @@ def prepare_tmpfs(
             nothing is and ``mount`` is not an empty folder (a mount would hide what it holds).
     """
     path = Path(mount).absolute()
+    if os.geteuid() != 0:  # nothing is mounted without root (it is said below): no lock to take
+        return _prepare(size, path, resize=resize, force=force, reserve=reserve)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wait_for_lock(convert_lock_path(path), what="packdata stage --tmpfs", target=path):
+        return _prepare(size, path, resize=resize, force=force, reserve=reserve)  # two at once: one mounts
+
+
+def _prepare(size: int, path: Path, *, resize: bool, force: bool, reserve: int | None) -> TmpfsArea:
+    """:func:`prepare_tmpfs` once no other process is mounting at ``path``."""
     existing = tmpfs_mount_at(path)
     if existing is not None and existing.fstype != "tmpfs":
         raise ConfigError(
