@@ -807,6 +807,8 @@ def test_tmpfs_mount_stage_and_unmount(
     assert stage(pack, mount=point, progress=False).copied == []
     with pytest.raises(ConfigError, match=r"a tmpfs of 48.0 MiB is mounted here, not the 64.0 MiB asked for"):
         stage(pack, tmpfs=64 << 20, mount=point, progress=False)  # once silently "reused" at 48 MiB
+    out = CliRunner().invoke(main, ["stage", "--tmpfs", "64M", "--mount", os.fspath(point)])
+    assert out.exit_code == 1 and ". Pass --resize to remount it at 64.0 MiB after the memory checks" in out.output
     done = unstage(point, unmount=True)
     assert done.unmounted == point
     assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())

@@ -135,7 +135,7 @@ def _prepare(size: int, path: Path, *, resize: bool, force: bool, reserve: int |
             raise ConfigError(
                 f"a tmpfs of {format_size(current.total)} is mounted here, not the {format_size(size)} asked for",
                 path=path,
-                hint=f"Pass resize=True (--resize) to remount it at {format_size(size)} after the memory checks, "
+                hint=f"Pass resize=True to remount it at {format_size(size)} after the memory checks, "
                 f"or ask for {format_size(current.total)}",
             )
     refused = [w for w in warnings if w.severity == "refuse"]
