@@ -145,3 +145,8 @@ def test_cli_doctor(tf_pack: Path) -> None:
     assert out.exit_code == 0 and "start with: DataLoader(" in out.output and "memory:" in out.output
     out = runner.invoke(main, ["doctor", "/nonexistent/pack"])
     assert out.exit_code == 1 and out.output.startswith("Error: ")
+    out = runner.invoke(main, ["doctor", "s3://key:secret@bucket/train.lmdb"])  # once 'no such pack' at 's3:/...'
+    assert out.exit_code == 1 and out.output == (
+        "Error: s3://bucket/train.lmdb: doctor looks at a pack on this machine's disks (its file system and "
+        "shards). Stage it first (packdata stage s3://bucket/train.lmdb --to DIR) and run doctor on the staged copy\n"
+    )

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packdata.errors import ConfigError
 from packdata.formats import get_format
 from packdata.host.cores import recommend_workers, usable_cores
 from packdata.host.facts import SystemFacts, find_mount, gather_facts, is_network_fs, is_rotational, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import read_manifest
+from packdata.pack.urls import display_url, is_url
 from packdata.staging.marker import read_marker
 from packdata.units import format_size
 
@@ -232,8 +234,15 @@ def doctor(
 
     Raises:
         PackFormatError: ``pack`` is not a readable pack.
+        ConfigError: ``pack`` is a URL (a pack in object storage is looked at once staged).
         ValueError: ``ranks`` or ``workers`` is negative.
     """
+    if isinstance(pack, str) and is_url(pack):
+        shown = display_url(pack)
+        raise ConfigError(
+            f"{shown}: doctor looks at a pack on this machine's disks (its file system and shards)",
+            hint=f"Stage it first (packdata stage {shown} --to DIR) and run doctor on the staged copy",
+        )
     if ranks < 1:
         raise ValueError(f"ranks should be at least 1, but got ranks={ranks}")
     if workers is not None and workers < 0:
