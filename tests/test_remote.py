@@ -260,6 +260,26 @@ def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord,
     assert keys.read_bytes() == (local / "index" / "keys.utf8").read_bytes()
 
 
+@pytest.mark.root
+@pytest.mark.parametrize("inodes", [6, 9])  # the disk fills at an index file, at a side table
+def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(
+    s3, remote_tfrecord, tmp_path: Path, inodes: int
+) -> None:
+    """Once 'cannot read index/labels.i32 (OSError). Check the URL, the endpoint and the credentials'."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount tmpfs")
+    options, _ = s3
+    url, _ = remote_tfrecord
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,nr_inodes={inodes}", "tmpfs", str(cache)], check=True)
+    try:
+        with pytest.raises(packdata.CapacityError, match=rf"^{re.escape(str(cache))}/.*: the destination disk is full"):
+            packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
     options, _ = s3
     url, local = remote_pack

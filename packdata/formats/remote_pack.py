@@ -17,6 +17,7 @@ with one error instead of mixing two packs' records.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import PackFormatError, SourceError
+from packdata.errors import PackFormatError, SourceError, destination_error
 from packdata.formats import get_format
 from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
 from packdata.pack.index import index_files
@@ -324,24 +325,37 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     Raises:
         PackFormatError: a file the pack needs is missing.
         SourceError: a request failed.
+        CapacityError: the local disk filled up (named; what was written is left for the next run to remove).
     """
     sizes: dict[str, int] = {}
-    for name, required in _skeleton_names(manifest, report=True):
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
-            with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
-                shutil.copyfileobj(remote, local, _COPY_BLOCK)
-        except FileNotFoundError:
-            if required:
-                raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
-        except Exception as exc:
-            raise remote_error(shown, f"cannot read {name}", exc) from exc
-        else:
-            sizes[name] = target.stat().st_size
-    atomic_write(dest / _FILES, json.dumps(sizes).encode("utf-8"))  # what a reused copy must still hold
-    atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
+    try:
+        for name, required in _skeleton_names(manifest, report=True):
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
+                with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
+                    shutil.copyfileobj(remote, local, _COPY_BLOCK)
+            except FileNotFoundError:
+                if required:
+                    raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
+            except Exception as exc:
+                if _disk_full(exc):
+                    raise
+                raise remote_error(shown, f"cannot read {name}", exc) from exc
+            else:
+                sizes[name] = target.stat().st_size
+        atomic_write(dest / _FILES, json.dumps(sizes).encode("utf-8"))  # what a reused copy must still hold
+        atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
+    except OSError as exc:
+        if not _disk_full(exc):
+            raise
+        raise destination_error(exc, dest) from exc
     return dest
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a local write refused for want of space (never what a failed request raises)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 _CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of your own)"
