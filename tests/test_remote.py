@@ -1031,6 +1031,34 @@ def test_a_pack_larger_than_the_cache_limit_evicts_nothing(s3, remote_pack, tmp_
     assert _samples(first) == _samples(local)  # the copy another job may read next is kept
 
 
+def test_replacing_a_copy_that_is_a_link_deletes_the_link_never_what_it_leads_to(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """A staged copy's name in the cache made a link to a copy elsewhere (a user sharing one): when the pack
+    changed at its origin, the stage moved the link aside and deleted through it, emptying the folder outside
+    the cache, and left the link behind. The link goes, never what it leads to."""
+    options, fs = s3
+    _, local = remote_pack
+    url = "s3://packs/linked.lmdb"
+    fs.put(str(local), url.removeprefix("s3://"), recursive=True)
+    cache = tmp_path / "cache"
+    copy = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    elsewhere = tmp_path / "elsewhere" / copy.name
+    elsewhere.parent.mkdir()
+    os.rename(copy, elsewhere)
+    copy.symlink_to(elsewhere)
+    before = sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*"))
+    newer = tmp_path / "newer.lmdb"  # the same samples in 2 shards: another manifest
+    packdata.convert(local.parent / "src", newer, shard_samples=9, progress=False)
+    fs.rm(url.removeprefix("s3://"), recursive=True)
+    fs.put(str(newer), url.removeprefix("s3://"), recursive=True)
+    result = packdata.stage(url, to=cache, storage_options=options, progress=False)
+    assert result.downloaded and not copy.is_symlink() and _samples(copy) == _samples(local)
+    assert sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*")) == before
+    assert _samples(elsewhere) == _samples(local)
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [copy.name]
+
+
 def test_eviction_moves_a_copy_aside_past_a_leftover_under_its_own_pid(s3, remote_pack, tmp_path: Path) -> None:
     """A killed process whose pid this one reuses left ``.NAME.old-PID`` full of files: the copy is still evicted."""
     options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)

@@ -509,8 +509,12 @@ def delete_copy(copy: Path, *, ignore_errors: bool = False) -> None:
 
     A delete killed midway so leaves a folder still known as a staged copy,
     which ``unstage AREA`` sweeps; without its marker it would stay for good
-    (on tmpfs: RAM) unless NAME were staged there again.
+    (on tmpfs: RAM) unless NAME were staged there again. A link (or a file)
+    standing there is removed itself: what a link leads to is never deleted.
     """
+    if copy.is_symlink() or not copy.is_dir():
+        discard_partial(copy)
+        return
     with os.scandir(copy) as entries:
         inside = [Path(entry.path) for entry in entries if entry.name != STAGED_FILE]
     try:
