@@ -280,6 +280,30 @@ def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(
         subprocess.run(["umount", "-l", str(cache)], check=False)
 
 
+@pytest.mark.root
+def test_a_strangers_huge_side_table_stops_before_it_fills_the_cache(s3, remote_tfrecord, tmp_path: Path) -> None:
+    """A side table of a stranger's pack 24 MiB long, a cache of 16 MiB: the copy filled the disk (on a tmpfs
+    /tmp: memory) and only then stopped, leaving it full. It now stops while a twentieth of the disk is free,
+    and removes what it wrote."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount tmpfs")
+    options, fs = s3
+    _, local = remote_tfrecord
+    fs.put(str(local), "packs/huge-table", recursive=True)
+    table = next(p for p in fs.find("packs/huge-table") if p.endswith(".tfindex"))
+    fs.pipe(table, b"0 16\n" * (24 << 20 >> 5) * 6)  # 24 MiB of lines
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(cache)], check=True)
+    try:
+        with pytest.raises(packdata.CapacityError, match=r"huge-table: the pack's index and side tables do not fit"):
+            packdata.TFRecordDataset("s3://packs/huge-table", storage_options=options, cache_dir=cache)
+        usage = shutil.disk_usage(cache)
+        assert usage.free > usage.total - (1 << 20), usage  # the tag folder and its lock are left
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
     options, _ = s3
     url, local = remote_pack

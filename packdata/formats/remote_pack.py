@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import PackFormatError, SourceError, destination_error
+from packdata.errors import CapacityError, PackFormatError, SourceError, destination_error
 from packdata.formats import get_format
 from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
 from packdata.pack.index import index_files
@@ -322,22 +322,40 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     Optional files (side tables, the skip report) that are not there are left
     out; a missing sample index file raises.
 
+    The files together may take the disk's free space less a twentieth of
+    the file system or 1 GiB, whichever is less (but at least half the free
+    space), whatever a stranger's pack holds: a side table of gigabytes stops
+    the copy before it fills the disk (``/tmp`` may be a tmpfs: memory).
+
     Raises:
         PackFormatError: a file the pack needs is missing.
         SourceError: a request failed.
-        CapacityError: the local disk filled up (named; what was written is left for the next run to remove).
+        CapacityError: the files pass what the disk may take (what was
+            written is removed), or it filled up (named; what was written
+            is left for the next run to remove).
     """
     sizes: dict[str, int] = {}
     try:
+        usage = shutil.disk_usage(dest.parent)  # dest is made by the first copy
+        room = limit = max(usage.free // 2, usage.free - min(usage.total // 20, 1 << 30))
         for name, required in _skeleton_names(manifest, report=True):
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
             try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
                 with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
-                    shutil.copyfileobj(remote, local, _COPY_BLOCK)
+                    room -= _copy_within(remote, local, room)
             except FileNotFoundError:
                 if required:
                     raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
+            except _NoRoom:
+                shutil.rmtree(dest, ignore_errors=True)  # this run's own folder: it would never fit
+                raise CapacityError(
+                    f"{shown}: the pack's index and side tables do not fit here: {name} passes the "
+                    f"{limit:,} bytes the cache may take (its free space, less a twentieth of its file system "
+                    "or 1 GiB kept free)",
+                    path=dest,
+                    hint="Free space there, or pass cache_dir=DIR on a larger disk",
+                ) from None
             except Exception as exc:
                 if _disk_full(exc):
                     raise
@@ -351,6 +369,21 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             raise
         raise destination_error(exc, dest) from exc
     return dest
+
+
+class _NoRoom(Exception):
+    """A copy passed the bytes it may write."""
+
+
+def _copy_within(remote: Any, local: Any, room: int) -> int:
+    """Copy ``remote`` to ``local`` a block at a time; the bytes copied. Raises :class:`_NoRoom` past ``room``."""
+    copied = 0
+    while block := remote.read(_COPY_BLOCK):
+        copied += len(block)
+        if copied > room:
+            raise _NoRoom
+        local.write(block)
+    return copied
 
 
 def _disk_full(exc: BaseException) -> bool:
