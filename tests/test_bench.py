@@ -188,6 +188,21 @@ def test_bench_cli_writes_json_and_plot(pack: Path, tmp_path: Path) -> None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_cli_refuses_an_output_it_could_not_write_before_measuring(
+    pack: Path, tmp_path: Path, option: str
+) -> None:
+    """The folder of --json or --plot is checked first: it was a traceback after the whole run."""
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "no-folder" / "b.png", tmp_path / "a-file" / "b.png"):
+        args = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", "1", option, str(out)]
+        result = CliRunner().invoke(cli_main, args)
+        assert result.exit_code == 2, result.output
+        assert f"cannot write '{out}': its folder {out.parent} does not exist or is not a folder" in result.output
+        assert "ceiling" not in result.output  # nothing was measured
+        assert not out.parent.is_dir() or not any(out.parent.iterdir())
+
+
 def test_bench_cli_rejects_bad_lists(pack: Path) -> None:
     result = CliRunner().invoke(cli_main, ["bench", str(pack), "--workers", "two"])
     assert result.exit_code == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +89,23 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
         return parse_size(value, zero_ok=param.name in _ZERO_OK)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+
+
+def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file option the command writes at its end: its folder must exist now, not after minutes of work."""
+    if value is None or value == "-":
+        return value
+    folder = os.path.dirname(value) or "."
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"cannot write {value!r}: its folder {folder} does not exist or is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"cannot write {value!r}: its folder {folder} is not writable")
+    return value
+
+
+def _write_failed(path: str, exc: OSError) -> click.ClickException:
+    """The one line for an output file that could not be written in the end."""
+    return click.ClickException(f"{path}: cannot write the file ({exc.strerror or exc})")
 
 
 def _mb(n: int) -> str:

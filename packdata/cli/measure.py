@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _friendly, _mb, _size
+from packdata.cli.common import _friendly, _mb, _output_file, _size, _write_failed
 
 __all__ = ["bench", "tune"]
 
@@ -101,12 +101,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     "--json",
     "json_file",
     type=click.Path(dir_okay=False, path_type=str),
+    callback=_output_file,
     help="Write the full result as JSON to this file ('-': stdout).",
 )
 @click.option(
     "--plot",
     "plot_file",
     type=click.Path(dir_okay=False, path_type=str),
+    callback=_output_file,
     help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines (the setting being measured) on stderr.")
@@ -160,11 +162,17 @@ def bench(
     else:
         click.echo(result.table(wide=wide))
         if json_file:
-            result.to_json(json_file)
+            try:
+                result.to_json(json_file)
+            except OSError as exc:
+                raise _write_failed(json_file, exc) from exc
     for warning in result.warnings:
         click.secho(f"warning: {warning}", fg="yellow", err=True)
     if plot_file:
-        click.echo(f"plot: {plot_bench(result, plot_file)}", err=True)
+        try:
+            click.echo(f"plot: {plot_bench(result, plot_file)}", err=True)
+        except OSError as exc:
+            raise _write_failed(plot_file, exc) from exc
     failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
     if failed:
         raise click.ClickException(f"could not measure {failed[0]['name']}: {failed[0]['error']}")
