@@ -13,7 +13,7 @@ from conftest import image_bytes
 
 import packdata
 from packdata.cli import main as cli_main
-from packdata.errors import CapacityError
+from packdata.errors import CapacityError, ConfigError
 from packdata.measure.bench import CEILING, run_bench
 from packdata.measure.loop import LoaderConfig
 from packdata.measure.sources import open_source
@@ -228,6 +228,16 @@ def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
 def test_tune_raises_when_nothing_fits(pack: Path) -> None:
     with pytest.raises(CapacityError, match="no DataLoader setting fits the memory budget of 1000 bytes"):
         run_tune(pack, memory_budget=1000, batch_sizes=(4,), batches=2, warmup=1)
+
+
+def test_tune_says_why_a_setting_that_fits_could_not_be_measured(pack: Path) -> None:
+    """30 samples cannot make a batch of 64: that is the error, not a memory budget the setting fits."""
+    with pytest.raises(ConfigError, match="the source holds 30 samples, fewer than batch_size=64"):
+        run_tune(pack, memory_budget=8 << 30, max_workers=0, batches=2, warmup=0)
+    out = CliRunner().invoke(cli_main, ["tune", str(pack), "--max-workers", "0", "--batches", "2", "-q"])
+    assert out.exit_code == 1
+    expected = "Error: the source holds 30 samples, fewer than --batch-size 64. Use a smaller --batch-size N\n"
+    assert out.output == expected
 
 
 def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:

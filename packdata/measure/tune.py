@@ -237,6 +237,7 @@ class _Search:
         self.progress = progress
         self.per_worker = WORKER_BYTES
         self.trials: dict[LoaderConfig, Trial] = {}
+        self.failure: PackdataError | None = None  # the first measurement that failed (not a memory rejection)
 
     def project(self, config: LoaderConfig) -> int:
         return project_memory(config, per_worker_bytes=self.per_worker, sample_bytes=self.sample_bytes)
@@ -255,6 +256,7 @@ class _Search:
             result = self.measure(config)
         except PackdataError as exc:
             trial.rejected = str(exc)
+            self.failure = self.failure or exc
             return trial
         trial.samples_per_s = result.samples_per_s
         trial.memory_peak_bytes = result.memory["total"]["uss_peak"]
@@ -357,7 +359,8 @@ def run_tune(
 
     Raises:
         CapacityError: no setting fits the memory budget.
-        PackdataError: the source cannot be opened.
+        PackdataError: the source cannot be opened, or no setting that fits could be
+            measured (the first such error, e.g. fewer samples than a batch).
     """
     if not batch_sizes or not prefetch_factors:
         raise ConfigError("batch_sizes and prefetch_factors should not be empty")
@@ -410,6 +413,8 @@ def run_tune(
     ranked = sorted((t for t in trials if t.accepted), key=lambda t: -(t.samples_per_s or 0.0))
     if not ranked:
         smallest = min(t.projected_bytes for t in trials)
+        if search.failure is not None and smallest <= budget:  # a setting fitted, and failed for another reason
+            raise search.failure
         raise CapacityError(
             f"no DataLoader setting fits the memory budget of {budget} bytes (the smallest projection is "
             f"{smallest} bytes)",
