@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from packdata.cli import main
@@ -71,6 +72,24 @@ def test_errors_are_one_line_with_exit_1(image_folder: Path, tmp_path: Path) -> 
     missing = _run("info", str(odd))  # a path holding a newline and an escape sequence: escaped, still one line
     assert missing.exit_code == 1 and missing.output.count("\n") == 1 and "\x1b" not in missing.output
     assert missing.output.startswith(f"Error: {tmp_path}/two\\nlines\\x1b[2J: no such pack"), missing.output
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "ls", "doctor"])
+def test_a_file_given_for_the_pack_is_named_as_such(image_folder: Path, tmp_path: Path, command: str) -> None:
+    """Not 'manifest.json cannot be looked at (Not a directory). The manifest is damaged ... convert the pack again'."""
+    dst = tmp_path / "out.lmdb"
+    assert _run("convert", str(image_folder), str(dst), "-q").exit_code == 0
+    plain = tmp_path / "notes.txt"
+    plain.write_text("x")
+    for given, hint in (
+        (plain, "Pass the pack's folder"),
+        (dst / "manifest.json", f"Pass the folder that holds it: {dst}"),
+    ):
+        result = _run(command, str(given))
+        assert result.exit_code == 1
+        assert result.output == (
+            f"Error: {given}: is a regular file, not a packdata pack (a folder holding manifest.json). {hint}\n"
+        )
 
 
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:

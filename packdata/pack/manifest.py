@@ -20,7 +20,7 @@ from typing import Any
 
 from packdata.errors import PackFormatError
 from packdata.pack.fields import CODECS
-from packdata.pack.files import atomic_write, file_sha256, not_a_file, open_regular
+from packdata.pack.files import atomic_write, file_kind, file_sha256, not_a_file, open_regular
 from packdata.pack.index import index_files
 
 __all__ = [
@@ -474,6 +474,14 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
 
 def _read(pack: Path, *, external: bool) -> Manifest:
     path = pack / MANIFEST_NAME
+    if pack.exists() and not pack.is_dir():  # a file given for the pack: not a damaged manifest inside it
+        mode = os.stat(pack).st_mode
+        hint = "Pass the pack's folder"
+        if pack.name == MANIFEST_NAME:
+            hint = f"Pass the folder that holds it: {pack.parent}"
+        raise PackFormatError(
+            f"is {file_kind(mode)}, not a packdata pack (a folder holding {MANIFEST_NAME})", path=pack, hint=hint
+        )
     problem = not_a_file(path)
     if problem and problem != "is missing":  # something else stands in its place
         raise PackFormatError(f"{MANIFEST_NAME} {problem}", path=path, hint=_HINT)
