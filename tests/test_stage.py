@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -578,6 +579,25 @@ def test_free_space_checked_before_copying(lmdb_pack: Path, tmpfs) -> None:
     result = stage(lmdb_pack, to=area, progress=False)
     assert result.copied and result.left
     assert result.bytes_staged <= 800 << 10
+
+
+@pytest.mark.root
+@needs_root
+def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None:
+    """A disk with no block left failed in the lock's record, then in staged.json, each a raw OSError."""
+    area = tmpfs("1m")
+    filler = area / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"Error: {area}/train.lmdb/staged.json: the destination disk is full (No space left on device). "
+        "Free space and rerun\n"
+    )
+    filler.unlink()
+    assert stage(lmdb_pack, to=area, progress=False).copied  # the rerun the message asks for
 
 
 def test_interrupt_leaves_no_staged_looking_shard(

@@ -165,7 +165,11 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
     try:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": what, "since": time.time()}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+        try:
+            os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+        except OSError as exc:  # a full disk: the flock holds all the same; others then read no name
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
         yield path
     finally:
         if _same_file(fd, path):  # never unlink a lock file that someone else created since

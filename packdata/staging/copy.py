@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, destination_error
 from packdata.formats import get_format
 from packdata.pack.files import (
     aside_path,
@@ -420,8 +420,15 @@ def only_lock_left(dest: Path) -> bool:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON atomically (a kill leaves a ``.partial`` temporary, which stage cleans up)."""
-    atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), tmp_suffix=PARTIAL)
+    """Write ``data`` as JSON atomically (a kill leaves a ``.partial`` temporary, which stage cleans up).
+
+    Raises:
+        CapacityError: the disk is full; ConfigError: it cannot be written otherwise (both name ``path``).
+    """
+    try:
+        atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), tmp_suffix=PARTIAL)
+    except OSError as exc:
+        raise destination_error(exc, path) from exc
 
 
 def staged_manifest(manifest: Manifest, source: Path, units: list[ShardFiles], staged: set[int]) -> Manifest:
