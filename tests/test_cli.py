@@ -92,6 +92,22 @@ def test_a_file_given_for_the_pack_is_named_as_such(image_folder: Path, tmp_path
         )
 
 
+@pytest.mark.parametrize("command", ["export", "stage"])
+def test_a_destination_that_cannot_be_made_is_one_line(image_folder: Path, tmp_path: Path, command: str) -> None:
+    """export DST and stage --to DIR under a file (or read-only): mkdir's raw OSError was a traceback."""
+    pack = tmp_path / "out.lmdb"
+    assert _run("convert", str(image_folder), str(pack), "-q").exit_code == 0
+    (tmp_path / "a-file").write_text("x")
+    dest = tmp_path / "a-file" / "dest"
+    args = ["export", str(pack), str(dest)] if command == "export" else ["stage", str(pack), "--to", str(dest)]
+    result = _run(*args)
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {dest}: cannot write the destination (Not a directory). "
+        "Choose a destination on a writable local or network file system\n"
+    )
+
+
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     _run("convert", str(image_folder), str(dst), "-q")

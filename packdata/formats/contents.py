@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
@@ -227,7 +227,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         sample leaves no file behind; the export goes on.
 
     Raises:
-        ConfigError: ``dst`` is not empty, or the layout does not fit the pack.
+        ConfigError: ``dst`` is not empty or cannot be made, or the layout does not fit the pack.
         CapacityError: the disk filled up (the samples before stay written).
     """
     pack, dst = Path(pack), Path(dst)
@@ -239,7 +239,10 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
     if dst.is_symlink() or (dst.exists() and (not dst.is_dir() or any(dst.iterdir()))):
         raise ConfigError("export destination is not an empty folder", path=dst, hint="Choose a new folder")
-    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # read-only, a file on the way, no permission
+        raise destination_error(exc, dst) from exc
     result = ExportResult(dst)
     for shard in manifest.shards:
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")

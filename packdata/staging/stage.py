@@ -254,7 +254,7 @@ def stage(
         area = Path(to).absolute()
         try:
             area.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+        except OSError as exc:  # read-only, a file on the way, no permission
             raise destination_error(exc, area) from exc
     else:
         area = Path(mount or DEFAULT_AREA).absolute()
