@@ -600,6 +600,20 @@ def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None
     assert stage(lmdb_pack, to=area, progress=False).copied  # the rerun the message asks for
 
 
+@pytest.mark.root
+@needs_root
+def test_a_read_only_area_is_named_with_the_fix_that_applies(lmdb_pack: Path, tmpfs) -> None:
+    """Not 'Remove it if it is not packdata's': no lock file is there to remove."""
+    area = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", os.fspath(area)], check=True)
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {area}/.train.lmdb.lock: cannot create the lock file: Read-only file system. "
+        "Choose a destination on a writable file system\n"
+    )
+
+
 def test_interrupt_leaves_no_staged_looking_shard(
     lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -124,19 +124,22 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
     path = Path(path)
     while True:
         try:
-            mode = os.lstat(path).st_mode
+            mode, exists = os.lstat(path).st_mode, True
         except OSError:
-            mode = stat.S_IFREG  # missing (created below), or the open says why not
+            mode, exists = stat.S_IFREG, False  # missing (created below), or the open says why not
         try:
             if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a device is never opened: that can act on it
                 raise OSError(errno.EINVAL, f"{file_kind(mode)} is in its place", os.fspath(path))
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+            in_place = exists or exc.errno == errno.ELOOP  # a file stands there, else the folder refuses a new one
             raise ConfigError(
                 f"cannot create the lock file: {reason}",
                 path=path,
-                hint="Remove it if it is not packdata's, or choose another destination",
+                hint="Remove it if it is not packdata's, or choose another destination"
+                if in_place
+                else "Choose a destination on a writable file system",
             ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
