@@ -142,6 +142,16 @@ def test_cli_monitor_finds_a_real_job_its_workers_and_its_staged_pack(tmp_path: 
     assert gone.exit_code == 1 and "no running process has" in gone.output
 
 
+def test_monitor_by_name_never_takes_the_process_that_started_it() -> None:
+    """`sudo packdata monitor --name x`, timeout or a script: the parent's command line holds x too."""
+    token = "no-such-training-script-7f3a.py"
+    child = [sys.executable, "-m", "packdata.cli", "monitor", "--name", token, "--count", "1", "--interval", "0.1"]
+    parent = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    run = subprocess.run([sys.executable, "-c", parent, *child], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stdout
+    assert run.stderr == f"Error: no running process has '{token}' in its command line. Pass its PID instead\n"
+
+
 def test_monitor_refuses_a_bad_period() -> None:
     with pytest.raises(packdata.ConfigError, match="every should be"):
         packdata.monitor([], every="soon")

@@ -10,7 +10,6 @@ piped, one line per interval; ``--json`` gives one JSON object per interval.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import TextIO
@@ -26,16 +25,20 @@ __all__ = ["find_process", "render", "watch_process"]
 
 
 def find_process(name: str) -> int:
-    """The pid of the oldest process whose command line contains ``name`` (not this one).
+    """The pid of the oldest process whose command line contains ``name`` (not this one, nor its ancestors).
+
+    The processes that started this one (``sudo packdata monitor --name x``, a
+    shell script, ``timeout``) hold ``name`` in their command lines too.
 
     Raises:
         ConfigError: no such process.
     """
-    me = os.getpid()
+    me = psutil.Process()
+    mine = {me.pid} | {p.pid for p in me.parents()}
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
         cmdline = " ".join(proc.info.get("cmdline") or [])
-        if proc.info["pid"] != me and name in cmdline and "packdata monitor" not in cmdline:
+        if proc.info["pid"] not in mine and name in cmdline and "packdata monitor" not in cmdline:
             found.append((proc.info.get("create_time") or 0.0, proc.info["pid"]))
     if not found:
         raise ConfigError(f"no running process has {name!r} in its command line", hint="Pass its PID instead")
