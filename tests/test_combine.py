@@ -180,6 +180,31 @@ def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) ->
     assert packdata.verify_pack(tmp_path / "x.lmdb", progress=False).records == 4
 
 
+def test_merge_and_export_never_write_inside_a_pack_they_read(tmp_path: Path) -> None:
+    """merge -o A/x.lmdb and export A A/files wrote a pack, or files, into A's own folder."""
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"], "dog": ["2.jpg"]})
+    b = _folder(tmp_path / "b", {"cat": ["3.jpg"]})
+    packdata.convert(a, tmp_path / "a.lmdb", progress=False)
+    packdata.convert(b, tmp_path / "b.lmdb", progress=False)
+    before = {p: tree_digest(tmp_path / p) for p in ("a.lmdb", "b.lmdb")}
+    for pack, inner in (("a.lmdb", "a.lmdb/x.lmdb"), ("b.lmdb", "b.lmdb/index/x")):
+        out = tmp_path / inner
+        result = CliRunner().invoke(cli, ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), "-o", str(out)])
+        assert result.exit_code == 1
+        expected = (
+            f"Error: {out}: the merged pack would be inside the pack {tmp_path / pack}. Choose an output outside it"
+        )
+        assert result.output == expected + "\n"
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "a.lmdb"), str(tmp_path / "a.lmdb" / "files")])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'a.lmdb' / 'files'}: export destination is inside the pack being exported. "
+        "Choose a folder outside it\n"
+    )
+    assert {p: tree_digest(tmp_path / p) for p in ("a.lmdb", "b.lmdb")} == before
+    assert sorted(os.listdir(tmp_path / "a.lmdb")) == sorted(os.listdir(tmp_path / "b.lmdb"))  # nothing added
+
+
 def test_merge_of_multi_field_packs_remaps_fields(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "a.lmdb") as w:
         w.write({"__key__": "a1", "txt": "hello", "json": {"n": 1}})

@@ -35,7 +35,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import open_index
 from packdata.pack.fields import codec_of
-from packdata.pack.files import atomic_write, file_kind, fsync_dir
+from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
@@ -259,12 +259,17 @@ def merge_packs(
 
     Raises:
         ConfigError: fewer than two packs, formats or kinds differ, a key is
-            duplicated (with ``on_duplicate="error"``), or ``out`` exists.
+            duplicated (with ``on_duplicate="error"``), or ``out`` exists or lies inside one of ``packs``.
     """
     paths = [Path(p) for p in packs]
     out = Path(out)
     if len(paths) < 2:
         raise ConfigError("merge needs at least two packs")
+    inside = next((p for p in paths if is_inside(out, p)), None)
+    if inside is not None:  # the merged pack would become part of that pack's folder
+        raise ConfigError(
+            f"the merged pack would be inside the pack {inside}", path=out, hint="Choose an output outside it"
+        )
     _check_destination_writable(out)
     _check_existing(out, overwrite)
     inputs, classes, fields, codecs = _plan(paths, on_duplicate)

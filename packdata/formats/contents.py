@@ -21,7 +21,7 @@ from packdata.errors import CapacityError, ConfigError, PackFormatError, destina
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
-from packdata.pack.files import fsync_dir
+from packdata.pack.files import fsync_dir, is_inside
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
 from packdata.pack.records import Sample
@@ -227,7 +227,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         sample leaves no file behind; the export goes on.
 
     Raises:
-        ConfigError: ``dst`` is not empty or cannot be made, or the layout does not fit the pack.
+        ConfigError: ``dst`` is not empty, is inside the pack or cannot be made, or the layout does not fit the pack.
         CapacityError: the disk filled up (the samples before stay written).
     """
     pack, dst = Path(pack), Path(dst)
@@ -237,6 +237,10 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError(f"layout should be 'imagefolder' or 'grouped', but got layout={layout!r}")
     if layout == "imagefolder" and manifest.kind == "fields":
         raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
+    if is_inside(dst, pack):  # its files would become part of the pack's folder
+        raise ConfigError(
+            "export destination is inside the pack being exported", path=dst, hint="Choose a folder outside it"
+        )
     if dst.is_symlink() or (dst.exists() and (not dst.is_dir() or any(dst.iterdir()))):
         raise ConfigError("export destination is not an empty folder", path=dst, hint="Choose a new folder")
     try:

@@ -38,6 +38,7 @@ __all__ = [
     "file_kind",
     "fsync_dir",
     "holds_conversion",
+    "is_inside",
     "map_int64",
     "not_a_file",
     "open_pack_file",
@@ -54,6 +55,12 @@ PROGRESS_FILE = "progress.json"
 
 RAY_PLAN_FILE = "ray-plan.json"
 """The Ray engine's plan in a conversion's partial folder."""
+
+
+def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether ``path`` lies strictly inside ``folder``, links resolved (a path yet to be made, too)."""
+    real_path, real_folder = os.path.realpath(path), os.path.realpath(folder)
+    return real_path.startswith(real_folder.rstrip(os.sep) + os.sep)
 
 
 def holds_conversion(folder: Path) -> bool:
