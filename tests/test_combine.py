@@ -205,6 +205,17 @@ def test_merge_and_export_never_write_inside_a_pack_they_read(tmp_path: Path) ->
     assert sorted(os.listdir(tmp_path / "a.lmdb")) == sorted(os.listdir(tmp_path / "b.lmdb"))  # nothing added
 
 
+def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
+    """As convert does: merge failed on its lock file ('No such file or directory') before making them."""
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)
+    packdata.convert(_folder(tmp_path / "b", {"dog": ["2.jpg"]}), tmp_path / "b.lmdb", progress=False)
+    out = tmp_path / "new" / "folders" / "ab.lmdb"
+    result = CliRunner().invoke(cli, ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out.parent)) == ["ab.lmdb"]
+    assert packdata.verify_pack(out, progress=False).records == 2
+
+
 def test_merge_of_multi_field_packs_remaps_fields(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "a.lmdb") as w:
         w.write({"__key__": "a1", "txt": "hello", "json": {"n": 1}})

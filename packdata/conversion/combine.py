@@ -276,6 +276,7 @@ def merge_packs(
     fmt = inputs[0].manifest.format
     writer_cls = shard_writer(fmt)
     result = MergeResult(out, 0, 0)
+    out.parent.mkdir(parents=True, exist_ok=True)  # missing parents are made, as convert makes them
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
         recover_replaced(out)
         partial = partial_path(out)
