@@ -165,6 +165,11 @@ def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"key 'cat/1\.jpg' .* already in an earlier pack"):
         packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "a2.lmdb"], tmp_path / "x.lmdb")
     assert not (tmp_path / "x.lmdb").exists() and not (tmp_path / ".x.lmdb.partial").exists()
+    said = CliRunner().invoke(
+        cli, ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "a2.lmdb"), "-o", str(tmp_path / "x.lmdb")]
+    )
+    assert said.exit_code == 1
+    assert said.output.endswith(". Pass --on-duplicate rename to keep both as KEY~N\n"), said.output  # said once
     result = packdata.merge_packs(
         [tmp_path / "a.lmdb", tmp_path / "a2.lmdb"], tmp_path / "x.lmdb", on_duplicate="rename"
     )

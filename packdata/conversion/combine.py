@@ -130,7 +130,7 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                     raise ConfigError(
                         f"key {key!r} (sample {i}) is already in an earlier pack",
                         path=path,
-                        hint="Pass on_duplicate='rename' (--on-duplicate rename) to keep both as KEY~N",
+                        hint="Pass on_duplicate='rename' to keep both as KEY~N",
                     )
                 new, n = f"{key}~{number}", number
                 while new in seen:
