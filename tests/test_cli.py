@@ -108,6 +108,18 @@ def test_a_destination_that_cannot_be_made_is_one_line(image_folder: Path, tmp_p
     )
 
 
+def test_a_pack_still_being_converted_is_named_with_the_flag_to_finish_it(image_folder: Path, tmp_path: Path) -> None:
+    """info has no --resume: its hint said 'rerun it with resume=True', a Python keyword on the command line."""
+    (tmp_path / ".out.lmdb.partial").mkdir()
+    for command in ("info", "verify", "ls"):
+        result = _run(command, str(tmp_path / "out.lmdb"))
+        assert result.exit_code == 1
+        assert result.output == (
+            f"Error: {tmp_path / 'out.lmdb'}: no such pack. A conversion into it was interrupted: "
+            "finish it with resume (`packdata convert SRC DST --resume`)\n"
+        )
+
+
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     _run("convert", str(image_folder), str(dst), "-q")
