@@ -507,6 +507,17 @@ def test_a_fifo_in_place_of_a_shard_is_named_and_never_opened(tf_texts: Path, tm
         verify_pack(pack, progress=False)
 
 
+def test_cat_and_export_of_a_pack_missing_a_shard_name_it(tf_texts: Path, tmp_path: Path) -> None:
+    """Its offsets index still there, the shard's open raised a raw FileNotFoundError (a traceback)."""
+    pack = _text_pack(tf_texts, tmp_path, 10)
+    shard = sorted(pack.glob("*.tfrecord"))[0]
+    shard.unlink()
+    line = f"Error: {shard}: the shard file is missing. The pack is incomplete: convert or stage it again\n"
+    for args in (["cat", str(pack), "#0"], ["export", str(pack), str(tmp_path / "files")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and result.output == line, result.output
+
+
 def test_cli_info_and_verify(tf_images: Path, tmp_path: Path) -> None:
     convert(tf_images, tmp_path / "out.tfrecord", shard_samples=5, progress=False)
     runner = CliRunner()

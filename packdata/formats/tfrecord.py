@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 from packdata.formats import ByteStream, ShardLayout
 from packdata.formats.tfrecord_example import (
     _HEADER,
@@ -128,9 +128,13 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
     try:
         fd = open_regular(path)  # a FIFO in its place would block the read, a device node act when opened
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        raise PackFormatError(f"is {exc.strerror}", path=path, hint="Convert the pack again") from exc
+        if too_many_open_files(exc):
+            raise out_of_files_error(path) from exc
+        if exc.errno == errno.ENOENT:
+            hint = "The pack is incomplete: convert or stage it again"
+            raise PackFormatError("the shard file is missing", path=path, hint=hint) from exc
+        problem = f"is {exc.strerror}" if exc.errno == errno.EINVAL else f"cannot be opened: {exc.strerror or exc}"
+        raise PackFormatError(problem, path=path, hint="Convert the pack again") from exc
     with os.fdopen(fd, "rb", buffering=_CHUNK) as f:
         yield from walk_records(f, os.fstat(f.fileno()).st_size, offsets, lengths, first_index, path)
 
