@@ -221,6 +221,22 @@ def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
     assert packdata.verify_pack(out, progress=False).records == 2
 
 
+def test_merge_refuses_a_tfrecord_shard_without_its_offsets_index(tmp_path: Path) -> None:
+    """It was linked 'when present', then the writer's rename of the missing index raised FileNotFoundError."""
+    for name in ("a", "b"):
+        packdata.convert(
+            _folder(tmp_path / name, {name: ["1.jpg"]}), tmp_path / f"{name}.tf", format="tfrecord", progress=False
+        )
+    index = next((tmp_path / "a.tf").glob("*.tfindex"))
+    index.unlink()
+    result = CliRunner().invoke(
+        cli, ["merge", str(tmp_path / "a.tf"), str(tmp_path / "b.tf"), "-o", str(tmp_path / "ab")]
+    )
+    assert result.exit_code == 1
+    assert result.output == f"Error: {index}: shard file is missing. The pack is damaged: convert it again\n"
+    assert sorted(os.listdir(tmp_path)) == ["a", "a.tf", "b", "b.tf"]
+
+
 def test_merge_of_multi_field_packs_remaps_fields(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "a.lmdb") as w:
         w.write({"__key__": "a1", "txt": "hello", "json": {"n": 1}})

@@ -581,6 +581,21 @@ def test_free_space_checked_before_copying(lmdb_pack: Path, tmpfs) -> None:
     assert result.bytes_staged <= 800 << 10
 
 
+def test_a_tfrecord_shard_without_its_offsets_index_is_refused_not_staged(tfrecord_pack: Path, tmp_path: Path) -> None:
+    """The .tfindex was copied only 'when present': the staged copy then failed every read."""
+    index = sorted(tfrecord_pack.glob("*.tfindex"))[1]
+    kept = index.read_bytes()
+    index.unlink()
+    with pytest.raises(PackFormatError, match=re.escape(f"{index}: shard 1's .tfindex file is missing")):
+        stage(tfrecord_pack, to=tmp_path / "fast", progress=False)
+    assert not list((tmp_path / "fast").rglob("*.tfrecord"))
+    index.write_bytes(kept)
+    for table in tfrecord_pack.glob("*.tfpayload"):  # the payload tables are accelerators: optional
+        table.unlink()
+    staged = stage(tfrecord_pack, to=tmp_path / "fast", progress=False).staged
+    assert len(TFRecordIndexedDataset(staged, decode="bytes")) == len(TFRecordIndexedDataset(tfrecord_pack))
+
+
 @pytest.mark.root
 @needs_root
 def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None:

@@ -319,7 +319,7 @@ def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[s
     """Each file of shard ``source`` in ``pack`` and its name in shard ``target``: data file first, side tables present.
 
     Raises:
-        PackFormatError: the shard's data file is missing, or a file is not
+        PackFormatError: the shard's data file or a needed side table is missing, or a file is not
             a regular file itself (a link is never followed: its target lies
             outside the pack, a device would be copied without end).
     """
@@ -329,7 +329,8 @@ def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[s
         pairs = [(f"{source}/{x}", f"{target}/{y}") for x, y in zip((a.data, *a.side), (b.data, *b.side), strict=True)]
     else:
         pairs = [(source, target), *zip(a.side, b.side, strict=True)]
-    present = [pairs[0], *(pair for pair in pairs[1:] if os.path.lexists(pack / pair[0]))]
+    present = [pairs[0]]
+    present += [pair for pair in pairs[1:] if os.path.lexists(pack / pair[0]) or Path(pair[0]).name in a.needed]
     for name, _ in present:
         try:
             mode = os.lstat(pack / name).st_mode

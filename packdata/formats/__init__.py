@@ -77,7 +77,9 @@ class ShardLayout:
 
     ``folder``: the shard is a folder (``data`` and ``side`` are names inside it)
     or a file (``data`` is the shard's own name, ``side`` are files beside it).
-    ``side``: accelerator tables (optional; copied when present). ``scratch``:
+    ``side``: accelerator tables (optional; copied when present), except those
+    also in ``needed``, which readers cannot do without (TFRecord's offsets
+    index): a copy of the shard without them is refused. ``scratch``:
     files a writer or reader may leave in the shard folder that are not pack data.
     """
 
@@ -85,6 +87,7 @@ class ShardLayout:
     data: str
     side: tuple[str, ...] = ()
     scratch: tuple[str, ...] = ()
+    needed: tuple[str, ...] = ()
 
     def data_path(self, shard: Path) -> Path:
         """The file holding the shard's records, for a shard at ``shard``."""

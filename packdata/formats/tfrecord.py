@@ -235,8 +235,9 @@ iter_samples = iter_shard_samples
 
 
 def shard_layout(name: str) -> ShardLayout:
-    """A TFRecord shard is one file, with its ``.tfindex`` and ``.tfpayload`` tables beside it."""
-    return ShardLayout(folder=False, data=name, side=(index_path(name).name, payload_path(name).name))
+    """A TFRecord shard is one file, with its ``.tfindex`` (needed) and ``.tfpayload`` tables beside it."""
+    index = index_path(name).name
+    return ShardLayout(folder=False, data=name, side=(index, payload_path(name).name), needed=(index,))
 
 
 def check_side_tables(shard: Path, info: ShardInfo) -> None:

@@ -146,7 +146,7 @@ def shard_files(manifest: Manifest, source: Path, dest: Path) -> list[ShardFiles
         src = info.path(source)
         name = os.path.basename(info.file)
         layout = layout_of(name)
-        side = [p for p in layout.side_paths(src) if os.path.lexists(p)]
+        side = [p for p in layout.side_paths(src) if os.path.lexists(p) or p.name in layout.needed]
         if layout.folder:
             if src.is_symlink() or not src.is_dir():
                 raise PackFormatError(
