@@ -298,6 +298,20 @@ def test_bench_cli_says_what_to_do_and_fails_on_a_missing_input(pack: Path, tmp_
     assert wide.exit_code == 0 and "cpu ms" in wide.stdout.splitlines()[0] and "wait%" in wide.stdout
 
 
+def test_bench_and_tune_name_a_file_given_as_a_source_once(pack: Path, tmp_path: Path) -> None:
+    """It was 'warning: F: F: no such pack or folder', then 'Error: could not measure F: F: no such pack or folder'."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    said = f"{notes}: is a regular file, not a pack or a folder. Pass a pack made by `packdata convert` or a folder"
+    args = ["bench", str(pack), str(notes), "--workers", "0", "--batch-size", str(BATCH), "--batches", "1", "-q"]
+    bench = CliRunner().invoke(cli_main, args)
+    assert bench.exit_code == 1
+    assert bench.stderr == f"Error: could not measure {said}\n"  # no warning saying it first
+    assert "best: " in bench.stdout  # the pack was measured
+    tune = CliRunner().invoke(cli_main, ["tune", str(notes)])
+    assert tune.exit_code == 1 and tune.output == f"Error: {said}\n"
+
+
 def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
     """tune used to search 32-256 by default and recommend another batch size from noisy 3-batch timings."""
     result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(8,), max_workers=0, batches=2, warmup=0)

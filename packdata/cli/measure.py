@@ -166,16 +166,18 @@ def bench(
                 result.to_json(json_file)
             except OSError as exc:
                 raise _write_failed(json_file, exc) from exc
+    failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
     for warning in result.warnings:
+        if failed and warning == failed[0]["error"]:
+            continue  # said once, as the error below
         click.secho(f"warning: {warning}", fg="yellow", err=True)
     if plot_file:
         try:
             click.echo(f"plot: {plot_bench(result, plot_file)}", err=True)
         except OSError as exc:
             raise _write_failed(plot_file, exc) from exc
-    failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
     if failed:
-        raise click.ClickException(f"could not measure {failed[0]['name']}: {failed[0]['error']}")
+        raise click.ClickException(f"could not measure {failed[0]['error']}")
 
 
 @click.command()

@@ -287,8 +287,9 @@ def run_bench(
         try:
             opened.append((name, *open_source(path, decode=decode, transform=transform, size=size)))
         except PackdataError as exc:
-            opened.append((name, None, {"error": str(exc)}))
-            warnings.append(f"{name}: {exc}")
+            error = str(exc) if exc.path is not None else f"{name}: {exc}"  # named once
+            opened.append((name, None, {"error": error}))
+            warnings.append(error)
     ceiling = _make_ceiling(opened, decode, transform, size, ceiling_samples)
     all_sources: list[tuple[str, Dataset | None, dict[str, Any]]] = [ceiling, *opened]
     if repeats < 1:

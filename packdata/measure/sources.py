@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from packdata.conversion.sources import SourceFile, scan_source
 from packdata.errors import ConfigError, SourceError
+from packdata.pack.files import file_kind
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.reading.crop import DecodeCrop
 from packdata.reading.decode import DecodeFn, DecodeJPEG, resolve_decoder
@@ -240,9 +241,12 @@ def open_source(
         }
         return dataset, facts
     if not path.is_dir():
-        raise SourceError(
-            "no such pack or folder", path=path, hint="Pass a pack made by `packdata convert` or a folder"
+        problem = (
+            f"is {file_kind(path.stat().st_mode)}, not a pack or a folder"
+            if path.exists()
+            else "no such pack or folder"
         )
+        raise SourceError(problem, path=path, hint="Pass a pack made by `packdata convert` or a folder")
     kind = scan_source(path).kind
     decoder = _decoder(decode, kind, size)
     folder = FolderDataset(path, transform if kind == "image" and decode != "bytes" else None, decoder, kind=kind)
