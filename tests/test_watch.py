@@ -152,6 +152,13 @@ def test_monitor_by_name_never_takes_the_process_that_started_it() -> None:
     assert run.stderr == f"Error: no running process has '{token}' in its command line. Pass its PID instead\n"
 
 
+@pytest.mark.parametrize("pid", ["0", "-5"])
+def test_monitor_refuses_a_pid_no_process_can_have(pid: str) -> None:
+    """0 said 'process 0 has ended' with exit 0 (psutil takes pid 0), -5 was psutil's raw ValueError."""
+    out = CliRunner().invoke(main, ["monitor", "--count", "1", "--", pid])
+    assert out.exit_code == 2 and f"Invalid value for '[PID]': {pid} is not in the range x>=1." in out.output
+
+
 def test_monitor_refuses_a_bad_period() -> None:
     with pytest.raises(packdata.ConfigError, match="every should be"):
         packdata.monitor([], every="soon")
