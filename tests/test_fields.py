@@ -281,6 +281,30 @@ def test_list_file_with_string_labels_and_extra_columns(tmp_path: Path, suffix: 
     assert ds[3]["png"] == absolute.read_bytes()
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_list_file_with_a_byte_order_mark_reads_its_first_column(tmp_path: Path, suffix: str) -> None:
+    """Excel's 'CSV UTF-8' starts with a BOM: the first column was named '\\ufeffpath', and no row had 'path'."""
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    listing = tmp_path / f"l{suffix}"
+    text = "path,label\na.txt,cat\n" if suffix == ".csv" else json.dumps({"path": "a.txt", "label": "cat"}) + "\n"
+    listing.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    packdata.convert(listing, tmp_path / "out.lmdb", label_column="label", progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert ds.classes == ["cat"] and ds[0] == {"__key__": "a", "txt": "alpha", "cls": 0}
+
+
+def test_a_label_column_no_row_has_is_named_before_packing(tmp_path: Path) -> None:
+    """Every row was packed as a 'bad label' skip, then '.: no usable fields files ... Check the folder and --kind'."""
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    listing = tmp_path / "l.csv"
+    listing.write_text("path,label\na.txt,cat\n", encoding="utf-8")
+    result = CliRunner().invoke(cli, ["convert", str(listing), str(tmp_path / "out.lmdb"), "--label-column", "lable"])
+    assert result.exit_code == 1
+    said = f"{listing}: no row has a 'lable' column (columns: ['label', 'path']). Name the column with --label-column"
+    assert result.output == f"Error: {said}\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "l.csv"]
+
+
 def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
     (tmp_path / "b.txt").write_text("beta", encoding="utf-8")

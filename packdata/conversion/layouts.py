@@ -227,9 +227,10 @@ class ListSource:
 
 
 def _open_text(list_file: Path | str, fs: Any) -> TextIO:
+    """The list as UTF-8 text; a byte order mark (Excel's "CSV UTF-8") is dropped, not read into the first column."""
     if fs is None:
-        return open(list_file, encoding="utf-8", newline="")
-    return io.TextIOWrapper(fs.open(list_file, "rb"), encoding="utf-8", newline="")
+        return open(list_file, encoding="utf-8-sig", newline="")
+    return io.TextIOWrapper(fs.open(list_file, "rb"), encoding="utf-8-sig", newline="")
 
 
 def _rows(list_file: Path | str, fs: Any = None, where: str | Path = "") -> Iterator[tuple[int, dict[str, Any]]]:
@@ -287,7 +288,7 @@ def scan_list(
     then name objects relative to the list's folder there.
 
     Raises:
-        SourceError: the file is missing, unreadable, empty, or lacks the path column.
+        SourceError: the file is missing, unreadable, empty, or lacks the path column (or the label column).
         ConfigError: a column cannot name a field.
     """
     fs, base, where = None, "", os.fspath(list_file)
@@ -314,6 +315,7 @@ def scan_list(
     top_free = -1  # the largest integer label below _FREE_CLASSES
     past_free: set[int] = set()  # integer labels from _FREE_CLASSES up: each costs its row, and lists rarely have any
     rows = 0
+    label_seen = False
     try:
         for _, row in _rows(list_file, fs, where):
             rows += 1
@@ -328,6 +330,7 @@ def scan_list(
                     continue
                 columns[column] = columns.get(column, True) and (isinstance(value, str) or value is None)
             if label_column is not None:
+                label_seen = label_seen or label_column in row
                 label = row.get(label_column)
                 if isinstance(label, int) and not isinstance(label, bool):
                     int_labels = True
@@ -342,6 +345,12 @@ def scan_list(
         raise SourceError(f"cannot read the list file: {exc}", path=where) from exc
     if rows == 0:
         raise SourceError("the list file has no rows", path=where)
+    if label_column is not None and not label_seen:
+        raise SourceError(
+            f"no row has a {label_column!r} column (columns: {sorted(columns.keys() | {path_column})})",
+            path=where,
+            hint="Name the column with --label-column",
+        )
     codecs = {}
     for column, all_strings in columns.items():
         try:
