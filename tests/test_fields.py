@@ -305,6 +305,31 @@ def test_a_label_column_no_row_has_is_named_before_packing(tmp_path: Path) -> No
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "l.csv"]
 
 
+def test_a_conversion_that_packs_nothing_names_the_source_and_the_option_to_check(tmp_path: Path) -> None:
+    """It said 'no usable fields files', named a list's folder ('.') and always hinted at the folder and --kind."""
+    grouped = tmp_path / "grouped"
+    grouped.mkdir()
+    for i in range(2):
+        (grouped / f"{i}.jpg").write_bytes(image_bytes(i))
+        (grouped / f"{i}.txt").write_text(f"caption {i}", encoding="utf-8")
+    listing = tmp_path / "l.csv"
+    listing.write_text("path\ngone.txt\n", encoding="utf-8")
+    cases = [
+        (
+            [str(grouped), str(tmp_path / "g.lmdb"), "--layout", "grouped", "--require", "jpg,json"],
+            f"{grouped}: no usable samples (skipped: 2 missing field). "
+            "Check --require FIELDS: it names the fields every sample must have",
+        ),
+        (
+            [str(listing), str(tmp_path / "l.lmdb")],
+            f"{listing}: no usable samples (skipped: 1 vanished). Check the paths and labels the list gives",
+        ),
+    ]
+    for args, said in cases:
+        result = CliRunner().invoke(cli, ["convert", "-q", *args])
+        assert result.exit_code == 1 and result.output == f"Error: {said}\n", result.output
+
+
 def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
     (tmp_path / "b.txt").write_text("beta", encoding="utf-8")

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from packdata.conversion.layouts import AnySource
+from packdata.conversion.layouts import AnySource, ListSource
 from packdata.conversion.load import _Options
 from packdata.conversion.sources import Skip
 from packdata.errors import (
@@ -295,9 +295,14 @@ def _check_destination_writable(dst: Path) -> None:
 def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:
     """The error of a conversion that packed nothing."""
     reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
-    return SourceError(
-        f"no usable {source.kind} files (skipped: {reasons})", path=source.root, hint="Check the folder and --kind"
-    )
+    if isinstance(source, ListSource):
+        where, hint = source.list_file, "Check the paths and labels the list gives"
+    else:
+        where, hint = source.root, "Check the folder and --kind"
+    if "missing field" in skipped:
+        hint = "Check require=FIELDS: it names the fields every sample must have"
+    what = f"{source.kind} files" if source.kind in ("image", "text") else "samples"
+    return SourceError(f"no usable {what} (skipped: {reasons})", path=where, hint=hint)
 
 
 def extend_classes(source: AnySource, partial: Path) -> None:
