@@ -310,6 +310,24 @@ def test_append_keeps_old_shards_and_a_reader_opened_before(tmp_path: Path) -> N
     assert packdata.verify_pack(pack, progress=False).records == 5
 
 
+def test_append_of_another_kind_is_refused_before_any_file_is_packed(tmp_path: Path) -> None:
+    """Images appended to a text pack were all packed ('packing: 60 of 60 files') before the kinds were compared."""
+    docs = tmp_path / "docs" / "news"
+    docs.mkdir(parents=True)
+    (docs / "a.txt").write_text("alpha", encoding="utf-8")
+    pack = tmp_path / "docs.lmdb"
+    packdata.convert(tmp_path / "docs", pack, progress=False)
+    before = tree_digest(pack)
+    images = _folder(tmp_path / "images", {"cat": ["1.jpg", "2.jpg"]})
+    result = CliRunner().invoke(cli, ["convert", str(images), str(pack), "--append"])  # with its progress line
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {pack}: the source holds image samples, the pack text. "
+        "Append a source of the pack's kind, or convert this one into a pack of its own\n"
+    )
+    assert tree_digest(pack) == before and sorted(os.listdir(tmp_path)) == ["docs", "docs.lmdb", "images"]
+
+
 def test_append_refuses_repeated_keys_and_cleans_leftovers(tmp_path: Path) -> None:
     a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
     pack = tmp_path / "p.lmdb"

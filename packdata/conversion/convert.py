@@ -167,6 +167,9 @@ def convert(
     if shard_size is None and shard_samples is None:
         shard_size = pack_format.default_shard_bytes
     source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
+    into, into_kind = _APPEND_INTO.get()
+    if into_kind is not None and source.kind != into_kind:  # before any file is read, not after all were packed
+        raise _kind_mismatch(source.kind, into_kind, into)
     if engine == "ray" and (isinstance(source, TarSource) or (streamed and not isinstance(source, RemoteFolder))):
         raise ConfigError(
             "the Ray engine packs local folders and list files, and class folders at a URL (tar shards are "
@@ -290,10 +293,14 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
                     hint="The last append into it finished (or none began): append without resume",
                 )
             # Converted before an interruption: apply it now; else convert (resuming a partial one).
-            result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
+            token = _APPEND_INTO.set((dst, manifest.kind))
+            try:
+                result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
+            finally:
+                _APPEND_INTO.reset(token)
             if result.kind != manifest.kind:
                 shutil.rmtree(extra)
-                raise ConfigError(f"the source holds {result.kind} samples, the pack {manifest.kind}", path=dst)
+                raise _kind_mismatch(result.kind, manifest.kind, dst)
         merged = append_pack(dst, extra, resume=resume)
     result.pack = dst
     result.shards = merged.shards
@@ -303,6 +310,18 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
 
 
 _CONVERT_OPTIONS = tuple(inspect.signature(convert).parameters)[2:]
+
+_APPEND_INTO: ContextVar[tuple[Path, str | None]] = ContextVar("packdata_append_into", default=(Path(), None))
+"""The pack an append converts for, and its kind: set by :func:`_append` around its conversion,
+so a source of another kind is refused once scanned, before any file is read."""
+
+
+def _kind_mismatch(source_kind: str, pack_kind: str, pack: Path) -> ConfigError:
+    return ConfigError(
+        f"the source holds {source_kind} samples, the pack {pack_kind}",
+        path=pack,
+        hint="Append a source of the pack's kind, or convert this one into a pack of its own",
+    )
 
 
 def _result_of(pack: Path, started: float) -> ConvertResult:
