@@ -596,6 +596,20 @@ def test_a_tfrecord_shard_without_its_offsets_index_is_refused_not_staged(tfreco
     assert len(TFRecordIndexedDataset(staged, decode="bytes")) == len(TFRecordIndexedDataset(tfrecord_pack))
 
 
+def test_unstage_of_a_file_says_what_it_is(tmp_path: Path) -> None:
+    """A regular file was called 'no such staged pack or staging area', as if it did not exist."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    for path, problem in ((notes, "is a regular file, not a staged pack"), (tmp_path / "gone", "no such staged pack")):
+        result = CliRunner().invoke(main, ["unstage", str(path)])
+        assert result.exit_code == 1
+        assert (
+            result.output
+            == f"Error: {path}: {problem} or staging area. List staged packs with `packdata stage --status`\n"
+        )
+    assert notes.read_text() == "x"
+
+
 @pytest.mark.root
 @needs_root
 def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None:

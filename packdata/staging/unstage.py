@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, LockedError
-from packdata.pack.files import discard_partial, holds_conversion, stale_siblings, temporary_owner
+from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
@@ -71,7 +71,12 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             hint=f"Run `packdata unstage {target.resolve()}`",
         )
     if not target.is_dir():
-        raise ConfigError("no such staged pack or staging area", path=target)
+        problem = (
+            f"is {file_kind(target.stat().st_mode)}, not a staged pack" if target.exists() else "no such staged pack"
+        )
+        raise ConfigError(
+            f"{problem} or staging area", path=target, hint="List staged packs with `packdata stage --status`"
+        )
     owner = temporary_owner(target, "old", "partial")
     if owner is not None and temporary_owner(target, "partial") and holds_conversion(target):
         raise ConfigError(
