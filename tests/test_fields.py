@@ -306,7 +306,7 @@ def test_a_label_column_no_row_has_is_named_before_packing(tmp_path: Path) -> No
 
 
 def test_a_conversion_that_packs_nothing_names_the_source_and_the_option_to_check(tmp_path: Path) -> None:
-    """It said 'no usable fields files', named a list's folder ('.') and always hinted at the folder and --kind."""
+    """It said 'no usable fields files', named a list's or a tar's folder and always hinted at the folder and --kind."""
     grouped = tmp_path / "grouped"
     grouped.mkdir()
     for i in range(2):
@@ -314,7 +314,14 @@ def test_a_conversion_that_packs_nothing_names_the_source_and_the_option_to_chec
         (grouped / f"{i}.txt").write_text(f"caption {i}", encoding="utf-8")
     listing = tmp_path / "l.csv"
     listing.write_text("path\ngone.txt\n", encoding="utf-8")
+    tar = tmp_path / "bad.tar"
+    tar.write_bytes(b"not a tar")
     cases = [
+        (
+            [str(tar), str(tmp_path / "t.lmdb")],
+            f"{tar}: no usable samples (skipped: 1 corrupt tar). "
+            "Check the tar shards: each sample is files sharing a key, as WebDataset writes them",
+        ),
         (
             [str(grouped), str(tmp_path / "g.lmdb"), "--layout", "grouped", "--require", "jpg,json"],
             f"{grouped}: no usable samples (skipped: 2 missing field). "

@@ -20,6 +20,7 @@ import numpy as np
 from packdata.conversion.layouts import AnySource, ListSource
 from packdata.conversion.load import _Options
 from packdata.conversion.sources import Skip
+from packdata.conversion.tars import TarSource
 from packdata.errors import (
     CapacityError,
     ConfigError,
@@ -297,6 +298,11 @@ def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:
     reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
     if isinstance(source, ListSource):
         where, hint = source.list_file, "Check the paths and labels the list gives"
+    elif isinstance(source, TarSource):
+        where = (
+            source.shards[0] if len(source.shards) == 1 else f"{source.shards[0]} (and {len(source.shards) - 1} more)"
+        )
+        hint = "Check the tar shards: each sample is files sharing a key, as WebDataset writes them"
     else:
         where, hint = source.root, "Check the folder and --kind"
     if "missing field" in skipped:
