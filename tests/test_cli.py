@@ -120,6 +120,19 @@ def test_a_pack_still_being_converted_is_named_with_the_flag_to_finish_it(image_
         )
 
 
+@pytest.mark.parametrize("command", ["convert", "info", "verify", "ls", "cat", "stage"])
+def test_storage_options_that_are_not_a_json_object_are_a_usage_error(tmp_path: Path, command: str) -> None:
+    """json.loads ran in each command's body: '{bad' was a JSONDecodeError traceback."""
+    args = {"convert": ["SRC", "DST"], "cat": ["PACK", "#0"]}.get(command, ["PACK"])
+    for value, problem in (("{bad", "'{bad': Expecting property name"), ("[1]", "'[1]'")):
+        result = _run(command, *[str(tmp_path / a) if a != "#0" else a for a in args], "--storage-options", value)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--storage-options': should be a JSON object such as '{\"anon\": true}', " in (
+            result.output
+        )
+        assert f"but got {problem}" in result.output
+
+
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     _run("convert", str(image_folder), str(dst), "-q")

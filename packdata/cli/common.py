@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from collections.abc import Callable
@@ -89,6 +90,21 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
         return parse_size(value, zero_ok=param.name in _ZERO_OK)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+
+
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
+    """``--storage-options``: a JSON object, parsed here so a typo is a usage error, not a traceback."""
+    if value is None:
+        return None
+    try:
+        options = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(
+            f"should be a JSON object such as '{{\"anon\": true}}', but got {value!r}: {exc}"
+        ) from exc
+    if not isinstance(options, dict):
+        raise click.BadParameter(f"should be a JSON object such as '{{\"anon\": true}}', but got {value!r}")
+    return options
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _count, _friendly, _mb, _shown, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _mb, _shown, _size
 from packdata.formats import FORMATS
 
 __all__ = ["convert", "merge"]
@@ -105,7 +105,9 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--storage-options", help="For an SRC or DST URL (s3://...): fsspec options as JSON.")
+@click.option(
+    "--storage-options", callback=_json_object, help="For an SRC or DST URL (s3://...): fsspec options as JSON."
+)
 @_friendly
 def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **options: Any) -> None:
     """Pack the files under SRC (a folder, a .csv/.tsv/.jsonl list, or WebDataset tars) into DST.
@@ -139,8 +141,6 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     keep_freed_memory()  # this process converts, then ends: freed batches are reused, not faulted in again
 
     try:
-        if options.get("storage_options"):
-            options["storage_options"] = json.loads(options["storage_options"])
         result = run_convert(src, dst, format=fmt, progress=not quiet, **options)
     except KeyboardInterrupt:
         if options.get("append"):  # the pack reads as before the append, or with all of it: never in between

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
-from packdata.cli.common import _count, _friendly, _mb, _shown
+from packdata.cli.common import _count, _friendly, _json_object, _mb, _shown
 
 __all__ = ["cat", "export", "info", "ls", "verify"]
 
@@ -15,9 +16,11 @@ __all__ = ["cat", "export", "info", "ls", "verify"]
 @click.command()
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@click.option(
+    "--storage-options", callback=_json_object, help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'."
+)
 @_friendly
-def info(pack: str, as_json: bool, storage_options: str | None) -> None:
+def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> None:
     """Show what PACK holds: format, samples, classes, fields, shards, bytes, version.
 
     \b
@@ -28,7 +31,7 @@ def info(pack: str, as_json: bool, storage_options: str | None) -> None:
     """
     from packdata.formats.verify import pack_info
 
-    facts = pack_info(pack, storage_options=json.loads(storage_options) if storage_options else None)
+    facts = pack_info(pack, storage_options=storage_options)
     if as_json:
         click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
         return
@@ -57,14 +60,16 @@ def info(pack: str, as_json: bool, storage_options: str | None) -> None:
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@click.option(
+    "--storage-options", callback=_json_object, help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'."
+)
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
     help="For a PACK URL: shards read at once (about 8 MiB of memory each).  [default: 8]",
 )
 @_friendly
-def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, workers: int | None) -> None:
+def verify(pack: str, quiet: bool, as_json: bool, storage_options: dict[str, Any] | None, workers: int | None) -> None:
     """Read every record of PACK and check checksums, keys and labels.
 
     Exits 1 naming the first bad shard or record.
@@ -86,8 +91,7 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, w
     """
     from packdata.formats.verify import verify_pack
 
-    options = json.loads(storage_options) if storage_options else None
-    result = verify_pack(pack, progress=not quiet, storage_options=options, workers=workers)
+    result = verify_pack(pack, progress=not quiet, storage_options=storage_options, workers=workers)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
         return
@@ -106,9 +110,11 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: str | None, w
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True, help="Samples to list (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@click.option(
+    "--storage-options", callback=_json_object, help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'."
+)
 @_friendly
-def ls(pack: str, limit: int, as_json: bool, storage_options: str | None) -> None:
+def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | None) -> None:
     """List the samples of PACK: index, key, label/class, fields with sizes, shard (from the index only).
 
     PACK may be a URL (s3://...): only its manifest and sample index are
@@ -123,8 +129,7 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: str | None) -> Non
     from packdata.formats.contents import list_samples
     from packdata.units import format_size
 
-    options = json.loads(storage_options) if storage_options else None
-    for row in list_samples(pack, limit=limit or None, storage_options=options):
+    for row in list_samples(pack, limit=limit or None, storage_options=storage_options):
         if as_json:
             click.echo(json.dumps(row, ensure_ascii=False))
             continue
@@ -137,9 +142,11 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: str | None) -> Non
 @click.argument("pack", type=click.Path(path_type=str))
 @click.argument("sample")
 @click.option("--field", "field_name", help="The field to print (needed when the sample has several).")
-@click.option("--storage-options", help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'.")
+@click.option(
+    "--storage-options", callback=_json_object, help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'."
+)
 @_friendly
-def cat(pack: str, sample: str, field_name: str | None, storage_options: str | None) -> None:
+def cat(pack: str, sample: str, field_name: str | None, storage_options: dict[str, Any] | None) -> None:
     """Write the stored bytes of one field of SAMPLE (a key, or #N for index N) to stdout.
 
     PACK may be a URL (s3://...): the record is read with one ranged request,
@@ -154,8 +161,7 @@ def cat(pack: str, sample: str, field_name: str | None, storage_options: str | N
     """
     from packdata.formats.contents import read_field
 
-    options = json.loads(storage_options) if storage_options else None
-    sys.stdout.buffer.write(read_field(pack, sample, field_name, storage_options=options))
+    sys.stdout.buffer.write(read_field(pack, sample, field_name, storage_options=storage_options))
     sys.stdout.buffer.flush()
 
 

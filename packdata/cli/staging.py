@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _count, _friendly, _mb, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _mb, _size
 
 __all__ = ["doctor", "stage", "unstage"]
 
@@ -59,6 +59,7 @@ def _rate(bytes_per_second: float) -> str:
 )
 @click.option(
     "--storage-options",
+    callback=_json_object,
     help='For a PACK URL: fsspec options as JSON, e.g. \'{"anon": true}\' or \'{"endpoint_url": "http://..."}\'.',
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -138,8 +139,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         _warn(prepared.warnings)
         return
     chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
-    raw_options = options.pop("storage_options", None)
-    storage = json.loads(raw_options) if raw_options else None
+    storage = options.pop("storage_options", None)
     result = run_stage(pack, shards=chosen, progress=not quiet, storage_options=storage, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
