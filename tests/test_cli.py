@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import image_bytes
 
 from packdata.cli import main
 
@@ -50,6 +51,16 @@ def test_counts_are_printed_with_thousands_separators(tmp_path: Path) -> None:
     area = str(tmp_path / "area")
     assert _run("stage", dst, "--to", area, "-q").exit_code == 0
     assert "out.lmdb: 1 shard staged" in _run("stage", "--status", area).output
+    merged = _run("merge", dst, dst, "-o", str(tmp_path / "twice.lmdb"), "--on-duplicate", "rename")
+    assert merged.exit_code == 0 and "; 1,200 keys renamed)" in merged.output, merged.output
+    photos = tmp_path / "photos" / "c"
+    photos.mkdir(parents=True)
+    for i in range(1001):
+        (photos / f"{i:04d}.jpg").write_bytes(image_bytes(i, (16, 12)))
+    small = str(tmp_path / "small.lmdb")
+    resized = _run("convert", str(photos.parent), small, "--max-side", "8", "-q")
+    assert resized.exit_code == 0 and ", 1,001 re-encoded" in resized.output, resized.output
+    assert "reencode: 1,001 images re-encoded as JPEG to at most 8 px" in _run("info", small).output
 
 
 def test_convert_json_summary(image_folder: Path, tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     click.echo(
         f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
         f"{result.packed / max(result.seconds, 1e-9):,.0f} {noun}/s"
-        + (f", {result.reencoded} re-encoded" if result.reencoded else "")
+        + (f", {result.reencoded:,} re-encoded" if result.reencoded else "")
     )
     if skipped:
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(result.skipped.items()))
@@ -204,6 +204,6 @@ def merge(packs: tuple[str, ...], out: str, on_duplicate: str, overwrite: bool) 
         f"merged {len(packs)} packs into {result.pack}: "
         f"{_count(result.samples, 'sample')} in {_count(result.shards, 'shard')} "
         f"({result.linked} linked, {result.copied} copied, {result.rewritten} rewritten"
-        + (f"; {result.renamed_keys} keys renamed" if result.renamed_keys else "")
+        + (f"; {_count(result.renamed_keys, 'key')} renamed" if result.renamed_keys else "")
         + ")"
     )

@@ -51,8 +51,8 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
     reencode = facts.get("reencode")
     if reencode:
         click.echo(
-            f"reencode: {reencode.get('count', 0)} images re-encoded as JPEG to at most {reencode.get('max_side')} px "
-            f"(quality {reencode.get('quality')})"
+            f"reencode: {_count(reencode.get('count', 0), 'image')} re-encoded as JPEG "
+            f"to at most {reencode.get('max_side')} px (quality {reencode.get('quality')})"
         )
 
 
