@@ -144,6 +144,28 @@ def test_storage_options_that_are_not_a_json_object_are_a_usage_error(tmp_path: 
         assert f"but got {problem}" in result.output
 
 
+def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tmp_path: Path) -> None:
+    """'require is for grouped files ...' and 'cache_limit applies ...' named keyword arguments on the command line."""
+    pack = tmp_path / "out.lmdb"
+    cases = [
+        (
+            ["convert", str(image_folder), str(pack), "--require", "jpg"],
+            "--require FIELDS is for grouped files and list files. Pass --layout grouped",
+        ),
+        (
+            ["convert", str(image_folder), str(pack), "--label-column", "y"],
+            "--label-column COLUMN is for list files. Class folders give labels: drop it",
+        ),
+    ]
+    for args, said in cases:
+        result = _run(*args)
+        assert result.exit_code == 1 and result.output == f"Error: {said}\n", result.output
+    assert _run("convert", str(image_folder), str(pack), "-q").exit_code == 0
+    result = _run("stage", str(pack), "--to", str(tmp_path / "area"), "--cache-limit", "1G")
+    said = "--cache-limit SIZE applies to packs staged from a URL. Use --budget SIZE for a local pack"
+    assert result.exit_code == 1 and result.output == f"Error: {said}\n", result.output
+
+
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     _run("convert", str(image_folder), str(dst), "-q")

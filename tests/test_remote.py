@@ -1042,7 +1042,7 @@ def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote
     result = packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
                             cache_limit=limit)  # fmt: skip
     assert result.downloaded and not first.exists() and (cache / "local-copy").is_dir()
-    with pytest.raises(packdata.ConfigError, match="cache_limit applies to packs staged from a URL"):
+    with pytest.raises(packdata.ConfigError, match="cache_limit=SIZE applies to packs staged from a URL"):
         packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)
 
 

@@ -242,22 +242,26 @@ def _scan(
         raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
     if is_tar_pattern(os.fspath(src)):
         if require:
-            raise ConfigError("require is for grouped files and list files", hint="Drop require")
+            raise ConfigError(
+                "require=FIELDS is for grouped files and list files", hint="Drop it: tar samples are kept whole"
+            )
         return scan_tars(os.fspath(src), storage_options)
     if isinstance(src, str) and os.path.splitext(src.rstrip("/"))[1].lower() not in LIST_SUFFIXES:
         if require or label_column is not None:
-            raise ConfigError("require and label_column are for grouped files and list files", path=display_url(src))
+            raise ConfigError(
+                "require=FIELDS and label_column=COLUMN are for grouped files and list files", path=display_url(src)
+            )
         return scan_remote_folder(src, storage_options, kind, layout)  # a folder at a URL, on Ray
     if isinstance(src, str):
         return scan_list(src, path_column=path_column, label_column=label_column, storage_options=storage_options)
     if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):
         return scan_list(src, path_column=path_column, label_column=label_column)
     if label_column is not None:
-        raise ConfigError("label_column is for list files", hint="Class folders give labels; drop label_column")
+        raise ConfigError("label_column=COLUMN is for list files", hint="Class folders give labels: drop it")
     if layout == "grouped" or (layout == "auto" and kind == "auto" and src.is_dir() and detect_grouped(src)):
         return scan_grouped(src, require)
     if require:
-        raise ConfigError("require is for grouped files and list files", hint="Pass layout='grouped'")
+        raise ConfigError("require=FIELDS is for grouped files and list files", hint="Pass layout='grouped'")
     return scan_source(src, kind)
 
 

@@ -229,7 +229,9 @@ def stage(
             cache_limit=cache_limit,
         )
     if cache_limit is not None:
-        raise ConfigError("cache_limit applies to packs staged from a URL", hint="Use budget=SIZE for a local pack")
+        raise ConfigError(
+            "cache_limit=SIZE applies to packs staged from a URL", hint="Use budget=SIZE for a local pack"
+        )
     start = time.monotonic()
     if to is not None and (tmpfs is not None or mount is not None):
         raise ConfigError("give either to= (a directory) or tmpfs=/mount= (a tmpfs area), not both")
