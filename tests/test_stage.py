@@ -36,6 +36,7 @@ from packdata.staging.stage import stage
 from packdata.staging.status import stage_status
 from packdata.staging.tmpfs import prepare_tmpfs
 from packdata.staging.unstage import unstage
+from packdata.units import format_size
 from tests.conftest import assert_index_digests, flip_label, tree_digest
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -488,6 +489,8 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     result = stage(tfrecord_pack, to=tmp_path / "nvme", shards=[4, "train-00001-of-00006.tfrecord"], progress=False)
     assert result.copied == ["train-00004-of-00006.tfrecord", "train-00001-of-00006.tfrecord"]
     assert len(result.left) == 4
+    # the others were left as asked, not for want of room ('the budget (66.7 GiB) holds no more shards')
+    assert result.advice == "only the shards --shards named are staged; name the others too to stage them"
     staged = tmp_path / "nvme" / "train"
     assert (staged / "train-00004-of-00006.tfindex").is_file()
     assert (staged / "train-00004-of-00006.tfpayload").is_file()  # the payload table travels too
@@ -498,6 +501,9 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     # a narrower selection later removes the copies it no longer wants
     again = stage(tfrecord_pack, to=tmp_path / "nvme", shards=[1], progress=False)
     assert again.copied == [] and again.reused == ["train-00001-of-00006.tfrecord"]
+    size = again.bytes_staged
+    tight = stage(tfrecord_pack, to=tmp_path / "nvme", shards=[1, 2], budget=size, progress=False)
+    assert tight.advice.startswith(f"the budget ({format_size(size)}) holds no more shards: the smallest left is ")
     assert not (staged / "train-00004-of-00006.tfrecord").exists()
     assert not (staged / "train-00004-of-00006.tfpayload").exists()
 

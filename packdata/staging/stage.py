@@ -107,7 +107,7 @@ class StageResult:
     budget: int
     seconds: float
     free_after: int
-    smallest_left: int = 0  # bytes of the smallest shard left behind (0: none left)
+    smallest_left: int = 0  # bytes of the smallest shard asked for and left behind (0: none)
     tmpfs: TmpfsArea | None = None
     warnings: list[SafetyWarning] = field(default_factory=list)
 
@@ -116,6 +116,8 @@ class StageResult:
         """Why shards were left behind and what to do, in one line ('' when everything is staged)."""
         if not self.left:
             return ""
+        if not self.smallest_left:  # every shard asked for was staged: the others were not asked for
+            return "only the shards --shards named are staged; name the others too to stage them"
         why = (
             f"the budget ({format_size(self.budget)}) holds no more shards: the smallest left is "
             f"{format_size(self.smallest_left)}"
@@ -343,7 +345,7 @@ def stage(
         budget=limit,
         seconds=time.monotonic() - start,
         free_after=shutil.disk_usage(area).free,
-        smallest_left=min((sizes[u.number] for u in units if u.number not in staged), default=0),
+        smallest_left=min((sizes[n] for n in order if n not in staged), default=0),
         tmpfs=area_info,
         warnings=warnings,
     )
