@@ -511,6 +511,15 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
 def test_bad_shard_selection_names_the_choices(lmdb_pack: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"shards should be numbers from 0 to 5 or shard names, but got 'x'"):
         stage(lmdb_pack, to=tmp_path / "nvme", shards=["x"], progress=False)
+    # '²' passes str.isdigit and 5,000 digits int()'s limit: each was a raw ValueError; none named no shard at all
+    for value in ("²", "9" * 5000):
+        with pytest.raises(ConfigError, match=r"shards should be numbers from 0 to 5 or shard names, but got '[²9]"):
+            stage(lmdb_pack, to=tmp_path / "nvme", shards=[value], progress=False)
+    for value in ("", ","):  # '' staged every shard, ',' none ('nothing was staged')
+        result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(tmp_path / "nvme"), "--shards", value])
+        assert result.exit_code == 1
+        assert result.output.startswith("Error: shards should name at least one shard, but got none. "), result.output
+    assert not list((tmp_path / "nvme").rglob("*.mdb"))
     with pytest.raises(ConfigError, match="either to="):
         stage(lmdb_pack, to=tmp_path / "nvme", tmpfs=1 << 20, progress=False)
 

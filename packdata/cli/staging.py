@@ -138,7 +138,7 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
         click.echo(f"stage into it with: packdata stage PACK{where}")
         _warn(prepared.warnings)
         return
-    chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards else None
+    chosen = [s.strip() for s in shards.split(",") if s.strip()] if shards is not None else None
     storage = options.pop("storage_options", None)
     result = run_stage(pack, shards=chosen, progress=not quiet, storage_options=storage, **options)
     if as_json:

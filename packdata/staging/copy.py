@@ -450,19 +450,22 @@ def resolve_order(manifest: Manifest, shards: Sequence[int | str] | None) -> lis
     if shards is None:
         return list(range(n))
     names = {Path(s.file).name: i for i, s in enumerate(manifest.shards)}
+    hint = f"The pack's shards are {', '.join(list(names)[:3])}{', ...' if n > 3 else ''}"
+    if not shards:
+        raise ConfigError("shards should name at least one shard, but got none", hint=hint)
     order: list[int] = []
     for item in shards:
-        if isinstance(item, int) or (isinstance(item, str) and item.strip().isdigit()):
-            number = int(item)
+        digits = isinstance(item, str) and item.strip().isascii() and item.strip().isdigit()  # not '²'
+        if isinstance(item, int) or digits:
+            number = int(item) if isinstance(item, int) or len(item.strip()) <= 18 else n  # 5,000 digits: out of range
             if not 0 <= number < n:
-                raise ConfigError(f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}")
+                raise ConfigError(
+                    f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}", hint=hint
+                )
         elif item in names:
             number = names[item]
         else:
-            raise ConfigError(
-                f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}",
-                hint=f"The pack's shards are {', '.join(list(names)[:3])}{', ...' if n > 3 else ''}",
-            )
+            raise ConfigError(f"shards should be numbers from 0 to {n - 1} or shard names, but got {item!r}", hint=hint)
         if number not in order:
             order.append(number)
     return order
