@@ -309,7 +309,7 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
     ("damaged", "error"),
     [
         ("{", r"ray-plan.json: the interrupted conversion's plan is damaged: not JSON"),
-        ("[1]", r"other options \(\[1\]\)"),
+        ("[1]", r"other options: \[1\]"),
     ],
 )
 def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, damaged: str, error: str) -> None:

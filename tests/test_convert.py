@@ -261,6 +261,22 @@ def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, 
     assert (partial_path(dst) / "progress.json").is_file()
 
 
+def test_a_resume_with_other_options_names_each_that_differs_as_a_flag(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It printed the saved options as a Python dict ({'format': 'lmdb', ..., 'shard_samples': 200}), eight of them."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch, shard_samples=4)
+    args = ["convert", str(image_folder), str(dst), "--resume", "--shard-samples", "6", "--on-error", "fail", "-q"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {partial_path(dst)}: the interrupted conversion used other options: "
+        "--on-error skip (this run: 'fail'), --shard-samples 4 (this run: 6). "
+        "Resume with the same options, or start again with --overwrite\n"
+    )
+
+
 @pytest.mark.parametrize("planted", ["skipped.jsonl", "index/labels.i32", "shard-00000.lmdb/data.mdb"])
 def test_resume_refuses_a_symlink_planted_in_the_partial_pack(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str

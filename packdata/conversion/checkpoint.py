@@ -17,8 +17,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.publish import MAX_SKIP_EXAMPLES, SKIP_REPORT, is_count, is_skip_counts, is_skip_lines
-from packdata.errors import ConfigError, PackFormatError
+from packdata.conversion.publish import (
+    MAX_SKIP_EXAMPLES,
+    SKIP_REPORT,
+    is_count,
+    is_skip_counts,
+    is_skip_lines,
+    other_options_error,
+)
+from packdata.errors import PackFormatError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -138,11 +145,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
         if name not in state:
             raise _damaged(path, f"it lacks {name}")
     if state["options"] != options:
-        raise ConfigError(
-            f"the interrupted conversion used other options ({state['options']})",
-            path=path.parent,
-            hint="Resume with the same options, or start again with --overwrite",
-        )
+        raise other_options_error(state["options"], options, path.parent)
     for name in _COUNTS:
         if not is_count(state[name]):
             raise _bad(path, name, "an integer >= 0", state[name])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import shutil
 import stat
 import time
@@ -45,6 +46,7 @@ __all__ = [
     "is_skip_counts",
     "is_skip_lines",
     "make_result",
+    "other_options_error",
     "partial_path",
     "record_skip",
     "recover_replaced",
@@ -291,6 +293,20 @@ def _check_destination_writable(dst: Path) -> None:
             path=parent,
             hint="Free space or choose another destination",
         )
+
+
+def other_options_error(saved: Any, now: dict[str, Any], path: str | os.PathLike) -> ConfigError:
+    """The refusal of a resume whose options are not the interrupted run's: each that differs, with both values."""
+    if isinstance(saved, dict):
+        keys = sorted(saved.keys() | now.keys())
+        what = ", ".join(f"{k}={saved.get(k)!r} (this run: {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k))
+    else:
+        what = reprlib.repr(saved)
+    return ConfigError(
+        f"the interrupted conversion used other options: {what}",
+        path=path,
+        hint="Resume with the same options, or start again with --overwrite",
+    )
 
 
 def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:

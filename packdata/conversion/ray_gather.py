@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import reprlib
 import shutil
 from collections import Counter
 from dataclasses import asdict
@@ -28,6 +27,7 @@ from packdata.conversion.publish import (
     is_count,
     is_skip_counts,
     is_skip_lines,
+    other_options_error,
 )
 from packdata.conversion.ray_remote import (
     RemoteTarget,
@@ -276,11 +276,7 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
                 ) from exc
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
-                raise ConfigError(
-                    f"the interrupted conversion used other options ({reprlib.repr(options)})",
-                    path=partial,
-                    hint="Resume with the same options, or start again with --overwrite",
-                )
+                raise other_options_error(options, asdict(opts), partial)
             (partial / TASKS_DIR).mkdir(exist_ok=True)
             return True
         if resume and (partial / PROGRESS_FILE).is_file():
