@@ -242,6 +242,28 @@ def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_p
         convert(image_folder, tmp_path / "out.lmdb", progress=False)
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_pack_given_as_the_source_is_refused_not_packed_as_files(
+    image_folder: Path, tmp_path: Path, fmt: str
+) -> None:
+    """'convert train.lmdb train --format tfrecord' packed manifest.json and the index as text samples, exit 0."""
+    pack = tmp_path / "p"
+    convert(image_folder, pack, format=fmt, progress=False)
+    dst = tmp_path / "again"
+    result = CliRunner().invoke(main, ["convert", str(pack), str(dst), "--format", "lmdb", "-q"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {pack}: is a packdata pack, not a folder of files to pack. To repack it (another format or shard "
+        f"size), export it first (`packdata export {pack} DIR`), then convert DIR\n"
+    )
+    assert not dst.exists()
+    own = tmp_path / "own"  # a folder that merely holds a manifest.json of its own is packed as usual
+    (own / "docs").mkdir(parents=True)
+    (own / "manifest.json").write_text('{"files": 1}')
+    (own / "docs" / "a.txt").write_text("alpha")
+    assert convert(own, tmp_path / "own.lmdb", progress=False).packed == 2
+
+
 def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5, **options) -> None:
     """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2 (``options``: convert's)."""
     from packdata.conversion import local

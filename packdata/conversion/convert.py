@@ -45,7 +45,7 @@ from packdata.conversion.upload import (
     upload_pack,
     work_folder,
 )
-from packdata.errors import CapacityError, ConfigError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.files import discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
@@ -258,11 +258,29 @@ def _scan(
         return scan_list(src, path_column=path_column, label_column=label_column)
     if label_column is not None:
         raise ConfigError("label_column=COLUMN is for list files", hint="Class folders give labels: drop it")
+    if _is_pack(src):  # its manifest, index and shards would be packed as samples
+        raise ConfigError(
+            "is a packdata pack, not a folder of files to pack",
+            path=src,
+            hint=f"To repack it (another format or shard size), export it first (`packdata export {src} DIR`), "
+            "then convert DIR",
+        )
     if layout == "grouped" or (layout == "auto" and kind == "auto" and src.is_dir() and detect_grouped(src)):
         return scan_grouped(src, require)
     if require:
         raise ConfigError("require=FIELDS is for grouped files and list files", hint="Pass layout='grouped'")
     return scan_source(src, kind)
+
+
+def _is_pack(folder: Path) -> bool:
+    """Whether ``folder`` is a packdata pack: a manifest.json that packdata reads, not just any file of that name."""
+    if not (folder / MANIFEST_NAME).is_file():
+        return False
+    try:
+        read_manifest(folder)
+    except PackFormatError:
+        return False
+    return True
 
 
 def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResult:
