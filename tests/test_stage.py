@@ -627,6 +627,19 @@ def test_unstage_of_a_file_says_what_it_is(tmp_path: Path) -> None:
 
 @pytest.mark.root
 @needs_root
+def test_a_tmpfs_too_small_for_any_shard_is_refused_before_it_is_mounted(lmdb_pack: Path, tmp_path: Path) -> None:
+    """--tmpfs 1K (for 1G) mounted a 4 KiB tmpfs, left it mounted, then said 'the destination disk is full'."""
+    point = tmp_path / "area"
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--tmpfs", "1K", "--mount", str(point), "-q"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {point}: a tmpfs of 1.0 KiB holds no shard of the pack (the smallest ")
+    assert "Ask for a --tmpfs SIZE that holds the shards" in result.output
+    assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())
+    assert not point.exists()
+
+
+@pytest.mark.root
+@needs_root
 def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None:
     """A disk with no block left failed in the lock's record, then in staged.json, each a raw OSError."""
     area = tmpfs("1m")

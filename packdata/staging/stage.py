@@ -251,6 +251,14 @@ def stage(
     check_destination(source, planned / name)  # before the area is made or mounted: never inside the source
 
     area_info: TmpfsArea | None = None
+    smallest = min(manifest.shards[n].bytes for n in order)
+    if tmpfs is not None and tmpfs < smallest + _HEADROOM:  # before mounting: a typo (1K for 1G) mounted 4 KiB
+        raise CapacityError(
+            f"a tmpfs of {format_size(tmpfs)} holds no shard of the pack (the smallest to stage is "
+            f"{format_size(smallest)})",
+            path=planned,
+            hint="Ask for a tmpfs=SIZE that holds the shards, e.g. the pack's size",
+        )
     if tmpfs is not None:
         area_info = prepare_tmpfs(tmpfs, mount=mount or DEFAULT_AREA, resize=resize, force=force, reserve=reserve)
         area = area_info.path
