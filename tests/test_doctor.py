@@ -135,6 +135,18 @@ def test_bad_arguments(tmp_path: Path) -> None:
         doctor(tmp_path / "missing", include_gpus=False)
 
 
+def test_cli_doctor_prints_counts_as_every_command_does(tmp_path: Path) -> None:
+    """It printed '(lmdb, 1001 samples, ...)' and 'shards:   1 for 1 readers'."""
+    notes = tmp_path / "src" / "notes"
+    notes.mkdir(parents=True)
+    for i in range(1001):
+        (notes / f"{i:04d}.txt").write_text(f"note {i}")
+    packdata.convert(tmp_path / "src", tmp_path / "p.lmdb", progress=False)
+    out = CliRunner().invoke(main, ["doctor", os.fspath(tmp_path / "p.lmdb"), "--workers", "1"])
+    assert out.exit_code == 0, out.output
+    assert "(lmdb, 1,001 samples, " in out.output and "shards:   1 for 1 reader; sizes " in out.output, out.output
+
+
 def test_cli_doctor(tf_pack: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(main, ["doctor", os.fspath(tf_pack), "--json"])

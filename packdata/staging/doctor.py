@@ -112,9 +112,11 @@ class DoctorReport:
                 where += ", network"
             if p.rotational:
                 where += ", rotational disk"
-            out.append(f"pack:     {p.path} ({p.format}, {p.num_samples} samples, {fs(p.total_bytes)}, on {where})")
+            samples = f"{p.num_samples:,} sample{'s' * (p.num_samples != 1)}"
+            out.append(f"pack:     {p.path} ({p.format}, {samples}, {fs(p.total_bytes)}, on {where})")
             out.append(
-                f"shards:   {p.shards} for {p.readers} readers; sizes {fs(p.shard_bytes_min)} / "
+                f"shards:   {p.shards:,} for {p.readers:,} reader{'s' * (p.readers != 1)}; "
+                f"sizes {fs(p.shard_bytes_min)} / "
                 f"{fs(p.shard_bytes_median)} / {fs(p.shard_bytes_max)} (min / median / max), skew {p.skew:.2f}"
             )
             if p.staged_from:
