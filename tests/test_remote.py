@@ -260,6 +260,27 @@ def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord,
     assert keys.read_bytes() == (local / "index" / "keys.utf8").read_bytes()
 
 
+@pytest.mark.parametrize("name", ["labels.i32", "keys.utf8"])
+def test_a_cached_index_file_damaged_since_its_download_is_downloaded_again(
+    s3, remote_tfrecord, tmp_path: Path, name: str
+) -> None:
+    """One flipped byte in a cached copy's index (same size, so the copy was reused) failed every later open
+    with 'does not match its SHA-256 ... convert it again', blaming a sound remote pack. It is downloaded again."""
+    options, _ = s3
+    url, local = remote_tfrecord
+    cache = tmp_path / "cache"
+    expected = sorted(packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    assert sorted(packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)) == expected
+    (cached,) = cache.rglob(name)
+    damaged = bytearray(cached.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    cached.write_bytes(bytes(damaged))
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+    assert sorted(ds) == expected
+    (cached,) = cache.rglob(name)
+    assert cached.read_bytes() == (local / "index" / name).read_bytes()
+
+
 @pytest.mark.root
 @pytest.mark.parametrize("inodes", [6, 9])  # the disk fills at an index file, at a side table
 def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(

@@ -42,6 +42,7 @@ __all__ = [
     "download_skeleton",
     "fetch_pack_skeleton",
     "fetch_range",
+    "forget_skeleton",
     "pinned_version",
     "remote_size",
 ]
@@ -408,6 +409,15 @@ def _holds(dest: Path, digest: str) -> bool:
         return isinstance(sizes, dict) and all(_regular_size(dest / name) == size for name, size in sizes.items())
     except (OSError, ValueError):
         return False
+
+
+def forget_skeleton(dest: Path) -> None:
+    """Mark the cached copy ``dest`` as not to be reused (a damaged file found in it): the next fetch downloads anew.
+
+    Only its record of the files downloaded goes; readers of the copy read on,
+    and the next :func:`fetch_pack_skeleton` swaps a fresh copy in atomically.
+    """
+    (dest / _FILES).unlink(missing_ok=True)
 
 
 def _regular_size(path: Path) -> int:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from packdata.errors import PackFormatError
+from packdata.formats.remote_pack import forget_skeleton
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
 from packdata.formats.tfrecord_reader import TFRecordShardReader
@@ -49,9 +51,16 @@ class _TFRecordView(PackView):
         self._storage_options = storage_options
         if is_url(path):  # shards stream from object storage; the manifest and index come from a local copy
             self._url = os.fspath(path).rstrip("/")
-            path = fetch_skeleton(self._url, storage_options, cache_dir)
-        super().__init__(path, TFRECORD, transform, target_transform, decode, fields, transforms)
-        self.pack.index.keys.check()  # every record read is matched to its key: hashed here once, not per worker
+        for fetch in (True, False):
+            local = fetch_skeleton(self._url, storage_options, cache_dir) if self._url else path
+            try:
+                super().__init__(local, TFRECORD, transform, target_transform, decode, fields, transforms)
+                self.pack.index.keys.check()  # every record read is matched to its key: hashed here, not per worker
+                break
+            except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more
+                if not (self._url and fetch and exc.path and Path(exc.path).is_relative_to(local)):
+                    raise
+                forget_skeleton(Path(local))
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
