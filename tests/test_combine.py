@@ -158,6 +158,25 @@ def test_merge_takes_only_a_packs_own_regular_side_tables(tmp_path: Path, fmt: s
     assert not (tmp_path / f"m.{fmt}").exists() and not (tmp_path / f".m.{fmt}.partial").exists()
 
 
+@pytest.mark.parametrize("planted", ["symlink", "FIFO"])
+def test_merge_reads_only_a_packs_own_regular_skip_report(tmp_path: Path, planted: str) -> None:
+    """The skip report was opened by path once is_file() said so: a link to another file of the pack (one
+    leading out is refused as the manifest's) was read into the merged report as skips, and a FIFO was passed
+    over without a word. Either is refused, naming it."""
+    pack, other = tmp_path / "a.lmdb", tmp_path / "b.lmdb"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), pack, progress=False)
+    packdata.convert(_folder(tmp_path / "b", {"cat": ["2.jpg"]}), other, progress=False)
+    report = other / read_manifest(other).skipped["report"]
+    report.unlink()
+    if planted == "FIFO":
+        os.mkfifo(report)
+    else:
+        report.symlink_to(other / "index" / "keys.utf8")
+    with pytest.raises(PackFormatError, match=re.escape(str(report))):
+        packdata.merge_packs([pack, other], tmp_path / "m.lmdb")
+    assert not (tmp_path / "m.lmdb").exists()
+
+
 def test_merge_links_shards_refuses_or_renames_duplicate_keys(tmp_path: Path) -> None:
     a = _folder(tmp_path / "a", {"cat": ["1.jpg", "2.jpg"]})
     packdata.convert(a, tmp_path / "a.lmdb", progress=False)

@@ -35,7 +35,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import open_index
 from packdata.pack.fields import codec_of
-from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside
+from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside, open_pack_file
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
@@ -352,7 +352,10 @@ def _report_lines(item: _Input) -> Iterator[bytes]:
     if not name:
         return
     path = resolve_in_pack(item.path, name, field="skipped.report", manifest=item.path / MANIFEST_NAME)
-    if path.is_file():
-        with open(path, "rb") as f:
-            for line in f:
-                yield line if line.endswith(b"\n") else line + b"\n"
+    try:
+        fd = open_pack_file(path)  # a link (leading out of the pack) or a FIFO is refused, never read
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
+            yield line if line.endswith(b"\n") else line + b"\n"
