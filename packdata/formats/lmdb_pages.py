@@ -178,13 +178,14 @@ def value_locations(data_file: str | os.PathLike) -> ShardValues:
         PackFormatError: as :func:`check_lmdb_tree`, or the keys are not the record numbers 0 to entries - 1.
     """
     path = os.fspath(data_file)
+    identity = _identity(path)  # before the read: a file changed since is not the one found sound
     meta = read_lmdb_meta(path)
     pages = _map_pages(path, meta)
     keys, offsets, lengths = _walk(path, pages, meta)
     gap = np.flatnonzero(keys != np.arange(len(keys), dtype=np.uint64))
     if len(gap):
         raise _refuse(path, f"record {int(gap[0])} is missing (the key in its place is {int(keys[gap[0]])})")
-    _checked.add(_identity(path))
+    _checked.add(identity)
     return ShardValues(meta, np.stack([offsets, lengths], axis=1), pages)
 
 
