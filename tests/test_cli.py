@@ -166,6 +166,17 @@ def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tm
     assert result.exit_code == 1 and result.output == f"Error: {said}\n", result.output
 
 
+def test_ls_of_a_pack_missing_an_index_file_names_it_with_the_fix(image_folder: Path, tmp_path: Path) -> None:
+    """It printed Python's '[Errno 2] No such file or directory: '...'' and no hint."""
+    dst = tmp_path / "out.lmdb"
+    assert _run("convert", str(image_folder), str(dst), "-q").exit_code == 0
+    (dst / "index" / "labels.i32").unlink()
+    result = _run("ls", str(dst))
+    assert result.exit_code == 1
+    said = f"{dst / 'index'}: sample index is missing or damaged: labels.i32: No such file or directory"
+    assert result.output == f"Error: {said}. Convert the pack again\n"
+
+
 def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     _run("convert", str(image_folder), str(dst), "-q")

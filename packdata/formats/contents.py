@@ -36,7 +36,12 @@ def _index(pack: Path, manifest: Manifest) -> SampleIndex:
         fields = manifest.fields if manifest.kind == "fields" else None
         return SampleIndex(directory, manifest.num_samples, fields, manifest.index_sha256)
     except (OSError, ValueError) as exc:
-        raise PackFormatError(f"sample index is missing or damaged: {exc}", path=directory) from exc
+        problem = (
+            f"{os.path.basename(exc.filename)}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else exc
+        )
+        raise PackFormatError(
+            f"sample index is missing or damaged: {problem}", path=directory, hint="Convert the pack again"
+        ) from exc
 
 
 def list_samples(
