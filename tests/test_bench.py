@@ -203,6 +203,18 @@ def test_bench_cli_refuses_an_output_it_could_not_write_before_measuring(
         assert not out.parent.is_dir() or not any(out.parent.iterdir())
 
 
+def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:
+    """--plot bench.out ran the whole bench, then matplotlib's savefig raised a raw ValueError (a traceback)."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.out"
+    args = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", "1", "--plot", str(out)]
+    result = CliRunner().invoke(cli_main, args)
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {out}: a plot is written as one of ")
+    assert "png" in result.output and "(by its suffix), not out. Name it like bench.png" in result.output
+    assert "ceiling" not in result.output and not out.exists()
+
+
 def test_bench_cli_rejects_bad_lists(pack: Path) -> None:
     result = CliRunner().invoke(cli_main, ["bench", str(pack), "--workers", "two"])
     assert result.exit_code == 2

@@ -144,6 +144,10 @@ def bench(
 
     if 0 in batch_size or 0 in prefetch_factor:
         raise click.BadParameter("batch sizes and prefetch factors should be at least 1")
+    if plot_file:
+        from packdata.measure.plot import check_plot_path
+
+        check_plot_path(plot_file)  # before minutes of measuring
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         raise click.ClickException(f"{missing[0]}: no such pack or folder (nothing was measured)")

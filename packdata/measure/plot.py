@@ -9,7 +9,27 @@ from packdata.errors import ConfigError
 from packdata.measure.bench import CEILING, BenchResult
 from packdata.measure.loop import ConfigResult
 
-__all__ = ["plot_bench"]
+__all__ = ["check_plot_path", "plot_bench"]
+
+
+def check_plot_path(path: str | os.PathLike) -> None:
+    """Refuse, before a bench runs, a plot matplotlib could not write: no matplotlib, or a format it does not know.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or ``path``'s suffix is not one of its formats.
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise ConfigError("plotting needs matplotlib", hint="pip install 'packdata[plot]'") from exc
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in formats:  # without one, matplotlib writes a PNG
+        raise ConfigError(
+            f"a plot is written as one of {', '.join(formats)} (by its suffix), not {suffix}",
+            path=path,
+            hint="Name it like bench.png",
+        )
 
 
 def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
