@@ -115,6 +115,8 @@ def test_non_utf8_file_name_is_skipped_with_reason(image_folder: Path, tmp_path:
         pytest.skip("filesystem refuses non-UTF-8 names")
     result = convert(image_folder, tmp_path / "out.lmdb", progress=False)
     assert result.skipped == {"name not UTF-8": 1}
+    (line,) = [json.loads(x) for x in (tmp_path / "out.lmdb" / "skipped.jsonl").read_text().splitlines()]
+    assert line["key"] == "cat/bad\\xff.jpg"  # the byte itself, as `ls -b` names it; once U+FFFD: no file found
 
 
 @pytest.mark.parametrize("layout", ["classes", "grouped"])

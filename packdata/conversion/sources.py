@@ -138,7 +138,8 @@ class Source:
 
 
 def _printable(rel: str) -> str:
-    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    """A name with bytes that are not UTF-8, each such byte written ``\\xNN``: findable, as `ls -b` prints it."""
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _is_utf8(name: str) -> bool:
