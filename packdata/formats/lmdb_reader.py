@@ -142,7 +142,9 @@ class LMDBShardReader:
                 path=self.path,
                 hint="The shard is damaged: run `packdata verify`",
             )
-        values = self._walk_values(os.path.join(self.path, DATA_FILE))
+        values = self._values
+        if values is None:
+            values = self._walk_values(os.path.join(self.path, DATA_FILE))
         offset, length = values[2 * index], values[2 * index + 1]
         assert self._pages is not None  # opened
         data = self._pages.read(offset, length)
