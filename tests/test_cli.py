@@ -145,7 +145,10 @@ def test_storage_options_that_are_not_a_json_object_are_a_usage_error(tmp_path: 
 
 
 def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tmp_path: Path) -> None:
-    """'require is for grouped files ...' and 'cache_limit applies ...' named keyword arguments on the command line."""
+    """'require is for grouped files ...' and 'cache_limit applies ...' named keyword arguments on the command line.
+
+    --path-column on a folder was ignored without a word.
+    """
     pack = tmp_path / "out.lmdb"
     cases = [
         (
@@ -155,6 +158,10 @@ def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tm
         (
             ["convert", str(image_folder), str(pack), "--label-column", "y"],
             "--label-column COLUMN is for list files. Class folders give labels: drop it",
+        ),
+        (  # it was ignored without a word
+            ["convert", str(image_folder), str(pack), "--path-column", "x"],
+            "--path-column COLUMN is for list files. A folder's files are found by walking it: drop it",
         ),
     ]
     for args, said in cases:

@@ -240,6 +240,13 @@ def _scan(
     """The source at ``src`` (a path, or the URL of tar shards or a list) in the layout asked for (or detected)."""
     if layout not in ("auto", "classes", "grouped"):
         raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
+    is_list = os.path.splitext(os.fspath(src).rstrip("/"))[1].lower() in LIST_SUFFIXES
+    if isinstance(src, Path):
+        is_list = is_list and (src.is_file() or not src.exists())
+    if path_column != "path" and not is_list:
+        raise ConfigError(
+            "path_column=COLUMN is for list files", hint="A folder's files are found by walking it: drop it"
+        )
     if is_tar_pattern(os.fspath(src)):
         if require:
             raise ConfigError(
@@ -254,7 +261,7 @@ def _scan(
         return scan_remote_folder(src, storage_options, kind, layout)  # a folder at a URL, on Ray
     if isinstance(src, str):
         return scan_list(src, path_column=path_column, label_column=label_column, storage_options=storage_options)
-    if src.suffix.lower() in LIST_SUFFIXES and (src.is_file() or not src.exists()):
+    if is_list:
         return scan_list(src, path_column=path_column, label_column=label_column)
     if label_column is not None:
         raise ConfigError("label_column=COLUMN is for list files", hint="Class folders give labels: drop it")
