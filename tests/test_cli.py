@@ -242,6 +242,8 @@ def test_library_keywords_are_said_as_the_commands_flags() -> None:
     assert as_flags("give to=DIR, or a smaller batch_size=N", flags) == "give --to DIR, or a smaller --batch-size N"
     assert as_flags("pass on_error='skip'", flags) == "pass --on-error skip"
     assert as_flags("keep shard_size=256MB and x.to=1", flags) == "keep shard_size=256MB and x.to=1"
+    assert as_flags("to should be a folder; to should", flags) == "--to should be a folder; to should"
+    assert as_flags("format should be lmdb", flags) == "format should be lmdb"
 
 
 def _logged_runs(image_folder: Path, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:

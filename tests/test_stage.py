@@ -518,7 +518,12 @@ def test_bad_shard_selection_names_the_choices(lmdb_pack: Path, tmp_path: Path) 
     for value in ("", ","):  # '' staged every shard, ',' none ('nothing was staged')
         result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(tmp_path / "nvme"), "--shards", value])
         assert result.exit_code == 1
-        assert result.output.startswith("Error: shards should name at least one shard, but got none. "), result.output
+        assert result.output.startswith("Error: --shards should name at least one shard, but got none. "), result.output
+    # the command line named the keyword argument (shards should be ...), not the flag
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(tmp_path / "nvme"), "--shards", "abc"])
+    assert result.exit_code == 1
+    said = "Error: --shards should be numbers from 0 to 5 or shard names, but got 'abc'. The pack's shards are "
+    assert result.output.startswith(said), result.output
     assert not list((tmp_path / "nvme").rglob("*.mdb"))
     with pytest.raises(ConfigError, match="either to="):
         stage(lmdb_pack, to=tmp_path / "nvme", tmpfs=1 << 20, progress=False)

@@ -20,8 +20,9 @@ __all__ = ["as_flags"]
 def as_flags(message: str, flags: dict[str, str]) -> str:
     """Say a library message in flags: ``overwrite=True`` -> ``--overwrite``, ``to=DIR`` -> ``--to DIR``.
 
-    ``flags`` maps keyword arguments to the command's options (``{"to": "--to"}``);
-    other words are left as they are.
+    A message that opens with a keyword's name (``shards should be ...``) opens
+    with its flag (``--shards should be ...``). ``flags`` maps keyword arguments
+    to the command's options (``{"to": "--to"}``); other words are left as they are.
     """
 
     def flag(match: re.Match[str]) -> str:
@@ -31,10 +32,14 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
         value = match.group(2)
         return option if value == "True" else f"{option} {value.strip(chr(39))}"
 
-    return _KEYWORD.sub(flag, message)
+    def subject(match: re.Match[str]) -> str:
+        return flags.get(match.group(1), match.group(1)) + match.group(2)
+
+    return _SUBJECT.sub(subject, _KEYWORD.sub(flag, message), count=1)
 
 
 _KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
+_SUBJECT = re.compile(r"\A([a-z][a-z0-9_]*)( should )")
 
 
 def _count(n: int, noun: str) -> str:
