@@ -193,6 +193,12 @@ def test_verify_fails_on_a_damaged_shard(image_folder: Path, tmp_path: Path) -> 
     data.write_bytes(bytes(raw))
     result = _run("verify", str(dst), "-q")
     assert result.exit_code == 1 and "checksum does not match" in result.output and "data.mdb" in result.output
+    # with --json, stdout had nothing for a script to read: the line was on stderr only
+    result = _run("verify", str(dst), "-q", "--json")
+    assert result.exit_code == 1
+    said = result.stderr.removeprefix("Error: ").removesuffix("\n")
+    assert "checksum does not match" in said and "\n" not in said
+    assert json.loads(result.stdout) == {"ok": False, "error": said, "path": str(dst)}
 
 
 def test_verify_reads_only_the_packs_own_skip_report_and_location_tables(bad_files: Path, tmp_path: Path) -> None:
@@ -280,6 +286,7 @@ def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> No
     assert again.exit_code == 1 and "is already complete: there is no interrupted conversion" in again.output
     verified = _run("verify", dst, "-q", "--json")
     assert verified.exit_code == 0 and json.loads(verified.output)["records"] == 19
+    assert json.loads(verified.output)["ok"] is True
     info = _run("info", dst).output
     assert "{" not in info and "skipped:  4 at conversion (1 corrupt image, 1 empty, 1 hidden" in info
     for command in ("info", "verify", "doctor", "tune", "unstage", "stage", "convert", "ls", "cat", "export", "merge"):

@@ -1207,7 +1207,14 @@ def test_verify_a_remote_tfrecord_pack_checks_every_record(s3, remote_tfrecord) 
     )
     out = _cli("verify", url, "-q", "--json", options=options)
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output) == {"path": url, "records": 14, "bytes": here.bytes, "shards": 4, "checks": "records"}
+    assert json.loads(out.output) == {
+        "ok": True,
+        "path": url,
+        "records": 14,
+        "bytes": here.bytes,
+        "shards": 4,
+        "checks": "records",
+    }
 
 
 def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack) -> None:

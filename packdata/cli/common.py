@@ -58,17 +58,22 @@ def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except PackdataError as exc:
-            command = click.get_current_context().command
-            flags = {
-                opt.lstrip("-").replace("-", "_"): opt
-                for param in command.params
-                if isinstance(param, click.Option)
-                for opt in param.opts[:1]
-            }
-            message = as_flags(str(exc), flags)
-            raise click.ClickException("".join(c if c.isprintable() else repr(c)[1:-1] for c in message)) from exc
+            raise click.ClickException(_said(exc)) from exc
 
     return wrapper
+
+
+def _said(exc: PackdataError) -> str:
+    """The one line the running command says for ``exc``: in its flags, a control character escaped."""
+    command = click.get_current_context().command
+    flags = {
+        opt.lstrip("-").replace("-", "_"): opt
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in param.opts[:1]
+    }
+    message = as_flags(str(exc), flags)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 _ZERO_OK = {"reserve"}  # sizes where 0 means something (keep nothing free)

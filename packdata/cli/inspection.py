@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
-from packdata.cli.common import _count, _friendly, _json_object, _mb, _shown
+from packdata.cli.common import _count, _friendly, _json_object, _mb, _said, _shown
+from packdata.errors import PackdataError
 
 __all__ = ["cat", "export", "info", "ls", "verify"]
 
@@ -59,7 +62,13 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
 @click.command()
 @click.argument("pack", type=click.Path(path_type=str))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print the result as JSON, {"ok": true, ...}; on failure {"ok": false, "error": ..., "path": ...} '
+    "as well as the error line on stderr.",
+)
 @click.option(
     "--storage-options", callback=_json_object, help="For a PACK URL: fsspec options as JSON, e.g. '{\"anon\": true}'."
 )
@@ -90,10 +99,17 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: dict[str, Any
       packdata verify s3://bucket/train --workers 16
     """
     from packdata.formats.verify import verify_pack
+    from packdata.pack.urls import display_url, is_url
 
-    result = verify_pack(pack, progress=not quiet, storage_options=storage_options, workers=workers)
+    try:
+        result = verify_pack(pack, progress=not quiet, storage_options=storage_options, workers=workers)
+    except PackdataError as exc:
+        if as_json:  # a script reading stdout gets an object either way; the line goes to stderr as well
+            shown = display_url(pack) if is_url(pack) else os.fspath(Path(pack))
+            click.echo(json.dumps({"ok": False, "error": _said(exc), "path": shown}, ensure_ascii=False))
+        raise
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        click.echo(json.dumps({"ok": True, **result.to_dict()}))
         return
     shards = _count(result.shards, "shard")
     if result.checks == "checksums":
