@@ -430,7 +430,7 @@ def test_a_source_whose_index_is_not_its_own_folder_is_refused_before_a_copy(
     kind = "is not a folder of the pack (it is a symlink)" if index == "symlink" else "is missing"
     with pytest.raises(PackFormatError, match=rf"train\.lmdb/index: the sample index folder {re.escape(kind)}"):
         stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
-    assert not any((tmp_path / "nvme" / "train.lmdb").iterdir())  # nothing copied, no staged.json
+    assert not (tmp_path / "nvme").exists()  # nothing copied, no staged.json, no folder
 
 
 def test_a_manifest_naming_one_file_twice_is_refused_before_a_copy(tfrecord_pack: Path, tmp_path: Path) -> None:
@@ -444,7 +444,7 @@ def test_a_manifest_naming_one_file_twice_is_refused_before_a_copy(tfrecord_pack
     expected = rf"manifest\.json: manifest names '{clash}' as a side table of shard 0 and as shard 1"
     with pytest.raises(PackFormatError, match=expected):
         stage(tfrecord_pack, to=tmp_path / "nvme", progress=False)
-    assert not any((tmp_path / "nvme" / "train").iterdir())  # nothing copied
+    assert not (tmp_path / "nvme").exists()  # nothing copied, no folder
     assert tree_digest(tfrecord_pack) == before
 
 
@@ -607,8 +607,14 @@ def test_a_tfrecord_shard_without_its_offsets_index_is_refused_not_staged(tfreco
     kept = index.read_bytes()
     index.unlink()
     with pytest.raises(PackFormatError, match=re.escape(f"{index}: shard 1's .tfindex file is missing")):
-        stage(tfrecord_pack, to=tmp_path / "fast", progress=False)
-    assert not list((tmp_path / "fast").rglob("*.tfrecord"))
+        stage(tfrecord_pack, to=tmp_path / "fast" / "area", progress=False)
+    assert not (tmp_path / "fast").exists()  # it left fast/area/train, empty: the folders this run made go
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "fast" / "mine").mkdir()  # a folder that was there before stays, empty or not
+    for to in (tmp_path / "fast", tmp_path / "fast" / "mine"):
+        with pytest.raises(PackFormatError, match=re.escape(f"{index}: shard 1's .tfindex file is missing")):
+            stage(tfrecord_pack, to=to, progress=False)
+    assert sorted(p.name for p in (tmp_path / "fast").rglob("*")) == ["mine"]
     index.write_bytes(kept)
     for table in tfrecord_pack.glob("*.tfpayload"):  # the payload tables are accelerators: optional
         table.unlink()
@@ -658,6 +664,7 @@ def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None
         f"Error: {area}/train.lmdb/staged.json: the destination disk is full (No space left on device). "
         "Free space and rerun\n"
     )
+    assert sorted(p.name for p in area.iterdir()) == ["filler"]  # not an empty train.lmdb
     filler.unlink()
     assert stage(lmdb_pack, to=area, progress=False).copied  # the rerun the message asks for
 

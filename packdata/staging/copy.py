@@ -396,22 +396,45 @@ def remove_leftovers(dest: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(dest: Path, what: str = "packdata stage") -> Iterator[None]:
+def locked(dest: Path, what: str = "packdata stage", made: Sequence[Path] = ()) -> Iterator[None]:
     """Hold ``dest``'s locks (see :mod:`packdata.pack.lock`), making ``dest`` once the first is held.
 
     ``.NAME.lock`` beside ``dest`` is the one a stage from a URL into the same
     folder holds (it replaces the whole folder, so its lock lives outside it);
     ``.stage.lock`` inside is the one any other path to ``dest`` (a symlink) shares.
     A run refused by the first lock creates nothing; one refused by the second
-    found ``dest`` already there.
+    found ``dest`` already there. A block that raises removes ``dest`` if this
+    made it and it is left empty, then the folders above it in ``made`` (those
+    the caller made for it, deepest first) while each is empty: never a folder
+    that was there before.
 
     Raises:
         LockedError: another process holds either lock (it is named).
     """
-    with hold_lock(convert_lock_path(dest), what=what, target=dest):
-        dest.mkdir(exist_ok=True)
-        with hold_lock(dest / LOCK, what=what, target=dest):
-            yield
+    try:
+        with hold_lock(convert_lock_path(dest), what=what, target=dest):
+            created = not os.path.lexists(dest)
+            dest.mkdir(exist_ok=True)
+            try:
+                with hold_lock(dest / LOCK, what=what, target=dest):
+                    yield
+            except BaseException:
+                if created:
+                    _remove_empty([dest])
+                raise
+    except BaseException:
+        if not os.path.lexists(dest):  # after .NAME.lock is gone from the folder above
+            _remove_empty(made)
+        raise
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (deepest first) that are empty folders, stopping at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something was written there), or gone: the ones above hold it
+            return
 
 
 def only_lock_left(dest: Path) -> bool:

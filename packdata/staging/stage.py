@@ -251,6 +251,7 @@ def stage(
     check_destination(source, planned / name)  # before the area is made or mounted: never inside the source
 
     area_info: TmpfsArea | None = None
+    made: list[Path] = []  # the folders of the area this run makes
     smallest = min(manifest.shards[n].bytes for n in order)
     if tmpfs is not None and tmpfs < smallest + _HEADROOM:  # before mounting: a typo (1K for 1G) mounted 4 KiB
         raise CapacityError(
@@ -264,6 +265,7 @@ def stage(
         area = area_info.path
     elif to is not None:
         area = Path(to).absolute()
+        made = [p for p in (area, *area.parents) if not os.path.lexists(p)]  # deepest first
         try:
             area.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # read-only, a file on the way, no permission
@@ -279,7 +281,7 @@ def stage(
     dest = area / name
     check_destination(source, dest)
 
-    with locked(dest):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
+    with locked(dest, made=made):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
