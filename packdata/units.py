@@ -26,7 +26,7 @@ def parse_size(text: str, *, zero_ok: bool = False) -> int:
     ``zero_ok`` (a tmpfs of ``size=0`` is unlimited, not empty).
 
     Raises:
-        ValueError: not a number with a known unit, no unit, zero, or a fraction of a byte.
+        ValueError: not a number with a known unit, no unit, zero, a fraction of a byte, or 2**63 bytes or more.
     """
     match = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
     unit = match[2].lower() if match else ""
@@ -37,6 +37,8 @@ def parse_size(text: str, *, zero_ok: bool = False) -> int:
         raise ValueError(f"size {text!r} has no unit: write {text}B for bytes, or {text}MB, {text}G ... ({SIZE_RULE})")
     if value == 0 and not zero_ok:
         raise ValueError(f"size {text!r} is zero, which cannot be meant here")
+    if value >= 1 << 63:  # the kernel would take it modulo 2**64, or clamp it: a tmpfs of 8 EiB
+        raise ValueError(f"size {text!r} is 8 EiB (2**63 bytes) or more: larger than any disk or memory")
     return int(value)
 
 

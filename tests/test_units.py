@@ -59,6 +59,14 @@ def test_zero_is_refused_unless_it_can_be_meant() -> None:
     assert parse_size("0B", zero_ok=True) == 0
 
 
+def test_a_size_no_disk_or_memory_has_is_refused() -> None:
+    """``stage --tmpfs 99999999999999999999999T --force`` mounted what the kernel made of it: an 8 EiB tmpfs."""
+    for text in ("99999999999999999999999T", f"{1 << 63}B", "8388608T"):
+        with pytest.raises(ValueError, match=rf"size '{text}' is 8 EiB \(2\*\*63 bytes\) or more"):
+            parse_size(text)
+    assert parse_size("8388607T") == (1 << 63) - (1 << 40)
+
+
 def test_parse_size_message_quotes_the_input() -> None:
     with pytest.raises(ValueError, match=r"^invalid size '3 apples': expected a number with a unit"):
         parse_size("3 apples")
