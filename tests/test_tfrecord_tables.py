@@ -270,12 +270,14 @@ def test_an_offsets_index_whose_lengths_wrap_past_2_63_does_not_tile_the_shard(t
         TFRecordIndexedDataset(pack, decode="bytes")
 
 
-@pytest.mark.parametrize("row", ["offset negative", "offset past the shard", "span past the record"])
+@pytest.mark.parametrize(
+    "row", ["offset negative", "offset past the shard", "span past the record", "span length negative"]
+)
 def test_a_row_changed_in_place_after_open_is_named(tmp_path: Path, row: str) -> None:
     """The table is checked when a shard opens, then read through its map: a row rewritten in place since
-    (an offset negative or past the shard: a bare OSError from ``pread``; a span past its record: a damage
-    of the shard) is named as the table changed, and the other records still read right (record 1 ends
-    where record 2 starts: its row is changed too when record 2's offset is)."""
+    (an offset negative or past the shard: a bare OSError from ``pread``; a span past its record or of a
+    negative length: a damage of the shard) is named as the table changed, and the other records still read
+    right (record 1 ends where record 2 starts: its row is changed too when record 2's offset is)."""
     pack = _pack(tmp_path, 24)
     ds = TFRecordIndexedDataset(pack, decode="bytes")
     clean = _all(ds)  # every shard's table mapped and checked
@@ -284,6 +286,7 @@ def test_a_row_changed_in_place_after_open_is_named(tmp_path: Path, row: str) ->
         "offset negative": (0, -16),
         "offset past the shard": (0, shard.stat().st_size + 64),
         "span past the record": (1, 1 << 20),
+        "span length negative": (2, -1),
     }[row]
     with open(table, "r+b") as f:  # in place: the dataset's map sees the new row
         f.seek(48 + 24 * 2 + 8 * field)  # two header rows, then record 2's row

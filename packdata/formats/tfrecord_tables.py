@@ -202,7 +202,12 @@ class RecordTable:
                 (offset, at, m), end = _ROW.unpack_from(self._buf, _HEAD + _ROW.size * k), self.size
             spans = self.payloads is not None
             # checked at open, but mapped: the file may have been rewritten in place since
-            if offset < 0 or end > self.size or end - offset < 16 or (spans and not 0 <= at <= end - offset - 16 - m):
+            if (
+                offset < 0
+                or end > self.size
+                or end - offset < 16
+                or (spans and (m < 0 or not 0 <= at <= end - offset - 16 - m))
+            ):
                 raise self._changed(k, offset, end)
             return offset, end - offset, (at, m) if spans else None
         span = self.payloads[k].tolist() if self.payloads is not None else None
