@@ -177,6 +177,32 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, timeout: float, scr
     return output
 
 
+@pytest.fixture
+def tmpfs(tmp_path: Path, request: pytest.FixtureRequest):
+    """Factory: mount a real tmpfs of ``size`` (and mount ``options``) under tmp_path; unmounted afterwards.
+
+    Skips the test without root.
+    """
+    mounted: list[Path] = []
+
+    def make(size: str, name: str = "ram", options: str = "") -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to mount tmpfs")
+        point = tmp_path / name
+        point.mkdir()
+        spec = f"size={size}" + (f",{options}" if options else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", spec, "tmpfs", os.fspath(point)], check=True)
+        mounted.append(point)
+        return point
+
+    def cleanup() -> None:
+        for point in mounted:
+            subprocess.run(["umount", "-l", os.fspath(point)], check=False)
+
+    request.addfinalizer(cleanup)
+    return make
+
+
 @contextlib.contextmanager
 def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]:
     """A moto S3 server on loopback with a ``packs`` bucket; yields (storage_options, s3fs filesystem).

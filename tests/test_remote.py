@@ -283,46 +283,30 @@ def test_a_cached_index_file_damaged_since_its_download_is_downloaded_again(
 
 @pytest.mark.root
 @pytest.mark.parametrize("inodes", [6, 9])  # the disk fills at an index file, at a side table
-def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(
-    s3, remote_tfrecord, tmp_path: Path, inodes: int
-) -> None:
+def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(s3, remote_tfrecord, tmpfs, inodes: int) -> None:
     """Once 'cannot read index/labels.i32 (OSError). Check the URL, the endpoint and the credentials'."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount tmpfs")
     options, _ = s3
     url, _ = remote_tfrecord
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,nr_inodes={inodes}", "tmpfs", str(cache)], check=True)
-    try:
-        with pytest.raises(packdata.CapacityError, match=rf"^{re.escape(str(cache))}/.*: the destination disk is full"):
-            packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
-    finally:
-        subprocess.run(["umount", "-l", str(cache)], check=False)
+    cache = tmpfs("64m", "cache", options=f"nr_inodes={inodes}")
+    with pytest.raises(packdata.CapacityError, match=rf"^{re.escape(str(cache))}/.*: the destination disk is full"):
+        packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
 
 
 @pytest.mark.root
-def test_a_strangers_huge_side_table_stops_before_it_fills_the_cache(s3, remote_tfrecord, tmp_path: Path) -> None:
+def test_a_strangers_huge_side_table_stops_before_it_fills_the_cache(s3, remote_tfrecord, tmpfs) -> None:
     """A side table of a stranger's pack 24 MiB long, a cache of 16 MiB: the copy filled the disk (on a tmpfs
     /tmp: memory) and only then stopped, leaving it full. It now stops while a twentieth of the disk is free,
     and removes what it wrote."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount tmpfs")
     options, fs = s3
     _, local = remote_tfrecord
     fs.put(str(local), "packs/huge-table", recursive=True)
     table = next(p for p in fs.find("packs/huge-table") if p.endswith(".tfindex"))
     fs.pipe(table, b"0 16\n" * (24 << 20 >> 5) * 6)  # 24 MiB of lines
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(cache)], check=True)
-    try:
-        with pytest.raises(packdata.CapacityError, match=r"huge-table: the pack's index and side tables do not fit"):
-            packdata.TFRecordDataset("s3://packs/huge-table", storage_options=options, cache_dir=cache)
-        usage = shutil.disk_usage(cache)
-        assert usage.free > usage.total - (1 << 20), usage  # the tag folder and its lock are left
-    finally:
-        subprocess.run(["umount", "-l", str(cache)], check=False)
+    cache = tmpfs("16m", "cache")
+    with pytest.raises(packdata.CapacityError, match=r"huge-table: the pack's index and side tables do not fit"):
+        packdata.TFRecordDataset("s3://packs/huge-table", storage_options=options, cache_dir=cache)
+    usage = shutil.disk_usage(cache)
+    assert usage.free > usage.total - (1 << 20), usage  # the tag folder and its lock are left
 
 
 def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path) -> None:
@@ -1619,29 +1603,18 @@ def test_a_download_folder_that_is_a_link_or_a_file_is_replaced_never_written_th
 
 @pytest.mark.root
 @pytest.mark.parametrize("inodes", [5, 12])  # the disk fills at a shard's file, at the index folder
-def test_a_read_only_or_full_cache_is_one_line_and_a_rerun_resumes(
-    s3, remote_pack, tmp_path: Path, inodes: int
-) -> None:
+def test_a_read_only_or_full_cache_is_one_line_and_a_rerun_resumes(s3, remote_pack, tmpfs, inodes: int) -> None:
     """A cache that fills up after the room check (its files: another stage into it) stops with one line."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount tmpfs")
     options, _ = s3
     url, local = remote_pack
-    ro, full = tmp_path / "ro", tmp_path / "full"
-    for point, mount_options in ((ro, "ro,size=1m"), (full, f"size=64m,nr_inodes={inodes}")):
-        point.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", mount_options, "tmpfs", str(point)], check=True)
-    try:
-        with pytest.raises(ConfigError, match=r"ro/cache: cannot write the destination \(Read-only file system\)"):
-            packdata.stage(url, to=ro / "cache", storage_options=options, progress=False)
-        with pytest.raises(CapacityError, match=r"full/\.train\.lmdb\.partial: the destination disk is full"):
-            packdata.stage(url, to=full, storage_options=options, progress=False)
-        subprocess.run(["mount", "-o", "remount,nr_inodes=1000", str(full)], check=True)
-        staged = packdata.stage(url, to=full, storage_options=options, progress=False)
-        assert _samples(staged.staged) == _samples(local)
-    finally:
-        for point in (ro, full):
-            subprocess.run(["umount", "-l", str(point)], check=False)
+    ro, full = tmpfs("1m", "ro", options="ro"), tmpfs("64m", "full", options=f"nr_inodes={inodes}")
+    with pytest.raises(ConfigError, match=r"ro/cache: cannot write the destination \(Read-only file system\)"):
+        packdata.stage(url, to=ro / "cache", storage_options=options, progress=False)
+    with pytest.raises(CapacityError, match=r"full/\.train\.lmdb\.partial: the destination disk is full"):
+        packdata.stage(url, to=full, storage_options=options, progress=False)
+    subprocess.run(["mount", "-o", "remount,nr_inodes=1000", str(full)], check=True)
+    staged = packdata.stage(url, to=full, storage_options=options, progress=False)
+    assert _samples(staged.staged) == _samples(local)
 
 
 _STALLED_URL_STAGE = """

@@ -73,26 +73,6 @@ def tfrecord_pack(noise_folder: Path, tmp_path: Path) -> Path:
     return dst
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path, request: pytest.FixtureRequest):
-    """Factory: mount a real tmpfs of a given size under tmp_path; always unmounted afterwards."""
-    mounted: list[Path] = []
-
-    def make(size: str, name: str = "ram") -> Path:
-        point = tmp_path / name
-        point.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", os.fspath(point)], check=True)
-        mounted.append(point)
-        return point
-
-    def cleanup() -> None:
-        for point in mounted:
-            subprocess.run(["umount", "-l", os.fspath(point)], check=False)
-
-    request.addfinalizer(cleanup)
-    return make
-
-
 _DIGEST_CHILD = """
 import hashlib, sys
 from packdata import LMDBDataset, TFRecordIndexedDataset
