@@ -344,7 +344,8 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
                 with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
-                    room -= _copy_within(remote, local, room)
+                    sizes[name] = _copy_within(remote, local, room)
+                room -= sizes[name]
             except FileNotFoundError:
                 if required:
                     raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
@@ -361,8 +362,6 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                 if _disk_full(exc):
                     raise
                 raise remote_error(shown, f"cannot read {name}", exc) from exc
-            else:
-                sizes[name] = target.stat().st_size
         atomic_write(dest / _FILES, json.dumps(sizes).encode("utf-8"))  # what a reused copy must still hold
         atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
     except OSError as exc:

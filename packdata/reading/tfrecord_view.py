@@ -51,14 +51,14 @@ class _TFRecordView(PackView):
         self._storage_options = storage_options
         if is_url(path):  # shards stream from object storage; the manifest and index come from a local copy
             self._url = os.fspath(path).rstrip("/")
-        for fetch in (True, False):
+        for may_retry in (True, False):
             local = fetch_skeleton(self._url, storage_options, cache_dir) if self._url else path
             try:
                 super().__init__(local, TFRECORD, transform, target_transform, decode, fields, transforms)
                 self.pack.index.keys.check()  # every record read is matched to its key: hashed here, not per worker
                 break
             except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more
-                if not (self._url and fetch and exc.path and Path(exc.path).is_relative_to(local)):
+                if not (self._url and may_retry and exc.path and Path(exc.path).is_relative_to(local)):
                     raise
                 forget_skeleton(Path(local))
         self.check_crc = check_crc
