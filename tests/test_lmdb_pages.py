@@ -20,7 +20,7 @@ from faults.hostile import rewrite_manifest
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from packdata import LMDBDataset, convert, verify_pack
+from packdata import LMDBDataset, PackFormatError, convert, verify_pack
 from packdata.formats.lmdb_pages import check_lmdb_tree, read_lmdb_meta, value_locations
 
 _BRANCH, _LEAF, _BIGDATA = 0x01, 0x02, 0x01
@@ -276,6 +276,20 @@ def test_value_locations_find_the_values_lmdbs_cursor_returns(tmp_path: Path) ->
     raw = (tmp_path / "data.mdb").read_bytes()
     assert depth >= 2 and len(found.locations) == len(values)
     assert [raw[o : o + n] for o, n in found.locations.tolist()] == expected == values
+
+
+def test_value_locations_refuse_keys_that_are_not_the_record_numbers(tmp_path: Path) -> None:
+    """A shard whose keys skip a number (0, 1, 3: a stranger's, or a damaged one) would shift every record
+    after the gap onto the wrong index: the walk names the first missing record instead."""
+    import lmdb
+
+    env = lmdb.open(str(tmp_path), map_size=1 << 24, subdir=True)
+    with env.begin(write=True) as txn:
+        for i in (0, 1, 3):
+            txn.put(struct.pack(">Q", i), b"value %d" % i)
+    env.close()
+    with pytest.raises(PackFormatError, match=r"data\.mdb: record 2 is missing \(the key in its place is 3\)"):
+        value_locations(tmp_path / "data.mdb")
 
 
 def _mdb_stat(shard: Path) -> dict[str, int]:
