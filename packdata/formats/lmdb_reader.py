@@ -12,7 +12,10 @@ or foreign one, or any later write to the environment), and for whole records
 (``get``, ``items``), the reader walks the shard's B-tree itself
 (:func:`~packdata.formats.lmdb_pages.value_locations`: every page checked as
 it goes) for where each record's value lies, and reads it the same way; the
-record's own CRC-32, key and label are checked by the caller.
+record's own CRC-32, key and label are checked by the caller. A dataset then
+offers the sample index to :meth:`LMDBShardReader.rows_from_headers`: when
+every record's key and label in its header are the index's, payloads are
+read as through a table, each checked against its header's CRC-32.
 
 So a reader never opens LMDB: the record count and transaction id the table
 is bound to come from the meta page packdata reads itself. It holds neither
@@ -26,20 +29,27 @@ the calls in flight at the fork, which never end in the child); a user's own
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
+from zlib_ng.zlib_ng import crc32
 
 from packdata.errors import PackFormatError, too_many_open_files
 from packdata.formats.lmdb_env import DATA_FILE
-from packdata.formats.lmdb_pages import read_lmdb_meta, value_locations
+from packdata.formats.lmdb_pages import ShardValues, read_lmdb_meta, value_locations
 from packdata.formats.lmdb_tables import RECORDS_FILE, _read_table
 from packdata.formats.residency import PagedFile
 from packdata.pack.files import not_a_file, open_regular, sha256_prefix
+from packdata.pack.records import read_headers
 
-__all__ = ["LMDBShardReader"]
+__all__ = ["ExpectedRecords", "LMDBShardReader"]
+
+ExpectedRecords = Callable[[int, int], "tuple[np.ndarray, np.ndarray, np.ndarray] | None"]
+"""The labels, key bytes (concatenated) and key lengths the sample index gives records ``a`` to ``b`` of a shard;
+None when the index cannot tell (see :meth:`LMDBShardReader.rows_from_headers`)."""
+_HEADERS_AT_ONCE = 1 << 16  # records whose headers are read in one numpy pass (~10 MB of temporaries)
 
 
 class LMDBShardReader:
@@ -78,6 +88,9 @@ class LMDBShardReader:
         self._locations: np.ndarray | None = None
         self._rows: memoryview | None = None  # the same table as int64 items: a Python int each, no numpy call
         self._values: memoryview | None = None  # whole records: (offset, length) int64 pairs, walked on first use
+        self._walked: ShardValues | None = None  # without a valid table: the walk, until rows_from_headers is offered
+        self._crc: Callable[[bytes], int] = crc32c  # of the table's rows (CRC-32 for rows from the headers)
+        self._crc_name = "CRC32C"
         self._pages: PagedFile | None = None
         self._bounds = (0, 0)  # where the table's payloads may lie: [first byte, end of data.mdb)
         data = os.path.join(self.path, DATA_FILE)
@@ -103,6 +116,7 @@ class LMDBShardReader:
             raise
 
     def _open(self, data: str, size: int, expected_sha256: str | None, expected_records: int | None) -> None:
+        self._size = size
         meta = read_lmdb_meta(data)  # the meta page LMDB would use, both checked
         self._entries = meta.entries
         if expected_records is not None and self._entries != expected_records:  # records would shift between shards
@@ -116,7 +130,8 @@ class LMDBShardReader:
         payloads_from = 2 * meta.page_size  # a payload lies past LMDB's two meta pages, inside the file
         found = _read_table(self.path, meta.entries, meta.txnid, size, payloads_from)
         if found is None or expected_sha256 is None or found[0] != sha256_prefix(expected_sha256):
-            self._walk_values(data)  # stale or foreign (e.g. a sibling's): the shard's own pages
+            self._walked = value_locations(data)  # stale or foreign (e.g. a sibling's): the shard's own pages
+            self._values = self._walked.locations.ravel().data.cast("B").cast("q")
         else:
             self._locations = found[1].ravel()
             self._rows = self._locations.data.cast("B").cast("q")
@@ -129,6 +144,49 @@ class LMDBShardReader:
         if self._values is None:  # two threads may both walk: the same table either way
             self._values = value_locations(data).locations.ravel().data.cast("B").cast("q")
         return self._values
+
+    @property
+    def entries(self) -> int:
+        """The shard's record count."""
+        return self._entries
+
+    @property
+    def unbound(self) -> bool:
+        """Whether the shard has no valid table and :meth:`rows_from_headers` has not been offered yet."""
+        return self._walked is not None
+
+    def rows_from_headers(self, expected: ExpectedRecords) -> bool:
+        """For a shard without a valid table: payload rows taken from its records' own headers; whether it took them.
+
+        It takes them only if every record's header is sound and its key and
+        label are the ones ``expected`` gives (the sample index's). Then
+        :meth:`payload` and :meth:`payloads` read as through a table, each
+        payload checked against its record's CRC-32. Otherwise nothing
+        changes: the caller reads each whole record (:meth:`get`) and checks
+        it, which names the first that differs. Offered once; the headers lie
+        in the pages the walk read, so this reads nothing more from disk.
+        """
+        walked, self._walked = self._walked, None
+        if walked is None:
+            return False
+        n = self._entries
+        rows = np.empty((n, 3), dtype=np.int64)
+        for a in range(0, n, _HEADERS_AT_ONCE):
+            b = min(n, a + _HEADERS_AT_ONCE)
+            found = read_headers(walked.pages, walked.locations[a:b, 0], walked.locations[a:b, 1])
+            given = expected(a, b)
+            if found is None or given is None:
+                return False
+            labels, keys, key_lengths = given
+            same = np.array_equal(found.labels, labels) and np.array_equal(found.key_lengths, key_lengths)
+            if not (same and np.array_equal(found.keys, keys)):
+                return False
+            rows[a:b, 0], rows[a:b, 1], rows[a:b, 2] = found.payload_offsets, found.payload_lengths, found.crcs
+        self._crc, self._crc_name = crc32, "CRC-32"
+        self._locations = rows.ravel()
+        self._rows = self._locations.data.cast("B").cast("q")
+        self._bounds = (2 * walked.meta.page_size, self._size)
+        return True
 
     def get(self, index: int) -> bytes:
         """The whole record at ``index`` within the shard, in one ``pread`` (or a slice of the resident file).
@@ -174,7 +232,7 @@ class LMDBShardReader:
             raise self._table_changed(index, offset, length)
         assert self._pages is not None  # opened with the table
         data = self._pages.read(offset, length)
-        if len(data) != length or (self.check_crc and crc32c(data) != crc):
+        if len(data) != length or (self.check_crc and self._crc(data) != crc):
             raise self._damaged(index, offset, length, len(data))
         return data
 
@@ -193,7 +251,9 @@ class LMDBShardReader:
         )
 
     def _damaged(self, index: int, offset: int, length: int, got: int, part: str = "payload") -> PackFormatError:
-        what = f"only {got} of its {length} bytes could be read" if got != length else "its CRC32C does not match"
+        what = f"its {self._crc_name} does not match"
+        if got != length:
+            what = f"only {got} of its {length} bytes could be read"
         return PackFormatError(
             f"record {index} is damaged: the {part} at byte offset {offset}: {what}",
             path=os.path.join(self.path, DATA_FILE),
@@ -226,9 +286,10 @@ class LMDBShardReader:
         else:
             datas = [os.pread(self._fd, length, offset) for offset, length in zip(offsets, lengths, strict=True)]
         check = self.check_crc
-        if list(map(len, datas)) != lengths or (check and list(map(crc32c, datas)) != crcs):  # two C loops
-            for index, data, offset, length, crc in zip(indices.tolist(), datas, offsets, lengths, crcs, strict=True):
-                if len(data) != length or (check and crc32c(data) != crc):
+        crc = self._crc
+        if list(map(len, datas)) != lengths or (check and list(map(crc, datas)) != crcs):  # two C loops
+            for index, data, offset, length, want in zip(indices.tolist(), datas, offsets, lengths, crcs, strict=True):
+                if len(data) != length or (check and crc(data) != want):
                     raise self._damaged(index, offset, length, len(data))
         return cast(list[bytes | None], datas)
 
@@ -261,7 +322,7 @@ class LMDBShardReader:
 
     def close(self) -> None:
         """Close the file and let go of the tables."""
-        self._rows = self._values = None
+        self._rows = self._values = self._walked = None
         if self._pages is not None:
             self._pages.close()
             self._pages = None

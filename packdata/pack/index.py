@@ -306,6 +306,19 @@ class KeyList(Sequence[str]):
                 f"key {i} is not UTF-8 ({exc})", path=self._path, hint="Convert the pack again"
             ) from exc
 
+    def encoded_range(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Keys ``start`` to ``stop`` (in range) as stored: their UTF-8 bytes concatenated (uint8) and their lengths.
+
+        None when the offsets there do not rise inside the keys' file (a damaged index the digests did not cover).
+        """
+        if self._unchecked:
+            self.check()
+        offsets = np.asarray(self._offsets[start : stop + 1], dtype=np.int64)
+        lengths = np.diff(offsets)
+        if len(offsets) != stop - start + 1 or offsets[0] < 0 or offsets[-1] > len(self._blob) or (lengths < 0).any():
+            return None
+        return np.asarray(self._blob[offsets[0] : offsets[-1]], dtype=np.uint8), lengths
+
     def encoded(self, i: int) -> bytes:
         """Key ``i`` (``0 <= i < len(self)``) as stored, UTF-8 bytes not decoded: for comparing with a record's key."""
         if self._unchecked:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 from zlib_ng.zlib_ng import crc32
 
 __all__ = [
@@ -28,11 +30,13 @@ __all__ = [
     "MAX_SAMPLE_BYTES",
     "RECORD_MAGIC",
     "RecordError",
+    "RecordHeaders",
     "Sample",
     "checked_payload_start",
     "decode_record",
     "encode_record",
     "payload_start",
+    "read_headers",
     "record_payload",
 ]
 
@@ -129,3 +133,49 @@ def decode_record(value: bytes | memoryview, *, check_crc: bool = True) -> Sampl
     if check_crc and crc32(payload) != crc:
         raise RecordError("payload CRC-32 does not match: the record is damaged")
     return Sample(key=key, label=label, data=payload, kind=KINDS[kind])
+
+
+class RecordHeaders(NamedTuple):
+    """The headers of many records, by record (see :func:`read_headers`)."""
+
+    labels: np.ndarray  # int32
+    crcs: np.ndarray  # the payloads' CRC-32, int64
+    keys: np.ndarray  # every record's key bytes, concatenated in record order (uint8)
+    key_lengths: np.ndarray  # int64
+    payload_offsets: np.ndarray  # int64, into the buffer
+    payload_lengths: np.ndarray  # int64
+
+
+def read_headers(buffer: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> RecordHeaders | None:
+    """The headers of the records at ``offsets`` in ``buffer`` (``lengths`` bytes each), read at once.
+
+    None unless every one is a valid header whose key lies inside its record
+    (read them one by one with :func:`decode_record` to be told which is not).
+
+    Args:
+        buffer: bytes (uint8) that hold every record whole; ``offsets + lengths``
+            must lie inside it (the caller has checked).
+        offsets, lengths: int64, one per record.
+    """
+    n = len(offsets)
+    if n and int(lengths.min()) < _HEADER.size:
+        return None
+    head = buffer[offsets[:, None] + np.arange(_HEADER.size)]  # (n, 15) bytes
+    key_lengths = head[:, 13:15].copy().view("<u2").ravel().astype(np.int64)
+    if n and (
+        (head[:, :4] != np.frombuffer(RECORD_MAGIC, dtype=np.uint8)).any()
+        or int(head[:, 4].max()) >= len(KINDS)
+        or (_HEADER.size + key_lengths > lengths).any()
+    ):
+        return None
+    key_offsets = offsets + _HEADER.size
+    ends = np.cumsum(key_lengths)  # each key's end in the concatenation
+    within = np.arange(int(ends[-1]) if n else 0, dtype=np.int64) - np.repeat(ends - key_lengths, key_lengths)
+    return RecordHeaders(
+        labels=head[:, 5:9].copy().view("<i4").ravel(),
+        crcs=head[:, 9:13].copy().view("<u4").ravel().astype(np.int64),
+        keys=buffer[np.repeat(key_offsets, key_lengths) + within],
+        key_lengths=key_lengths,
+        payload_offsets=key_offsets + key_lengths,
+        payload_lengths=lengths - _HEADER.size - key_lengths,
+    )

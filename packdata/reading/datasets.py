@@ -171,6 +171,22 @@ class PackView:
         return sample, target
 
 
+def _rows_from_headers(pack: PackInfo, first: Sequence[int], shard: int, reader: LMDBShardReader) -> None:
+    """A shard without a valid location table: let its reader take payload rows from its records' headers.
+
+    It does once every record's key and label are the sample index's, so
+    reads take the table's path, not a whole record each, checked one by one.
+    """
+    if reader.unbound:
+        reader.rows_from_headers(functools.partial(_index_records, pack, first[shard]))
+
+
+def _index_records(pack: PackInfo, first: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Labels, key bytes and key lengths of samples ``first + a`` to ``first + b`` in the sample index."""
+    keys = pack.index.keys.encoded_range(first + a, first + b)
+    return None if keys is None else (np.asarray(pack.index.labels[first + a : first + b]), *keys)
+
+
 class LMDBDataset(PackView, Dataset):
     """Map-style dataset over an LMDB pack: ``ds[i] -> (sample, label)``, or a dict for a multi-field pack.
 
@@ -234,6 +250,7 @@ class LMDBDataset(PackView, Dataset):
                 for s in shards
             ],
             self.pack.check_unchanged,
+            functools.partial(_rows_from_headers, self.pack, tuple(self._first)),
         )
 
     def __len__(self) -> int:

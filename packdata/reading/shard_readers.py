@@ -41,7 +41,8 @@ class ShardReaders:
     empty: a parent's file descriptors and maps are never used by a child.
     ``make`` must be picklable (a class or a ``functools.partial`` of one),
     called as ``make(path, **kwargs[shard])``. ``check``, when given, runs after
-    each reader is made (it raises if the pack changed since the dataset opened it).
+    each reader is made (it raises if the pack changed since the dataset opened it);
+    then ``prepare``, when given, as ``prepare(shard, reader)`` (picklable too).
 
     A process keeps at most :meth:`most_open` readers (all its datasets together), half of what its limits
     on open files and memory maps allow (the soft file limit is raised to the
@@ -56,11 +57,13 @@ class ShardReaders:
         make: Callable[..., Any],
         kwargs: list[dict[str, Any]] | None = None,
         check: Callable[[], None] | None = None,
+        prepare: Callable[[int, Any], None] | None = None,
     ) -> None:
         self.paths = paths
         self.make = make
         self.kwargs = kwargs or [{} for _ in paths]
         self.check = check
+        self.prepare = prepare
         self._readers: list[Any] = []
         self._most = 0  # this process's budget once this object's first open here has checked the limits
         self._pid = -1
@@ -131,12 +134,14 @@ class ShardReaders:
             if self.check is not None and not too_many_open_files(exc):
                 self.check()  # a shard that fails its checks because the pack changed: say so
             raise
-        if self.check is not None:
-            try:
+        try:
+            if self.check is not None:
                 self.check()  # after the open: the files opened are the generation checked
-            except BaseException:
-                reader.close()
-                raise
+            if self.prepare is not None:
+                self.prepare(shard, reader)
+        except BaseException:
+            reader.close()
+            raise
         return reader
 
     def _out_of_files(self, shard: int) -> CapacityError:
@@ -164,6 +169,7 @@ class ShardReaders:
             "make": self.make,
             "kwargs": self.kwargs,
             "check": self.check,
+            "prepare": self.prepare,
             "_readers": [],
             "_most": 0,
             "_pid": -1,
