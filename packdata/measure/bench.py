@@ -374,6 +374,7 @@ def _make_ceiling(
                 "kind": kind,
                 "format": "memory",
                 "samples": len(memory),
+                "held": memory.held,
                 "mean_bytes": memory.mean_bytes,
                 "from": name,
                 "decode": decoder if isinstance(decoder, str) else repr(decoder),
