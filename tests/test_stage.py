@@ -413,6 +413,19 @@ def test_a_source_whose_index_is_not_its_own_folder_is_refused_before_a_copy(
     assert not (tmp_path / "nvme").exists()  # nothing copied, no staged.json, no folder
 
 
+@pytest.mark.parametrize("file", ["labels.i32", "keys.utf8"])
+def test_a_source_missing_an_index_file_is_refused_naming_it_before_a_copy(
+    lmdb_pack: Path, tmp_path: Path, file: str
+) -> None:
+    """Once "index/labels.i32: cannot be opened" with no hint, after leaving staged.json and .index.partial behind."""
+    (lmdb_pack / "index" / file).unlink()
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(tmp_path / "nvme")])
+    assert result.exit_code == 1
+    expected = f"Error: {lmdb_pack / 'index' / file}: sample index file {file} is missing. Convert the pack again"
+    assert result.output.strip() == expected
+    assert not (tmp_path / "nvme").exists()  # nothing copied, no staged.json, no folder
+
+
 def test_a_manifest_naming_one_file_twice_is_refused_before_a_copy(tfrecord_pack: Path, tmp_path: Path) -> None:
     """A stranger's manifest names shard 1 as shard 0's offsets index: both would be copied to one name."""
     first, second = (s.file for s in read_manifest(tfrecord_pack).shards[:2])

@@ -36,7 +36,7 @@ from packdata.pack.files import (
     stream_sha256,
 )
 from packdata.pack.index import ALL_FILES as INDEX_FILES
-from packdata.pack.index import damaged_index_file
+from packdata.pack.index import damaged_index_file, index_files
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from packdata.progress import progress as show_progress
@@ -322,8 +322,11 @@ def same_tree(src: Path, dst: Path, digests: dict[str, str]) -> bool:
 def index_folder(source: Path, manifest: Manifest) -> Path:
     """The source pack's sample index folder, which stage copies: a folder of the pack's own, not a link.
 
+    Each index file a pack of its kind holds must be there as a regular file.
+
     Raises:
-        PackFormatError: it is missing, or is a symlink or not a folder.
+        PackFormatError: it is missing, or is a symlink or not a folder; or one
+            of its index files is missing or not a regular file (named).
     """
     folder = source / manifest.index_dir
     try:
@@ -338,6 +341,8 @@ def index_folder(source: Path, manifest: Manifest) -> Path:
             path=folder,
             hint="packdata copies only a pack's own regular files: replace it by the real folder or convert again",
         )
+    for file in index_files(manifest.kind):
+        _require_regular(folder / file, f"sample index file {file}")
     return folder
 
 
