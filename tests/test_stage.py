@@ -117,6 +117,21 @@ def test_stage_reads_back_byte_equal(lmdb_pack: Path, tmp_path: Path) -> None:
     assert marker["origin"] == os.fspath(lmdb_pack.resolve()) and marker["complete"]
 
 
+def test_info_of_a_staged_pack_whose_origin_moved_gives_one_hint(lmdb_pack: Path, tmp_path: Path) -> None:
+    """It gave two hints: the origin's "Convert a folder ... first", then "Stage the pack again"."""
+    result = stage(lmdb_pack, to=tmp_path / "nvme", shards=[0], progress=False)
+    assert result.copied == ["shard-00000.lmdb"] and result.left
+    origin = lmdb_pack.resolve()
+    os.rename(lmdb_pack, tmp_path / "moved.lmdb")
+    out = CliRunner().invoke(main, ["info", str(result.staged)])
+    assert out.exit_code == 1
+    assert out.output.strip() == (
+        f"Error: {result.staged / 'manifest.json'}: manifest field 'shards[1].file' names a shard of {origin}, "
+        "which is not a readable pack: no such pack. Its origin was moved or removed: stage the pack again from "
+        f"where it is now, or move it back to {origin}"
+    )
+
+
 def test_incremental_restage_copies_nothing(lmdb_pack: Path, tmp_path: Path) -> None:
     stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
     again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)

@@ -456,11 +456,16 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
     if origin not in seen:
         try:
             seen[origin] = _read(Path(origin), external=False)
-        except PackFormatError as exc:
+        except PackFormatError as exc:  # one hint: the origin's own ("convert ... first") would not apply here
+            found = exc.message if exc.path == origin else f"{exc.path}: {exc.message}"
+            hint = exc.hint or "Stage the pack again"
+            if not os.path.lexists(os.path.join(origin, MANIFEST_NAME)):
+                hint = "Its origin was moved or removed: stage the pack again from where it is now, "
+                hint += f"or move it back to {origin}"
             raise PackFormatError(
-                f"manifest field {field!r} names a shard of {origin}, which is not a readable pack: {exc}",
+                f"manifest field {field!r} names a shard of {origin}, which is not a readable pack: {found}",
                 path=manifest_path,
-                hint="Stage the pack again",
+                hint=hint,
             ) from exc
     name = os.path.basename(shard.file)
     match = next((s for s in seen[origin].shards if s.file == name), None)
