@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from packdata.units import format_rate, format_size
 
-__all__ = ["LineProgress", "progress"]
+__all__ = ["LineProgress", "count_done_before", "progress"]
 
 _ENV_SECONDS = "PACKDATA_PROGRESS_SECONDS"
 
@@ -80,6 +80,12 @@ class LineProgress:
     def set_postfix_str(self, text: str, refresh: bool = True) -> None:
         self._postfix = text
 
+    def count_done_before(self, n: float) -> None:
+        """Add ``n`` done by an earlier run (found done on resume): counted, but not in this run's rate."""
+        with self._lock:
+            self.n += n
+            self._initial += n
+
     def refresh(self) -> None:
         """Nothing to redraw: lines are written on their schedule."""
 
@@ -120,6 +126,22 @@ class LineProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def count_done_before(bar: Any, n: float) -> None:
+    """Add ``n`` done by an earlier run to a :func:`progress` display, leaving it out of the rate.
+
+    As ``initial=`` does for work known at the start; this is for work found
+    done as a run goes (a resumed run's finished tasks, met in plan order).
+    """
+    if isinstance(bar, LineProgress):
+        bar.count_done_before(n)
+        return
+    bar.n += n
+    if not bar.disable:  # tqdm's rate: (n - initial) / elapsed, smoothed over n - last_print_n between prints
+        bar.initial += n
+        bar.last_print_n += n
+        bar.refresh()
 
 
 def progress(

@@ -210,11 +210,13 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
     done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
             for p in (partial / TASKS_DIR).glob("*/result.json")}  # fmt: skip
     assert done
+    kept = sum(json.loads((partial / TASKS_DIR / n / "result.json").read_text())["samples"] for n in done)
 
     (partial / "shard-00003.lmdb").unlink()
     (partial / "shard-00042.lmdb").mkdir()  # a stray from some other run: must not end up in the pack
     result = packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
     assert result.resumed and result.shards == 4
+    assert result.packed_before == kept > 0  # the finished tasks' samples: not this run's work, not in its rate
     for number, mtime in done.items():  # finished tasks were not run again
         assert (dst / f"shard-{number}.lmdb" / "data.mdb").stat().st_mtime_ns == mtime
     packdata.convert(clean_folder, tmp_path / "local.lmdb", shard_samples=10, progress=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -439,6 +440,36 @@ def test_a_resumed_pack_equals_an_uninterrupted_one_index_included(
         resumed, whole = (tmp_path / p / "index" / name for p in ("resumed.lmdb", "whole.lmdb"))
         assert resumed.read_bytes() == whole.read_bytes(), name
     assert verify_pack(tmp_path / "resumed.lmdb", progress=False).records == 19  # raises on a digest that differs
+
+
+def test_a_resumed_conversion_rates_only_its_own_samples(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary's files/s divided every sample of the pack, the interrupted run's too, by the resumed run's time."""
+    from packdata.conversion import load
+
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch, after=15)
+    before = json.loads((partial_path(dst) / "progress.json").read_text())["samples_done"]
+    assert 0 < before < 19
+    real_load = load._load
+
+    def slow_load(entry, opts):  # each file this run reads takes 0.1 s: it packs at most 10 files/s
+        time.sleep(0.1)
+        return real_load(entry, opts)
+
+    with monkeypatch.context() as m:
+        m.setattr(load, "_load", slow_load)
+        out = CliRunner().invoke(main, ["convert", str(image_folder), str(dst), "--resume", "--workers", "1", "-q"])
+    assert out.exit_code == 0, out.output
+    rate = float(re.search(r"out [^,]+, ([\d,.]+) files/s", out.output).group(1).replace(",", ""))
+    assert rate <= 10, out.output
+    shutil.rmtree(dst)
+    _interrupted_convert(image_folder, dst, monkeypatch, after=15)
+    result = convert(image_folder, dst, progress=False, resume=True, workers=1)
+    assert (result.packed, result.packed_before) == (19, before)
+    assert result.rate == pytest.approx((19 - before) / result.seconds)
+    assert result.to_dict()["packed_before"] == before
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

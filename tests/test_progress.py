@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import re
 
-from packdata.progress import LineProgress
+from tqdm import tqdm
+
+from packdata.progress import LineProgress, count_done_before
 
 
 def test_a_log_gets_each_state_once_in_binary_units() -> None:
@@ -26,3 +28,21 @@ def test_close_says_where_it_stopped_when_no_line_did() -> None:
         bar.update(4)
     assert out.getvalue().splitlines() == [out.getvalue().strip()]
     assert out.getvalue().startswith("packing: 4 of 10 files (40.0%)")
+
+
+def test_work_found_done_by_an_earlier_run_is_counted_but_not_in_the_rate() -> None:
+    """A resumed Ray conversion added the tasks an interrupted run finished as this run's work: a rate 10x too high."""
+    out = io.StringIO()
+    with LineProgress("packing", " files", total=100, initial=20, every=3600, file=out) as bar:
+        count_done_before(bar, 70)
+        bar.update(10)
+        line = bar._line(bar._start + 2.0)
+    assert line.startswith("packing: 100 of 100 files (100.0%), 5 files/s, "), line
+    bar = tqdm(total=100, initial=20, file=io.StringIO(), mininterval=0)
+    with bar:
+        count_done_before(bar, 70)
+        bar.update(10)
+        assert bar.format_dict["n"] - bar.format_dict["initial"] == 10
+    quiet = tqdm(disable=True)
+    count_done_before(quiet, 70)
+    assert quiet.n == 70

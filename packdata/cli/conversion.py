@@ -160,8 +160,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
     )
     click.echo(
         f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
-        f"{result.packed / max(result.seconds, 1e-9):,.0f} {noun}/s"
-        + (f", {result.reencoded:,} re-encoded" if result.reencoded else "")
+        f"{result.rate:,.0f} {noun}/s" + (f", {result.reencoded:,} re-encoded" if result.reencoded else "")
     )
     if skipped:
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(result.skipped.items()))

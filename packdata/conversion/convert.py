@@ -372,6 +372,7 @@ def _summary(manifest: Manifest, pack: Path, started: float) -> ConvertResult:
         seconds=time.perf_counter() - started,
         shards=len(manifest.shards),
         resumed=True,
+        packed_before=manifest.num_samples,  # all packed before the interruption
     )
 
 

@@ -82,6 +82,7 @@ def _convert_local(
         if not overwrite and not resume:
             raise interrupted_error(dst, partial)
         discard_partial(partial)
+    packed_before = checkpoint.samples_done  # what the interrupted run packed: not this run's work
     try:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -130,6 +131,7 @@ def _convert_local(
         reencoded=checkpoint.reencoded,
         resumed=resumed,
         started=started,
+        packed_before=packed_before,
     )
 
 

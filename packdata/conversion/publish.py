@@ -75,6 +75,12 @@ class ConvertResult:
     resumed: bool = False
     reencoded: int = 0
     skip_examples: list[dict[str, str]] = field(default_factory=list)
+    packed_before: int = 0  # of packed: samples an interrupted run had packed, which this resumed run kept
+
+    @property
+    def rate(self) -> float:
+        """Samples this run packed per second: those packed before a resume are not its work."""
+        return (self.packed - self.packed_before) / max(self.seconds, 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -495,8 +501,12 @@ def make_result(
     reencoded: int,
     resumed: bool,
     started: float,
+    packed_before: int = 0,
 ) -> ConvertResult:
-    """What a published conversion did: the one :class:`ConvertResult` builder of both engines."""
+    """What a published conversion did: the one :class:`ConvertResult` builder of both engines.
+
+    ``packed_before``: the samples a resumed run found packed (kept, not its work); ``started``: when this run began.
+    """
     return ConvertResult(
         pack=dst,
         format=opts.format,
@@ -511,4 +521,5 @@ def make_result(
         resumed=resumed,
         reencoded=reencoded,
         skip_examples=skip_examples,
+        packed_before=packed_before,
     )

@@ -51,6 +51,7 @@ from packdata.errors import EngineError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
+from packdata.progress import count_done_before
 from packdata.progress import progress as show_progress
 
 __all__ = [
@@ -209,6 +210,7 @@ def convert_on_ray(
         reencoded=gatherer.reencoded,
         resumed=resumed,
         started=started,
+        packed_before=gatherer.samples_before,
     )
 
 
@@ -273,7 +275,8 @@ def _run_tasks(
                     )
                 if saved is not None:
                     results[task.number] = saved
-                    bar.update(len(task.entries))
+                    gatherer.samples_before += saved["samples"]
+                    count_done_before(bar, len(task.entries))
                 else:
                     ref = remote.options(
                         num_cpus=1,

@@ -169,6 +169,7 @@ class _Gatherer:
         self.shards: list[ShardInfo] = []
         self.objects: list[dict[str, list[Any]]] = []  # per shard, the objects its task uploaded (into a URL)
         self.samples = self.files_found = self.bytes_in = self.reencoded = self.key_end = 0
+        self.samples_before = 0  # of samples: those of tasks an interrupted run finished (kept on resume)
         self.skipped: Counter[str] = Counter()
         self.skip_examples: list[dict[str, str]] = []
 
