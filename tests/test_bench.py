@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -237,6 +238,21 @@ def test_bench_cli_rejects_bad_lists(pack: Path) -> None:
     result = CliRunner().invoke(cli_main, ["bench", str(pack), "--workers", "two"])
     assert result.exit_code == 2
     assert "comma-separated integers" in result.output
+
+
+def test_bench_refuses_more_workers_than_the_cpus_run_before_starting_any(pack: Path) -> None:
+    """--workers 10000 was taken as it was: bench went on to start 10000 worker processes."""
+    cpus = len(os.sched_getaffinity(0))
+    most = 8 * cpus
+    args = ["bench", str(pack), "--workers", f"0,{most + 1}", "--batch-size", str(BATCH), "--batches", "1"]
+    result = CliRunner().invoke(cli_main, args)
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        f"Error: --workers should be at most {most} (8 per CPU this process may use, {cpus} here), "
+        f"but got --workers {most + 1}. Each worker is a process with its own memory: sweep a few per CPU"
+    )
+    with pytest.raises(ConfigError, match=rf"workers should be at most {most} .*but got workers={most + 1}\."):
+        run_bench(pack, workers=most + 1, batch_sizes=BATCH, batches=1, warmup=0)
 
 
 def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
