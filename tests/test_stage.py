@@ -928,6 +928,24 @@ def test_tmpfs_mount_stage_and_unmount(
 
 @pytest.mark.root
 @needs_root
+def test_unmount_keeps_a_mount_point_folder_the_user_made(
+    lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """unstage --unmount removed the empty mount point even when it was the user's folder, not one packdata made."""
+    point = tmp_path / "mine"
+    point.mkdir()
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", os.fspath(point)], check=False))
+    result = stage(lmdb_pack, tmpfs=32 << 20, mount=point, progress=False)
+    assert result.tmpfs is not None and result.tmpfs.action == "mounted"
+    out = CliRunner().invoke(main, ["unstage", os.fspath(point), "--unmount"])
+    assert out.exit_code == 0, out.output
+    assert f"unmounted {point}" in out.output
+    assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())
+    assert point.is_dir() and not any(point.iterdir())  # the user's folder stays, as it was
+
+
+@pytest.mark.root
+@needs_root
 def test_enospc_on_tiny_tmpfs(lmdb_pack: Path, tmpfs, monkeypatch: pytest.MonkeyPatch) -> None:
     area = tmpfs("1M")
     source = tree_digest(lmdb_pack)

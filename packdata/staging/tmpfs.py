@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,29 @@ from packdata.units import format_size
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
 
-__all__ = ["DEFAULT_AREA", "TMPFS_SOURCE", "TmpfsArea", "mount_of", "prepare_tmpfs", "run_mount", "tmpfs_mount_at"]
+__all__ = [
+    "DEFAULT_AREA",
+    "MADE_FILE",
+    "TMPFS_SOURCE",
+    "TmpfsArea",
+    "made_mount_point",
+    "mount_of",
+    "prepare_tmpfs",
+    "run_mount",
+    "tmpfs_mount_at",
+]
 
 DEFAULT_AREA = Path("/mnt/packdata")
 """Where ``stage(tmpfs=...)`` mounts its tmpfs, and where ``stage(pack)`` stages by default."""
 
 TMPFS_SOURCE = "packdata"
 """The device name of tmpfs mounts packdata makes (``/proc/mounts`` column 1): only these are unmounted."""
+
+MADE_FILE = ".packdata-made-mount-point"
+"""In the root of a tmpfs packdata mounted on a folder it created: unmounting it removes that folder.
+
+It lives in the tmpfs, so it goes with the mount; a folder that was there before keeps none and stays.
+"""
 
 
 @dataclass
@@ -56,6 +73,15 @@ def tmpfs_mount_at(path: Path, root: str = "/") -> Mount | None:
     """The filesystem mounted exactly at ``path``, if any."""
     mount = mount_of(path, read_mounts(root)) if path.exists() else None
     return mount if mount is not None and Path(mount.mountpoint) == path.resolve() else None
+
+
+def made_mount_point(path: Path) -> bool:
+    """Whether packdata created the folder of the tmpfs mounted at ``path``: its :data:`MADE_FILE`, written by root."""
+    try:
+        info = (path / MADE_FILE).lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == 0  # mode=1777: another user may write there, not as root
 
 
 def run_mount(args: list[str], path: Path, hint: str) -> None:
@@ -90,7 +116,8 @@ def prepare_tmpfs(
     Args:
         size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
         mount: the mount point: a tmpfs there, an empty folder, or a path to create
-            (default :data:`DEFAULT_AREA`).
+            (default :data:`DEFAULT_AREA`; one created is marked with :data:`MADE_FILE`,
+            so unmounting removes it).
         resize: remount an existing tmpfs with the new size.
         force: mount or resize even when the memory checks refuse the size.
         reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
@@ -147,12 +174,15 @@ def _prepare(size: int, path: Path, *, resize: bool, force: bool, reserve: int |
         if os.geteuid() != 0:
             raise _not_root_error(size, path)
         if existing is None:
+            made = not os.path.lexists(path)
             path.mkdir(parents=True, exist_ok=True)
             run_mount(
                 ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
                 path,
                 "Check the mount point, or stage into /dev/shm with to=/dev/shm",
             )
+            if made:  # unmounting removes the folder then; one the user made stays
+                (path / MADE_FILE).touch(mode=0o644)
             action = "mounted"
         else:
             run_mount(

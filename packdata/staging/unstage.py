@@ -16,7 +16,7 @@ from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, only_lock_left
 from packdata.staging.marker import STAGED_FILE
 from packdata.staging.remote import delete_copy, delete_unread, discard_aside
-from packdata.staging.tmpfs import TMPFS_SOURCE, run_mount, tmpfs_mount_at
+from packdata.staging.tmpfs import TMPFS_SOURCE, made_mount_point, run_mount, tmpfs_mount_at
 
 __all__ = [
     "UnstageResult",
@@ -53,7 +53,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     ``.NAME.lock`` (a live run holding it keeps its own): beside the staged
     pack NAME, and in an area any that is a staged copy, whoever's NAME it was,
     and the ``.NAME.partial`` download of a stage from a URL that was killed
-    (one a live stage still writes is its own: kept).
+    (one a live stage still writes is its own: kept). Unmounting removes the
+    mount point only where packdata created it (:func:`~packdata.staging.tmpfs.made_mount_point`).
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
@@ -176,14 +177,16 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     if mount is not None:
         if os.geteuid() != 0:
             raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
+        made = made_mount_point(area)
         run_mount(
             ["umount", os.fspath(area)],
             area,
             "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
         )
         unmounted = area
-        with contextlib.suppress(OSError):
-            area.rmdir()  # the empty mount point packdata made (a folder with anything in it stays)
+        if made:  # the mount point packdata created; one the user made stays, as does anything put in it
+            with contextlib.suppress(OSError):
+                area.rmdir()
     return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
 
 
