@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main
 from packdata.conversion.upload import download_source, work_folder
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.pack.manifest import read_manifest
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
@@ -177,7 +177,24 @@ def test_a_remote_manifest_naming_one_file_twice_is_refused_before_a_download(
     cache = tmp_path / "cache"
     with pytest.raises(PackFormatError, match=rf"^s3://packs/clash-{clash}/manifest\.json: {expected}"):
         packdata.stage(f"s3://packs/clash-{clash}", to=cache, storage_options=options, progress=False)
-    assert not [p.name for p in cache.iterdir() if "partial" in p.name or p.name == f"clash-{clash}"]
+    assert not cache.exists()  # no download, no copy, nor the cache folder the refused stage made
+
+
+def test_a_refused_url_stage_leaves_no_folder_it_made(s3, remote_pack, tmp_path: Path) -> None:
+    """It left the cache folder it made (and those above), and an empty .NAME.partial after a cache-limit refusal."""
+    options, _ = s3
+    url, _ = remote_pack
+    cache = tmp_path / "new" / "cache"
+    with pytest.raises(PackdataError, match=r"^s3://packs/nothere\.lmdb: no manifest\.json there"):
+        packdata.stage("s3://packs/nothere.lmdb", to=cache, storage_options=options, progress=False)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for to in (cache, mine):
+        with pytest.raises(CapacityError, match=r"the cache limit of 1,000 bytes cannot hold the pack"):
+            packdata.stage(url, to=to, storage_options=options, progress=False, cache_limit=1000)
+    assert not (tmp_path / "new").exists()
+    assert mine.is_dir() and not any(mine.iterdir())  # a folder that was there stays
 
 
 def test_a_remote_manifest_error_names_the_manifest_by_its_url(s3, remote_pack, tmp_path: Path) -> None:

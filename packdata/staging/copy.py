@@ -53,8 +53,10 @@ __all__ = [
     "index_folder",
     "is_staged",
     "locked",
+    "missing_folders",
     "only_lock_left",
     "remove_leftovers",
+    "removed_if_refused",
     "resolve_order",
     "same_tree",
     "sha256_of",
@@ -430,6 +432,21 @@ def locked(dest: Path, what: str = "packdata stage", made: Sequence[Path] = ()) 
     except BaseException:
         if not os.path.lexists(dest):  # after .NAME.lock is gone from the folder above
             _remove_empty(made)
+        raise
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and the folders above it that do not exist yet, deepest first: what making ``folder`` creates."""
+    return [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
+
+
+@contextlib.contextmanager
+def removed_if_refused(made: Sequence[Path]) -> Iterator[None]:
+    """If the block raises, remove the folders of ``made`` (deepest first) that it left empty; never another."""
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
         raise
 
 

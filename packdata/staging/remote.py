@@ -69,7 +69,7 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import LOCK as STAGE_LOCK
-from packdata.staging.copy import dir_bytes
+from packdata.staging.copy import dir_bytes, missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
@@ -151,12 +151,13 @@ def stage_remote(
         check_name(name, area=cache, url=shown)
     else:
         check_name(name, area=cache)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise destination_error(exc, cache) from exc
-    lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
-    with contextlib.ExitStack() as held:
+    made = missing_folders(cache)  # a refused stage leaves none of them (a download it began stays, to resume)
+    with removed_if_refused(made), contextlib.ExitStack() as held:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise destination_error(exc, cache) from exc
+        lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
         while True:  # only the lock is waited for: a refusal under it (a copy still read) is final
             try:
                 held.enter_context(hold_lock(lock, what="packdata stage (download)", target=cache / name))
@@ -229,39 +230,41 @@ def _stage_locked(
             path=partial,
             hint=f"Finish it (packdata convert ... {dest} --resume), drop it (--overwrite), or stage as another name",
         )
-    try:  # the disk may fill after the check (another stage into the cache): what is downloaded is kept
-        partial.mkdir(exist_ok=True)
-        sizes = {
-            rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files
-        }
-        todo = [
-            (rel, size, sha)
-            for rel, _, sha, _ in files
-            if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
-        ]
-        needed = sum(size for _, size, _ in todo)
-        if cache_limit is not None:
-            evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
-        _check_room(cache, needed, reserve, force)
-        _download(fs, root, partial, todo, shown, name, needed, workers, progress)
-        atomic_write(partial / MANIFEST_NAME, raw)
-        write_marker(
-            partial,
-            origin=shown,
-            format=manifest.format,
-            staged=[s.file for s in manifest.shards],
-            left=[],
-            bytes_staged=manifest.total_bytes,
-            bytes_left=0,
-            complete=True,
-        )
-        _add_manifest_digest(partial, digest)
-        create_readers_lock(partial)
-        fsync_dir(partial)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise destination_error(exc, partial) from exc
+    made = [] if os.path.lexists(partial) else [partial]
+    with removed_if_refused(made):  # refused before a download began (no room, the cache limit): it goes
+        try:  # the disk may fill after the check (another stage into the cache): what is downloaded is kept
+            partial.mkdir(exist_ok=True)
+            sizes = {
+                rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files
+            }
+            todo = [
+                (rel, size, sha)
+                for rel, _, sha, _ in files
+                if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
+            ]
+            needed = sum(size for _, size, _ in todo)
+            if cache_limit is not None:
+                evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
+            _check_room(cache, needed, reserve, force)
+            _download(fs, root, partial, todo, shown, name, needed, workers, progress)
+            atomic_write(partial / MANIFEST_NAME, raw)
+            write_marker(
+                partial,
+                origin=shown,
+                format=manifest.format,
+                staged=[s.file for s in manifest.shards],
+                left=[],
+                bytes_staged=manifest.total_bytes,
+                bytes_left=0,
+                complete=True,
+            )
+            _add_manifest_digest(partial, digest)
+            create_readers_lock(partial)
+            fsync_dir(partial)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise destination_error(exc, partial) from exc
     check_destination(shown, dest)  # again: a folder may have appeared there while downloading
     if not dest.exists():
         os.rename(partial, dest)

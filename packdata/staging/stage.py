@@ -63,6 +63,7 @@ from packdata.staging.copy import (
     index_folder,
     is_staged,
     locked,
+    missing_folders,
     remove_leftovers,
     resolve_order,
     same_tree,
@@ -265,7 +266,7 @@ def stage(
         area = area_info.path
     elif to is not None:
         area = Path(to).absolute()
-        made = [p for p in (area, *area.parents) if not os.path.lexists(p)]  # deepest first
+        made = missing_folders(area)
         try:
             area.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # read-only, a file on the way, no permission
