@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import assert_index_digests, flip_label, image_bytes
+from faults.hostile import rewrite_manifest
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -620,6 +621,30 @@ def test_export_of_an_imagefolder_pack_gives_the_source_back(tmp_path: Path) -> 
     assert result.samples == 6 and not result.refused
     assert _same_tree(filecmp.dircmp(src, tmp_path / "back"))
     assert [r["class"] for r in list_samples(tmp_path / "p.lmdb")] == ["a"] * 3 + ["b"] * 3
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_cat_and_export_give_what_a_dataset_reads_from_the_index_or_refuse(tmp_path: Path, fmt: str) -> None:
+    """They read records alone: a label the index (which datasets read) no longer shares was exported and cat as it was.
+
+    A pack written before the manifest held index digests: only reading the records against the index tells.
+    """
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + ord(c)))
+    pack = packdata.convert(src, tmp_path / "p", format=fmt, progress=False).pack
+    rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))
+    flip_label(pack)  # sample 0 (a/0.jpg): label 1 in the index, 0 in its record
+    assert next(iter(list_samples(pack)))["label"] == 1
+    if fmt == "lmdb":
+        assert packdata.LMDBDataset(pack, decode="bytes")[0][1] == 1  # what training sees
+    out = CliRunner().invoke(cli, ["cat", str(pack), "#0", "--field", "cls"])
+    assert out.exit_code == 1 and "record 0 (key 'a/0.jpg') does not match the sample index" in out.output
+    out = CliRunner().invoke(cli, ["export", str(pack), str(tmp_path / "back")])
+    assert out.exit_code == 1 and "record 0 (key 'a/0.jpg') does not match the sample index" in out.output
+    assert not any((tmp_path / "back").rglob("*.jpg"))
 
 
 def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:

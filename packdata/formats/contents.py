@@ -22,7 +22,7 @@ from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
 from packdata.pack.files import fsync_dir, is_inside
-from packdata.pack.index import SampleIndex
+from packdata.pack.index import SampleIndex, check_index_digests
 from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
 from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url
@@ -101,14 +101,29 @@ def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> i
 
 
 def _record(pack: Path, manifest: Manifest, i: int) -> Sample:
-    """Sample ``i`` as stored (its shard read in order up to it, CRCs checked)."""
+    """Sample ``i`` as stored (its shard read in order up to it, CRCs checked), matched to the sample index."""
     for shard in manifest.shards:
         if shard.first_index <= i < shard.first_index + shard.num_samples:
             path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
             for j, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
                 if j == i:
+                    _match_index(_index(pack, manifest), i, sample.key, sample.label, len(sample.data), path)
                     return sample
     raise PackFormatError(f"record {i} is missing", path=pack, hint="Run `packdata verify`")
+
+
+def _match_index(index: SampleIndex, i: int, key: str | None, label: int | None, size: int, where: str | Path) -> None:
+    """Raise unless record ``i`` (its key and label where read: None when not) is what the sample index says.
+
+    Datasets take keys and labels from the index and refuse a record that
+    differs: ``cat`` and ``export`` then give what a dataset would, or nothing.
+    """
+    if (key is not None and key != index.keys[i]) or (label is not None and label != int(index.labels[i])):
+        raise PackFormatError(f"record {i} (key {key!r}) does not match the sample index", path=where, hint=_VERIFY)
+    if size != int(index.sizes[i]):
+        raise PackFormatError(
+            f"record {i} holds {size} bytes, the sample index says {int(index.sizes[i])}", path=where, hint=_VERIFY
+        )
 
 
 def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None) -> tuple[Sample, Manifest, str]:
@@ -124,16 +139,7 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
     j = i - shard.first_index
     data, key, label = fmt.read_remote_payload(fs, root, shown, rel, local / shard.file, shard, j, opened=manifest)
     index = _index(local, manifest)
-    if (key is not None and key != index.keys[i]) or (label is not None and label != int(index.labels[i])):
-        raise PackFormatError(
-            f"record {i} (key {key!r}) does not match the sample index", path=f"{shown}/{rel}", hint=_VERIFY
-        )
-    if len(data) != int(index.sizes[i]):
-        raise PackFormatError(
-            f"record {i} holds {len(data)} bytes, the sample index says {int(index.sizes[i])}",
-            path=f"{shown}/{rel}",
-            hint=_VERIFY,
-        )
+    _match_index(index, i, key, label, len(data), f"{shown}/{rel}")
     return Sample(index.keys[i], int(index.labels[i]), data, manifest.kind), manifest, shown
 
 
@@ -234,6 +240,8 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
     Raises:
         ConfigError: ``dst`` is not empty, is inside the pack or cannot be made, or the layout does not fit the pack.
         CapacityError: the disk filled up (the samples before stay written).
+        PackFormatError: the sample index is missing or damaged, or a record differs from it
+            (its key, label or size): the samples before stay written.
     """
     pack, dst = Path(pack), Path(dst)
     manifest = read_manifest(pack)
@@ -242,6 +250,8 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError(f"layout should be 'imagefolder' or 'grouped', but got layout={layout!r}")
     if layout == "imagefolder" and manifest.kind == "fields":
         raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
+    index = _index(pack, manifest)  # read as a dataset reads the pack: keys and labels from the index
+    check_index_digests(pack / manifest.index_dir, manifest.index_sha256)  # a damaged index: before dst is made
     if is_inside(dst, pack):  # its files would become part of the pack's folder
         raise ConfigError(
             "export destination is inside the pack being exported", path=dst, hint="Choose a folder outside it"
@@ -255,7 +265,8 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
     result = ExportResult(dst)
     for shard in manifest.shards:
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
-        for _, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
+        for i, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
+            _match_index(index, i, sample.key, sample.label, len(sample.data), path)  # as a dataset reads it
             files = _files_of(sample, manifest, layout, pack)
             targets = [(_inside(dst, name), data) for name, data in files]
             if any(target is None for target, _ in targets):
