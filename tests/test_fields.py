@@ -10,6 +10,8 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main as cli
+from packdata.conversion.publish import partial_path
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb_env import DATA_FILE
@@ -878,6 +881,38 @@ def test_tars_are_read_once_even_with_a_progress_bar(tmp_path: Path, monkeypatch
     monkeypatch.setattr(TarSource, "_read", counting)
     result = packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "out.lmdb", progress=True)
     assert result.packed == 7 and sorted(reads) == sorted(set(reads)) and len(reads) == 3  # no counting walk
+
+
+_LOW_MEMORY_CLI = """
+import resource, sys
+from packdata.cli import main
+vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))  # 1 GiB more address space
+main(sys.argv[1:])
+"""
+
+
+def test_a_local_tar_that_fails_not_as_a_damaged_tar_is_named_by_its_path_with_a_hint_for_a_file(
+    tmp_path: Path,
+) -> None:
+    """It said '://data.tar: cannot read the tar ... Check the URL, the endpoint and the credentials': not a URL."""
+    tar = tmp_path / "data.tar"
+    size = 1_500_000_000  # one member past the child's memory: reading it raises MemoryError
+    info = tarfile.TarInfo("s000.bin")
+    info.size = size
+    header = info.tobuf(format=tarfile.USTAR_FORMAT)
+    with open(tar, "wb") as f:  # sparse: no disk used, read back as zeros
+        f.write(header)
+        f.truncate(len(header) + size + (-size % 512) + 1024)
+    dst = tmp_path / "out.lmdb"
+    args = [sys.executable, "-c", _LOW_MEMORY_CLI, "convert", str(tar), str(dst), "-q"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"Error: {tar}: cannot read the tar (MemoryError). "
+        "Free memory (or convert on a machine with more), then rerun with --resume"
+    )
+    assert partial_path(dst).is_dir() and not dst.exists()  # kept, to resume
 
 
 def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:

@@ -210,10 +210,23 @@ class TarSource:
                 yield Skip(f"{name}:{key}", "corrupt tar", f"{exc}; the samples before this one in the tar are kept")
             return
         except Exception as exc:  # a request that failed: stop, resumable, rather than skip on a transient failure
+            if self.fs is None:  # a local file (a path, not a URL): no endpoint or credentials to check
+                raise _local_error(shard, exc) from exc
             shown = display_url(f"{self.scheme}://{shard}")
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None and fields is not None:
             yield _group(key, fields)
+
+
+def _local_error(shard: str, exc: Exception) -> SourceError:
+    """The error of a local tar that failed other than as a damaged tar (memory ran out): resumable, as a request's."""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    hint = "Check the file, then rerun with resume=True"
+    if isinstance(exc, MemoryError):
+        hint = "Free memory (or convert on a machine with more), then rerun with resume=True"
+    error = SourceError(f"cannot read the tar ({detail})", path=shard, hint=hint)
+    error.resumable = True  # the conversion so far is kept
+    return error
 
 
 def _decompressed(stream: BinaryIO) -> BinaryIO:
