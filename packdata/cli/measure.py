@@ -73,7 +73,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     type=click.FloatRange(min=0, min_open=True),
     help="Time each setting this long. Default: no time limit (--batches decides).",
 )
-@click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per setting (default 50).")
+@click.option("--batches", type=click.IntRange(min=1), help="Batches to time per setting (default: 50, at least 1 s).")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed batches first.")
 @click.option(
     "--step-ms",
@@ -211,7 +211,7 @@ def bench(
     type=click.FloatRange(min=0, min_open=True),
     help="Time each trial this long. Default: no time limit (--batches decides).",
 )
-@click.option("--batches", type=click.IntRange(min=1), help="Time this many batches per trial (default 50).")
+@click.option("--batches", type=click.IntRange(min=1), help="Batches to time per trial (default: 50, at least 1 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines (the trial being measured) on stderr.")
 @_friendly

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from packdata.errors import ConfigError, PackdataError
 from packdata.host.cores import usable_cores
 from packdata.host.facts import cpu_counts, read_cpus_allowed
-from packdata.measure.loop import DEFAULT_BATCHES, ConfigResult, LoaderConfig, measure_loader
+from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, ConfigResult, LoaderConfig, measure_loader
 from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate
@@ -243,7 +243,7 @@ def run_bench(
             uint8 tensor), None, or a callable.
         size: output side of the standard transform.
         seconds, batches: timed budget per setting after ``warmup`` batches
-            (default 50 batches; both: whichever ends first).
+            (default: 50 batches and at least one second; both: whichever ends first).
         step_ms: simulated training step per batch (main process sleeps).
         cold: drop the page cache before each source (needs root).
         ceiling_samples: samples the ceiling holds in memory.
@@ -287,6 +287,7 @@ def run_bench(
         "size": size,
         "seconds": seconds,
         "batches": batches if batches or seconds else DEFAULT_BATCHES,
+        "min_seconds": 0.0 if batches or seconds else DEFAULT_MIN_SECONDS,
         "warmup": warmup,
         "step_ms": step_ms,
         "cold": cold,

@@ -15,9 +15,12 @@ from packdata.errors import ConfigError
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.loader import worker_init_fn
 
-__all__ = ["DEFAULT_BATCHES", "ConfigResult", "LoaderConfig", "measure_loader"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_MIN_SECONDS", "ConfigResult", "LoaderConfig", "measure_loader"]
 
 DEFAULT_BATCHES = 50
+DEFAULT_MIN_SECONDS = 1.0
+"""With neither budget given, a setting is timed for :data:`DEFAULT_BATCHES` batches and at least this long:
+50 batches of 64 small texts take 16 ms, short enough that one pause of the machine decided a comparison."""
 """Batches timed per setting when neither ``batches`` nor ``seconds`` is given."""
 
 
@@ -131,7 +134,7 @@ def measure_loader(
     so every timed batch is full; epochs restart as needed (with their worker
     start-up cost, unless ``persistent_workers``). After ``warmup`` batches it
     times ``batches`` batches or ``seconds`` seconds, whichever ends first
-    (default 50 batches). With ``step_ms`` the main process sleeps that long
+    (default: 50 batches and at least one second). With ``step_ms`` the main process sleeps that long
     after each batch, as a training step would occupy it, and
     ``data_wait_share`` is the share of the timed wall clock spent waiting for data.
     ``cpu_ms_per_sample`` is the CPU time (user + system) the main process and
@@ -142,8 +145,9 @@ def measure_loader(
     Raises:
         ConfigError: the dataset holds fewer samples than one batch.
     """
+    least = 0.0
     if batches is None and seconds is None:
-        batches = DEFAULT_BATCHES
+        batches, least = DEFAULT_BATCHES, DEFAULT_MIN_SECONDS
     result = ConfigResult(source, kind, **asdict(config))
     iterable = isinstance(dataset, IterableDataset)
     if not iterable and len(dataset) < config.batch_size:  # type: ignore[arg-type]
@@ -170,9 +174,12 @@ def measure_loader(
                     time.sleep(step_ms / 1000)
             timed_start = time.perf_counter()
             cpu_start = sampler.cpu_seconds()
-            while not (batches is not None and result.batches >= batches) and not (
-                seconds is not None and time.perf_counter() - timed_start >= seconds
-            ):
+            while True:
+                elapsed = time.perf_counter() - timed_start
+                if batches is not None and result.batches >= batches and elapsed >= least:
+                    break
+                if seconds is not None and elapsed >= seconds:
+                    break
                 before = time.perf_counter()
                 batch = epochs.next()
                 now = time.perf_counter()

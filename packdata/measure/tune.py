@@ -306,6 +306,25 @@ class _Search:
         return replace(base, **{name: values[best_i]})
 
 
+def _with_or_without_workers(search: _Search, base: LoaderConfig, workers: list[int]) -> LoaderConfig:
+    """``base``, or the main process alone (0 workers) when that is as fast, within ``min_gain``.
+
+    The climb stops where one more or one fewer worker does not pay, but 0
+    workers is off the curve it follows: no batch crosses between processes.
+    Samples that cost microseconds (small texts) go several times faster
+    without workers, while 2 workers still beat 1, so a climb that went up
+    never tried it.
+    """
+    if not base.num_workers or 0 not in workers:
+        return base
+    alone = search.run(replace(base, num_workers=0), "num_workers")
+    chosen = search.trials.get(base)
+    best = chosen.samples_per_s if chosen is not None and chosen.accepted else None
+    if alone.accepted and best is not None and (alone.samples_per_s or 0.0) >= best * (1 - search.min_gain):
+        return replace(base, num_workers=0)
+    return base
+
+
 def _feasible_start(search: _Search, base: LoaderConfig, workers: list[int], batch_sizes: list[int]) -> LoaderConfig:
     """The rule-of-thumb start, with fewer workers, then smaller batches, until its projection fits."""
     while search.project(base) > search.budget:
@@ -349,7 +368,7 @@ def run_tune(
         prefetch_factors: prefetch factors to search (from 2).
         max_workers: most workers to try (default: the logical CPUs).
         decode, transform, size: as for :func:`packdata.run_bench`.
-        batches, seconds, warmup: the timed budget of each trial (default 50 batches).
+        batches, seconds, warmup: the timed budget of each trial (default: 50 batches and at least one second).
         min_gain: the relative throughput gain a larger value must bring to be taken.
         sample_interval: seconds between memory samples.
         progress: called with a line of text before each measurement.
@@ -398,7 +417,7 @@ def run_tune(
     start_batch = min(batch_sizes, key=lambda b: (abs(b - 64), b))
     base = LoaderConfig(min(rule_of_thumb_workers(), limit), start_batch, cuda, 2, True)
     base = _feasible_start(search, base, workers, sorted(batch_sizes))
-    base = search.climb(base, "num_workers", workers)
+    base = _with_or_without_workers(search, search.climb(base, "num_workers", workers), workers)
     base = search.climb(base, "batch_size", batch_sizes)
     if base.num_workers > 0:
         base = search.climb(base, "prefetch_factor", prefetch_factors)
