@@ -4,9 +4,10 @@ and a parser that slices the payload without protobuf objects.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c  # CRC-32C (Castagnoli), SIMD (about 2x the crc32c package)
@@ -21,6 +22,7 @@ __all__ = [
     "ParsedExample",
     "check_record",
     "encode_example",
+    "encode_with_span",
     "example_fields",
     "frame_record",
     "masked_crc",
@@ -179,28 +181,78 @@ def _serialize(features: dict[str, list[bytes] | list[int]]) -> bytes:
 
 def encode_example(sample: Sample) -> bytes:
     """Serialize ``sample`` as a ``tf.train.Example`` (feature names in :mod:`packdata.formats.tfrecord`)."""
-    features: dict[str, list[bytes] | list[int]] = {}
-    if sample.kind == "fields":
-        fields = decode_block(sample.data, check_crc=False)
-        primary = next((n for n in sorted(fields) if codec_of(n) == "image"), None)
-        features[FIELDS_FEATURE.decode()] = [n.encode("utf-8") for n in sorted(fields)]
-        for name, data in fields.items():
-            if name == primary:
-                features["image/encoded"] = [data]
-                features["image/format"] = [_image_format(Sample(f"x.{name}", -1, data))]
-                features[PRIMARY_FEATURE.decode()] = [name.encode("utf-8")]
-            else:
-                features[name] = [data]
-        if sample.label >= 0:
-            features[LABEL_FIELD] = [sample.label]
-    elif sample.kind == "text":
-        features["text/encoded"] = [sample.data]
+    return encode_with_span(sample)[0]
+
+
+def encode_with_span(sample: Sample) -> tuple[bytes, tuple[int, int] | None]:
+    """:func:`encode_example`, and the payload's ``(offset, length)`` inside it (None for a multi-field sample).
+
+    The span is where :func:`parse_example` finds the payload ((0, 0) for an
+    empty one). An image or a text is written by :func:`_one_payload`: the
+    same bytes as :func:`_serialize`, with the lengths of the fixed feature
+    names worked out once, and the span counted, not parsed back.
+    """
+    if sample.kind != "fields":
+        return _one_payload(sample)
+    return _serialize(_field_features(sample)), None
+
+
+_NAME = {name: b"\x0a" + bytes((len(name),)) + name for name in (b"image/encoded", b"image/filename", b"text/encoded")}
+
+
+def _bytes_entry(name: bytes, value: bytes) -> bytes:
+    """The ``Features`` map entry of feature ``name`` holding the one bytes ``value``, up to that value."""
+    v1 = _short_varint(len(value))  # BytesList: field 1, the value
+    listed = 1 + len(v1) + len(value)
+    v2 = _short_varint(listed)  # Feature: field 1, the BytesList
+    feature = 1 + len(v2) + listed
+    v3 = _short_varint(feature)  # the entry: field 1 its name, field 2 the Feature
+    entry = len(_NAME[name]) + 1 + len(v3) + feature
+    return b"".join((b"\x0a", _short_varint(entry), _NAME[name], b"\x12", v3, b"\x0a", v2, b"\x0a", v1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed_entry(name: str, value: int | bytes) -> bytes:
+    """The whole map entry of a feature of one value that repeats across samples (a label, an image format)."""
+    feature = _feature(cast("list[bytes] | list[int]", [value]))
+    return b"".join(_delimited(0x0A, _delimited(0x0A, [name.encode()]) + _delimited(0x12, feature)))
+
+
+def _one_payload(sample: Sample) -> tuple[bytes, tuple[int, int]]:
+    """An image's or a text's Example (as :func:`_serialize` writes it) and its payload's span."""
+    key = sample.key.encode("utf-8")
+    label = _fixed_entry("image/class/label", sample.label)
+    named = _bytes_entry(b"image/filename", key)
+    if sample.kind == "text":
+        before = [label, named, key, _bytes_entry(b"text/encoded", sample.data)]
+        after: list[bytes] = []
     else:
-        features["image/encoded"] = [sample.data]
-        features["image/format"] = [_image_format(sample)]
+        before = [label, _bytes_entry(b"image/encoded", sample.data)]
+        after = [named, key, _fixed_entry("image/format", _image_format(sample))]
+    offset = sum(map(len, before))
+    head = b"\x0a" + _short_varint(offset + len(sample.data) + sum(map(len, after)))
+    example = b"".join((head, *before, sample.data, *after))
+    return example, (len(head) + offset, len(sample.data)) if sample.data else (0, 0)
+
+
+def _field_features(sample: Sample) -> dict[str, list[bytes] | list[int]]:
+    """The features of a multi-field sample's Example (see :func:`encode_example`)."""
+    fields = decode_block(sample.data, check_crc=False)
+    primary = next((n for n in sorted(fields) if codec_of(n) == "image"), None)
+    names: list[bytes] = [n.encode("utf-8") for n in sorted(fields)]
+    features: dict[str, list[bytes] | list[int]] = {FIELDS_FEATURE.decode(): names}
+    for name, data in fields.items():
+        if name == primary:
+            features["image/encoded"] = [data]
+            features["image/format"] = [_image_format(Sample(f"x.{name}", -1, data))]
+            features[PRIMARY_FEATURE.decode()] = [name.encode("utf-8")]
+        else:
+            features[name] = [data]
+    if sample.label >= 0:
+        features[LABEL_FIELD] = [sample.label]
     features["image/class/label"] = [sample.label]
     features["image/filename"] = [sample.key.encode("utf-8")]
-    return _serialize(features)
+    return features
 
 
 def frame_record(data: bytes) -> bytes:

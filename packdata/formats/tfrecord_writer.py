@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError, destination_error
-from packdata.formats.tfrecord_example import _payload_span, encode_example, frame_record
+from packdata.formats.tfrecord_example import encode_with_span, frame_record
 from packdata.formats.tfrecord_reader import _CHUNK, TFRecordShardReader
 from packdata.formats.tfrecord_tables import (
     _HEAD,
@@ -192,12 +192,12 @@ class TFRecordShardWriter:
         for index, sample in items:
             if index != self.count:
                 raise PackFormatError(f"record {index} is out of order (expected {self.count})", path=self.path)
-            example = encode_example(sample)
-            if sample.kind == "fields":  # no one payload: readers parse the Example
+            example, span = encode_with_span(sample)
+            if span is None:  # a multi-field sample, no one payload: readers parse the Example
                 self._spans = False
                 rows.append(_ROW.pack(self.bytes, -1, -1))
             else:
-                rows.append(_ROW.pack(self.bytes, *_payload_span(example)))
+                rows.append(_ROW.pack(self.bytes, *span))
             record = frame_record(example)
             self._file.write(record)
             self._sha.update(record)
