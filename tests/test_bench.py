@@ -7,6 +7,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,6 +115,15 @@ def test_a_setting_is_timed_at_least_a_second_by_default() -> None:
     assert timed.samples == 64 * timed.batches > 64 * DEFAULT_BATCHES  # ~1 ms a batch: far more than 50 in 1 s
     given = measure_loader(memory, config, batches=3, warmup=0, collate_fn=list_collate)
     assert given.batches == 3 and given.seconds < DEFAULT_MIN_SECONDS
+
+
+@pytest.mark.parametrize("collate", [list, list_collate, None])
+def test_samples_are_counted_whatever_the_collate_makes_of_a_batch(collate: Any) -> None:
+    """The count guessed a batch's size from its last element: a collate that keeps the batch a list of
+    (sample, label) pairs counted 2 samples a batch of 64, and samples/s came out 32x too low."""
+    memory = InMemoryDataset([(bytes([i % 256]) * 10, i) for i in range(256)], decode="bytes")
+    timed = measure_loader(memory, LoaderConfig(num_workers=0, batch_size=64), batches=3, warmup=0, collate_fn=collate)
+    assert timed.samples == 3 * 64
 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:

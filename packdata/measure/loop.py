@@ -86,14 +86,6 @@ class ConfigResult:
         )
 
 
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, (tuple, list)) and batch:
-        batch = batch[-1]
-    if isinstance(batch, dict):
-        batch = next(iter(batch.values()))
-    return len(batch)
-
-
 class _Epochs:
     """Batches from a DataLoader, starting a new epoch whenever one ends."""
 
@@ -186,7 +178,7 @@ def measure_loader(
                 first = now - started if first is None else first
                 waits.append(now - before)
                 result.batches += 1
-                result.samples += _batch_len(batch)
+                result.samples += config.batch_size  # drop_last: every batch is whole, whatever the collate made of it
                 del batch
                 if step_ms:
                     time.sleep(step_ms / 1000)
