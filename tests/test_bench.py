@@ -279,6 +279,20 @@ def test_bench_refuses_more_workers_than_the_cpus_run_before_starting_any(pack: 
         run_bench(pack, workers=most + 1, batch_sizes=BATCH, batches=1, warmup=0)
 
 
+def test_tune_refuses_more_max_workers_than_the_cpus_run_before_measuring(pack: Path) -> None:
+    """--max-workers 10000 was taken as it was: tune went on to try every worker step up to 64."""
+    cpus = len(os.sched_getaffinity(0))
+    most = 8 * cpus
+    result = CliRunner().invoke(cli_main, ["tune", str(pack), "--max-workers", str(most + 1), "--batches", "1", "-q"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        f"Error: --max-workers should be at most {most} (8 per CPU this process may use, {cpus} here), "
+        f"but got --max-workers {most + 1}. Each worker is a process with its own memory: sweep a few per CPU"
+    )
+    with pytest.raises(ConfigError, match=rf"max_workers should be at most {most} .*but got max_workers={most + 1}\."):
+        run_tune(pack, memory_budget=8 << 30, max_workers=most + 1, batches=1, warmup=0)
+
+
 def test_tune_never_recommends_over_a_tiny_budget(pack: Path) -> None:
     budget = 1 << 20  # one batch of 4 (600 KB at 224 px) fits, 8 and any worker do not
     result = run_tune(pack, memory_budget=budget, batch_sizes=(4, 8), batches=2, warmup=1)

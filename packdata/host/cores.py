@@ -18,14 +18,25 @@ from __future__ import annotations
 import math
 import os
 
-from packdata.host.facts import SystemFacts, gather_facts
+from packdata.errors import ConfigError
+from packdata.host.facts import SystemFacts, cpu_counts, gather_facts, read_cpus_allowed
 from packdata.host.memory import safe_tmpfs_size
 from packdata.units import format_size
 
-__all__ = ["WORKER_BYTES", "recommend_workers", "rule_of_thumb_workers", "usable_cores"]
+__all__ = [
+    "MAX_WORKERS_PER_CPU",
+    "WORKER_BYTES",
+    "check_workers",
+    "recommend_workers",
+    "rule_of_thumb_workers",
+    "usable_cores",
+]
 
 WORKER_BYTES = 160 << 20
 """Private memory assumed per DataLoader worker before one is measured (decode buffers, Python heap)."""
+
+MAX_WORKERS_PER_CPU = 8
+"""Most DataLoader workers a setting may start per logical CPU this process may run on."""
 
 
 def usable_cores(facts: SystemFacts | None = None, *, root: str | os.PathLike = "/") -> int:
@@ -73,3 +84,26 @@ def recommend_workers(facts: SystemFacts, *, cores: int | None = None) -> tuple[
             f"holds {by_memory} (3/4 of {cores} cores would be {by_cpu})"
         )
     return by_cpu, f"3/4 of {cores} usable physical cores; memory holds {by_memory} workers"
+
+
+def check_workers(workers: int, *, name: str) -> None:
+    """Refuse more than :data:`MAX_WORKERS_PER_CPU` workers per logical CPU this process may run on.
+
+    Each worker is a process (a typo of 10000 forked 10000). The CPUs are its
+    affinity's, the machine's where that is unknown.
+
+    Args:
+        workers: the most workers a setting would start.
+        name: the keyword argument that gave it, named in the message (``workers``, ``max_workers``).
+
+    Raises:
+        ConfigError: ``workers`` is over the bound.
+    """
+    cpus = len(read_cpus_allowed() or ()) or cpu_counts()[1]
+    most = MAX_WORKERS_PER_CPU * cpus
+    if workers > most:
+        raise ConfigError(
+            f"{name} should be at most {most} ({MAX_WORKERS_PER_CPU} per CPU this process may use, {cpus} here), "
+            f"but got {name}={workers}",
+            hint="Each worker is a process with its own memory: sweep a few per CPU",
+        )

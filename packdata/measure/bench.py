@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import Dataset
 
 from packdata.errors import ConfigError, PackdataError
-from packdata.host.cores import usable_cores
-from packdata.host.facts import cpu_counts, read_cpus_allowed
+from packdata.host.cores import MAX_WORKERS_PER_CPU, check_workers, usable_cores
+from packdata.host.facts import cpu_counts
 from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, ConfigResult, LoaderConfig, measure_loader
 from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
 from packdata.reading.decode import DecodeFn
@@ -183,22 +183,6 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return (value,)
 
 
-MAX_WORKERS_PER_CPU = 8
-"""Most DataLoader workers a setting may start per logical CPU this process may run on."""
-
-
-def _check_workers(workers: int) -> None:
-    """Refuse a worker count no machine here runs usefully: each worker is a process (a typo of 10000 forked 10000)."""
-    cpus = len(read_cpus_allowed() or ()) or cpu_counts()[1]
-    most = MAX_WORKERS_PER_CPU * cpus
-    if workers > most:
-        raise ConfigError(
-            f"workers should be at most {most} ({MAX_WORKERS_PER_CPU} per CPU this process may use, {cpus} here), "
-            f"but got workers={workers}",
-            hint="Each worker is a process with its own memory: sweep a few per CPU",
-        )
-
-
 def run_bench(
     sources: Sequence[str | os.PathLike] | str | os.PathLike,
     *,
@@ -280,7 +264,7 @@ def run_bench(
     for c in configs:
         if c.num_workers < 0 or c.batch_size < 1 or c.prefetch_factor < 1:
             raise ConfigError(f"invalid setting {c}: workers >= 0, batch size >= 1 and prefetch factor >= 1")
-    _check_workers(max((c.num_workers for c in configs), default=0))
+    check_workers(max((c.num_workers for c in configs), default=0), name="workers")
     settings = {
         "decode": decode if isinstance(decode, str) else repr(decode),
         "transform": repr(transform),

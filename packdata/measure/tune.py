@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from packdata.errors import CapacityError, ConfigError, PackdataError
-from packdata.host.cores import WORKER_BYTES, rule_of_thumb_workers, usable_cores
+from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores
 from packdata.host.facts import read_cgroup_memory
 from packdata.measure.loop import LoaderConfig, measure_loader
 from packdata.measure.sources import check_decode, open_source
@@ -366,7 +366,8 @@ def run_tune(
         batch_sizes: your training batch size, kept as it is; several values are
             searched (starting from 64, or the nearest).
         prefetch_factors: prefetch factors to search (from 2).
-        max_workers: most workers to try (default: the logical CPUs).
+        max_workers: most workers to try (default: the logical CPUs); at most
+            :data:`~packdata.host.cores.MAX_WORKERS_PER_CPU` per CPU this process may use.
         decode, transform, size: as for :func:`packdata.run_bench`.
         batches, seconds, warmup: the timed budget of each trial (default: 50 batches and at least one second).
         min_gain: the relative throughput gain a larger value must bring to be taken.
@@ -377,12 +378,15 @@ def run_tune(
         A :class:`TuneResult`; ``print(result.python())`` gives the DataLoader call.
 
     Raises:
+        ConfigError: an option value is invalid (``max_workers`` over the bound included).
         CapacityError: no setting fits the memory budget.
         PackdataError: the source cannot be opened, or no setting that fits could be
             measured (the first such error, e.g. fewer samples than a batch).
     """
     if not batch_sizes or not prefetch_factors:
         raise ConfigError("batch_sizes and prefetch_factors should not be empty")
+    if max_workers is not None:
+        check_workers(max_workers, name="max_workers")
     check_decode(decode)
     budget, how = (memory_budget, "given") if memory_budget is not None else default_memory_budget()
     if isinstance(transform, str):
