@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from click.testing import CliRunner
 from faults.hostile import rewrite_manifest
@@ -942,6 +943,58 @@ def test_unmount_keeps_a_mount_point_folder_the_user_made(
     assert f"unmounted {point}" in out.output
     assert not any(m.mountpoint == os.fspath(point) for m in packdata.host.facts.read_mounts())
     assert point.is_dir() and not any(point.iterdir())  # the user's folder stays, as it was
+
+
+@pytest.mark.root
+@needs_root
+def test_unmount_removes_the_folders_above_the_mount_point_that_stage_made(
+    lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """prepare_tmpfs made the folders above the mount point and nothing removed them: unstage left new/deeper."""
+    bare, kept = tmp_path / "new" / "deeper" / "area", tmp_path / "used" / "deeper" / "area"
+    for point in (bare, kept):
+        request.addfinalizer(lambda p=point: subprocess.run(["umount", "-l", os.fspath(p)], check=False))
+        out = CliRunner().invoke(main, ["stage", os.fspath(lmdb_pack), "--tmpfs", "32M", "--mount", os.fspath(point)])
+        assert out.exit_code == 0, out.output
+    (tmp_path / "used" / "notes.txt").write_text("the user's")  # put beside the folders packdata made
+    for point in (bare, kept):
+        out = CliRunner().invoke(main, ["unstage", os.fspath(point), "--unmount"])
+        assert out.exit_code == 0 and f"unmounted {point}" in out.output, out.output
+    assert not any(m.mountpoint.startswith(os.fspath(tmp_path)) for m in packdata.host.facts.read_mounts())
+    assert not (tmp_path / "new").exists()  # the mount point and both folders above it
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == ["notes.txt"]  # deeper went, used holds a file
+
+
+@pytest.mark.root
+@needs_root
+def test_a_refused_or_failed_tmpfs_mount_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    """A refused size or a failed mount left the mount point's parents (and a failed mount the mount point)."""
+    point = tmp_path / "new" / "deeper" / "area"
+    too_big = 64 * psutil.virtual_memory().total
+    with pytest.raises(CapacityError, match="does not fit in memory"):
+        prepare_tmpfs(too_big, mount=point)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"`mount -t tmpfs -o size=-4096,mode=1777 .*` failed"):
+        prepare_tmpfs(-4096, mount=point, force=True)  # the kernel refuses a negative size
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "new").mkdir()  # the user's: it stays
+    with pytest.raises(ConfigError, match="failed"):
+        prepare_tmpfs(-4096, mount=point, force=True)
+    assert list(tmp_path.iterdir()) == [tmp_path / "new"] and list((tmp_path / "new").iterdir()) == []
+
+
+@needs_root
+def test_made_folders_removes_only_the_mount_points_nearest_parents_it_lists(tmp_path: Path) -> None:
+    """The marker is read from a 1777 tmpfs: a folder it names that is not a nearest parent is never removed."""
+    point = tmp_path / "a" / "b" / "area"
+    point.mkdir(parents=True)
+    listed = [point.parent, tmp_path, Path("/etc"), point / "x"]  # b, then a skipped: the chain stops at b
+    (point / tmpfs_module.MADE_FILE).write_text(json.dumps({"above": [os.fspath(p) for p in listed]}))
+    assert tmpfs_module.made_folders(point) == [point, point.parent]
+    (point / tmpfs_module.MADE_FILE).write_text("not json")
+    assert tmpfs_module.made_folders(point) == [point]
+    os.chown(point / tmpfs_module.MADE_FILE, 65534, 65534)  # not root's: another user's, so nothing
+    assert tmpfs_module.made_folders(point) == []
 
 
 @pytest.mark.root

@@ -55,6 +55,7 @@ __all__ = [
     "locked",
     "missing_folders",
     "only_lock_left",
+    "remove_empty",
     "remove_leftovers",
     "removed_if_refused",
     "resolve_order",
@@ -427,11 +428,11 @@ def locked(dest: Path, what: str = "packdata stage", made: Sequence[Path] = ()) 
                     yield
             except BaseException:
                 if created:
-                    _remove_empty([dest])
+                    remove_empty([dest])
                 raise
     except BaseException:
         if not os.path.lexists(dest):  # after .NAME.lock is gone from the folder above
-            _remove_empty(made)
+            remove_empty(made)
         raise
 
 
@@ -446,11 +447,11 @@ def removed_if_refused(made: Sequence[Path]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        _remove_empty(made)
+        remove_empty(made)
         raise
 
 
-def _remove_empty(folders: Sequence[Path]) -> None:
+def remove_empty(folders: Sequence[Path]) -> None:
     """Remove ``folders`` (deepest first) that are empty folders, stopping at the first that is not."""
     for folder in folders:
         try:

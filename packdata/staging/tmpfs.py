@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import stat
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from packdata.errors import CapacityError, ConfigError
 from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.lock import convert_lock_path, wait_for_lock
+from packdata.staging.copy import missing_folders, removed_if_refused
 from packdata.units import format_size
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
@@ -24,7 +27,7 @@ __all__ = [
     "MADE_FILE",
     "TMPFS_SOURCE",
     "TmpfsArea",
-    "made_mount_point",
+    "made_folders",
     "mount_of",
     "prepare_tmpfs",
     "run_mount",
@@ -40,6 +43,8 @@ TMPFS_SOURCE = "packdata"
 MADE_FILE = ".packdata-made-mount-point"
 """In the root of a tmpfs packdata mounted on a folder it created: unmounting it removes that folder.
 
+JSON ``{"above": [...]}``: the folders above the mount point that the same
+mount created, deepest first, which unmounting removes too while each is empty.
 It lives in the tmpfs, so it goes with the mount; a folder that was there before keeps none and stays.
 """
 
@@ -75,13 +80,44 @@ def tmpfs_mount_at(path: Path, root: str = "/") -> Mount | None:
     return mount if mount is not None and Path(mount.mountpoint) == path.resolve() else None
 
 
-def made_mount_point(path: Path) -> bool:
-    """Whether packdata created the folder of the tmpfs mounted at ``path``: its :data:`MADE_FILE`, written by root."""
+def made_folders(path: Path) -> list[Path]:
+    """The folders packdata made for the tmpfs mounted at ``path``, deepest first; empty where it made none.
+
+    ``path`` itself when the tmpfs holds a root-owned :data:`MADE_FILE`, then
+    the folders above it that file lists, as far as they are ``path``'s nearest
+    parents (anything else it names is ignored).
+    """
     try:
-        info = (path / MADE_FILE).lstat()
+        fd = os.open(path / MADE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == 0  # mode=1777: another user may write there, not as root
+        return []
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != 0:  # mode=1777: another user may write there, not as root
+            return []
+        raw = file.read(1 << 16)
+    try:
+        listed = json.loads(raw)["above"] if raw.strip() else []
+    except (ValueError, KeyError, TypeError):
+        listed = []
+    named = {Path(p) for p in listed if isinstance(p, str)} if isinstance(listed, list) else set()
+    made = [path]
+    for parent in path.parents:
+        if parent not in named:
+            break
+        made.append(parent)
+    return made
+
+
+def _mark_made(path: Path, above: Sequence[Path]) -> None:
+    """Write :data:`MADE_FILE` into the tmpfs just mounted at ``path``, listing the folders ``above`` it made."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path / MADE_FILE, flags, 0o644)
+    except FileExistsError:  # another user's file there first: not root's, so nothing is removed
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        json.dump({"above": [os.fspath(p) for p in above]}, file)
 
 
 def run_mount(args: list[str], path: Path, hint: str) -> None:
@@ -117,7 +153,8 @@ def prepare_tmpfs(
         size: the tmpfs size in bytes (tmpfs only takes RAM for what it holds).
         mount: the mount point: a tmpfs there, an empty folder, or a path to create
             (default :data:`DEFAULT_AREA`; one created is marked with :data:`MADE_FILE`,
-            so unmounting removes it).
+            so unmounting removes it and the folders made above it). A refused or
+            failed mount removes the folders it made.
         resize: remount an existing tmpfs with the new size.
         force: mount or resize even when the memory checks refuse the size.
         reserve: memory kept for training (default: see :func:`packdata.host.memory.memory_warnings`).
@@ -130,13 +167,17 @@ def prepare_tmpfs(
     path = Path(mount).absolute()
     if os.geteuid() != 0:  # nothing is mounted without root (it is said below): no lock to take
         return _prepare(size, path, resize=resize, force=force, reserve=reserve)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with wait_for_lock(convert_lock_path(path), what="packdata stage --tmpfs", target=path):
-        return _prepare(size, path, resize=resize, force=force, reserve=reserve)  # two at once: one mounts
+    above = missing_folders(path.parent)  # the folders above the mount point that this call creates
+    with removed_if_refused(above):  # a refused or failed mount leaves none of them (_prepare: nor the mount point)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with wait_for_lock(convert_lock_path(path), what="packdata stage --tmpfs", target=path):
+            return _prepare(size, path, resize=resize, force=force, reserve=reserve, above=above)  # one mounts
 
 
-def _prepare(size: int, path: Path, *, resize: bool, force: bool, reserve: int | None) -> TmpfsArea:
-    """:func:`prepare_tmpfs` once no other process is mounting at ``path``."""
+def _prepare(
+    size: int, path: Path, *, resize: bool, force: bool, reserve: int | None, above: Sequence[Path] = ()
+) -> TmpfsArea:
+    """:func:`prepare_tmpfs` once no other process is mounting at ``path``; ``above``: the parents it made."""
     existing = tmpfs_mount_at(path)
     if existing is not None and existing.fstype != "tmpfs":
         raise ConfigError(
@@ -175,14 +216,15 @@ def _prepare(size: int, path: Path, *, resize: bool, force: bool, reserve: int |
             raise _not_root_error(size, path)
         if existing is None:
             made = not os.path.lexists(path)
-            path.mkdir(parents=True, exist_ok=True)
-            run_mount(
-                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
-                path,
-                "Check the mount point, or stage into /dev/shm with to=/dev/shm",
-            )
-            if made:  # unmounting removes the folder then; one the user made stays
-                (path / MADE_FILE).touch(mode=0o644)
+            with removed_if_refused([path] if made else []):
+                path.mkdir(parents=True, exist_ok=True)
+                run_mount(
+                    ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", TMPFS_SOURCE, os.fspath(path)],
+                    path,
+                    "Check the mount point, or stage into /dev/shm with to=/dev/shm",
+                )
+            if made:  # unmounting removes the folder then (and those above it made); one the user made stays
+                _mark_made(path, above)
             action = "mounted"
         else:
             run_mount(

@@ -13,10 +13,10 @@ from typing import Any
 from packdata.errors import ConfigError, LockedError
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.staging.copy import dir_bytes, locked, only_lock_left
+from packdata.staging.copy import dir_bytes, locked, only_lock_left, remove_empty
 from packdata.staging.marker import STAGED_FILE
 from packdata.staging.remote import delete_copy, delete_unread, discard_aside
-from packdata.staging.tmpfs import TMPFS_SOURCE, made_mount_point, run_mount, tmpfs_mount_at
+from packdata.staging.tmpfs import TMPFS_SOURCE, made_folders, run_mount, tmpfs_mount_at
 
 __all__ = [
     "UnstageResult",
@@ -54,7 +54,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     pack NAME, and in an area any that is a staged copy, whoever's NAME it was,
     and the ``.NAME.partial`` download of a stage from a URL that was killed
     (one a live stage still writes is its own: kept). Unmounting removes the
-    mount point only where packdata created it (:func:`~packdata.staging.tmpfs.made_mount_point`).
+    mount point only where packdata created it, and the folders above it that
+    the mount created while each is empty (:func:`~packdata.staging.tmpfs.made_folders`).
 
     Raises:
         ConfigError: ``path`` is neither a staged pack nor an area holding one, or
@@ -177,16 +178,14 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     if mount is not None:
         if os.geteuid() != 0:
             raise ConfigError("unmounting needs root", path=area, hint=f"Run `sudo umount {area}`")
-        made = made_mount_point(area)
+        made = made_folders(area)
         run_mount(
             ["umount", os.fspath(area)],
             area,
             "A process still has files open there (a dataset or DataLoader workers): stop it and unstage again",
         )
         unmounted = area
-        if made:  # the mount point packdata created; one the user made stays, as does anything put in it
-            with contextlib.suppress(OSError):
-                area.rmdir()
+        remove_empty(made)  # what packdata created; what the user made stays, as does anything put in it
     return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
 
 
