@@ -917,7 +917,6 @@ def test_a_local_tar_that_fails_not_as_a_damaged_tar_is_named_by_its_path_with_a
 
 def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
     import gzip
-    import tarfile
 
     _wds_shards(tmp_path / "tars", count=4, per_shard=2)
     first = tmp_path / "tars" / "data-000000.tar"
@@ -948,7 +947,6 @@ def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
 
 
 def _tar_of(members: list[tuple[str | bytes, bytes]]) -> bytes:
-    import tarfile
 
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -1014,7 +1012,6 @@ def test_a_tar_member_named_in_non_utf8_bytes_is_skipped_by_name(tmp_path: Path)
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_a_tar_member_whose_key_no_record_holds_is_skipped(tmp_path: Path, fmt: str) -> None:
     """A pax name of 70,000 bytes; an LMDB record holds 65,535 (a uint16 length): it once crashed the writer."""
-    import tarfile
 
     key = "k" * 70_000
     out = io.BytesIO()
@@ -1076,7 +1073,6 @@ def test_record_and_field_crcs_are_zlibs(size: int) -> None:
 def test_a_file_or_tar_member_over_the_sample_limit_is_skipped_unread(tmp_path: Path) -> None:
     """A sample over 2 GiB fits no Example protobuf parses (nor, over 4 GiB, an LMDB value): skipped, never read."""
     import resource
-    import tarfile
 
     from packdata.pack.records import MAX_SAMPLE_BYTES
 
@@ -1160,7 +1156,6 @@ def test_a_tar_sample_whose_members_together_pass_the_limit_is_skipped_before_th
 def test_a_sparse_tar_member_is_skipped_not_read_as_its_claimed_size_of_zeros(tmp_path: Path) -> None:
     """A 10 KB tar of two pax sparse members claiming 1 GiB each (no data): tarfile reads the holes as zeros."""
     import resource
-    import tarfile
 
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -1190,7 +1185,6 @@ def test_a_sparse_tar_member_is_skipped_not_read_as_its_claimed_size_of_zeros(tm
 
 def test_a_tar_whose_pax_sparse_map_is_not_numbers_is_a_corrupt_tar_not_a_failed_request(tmp_path: Path) -> None:
     """tarfile's int() of GNU.sparse.map raised a bare ValueError: the run stopped, 'Check the URL ... resume'."""
-    import tarfile
 
     for name, pax in (("a.tar", {}), ("b.tar", {"GNU.sparse.map": "x,y", "GNU.sparse.size": "3"})):
         with tarfile.open(tmp_path / name, "w", format=tarfile.PAX_FORMAT) as tar:
