@@ -279,6 +279,38 @@ def test_progress_in_a_log_is_plain_lines_with_a_total(image_folder: Path, tmp_p
         assert re.search(r"(of [\d,.]+ (files|records|[KMGT]iB|B)).*(done in|ETA)", lines[-1]), lines[-1]
 
 
+def test_a_command_whose_stdout_reader_went_away_exits_141_quietly(tmp_path: Path) -> None:
+    """`packdata ls PACK | head -1` exited 1 (packdata's Error status) saying nothing; cat exited 0 having dropped
+    all but 64 KiB. git and seq die of SIGPIPE: 141."""
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    for i in range(2000):  # ls lists 100 KB: more than a pipe holds, so it writes after head has gone
+        (src / f"{i:04d}.txt").write_text(f"note {i}")
+    (src / "big.txt").write_bytes(b"x" * (1 << 20))
+    pack = tmp_path / "p.lmdb"
+    assert _run("convert", str(src.parent), str(pack), "-q").exit_code == 0
+    cli = f"{sys.executable} -m packdata.cli"
+    first = json.dumps(
+        {
+            "index": 0,
+            "key": "notes/0000.txt",
+            "label": 0,
+            "class": "notes",
+            "fields": {"text": 6},
+            "shard": "shard-00000.lmdb",
+        }
+    )
+    for command, reader, shown in (
+        (f"ls {pack} --limit 0", "head -1", "#0\tnotes/0000.txt\t0 (notes)\ttext:6 B\tshard-00000.lmdb\n"),
+        (f"ls {pack} --limit 0 --json", "head -1", first + "\n"),
+        (f"cat {pack} notes/big.txt", "head -c 1", "x"),
+    ):
+        script = f"set -o pipefail; {cli} {command} | {reader}"  # the pipeline's status: the CLI's (head's is 0)
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr, done.stdout) == (141, "", shown), command  # no traceback, no Error line
+    assert _run("ls", str(pack), "--limit", "1").exit_code == 0  # a reader that stays: 0, as before
+
+
 def test_small_things_a_new_user_trips_on(bad_files: Path, tmp_path: Path) -> None:
     dst = str(tmp_path / "out.lmdb")
     assert _run("convert", str(bad_files), dst, "-q", "--format", "LMDB").exit_code == 0  # any letter case

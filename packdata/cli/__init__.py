@@ -3,7 +3,8 @@
 Results go to stdout (``--json`` where machines read them), progress and logs to
 stderr. A :class:`~packdata.errors.PackdataError` becomes one ``Error: ...``
 line and exit status 1; bad options exit 2; anything else is a bug and keeps
-its traceback.
+its traceback. A command whose stdout reader went away (``| head``) exits 141
+quietly, as git and seq do.
 
 This module holds the ``main`` group (the console script) and adds the
 commands from one module per room they call: ``conversion`` (convert, merge),
@@ -19,12 +20,12 @@ import click
 
 from packdata._version import __version__
 from packdata.cli import conversion, inspection, measure, staging, watch
-from packdata.cli.common import as_flags
+from packdata.cli.common import _Main, as_flags
 
 __all__ = ["as_flags", "main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="packdata")
 def main() -> None:
     """Pack folders of small files into LMDB or TFRecord and feed PyTorch fast.

@@ -6,6 +6,9 @@ import functools
 import json
 import os
 import re
+import select
+import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,40 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
         return flags.get(match.group(1), match.group(1)) + match.group(2)
 
     return _SUBJECT.sub(subject, _KEYWORD.sub(flag, message), count=1)
+
+
+CLOSED_STDOUT_STATUS = 128 + signal.SIGPIPE
+"""The exit status when the reader of stdout went away (``packdata ls PACK | head -1``): 141, as git's and seq's."""
+
+
+class _Main(click.Group):
+    """The ``packdata`` group: a command whose stdout reader closed the pipe exits quietly, as Unix tools do.
+
+    click exits 1 then, which scripts read as packdata's own ``Error:`` status
+    with no line to say it; git, seq and yes die of SIGPIPE (status 141). A
+    broken pipe that is not stdout's (a socket, a child) is left to click.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            if not _reader_gone(sys.stdout):
+                raise
+            devnull = os.open(os.devnull, os.O_WRONLY)  # what is still buffered goes there at exit, unsaid
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            ctx.exit(CLOSED_STDOUT_STATUS)
+
+
+def _reader_gone(stream: Any) -> bool:
+    """Whether ``stream`` is a pipe whose reading end is closed (poll reports POLLERR for it)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), 0)  # POLLERR and POLLHUP are always reported
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (CliRunner's buffer), or closed
+        return False
 
 
 _KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")

@@ -177,7 +177,9 @@ def cat(pack: str, sample: str, field_name: str | None, storage_options: dict[st
     """
     from packdata.formats.contents import read_field
 
-    sys.stdout.buffer.write(read_field(pack, sample, field_name, storage_options=storage_options))
+    rest = memoryview(read_field(pack, sample, field_name, storage_options=storage_options))
+    while rest:  # a write the reader's exit cut short returns what it wrote: the next one raises BrokenPipeError
+        rest = rest[sys.stdout.buffer.write(rest) :]
     sys.stdout.buffer.flush()
 
 
