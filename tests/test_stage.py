@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -883,6 +884,15 @@ def test_without_root_one_line_explains(tmp_path: Path, monkeypatch: pytest.Monk
     out = CliRunner().invoke(main, ["stage", "--tmpfs", "1M", "--mount", os.fspath(tmp_path / "ram")])
     assert out.exit_code == 1
     assert out.output.startswith("Error: ") and out.output.count("\n") == 1 and "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("size", [0, -1, 1 << 64, 1 << 70, True, 1.5])
+def test_a_tmpfs_size_that_means_no_limit_is_refused(tmp_path: Path, size: Any) -> None:
+    """prepare_tmpfs passed any size to mount: the kernel reads size=0, and 2**70 (wrapped past 2**64 to 0),
+    as a tmpfs with no limit at all, even with force=True past the memory checks."""
+    with pytest.raises(ConfigError, match=r"size should be a byte count from 1 to 2\*\*63 - 1"):
+        prepare_tmpfs(size, mount=tmp_path / "ram", force=True)
+    assert not (tmp_path / "ram").exists()
 
 
 def test_unsafe_tmpfs_size_refused_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -164,6 +164,11 @@ def prepare_tmpfs(
         ConfigError: not root, something other than a tmpfs is mounted at ``mount``, or
             nothing is and ``mount`` is not an empty folder (a mount would hide what it holds).
     """
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < 2**63:  # 0, or 2**64 wrapped: no limit
+        raise ConfigError(
+            f"size should be a byte count from 1 to 2**63 - 1, but got size={size!r}",
+            hint="tmpfs reads size=0 (and a size that wraps to it past 2**64) as no limit at all: give the size",
+        )
     path = Path(mount).absolute()
     if os.geteuid() != 0:  # nothing is mounted without root (it is said below): no lock to take
         return _prepare(size, path, resize=resize, force=force, reserve=reserve)
