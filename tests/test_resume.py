@@ -125,6 +125,40 @@ def test_sampler_end_of_epoch_state_moves_to_next_epoch() -> None:
     assert list(fresh) == list(reference)
 
 
+@pytest.mark.parametrize(
+    "consumed",
+    [
+        [[0, 5], [2, 0]],  # a world of no rank: was a ZeroDivisionError
+        [[-2, 5], [2, 0]],  # was numpy's "can only specify one unknown dimension"
+        [[2, -5]],
+        [[2, 5.7]],  # was read as 5
+        [["2", "5"]],  # was read as 2 and 5
+        [[True, 0], [2, 0]],
+        [[2, 5, 9]],  # was "too many values to unpack"
+        None,  # was "'NoneType' object is not iterable"
+        [],
+        [[10**7, 0], [2, 0]],  # a layout of 10**7 ranks was allocated (2**40 of them: 8 TB, the process killed)
+        [[3, 1000], [2, 0]],  # more than a rank held at that world size: a ValueError
+    ],
+)
+def test_a_malformed_sampler_state_is_refused_and_the_sampler_left_as_it_was(consumed: object) -> None:
+    sampler = BlockShuffleSampler(N, block_size=4, window=2, seed=5, rank=0, world_size=2)
+    state = {**sampler.state_dict(), "epoch": 3, "consumed": consumed}
+    sampler.set_epoch(1)
+    before = list(sampler)
+    with pytest.raises(ConfigError, match=r"the sampler state('s consumed should be| says consumed=1000)"):
+        sampler.load_state_dict(state)
+    assert sampler.epoch == 1 and list(sampler) == before
+
+
+@pytest.mark.parametrize("epoch", [None, -1, "1", 1.5, True])
+def test_a_sampler_state_with_a_bad_epoch_is_refused_at_load(epoch: object) -> None:
+    """A negative epoch loaded, then failed in numpy's generator at iteration; "1" and 1.5 loaded as 1."""
+    state = {**BlockShuffleSampler(N, seed=5).state_dict(), "epoch": epoch}
+    with pytest.raises(ConfigError, match=r"the sampler state's epoch should be an integer from 0 on, but got epoch="):
+        BlockShuffleSampler(N, seed=5).load_state_dict(state)
+
+
 def test_sampler_state_checks_order_options() -> None:
     state = BlockShuffleSampler(N, seed=5).state_dict()
     with pytest.raises(ConfigError, match=r"seed=5.*seed=6"):

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from packdata import BlockShuffleSampler, LMDBDataset, TFRecordIndexedDataset, convert, shuffle_quality
+from packdata import (
+    BlockShuffleSampler,
+    LMDBDataset,
+    TFRecordDataset,
+    TFRecordIndexedDataset,
+    TokenBucketSampler,
+    convert,
+    shuffle_quality,
+)
 from packdata.formats import get_format
 from packdata.reading.samplers import block_shuffle_order, resolve_rank_world
 
@@ -46,6 +54,35 @@ def test_exactly_once_across_ranks(n: int, world: int, drop_last: bool) -> None:
     else:
         assert set(counts) == set(range(n))
         assert sum(counts.values()) - n == world * len(orders[0]) - n < world
+
+
+def test_a_negative_seed_or_epoch_is_refused_when_given_not_at_iteration(tmp_path: Path) -> None:
+    """numpy's generators refuse negative seeds: a seed or epoch of -1 was taken, and the first iteration raised
+    numpy's 'expected non-negative integer' (in a DataLoader worker, for the streaming dataset)."""
+    with pytest.raises(ValueError, match=r"seed should be an integer from 0 on, but got seed=-1"):
+        BlockShuffleSampler(10, seed=-1)
+    sampler = BlockShuffleSampler(10)
+    with pytest.raises(ValueError, match=r"epoch should be an integer from 0 on, but got epoch=-1"):
+        sampler.set_epoch(-1)
+    assert sampler.epoch == 0 and sorted(sampler) == list(range(10))
+    with pytest.raises(ValueError, match=r"seed should be an integer from 0 on, but got seed=-3"):
+        TokenBucketSampler([5] * 10, max_tokens=20, seed=-3)
+    with pytest.raises(ValueError, match=r"epoch should be an integer from 0 on, but got epoch=-2"):
+        TokenBucketSampler([5] * 10, max_tokens=20).set_epoch(-2)
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.txt").write_text("x")
+    convert(tmp_path / "src", tmp_path / "p.tf", format="tfrecord", progress=False)
+    with pytest.raises(ValueError, match=r"seed should be an integer from 0 on, but got seed=-1"):
+        TFRecordDataset(tmp_path / "p.tf", seed=-1)
+    with pytest.raises(ValueError, match=r"epoch should be an integer from 0 on, but got epoch=-1"):
+        TFRecordDataset(tmp_path / "p.tf").set_epoch(-1)
+
+
+def test_a_block_larger_than_the_pack_is_one_block() -> None:
+    """A block_size past int64 (2**80) overflowed numpy at the first iteration; any block of n or more is one block."""
+    whole = BlockShuffleSampler(50, block_size=50, seed=2)
+    assert list(BlockShuffleSampler(50, block_size=2**80, seed=2)) == list(whole)
+    assert list(BlockShuffleSampler(50, block_size=10**6, seed=2)) == list(whole)
 
 
 def test_deterministic_per_seed_and_epoch() -> None:

@@ -11,6 +11,7 @@ whole pack (see :func:`shuffle_quality`).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Iterator, Sized
 from pathlib import Path
@@ -58,6 +59,22 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     return rank, world_size
 
 
+def order_number(name: str, value: Any) -> int:
+    """``value``, checked as the seed or epoch of a shuffle: an integer from 0 on (numpy's generators refuse less).
+
+    Raises:
+        ValueError: naming ``name`` and the value.
+    """
+    if not _natural(value):
+        raise ValueError(f"{name} should be an integer from 0 on, but got {name}={value!r}")
+    return value
+
+
+def _natural(value: object) -> bool:
+    """Whether ``value`` is an integer from 0 on (Python's or numpy's; not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= 0
+
+
 def per_rank_count(n: int, world_size: int, drop_last: bool) -> int:
     """Samples each rank gets per epoch: ``ceil(n / world)`` padded, ``floor`` when dropping."""
     return n // world_size if drop_last else math.ceil(n / world_size)
@@ -86,6 +103,7 @@ def block_shuffle_order(
     """
     if shuffle:
         rng = np.random.default_rng([seed, epoch])
+        block_size = min(block_size, max(n, 1))  # one block either way; a huge one would overflow numpy's int64
         num_blocks = math.ceil(n / block_size)
         perm = rng.permutation(num_blocks)
         starts = perm * block_size
@@ -112,6 +130,13 @@ def _layout(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
     if total > len(order):
         return np.concatenate([order, np.resize(order, total - len(order))])
     return order[:total]
+
+
+def _is_phase(phase: object, most: int) -> bool:
+    """Whether ``phase`` is a ``[world_size, consumed]`` pair of a sampler state, world sizes at most ``most``."""
+    if not isinstance(phase, list | tuple) or len(phase) != 2 or not all(_natural(v) for v in phase):
+        return False
+    return 1 <= phase[0] <= most
 
 
 class ShuffleQuality(NamedTuple):
@@ -165,7 +190,7 @@ class BlockShuffleSampler(Sampler[int]):
         dataset_or_length: a sized dataset, or the number of samples.
         block_size: consecutive indices per block (default 128).
         window: blocks shuffled together (default 32: 4,096 samples).
-        seed: the shuffle seed; must be the same on every rank.
+        seed: the shuffle seed, an integer from 0 on; must be the same on every rank.
         shuffle: ``False`` visits pack order (still split across ranks).
         rank, world_size: default from :func:`resolve_rank_world`.
         drop_last: drop the tail instead of padding to equal per-rank counts.
@@ -204,7 +229,7 @@ class BlockShuffleSampler(Sampler[int]):
         self.num_samples_total = n
         self.block_size = block_size
         self.window = window
-        self.seed = seed
+        self.seed = order_number("seed", seed)
         self.shuffle = shuffle
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_last = drop_last
@@ -222,6 +247,7 @@ class BlockShuffleSampler(Sampler[int]):
         A position loaded by :meth:`load_state_dict` belongs to its epoch:
         setting another epoch discards it.
         """
+        order_number("epoch", epoch)
         if epoch != self.epoch:
             self._history, self._start, self._yielded, self._pending = [], 0, 0, False
         self.epoch = epoch
@@ -238,7 +264,7 @@ class BlockShuffleSampler(Sampler[int]):
             grid = layout.reshape(world, -1)
             if not 0 <= taken <= grid.shape[1]:
                 raise ValueError(
-                    f"consumed should be in [0, {grid.shape[1]}] at world_size={world}, but got consumed={taken}"
+                    f"says consumed={taken} at world_size={world}, but its ranks held {grid.shape[1]} samples each"
                 )
             consumed[grid[:, :taken].ravel()] = True
             rest = grid[:, taken:].ravel()
@@ -293,7 +319,9 @@ class BlockShuffleSampler(Sampler[int]):
 
         Raises:
             ConfigError: the state was saved by a sampler with another order
-                (seed, number of samples, block size, window, shuffle, drop_last).
+                (seed, number of samples, block size, window, shuffle, drop_last), or is
+                not one :meth:`state_dict` returned (its epoch or counts malformed or out
+                of range); the sampler is then left as it was.
         """
         from packdata.errors import ConfigError
 
@@ -311,20 +339,33 @@ class BlockShuffleSampler(Sampler[int]):
                     f"{name}={mine!r}",
                     hint=f"Build the sampler with {name}={state_dict.get(name)!r} to resume this epoch",
                 )
-        phases = [[int(w), int(c)] for w, c in state_dict["consumed"]]
-        if not phases:
-            raise ConfigError("the sampler state lists no consumed samples", hint="Pass a dict from state_dict()")
-        self.epoch = int(state_dict["epoch"])
-        if phases[-1][0] == self.world_size:
-            self._history, position = phases[:-1], phases[-1][1]
-        else:
-            self._history, position = phases, 0
-        length = len(self._stream())
-        if not 0 <= position <= length:
+        phases, epoch = state_dict.get("consumed"), state_dict.get("epoch")
+        most = max(self.num_samples_total, self.world_size)  # a layout holds a world's ranks: bounded before it is
+        if not isinstance(phases, list) or not phases or not all(_is_phase(p, most) for p in phases):
             raise ConfigError(
-                f"the sampler state says {position} samples consumed, but this rank's epoch holds {length}",
-                hint="Pass the state this rank saved, unchanged",
+                f"the sampler state's consumed should be a non-empty list of [world_size, samples] pairs of integers "
+                f"(world_size from 1 to {most}, samples from 0 on), but got {str(phases)[:80]}",
+                hint="Pass the state state_dict() returned, unchanged",
             )
+        try:
+            epoch = order_number("epoch", epoch)
+        except ValueError as exc:
+            raise ConfigError(
+                f"the sampler state's {exc}", hint="Pass the state state_dict() returned, unchanged"
+            ) from None
+        before = self.epoch, self._history
+        self.epoch = int(epoch)
+        if phases[-1][0] == self.world_size:
+            self._history, position = [[int(w), int(c)] for w, c in phases[:-1]], int(phases[-1][1])
+        else:
+            self._history, position = [[int(w), int(c)] for w, c in phases], 0
+        try:  # nothing changes unless the whole state fits this epoch
+            length = len(self._stream())
+            if position > length:
+                raise ValueError(f"says {position} samples consumed, but this rank's epoch holds {length}")
+        except ValueError as exc:
+            self.epoch, self._history = before
+            raise ConfigError(f"the sampler state {exc}", hint="Pass the state this rank saved, unchanged") from None
         self._start = self._yielded = position
         self._pending = True
 

@@ -36,7 +36,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_remote import ShardRun, stream_ahead
 from packdata.reading.decode import DecodeFn, resolve_decoder
-from packdata.reading.samplers import per_rank_count, resolve_rank_world
+from packdata.reading.samplers import order_number, per_rank_count, resolve_rank_world
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordDataset"]
@@ -158,7 +158,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             ``"text"``, or a callable on the bytes; a multi-field pack also takes
             a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
         shuffle: shuffle shard order and samples each epoch.
-        seed: the shuffle seed; must be the same on every rank.
+        seed: the shuffle seed, an integer from 0 on; must be the same on every rank.
         shuffle_buffer: records held by each reader's shuffle buffer. For a
             local pack the buffer holds views into memory-mapped shard chunks,
             not copies: 1,024 records of 100 KB keep about 100 MB of page cache
@@ -204,7 +204,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = order_number("seed", seed)
         self.shuffle_buffer = shuffle_buffer
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_uneven = drop_uneven
@@ -228,7 +228,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         another epoch discards it. The epoch also reaches the copies held by
         ``persistent_workers``: each takes it when its next pass starts.
         """
-        self._use_epoch(epoch)
+        self._use_epoch(order_number("epoch", epoch))
         self._epoch_calls += 1
         self._shared_epoch.write(epoch, self._epoch_calls)
 

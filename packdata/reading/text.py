@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
-from packdata.reading.samplers import resolve_rank_world
+from packdata.reading.samplers import order_number, resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
@@ -89,7 +89,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         max_samples: at most this many samples per batch.
         bucket_size: samples sorted together; larger buckets pad less but mix less.
         shuffle: shuffle samples and batches each epoch; otherwise keep index order.
-        seed: base seed of the shuffle.
+        seed: base seed of the shuffle, an integer from 0 on.
         oversize: what to do with a sample longer than ``max_tokens``: ``"error"``
             (default) or ``"alone"`` (a batch of its own, over budget).
         rank, world_size: this process's place in a distributed job; by default from
@@ -132,7 +132,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.max_samples = max_samples
         self.bucket_size = bucket_size
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = order_number("seed", seed)
         self.oversize = oversize
         self.world_size = world_size
         self.rank = rank
@@ -150,7 +150,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler)."""
-        self.epoch = epoch
+        self.epoch = order_number("epoch", epoch)
 
     def _pack(self, order: np.ndarray) -> list[list[int]]:
         batches: list[list[int]] = []
