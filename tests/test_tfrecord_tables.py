@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import shutil
@@ -267,6 +268,53 @@ def test_an_offsets_index_whose_lengths_wrap_past_2_63_does_not_tile_the_shard(t
     lines += [f"0 {first}", f"{first} {shard.stat().st_size - first}"]  # six lines: the manifest's count
     index.write_text("\n".join(lines) + "\n")
     with pytest.raises(PackFormatError, match=re.escape(str(index)) + ".*does not tile"):
+        TFRecordIndexedDataset(pack, decode="bytes")
+
+
+_PEAK = """
+import resource, sys
+from packdata.errors import PackFormatError
+from packdata.formats.tfrecord_tables import shard_records
+from packdata.pack.manifest import read_manifest
+info = read_manifest(sys.argv[1]).shards[0]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    shard_records(sys.argv[1] + "/" + info.file, info.num_samples, info.bytes, info.sha256, payloads=True)
+    print("read", end=" ")
+except PackFormatError as exc:
+    print(str(exc).split(": ", 1)[1], end=" ")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)  # MB the call grew the peak by
+"""
+
+
+def _open_first_shard(pack: Path) -> tuple[str, int]:
+    """What opening the pack's first shard's records says, and the MB of memory it took (in a new process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(pack)], capture_output=True, text=True, check=True)
+    said, grown = out.stdout.rsplit(" ", 1)
+    return said, int(grown)
+
+
+def test_a_sparse_gigabyte_table_or_index_is_not_read_into_memory(tmp_path: Path) -> None:
+    """A ``.tfpayload`` of a size no table of its shard has was read whole before its size was looked at, and a
+    ``.tfindex`` before its lines were counted: a sparse file of 1 GB (no disk used) made opening a 24-sample
+    pack take 1.3 GB of memory (the table) and 2.3 GB (the index). Each is read only as far as its count allows."""
+    pack = _pack(tmp_path, 24)
+    clean = _all(TFRecordIndexedDataset(pack, decode="bytes"))
+    shard, table = _shard0(pack)
+    table.write_bytes(b"")
+    os.truncate(table, 1 << 30)
+    said, grown = _open_first_shard(pack)
+    assert said == "read" and grown < 100  # the table ignored, the .tfindex parsed instead
+    assert _all(TFRecordIndexedDataset(pack, decode="bytes")) == clean
+    table.unlink()
+    index = shard.with_name(shard.name.replace(".tfrecord", ".tfindex"))
+    os.truncate(index, 1 << 30)
+    said, grown = _open_first_shard(pack)
+    assert said.startswith("offsets index is longer than the lines of the 6 records") and grown < 100
+    with pytest.raises(PackFormatError, match=re.escape(str(index)) + ": offsets index is longer than"):
         TFRecordIndexedDataset(pack, decode="bytes")
 
 

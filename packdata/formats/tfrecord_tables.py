@@ -64,6 +64,7 @@ _TABLE_MAGIC = int.from_bytes(b"PDTFREC2", "little", signed=True)
 _TABLE_VERSION = 2
 _HEAD = 2 * _ROW.size  # bytes of the record table's header
 _CHECK_ROWS = 1 << 20  # rows checked at a time: flat memory on huge shards
+_INDEX_LINE = 64  # bytes an offsets index line takes at most: two int64s in decimal, their separators, with room
 
 
 def index_path(shard: str | os.PathLike) -> Path:
@@ -90,7 +91,7 @@ def read_payload_table(
     inside its record's data (checked once, here).
     """
     try:
-        raw = read_regular(payload_path(shard))
+        raw = read_regular(payload_path(shard), most=_PAIR.size * (count + 1))  # a longer file is not read whole
     except OSError:
         return None
     if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
@@ -110,19 +111,25 @@ def read_payload_table(
     return table
 
 
-def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def read_index(
+    shard: str | os.PathLike, *, size: int | None = None, count: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets, lengths)`` of every record of a shard, from its ``.tfindex``, as int64 arrays.
 
     Given the shard's byte ``size``, the records must also tile the file exactly:
     the first at 0, each starting where the previous ends, each at least 16
-    bytes, the last ending at ``size`` (checked once, in numpy).
+    bytes, the last ending at ``size`` (checked once, in numpy). ``size`` and
+    ``count`` (the records the manifest lists) also bound how much of the index
+    is read: an index longer than the lines of that many records is refused unread.
 
     Raises:
-        PackFormatError: the index is missing or malformed, or does not fit a shard of ``size`` bytes.
+        PackFormatError: the index is missing, malformed or too long, or does not fit a shard of ``size`` bytes.
     """
     path = index_path(shard)
+    lines = [n for n in (count, None if size is None else size // 16) if n is not None]  # a record is 16 bytes on
+    most = _INDEX_LINE * (min(lines) + 1) if lines else None
     try:
-        raw = read_regular(path)
+        raw = read_regular(path, most)
     except OSError as exc:
         if too_many_open_files(exc):
             raise out_of_files_error(path) from exc
@@ -131,6 +138,12 @@ def read_index(shard: str | os.PathLike, *, size: int | None = None) -> tuple[np
             path=path,
             hint="Convert or stage the pack again",
         ) from exc
+    if most is not None and len(raw) > most:
+        raise PackFormatError(
+            f"offsets index is longer than the lines of the {min(lines)} records it can list ({most} bytes)",
+            path=path,
+            hint="The index is damaged or belongs to another shard: convert or stage the pack again",
+        )
     try:
         table = np.array(raw.split(), dtype=np.int64).reshape(-1, 2)
     except (ValueError, OverflowError) as exc:
@@ -310,7 +323,7 @@ def parse_records(shard: str | os.PathLike, count: int, size: int, sha256_hex: s
     Raises:
         PackFormatError: the index is missing or malformed, does not tile the shard, or lists another record count.
     """
-    offsets, lengths = read_index(shard, size=size)
+    offsets, lengths = read_index(shard, size=size, count=count)
     if len(offsets) != count:
         raise PackFormatError(
             f"offsets index lists {len(offsets)} records, the manifest says {count}",

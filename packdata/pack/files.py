@@ -234,10 +234,14 @@ def open_pack_file(path: str | os.PathLike, *, shown: str | os.PathLike | None =
         raise PackFormatError(problem, path=shown if shown is not None else path, hint=hint) from exc
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
-    """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks)."""
+def read_regular(path: str | os.PathLike, most: int | None = None) -> bytes:
+    """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks).
+
+    With ``most``, at most ``most + 1`` bytes are read: more than ``most`` returned says the file is longer
+    (a side table whose size would allocate that much is never read whole).
+    """
     with os.fdopen(open_regular(path), "rb") as f:
-        return f.read()
+        return f.read() if most is None else f.read(max(most, 0) + 1)
 
 
 def map_int64(path: str | os.PathLike) -> np.ndarray | None:
