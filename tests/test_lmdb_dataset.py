@@ -322,6 +322,21 @@ def test_batched_reads_equal_single_reads(pack: Path) -> None:
     assert LMDBDataset(pack, decode="bytes").__getitems__(order) == [expected[i] for i in order]
 
 
+@pytest.mark.parametrize("indices", [[1.5], [0, 2.0], np.array([1.0, 2.0])])
+def test_a_batch_of_non_integer_indices_is_refused_as_a_single_read_refuses_it(pack: Path, indices: object) -> None:
+    """ds[1.5] raised a TypeError deep in the read ('memoryview: invalid slice key') while ds.__getitems__([1.5])
+    returned sample 1: numpy cut the float to an int. Both now refuse it alike; ints of numpy and torch and bools
+    index as they do in a list."""
+    ds = LMDBDataset(pack, decode="bytes")
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        ds[indices[-1]]
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        ds.__getitems__(indices)
+    order = [np.int64(3), torch.tensor(-1), True, np.uint64(2)]
+    assert ds.__getitems__(order) == [ds[i] for i in order] == [ds[3], ds[len(ds) - 1], ds[1], ds[2]]
+    assert ds.__getitems__(np.array([4, 1], dtype=np.uint32)) == [ds[4], ds[1]]
+
+
 def test_batched_reads_of_a_one_shard_pack_equal_single_reads(image_folder: Path, tmp_path: Path) -> None:
     convert(image_folder, tmp_path / "one.lmdb", progress=False)
     ds = LMDBDataset(tmp_path / "one.lmdb", decode="bytes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
@@ -147,8 +148,9 @@ class PackView:
         return f"sample {self.keys[index]!r} (index {index})" if index is not None else "a sample"
 
     def _sample_index(self, index: int) -> int:
-        """``index`` as a position in the pack (negative counts from the end), or IndexError."""
+        """``index`` as a position in the pack (negative counts from the end), or IndexError (TypeError: not an int)."""
         n = self.pack.manifest.num_samples
+        index = operator.index(index)  # 1.5 is no position (a float read as its int was another sample)
         if not -n <= index < n:
             raise IndexError(f"index {index} is out of range for a pack of {n} samples")
         return index % n
@@ -354,8 +356,10 @@ class LMDBDataset(PackView, Dataset):
         if min(indices) < -n or max(indices) >= n:
             bad = next(i for i in indices if not -n <= i < n)
             raise IndexError(f"index {bad} is out of range for a pack of {n} samples")
-        positions = np.asarray(indices, dtype=np.int64)
-        positions %= n
+        positions = np.asarray(indices)
+        if positions.dtype.kind not in "iu":  # as ds[i] says it: not an int (numpy would cut 1.5 to 1)
+            positions = np.asarray([self._sample_index(i) for i in indices], dtype=np.int64)
+        positions = positions.astype(np.int64) % n
         labels = self.pack.index.labels[positions].tolist()
         payloads = self._batch_payloads(positions)
         plain = self.decode is _BYTES and self.transform is None and self.target_transform is None
