@@ -607,6 +607,23 @@ def test_a_node_pointer_past_the_end_of_data_mdb_is_an_error_not_a_sigbus(tmp_pa
     assert re.search(r"PackFormatError: .*shard-00000\.lmdb.*packdata verify", done.stderr), done.stderr[-500:]
 
 
+def test_verify_reads_no_more_of_a_records_table_than_a_table_of_its_shard_holds(pack: Path) -> None:
+    """verify read a shard's whole records.i64 before comparing its size with a table of the shard's records:
+    a sparse file of 1 GB (no disk used) took 1 GB of memory to be called 'fits no table'."""
+    import tracemalloc
+
+    table = pack / "shard-00000.lmdb" / "records.i64"
+    os.truncate(table, 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PackFormatError, match=re.escape(str(table)) + r": records\.i64 is 1073741824 bytes, which"):
+            verify_pack(pack, progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
 def test_checking_labels_at_open_and_in_verify_takes_flat_memory(pack: Path) -> None:
     """An index claiming 2**23 samples (sparse files: a few KB on disk) is checked in chunks.
 

@@ -137,12 +137,14 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
     except FileNotFoundError:
         return
     with os.fdopen(fd, "rb") as f:
-        blob = f.read()
-    txnid, locations = record_locations(path)
+        txnid, locations = record_locations(path)
+        blob = f.read(24 * (len(locations) + 2) + 1)  # no table of these records is longer: a longer file is not read
+        stored = os.fstat(f.fileno()).st_size
     size = os.path.getsize(os.path.join(path, DATA_FILE))
     raw = np.frombuffer(blob[: len(blob) - len(blob) % 8], dtype="<i8")
     hint = "Convert the pack again (or delete the table: readers then walk the shard's pages)"
-    if raw.size == 3 * (len(locations) + 2):
+    whole = len(blob) == stored  # a longer file is not read whole: it fits no table
+    if whole and raw.size == 3 * (len(locations) + 2):
         found = _read_table(path, len(locations), txnid, size)
         if found is None:
             raise PackFormatError(
@@ -154,11 +156,11 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
         if prefix != sha256_prefix(sha256_hex):
             raise PackFormatError(f"{RECORDS_FILE} belongs to another shard (checksum differs)", path=table, hint=hint)
         bad = np.flatnonzero((rows != locations).any(axis=1))
-    elif raw.size == 2 * (len(locations) + 1) and tuple(raw[:2]) == (txnid, len(locations)):
+    elif whole and raw.size == 2 * (len(locations) + 1) and tuple(raw[:2]) == (txnid, len(locations)):
         bad = np.flatnonzero((raw[2:].reshape(-1, 2) != locations[:, :2]).any(axis=1))
     else:
         raise PackFormatError(
-            f"{RECORDS_FILE} is {raw.size * 8} bytes, which fits no table of {len(locations)} records",
+            f"{RECORDS_FILE} is {stored} bytes, which fits no table of {len(locations)} records",
             path=table,
             hint=hint,
         )
