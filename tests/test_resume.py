@@ -382,6 +382,25 @@ def test_a_loader_state_with_bad_num_workers_is_refused_at_load(packs: dict[str,
         TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6).load_state_dict(state)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("yielded", "3"), ("yielded", 3.9), ("yielded", None), ("yielded", True), ("worker", "0"), ("num_workers", 0)],
+)
+def test_a_reader_state_with_a_bad_count_or_worker_is_refused_at_load(
+    packs: dict[str, Path], field: str, value: object
+) -> None:
+    """A reader state's yielded of 3.9 or True resumed after 3 or 1 samples, "3" too, None raised a bare TypeError,
+    and a worker of "0" was refused at iteration as 'worker 0 of 1 ... loaded into worker 0 of 1'."""
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = {**ds.state_dict(), field: value}
+    fresh = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    with pytest.raises(ConfigError, match=rf"the reader state's {field} should be an integer from [01] on, but got"):
+        fresh.load_state_dict(state)
+
+
 @pytest.mark.parametrize("epoch", ["missing", None, -1, "1", 1.0, True])
 def test_a_reader_state_with_a_bad_epoch_is_refused_at_load(packs: dict[str, Path], epoch: object) -> None:
     """A missing or non-integer epoch was a bare KeyError or TypeError (or ValueError) from load_state_dict."""

@@ -286,7 +286,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         Raises:
             ConfigError: the state was saved with other options (seed, shuffle,
                 shuffle buffer, pack, rank, world size, drop_uneven), its epoch
-                is not an integer from 0 on, or a
+                is not an integer from 0 on, a :meth:`state_dict` state's
+                ``worker``, ``num_workers`` or ``yielded`` is not an integer, or a
                 :meth:`loader_state_dict` state's ``num_workers`` or
                 ``yielded_per_worker`` do not describe that many streams of
                 this epoch; the worker is checked when iteration starts.
@@ -306,9 +307,18 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 path=self.path,
                 hint="Pass the state state_dict or loader_state_dict returned, unchanged",
             )
-        self.epoch = int(epoch)
         if "yielded_per_worker" in state_dict:
             self._check_loader_state(state_dict)
+        else:  # one reader's: its place and count are numbers (a "0" or 5.9 was compared as given, or cut to 5)
+            for name, least in (("worker", 0), ("num_workers", 1), ("yielded", 0)):
+                value = state_dict.get(name)
+                if type(value) is not int or value < least:
+                    raise ConfigError(
+                        f"the reader state's {name} should be an integer from {least} on, but got {value!r}",
+                        path=self.path,
+                        hint="Pass the state state_dict returned, unchanged",
+                    )
+        self.epoch = int(epoch)
         self._resume = dict(state_dict)
         self._position = int(state_dict.get("yielded", 0))
 
