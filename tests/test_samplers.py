@@ -145,6 +145,26 @@ def test_resolve_rank_world(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BlockShuffleSampler(10).world_size == 3
 
 
+def test_a_world_of_several_ranks_without_this_ones_rank_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WORLD_SIZE without RANK, or world_size= without rank= (no process group), gave rank 0 on every process:
+    each rank then read the same slice, every sample of it once per rank and the others never."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank should be given for world_size=2, but got none"):
+        BlockShuffleSampler(10)
+    with pytest.raises(ValueError, match=r"rank should be given for world_size=2, but got none"):
+        TokenBucketSampler([5] * 10, max_tokens=20)
+    assert resolve_rank_world(1) == (1, 2)  # the rank given, the world from the environment
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"rank should be given for world_size=4, but got none"):
+        resolve_rank_world(None, 4)
+    assert resolve_rank_world(None, 1) == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE should be an integer, but got WORLD_SIZE='two'"):
+        resolve_rank_world()
+
+
 def test_with_lmdb_and_indexed_tfrecord_loaders(small_texts: Path, tmp_path: Path) -> None:
     convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
     convert(small_texts, tmp_path / "p.tf", format="tfrecord", shard_samples=9, progress=False)

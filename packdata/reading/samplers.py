@@ -37,26 +37,42 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
 
     Arguments win; else an initialised ``torch.distributed`` group; else the
     ``RANK`` and ``WORLD_SIZE`` environment variables (set by ``torchrun``);
-    else ``(0, 1)``.
+    else ``(0, 1)``. A world of several ranks needs this process's rank from
+    one of them: rank 0 on every process would read every sample once per rank.
 
     Raises:
-        ValueError: the values are out of range.
+        ValueError: the values are out of range, not integers, or the rank of a
+            world of several ranks is not known.
     """
     if rank is None or world_size is None:
-        found_rank, found_world = 0, 1
+        found_rank, found_world = None, 1
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             found_rank, found_world = dist.get_rank(), dist.get_world_size()
         elif "WORLD_SIZE" in os.environ:
-            found_rank, found_world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
-        rank = found_rank if rank is None else rank
+            found_world = _environment_int("WORLD_SIZE")
+            found_rank = _environment_int("RANK") if "RANK" in os.environ else None
         world_size = found_world if world_size is None else world_size
+        if rank is None and found_rank is None and world_size > 1:
+            raise ValueError(
+                f"rank should be given for world_size={world_size}, but got none: no rank= argument, no "
+                "initialised torch.distributed group and no RANK environment variable"
+            )
+        rank = (found_rank or 0) if rank is None else rank
     if world_size < 1:
         raise ValueError(f"world_size should be at least 1, but got world_size={world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank should be in [0, {world_size - 1}], but got rank={rank}")
     return rank, world_size
+
+
+def _environment_int(name: str) -> int:
+    """The integer environment variable ``name`` (``RANK``, ``WORLD_SIZE``), or ValueError naming it."""
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"{name} should be an integer, but got {name}={os.environ[name]!r}") from None
 
 
 def order_number(name: str, value: Any) -> int:
