@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.errors import ConfigError
+from packdata.reading.open import open_dataset
 from packdata.reading.text import PadCollate, TokenBucketSampler, pad_collate, sample_lengths
 
 
@@ -121,6 +122,35 @@ def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:
         assert lens.max() == padded.shape[1]
         seen.extend(lens.tolist())
     assert sorted(seen) == sorted(lengths.tolist())
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_size_changed_in_the_index_is_named_not_batched_on(tmp_path: Path, fmt: str) -> None:
+    """sizes.i64 (field_sizes.i64 in a multi-field pack) was used unchecked: a flipped bit made a sample 4 bytes
+    longer or shorter in its bucket, so batches broke the token budget, or a high bit blamed the sample as
+    longer than max_tokens. Both files have a SHA-256 in the manifest: checked when the lengths are taken."""
+    root = tmp_path / "texts"
+    (root / "a").mkdir(parents=True)
+    for i in range(8):
+        (root / "a" / f"{i}.txt").write_text("x" * (10 + i))
+    packdata.convert(root, tmp_path / "t", format=fmt, progress=False)
+    sizes = tmp_path / "t" / "index" / "sizes.i64"
+    raw = bytearray(sizes.read_bytes())
+    raw[8 * 3] ^= 0x04  # sample 3: 13 bytes read as 9
+    sizes.write_bytes(bytes(raw))
+    with pytest.raises(
+        packdata.PackFormatError, match=r"index/sizes\.i64: sample index file sizes\.i64 does not match"
+    ):
+        TokenBucketSampler(open_dataset(tmp_path / "t", decode="bytes"), 100)
+    with packdata.PackWriter(tmp_path / "f", format=fmt) as w:
+        for i in range(4):
+            w.write({"__key__": f"{i}", "txt": "y" * (10 + i)})
+    pairs = tmp_path / "f" / "index" / "field_sizes.i64"
+    raw = bytearray(pairs.read_bytes())
+    raw[16 * 2 + 8] ^= 0x04  # sample 2's txt: 12 bytes read as 8
+    pairs.write_bytes(bytes(raw))
+    with pytest.raises(packdata.PackFormatError, match=r"sample index file field_sizes\.i64 does not match"):
+        sample_lengths(open_dataset(tmp_path / "f"), "txt")
 
 
 def test_sample_lengths_rejects_other_objects() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import PackFormatError
+from packdata.pack.files import file_sha256
 from packdata.pack.index import (
     LABELS_FILE,
     SampleIndex,
@@ -138,6 +139,25 @@ class PackInfo:
                 path=path,
                 hint="The sample index is damaged or does not belong to this manifest: convert the pack again",
             )
+
+    def check_index_file(self, name: str) -> None:
+        """Raise unless index file ``name`` (``sizes.i64``, ``field_sizes.i64``, ...) matches its manifest SHA-256.
+
+        One pass over the file, for what reads it whole (a sampler's sample
+        sizes): a flipped bit would otherwise read as another size. A pack
+        written before the manifest recorded index digests is not checked.
+
+        Raises:
+            PackFormatError: naming the file.
+        """
+        expected = self.manifest.index_sha256.get(name)
+        path = self.path / self.manifest.index_dir / name
+        try:
+            matches = expected is None or file_sha256(path) == expected
+        except OSError as exc:
+            raise PackFormatError(f"sample index file {name} is unreadable: {exc.strerror}", path=path) from exc
+        if not matches:
+            raise damaged_index_file(path, hint="The sample index is damaged: run `packdata verify` on the pack")
 
     @property
     def index(self) -> SampleIndex:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
+from packdata.pack.index import FIELD_FILES, SIZES_FILE
 from packdata.reading.samplers import order_number, resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
@@ -42,17 +43,22 @@ def sample_lengths(dataset: Any, field: str | None = None) -> np.ndarray:
     Raises:
         TypeError: ``dataset`` has no stored lengths.
         ConfigError: a multi-field pack without ``field``, or a field it lacks.
+        PackFormatError: the index file of the sizes does not match its SHA-256 in the manifest.
     """
     pack = getattr(dataset, "pack", None)
     if pack is not None and hasattr(pack, "index"):
+        check = getattr(pack, "check_index_file", lambda name: None)  # a size with a flipped bit is named, not used
         names = getattr(pack.index, "field_names", [])
         if not names and field is None:
+            check(SIZES_FILE)
             return np.asarray(pack.index.sizes, dtype=np.int64)
         if field is None or field not in names:
             raise ConfigError(
                 f"field should name the field to measure, one of {', '.join(names) or 'none'}, but got field={field!r}",
                 hint="Multi-field packs store each field's size: name the text field, e.g. field='txt'",
             )
+        for name in FIELD_FILES:
+            check(name)
         return np.maximum(pack.index.field_sizes(field), 0)
     if isinstance(dataset, (np.ndarray, Sequence, torch.Tensor)):
         return np.asarray(dataset, dtype=np.int64)
@@ -97,6 +103,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         drop_last: with several ranks, drop the batches that do not divide evenly.
 
     Raises:
+        PackFormatError: the pack's index of sizes is damaged (see :func:`sample_lengths`).
         ConfigError: a sample is longer than ``max_tokens`` and ``oversize="error"``;
             on iteration, ``drop_last=True`` leaves an epoch no batch.
     """
