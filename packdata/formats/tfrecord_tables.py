@@ -22,6 +22,7 @@ source of truth. Version 1 (pairs: a header ``(count, SHA-256 prefix)``, then
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections.abc import Iterator
@@ -91,7 +92,7 @@ def read_payload_table(
     inside its record's data (checked once, here).
     """
     try:
-        raw = read_regular(payload_path(shard), most=_PAIR.size * (count + 1))  # a longer file is not read whole
+        raw = read_regular(payload_path(shard), _PAIR.size * (count + 1), follow_symlinks=False)  # no more is read
     except OSError:
         return None
     if len(raw) != _PAIR.size * (count + 1) or not sha256_hex or len(sha256_hex) < 16:
@@ -129,12 +130,13 @@ def read_index(
     lines = [n for n in (count, None if size is None else size // 16) if n is not None]  # a record is 16 bytes on
     most = _INDEX_LINE * (min(lines) + 1) if lines else None
     try:
-        raw = read_regular(path, most)
+        raw = read_regular(path, most, follow_symlinks=False)  # a link could lead out of the pack: never followed
     except OSError as exc:
         if too_many_open_files(exc):
             raise out_of_files_error(path) from exc
+        why = "it is a symlink, not a regular file of the pack" if exc.errno == errno.ELOOP else exc.strerror or exc
         raise PackFormatError(
-            f"cannot read the shard's offsets index: {exc.strerror or exc}",
+            f"cannot read the shard's offsets index: {why}",
             path=path,
             hint="Convert or stage the pack again",
         ) from exc
@@ -252,7 +254,7 @@ def _bound(head: bytes, count: int, size: int, sha256_hex: str) -> bool:
 
 def has_record_table(shard: str | os.PathLike, count: int, size: int, sha256_hex: str) -> bool:
     """Whether the shard has a record table whose header and size fit it (:func:`map_record_table` checks rows)."""
-    raw = map_int64(payload_path(shard))
+    raw = map_int64(payload_path(shard), follow_symlinks=False)
     return raw is not None and raw.size == 3 * (count + 2) and _bound(raw[:6].tobytes(), count, size, sha256_hex)
 
 
@@ -262,7 +264,7 @@ def record_offsets(shard: str | os.PathLike, size: int) -> np.ndarray | None:
     Only the header is checked (version, size, row count): for read-ahead
     hints, which never decide what is read. Readers use :func:`map_record_table`.
     """
-    raw = map_int64(payload_path(shard))
+    raw = map_int64(payload_path(shard), follow_symlinks=False)
     if raw is None or raw.size < 6 or raw.size % 3:
         return None
     if (int(raw[0]), int(raw[1]), int(raw[3])) != (_TABLE_MAGIC, _TABLE_VERSION, size):
@@ -280,7 +282,9 @@ def map_record_table(
         count, size, sha256_hex: the shard's record count, byte size and SHA-256 (the manifest's).
         payloads: also check and return payload spans (None where rows hold none).
     """
-    raw = map_int64(payload_path(shard))  # mapped, not read: every worker shares the page cache's copy
+    raw = map_int64(
+        payload_path(shard), follow_symlinks=False
+    )  # mapped, not read: every worker shares the page cache's copy
     if raw is None or raw.size != 3 * (count + 2) or not _bound(raw[:6].tobytes(), count, size, sha256_hex):
         return None
     rows = raw[6:].reshape(-1, 3)

@@ -234,28 +234,29 @@ def open_pack_file(path: str | os.PathLike, *, shown: str | os.PathLike | None =
         raise PackFormatError(problem, path=shown if shown is not None else path, hint=hint) from exc
 
 
-def read_regular(path: str | os.PathLike, most: int | None = None) -> bytes:
+def read_regular(path: str | os.PathLike, most: int | None = None, *, follow_symlinks: bool = True) -> bytes:
     """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks).
 
     With ``most``, at most ``most + 1`` bytes are read: more than ``most`` returned says the file is longer
-    (a side table whose size would allocate that much is never read whole).
+    (a side table whose size would allocate that much is never read whole). ``follow_symlinks=False``
+    refuses a symlink (``ELOOP``): a pack's side file that could lead out of the pack.
     """
-    with os.fdopen(open_regular(path), "rb") as f:
+    with os.fdopen(open_regular(path, follow_symlinks=follow_symlinks), "rb") as f:
         return f.read() if most is None else f.read(max(most, 0) + 1)
 
 
-def map_int64(path: str | os.PathLike) -> np.ndarray | None:
+def map_int64(path: str | os.PathLike, *, follow_symlinks: bool = True) -> np.ndarray | None:
     """A read-only memory map of the regular file at ``path`` as little-endian int64s (a side table).
 
     Every process mapping it shares the page cache's copy. None when it is
-    missing, not a regular file (never blocks on a FIFO), empty, or not a
-    whole number of int64s.
+    missing, not a regular file (never blocks on a FIFO), empty, not a
+    whole number of int64s, or (``follow_symlinks=False``) a symlink.
 
     Raises:
         CapacityError: out of file descriptors (a table is not absent for that).
     """
     try:
-        fd = open_regular(path)
+        fd = open_regular(path, follow_symlinks=follow_symlinks)
     except OSError as exc:
         if too_many_open_files(exc):
             raise out_of_files_error(path) from exc

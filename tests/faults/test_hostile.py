@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -158,6 +159,41 @@ def test_stage_refuses_a_symlinked_tfrecord_side_file(templates: dict[str, Path]
     result = _cli("stage", str(pack), "--to", str(tmp_path / "fast"), "-q")
     _one_error_line(result, link.name, "not a regular file")
     assert snapshot(pack.parent) == around
+
+
+@pytest.mark.parametrize("side", [".tfindex", ".tfpayload"])
+def test_readers_never_follow_a_tfrecord_side_file_out_of_the_pack(
+    templates: dict[str, Path], tmp_path: Path, side: str
+) -> None:
+    """A shard's .tfindex or .tfpayload is a file beside it, outside what the manifest names: the readers and
+    verify followed a symlink in its place out of the pack, and a .tfindex's target was quoted in the error
+    ('invalid literal for int() with base 10: b'do'', the first word of the victim file). A .tfindex link is
+    refused by name; a .tfpayload link is no table (the .tfindex is read instead), and verify names it."""
+    pack = _pack(templates, tmp_path, "tfrecord")
+    shard = pack / read_manifest(pack).shards[0].file
+    clean = [TFRecordIndexedDataset(pack, decode="bytes")[i] for i in range(6)]
+    link = shard.with_suffix(side)
+    secret = pack.parent / "victim" / "secret.txt"
+    if side == ".tfpayload":  # a table the shard's own would be, kept outside the pack
+        secret.write_bytes(link.read_bytes())
+    else:  # without its record table (a pack of another tool) the shard's records come from its .tfindex
+        shard.with_suffix(".tfpayload").unlink()
+    link.unlink()
+    link.symlink_to(os.path.relpath(secret, pack))
+    with opens_of(secret) as opens:
+        if side == ".tfindex":
+            for read in (
+                lambda: TFRecordIndexedDataset(pack, decode="bytes"),
+                lambda: list(TFRecordDataset(pack, decode="bytes")),
+            ):
+                with pytest.raises(PackdataError, match=re.escape(str(link)) + ".*is a symlink") as caught:
+                    read()
+                assert "do not touch" not in str(caught.value) and "b'do'" not in str(caught.value)
+        else:
+            assert [TFRecordIndexedDataset(pack, decode="bytes")[i] for i in range(6)] == clean
+            assert sorted(TFRecordDataset(pack, decode="bytes", shuffle=False)) == sorted(clean)
+        _one_error_line(_cli("verify", "-q", str(pack)), link.name)
+        assert opens() == 0
 
 
 # --------------------------------------------------------------------------- staging copies only the pack's files
