@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -76,6 +77,24 @@ def test_a_negative_seed_or_epoch_is_refused_when_given_not_at_iteration(tmp_pat
         TFRecordDataset(tmp_path / "p.tf", seed=-1)
     with pytest.raises(ValueError, match=r"epoch should be an integer from 0 on, but got epoch=-1"):
         TFRecordDataset(tmp_path / "p.tf").set_epoch(-1)
+
+
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"block_size": 2.5}, "block_size and window should be integers of at least 1, but got block_size=2.5"),
+        ({"window": 1.5}, "block_size and window should be integers of at least 1, but got block_size=128, window=1.5"),
+        ({"block_size": True}, "block_size and window should be integers of at least 1, but got block_size=True"),
+        ({"dataset_or_length": 10.0}, "the number of samples should be an integer from 1 on, but got 10.0"),
+        ({"dataset_or_length": -3}, "the number of samples should be an integer from 1 on, but got -3"),
+    ],
+)
+def test_options_that_are_not_integers_are_refused_when_given(options: dict, problem: str) -> None:
+    """A block_size of 2.5 or a window of 1.5 was taken, and the first iteration failed in numpy ('Cannot cast
+    array data from dtype('float64')'); a length of 10.0 was 'object of type float has no len()'."""
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        BlockShuffleSampler(**{"dataset_or_length": 10, **options})
+    assert sorted(BlockShuffleSampler(np.int64(10))) == list(range(10))  # numpy's integers are lengths too
 
 
 def test_a_block_larger_than_the_pack_is_one_block() -> None:

@@ -230,7 +230,9 @@ class BlockShuffleSampler(Sampler[int]):
         drop_last: bool = False,
         read_ahead: bool = True,
     ) -> None:
-        n = dataset_or_length if isinstance(dataset_or_length, int) else len(dataset_or_length)
+        if isinstance(dataset_or_length, numbers.Number) and not _natural(dataset_or_length):
+            raise ValueError(f"the number of samples should be an integer from 1 on, but got {dataset_or_length!r}")
+        n = int(dataset_or_length) if _natural(dataset_or_length) else len(dataset_or_length)  # type: ignore[arg-type]
         pack = getattr(dataset_or_length, "pack", None) if read_ahead else None
         self._pack: tuple[Path, Manifest] | None = None
         if isinstance(getattr(pack, "manifest", None), Manifest):
@@ -238,13 +240,14 @@ class BlockShuffleSampler(Sampler[int]):
         self._read_ahead: ReadAhead | None = None
         if n < 1:
             raise ValueError(f"the dataset should hold at least one sample, but got length={n}")
-        if block_size < 1 or window < 1:
+        if not (_natural(block_size) and _natural(window)) or block_size < 1 or window < 1:  # else numpy fails later
             raise ValueError(
-                f"block_size and window should be at least 1, but got block_size={block_size}, window={window}"
+                f"block_size and window should be integers of at least 1, but got block_size={block_size!r}, "
+                f"window={window!r}"
             )
         self.num_samples_total = n
-        self.block_size = block_size
-        self.window = window
+        self.block_size = int(block_size)
+        self.window = int(window)
         self.seed = order_number("seed", seed)
         self.shuffle = shuffle
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
