@@ -7,6 +7,7 @@ import re
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -492,6 +493,40 @@ def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, 
     _make_cold(tmp_path / "p.lmdb")  # the hints brought the pages in
     assert len(list(sampler)) == 40
     assert settled(first + 1) > first and hint_threads() == 0  # and it started again when needed
+
+
+def _iterate_in_child(sampler: BlockShuffleSampler, out: Any) -> None:
+    """A forked child's epoch of ``sampler``: what its read-ahead did (hints given, windows left queued)."""
+    assert len(list(sampler)) == 40
+    hints = sampler._read_ahead
+    assert hints is not None
+    hints.close()  # its thread ends once every queued window is hinted
+    out.put((hints.advised_bytes, hints._queue.qsize()))
+
+
+def test_a_sampler_iterated_in_a_forked_child_hints_there(small_texts: Path, tmp_path: Path) -> None:
+    """The read-ahead's thread, lock and files were the parent's after a fork: the child queued every window
+    for a thread that does not run there (no hint given, the queue growing each epoch), and a lock the parent's
+    thread held at the fork blocked the child's first hint forever. The child now starts afresh."""
+    import multiprocessing
+
+    convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
+    sampler = BlockShuffleSampler(LMDBDataset(tmp_path / "p.lmdb"), block_size=4, window=2)
+    next(iter(sampler))  # the parent's hint thread runs
+    hints = sampler._read_ahead
+    assert hints is not None and hints._thread is not None
+    _make_cold(tmp_path / "p.lmdb")  # a warm shard gets no hints
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_iterate_in_child, args=(sampler, out))
+    with hints._lock:  # as the parent's thread holds it for a moment whenever it starts or ends
+        child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    advised, left = out.get(timeout=5)
+    assert advised > 0 and left == 0
 
 
 def test_the_first_block_is_asked_for_alone_before_its_window(small_texts: Path, tmp_path: Path, monkeypatch) -> None:

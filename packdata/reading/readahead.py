@@ -73,6 +73,7 @@ class ReadAhead:
         self._spans: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self._fds: dict[int, int] = {}
         self._residency: dict[int, tuple[bool, float]] = {}  # shard: (warm, time.monotonic() it expires at)
+        self._pid = os.getpid()
         self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # whether the thread runs is decided under it
@@ -87,6 +88,8 @@ class ReadAhead:
         """
         if len(indices) == 0:
             return
+        if self._pid != os.getpid():
+            self._forked()
         indices = np.asarray(indices, dtype=np.int64)
         now, known = time.monotonic(), self._residency
         shards = np.unique(np.searchsorted(self._first, indices, side="right") - 1).tolist()
@@ -98,8 +101,21 @@ class ReadAhead:
                 self._thread = threading.Thread(target=self._run, name="packdata-sampler-hints", daemon=True)
                 self._thread.start()
 
+    def _forked(self) -> None:
+        """Start afresh in a forked child: the parent's thread does not run here, and may have held the lock.
+
+        Its files (this process's copies of the parent's descriptors) are closed; its queue and lock are new.
+        """
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds, self._spans, self._residency = {}, {}, {}
+        self._queue, self._thread, self._lock = queue.SimpleQueue(), None, threading.Lock()
+        self._pid = os.getpid()
+
     def close(self) -> None:
         """Stop the thread and close the files (hints already given stay with the kernel)."""
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             thread = self._thread
             if thread is not None:
