@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,22 @@ def test_token_buckets_reject_or_isolate_oversize_samples() -> None:
     batches = list(sampler)
     assert [3] in batches
     assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"length_scale": float("nan")}, "length_scale should be a positive finite number, but got length_scale=nan"),
+        ({"length_scale": float("inf")}, "length_scale should be a positive finite number, but got length_scale=inf"),
+        ({"max_samples": 0}, "max_samples should be at least 1 or None, but got max_samples=0"),
+        ({"max_samples": -1}, "max_samples should be at least 1 or None, but got max_samples=-1"),
+    ],
+)
+def test_token_buckets_refuse_a_scale_or_cap_that_would_break_the_budget(options: dict, problem: str) -> None:
+    """A length_scale of NaN or inf made every length -2**63, so all 10 samples of 5 bytes came as one batch
+    under a budget of 20; max_samples=0 meant no cap, -1 a cap of one sample."""
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        TokenBucketSampler([5] * 10, 20, **options)
 
 
 def test_token_buckets_split_evenly_across_ranks(lengths) -> None:

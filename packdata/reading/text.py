@@ -126,8 +126,10 @@ class TokenBucketSampler(Sampler[list[int]]):
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens should be at least 1, but got max_tokens={max_tokens}")
-        if length_scale <= 0:
-            raise ValueError(f"length_scale should be positive, but got length_scale={length_scale}")
+        if not 0 < length_scale < math.inf:  # NaN or inf made every length -2**63: one batch of everything
+            raise ValueError(f"length_scale should be a positive finite number, but got length_scale={length_scale}")
+        if max_samples is not None and max_samples < 1:  # 0 was no cap at all, -1 a cap of one
+            raise ValueError(f"max_samples should be at least 1 or None, but got max_samples={max_samples}")
         if bucket_size < 1:
             raise ValueError(f"bucket_size should be at least 1, but got bucket_size={bucket_size}")
         if oversize not in ("error", "alone"):
