@@ -401,6 +401,15 @@ def test_a_reader_state_with_a_bad_count_or_worker_is_refused_at_load(
         fresh.load_state_dict(state)
 
 
+@pytest.mark.parametrize("counts", [(3, 0, 2), (-1, BATCH, 2), (3, BATCH, -2)])
+def test_a_loader_state_of_impossible_counts_is_refused(packs: dict[str, Path], counts: tuple[int, int, int]) -> None:
+    """loader_state_dict(3, batch_size=0) raised a bare ZeroDivisionError; -1 batches read as none, -2 workers as 1."""
+    batches, batch_size, workers = counts
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6)
+    with pytest.raises(ValueError, match=r"batches, batch_size and num_workers should be counts .*, but got batches="):
+        ds.loader_state_dict(batches, batch_size=batch_size, num_workers=workers)
+
+
 @pytest.mark.parametrize("epoch", ["missing", None, -1, "1", 1.0, True])
 def test_a_reader_state_with_a_bad_epoch_is_refused_at_load(packs: dict[str, Path], epoch: object) -> None:
     """A missing or non-integer epoch was a bare KeyError or TypeError (or ValueError) from load_state_dict."""

@@ -365,6 +365,11 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         batches interleave differently (a new ``DataLoader`` starts its
         round-robin at worker 0), which ``StatefulDataLoader`` avoids.
         """
+        if batch_size < 1 or batches < 0 or num_workers < 0:  # a batch size of 0 was a ZeroDivisionError
+            raise ValueError(
+                f"batches, batch_size and num_workers should be counts (batch_size at least 1), but got "
+                f"batches={batches}, batch_size={batch_size}, num_workers={num_workers}"
+            )
         streams = max(num_workers, 1)
         lengths = [sum(end - first for _, first, end in self.reader_segments(w, streams)) for w in range(streams)]
         left = [-(-length // batch_size) for length in lengths]
