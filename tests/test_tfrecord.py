@@ -258,6 +258,35 @@ def test_exactly_once_per_epoch(
             assert sum(counts.values()) - 30 == world * len(ranks[0]) - 30  # only padding repeats
 
 
+def test_a_pack_of_no_samples_is_named_as_such_not_as_drop_uneven(tf_texts: Path, tmp_path: Path) -> None:
+    """A manifest of 0 samples (one empty shard, an empty index: packdata writes none) was refused as
+    'drop_uneven=True leaves no samples ... Pass drop_uneven=False' with drop_uneven=False already."""
+    import hashlib
+
+    from faults.hostile import rewrite_manifest
+
+    pack = _text_pack(tf_texts, tmp_path, 100)
+    shard = pack / read_manifest(pack).shards[0].file
+    shard.write_bytes(b"")
+    index_path(shard).write_bytes(b"")
+    payload_path(shard).unlink()
+    for name in ("labels.i32", "sizes.i64", "keys.utf8"):
+        (pack / "index" / name).write_bytes(b"")
+    (pack / "index" / "key_offsets.i64").write_bytes(bytes(8))
+
+    def empty(d: dict) -> None:
+        d["num_samples"] = d["source"]["files_found"] = 0
+        d["shards"][0].update(num_samples=0, bytes=0, sha256=hashlib.sha256(b"").hexdigest())
+        d["index"]["sha256"] = {
+            n: hashlib.sha256((pack / "index" / n).read_bytes()).hexdigest() for n in d["index"]["sha256"]
+        }
+
+    rewrite_manifest(pack, empty)
+    assert len(TFRecordIndexedDataset(pack)) == 0
+    with pytest.raises(PackFormatError, match=re.escape(str(pack)) + ": pack holds no samples"):
+        TFRecordDataset(pack, drop_uneven=False)
+
+
 def test_drop_uneven_leaving_no_samples_is_an_option_error_not_a_damaged_pack(tf_texts: Path, tmp_path: Path) -> None:
     """It was a PackFormatError (a damaged pack) for 30 samples over world_size=31: the options are what is wrong."""
     import packdata

@@ -214,6 +214,12 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         n = self.pack.manifest.num_samples
+        if n == 0:  # packdata writes no empty pack: nothing to pad from, whatever the options
+            raise PackFormatError(
+                "pack holds no samples: an epoch would be empty",
+                path=self.path,
+                hint="Convert a source that holds samples",
+            )
         if per_rank_count(n, self.world_size, drop_uneven) == 0:  # the options, not the pack, are wrong
             raise ConfigError(
                 f"drop_uneven=True leaves no samples: {n} samples over world_size={self.world_size}",
