@@ -398,6 +398,9 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     ):
         raise _field_error(where, "staged_from", "should be an absolute path or null", staged_from)
     classes = _strings(where, "classes", data["classes"])
+    if len(set(classes)) != len(classes):  # class_to_idx would give one of two labels for a name: samples mislabelled
+        twice = next(c for i, c in enumerate(classes) if c in classes[:i])
+        raise _field_error(where, "classes", f"should name each class once ({twice!r} is there twice)", classes)
     fields = _strings(where, "fields", data.get("fields", []))
     codecs = data.get("codecs", {})
     if not isinstance(codecs, dict) or not all(

@@ -220,6 +220,10 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
     "not-utf8": (lambda p, f: (p / "manifest.json").write_bytes(b'{"format": "\xff"}'), "not valid JSON"),
     "classes-string": (_edit(lambda d: d.__setitem__("classes", "cat")), "'classes'"),
     "classes-ints": (_edit(lambda d: d.__setitem__("classes", [1, 2])), "'classes'"),
+    "classes-duplicate": (  # was read: class_to_idx gave 'cat' label 1 while samples of label 0 were 'cat' too
+        _edit(lambda d: d.__setitem__("classes", ["cat", "cat"])),
+        "'classes' should name each class once ('cat' is there twice), but got",
+    ),
     "index-list": (_edit(lambda d: d.__setitem__("index", ["index"])), "'index'"),
     "index-sha256-list": (_edit(lambda d: d["index"].__setitem__("sha256", ["x"])), "'index.sha256'"),
     "index-sha256-unknown-file": (
