@@ -309,6 +309,26 @@ def test_a_sparse_gigabyte_table_or_index_is_not_read_into_memory(tmp_path: Path
         TFRecordIndexedDataset(pack, decode="bytes")
 
 
+def test_verify_reads_no_more_of_a_sparse_gigabyte_index_than_its_shard_could_list(tmp_path: Path) -> None:
+    """verify walked each shard after reading its whole .tfindex (and again for the .tfpayload check), so a
+    sparse 1 GB index (no disk used) took 2.3 GB of memory; it is read only as far as the shard's records
+    (16 bytes each at least) could fill it, and named."""
+    import tracemalloc
+
+    pack = _pack(tmp_path, 24)
+    shard, _ = _shard0(pack)
+    index = shard.with_name(shard.name.replace(".tfrecord", ".tfindex"))
+    os.truncate(index, 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PackFormatError, match=re.escape(str(index)) + ": offsets index is longer than"):
+            verify_pack(pack, progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
 @pytest.mark.parametrize(
     "row", ["offset negative", "offset past the shard", "span past the record", "span length negative"]
 )

@@ -124,7 +124,11 @@ def iter_shard_samples(path: str | os.PathLike, first_index: int) -> Iterator[tu
         PackFormatError: naming the shard and the byte offset of the first bad record.
     """
     path = os.fspath(path)
-    offsets, lengths = read_index(path)
+    try:
+        most = os.stat(path).st_size // 16  # a record takes 16 bytes at least: the index lists no more
+    except OSError:
+        most = None  # the open below names what is wrong
+    offsets, lengths = read_index(path, count=most)
     try:
         fd = open_regular(path)  # a FIFO in its place would block the read, a device node act when opened
     except OSError as exc:
@@ -345,7 +349,7 @@ def check_payload_table(shard: str | os.PathLike, count: int, sha256_hex: str, s
         PackFormatError: the table is stale, foreign, or points anywhere but at a record or its payload.
     """
     path = payload_path(shard)
-    offsets, lengths = read_index(shard)
+    offsets, lengths = read_index(shard, count=count)
     table = _table_spans(shard, (count, size, sha256_hex), offsets, lengths, os.fspath(path))
     if table is None:
         return

@@ -120,8 +120,9 @@ def read_index(
     Given the shard's byte ``size``, the records must also tile the file exactly:
     the first at 0, each starting where the previous ends, each at least 16
     bytes, the last ending at ``size`` (checked once, in numpy). ``size`` and
-    ``count`` (the records the manifest lists) also bound how much of the index
-    is read: an index longer than the lines of that many records is refused unread.
+    ``count`` (the most records the index may list: the manifest's count) also bound
+    how much of the index is read: an index longer than the lines of that many
+    records is refused unread.
 
     Raises:
         PackFormatError: the index is missing, malformed or too long, or does not fit a shard of ``size`` bytes.
