@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
 import shutil
 import signal
@@ -371,6 +372,17 @@ def test_a_table_less_shard_names_a_payload_damaged_after_its_headers_matched(pa
     with pytest.raises(PackFormatError, match=damaged):
         ds.__getitems__([4, 5, 6])
     assert len(ds[4][0]) and len(ds.__getitems__([6, 4])) == 2
+
+
+def test_a_shard_that_shrinks_after_its_meta_page_was_read_is_named(pack: Path) -> None:
+    """Truncated between the meta read and the map, the page map raised mmap's bare ValueError."""
+    from packdata.formats.lmdb_pages import _map_pages
+
+    data = pack / "shard-00000.lmdb" / "data.mdb"
+    meta = read_lmdb_meta(data)
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(PackFormatError, match=r"data\.mdb: .*shrank below the \d+ bytes in use while read"):
+        _map_pages(str(data), meta)
 
 
 def test_value_locations_find_the_values_lmdbs_cursor_returns(tmp_path: Path) -> None:

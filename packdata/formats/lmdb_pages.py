@@ -203,6 +203,8 @@ def _map_pages(path: str, meta: LMDBMeta) -> np.ndarray:
         if out_of_maps(exc):
             raise out_of_maps_error(path) from exc
         raise _refuse(path, f"cannot be mapped: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # "mmap length is greater than file size": it shrank since its meta page was read
+        raise _refuse(path, f"shrank below the {meta.file_pages * meta.page_size} bytes in use while read") from exc
     finally:
         os.close(fd)
     return np.frombuffer(buffer, dtype=np.uint8)
