@@ -103,6 +103,17 @@ def test_default_decoders_fields_tuple_and_transforms(tmp_path: Path) -> None:
         packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("jpeg",))
 
 
+def test_a_transform_of_the_key_applies_and_a_decoder_for_it_is_refused(tmp_path: Path) -> None:
+    """transforms={'__key__': f} and decode={'__key__' or 'cls': ...} were taken and never used: the key came
+    back untransformed, silently. Now the key's transform applies; a decoder for either is refused."""
+    packdata.convert(_grouped(tmp_path / "src"), tmp_path / "out.lmdb", progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("__key__",), transforms={"__key__": str.upper})
+    assert ds[ds.keys.index("café")][0] == "CAFÉ"
+    for name in ("__key__", "cls"):
+        with pytest.raises(ConfigError, match=f"decode names '{name}', which is not stored encoded"):
+            packdata.LMDBDataset(tmp_path / "out.lmdb", decode={name: "bytes"})
+
+
 def test_index_holds_per_field_sizes(tmp_path: Path) -> None:
     packdata.convert(_grouped(tmp_path / "src"), tmp_path / "out.lmdb", progress=False)
     ds = packdata.LMDBDataset(tmp_path / "out.lmdb")

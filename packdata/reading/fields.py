@@ -57,6 +57,12 @@ class FieldSpec:
                     f"the pack has no field {name!r}; its fields are {', '.join(sorted(known))}",
                     hint="Name one of them (see `packdata info` or `packdata ls`)",
                 )
+        for name in (KEY_FIELD, LABEL_FIELD):
+            if isinstance(decode, Mapping) and name in decode:  # it was taken, and never used
+                raise ConfigError(
+                    f"decode names {name!r}, which is not stored encoded: {KEY_FIELD} is a str, {LABEL_FIELD} an int",
+                    hint=f"Transform it instead: transforms={{{name!r}: f}}",
+                )
         stored = [n for n in manifest.fields if self.fields is None or n in self.fields]
         self.stored = None if self.fields is None else tuple(stored)  # None: read every stored field
         self.decoders: dict[str, DecodeFn] = {}
@@ -84,7 +90,7 @@ class FieldSpec:
             PackFormatError: the sample holds a field the manifest does not list.
             ImageFormatError, DecodeError: a field cannot be decoded (naming the sample and field).
         """
-        sample: dict[str, Any] = {KEY_FIELD: key}
+        sample: dict[str, Any] = {KEY_FIELD: self.transforms[KEY_FIELD](key) if KEY_FIELD in self.transforms else key}
         which = f"sample {key!r}" + (f" (index {index})" if index is not None else "")
         for name, data in stored.items():
             decode = self.decoders.get(name)
