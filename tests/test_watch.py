@@ -9,9 +9,10 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
+import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader, Dataset
 
@@ -71,6 +72,16 @@ class _Burning(_Instant):
         while time.process_time() < end:
             pass
         return i
+
+
+@pytest.mark.parametrize("collate", [None, list])
+def test_samples_are_counted_whatever_the_collate(collate: Any) -> None:
+    """A batch left a list of (sample, label) pairs (collate_fn=list) was counted by its first pair: 2
+    samples a batch of 4, so every rate the monitor reported was half of the truth (32x at batch 64)."""
+    pairs = [(torch.zeros(3), i) for i in range(16)]
+    watched = packdata.monitor(DataLoader(pairs, batch_size=4, collate_fn=collate), every="60s", stream=io.StringIO())
+    assert sum(1 for _ in watched) == 4
+    assert watched.summaries[0].samples == 16
 
 
 def test_a_slow_step_is_compute_bound(tmp_path: Path) -> None:

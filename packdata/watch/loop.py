@@ -44,6 +44,9 @@ def _seconds(every: float | str) -> float:
 
 
 def _batch_len(batch: Any) -> int:
+    """Samples in ``batch``: a list of samples (``collate_fn=list``), or the first column of a collated one."""
+    if isinstance(batch, list) and batch and isinstance(batch[0], tuple):  # (sample, label) pairs, not collated
+        return len(batch)  # (the default collate gives a list of columns: tensors, lists, never tuples)
     if isinstance(batch, (tuple, list)) and batch:
         batch = batch[0]
     if isinstance(batch, dict) and batch:
