@@ -260,7 +260,10 @@ class LMDBDataset(PackView, Dataset):
 
     def raw(self, index: int) -> tuple[bytes, int]:
         """The stored bytes and label of sample ``index``, undecoded."""
-        index = self._sample_index(index)
+        return self._raw_at(self._sample_index(index))
+
+    def _raw_at(self, index: int) -> tuple[bytes, int]:
+        """:meth:`raw` of a position already checked (``0 <= index < len(self)``)."""
         shard = bisect.bisect_right(self._first, index) - 1
         reader: LMDBShardReader = self._readers[shard]
         local = index - self._first[shard]
@@ -341,7 +344,10 @@ class LMDBDataset(PackView, Dataset):
     def __getitem__(self, index: int) -> Any:
         if self.field_spec is not None:
             return self._sample(index)
-        return self._finish(*self.raw(index), index=self._sample_index(index))
+        position = self._sample_index(index)
+        if self.decode is _BYTES and self.transform is None and self.target_transform is None:
+            return self._raw_at(position)  # returned as stored: no decode or transform layers
+        return self._finish(*self._raw_at(position), index=position)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A whole batch in one call (``DataLoader`` uses it): records read in pack order, labels looked up once.
