@@ -977,20 +977,33 @@ def test_unmount_removes_the_folders_above_the_mount_point_that_stage_made(
 
 @pytest.mark.root
 @needs_root
-def test_a_refused_or_failed_tmpfs_mount_leaves_no_folder_it_made(tmp_path: Path) -> None:
-    """A refused size or a failed mount left the mount point's parents (and a failed mount the mount point)."""
-    point = tmp_path / "new" / "deeper" / "area"
+def test_a_refused_or_failed_tmpfs_mount_leaves_no_folder_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused size or a failed mount left the mount point's parents (and a failed mount the mount point).
+
+    The mount fails for real: a `mount` first on PATH that exits 32 as mount(8) does when the kernel
+    refuses (a size the kernel refuses is now refused before the mount)."""
+    point = tmp_path / "work" / "new" / "deeper" / "area"
+    (tmp_path / "work").mkdir()
     too_big = 64 * psutil.virtual_memory().total
     with pytest.raises(CapacityError, match="does not fit in memory"):
         prepare_tmpfs(too_big, mount=point)
-    assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ConfigError, match=r"`mount -t tmpfs -o size=-4096,mode=1777 .*` failed"):
-        prepare_tmpfs(-4096, mount=point, force=True)  # the kernel refuses a negative size
-    assert list(tmp_path.iterdir()) == []
-    (tmp_path / "new").mkdir()  # the user's: it stays
+    assert list((tmp_path / "work").iterdir()) == []
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "mount").write_text("#!/bin/sh\necho 'mount: permission denied.' >&2\nexit 32\n")
+    (tools / "mount").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(
+        ConfigError, match=r"`mount -t tmpfs -o size=4096,mode=1777 .*` failed: mount: permission denied"
+    ):
+        prepare_tmpfs(4096, mount=point, force=True)
+    assert list((tmp_path / "work").iterdir()) == []
+    (tmp_path / "work" / "new").mkdir()  # the user's: it stays
     with pytest.raises(ConfigError, match="failed"):
-        prepare_tmpfs(-4096, mount=point, force=True)
-    assert list(tmp_path.iterdir()) == [tmp_path / "new"] and list((tmp_path / "new").iterdir()) == []
+        prepare_tmpfs(4096, mount=point, force=True)
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["new"] and not any((tmp_path / "work" / "new").iterdir())
 
 
 @needs_root
