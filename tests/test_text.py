@@ -69,6 +69,13 @@ def test_token_buckets_reject_or_isolate_oversize_samples() -> None:
     assert sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4]
 
 
+def test_a_length_past_int64_once_scaled_stays_oversize() -> None:
+    """A size near 2**63 times length_scale wrapped to -2**63 when cast back to int64: the longest sample
+    fitted every batch's budget and was batched with the others (sizes.i64 of a pack without digests)."""
+    sampler = TokenBucketSampler([5, 2**62, 7], 100, length_scale=4.0, oversize="alone", shuffle=False)
+    assert [1] in list(sampler) and sampler.lengths.min() >= 1
+
+
 @pytest.mark.parametrize(
     "options, problem",
     [
