@@ -76,6 +76,12 @@ def test_a_length_past_int64_once_scaled_stays_oversize() -> None:
     assert [1] in list(sampler) and sampler.lengths.min() >= 1
 
 
+def test_token_buckets_over_no_samples_are_refused() -> None:
+    """No lengths gave an epoch of no batches, silently (BlockShuffleSampler refuses a length of 0)."""
+    with pytest.raises(ValueError, match="the dataset should hold at least one sample, but got length=0"):
+        TokenBucketSampler([], 100)
+
+
 @pytest.mark.parametrize(
     "options, problem",
     [

@@ -136,8 +136,10 @@ class TokenBucketSampler(Sampler[list[int]]):
             raise ValueError(f"oversize should be 'error' or 'alone', but got oversize={oversize!r}")
         rank, world_size = resolve_rank_world(rank, world_size)
         raw = sample_lengths(lengths, field)
+        if not len(raw):  # as BlockShuffleSampler: an epoch of no batches would end a training loop silently
+            raise ValueError("the dataset should hold at least one sample, but got length=0")
         # clipped below int64's end: a length past 2**63 cast back wrapped to -2**63, a sample that fits anywhere
-        self.lengths = np.clip(np.ceil(raw * length_scale), 1, 2**62).astype(np.int64) if len(raw) else raw
+        self.lengths = np.clip(np.ceil(raw * length_scale), 1, 2**62).astype(np.int64)
         self.max_tokens = int(max_tokens)
         self.max_samples = max_samples
         self.bucket_size = bucket_size
