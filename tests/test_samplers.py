@@ -541,3 +541,13 @@ def test_the_first_block_is_asked_for_alone_before_its_window(small_texts: Path,
     order = list(sampler)
     assert asked[0] == order[:4]  # the first block, alone
     assert asked[1] == order[:12] and asked[2] == order[12:24]  # then its window, then the next
+
+
+def test_a_state_saved_by_more_ranks_than_samples_loads_into_fewer() -> None:
+    """The bound on a state's world sizes (the samples, or this sampler's world) refused a genuine state of 64
+    ranks over 10 samples loaded by 2 ranks; world sizes up to 2**20 now load whatever the pack's size."""
+    saved = BlockShuffleSampler(10, world_size=64, rank=0, read_ahead=False)
+    next(iter(saved))
+    resumed = BlockShuffleSampler(10, world_size=2, rank=0, read_ahead=False)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.state_dict()["consumed"][0] == [64, 1]

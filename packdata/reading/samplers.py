@@ -148,6 +148,10 @@ def _layout(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
     return order[:total]
 
 
+_MOST_RANKS = 1 << 20
+"""World sizes a saved state may name whatever the pack's size (its layout is 8 bytes a rank: 8 MiB)."""
+
+
 def _is_phase(phase: object, most: int) -> bool:
     """Whether ``phase`` is a ``[world_size, consumed]`` pair of a sampler state, world sizes at most ``most``."""
     if not isinstance(phase, list | tuple) or len(phase) != 2 or not all(_natural(v) for v in phase):
@@ -359,7 +363,7 @@ class BlockShuffleSampler(Sampler[int]):
                     hint=f"Build the sampler with {name}={state_dict.get(name)!r} to resume this epoch",
                 )
         phases, epoch = state_dict.get("consumed"), state_dict.get("epoch")
-        most = max(self.num_samples_total, self.world_size)  # a layout holds a world's ranks: bounded before it is
+        most = max(self.num_samples_total, self.world_size, _MOST_RANKS)  # a layout holds a world's ranks: bounded
         if not isinstance(phases, list) or not phases or not all(_is_phase(p, most) for p in phases):
             raise ConfigError(
                 f"the sampler state's consumed should be a non-empty list of [world_size, samples] pairs of integers "
