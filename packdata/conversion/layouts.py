@@ -191,6 +191,10 @@ class ListSource:
                     detail = f"label {value!r} is not a class or a non-negative integer below {len(self.classes)}"
                     yield Skip(key, "bad label", f"{where}: {detail}")
                     continue
+            if "\0" in raw_path:  # no file is named so; os.stat raised a bare ValueError in a reader thread
+                yield Skip(key, "bad path", f"{where}: the path holds a NUL byte, which no file name can")
+                continue
+            name = extension.lower() or "bytes"
             path: str | RemoteFile
             if self.fs is not None:
                 parts = raw_path.split("/")
@@ -200,7 +204,6 @@ class ListSource:
                 path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
             else:
                 path = raw_path if os.path.isabs(raw_path) else os.path.join(self.root, raw_path)
-            name = extension.lower() or "bytes"
             values = []
             try:
                 for column, value in row.items():

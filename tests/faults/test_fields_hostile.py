@@ -143,6 +143,17 @@ def test_a_list_naming_a_fifo_a_folder_or_nothing_skips_those_rows(tmp_path: Pat
     assert reasons == {"pipe": "not a regular file", "dir": "not a regular file", "missing": "vanished"}
 
 
+def test_a_list_path_holding_a_nul_byte_is_a_skip_not_a_traceback(tmp_path: Path) -> None:
+    """JSON can spell a NUL (\\u0000) that no file name holds: os.stat raised a bare ValueError in a reader thread."""
+    (tmp_path / "a.txt").write_text("a")
+    rows = [{"path": "a.txt"}, {"path": "b\u0000.txt"}]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"bad path": 1}
+    detail = "row 2: the path holds a NUL byte, which no file name can"
+    assert result.skip_examples == [{"key": "b\u0000", "reason": "bad path", "detail": detail}]
+
+
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
     """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
     (tmp_path / "a.txt").write_text("a")
