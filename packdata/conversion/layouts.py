@@ -195,6 +195,10 @@ class ListSource:
                 yield Skip(key, "bad path", f"{where}: the path holds a NUL byte, which no file name can")
                 continue
             name = extension.lower() or "bytes"
+            if row.get(name) is not None and name not in (self.path_column, self.label_column):
+                detail = f"{where}: the file ({raw_path}) and column {name!r} both give field {name!r}"
+                yield Skip(key, "duplicate field", detail)
+                continue
             path: str | RemoteFile
             if self.fs is not None:
                 parts = raw_path.split("/")

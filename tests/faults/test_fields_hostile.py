@@ -154,6 +154,19 @@ def test_a_list_path_holding_a_nul_byte_is_a_skip_not_a_traceback(tmp_path: Path
     assert result.skip_examples == [{"key": "b\u0000", "reason": "bad path", "detail": detail}]
 
 
+def test_a_list_column_named_like_the_files_field_is_a_skip_not_a_lost_value(tmp_path: Path) -> None:
+    """Path a.txt gives field txt; a column txt gave one too, and the file's bytes silently replaced its value."""
+    (tmp_path / "a.txt").write_text("file a")
+    (tmp_path / "b.jpg").write_bytes(image_bytes(1))
+    (tmp_path / "l.csv").write_text("path,txt\na.txt,column a\nb.jpg,column b\n")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"duplicate field": 1}
+    detail = "row 2: the file (a.txt) and column 'txt' both give field 'txt'"
+    assert result.skip_examples == [{"key": "a", "reason": "duplicate field", "detail": detail}]
+    [sample] = packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    assert (sample["__key__"], bytes(sample["txt"])) == ("b", b"column b")
+
+
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
     """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
     (tmp_path / "a.txt").write_text("a")
