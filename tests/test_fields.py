@@ -492,6 +492,23 @@ def test_write_pack_failure_in_a_thread_leaves_no_pack(tmp_path: Path) -> None:
         packdata.write_pack([], tmp_path / "w.lmdb", workers=-1, progress=False)
 
 
+def test_a_group_split_by_a_subfolder_named_like_it_is_one_sample(tmp_path: Path) -> None:
+    """a.bin, then the folder a.d/ (sorted between them), then a.json: once two samples keyed 'a', one field each."""
+    src = tmp_path / "src"
+    (src / "a.d").mkdir(parents=True)
+    (src / "a.bin").write_bytes(b"\x00\x01")
+    (src / "a.d" / "x.txt").write_text("inside", encoding="utf-8")
+    (src / "a.d" / "x.json").write_text("[2]", encoding="utf-8")
+    (src / "a.json").write_text("[1]", encoding="utf-8")
+    (src / "b.json").write_text("[3]", encoding="utf-8")
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert (result.found, result.packed, result.skipped) == (3, 3, {})
+    samples = {s["__key__"]: s for s in packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")}
+    assert sorted(samples) == ["a", "a.d/x", "b"]
+    assert (bytes(samples["a"]["bin"]), bytes(samples["a"]["json"])) == (b"\x00\x01", b"[1]")
+    assert (bytes(samples["a.d/x"]["txt"]), bytes(samples["a.d/x"]["json"])) == (b"inside", b"[2]")
+
+
 def test_a_pickled_npy_file_is_never_loaded(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()

@@ -81,10 +81,15 @@ class GroupedSource:
     codecs: dict[str, str] = field(default_factory=dict)
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
-        """Yield every group in sorted order (groups are contiguous in a sorted walk), and skips."""
+        """Yield every group in sorted order, and skips.
+
+        A group's files are contiguous in a sorted walk, except around a subfolder
+        whose name starts with the group's key and a dot (``a.bin``, ``a.d/``,
+        ``a.json``): the group stays open while that subfolder is walked, and is
+        yielded once complete, never as two samples of one key.
+        """
         class_index = {c: i for i, c in enumerate(self.classes)}
-        group: list[tuple[str, str, str]] = []  # (relative path, field name, absolute path)
-        current = None
+        open_groups: list[tuple[str, str, list[tuple[str, str, str]]]] = []  # (folder, key, files), deepest last
         for rel, path, problem in _walk_files(self.root):
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
@@ -101,13 +106,15 @@ class GroupedSource:
                 yield Skip(rel, "no field", "a grouped file is named KEY.FIELD (e.g. 0001.jpg)", problem=False)
                 continue
             key = f"{folder}/{stem}" if folder else stem
-            if key != current and group:
-                yield self._group(current, group, class_index)  # type: ignore[arg-type]
-                group = []
-            current = key
-            group.append((rel, extension, path))
-        if group:
-            yield self._group(current, group, class_index)  # type: ignore[arg-type]
+            while open_groups and not _continues(open_groups[-1][1], folder, key):
+                _, done, files = open_groups.pop()
+                yield self._group(done, files, class_index)
+            if not open_groups or open_groups[-1][1] != key:
+                open_groups.append((folder, key, []))
+            open_groups[-1][2].append((rel, extension, path))
+        while open_groups:
+            _, done, files = open_groups.pop()
+            yield self._group(done, files, class_index)
 
     def _group(self, key: str, files: list[tuple[str, str, str]], class_index: dict[str, int]) -> SourceGroup | Skip:
         top = key.split("/", 1)[0] if "/" in key else None
@@ -122,6 +129,14 @@ class GroupedSource:
             except FieldError as exc:
                 return Skip(key, "bad field name", str(exc))
         return SourceGroup(key, label, tuple((name, path) for _, name, path in files))
+
+
+def _continues(key: str, folder: str, next_key: str) -> bool:
+    """Whether group ``key`` may still get files once the walk is at ``next_key`` (a file in ``folder``).
+
+    Yes for its own key, and inside a subfolder named ``STEM.*`` beside it, after which its files go on.
+    """
+    return next_key == key or f"{folder}/".startswith(f"{key}.")
 
 
 def detect_grouped(root: Path, sample: int = 1000) -> bool:
