@@ -540,6 +540,7 @@ _DAMAGED_CHECKPOINTS = {  # how progress.json is damaged -> the field the error 
     "a field number": (_set(field_names=[1]), "field_names should be a list of distinct strings"),
     "finishing as text": (_set(finishing="false"), "finishing should be true or false, but got finishing='false'"),
     "finishing with a shard open": (_set(finishing=True), r"shards should be every shard, 4 samples in all"),
+    "classes as text": (_set(classes="cat,dog"), "classes should be a list of strings, but got classes='cat,dog'"),
     "index files as a list": (_set(index_files=[1]), "index_files should be an object of file name -> .size, SHA-256."),
     "shard_first moved": (_set(shard_first=1), "shard_first should be the 2 samples of the shards listed"),
     "shards as an object": (_set(shards={}), "shards should be a list"),
@@ -574,6 +575,39 @@ def test_resume_names_a_damaged_checkpoint_field_and_changes_nothing(
     assert result.output.rstrip().endswith("Start the conversion again with --overwrite")
     convert(image_folder, dst, progress=False, overwrite=True, shard_samples=2)
     assert verify_pack(dst, progress=False).records == 19
+
+
+@pytest.mark.parametrize("layout", ["list", "grouped"])
+def test_a_resume_refuses_a_source_whose_classes_changed_since(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """A list's new label, or a new class folder, renumbered the classes; the samples packed before kept old numbers.
+
+    (The walk of the part already packed is the same: no key changed.) The resume
+    gave cat's samples the label of the new class 'ant'; it is refused now, the partial kept.
+    """
+    src = tmp_path / "src"
+    rows = ["path,label"]
+    for i in range(8):
+        cls = "cat" if i < 4 else "dog"
+        (src / cls).mkdir(parents=True, exist_ok=True)
+        (src / cls / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+        (src / cls / f"{i}.json").write_text(f"[{i}]", encoding="utf-8")
+        rows.append(f"{cls}/{i}.txt,{cls}")
+    (src / "l.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    source, options = (src / "l.csv", {"label_column": "label"}) if layout == "list" else (src, {"layout": "grouped"})
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(source, dst, monkeypatch, after=3, **options)
+    if layout == "list":  # a row added at the end, of a class sorted first
+        (src / "ant.txt").write_text("new", encoding="utf-8")
+        (src / "l.csv").write_text("\n".join([*rows, "ant.txt,ant"]) + "\n", encoding="utf-8")
+    else:  # a class folder made, not filled yet
+        (src / "ant").mkdir()
+    before = tree_digest(partial_path(dst))
+    message = "the source's classes changed since the interrupted conversion (class 0 was 'cat', is now 'ant')"
+    with pytest.raises(SourceError, match=re.escape(message)):
+        convert(source, dst, progress=False, resume=True, **options)
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
 
 
 @pytest.mark.parametrize(("kept", "named"), [(["json"], "1 field"), ([], "0 fields")])

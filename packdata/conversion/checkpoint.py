@@ -12,7 +12,7 @@ import hashlib
 import json
 import reprlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from packdata.conversion.publish import (
     is_skip_lines,
     other_options_error,
 )
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, SourceError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -40,9 +40,11 @@ _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 class _Checkpoint:
     """The resumable state of a conversion, saved in ``progress.json``."""
 
-    def __init__(self, path: Path, options: dict[str, Any]) -> None:
+    def __init__(self, path: Path, options: dict[str, Any], classes: Sequence[str] = ()) -> None:
         self.path = path
         self.options = options
+        self.classes = list(classes)  # the source's, as scanned: its labels number them
+        self.saved_classes: list[str] | None = None  # the interrupted run's (None: an earlier packdata kept none)
         self.files_done = 0
         self.samples_done = 0
         self.walk = hashlib.sha256()
@@ -63,6 +65,7 @@ class _Checkpoint:
         """What :meth:`save` writes, as of now."""
         return {
             "options": self.options,
+            "classes": self.classes,
             "files_done": self.files_done,
             "samples_done": self.samples_done,
             "walk_sha256": self.walk.hexdigest(),
@@ -100,6 +103,35 @@ class _Checkpoint:
         self.finishing = state.get("finishing", False)
         self.field_names = state.get("field_names", [])
         self.index_files = state.get("index_files")  # None from an earlier packdata
+        self.saved_classes = state.get("classes")
+
+    def check_classes(self, source: Path | str) -> None:
+        """Refuse a resume whose source numbers its classes otherwise than the interrupted run's did.
+
+        The samples packed before the interruption carry the old numbers: a class
+        added, removed or renamed since (a list's new label, a new folder) would
+        give the rest of the pack other meanings for the same labels.
+
+        Raises:
+            SourceError: naming the source and the first class that differs.
+        """
+        saved = self.saved_classes
+        if saved is None or saved == self.classes:
+            return
+        change = next(
+            (
+                f"class {i} was {a!r}, is now {b!r}"
+                for i, (a, b) in enumerate(zip(saved, self.classes, strict=False))
+                if a != b
+            ),
+            f"it had {len(saved)} classes, has {len(self.classes)}",
+        )
+        raise SourceError(
+            f"the source's classes changed since the interrupted conversion ({change}): "
+            "the samples packed before it carry the old class numbers",
+            path=source,
+            hint="Restore the source as it was, or start again with --overwrite",
+        )
 
     def check_field_names(self, field_sizes: Path) -> None:
         """Refuse ``field_names`` that do not name every field number of the field sizes a resume kept.
@@ -166,6 +198,9 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     names = state.get("field_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise _bad(path, "field_names", "a list of distinct strings", names)
+    classes = state.get("classes", [])  # absent from an earlier packdata's
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise _bad(path, "classes", "a list of strings", classes)
     kept = state.get("index_files")
     if kept is not None and not (
         isinstance(kept, dict)

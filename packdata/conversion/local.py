@@ -72,12 +72,13 @@ def _convert_local(
 ) -> ConvertResult:
     """The local engine: threads read, this process writes; run under the destination's lock."""
     partial = partial_path(dst)
-    checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts))
+    checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts), source.classes)
     if resume and os.path.lexists(partial):
         check_resumable(partial)
     resumed = resume and checkpoint.path.is_file()
     if resumed:
         checkpoint.load(shard_writer(opts.format).shard_name)
+        checkpoint.check_classes(source.root)
     elif os.path.lexists(partial):
         if not overwrite and not resume:
             raise interrupted_error(dst, partial)
