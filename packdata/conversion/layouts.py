@@ -41,6 +41,7 @@ from packdata.conversion.sources import (
     _is_utf8,
     _printable,
     _walk_files,
+    new_class,
 )
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
@@ -118,7 +119,9 @@ class GroupedSource:
 
     def _group(self, key: str, files: list[tuple[str, str, str]], class_index: dict[str, int]) -> SourceGroup | Skip:
         top = key.split("/", 1)[0] if "/" in key else None
-        label = class_index.get(top, -1) if top is not None else -1
+        if top is not None and top not in class_index:
+            return Skip(key, *new_class(top))
+        label = class_index[top] if top is not None else -1
         names = [name for _, name, _ in files]
         missing = [name for name in self.require if name not in names]
         if missing:

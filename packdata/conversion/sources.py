@@ -29,6 +29,7 @@ __all__ = [
     "Source",
     "SourceFile",
     "SourceGroup",
+    "new_class",
     "scan_source",
 ]
 
@@ -105,6 +106,16 @@ def too_large(size: int) -> tuple[str, str]:
     return "too large", f"{size} bytes; a sample holds at most {MAX_SAMPLE_BYTES} (2 GiB less 1 MiB)"
 
 
+def new_class(folder: str) -> tuple[str, str]:
+    """The skip reason and detail of a file under ``folder``, a first-level folder that was no class when scanned.
+
+    A folder made (or given its first file to pack) after the scan, while the
+    walk ran: it has no class number, and is never given another class's.
+    """
+    detail = f"folder {folder!r} was not there, or held no file to pack, when the classes were read"
+    return "not a class", f"{detail}: convert again to pack it"
+
+
 @dataclass
 class Source:
     """A scanned source folder: its kind, classes, and a fresh walk on demand."""
@@ -134,6 +145,9 @@ class Source:
                 )
                 continue
             top = rel.split("/", 1)[0] if "/" in rel else None
+            if top is not None and top not in self._class_to_idx:
+                yield Skip(rel, *new_class(top))
+                continue
             yield SourceFile(rel, path, self._class_to_idx[top] if top is not None else -1)
 
 

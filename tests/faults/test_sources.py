@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from packdata import LMDBDataset, convert
+from packdata.conversion.layouts import scan_grouped
 from packdata.conversion.load import _read_regular
 from packdata.conversion.publish import partial_path
-from packdata.conversion.sources import scan_source
+from packdata.conversion.sources import Skip, scan_source
 from packdata.errors import SourceError
 
 pytestmark = pytest.mark.timeout(60)
@@ -230,3 +231,19 @@ def test_on_error_fail_ignores_files_skipped_by_rule(image_folder: Path, tmp_pat
     (image_folder / "cat" / "notes.txt").write_text("not an image")
     result = convert(image_folder, tmp_path / "out.lmdb", progress=False, on_error="fail")
     assert result.skipped == {"hidden": 1, "not image": 1} and result.skip_examples == []
+
+
+@pytest.mark.parametrize("layout", ["classes", "grouped"])
+def test_a_class_folder_made_while_walking_is_a_skip_not_a_keyerror_or_no_label(tmp_path: Path, layout: str) -> None:
+    """A class folder made after the scan (a dataset still being written): a raw KeyError, or grouped, label -1."""
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "a.txt").write_text("a")
+    (tmp_path / "cat" / "a.json").write_text("[1]")
+    source = scan_source(tmp_path, "text") if layout == "classes" else scan_grouped(tmp_path)
+    (tmp_path / "dog").mkdir()
+    (tmp_path / "dog" / "b.txt").write_text("b")
+    key = "dog/b.txt" if layout == "classes" else "dog/b"
+    detail = "folder 'dog' was not there, or held no file to pack, when the classes were read: convert again to pack it"
+    assert Skip(key, "not a class", detail) in list(source.walk())
+    packed = ["cat/a.json", "cat/a.txt"] if layout == "classes" else ["cat/a"]
+    assert [e.key for e in source.walk() if not isinstance(e, Skip)] == packed
