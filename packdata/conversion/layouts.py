@@ -192,6 +192,9 @@ class ListSource:
             if not isinstance(raw_path, str) or not raw_path:
                 yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
                 continue
+            if not _is_utf8(raw_path):  # JSON spells a lone surrogate ("\ud800"): no file name in UTF-8 holds one
+                yield Skip(where, "bad path", f"the path {raw_path!r} is not valid UTF-8 (a lone surrogate)")
+                continue
             folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
             stem, _, extension = base.partition(".")
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
@@ -359,7 +362,7 @@ def scan_list(
                 label = row.get(label_column)
                 if isinstance(label, int) and not isinstance(label, bool):
                     int_labels = True
-                elif isinstance(label, str):
+                elif isinstance(label, str) and _is_utf8(label):  # one with a lone surrogate: its rows are bad labels
                     string_labels.add(label)
                 number = _integer(label)
                 if number is not None and number < _FREE_CLASSES:

@@ -178,7 +178,10 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
         np.save(out, value, allow_pickle=False)
         return out.getvalue()
     if isinstance(value, str):
-        return value.encode("utf-8")
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, as JSON spells "\ud800": no UTF-8 holds it
+            raise FieldError(f"field {name!r}: the text is not valid UTF-8 ({exc.reason})") from exc
     if isinstance(value, bool):
         raise FieldError(f"field {name!r}: a bool is ambiguous here; store it in a json field")
     if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and codec == "txt"):

@@ -154,6 +154,34 @@ def test_a_list_path_holding_a_nul_byte_is_a_skip_not_a_traceback(tmp_path: Path
     assert result.skip_examples == [{"key": "b\u0000", "reason": "bad path", "detail": detail}]
 
 
+def test_a_jsonl_lone_surrogate_is_a_skip_not_a_traceback(tmp_path: Path) -> None:
+    """JSON spells "\\ud800", which no UTF-8 holds: in a path, a value or a label, each was a raw UnicodeEncodeError.
+
+    (The label's only after every file was packed, in the manifest's checksum; the path's
+    surrogateescape form "\\udcff" named the file b\\xff.txt, whose key no index can hold.)
+    """
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "b\udcff.txt").write_text("not UTF-8")  # the file the path's surrogateescape form names
+    rows = [
+        {"path": "a.txt", "label": "x"},
+        {"path": "c\ud800.txt", "label": "x"},
+        {"path": "b\udcff.txt", "label": "x"},
+        {"path": "b.txt", "label": "x", "note": "y\ud800"},
+        {"path": "d.txt", "label": "z\ud800"},
+    ]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", label_column="label", progress=False)
+    assert result.packed == 1 and result.skipped == {"bad path": 2, "bad value": 1, "bad label": 1}
+    assert [(e["key"], e["detail"]) for e in result.skip_examples] == [
+        ("row 2", "the path 'c\\ud800.txt' is not valid UTF-8 (a lone surrogate)"),
+        ("row 3", "the path 'b\\udcff.txt' is not valid UTF-8 (a lone surrogate)"),
+        ("b", "row 4: field 'note': the text is not valid UTF-8 (surrogates not allowed)"),
+        ("d", "row 5: label 'z\\ud800' is not a class or a non-negative integer below 1"),
+    ]
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb").classes == ["x"]
+
+
 def test_a_list_column_named_like_the_files_field_is_a_skip_not_a_lost_value(tmp_path: Path) -> None:
     """Path a.txt gives field txt; a column txt gave one too, and the file's bytes silently replaced its value."""
     (tmp_path / "a.txt").write_text("file a")
