@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from packdata.conversion.remote_folder import RemoteFolder
 from packdata.conversion.sources import (
+    FREE_CLASSES,
     RemoteFile,
     Skip,
     Source,
@@ -51,9 +52,6 @@ from packdata.pack.urls import display_url, is_url, open_url, remote_error
 __all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "detect_grouped", "scan_grouped", "scan_list"]
 
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
-_FREE_CLASSES = 1 << 20
-"""Integer labels name classes 0..N, one manifest entry each, so a label claims memory: a list's labels
-may reach this many classes, or as many as it has rows; a row with a larger label is a "bad label" skip."""
 
 
 def _integer(value: Any) -> int | None:
@@ -340,8 +338,8 @@ def scan_list(
     columns: dict[str, bool] = {}  # column -> every value is a string
     string_labels: set[str] = set()
     int_labels = False
-    top_free = -1  # the largest integer label below _FREE_CLASSES
-    past_free: set[int] = set()  # integer labels from _FREE_CLASSES up: each costs its row, and lists rarely have any
+    top_free = -1  # the largest integer label below FREE_CLASSES
+    past_free: set[int] = set()  # integer labels from FREE_CLASSES up: each costs its row, and lists rarely have any
     rows = 0
     label_seen = False
     try:
@@ -365,7 +363,7 @@ def scan_list(
                 elif isinstance(label, str) and _is_utf8(label):  # one with a lone surrogate: its rows are bad labels
                     string_labels.add(label)
                 number = _integer(label)
-                if number is not None and number < _FREE_CLASSES:
+                if number is not None and number < FREE_CLASSES:
                     top_free = max(top_free, number)
                 elif number is not None:
                     past_free.add(number)

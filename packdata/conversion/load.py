@@ -17,7 +17,7 @@ from typing import TypeVar
 from PIL import Image
 
 from packdata.conversion.remote_folder import RemoteSourceFile
-from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, too_large
+from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import (
     ImageFormatError,
 )
@@ -206,6 +206,8 @@ def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | 
         text = data.strip()
         if not text.isdigit() or len(text) > 9:
             return "bad label", f"cls file holds {data[:20]!r}, not a non-negative integer"
+        if int(text) >= FREE_CLASSES:  # classes 0..label would each be named in the manifest
+            return "bad label", f"cls file holds {int(text)}: a cls label is below {FREE_CLASSES}, each class named"
     if codec == "npy":
         try:
             check_npy(data)  # the header, against the bytes that follow: no array is allocated

@@ -22,6 +22,7 @@ from packdata.pack.records import MAX_SAMPLE_BYTES
 from packdata.pack.urls import remote_error
 
 __all__ = [
+    "FREE_CLASSES",
     "IMAGE_EXTENSIONS",
     "TEXT_EXTENSIONS",
     "RemoteFile",
@@ -37,6 +38,11 @@ TEXT_EXTENSIONS = frozenset(
     {".txt", ".json", ".jsonl", ".md", ".csv", ".tsv", ".xml", ".html", ".yaml", ".yml", ".rst", ".text"}
 )
 _EXTENSIONS = {"image": IMAGE_EXTENSIONS, "text": TEXT_EXTENSIONS}
+
+FREE_CLASSES = 1 << 20
+"""Integer labels name classes 0..N, one manifest entry each, so a label claims memory: a label a source
+gives as a number (a ``cls`` file or tar member, a list's label column) may reach this many classes (a
+list's: or as many as it has rows); a larger one is a "bad label" skip."""
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,31 @@ def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Pa
     assert packdata.LMDBDataset(tmp_path / "out.lmdb").classes == ["0", "1", "2"]
 
 
+@pytest.mark.parametrize("source", ["tar", "grouped"])
+def test_a_cls_label_claims_no_more_classes_than_a_source_may_have(tmp_path: Path, source: str) -> None:
+    """A 9-byte cls member holding 999999999 had the manifest name a billion classes: a MemoryError after packing."""
+    members = {"a.txt": b"a", "a.cls": b"1048576", "b.txt": b"b", "b.cls": b"2"}  # 1048576: the first label refused
+    if source == "tar":
+        src = tmp_path / "d.tar"
+        with tarfile.open(src, "w") as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    else:
+        src = tmp_path / "src"
+        src.mkdir()
+        for name, data in members.items():
+            (src / name).write_bytes(data)
+    result = packdata.convert(
+        src, tmp_path / "out.lmdb", layout="grouped" if source == "grouped" else "auto", progress=False
+    )
+    assert result.packed == 1 and result.skipped == {"bad label": 1}
+    detail = "field 'cls': cls file holds 1048576: a cls label is below 1048576, each class named"
+    assert [(e["key"], e["detail"]) for e in result.skip_examples] == [("a", detail)]
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb").classes == ["0", "1", "2"]
+
+
 @pytest.mark.parametrize("label", ["\u00b2", "1" * 5000])  # a digit to str.isdigit, not int(); past int()'s 4,300
 def test_a_csv_label_int_refuses_is_a_class_name_not_a_traceback(tmp_path: Path, label: str) -> None:
     (tmp_path / "a.txt").write_text("a")
