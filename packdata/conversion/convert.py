@@ -260,9 +260,15 @@ def _scan(
             )
         return scan_remote_folder(src, storage_options, kind, layout)  # a folder at a URL, on Ray
     if isinstance(src, str):
-        return scan_list(src, path_column=path_column, label_column=label_column, storage_options=storage_options)
+        return scan_list(
+            src,
+            path_column=path_column,
+            label_column=label_column,
+            storage_options=storage_options,
+            require=require,
+        )
     if is_list:
-        return scan_list(src, path_column=path_column, label_column=label_column)
+        return scan_list(src, path_column=path_column, label_column=label_column, require=require)
     if label_column is not None:
         raise ConfigError("label_column=COLUMN is for list files", hint="Class folders give labels: drop it")
     if _is_pack(src):  # its manifest, index and shards would be packed as samples

@@ -161,9 +161,23 @@ def detect_grouped(root: Path, sample: int = 1000) -> bool:
 def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
     """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0)."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_utf8(e.name))
-    for name in require:
-        check_field_name(name)
+    _check_required(require)
     return GroupedSource(root=root, classes=classes, require=require)
+
+
+def _check_required(require: tuple[str, ...]) -> None:
+    """Refuse a name in ``require`` that cannot name a field (a raw FieldError reached the CLI).
+
+    Raises:
+        ConfigError: naming it.
+    """
+    for name in require:
+        try:
+            check_field_name(name)
+        except FieldError as exc:
+            raise ConfigError(
+                f"require=FIELDS names no field: {exc}", hint="Name fields as file names end: jpg,json"
+            ) from exc
 
 
 @dataclass
@@ -180,6 +194,7 @@ class ListSource:
     _labels: dict[str, int] = field(default_factory=dict, repr=False)
     fs: Any = None  # the fsspec filesystem of a list at a URL
     base: str = ""  # the list's folder on fs
+    require: tuple[str, ...] = ()  # fields every row must give (its file's, or a column's)
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
@@ -217,6 +232,12 @@ class ListSource:
             if row.get(name) is not None and name not in (self.path_column, self.label_column):
                 detail = f"{where}: the file ({raw_path}) and column {name!r} both give field {name!r}"
                 yield Skip(key, "duplicate field", detail)
+                continue
+            given = {name} | {c for c, v in row.items() if v is not None} - {self.path_column, self.label_column}
+            missing = [n for n in self.require if n not in given]
+            if missing:
+                detail = f"{where}: no {', '.join(missing)} field (required: {', '.join(self.require)})"
+                yield Skip(key, "missing field", detail)
                 continue
             path: str | RemoteFile
             if self.fs is not None:
@@ -307,16 +328,19 @@ def scan_list(
     path_column: str = "path",
     label_column: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    require: tuple[str, ...] = (),
 ) -> ListSource:
     """Read a list file once: check its columns, number string labels like ImageFolder, choose each column's codec.
 
     ``list_file`` may be a URL (with ``storage_options`` for fsspec): its rows
-    then name objects relative to the list's folder there.
+    then name objects relative to the list's folder there. ``require``: fields
+    every row must give (its file's, named by its extension, or a column's).
 
     Raises:
         SourceError: the file is missing, unreadable, empty, or lacks the path column (or the label column).
-        ConfigError: a column cannot name a field.
+        ConfigError: a column, or a name in ``require``, cannot name a field.
     """
+    _check_required(require)
     fs, base, where = None, "", os.fspath(list_file)
     suffix = os.path.splitext(where)[1].lower()
     if suffix not in LIST_SUFFIXES:
@@ -391,7 +415,7 @@ def scan_list(
         root: Path | str = where.rsplit("/", 1)[0]
     else:
         root = Path(list_file).parent
-    source = ListSource(root, list_file, path_column, label_column, [], codecs, fs=fs, base=base)
+    source = ListSource(root, list_file, path_column, label_column, [], codecs, fs=fs, base=base, require=require)
     if string_labels and not (int_labels or all(_integer(s) is not None for s in string_labels)):
         source.classes = sorted(string_labels)
         source._labels = {c: i for i, c in enumerate(source.classes)}

@@ -17,7 +17,7 @@ from conftest import image_bytes
 
 import packdata
 from packdata.conversion.append import append_pack
-from packdata.errors import PackFormatError, SourceError
+from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.formats.contents import export_pack
 from packdata.pack.fields import FieldError, decode_block, encode_block, read_directory
 from packdata.pack.records import RECORD_MAGIC
@@ -193,6 +193,26 @@ def test_a_list_column_named_like_the_files_field_is_a_skip_not_a_lost_value(tmp
     assert result.skip_examples == [{"key": "a", "reason": "duplicate field", "detail": detail}]
     [sample] = packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
     assert (sample["__key__"], bytes(sample["txt"])) == ("b", b"column b")
+
+
+def test_require_holds_for_a_list_and_a_name_that_is_no_field_is_one_line(tmp_path: Path) -> None:
+    """A list's rows were packed whatever require named (it was never passed on); require=_x was a raw FieldError."""
+    (tmp_path / "a.jpg").write_bytes(image_bytes(1))
+    (tmp_path / "b.jpg").write_bytes(image_bytes(2))
+    (tmp_path / "c.txt").write_text("c")
+    rows = [{"path": "a.jpg", "caption": "one"}, {"path": "b.jpg"}, {"path": "c.txt", "caption": "three"}]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", require=["jpg", "caption"], progress=False)
+    assert result.packed == 1 and result.skipped == {"missing field": 2}
+    assert [(e["key"], e["detail"]) for e in result.skip_examples] == [
+        ("b", "row 2: no caption field (required: jpg, caption)"),
+        ("c", "row 3: no jpg field (required: jpg, caption)"),
+    ]
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a"]
+    for src in (tmp_path / "l.jsonl", tmp_path):
+        with pytest.raises(ConfigError, match=re.escape("require=FIELDS names no field: '_x' cannot name a field")):
+            packdata.convert(src, tmp_path / "x.lmdb", layout="grouped", require=["jpg", "_x"], progress=False)
+    assert not (tmp_path / "x.lmdb").exists()
 
 
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
