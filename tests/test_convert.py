@@ -610,6 +610,31 @@ def test_a_resume_refuses_a_source_whose_classes_changed_since(
     assert tree_digest(partial_path(dst)) == before and not dst.exists()
 
 
+def test_a_resume_refuses_other_required_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """require was no option a checkpoint kept: a resume without it packed what the interrupted run had skipped.
+
+    (6 samples and 2 'missing field' skips: a pack neither run alone gives, 4 or 8 samples.)
+    """
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+        if i % 2:
+            (src / f"{i}.json").write_text(f"[{i}]", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(src, dst, monkeypatch, after=2, layout="grouped", require=["json"])
+    before = tree_digest(partial_path(dst))
+    result = CliRunner().invoke(main, ["convert", str(src), str(dst), "--layout", "grouped", "--resume", "-q"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {partial_path(dst)}: the interrupted conversion used other options: --require json (this run: ''). "
+        "Resume with the same options, or start again with --overwrite\n"
+    )
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
+    resumed = convert(src, dst, layout="grouped", require=["json"], resume=True, progress=False)
+    assert (resumed.packed, resumed.skipped) == (4, {"missing field": 4})
+
+
 @pytest.mark.parametrize(("kept", "named"), [(["json"], "1 field"), ([], "0 fields")])
 def test_resume_refuses_field_names_that_miss_a_kept_field_number(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: list[str], named: str

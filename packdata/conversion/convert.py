@@ -189,7 +189,9 @@ def convert(
             hint="Use the pack as it is, or pass --overwrite to convert it again",
         )
     _check_source_and_destination(src, dst, overwrite)
-    opts = _Options(fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples)
+    opts = _Options(
+        fmt, source.kind, on_error, verify_images, max_side, quality, shard_size, shard_samples, ",".join(require)
+    )
     dst.parent.mkdir(parents=True, exist_ok=True)
     with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
         recover_replaced(dst)  # a pack a killed --overwrite moved aside goes back (or its leftover goes)

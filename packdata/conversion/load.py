@@ -46,6 +46,7 @@ class _Options:
     quality: int
     shard_size: int | None
     shard_samples: int | None
+    require: str = ""  # the fields every sample must have, comma-separated: a resume must ask the same
 
 
 def number_fields(sample: Sample, numbers: dict[str, int], names: list[str]) -> list[tuple[int, int]] | None:
