@@ -429,6 +429,16 @@ def test_pack_writer_is_atomic_and_checks_its_input(tmp_path: Path) -> None:
         packdata.PackWriter(dst)
 
 
+def test_pack_writer_refuses_a_label_that_would_name_too_many_classes(tmp_path: Path) -> None:
+    """cls 2**31 - 1 passed, and close() then named every class up to it in the manifest: a MemoryError at the end."""
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        message = "sample 'big': cls 1048576 would name 1048577 classes; without classes= a label is below 1048576"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            writer.write({"__key__": "big", "txt": "x", "cls": 1 << 20})
+        writer.write({"__key__": "small", "txt": "y", "cls": 2})
+    assert writer.count == 1 and packdata.LMDBDataset(tmp_path / "w.lmdb").classes == ["0", "1", "2"]
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

@@ -32,6 +32,7 @@ from packdata.conversion.publish import (
     partial_path,
     recover_replaced,
 )
+from packdata.conversion.sources import FREE_CLASSES
 from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
@@ -144,6 +145,13 @@ class PackWriter:
         label = sample.get(LABEL_FIELD, -1)
         if isinstance(label, bool) or not isinstance(label, int) or label < -1 or label >= 2**31:
             raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {label!r}", path=self.dst)
+        if self._classes is None and label >= FREE_CLASSES:  # the manifest would name classes 0..label
+            raise ConfigError(
+                f"sample {key!r}: cls {label} would name {label + 1} classes; without classes= a label is below "
+                f"{FREE_CLASSES}",
+                path=self.dst,
+                hint="Pass classes=[...] naming every class, or number the labels from 0",
+            )
         fields: dict[str, bytes] = {}
         try:
             for name, value in sample.items():
