@@ -984,6 +984,17 @@ def test_gzipped_damaged_and_duplicate_tars(tmp_path: Path) -> None:
         packdata.convert(str(tmp_path / "tars" / "data-{000000..000009}.tar"), tmp_path / "x.lmdb", progress=False)
 
 
+def test_a_tar_pattern_naming_too_many_shards_in_all_is_one_line(tmp_path: Path) -> None:
+    """Each range was bounded, not their product: two ranges of a million named a trillion, a MemoryError.
+
+    (1001 x 1001 here: past the bound, yet cheap to expand on the previous commit, which then looked each up.)
+    """
+    pattern = str(tmp_path / "data-{0..1000}-{0..1000}.tar")  # 1,002,001 names
+    result = CliRunner().invoke(cli, ["convert", pattern, str(tmp_path / "x.lmdb"), "-q"])
+    assert (result.exit_code, result.output) == (1, f"Error: {pattern}: the pattern names more than 1000000 shards\n")
+    assert os.listdir(tmp_path) == []
+
+
 def _tar_of(members: list[tuple[str | bytes, bytes]]) -> bytes:
 
     out = io.BytesIO()

@@ -58,7 +58,22 @@ def is_tar_pattern(src: str) -> bool:
 
 
 def _braces(pattern: str) -> list[str]:
-    """Expand ``{000..099}`` ranges (zero padding kept) and ``{a,b}`` choices, left to right."""
+    """Expand ``{000..099}`` ranges (zero padding kept) and ``{a,b}`` choices, left to right.
+
+    Raises:
+        SourceError: the pattern names more than :data:`_MAX_SHARDS` shards (in one range, or all together:
+            two ranges of a million were a trillion names, a MemoryError).
+    """
+    names: list[str] = []
+    for name in _expand(pattern):
+        if len(names) > _MAX_SHARDS:
+            raise SourceError(f"the pattern names more than {_MAX_SHARDS} shards", path=pattern)
+        names.append(name)
+    return names
+
+
+def _expand(pattern: str) -> Iterator[str]:
+    """The names :func:`_braces` expands ``pattern`` to, one at a time."""
     match = _RANGE.search(pattern)
     choice = _CHOICE.search(pattern)
     if match and (not choice or match.start() < choice.start()):
@@ -67,11 +82,14 @@ def _braces(pattern: str) -> list[str]:
             raise SourceError(f"the range {match.group(0)} names more than {_MAX_SHARDS} shards", path=pattern)
         width = len(lo) if lo.startswith("0") else 0
         head, tail = pattern[: match.start()], pattern[match.end() :]
-        return [x for n in range(int(lo), int(hi) + 1) for x in _braces(f"{head}{n:0{width}d}{tail}")]
-    if choice:
+        for n in range(int(lo), int(hi) + 1):
+            yield from _expand(f"{head}{n:0{width}d}{tail}")
+    elif choice:
         head, tail = pattern[: choice.start()], pattern[choice.end() :]
-        return [x for option in choice.group(1).split(",") for x in _braces(f"{head}{option}{tail}")]
-    return [pattern]
+        for option in choice.group(1).split(","):
+            yield from _expand(f"{head}{option}{tail}")
+    else:
+        yield pattern
 
 
 def expand_shards(pattern: str, fs: Any = None, scheme: str = "") -> list[str]:
