@@ -210,6 +210,10 @@ class ListSource:
                 continue
             folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
             stem, _, extension = base.partition(".")
+            if not stem:  # the key would end at the file name's first dot: "" for .env.txt, PackWriter refuses that
+                detail = f"the file name of {raw_path!r} starts with a dot (or is empty): it gives no key"
+                yield Skip(where, "no key", f"{detail} (a key is the path up to the first dot of the file name)")
+                continue
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
             if key in keys:
                 first, first_path = keys[key]

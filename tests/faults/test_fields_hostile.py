@@ -215,6 +215,20 @@ def test_require_holds_for_a_list_and_a_name_that_is_no_field_is_one_line(tmp_pa
     assert not (tmp_path / "x.lmdb").exists()
 
 
+def test_a_list_row_whose_file_name_starts_with_a_dot_gives_no_empty_key(tmp_path: Path) -> None:
+    """A key ends at the file name's first dot: .env.txt was packed under key '' (PackWriter refuses an empty key)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".env.txt").write_text("hidden")
+    (tmp_path / "sub" / ".x.txt").write_text("hidden too")
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "l.csv").write_text("path\n.env.txt\nsub/.x.txt\na.txt\n")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"no key": 2}
+    detail = "the file name of '.env.txt' starts with a dot (or is empty): it gives no key (a key is the path up to"
+    assert result.skip_examples[0]["key"] == "row 2" and result.skip_examples[0]["detail"].startswith(detail)
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a"]
+
+
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
     """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
     (tmp_path / "a.txt").write_text("a")
