@@ -1462,6 +1462,21 @@ def test_a_source_object_named_with_dotdot_is_in_the_skip_report_and_never_writt
     assert SECRET not in out.output
 
 
+def test_a_source_object_named_like_another_objects_folder_is_a_skip_not_a_traceback(s3, tmp_path: Path, monkeypatch):
+    """An object store holds cat/b and cat/b/1.jpg; a disk cannot: the download died with a raw IsADirectoryError."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    fs.pipe_file("packs/clash/cat/0.jpg", image_bytes(1, (20, 20)))
+    fs.pipe_file("packs/clash/cat/b", b"an object named like a folder")
+    fs.pipe_file("packs/clash/cat/b/1.jpg", image_bytes(2, (20, 20)))
+    result = packdata.convert("s3://packs/clash", tmp_path / "out.lmdb", storage_options=options, progress=False)
+    assert (result.found, result.packed, result.skipped) == (3, 2, {"unsafe name": 1})
+    detail = "an object of this name is also the folder of others: a file on disk cannot be both; not read"
+    assert result.skip_examples == [{"key": "cat/b", "reason": "unsafe name", "detail": detail}]
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert [ds.keys[i] for i in range(len(ds))] == ["cat/0.jpg", "cat/b/1.jpg"]
+
+
 @pytest.fixture
 def small_work_disk(tmp_path: Path, monkeypatch) -> Iterator[Path]:
     """PACKDATA_TMP on a 2 MiB tmpfs (root only), unmounted afterwards."""

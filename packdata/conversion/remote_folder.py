@@ -46,7 +46,8 @@ def list_folder(
     the order a local walk of the same tree gives. ``version`` is what the
     store says changes whenever the object is written (its ETag, else its
     modification time), or ``""`` when it says nothing. Objects with unsafe
-    names are left out and returned as skips, sorted.
+    names (``..``, ``.`` or empty parts, or the name of another's folder:
+    ``cat/b`` beside ``cat/b/1.jpg``) are left out and returned as skips, sorted.
 
     Raises:
         SourceError: the URL cannot be listed or holds no object.
@@ -69,8 +70,23 @@ def list_folder(
             refused.append(unsafe_name_skip(rel))
             continue
         objects.append((path, rel, max(0, int(info.get("size") or 0)), object_version(info)))
+    folders = _folders([rel for _, rel, _, _ in objects])
+    if any(rel in folders for _, rel, _, _ in objects):  # cat/b beside cat/b/1.jpg: on disk, b is one or the other
+        detail = "an object of this name is also the folder of others: a file on disk cannot be both; not read"
+        refused += [Skip(rel, "unsafe name", detail) for _, rel, _, _ in objects if rel in folders]
+        refused.sort(key=lambda skip: skip.key)
+        objects = [item for item in objects if item[1] not in folders]
     objects.sort(key=lambda item: item[1].split("/"))  # depth first, names sorted at every level
     return fs, root, objects, refused
+
+
+def _folders(names: list[str]) -> set[str]:
+    """Every folder that object names imply: ``cat`` and ``cat/b`` for ``cat/b/1.jpg``."""
+    folders: set[str] = set()
+    for name in names:
+        parts = name.split("/")
+        folders.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return folders
 
 
 @dataclass(frozen=True)
