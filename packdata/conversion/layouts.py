@@ -201,6 +201,11 @@ class ListSource:
         keys: dict[str, tuple[int, str]] = {}  # key -> the row that first gave it, and its path
         for number, row in _rows(self.list_file, self.fs, self._where):
             where = f"row {number}"
+            if _EXTRA in row:
+                extra = len(row[_EXTRA])
+                detail = f"{extra} value{'s' * (extra != 1)} past the header's columns (a delimiter not in quotes?)"
+                yield Skip(where, "bad row", detail)
+                continue
             raw_path = row.get(self.path_column)
             if not isinstance(raw_path, str) or not raw_path:
                 yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
@@ -302,6 +307,11 @@ def _rows(list_file: Path | str, fs: Any = None, where: str | Path = "") -> Iter
         raise remote_error(os.fspath(where), "cannot read the list file", exc, resumable=True) from exc
 
 
+_EXTRA = "\0extra"
+"""A CSV row's values past its header's columns, under a name no column has (a NUL ends a CSV): a caption
+with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
+
+
 def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
     with _open_text(list_file, fs) as f:
@@ -321,9 +331,9 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                     raise SourceError(f"line {number} is not a JSON object", path=where)
                 yield number, row
         else:
-            reader = csv.DictReader(f, delimiter=delimiter)
+            reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA)
             for row in reader:
-                yield reader.line_num, {k: v for k, v in row.items() if k is not None}
+                yield reader.line_num, row
 
 
 def scan_list(
@@ -380,7 +390,7 @@ def scan_list(
                     hint="Name the column with --path-column",
                 )
             for column, value in row.items():
-                if column in (path_column, label_column):
+                if column in (path_column, label_column, _EXTRA):
                     continue
                 columns[column] = columns.get(column, True) and (isinstance(value, str) or value is None)
             if label_column is not None:

@@ -229,6 +229,19 @@ def test_a_list_row_whose_file_name_starts_with_a_dot_gives_no_empty_key(tmp_pat
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a"]
 
 
+def test_a_csv_row_with_more_values_than_columns_is_a_skip_not_a_cut_value(tmp_path: Path) -> None:
+    """A caption with an unquoted comma ('a dog, running') was packed as 'a dog', the rest dropped without a word."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "l.csv").write_text('path,caption\na.txt,a dog, running\nb.txt,"a cat, sitting"\n')
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"bad row": 1}
+    detail = "1 value past the header's columns (a delimiter not in quotes?)"
+    assert result.skip_examples == [{"key": "row 2", "reason": "bad row", "detail": detail}]
+    [sample] = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert (sample["__key__"], sample["caption"]) == ("b", "a cat, sitting")
+
+
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
     """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
     (tmp_path / "a.txt").write_text("a")
