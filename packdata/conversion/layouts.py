@@ -26,7 +26,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -312,6 +312,24 @@ _EXTRA = "\0extra"
 with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
 
 
+def _repeated(names: Iterable[str]) -> str | None:
+    """The first name that ``names`` holds twice, or None."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused (ValueError) when it names a key twice (``json.loads`` kept the last one alone)."""
+    twice = _repeated([key for key, _ in pairs])
+    if twice is not None:
+        raise ValueError(f"key {twice!r} twice in one object")
+    return dict(pairs)
+
+
 def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
     with _open_text(list_file, fs) as f:
@@ -320,7 +338,7 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line, object_pairs_hook=_unique_keys)
                 except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
                     raise SourceError(f"line {number} is not JSON: {exc}", path=where) from exc
                 except RecursionError as exc:
@@ -332,6 +350,9 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                 yield number, row
         else:
             reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA)
+            twice = _repeated(reader.fieldnames or [])
+            if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
+                raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
             for row in reader:
                 yield reader.line_num, row
 

@@ -242,6 +242,24 @@ def test_a_csv_row_with_more_values_than_columns_is_a_skip_not_a_cut_value(tmp_p
     assert (sample["__key__"], sample["caption"]) == ("b", "a cat, sitting")
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("l.csv", "path,tag,tag\na.txt,x,y\n", "the header names column 'tag' twice"),
+        ("l.jsonl", '{"path": "a.txt", "tag": "x", "tag": "y"}\n', "line 1 is not JSON: key 'tag' twice in one object"),
+    ],
+)
+def test_a_list_naming_a_column_twice_is_refused_not_read_as_its_last(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    """csv.DictReader and json.loads keep the last value of a name given twice: tag 'x' was dropped without a word."""
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SourceError, match=re.escape(f"{tmp_path / name}: {problem}")):
+        packdata.convert(tmp_path / name, tmp_path / "out.lmdb", progress=False)
+    assert not (tmp_path / "out.lmdb").exists()
+
+
 def test_a_list_label_claims_no_more_classes_than_the_list_may_have(tmp_path: Path) -> None:
     """Integer labels name classes 0..N: a one-row list labelled 10**11 built a list of 10**11 class names."""
     (tmp_path / "a.txt").write_text("a")
