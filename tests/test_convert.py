@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -608,6 +609,27 @@ def test_a_resume_refuses_a_source_whose_classes_changed_since(
     with pytest.raises(SourceError, match=re.escape(message)):
         convert(source, dst, progress=False, resume=True, **options)
     assert tree_digest(partial_path(dst)) == before and not dst.exists()
+
+
+def test_a_resume_over_a_changed_source_keeps_the_interrupted_conversion(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal deleted the partial pack: a file moved for a while (a mount not up yet) cost the whole run so far."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    checkpoint = (partial_path(dst) / "progress.json").read_bytes()
+    (image_folder / "cat" / "a.jpg").rename(tmp_path / "a.jpg")
+    message = "the source folder changed since the interrupted conversion. Restore it as it was and resume"
+    with pytest.raises(SourceError, match=re.escape(message)):
+        convert(image_folder, dst, progress=False, resume=True)
+    assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
+    (tmp_path / "a.jpg").rename(image_folder / "cat" / "a.jpg")
+    gc.collect()  # the failed run's shard writer, held by its traceback until then, closes its LMDB environment
+    assert convert(image_folder, dst, progress=False, resume=True).resumed
+    convert(image_folder, tmp_path / "whole.lmdb", progress=False)
+    for name in ("keys.utf8", "labels.i32", "sizes.i64"):
+        assert (dst / "index" / name).read_bytes() == (tmp_path / "whole.lmdb" / "index" / name).read_bytes()
+    assert verify_pack(dst, progress=False).records == 19
 
 
 def test_a_resume_refuses_other_required_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -252,11 +252,13 @@ class _Packer:
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):
                 check.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
             if check.hexdigest() != self.cp.walk_expected:
-                raise SourceError(
+                error = SourceError(
                     "the source folder changed since the interrupted conversion",
                     path=self.source.root,
-                    hint="Start again with --overwrite",
+                    hint="Restore it as it was and resume, or start again with --overwrite",
                 )
+                error.resumable = True  # the partial is kept: a file moved for a while, a mount not up yet
+                raise error
             self.cp.walk = check
         return walk
 
