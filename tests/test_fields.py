@@ -1139,7 +1139,7 @@ def test_a_file_or_tar_member_over_the_sample_limit_is_skipped_unread(tmp_path: 
     )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: the file was never read
 
-    out = io.BytesIO()  # a member whose header claims more than the limit, then the tar ends
+    out = io.BytesIO()  # a member whose header claims more than the limit, then the tar ends: named, never read
     with tarfile.open(fileobj=out, mode="w") as tar:
         info = tarfile.TarInfo("ok.txt")
         info.size = 1
@@ -1148,7 +1148,9 @@ def test_a_file_or_tar_member_over_the_sample_limit_is_skipped_unread(tmp_path: 
     header.size = MAX_SAMPLE_BYTES + 1
     (tmp_path / "data.tar").write_bytes(out.getvalue()[:1024] + header.tobuf())
     result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "tar.lmdb", progress=False, on_error="skip")
-    assert result.packed == 1 and result.skipped["too large"] == 1
+    assert result.packed == 1 and result.skipped == {"corrupt tar": 1}
+    claim = f"member 'big.txt' claims {MAX_SAMPLE_BYTES + 1} bytes, past the tar's end (byte 1536)"
+    assert result.skip_examples[0]["detail"].startswith(claim)
 
 
 def test_pack_writer_and_list_groups_refuse_a_sample_over_the_limit(tmp_path: Path, monkeypatch) -> None:

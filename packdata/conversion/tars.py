@@ -26,6 +26,7 @@ from __future__ import annotations
 import bz2
 import glob
 import gzip
+import io
 import lzma
 import os
 import re
@@ -174,15 +175,21 @@ class TarSource:
             corrupt += (OSError,)  # a local file that cannot be read is skipped as before
         try:
             with self._open(shard) as stream, _decompressed(stream) as plain:
-                if plain is not stream:  # compressed: its checksum is at its end, so read it through before packing
-                    while plain.read(_BLOCK):
-                        pass
+                end = _plain_size(stream, plain)  # where the tar ends: no member header may point past it
             with (
                 self._open(shard) as stream,
                 _decompressed(stream) as plain,
                 tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo) as tar,
             ):
                 for member in tar:
+                    if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
+                        base, _ = _split(_relative(member.name))
+                        if base not in (None, key) and key is not None and fields is not None:
+                            yield _group(key, fields)  # whole: this member starts the next sample
+                            key, fields = base, {}
+                        raise tarfile.ReadError(
+                            f"member {member.name!r} claims {member.size} bytes, past the tar's end (byte {end})"
+                        )
                     where = f"{name}:{member.name}"
                     if member.isdir():
                         continue
@@ -245,6 +252,23 @@ def _local_error(shard: str, exc: Exception) -> SourceError:
     error = SourceError(f"cannot read the tar ({detail})", path=shard, hint=hint)
     error.resumable = True  # the conversion so far is kept
     return error
+
+
+def _plain_size(stream: BinaryIO, plain: BinaryIO) -> int | None:
+    """The tar's own bytes: a compressed one read through (its checksum is at its end), else its file's size.
+
+    None where the size is not known (an object whose store says none).
+    """
+    if plain is not stream:
+        total = 0
+        while chunk := plain.read(_BLOCK):
+            total += len(chunk)
+        return total
+    try:
+        return os.fstat(stream.fileno()).st_size
+    except (OSError, AttributeError, io.UnsupportedOperation):  # an fsspec file: no descriptor
+        size = getattr(stream, "size", None)
+        return size if isinstance(size, int) else None
 
 
 def _decompressed(stream: BinaryIO) -> BinaryIO:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -332,6 +333,30 @@ def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_pa
     out = export_pack(tmp_path / "t.lmdb", tmp_path / "out")
     assert sorted(r["key"] for r in out.refused) == ["../../escape", "/etc/owned"]
     assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["a.txt"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_tar_member_claiming_more_bytes_than_the_tar_holds_is_named_not_read_forever(
+    tmp_path: Path, suffix: str
+) -> None:
+    """A 10 KB tar whose pax header says size=10**30: tarfile's stream skipped to it 10 KB at a time, without end."""
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("a.txt", "b.txt", "c.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 5
+            if name == "c.txt":
+                info.pax_headers = {"size": str(10**30)}
+            tar.addfile(info, io.BytesIO(b"hello"))
+    src = tmp_path / f"t{suffix}"
+    src.write_bytes(plain.getvalue() if suffix == ".tar" else gzip.compress(plain.getvalue()))
+    result = packdata.convert(str(src), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    assert skip["key"] == f"t{suffix}:c"
+    assert skip["detail"].startswith(f"member 'c.txt' claims {10**30} bytes, past the tar's end (byte 10240)")
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a", "b"]
 
 
 @pytest.mark.parametrize("source", ["jsonl", "tar"])
