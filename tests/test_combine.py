@@ -652,3 +652,26 @@ def test_overwrite_of_a_pack_with_an_interrupted_append_says_to_finish_it(tmp_pa
     assert done.exit_code == 0, done.output
     sources = sorted(p.relative_to(new).as_posix() for p in new.rglob("*") if p.is_file())
     assert [key for key, _, _ in _samples(pack)] == sources and not any(p.name.startswith(".") for p in pack.iterdir())
+
+
+def _text_pack(root: Path, cls: str, files: int) -> Path:
+    """A pack of ``files`` 40 KB texts in class ``cls`` (random: no two alike)."""
+    (root / cls).mkdir(parents=True)
+    for i in range(files):
+        (root / cls / f"{i}.txt").write_text(os.urandom(20_000).hex(), encoding="utf-8")
+    packdata.convert(root, root.with_suffix(".lmdb"), progress=False)
+    return root.with_suffix(".lmdb")
+
+
+@pytest.mark.parametrize(("first", "second"), [(40, 2), (8, 40)], ids=["copied", "rewritten"])
+def test_merge_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, tmpfs, first: int, second: int) -> None:
+    """A shard copied onto another, full disk was a raw OSError (ENOSPC); one rewritten said to rerun with --resume."""
+    a, b = _text_pack(tmp_path / "a", "cat", first), _text_pack(tmp_path / "b", "dog", second)  # dog's labels change
+    disk = tmpfs("1500k")
+    result = CliRunner().invoke(cli, ["merge", str(a), str(b), "-o", str(disk / "m.lmdb")])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {disk / 'm.lmdb'}: the destination disk filled while merging: nothing was published. "
+        "Free space on its disk (shards are copied there from another disk), then merge again\n"
+    )
+    assert os.listdir(disk) == []

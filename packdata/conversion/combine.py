@@ -31,7 +31,7 @@ from packdata.conversion.publish import (
     partial_path,
     recover_replaced,
 )
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import open_index
 from packdata.pack.fields import codec_of
@@ -52,6 +52,7 @@ from packdata.pack.records import Sample
 __all__ = ["MergeResult", "merge_packs"]
 
 _CHUNK = 1 << 16  # index rows copied per step: memory stays flat on huge packs
+_FULL_HINT = "Free space on its disk (shards are copied there from another disk), then merge again"
 
 
 @dataclass
@@ -307,8 +308,13 @@ def merge_packs(
             write_manifest(partial, manifest)
             fsync_dir(partial)
             _publish(partial, out, overwrite=overwrite)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            if full or isinstance(exc, CapacityError):  # a copy's raw OSError; a rewritten shard's hint to resume
+                raise CapacityError(
+                    "the destination disk filled while merging: nothing was published", path=out, hint=_FULL_HINT
+                ) from exc
             raise
     result.samples, result.shards = manifest.num_samples, len(shards)
     result.renamed_keys = sum(len(item.renames) for item in inputs)
