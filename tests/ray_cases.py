@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -392,6 +393,32 @@ def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_pat
         packdata.convert(clean_folder, dst, shard_samples=11, resume=True, progress=False, engine="ray")
     with pytest.raises(ConfigError, match=r"interrupted conversion.*--resume"):
         packdata.convert(clean_folder, dst, shard_samples=10, progress=False, engine="ray")
+
+
+@pytest.mark.ray
+def test_ray_resume_refuses_a_source_whose_classes_changed(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """The plan kept no classes: a class folder added since renumbered every class the saved tasks had labelled."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = partial_path(dst)
+    opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
+    classes = scan_source(clean_folder).classes
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False, classes=classes, source=clean_folder)
+    (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
+    options = {"format": "tfrecord", "shard_samples": 10, "resume": True, "progress": False, "engine": "ray"}
+    with pytest.raises(EngineError):
+        packdata.convert(clean_folder, dst, **options)
+    (partial / "part-00003.tfindex").rmdir()
+    saved = sorted(p.name for p in (partial / TASKS_DIR).iterdir())
+    (clean_folder / "aaa").mkdir()
+    (clean_folder / "aaa" / "x.jpg").write_bytes(_tiny_jpeg(1))
+    message = "the source's classes changed since the interrupted conversion (class 0 was 'class0', is now 'aaa')"
+    with pytest.raises(SourceError, match=re.escape(message)):
+        packdata.convert(clean_folder, dst, **options)
+    assert sorted(p.name for p in (partial / TASKS_DIR).iterdir()) == saved and not dst.exists()
 
 
 @pytest.mark.ray

@@ -20,12 +20,13 @@ from typing import Any
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     SKIP_REPORT,
+    classes_changed_error,
     is_count,
     is_skip_counts,
     is_skip_lines,
     other_options_error,
 )
-from packdata.errors import PackFormatError, SourceError
+from packdata.errors import PackFormatError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -108,30 +109,12 @@ class _Checkpoint:
     def check_classes(self, source: Path | str) -> None:
         """Refuse a resume whose source numbers its classes otherwise than the interrupted run's did.
 
-        The samples packed before the interruption carry the old numbers: a class
-        added, removed or renamed since (a list's new label, a new folder) would
-        give the rest of the pack other meanings for the same labels.
-
         Raises:
-            SourceError: naming the source and the first class that differs.
+            SourceError: naming the source and the first class that differs (:func:`classes_changed_error`).
         """
-        saved = self.saved_classes
-        if saved is None or saved == self.classes:
-            return
-        change = next(
-            (
-                f"class {i} was {a!r}, is now {b!r}"
-                for i, (a, b) in enumerate(zip(saved, self.classes, strict=False))
-                if a != b
-            ),
-            f"it had {len(saved)} classes, has {len(self.classes)}",
-        )
-        raise SourceError(
-            f"the source's classes changed since the interrupted conversion ({change}): "
-            "the samples packed before it carry the old class numbers",
-            path=source,
-            hint="Restore the source as it was, or start again with --overwrite",
-        )
+        error = classes_changed_error(self.saved_classes, self.classes, source)
+        if error is not None:
+            raise error
 
     def check_field_names(self, field_sizes: Path) -> None:
         """Refuse ``field_names`` that do not name every field number of the field sizes a resume kept.

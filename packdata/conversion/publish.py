@@ -40,6 +40,7 @@ __all__ = [
     "ConvertResult",
     "bad_file_error",
     "check_resumable",
+    "classes_changed_error",
     "extend_classes",
     "interrupted_error",
     "is_count",
@@ -312,6 +313,28 @@ def other_options_error(saved: Any, now: dict[str, Any], path: str | os.PathLike
         f"the interrupted conversion used other options: {what}",
         path=path,
         hint="Resume with the same options, or start again with --overwrite",
+    )
+
+
+def classes_changed_error(saved: list[str] | None, now: list[str], source: Path | str) -> SourceError | None:
+    """The refusal of a resume whose source numbers its classes otherwise than the interrupted run's (``saved``).
+
+    The samples packed before the interruption carry the old numbers: a class
+    added, removed or renamed since (a list's new label, a new folder) would
+    give the rest of the pack other meanings for the same labels. None when
+    they agree, or nothing was saved (an earlier packdata's run).
+    """
+    if saved is None or saved == now:
+        return None
+    change = next(
+        (f"class {i} was {a!r}, is now {b!r}" for i, (a, b) in enumerate(zip(saved, now, strict=False)) if a != b),
+        f"it had {len(saved)} classes, has {len(now)}",
+    )
+    return SourceError(
+        f"the source's classes changed since the interrupted conversion ({change}): "
+        "the samples packed before it carry the old class numbers",
+        path=source,
+        hint="Restore the source as it was, or start again with --overwrite",
     )
 
 

@@ -142,7 +142,9 @@ def convert_on_ray(
     if opts.shard_samples is None and opts.shard_size is None:
         opts = replace(opts, shard_samples=DEFAULT_TASK_SAMPLES)
     partial = partial_path(dst)
-    resumed = _prepare_partial(partial, dst, opts, overwrite=overwrite, resume=resume)
+    resumed = _prepare_partial(
+        partial, dst, opts, overwrite=overwrite, resume=resume, classes=list(source.classes), source=source.root
+    )
     started_ray = _connect(ray, address)
     try:
         gatherer = _Gatherer(partial, opts.kind)

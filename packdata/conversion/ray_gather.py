@@ -23,6 +23,7 @@ from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     SKIP_REPORT,
     check_resumable,
+    classes_changed_error,
     interrupted_error,
     is_count,
     is_skip_counts,
@@ -259,8 +260,21 @@ class _Gatherer:
                 f.close()
 
 
-def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: bool, resume: bool) -> bool:
-    """Make the partial folder ready; True when an interrupted Ray run into it is resumed."""
+def _prepare_partial(
+    partial: Path,
+    dst: Path,
+    opts: _Options,
+    *,
+    overwrite: bool,
+    resume: bool,
+    classes: list[str] | None = None,
+    source: Path | str = "",
+) -> bool:
+    """Make the partial folder ready; True when an interrupted Ray run into it is resumed.
+
+    ``classes``: the source's, as scanned (recorded in the plan; a resume whose
+    source, at ``source``, numbers them otherwise is refused).
+    """
     state = {"engine": "ray", "options": asdict(opts)}
     plan = partial / RAY_PLAN_FILE
     if resume and os.path.lexists(partial):
@@ -275,9 +289,21 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
                     path=plan,
                     hint="Start the conversion again with --overwrite",
                 ) from exc
+            saved_classes = saved.pop("classes", None) if isinstance(saved, dict) else None
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
                 raise other_options_error(options, asdict(opts), partial)
+            if saved_classes is not None and not (
+                isinstance(saved_classes, list) and all(isinstance(c, str) for c in saved_classes)
+            ):
+                raise PackFormatError(
+                    "the interrupted conversion's plan is damaged: classes should be a list of strings",
+                    path=plan,
+                    hint="Start the conversion again with --overwrite",
+                )
+            changed = None if classes is None else classes_changed_error(saved_classes, classes, source)
+            if changed is not None:
+                raise changed
             (partial / TASKS_DIR).mkdir(exist_ok=True)
             return True
         if resume and (partial / PROGRESS_FILE).is_file():
@@ -290,7 +316,7 @@ def _prepare_partial(partial: Path, dst: Path, opts: _Options, *, overwrite: boo
             raise interrupted_error(dst, partial)
         discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
-    plan.write_text(json.dumps(state), encoding="utf-8")
+    plan.write_text(json.dumps(state if classes is None else {**state, "classes": classes}), encoding="utf-8")
     return False
 
 
