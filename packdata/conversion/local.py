@@ -364,6 +364,8 @@ class _Packer:
             with contextlib.suppress(BaseException):  # the failure being raised is the one to report
                 self._closing[0].result()  # no thread writes into the partial pack once this returns
             self._closing = None
+        if failed:  # the open shard goes with its writer, not with the traceback, which a caller may keep
+            self.writer = None
         if self.report.closed:
             return
         try:

@@ -220,8 +220,8 @@ class PackWriter:
 
     def abort(self) -> None:
         """Drop everything written: no pack appears at ``dst``."""
-        self._packer.close_files(failed=True)
         writer = self._packer.writer
+        self._packer.close_files(failed=True)
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()
