@@ -226,6 +226,18 @@ def test_refuses_destination_inside_source(image_folder: Path) -> None:
         convert(image_folder, image_folder / "cat" / "out.lmdb", progress=False)
 
 
+def test_refuses_a_destination_inside_a_pack(image_folder: Path, tmp_path: Path) -> None:
+    """convert SRC p.lmdb/x.lmdb wrote a pack into another's folder, whose --overwrite then refused the foreign
+    entry (merge and export already refused such an output)."""
+    convert(image_folder, tmp_path / "p.lmdb", progress=False)
+    before = sorted(p.name for p in (tmp_path / "p.lmdb").iterdir())
+    for inner in (tmp_path / "p.lmdb" / "x.lmdb", tmp_path / "p.lmdb" / "index" / "y.tfrecord"):
+        with pytest.raises(ConfigError, match=r"the pack would be inside the pack .*p\.lmdb"):
+            convert(image_folder, inner, progress=False)
+    assert sorted(p.name for p in (tmp_path / "p.lmdb").iterdir()) == before
+    convert(image_folder, tmp_path / "p.lmdb", overwrite=True, progress=False)
+
+
 def test_refuses_missing_and_empty_sources(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match=r"nope: no such folder"):
         convert(tmp_path / "nope", tmp_path / "out.lmdb", progress=False)

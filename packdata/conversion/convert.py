@@ -223,7 +223,11 @@ def _streams(url: str) -> bool:
 
 
 def _check_source_and_destination(src: Path | str, dst: Path, overwrite: bool) -> None:
-    """Refuse a destination inside a local source (or around it), or an existing pack unless ``overwrite``."""
+    """Refuse a destination inside a local source (or around it) or inside a pack, or an existing pack unless
+    ``overwrite``."""
+    around = next((folder for folder in Path(os.path.abspath(dst)).parents if _is_pack(folder)), None)
+    if around is not None:  # its shards would sit in a pack's folder, which --overwrite of that pack then refuses
+        raise ConfigError(f"the pack would be inside the pack {around}", path=dst, hint="Choose an output outside it")
     if isinstance(src, str):  # a URL: nothing of it is on this disk
         _check_existing(dst, overwrite)
     else:
