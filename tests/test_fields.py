@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main as cli
 from packdata.conversion.publish import partial_path
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb_env import DATA_FILE
 from packdata.pack.fields import decode_block
@@ -365,6 +365,21 @@ def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
     assert list(ds.targets) == [3, 0] and ds.classes == ["0", "1", "2", "3"]
     assert ds[0] == {"__key__": "a", "txt": "alpha", "meta": {"n": 1}, "cls": 3}
     assert ds[1] == {"__key__": "b", "txt": "beta", "cls": 0}
+
+
+def test_a_jsonl_line_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSONL line was read whole, however long: a list of one 10 GB line (a stranger's) filled the memory.
+    Now a line is read to MAX_JSONL_LINE characters at most (64 Mi; 100 here) and one longer is refused."""
+    from packdata.conversion import layouts
+
+    monkeypatch.setattr(layouts, "MAX_JSONL_LINE", 100)
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    listing = tmp_path / "l.jsonl"
+    long_line = json.dumps({"path": "a.txt", "caption": "x" * 150})
+    listing.write_text(json.dumps({"path": "a.txt"}) + "\n" + long_line + "\n", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"l\.jsonl: line 2 is longer than 100 characters"):
+        packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert not (tmp_path / "out.lmdb").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")

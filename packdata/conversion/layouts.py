@@ -49,9 +49,20 @@ from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
-__all__ = ["LIST_SUFFIXES", "AnySource", "GroupedSource", "ListSource", "detect_grouped", "scan_grouped", "scan_list"]
+__all__ = [
+    "LIST_SUFFIXES",
+    "MAX_JSONL_LINE",
+    "AnySource",
+    "GroupedSource",
+    "ListSource",
+    "detect_grouped",
+    "scan_grouped",
+    "scan_list",
+]
 
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
+MAX_JSONL_LINE = 64 << 20
+"""Characters a JSONL list's line may hold (a CSV field may hold 128 Ki: csv's own limit)."""
 
 
 def _integer(value: Any) -> int | None:
@@ -334,7 +345,13 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
     delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
     with _open_text(list_file, fs) as f:
         if delimiter is None:
-            for number, line in enumerate(f, 1):
+            for number, line in enumerate(iter(lambda: f.readline(MAX_JSONL_LINE + 1), ""), 1):
+                if len(line) > MAX_JSONL_LINE:  # read no further: a line of gigabytes would be held whole
+                    raise SourceError(
+                        f"line {number} is longer than {MAX_JSONL_LINE:,} characters",
+                        path=where,
+                        hint="Store large values in files beside the list and name them in a column",
+                    )
                 if not line.strip():
                     continue
                 try:
