@@ -84,6 +84,26 @@ def test_samples_are_counted_whatever_the_collate(collate: Any) -> None:
     assert watched.summaries[0].samples == 16
 
 
+@pytest.mark.parametrize("collate", [None, list])
+@pytest.mark.parametrize("kind", ["text", "dict", "image"])
+def test_samples_that_are_strings_dicts_or_images_are_counted_one_each(kind: str, collate: Any) -> None:
+    """A batch of strings (the default collate of text samples) was counted in characters, a list of dicts
+    (collate_fn=list) by its first field's length, and a list of PIL images as one sample."""
+    from PIL import Image
+
+    make = {
+        "text": lambda i: f"a text of some length {i}",
+        "dict": lambda i: {"txt": b"x" * 1000, "cls": i},
+        "image": lambda i: Image.new("RGB", (8, 8)),
+    }[kind]
+    if kind == "image" and collate is None:
+        collate = lambda batch: batch  # noqa: E731 - the default collate cannot stack PIL images
+    samples = [make(i) for i in range(16)]
+    watched = packdata.monitor(DataLoader(samples, batch_size=4, collate_fn=collate), every="60s", stream=io.StringIO())
+    assert sum(1 for _ in watched) == 4
+    assert watched.summaries[0].samples == 16
+
+
 def test_a_slow_step_is_compute_bound(tmp_path: Path) -> None:
     stream = io.StringIO()
     watched = packdata.monitor(

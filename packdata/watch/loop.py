@@ -43,10 +43,26 @@ def _seconds(every: float | str) -> float:
     return value
 
 
+def _is_sample(value: Any) -> bool:
+    """What a collated column never is: one string, number, image or 0-d tensor (so it is one sample)."""
+    if isinstance(value, (str, bytes, bytearray)) or getattr(value, "ndim", None) == 0:
+        return True
+    return not hasattr(value, "__len__")
+
+
 def _batch_len(batch: Any) -> int:
-    """Samples in ``batch``: a list of samples (``collate_fn=list``), or the first column of a collated one."""
-    if isinstance(batch, list) and batch and isinstance(batch[0], tuple):  # (sample, label) pairs, not collated
-        return len(batch)  # (the default collate gives a list of columns: tensors, lists, never tuples)
+    """Samples in ``batch``: a list of samples (``collate_fn=list``), or the first column of a collated one.
+
+    A list whose items are tuples, strings, images, numbers or dicts of them is a list of samples: the
+    default collate gives a list of columns (tensors, lists), never of those, and a list of strings for
+    string samples. A list of tensors stays ambiguous and is read as columns.
+    """
+    if isinstance(batch, list) and batch:
+        first = batch[0]
+        if isinstance(first, dict) and first:
+            first = next(iter(first.values()))
+        if isinstance(batch[0], tuple) or _is_sample(first):
+            return len(batch)
     if isinstance(batch, (tuple, list)) and batch:
         batch = batch[0]
     if isinstance(batch, dict) and batch:
