@@ -190,9 +190,36 @@ def test_monitor_refuses_a_pid_no_process_can_have(pid: str) -> None:
     assert out.exit_code == 2 and f"Invalid value for '[PID]': {pid} is not in the range x>=1." in out.output
 
 
-def test_monitor_refuses_a_bad_period() -> None:
+@pytest.mark.parametrize("every", ["soon", "nan", "inf", 0])
+def test_monitor_refuses_a_bad_period(every: Any) -> None:
+    """'nan' and 'inf' were taken: no period report ever came."""
     with pytest.raises(packdata.ConfigError, match="every should be"):
-        packdata.monitor([], every="soon")
+        packdata.monitor([], every=every)
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_monitor_refuses_a_memory_budget_that_is_not_positive(budget: int) -> None:
+    """0 was taken, and every epoch was diagnosed ``memory``."""
+    with pytest.raises(packdata.ConfigError, match="memory_budget should be"):
+        packdata.monitor([], memory_budget=budget)
+
+
+def test_monitor_refuses_a_log_it_cannot_write_before_the_loop(tmp_path: Path) -> None:
+    """A log in a missing folder raised FileNotFoundError at the first report, minutes into the training."""
+    log = tmp_path / "missing" / "loader.jsonl"
+    with pytest.raises(packdata.ConfigError, match=r"missing/loader\.jsonl: cannot write the log"):
+        packdata.monitor([torch.zeros(2)], log=log)
+
+
+def test_a_log_that_fails_mid_loop_stops_logging_not_the_training(tmp_path: Path) -> None:
+    log = tmp_path / "loader.jsonl"
+    stream = io.StringIO()
+    watched = packdata.monitor([torch.zeros(2)] * 3, log=log, every="60s", stream=stream)
+    log.unlink(missing_ok=True)
+    log.mkdir()  # the report cannot append to a folder
+    assert len(list(watched)) == 3
+    assert watched.summaries[0].steps == 3
+    assert f"could not write {log}" in stream.getvalue() and "logging stopped" in stream.getvalue()
 
 
 class _Burn2(_Instant):

@@ -17,6 +17,7 @@ step and one sample per period.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -38,8 +39,8 @@ def _seconds(every: float | str) -> float:
         value = float(text[:-1]) * 60 if text.endswith("m") else float(text.rstrip("s"))
     except ValueError:
         raise ConfigError(f"every should be seconds such as 10 or '10s', but got every={every!r}") from None
-    if value <= 0:
-        raise ConfigError(f"every should be positive, but got every={every!r}")
+    if not 0 < value < math.inf:
+        raise ConfigError(f"every should be a positive number of seconds, but got every={every!r}")
     return value
 
 
@@ -186,8 +187,12 @@ class _Monitor:
                 "snapshot": snap.to_dict(),
                 "diagnosis": diagnosis.to_dict(),
             }
-            with open(self.log, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:  # the training goes on: say so once and stop logging
+                print(f"monitor: could not write {self.log} ({exc}): logging stopped", file=self.stream, flush=True)
+                self.log = None
 
 
 def monitor(
@@ -209,6 +214,19 @@ def monitor(
 
     Returns:
         An iterable whose ``summaries`` list one :class:`EpochSummary` per finished pass.
+
+    Raises:
+        ConfigError: ``every`` or ``memory_budget`` is not positive, or ``log`` cannot be written.
     """
     budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
-    return _Monitor(loader, _seconds(every), Path(log) if log is not None else None, stream or sys.stderr, budget)
+    if budget is not None and budget <= 0:
+        raise ConfigError(f"memory_budget should be a positive size, but got memory_budget={memory_budget!r}")
+    path = Path(log) if log is not None else None
+    if path is not None:  # now, not at the first report minutes into the training
+        try:
+            open(path, "a", encoding="utf-8").close()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the log: {exc.strerror}", path=path, hint="Pass log= a writable file"
+            ) from exc
+    return _Monitor(loader, _seconds(every), path, stream or sys.stderr, budget)
