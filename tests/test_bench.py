@@ -447,3 +447,31 @@ def test_bench_and_tune_quiet_drop_the_progress_lines(pack: Path, command: str) 
     assert f"{command} " in loud.stderr
     assert f"{command} " not in quiet.stderr
     assert quiet.stdout.strip() and ("samples/s" in quiet.stdout)
+
+
+class _FailsAt:
+    """64 samples; the ones at ``i % 7 == 3`` raise."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        if i % 7 == 3:
+            raise ValueError(f"sample {i} is bad")
+        return i
+
+
+def test_workers_of_a_loader_that_raised_are_shut_down_at_once() -> None:
+    """Torch's reraise holds the loader's iterator in a reference cycle: its workers lived on until a garbage
+    collection, so the next setting's memory samples counted them (and its forks inherited the dead iterator)."""
+    import gc
+
+    import psutil
+
+    gc.disable()  # what the collector does at random times, the fix must not need
+    try:
+        with pytest.raises(ValueError, match="is bad"):
+            measure_loader(_FailsAt(), LoaderConfig(num_workers=2, batch_size=4), batches=5)  # type: ignore[arg-type]
+        assert psutil.Process().children(recursive=True) == []
+    finally:
+        gc.enable()

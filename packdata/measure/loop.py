@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -186,6 +187,11 @@ def measure_loader(
             cpu = sampler.cpu_seconds() - cpu_start
             result.cpu_ms_per_sample = 1000 * cpu / result.samples if result.samples else 0.0
             sampler.sample()
+        except BaseException as exc:
+            # the loader's frames in the traceback hold its iterator in a cycle (torch's reraise): cleared,
+            # closing the epochs shuts the workers down now, not at some later garbage collection
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             epochs.close()
     result.first_batch_s = first or 0.0
