@@ -475,3 +475,21 @@ def test_workers_of_a_loader_that_raised_are_shut_down_at_once() -> None:
         assert psutil.Process().children(recursive=True) == []
     finally:
         gc.enable()
+
+
+def test_a_damaged_file_is_named_in_one_line_by_bench_and_tune(tmp_path: Path) -> None:
+    """A sample that failed in a worker was reported with the worker's whole traceback (torch puts it in the
+    message): many lines in bench's table, an escaped page on tune's Error line; and the folder's file unnamed."""
+    root = tmp_path / "damaged" / "class0"
+    root.mkdir(parents=True)
+    for i in range(8):
+        (root / f"{i}.jpg").write_bytes(b"\xff\xd8\xff not a jpeg" if i == 5 else image_bytes(i, (32, 32)))
+    result = run_bench(root.parent, workers=1, batch_sizes=8, batches=1, warmup=0)
+    (row,) = result.for_source(str(root.parent))
+    assert row.error is not None and "\n" not in row.error
+    assert row.error.startswith(f"ImageFormatError: {root / '5.jpg'}: not an image")
+    assert row.error.endswith("(in DataLoader worker process 0)")
+    out = CliRunner().invoke(cli_main, ["tune", str(root.parent), "--batch-size", "8", "--max-workers", "1", "-q"])
+    assert out.exit_code == 1
+    assert out.output.startswith(f"Error: ImageFormatError: {root / '5.jpg'}: not an image")
+    assert out.output.count("\n") == 1 and "Traceback" not in out.output

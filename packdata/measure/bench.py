@@ -30,7 +30,14 @@ from torch.utils.data import Dataset
 from packdata.errors import ConfigError, PackdataError
 from packdata.host.cores import MAX_WORKERS_PER_CPU, check_workers, usable_cores
 from packdata.host.facts import cpu_counts
-from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, ConfigResult, LoaderConfig, measure_loader
+from packdata.measure.loop import (
+    DEFAULT_BATCHES,
+    DEFAULT_MIN_SECONDS,
+    ConfigResult,
+    LoaderConfig,
+    error_line,
+    measure_loader,
+)
 from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate
@@ -315,7 +322,7 @@ def run_bench(
                 kind=facts.get("format", ""),
             )
         except (PackdataError, RuntimeError, OSError, TypeError, ValueError) as exc:
-            return ConfigResult(name, facts.get("format", ""), **asdict(config), error=f"{type(exc).__name__}: {exc}")
+            return ConfigResult(name, facts.get("format", ""), **asdict(config), error=error_line(exc))
 
     runs: dict[tuple[str, LoaderConfig], list[ConfigResult]] = {}
     for _ in range(repeats):  # interleaved: a noisy minute hits every setting alike

@@ -16,7 +16,7 @@ from packdata.errors import ConfigError
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.loader import worker_init_fn
 
-__all__ = ["DEFAULT_BATCHES", "DEFAULT_MIN_SECONDS", "ConfigResult", "LoaderConfig", "measure_loader"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_MIN_SECONDS", "ConfigResult", "LoaderConfig", "error_line", "measure_loader"]
 
 DEFAULT_BATCHES = 50
 DEFAULT_MIN_SECONDS = 1.0
@@ -85,6 +85,17 @@ class ConfigResult:
         return LoaderConfig(
             self.num_workers, self.batch_size, self.pin_memory, self.prefetch_factor, self.persistent_workers
         )
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one line: an exception a DataLoader worker raised is its last line (without the worker's
+    traceback torch puts in its message), and the worker."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        message = lines[-1].partition(": ")[2] or lines[-1]
+        where = lines[0].removeprefix(f"Caught {type(exc).__name__} in ").rstrip(".")
+        return f"{type(exc).__name__}: {message} (in {where})"
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 class _Epochs:

@@ -12,7 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packdata.conversion.sources import SourceFile, scan_source
-from packdata.errors import ConfigError, SourceError
+from packdata.errors import ConfigError, DecodeError, ImageFormatError, SourceError
 from packdata.pack.files import file_kind
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.reading.crop import DecodeCrop
@@ -102,7 +102,10 @@ class FolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         data, label = self.raw(index)
-        sample = self.decode(data)
+        try:
+            sample = self.decode(data)
+        except (ImageFormatError, DecodeError) as exc:  # name the file: the folder may hold thousands
+            raise type(exc)(exc.message, path=os.fsdecode(self._paths[index]), hint=exc.hint) from exc
         if self.transform is not None:
             sample = self.transform(sample)
         return sample, label

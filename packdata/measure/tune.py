@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from packdata.errors import CapacityError, ConfigError, PackdataError
 from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores
 from packdata.host.facts import read_cgroup_memory
-from packdata.measure.loop import LoaderConfig, measure_loader
+from packdata.measure.loop import LoaderConfig, error_line, measure_loader
 from packdata.measure.sources import check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate, worker_init_fn
@@ -255,7 +255,7 @@ class _Search:
         try:
             result = self.measure(config)
         except PackdataError as exc:
-            trial.rejected = str(exc)
+            trial.rejected = error_line(exc)
             self.failure = self.failure or exc
             return trial
         trial.samples_per_s = result.samples_per_s
@@ -436,8 +436,11 @@ def run_tune(
     ranked = sorted((t for t in trials if t.accepted), key=lambda t: -(t.samples_per_s or 0.0))
     if not ranked:
         smallest = min(t.projected_bytes for t in trials)
-        if search.failure is not None and smallest <= budget:  # a setting fitted, and failed for another reason
-            raise search.failure
+        failure = search.failure
+        if failure is not None and smallest <= budget:  # a setting fitted, and failed for another reason
+            if "\n" in str(failure):  # raised in a worker: torch put the worker's traceback in the message
+                raise PackdataError(error_line(failure)) from failure
+            raise failure
         raise CapacityError(
             f"no DataLoader setting fits the memory budget of {budget} bytes (the smallest projection is "
             f"{smallest} bytes)",
