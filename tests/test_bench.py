@@ -493,3 +493,15 @@ def test_a_damaged_file_is_named_in_one_line_by_bench_and_tune(tmp_path: Path) -
     assert out.exit_code == 1
     assert out.output.startswith(f"Error: ImageFormatError: {root / '5.jpg'}: not an image")
     assert out.output.count("\n") == 1 and "Traceback" not in out.output
+
+
+def test_bench_cli_fails_when_no_setting_of_a_source_could_be_measured(folder: Path) -> None:
+    """Every setting failing (30 samples, batch 64) printed a table of errors and exited 0."""
+    out = CliRunner().invoke(cli_main, ["bench", str(folder), "--workers", "0", "--batches", "1", "-q"])
+    assert out.exit_code == 1
+    assert out.output.splitlines()[-1] == (
+        f"Error: no setting could be measured: {folder}: ConfigError: the source holds 30 samples, fewer than "
+        "--batch-size 64. Use a smaller --batch-size N"
+    )
+    out = CliRunner().invoke(cli_main, ["bench", str(folder), "--workers", "0", "--batch-size", "4,64", "-q"])
+    assert out.exit_code == 0, out.output  # one setting measured: the table is the result

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from packdata.cli.common import _friendly, _mb, _output_file, _size, _write_failed
+from packdata.errors import PackdataError
 
 __all__ = ["bench", "tune"]
 
@@ -182,6 +183,10 @@ def bench(
             raise _write_failed(plot_file, exc) from exc
     if failed:
         raise click.ClickException(f"could not measure {failed[0]['error']}")
+    for source in result.sources:  # a source whose every setting failed was not measured: say so, exit 1
+        rows = result.for_source(source["name"]) if source["name"] != "ceiling" else []
+        if rows and all(r.error for r in rows):
+            raise PackdataError(f"no setting could be measured: {source['name']}: {rows[0].error}")
 
 
 @click.command()
