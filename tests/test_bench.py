@@ -505,3 +505,24 @@ def test_bench_cli_fails_when_no_setting_of_a_source_could_be_measured(folder: P
     )
     out = CliRunner().invoke(cli_main, ["bench", str(folder), "--workers", "0", "--batch-size", "4,64", "-q"])
     assert out.exit_code == 0, out.output  # one setting measured: the table is the result
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_multiprocessing_helpers_are_not_counted_as_workers(context: str) -> None:
+    """With spawn and forkserver, the resource tracker and the fork server (Python children of the main
+    process) were counted and sampled as DataLoader workers, by bench's memory figures and the monitor."""
+    from torch.utils.data import DataLoader
+
+    from packdata.watch.probe import SystemProbe
+
+    data = InMemoryDataset([(b"x" * 100, 0)] * 16, decode="bytes")
+    result = measure_loader(
+        data, LoaderConfig(num_workers=1, batch_size=4), batches=2, warmup=0, collate_fn=list_collate,
+        multiprocessing_context=context,
+    )  # fmt: skip
+    assert result.memory["processes_peak"] == 2  # the main process and its worker
+    loader = DataLoader(data, batch_size=4, num_workers=1, collate_fn=list_collate, multiprocessing_context=context)
+    iterator = iter(loader)
+    next(iterator)
+    assert len(SystemProbe(gpus=False, packs=False).sample().workers) == 1
+    del iterator

@@ -10,9 +10,38 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["open_by_any_process", "process_memory"]
+__all__ = ["open_by_any_process", "process_memory", "worker_processes"]
 
 _ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
+
+
+_MP_HELPERS = tuple(
+    f"from multiprocessing.{name} import" for name in ("resource_tracker", "forkserver", "semaphore_tracker")
+)
+
+
+def worker_processes(proc: psutil.Process) -> list[psutil.Process]:
+    """The descendants of ``proc`` (its DataLoader workers), without multiprocessing's own helpers.
+
+    With the ``spawn`` and ``forkserver`` start methods, multiprocessing starts a
+    resource tracker (and a fork server, whose children the workers then are)
+    beside the workers: Python processes that are none of them.
+    """
+    try:
+        children = proc.children(recursive=True)
+    except psutil.Error:
+        return []
+    workers = []
+    for child in children:
+        try:  # a helper is started by proc itself; a fork server's children (same command line) are workers
+            helper = child.ppid() == proc.pid and any(arg.startswith(_MP_HELPERS) for arg in child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.Error:
+            helper = False
+        if not helper:
+            workers.append(child)
+    return workers
 
 
 def process_memory(proc: psutil.Process) -> dict[str, int] | None:

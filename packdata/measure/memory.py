@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from packdata.host.processes import process_memory
+from packdata.host.processes import process_memory, worker_processes
 
 __all__: list[str] = []
 
@@ -44,10 +44,7 @@ class _MemorySampler:
     def sample(self) -> None:
         main = process_memory(self.main) or {}
         workers = []
-        try:
-            children = self.main.children(recursive=True)
-        except psutil.Error:
-            children = []
+        children = worker_processes(self.main)
         for child in children:
             proc = self._procs.setdefault(child.pid, child)
             mem = process_memory(proc)
@@ -64,10 +61,7 @@ class _MemorySampler:
         workers with psutil (clock ticks, 10 ms on most Linux systems).
         """
         total = time.process_time() if self.main.pid == os.getpid() else 0.0
-        try:
-            procs = self.main.children(recursive=True)
-        except psutil.Error:
-            procs = []
+        procs = worker_processes(self.main)
         if self.main.pid != os.getpid():
             procs.append(self.main)
         for proc in procs:

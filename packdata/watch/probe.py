@@ -18,7 +18,7 @@ import psutil
 
 from packdata.host.cores import usable_cores
 from packdata.host.facts import nvml_gpus, read_cgroup_memory, read_meminfo
-from packdata.host.processes import process_memory
+from packdata.host.processes import process_memory, worker_processes
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
 
@@ -140,10 +140,7 @@ class SystemProbe:
         mem = read_meminfo(self.root)
         cgroup = read_cgroup_memory(self.root)
         processes = []
-        try:
-            children = [c for c in self._process.children(recursive=True) if _worker_like(c)]
-        except psutil.NoSuchProcess:
-            children = []
+        children = [c for c in worker_processes(self._process) if _worker_like(c)]
         for role, proc in [("main", self._process), *(("worker", c) for c in children)]:
             figures = process_memory(proc)
             if figures is None:
