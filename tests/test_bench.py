@@ -526,3 +526,29 @@ def test_multiprocessing_helpers_are_not_counted_as_workers(context: str) -> Non
     next(iterator)
     assert len(SystemProbe(gpus=False, packs=False).sample().workers) == 1
     del iterator
+
+
+class _CrashesInWorkers:
+    """A transform whose worker process dies (as one the OOM killer took); fine in the main process."""
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(3)
+        return torch.zeros(3, 8, 8, dtype=torch.uint8)
+
+
+def _fails(image: Any) -> torch.Tensor:
+    raise RuntimeError("the transform failed")
+
+
+def test_tune_rejects_a_setting_whose_workers_crash_and_goes_on(pack: Path) -> None:
+    """A worker that died raised torch's RuntimeError out of tune (a traceback from the CLI), where bench
+    records it for that setting."""
+    result = run_tune(
+        pack, transform=_CrashesInWorkers(), batch_sizes=(4,), max_workers=1, batches=2, warmup=0, memory_budget=8 << 30
+    )
+    assert result.recommended.config["num_workers"] == 0
+    (crashed,) = [t for t in result.trials if t.config["num_workers"] == 1]
+    assert crashed.rejected is not None and "exited unexpectedly" in crashed.rejected
+    with pytest.raises(packdata.PackdataError, match="RuntimeError: the transform failed"):
+        run_tune(pack, transform=_fails, batch_sizes=(4,), max_workers=0, batches=2, warmup=0, memory_budget=8 << 30)

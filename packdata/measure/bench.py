@@ -33,6 +33,7 @@ from packdata.host.facts import cpu_counts
 from packdata.measure.loop import (
     DEFAULT_BATCHES,
     DEFAULT_MIN_SECONDS,
+    MEASURE_ERRORS,
     ConfigResult,
     LoaderConfig,
     error_line,
@@ -321,7 +322,7 @@ def run_bench(
                 source=name,
                 kind=facts.get("format", ""),
             )
-        except (PackdataError, RuntimeError, OSError, TypeError, ValueError) as exc:
+        except MEASURE_ERRORS as exc:
             return ConfigResult(name, facts.get("format", ""), **asdict(config), error=error_line(exc))
 
     runs: dict[tuple[str, LoaderConfig], list[ConfigResult]] = {}

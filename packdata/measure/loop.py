@@ -12,11 +12,19 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackdataError
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.loader import worker_init_fn
 
-__all__ = ["DEFAULT_BATCHES", "DEFAULT_MIN_SECONDS", "ConfigResult", "LoaderConfig", "error_line", "measure_loader"]
+__all__ = [
+    "DEFAULT_BATCHES",
+    "DEFAULT_MIN_SECONDS",
+    "MEASURE_ERRORS",
+    "ConfigResult",
+    "LoaderConfig",
+    "error_line",
+    "measure_loader",
+]
 
 DEFAULT_BATCHES = 50
 DEFAULT_MIN_SECONDS = 1.0
@@ -85,6 +93,11 @@ class ConfigResult:
         return LoaderConfig(
             self.num_workers, self.batch_size, self.pin_memory, self.prefetch_factor, self.persistent_workers
         )
+
+
+MEASURE_ERRORS = (PackdataError, RuntimeError, OSError, TypeError, ValueError)
+"""What a setting that cannot run raises (a worker that crashed or was killed: ``RuntimeError``): bench and tune
+record it for that setting and go on."""
 
 
 def error_line(exc: BaseException) -> str:

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from packdata.errors import CapacityError, ConfigError, PackdataError
 from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores
 from packdata.host.facts import read_cgroup_memory
-from packdata.measure.loop import LoaderConfig, error_line, measure_loader
+from packdata.measure.loop import MEASURE_ERRORS, LoaderConfig, error_line, measure_loader
 from packdata.measure.sources import check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate, worker_init_fn
@@ -237,7 +237,7 @@ class _Search:
         self.progress = progress
         self.per_worker = WORKER_BYTES
         self.trials: dict[LoaderConfig, Trial] = {}
-        self.failure: PackdataError | None = None  # the first measurement that failed (not a memory rejection)
+        self.failure: Exception | None = None  # the first measurement that failed (not a memory rejection)
 
     def project(self, config: LoaderConfig) -> int:
         return project_memory(config, per_worker_bytes=self.per_worker, sample_bytes=self.sample_bytes)
@@ -254,7 +254,7 @@ class _Search:
             self.progress(f"tune {step}: {config}")
         try:
             result = self.measure(config)
-        except PackdataError as exc:
+        except MEASURE_ERRORS as exc:  # a worker that crashed or was killed (RuntimeError) included
             trial.rejected = error_line(exc)
             self.failure = self.failure or exc
             return trial
@@ -438,7 +438,7 @@ def run_tune(
         smallest = min(t.projected_bytes for t in trials)
         failure = search.failure
         if failure is not None and smallest <= budget:  # a setting fitted, and failed for another reason
-            if "\n" in str(failure):  # raised in a worker: torch put the worker's traceback in the message
+            if not isinstance(failure, PackdataError) or "\n" in str(failure):  # a worker's: its traceback in it
                 raise PackdataError(error_line(failure)) from failure
             raise failure
         raise CapacityError(
