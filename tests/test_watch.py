@@ -320,3 +320,20 @@ def test_a_job_outgrowing_its_memory_budget_is_diagnosed_memory() -> None:
     diagnosis = watched.summaries[0].diagnosis
     assert diagnosis is not None and diagnosis.kind == "memory", diagnosis
     assert "of its 200.0 MiB budget" in diagnosis.message and "pin_memory=False" in diagnosis.next_step
+
+
+def test_the_epoch_cpu_weighs_each_sample_by_the_time_it_covers() -> None:
+    """The epoch's CPU share was the plain mean of its samples: a 10 s period at 95% and the 0.1 s tail at 5%
+    made 50%, 'CPUs idle, add workers', for an epoch whose CPUs were saturated."""
+    from packdata.watch.probe import Snapshot
+
+    watched = packdata.monitor([], stream=io.StringIO())
+    epoch = EpochSummary(steps=10, samples=40, seconds=10.1, wait_seconds=8.0)
+
+    def snap(at: float, busy: float) -> Snapshot:
+        return Snapshot(at, 32 * GiB, 20 * GiB, 0, None, busy, 0.0, 8, [])
+
+    watched._report(snap(1010.0, 0.95), epoch, epoch, final=False)
+    watched._report(snap(1010.1, 0.05), epoch, epoch, final=True, started=1000.0)
+    assert epoch.diagnosis is not None and epoch.diagnosis.kind == "data-bound"
+    assert "decoding is the limit" in epoch.diagnosis.message and "CPUs 94% busy" in epoch.diagnosis.message

@@ -104,6 +104,7 @@ class _Monitor:
 
     def __iter__(self) -> Iterator[Any]:
         probe = SystemProbe()
+        started = time.time()  # the probe's first CPU share counts from here
         summary = EpochSummary()
         period = EpochSummary()
         start = period_start = time.perf_counter()
@@ -128,7 +129,7 @@ class _Monitor:
         end = time.perf_counter()
         summary.seconds = end - start
         period.seconds = end - period_start
-        self._report(probe.sample(), summary, summary, final=True)
+        self._report(probe.sample(), summary, summary, final=True, started=started)
         self.summaries.append(summary)
 
     def _measurements(self, snap: Snapshot, wait_share: float) -> Measurements:
@@ -148,18 +149,23 @@ class _Monitor:
             memory_budget=self.memory_budget,
         )
 
-    def _report(self, snap: Snapshot, part: EpochSummary, epoch: EpochSummary, *, final: bool) -> None:
+    def _report(
+        self, snap: Snapshot, part: EpochSummary, epoch: EpochSummary, *, final: bool, started: float = 0.0
+    ) -> None:
         epoch.snapshots.append(snap)
-        if final:  # the epoch's CPU and iowait: the mean of its samples
+        if final:  # the epoch's CPU and iowait: the mean of its samples, each weighted by the time it covers
             snaps = epoch.snapshots
+            spans = [max(s.time - t, 0.0) for s, t in zip(snaps, [started] + [s.time for s in snaps[:-1]], strict=True)]
+            total = sum(spans)
+            weights = [w / total for w in spans] if total > 0 else [1 / len(snaps)] * len(snaps)
             snap = Snapshot(
                 snap.time,
                 snap.mem_total,
                 min(s.mem_available for s in snaps),
                 max(s.swap_used for s in snaps),
                 snap.cgroup_limit,
-                sum(s.cpu_busy for s in snaps) / len(snaps),
-                sum(s.iowait for s in snaps) / len(snaps),
+                sum(w * s.cpu_busy for w, s in zip(weights, snaps, strict=True)),
+                sum(w * s.iowait for w, s in zip(weights, snaps, strict=True)),
                 snap.cores,
                 max(snaps, key=lambda s: len(s.workers)).processes,  # the workers exit as the epoch ends
             )
