@@ -552,3 +552,19 @@ def test_tune_rejects_a_setting_whose_workers_crash_and_goes_on(pack: Path) -> N
     assert crashed.rejected is not None and "exited unexpectedly" in crashed.rejected
     with pytest.raises(packdata.PackdataError, match="RuntimeError: the transform failed"):
         run_tune(pack, transform=_fails, batch_sizes=(4,), max_workers=0, batches=2, warmup=0, memory_budget=8 << 30)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_budget_or_period_that_never_ends_is_refused(pack: Path, value: str) -> None:
+    """click's FloatRange takes 'nan' and 'inf': bench --seconds nan or inf timed forever (a hang), --step-ms
+    inf and monitor --interval nan or inf ended in a traceback from time.sleep; run_bench took them too."""
+    for args in (["bench", str(pack), "--seconds", value], ["bench", str(pack), "--step-ms", value]):
+        out = CliRunner().invoke(cli_main, [*args, "--workers", "0", "--batch-size", "4", "-q"])
+        assert out.exit_code == 2 and f"{value!r} is not a finite number" in out.output, out.output
+    out = CliRunner().invoke(cli_main, ["monitor", str(os.getpid()), "--interval", value, "--count", "1"])
+    assert out.exit_code == 2 and f"{value!r} is not a finite number" in out.output, out.output
+    with pytest.raises(ConfigError, match="seconds should be a positive finite number"):
+        run_bench(pack, workers=0, batch_sizes=4, seconds=float(value))
+    with pytest.raises(ConfigError, match="step_ms should be a finite number"):
+        measure_loader(InMemoryDataset([(b"x", 0)] * 8, decode="bytes"), LoaderConfig(0, 4), step_ms=float(value))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import select
@@ -82,6 +83,18 @@ _SUBJECT = re.compile(r"\A([a-z][a-z0-9_]*)( should )")
 def _count(n: int, noun: str) -> str:
     """``1 shard``, ``2 shards``, ``1,200 files``."""
     return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
+class _FiniteFloat(click.FloatRange):
+    """A ``FloatRange`` that refuses ``nan`` and ``inf`` (click takes both: a sleep or a budget never ends)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:

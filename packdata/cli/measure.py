@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _friendly, _mb, _output_file, _size, _write_failed
+from packdata.cli.common import _FiniteFloat, _friendly, _mb, _output_file, _size, _write_failed
 from packdata.errors import PackdataError
 
 __all__ = ["bench", "tune"]
@@ -71,14 +71,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 )
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_FiniteFloat(min=0, min_open=True),
     help="Time each setting this long. Default: no time limit (--batches decides).",
 )
 @click.option("--batches", type=click.IntRange(min=1), help="Batches to time per setting (default: 50, at least 1 s).")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed batches first.")
 @click.option(
     "--step-ms",
-    type=click.FloatRange(min=0),
+    type=_FiniteFloat(min=0),
     default=0,
     show_default=True,
     help="Simulated training step per batch; reports the share of time waiting for data.",
@@ -213,7 +213,7 @@ def bench(
 @click.option("--decode", type=click.Choice(["bytes", "pil", "reduced", "crop"]), default="pil", show_default=True)
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_FiniteFloat(min=0, min_open=True),
     help="Time each trial this long. Default: no time limit (--batches decides).",
 )
 @click.option("--batches", type=click.IntRange(min=1), help="Batches to time per trial (default: 50, at least 1 s).")

@@ -36,6 +36,7 @@ from packdata.measure.loop import (
     MEASURE_ERRORS,
     ConfigResult,
     LoaderConfig,
+    check_timing,
     error_line,
     measure_loader,
 )
@@ -257,6 +258,7 @@ def run_bench(
     if not paths:
         raise ConfigError("no sources to bench", hint="Pass one or more packs or folders")
     check_decode(decode)
+    check_timing(batches=batches, seconds=seconds, step_ms=step_ms, warmup=warmup)
     if isinstance(transform, str):
         if transform != "standard":
             raise ConfigError(f"transform should be 'standard', None or a callable, but got transform={transform!r}")

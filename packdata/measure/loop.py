@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -22,6 +23,7 @@ __all__ = [
     "MEASURE_ERRORS",
     "ConfigResult",
     "LoaderConfig",
+    "check_timing",
     "error_line",
     "measure_loader",
 ]
@@ -100,6 +102,25 @@ MEASURE_ERRORS = (PackdataError, RuntimeError, OSError, TypeError, ValueError)
 record it for that setting and go on."""
 
 
+def check_timing(
+    *, batches: int | None = None, seconds: float | None = None, step_ms: float = 0.0, warmup: int = 0
+) -> None:
+    """Refuse a timed budget that would never end or mean nothing (NaN or infinite seconds never end).
+
+    Raises:
+        ConfigError: ``batches`` under 1, ``seconds`` not positive and finite, ``step_ms`` negative or not
+            finite, or ``warmup`` negative.
+    """
+    if batches is not None and batches < 1:
+        raise ConfigError(f"batches should be at least 1, but got batches={batches}")
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise ConfigError(f"seconds should be a positive finite number, but got seconds={seconds}")
+    if not 0 <= step_ms < math.inf:
+        raise ConfigError(f"step_ms should be a finite number from 0 on, but got step_ms={step_ms}")
+    if warmup < 0:
+        raise ConfigError(f"warmup should be at least 0, but got warmup={warmup}")
+
+
 def error_line(exc: BaseException) -> str:
     """``exc`` as one line: an exception a DataLoader worker raised is its last line (without the worker's
     traceback torch puts in its message), and the worker."""
@@ -160,8 +181,9 @@ def measure_loader(
     hardly moves when other work shares the machine, so compare routes with it there.
 
     Raises:
-        ConfigError: the dataset holds fewer samples than one batch.
+        ConfigError: the dataset holds fewer samples than one batch, or the budget is invalid (:func:`check_timing`).
     """
+    check_timing(batches=batches, seconds=seconds, step_ms=step_ms, warmup=warmup)
     least = 0.0
     if batches is None and seconds is None:
         batches, least = DEFAULT_BATCHES, DEFAULT_MIN_SECONDS

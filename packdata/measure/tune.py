@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from packdata.errors import CapacityError, ConfigError, PackdataError
 from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores
 from packdata.host.facts import read_cgroup_memory
-from packdata.measure.loop import MEASURE_ERRORS, LoaderConfig, error_line, measure_loader
+from packdata.measure.loop import MEASURE_ERRORS, LoaderConfig, check_timing, error_line, measure_loader
 from packdata.measure.sources import check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate, worker_init_fn
@@ -388,6 +388,7 @@ def run_tune(
     if max_workers is not None:
         check_workers(max_workers, name="max_workers")
     check_decode(decode)
+    check_timing(batches=batches, seconds=seconds, warmup=warmup)
     budget, how = (memory_budget, "given") if memory_budget is not None else default_memory_budget()
     if isinstance(transform, str):
         if transform != "standard":
