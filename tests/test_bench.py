@@ -568,3 +568,13 @@ def test_a_budget_or_period_that_never_ends_is_refused(pack: Path, value: str) -
         run_bench(pack, workers=0, batch_sizes=4, seconds=float(value))
     with pytest.raises(ConfigError, match="step_ms should be a finite number"):
         measure_loader(InMemoryDataset([(b"x", 0)] * 8, decode="bytes"), LoaderConfig(0, 4), step_ms=float(value))
+
+
+def test_tune_refuses_a_device_torch_does_not_know(pack: Path) -> None:
+    """torch.device('foo') raised its RuntimeError out of run_tune and recommend_loader_kwargs: a traceback from
+    packdata tune --device foo."""
+    out = CliRunner().invoke(cli_main, ["tune", str(pack), "--device", "foo", "--batch-size", "4", "-q"])
+    assert out.exit_code == 1
+    assert out.output == "Error: --device should be a torch device such as 'cuda' or 'cpu', but got --device foo\n"
+    with pytest.raises(ConfigError, match="but got device='gpu0'"):
+        recommend_loader_kwargs(device="gpu0")

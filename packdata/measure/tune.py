@@ -78,8 +78,20 @@ def project_memory(config: LoaderConfig, *, per_worker_bytes: int, sample_bytes:
     return config.num_workers * per_worker_bytes + in_flight * batch + pinned
 
 
+def _device_type(device: str | torch.device | None) -> str | None:
+    """``device``'s type (``"cuda"``, ``"cpu"``...), or ConfigError naming it when torch does not know it."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"device should be a torch device such as 'cuda' or 'cpu', but got device={device!r}"
+        ) from exc
+
+
 def _wants_cuda(device: str | torch.device | None) -> bool:
-    return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return _device_type(device) == "cuda" and torch.cuda.is_available()
 
 
 def recommend_loader_kwargs(
@@ -389,6 +401,7 @@ def run_tune(
         check_workers(max_workers, name="max_workers")
     check_decode(decode)
     check_timing(batches=batches, seconds=seconds, warmup=warmup)
+    _device_type(device)
     budget, how = (memory_budget, "given") if memory_budget is not None else default_memory_budget()
     if isinstance(transform, str):
         if transform != "standard":
@@ -399,7 +412,7 @@ def run_tune(
     sample_bytes = 3 * size * size if collate is None else max(int(facts["mean_bytes"]), 1)
     warnings: list[str] = []
     cuda = _wants_cuda(device)
-    if device is not None and torch.device(device).type == "cuda" and not cuda:
+    if _device_type(device) == "cuda" and not cuda:
         warnings.append("CUDA is not available: pin_memory is left off and not searched")
 
     def measure(config: LoaderConfig) -> Any:
