@@ -125,12 +125,21 @@ def test_token_buckets_refuse_a_drop_last_that_leaves_no_batch() -> None:
 
 
 def test_pad_collate_pads_to_the_longest() -> None:
-    padded, lengths, labels = pad_collate([(b"abc", 0), ("é", 1), (torch.tensor([7]), 2)])
+    padded, lengths, labels = pad_collate([(b"abc", 0), ("é", 1), (torch.tensor([7], dtype=torch.uint8), 2)])
     assert padded.dtype == torch.uint8 and padded.shape == (3, 3)
     assert padded.tolist() == [[97, 98, 99], [0xC3, 0xA9, 0], [7, 0, 0]]
     assert lengths.tolist() == [3, 2, 1] and labels.tolist() == [0, 1, 2]
     ids, _, _ = PadCollate(pad_value=-1, dtype=torch.int64)([([1, 2], 0), ([3], 0)])
     assert ids.tolist() == [[1, 2], [3, -1]]
+
+
+def test_pad_collate_keeps_every_token_id_whatever_sample_comes_first() -> None:
+    """The padded dtype was the first sample's: token ids after a bytes sample wrapped round in uint8
+    (70000 became 112), and after an empty list they became float32."""
+    padded, lengths, _ = pad_collate([(b"ab", 0), (torch.tensor([70000]), 1)])
+    assert padded.dtype == torch.int64 and padded.tolist() == [[97, 98], [70000, 0]]
+    padded, lengths, _ = pad_collate([([], 0), ([5, 300], 1)])
+    assert padded.dtype == torch.int64 and padded.tolist() == [[0, 0], [5, 300]] and lengths.tolist() == [0, 2]
 
 
 def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:

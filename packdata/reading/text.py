@@ -15,6 +15,7 @@ English BPE: 4 bytes per token) or your own ``lengths`` array of token counts.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -232,6 +233,8 @@ def _as_codes(sample: Any) -> torch.Tensor:
         return (
             torch.frombuffer(bytearray(sample), dtype=torch.uint8) if len(sample) else torch.zeros(0, dtype=torch.uint8)
         )
+    if not len(sample):  # torch.as_tensor([]) is float32: token ids are integers
+        return torch.zeros(0, dtype=torch.int64)
     return torch.as_tensor(sample).reshape(-1)
 
 
@@ -241,7 +244,7 @@ class PadCollate:
     Samples are 1-D tensors or sequences of token ids, or ``str``/``bytes``
     (taken as UTF-8 byte values, for byte-level models; tokenize in the
     dataset's ``transform`` otherwise). ``padded`` is ``(N, longest)`` of the
-    samples' dtype (``uint8`` for bytes) or ``dtype``; ``lengths`` and
+    dtype all samples fit in (``uint8`` for bytes) or ``dtype``; ``lengths`` and
     ``labels`` are int64 ``(N,)``.
 
     ``packdata.pad_collate`` is ``PadCollate()`` (pad with 0, keep the samples'
@@ -262,7 +265,7 @@ class PadCollate:
             raise ValueError("pad_collate got an empty batch")
         codes = [_as_codes(sample) for sample, _ in batch]
         lengths = torch.tensor([len(c) for c in codes], dtype=torch.int64)
-        dtype = self.dtype or codes[0].dtype
+        dtype = self.dtype or functools.reduce(torch.promote_types, (c.dtype for c in codes))  # 70000 fits
         padded = torch.full((len(codes), int(lengths.max()) if len(codes) else 0), self.pad_value, dtype=dtype)
         for i, c in enumerate(codes):
             padded[i, : len(c)] = c.to(dtype)
