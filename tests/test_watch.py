@@ -337,3 +337,28 @@ def test_the_epoch_cpu_weighs_each_sample_by_the_time_it_covers() -> None:
     watched._report(snap(1010.1, 0.05), epoch, epoch, final=True, started=1000.0)
     assert epoch.diagnosis is not None and epoch.diagnosis.kind == "data-bound"
     assert "decoding is the limit" in epoch.diagnosis.message and "CPUs 94% busy" in epoch.diagnosis.message
+
+
+def test_the_cpu_share_counts_the_cpus_the_job_may_run_on(tmp_path: Path) -> None:
+    """The CPU share came from /proc/stat's aggregate line: a job confined to 2 of 8 CPUs (a cpuset, taskset)
+    that saturated them read 25% busy, 'CPUs idle: more workers', against its 2 usable cores."""
+    from packdata.watch.probe import SystemProbe
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 1000000 kB\nMemAvailable: 800000 kB\n")
+
+    def write(busy: int, idle: int) -> None:  # cpu0 and cpu1 busy, cpu2..cpu7 idle, for that many jiffies
+        rows = [[busy, 0, 0, 0, 0, 0, 0, 0]] * 2 + [[0, 0, 0, idle, 0, 0, 0, 0]] * 6
+        total = [sum(column) for column in zip(*rows, strict=True)]
+        lines = [" ".join(["cpu", *map(str, total)])] + [
+            " ".join([f"cpu{i}", *map(str, r)]) for i, r in enumerate(rows)
+        ]
+        (proc / "stat").write_text("\n".join([*lines, "intr 0", ""]))
+
+    write(0, 0)
+    confined = SystemProbe(root=str(tmp_path), gpus=False, packs=False, cpus={0, 1})
+    whole = SystemProbe(root=str(tmp_path), gpus=False, packs=False, cpus=range(8))
+    write(100, 100)
+    assert confined.sample().cpu_busy == 1.0
+    assert whole.sample().cpu_busy == 0.25

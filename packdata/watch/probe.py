@@ -2,7 +2,7 @@
 
 Every figure comes from ``/proc`` (and the cgroup files) through :mod:`packdata.host`
 and :func:`packdata.host.processes.process_memory`; the CPU and iowait shares are
-the deltas of ``/proc/stat`` between two samples.
+the deltas of ``/proc/stat`` between two samples, over the CPUs the process may run on.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,12 +59,25 @@ class Snapshot:
         return asdict(self)
 
 
-def _cpu_times(root: str) -> tuple[int, int, int]:
-    """``(total, idle, iowait)`` jiffies from the aggregate line of ``/proc/stat``."""
+def _cpu_times(root: str, cpus: Collection[int] | None = None) -> tuple[int, int, int]:
+    """``(total, idle, iowait)`` jiffies of ``/proc/stat``: its aggregate line, or the lines of ``cpus`` only.
+
+    A job confined to some CPUs (a cpuset: SLURM, ``docker --cpuset-cpus``, ``taskset``) that saturates them
+    leaves the machine's aggregate mostly idle: its own CPUs are the ones that tell.
+    """
+    total = idle = iowait = 0
     with open(os.path.join(root, "proc/stat"), encoding="ascii") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle, iowait = fields[3], fields[4] if len(fields) > 4 else 0
-    return sum(fields[:8]), idle, iowait
+        for line in f:
+            name, *values = line.split()
+            if not name.startswith("cpu"):
+                break
+            if (name != "cpu") if cpus is None else (name == "cpu" or int(name[3:]) not in cpus):
+                continue
+            fields = [int(v) for v in values]
+            total += sum(fields[:8])
+            idle += fields[3]
+            iowait += fields[4] if len(fields) > 4 else 0
+    return total, idle, iowait
 
 
 def _worker_like(proc: psutil.Process) -> bool:
@@ -120,19 +134,32 @@ class SystemProbe:
         root: the filesystem root to read ``/proc`` from (tests pass a fake tree).
         gpus: sample GPUs through NVML (never through torch: that would initialise CUDA here).
         packs: list the packs the processes have open or mapped.
+        cpus: the CPUs whose busy share counts (default: the process's affinity, the CPUs it may run on).
     """
 
-    def __init__(self, pid: int | None = None, root: str = "/", *, gpus: bool = True, packs: bool = True) -> None:
+    def __init__(
+        self,
+        pid: int | None = None,
+        root: str = "/",
+        *,
+        gpus: bool = True,
+        packs: bool = True,
+        cpus: Collection[int] | None = None,
+    ) -> None:
         self.pid = pid or os.getpid()
         self._gpus, self._packs = gpus, packs
         self.root = root
         self._process = psutil.Process(self.pid)
-        self._last = _cpu_times(root)
+        if cpus is None:
+            with contextlib.suppress(psutil.Error, AttributeError):  # no affinity on macOS
+                cpus = self._process.cpu_affinity()
+        self._cpus = frozenset(cpus) if cpus else None
+        self._last = _cpu_times(root, self._cpus)
         self._cores = usable_cores()
 
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
-        total, idle, iowait = _cpu_times(self.root)
+        total, idle, iowait = _cpu_times(self.root, self._cpus)
         d_total = max(total - self._last[0], 1)
         busy = 1.0 - (idle - self._last[1] + iowait - self._last[2]) / d_total
         wait = (iowait - self._last[2]) / d_total
