@@ -578,3 +578,10 @@ def test_tune_refuses_a_device_torch_does_not_know(pack: Path) -> None:
     assert out.output == "Error: --device should be a torch device such as 'cuda' or 'cpu', but got --device foo\n"
     with pytest.raises(ConfigError, match="but got device='gpu0'"):
         recommend_loader_kwargs(device="gpu0")
+
+
+def test_a_budget_shorter_than_one_batch_still_times_one() -> None:
+    """seconds=1e-6 ended the timed loop before any batch: 0 samples/s was reported as a measured rate."""
+    data = InMemoryDataset([(b"x", 0)] * 8, decode="bytes")
+    result = measure_loader(data, LoaderConfig(0, 4), seconds=1e-9, warmup=0, collate_fn=list_collate)
+    assert result.batches == 1 and result.samples == 4 and result.samples_per_s > 0

@@ -217,7 +217,7 @@ def measure_loader(
                 elapsed = time.perf_counter() - timed_start
                 if batches is not None and result.batches >= batches and elapsed >= least:
                     break
-                if seconds is not None and elapsed >= seconds:
+                if seconds is not None and elapsed >= seconds and result.batches:  # one batch at least: a rate
                     break
                 before = time.perf_counter()
                 batch = epochs.next()
