@@ -362,3 +362,19 @@ def test_the_cpu_share_counts_the_cpus_the_job_may_run_on(tmp_path: Path) -> Non
     write(100, 100)
     assert confined.sample().cpu_busy == 1.0
     assert whole.sample().cpu_busy == 0.25
+
+
+@pytest.mark.timeout(30)
+def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
+    """A job that ended is a zombie until its parent reaps it: psutil.pid_exists() is true for it, so
+    packdata monitor drew 0 workers and 0 B forever instead of saying the job had ended."""
+    import psutil
+
+    job = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        while psutil.Process(job.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        out = CliRunner().invoke(main, ["monitor", str(job.pid), "--interval", "0.1"])
+        assert out.exit_code == 0 and out.output == f"process {job.pid} has ended\n"
+    finally:
+        job.wait()

@@ -99,6 +99,14 @@ def _one_line(snap: Snapshot, pid: int) -> str:
     )
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a process that ended and was not yet reaped (a zombie) has ended."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def watch_process(
     pid: int, *, interval: float = 1.0, count: int | None = None, as_json: bool = False, stream: TextIO | None = None
 ) -> None:
@@ -112,7 +120,7 @@ def watch_process(
     n = 0
     while count is None or n < count:
         time.sleep(interval)
-        if not psutil.pid_exists(pid):
+        if not _running(pid):
             print(f"process {pid} has ended", file=out, flush=True)
             return
         snap = probe.sample()
