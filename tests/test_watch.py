@@ -378,3 +378,12 @@ def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
         assert out.exit_code == 0 and out.output == f"process {job.pid} has ended\n"
     finally:
         job.wait()
+
+
+@pytest.mark.parametrize("options", [{"memory_budget": 0}, {"every": "nan"}])
+def test_adaptive_loader_refuses_bad_options_when_built(options: dict[str, Any]) -> None:
+    """They were taken, and only the first epoch's monitor refused them (or, before, misread them)."""
+    from packdata.watch.adaptive import AdaptiveLoader
+
+    with pytest.raises(packdata.ConfigError):
+        AdaptiveLoader(list(range(8)), batch_size=4, **options)

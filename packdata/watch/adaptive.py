@@ -68,6 +68,7 @@ class AdaptiveLoader:
         self.dataset, self.batch_size, self.loader_kwargs = dataset, batch_size, loader_kwargs
         self.num_workers, self.max_workers = num_workers, max_workers
         self.memory_budget = parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
+        monitor([], every=every, memory_budget=self.memory_budget)  # its checks now, not at the first epoch
         self.min_gain, self.stateful, self.every = min_gain, stateful, every
         self.stream = stream or sys.stderr
         self.epoch = 0
