@@ -115,6 +115,17 @@ def test_fast_collate_grayscale_and_errors() -> None:
         fast_collate([])
 
 
+@pytest.mark.parametrize("mode", ["P", "PA", "CMYK", "YCbCr"])
+def test_fast_collate_refuses_a_pil_mode_whose_array_is_not_pixel_values(mode: str) -> None:
+    """A palette image's array is its indices (CMYK and YCbCr: other colour spaces): fast_collate stacked them
+    as if they were pixels, silently. L, LA, RGB and RGBA are stacked as before."""
+    image = Image.new("RGB", (4, 3), (200, 10, 10)).convert(mode)
+    with pytest.raises(TypeError, match=f"mode '{mode}', whose array is not pixel values.*convert"):
+        fast_collate([(image, 0)])
+    for kept in ("L", "LA", "RGB", "RGBA"):
+        assert fast_collate([(image.convert(kept), 0)])[0].shape == (1, len(kept), 3, 4)
+
+
 def test_list_collate_keeps_samples() -> None:
     samples, labels = list_collate([(b"a", 1), (b"bc", 2)])
     assert samples == [b"a", b"bc"] and labels.tolist() == [1, 2]
