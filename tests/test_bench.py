@@ -384,6 +384,8 @@ def test_recommend_loader_kwargs_respects_the_budget(pack: Path) -> None:
     assert capped["num_workers"] == 1  # 30 samples make one batch of 16 per epoch
     with pytest.raises(CapacityError, match="exceeds the memory budget"):
         recommend_loader_kwargs(dataset, batch_size=64, memory_budget=1000)
+    with pytest.raises(ConfigError, match="batch_size should be at least 1, but got batch_size=0"):
+        recommend_loader_kwargs(dataset, batch_size=0)  # a ConfigError, as every other refusal of an option
     config = LoaderConfig(2, 4, False, 3)
     assert project_memory(config, per_worker_bytes=100, sample_bytes=10) == 2 * 100 + 2 * 3 * 4 * 10
 

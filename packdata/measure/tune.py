@@ -124,10 +124,11 @@ def recommend_loader_kwargs(
         root: filesystem root holding ``proc/`` and ``sys/`` for counting cores (tests pass crafted trees).
 
     Raises:
+        ConfigError: batch_size is under 1.
         CapacityError: not even one batch without workers fits the budget.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size should be at least 1, but got batch_size={batch_size}")
+    if batch_size < 1:  # a ConfigError (a ValueError too): the CLI says it in one line
+        raise ConfigError(f"batch_size should be at least 1, but got batch_size={batch_size}")
     budget = memory_budget if memory_budget is not None else default_memory_budget()[0]
     workers = rule_of_thumb_workers(cores or usable_cores(root=root))
     if dataset is not None and not isinstance(dataset, IterableDataset):
