@@ -461,6 +461,50 @@ def test_convert_into_s3_uploads_the_manifest_last_and_resumes(s3, tmp_path: Pat
     assert upload.work_folder(url).name == "converted.lmdb"
 
 
+def _two_classes(src: Path, seed: int) -> Path:
+    """``cat/`` and ``dog/``, 5 small JPEGs each."""
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(5):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + seed * len(c), (30, 20)))
+    return src
+
+
+def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path: Path, monkeypatch) -> None:
+    """--overwrite never reached the work folder: its interrupted conversion refused it, hinting --overwrite."""
+    from packdata.conversion import local
+
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 10)
+    url = "s3://packs/restarted.lmdb"
+    monkeypatch.setattr(local, "_COMMIT_SAMPLES", 2)
+    real_add = local._Packer._add
+
+    def add(self, *args, **kwargs):  # stopped (as by Ctrl-C) after 4 samples, checkpointed
+        if self.cp.samples_done >= 4:
+            raise KeyboardInterrupt
+        return real_add(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(local._Packer, "_add", add)
+        with pytest.raises(KeyboardInterrupt):
+            packdata.convert(src, url, shard_samples=2, storage_options=options, progress=False, workers=1)
+    with pytest.raises(ConfigError, match="Pass --resume to continue it, or --overwrite to start again"):
+        packdata.convert(src, url, shard_samples=3, storage_options=options, progress=False)
+    result = packdata.convert(src, url, shard_samples=3, overwrite=True, storage_options=options, progress=False)
+    assert result.packed == 10 and not result.resumed and result.shards == 4
+    expected = tmp_path / "expected" / "restarted.lmdb"
+    packdata.convert(src, expected, shard_samples=3, progress=False)
+    fs.invalidate_cache()
+    got = {p[len("packs/restarted.lmdb/") :] for p in fs.find("packs/restarted.lmdb")}
+    assert got == {p.relative_to(expected).as_posix() for p in expected.rglob("*") if p.is_file()} - {
+        f"shard-0000{i}.lmdb/lock.mdb" for i in range(4)
+    }
+    for name in got:
+        assert fs.cat_file(f"packs/restarted.lmdb/{name}") == (expected / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("url", ["s3://packs/train/..", "s3://packs/.", "s3://packs/./train.lmdb"])
 def test_a_destination_url_with_dot_parts_is_refused_and_no_work_folder_is_touched(
     s3, tmp_path: Path, monkeypatch, url: str
@@ -1140,11 +1184,7 @@ def test_a_copy_moved_aside_under_a_numbered_name_is_still_its_copys_to_evict(s3
 def test_convert_from_a_folder_in_s3(s3, tmp_path: Path, monkeypatch) -> None:
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
-    src = tmp_path / "src"
-    for c in ("cat", "dog"):
-        (src / c).mkdir(parents=True)
-        for i in range(5):
-            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + 7 * len(c), (30, 20)))
+    src = _two_classes(tmp_path / "src", 7)
     fs.put(str(src), "packs/folder", recursive=True)
     remote = packdata.convert("s3://packs/folder", tmp_path / "r.lmdb", storage_options=options, progress=False)
     packdata.convert(src, tmp_path / "l.lmdb", progress=False)

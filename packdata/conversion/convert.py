@@ -430,7 +430,9 @@ def _into_url(url: str, options: dict[str, Any]) -> tuple[dict[str, Any] | None,
     check_remote_destination(url, storage, overwrite=options["overwrite"])
     local = work_folder(url)
     local.parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS and k != "overwrite"}
+    kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
+    # overwrite (the URL's pack) also starts over an interrupted conversion in the work folder, unless resumed
+    kwargs["overwrite"] = options["overwrite"] and not options["resume"]
     kwargs["format"] = options["format"] or format_from_path(url) or FORMATS[0]
     return storage, local, kwargs
 
