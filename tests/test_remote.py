@@ -1517,6 +1517,25 @@ def test_a_source_object_named_like_another_objects_folder_is_a_skip_not_a_trace
     assert [ds.keys[i] for i in range(len(ds))] == ["cat/0.jpg", "cat/b/1.jpg"]
 
 
+def test_folder_markers_in_a_source_bucket_are_folders_not_unsafe_names(s3, tmp_path: Path, monkeypatch) -> None:
+    """An empty ``cat/`` object (a console's "create folder") was an 'unsafe name' skip: on_error='fail' stopped."""
+    from packdata.conversion.remote_folder import scan_remote_folder
+    from packdata.conversion.sources import scan_source
+
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 3)
+    fs.put(str(src), "packs/marked", recursive=True)
+    for marker in ("cat/", "dog/", "empty/"):
+        fs.pipe_file(f"packs/marked/{marker}", b"")
+    fs.invalidate_cache()
+    assert "packs/marked/cat/" in fs.find("packs/marked")  # the store lists each marker as an empty object
+    result = packdata.convert("s3://packs/marked", tmp_path / "out.lmdb", on_error="fail", storage_options=options)
+    assert result.packed == result.found == 10 and result.skipped == {}
+    walked = [(e.key, type(e).__name__) for e in scan_remote_folder("s3://packs/marked", options).walk()]
+    assert walked == [(e.key, "RemoteSourceFile") for e in scan_source(src).walk()]  # the Ray engine's walk
+
+
 @pytest.fixture
 def small_work_disk(tmp_path: Path, monkeypatch) -> Iterator[Path]:
     """PACKDATA_TMP on a 2 MiB tmpfs (root only), unmounted afterwards."""

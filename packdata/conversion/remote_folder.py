@@ -47,7 +47,9 @@ def list_folder(
     store says changes whenever the object is written (its ETag, else its
     modification time), or ``""`` when it says nothing. Objects with unsafe
     names (``..``, ``.`` or empty parts, or the name of another's folder:
-    ``cat/b`` beside ``cat/b/1.jpg``) are left out and returned as skips, sorted.
+    ``cat/b`` beside ``cat/b/1.jpg``) are left out and returned as skips, sorted;
+    empty folder markers (``cat/``, which a store lists as an object) are left
+    out, as a local walk has no file there.
 
     Raises:
         SourceError: the URL cannot be listed or holds no object.
@@ -63,7 +65,7 @@ def list_folder(
         raise SourceError(f"{shown}: no files there", hint="Check the URL")
     objects, refused = [], []
     for path, info in sorted(listing.items()):
-        if info.get("type") == "directory" or path.rstrip("/") == root:
+        if info.get("type") == "directory" or path.rstrip("/") == root or _folder_marker(path, info):
             continue
         rel = path[len(root) + 1 :] if path.startswith(f"{root}/") else path
         if any(part in ("", ".", "..") for part in rel.split("/")):
@@ -87,6 +89,11 @@ def _folders(names: list[str]) -> set[str]:
         parts = name.split("/")
         folders.update("/".join(parts[:i]) for i in range(1, len(parts)))
     return folders
+
+
+def _folder_marker(path: str, info: dict[str, Any]) -> bool:
+    """Whether an object is an empty ``name/`` that consoles and tools create to show a folder: no file, not listed."""
+    return path.endswith("/") and not info.get("size")
 
 
 @dataclass(frozen=True)
