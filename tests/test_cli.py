@@ -133,15 +133,21 @@ def test_a_pack_still_being_converted_is_named_with_the_flag_to_finish_it(image_
 
 @pytest.mark.parametrize("command", ["convert", "info", "verify", "ls", "cat", "stage"])
 def test_storage_options_that_are_not_a_json_object_are_a_usage_error(tmp_path: Path, command: str) -> None:
-    """json.loads ran in each command's body: '{bad' was a JSONDecodeError traceback."""
+    """json.loads ran in each command's body: '{bad' was a JSONDecodeError traceback. The error echoed the value,
+    credentials and all."""
     args = {"convert": ["SRC", "DST"], "cat": ["PACK", "#0"]}.get(command, ["PACK"])
-    for value, problem in (("{bad", "'{bad': Expecting property name"), ("[1]", "'[1]'")):
+    secret = "never-echo-this-secret-0c41"
+    for value, problem in (
+        ('{"key": "id", "secret": "' + secret + '",}', "invalid JSON: Expecting property name enclosed in double "
+         "quotes at character 55 of 55"),
+        (f'["{secret}"]', "a JSON list"),
+    ):  # fmt: skip
         result = _run(command, *[str(tmp_path / a) if a != "#0" else a for a in args], "--storage-options", value)
         assert result.exit_code == 2, result.output
         assert "Invalid value for '--storage-options': should be a JSON object such as '{\"anon\": true}', " in (
             result.output
         )
-        assert f"but got {problem}" in result.output
+        assert f"but got {problem}" in result.output and secret not in result.output
 
 
 def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tmp_path: Path) -> None:

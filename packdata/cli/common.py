@@ -153,17 +153,23 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 
 
 def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
-    """``--storage-options``: a JSON object, parsed here so a typo is a usage error, not a traceback."""
+    """``--storage-options``: a JSON object, parsed here so a typo is a usage error, not a traceback.
+
+    The error never shows the value: it holds credentials (``{"key": ..., "secret": ...}``).
+    """
     if value is None:
         return None
     try:
         options = json.loads(value)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise click.BadParameter(
-            f"should be a JSON object such as '{{\"anon\": true}}', but got {value!r}: {exc}"
+            f"should be a JSON object such as '{{\"anon\": true}}', but got invalid JSON: {exc.msg} "
+            f"at character {exc.pos + 1} of {len(value)}"
         ) from exc
     if not isinstance(options, dict):
-        raise click.BadParameter(f"should be a JSON object such as '{{\"anon\": true}}', but got {value!r}")
+        raise click.BadParameter(
+            f"should be a JSON object such as '{{\"anon\": true}}', but got a JSON {type(options).__name__}"
+        )
     return options
 
 
