@@ -817,6 +817,36 @@ def test_ray_from_an_s3_folder_equals_local(ray_local, s3, poisoned_folder: Path
 
 
 @pytest.mark.ray
+def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """An object rewritten between the driver's listing and its task's read was packed as it then was, silently."""
+    from packdata.conversion import convert as conversion
+
+    options, fs = s3
+    fs.put(str(clean_folder), "packs/changing", recursive=True)
+    real_scan = conversion.scan_remote_folder
+
+    def scan_then_change(*args, **kwargs):  # listed by the driver, then changed before any task reads it
+        scanned = real_scan(*args, **kwargs)
+        fs.pipe_file("packs/changing/class0/img003.jpg", _tiny_jpeg(50) + _tiny_jpeg(51))
+        fs.rm_file("packs/changing/class2/img007.jpg")
+        return scanned
+
+    monkeypatch.setattr(conversion, "scan_remote_folder", scan_then_change)
+    dst = tmp_path / "changing.lmdb"
+    result = packdata.convert(
+        "s3://packs/changing", dst, shard_samples=10, storage_options=options, progress=False, engine="ray"
+    )
+    assert result.skipped == {"changed": 1, "vanished": 1} and result.packed == N_CLASSES * PER_CLASS - 1
+    assert [(e["key"], e["reason"]) for e in result.skip_examples] == [
+        ("class0/img003.jpg", "changed"),
+        ("class2/img007.jpg", "vanished"),
+    ]
+    assert "class0/img003.jpg" not in {row[0] for row in _lmdb_content(dst)}
+
+
+@pytest.mark.ray
 def test_ray_from_an_s3_folder_into_s3_skips_unsafe_names(
     ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
 ):

@@ -6,7 +6,8 @@ the same tree gives (names sorted at every level, depth first), so the pack
 equals the one made from a local copy; each task reads its objects itself. An
 object whose name has ``..``, ``.`` or empty parts is never read: it is a skip
 (``unsafe name``), walked first, as :func:`~packdata.conversion.upload.download_source`
-reports it for the local engine.
+reports it for the local engine. An object read with another size than
+listed was rewritten since the listing: a skip (``changed``), as one removed since is (``vanished``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,19 @@ def _folder_marker(path: str, info: dict[str, Any]) -> bool:
 
 
 @dataclass(frozen=True)
+class _ListedObject(RemoteFile):
+    """An object of a folder listing, read whole: one of another size than listed is a skip (rewritten since)."""
+
+    size: int = 0
+
+    def read(self, key: str) -> bytes | Skip:
+        data = super().read(key)
+        if isinstance(data, bytes) and len(data) != self.size:
+            return Skip(key, "changed", f"{len(data)} bytes, {self.size} when listed: rewritten since the listing")
+        return data
+
+
+@dataclass(frozen=True)
 class RemoteSourceFile(SourceFile):
     """A file of a folder at a URL: read through fsspec (``remote``); ``size`` as listed."""
 
@@ -131,7 +145,7 @@ class RemoteFolder:
                 )
                 continue
             label = labels[rel.split("/", 1)[0]] if "/" in rel else -1
-            remote = RemoteFile(self.fs, path, f"{self.root}/{rel}")
+            remote = _ListedObject(self.fs, path, f"{self.root}/{rel}", size)
             yield RemoteSourceFile(rel, path, label, remote=remote, size=size)
 
 
