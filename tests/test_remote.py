@@ -505,6 +505,30 @@ def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path
         assert fs.cat_file(f"packs/restarted.lmdb/{name}") == (expected / name).read_bytes(), name
 
 
+def test_a_failed_manifest_upload_is_one_line_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
+    """The manifest's upload, last, was the one not caught: its failure was the backend's own traceback."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 4)
+    url = "s3://packs/last-put.lmdb"
+    real_put = fs.put_file  # fsspec caches filesystems: convert gets this very instance
+
+    def failing_put(lpath, rpath, *args, **kwargs):  # the network drops just as the manifest goes up
+        if rpath.endswith("manifest.json"):
+            raise ConnectionResetError("connection reset by peer")
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", failing_put)
+    with pytest.raises(
+        PackFormatError, match=r"^s3://packs/last-put\.lmdb: uploading manifest\.json failed \(ConnectionResetError\)"
+    ):
+        packdata.convert(src, url, storage_options=options, progress=False)
+    assert not fs.exists("packs/last-put.lmdb/manifest.json")
+    monkeypatch.setattr(fs, "put_file", real_put)
+    result = packdata.convert(src, url, storage_options=options, progress=False, resume=True)
+    assert result.packed == 10 and fs.exists("packs/last-put.lmdb/manifest.json")
+
+
 @pytest.mark.parametrize("url", ["s3://packs/train/..", "s3://packs/.", "s3://packs/./train.lmdb"])
 def test_a_destination_url_with_dot_parts_is_refused_and_no_work_folder_is_touched(
     s3, tmp_path: Path, monkeypatch, url: str

@@ -232,10 +232,7 @@ def upload_pack(
         try:
             journal.put(fs, path, f"{root}/{rel}", rel)
         except Exception as exc:
-            raise PackFormatError(
-                f"{shown}: uploading {path.relative_to(local)} failed ({type(exc).__name__})",
-                hint="Rerun with --resume: uploaded files are kept",
-            ) from exc
+            raise _upload_error(shown, rel, exc) from exc
         return path.stat().st_size
 
     with (
@@ -244,8 +241,18 @@ def upload_pack(
     ):
         for done in pool.map(put, todo):
             bar.update(done)
-    fs.put_file(os.fspath(local / MANIFEST_NAME), manifest)  # the pack exists from here
+    try:
+        fs.put_file(os.fspath(local / MANIFEST_NAME), manifest)  # the pack exists from here
+    except Exception as exc:
+        raise _upload_error(shown, MANIFEST_NAME, exc) from exc
     return total
+
+
+def _upload_error(shown: str, rel: str, exc: BaseException) -> PackFormatError:
+    """One line for a failed upload of ``rel``: the URL (no credentials) and the error's type only."""
+    return PackFormatError(
+        f"{shown}: uploading {rel} failed ({type(exc).__name__})", hint="Rerun with --resume: uploaded files are kept"
+    )
 
 
 def _move_renamed(
