@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main
 from packdata.conversion.upload import download_source, work_folder
-from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
@@ -506,7 +506,8 @@ def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path
 
 
 def test_a_failed_manifest_upload_is_one_line_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
-    """The manifest's upload, last, was the one not caught: its failure was the backend's own traceback."""
+    """The manifest's upload, last, and the resume's look-ups of what was uploaded were not caught: a failure was
+    the backend's own traceback."""
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     src = _two_classes(tmp_path / "src", 4)
@@ -525,6 +526,19 @@ def test_a_failed_manifest_upload_is_one_line_and_a_resume_completes(s3, tmp_pat
         packdata.convert(src, url, storage_options=options, progress=False)
     assert not fs.exists("packs/last-put.lmdb/manifest.json")
     monkeypatch.setattr(fs, "put_file", real_put)
+    real_info = fs.info
+
+    def failing_info(path, *args, **kwargs):  # the network drops as the resume looks up what went up before
+        if not path.endswith("manifest.json"):
+            raise ConnectionResetError("connection reset by peer")
+        return real_info(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(fs, "info", failing_info)
+        with pytest.raises(
+            SourceError, match=r"^s3://packs/last-put\.lmdb: cannot look up .* \(ConnectionResetError\)\. .*resume=True"
+        ):
+            packdata.convert(src, url, storage_options=options, progress=False, resume=True)
     result = packdata.convert(src, url, storage_options=options, progress=False, resume=True)
     assert result.packed == 10 and fs.exists("packs/last-put.lmdb/manifest.json")
 
@@ -667,7 +681,9 @@ def test_an_older_packs_object_of_the_same_size_is_replaced_and_a_resume_skips_o
         assert fs.cat_file(f"packs/trust.lmdb/{name}") == (expected / name).read_bytes(), name
 
 
-def test_a_ray_task_whose_object_was_rewritten_with_the_same_size_is_not_complete(s3, tmp_path: Path) -> None:
+def test_a_ray_task_whose_object_was_rewritten_with_the_same_size_is_not_complete(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
     """A Ray resume trusted a multi-part object (its ETag no MD5) by its size: now by the version its task saw."""
     from packdata.conversion.ray_remote import RemoteTarget, objects_complete, upload_task_files
 
@@ -684,6 +700,14 @@ def test_a_ray_task_whose_object_was_rewritten_with_the_same_size_is_not_complet
     fs.put_file(str(other), "packs/ray-task.lmdb/shard-00000.lmdb/data.mdb", chunksize=5 << 20)
     assert fs.info("packs/ray-task.lmdb/shard-00000.lmdb/data.mdb")["ETag"].endswith('-3"')  # multi-part
     assert not objects_complete(target, objects)  # the task runs again
+
+    def failing_info(*args, **kwargs):  # the network drops as a resume looks the objects up
+        raise ConnectionResetError("connection reset by peer")
+
+    with monkeypatch.context() as m:
+        m.setattr(fs, "info", failing_info)
+        with pytest.raises(SourceError, match=r"^s3://packs/ray-task\.lmdb: cannot look up .*\(ConnectionResetError\)"):
+            objects_complete(target, objects)  # one line, never the backend's traceback
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.upload import file_md5, object_matches
-from packdata.errors import EngineError, PackFormatError
+from packdata.errors import EngineError, PackdataError, PackFormatError
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.urls import display_url, object_version, open_url, remote_error
@@ -146,7 +146,11 @@ def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str,
 
 
 def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> bool:
-    """Whether the store still reports every object a task recorded with its size and version (see object_matches)."""
+    """Whether the store still reports every object a task recorded with its size and version (see object_matches).
+
+    Raises:
+        SourceError: a request failed (the message shows the URL and the error's type only).
+    """
     fs, root = target.open()
     try:
         return bool(objects) and all(
@@ -155,6 +159,10 @@ def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> boo
         )
     except (TypeError, ValueError):
         return False  # a damaged record: run the task again
+    except PackdataError:
+        raise
+    except Exception as exc:
+        raise remote_error(target.shown, "cannot look up the shards uploaded before", exc, resumable=True) from exc
 
 
 def place_shards(

@@ -219,12 +219,15 @@ def upload_pack(
     early = dict(early or {})
     journal = _UploadJournal(local.parent)
     _move_renamed(fs, root, local, files, early, journal)
-    todo = [
-        p
-        for p in files
-        if early.get(rel := p.relative_to(local).as_posix()) != p.stat().st_size
-        and not journal.holds(fs, f"{root}/{rel}", rel, p)
-    ]
+    try:
+        todo = [
+            p
+            for p in files
+            if early.get(rel := p.relative_to(local).as_posix()) != p.stat().st_size
+            and not journal.holds(fs, f"{root}/{rel}", rel, p)
+        ]
+    except Exception as exc:
+        raise remote_error(shown, "cannot look up the files uploaded before", exc, resumable=True) from exc
     total = sum(p.stat().st_size for p in todo)
 
     def put(path: Path) -> int:
