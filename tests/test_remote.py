@@ -507,7 +507,7 @@ def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path
 
 def test_a_failed_manifest_upload_is_one_line_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
     """The manifest's upload, last, and the resume's look-ups of what was uploaded were not caught: a failure was
-    the backend's own traceback."""
+    the backend's own traceback. A resume naming another source or options uploaded the pack packed before."""
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     src = _two_classes(tmp_path / "src", 4)
@@ -539,6 +539,10 @@ def test_a_failed_manifest_upload_is_one_line_and_a_resume_completes(s3, tmp_pat
             SourceError, match=r"^s3://packs/last-put\.lmdb: cannot look up .* \(ConnectionResetError\)\. .*resume=True"
         ):
             packdata.convert(src, url, storage_options=options, progress=False, resume=True)
+    other = _two_classes(tmp_path / "other", 9)  # a resume names another source: its pack is never uploaded
+    for source, more in ((other, {}), (src, {"shard_samples": 3})):
+        with pytest.raises(ConfigError, match=r"^s3://packs/last-put\.lmdb: the pack waiting in the work folder"):
+            packdata.convert(source, url, storage_options=options, progress=False, resume=True, **more)
     result = packdata.convert(src, url, storage_options=options, progress=False, resume=True)
     assert result.packed == 10 and fs.exists("packs/last-put.lmdb/manifest.json")
 

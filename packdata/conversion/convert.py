@@ -38,10 +38,12 @@ from packdata.conversion.sources import Skip, scan_source
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
     ShardUploader,
+    check_job,
     check_remote_destination,
     clean_work_folder,
     download_source,
     end_remote_pack,
+    record_job,
     upload_pack,
     work_folder,
 )
@@ -403,9 +405,11 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
     end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
     early: dict[str, int] = {}
-    if local.exists():  # packed before an interruption: upload it
+    if local.exists():  # packed before an interruption, from this source with these options: upload it
+        check_job(local, src, kwargs, url)
         result = _result_of(local, float(options["started"]))
     else:  # pack (resuming a partial conversion), shards going up as they close
+        record_job(local, src, kwargs)
         try:
             with ShardUploader(partial_path(local), url, storage) as uploader:
                 result = convert(src, local, **kwargs)

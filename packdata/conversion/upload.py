@@ -22,6 +22,8 @@ the journal has it for the local file's bytes and the store still reports
 that size and version; anything else (an older pack's object of the same
 size, say) is uploaded again. With ``overwrite`` the old manifest is deleted
 first (the old pack ceases to exist before any of its files is replaced).
+A resume uploads a pack finished in the work folder only for the source and
+options it was packed with (``job.json`` beside the work folder).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
-from packdata.pack.files import PROGRESS_FILE, file_sha256, private_temp_folder
+from packdata.pack.files import PROGRESS_FILE, atomic_write, file_sha256, private_temp_folder
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
-from packdata.pack.urls import display_url, local_name, object_version, open_url, remote_error
+from packdata.pack.urls import display_url, is_url, local_name, object_version, open_url, remote_error
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
@@ -386,6 +388,44 @@ def file_md5(path: Path) -> str:
         while block := f.read(8 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+_JOB = "job.json"
+"""Beside a destination's work folder: the source and options its pack is converted from (no storage options)."""
+
+_JOB_OPTIONS = (
+    "format", "kind", "layout", "require", "path_column", "label_column", "on_error", "verify_images", "max_side",
+    "quality", "shard_size", "shard_samples",
+)  # fmt: skip
+
+
+def _job(src: str | os.PathLike, options: dict[str, Any]) -> dict[str, Any]:
+    where = os.fspath(src) if is_url(src) else os.path.abspath(src)
+    return json.loads(json.dumps({"src": where, "options": {k: options.get(k) for k in _JOB_OPTIONS}}))
+
+
+def record_job(local: Path, src: str | os.PathLike, options: dict[str, Any]) -> None:
+    """Record beside the work folder ``local`` that its pack is converted from ``src`` with ``options``."""
+    atomic_write(local.parent / _JOB, json.dumps(_job(src, options)).encode("utf-8"))
+
+
+def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url: str) -> None:
+    """Refuse to upload the finished pack in ``local`` for another source or other options than it was packed with.
+
+    Raises:
+        ConfigError: the pack there is another conversion's (or its record is missing or damaged).
+    """
+    try:
+        saved = json.loads((local.parent / _JOB).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    if saved != _job(src, options):
+        was = saved.get("src") if isinstance(saved, dict) else None
+        raise ConfigError(
+            f"{display_url(url)}: the pack waiting in the work folder to be uploaded was converted "
+            + (f"from {was!r}, or with other options" if isinstance(was, str) else "by an unknown conversion"),
+            hint="Resume with the same source and options, or rerun without --resume to convert again",
+        )
 
 
 def clean_work_folder(local: Path) -> None:
