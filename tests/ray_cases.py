@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import packdata
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import Skip, SourceFile, scan_source
-from packdata.errors import EngineError, SourceError
+from packdata.errors import CapacityError, EngineError, SourceError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 
@@ -223,6 +224,30 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
     packdata.convert(clean_folder, tmp_path / "local.lmdb", shard_samples=10, progress=False)
     _assert_same_pack(tmp_path / "local.lmdb", dst)
     assert _lmdb_content(tmp_path / "local.lmdb") == _lmdb_content(dst)
+
+
+@pytest.mark.ray
+def test_ray_full_destination_disk_is_one_line_and_resumes(ray_local, tmp_path: Path, tmpfs) -> None:
+    """The driver's gather closed its index files on the full disk in a finally: that OSError replaced the error."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(5)
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(6):
+            (src / c / f"{i}.txt").write_text(rng.bytes(150_000).hex())
+    disk = tmpfs("2m")  # a failed task's partial TFRecord shard leaves it full to the last page
+    options = {"format": "tfrecord", "shard_samples": 3, "progress": False, "engine": "ray"}
+    with pytest.raises((CapacityError, EngineError), match=r"disk is full|No space left on device"):
+        packdata.convert(src, disk / "out", **options)
+    subprocess.run(["mount", "-o", "remount,size=32m", os.fspath(disk)], check=True)
+    result = packdata.convert(src, disk / "out", resume=True, **options)
+    packdata.convert(src, tmp_path / "out", **options)
+    assert result.resumed and result.packed == 12
+    _assert_same_pack(tmp_path / "out", disk / "out")
+    assert _files(disk / "out") == _files(tmp_path / "out")
+    for name in _files(tmp_path / "out"):
+        if name != "manifest.json":
+            assert (disk / "out" / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
 
 
 def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:

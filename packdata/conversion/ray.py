@@ -14,6 +14,7 @@ the partial folder's resume checks and the gather in
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -47,7 +48,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
 from packdata.conversion.upload import upload_pack
-from packdata.errors import EngineError
+from packdata.errors import CapacityError, EngineError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
@@ -160,8 +161,17 @@ def convert_on_ray(
                 progress=progress,
                 target=target,
             )
-        finally:
-            gatherer.close()
+        except BaseException:
+            with contextlib.suppress(OSError):  # never in place of the error that stopped the run
+                gatherer.close()
+            raise
+        gatherer.close()
+    except OSError as exc:  # the driver's own writes: the gathered index, a remote task's fragment
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CapacityError(
+                "the destination disk is full", path=partial, hint="Free space and rerun with --resume"
+            ) from exc
+        raise
     finally:
         if started_ray:
             ray.shutdown()
