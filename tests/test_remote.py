@@ -1588,6 +1588,25 @@ def test_folder_markers_in_a_source_bucket_are_folders_not_unsafe_names(s3, tmp_
     assert walked == [(e.key, "RemoteSourceFile") for e in scan_source(src).walk()]  # the Ray engine's walk
 
 
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_a_destination_url_inside_the_source_url_is_refused(s3, tmp_path: Path, monkeypatch, engine: str) -> None:
+    """A pack inside its source's URL was made; a rerun then packed its manifest.json and skipped.jsonl as text."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    for i in range(3):
+        fs.pipe_file(f"packs/texts/cls/{i}.txt", f"text {i}".encode())
+    for dst, problem in (
+        ("s3://packs/texts/out.lmdb", "destination is inside the source folder s3://packs/texts"),
+        ("s3://packs/texts/", "destination is inside the source folder s3://packs/texts"),
+        ("s3://packs", "the source folder s3://packs/texts is inside the destination"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            packdata.convert("s3://packs/texts", dst, storage_options=options, progress=False, engine=engine)
+    fs.invalidate_cache()
+    assert sorted(fs.find("packs/texts")) == [f"packs/texts/cls/{i}.txt" for i in range(3)]  # nothing written
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.fixture
 def small_work_disk(tmp_path: Path, monkeypatch) -> Iterator[Path]:
     """PACKDATA_TMP on a 2 MiB tmpfs (root only), unmounted afterwards."""

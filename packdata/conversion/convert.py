@@ -142,6 +142,8 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
+    if is_url(src) and is_url(dst) and not _streams(os.fspath(src)):
+        _check_urls_apart(os.fspath(src), os.fspath(dst))
     # tar shards or a list at a URL, or on Ray a folder at a URL: read in place
     streamed = is_url(src) and (_streams(os.fspath(src)) or engine == "ray")
     if is_url(src) and not streamed:
@@ -222,6 +224,25 @@ def convert(
 def _streams(url: str) -> bool:
     """Whether a source URL is read in place (tar shards, a list file), not copied into a work folder first."""
     return is_tar_pattern(url) or os.path.splitext(url.rstrip("/"))[1].lower() in LIST_SUFFIXES
+
+
+def _check_urls_apart(src: str, dst: str) -> None:
+    """Refuse a destination URL inside the source folder's URL, or around it: a later run would pack the pack.
+
+    Raises:
+        ConfigError: one is the other, or under it.
+    """
+    source, pack = display_url(src).rstrip("/"), display_url(dst).rstrip("/")
+    if pack == source or pack.startswith(source + "/"):
+        raise ConfigError(
+            f"{pack}: destination is inside the source folder {source}",
+            hint="Write the pack outside the folder being packed",
+        )
+    if source.startswith(pack + "/"):
+        raise ConfigError(
+            f"{pack}: the source folder {source} is inside the destination",
+            hint="Choose a destination that does not contain the source",
+        )
 
 
 def _check_source_and_destination(src: Path | str, dst: Path, overwrite: bool) -> None:
