@@ -591,7 +591,7 @@ def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: 
     assert fs.find("packs/early-only-inside") == ["packs/early-only-inside/shard-00000.lmdb/data.mdb"]
 
 
-_KILLED_AT_MANIFEST = """
+_AT_MANIFEST = """
 import json, os, signal, sys
 import s3fs
 import packdata
@@ -601,12 +601,15 @@ real_put = fs.put_file
 
 def put(lpath, rpath, *args, **kwargs):
     if rpath.endswith("manifest.json"):
-        os.kill(os.getpid(), signal.SIGKILL)  # killed with everything but the manifest uploaded
+        AT_MANIFEST
     return real_put(lpath, rpath, *args, **kwargs)
 
 fs.put_file = put
 packdata.convert(sys.argv[1], sys.argv[2], overwrite=True, storage_options=options, progress=False, workers=1)
 """
+_KILLED_AT_MANIFEST = _AT_MANIFEST.replace(  # killed with everything but the manifest uploaded
+    "AT_MANIFEST", "os.kill(os.getpid(), signal.SIGKILL)"
+)
 
 
 def test_a_pack_uploaded_after_this_process_listed_the_url_is_still_ended_first(s3, tmp_path: Path) -> None:
@@ -1605,6 +1608,40 @@ def test_a_destination_url_inside_the_source_url_is_refused(s3, tmp_path: Path, 
     fs.invalidate_cache()
     assert sorted(fs.find("packs/texts")) == [f"packs/texts/cls/{i}.txt" for i in range(3)]  # nothing written
     assert not (tmp_path / "work").exists()
+
+
+_STALLED_UPLOAD = _AT_MANIFEST.replace(  # all uploaded but the manifest: waits for a line
+    "AT_MANIFEST", "print('uploading', flush=True); sys.stdin.readline()"
+)
+
+
+def test_a_second_conversion_into_a_url_being_uploaded_is_refused(s3, tmp_path: Path, monkeypatch) -> None:
+    """The work folder was locked only while packing: a second run deleted the first's pack as it was uploaded."""
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    first, second = _two_classes(tmp_path / "first", 2), _two_classes(tmp_path / "second", 6)
+    url = "s3://packs/contested.lmdb"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_UPLOAD, str(first), url, json.dumps(options)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline() == "uploading\n"
+        for engine in ("local", "ray"):
+            with pytest.raises(
+                packdata.LockedError, match=r"s3://packs/contested\.lmdb: .*packdata convert into a URL"
+            ):
+                packdata.convert(second, url, storage_options=options, progress=False, engine=engine)
+        child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0
+    expected = packdata.convert(first, tmp_path / "expected" / "contested.lmdb", progress=False)
+    staged = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert _samples(staged.staged) == _samples(expected.pack)
 
 
 @pytest.fixture

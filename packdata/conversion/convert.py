@@ -12,6 +12,7 @@ from before the partial folder is touched until after the publish rename."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import shutil
@@ -422,6 +423,25 @@ def _convert_to_url(src: str | os.PathLike, url: str, options: dict[str, Any]) -
     if options["engine"] == "ray":
         return _convert_to_url_on_ray(src, url, options)
     storage, local, kwargs = _into_url(url, options)
+    with _hold_work_folder(local, url):
+        return _pack_and_upload(src, url, options, storage, local, kwargs)
+
+
+def _hold_work_folder(local: Path, url: str) -> contextlib.AbstractContextManager[Path]:
+    """The lock of a conversion into ``url`` on this machine: held from the first check to the manifest's upload."""
+    return hold_lock(local.parent / ".upload.lock", what="packdata convert into a URL", target=display_url(url))
+
+
+def _pack_and_upload(
+    src: str | os.PathLike,
+    url: str,
+    options: dict[str, Any],
+    storage: dict[str, Any] | None,
+    local: Path,
+    kwargs: dict[str, Any],
+) -> ConvertResult:
+    """The local engine's conversion into ``url``, its work folder ``local`` held (see :func:`_convert_to_url`)."""
+    check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held: another may have published
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
     end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
@@ -467,13 +487,15 @@ def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, 
     from packdata.conversion.ray_remote import RemoteTarget
 
     storage, local, kwargs = _into_url(url, options)
-    end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
-    token = _UPLOAD_TO.set((local, RemoteTarget(url, storage)))
-    try:
-        result = convert(src, local, **kwargs)
-    finally:
-        _UPLOAD_TO.reset(token)
-    clean_work_folder(local)
+    with _hold_work_folder(local, url):
+        check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held
+        end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
+        token = _UPLOAD_TO.set((local, RemoteTarget(url, storage)))
+        try:
+            result = convert(src, local, **kwargs)
+        finally:
+            _UPLOAD_TO.reset(token)
+        clean_work_folder(local)
     result.pack = display_url(url)
     return result
 
