@@ -707,6 +707,8 @@ def test_a_ray_task_whose_object_was_rewritten_with_the_same_size_is_not_complet
     fs.put_file(str(other), "packs/ray-task.lmdb/shard-00000.lmdb/data.mdb", chunksize=5 << 20)
     assert fs.info("packs/ray-task.lmdb/shard-00000.lmdb/data.mdb")["ETag"].endswith('-3"')  # multi-part
     assert not objects_complete(target, objects)  # the task runs again
+    for damaged in (list(objects), {"shard-00000.lmdb/data.mdb": 7}, {"shard-00000.lmdb/data.mdb": ["a", "b", "c"]}):
+        assert not objects_complete(target, damaged)  # a saved result's table of another shape: the task runs again
 
     def failing_info(*args, **kwargs):  # the network drops as a resume looks the objects up
         raise ConnectionResetError("connection reset by peer")

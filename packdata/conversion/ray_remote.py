@@ -157,8 +157,8 @@ def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> boo
             object_matches(fs, f"{root}/{check_object_name(rel, target.shown)}", int(size), str(version), str(md5))
             for rel, (size, md5, version) in objects.items()
         )
-    except (TypeError, ValueError):
-        return False  # a damaged record: run the task again
+    except (AttributeError, TypeError, ValueError):
+        return False  # a damaged record (not a name -> [size, md5, version] table): run the task again
     except PackdataError:
         raise
     except Exception as exc:
