@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import packdata
 from packdata.cli import main as cli_main
 from packdata.errors import CapacityError, ConfigError
 from packdata.measure.bench import CEILING, run_bench
-from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, LoaderConfig, measure_loader
+from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, ConfigResult, LoaderConfig, measure_loader
 from packdata.measure.sources import InMemoryDataset, open_source
 from packdata.measure.tune import project_memory, recommend_loader_kwargs, run_tune
 from packdata.reading.loader import list_collate, worker_init_fn
@@ -124,6 +125,24 @@ def test_samples_are_counted_whatever_the_collate_makes_of_a_batch(collate: Any)
     memory = InMemoryDataset([(bytes([i % 256]) * 10, i) for i in range(256)], decode="bytes")
     timed = measure_loader(memory, LoaderConfig(num_workers=0, batch_size=64), batches=3, warmup=0, collate_fn=collate)
     assert timed.samples == 3 * 64
+
+
+def test_the_table_shows_private_memory_at_one_instant() -> None:
+    """The table added the main process's peak to the workers' peak, taken at different times: 300 + 500 MiB
+    shown where the two together never passed 600 (the JSON's total.uss_peak)."""
+    from packdata.measure.bench import BenchResult
+
+    mib = 1 << 20
+    memory = {
+        "main": {"uss_peak": 300 * mib},
+        "workers": {"uss_peak": 500 * mib},
+        "total": {"uss_peak": 600 * mib, "file_peak": 0},
+        "mem_available_min": 8 << 30,
+    }
+    config = LoaderConfig(num_workers=2, batch_size=4)
+    result = ConfigResult("p.lmdb", "lmdb", **asdict(config), samples_per_s=10.0, memory=memory)
+    table = BenchResult([result], [], {}, {}).table()
+    assert "600.0 MiB" in table and "800.0 MiB" not in table
 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
