@@ -127,6 +127,24 @@ def test_samples_are_counted_whatever_the_collate_makes_of_a_batch(collate: Any)
     assert timed.samples == 3 * 64
 
 
+def test_a_folder_names_an_image_it_cannot_decode_and_keeps_its_detected_format(tmp_path: Path) -> None:
+    """The folder source raised the decoder's error again with the file's path, and dropped what PIL detected."""
+    import io
+
+    from PIL import Image
+
+    from packdata.errors import ImageFormatError
+
+    (tmp_path / "cat").mkdir()
+    ppm = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(ppm, format="PPM")
+    (tmp_path / "cat" / "a.jpg").write_bytes(ppm.getvalue())
+    dataset, _ = open_source(tmp_path, decode="pil", transform=None)
+    with pytest.raises(ImageFormatError, match=r"cat/a\.jpg: image format PPM is not allowed") as raised:
+        dataset[0]
+    assert raised.value.detected == "PPM"
+
+
 def test_the_table_shows_private_memory_at_one_instant() -> None:
     """The table added the main process's peak to the workers' peak, taken at different times: 300 + 500 MiB
     shown where the two together never passed 600 (the JSON's total.uss_peak)."""

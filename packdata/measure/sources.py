@@ -105,7 +105,10 @@ class FolderDataset(Dataset):
         try:
             sample = self.decode(data)
         except (ImageFormatError, DecodeError) as exc:  # name the file: the folder may hold thousands
-            raise type(exc)(exc.message, path=os.fsdecode(self._paths[index]), hint=exc.hint) from exc
+            path = os.fsdecode(self._paths[index])
+            if isinstance(exc, ImageFormatError):  # its detected format kept, as sample_error keeps it
+                raise ImageFormatError(exc.message, path=path, hint=exc.hint, detected=exc.detected) from exc
+            raise DecodeError(exc.message, path=path, hint=exc.hint) from exc
         if self.transform is not None:
             sample = self.transform(sample)
         return sample, label
