@@ -145,9 +145,10 @@ def test_a_folder_names_an_image_it_cannot_decode_and_keeps_its_detected_format(
     assert raised.value.detected == "PPM"
 
 
-def test_the_table_shows_private_memory_at_one_instant() -> None:
-    """The table added the main process's peak to the workers' peak, taken at different times: 300 + 500 MiB
-    shown where the two together never passed 600 (the JSON's total.uss_peak)."""
+def test_the_table_shows_private_memory_as_the_sum_of_the_peaks() -> None:
+    """An upper bound, the safe side for a figure that says whether a setting fits: the peak of the total,
+    sampled every 0.25 s, understated it (make demo's packs: the main process peaked when no worker was
+    alive, so the total never passed the main process's own peak). 300 + 500 MiB shows as 800."""
     from packdata.measure.bench import BenchResult
 
     mib = 1 << 20
@@ -160,7 +161,7 @@ def test_the_table_shows_private_memory_at_one_instant() -> None:
     config = LoaderConfig(num_workers=2, batch_size=4)
     result = ConfigResult("p.lmdb", "lmdb", **asdict(config), samples_per_s=10.0, memory=memory)
     table = BenchResult([result], [], {}, {}).table()
-    assert "600.0 MiB" in table and "800.0 MiB" not in table
+    assert "800.0 MiB" in table and "600.0 MiB" not in table
 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:

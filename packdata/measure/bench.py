@@ -110,7 +110,8 @@ class BenchResult:
             line = f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5} {r.samples_per_s:>10.1f}"
             line += f" {spread:>7} {ratio:>9}"
             line += f" {100 * r.data_wait_share:>5.1f}" if waiting else ""
-            private = mem["total"]["uss_peak"]  # at one instant: the two groups' peaks may come apart
+            # an upper bound: the total's peak, sampled every 0.25 s, can miss the instant both peak at once
+            private = mem["main"]["uss_peak"] + mem["workers"]["uss_peak"]
             line += f" {format_size(private):>11} {format_size(mem['mem_available_min']):>10}"
             if wide:
                 line += (
@@ -132,7 +133,7 @@ class BenchResult:
             )
             + " (ratios within the spread are noise)"
             + ("; wait%: share of each step spent waiting for data" if waiting else "")
-            + "; private mem: peak USS of the main process and workers together (page cache of mapped packs excluded)"
+            + "; private mem: peak USS of the main process plus the workers (page cache of mapped packs excluded)"
         )
         best = self.best()
         if best is not None:
