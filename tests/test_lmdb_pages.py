@@ -461,3 +461,15 @@ def test_the_check_accepts_every_shard_the_writer_makes(image_folder: Path, text
         assert _counted(raw) == _mdb_stat(shard), shard
     assert verify_pack(images, progress=False).records == 19 + 30
     assert verify_pack(texts, progress=False).records == 20
+
+
+def test_key_offsets_that_lie_give_no_rows_from_headers() -> None:
+    """encoded_range (what a table-less shard's headers are matched against) refuses offsets that fall, run
+    past the keys' file or start below 0: None, so the reader keeps its whole-record checked reads."""
+    from packdata.pack.index import KeyList
+
+    blob = np.frombuffer(b"abcdef", dtype=np.uint8)
+    sound = KeyList(blob, np.array([0, 2, 4, 6])).encoded_range(0, 3)
+    assert sound is not None and sound[0].tobytes() == b"abcdef" and sound[1].tolist() == [2, 2, 2]
+    for offsets in ([0, 4, 2, 6], [0, 2, 4, 99], [-1, 2, 4, 6]):
+        assert KeyList(blob, np.array(offsets)).encoded_range(0, 3) is None, offsets
