@@ -17,7 +17,15 @@ from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import overwrite_lmdb_record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from packdata import ImageFormatError, LMDBDataset, PackFormatError, convert, verify_pack, write_pack
+from packdata import (
+    ImageFormatError,
+    LMDBDataset,
+    PackFormatError,
+    TFRecordIndexedDataset,
+    convert,
+    verify_pack,
+    write_pack,
+)
 from packdata.pack.manifest import read_manifest
 
 
@@ -733,3 +741,17 @@ def test_a_flipped_label_in_range_is_named_at_open_and_by_verify(pack: Path) -> 
     rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))  # as packdata before the digests wrote it
     ds = LMDBDataset(pack)
     assert sum(a != b for a, b in zip(ds.targets.tolist(), before, strict=True)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_transform_set_after_opening_applies_to_reads_as_stored(text_folder: Path, tmp_path: Path, fmt: str) -> None:
+    """torchvision's habit, ``ds.transform = t`` after construction, holds on the as-stored fast path too."""
+    convert(text_folder, tmp_path / "p", format=fmt, progress=False)
+    opened = LMDBDataset if fmt == "lmdb" else TFRecordIndexedDataset
+    ds = opened(tmp_path / "p", decode="bytes")
+    stored = [ds[i] for i in range(len(ds))]
+    ds.transform = len
+    ds.target_transform = str
+    expected = [(len(data), str(label)) for data, label in stored]
+    assert [ds[i] for i in range(len(ds))] == expected
+    assert ds.__getitems__(list(range(len(ds)))) == expected

@@ -101,6 +101,19 @@ class PackView:
         self._images = manifest.kind == "image" and self.decode is not _BYTES
 
     @property
+    def _returned_as_stored(self) -> bool:
+        """Samples are ``(payload bytes, label)`` as stored: no decode or transform layers to run.
+
+        Read on every call: torchvision's habit of setting ``ds.transform`` after construction must hold.
+        """
+        return (
+            self.field_spec is None
+            and self.decode is _BYTES
+            and self.transform is None
+            and self.target_transform is None
+        )
+
+    @property
     def classes(self) -> list[str]:
         return self.pack.classes
 
@@ -345,8 +358,8 @@ class LMDBDataset(PackView, Dataset):
         if self.field_spec is not None:
             return self._sample(index)
         position = self._sample_index(index)
-        if self.decode is _BYTES and self.transform is None and self.target_transform is None:
-            return self._raw_at(position)  # returned as stored: no decode or transform layers
+        if self._returned_as_stored:
+            return self._raw_at(position)
         return self._finish(*self._raw_at(position), index=position)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -368,7 +381,7 @@ class LMDBDataset(PackView, Dataset):
         positions = positions.astype(np.int64) % n
         labels = self.pack.index.labels[positions].tolist()
         payloads = self._batch_payloads(positions)
-        plain = self.decode is _BYTES and self.transform is None and self.target_transform is None
+        plain = self._returned_as_stored
         if plain and None not in payloads:
             return list(zip(payloads, labels, strict=True))
         out: list[Any] = []

@@ -15,7 +15,6 @@ from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_tables import RecordTable, has_record_table, parse_records, shard_records
 from packdata.pack.urls import display_url, is_url
-from packdata.reading.datasets import _BYTES
 from packdata.reading.decode import DecodeFn
 from packdata.reading.shard_readers import ShardReaders
 from packdata.reading.tfrecord_view import _TFRecordView
@@ -132,13 +131,8 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         position = self._sample_index(index)
-        if (
-            self.decode is _BYTES
-            and self.transform is None
-            and self.target_transform is None
-            and self.field_spec is None
-        ):
-            return self._raw_at(position)  # returned as stored: no decode or transform layers
+        if self._returned_as_stored:
+            return self._raw_at(position)
         return self._finish(*self._raw_at(position), index=position)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
