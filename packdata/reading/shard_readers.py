@@ -20,6 +20,7 @@ _MAPS_PER_READER = 4  # LMDB's map of data.mdb, the positioned reads' map, recor
 _lock = threading.Lock()  # opens and evictions of every ShardReaders in this process, one thread at a time
 _opened: deque[tuple[weakref.ref[ShardReaders], int]] = deque()  # every dataset's readers here, first opened first
 _budget = [0]  # readers this process keeps open at most, all datasets together (known at a first open)
+_pid = [os.getpid()]  # this process's, set again in a forked child: a read checks it without a system call
 
 
 def _new_lock() -> None:
@@ -28,6 +29,7 @@ def _new_lock() -> None:
     _lock = threading.Lock()
     _opened.clear()  # the parent's readers: each dataset lets go of them at its first read here
     _budget[0] = 0
+    _pid[0] = os.getpid()
 
 
 if hasattr(os, "register_at_fork"):
@@ -69,15 +71,15 @@ class ShardReaders:
         self._pid = -1
 
     def __getitem__(self, shard: int) -> Any:
-        if self._pid == os.getpid():
+        if self._pid == _pid[0]:
             reader = self._readers[shard]
             if reader is not None:
                 return reader
         with _lock:  # one thread opens a shard, and the count of readers open stays true
-            if self._pid != os.getpid():
+            if self._pid != _pid[0]:
                 self._readers = [None] * len(self.paths)
                 self._most = 0
-                self._pid = os.getpid()
+                self._pid = _pid[0]
             reader = self._readers[shard]
             if reader is not None:
                 return reader
@@ -122,7 +124,7 @@ class ShardReaders:
         while len(_opened) >= _budget[0]:
             owner, first = _opened.popleft()
             readers = owner()
-            if readers is not None and readers._pid == os.getpid():
+            if readers is not None and readers._pid == _pid[0]:
                 readers._readers[first] = None
 
     def _open(self, shard: int) -> Any:
@@ -157,7 +159,7 @@ class ShardReaders:
 
     def close(self) -> None:
         """Close this process's readers (a parent's inherited ones are left alone)."""
-        if self._pid == os.getpid():
+        if self._pid == _pid[0]:
             for reader in self._readers:
                 if reader is not None:
                     reader.close()
