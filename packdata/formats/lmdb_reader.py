@@ -28,6 +28,7 @@ the calls in flight at the fork, which never end in the child); a user's own
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import cast
@@ -276,10 +277,11 @@ class LMDBShardReader:
         except IndexError:  # past the table: record by record, None where it has no row
             return [self.payload(int(i)) for i in indices]
         first, end = self._bounds
-        starts, sizes = rows[:, 0], rows[:, 1]
-        if len(rows) and (starts.min() < first or sizes.min() < 0 or sizes.max() > end or (starts > end - sizes).any()):
+        offsets, lengths, crcs = rows.T.tolist()  # Python ints: checked with no overflow, and faster than
+        if offsets and (  # numpy's reductions on a run of a few rows (~5 us each)
+            min(offsets) < first or min(lengths) < 0 or max(map(operator.add, offsets, lengths)) > end
+        ):
             return [self.payload(int(i)) for i in indices]  # a row changed since the open: the first one raises
-        offsets, lengths, crcs = rows.T.tolist()
         mapped = self._pages.warm_map(len(offsets), sum(lengths))
         if mapped is not None:
             datas = [mapped[offset : offset + length] for offset, length in zip(offsets, lengths, strict=True)]
