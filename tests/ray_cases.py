@@ -638,6 +638,43 @@ def test_ray_list_file_matches_local(ray_local, tmp_path: Path) -> None:
     assert sorted(sample["caption"] for sample in local) == sorted(f"photo {i}".encode() for i in range(11))
 
 
+@pytest.mark.ray
+def test_ray_resume_reruns_a_finished_task_whose_list_labels_changed(ray_local, tmp_path: Path) -> None:
+    """A task's saved result was matched to the plan by its keys only: a list edited after the interruption
+    (two rows' labels swapped, the same classes) kept the finished task's old labels beside the new ones."""
+    (tmp_path / "t").mkdir()
+    labels = ["ant", "ant", "bee", "bee", "ant", "bee"]
+    for i in range(6):
+        (tmp_path / "t" / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+
+    def write_list() -> None:
+        rows = [f"t/{i}.txt,{label}" for i, label in enumerate(labels)]
+        (tmp_path / "l.csv").write_text("\n".join(["path,label", *rows]) + "\n", encoding="utf-8")
+
+    write_list()
+    from packdata.conversion.layouts import scan_list
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = partial_path(dst)
+    source = scan_list(tmp_path / "l.csv", label_column="label")
+    opts = _Options("tfrecord", source.kind, "skip", False, None, 90, None, 2)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False, classes=source.classes, source=source.root)
+    (partial / "part-00002.tfindex").mkdir()  # the last task cannot write its index: the others' results stay
+    options = {"format": "tfrecord", "label_column": "label", "shard_samples": 2, "progress": False, "engine": "ray"}
+    with pytest.raises(EngineError):
+        packdata.convert(tmp_path / "l.csv", dst, resume=True, **options)
+    (partial / "part-00002.tfindex").rmdir()
+    assert len(list((partial / TASKS_DIR).iterdir())) == 2  # the finished tasks' results, kept for the resume
+    labels[0], labels[2] = "bee", "ant"  # a row of each finished task
+    write_list()
+    packdata.convert(tmp_path / "l.csv", dst, resume=True, **options)
+    ds = packdata.TFRecordIndexedDataset(dst, decode="bytes")
+    assert [ds.classes[ds.targets[i]] for i in range(6)] == labels
+
+
 def test_ray_refuses_tar_shards(tmp_path: Path) -> None:
     import tarfile
 

@@ -1055,3 +1055,38 @@ def test_the_walks_extension_and_hidden_tests_agree_with_splitext_and_the_parts(
             assert _extension(rel) == os.path.splitext(rel.rsplit("/", 1)[-1])[1].lower(), rel
             assert _is_hidden(rel) == any(part.startswith(".") for part in rel.split("/")), rel
     assert _extension("class0/IMG.JPEG") == ".jpeg"
+
+
+def test_a_resume_refuses_a_list_whose_labels_changed_with_the_same_classes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk's check covered keys only: a list edited after the interruption (two rows' labels swapped, the
+    same classes) resumed into a pack whose first samples kept the old labels and the rest took the new ones,
+    a pack neither list gives. It is refused now, the partial kept; --overwrite packs the list as it is."""
+    src = tmp_path / "src"
+    src.mkdir()
+    labels = ["cat"] * 4 + ["dog"] * 4
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+
+    def write_list() -> None:
+        rows = [f"{i}.txt,{label}" for i, label in enumerate(labels)]
+        (src / "l.csv").write_text("\n".join(["path,label", *rows]) + "\n", encoding="utf-8")
+
+    write_list()
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(src / "l.csv", dst, monkeypatch, after=3, label_column="label")
+    checkpoint = (partial_path(dst) / "progress.json").read_bytes()
+    labels[0], labels[4] = "dog", "cat"  # packed before the interruption, and not yet
+    write_list()
+    with pytest.raises(SourceError, match="the source folder changed since the interrupted conversion"):
+        convert(src / "l.csv", dst, progress=False, resume=True, label_column="label")
+    assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
+    state = json.loads(checkpoint)  # as an earlier packdata wrote it: its walk's digest covered keys only
+    state["walk_sha256"] = state.pop("walk_labels_sha256")
+    (partial_path(dst) / "progress.json").write_text(json.dumps(state), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"made by an earlier packdata.*Start again with --overwrite"):
+        convert(src / "l.csv", dst, progress=False, resume=True, label_column="label")
+    convert(src / "l.csv", dst, progress=False, overwrite=True, label_column="label")
+    ds = LMDBDataset(dst, decode="bytes")
+    assert [ds.classes[ds.targets[i]] for i in range(8)] == labels

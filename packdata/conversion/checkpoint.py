@@ -26,7 +26,7 @@ from packdata.conversion.publish import (
     is_skip_lines,
     other_options_error,
 )
-from packdata.errors import PackFormatError
+from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -34,7 +34,8 @@ from packdata.pack.manifest import ShardInfo, is_sha256
 __all__: list[str] = []
 
 _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
-_REQUIRED = ("options", "walk_sha256", "skipped", "skip_examples", "shards", *_COUNTS)
+_WALK = "walk_labels_sha256"  # of walk_record(entry) over the walk (earlier: "walk_sha256", of keys only)
+_REQUIRED = ("options", _WALK, "skipped", "skip_examples", "shards", *_COUNTS)
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 
 
@@ -69,7 +70,7 @@ class _Checkpoint:
             "classes": self.classes,
             "files_done": self.files_done,
             "samples_done": self.samples_done,
-            "walk_sha256": self.walk.hexdigest(),
+            _WALK: self.walk.hexdigest(),
             "skip_report_bytes": self.skip_report_bytes,
             "skipped": dict(self.skipped),
             "skip_examples": list(self.skip_examples),  # a copy: a snapshot is saved later (_settle)
@@ -91,7 +92,7 @@ class _Checkpoint:
         """Take the saved state, every value checked first (``shard_name``: the format's name of shard ``i``).
 
         Raises:
-            ConfigError: the interrupted conversion used other options.
+            ConfigError: the interrupted conversion used other options, or an earlier packdata made it.
             PackFormatError: ``progress.json`` is not a checkpoint packdata wrote (naming the first bad field).
         """
         state = _checked_state(self.path, self.options, shard_name)
@@ -100,7 +101,7 @@ class _Checkpoint:
         self.skipped = Counter(state["skipped"])
         self.skip_examples = state["skip_examples"]
         self.shards = [ShardInfo(**s) for s in state["shards"]]
-        self.walk_expected = state["walk_sha256"]
+        self.walk_expected = state[_WALK]
         self.finishing = state.get("finishing", False)
         self.field_names = state.get("field_names", [])
         self.index_files = state.get("index_files")  # None from an earlier packdata
@@ -156,6 +157,13 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
         raise _damaged(path, f"not JSON ({exc})") from exc
     if not isinstance(state, dict):
         raise _damaged(path, f"a JSON {type(state).__name__}, not an object")
+    if "walk_sha256" in state and _WALK not in state:  # its walk's digest covered keys only
+        raise ConfigError(
+            "the interrupted conversion was made by an earlier packdata, whose checkpoint cannot tell whether "
+            "a list's labels changed since",
+            path=path.parent,
+            hint="Start again with --overwrite",
+        )
     for name in _REQUIRED:
         if name not in state:
             raise _damaged(path, f"it lacks {name}")
@@ -164,8 +172,8 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     for name in _COUNTS:
         if not is_count(state[name]):
             raise _bad(path, name, "an integer >= 0", state[name])
-    if not is_sha256(state["walk_sha256"]):
-        raise _bad(path, "walk_sha256", "64 lowercase hex digits", state["walk_sha256"])
+    if not is_sha256(state[_WALK]):
+        raise _bad(path, _WALK, "64 lowercase hex digits", state[_WALK])
     skipped = state["skipped"]
     if not is_skip_counts(skipped):
         raise _bad(path, "skipped", "an object of reason -> count", skipped)

@@ -35,7 +35,7 @@ from packdata.conversion.publish import (
     record_skip,
     skip_line,
 )
-from packdata.conversion.sources import Skip
+from packdata.conversion.sources import Skip, walk_record
 from packdata.errors import (
     CapacityError,
     PackFormatError,
@@ -228,7 +228,7 @@ class _Packer:
                         # A full shard is closed and checkpointed *before* this file is counted:
                         # a checkpoint never counts a file whose sample is not written with it.
                         self._make_room(len(result.data))
-                    self.cp.walk.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+                    self.cp.walk.update(walk_record(entry))
                     self.cp.files_done += 1
                     if isinstance(result, Skip):
                         self._skip(result, is_read_error=result.problem)
@@ -250,7 +250,7 @@ class _Packer:
         if self.cp.files_done:
             check = hashlib.sha256()
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):
-                check.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+                check.update(walk_record(entry))
             if check.hexdigest() != self.cp.walk_expected:
                 error = SourceError(
                     "the source folder changed since the interrupted conversion",

@@ -34,7 +34,7 @@ from packdata.conversion.ray_remote import (
     upload_task_files,
 )
 from packdata.conversion.remote_folder import RemoteSourceFile
-from packdata.conversion.sources import Skip, SourceFile, SourceGroup
+from packdata.conversion.sources import Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write
@@ -114,7 +114,7 @@ def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int 
             files += 1
             nbytes += size
         entries.append(entry)
-        digest.update(entry.key.encode("utf-8", "surrogateescape") + b"\0")
+        digest.update(walk_record(entry))
     if entries:
         yield ShardTask(number, tuple(entries), files, digest.hexdigest())
 

@@ -32,6 +32,7 @@ __all__ = [
     "SourceGroup",
     "new_class",
     "scan_source",
+    "walk_record",
 ]
 
 TEXT_EXTENSIONS = frozenset(
@@ -326,3 +327,15 @@ def _has_candidate(directory: Path, kind: str) -> bool:
         )
     except SourceError:  # the class folder cannot be listed: the walk reports it
         return False
+
+
+def walk_record(entry: SourceFile | SourceGroup | Skip) -> bytes:
+    """What a resume compares of one walked entry: its key, and the label the walk gave it.
+
+    The label is a list's column (a class folder's is in the key): a list
+    edited after an interruption, a row relabelled among the same classes,
+    no longer matches what the packed part of the walk was. ``key NUL label NUL``,
+    the label empty for a skip (keys hold no NUL), so no two walks give the same bytes.
+    """
+    key = entry.key.encode("utf-8", "surrogateescape")
+    return key + b"\0\0" if isinstance(entry, Skip) else b"%s\0%d\0" % (key, entry.label)
