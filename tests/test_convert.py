@@ -1090,3 +1090,29 @@ def test_a_resume_refuses_a_list_whose_labels_changed_with_the_same_classes(
     convert(src / "l.csv", dst, progress=False, overwrite=True, label_column="label")
     ds = LMDBDataset(dst, decode="bytes")
     assert [ds.classes[ds.targets[i]] for i in range(8)] == labels
+
+
+@pytest.mark.parametrize("edit", ["caption", "field file"])
+def test_a_resume_refuses_a_group_whose_fields_changed_in_the_packed_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: str
+) -> None:
+    """A list's caption edited, or a field file added to a sample packed before the interruption: same keys, so
+    the resume kept the old sample beside new ones (a pack neither source gives)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    rows = ["path,caption", *(f"{i}.txt,caption {i}" for i in range(8))]
+    (src / "l.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    source, options = (src / "l.csv", {}) if edit == "caption" else (src, {"layout": "grouped"})
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(source, dst, monkeypatch, after=3, **options)
+    checkpoint = (partial_path(dst) / "progress.json").read_bytes()
+    if edit == "caption":
+        rows[1] = "0.txt,another caption"
+        (src / "l.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    else:
+        (src / "0.json").write_text("[0]", encoding="utf-8")
+    with pytest.raises(SourceError, match="the source folder changed since the interrupted conversion"):
+        convert(source, dst, progress=False, resume=True, **options)
+    assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()

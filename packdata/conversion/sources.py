@@ -330,12 +330,20 @@ def _has_candidate(directory: Path, kind: str) -> bool:
 
 
 def walk_record(entry: SourceFile | SourceGroup | Skip) -> bytes:
-    """What a resume compares of one walked entry: its key, and the label the walk gave it.
+    """What a resume compares of one walked entry: its key, the label the walk gave it, a group's fields.
 
-    The label is a list's column (a class folder's is in the key): a list
-    edited after an interruption, a row relabelled among the same classes,
-    no longer matches what the packed part of the walk was. ``key NUL label NUL``,
-    the label empty for a skip (keys hold no NUL), so no two walks give the same bytes.
+    The label is a list's column (a class folder's is in the key); a group's
+    fields are the names of its files and the values a list gives inline. A
+    source edited after an interruption (a row relabelled among the same
+    classes, a caption changed, a field file added) no longer matches what the
+    packed part of the walk was. Every part is length-prefixed: no two walks give the same bytes.
     """
-    key = entry.key.encode("utf-8", "surrogateescape")
-    return key + b"\0\0" if isinstance(entry, Skip) else b"%s\0%d\0" % (key, entry.label)
+    parts = [entry.key.encode("utf-8", "surrogateescape")]
+    if not isinstance(entry, Skip):
+        parts.append(b"%d" % entry.label)
+    if isinstance(entry, SourceGroup):
+        parts.append(b"%d" % len(entry.files))
+        parts += [name.encode("utf-8", "surrogateescape") for name, _ in entry.files]
+        for name, value in entry.values:
+            parts += [name.encode("utf-8", "surrogateescape"), value]
+    return b"".join(b"%d:%s" % (len(part), part) for part in parts) + b"\n"
