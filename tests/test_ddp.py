@@ -47,9 +47,9 @@ def _digests(root: Path) -> dict[str, str]:
     return out
 
 
-def _torchrun(pack: Path, fmt: str, out: Path) -> list[dict]:
+def _torchrun(pack: Path, fmt: str, out: Path, *extra: str) -> list[dict]:
     out.mkdir()
-    args = [str(pack), str(out), "--format", fmt, "--workers", "2", "--epochs", "2"]
+    args = [str(pack), str(out), "--format", fmt, "--workers", "2", "--epochs", "2", *extra]
     run_torchrun(WORKER, args, timeout=RUN_TIMEOUT)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -77,3 +77,17 @@ def test_ddp_lmdb_distributed_sampler(source: Path, tmp_path: Path) -> None:
 def test_ddp_tfrecord_dataset(source: Path, tmp_path: Path) -> None:
     packdata.convert(source, tmp_path / "pack", format="tfrecord", shard_samples=6, progress=False)
     _check(_torchrun(tmp_path / "pack", "tfrecord", tmp_path / "out"), _digests(source))
+
+
+@pytest.mark.parametrize("fmt", ["block", "token", "tfrecord"])
+def test_a_reader_built_before_init_process_group_is_refused_not_read_by_every_rank(
+    source: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Built with no RANK/WORLD_SIZE and no group yet (mp.spawn scripts), it took rank 0 of 1: each rank read all."""
+    pack = tmp_path / ("pack" if fmt == "tfrecord" else "pack.lmdb")
+    packdata.convert(source, pack, format="tfrecord" if fmt == "tfrecord" else "lmdb", progress=False)
+    reports = _torchrun(pack, fmt, tmp_path / "out", "--before-init", "--workers", "0", "--epochs", "1")
+    for r, report in enumerate(reports):
+        assert report["epochs"] == [], f"rank {r} read {len(report['epochs'][0]['digests'])} samples"
+        assert f"torch.distributed says rank {r} of 2" in report["error"]
+        assert "init_process_group" in report["error"]

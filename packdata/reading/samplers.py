@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import Sampler
 
+from packdata.errors import ConfigError
 from packdata.pack.manifest import Manifest
 from packdata.reading.readahead import ReadAhead
 
@@ -27,6 +28,7 @@ __all__ = [
     "BlockShuffleSampler",
     "ShuffleQuality",
     "block_shuffle_order",
+    "check_rank_world",
     "resolve_rank_world",
     "shuffle_quality",
 ]
@@ -65,6 +67,30 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     if not 0 <= rank < world_size:
         raise ValueError(f"rank should be in [0, {world_size - 1}], but got rank={rank}")
     return rank, world_size
+
+
+def check_rank_world(owner: str, given: tuple[int | None, int | None], resolved: tuple[int, int]) -> None:
+    """Raise unless ``torch.distributed``, if initialised, still gives the ``(rank, world_size)`` found at construction.
+
+    ``given`` are the ``rank=``/``world_size=`` arguments, ``resolved`` what
+    :func:`resolve_rank_world` made of them. A reader built before
+    ``init_process_group`` by a launcher that sets no ``RANK``/``WORLD_SIZE``
+    (``mp.spawn``) took rank 0 of 1, so every rank would read every sample.
+
+    Raises:
+        ConfigError: naming both places.
+    """
+    import torch.distributed as dist
+
+    if None not in given or not (dist.is_available() and dist.is_initialized()):
+        return
+    now = resolve_rank_world(*given)
+    if now != resolved:
+        raise ConfigError(
+            f"{owner} was built as rank {resolved[0]} of {resolved[1]}, but torch.distributed says rank {now[0]} "
+            f"of {now[1]}: it was built before init_process_group, and each rank would read the wrong samples",
+            hint="Build it after init_process_group, or pass rank= and world_size=",
+        )
 
 
 def _environment_int(name: str) -> int:
@@ -254,6 +280,7 @@ class BlockShuffleSampler(Sampler[int]):
         self.window = int(window)
         self.seed = order_number("seed", seed)
         self.shuffle = shuffle
+        self._rank_given = rank, world_size
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_last = drop_last
         self.epoch = 0
@@ -271,6 +298,7 @@ class BlockShuffleSampler(Sampler[int]):
         setting another epoch discards it.
         """
         order_number("epoch", epoch)
+        check_rank_world("BlockShuffleSampler", self._rank_given, (self.rank, self.world_size))
         if epoch != self.epoch:
             self._history, self._start, self._yielded, self._pending = [], 0, 0, False
         self.epoch = epoch
@@ -346,8 +374,6 @@ class BlockShuffleSampler(Sampler[int]):
                 not one :meth:`state_dict` returned (its epoch or counts malformed or out
                 of range); the sampler is then left as it was.
         """
-        from packdata.errors import ConfigError
-
         for name, mine in (
             ("seed", self.seed),
             ("num_samples", self.num_samples_total),
@@ -436,6 +462,7 @@ class BlockShuffleSampler(Sampler[int]):
         )
 
     def __iter__(self) -> Iterator[int]:
+        check_rank_world("BlockShuffleSampler", self._rank_given, (self.rank, self.world_size))
         resumed, self._pending = self._pending, False
         if not resumed:
             self._history, self._start = [], 0  # a new pass over the whole epoch

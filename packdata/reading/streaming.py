@@ -36,7 +36,7 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_remote import ShardRun, stream_ahead
 from packdata.reading.decode import DecodeFn, resolve_decoder
-from packdata.reading.samplers import order_number, per_rank_count, resolve_rank_world
+from packdata.reading.samplers import check_rank_world, order_number, per_rank_count, resolve_rank_world
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordDataset"]
@@ -206,6 +206,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.shuffle = shuffle
         self.seed = order_number("seed", seed)
         self.shuffle_buffer = shuffle_buffer
+        self._rank_given = rank, world_size
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.drop_uneven = drop_uneven
         self.epoch = 0
@@ -234,6 +235,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         another epoch discards it. The epoch also reaches the copies held by
         ``persistent_workers``: each takes it when its next pass starts.
         """
+        check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
         self._use_epoch(order_number("epoch", epoch))
         self._epoch_calls += 1
         self._shared_epoch.write(epoch, self._epoch_calls)
@@ -468,6 +470,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
         epoch, calls = self._shared_epoch.read()
         if calls != self._epoch_calls:  # a persistent worker's copy: set_epoch was called on the original since
             self._epoch_calls = calls

@@ -27,7 +27,7 @@ from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
 from packdata.pack.index import FIELD_FILES, SIZES_FILE
-from packdata.reading.samplers import order_number, resolve_rank_world
+from packdata.reading.samplers import check_rank_world, order_number, resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
@@ -135,6 +135,7 @@ class TokenBucketSampler(Sampler[list[int]]):
             raise ValueError(f"bucket_size should be at least 1, but got bucket_size={bucket_size}")
         if oversize not in ("error", "alone"):
             raise ValueError(f"oversize should be 'error' or 'alone', but got oversize={oversize!r}")
+        self._rank_given = rank, world_size
         rank, world_size = resolve_rank_world(rank, world_size)
         raw = sample_lengths(lengths, field)
         if not len(raw):  # as BlockShuffleSampler: an epoch of no batches would end a training loop silently
@@ -163,6 +164,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler)."""
+        check_rank_world("TokenBucketSampler", self._rank_given, (self.rank, self.world_size))
         self.epoch = order_number("epoch", epoch)
 
     def _pack(self, order: np.ndarray) -> list[list[int]]:
@@ -218,6 +220,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
+        check_rank_world("TokenBucketSampler", self._rank_given, (self.rank, self.world_size))
         yield from self._rank_batches()
 
     def __len__(self) -> int:
