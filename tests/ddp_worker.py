@@ -13,7 +13,7 @@ records were really read.
 - ``--format block``: ``LMDBDataset`` + ``BlockShuffleSampler``;
   ``--format token``: ``LMDBDataset`` + ``TokenBucketSampler``.
 - ``--before-init``: build the loader before ``init_process_group``, with
-  ``RANK`` and ``WORLD_SIZE`` unset (as ``mp.spawn`` scripts that pass the rank
+  ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` unset (as ``mp.spawn`` scripts that pass the rank
   to ``init_process_group`` run), and write the ``PackdataError`` the first
   epoch raises, if any, as ``error``.
 """
@@ -72,6 +72,7 @@ def main() -> None:
 
     if args.before_init:
         rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
+        del os.environ["LOCAL_RANK"]
         loader, epoch_owner = _loader(args.pack, args.format, args.workers, args.batch_size)
         dist.init_process_group("gloo", rank=rank, world_size=world)
     else:

@@ -185,6 +185,21 @@ def test_a_world_of_several_ranks_without_this_ones_rank_is_refused(monkeypatch:
         resolve_rank_world()
 
 
+@pytest.mark.parametrize("name", ["RANK", "LOCAL_RANK"])
+def test_a_rank_other_than_0_without_a_world_size_is_refused(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """RANK=1 (or LOCAL_RANK=1) without WORLD_SIZE read as rank 0 of 1: that process read every sample."""
+    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(name, "0")
+    assert resolve_rank_world() == (0, 1)
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=rf"world_size should be given with {name}='1', but got none"):
+        BlockShuffleSampler(10)
+    with pytest.raises(ValueError, match=rf"world_size should be given with {name}='1'"):
+        TokenBucketSampler([5] * 10, max_tokens=20)
+    assert resolve_rank_world(1, 2) == (1, 2)
+
+
 def test_with_lmdb_and_indexed_tfrecord_loaders(small_texts: Path, tmp_path: Path) -> None:
     convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
     convert(small_texts, tmp_path / "p.tf", format="tfrecord", shard_samples=9, progress=False)

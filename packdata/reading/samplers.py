@@ -41,10 +41,11 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     ``RANK`` and ``WORLD_SIZE`` environment variables (set by ``torchrun``);
     else ``(0, 1)``. A world of several ranks needs this process's rank from
     one of them: rank 0 on every process would read every sample once per rank.
+    So does a ``RANK`` or ``LOCAL_RANK`` other than 0 without ``WORLD_SIZE``.
 
     Raises:
         ValueError: the values are out of range, not integers, or the rank of a
-            world of several ranks is not known.
+            world of several ranks (or the world of a rank other than 0) is not known.
     """
     if rank is None or world_size is None:
         found_rank, found_world = None, 1
@@ -55,6 +56,13 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
         elif "WORLD_SIZE" in os.environ:
             found_world = _environment_int("WORLD_SIZE")
             found_rank = _environment_int("RANK") if "RANK" in os.environ else None
+        elif world_size is None:
+            for name in ("RANK", "LOCAL_RANK"):
+                if name in os.environ and _environment_int(name) != 0:
+                    raise ValueError(
+                        f"world_size should be given with {name}={os.environ[name]!r}, but got none: no world_size= "
+                        "argument, no initialised torch.distributed group and no WORLD_SIZE environment variable"
+                    )
         world_size = found_world if world_size is None else world_size
         if rank is None and found_rank is None and world_size > 1:
             raise ValueError(
