@@ -112,6 +112,30 @@ def test_sampler_json_state_and_plain_dataloader(packs: dict[str, Path]) -> None
     assert len(list(sampler)) == N
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_state_saved_after_a_short_last_batch_loads(world: int) -> None:
+    """consumed=(step + 1) * batch_size, as the README saves it, ran past a short last batch:
+    the state of the epoch's end was refused on load ("says 12 samples consumed, but ... holds 10")."""
+    from torch.utils.data import DataLoader
+
+    def make(rank: int) -> BlockShuffleSampler:
+        sampler = BlockShuffleSampler(10 * world, block_size=4, window=2, seed=5, rank=rank, world_size=world)
+        sampler.set_epoch(3)
+        return sampler
+
+    for rank in range(world):
+        sampler = make(rank)
+        for step, _batch in enumerate(DataLoader(range(10 * world), batch_size=4, sampler=sampler)):
+            state = sampler.state_dict(consumed=(step + 1) * 4)
+        assert step == 2 and state["consumed"] == [[world, 10]]
+        fresh = make(rank)
+        fresh.load_state_dict(json.loads(json.dumps(state)))
+        assert list(fresh) == [] and fresh.epoch == 4
+    elastic = BlockShuffleSampler(10 * world, block_size=4, window=2, seed=5, rank=0, world_size=3)
+    elastic.load_state_dict({**state, "consumed": [[world, 4], [3, 0]]})  # 6 a rank left, over 3 ranks
+    assert len(list(elastic)) == 2 * world and elastic.state_dict(consumed=8)["consumed"][-1] == [3, 2 * world]
+
+
 def test_sampler_end_of_epoch_state_moves_to_next_epoch() -> None:
     sampler = BlockShuffleSampler(N, block_size=4, window=2, seed=5)
     sampler.set_epoch(2)

@@ -341,8 +341,9 @@ class BlockShuffleSampler(Sampler[int]):
 
         Args:
             consumed: samples training has taken from the current iteration
-                (for a plain ``DataLoader``: ``steps * batch_size``, the last
-                batch possibly short). By default the samples this sampler has
+                (for a plain ``DataLoader``: ``steps * batch_size``; a count
+                past the end of the iteration, as a short last batch gives,
+                is its end). By default the samples this sampler has
                 yielded, which is what ``StatefulDataLoader`` needs (it
                 snapshots the sampler as it hands each batch's indices out).
 
@@ -350,9 +351,11 @@ class BlockShuffleSampler(Sampler[int]):
             ``{"epoch", "seed", "consumed": [[world_size, samples], ...], ...}``
             plus the options that fix the order, checked on load.
         """
-        position = self._yielded if consumed is None else self._start + consumed
         if consumed is not None and consumed < 0:
             raise ValueError(f"consumed should be at least 0, but got consumed={consumed}")
+        position = self._yielded
+        if consumed is not None:  # the stream's length: the full epoch's unless this epoch changed world size
+            position = min(self._start + consumed, len(self._stream()) if self._history else len(self))
         return {
             "version": 1,
             "epoch": self.epoch,
