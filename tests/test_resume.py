@@ -285,6 +285,30 @@ def test_tfrecord_exact_resume(packs: dict[str, Path], world: int, workers: int,
     assert len(counts) == N and sum(counts.values()) - N == (world - N % world) % world  # padding only
 
 
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_tfrecord_state_saved_after_the_epoch_reads_the_next_epoch(
+    packs: dict[str, Path], workers: int, persistent: bool
+) -> None:
+    """A state saved once the epoch ended, loaded with set_epoch(next): StatefulDataLoader makes a pass of the
+    loaded state, finds it finished and starts another; that one read the loaded epoch's order again."""
+
+    def make(epoch: int) -> StatefulDataLoader:
+        ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5, shuffle_buffer=6, rank=0, world_size=1)
+        ds.set_epoch(epoch)
+        return StatefulDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, persistent_workers=persistent, collate_fn=_collate
+        )
+
+    loader = make(1)
+    first = [s for batch in loader for s in _ids(batch)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [s for batch in make(2) for s in _ids(batch)]
+    assert sorted(first) == sorted(expected) and first != expected
+    loader = make(2)
+    loader.load_state_dict(state)
+    assert [s for batch in loader for s in _ids(batch)] == expected
+
+
 def test_tfrecord_state_is_per_worker_and_json(packs: dict[str, Path]) -> None:
     loader = _tf_loader(packs["tfrecord"], 0, 1, 2)
     it = iter(loader)

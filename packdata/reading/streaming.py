@@ -214,6 +214,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self._shared_epoch = _EpochBoard()  # persistent workers' copies read it when a pass starts
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
+        self._after_resume = False  # the last pass was a loaded state's: the next takes set_epoch's epoch
         n = self.pack.manifest.num_samples
         if n == 0:  # packdata writes no empty pack: nothing to pad from, whatever the options
             raise PackFormatError(
@@ -289,7 +290,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         in each worker. The next pass yields exactly the samples the
         interrupted pass had left, in the same order. Records already consumed
         are not read again (the shuffle buffer's draws are replayed on
-        positions, not on data).
+        positions, not on data). The state is for that one pass: the pass
+        after it reads the epoch :meth:`set_epoch` set last.
 
         Raises:
             ConfigError: the state was saved with other options (seed, shuffle,
@@ -472,10 +474,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
         epoch, calls = self._shared_epoch.read()
-        if calls != self._epoch_calls:  # a persistent worker's copy: set_epoch was called on the original since
+        # a persistent worker's copy: set_epoch was called on the original since; or the pass after a loaded
+        # state's (StatefulDataLoader starts one more when the state's epoch had ended): set_epoch's epoch again
+        if calls != self._epoch_calls or (self._after_resume and calls):
             self._epoch_calls = calls
             self._use_epoch(epoch)
         resume, self._resume = self._resume, None
+        self._after_resume = resume is not None
         self._position = 0
         if resume is not None:
             return self._resumed(resume, worker, num_workers)
