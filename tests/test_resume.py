@@ -397,6 +397,23 @@ def test_tfrecord_plain_dataloader_resume(packs: dict[str, Path], workers: int) 
             assert sorted(before + after) == sorted(full), stop
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_tfrecord_loaded_state_resumes_one_pass_of_workers(packs: dict[str, Path], context: str) -> None:
+    """The state stayed in the main process's dataset, so every later pass's workers resumed from it again:
+    each later epoch (the same epoch number, or no set_epoch) read only the samples after the checkpoint."""
+    from torch.utils.data import DataLoader
+
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", shuffle=False)
+    loader = DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=_collate, multiprocessing_context=context)
+    full = [s for batch in loader for s in _ids(batch)]
+    ds.load_state_dict(ds.loader_state_dict(3, batch_size=BATCH, num_workers=2))
+    after = [s for batch in loader for s in _ids(batch)]
+    assert len(after) == N - 3 * BATCH
+    for _ in range(2):
+        assert sorted(s for batch in loader for s in _ids(batch)) == sorted(full)
+        ds.set_epoch(0)
+
+
 @pytest.mark.parametrize(
     ("counts", "problem"),
     [

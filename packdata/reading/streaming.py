@@ -84,10 +84,16 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
 
 
 _BOARD = struct.Struct("<qq")
+_BOARD_SIZE = mmap.PAGESIZE  # the epoch and calls, then one byte per DataLoader worker
 
 
 class _EpochBoard:
     """``(epoch, set_epoch calls)``, where a dataset's copies in ``DataLoader`` workers read it when a pass starts.
+
+    After them, one byte per worker id says that worker already took the state
+    :meth:`TFRecordDataset.load_state_dict` loaded in the main process (which
+    clears them), so the workers of later passes, copied from a dataset that
+    still holds that state, do not resume from it again.
 
     Forked workers share an anonymous shared map with the dataset (no file, no
     ``/dev/shm``). A copy pickled for a ``spawn``-ed worker carries a
@@ -96,24 +102,38 @@ class _EpochBoard:
     """
 
     def __init__(self) -> None:
-        self._map = mmap.mmap(-1, _BOARD.size)
+        self._map = mmap.mmap(-1, _BOARD_SIZE)
         self._tensor: torch.Tensor | None = None
 
+    def _views(self) -> list[memoryview | mmap.mmap]:
+        return [self._map] if self._tensor is None else [self._map, self._tensor.numpy().data]
+
     def write(self, epoch: int, calls: int) -> None:
-        _BOARD.pack_into(self._map, 0, epoch, calls)
-        if self._tensor is not None:
-            self._tensor[0], self._tensor[1] = epoch, calls
+        for view in self._views():
+            _BOARD.pack_into(view, 0, epoch, calls)
 
     def read(self) -> tuple[int, int]:
-        if self._tensor is not None:
-            epoch, calls = self._tensor.tolist()
-            return epoch, calls
-        return _BOARD.unpack_from(self._map, 0)
+        return _BOARD.unpack_from(self._views()[-1], 0)
+
+    def clear_taken(self) -> None:
+        """No worker has taken the loaded state yet."""
+        for view in self._views():
+            view[_BOARD.size :] = bytes(_BOARD_SIZE - _BOARD.size)
+
+    def take(self, worker: int) -> bool:
+        """Mark the loaded state taken by ``worker``; whether a worker of an earlier pass had taken it."""
+        slot = _BOARD.size + worker
+        if slot >= _BOARD_SIZE:  # more workers than a page holds: not tracked
+            return False
+        taken = self._views()[-1][slot] == 1
+        for view in self._views():
+            view[slot] = 1
+        return taken
 
     def __getstate__(self) -> dict[str, Any]:
         if self._tensor is not None:
             return {"tensor": self._tensor}
-        tensor = torch.tensor(self.read(), dtype=torch.int64)
+        tensor = torch.frombuffer(bytearray(self._map[:]), dtype=torch.uint8)
         with suppress(RuntimeError, OSError):  # else no usable shared memory: a copy by value, as pickle makes
             tensor.share_memory_()
         if tensor.is_shared():
@@ -121,11 +141,11 @@ class _EpochBoard:
         return {"tensor": tensor}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._map = mmap.mmap(-1, _BOARD.size)
+        self._map = mmap.mmap(-1, _BOARD_SIZE)
         tensor = state["tensor"]
         self._tensor = tensor if tensor.is_shared() else None
         if self._tensor is None:  # a copy by value (pickle, deepcopy): its own board, which its forked workers share
-            _BOARD.pack_into(self._map, 0, *tensor.tolist())
+            self._map[:] = tensor.numpy().tobytes()
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
@@ -215,6 +235,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         self._after_resume = False  # the last pass was a loaded state's: the next takes set_epoch's epoch
+        self._resume_from_main = False  # the loaded state was loaded in the main process (not by a worker)
         n = self.pack.manifest.num_samples
         if n == 0:  # packdata writes no empty pack: nothing to pad from, whatever the options
             raise PackFormatError(
@@ -331,6 +352,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.epoch = int(epoch)
         self._resume = dict(state_dict)
         self._position = int(state_dict.get("yielded", 0))
+        self._resume_from_main = get_worker_info() is None
+        if self._resume_from_main:  # its workers' copies take it once, in the next pass
+            self._shared_epoch.clear_taken()
 
     def _check_loader_state(self, state: dict[str, Any]) -> None:
         """Refuse a :meth:`loader_state_dict` state whose counts do not fit its workers' streams of this epoch."""
@@ -474,6 +498,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
         epoch, calls = self._shared_epoch.read()
+        if self._resume is not None and self._resume_from_main and info is not None and self._shared_epoch.take(worker):
+            self._resume, self._after_resume = None, True  # a worker of an earlier pass resumed from it: not again
         # a persistent worker's copy: set_epoch was called on the original since; or the pass after a loaded
         # state's (StatefulDataLoader starts one more when the state's epoch had ended): set_epoch's epoch again
         if calls != self._epoch_calls or (self._after_resume and calls):
