@@ -801,6 +801,21 @@ def test_ray_into_s3_equals_local(ray_local, s3, clean_folder: Path, tmp_path: P
     assert not any(SECRET.encode() in (got / name).read_bytes() for name in _files(got))
 
 
+@pytest.mark.ray
+def test_ray_into_a_missing_bucket_is_named_before_any_task_runs(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A missing bucket failed each task's upload (after its shard was packed), then the run, as a task failure."""
+    from packdata.conversion.upload import work_folder
+
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = "s3://no-such-bucket/ray.lmdb"
+    with pytest.raises(SourceError, match=r"^s3://no-such-bucket/ray\.lmdb: cannot write there: its bucket does not"):
+        packdata.convert(clean_folder, url, shard_samples=8, storage_options=options, progress=False, engine="ray")
+    assert not partial_path(work_folder(url)).exists()  # no task was planned
+
+
 _DRIVER = """
 import json, sys
 import packdata

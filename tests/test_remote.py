@@ -568,6 +568,19 @@ def test_a_destination_url_with_dot_parts_is_refused_and_no_work_folder_is_touch
     assert work_folder(url).parent.parent == tmp_path / "work" / "packdata-upload"
 
 
+def test_a_missing_destination_bucket_is_named_before_anything_is_packed(s3, tmp_path: Path, monkeypatch) -> None:
+    """A missing bucket was noticed only at the upload, after the whole source was packed into the work folder."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 3)
+    with pytest.raises(SourceError, match=r"^s3://no-such-bucket/x\.lmdb: cannot write there: its bucket does not ex"):
+        packdata.convert(src, "s3://no-such-bucket/x.lmdb", storage_options=options, progress=False)
+    assert not list((tmp_path / "work").rglob("*.mdb"))  # nothing was packed
+    packdata.convert(src, "s3://packs/write-checked.lmdb", storage_options=options, progress=False)
+    fs.invalidate_cache()
+    assert not [p for p in fs.find("packs/write-checked.lmdb") if ".packdata-write-check-" in p]  # none left
+
+
 def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: Path, monkeypatch) -> None:
     """A checkpoint naming a shard outside the work pack (``..``, an absolute path) uploads nothing of it."""
     options, fs = s3

@@ -41,6 +41,7 @@ from packdata.conversion.upload import (
     ShardUploader,
     check_job,
     check_remote_destination,
+    check_writable,
     clean_work_folder,
     download_source,
     end_remote_pack,
@@ -473,6 +474,7 @@ def _into_url(url: str, options: dict[str, Any]) -> tuple[dict[str, Any] | None,
     """Check that ``url`` may take the pack; its storage options, local work folder and convert options."""
     storage = options["storage_options"]
     check_remote_destination(url, storage, overwrite=options["overwrite"])
+    check_writable(url, storage)  # a missing bucket is named now, not after the packing
     local = work_folder(url)
     local.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}

@@ -34,13 +34,14 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from packdata.conversion.remote_folder import list_folder
 from packdata.conversion.sources import Skip
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
 from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
 from packdata.pack.files import PROGRESS_FILE, atomic_write, file_sha256, private_temp_folder
@@ -51,6 +52,7 @@ from packdata.units import format_size
 
 __all__ = [
     "ShardUploader",
+    "check_writable",
     "download_source",
     "end_remote_pack",
     "file_md5",
@@ -95,6 +97,35 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
             f"{display_url(url)}: a pack already exists there",
             hint="Pass --overwrite to replace it, or choose another URL",
         )
+
+
+def check_writable(url: str, storage_options: dict[str, Any] | None) -> None:
+    """Write one empty object into ``url`` and remove it, so a destination that takes no pack is named before any work.
+
+    The object's name is this run's own (``.packdata-write-check-<random>``): no pack or stranger has it.
+
+    Raises:
+        SourceError: the write failed (no such bucket, access denied, an unreachable endpoint), or the removal did.
+    """
+    fs, root = open_url(url, storage_options)
+    shown = display_url(url)
+    probe = f"{root.rstrip('/')}/{_WRITE_CHECK}{uuid.uuid4().hex}"
+    try:
+        fs.pipe_file(probe, b"")
+    except FileNotFoundError as exc:
+        raise SourceError(
+            f"{shown}: cannot write there: its bucket does not exist ({type(exc).__name__})",
+            hint="Create the bucket, or check the URL and the endpoint",
+        ) from exc
+    except Exception as exc:
+        raise remote_error(shown, "cannot write there, so nothing was converted", exc) from exc
+    try:
+        fs.rm_file(probe)
+    except Exception as exc:
+        raise remote_error(shown, f"cannot remove {probe.rsplit('/', 1)[-1]}, written to check access", exc) from exc
+
+
+_WRITE_CHECK = ".packdata-write-check-"
 
 
 def end_remote_pack(url: str, storage_options: dict[str, Any] | None) -> None:
