@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -579,6 +580,27 @@ def test_a_missing_destination_bucket_is_named_before_anything_is_packed(s3, tmp
     packdata.convert(src, "s3://packs/write-checked.lmdb", storage_options=options, progress=False)
     fs.invalidate_cache()
     assert not [p for p in fs.find("packs/write-checked.lmdb") if ".packdata-write-check-" in p]  # none left
+
+
+def test_what_s3fs_raises_for_a_refused_connection_is_transient_and_a_missing_bucket_is_not(s3) -> None:
+    """Requests to a port nothing listens on (a server down) are tried again; a missing bucket is not."""
+    from packdata.pack.urls import is_transient
+
+    _, fs = s3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    down = s3fs.S3FileSystem(
+        client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"},
+        config_kwargs={"retries": {"total_max_attempts": 1}},
+        skip_instance_cache=True,
+    )
+    with pytest.raises(Exception) as refused:
+        down.cat_file("packs/x")
+    assert is_transient(refused.value), repr(refused.value)
+    with pytest.raises(FileNotFoundError) as missing:
+        fs.pipe_file("no-such-bucket/x", b"")
+    assert not is_transient(missing.value)
 
 
 def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: Path, monkeypatch) -> None:

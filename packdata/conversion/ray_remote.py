@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from packdata.conversion.upload import file_md5, object_matches
 from packdata.errors import EngineError, PackdataError, PackFormatError
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo
-from packdata.pack.urls import display_url, object_version, open_url, remote_error
+from packdata.pack.urls import display_url, object_version, open_url, remote_error, retry_transient
 
 __all__ = [
     "RemoteTarget",
@@ -127,6 +128,8 @@ def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str,
 
     ``version`` is what the store reports for the object right after the upload
     (its ETag): a resume trusts the object only while the store still says so.
+    A transient failure (a dropped connection, a timeout, a 5xx reply) is tried
+    again with backoff (:func:`~packdata.pack.urls.retry_transient`).
 
     Raises:
         SourceError: an upload failed (the message shows the URL and the error's type only).
@@ -136,13 +139,18 @@ def upload_task_files(pack: Path, leave: str, target: RemoteTarget) -> dict[str,
     for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.relative_to(pack).parts[0] != leave):
         rel = path.relative_to(pack).as_posix()
         try:
-            fs.put_file(os.fspath(path), f"{root}/{rel}")
-            fs.invalidate_cache(f"{root}/{rel}")
-            version = object_version(fs.info(f"{root}/{rel}"))
+            version = retry_transient(partial(_put, fs, path, f"{root}/{rel}"))
         except Exception as exc:
             raise remote_error(target.shown, f"uploading {rel} failed", exc, resumable=True) from exc
         objects[rel] = [path.stat().st_size, file_md5(path), version]
     return objects
+
+
+def _put(fs: Any, path: Path, target: str) -> str:
+    """Upload ``path`` to ``target``; the version the store reports for it now."""
+    fs.put_file(os.fspath(path), target)
+    fs.invalidate_cache(target)
+    return object_version(fs.info(target))
 
 
 def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> bool:

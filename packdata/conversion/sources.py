@@ -19,7 +19,7 @@ from packdata.errors import ConfigError, SourceError
 from packdata.pack.files import file_kind
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.records import MAX_SAMPLE_BYTES
-from packdata.pack.urls import remote_error
+from packdata.pack.urls import remote_error, retry_transient
 
 __all__ = [
     "FREE_CLASSES",
@@ -66,12 +66,15 @@ class RemoteFile:
     def read(self, key: str) -> bytes | Skip:
         """The object's bytes, or why sample ``key`` is skipped (no such object, a folder, access denied).
 
+        A transient failure (a dropped connection, a timeout, a 5xx reply) is
+        tried again with backoff (:func:`~packdata.pack.urls.retry_transient`).
+
         Raises:
             SourceError: any other failure of the request (resumable: a rerun
                 with ``resume`` continues, rather than skip a file on a transient failure).
         """
         try:
-            return bytes(self.fs.cat_file(self.path))
+            return retry_transient(self._fetch)
         except FileNotFoundError:
             return Skip(key, "vanished", "no such object: removed since the list named it, or never there")
         except IsADirectoryError:
@@ -80,6 +83,10 @@ class RemoteFile:
             return Skip(key, "unreadable", "access denied (PermissionError)")
         except Exception as exc:
             raise remote_error(self.shown, "cannot read the file; rerun with resume", exc, resumable=True) from exc
+
+    def _fetch(self) -> bytes:
+        """The object's bytes: one try."""
+        return bytes(self.fs.cat_file(self.path))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from packdata.errors import ConfigError, PackFormatError, SourceError
@@ -20,12 +22,14 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 __all__ = [
     "EXTRAS",
     "display_url",
+    "is_transient",
     "is_url",
     "local_name",
     "object_version",
     "open_url",
     "read_url_manifest",
     "remote_error",
+    "retry_transient",
 ]
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
@@ -132,3 +136,62 @@ def remote_error(shown: str, what: str, exc: BaseException, *, resumable: bool =
     )
     error.resumable = resumable
     return error
+
+
+_T = TypeVar("_T")
+RETRY_DELAYS = (1.0, 2.0, 4.0)
+"""Seconds waited before each new try of a request that failed transiently (after the filesystem's own retries)."""
+
+_TRANSIENT_TYPES = frozenset(
+    {
+        "ConnectionError",  # builtin and botocore's (EndpointConnectionError, ConnectTimeoutError)
+        "HTTPClientError",  # botocore: ConnectionClosedError, ReadTimeoutError
+        "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError
+        "ClientPayloadError",  # aiohttp: a body cut short
+        "IncompleteRead",
+    }
+)
+_TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed request may pass when tried again: a dropped or refused connection, a timeout, a 5xx or 429.
+
+    Looks along the exception's causes: s3fs raises an ``OSError`` caused by
+    botocore's ``ClientError``, whose reply holds the HTTP status. A missing
+    bucket or object, denied access and any other 4xx reply are not transient.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, TimeoutError) or _TRANSIENT_TYPES & {t.__name__ for t in type(error).__mro__}:
+            return True
+        response = getattr(error, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if response.get("Error", {}).get("Code") in _TRANSIENT_CODES or _transient_status(status):
+                return True
+        if _transient_status(getattr(error, "status", None)) or _transient_status(getattr(error, "code", None)):
+            return True  # aiohttp's ClientResponseError.status, gcsfs's HttpError.code
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return False
+
+
+def _transient_status(status: object) -> bool:
+    return isinstance(status, int) and not isinstance(status, bool) and (status == 429 or 500 <= status < 600)
+
+
+def retry_transient(call: Callable[[], _T], delays: tuple[float, ...] = RETRY_DELAYS) -> _T:
+    """``call()``, tried again after each of ``delays`` while it fails transiently (see :func:`is_transient`).
+
+    Any other failure, and a transient one after the last delay, is raised as it came.
+    """
+    for delay in delays:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+        time.sleep(delay)
+    return call()
