@@ -903,16 +903,23 @@ def test_ray_from_an_s3_folder_equals_local(ray_local, s3, poisoned_folder: Path
 def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
     ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """An object rewritten between the driver's listing and its task's read was packed as it then was, silently."""
+    """An object rewritten between the driver's listing and its task's read was packed as it then was, silently.
+
+    The size caught a rewrite of another length; one of the same length is caught by its ETag (If-Match).
+    """
     from packdata.conversion import convert as conversion
 
     options, fs = s3
     fs.put(str(clean_folder), "packs/changing", recursive=True)
+    same_size = bytearray((clean_folder / "class1" / "img002.jpg").read_bytes())
+    same_size[len(same_size) // 2] ^= 0xFF  # other bytes in the image data, same length
+    same_size = bytes(same_size)
     real_scan = conversion.scan_remote_folder
 
     def scan_then_change(*args, **kwargs):  # listed by the driver, then changed before any task reads it
         scanned = real_scan(*args, **kwargs)
         fs.pipe_file("packs/changing/class0/img003.jpg", _tiny_jpeg(50) + _tiny_jpeg(51))
+        fs.pipe_file("packs/changing/class1/img002.jpg", same_size)  # only its ETag tells
         fs.rm_file("packs/changing/class2/img007.jpg")
         return scanned
 
@@ -921,12 +928,13 @@ def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
     result = packdata.convert(
         "s3://packs/changing", dst, shard_samples=10, storage_options=options, progress=False, engine="ray"
     )
-    assert result.skipped == {"changed": 1, "vanished": 1} and result.packed == N_CLASSES * PER_CLASS - 1
+    assert result.skipped == {"changed": 2, "vanished": 1} and result.packed == N_CLASSES * PER_CLASS - 2
     assert [(e["key"], e["reason"]) for e in result.skip_examples] == [
         ("class0/img003.jpg", "changed"),
+        ("class1/img002.jpg", "changed"),
         ("class2/img007.jpg", "vanished"),
     ]
-    assert "class0/img003.jpg" not in {row[0] for row in _lmdb_content(dst)}
+    assert not {"class0/img003.jpg", "class1/img002.jpg"} & {row[0] for row in _lmdb_content(dst)}
 
 
 @pytest.mark.ray

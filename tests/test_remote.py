@@ -603,6 +603,31 @@ def test_what_s3fs_raises_for_a_refused_connection_is_transient_and_a_missing_bu
     assert not is_transient(missing.value)
 
 
+@pytest.mark.parametrize("if_match", [True, False])
+def test_an_object_rewritten_at_the_same_size_since_the_listing_is_a_changed_skip(
+    s3, tmp_path: Path, monkeypatch, if_match: bool
+) -> None:
+    """A Ray task read the object as it was then: same size as listed, so it was packed with other bytes than listed."""
+    import packdata.conversion.remote_folder as remote_folder
+    import packdata.pack.urls as urls
+    from packdata.conversion.sources import Skip
+
+    options, fs = s3
+    if not if_match:  # a store without If-Match: the version is looked up after the read
+        for module in (urls, remote_folder):
+            monkeypatch.setattr(module, "conditional_reads", lambda fs: False)
+    root = f"packs/same-size-{if_match}"
+    fs.pipe({f"{root}/cat/0.jpg": image_bytes(0, (30, 20)), f"{root}/cat/1.jpg": image_bytes(1, (30, 20))})
+    folder = remote_folder.scan_remote_folder(f"s3://{root}", options)
+    listed = [entry for entry in folder.walk() if isinstance(entry, remote_folder.RemoteSourceFile)]
+    rewritten = bytearray(image_bytes(1, (30, 20)))
+    rewritten[len(rewritten) // 2] ^= 0xFF
+    fs.pipe_file(f"{root}/cat/1.jpg", bytes(rewritten))
+    assert listed[0].remote.read("cat/0.jpg") == image_bytes(0, (30, 20))
+    skip = listed[1].remote.read("cat/1.jpg")
+    assert isinstance(skip, Skip) and (skip.key, skip.reason) == ("cat/1.jpg", "changed"), skip
+
+
 def test_the_early_uploader_sends_only_files_inside_the_work_pack(s3, tmp_path: Path, monkeypatch) -> None:
     """A checkpoint naming a shard outside the work pack (``..``, an absolute path) uploads nothing of it."""
     options, fs = s3
@@ -2014,12 +2039,14 @@ def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record
     """The pack converted over itself while read, records of the same lengths: the epoch once mixed both packs."""
     import packdata.formats.remote_pack as remote_pack
     import packdata.formats.tfrecord_remote as remote
+    import packdata.pack.urls as urls
 
     options, _ = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     monkeypatch.setattr(remote.RemoteShardReader, "CHUNK", 400)  # one record a request: most are fetched later
     if not if_match:  # a store without If-Match: the version is looked up after each read
-        monkeypatch.setattr(remote_pack, "_conditional", lambda fs: False, raising=False)
+        for module in (urls, remote_pack):
+            monkeypatch.setattr(module, "conditional_reads", lambda fs: False)
     url = f"s3://packs/mid-epoch-{if_match}"
     _convert_to_s3(tmp_path / "v1", "A", url, options)
     ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)

@@ -7,7 +7,8 @@ equals the one made from a local copy; each task reads its objects itself. An
 object whose name has ``..``, ``.`` or empty parts is never read: it is a skip
 (``unsafe name``), walked first, as :func:`~packdata.conversion.upload.download_source`
 reports it for the local engine. An object read with another size than
-listed was rewritten since the listing: a skip (``changed``), as one removed since is (``vanished``).
+listed, or (where the listing gave one) at another version (ETag), was rewritten
+since the listing: a skip (``changed``), as one removed since is (``vanished``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from typing import Any
 from packdata.conversion.sources import _EXTENSIONS, RemoteFile, Skip, SourceFile, _is_hidden
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.images import IMAGE_EXTENSIONS
-from packdata.pack.urls import display_url, object_version, open_url, remote_error
+from packdata.pack.urls import (
+    conditional_reads,
+    display_url,
+    object_version,
+    open_url,
+    precondition_failed,
+    read_at_version,
+    remote_error,
+)
 
 __all__ = [
     "RemoteFolder",
@@ -99,14 +108,31 @@ def _folder_marker(path: str, info: dict[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class _ListedObject(RemoteFile):
-    """An object of a folder listing, read whole: one of another size than listed is a skip (rewritten since)."""
+    """An object of a folder listing, read whole only as listed: one rewritten since is a skip (``changed``).
+
+    With the version the listing gave (its ETag), S3 serves the bytes only
+    while the object still has it (``If-Match``: no extra request); another
+    store's object is looked up again after the read. One read with another
+    size than listed is a skip too.
+    """
 
     size: int = 0
+    version: str = ""
 
-    def read(self, key: str) -> bytes | Skip:
-        data = super().read(key)
-        if isinstance(data, bytes) and len(data) != self.size:
+    def _fetch(self, key: str) -> bytes | Skip:
+        changed = Skip(key, "changed", "its version is not the one listed: rewritten since the listing")
+        try:
+            data = read_at_version(self.fs, self.path, self.version)
+        except Exception as exc:
+            if precondition_failed(exc):
+                return changed
+            raise
+        if len(data) != self.size:
             return Skip(key, "changed", f"{len(data)} bytes, {self.size} when listed: rewritten since the listing")
+        if self.version and not conditional_reads(self.fs):
+            self.fs.invalidate_cache(self.path)
+            if object_version(self.fs.info(self.path)) != self.version:
+                return changed
         return data
 
 
@@ -135,7 +161,7 @@ class RemoteFolder:
         yield from self.refused
         extensions = _EXTENSIONS[self.kind]
         labels = {name: number for number, name in enumerate(self.classes)}
-        for path, rel, size, _ in self.objects:
+        for path, rel, size, version in self.objects:
             if _is_hidden(rel):
                 yield Skip(rel, "hidden", problem=False)
                 continue
@@ -145,7 +171,7 @@ class RemoteFolder:
                 )
                 continue
             label = labels[rel.split("/", 1)[0]] if "/" in rel else -1
-            remote = _ListedObject(self.fs, path, f"{self.root}/{rel}", size)
+            remote = _ListedObject(self.fs, path, f"{self.root}/{rel}", size, version)
             yield RemoteSourceFile(rel, path, label, remote=remote, size=size)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ class RemoteFile:
                 with ``resume`` continues, rather than skip a file on a transient failure).
         """
         try:
-            return retry_transient(self._fetch)
+            return retry_transient(partial(self._fetch, key))
         except FileNotFoundError:
             return Skip(key, "vanished", "no such object: removed since the list named it, or never there")
         except IsADirectoryError:
@@ -84,8 +85,8 @@ class RemoteFile:
         except Exception as exc:
             raise remote_error(self.shown, "cannot read the file; rerun with resume", exc, resumable=True) from exc
 
-    def _fetch(self) -> bytes:
-        """The object's bytes: one try."""
+    def _fetch(self, key: str) -> bytes | Skip:
+        """The object's bytes, or why sample ``key`` is skipped: one try."""
         return bytes(self.fs.cat_file(self.path))
 
 

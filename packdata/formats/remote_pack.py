@@ -35,7 +35,17 @@ from packdata.pack.files import aside_path, atomic_write, discard_stale, private
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, local_name, object_version, open_url, read_url_manifest, remote_error
+from packdata.pack.urls import (
+    conditional_reads,
+    display_url,
+    local_name,
+    object_version,
+    open_url,
+    precondition_failed,
+    read_at_version,
+    read_url_manifest,
+    remote_error,
+)
 
 __all__ = [
     "RemoteStream",
@@ -87,9 +97,9 @@ def fetch_range(
     for tries in range(1, retries + 1):
         try:
             version = "" if opened is None else pinned_version(fs, path, where, opened)
-            data = _read_range(fs, path, start, end, version)
+            data = read_at_version(fs, path, version, start, end)
             if len(data) == end - start:
-                if version and not _conditional(fs):
+                if version and not conditional_reads(fs):
                     _check_version(fs, path, where, version)
                 return data
             problem = f"got {len(data)} of {end - start} bytes"
@@ -99,7 +109,7 @@ def fetch_range(
             problem = type(exc).__name__
             break
         except Exception as exc:
-            if _precondition_failed(exc):
+            if precondition_failed(exc):
                 raise _replaced(where) from exc
             problem = type(exc).__name__
         else:
@@ -174,43 +184,6 @@ def _replaced(where: str) -> PackFormatError:
         path=where,
         hint="Rebuild the dataset (and its DataLoader) to read the new pack",
     )
-
-
-def _conditional(fs: Any) -> bool:
-    """Whether ``fs`` reads a range only from a given version (S3's ``If-Match``): s3fs."""
-    protocol = getattr(fs, "protocol", ())
-    return "s3" in ((protocol,) if isinstance(protocol, str) else protocol) and hasattr(fs, "_call_s3")
-
-
-def _read_range(fs: Any, path: str, start: int, end: int, version: str) -> bytes:
-    """Bytes ``[start, end)`` of ``path``; on S3 with a ``version`` (an ETag), only from that version."""
-    if not version or not _conditional(fs):
-        return fs.cat_file(path, start=start, end=end)
-    from fsspec.asyn import sync
-
-    bucket, key, _ = fs.split_path(path)
-    return sync(fs.loop, _s3_get, fs, bucket, key, f"bytes={start}-{end - 1}", version)
-
-
-async def _s3_get(fs: Any, bucket: str, key: str, byte_range: str, etag: str) -> bytes:
-    """One ranged GET through s3fs (its credentials, endpoint and request options) with ``If-Match: etag``."""
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=byte_range, IfMatch=etag)
-    try:
-        return await response["Body"].read()
-    finally:
-        response["Body"].close()
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """Whether a request failed with HTTP 412 (its ``If-Match`` no longer holds: the object was replaced)."""
-    for error in (exc, exc.__cause__):  # s3fs raises an OSError caused by botocore's ClientError
-        response = getattr(error, "response", None)
-        if isinstance(response, dict) and (
-            response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
-            or response.get("Error", {}).get("Code") == "PreconditionFailed"
-        ):
-            return True
-    return False
 
 
 def _check_version(fs: Any, path: str, where: str, version: str) -> None:

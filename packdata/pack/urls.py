@@ -21,12 +21,15 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 __all__ = [
     "EXTRAS",
+    "conditional_reads",
     "display_url",
     "is_transient",
     "is_url",
     "local_name",
     "object_version",
     "open_url",
+    "precondition_failed",
+    "read_at_version",
     "read_url_manifest",
     "remote_error",
     "retry_transient",
@@ -64,6 +67,49 @@ def local_name(url: str) -> str:
 def object_version(info: dict[str, Any]) -> str:
     """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``."""
     return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+
+
+def conditional_reads(fs: Any) -> bool:
+    """Whether ``fs`` reads only from a given version (S3's ``If-Match``): s3fs."""
+    protocol = getattr(fs, "protocol", ())
+    return "s3" in ((protocol,) if isinstance(protocol, str) else protocol) and hasattr(fs, "_call_s3")
+
+
+def read_at_version(fs: Any, path: str, version: str, start: int = 0, end: int | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` (to its end when ``end`` is None); on S3, only from ``version`` (an ETag).
+
+    On S3 with a ``version``, the request carries ``If-Match``: an object
+    replaced since answers HTTP 412 (see :func:`precondition_failed`), at no
+    extra request. Elsewhere, or without a version, the bytes are read as they are now.
+    """
+    if not version or not conditional_reads(fs):
+        return bytes(fs.cat_file(path, start=start or None, end=end))
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+    byte_range = {} if not start and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+    return bytes(sync(fs.loop, _s3_get, fs, bucket, key, version, byte_range))
+
+
+async def _s3_get(fs: Any, bucket: str, key: str, etag: str, byte_range: dict[str, str]) -> bytes:
+    """One GET through s3fs (its credentials, endpoint and request options) with ``If-Match: etag``."""
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag, **byte_range)
+    try:
+        return await response["Body"].read()
+    finally:
+        response["Body"].close()
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """Whether a request failed with HTTP 412 (its ``If-Match`` no longer holds: the object was replaced)."""
+    for error in (exc, exc.__cause__):  # s3fs raises an OSError caused by botocore's ClientError
+        response = getattr(error, "response", None)
+        if isinstance(response, dict) and (
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+            or response.get("Error", {}).get("Code") == "PreconditionFailed"
+        ):
+            return True
+    return False
 
 
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
