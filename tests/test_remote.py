@@ -471,6 +471,39 @@ def _two_classes(src: Path, seed: int) -> Path:
     return src
 
 
+def test_a_finished_conversion_removes_only_the_objects_its_earlier_unfinished_run_uploaded(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """An interrupted run's shards that the finished pack no longer has stayed at the URL, outside any manifest."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 5)
+    url, root = "s3://packs/strays.lmdb", "packs/strays.lmdb"
+    fs.pipe({f"{root}/notes.txt": b"a stranger's", f"{root}/shard-00009.lmdb/data.mdb": b"not packdata's"})
+    real_put = fs.put_file  # fsspec caches filesystems: convert gets this very instance
+
+    def no_manifest(lpath, rpath, *args, **kwargs):  # interrupted at the end: every shard is up, no manifest
+        if rpath.endswith("manifest.json"):
+            raise OSError("connection reset")
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", no_manifest)
+    with pytest.raises(PackFormatError, match=r"uploading manifest\.json failed"):
+        packdata.convert(src, url, shard_samples=2, storage_options=options, progress=False)
+    monkeypatch.setattr(fs, "put_file", real_put)
+    fs.pipe_file(f"{root}/shard-00004.lmdb/data.mdb", b"rewritten by someone since")  # no longer what the run wrote
+    result = packdata.convert(src, url, shard_samples=5, overwrite=True, storage_options=options, progress=False)
+    assert result.shards == 2
+    local = tmp_path / "local" / "strays.lmdb"
+    packdata.convert(src, local, shard_samples=5, progress=False)
+    pack = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and p.name != "lock.mdb"}
+    fs.invalidate_cache()
+    # the shard rewritten since the run uploaded it is not its object any more: kept, as are a stranger's
+    strangers = {"notes.txt", "shard-00004.lmdb/data.mdb", "shard-00009.lmdb/data.mdb"}
+    assert sorted(p.removeprefix(f"{root}/") for p in fs.find(root)) == sorted(pack | strangers)
+    assert fs.cat_file(f"{root}/notes.txt") == b"a stranger's"
+
+
 def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path: Path, monkeypatch) -> None:
     """--overwrite never reached the work folder: its interrupted conversion refused it, hinting --overwrite."""
     from packdata.conversion import local

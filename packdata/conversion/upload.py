@@ -22,6 +22,9 @@ the journal has it for the local file's bytes and the store still reports
 that size and version; anything else (an older pack's object of the same
 size, say) is uploaded again. With ``overwrite`` the old manifest is deleted
 first (the old pack ceases to exist before any of its files is replaced).
+Objects the journal holds that the finished pack does not have (an earlier,
+unfinished run's) are removed before the manifest goes up, each only while the
+store still reports it as the journal recorded it.
 A resume uploads a pack finished in the work folder only for the source and
 options it was packed with (``job.json`` beside the work folder).
 """
@@ -277,6 +280,7 @@ def upload_pack(
     ):
         for done in pool.map(put, todo):
             bar.update(done)
+    _remove_strays(fs, root, shown, local, files, journal)
     try:
         fs.put_file(os.fspath(local / MANIFEST_NAME), manifest)  # the pack exists from here
     except Exception as exc:
@@ -323,6 +327,37 @@ def _move_renamed(
         except Exception as exc:
             raise remote_error(display_url(f"{root}"), f"cannot move or remove {rel}", exc) from exc
         del early[rel]
+
+
+def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path], journal: _UploadJournal) -> None:
+    """Remove the objects an earlier, unfinished run of this conversion uploaded that the pack no longer has.
+
+    Only what the journal holds is looked at (objects this work folder's
+    conversions uploaded), and an object is removed only while the store still
+    reports the size and version the journal recorded after its upload: an
+    object anyone wrote since, or that the journal does not name, is never
+    touched. Names of the pack's files and shards (a shard's objects and
+    companions, which a Ray task may have uploaded) are kept.
+
+    Raises:
+        SourceError: a request failed (rerun with resume).
+    """
+    shards = read_manifest(local).shards
+    keep = {p.relative_to(local).as_posix() for p in files} | {MANIFEST_NAME}
+    for rel, (size, _, md5, version) in sorted(journal.entries.items()):
+        top = rel.split("/", 1)[0]
+        if rel in keep or any(part in ("", ".", "..") for part in rel.split("/")):
+            continue
+        if any(top == shard.file or top.startswith(f"{Path(shard.file).stem}.") for shard in shards):
+            continue
+        try:
+            fs.invalidate_cache(f"{root}/{rel}")
+            if object_matches(fs, f"{root}/{rel}", size, version, md5):
+                fs.rm_file(f"{root}/{rel}")
+        except Exception as exc:
+            raise remote_error(
+                display_url(root), f"cannot remove {rel}, left by an earlier run", exc, resumable=True
+            ) from exc
 
 
 class _UploadJournal:
