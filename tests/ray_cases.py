@@ -35,7 +35,7 @@ import packdata
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import Skip, SourceFile, scan_source
-from packdata.errors import CapacityError, EngineError, SourceError
+from packdata.errors import CapacityError, EngineError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 
@@ -820,6 +820,39 @@ def test_ray_into_a_missing_bucket_is_named_before_any_task_runs(
     with pytest.raises(SourceError, match=r"^s3://no-such-bucket/ray\.lmdb: cannot write there: its bucket does not"):
         packdata.convert(clean_folder, url, shard_samples=8, storage_options=options, progress=False, engine="ray")
     assert not partial_path(work_folder(url)).exists()  # no task was planned
+
+
+@pytest.mark.ray
+def test_ray_into_s3_removes_only_the_shards_its_earlier_unfinished_run_uploaded(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A first run's task uploads that the finished pack (other shard limits) does not have stayed at the URL."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url, root = "s3://packs/ray-strays.lmdb", "packs/ray-strays.lmdb"
+    fs.pipe_file(f"{root}/shard-00009.lmdb/data.mdb", b"a stranger's")
+    real_put = fs.put_file  # fsspec caches filesystems: the driver gets this very instance
+
+    def no_manifest(lpath, rpath, *args, **kwargs):  # the driver is stopped at the end: no manifest
+        if rpath.endswith("manifest.json"):
+            raise OSError("connection reset")
+        return real_put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", no_manifest)
+    with pytest.raises(PackFormatError, match=r"uploading manifest\.json failed"):
+        packdata.convert(clean_folder, url, shard_samples=8, storage_options=options, progress=False, engine="ray")
+    monkeypatch.setattr(fs, "put_file", real_put)
+    fs.invalidate_cache()
+    assert fs.exists(f"{root}/shard-00004.lmdb/data.mdb")  # the first run's five shards are up
+    result = packdata.convert(
+        clean_folder, url, shard_samples=20, overwrite=True, storage_options=options, progress=False, engine="ray"
+    )
+    assert result.shards == 2
+    local = tmp_path / "local" / "ray-strays.lmdb"
+    packdata.convert(clean_folder, local, shard_samples=20, progress=False)
+    fs.invalidate_cache()
+    left = sorted(p.removeprefix(f"{root}/") for p in fs.find(root))
+    assert left == sorted([*_files(local), "shard-00009.lmdb/data.mdb"])  # the stranger's object stays
 
 
 _DRIVER = """

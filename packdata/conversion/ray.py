@@ -47,7 +47,7 @@ from packdata.conversion.ray_remote import (
     place_shards,
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
-from packdata.conversion.upload import upload_pack
+from packdata.conversion.upload import journal_task_objects, upload_pack
 from packdata.errors import CapacityError, EngineError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
@@ -266,6 +266,7 @@ def _run_tasks(
                     ) from exc
                 if "fragment" in result:
                     result = _keep_fragment(partial, result)
+                    journal_task_objects(partial.parent, result.get("objects") or {})  # a later run may remove them
                 results[result["number"]] = result
                 bar.update(entries)
         while queue and queue[0] in results:

@@ -59,6 +59,7 @@ __all__ = [
     "download_source",
     "end_remote_pack",
     "file_md5",
+    "journal_task_objects",
     "object_matches",
     "upload_pack",
     "work_folder",
@@ -386,9 +387,7 @@ class _UploadJournal:
         fs.invalidate_cache(target)
         entry = [*digests, object_version(fs.info(target))]
         with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            size, sha256, md5, version = entry
-            line = {"name": rel, "size": size, "sha256": sha256, "md5": md5, "version": version}
-            f.write(json.dumps(line) + "\n")
+            f.write(_journal_line(rel, *entry))
             self.entries[rel] = entry
 
     def same_bytes(self, rel: str, path: Path) -> bool:
@@ -407,6 +406,21 @@ class _UploadJournal:
 
 _UPLOADED = "uploaded.jsonl"
 """Beside a destination's work folder: one line per object uploaded (name, size, sha256, md5, version)."""
+
+
+def _journal_line(rel: str, size: int, sha256: str, md5: str, version: str) -> str:
+    return json.dumps({"name": rel, "size": size, "sha256": sha256, "md5": md5, "version": version}) + "\n"
+
+
+def journal_task_objects(folder: Path, objects: dict[str, list[Any]]) -> None:
+    """Journal in ``folder`` the objects a Ray task uploaded (``{name: [size, md5, version]}``).
+
+    With no SHA-256: never taken for an upload of a local file, only removed
+    if the finished pack does not have them (see :func:`upload_pack`).
+    """
+    lines = [_journal_line(rel, int(size), "", str(md5), str(version)) for rel, (size, md5, version) in objects.items()]
+    with open(folder / _UPLOADED, "a", encoding="utf-8") as f:
+        f.writelines(lines)
 
 
 def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> bool:
