@@ -509,6 +509,22 @@ def test_write_pack_threads_write_the_same_pack(tmp_path: Path, fmt: str) -> Non
     assert len(one.shards) == 3 and one.num_samples == 120
 
 
+def test_write_pack_stores_what_a_generator_yields_even_if_it_reuses_its_buffers(tmp_path: Path) -> None:
+    """A generator that refills one array and one bytearray per sample: threads encoded samples after the
+    generator had moved on, so 46 of 50 samples silently held a later sample's array and bytes."""
+
+    def reusing():
+        array, buffer = np.zeros(4, dtype=np.int64), bytearray(3)
+        for i in range(50):
+            array[:] = i
+            buffer[:] = bytes((i, i, i))
+            yield {"__key__": f"{i:02d}", "npy": array, "bin": buffer}
+
+    packdata.write_pack(reusing(), tmp_path / "w.lmdb", workers=2, progress=False)
+    for i, sample in enumerate(packdata.LMDBDataset(tmp_path / "w.lmdb")):
+        assert (sample["__key__"], sample["npy"].tolist(), sample["bin"]) == (f"{i:02d}", [i] * 4, bytes((i,) * 3))
+
+
 def test_write_pack_failure_in_a_thread_leaves_no_pack(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot load item 77"):
         packdata.write_pack(_Slow(200, fail_at=77), tmp_path / "w.lmdb", workers=4, progress=False)

@@ -248,9 +248,12 @@ def write_pack(
 ) -> ConvertResult:
     """Write every sample of ``samples`` (an iterable of dicts, or a map-style dataset of them) into a new pack.
 
-    Samples are fetched (``dataset[i]`` for a map-style dataset) and encoded
-    (images, arrays, JSON, checksums) in ``workers`` threads and written in
-    their order, so the pack is the same whatever ``workers`` is. Threads pay
+    The samples of a list, or of a map-style dataset (``dataset[i]``, called
+    from several threads at once), are fetched and encoded (images, arrays,
+    JSON, checksums) in ``workers`` threads; those of any other iterable are
+    encoded as they come, in the calling thread, since a generator may refill
+    the arrays or buffers it yielded. Samples are written in their order, so
+    the pack is the same whatever ``workers`` is. Threads pay
     where the work releases the GIL: file and network reads in ``__getitem__``,
     CRC-32s, NumPy saves. PIL's JPEG encoder mostly holds it (2 threads encode
     about 1.15x faster than 1 here): for many PIL images, encode them to bytes
@@ -261,8 +264,8 @@ def write_pack(
         samples: dicts as :meth:`PackWriter.write` takes them; a map-style
             dataset (``__len__`` and ``__getitem__``) is read in index order.
         dst: the pack to create.
-        workers: fetching and encoding threads (default: the CPU count, at
-            most 8; 0 does everything in the calling thread).
+        workers: fetching and encoding threads for a list or map-style dataset
+            (default: the CPU count, at most 8; 0 does everything in the calling thread).
         progress: show a progress bar on stderr.
         **options: :class:`PackWriter`'s options.
 
@@ -276,7 +279,9 @@ def write_pack(
     total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
     items: Iterator[Any] = iter(samples)
     fetch: Callable[[Any], Mapping[str, Any]] = _same
-    if total is not None and hasattr(samples, "__getitem__") and not isinstance(samples, list | tuple):
+    if total is None or not hasattr(samples, "__getitem__"):
+        workers = 0  # a generator may refill what it yielded once asked for more: encode each sample before that
+    elif not isinstance(samples, list | tuple):
         items, fetch = iter(range(total)), samples.__getitem__  # type: ignore[attr-defined]
     with (
         PackWriter(dst, **options) as writer,
