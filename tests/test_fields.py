@@ -478,6 +478,25 @@ def test_pil_images_are_saved_in_their_fields_format(tmp_path: Path) -> None:
     assert packdata.LMDBDataset(tmp_path / "pil.lmdb")[0]["jpg"].size == (16, 12)
 
 
+def test_a_pil_image_its_field_cannot_hold_exactly_is_refused_not_changed(tmp_path: Path) -> None:
+    """A 16-bit depth map in a webp field was stored as 8-bit RGB, in a jpg field as white; RGBA lost its alpha
+    in bmp; a palette image without a palette lost its indices in png; modes PIL cannot write raised OSError."""
+    rng = np.random.default_rng(0)
+    depth = Image.fromarray(rng.integers(256, 65535, (6, 7), dtype=np.uint16))
+    rgba = Image.fromarray(rng.integers(0, 255, (6, 7, 4), dtype=np.uint8), "RGBA")
+    indices = Image.fromarray(rng.integers(0, 16, (6, 7), dtype=np.uint8), "P")  # no palette
+    refused = {"webp": depth, "jpg": depth, "bmp": rgba, "png": indices, "x.png": Image.new("F", (3, 3))}
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        for name, image in refused.items():
+            with pytest.raises(ConfigError, match=rf"field {re.escape(repr(name))}: .*cannot hold"):
+                writer.write({"__key__": name, name: image})
+        writer.write({"__key__": "kept", "depth.png": depth, "depth.tif": depth, "rgba.webp": rgba})
+    stored = packdata.LMDBDataset(tmp_path / "w.lmdb", decode="bytes")[0]
+    for name, image in (("depth.png", depth), ("depth.tif", depth), ("rgba.webp", rgba)):
+        back = Image.open(io.BytesIO(stored[name]))
+        assert back.mode == image.mode and back.tobytes() == image.tobytes(), name
+
+
 class _Slow:
     """A map-style dataset whose items take different times, so threads finish out of order."""
 

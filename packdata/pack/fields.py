@@ -153,7 +153,8 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
 
     ``str`` is stored as UTF-8; an image field (``jpg``, ``seg.png``, ...)
     takes a PIL image, saved in the format its name says (JPEG at quality
-    :data:`~packdata.pack.images.JPEG_QUALITY`, WebP lossless); for a ``json`` field any JSON-able value is
+    :data:`~packdata.pack.images.JPEG_QUALITY`, WebP lossless; refused where
+    that format would not read back as the image); for a ``json`` field any JSON-able value is
     dumped (sorted keys, no NaN); an ``npy`` field takes a numpy array (saved
     with ``allow_pickle=False``); a ``cls`` field takes an int; an int or float
     in a ``txt`` field is stored as its decimal text.
@@ -170,7 +171,10 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
         except (TypeError, ValueError) as exc:
             raise FieldError(f"field {name!r}: value is not JSON-serialisable ({exc})") from exc
     if codec == "image" and isinstance(value, Image.Image):
-        return encode_image(value, name.rsplit(".", 1)[-1])
+        try:
+            return encode_image(value, name.rsplit(".", 1)[-1])
+        except ValueError as exc:
+            raise FieldError(f"field {name!r}: {exc}; store it in a png or tif field, or convert it first") from exc
     if codec == "npy":
         if not isinstance(value, np.ndarray) or value.dtype.hasobject:
             raise FieldError(f"field {name!r}: an npy field takes a numpy array without objects, not {type(value)}")

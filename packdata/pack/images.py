@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageMode, UnidentifiedImageError
 
 from packdata.errors import ImageFormatError
 
@@ -56,19 +56,36 @@ _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
 def encode_image(image: Image.Image, extension: str) -> bytes:
     """A PIL image saved in the format its field's extension names (``jpg``: JPEG at :data:`JPEG_QUALITY`).
 
-    JPEG takes RGB or grayscale, so other modes (RGBA, P) are converted to RGB
-    first; WebP is saved lossless (colours under transparent pixels too); the other formats keep the image's mode.
+    JPEG takes RGB or grayscale, so other 8-bit modes (RGBA, P) are converted
+    to RGB first; WebP is saved lossless (colours under transparent pixels too);
+    the other formats keep the image's mode. Every format but JPEG is read back
+    and must give the image's mode and pixels exactly.
+
+    Raises:
+        ValueError: the format cannot hold the image (a JPEG of more than 8
+            bits a channel, a mode the format changes or PIL cannot write).
     """
     fmt = _SAVE_FORMAT[extension.lower()]
+    if fmt == "JPEG" and ImageMode.getmode(image.mode).typestr[-1] != "1":  # 16-bit, 32-bit, float: RGB would clip
+        raise ValueError(f"a {fmt} file cannot hold an image of mode {image.mode} (more than 8 bits a channel)")
     out = io.BytesIO()
-    if fmt == "JPEG":
-        if image.mode not in ("RGB", "L", "CMYK"):
-            image = image.convert("RGB")
-        image.save(out, format=fmt, quality=JPEG_QUALITY)
-    elif fmt == "WEBP":
-        image.save(out, format=fmt, lossless=True, exact=True)  # exact: keep the colour under transparent pixels
-    else:
-        image.save(out, format=fmt)
+    try:
+        if fmt == "JPEG":
+            image = image if image.mode in ("RGB", "L", "CMYK") else image.convert("RGB")
+            image.save(out, format=fmt, quality=JPEG_QUALITY)
+            return out.getvalue()
+        if fmt == "WEBP":
+            image.save(out, format=fmt, lossless=True, exact=True)  # exact: keep the colour under transparent pixels
+        else:
+            image.save(out, format=fmt)
+        with Image.open(out, formats=(fmt,)) as back:
+            exact = (back.mode, back.size, back.tobytes()) == (image.mode, image.size, image.tobytes())
+            if exact and image.mode in ("P", "PA"):
+                exact = back.convert("RGBA").tobytes() == image.convert("RGBA").tobytes()
+    except (OSError, ValueError, KeyError) as exc:  # PIL: a mode it cannot write in this format
+        raise ValueError(f"a {fmt} file cannot hold an image of mode {image.mode} ({exc})") from exc
+    if not exact:
+        raise ValueError(f"a {fmt} file cannot hold this image of mode {image.mode} exactly (it reads back otherwise)")
     return out.getvalue()
 
 
