@@ -454,6 +454,18 @@ def test_pack_writer_refuses_a_label_that_would_name_too_many_classes(tmp_path: 
     assert writer.count == 1 and packdata.LMDBDataset(tmp_path / "w.lmdb").classes == ["0", "1", "2"]
 
 
+@pytest.mark.parametrize("classes", [["a", "a"], [1, 2], ["a", None], "ab", ["caf\udce9", "x"]])
+def test_pack_writer_refuses_classes_no_manifest_holds_before_it_writes(tmp_path: Path, classes: object) -> None:
+    """Such classes were taken: the writer published a pack its readers then refused as damaged (or close() failed
+    with a raw UnicodeEncodeError after every sample was written), and a str named one class per letter."""
+    with pytest.raises(ConfigError, match=r"classes should (be a list of|name each class once)"):
+        packdata.PackWriter(tmp_path / "w.lmdb", classes=classes)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []
+    with packdata.PackWriter(tmp_path / "w.lmdb", classes=("b", "a")) as writer:
+        writer.write({"__key__": "k", "txt": "x", "cls": 1})
+    assert packdata.LMDBDataset(tmp_path / "w.lmdb").classes == ["b", "a"]
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import reprlib
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -38,6 +39,7 @@ from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import PROGRESS_FILE, discard_partial
 from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.manifest import classes_problem
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES, Sample
 from packdata.progress import progress as show_progress
 from packdata.units import parse_size
@@ -68,12 +70,12 @@ class PackWriter:
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else LMDB.
         shard_size: start a new shard before one would exceed this size (bytes, or text like ``"1GB"``).
         shard_samples: at most this many samples per shard.
-        classes: class names, label ``i`` naming ``classes[i]``; by default the
-            labels' own numbers (``"0"``, ``"1"``, ...).
+        classes: class names (distinct strings), label ``i`` naming ``classes[i]``;
+            by default the labels' own numbers (``"0"``, ``"1"``, ...).
         overwrite: replace an existing pack at ``dst``.
 
     Raises:
-        ConfigError: ``dst`` exists (without ``overwrite``), or a bad option.
+        ConfigError: ``dst`` exists (without ``overwrite``), or a bad option (``classes`` included).
         LockedError: another process is writing ``dst``.
     """
 
@@ -88,6 +90,9 @@ class PackWriter:
         overwrite: bool = False,
     ) -> None:
         self.dst = Path(dst)
+        problem = None if classes is None else classes_problem(list(classes) if isinstance(classes, tuple) else classes)
+        if problem is not None:
+            raise ConfigError(f"classes {problem}, but got {reprlib.repr(classes)}", path=self.dst)
         fmt = format or format_from_path(os.fspath(self.dst)) or FORMATS[0]
         pack_format = get_format(fmt)
         if isinstance(shard_size, str):

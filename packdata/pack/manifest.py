@@ -32,6 +32,7 @@ __all__ = [
     "SKIP_REPORT",
     "Manifest",
     "ShardInfo",
+    "classes_problem",
     "file_sha256",
     "is_sha256",
     "manifest_checksum",
@@ -237,6 +238,22 @@ def _strings(where: Path, field: str, value: object) -> list[str]:
     return list(value)
 
 
+def classes_problem(classes: object) -> str | None:
+    """What keeps ``classes`` from naming a pack's classes (a list of distinct UTF-8 strings), or None."""
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return "should be a list of strings"
+    seen: set[str] = set()
+    for name in classes:
+        if name in seen:  # class_to_idx would give one of two labels for a name: samples mislabelled
+            return f"should name each class once ({name!r} is there twice)"
+        seen.add(name)
+    try:
+        "".join(classes).encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: no manifest (UTF-8) holds it
+        return f"should be a list of UTF-8 strings ({exc.reason})"
+    return None
+
+
 def _parse(path: Path) -> dict[str, Any]:
     try:  # a FIFO is refused, never waited on; only what the file holds is allocated
         with os.fdopen(open_regular(path), "rb") as f:
@@ -397,10 +414,10 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         not isinstance(staged_from, str) or not os.path.isabs(staged_from) or "\x00" in staged_from
     ):
         raise _field_error(where, "staged_from", "should be an absolute path or null", staged_from)
-    classes = _strings(where, "classes", data["classes"])
-    if len(set(classes)) != len(classes):  # class_to_idx would give one of two labels for a name: samples mislabelled
-        twice = next(c for i, c in enumerate(classes) if c in classes[:i])
-        raise _field_error(where, "classes", f"should name each class once ({twice!r} is there twice)", classes)
+    problem = classes_problem(data["classes"])
+    if problem is not None:
+        raise _field_error(where, "classes", problem, data["classes"])
+    classes = list(data["classes"])
     fields = _strings(where, "fields", data.get("fields", []))
     codecs = data.get("codecs", {})
     if not isinstance(codecs, dict) or not all(
