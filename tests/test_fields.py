@@ -634,6 +634,17 @@ def test_an_npy_of_zero_byte_elements_is_refused_past_one_element_a_byte(tmp_pat
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["small"]
 
 
+def test_pack_writer_refuses_an_array_whose_npy_it_could_not_read_back(tmp_path: Path) -> None:
+    """A structured array of 400 fields was written, its .npy header past numpy's safe limit: every read failed."""
+    names = [f"column_number_{i:04d}" for i in range(400)]
+    wide = np.zeros(2, dtype=[(name, "<f8") for name in names])
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        with pytest.raises(ConfigError, match=r"sample 'wide': field 'npy': .*Header info length"):
+            writer.write({"__key__": "wide", "npy": wide})
+        writer.write({"__key__": "narrow", "npy": wide[names[:2]]})
+    assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["npy"].dtype.names == tuple(names[:2])
+
+
 def _npy(array: np.ndarray) -> bytes:
     import io
 

@@ -180,6 +180,10 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
             raise FieldError(f"field {name!r}: an npy field takes a numpy array without objects, not {type(value)}")
         out = io.BytesIO()
         np.save(out, value, allow_pickle=False)
+        try:
+            check_npy(out.getvalue())  # what a reader checks: a header past numpy's safe size would never load
+        except ValueError as exc:
+            raise FieldError(f"field {name!r}: its .npy would not read back ({exc})") from exc
         return out.getvalue()
     if isinstance(value, str):
         try:
