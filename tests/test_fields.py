@@ -466,6 +466,19 @@ def test_pack_writer_refuses_classes_no_manifest_holds_before_it_writes(tmp_path
     assert packdata.LMDBDataset(tmp_path / "w.lmdb").classes == ["b", "a"]
 
 
+def test_pack_writer_takes_numpy_integers_as_labels_and_numbers(tmp_path: Path) -> None:
+    """A label from a NumPy array (np.int64(3)) was refused: "cls should be an integer >= 0, but got np.int64(3)"."""
+    labels = np.array([3, 0, 2])
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        for i, label in enumerate(labels):
+            writer.write({"__key__": f"{i}", "cls": label, "count.txt": np.uint8(i), "x.cls": np.int32(-i)})
+        for bad in (np.bool_(True), np.float64(1.0), np.int64(-2)):
+            with pytest.raises(ConfigError, match="cls should be an integer >= 0"):
+                writer.write({"__key__": "bad", "txt": "x", "cls": bad})
+    got = [(s["cls"], s["count.txt"], s["x.cls"]) for s in packdata.LMDBDataset(tmp_path / "w.lmdb")]
+    assert got == [(3, "0", b"0"), (0, "1", b"-1"), (2, "2", b"-2")] and all(type(g[0]) is int for g in got)
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

@@ -11,6 +11,7 @@ an exception inside ``with PackWriter(...)`` leaves no pack behind.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import reprlib
 import shutil
@@ -147,9 +148,10 @@ class PackWriter:
             raise ConfigError(f"key {key!r} is not valid UTF-8 ({exc.reason})", path=self.dst) from exc
         if size > MAX_KEY_BYTES:
             raise ConfigError(f"key {key[:100]!r}... is longer than {MAX_KEY_BYTES} bytes in UTF-8", path=self.dst)
-        label = sample.get(LABEL_FIELD, -1)
-        if isinstance(label, bool) or not isinstance(label, int) or label < -1 or label >= 2**31:
-            raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {label!r}", path=self.dst)
+        given = sample.get(LABEL_FIELD, -1)
+        label = int(given) if isinstance(given, numbers.Integral) and not isinstance(given, bool) else -2  # NumPy's too
+        if not -1 <= label < 2**31:
+            raise ConfigError(f"sample {key!r}: cls should be an integer >= 0, but got {given!r}", path=self.dst)
         if self._classes is None and label >= FREE_CLASSES:  # the manifest would name classes 0..label
             raise ConfigError(
                 f"sample {key!r}: cls {label} would name {label + 1} classes; without classes= a label is below "

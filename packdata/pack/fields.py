@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import numbers
 import struct
 import sys
 from collections.abc import Iterable, Mapping
@@ -192,8 +193,8 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
             raise FieldError(f"field {name!r}: the text is not valid UTF-8 ({exc.reason})") from exc
     if isinstance(value, bool):
         raise FieldError(f"field {name!r}: a bool is ambiguous here; store it in a json field")
-    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and codec == "txt"):
-        return str(value).encode("ascii")
+    if isinstance(value, numbers.Integral) or (isinstance(value, float) and math.isfinite(value) and codec == "txt"):
+        return str(int(value) if isinstance(value, numbers.Integral) else value).encode("ascii")
     raise FieldError(
         f"field {name!r} ({codec}): cannot store a {type(value).__name__}; pass bytes, or a str/JSON value/array "
         "in a field whose name says how to encode it (txt, json, npy, or a PIL image in jpg, png, ...)"
