@@ -479,6 +479,17 @@ def test_pack_writer_takes_numpy_integers_as_labels_and_numbers(tmp_path: Path) 
     assert got == [(3, "0", b"0"), (0, "1", b"-1"), (2, "2", b"-2")] and all(type(g[0]) is int for g in got)
 
 
+def test_pack_writer_names_a_field_name_or_number_it_cannot_store_in_one_config_error(tmp_path: Path) -> None:
+    """A non-string field name raised a bare AttributeError; an int of 5,000 digits a bare ValueError."""
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        with pytest.raises(ConfigError, match=r"sample 'a': a field name should be a non-empty string, but got 3"):
+            writer.write({"__key__": "a", 3: b"x"})  # type: ignore[dict-item]
+        with pytest.raises(ConfigError, match=r"sample 'b': field 'txt': .*4300 digits"):
+            writer.write({"__key__": "b", "txt": 10**5000})
+        writer.write({"__key__": "c", "txt": 10**4000})
+    assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["txt"] == str(10**4000)
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

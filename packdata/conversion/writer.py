@@ -162,9 +162,10 @@ class PackWriter:
         fields: dict[str, bytes] = {}
         try:
             for name, value in sample.items():
-                if name in (KEY_FIELD, LABEL_FIELD) or (name.startswith("__") and name.endswith("__")):
+                if name in (KEY_FIELD, LABEL_FIELD) or (isinstance(name, str) and name[:2] == name[-2:] == "__"):
                     continue  # WebDataset metadata such as __url__ is not stored
-                fields[check_field_name(name)] = encode_value(name, value)
+                name = check_field_name(name)  # before encode_value, which reads the name's extension
+                fields[name] = encode_value(name, value)
             block = encode_block(fields)
         except FieldError as exc:
             raise ConfigError(f"sample {key!r}: {exc}", path=self.dst) from exc

@@ -194,7 +194,10 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     if isinstance(value, bool):
         raise FieldError(f"field {name!r}: a bool is ambiguous here; store it in a json field")
     if isinstance(value, numbers.Integral) or (isinstance(value, float) and math.isfinite(value) and codec == "txt"):
-        return str(int(value) if isinstance(value, numbers.Integral) else value).encode("ascii")
+        try:
+            return str(int(value) if isinstance(value, numbers.Integral) else value).encode("ascii")
+        except ValueError as exc:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise FieldError(f"field {name!r}: {exc}") from exc
     raise FieldError(
         f"field {name!r} ({codec}): cannot store a {type(value).__name__}; pass bytes, or a str/JSON value/array "
         "in a field whose name says how to encode it (txt, json, npy, or a PIL image in jpg, png, ...)"
