@@ -444,6 +444,26 @@ def test_pack_writer_is_atomic_and_checks_its_input(tmp_path: Path) -> None:
         packdata.PackWriter(dst)
 
 
+def test_a_pack_writer_once_closed_or_aborted_leaves_its_path_to_the_next_writer(tmp_path: Path) -> None:
+    """abort() after close(), or a second abort(), deleted the partial pack of the writer that held the path by
+    then (whose close() failed with FileNotFoundError); close() after abort() raised a bare AssertionError."""
+    closed, aborted = packdata.PackWriter(tmp_path / "c.lmdb"), packdata.PackWriter(tmp_path / "a.lmdb")
+    for writer in (closed, aborted):
+        writer.write({"__key__": "old", "txt": "x"})
+    closed.close()
+    aborted.abort()
+    with pytest.raises(ConfigError, match="this PackWriter was aborted: it published nothing"):
+        aborted.close()
+    after = [packdata.PackWriter(tmp_path / "c.lmdb", overwrite=True), packdata.PackWriter(tmp_path / "a.lmdb")]
+    for writer in after:
+        writer.write({"__key__": "new", "txt": "y"})
+    closed.abort()
+    aborted.abort()
+    for writer in after:
+        writer.close()
+        assert [s["__key__"] for s in packdata.LMDBDataset(writer.dst)] == ["new"]
+
+
 def test_pack_writer_refuses_a_label_that_would_name_too_many_classes(tmp_path: Path) -> None:
     """cls 2**31 - 1 passed, and close() then named every class up to it in the manifest: a MemoryError at the end."""
     with packdata.PackWriter(tmp_path / "w.lmdb") as writer:

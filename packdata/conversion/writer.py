@@ -122,6 +122,7 @@ class PackWriter:
         self._checkpoint = _Checkpoint(self._partial / PROGRESS_FILE, asdict(self._opts))
         self._packer = _Packer(self._source, self._partial, self._opts, self._checkpoint, False)  # type: ignore[arg-type]
         self.result: ConvertResult | None = None
+        self._aborted = False
 
     @property
     def count(self) -> int:
@@ -196,6 +197,8 @@ class PackWriter:
         """
         if self.result is not None:
             return self.result
+        if self._aborted:
+            raise ConfigError("this PackWriter was aborted: it published nothing", path=self.dst)
         try:
             if self.count == 0:
                 raise ConfigError("no sample was written: a pack needs at least one", path=self.dst)
@@ -227,7 +230,10 @@ class PackWriter:
         return self.result
 
     def abort(self) -> None:
-        """Drop everything written: no pack appears at ``dst``."""
+        """Drop everything written: no pack appears at ``dst`` (nothing is done once closed or aborted)."""
+        if self.result is not None or self._aborted:
+            return  # the lock is released: the partial pack there now is another writer's
+        self._aborted = True
         writer = self._packer.writer
         self._packer.close_files(failed=True)
         if writer is not None:
