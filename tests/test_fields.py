@@ -510,6 +510,18 @@ def test_pack_writer_names_a_field_name_or_number_it_cannot_store_in_one_config_
     assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["txt"] == str(10**4000)
 
 
+def test_pack_writer_refuses_text_in_an_image_field(tmp_path: Path) -> None:
+    """A file's path passed for its image ({"jpg": "/data/0001.jpg"}) was stored as the image: every read failed."""
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        for name in ("jpg", "seg.png"):
+            with pytest.raises(
+                ConfigError, match=rf"field '{name}': a str is not an image; pass the image file's bytes"
+            ):
+                writer.write({"__key__": "a", name: "/data/0001.jpg"})
+        writer.write({"__key__": "b", "jpg": image_bytes(0), "txt": "/data/0001.jpg"})
+    assert packdata.LMDBDataset(tmp_path / "w.lmdb", decode="bytes")[0]["jpg"] == image_bytes(0)
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

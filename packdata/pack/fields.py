@@ -152,7 +152,7 @@ def check_npy(data: bytes | memoryview) -> int:
 def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     """The stored bytes of one field value (bytes pass through unchanged).
 
-    ``str`` is stored as UTF-8; an image field (``jpg``, ``seg.png``, ...)
+    ``str`` is stored as UTF-8 (except in an image field); an image field (``jpg``, ``seg.png``, ...)
     takes a PIL image, saved in the format its name says (JPEG at quality
     :data:`~packdata.pack.images.JPEG_QUALITY`, WebP lossless; refused where
     that format would not read back as the image); for a ``json`` field any JSON-able value is
@@ -171,6 +171,8 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
             return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise FieldError(f"field {name!r}: value is not JSON-serialisable ({exc})") from exc
+    if codec == "image" and isinstance(value, str):
+        raise FieldError(f"field {name!r}: a str is not an image; pass the image file's bytes or a PIL image")
     if codec == "image" and isinstance(value, Image.Image):
         try:
             return encode_image(value, name.rsplit(".", 1)[-1])
