@@ -522,6 +522,20 @@ def test_pack_writer_refuses_text_in_an_image_field(tmp_path: Path) -> None:
     assert packdata.LMDBDataset(tmp_path / "w.lmdb", decode="bytes")[0]["jpg"] == image_bytes(0)
 
 
+def test_pack_writer_refuses_json_nested_past_the_encoder_in_one_config_error(tmp_path: Path) -> None:
+    """A value nested 100,000 lists deep raised a bare RecursionError from write()."""
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        with pytest.raises(
+            ConfigError, match=r"sample 'deep': field 'json': value is not JSON-serialisable \(.*recursion"
+        ):
+            writer.write({"__key__": "deep", "json": nested})
+        writer.write({"__key__": "flat", "json": [[1]]})
+    assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["json"] == [[1]]
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

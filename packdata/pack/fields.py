@@ -169,7 +169,7 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     if codec == "json":
         try:
             return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
             raise FieldError(f"field {name!r}: value is not JSON-serialisable ({exc})") from exc
     if codec == "image" and isinstance(value, str):
         raise FieldError(f"field {name!r}: a str is not an image; pass the image file's bytes or a PIL image")
