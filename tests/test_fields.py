@@ -536,6 +536,14 @@ def test_pack_writer_refuses_json_nested_past_the_encoder_in_one_config_error(tm
     assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["json"] == [[1]]
 
 
+def test_write_pack_names_a_sample_that_is_not_a_dict(tmp_path: Path) -> None:
+    """A torchvision-style dataset of (image, label) pairs failed with "'tuple' object has no attribute 'get'"."""
+    pairs = [(image_bytes(0), 1)]
+    with pytest.raises(ConfigError, match=r"a sample should be a dict such as .*, but got a tuple"):
+        packdata.write_pack(pairs, tmp_path / "w.lmdb", progress=False)
+    assert os.listdir(tmp_path) == []
+
+
 def test_write_pack_takes_a_map_style_dataset(tmp_path: Path) -> None:
     class Squares:
         def __len__(self) -> int:

@@ -133,13 +133,20 @@ class PackWriter:
         """Add one sample (see the class docstring); its values are encoded by their field names.
 
         Raises:
-            ConfigError: no ``__key__``, a repeated key, a bad label, or a value
+            ConfigError: not a dict, no ``__key__``, a repeated key, a bad label, or a value
                 its field name cannot encode (nothing is written then).
         """
         self._append(self._encode(sample))
 
     def _encode(self, sample: Mapping[str, Any]) -> Sample:
         """Check and encode one sample into a fields record's payload (no writer state: any thread may call it)."""
+        if not isinstance(sample, Mapping):
+            raise ConfigError(
+                f"a sample should be a dict such as {{'__key__': 'a/0001', 'jpg': b'...', 'cls': 3}}, but got a "
+                f"{type(sample).__name__}",
+                path=self.dst,
+                hint="Map each (image, label) pair of a dataset to such a dict first",
+            )
         key = sample.get(KEY_FIELD)
         if not isinstance(key, str) or not key:
             raise ConfigError(f"a sample needs a non-empty string {KEY_FIELD!r}, but got {key!r}", path=self.dst)
