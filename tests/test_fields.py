@@ -464,6 +464,24 @@ def test_a_pack_writer_once_closed_or_aborted_leaves_its_path_to_the_next_writer
         assert [s["__key__"] for s in packdata.LMDBDataset(writer.dst)] == ["new"]
 
 
+def test_a_pack_writer_given_a_relative_path_writes_there_whatever_the_working_folder_becomes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After os.chdir between writes, the next shard's write failed with a bare FileNotFoundError (paths were
+    relative to the working folder), leaving the partial pack and its lock behind."""
+    first, then = tmp_path / "first", tmp_path / "then"
+    first.mkdir()
+    then.mkdir()
+    monkeypatch.chdir(first)
+    with packdata.PackWriter("w.lmdb", shard_samples=2) as writer:
+        for i in range(5):
+            writer.write({"__key__": f"{i}", "txt": "x"})
+            if i == 2:
+                monkeypatch.chdir(then)
+    assert sorted(os.listdir(first)) == ["w.lmdb"] and os.listdir(then) == []
+    assert len(packdata.LMDBDataset(first / "w.lmdb")) == 5
+
+
 def test_pack_writer_refuses_a_label_that_would_name_too_many_classes(tmp_path: Path) -> None:
     """cls 2**31 - 1 passed, and close() then named every class up to it in the manifest: a MemoryError at the end."""
     with packdata.PackWriter(tmp_path / "w.lmdb") as writer:

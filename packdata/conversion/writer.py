@@ -90,7 +90,7 @@ class PackWriter:
         classes: list[str] | None = None,
         overwrite: bool = False,
     ) -> None:
-        self.dst = Path(dst)
+        self.dst = Path(dst).absolute()  # the caller may change the working folder between writes
         problem = None if classes is None else classes_problem(list(classes) if isinstance(classes, tuple) else classes)
         if problem is not None:
             raise ConfigError(f"classes {problem}, but got {reprlib.repr(classes)}", path=self.dst)
