@@ -652,6 +652,40 @@ def test_write_pack_stores_what_a_generator_yields_even_if_it_reuses_its_buffers
         assert (sample["__key__"], sample["npy"].tolist(), sample["bin"]) == (f"{i:02d}", [i] * 4, bytes((i,) * 3))
 
 
+def _listed(batch: list) -> list:
+    return batch
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_every_written_field_reads_back_byte_for_byte_through_dataloader_workers(tmp_path: Path, fmt: str) -> None:
+    """Fields some samples lack, empty ones, pickle bytes (never unpickled), keys with NUL, newline and unicode."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(23):
+        sample = {"__key__": f"{i:03d}" if i % 5 else f"d/{i}/ü\x00\n", "jpg": rng.bytes(int(rng.integers(0, 90)))}
+        sample |= {"txt": rng.bytes(7), "bin": b"" if i % 3 == 0 else rng.bytes(5), "pyd": b"\x80\x04K\x01."}
+        if i % 2:
+            sample["seg.png"] = rng.bytes(30)
+        if i % 4:
+            sample["cls"] = i % 6
+        samples.append(sample)
+    pack = tmp_path / f"p.{fmt}"
+    packdata.write_pack(samples, pack, format=fmt, shard_samples=5, progress=False)
+    datasets = [packdata.LMDBDataset(pack, decode="bytes")] if fmt == "lmdb" else []
+    if fmt == "tfrecord":
+        datasets += [
+            packdata.TFRecordIndexedDataset(pack, decode="bytes"),
+            packdata.TFRecordDataset(pack, decode="bytes"),
+        ]
+    for ds in datasets:
+        for method in ("fork", "spawn"):
+            loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_listed, multiprocessing_context=method)
+            read = [s for batch in loader for s in batch]
+            by_key = {s["__key__"]: s for s in read}  # each key once, every field's bytes and the label as written
+            assert len(read) == len(by_key) == len(samples), (type(ds).__name__, method)
+            assert all(by_key[s["__key__"]] == s for s in samples), (type(ds).__name__, method)
+
+
 def test_write_pack_failure_in_a_thread_leaves_no_pack(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot load item 77"):
         packdata.write_pack(_Slow(200, fail_at=77), tmp_path / "w.lmdb", workers=4, progress=False)
