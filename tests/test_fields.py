@@ -605,6 +605,17 @@ def test_a_pil_image_its_field_cannot_hold_exactly_is_refused_not_changed(tmp_pa
         assert back.mode == image.mode and back.tobytes() == image.tobytes(), name
 
 
+def test_a_pil_image_past_the_decompression_bomb_limit_is_refused_in_one_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the saved image back to check it raised PIL's bare DecompressionBombError."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 2x past it is an error: a 20x20 image here
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        with pytest.raises(ConfigError, match=r"field 'png': a PNG file cannot hold an image of mode L \(Image size"):
+            writer.write({"__key__": "big", "png": Image.new("L", (20, 20))})
+        writer.write({"__key__": "small", "png": Image.new("L", (5, 5))})
+
+
 class _Slow:
     """A map-style dataset whose items take different times, so threads finish out of order."""
 

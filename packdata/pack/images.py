@@ -63,7 +63,8 @@ def encode_image(image: Image.Image, extension: str) -> bytes:
 
     Raises:
         ValueError: the format cannot hold the image (a JPEG of more than 8
-            bits a channel, a mode the format changes or PIL cannot write).
+            bits a channel, a mode the format changes or PIL cannot write), or
+            it is past PIL's decompression-bomb limit, which every reader applies.
     """
     fmt = _SAVE_FORMAT[extension.lower()]
     if fmt == "JPEG" and ImageMode.getmode(image.mode).typestr[-1] != "1":  # 16-bit, 32-bit, float: RGB would clip
@@ -82,7 +83,7 @@ def encode_image(image: Image.Image, extension: str) -> bytes:
             exact = (back.mode, back.size, back.tobytes()) == (image.mode, image.size, image.tobytes())
             if exact and image.mode in ("P", "PA"):
                 exact = back.convert("RGBA").tobytes() == image.convert("RGBA").tobytes()
-    except (OSError, ValueError, KeyError) as exc:  # PIL: a mode it cannot write in this format
+    except (OSError, ValueError, KeyError, Image.DecompressionBombError) as exc:  # a mode PIL cannot write; a bomb
         raise ValueError(f"a {fmt} file cannot hold an image of mode {image.mode} ({exc})") from exc
     if not exact:
         raise ValueError(f"a {fmt} file cannot hold this image of mode {image.mode} exactly (it reads back otherwise)")
