@@ -127,7 +127,8 @@ def test_a_pack_still_being_converted_is_named_with_the_flag_to_finish_it(image_
         assert result.exit_code == 1
         assert result.output == (
             f"Error: {tmp_path / 'out.lmdb'}: no such pack. A conversion into it was interrupted: "
-            "finish it with resume (`packdata convert SRC DST --resume`)\n"
+            "finish it with resume (`packdata convert SRC DST --resume`); a PackWriter's cannot be resumed: "
+            "write it again\n"
         )
 
 

@@ -513,7 +513,10 @@ def _read(pack: Path, *, external: bool) -> Manifest:
     if problem:
         hint = "Convert a folder with `packdata convert SRC DST` first"
         if (pack.parent / f".{pack.name}.partial").exists():
-            hint = "A conversion into it was interrupted: finish it with resume (`packdata convert SRC DST --resume`)"
+            hint = (
+                "A conversion into it was interrupted: finish it with resume (`packdata convert SRC DST --resume`);"
+                " a PackWriter's cannot be resumed: write it again"
+            )
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if pack.exists() else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = _parse(path)
