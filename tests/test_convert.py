@@ -20,7 +20,16 @@ from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
 from PIL import Image
 
-from packdata import CapacityError, ConfigError, LMDBDataset, PackFormatError, SourceError, convert, verify_pack
+from packdata import (
+    CapacityError,
+    ConfigError,
+    LMDBDataset,
+    PackFormatError,
+    PackWriter,
+    SourceError,
+    convert,
+    verify_pack,
+)
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.formats.lmdb_env import encode_key
@@ -1116,3 +1125,23 @@ def test_a_resume_refuses_a_group_whose_fields_changed_in_the_packed_part(
     with pytest.raises(SourceError, match="the source folder changed since the interrupted conversion"):
         convert(source, dst, progress=False, resume=True, **options)
     assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
+
+
+@pytest.mark.parametrize("limit", ["shard_samples", "shard_size"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "3"])
+def test_a_shard_limit_that_is_not_a_whole_number_from_1_is_refused_before_anything_is_made(
+    tmp_path: Path, limit: str, value: object
+) -> None:
+    """The CLI refused them, the Python API did not: shard_samples=0 and True packed one sample per shard or every
+    sample in one, -1 a shard per sample, 1.5 made odd shards; a string was compared with numbers mid-run."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    message = re.escape(f"{limit} should be a whole number >= 1 (or None), but got {limit}={value!r}")
+    with pytest.raises(ConfigError, match=message):
+        convert(src, tmp_path / "out.lmdb", progress=False, **{limit: value})
+    if not isinstance(value, str):  # PackWriter parses a size given as text
+        with pytest.raises(ConfigError, match=message):
+            PackWriter(tmp_path / "w.lmdb", **{limit: value})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

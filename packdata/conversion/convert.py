@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from packdata.conversion.append import append_pack, interrupted_append
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
-from packdata.conversion.load import _Options
+from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import (
     ConvertResult,
@@ -170,8 +170,7 @@ def convert(
         raise ConfigError(f"on_error should be 'skip' or 'fail', but got on_error={on_error!r}")
     if max_side is not None and max_side < 1:
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
-    if shard_size is None and shard_samples is None:
-        shard_size = pack_format.default_shard_bytes
+    shard_size, shard_samples = shard_limits(shard_size, shard_samples, pack_format.default_shard_bytes)
     source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
     into, into_kind = _APPEND_INTO.get()
     if into_kind is not None and source.kind != into_kind:  # before any file is read, not after all were packed

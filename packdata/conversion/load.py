@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
 import stat
 import time
@@ -18,9 +19,7 @@ from PIL import Image
 
 from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
-from packdata.errors import (
-    ImageFormatError,
-)
+from packdata.errors import ConfigError, ImageFormatError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
 from packdata.pack.images import jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
@@ -47,6 +46,30 @@ class _Options:
     shard_size: int | None
     shard_samples: int | None
     require: str = ""  # the fields every sample must have, comma-separated: a resume must ask the same
+
+
+def shard_limits(
+    shard_size: int | None, shard_samples: int | None, default_bytes: int | None
+) -> tuple[int | None, int | None]:
+    """``(shard_size, shard_samples)`` checked, each None or a whole number >= 1; ``default_bytes`` when neither.
+
+    Raises:
+        ConfigError: naming the first limit that is not (0, -1, 1.5 and True made odd shards or none).
+    """
+    limits: list[int | None] = []
+    for name, given in (("shard_size", shard_size), ("shard_samples", shard_samples)):
+        value = None
+        if given is not None:
+            try:
+                value = 0 if isinstance(given, bool) else operator.index(given)
+            except TypeError:
+                value = 0
+            if value < 1:
+                raise ConfigError(f"{name} should be a whole number >= 1 (or None), but got {name}={given!r}")
+        limits.append(value)
+    if limits == [None, None]:
+        return default_bytes, None
+    return limits[0], limits[1]
 
 
 def number_fields(sample: Sample, numbers: dict[str, int], names: list[str]) -> list[tuple[int, int]] | None:

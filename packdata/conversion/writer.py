@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
-from packdata.conversion.load import _Options, ordered_map
+from packdata.conversion.load import _Options, ordered_map, shard_limits
 from packdata.conversion.local import _Packer
 from packdata.conversion.publish import (
     ConvertResult,
@@ -98,8 +98,7 @@ class PackWriter:
         pack_format = get_format(fmt)
         if isinstance(shard_size, str):
             shard_size = parse_size(shard_size)
-        if shard_size is None and shard_samples is None:
-            shard_size = pack_format.default_shard_bytes
+        shard_size, shard_samples = shard_limits(shard_size, shard_samples, pack_format.default_shard_bytes)
         _check_destination_writable(self.dst)
         _check_existing(self.dst, overwrite)
         self._overwrite = overwrite
