@@ -132,6 +132,50 @@ def test_merge_and_append_refuse_labels_that_lie(tmp_path: Path, fmt: str, lie: 
     assert _tree(pack) == tree
 
 
+def _data_file(pack: Path, number: int) -> Path:
+    """The data file of shard ``number`` of ``pack``."""
+    manifest = read_manifest(pack)
+    shard = pack / manifest.shards[number].file
+    return shard / DATA_FILE if manifest.format == "lmdb" else shard
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize(
+    ("placed", "damage"), [("linked", "extended"), ("rewritten", "extended"), ("rewritten", "replaced")]
+)
+def test_merge_refuses_a_shard_that_differs_from_its_manifest(
+    tmp_path: Path, fmt: str, placed: str, damage: str
+) -> None:
+    """A shard whose size or SHA-256 is not its manifest's was merged: verify failed on the result, or,
+    where the shard was rewritten (labels renumbered), the result got a checksum of its own and verified
+    ``ok`` with bytes the pack's manifest never vouched for. Now the shard is named and nothing is written.
+    """
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"], "dog": ["2.jpg", "3.jpg"]})
+    b = _folder(tmp_path / "b", {"ant": ["4.jpg"], "dog": ["5.jpg"]})
+    for folder in (a, b):
+        packdata.convert(folder, tmp_path / f"{folder.name}.{fmt}", format=fmt, progress=False)
+    victim = tmp_path / ("a" if placed == "linked" else "b")  # a's shard is linked, b's rewritten (ant: 0 -> 2)
+    shard = _data_file(victim.with_suffix(f".{fmt}"), 0)
+    if damage == "extended":
+        with open(shard, "ab") as f:
+            f.write(b"\0" * 10)
+        problem = "shard is .* bytes, the manifest says"
+    else:  # the shard of another conversion: same keys, labels and sizes, other bytes
+        data = bytearray((victim / "dog" / "5.jpg").read_bytes())
+        data[-3] ^= 1  # inside the JPEG's entropy data: same size
+        (victim / "dog" / "5.jpg").write_bytes(bytes(data))
+        other = tmp_path / f"other.{fmt}"
+        packdata.convert(victim, other, format=fmt, progress=False)
+        shutil.copyfile(_data_file(other, 0), shard)
+        problem = "shard checksum does not match the manifest"
+    tree = tree_digest(victim.with_suffix(f".{fmt}"))
+    with pytest.raises(PackFormatError, match=problem) as caught:
+        packdata.merge_packs([tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"], tmp_path / f"ab.{fmt}")
+    assert Path(caught.value.path) == shard
+    assert not (tmp_path / f"ab.{fmt}").exists() and not (tmp_path / f".ab.{fmt}.partial").exists()
+    assert tree_digest(victim.with_suffix(f".{fmt}")) == tree
+
+
 @pytest.mark.parametrize(("fmt", "planted"), [("tfrecord", "symlink"), ("tfrecord", "FIFO"), ("lmdb", "FIFO")])
 def test_merge_takes_only_a_packs_own_regular_side_tables(tmp_path: Path, fmt: str, planted: str) -> None:
     """A side table that was a link or a FIFO was hard-linked into the merged pack; across file systems

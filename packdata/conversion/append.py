@@ -105,7 +105,7 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
         if _needs_rewrite(extra, shard):  # labels renumbered into the pack's classes: written anew
             source = f".{name}"
             _remove_shard(fmt, new / source)  # what a run interrupted while rewriting it left
-            nbytes, digest = _rewrite_shard(extra, fmt, new / shard.file, new / source, shard.first_index)
+            nbytes, digest = _rewrite_shard(extra, fmt, new / shard.file, new / source, shard)
             info = replace(info, bytes=nbytes, sha256=digest)
             pairs = _shard_pairs(fmt, new, source, name)
         moves.extend(pairs)

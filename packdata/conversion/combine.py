@@ -33,7 +33,7 @@ from packdata.conversion.publish import (
 )
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
-from packdata.formats.verify import open_index
+from packdata.formats.verify import check_shard_file, check_shard_records, open_index
 from packdata.pack.fields import codec_of
 from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside, open_pack_file
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
@@ -179,24 +179,38 @@ def _needs_rewrite(item: _Input, shard: ShardInfo) -> bool:
     return bool((item.label_map[labels + 1] != labels).any())
 
 
-def _rewrite_shard(item: _Input, fmt: str, src: Path, dst: Path, first_index: int) -> tuple[int, str]:
-    """Write shard ``src``'s records into a new shard at ``dst`` with keys renamed and labels renumbered."""
+def _rewrite_shard(item: _Input, fmt: str, src: Path, dst: Path, shard: ShardInfo) -> tuple[int, str]:
+    """Write shard ``src``'s records into a new shard at ``dst`` with keys renamed and labels renumbered.
+
+    The new shard gets a checksum of its own, so the old one must be the
+    shard its manifest names (size and SHA-256) and every record the sample
+    index's, as ``verify`` checks them, or damage would pass into the result unseen.
+
+    Raises:
+        PackFormatError: naming the shard's data file, and the record.
+    """
+    data_file = check_shard_file(fmt, src, shard)
     writer = shard_writer(fmt)(dst)
     batch: list[tuple[int, Sample]] = []
-    for i, sample in get_format(fmt).iter_samples(src, first_index):
-        expected = int(item.index.labels[i])  # checked to lie in range; the record's label was not
-        if sample.label != expected:
-            raise PackFormatError(
-                f"record {i} holds label {sample.label}, the sample index says {expected}",
-                path=src,
-                hint="Run `packdata verify` on the pack, then convert it again",
-            )
-        key = item.renames.get(i, sample.key)
-        label = int(item.label_map[sample.label + 1])
-        batch.append((i - first_index, replace(sample, key=key, label=label)))
-        if len(batch) >= 1024:
-            writer.write(batch)
-            batch = []
+
+    def written() -> Iterator[tuple[int, Sample]]:
+        nonlocal batch
+        for i, sample in get_format(fmt).iter_samples(src, shard.first_index):
+            expected = int(item.index.labels[i])  # checked to lie in range; the record's label was not
+            if sample.label != expected:
+                raise PackFormatError(
+                    f"record {i} holds label {sample.label}, the sample index says {expected}",
+                    path=src,
+                    hint="Run `packdata verify` on the pack, then convert it again",
+                )
+            yield i, sample  # written once check_shard_records asks for the next: it passed its checks
+            key = item.renames.get(i, sample.key)
+            batch.append((i - shard.first_index, replace(sample, key=key, label=int(item.label_map[sample.label + 1]))))
+            if len(batch) >= 1024:
+                writer.write(batch)
+                batch = []
+
+    check_shard_records(written(), shard, item.manifest, item.index, data_file)
     if batch:
         writer.write(batch)
     return writer.close()
@@ -291,8 +305,10 @@ def merge_packs(
                     src = resolve_in_pack(item.path, shard.file, field="shard", manifest=item.path / MANIFEST_NAME)
                     name = writer_cls.shard_name(len(shards))
                     info = ShardInfo(name, shard.num_samples, base + shard.first_index, shard.bytes, shard.sha256)
-                    if _needs_rewrite(item, shard):
-                        nbytes, digest = _rewrite_shard(item, fmt, src, partial / name, shard.first_index)
+                    rewrite = _needs_rewrite(item, shard)
+                    check_shard_file(fmt, src, shard, checksum=False)  # a rewrite checks the rest; a link keeps it
+                    if rewrite:
+                        nbytes, digest = _rewrite_shard(item, fmt, src, partial / name, shard)
                         info = replace(info, bytes=nbytes, sha256=digest)
                         result.rewritten += 1
                     elif _place_shard(fmt, item.path, src.name, partial, name):

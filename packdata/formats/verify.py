@@ -18,7 +18,7 @@ from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
 from packdata.progress import progress as show_progress
 
-__all__ = ["VerifyResult", "check_shard_records", "open_index", "pack_info", "verify_pack"]
+__all__ = ["VerifyResult", "check_shard_file", "check_shard_records", "open_index", "pack_info", "verify_pack"]
 
 
 def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -172,23 +172,7 @@ def verify_pack(
     with show_progress(total=manifest.num_samples, desc="verifying", unit=" records", disable=not progress) as bar:
         for shard in manifest.shards:
             shard_path = shard.path(pack)
-            data_file = fmt.shard_layout(os.path.basename(shard.file)).data_path(shard_path)
-            problem = not_a_file(data_file)
-            if problem:
-                raise PackFormatError(f"shard file {problem}", path=data_file, hint="Convert or stage the pack again")
-            size = data_file.stat().st_size
-            if size != shard.bytes:
-                raise PackFormatError(
-                    f"shard is {size} bytes, the manifest says {shard.bytes}",
-                    path=data_file,
-                    hint="The shard is truncated or was replaced: convert or stage again",
-                )
-            if file_sha256(data_file) != shard.sha256:
-                raise PackFormatError(
-                    "shard checksum does not match the manifest",
-                    path=data_file,
-                    hint="The shard is damaged: convert or stage again",
-                )
+            data_file = check_shard_file(manifest.format, shard_path, shard)
             records, shard_bytes = check_shard_records(
                 fmt.iter_samples(shard_path, shard.first_index), shard, manifest, index, data_file, bar.update
             )
@@ -196,6 +180,38 @@ def verify_pack(
             nbytes += shard_bytes
             fmt.check_side_tables(shard_path, shard)
     return VerifyResult(pack, checked, nbytes, len(manifest.shards))
+
+
+def check_shard_file(fmt: str, shard_path: Path, shard: ShardInfo, *, checksum: bool = True) -> Path:
+    """The data file of the shard at ``shard_path``, checked to be a regular file of the manifest's size and SHA-256.
+
+    Args:
+        fmt: the pack's format.
+        shard_path: where the shard is.
+        shard: its manifest entry.
+        checksum: check the SHA-256 too (reads the whole file), not only the size.
+
+    Raises:
+        PackFormatError: naming the data file.
+    """
+    data_file = get_format(fmt).shard_layout(os.path.basename(shard.file)).data_path(shard_path)
+    problem = not_a_file(data_file)
+    if problem:
+        raise PackFormatError(f"shard file {problem}", path=data_file, hint="Convert or stage the pack again")
+    size = data_file.stat().st_size
+    if size != shard.bytes:
+        raise PackFormatError(
+            f"shard is {size} bytes, the manifest says {shard.bytes}",
+            path=data_file,
+            hint="The shard is truncated or was replaced: convert or stage again",
+        )
+    if checksum and file_sha256(data_file) != shard.sha256:
+        raise PackFormatError(
+            "shard checksum does not match the manifest",
+            path=data_file,
+            hint="The shard is damaged: convert or stage again",
+        )
+    return data_file
 
 
 def check_shard_records(
