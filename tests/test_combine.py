@@ -719,3 +719,20 @@ def test_merge_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, t
         "Free space on its disk (shards are copied there from another disk), then merge again\n"
     )
     assert os.listdir(disk) == []
+
+
+def test_append_to_a_pack_that_is_a_mount_point_is_refused_before_anything_is_written(tmp_path: Path, tmpfs) -> None:
+    """The new shards are converted beside the pack and renamed in: into a pack that is a file system of its
+    own that rename failed (EXDEV) as a traceback, after the append's plan and a converted sibling were written.
+    """
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)
+    pack = tmpfs("20m", name="p.lmdb")
+    shutil.copytree(tmp_path / "a.lmdb", pack, dirs_exist_ok=True)
+    tree, around = tree_digest(pack), sorted(os.listdir(tmp_path))
+    result = CliRunner().invoke(
+        cli, ["convert", str(_folder(tmp_path / "b", {"dog": ["2.jpg"]})), str(pack), "--append"]
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: {pack}: is a mount point") and result.output.count("\n") == 1
+    assert tree_digest(pack) == tree and sorted(os.listdir(pack)) == sorted(os.listdir(tmp_path / "a.lmdb"))
+    assert sorted(os.listdir(tmp_path)) == sorted([*around, "b"])

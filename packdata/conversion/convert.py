@@ -341,6 +341,12 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
     kwargs.update(format=manifest.format, append=False)
     extra = dst.parent / f".{dst.name}.append"
+    if os.stat(dst).st_dev != os.stat(extra.parent).st_dev:  # its shards could not be renamed in from extra
+        raise ConfigError(
+            "is a mount point: an append converts beside the pack and renames the new shards in",
+            path=dst,
+            hint="Convert the source into a pack of its own, then `packdata merge` the two",
+        )
     resume, started = bool(options["resume"]), float(options["started"])
     with hold_lock(convert_lock_path(dst), what="packdata convert --append", target=dst):
         with hold_lock(convert_lock_path(extra), what="packdata convert --append", target=extra):
