@@ -736,3 +736,20 @@ def test_append_to_a_pack_that_is_a_mount_point_is_refused_before_anything_is_wr
     assert result.output.startswith(f"Error: {pack}: is a mount point") and result.output.count("\n") == 1
     assert tree_digest(pack) == tree and sorted(os.listdir(pack)) == sorted(os.listdir(tmp_path / "a.lmdb"))
     assert sorted(os.listdir(tmp_path)) == sorted([*around, "b"])
+
+
+def test_merge_overwrite_of_a_pack_that_is_a_mount_point_is_refused_and_leaves_it(tmp_path: Path, tmpfs) -> None:
+    """Overwrite renames the old pack aside: a mount point cannot be renamed, and that was a traceback (EBUSY)."""
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
+    b = _folder(tmp_path / "b", {"dog": ["2.jpg"]})
+    for folder in (a, b):
+        packdata.convert(folder, folder.with_suffix(".lmdb"), progress=False)
+    pack = tmpfs("20m", name="p.lmdb")
+    shutil.copytree(tmp_path / "a.lmdb", pack, dirs_exist_ok=True)
+    tree, around = tree_digest(pack), sorted(os.listdir(tmp_path))
+    result = CliRunner().invoke(
+        cli, ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), "-o", str(pack), "--overwrite"]
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: {pack}: destination is a mount point") and result.output.count("\n") == 1
+    assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == around

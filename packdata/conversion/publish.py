@@ -201,6 +201,12 @@ def _check_replaceable(dst: Path) -> None:
         raise ConfigError(
             "destination exists and is not a packdata pack (not a folder); refusing to replace it", path=dst, hint=hint
         )
+    if os.path.ismount(dst):  # replacing renames the old pack aside: a mount point cannot be renamed
+        raise ConfigError(
+            "destination is a mount point; a pack there cannot be replaced",
+            path=dst,
+            hint="Write the new pack to a folder inside the mount (a pack is published by renaming it into place)",
+        )
     try:
         manifest = read_manifest(dst)
     except PackFormatError as exc:
