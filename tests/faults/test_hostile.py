@@ -466,3 +466,12 @@ def test_reading_a_manifest_allocates_what_it_holds_not_the_size_limit(
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20
+
+
+@pytest.mark.timeout(120)  # the search was quadratic: about 6 hours for these classes, a hang is the failure
+def test_a_class_named_twice_among_a_million_is_named_at_once(templates: dict[str, Path], tmp_path: Path) -> None:
+    """Each class was looked for in all the classes before it: every command that read the manifest hung."""
+    pack = _pack(templates, tmp_path, "lmdb")
+    rewrite_manifest(pack, lambda d: d.update(classes=[f"c{i}" for i in range(1_000_000)] + ["c0"]))
+    with pytest.raises(PackdataError, match=r"should name each class once \('c0' is there twice\)"):
+        read_manifest(pack)
