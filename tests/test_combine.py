@@ -753,3 +753,16 @@ def test_merge_overwrite_of_a_pack_that_is_a_mount_point_is_refused_and_leaves_i
     assert result.exit_code == 1, result.output
     assert result.output.startswith(f"Error: {pack}: destination is a mount point") and result.output.count("\n") == 1
     assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == around
+
+
+@pytest.mark.timeout(120)  # the union was quadratic: hours for these classes, a hang is the failure
+def test_merge_unites_a_million_classes_at_once(tmp_path: Path) -> None:
+    """Each class was looked for in the list of all united so far (and its number again): a merge of packs with
+    many classes hung. Now they are united in one pass, numbered as before."""
+    for name, classes in (("a", {"cat": ["1.jpg"]}), ("b", {"dog": ["2.jpg"]})):
+        packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
+    many = [f"c{i}" for i in range(1_000_000)]
+    rewrite_manifest(tmp_path / "b.lmdb", lambda d: d.update(classes=d["classes"] + many))
+    packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "b.lmdb"], tmp_path / "ab.lmdb")
+    merged = packdata.LMDBDataset(tmp_path / "ab.lmdb", decode="bytes")
+    assert merged.classes == ["cat", "dog", *many] and [label for _, label in merged] == [0, 1]

@@ -91,8 +91,8 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
     """Open every pack, unite classes and fields by name, and find duplicate keys."""
     if on_duplicate not in ("error", "rename", "append"):
         raise ConfigError(f"on_duplicate should be 'error' or 'rename', but got on_duplicate={on_duplicate!r}")
-    classes: list[str] = []
-    fields: list[str] = []
+    classes: dict[str, int] = {}  # name -> number in the result, in order (a dict: no search per name)
+    fields: dict[str, int] = {}
     codecs: dict[str, str] = {}
     seen: set[str] = set()
     inputs = []
@@ -107,16 +107,14 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                 hint="Merge packs of one format and kind (convert one again with --format)",
             )
         for name in manifest.classes:
-            if name not in classes:
-                classes.append(name)
+            classes.setdefault(name, len(classes))
         for name in manifest.fields if manifest.kind == "fields" else ():
             codec = manifest.codecs.get(name, codec_of(name))
             if codecs.setdefault(name, codec) != codec:
                 raise ConfigError(f"field {name!r} is {codec} here, {codecs[name]} in an earlier pack", path=path)
-            if name not in fields:
-                fields.append(name)
-        label_map = np.array([-1] + [classes.index(c) for c in manifest.classes], dtype=np.int32)
-        field_map = np.array([fields.index(n) for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
+            fields.setdefault(name, len(fields))
+        label_map = np.array([-1] + [classes[c] for c in manifest.classes], dtype=np.int32)
+        field_map = np.array([fields[n] for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
         renames = {}
         for i, key in enumerate(index.keys):
             if key in seen:
@@ -140,7 +138,7 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                 renames[i] = key = new
             seen.add(key)
         inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
-    return inputs, classes, fields, codecs
+    return inputs, list(classes), list(fields), codecs
 
 
 def _link_or_copy(src: Path, dst: Path) -> bool:
@@ -221,6 +219,7 @@ def _write_index(out: Path, inputs: list[_Input], *, fields: bool) -> None:
     writer = SampleIndexWriter(out, fields=fields)
     for item in inputs:
         index = item.index
+        numbers = {name: int(item.field_map[k]) for k, name in enumerate(item.manifest.fields)} if fields else {}
         for start in range(0, item.manifest.num_samples, _CHUNK):
             stop = min(start + _CHUNK, item.manifest.num_samples)
             labels = item.label_map[np.asarray(index.labels[start:stop]) + 1]
@@ -228,7 +227,7 @@ def _write_index(out: Path, inputs: list[_Input], *, fields: bool) -> None:
                 pairs = None
                 if fields:
                     sizes = index.sample_fields(i)
-                    pairs = [(int(item.field_map[item.manifest.fields.index(n)]), s) for n, s in sizes.items()]
+                    pairs = [(numbers[n], s) for n, s in sizes.items()]
                 key = item.renames.get(i, index.keys[i])
                 writer.append(key, int(labels[i - start]), int(index.sizes[i]), pairs)
             writer.flush()
