@@ -367,3 +367,26 @@ def test_one_unit_style_for_sizes_and_rates(image_folder: Path, tmp_path: Path) 
         both = done.stdout + done.stderr
         assert not re.search(r"\d (MB|KB|GB)\b", both), both
         assert re.search(r"\d (KiB|MiB)\b", done.stdout), done.stdout
+
+
+def test_info_shows_a_manifests_strings_escaped(image_folder: Path, tmp_path: Path) -> None:
+    """A stranger's manifest may hold any string: info printed them raw, so an escape sequence in a class
+    name ran in the terminal and a newline made a line of its own. Now each is shown quoted and escaped."""
+    from faults.hostile import rewrite_manifest
+
+    pack = tmp_path / "out.lmdb"
+    assert _run("convert", str(image_folder), str(pack), "-q").exit_code == 0
+
+    def lie(data: dict) -> None:
+        data["classes"][0] = "cat\x1b]0;owned\x07\nreal"
+        data["packdata_version"] = "1.0\x1b[2J"
+        data["skipped"] = {"count": 1, "by_reason": {"bad\x1b[31m": 1}, "report": "r\x1b.jsonl"}
+        data["reencode"] = {"count": 1, "max_side": 9, "quality": 90}
+        (pack / "r\x1b.jsonl").write_text("x\n")
+
+    rewrite_manifest(pack, lie)
+    result = _run("info", str(pack))
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert result.output.count("\n") == 7  # pack, format, samples, classes, shards, skipped, reencode
+    assert "classes:  3 ('cat\\x1b]0;owned\\x07\\nreal', " in result.output

@@ -38,24 +38,26 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
     if as_json:
         click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
         return
-    classes = facts["classes"]
-    shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
-    click.echo(f"pack:     {facts['path']}")
-    click.echo(f"format:   {facts['format']} ({facts['kind']}), written by packdata {facts['packdata_version']}")
+    classes = facts["classes"]  # every string from the manifest is shown escaped: a stranger's pack may hold any
+    shown = ", ".join(map(_shown, classes[:8])) + (", ..." if len(classes) > 8 else "")
+    click.echo(f"pack:     {_shown(facts['path'])}")
+    version = f"written by packdata {_shown(facts['packdata_version'])}"
+    click.echo(f"format:   {_shown(facts['format'])} ({_shown(facts['kind'])}), {version}")
     click.echo(f"samples:  {facts['num_samples']:,}")
     click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
     click.echo(f"shards:   {len(facts['shards'])}, {_mb(facts['total_bytes'])}")
     if facts.get("codecs"):
-        click.echo("fields:   " + ", ".join(f"{name} ({codec})" for name, codec in facts["codecs"].items()))
+        click.echo("fields:   " + ", ".join(f"{_shown(name)} ({codec})" for name, codec in facts["codecs"].items()))
     skipped = facts.get("skipped") or {}
     if skipped.get("count"):
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.get("by_reason", {}).items()))
-        click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {skipped.get('report')})")
+        reasons = ", ".join(f"{n} {_shown(reason)}" for reason, n in sorted(skipped.get("by_reason", {}).items()))
+        report = _shown(str(skipped.get("report")))
+        click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {report})")
     reencode = facts.get("reencode")
     if reencode:
         click.echo(
             f"reencode: {_count(reencode.get('count', 0), 'image')} re-encoded as JPEG "
-            f"to at most {reencode.get('max_side')} px (quality {reencode.get('quality')})"
+            f"to at most {_shown(str(reencode.get('max_side')))} px (quality {_shown(str(reencode.get('quality')))})"
         )
 
 
