@@ -436,6 +436,9 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         if key in index and plain_name_problem(index[key]) is not None:
             raise _field_error(where, f"index.{key}", f"{plain_name_problem(index[key])} inside the pack", index[key])
     _optional_dict(where, data, "reencode", nullable=True)
+    for key, minimum in (("count", 0), ("max_side", 1), ("quality", 1)):  # info prints them as numbers
+        if isinstance(data.get("reencode"), dict) and key in data["reencode"]:
+            _count(where, f"reencode.{key}", data["reencode"][key], minimum=minimum)
     _optional_dict(where, data, "skipped")
     _optional_dict(where, data, "source")
     _check_skipped(where, data.get("skipped", {}))

@@ -272,6 +272,10 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
         "'skipped.by_reason' should be an object of reason -> count",
     ),
     "skipped-count-negative": (_edit(lambda d: d["skipped"].update(count=-1)), "'skipped.count'"),
+    "reencode-count-string": (  # info formatted it as a number: a traceback
+        _edit(lambda d: d.__setitem__("reencode", {"max_side": 256, "quality": 90, "count": "12"})),
+        "'reencode.count' should be an integer",
+    ),
     "skipped-reasons-miscounted": (
         _edit(lambda d: d["skipped"].update(count=1, by_reason={"corrupt": 1, "unreadable": 4})),
         "'skipped.by_reason' should add up to skipped.count (1)",
