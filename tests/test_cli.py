@@ -390,3 +390,18 @@ def test_info_shows_a_manifests_strings_escaped(image_folder: Path, tmp_path: Pa
     assert "\x1b" not in result.output and "\x07" not in result.output
     assert result.output.count("\n") == 7  # pack, format, samples, classes, shards, skipped, reencode
     assert "classes:  3 ('cat\\x1b]0;owned\\x07\\nreal', " in result.output
+
+
+def test_ls_shows_a_shard_name_from_the_manifest_escaped(image_folder: Path, tmp_path: Path) -> None:
+    """ls escaped keys and class names but printed shard (and field) names raw: an escape sequence ran."""
+    from faults.hostile import rewrite_manifest
+
+    pack = tmp_path / "out.lmdb"
+    assert _run("convert", str(image_folder), str(pack), "-q").exit_code == 0
+    name = "s\x1b]0;owned\x07\n.lmdb"
+    (pack / "shard-00000.lmdb").rename(pack / name)
+    rewrite_manifest(pack, lambda d: d["shards"][0].__setitem__("file", name))
+    result = _run("ls", str(pack), "--limit", "3")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and result.output.count("\n") == 3
+    assert result.output.splitlines()[0].endswith("\t's\\x1b]0;owned\\x07\\n.lmdb'")

@@ -152,8 +152,8 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | N
             click.echo(json.dumps(row, ensure_ascii=False))
             continue
         label = f"{row['label']}" + (f" ({_shown(row['class'])})" if row["class"] is not None else "")
-        fields = " ".join(f"{name}:{format_size(size)}" for name, size in row["fields"].items())
-        click.echo(f"#{row['index']}\t{_shown(row['key'])}\t{label}\t{fields}\t{row['shard']}")
+        fields = " ".join(f"{_shown(name)}:{format_size(size)}" for name, size in row["fields"].items())
+        click.echo(f"#{row['index']}\t{_shown(row['key'])}\t{label}\t{fields}\t{_shown(row['shard'])}")
 
 
 @click.command(name="cat")
