@@ -26,7 +26,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +47,7 @@ from packdata.conversion.sources import (
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
+from packdata.pack.manifest import first_repeated, unique_keys
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
 __all__ = [
@@ -323,24 +324,6 @@ _EXTRA = "\0extra"
 with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
 
 
-def _repeated(names: Iterable[str]) -> str | None:
-    """The first name that ``names`` holds twice, or None."""
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return name
-        seen.add(name)
-    return None
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object, refused (ValueError) when it names a key twice (``json.loads`` kept the last one alone)."""
-    twice = _repeated([key for key, _ in pairs])
-    if twice is not None:
-        raise ValueError(f"key {twice!r} twice in one object")
-    return dict(pairs)
-
-
 def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
     with _open_text(list_file, fs) as f:
@@ -355,7 +338,7 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line, object_pairs_hook=_unique_keys)
+                    row = json.loads(line, object_pairs_hook=unique_keys)
                 except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
                     raise SourceError(f"line {number} is not JSON: {exc}", path=where) from exc
                 except RecursionError as exc:
@@ -367,7 +350,7 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                 yield number, row
         else:
             reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA)
-            twice = _repeated(reader.fieldnames or [])
+            twice = first_repeated(reader.fieldnames or [])
             if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
                 raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
             for row in reader:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,13 @@ __all__ = [
     "ShardInfo",
     "classes_problem",
     "file_sha256",
+    "first_repeated",
     "is_sha256",
     "manifest_checksum",
     "plain_name_problem",
     "read_manifest",
     "resolve_in_pack",
+    "unique_keys",
     "validate_manifest",
     "write_manifest",
 ]
@@ -215,6 +218,27 @@ def _field_error(manifest: str | os.PathLike, field: str, problem: str, value: o
     return PackFormatError(f"manifest field {field!r} {problem}, but got {_short(value)}", path=manifest, hint=_HINT)
 
 
+def first_repeated(names: Iterable[str]) -> str | None:
+    """The first name that ``names`` holds twice, or None."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused (ValueError) when it names a key twice (``json.loads`` kept the last one alone).
+
+    Pass it as ``object_pairs_hook``: a file other tools read too must mean one thing to all of them.
+    """
+    twice = first_repeated(key for key, _ in pairs)
+    if twice is not None:
+        raise ValueError(f"key {twice!r} twice in one object")
+    return dict(pairs)
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid number here")
 
@@ -242,11 +266,9 @@ def classes_problem(classes: object) -> str | None:
     """What keeps ``classes`` from naming a pack's classes (a list of distinct UTF-8 strings), or None."""
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         return "should be a list of strings"
-    seen: set[str] = set()
-    for name in classes:
-        if name in seen:  # class_to_idx would give one of two labels for a name: samples mislabelled
-            return f"should name each class once ({name!r} is there twice)"
-        seen.add(name)
+    twice = first_repeated(classes)  # class_to_idx would give one of two labels for a name: samples mislabelled
+    if twice is not None:
+        return f"should name each class once ({twice!r} is there twice)"
     try:
         "".join(classes).encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate: no manifest (UTF-8) holds it
@@ -263,7 +285,9 @@ def _parse(path: Path) -> dict[str, Any]:
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise PackFormatError(f"manifest is larger than {_MAX_MANIFEST_BYTES >> 20} MiB", path=path, hint=_HINT)
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+        data = json.loads(
+            raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=unique_keys
+        )
     except RecursionError as exc:
         raise PackFormatError("manifest is nested too deeply to be a manifest", path=path, hint=_HINT) from exc
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, Infinity, 1e999

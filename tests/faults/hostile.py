@@ -216,6 +216,10 @@ MALFORMED: dict[str, tuple[Callable[[Path, str], None], str]] = {
     "infinity": (_raw(lambda t: t.replace('"num_samples": 6', '"num_samples": Infinity', 1)), "Infinity"),
     "1e999": (_raw(lambda t: t.replace('"num_samples": 6', '"num_samples": 1e999', 1)), "1e999"),
     "top-level-list": (_raw(lambda t: f"[{t}]"), "JSON object"),
+    "duplicate-key": (  # json.loads kept the last: another reader of the file may take the first
+        _raw(lambda t: t.replace('"num_samples": 6', '"num_samples": 6, "num_samples": 6', 1)),
+        "key 'num_samples' twice in one object",
+    ),
     "not-json": (_raw(lambda t: t[: len(t) // 2]), "not valid JSON"),
     "not-utf8": (lambda p, f: (p / "manifest.json").write_bytes(b'{"format": "\xff"}'), "not valid JSON"),
     "classes-string": (_edit(lambda d: d.__setitem__("classes", "cat")), "'classes'"),
