@@ -766,3 +766,19 @@ def test_merge_unites_a_million_classes_at_once(tmp_path: Path) -> None:
     packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "b.lmdb"], tmp_path / "ab.lmdb")
     merged = packdata.LMDBDataset(tmp_path / "ab.lmdb", decode="bytes")
     assert merged.classes == ["cat", "dog", *many] and [label for _, label in merged] == [0, 1]
+
+
+def test_append_to_a_pack_whose_names_count_too_many_appends_is_refused_before_converting(tmp_path: Path) -> None:
+    """index-a999...9 (230 digits): the next append's names were too long for the file system, a traceback
+    (ENAMETOOLONG) after the source was converted, whose copy was left beside the pack."""
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)
+    pack, name = tmp_path / "a.lmdb", "index-a" + "9" * 230
+    (pack / "index").rename(pack / name)
+    rewrite_manifest(pack, lambda d: d["index"].update(dir=name))
+    tree, around = tree_digest(pack), sorted(os.listdir(tmp_path))
+    result = CliRunner().invoke(
+        cli, ["convert", str(_folder(tmp_path / "b", {"ant": ["2.jpg"]})), str(pack), "--append"]
+    )
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"Error: {pack / 'manifest.json'}: the pack's names (index.dir or a shard's file)")
+    assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == sorted([*around, "b"])

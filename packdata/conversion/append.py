@@ -52,7 +52,7 @@ from packdata.pack.manifest import (
     write_manifest,
 )
 
-__all__ = ["append_pack", "interrupted_append"]
+__all__ = ["append_pack", "interrupted_append", "next_generation"]
 
 
 def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool = False) -> MergeResult:
@@ -85,8 +85,7 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
         raise
     old, extra = inputs
     fmt = old.manifest.format
-    generation = 1 + max((_generation(s.file) for s in old.manifest.shards), default=0)
-    generation = max(generation, 1 + _generation(old.manifest.index_dir))
+    generation = next_generation(dst, old.manifest)
     index_dir = f"{INDEX_DIR}-a{generation}"
     drop = old.manifest.index.get("previous")
     if drop in (index_dir, old.manifest.index_dir):
@@ -127,6 +126,28 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
     os.rename(staging / journal.name, journal)  # the plan is written: from here on it is carried out, as read back
     fsync_dir(dst)
     return _roll_forward(dst, new, _read_journal(dst, journal))
+
+
+_MAX_GENERATION = 10**12
+"""More appends than any pack sees; the names of the next one's files stay far below a file system's 255 bytes."""
+
+
+def next_generation(dst: str | os.PathLike, manifest: Manifest) -> int:
+    """N of the next append into the pack ``dst`` (its names: ``shard-aN-...``, ``index-aN``), from its ``manifest``.
+
+    Raises:
+        PackFormatError: the pack's names give a generation too large to name the next one's files.
+    """
+    generation = 1 + max((_generation(s.file) for s in manifest.shards), default=0)
+    generation = max(generation, 1 + _generation(manifest.index_dir))
+    if generation > _MAX_GENERATION:
+        raise PackFormatError(
+            f"the pack's names (index.dir or a shard's file) count {generation - 1} appends, "
+            "more than the next one could name its files after",
+            path=Path(dst) / MANIFEST_NAME,
+            hint="The manifest is damaged or was not written by packdata: convert the pack again",
+        )
+    return generation
 
 
 _STAGING = ".append-a"

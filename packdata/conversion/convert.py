@@ -22,7 +22,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
-from packdata.conversion.append import append_pack, interrupted_append
+from packdata.conversion.append import append_pack, interrupted_append, next_generation
 from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
@@ -347,6 +347,7 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
             path=dst,
             hint="Convert the source into a pack of its own, then `packdata merge` the two",
         )
+    next_generation(dst, manifest)  # before converting: the new files' names must fit
     resume, started = bool(options["resume"]), float(options["started"])
     with hold_lock(convert_lock_path(dst), what="packdata convert --append", target=dst):
         with hold_lock(convert_lock_path(extra), what="packdata convert --append", target=extra):
