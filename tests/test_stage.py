@@ -1238,3 +1238,26 @@ def test_unstaging_an_area_reads_dot_names_as_no_ones_temporaries(lmdb_pack: Pat
     assert sorted(p.name for p in result.removed) == sorted(["....old-1", "...old-2", "...partial", lmdb_pack.name])
     assert outside() == around
     assert sorted(p.name for p in area.iterdir()) == []  # each removed as a staged pack, under its own lock
+
+
+@pytest.mark.parametrize("text", ['{"deploy": "staged"}', "{}", "not json", '{"origin": "/x"}'])
+def test_a_folder_whose_staged_json_is_no_marker_is_neither_unstaged_nor_staged_into(
+    lmdb_pack: Path, tmp_path: Path, text: str
+) -> None:
+    """A project's own staged.json made its folder a staged pack: unstage deleted it (or, in an area, every such
+    folder), and stage overwrote its manifest.json; only a marker packdata writes (every field) counts."""
+    projects = tmp_path / "projects"
+    app = projects / "train.lmdb"
+    app.mkdir(parents=True)
+    (app / "staged.json").write_text(text)
+    (app / "manifest.json").write_text("mine")
+    for path in (app, projects):
+        result = CliRunner().invoke(main, ["unstage", str(path)])
+        assert result.exit_code == 1 and "is not a staged pack and holds none" in result.output
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(projects), "-q"])
+    assert result.output == (
+        f"Error: {app}: exists and is not a staged pack. Choose another --to DIR or --name NAME; "
+        "packdata only writes into packs it staged\n"
+    )
+    assert sorted(p.name for p in app.iterdir()) == ["manifest.json", "staged.json"]
+    assert (app / "staged.json").read_text() == text and (app / "manifest.json").read_text() == "mine"

@@ -19,7 +19,7 @@ from packdata.errors import ConfigError
 from packdata.pack.files import temporary_owner
 from packdata.staging.copy import only_lock_left, write_json
 
-__all__ = ["STAGED_FILE", "check_destination", "check_name", "read_marker", "write_marker"]
+__all__ = ["STAGED_FILE", "check_destination", "check_name", "is_staged_copy", "read_marker", "write_marker"]
 
 STAGED_FILE = "staged.json"
 
@@ -63,7 +63,11 @@ def write_marker(
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The marker of a staged pack at ``folder``, or None when there is none or it is not well-formed."""
+    """The marker of a staged pack at ``folder``, or None when there is none or it is not well-formed.
+
+    Well-formed: a JSON object holding every field :func:`write_marker` writes, each of its type;
+    a ``staged.json`` of anything else (a project's own file of that name) is no marker.
+    """
     try:
         data = json.loads((folder / STAGED_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -71,9 +75,14 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         return None
     for name, kind in _TYPES.items():
-        if name in data and (not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool))):
+        if name not in data or not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool)):
             return None
     return data
+
+
+def is_staged_copy(folder: Path) -> bool:
+    """``folder`` is what ``packdata stage`` wrote: a real folder with its marker, or with a killed stage's lock."""
+    return folder.is_dir() and not folder.is_symlink() and (read_marker(folder) is not None or only_lock_left(folder))
 
 
 def check_name(name: str, *, area: Path, url: str | None = None) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 from packdata.errors import ConfigError, LockedError
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.staging.copy import dir_bytes, locked, only_lock_left, remove_empty
-from packdata.staging.marker import STAGED_FILE
+from packdata.staging.copy import dir_bytes, locked, remove_empty
+from packdata.staging.marker import STAGED_FILE, is_staged_copy
 from packdata.staging.remote import delete_copy, delete_unread, discard_aside
 from packdata.staging.tmpfs import TMPFS_SOURCE, made_folders, run_mount, tmpfs_mount_at
 
@@ -43,8 +43,9 @@ class UnstageResult:
 def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = False) -> UnstageResult:
     """Remove a staged pack, or every staged pack in an area; ``unmount`` a tmpfs packdata mounted.
 
-    Only folders holding packdata's ``staged.json`` (or nothing but the
-    ``.stage.lock`` of a stage killed before it wrote one) are deleted; the
+    Only folders holding packdata's ``staged.json`` (well-formed: a project's own
+    file of that name is no marker, see :func:`~packdata.staging.marker.read_marker`),
+    or nothing but the ``.stage.lock`` of a stage killed before it wrote one, are deleted; the
     originals are never touched. A staged pack that is still read (a dataset
     holds its ``.readers.lock``, or a process visibly has a file of it open:
     :func:`~packdata.staging.remote.delete_unread`) is kept unless ``force``;
@@ -86,7 +87,9 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             path=target,
             hint=f"Run the same `packdata convert ... {owner}` with --resume to finish it, or --overwrite to drop it",
         )
-    if owner is not None and (_staged(target) or temporary_owner(target, "partial")):  # NAME's, under NAME's lock
+    if owner is not None and (
+        is_staged_copy(target) or temporary_owner(target, "partial")
+    ):  # NAME's, under NAME's lock
         raise ConfigError(
             f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
             path=target,
@@ -101,12 +104,12 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
         )
     asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
     downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
-    if (target / STAGED_FILE).is_file() or only_lock_left(target):
+    if is_staged_copy(target):
         packs, area = [target], target.parent
     else:
         entries = sorted(target.iterdir())
-        packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and _staged(d)]
-        asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and _staged(d)]
+        packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and is_staged_copy(d)]
+        asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and is_staged_copy(d)]
         downloads = [  # never an interrupted conversion's partial folder: its work resumes
             d
             for d in entries
@@ -189,11 +192,6 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     return UnstageResult(removed=removed, bytes_freed=freed, unmounted=unmounted)
 
 
-def _staged(folder: Path) -> bool:
-    """``folder`` is what ``packdata stage`` wrote: a folder (no link) with ``staged.json``, or only its lock."""
-    return folder.is_dir() and not folder.is_symlink() and ((folder / STAGED_FILE).is_file() or only_lock_left(folder))
-
-
 def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
     """Remove the ``.NAME.old-PID`` entries killed runs left beside ``copy``, holding its ``.NAME.lock``; bytes freed.
 
@@ -205,7 +203,7 @@ def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
     """
     freed = 0
     for aside in stale_siblings(copy, "old"):
-        if staged_only and not _staged(aside):
+        if staged_only and not is_staged_copy(aside):
             continue
         size = 0 if aside.is_symlink() else dir_bytes(aside)
         with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the unstage
