@@ -1261,3 +1261,31 @@ def test_a_folder_whose_staged_json_is_no_marker_is_neither_unstaged_nor_staged_
     )
     assert sorted(p.name for p in app.iterdir()) == ["manifest.json", "staged.json"]
     assert (app / "staged.json").read_text() == text and (app / "manifest.json").read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_staged_json_that_is_a_fifo_or_symlink_is_no_marker_and_never_read(
+    lmdb_pack: Path, tmp_path: Path, kind: str
+) -> None:
+    """A FIFO as staged.json hung `stage --status`, doctor and stage in its read for good; a symlink was followed
+    to another pack's marker. Each is one line or a report without the folder, in a child killed if it hangs."""
+    area = tmp_path / "area"
+    stage(lmdb_pack, to=area, progress=False)
+    odd = area / "odd"
+    odd.mkdir()
+    if kind == "fifo":
+        os.mkfifo(odd / "staged.json")
+    else:
+        (odd / "staged.json").symlink_to(area / lmdb_pack.name / "staged.json")
+    cli = [sys.executable, "-m", "packdata.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    run = lambda *args: subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60, env=env)  # noqa: E731
+    status = run("stage", "--status", str(area), "--json")
+    assert status.returncode == 0, status.stderr
+    assert [p["path"] for p in json.loads(status.stdout)["areas"][0]["packs"]] == [str(area / lmdb_pack.name)]
+    refused = run("stage", str(lmdb_pack), "--to", str(area), "--name", "odd", "-q")
+    assert refused.returncode == 1 and refused.stderr.startswith(f"Error: {odd}: exists and is not a staged pack")
+    unstaged = run("unstage", str(odd))
+    assert unstaged.returncode == 1 and "is not a staged pack" in unstaged.stderr
+    assert run("doctor", str(area / lmdb_pack.name), "--json").returncode == 0
+    assert sorted(p.name for p in odd.iterdir()) == ["staged.json"]

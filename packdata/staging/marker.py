@@ -16,7 +16,7 @@ from typing import Any
 
 from packdata._version import __version__
 from packdata.errors import ConfigError
-from packdata.pack.files import temporary_owner
+from packdata.pack.files import open_regular, temporary_owner
 from packdata.staging.copy import only_lock_left, write_json
 
 __all__ = ["STAGED_FILE", "check_destination", "check_name", "is_staged_copy", "read_marker", "write_marker"]
@@ -65,11 +65,14 @@ def write_marker(
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The marker of a staged pack at ``folder``, or None when there is none or it is not well-formed.
 
-    Well-formed: a JSON object holding every field :func:`write_marker` writes, each of its type;
-    a ``staged.json`` of anything else (a project's own file of that name) is no marker.
+    Well-formed: a regular file (never a symlink, FIFO or device: one would be followed
+    out of the folder, or block the read forever) holding a JSON object with every field
+    :func:`write_marker` writes, each of its type; a ``staged.json`` of anything else
+    (a project's own file of that name) is no marker.
     """
     try:
-        data = json.loads((folder / STAGED_FILE).read_text(encoding="utf-8"))
+        with os.fdopen(open_regular(folder / STAGED_FILE, follow_symlinks=False), "rb") as file:
+            data = json.loads(file.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
