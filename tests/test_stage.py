@@ -681,6 +681,21 @@ def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None
 
 @pytest.mark.root
 @needs_root
+def test_an_area_out_of_inodes_at_any_file_is_one_line_and_leaves_no_partial_index(lmdb_pack: Path, tmpfs) -> None:
+    """With blocks free but no inode left (or a disk filled by another writer after the space check), the index
+    copy and the manifest's write failed with a raw OSError traceback, leaving .index.partial behind."""
+    for inodes in range(4, 24):  # each count runs out at a later file: the lock, index, manifest, shards
+        area = tmpfs("64m", name=f"ino{inodes}", options=f"nr_inodes={inodes}")
+        result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+        assert result.exit_code == 1, (inodes, result.output)
+        assert result.output.startswith("Error: ") and result.output.count("\n") == 1, (inodes, result.output)
+        assert "No space left on device" in result.output or "no space left" in result.output
+        staged = area / lmdb_pack.name
+        assert not staged.exists() or not [p.name for p in staged.iterdir() if p.name.endswith(".partial")]
+
+
+@pytest.mark.root
+@needs_root
 def test_a_read_only_area_is_named_with_the_fix_that_applies(lmdb_pack: Path, tmpfs) -> None:
     """Not 'Remove it if it is not packdata's': no lock file is there to remove."""
     area = tmpfs("1m")

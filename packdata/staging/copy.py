@@ -370,14 +370,17 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
     if not same_tree(src, dest / name, digests):
         temp = dest / f".{name}{PARTIAL}"
         shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-        for file in INDEX_FILES:
-            if file in digests or os.path.lexists(src / file):
-                _, digest = copy_regular(src / file, temp / file)
-                if digest != digests.get(file, digest):
-                    shutil.rmtree(temp)
-                    hint = "The source pack is damaged: run `packdata verify` on it and convert it again"
-                    raise damaged_index_file(src / file, hint=hint)
+        try:
+            temp.mkdir()
+            for file in INDEX_FILES:
+                if file in digests or os.path.lexists(src / file):
+                    _, digest = copy_regular(src / file, temp / file)
+                    if digest != digests.get(file, digest):
+                        hint = "The source pack is damaged: run `packdata verify` on it and convert it again"
+                        raise damaged_index_file(src / file, hint=hint)
+        except BaseException:  # a damaged file, a full disk: no partial index is left
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
         discard_stale(dest / name, "old")  # what a run killed between the renames below left
         old = aside_path(dest / name)  # never onto a leftover that could not be removed
         if os.path.lexists(dest / name):

@@ -40,11 +40,13 @@ the source of truth, and ``staged.json`` records where they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,7 +284,7 @@ def stage(
     dest = area / name
     check_destination(source, dest)
 
-    with locked(dest, made=made):  # makes dest once .NAME.lock is held: a refused stage leaves nothing
+    with locked(dest, made=made), _full_disk_named(dest):  # makes dest once .NAME.lock is held
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
@@ -360,6 +362,17 @@ def stage(
         tmpfs=area_info,
         warnings=warnings,
     )
+
+
+@contextlib.contextmanager
+def _full_disk_named(dest: Path) -> Iterator[None]:
+    """A full disk (no block or inode left) while ``dest`` is written: one CapacityError naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise destination_error(exc, exc.filename or dest) from exc
 
 
 def _mark(
