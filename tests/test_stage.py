@@ -1304,3 +1304,28 @@ def test_a_staged_json_that_is_a_fifo_or_symlink_is_no_marker_and_never_read(
     assert unstaged.returncode == 1 and "is not a staged pack" in unstaged.stderr
     assert run("doctor", str(area / lmdb_pack.name), "--json").returncode == 0
     assert sorted(p.name for p in odd.iterdir()) == ["staged.json"]
+
+
+def test_a_stage_caught_or_killed_writing_its_first_marker_is_a_stage_not_a_foreign_folder(
+    lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """Between .stage.lock and staged.json a stage holds .staged.json.partial: a second stage (another rank) then
+    said 'exists and is not a staged pack' instead of naming the stage at work, and once one was killed there,
+    stage and unstage refused the folder for good."""
+    area = tmp_path / "nvme"
+    dest = area / lmdb_pack.name
+    area.mkdir()
+    with copy_module.locked(dest):  # a live stage, as it writes its first marker
+        (dest / ".staged.json.partial").write_text("{")
+        result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+        assert result.exit_code == 1
+        assert result.output.startswith(f"Error: {dest}: pid {os.getpid()} on host ")
+        assert "is writing it" in result.output
+    (dest / ".stage.lock").touch()  # killed there: its lock and .staged.json.partial stay
+    assert sorted(p.name for p in dest.iterdir()) == [".stage.lock", ".staged.json.partial"]
+    assert unstage(area).removed == [dest] and not dest.exists()
+    dest.mkdir()
+    (dest / ".stage.lock").touch()
+    (dest / ".staged.json.partial").write_text("{")
+    assert stage(lmdb_pack, to=area, progress=False).copied
+    assert ".staged.json.partial" not in [p.name for p in dest.iterdir()]

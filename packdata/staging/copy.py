@@ -54,7 +54,6 @@ __all__ = [
     "is_staged",
     "locked",
     "missing_folders",
-    "only_lock_left",
     "remove_empty",
     "remove_leftovers",
     "removed_if_refused",
@@ -461,11 +460,6 @@ def remove_empty(folders: Sequence[Path]) -> None:
             folder.rmdir()
         except OSError:  # not empty (something was written there), or gone: the ones above hold it
             return
-
-
-def only_lock_left(dest: Path) -> bool:
-    """True for a folder holding nothing but a stage lock: a stage killed before it wrote ``staged.json``."""
-    return dest.is_dir() and not dest.is_symlink() and [p.name for p in dest.iterdir()] == [LOCK]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -17,9 +17,17 @@ from typing import Any
 from packdata._version import __version__
 from packdata.errors import ConfigError
 from packdata.pack.files import open_regular, temporary_owner
-from packdata.staging.copy import only_lock_left, write_json
+from packdata.staging.copy import LOCK, PARTIAL, write_json
 
-__all__ = ["STAGED_FILE", "check_destination", "check_name", "is_staged_copy", "read_marker", "write_marker"]
+__all__ = [
+    "STAGED_FILE",
+    "check_destination",
+    "check_name",
+    "is_staged_copy",
+    "only_lock_left",
+    "read_marker",
+    "write_marker",
+]
 
 STAGED_FILE = "staged.json"
 
@@ -81,6 +89,17 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
         if name not in data or not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool)):
             return None
     return data
+
+
+def only_lock_left(folder: Path) -> bool:
+    """A folder holding a stage's lock and at most the first ``staged.json`` it writes (``.staged.json.partial``).
+
+    What a stage killed before its marker had its name leaves, or what a live one holds for that instant.
+    """
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return LOCK in names and names <= {LOCK, f".{STAGED_FILE}{PARTIAL}"}
 
 
 def is_staged_copy(folder: Path) -> bool:
