@@ -1329,3 +1329,29 @@ def test_a_stage_caught_or_killed_writing_its_first_marker_is_a_stage_not_a_fore
     (dest / ".staged.json.partial").write_text("{")
     assert stage(lmdb_pack, to=area, progress=False).copied
     assert ".staged.json.partial" not in [p.name for p in dest.iterdir()]
+
+
+def test_status_and_doctor_name_a_staged_shard_deleted_or_truncated_since(
+    lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
+) -> None:
+    """Both said a staged pack was whole after a shard of it was deleted or truncated; readers failed on it."""
+    area = tmp_path / "nvme"
+    stage(lmdb_pack, to=area, progress=False)
+    stage(tfrecord_pack, to=area, progress=False)
+    shutil.rmtree(area / "train.lmdb" / "shard-00001.lmdb")
+    shard = area / "train" / "train-00002-of-00006.tfrecord"
+    full = shard.stat().st_size
+    os.truncate(shard, 1000)
+    result = CliRunner().invoke(main, ["stage", "--status", str(area)])
+    assert result.exit_code == 0, result.output
+    assert " DAMAGED: shard-00001.lmdb is missing (stage it again)\n" in result.output
+    assert f" DAMAGED: {shard.name} is 1000 bytes, the manifest says {full} (stage it again)\n" in result.output
+    report = json.loads(CliRunner().invoke(main, ["doctor", str(area / "train"), "--json"]).output)
+    (warning,) = [w for w in report["warnings"] if w["code"] == "staged-damaged"]
+    assert f"{shard.name} is 1000 bytes" in warning["message"]
+    assert f"packdata stage {tfrecord_pack} --to {area} --name train" in warning["message"]
+    stage(lmdb_pack, to=area, progress=False)  # what the line says to do
+    stage(tfrecord_pack, to=area, progress=False)
+    assert "DAMAGED" not in CliRunner().invoke(main, ["stage", "--status", str(area)]).output
+    report = json.loads(CliRunner().invoke(main, ["doctor", str(area / "train"), "--json"]).output)
+    assert "staged-damaged" not in [w["code"] for w in report["warnings"]]

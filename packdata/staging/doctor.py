@@ -31,6 +31,7 @@ from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import read_manifest
 from packdata.pack.urls import display_url, is_url
 from packdata.staging.marker import read_marker
+from packdata.staging.status import damaged_shards
 from packdata.units import format_size
 
 __all__ = ["DoctorReport", "PackReport", "doctor"]
@@ -161,6 +162,15 @@ def _pack_report(
         shards_elsewhere=len(elsewhere),
     )
     warnings: list[SafetyWarning] = []
+    if manifest.staged_from is not None and (damaged := damaged_shards(path, manifest)):
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        warnings.append(
+            SafetyWarning(
+                "staged-damaged",
+                f"a staged shard changed since it was staged: {damaged[0]}{more}, so readers fail on it; "
+                f"stage it again: packdata stage {manifest.staged_from} --to {path.parent} --name {path.name}",
+            )
+        )
     readers = report.readers
     streams = get_format(manifest.format).streams_by_shard
     if streams and report.shards < readers:

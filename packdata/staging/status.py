@@ -8,14 +8,16 @@ import dataclasses
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackdataError
+from packdata.formats import get_format
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.pack.manifest import MANIFEST_NAME
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.staging.marker import read_marker
 from packdata.staging.tmpfs import DEFAULT_AREA, TMPFS_SOURCE, mount_of
 
@@ -23,6 +25,7 @@ __all__ = [
     "AreaStatus",
     "StageStatus",
     "StagedPack",
+    "damaged_shards",
     "stage_status",
 ]
 
@@ -40,6 +43,7 @@ class StagedPack:
     bytes_left: int
     complete: bool
     staged_at: str
+    damaged: list[str] = field(default_factory=list)  # staged shards changed since (see damaged_shards)
 
 
 @dataclass
@@ -67,10 +71,37 @@ class StageStatus:
         return json.loads(json.dumps(dataclasses.asdict(self), default=os.fspath))
 
 
+def damaged_shards(pack: Path, manifest: Manifest) -> list[str]:
+    """The shards staged in ``pack`` whose data file is missing or not the manifest's size, each with what is wrong.
+
+    One stat per shard, no read: it shows a copy truncated, deleted or replaced since it was staged.
+    """
+    layout_of = get_format(manifest.format).shard_layout
+    damaged = []
+    for info in manifest.shards:
+        if os.path.isabs(info.file):  # left at its origin
+            continue
+        data = layout_of(info.file).data_path(pack / info.file)
+        try:
+            found = data.lstat()
+        except FileNotFoundError:
+            damaged.append(f"{info.file} is missing")
+            continue
+        if not stat.S_ISREG(found.st_mode) or found.st_size != info.bytes:
+            damaged.append(f"{info.file} is {found.st_size} bytes, the manifest says {info.bytes}")
+    return damaged
+
+
 def _read_marker(path: Path) -> StagedPack | None:
     data = read_marker(path)
     if data is None:
         return None
+    damaged: list[str] = []
+    if (path / MANIFEST_NAME).is_file():
+        try:
+            damaged = damaged_shards(path, read_manifest(path))
+        except PackdataError as exc:
+            damaged = [f"its manifest cannot be read: {exc}"]
     return StagedPack(
         path=path,
         origin=str(data.get("origin", "")),
@@ -81,6 +112,7 @@ def _read_marker(path: Path) -> StagedPack | None:
         bytes_left=int(data.get("bytes_left", 0)),
         complete=bool(data.get("complete")) and (path / MANIFEST_NAME).is_file(),
         staged_at=str(data.get("staged_at", "")),
+        damaged=damaged,
     )
 
 
