@@ -116,6 +116,23 @@ def test_cgroup_v2_nested_limits_take_the_smallest(tmp_path: Path) -> None:
     assert read_cgroup_memory_limit(tmp_path) == 8 * GiB
 
 
+def test_cgroup_v2_memory_high_is_a_limit_too(tmp_path: Path) -> None:
+    """memory.high was not read: with memory.max at 16 GiB and memory.high at 6 GiB, a 10 GiB tmpfs passed the
+    checks, and the cgroup is throttled at 6 GiB (tmpfs pages cannot be reclaimed without swap)."""
+    write(tmp_path, "proc/self/cgroup", "0::/job/ctr\n")
+    write(tmp_path, "sys/fs/cgroup/job/memory.max", str(16 * GiB))
+    write(tmp_path, "sys/fs/cgroup/job/memory.high", "max\n")
+    write(tmp_path, "sys/fs/cgroup/job/memory.current", str(GiB))
+    write(tmp_path, "sys/fs/cgroup/job/ctr/memory.max", "max\n")
+    write(tmp_path, "sys/fs/cgroup/job/ctr/memory.high", str(6 * GiB))
+    write(tmp_path, "sys/fs/cgroup/job/ctr/memory.current", str(GiB))
+    write(tmp_path, "proc/meminfo", MEMINFO)  # 57 GiB available on the host
+    found = gather_facts(tmp_path, include_gpus=False)
+    assert found.cgroup == CgroupMemory(limit=6 * GiB, usage=GiB, version=2)
+    refused = [w for w in memory_warnings(found, tmpfs_size=10 * GiB, reserve=0) if w.severity == "refuse"]
+    assert [w.code for w in refused] == ["tmpfs-too-large"] and "5.0 GiB is available" in refused[0].message
+
+
 def test_cgroup_v2_max_means_no_limit(tmp_path: Path) -> None:
     write(tmp_path, "proc/self/cgroup", "0::/user.slice/session\n")
     write(tmp_path, "sys/fs/cgroup/user.slice/memory.max", "max\n")

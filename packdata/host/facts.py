@@ -108,7 +108,8 @@ class CgroupMemory:
     """Memory limit and usage of the cgroup that binds this process.
 
     Attributes:
-        limit: Smallest limit on the cgroup or an ancestor, in bytes; None when unlimited.
+        limit: Smallest limit on the cgroup or an ancestor (v2: ``memory.max`` or ``memory.high``), in bytes;
+            None when unlimited.
         usage: Usage of the cgroup holding that limit (page cache included); None when unknown.
         version: 1 or 2; None when no cgroup memory controller was found.
         inactive_file: Reclaimable inactive file cache within ``usage``; None when unknown.
@@ -156,10 +157,12 @@ def _cgroup_dirs(base: Path, parts: list[str]) -> list[Path]:
 def read_cgroup_memory(root: str | os.PathLike = "/", proc_self_cgroup: str | None = None) -> CgroupMemory:
     """Find this process's cgroup memory limit and usage, v2 first, then v1.
 
-    v2: the ``0::/path`` line leads to ``sys/fs/cgroup/<path>/memory.max``; v1: the
-    ``memory`` line leads to ``sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``.
-    Each parent folder is read too and the smallest limit wins; ``max`` and v1 values
-    of 2**60 or more mean none. Folders hidden by a cgroup namespace are skipped.
+    v2: the ``0::/path`` line leads to ``sys/fs/cgroup/<path>/memory.max`` and
+    ``memory.high`` (above it the kernel throttles the cgroup, and tmpfs pages cannot be
+    reclaimed without swap: a limit too); v1: the ``memory`` line leads to
+    ``sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``. Each parent folder is read
+    too and the smallest limit wins; ``max`` and v1 values of 2**60 or more mean none.
+    Folders hidden by a cgroup namespace are skipped.
 
     Args:
         root: Filesystem root holding ``proc/`` and ``sys/``.
@@ -170,18 +173,21 @@ def read_cgroup_memory(root: str | os.PathLike = "/", proc_self_cgroup: str | No
     """
     paths = _cgroup_paths(root, proc_self_cgroup, "memory")
     layouts = (
-        (2, "sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
-        (1, "sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+        (2, "sys/fs/cgroup", ("memory.max", "memory.high"), "memory.current", "inactive_file"),
+        (1, "sys/fs/cgroup/memory", ("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file"),
     )
-    for version, base, limit_file, usage_file, inactive_key in layouts:
+    for version, base, limit_files, usage_file, inactive_key in layouts:
         if version not in paths:
             continue
         dirs = _cgroup_dirs(_p(root, base), paths[version])
-        dirs = [d for d in dirs if (d / limit_file).is_file() or (d / usage_file).is_file()]
+        dirs = [d for d in dirs if (d / limit_files[0]).is_file() or (d / usage_file).is_file()]
         if not dirs:
             continue
         limits = [
-            (lim, d) for d in dirs if (lim := _read_int(d / limit_file)) is not None and lim < CGROUP_V1_UNLIMITED
+            (lim, d)
+            for d in dirs
+            for name in limit_files
+            if (lim := _read_int(d / name)) is not None and lim < CGROUP_V1_UNLIMITED
         ]
         limit, where = min(limits, key=lambda item: item[0]) if limits else (None, dirs[0])
         inactive = _stat_value(where / "memory.stat", inactive_key)
