@@ -1355,3 +1355,29 @@ def test_status_and_doctor_name_a_staged_shard_deleted_or_truncated_since(
     assert "DAMAGED" not in CliRunner().invoke(main, ["stage", "--status", str(area)]).output
     report = json.loads(CliRunner().invoke(main, ["doctor", str(area / "train"), "--json"]).output)
     assert "staged-damaged" not in [w["code"] for w in report["warnings"]]
+
+
+@pytest.mark.root
+@needs_root
+def test_a_destination_another_user_owns_is_refused_even_with_a_marker(lmdb_pack: Path, tmp_path: Path) -> None:
+    """In a tmpfs area (mode 1777) any user could make AREA/NAME with a copied staged.json, and root's stage wrote
+    into it: a folder its owner may rename or swap for links at any moment while root writes there."""
+    area = tmp_path / "area"
+    area.mkdir(mode=0o1777)
+    area.chmod(0o1777)
+    dest = area / lmdb_pack.name
+    stage(lmdb_pack, to=tmp_path / "real", progress=False)
+    dest.mkdir()
+    shutil.copy(tmp_path / "real" / lmdb_pack.name / "staged.json", dest / "staged.json")
+    os.chown(dest / "staged.json", 65534, 65534)
+    os.chown(dest, 65534, 65534)
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    assert result.output == (
+        f"Error: {dest}: belongs to another user (uid 65534), who could swap its files for links while packdata "
+        "writes there. Choose another --to DIR or --name NAME, or stage it as that user\n"
+    )
+    assert sorted(p.name for p in dest.iterdir()) == ["staged.json"] and sorted(p.name for p in area.iterdir()) == [
+        lmdb_pack.name
+    ]
+    os.chown(dest, 0, 0)  # the user's own: staged into
+    assert stage(lmdb_pack, to=area, progress=False).copied

@@ -151,7 +151,7 @@ def check_destination(source: Path | str, dest: Path) -> None:
 
     Raises:
         ConfigError: ``dest`` must not be written; only an empty folder, one a killed stage left
-            holding only its lock, or a staged copy of ``source`` may be.
+            holding only its lock, or a staged copy of ``source`` may be, each of this user's own.
     """
     if isinstance(source, Path):
         real_source, real_dest = source.resolve(), dest.resolve()
@@ -169,6 +169,12 @@ def check_destination(source: Path | str, dest: Path) -> None:
                 path=dest,
                 hint="Choose a to=DIR or name=NAME that does not contain the pack",
             )
+    if dest.exists() and (owner := dest.stat().st_uid) != os.geteuid():  # a tmpfs area is mode 1777
+        raise ConfigError(
+            f"belongs to another user (uid {owner}), who could swap its files for links while packdata writes there",
+            path=dest,
+            hint="Choose another to=DIR or name=NAME, or stage it as that user",
+        )
     if dest.exists() or dest.is_symlink():
         marker = read_marker(dest)
         if marker is None:
