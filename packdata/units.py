@@ -22,8 +22,8 @@ def parse_size(text: str, *, zero_ok: bool = False) -> int:
     Case-insensitive; the unit is required (``256`` alone could mean bytes or
     megabytes, so it is refused): ``B`` for bytes, ``KB/MB/GB/TB`` decimal,
     ``KiB/MiB/GiB/TiB`` and bare ``K/M/G/T`` binary as in tmpfs's ``size=``
-    (:data:`SIZE_RULE`). Fractions of a unit round down. Zero is refused unless
-    ``zero_ok`` (a tmpfs of ``size=0`` is unlimited, not empty).
+    (:data:`SIZE_RULE`). Fractions of a unit round down. Zero (or less than a byte)
+    is refused unless ``zero_ok`` (a tmpfs of ``size=0`` is unlimited, not empty).
 
     Raises:
         ValueError: not a number with a known unit, no unit, zero, a fraction of a byte, or 2**63 bytes or more.
@@ -35,8 +35,9 @@ def parse_size(text: str, *, zero_ok: bool = False) -> int:
         raise ValueError(f"invalid size {text!r}: expected a number with a unit such as 64MB, 1GiB or 30G")
     if not unit:
         raise ValueError(f"size {text!r} has no unit: write {text}B for bytes, or {text}MB, {text}G ... ({SIZE_RULE})")
-    if value == 0 and not zero_ok:
-        raise ValueError(f"size {text!r} is zero, which cannot be meant here")
+    if int(value) == 0 and not zero_ok:  # 0.0001K rounds down to 0 bytes
+        below = " once rounded down to whole bytes" if value else ""
+        raise ValueError(f"size {text!r} is zero{below}, which cannot be meant here")
     if value >= 1 << 63:  # the kernel would take it modulo 2**64, or clamp it: a tmpfs of 8 EiB
         raise ValueError(f"size {text!r} is 8 EiB (2**63 bytes) or more: larger than any disk or memory")
     return int(value)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 
+from packdata.cli import main
 from packdata.units import format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -57,6 +59,16 @@ def test_zero_is_refused_unless_it_can_be_meant() -> None:
     with pytest.raises(ValueError, match="is zero"):
         parse_size("0G")
     assert parse_size("0B", zero_ok=True) == 0
+
+
+def test_a_size_under_one_byte_is_refused_as_zero() -> None:
+    """``--tmpfs 0.0001K`` became size=0 and was refused as the API's 'size=0', a name the CLI user never typed;
+    ``--budget 0.0001K`` staged nothing."""
+    with pytest.raises(ValueError, match=r"^size '0.0001K' is zero once rounded down to whole bytes, which cannot"):
+        parse_size("0.0001K")
+    assert parse_size("0.0001K", zero_ok=True) == 0 and parse_size("0.001K") == 1
+    result = CliRunner().invoke(main, ["stage", "--tmpfs", "0.0001K", "--mount", "/nonexistent/area"])
+    assert result.exit_code == 2 and "Invalid value for '--tmpfs': size '0.0001K' is zero once rounded" in result.output
 
 
 def test_a_size_no_disk_or_memory_has_is_refused() -> None:
