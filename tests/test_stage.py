@@ -508,6 +508,7 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     assert streamed == sorted(sample for sample, _ in TFRecordDataset(tfrecord_pack, decode="bytes"))
     a, b = TFRecordIndexedDataset(staged, decode="bytes"), TFRecordIndexedDataset(tfrecord_pack, decode="bytes")
     assert [a[i] for i in range(len(a))] == [b[i] for i in range(len(b))]
+    del a, b  # a copy still read is not changed
     # a narrower selection later removes the copies it no longer wants
     again = stage(tfrecord_pack, to=tmp_path / "nvme", shards=[1], progress=False)
     assert again.copied == [] and again.reused == ["train-00001-of-00006.tfrecord"]
@@ -1381,3 +1382,24 @@ def test_a_destination_another_user_owns_is_refused_even_with_a_marker(lmdb_pack
     ]
     os.chown(dest, 0, 0)  # the user's own: staged into
     assert stage(lmdb_pack, to=area, progress=False).copied
+
+
+def test_staging_again_keeps_a_copy_a_dataset_reads_unless_nothing_changes(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A stage with a larger budget replaced the manifest of a copy a dataset read, whose next read then failed
+    ('pack changed since the dataset was opened'); a stage from a URL and unstage keep a copy that is read."""
+    area = tmp_path / "nvme"
+    budget = str(3 * read_manifest(lmdb_pack).shards[0].bytes + 100) + "B"
+    assert stage(lmdb_pack, to=area, budget=int(budget[:-1]), progress=False).left
+    dataset = LMDBDataset(area / lmdb_pack.name)
+    dataset[0]
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {area / lmdb_pack.name}: is still read (a dataset holds it), and staging it again would change its "
+        "shards under its readers. Stage again once its readers are done, or stage under another --name NAME\n"
+    )
+    assert [dataset[i][1] for i in range(len(dataset))] == [i // 12 for i in range(36)]  # reads on, all of it
+    again = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "--budget", budget, "-q"])
+    assert again.exit_code == 0, again.output  # the same copy: nothing changes under its readers
+    del dataset
+    assert not stage(lmdb_pack, to=area, progress=False).left

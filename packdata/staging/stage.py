@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, destination_error
+from packdata.errors import CapacityError, ConfigError, LockedError, PackdataError, destination_error
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
-from packdata.pack.lock import create_readers_lock
-from packdata.pack.manifest import Manifest, read_manifest, write_manifest
+from packdata.pack.lock import create_readers_lock, exclude_readers
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
 from packdata.staging.copy import (
     ShardFiles,
@@ -213,7 +213,8 @@ def stage(
         PackFormatError: the source is not a pack or a shard fails its checksum.
         ConfigError: contradictory options, a ``name`` that is not a plain folder name,
             not root for a mount, or a destination packdata did not stage.
-        LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named).
+        LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named), or
+            a dataset reads the staged pack and this run would change it (other shards, a changed source).
     """
     if is_url(pack):
         if tmpfs is not None or budget is not None or shards is not None:
@@ -284,7 +285,7 @@ def stage(
     dest = area / name
     check_destination(source, dest)
 
-    with locked(dest, made=made), _full_disk_named(dest):  # makes dest once .NAME.lock is held
+    with locked(dest, made=made), _full_disk_named(dest), contextlib.ExitStack() as held:  # makes dest
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
@@ -330,6 +331,14 @@ def stage(
                         refused[0].message, path=area, hint="Stage fewer shards with budget=SIZE, or pass force=True"
                     )
 
+        if _changed(dest, staged_manifest(manifest, source, units, chosen)) and not held.enter_context(
+            exclude_readers(dest)  # held while the copy changes: a dataset opening it waits for the new one
+        ):
+            raise LockedError(
+                "is still read (a dataset holds it), and staging it again would change its shards under its readers",
+                path=dest,
+                hint="Stage again once its readers are done, or stage under another name=NAME",
+            )
         copy_index(source, dest, manifest)
         keep = valid & chosen
         write_manifest(dest, staged_manifest(manifest, source, units, keep))
@@ -362,6 +371,16 @@ def stage(
         tmpfs=area_info,
         warnings=warnings,
     )
+
+
+def _changed(dest: Path, final: Manifest) -> bool:
+    """Whether the staged pack at ``dest`` has a readable manifest other than ``final``: its readers would fail."""
+    if not (dest / MANIFEST_NAME).is_file():
+        return False
+    try:
+        return read_manifest(dest) != final
+    except PackdataError:  # damaged, or its origin changed: its readers fail already
+        return False
 
 
 @contextlib.contextmanager
