@@ -566,3 +566,17 @@ def test_a_state_saved_by_more_ranks_than_samples_loads_into_fewer() -> None:
     resumed = BlockShuffleSampler(10, world_size=2, rank=0, read_ahead=False)
     resumed.load_state_dict(saved.state_dict())
     assert resumed.state_dict()["consumed"][0] == [64, 1]
+
+
+@pytest.mark.parametrize(("rank", "world"), [("0", "0"), ("2", "2")])
+def test_a_rank_or_world_out_of_range_from_the_environment_names_the_variables(
+    monkeypatch: pytest.MonkeyPatch, rank: str, world: str
+) -> None:
+    """WORLD_SIZE=0 said 'but got world_size=0', an argument the user never passed; the launcher's variables
+    are named now. A value given as an argument is named as before."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=re.escape(f"(from the environment: RANK={rank!r}, WORLD_SIZE={world!r})")):
+        BlockShuffleSampler(10)
+    with pytest.raises(ValueError, match=r"but got world_size=0$"):
+        resolve_rank_world(0, 0)

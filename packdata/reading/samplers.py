@@ -47,6 +47,7 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
         ValueError: the values are out of range, not integers, or the rank of a
             world of several ranks (or the world of a rank other than 0) is not known.
     """
+    given_rank, given_world = rank, world_size
     if rank is None or world_size is None:
         found_rank, found_world = None, 1
         import torch.distributed as dist
@@ -71,10 +72,19 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
             )
         rank = (found_rank or 0) if rank is None else rank
     if world_size < 1:
-        raise ValueError(f"world_size should be at least 1, but got world_size={world_size}")
+        raise ValueError(f"world_size should be at least 1, but got world_size={world_size}{_env_note(given_world)}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank should be in [0, {world_size - 1}], but got rank={rank}")
+        raise ValueError(f"rank should be in [0, {world_size - 1}], but got rank={rank}{_env_note(given_rank)}")
     return rank, world_size
+
+
+def _env_note(given: int | None) -> str:
+    """Where a rank or world size came from, when the environment gave it (the user typed no such argument)."""
+    import torch.distributed as dist
+
+    if given is not None or (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" not in os.environ:
+        return ""
+    return f" (from the environment: RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r})"
 
 
 def check_rank_world(owner: str, given: tuple[int | None, int | None], resolved: tuple[int, int]) -> None:
