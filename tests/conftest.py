@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import http.client
+import http.server
 import io
 import json
 import multiprocessing
@@ -15,9 +17,12 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -224,3 +229,80 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
         yield options, fs
     finally:
         server.stop()
+
+
+_S3_ERRORS = {403: "AccessDenied", 503: "ServiceUnavailable"}
+
+
+class _FaultyRelay(http.server.BaseHTTPRequestHandler):
+    """Relays a request to the moto server, or answers it with an error while its rule says so (see faulty_s3)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        if "chunked" not in self.headers.get("Transfer-Encoding", ""):
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        chunks = []
+        while size := int(self.rfile.readline().split(b";")[0], 16):
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()
+        self.rfile.readline()
+        return b"".join(chunks)
+
+    def _relay(self) -> None:
+        body, path = self._body(), urlsplit(self.path).path
+        self.server.hits[self.command, path] += 1
+        rule = self.server.rules.get((self.command, path))
+        if rule and rule[1] > 0:
+            rule[1] -= 1
+            status, data = rule[0], f"<Error><Code>{_S3_ERRORS[rule[0]]}</Code><Message>test</Message></Error>".encode()
+            headers = {"Content-Type": "application/xml"}
+        else:
+            upstream = http.client.HTTPConnection(*self.server.upstream, timeout=60)
+            sent = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+            upstream.request(self.command, self.path, body=body, headers={**sent, "Content-Length": str(len(body))})
+            response = upstream.getresponse()
+            status, data = response.status, response.read()
+            headers = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")}
+            upstream.close()
+        if self.command != "HEAD":
+            headers["Content-Length"] = str(len(data))
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+
+@contextlib.contextmanager
+def faulty_s3(options: dict):
+    """A relay on loopback in front of the moto server of ``options``; yields (its storage options, rules, hits).
+
+    ``rules[(method, path)] = [status, times]`` answers the next ``times``
+    requests for that object with that HTTP error; ``hits`` counts every
+    request by (method, path). botocore's own retries are off in the options,
+    so what reaches packdata is what a client sees once the library gave up.
+    """
+    upstream = urlsplit(options["client_kwargs"]["endpoint_url"])
+    relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultyRelay)
+    relay.daemon_threads = True
+    relay.upstream, relay.rules, relay.hits = (upstream.hostname, upstream.port), {}, Counter()
+    thread = threading.Thread(target=relay.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{relay.server_address[1]}"
+        faulty = {
+            **options,
+            "client_kwargs": {"endpoint_url": endpoint},
+            "config_kwargs": {"retries": {"total_max_attempts": 1}},
+        }
+        yield faulty, relay.rules, relay.hits
+    finally:
+        relay.shutdown()
+        relay.server_close()

@@ -7,9 +7,6 @@ Ray costs seconds). The plan and missing-Ray tests need no running Ray.
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import http.server
 import io
 import json
 import logging
@@ -18,17 +15,14 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import assert_index_digests, moto_s3
+from conftest import assert_index_digests, faulty_s3, moto_s3
 from PIL import Image
 
 import packdata
@@ -1013,83 +1007,6 @@ def test_ray_refuses_grouped_files_at_a_url(ray_local, s3, grouped_folder: Path)
         )
 
 
-_S3_ERRORS = {403: "AccessDenied", 503: "ServiceUnavailable"}
-
-
-class _FaultyRelay(http.server.BaseHTTPRequestHandler):
-    """Relays a request to the moto server, or answers it with an error while its rule says so (see _faulty_s3)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _body(self) -> bytes:
-        if "chunked" not in self.headers.get("Transfer-Encoding", ""):
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        chunks = []
-        while size := int(self.rfile.readline().split(b";")[0], 16):
-            chunks.append(self.rfile.read(size))
-            self.rfile.readline()
-        self.rfile.readline()
-        return b"".join(chunks)
-
-    def _relay(self) -> None:
-        body, path = self._body(), urlsplit(self.path).path
-        self.server.hits[self.command, path] += 1
-        rule = self.server.rules.get((self.command, path))
-        if rule and rule[1] > 0:
-            rule[1] -= 1
-            status, data = rule[0], f"<Error><Code>{_S3_ERRORS[rule[0]]}</Code><Message>test</Message></Error>".encode()
-            headers = {"Content-Type": "application/xml"}
-        else:
-            upstream = http.client.HTTPConnection(*self.server.upstream, timeout=60)
-            sent = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-            upstream.request(self.command, self.path, body=body, headers={**sent, "Content-Length": str(len(body))})
-            response = upstream.getresponse()
-            status, data = response.status, response.read()
-            headers = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")}
-            upstream.close()
-        if self.command != "HEAD":
-            headers["Content-Length"] = str(len(data))
-        self.send_response(status)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
-
-
-@contextlib.contextmanager
-def _faulty_s3(options: dict):
-    """A relay on loopback in front of the moto server of ``options``; yields (its storage options, rules, hits).
-
-    ``rules[(method, path)] = [status, times]`` answers the next ``times``
-    requests for that object with that HTTP error; ``hits`` counts every
-    request by (method, path). botocore's own retries are off in the options,
-    so what reaches packdata is what a client sees once the library gave up.
-    """
-    upstream = urlsplit(options["client_kwargs"]["endpoint_url"])
-    relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultyRelay)
-    relay.daemon_threads = True
-    relay.upstream, relay.rules, relay.hits = (upstream.hostname, upstream.port), {}, Counter()
-    thread = threading.Thread(target=relay.serve_forever, daemon=True)
-    thread.start()
-    try:
-        endpoint = f"http://127.0.0.1:{relay.server_address[1]}"
-        faulty = {
-            **options,
-            "client_kwargs": {"endpoint_url": endpoint},
-            "config_kwargs": {"retries": {"total_max_attempts": 1}},
-        }
-        yield faulty, relay.rules, relay.hits
-    finally:
-        relay.shutdown()
-        relay.server_close()
-
-
 @pytest.mark.ray
 def test_ray_tasks_retry_a_5xx_reply_but_not_a_denied_request(
     ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
@@ -1099,7 +1016,7 @@ def test_ray_tasks_retry_a_5xx_reply_but_not_a_denied_request(
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     fs.put(str(clean_folder), "packs/flaky-src", recursive=True)
     read, upload = ("GET", "/packs/flaky-src/class1/img004.jpg"), ("PUT", "/packs/flaky.lmdb/shard-00001.lmdb/data.mdb")
-    with _faulty_s3(options) as (faulty, rules, hits):
+    with faulty_s3(options) as (faulty, rules, hits):
         rules[read], rules[upload] = [503, 2], [503, 2]
         result = packdata.convert(
             "s3://packs/flaky-src", "s3://packs/flaky.lmdb", shard_samples=20, storage_options=faulty,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes, moto_s3, tree_digest
+from conftest import faulty_s3, image_bytes, moto_s3, tree_digest
 from faults.hostile import rewrite_manifest
 from torch.utils.data import DataLoader
 
@@ -2560,3 +2560,58 @@ def test_cli_unstage_force_removes_a_copy_a_dataset_reads(s3, remote_pack, tmp_p
     assert ds[0] == first  # shard 0's open files stay valid
     with pytest.raises(PackFormatError, match=r"the staged copy was evicted from its cache .* or unstaged"):
         ds[len(ds) - 1]
+
+
+def test_a_driver_that_meets_a_few_5xx_replies_completes_and_a_denied_request_is_not_tried_again(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """A single 503 on a download, an upload or a manifest PUT of the local engine stopped the whole run."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 5)
+    fs.put(str(src), "packs/flaky-local-src", recursive=True)
+    read, shard = (
+        ("GET", "/packs/flaky-local-src/dog/3.jpg"),
+        ("PUT", "/packs/flaky-local.lmdb/shard-00001.lmdb/data.mdb"),
+    )
+    manifest = ("PUT", "/packs/flaky-local.lmdb/manifest.json")
+    with faulty_s3(options) as (faulty, rules, hits):
+        rules[read], rules[shard], rules[manifest] = [503, 2], [503, 2], [503, 2]
+        result = packdata.convert(
+            "s3://packs/flaky-local-src", "s3://packs/flaky-local.lmdb", shard_samples=6, storage_options=faulty,
+            progress=False,
+        )  # fmt: skip
+        assert result.packed == 10 and rules[read][1] == rules[shard][1] == rules[manifest][1] == 0
+        denied = ("PUT", "/packs/denied-local.lmdb/manifest.json")
+        rules[denied] = [403, 1]
+        with pytest.raises(PackFormatError, match=r"uploading manifest\.json failed \(PermissionError\)"):
+            packdata.convert(src, "s3://packs/denied-local.lmdb", storage_options=faulty, progress=False)
+        assert hits[denied] == 1  # access denied: not tried again
+    fs.get("packs/flaky-local.lmdb", str(tmp_path / "got.lmdb"), recursive=True)
+    packdata.convert(src, tmp_path / "clean.lmdb", shard_samples=6, progress=False)
+    assert _samples(tmp_path / "got.lmdb") == _samples(tmp_path / "clean.lmdb")
+
+
+def test_a_ray_driver_looks_objects_up_again_after_a_5xx_reply_but_not_after_a_denied_one(s3, tmp_path: Path) -> None:
+    """objects_complete and place_shards (a Ray driver's resume and final moves) stopped the run on one 503."""
+    from packdata.conversion.ray_remote import RemoteTarget, objects_complete, place_shards, upload_task_files
+    from packdata.pack.manifest import ShardInfo
+
+    options, _ = s3
+    pack = tmp_path / "pack"
+    (pack / "shard-00000.lmdb").mkdir(parents=True)
+    (pack / "shard-00000.lmdb" / "data.mdb").write_bytes(b"x" * 1000)
+    objects = upload_task_files(pack, "tasks", RemoteTarget("s3://packs/ray-driver.lmdb", options))
+    head = ("HEAD", "/packs/ray-driver.lmdb/shard-00000.lmdb/data.mdb")
+    with faulty_s3(options) as (faulty, rules, hits):
+        target = RemoteTarget("s3://packs/ray-driver.lmdb", faulty)
+        rules[head] = [503, 2]
+        assert objects_complete(target, objects) and hits[head] == 3
+        written = ShardInfo("shard-00000.lmdb", 1, 0, 1000, "")
+        rules[head] = [503, 2]
+        place_shards(target, [written], [written], [objects])
+        assert hits[head] == 6
+        rules[head] = [403, 1]
+        with pytest.raises(SourceError, match=r"cannot look up the shards uploaded before \(PermissionError\)"):
+            objects_complete(target, objects)
+        assert hits[head] == 7

@@ -162,7 +162,16 @@ def objects_complete(target: RemoteTarget, objects: dict[str, list[Any]]) -> boo
     fs, root = target.open()
     try:
         return bool(objects) and all(
-            object_matches(fs, f"{root}/{check_object_name(rel, target.shown)}", int(size), str(version), str(md5))
+            retry_transient(
+                partial(
+                    object_matches,
+                    fs,
+                    f"{root}/{check_object_name(rel, target.shown)}",
+                    int(size),
+                    str(version),
+                    str(md5),
+                )
+            )
             for rel, (size, md5, version) in objects.items()
         )
     except (AttributeError, TypeError, ValueError):
@@ -192,11 +201,7 @@ def place_shards(
             head, dot, rest = check_object_name(rel, target.shown).partition(".")
             name = f"{new_stem}{dot}{rest}" if head == old_stem else rel
             try:
-                if name != rel and fs.exists(f"{root}/{rel}"):
-                    fs.mv(f"{root}/{rel}", f"{root}/{name}")
-                found = int(fs.info(f"{root}/{name}").get("size", -1))
-            except FileNotFoundError:
-                found = -1
+                found = retry_transient(partial(_place, fs, f"{root}/{rel}", f"{root}/{name}"))
             except Exception as exc:
                 raise remote_error(target.shown, f"cannot move or look up {name}", exc, resumable=True) from exc
             if found != int(size):
@@ -205,3 +210,13 @@ def place_shards(
                     f"{target.shown}: {name} {state}; its task uploaded {size} bytes",
                     hint="Rerun with --resume: that task runs again",
                 )
+
+
+def _place(fs: Any, old: str, new: str) -> int:
+    """Move ``old`` to ``new`` unless it is gone (moved before); the size the store reports for ``new``, -1 if none."""
+    try:
+        if new != old and fs.exists(old):
+            fs.mv(old, new)
+        return int(fs.info(new).get("size", -1))
+    except FileNotFoundError:
+        return -1

@@ -39,6 +39,7 @@ import tempfile
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,15 @@ from packdata.formats import shard_writer
 from packdata.host.facts import disk_free
 from packdata.pack.files import PROGRESS_FILE, atomic_write, file_sha256, private_temp_folder
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
-from packdata.pack.urls import display_url, is_url, local_name, object_version, open_url, remote_error
+from packdata.pack.urls import (
+    display_url,
+    is_url,
+    local_name,
+    object_version,
+    open_url,
+    remote_error,
+    retry_transient,
+)
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
@@ -261,7 +270,7 @@ def upload_pack(
             p
             for p in files
             if early.get(rel := p.relative_to(local).as_posix()) != p.stat().st_size
-            and not journal.holds(fs, f"{root}/{rel}", rel, p)
+            and not retry_transient(partial(journal.holds, fs, f"{root}/{rel}", rel, p))
         ]
     except Exception as exc:
         raise remote_error(shown, "cannot look up the files uploaded before", exc, resumable=True) from exc
@@ -270,7 +279,7 @@ def upload_pack(
     def put(path: Path) -> int:
         rel = path.relative_to(local).as_posix()
         try:
-            journal.put(fs, path, f"{root}/{rel}", rel)
+            retry_transient(partial(journal.put, fs, path, f"{root}/{rel}", rel))
         except Exception as exc:
             raise _upload_error(shown, rel, exc) from exc
         return path.stat().st_size
@@ -283,7 +292,7 @@ def upload_pack(
             bar.update(done)
     _remove_strays(fs, root, shown, local, files, journal)
     try:
-        fs.put_file(os.fspath(local / MANIFEST_NAME), manifest)  # the pack exists from here
+        retry_transient(partial(fs.put_file, os.fspath(local / MANIFEST_NAME), manifest))  # the pack exists from here
     except Exception as exc:
         raise _upload_error(shown, MANIFEST_NAME, exc) from exc
     return total
@@ -320,11 +329,11 @@ def _move_renamed(
         final = f"{renamed[stem]}{dot}{rest}" if stem in renamed else None
         try:
             if final in present and final not in early and journal.same_bytes(rel, local / final):
-                fs.mv(f"{root}/{rel}", f"{root}/{final}")
+                retry_transient(partial(fs.mv, f"{root}/{rel}", f"{root}/{final}"))
                 journal.record(fs, f"{root}/{final}", final, journal.entries[rel][:3])
                 early[final] = size
             else:
-                fs.rm_file(f"{root}/{rel}")
+                retry_transient(partial(fs.rm_file, f"{root}/{rel}"))
         except Exception as exc:
             raise remote_error(display_url(f"{root}"), f"cannot move or remove {rel}", exc) from exc
         del early[rel]
@@ -353,8 +362,8 @@ def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path
             continue
         try:
             fs.invalidate_cache(f"{root}/{rel}")
-            if object_matches(fs, f"{root}/{rel}", size, version, md5):
-                fs.rm_file(f"{root}/{rel}")
+            if retry_transient(partial(object_matches, fs, f"{root}/{rel}", size, version, md5)):
+                retry_transient(partial(fs.rm_file, f"{root}/{rel}"))
         except Exception as exc:
             raise remote_error(
                 display_url(root), f"cannot remove {rel}, left by an earlier run", exc, resumable=True
@@ -558,7 +567,7 @@ def download_source(
         fd, tmp = tempfile.mkstemp(dir=incoming)
         os.close(fd)
         try:
-            fs.get_file(path, tmp)
+            retry_transient(partial(fs.get_file, path, tmp))
         except Exception as exc:
             raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
         os.replace(tmp, target)
