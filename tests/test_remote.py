@@ -2615,3 +2615,32 @@ def test_a_ray_driver_looks_objects_up_again_after_a_5xx_reply_but_not_after_a_d
         with pytest.raises(SourceError, match=r"cannot look up the shards uploaded before \(PermissionError\)"):
             objects_complete(target, objects)
         assert hits[head] == 7
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_changed_skip(
+    s3, tmp_path: Path, monkeypatch, whole: bool
+) -> None:
+    """The local engine packed the rewritten bytes and journalled them under the version it had listed."""
+    import packdata.conversion.upload as upload
+
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    if not whole:  # an object too large to read into memory: downloaded to a file, its version looked up after
+        monkeypatch.setattr(upload, "_READ_WHOLE", 0)
+    root = f"packs/rewritten-src-{whole}"
+    fs.put(str(_two_classes(tmp_path / "src", 5)), root, recursive=True)
+    rewritten = bytearray(fs.cat_file(f"{root}/dog/3.jpg"))
+    rewritten[len(rewritten) // 2] ^= 0xFF
+    check_room = upload._check_room
+
+    def rewrite_then_check_room(*args) -> None:  # after the listing, before the downloads
+        fs.pipe_file(f"{root}/dog/3.jpg", bytes(rewritten))
+        check_room(*args)
+
+    monkeypatch.setattr(upload, "_check_room", rewrite_then_check_room)
+    result = packdata.convert(f"s3://{root}", tmp_path / "got.lmdb", storage_options=options, progress=False)
+    assert result.packed == 9 and result.skipped == {"changed": 1}
+    assert bytes(rewritten) not in [data for _, data, _ in _samples(tmp_path / "got.lmdb")]
+    lines = [json.loads(line) for line in (tmp_path / "got.lmdb" / "skipped.jsonl").read_text().splitlines()]
+    assert [(line["key"], line["reason"]) for line in lines] == [("dog/3.jpg", "changed")]

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.remote_folder import list_folder
+from packdata.conversion.remote_folder import _ListedObject, list_folder
 from packdata.conversion.sources import Skip
 from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError
 from packdata.formats import shard_writer
@@ -536,10 +536,11 @@ def download_source(
     An object whose name has ``..``, ``.`` or empty parts (``a/../b``, ``a//b``,
     a leading ``/``) is not downloaded: it could land outside the folder or on
     another object's file. It is returned as a :class:`Skip` (sorted by name)
-    for the conversion's skip report, never dropped silently.
+    for the conversion's skip report, never dropped silently, as is an object
+    rewritten or removed since the listing (see :func:`_download`).
 
     Raises:
-        SourceError: the URL cannot be listed or holds no file.
+        SourceError: the URL cannot be listed or holds no file, or a download failed for good.
     """
     fs, _, objects, refused = list_folder(url, storage_options)
     shown = display_url(url)
@@ -561,28 +562,65 @@ def download_source(
     _check_room(local, sum(item[3] for item in todo), "the source's files")
     lock = threading.Lock()
 
-    def get(item: tuple[str, str, Path, int, str]) -> int:
+    def get(item: tuple[str, str, Path, int, str]) -> Skip | None:
         path, rel, target, size, version = item
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=incoming)
         os.close(fd)
-        try:
-            retry_transient(partial(fs.get_file, path, tmp))
-        except Exception as exc:
-            raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
+        skip = _download(fs, path, shown, rel, Path(tmp), size, version)
+        if skip is not None:
+            os.unlink(tmp)
+            return skip
         os.replace(tmp, target)
         with lock, open(journal, "a", encoding="utf-8") as f:
             f.write(json.dumps({"name": rel, "size": size, "version": version}) + "\n")
-        return size
+        return None
 
     with (
         show_progress(desc="download source", unit="B", total=sum(i[3] for i in todo), disable=not progress) as bar,
         ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-source") as pool,
     ):
-        for got in pool.map(get, todo):
-            bar.update(got)
+        for item, skip in zip(todo, pool.map(get, todo), strict=True):
+            bar.update(item[3])
+            if skip is not None:
+                refused.append(skip)
     shutil.rmtree(incoming, ignore_errors=True)
     return local, refused
+
+
+_READ_WHOLE = 16 << 20
+"""Source objects up to this size are read in one request that only the listed version answers (S3's If-Match)."""
+
+
+def _download(fs: Any, path: str, shown: str, rel: str, file: Path, size: int, version: str) -> Skip | None:
+    """Download the object ``path`` into ``file`` as listed (``size`` bytes at ``version``), or why ``rel`` is skipped.
+
+    An object up to :data:`_READ_WHOLE` bytes is read as the Ray engine reads it
+    (``_ListedObject``: on S3 only from the listed version); a larger one is
+    streamed into ``file``, then its size and the version the store reports now
+    are compared with the listing's. One rewritten since the listing is a skip
+    (``changed``), one removed since too (``vanished``).
+
+    Raises:
+        SourceError: a request failed for good (the message shows the URL and the error's type only).
+    """
+    if size <= _READ_WHOLE:
+        data = _ListedObject(fs, path, f"{shown}/{rel}", size, version).read(rel)
+        if isinstance(data, Skip):
+            return data
+        file.write_bytes(data)
+        return None
+    try:
+        retry_transient(partial(fs.get_file, path, os.fspath(file)))
+        fs.invalidate_cache(path)
+        now = object_version(retry_transient(partial(fs.info, path)))
+    except FileNotFoundError:
+        return Skip(rel, "vanished", "no such object: removed since the listing")
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
+    if file.stat().st_size != size or (version and now != version):
+        return Skip(rel, "changed", "its size or version is not the one listed: rewritten since the listing")
+    return None
 
 
 _DOWNLOADED = "downloaded.jsonl"
