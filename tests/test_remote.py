@@ -2644,3 +2644,24 @@ def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_cha
     assert bytes(rewritten) not in [data for _, data, _ in _samples(tmp_path / "got.lmdb")]
     lines = [json.loads(line) for line in (tmp_path / "got.lmdb" / "skipped.jsonl").read_text().splitlines()]
     assert [(line["key"], line["reason"]) for line in lines] == [("dog/3.jpg", "changed")]
+
+
+def test_a_few_5xx_replies_to_the_destination_manifest_look_ups_and_removal_are_tried_again(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """A 503 on the look-up or removal of the URL's manifest (at the start, and again once packed) stopped the run."""
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 6)
+    packdata.convert(src, "s3://packs/flaky-end.lmdb", storage_options=options, progress=False)  # the old pack
+    head, delete = ("HEAD", "/packs/flaky-end.lmdb/manifest.json"), ("DELETE", "/packs/flaky-end.lmdb/manifest.json")
+    with faulty_s3(options) as (faulty, rules, hits):
+        rules[head], rules[delete] = [503, 2], [503, 2]
+        result = packdata.convert(
+            src, "s3://packs/flaky-end.lmdb", storage_options=faulty, overwrite=True, progress=False
+        )
+        assert result.packed == 10 and rules[head][1] == rules[delete][1] == 0
+        rules[head], before = [403, 1], hits[head]
+        with pytest.raises(SourceError, match=r"flaky-end\.lmdb: cannot reach the destination \(PermissionError\)"):
+            packdata.convert(src, "s3://packs/flaky-end.lmdb", storage_options=faulty, overwrite=True, progress=False)
+        assert hits[head] == before + 1  # access denied: not tried again

@@ -147,7 +147,7 @@ def end_remote_pack(url: str, storage_options: dict[str, Any] | None) -> None:
     manifest = f"{root.rstrip('/')}/{MANIFEST_NAME}"
     try:
         if _manifest_there(fs, manifest):
-            fs.rm_file(manifest)
+            retry_transient(partial(fs.rm_file, manifest))
     except Exception as exc:
         raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
 
@@ -160,7 +160,7 @@ def _manifest_there(fs: Any, manifest: str) -> bool:
     say no pack is there, and the old pack would not end before its files are replaced.
     """
     fs.invalidate_cache(manifest)
-    return bool(fs.exists(manifest))
+    return bool(retry_transient(partial(fs.exists, manifest)))
 
 
 class ShardUploader:
