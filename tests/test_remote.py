@@ -2665,3 +2665,16 @@ def test_a_few_5xx_replies_to_the_destination_manifest_look_ups_and_removal_are_
         with pytest.raises(SourceError, match=r"flaky-end\.lmdb: cannot reach the destination \(PermissionError\)"):
             packdata.convert(src, "s3://packs/flaky-end.lmdb", storage_options=faulty, overwrite=True, progress=False)
         assert hits[head] == before + 1  # access denied: not tried again
+
+
+def test_a_dropped_tls_connection_is_transient_and_a_refused_certificate_is_not() -> None:
+    """A TLS connection cut mid-reply reaches packdata as ssl.SSLEOFError when no library wraps it: it was not
+    retried. A certificate that does not verify must fail at once, as before."""
+    import ssl
+
+    from packdata.pack.urls import is_transient
+
+    dropped = OSError("read failed")
+    dropped.__cause__ = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+    assert is_transient(dropped) and is_transient(ssl.SSLZeroReturnError(6, "TLS/SSL connection has been closed"))
+    assert not is_transient(ssl.SSLCertVerificationError(1, "certificate verify failed"))

@@ -195,6 +195,8 @@ _TRANSIENT_TYPES = frozenset(
         "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError
         "ClientPayloadError",  # aiohttp: a body cut short
         "IncompleteRead",
+        "SSLEOFError",  # a TLS connection dropped mid-reply (not a certificate refused: SSLCertVerificationError)
+        "SSLZeroReturnError",  # a TLS connection closed before the reply
     }
 )
 _TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable"})
