@@ -2678,3 +2678,25 @@ def test_a_dropped_tls_connection_is_transient_and_a_refused_certificate_is_not(
     dropped.__cause__ = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
     assert is_transient(dropped) and is_transient(ssl.SSLZeroReturnError(6, "TLS/SSL connection has been closed"))
     assert not is_transient(ssl.SSLCertVerificationError(1, "certificate verify failed"))
+
+
+def test_a_source_listing_that_meets_a_few_5xx_replies_is_listed_whole(s3, tmp_path: Path) -> None:
+    """The listing of a source folder at a URL was not tried again: one 503 (a busy bucket) stopped the run."""
+    from packdata.conversion.remote_folder import list_folder
+
+    options, fs = s3
+    fs.put(str(_two_classes(tmp_path / "src", 3)), "packs/flaky-listing", recursive=True)
+    with faulty_s3(options) as (faulty, rules, hits):
+        rules["GET", "/packs"] = [503, 2]  # the ListObjectsV2 requests
+        _, _, objects, refused = list_folder("s3://packs/flaky-listing", faulty)
+        assert rules["GET", "/packs"][1] == 0 and hits["GET", "/packs"] >= 3
+        assert (
+            sorted(name for _, name, _, _ in objects)
+            == sorted(f"{c}/{i}.jpg" for c in ("cat", "dog") for i in range(5))
+            and not refused
+        )
+        rules["GET", "/packs"] = [403, 1]
+        before = hits["GET", "/packs"]
+        with pytest.raises(SourceError, match="cannot list the source"):
+            list_folder("s3://packs/flaky-listing-denied", faulty)
+        assert hits["GET", "/packs"] == before + 1  # access denied: not tried again

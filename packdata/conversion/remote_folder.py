@@ -29,6 +29,7 @@ from packdata.pack.urls import (
     precondition_failed,
     read_at_version,
     remote_error,
+    retry_transient,
 )
 
 __all__ = [
@@ -68,7 +69,7 @@ def list_folder(
     root = root.rstrip("/")
     shown = display_url(url)
     try:
-        listing = fs.find(root, detail=True)
+        listing = retry_transient(lambda: fs.find(root, detail=True))  # a 503 mid-listing starts it again
     except Exception as exc:
         raise remote_error(shown, "cannot list the source", exc) from exc
     if not listing:
