@@ -1932,7 +1932,8 @@ print("staged", flush=True)
 def test_a_local_stage_is_refused_while_a_url_stage_downloads_into_the_same_folder(
     s3, remote_pack, tmp_path: Path
 ) -> None:
-    """As a second local stage into the folder is: LockedError at once, naming the holder and its lock file."""
+    """As a second local stage into the folder is: it waits, then past wait_seconds LockedError naming the holder
+    and its lock file."""
     from packdata.errors import LockedError
 
     options, _ = s3
@@ -1948,8 +1949,9 @@ def test_a_local_stage_is_refused_while_a_url_stage_downloads_into_the_same_fold
         assert child.stdin is not None and child.stdout is not None
         assert child.stdout.readline().strip() == "downloading"
         lock = re.escape(str(cache / ".train.lmdb.lock"))
-        with pytest.raises(LockedError, match=rf"pid {child.pid} on host .*\(packdata stage \(download\).*{lock}"):
-            packdata.stage(local, to=cache, progress=False)
+        held = rf"pid {child.pid} on host .*\(packdata stage \(download\).*{lock}\), still after waiting 0.5 s"
+        with pytest.raises(LockedError, match=held):
+            packdata.stage(local, to=cache, progress=False, wait_seconds=0.5)
         assert not (cache / "train.lmdb" / "staged.json").exists()  # the local stage wrote nothing
         child.stdin.write("\n")
         child.stdin.flush()

@@ -28,7 +28,8 @@ import packdata.staging.copy as copy_module
 import packdata.staging.stage as stage_module
 import packdata.staging.tmpfs as tmpfs_module
 from packdata.cli import main
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
+from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset
@@ -1189,9 +1190,8 @@ with hold_lock(sys.argv[1], what="another stage", target=sys.argv[1]):
 
 
 def test_a_stage_refused_by_the_lock_leaves_nothing_it_created(lmdb_pack: Path, tmp_path: Path) -> None:
-    """Another process holds .NAME.lock: LockedError, and no empty AREA/NAME is left; once it is free, it stages."""
-    from packdata.errors import LockedError
-
+    """Another process holds .NAME.lock past wait_seconds: LockedError, and no empty AREA/NAME is left; once it is
+    free, it stages."""
     area = tmp_path / "area"
     area.mkdir()
     lock = area / f".{lmdb_pack.name}.lock"
@@ -1200,13 +1200,53 @@ def test_a_stage_refused_by_the_lock_leaves_nothing_it_created(lmdb_pack: Path, 
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with pytest.raises(LockedError, match=rf"pid {holder.pid} on host .*\(another stage.*{re.escape(str(lock))}"):
-            stage(lmdb_pack, to=area, progress=False)
+        held = rf"pid {holder.pid} on host .*\(another stage.*{re.escape(str(lock))}\), still after waiting 0.2 s"
+        with pytest.raises(LockedError, match=held):
+            stage(lmdb_pack, to=area, progress=False, wait_seconds=0.2)
         assert sorted(p.name for p in area.iterdir()) == [lock.name]  # the holder's lock file only
     finally:
         holder.communicate("\n", timeout=30)
     assert stage(lmdb_pack, to=area, progress=False).copied
     assert _all_bytes(area / lmdb_pack.name) == _all_bytes(lmdb_pack)
+
+
+_RANK = """
+import json, sys
+import packdata
+print("ready", flush=True)
+result = packdata.stage(sys.argv[1], to=sys.argv[2], progress=False)
+print(json.dumps({"copied": result.copied, "reused": result.reused}))
+"""
+
+
+def test_ranks_staging_one_pack_at_once_wait_and_share_one_copy(lmdb_pack: Path, tmp_path: Path) -> None:
+    """Every rank of a node stages the same pack into the same area: one copies, the others wait and reuse it.
+
+    They failed at once with LockedError while another held the lock, so a job needed a local-rank-0 guard.
+    Here the ranks start while a stage holds the lock, so they all meet it.
+    """
+    area = tmp_path / "nvme"
+    area.mkdir()
+    lock = convert_lock_path(area / lmdb_pack.name)
+    with hold_lock(lock, what="packdata stage", target=area / lmdb_pack.name):
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(lmdb_pack), str(area)], stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(3)
+        ]
+        for rank in ranks:
+            assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+        time.sleep(1)  # not a timing check: lets each rank reach the lock while it is held
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0, 0], outputs
+    results = sorted((json.loads(out) for out in outputs), key=lambda r: -len(r["copied"]))
+    shards = [Path(s.file).name for s in read_manifest(lmdb_pack).shards]
+    assert results[0] == {"copied": shards, "reused": []}  # copied once, by one rank
+    assert results[1:] == [{"copied": [], "reused": shards}] * 2
+    staged = area / lmdb_pack.name
+    assert packdata.verify_pack(staged, progress=False).records == 36
+    assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
 def test_unstaging_an_area_leaves_a_live_downloads_partial_and_removes_a_killed_ones(
@@ -1318,10 +1358,8 @@ def test_a_stage_caught_or_killed_writing_its_first_marker_is_a_stage_not_a_fore
     area.mkdir()
     with copy_module.locked(dest):  # a live stage, as it writes its first marker
         (dest / ".staged.json.partial").write_text("{")
-        result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
-        assert result.exit_code == 1
-        assert result.output.startswith(f"Error: {dest}: pid {os.getpid()} on host ")
-        assert "is writing it" in result.output
+        with pytest.raises(LockedError, match=rf"^{re.escape(str(dest))}: pid {os.getpid()} on host .* is writing it"):
+            stage(lmdb_pack, to=area, progress=False, wait_seconds=0)
     (dest / ".stage.lock").touch()  # killed there: its lock and .staged.json.partial stay
     assert sorted(p.name for p in dest.iterdir()) == [".stage.lock", ".staged.json.partial"]
     assert unstage(area).removed == [dest] and not dest.exists()

@@ -182,18 +182,32 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
 
 
 @contextlib.contextmanager
-def wait_for_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) -> Iterator[Path]:
+def wait_for_lock(
+    path: str | os.PathLike, *, what: str, target: str | os.PathLike, timeout: float | None = None
+) -> Iterator[Path]:
     """Hold the lock file ``path`` for the block (see :func:`hold_lock`), waiting while another process holds it.
 
-    The wait has no limit: the holder is at work, and the kernel drops its lock if it dies.
+    The holder is at work, and the kernel drops its lock if it dies. ``timeout``
+    bounds the wait in seconds (None: no limit; 0: one try).
+
+    Raises:
+        LockedError: another process still held it after ``timeout`` seconds (its pid and host named).
     """
+    deadline = None if timeout is None else time.monotonic() + timeout
     with contextlib.ExitStack() as stack:
         while True:
             try:
                 held = stack.enter_context(hold_lock(path, what=what, target=target))
                 break
-            except LockedError:
-                time.sleep(_WAIT_POLL)
+            except LockedError as exc:
+                if deadline is None or time.monotonic() < deadline:
+                    time.sleep(_WAIT_POLL)
+                elif timeout:
+                    raise LockedError(
+                        f"{exc.message}, still after waiting {timeout:g} s", path=exc.path, hint=exc.hint
+                    ) from None
+                else:
+                    raise
         yield held
 
 

@@ -37,7 +37,7 @@ from packdata.pack.files import (
 )
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.index import damaged_index_file, index_files
-from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
@@ -406,8 +406,12 @@ def remove_leftovers(dest: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(dest: Path, what: str = "packdata stage", made: Sequence[Path] = ()) -> Iterator[None]:
+def locked(
+    dest: Path, what: str = "packdata stage", made: Sequence[Path] = (), wait_seconds: float = 0
+) -> Iterator[None]:
     """Hold ``dest``'s locks (see :mod:`packdata.pack.lock`), making ``dest`` once the first is held.
+
+    Another process holding one is waited for, at most ``wait_seconds`` for each (0: not at all).
 
     ``.NAME.lock`` beside ``dest`` is the one a stage from a URL into the same
     folder holds (it replaces the whole folder, so its lock lives outside it);
@@ -419,14 +423,14 @@ def locked(dest: Path, what: str = "packdata stage", made: Sequence[Path] = ()) 
     that was there before.
 
     Raises:
-        LockedError: another process holds either lock (it is named).
+        LockedError: another process holds either lock, still after ``wait_seconds`` (it is named).
     """
     try:
-        with hold_lock(convert_lock_path(dest), what=what, target=dest):
+        with wait_for_lock(convert_lock_path(dest), what=what, target=dest, timeout=wait_seconds):
             created = not os.path.lexists(dest)
             dest.mkdir(exist_ok=True)
             try:
-                with hold_lock(dest / LOCK, what=what, target=dest):
+                with wait_for_lock(dest / LOCK, what=what, target=dest, timeout=wait_seconds):
                     yield
             except BaseException:
                 if created:

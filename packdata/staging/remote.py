@@ -5,8 +5,8 @@ called by every rank of a job: one process per cache folder downloads while
 the others wait on ``.NAME.lock`` there (an ``flock``: a process that dies
 holding it releases it, so nobody hangs on a dead downloader), then all open
 the finished copy. A local ``stage`` or ``unstage`` of ``CACHE/NAME`` takes
-the same lock: it is refused while a download runs, and a download waits for
-it. The steps:
+the same lock: a download waits for them, a local stage waits for a download,
+and an unstage is refused while one runs. The steps:
 
 1. The remote ``manifest.json`` is read and validated like a local one.
 2. When ``CACHE/NAME`` already holds a complete copy of this manifest, nothing
@@ -64,7 +64,14 @@ from packdata.pack.files import (
     temporary_owner,
 )
 from packdata.pack.index import index_files
-from packdata.pack.lock import READERS_LOCK, convert_lock_path, create_readers_lock, exclude_readers, hold_lock
+from packdata.pack.lock import (
+    READERS_LOCK,
+    convert_lock_path,
+    create_readers_lock,
+    exclude_readers,
+    hold_lock,
+    wait_for_lock,
+)
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
 from packdata.progress import progress as show_progress
@@ -84,7 +91,6 @@ __all__ = [
 ]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
-_WAIT_POLL = 0.5
 
 
 @dataclass
@@ -158,14 +164,10 @@ def stage_remote(
         except OSError as exc:
             raise destination_error(exc, cache) from exc
         lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
-        while True:  # only the lock is waited for: a refusal under it (a copy still read) is final
-            try:
-                held.enter_context(hold_lock(lock, what="packdata stage (download)", target=cache / name))
-                break
-            except LockedError:
-                if time.monotonic() - start > wait_seconds:
-                    raise
-                time.sleep(_WAIT_POLL)
+        # only the lock is waited for: a refusal under it (a copy still read) is final
+        held.enter_context(
+            wait_for_lock(lock, what="packdata stage (download)", target=cache / name, timeout=wait_seconds)
+        )
         result = _stage_locked(
             fs, root.rstrip("/"), shown, cache, name, workers, reserve, force, progress, cache_limit, storage_options
         )

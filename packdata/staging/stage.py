@@ -172,6 +172,7 @@ def stage(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     cache_limit: int | None = None,
+    wait_seconds: float = 6 * 3600,
 ) -> StageResult | RemoteStageResult:
     """Copy ``pack``'s shards to fast storage and write a staged pack that reads from them.
 
@@ -202,6 +203,8 @@ def stage(
         storage_options: for a URL: passed to fsspec (credentials, endpoint, ``anon``).
         cache_limit: for a URL: most bytes the cache's staged copies may hold (LRU
             eviction of verified copies of remote packs not in use).
+        wait_seconds: how long to wait for another process staging into the same
+            ``AREA/NAME`` (the other ranks of a job on this node), then use what it staged.
 
     Returns:
         A :class:`StageResult` naming copied, reused and left shards (a
@@ -213,7 +216,8 @@ def stage(
         PackFormatError: the source is not a pack or a shard fails its checksum.
         ConfigError: contradictory options, a ``name`` that is not a plain folder name,
             not root for a mount, or a destination packdata did not stage.
-        LockedError: another ``packdata stage`` or ``unstage`` holds the destination (it is named), or
+        LockedError: another ``packdata stage`` or ``unstage`` held the destination for longer than
+            ``wait_seconds`` (it is named), or
             a dataset reads the staged pack and this run would change it (other shards, a changed source).
     """
     if is_url(pack):
@@ -233,6 +237,7 @@ def stage(
             force=force,
             progress=progress,
             cache_limit=cache_limit,
+            wait_seconds=wait_seconds,
         )
     if cache_limit is not None:
         raise ConfigError(
@@ -285,7 +290,11 @@ def stage(
     dest = area / name
     check_destination(source, dest)
 
-    with locked(dest, made=made), _full_disk_named(dest), contextlib.ExitStack() as held:  # makes dest
+    with (
+        locked(dest, made=made, wait_seconds=wait_seconds),
+        _full_disk_named(dest),
+        contextlib.ExitStack() as held,
+    ):  # makes dest
         check_destination(source, dest)  # again, under the lock: another stage may have claimed it meanwhile
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)

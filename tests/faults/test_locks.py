@@ -1,4 +1,5 @@
-"""One writer per pack: a second convert or stage is refused with the holder named; a dead holder never blocks.
+"""One writer per pack: a second convert is refused, a stage past its wait, with the holder named; a dead holder
+never blocks.
 
 Holders are real processes (``python -c`` children, slowed or stopped by a
 small hook in the child only) killed with real SIGKILLs.
@@ -160,8 +161,8 @@ def test_stage_and_unstage_refuse_while_another_stage_holds_the_target(pack: Pat
     try:
         _wait_for(ready.exists, child, "the stage to start copying")
         holder = rf"pid {child.pid} on host {socket.gethostname()} \(packdata stage"
-        with pytest.raises(LockedError, match=rf"{dest.name}: {holder}"):
-            stage(pack, to=area, progress=False)
+        with pytest.raises(LockedError, match=rf"{dest.name}: {holder}.*still after waiting 0.5 s"):
+            stage(pack, to=area, progress=False, wait_seconds=0.5)
         with pytest.raises(LockedError, match=holder):
             unstage(dest)
         with pytest.raises(LockedError, match=holder):
