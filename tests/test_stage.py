@@ -1370,6 +1370,29 @@ def test_a_stage_caught_or_killed_writing_its_first_marker_is_a_stage_not_a_fore
     assert ".staged.json.partial" not in [p.name for p in dest.iterdir()]
 
 
+def test_status_and_unstage_name_an_entry_they_cannot_stat(tmp_path: Path) -> None:
+    """An entry of the area that cannot be stat'ed (``/proc/1/cwd`` of ``stage --status /proc/1`` without the
+    right to trace, a path past PATH_MAX) was a traceback from Path.is_dir; it is one line naming it.
+
+    Here the entry's whole path is longer than the kernel takes, while the area's is not.
+    """
+    area = tmp_path
+    while len(str(area)) < 3850:
+        area /= "d" * 200
+    area.mkdir(parents=True)
+    folder = os.open(area, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.mkdir("e" * 250, dir_fd=folder)
+    finally:
+        os.close(folder)
+    entry = area / ("e" * 250)
+    for args in (["stage", "--status", str(area)], ["unstage", str(area)], ["unstage", str(area), "--unmount"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1, (args, result.output)
+        hint = "Name a staging area or staged pack that you may read"
+        assert result.output == f"Error: {entry}: cannot be read (File name too long). {hint}\n"
+
+
 def test_status_and_doctor_name_a_staged_shard_deleted_or_truncated_since(
     lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
 ) -> None:

@@ -7,10 +7,11 @@ marker (a damaged or foreign one reads as no marker).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "is_staged_copy",
     "only_lock_left",
     "read_marker",
+    "unreadable_named",
     "write_marker",
 ]
 
@@ -105,6 +107,19 @@ def only_lock_left(folder: Path) -> bool:
 def is_staged_copy(folder: Path) -> bool:
     """``folder`` is what ``packdata stage`` wrote: a real folder with its marker, or with a killed stage's lock."""
     return folder.is_dir() and not folder.is_symlink() and (read_marker(folder) is not None or only_lock_left(folder))
+
+
+@contextlib.contextmanager
+def unreadable_named(area: Path) -> Iterator[None]:
+    """An entry of ``area`` that cannot be looked at (no permission, ``/proc``): one ConfigError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot be read ({exc.strerror or exc})",
+            path=exc.filename or area,
+            hint="Name a staging area or staged pack that you may read",
+        ) from exc
 
 
 def check_name(name: str, *, area: Path, url: str | None = None) -> None:

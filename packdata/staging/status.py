@@ -18,7 +18,7 @@ from packdata.formats import get_format
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.staging.marker import read_marker
+from packdata.staging.marker import read_marker, unreadable_named
 from packdata.staging.tmpfs import DEFAULT_AREA, TMPFS_SOURCE, mount_of
 
 __all__ = [
@@ -140,18 +140,26 @@ def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
     Args:
         area: one area (or staged pack) to report; default :data:`DEFAULT_AREA`
             and every tmpfs packdata mounted.
+
+    Raises:
+        ConfigError: ``area`` is no folder, or it or an entry of an area cannot be read (named).
     """
     mounts = read_mounts()
     if area is not None:
         paths = [Path(area).absolute()]
-        if not paths[0].is_dir():
-            raise ConfigError("no such staging area", path=paths[0])
+        with unreadable_named(paths[0]):
+            if not paths[0].is_dir():
+                raise ConfigError("no such staging area", path=paths[0])
     else:
         paths = [DEFAULT_AREA] if DEFAULT_AREA.is_dir() else []
         paths += [Path(m.mountpoint) for m in mounts if m.device == TMPFS_SOURCE and Path(m.mountpoint) not in paths]
+    areas = []
+    for path in paths:
+        with unreadable_named(path):
+            areas.append(_area_status(path, mounts))
     facts = gather_facts(include_gpus=False)
     return StageStatus(
-        areas=[_area_status(p, mounts) for p in paths],
+        areas=areas,
         memory={**facts.to_dict()["memory"], "swap_used": facts.memory.swap_used, "cgroup": facts.to_dict()["cgroup"]},
         warnings=memory_warnings(facts),
     )

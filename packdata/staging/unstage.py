@@ -14,7 +14,7 @@ from packdata.errors import ConfigError, LockedError
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.staging.copy import dir_bytes, locked, remove_empty
-from packdata.staging.marker import STAGED_FILE, is_staged_copy
+from packdata.staging.marker import STAGED_FILE, is_staged_copy, unreadable_named
 from packdata.staging.remote import delete_copy, delete_unread, discard_aside
 from packdata.staging.tmpfs import TMPFS_SOURCE, made_folders, run_mount, tmpfs_mount_at
 
@@ -59,7 +59,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     the mount created while each is empty (:func:`~packdata.staging.tmpfs.made_folders`).
 
     Raises:
-        ConfigError: ``path`` is neither a staged pack nor an area holding one, or
+        ConfigError: ``path`` is neither a staged pack nor an area holding one, it or an entry of it cannot be
+            read, or
             ``unmount`` was asked for a mount packdata did not make.
         LockedError: a ``packdata stage`` is writing the pack (it is named), or
             a staged pack is still read and ``force`` is False.
@@ -67,77 +68,82 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             (so whether it is read cannot be told) and ``force`` is False: it is kept.
     """
     target = Path(path).absolute()
-    if target.is_symlink():
-        raise ConfigError(
-            "is a symlink; unstage the staged pack itself",
-            path=target,
-            hint=f"Run `packdata unstage {target.resolve()}`",
-        )
-    if not target.is_dir():
-        problem = (
-            f"is {file_kind(target.stat().st_mode)}, not a staged pack" if target.exists() else "no such staged pack"
-        )
-        raise ConfigError(
-            f"{problem} or staging area", path=target, hint="List staged packs with `packdata stage --status`"
-        )
-    owner = temporary_owner(target, "old", "partial")
-    if owner is not None and temporary_owner(target, "partial") and holds_conversion(target):
-        raise ConfigError(
-            f"is an interrupted conversion into {owner.name} (it holds its checkpoint), not a staged pack",
-            path=target,
-            hint=f"Run the same `packdata convert ... {owner}` with --resume to finish it, or --overwrite to drop it",
-        )
-    if owner is not None and (
-        is_staged_copy(target) or temporary_owner(target, "partial")
-    ):  # NAME's, under NAME's lock
-        raise ConfigError(
-            f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
-            path=target,
-            hint=f"Run `packdata unstage {target.parent}`: it removes such copies under {owner.name}'s lock",
-        )
-    if owner is not None:
-        raise ConfigError(
-            f"is named as {owner.name} moved aside, but is no staged copy (it holds no {STAGED_FILE}): not unstage's",
-            path=target,
-            hint=f"A killed `packdata convert --overwrite` leaves its old pack so: the next convert into "
-            f"{owner} moves it back or removes it. Otherwise delete it yourself",
-        )
-    asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
-    downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
-    if is_staged_copy(target):
-        packs, area = [target], target.parent
-    else:
-        entries = sorted(target.iterdir())
-        packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and is_staged_copy(d)]
-        asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and is_staged_copy(d)]
-        downloads = [  # never an interrupted conversion's partial folder: its work resumes
-            d
-            for d in entries
-            if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink() and not holds_conversion(d)
-        ]
-        area = target
-        if not packs and not asides and not downloads and not unmount:
+    with unreadable_named(target):  # a scan that meets an entry it cannot stat: one line
+        if target.is_symlink():
             raise ConfigError(
-                "is not a staged pack and holds none",
+                "is a symlink; unstage the staged pack itself",
                 path=target,
-                hint="unstage only removes what `packdata stage` wrote (folders with staged.json)",
+                hint=f"Run `packdata unstage {target.resolve()}`",
             )
-    mount = None
-    if unmount:
-        mount = tmpfs_mount_at(area)
-        if mount is None or mount.device != TMPFS_SOURCE:
+        if not target.is_dir():
+            problem = (
+                f"is {file_kind(target.stat().st_mode)}, not a staged pack"
+                if target.exists()
+                else "no such staged pack"
+            )
             raise ConfigError(
-                "is not a tmpfs that packdata mounted, so it is not unmounted",
-                path=area,
-                hint="Unmount it yourself with `sudo umount` if you mean to",
+                f"{problem} or staging area", path=target, hint="List staged packs with `packdata stage --status`"
             )
-        others = [d for d in area.iterdir() if d.is_dir() and d not in (*packs, *asides, *downloads)]
-        if others:
+        owner = temporary_owner(target, "old", "partial")
+        if owner is not None and temporary_owner(target, "partial") and holds_conversion(target):
             raise ConfigError(
-                f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
-                path=area,
-                hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
+                f"is an interrupted conversion into {owner.name} (it holds its checkpoint), not a staged pack",
+                path=target,
+                hint=f"Run the same `packdata convert ... {owner}` with --resume to finish it, "
+                "or --overwrite to drop it",
             )
+        if owner is not None and (
+            is_staged_copy(target) or temporary_owner(target, "partial")
+        ):  # NAME's, under NAME's lock
+            raise ConfigError(
+                f"is {owner.name}'s copy moved aside or being downloaded, not a staged pack",
+                path=target,
+                hint=f"Run `packdata unstage {target.parent}`: it removes such copies under {owner.name}'s lock",
+            )
+        if owner is not None:
+            raise ConfigError(
+                f"is named as {owner.name} moved aside, but is no staged copy (it holds no {STAGED_FILE}): "
+                "not unstage's",
+                path=target,
+                hint=f"A killed `packdata convert --overwrite` leaves its old pack so: the next convert into "
+                f"{owner} moves it back or removes it. Otherwise delete it yourself",
+            )
+        asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
+        downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
+        if is_staged_copy(target):
+            packs, area = [target], target.parent
+        else:
+            entries = sorted(target.iterdir())
+            packs = [d for d in entries if temporary_owner(d, "old", "partial") is None and is_staged_copy(d)]
+            asides = [d for d in entries if temporary_owner(d, "old") not in (None, *packs) and is_staged_copy(d)]
+            downloads = [  # never an interrupted conversion's partial folder: its work resumes
+                d
+                for d in entries
+                if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink() and not holds_conversion(d)
+            ]
+            area = target
+            if not packs and not asides and not downloads and not unmount:
+                raise ConfigError(
+                    "is not a staged pack and holds none",
+                    path=target,
+                    hint="unstage only removes what `packdata stage` wrote (folders with staged.json)",
+                )
+        mount = None
+        if unmount:
+            mount = tmpfs_mount_at(area)
+            if mount is None or mount.device != TMPFS_SOURCE:
+                raise ConfigError(
+                    "is not a tmpfs that packdata mounted, so it is not unmounted",
+                    path=area,
+                    hint="Unmount it yourself with `sudo umount` if you mean to",
+                )
+            others = [d for d in area.iterdir() if d.is_dir() and d not in (*packs, *asides, *downloads)]
+            if others:
+                raise ConfigError(
+                    f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
+                    path=area,
+                    hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
+                )
     freed, read, removed = 0, [], list(packs)
     unknown: ConfigError | None = None
     for pack in packs:
