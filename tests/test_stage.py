@@ -1249,6 +1249,42 @@ def test_ranks_staging_one_pack_at_once_wait_and_share_one_copy(lmdb_pack: Path,
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
+_STAGE_CLI = """
+import sys
+from packdata.cli import main
+print("ready", flush=True)
+main(sys.argv[1:])
+"""
+
+
+def test_a_source_converted_again_while_it_is_staged_is_named_changed_not_damaged(
+    noise_folder: Path, lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """A stage waits for another rank's; meanwhile the source is converted again: its files no longer match the
+    manifest the stage read. It said 'The source pack is damaged: run packdata verify', sending the user after a
+    pack that verifies; it says the source changed."""
+    area = tmp_path / "nvme"
+    area.mkdir()
+    lock = convert_lock_path(area / lmdb_pack.name)
+    with hold_lock(lock, what="packdata stage", target=area / lmdb_pack.name):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _STAGE_CLI, "stage", str(lmdb_pack), "--to", str(area), "-q"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        time.sleep(1)  # not a timing check: lets the stage read the manifest and wait for the lock
+        packdata.convert(noise_folder, lmdb_pack, shard_samples=5, overwrite=True, progress=False)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 1, err
+    assert err.startswith(f"Error: {lmdb_pack}: changed while it was staged: its manifest is no longer the one"), err
+    assert err.rstrip().endswith("It was converted again meanwhile: stage it again once that conversion is done")
+    assert "damaged" not in err and len(err.splitlines()) == 1
+    assert stage(lmdb_pack, to=area, progress=False).copied  # once it is done, it stages
+    assert packdata.verify_pack(area / lmdb_pack.name, progress=False).records == 36
+
+
 def test_unstaging_an_area_leaves_a_live_downloads_partial_and_removes_a_killed_ones(
     lmdb_pack: Path, tmp_path: Path
 ) -> None:

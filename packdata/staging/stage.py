@@ -26,7 +26,8 @@ How a run goes:
    the originals), so the staged pack reads correctly at every moment.
 5. Shards copy in parallel threads to hidden ``.NAME.partial`` names, hashed as
    they are written; a copy whose SHA-256 differs from the manifest is an
-   error (the source is damaged), never staged. Only a verified copy is renamed
+   error (the source is damaged, or was converted again since the stage read
+   its manifest: said so), never staged. Only a verified copy is renamed
    to its real name, then the final manifest and ``staged.json`` are written.
 
 A Ctrl-C or a kill therefore leaves at most ``.partial`` leftovers that no
@@ -51,7 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, LockedError, PackdataError, destination_error
+from packdata.errors import (
+    CapacityError,
+    ConfigError,
+    LockedError,
+    PackdataError,
+    PackFormatError,
+    destination_error,
+)
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.lock import create_readers_lock, exclude_readers
@@ -213,7 +221,8 @@ def stage(
     Raises:
         CapacityError: the chosen shards do not fit, the tmpfs is unsafe, or
             the destination filled up while copying (the partial shard is removed).
-        PackFormatError: the source is not a pack or a shard fails its checksum.
+        PackFormatError: the source is not a pack, a shard fails its checksum, or the source changed
+            (converted again) while it was staged.
         ConfigError: contradictory options, a ``name`` that is not a plain folder name,
             not root for a mount, or a destination packdata did not stage.
         LockedError: another ``packdata stage`` or ``unstage`` held the destination for longer than
@@ -348,14 +357,15 @@ def stage(
                 path=dest,
                 hint="Stage again once its readers are done, or stage under another name=NAME",
             )
-        copy_index(source, dest, manifest)
-        keep = valid & chosen
-        write_manifest(dest, staged_manifest(manifest, source, units, keep))
-        _mark(dest, source, manifest, units, keep, sizes, complete=False)
-        for unit in dead:
-            unit.remove()
+        with _changed_source_named(source, manifest):
+            copy_index(source, dest, manifest)
+            keep = valid & chosen
+            write_manifest(dest, staged_manifest(manifest, source, units, keep))
+            _mark(dest, source, manifest, units, keep, sizes, complete=False)
+            for unit in dead:
+                unit.remove()
 
-        copy_all(to_copy, new_bytes, workers, progress)
+            copy_all(to_copy, new_bytes, workers, progress)
 
         staged = chosen
         write_manifest(dest, staged_manifest(manifest, source, units, staged))
@@ -401,6 +411,26 @@ def _full_disk_named(dest: Path) -> Iterator[None]:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise destination_error(exc, exc.filename or dest) from exc
+
+
+@contextlib.contextmanager
+def _changed_source_named(source: Path, manifest: Manifest) -> Iterator[None]:
+    """A copy that fails its checksum because ``source`` was converted again meanwhile: say so, not 'damaged'."""
+    try:
+        yield
+    except PackFormatError as exc:
+        try:
+            changed = read_manifest(source) != manifest
+        except PackdataError:  # no pack there now (a conversion is replacing it), or a damaged one
+            changed = False
+        if not changed:
+            raise
+        raise PackFormatError(
+            f"changed while it was staged: its manifest is no longer the one this stage began with "
+            f"({exc.path}: {exc.message})",
+            path=source,
+            hint="It was converted again meanwhile: stage it again once that conversion is done",
+        ) from exc
 
 
 def _mark(
