@@ -405,3 +405,16 @@ def test_ls_shows_a_shard_name_from_the_manifest_escaped(image_folder: Path, tmp
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.output and result.output.count("\n") == 3
     assert result.output.splitlines()[0].endswith("\t's\\x1b]0;owned\\x07\\n.lmdb'")
+
+
+def test_a_pack_path_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    """A name too long for the file system (or a folder this process may not search, as /proc/1/cwd is to
+    root without the right to trace PID 1) gave an OSError traceback from info, verify and ls."""
+    too_long, near = tmp_path / ("a" * 300), tmp_path / ("b" * 250)  # near: its .NAME.partial is too long
+    for command in ("info", "verify", "ls"):
+        result = _run(command, str(too_long))
+        assert result.exit_code == 1 and result.output == (
+            f"Error: {too_long}: cannot be read (File name too long). Name a pack's folder that this process may read\n"
+        ), result.output
+        result = _run(command, str(near))
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {near}: no such pack."), result.output

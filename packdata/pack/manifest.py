@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -524,10 +525,25 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
     resolve_in_pack(origin, name, field=field, manifest=manifest_path)
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False also where it cannot be told (a name too long to be one)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def _read(pack: Path, *, external: bool) -> Manifest:
     path = pack / MANIFEST_NAME
-    if pack.exists() and not pack.is_dir():  # a file given for the pack: not a damaged manifest inside it
-        mode = os.stat(pack).st_mode
+    try:
+        mode: int | None = os.stat(pack).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as exc:  # a name too long, a folder it may not search: one line, not a traceback
+        raise PackFormatError(
+            f"cannot be read ({exc.strerror})", path=pack, hint="Name a pack's folder that this process may read"
+        ) from exc
+    if mode is not None and not stat.S_ISDIR(mode):  # a file given for the pack: not a damaged manifest inside it
         hint = "Pass the pack's folder"
         if pack.name == MANIFEST_NAME:
             hint = f"Pass the folder that holds it: {pack.parent}"
@@ -539,12 +555,12 @@ def _read(pack: Path, *, external: bool) -> Manifest:
         raise PackFormatError(f"{MANIFEST_NAME} {problem}", path=path, hint=_HINT)
     if problem:
         hint = "Convert a folder with `packdata convert SRC DST` first"
-        if (pack.parent / f".{pack.name}.partial").exists():
+        if _exists(pack.parent / f".{pack.name}.partial"):
             hint = (
                 "A conversion into it was interrupted: finish it with resume (`packdata convert SRC DST --resume`);"
                 " a PackWriter's cannot be resumed: write it again"
             )
-        problem = f"not a packdata pack (no {MANIFEST_NAME})" if pack.exists() else "no such pack"
+        problem = f"not a packdata pack (no {MANIFEST_NAME})" if mode is not None else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = _parse(path)
     version = data.get("format_version", SINGLE_FIELD_VERSION)
