@@ -273,6 +273,46 @@ def test_merge_and_export_never_write_inside_a_pack_they_read(tmp_path: Path) ->
     assert sorted(os.listdir(tmp_path / "a.lmdb")) == sorted(os.listdir(tmp_path / "b.lmdb"))  # nothing added
 
 
+def test_merge_and_append_refuse_an_input_that_is_their_output_its_work_folder_or_inside_it(tmp_path: Path) -> None:
+    """merge a.lmdb .ab.lmdb.partial -o ab.lmdb read the input's manifest, then deleted it as its own work folder."""
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)
+    b = _folder(tmp_path / "b", {"dog": ["2.jpg"]})
+    work = tmp_path / ".ab.lmdb.partial"
+    packdata.convert(b, work, progress=False)
+    packdata.convert(b, tmp_path / "c.lmdb", progress=False)
+    os.rename(tmp_path / "c.lmdb", work / "inner.lmdb")
+    before = tree_digest(tmp_path)
+    a, out = tmp_path / "a.lmdb", tmp_path / "ab.lmdb"
+    cases = [
+        ([str(a), str(work), "-o", str(out)], f"the input {work} is its work folder {work}"),
+        ([str(a), str(work / "inner.lmdb"), "-o", str(out)], f"the input {work / 'inner.lmdb'} lies inside its work"),
+        ([str(work / "inner.lmdb"), str(a), "-o", str(a), "--overwrite"], f"the input {a} is the destination {a}"),
+    ]
+    for args, expected in cases:
+        result = CliRunner().invoke(cli, ["merge", *args])
+        assert result.exit_code == 1 and expected in result.output, result.output
+        assert result.output.endswith("Choose a destination apart from the inputs\n")
+        assert tree_digest(tmp_path) == before
+    # an append converts beside the pack into .a.lmdb.append (via ..a.lmdb.append.partial), deleting what a run left
+    shutil.copytree(b, tmp_path / ".a.lmdb.append")
+    shutil.copytree(b, tmp_path / "..a.lmdb.append.partial")
+    before = tree_digest(tmp_path)
+    for src, expected in (
+        (tmp_path / ".a.lmdb.append", "is the destination"),
+        (tmp_path / "..a.lmdb.append.partial", "is its work folder"),
+        (tmp_path / ".a.lmdb.append" / "dog", "lies inside the destination"),
+    ):
+        result = CliRunner().invoke(cli, ["convert", str(src), str(a), "--append", "-q"])
+        assert result.exit_code == 1 and expected in result.output, result.output
+        assert tree_digest(tmp_path) == before
+    shutil.copytree(b, tmp_path / ".c.lmdb.partial")  # and a plain convert deletes its own work folder first
+    result = CliRunner().invoke(
+        cli, ["convert", str(tmp_path / ".c.lmdb.partial"), str(tmp_path / "c.lmdb"), "--overwrite", "-q"]
+    )
+    assert result.exit_code == 1 and "is its work folder" in result.output, result.output
+    assert (tmp_path / ".c.lmdb.partial" / "dog").is_dir()
+
+
 def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
     """As convert does: merge failed on its lock file ('No such file or directory') before making them."""
     packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)

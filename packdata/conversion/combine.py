@@ -28,6 +28,7 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _publish,
+    check_inputs_apart,
     partial_path,
     recover_replaced,
 )
@@ -273,7 +274,8 @@ def merge_packs(
 
     Raises:
         ConfigError: fewer than two packs, formats or kinds differ, a key is
-            duplicated (with ``on_duplicate="error"``), or ``out`` exists or lies inside one of ``packs``.
+            duplicated (with ``on_duplicate="error"``), ``out`` exists or lies inside one of ``packs``,
+            or a pack is ``out``, lies inside it or is its partial folder or lock (see :func:`check_inputs_apart`).
     """
     paths = [Path(p) for p in packs]
     out = Path(out)
@@ -284,6 +286,7 @@ def merge_packs(
         raise ConfigError(
             f"the merged pack would be inside the pack {inside}", path=out, hint="Choose an output outside it"
         )
+    check_inputs_apart(paths, out)
     _check_destination_writable(out)
     _check_existing(out, overwrite)
     inputs, classes, fields, codecs = _plan(paths, on_duplicate)

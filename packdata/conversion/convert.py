@@ -31,6 +31,7 @@ from packdata.conversion.publish import (
     _check_destination_writable,
     _check_existing,
     _check_paths,
+    check_inputs_apart,
     partial_path,
     recover_replaced,
 )
@@ -348,6 +349,9 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
             hint="Convert the source into a pack of its own, then `packdata merge` the two",
         )
     next_generation(dst, manifest)  # before converting: the new files' names must fit
+    if isinstance(src, Path):  # before extra and its partial folder are discarded, or dst grows
+        check_inputs_apart([src], dst)
+        check_inputs_apart([src], extra)
     resume, started = bool(options["resume"]), float(options["started"])
     with hold_lock(convert_lock_path(dst), what="packdata convert --append", target=dst):
         with hold_lock(convert_lock_path(extra), what="packdata convert --append", target=extra):

@@ -12,6 +12,7 @@ import shutil
 import stat
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,8 +31,9 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import aside_path, discard_stale, file_kind, fsync_dir, stale_siblings
+from packdata.pack.files import aside_path, discard_stale, file_kind, fsync_dir, is_inside, stale_siblings
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
+from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "SKIP_REPORT",
     "ConvertResult",
     "bad_file_error",
+    "check_inputs_apart",
     "check_resumable",
     "classes_changed_error",
     "extend_classes",
@@ -96,6 +99,32 @@ def partial_path(dst: str | os.PathLike) -> Path:
     return dst.parent / f".{dst.name}.partial"
 
 
+def check_inputs_apart(inputs: Sequence[Path], dst: Path) -> None:
+    """Refuse an input that is, holds or lies inside ``dst``, its partial folder or its lock file.
+
+    A run into ``dst`` deletes or replaces those before it has read its inputs: such an input would be lost.
+
+    Raises:
+        ConfigError: naming the input and what it overlaps.
+    """
+    targets = {dst: "the destination", partial_path(dst): "its work folder", convert_lock_path(dst): "its lock file"}
+    for source in inputs:
+        for target, what in targets.items():
+            if os.path.realpath(source) == os.path.realpath(target):
+                relation = "is"
+            elif is_inside(source, target):
+                relation = "lies inside"
+            elif is_inside(target, source):
+                relation = "holds"
+            else:
+                continue
+            raise ConfigError(
+                f"the input {source} {relation} {what} {target}, which this run deletes or replaces",
+                path=dst,
+                hint="Choose a destination apart from the inputs",
+            )
+
+
 def interrupted_error(dst: str | os.PathLike, partial: Path) -> ConfigError:
     """The refusal to start over an interrupted conversion into ``dst`` (in ``partial``) unasked."""
     return ConfigError(
@@ -142,6 +171,7 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
             path=dst,
             hint="Choose a destination that does not contain the source",
         )
+    check_inputs_apart([src], dst)
     _check_existing(dst, overwrite)
 
 
