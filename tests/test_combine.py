@@ -450,6 +450,33 @@ def test_append_refuses_repeated_keys_and_cleans_leftovers(tmp_path: Path) -> No
     assert done.exit_code == 1 and "repeat key 'cat/9.jpg'" in done.output
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_append_removes_only_the_exact_names_an_interrupted_append_writes(tmp_path: Path, fmt: str) -> None:
+    """A user's index-a1-backup folder in the pack was deleted as an append's leftover: its name began 'index-aN'."""
+    pack = tmp_path / f"p.{fmt}"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), pack, progress=False)
+    shard = "shard-a7-00000-of-00001" + (".lmdb" if fmt == "lmdb" else ".tfrecord")
+    made = [shard, "index-a7", ".append-a7.partial", ".index-a7.partial"]  # what appends killed before took effect left
+    made += [] if fmt == "lmdb" else ["shard-a7-00000-of-00001.tfindex", "shard-a7-00000-of-00001.tfpayload"]
+    mine = [
+        "index-a1-backup",
+        "index-a1.partial",
+        ".append-a1",
+        "shard-a1-notes",
+        f"{shard}.bak",
+        "shard-a1-00000-of-1",
+    ]
+    for name in made + mine:
+        (pack / name).mkdir()
+        (pack / name / "kept.txt").write_text("a user's file")
+    packdata.convert(_folder(tmp_path / "c", {"cat": ["9.jpg"]}), pack, append=True, progress=False)
+    names = set(os.listdir(pack))
+    assert names.isdisjoint(made) and names.issuperset(mine)
+    assert all((pack / name / "kept.txt").read_text() == "a user's file" for name in mine)
+    ds = (packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset)(pack, decode="bytes")
+    assert sorted(ds.keys) == ["cat/1.jpg", "cat/9.jpg"]
+
+
 def test_cli_merge(tmp_path: Path) -> None:
     a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
     b = _folder(tmp_path / "b", {"cat": ["2.jpg"]})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +39,7 @@ from packdata.conversion.combine import (
 )
 from packdata.conversion.publish import SKIP_REPORT
 from packdata.errors import ConfigError, PackFormatError
-from packdata.formats import get_format
+from packdata.formats import get_format, shard_writer
 from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import ALL_FILES, INDEX_DIR
 from packdata.pack.manifest import (
@@ -409,7 +410,7 @@ def _generation(name: str) -> int:
 
 
 def _remove_leftovers(dst: Path) -> None:
-    """Delete what an interrupted append left in ``dst``: append-made names the manifest does not list.
+    """Delete what an interrupted append left in ``dst``: the names it writes, exactly, that the manifest does not list.
 
     Call only once an append that took effect is finished, and one to resume carried out (:func:`_recover`):
     the plans left (``.append-aN.json``) are of appends that did not take effect.
@@ -423,14 +424,30 @@ def _remove_leftovers(dst: Path) -> None:
         layout = layout_of(shard.file)
         if not layout.folder:
             known.update(layout.side)
+    generation = next_generation(dst, manifest)
     for entry in os.scandir(dst):
-        name = entry.name
-        older = name.startswith(f".{INDEX_DIR}-a") and name.endswith(".partial")  # packdata before the plans
-        ours = _generation(name) > 0 or older or name.startswith(_STAGING)
-        if not ours or name in known:
+        if entry.name in known or _append_made(entry.name, manifest.format) < generation:
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
+
+
+_MADE = re.compile(rf"{re.escape(INDEX_DIR)}-a([0-9]+)|\.(?:append|{re.escape(INDEX_DIR)})-a([0-9]+)\.partial")
+_MADE_SHARD = re.compile(r"shard-a([0-9]+)-[0-9]{5,}-of-[0-9]{5,}")
+
+
+def _append_made(name: str, fmt: str) -> int:
+    """N when ``name`` is exactly one an append of generation N writes into a pack (a shard's file or side
+    table, ``index-aN``, its ``.append-aN.partial`` or, before the plans, ``.index-aN.partial``), else 0."""
+    made = _MADE.fullmatch(name)
+    if made is not None:
+        return int(made[1] or made[2])
+    shard = _MADE_SHARD.match(name)
+    if shard is None:
+        return 0
+    data = shard[0] + Path(shard_writer(fmt).shard_name(0)).suffix
+    layout = get_format(fmt).shard_layout(data)
+    return int(shard[1]) if name in (data, *(() if layout.folder else layout.side)) else 0
