@@ -313,6 +313,23 @@ def test_merge_and_append_refuse_an_input_that_is_their_output_its_work_folder_o
     assert (tmp_path / ".c.lmdb.partial" / "dog").is_dir()
 
 
+def test_merge_adds_up_skips_counted_without_reasons(tmp_path: Path) -> None:
+    """A pack whose manifest holds skipped.count alone merged into one that verify said had lost samples."""
+    for name in ("a", "b"):
+        folder = _folder(tmp_path / name, {"cat": [f"{name}.jpg"]})
+        (folder / "cat" / f"{name}-bad.jpg").write_bytes(b"not an image")
+        packdata.convert(folder, tmp_path / f"{name}.lmdb", progress=False)
+    rewrite_manifest(tmp_path / "b.lmdb", lambda data: data["skipped"].pop("by_reason"))
+    assert packdata.verify_pack(tmp_path / "b.lmdb", progress=False).records == 1
+    packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "b.lmdb"], tmp_path / "ab.lmdb")
+    assert packdata.verify_pack(tmp_path / "ab.lmdb", progress=False).records == 2
+    assert read_manifest(tmp_path / "ab.lmdb").skipped == {"count": 2, "report": "skipped.jsonl"}
+    info = CliRunner().invoke(cli, ["info", str(tmp_path / "ab.lmdb")])
+    assert "skipped:  2 at conversion (reasons not recorded; listed in skipped.jsonl)" in info.output
+    packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "a.lmdb"], tmp_path / "aa.lmdb", on_duplicate="rename")
+    assert read_manifest(tmp_path / "aa.lmdb").skipped["by_reason"] == {"corrupt image": 2}
+
+
 def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
     """As convert does: merge failed on its lock file ('No such file or directory') before making them."""
     packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)

@@ -51,6 +51,7 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
     skipped = facts.get("skipped") or {}
     if skipped.get("count"):
         reasons = ", ".join(f"{n} {_shown(reason)}" for reason, n in sorted(skipped.get("by_reason", {}).items()))
+        reasons = reasons or "reasons not recorded"  # a manifest may hold the count alone (a merge of such a pack)
         report = _shown(str(skipped.get("report")))
         click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {report})")
     reencode = facts.get("reencode")

@@ -20,6 +20,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -245,10 +246,6 @@ def _manifest(
 ) -> Manifest:
     """The manifest of the united pack whose finished index :func:`_write_index` wrote into ``out``."""
     first = inputs[0].manifest
-    skipped: dict[str, int] = {}
-    for item in inputs:
-        for reason, n in item.manifest.skipped.get("by_reason", {}).items():
-            skipped[reason] = skipped.get(reason, 0) + int(n)
     found = [item.manifest.source.get("files_found") for item in inputs]
     return Manifest(
         format=first.format,
@@ -259,12 +256,31 @@ def _manifest(
         index={"dir": INDEX_DIR, "sha256": index_digests(out / INDEX_DIR, first.kind)},
         fields=fields if first.kind == "fields" else list(first.fields),
         codecs=codecs if first.kind == "fields" else {},
-        skipped={"count": sum(skipped.values()), "by_reason": skipped, "report": SKIP_REPORT},
+        skipped=_skipped([item.manifest.skipped for item in inputs]),
         source={"files_found": sum(found), "merged_from": len(inputs)}
         if all(isinstance(n, int) for n in found)
         else {"merged_from": len(inputs)},
         format_version=FIELDS_VERSION if first.kind == "fields" else first.format_version,
     )
+
+
+def _skipped(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``skipped`` object of packs united: counts added up, as far as every pack recorded them.
+
+    A pack's count is ``count``, else the sum of ``by_reason`` (the manifest reader takes either alone);
+    without either in some pack there is no count; without ``by_reason`` in a pack with skips, no reasons.
+    """
+    counts = [part.get("count", sum(part["by_reason"].values()) if "by_reason" in part else None) for part in parts]
+    united: dict[str, Any] = {}
+    if all(n is not None for n in counts):
+        united["count"] = sum(counts)
+        if all("by_reason" in part for part, n in zip(parts, counts, strict=True) if n):
+            by_reason: dict[str, int] = {}
+            for part in parts:
+                for reason, n in part.get("by_reason", {}).items():
+                    by_reason[reason] = by_reason.get(reason, 0) + int(n)
+            united["by_reason"] = by_reason
+    return {**united, "report": SKIP_REPORT}
 
 
 def merge_packs(
