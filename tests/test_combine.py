@@ -330,6 +330,24 @@ def test_merge_adds_up_skips_counted_without_reasons(tmp_path: Path) -> None:
     assert read_manifest(tmp_path / "aa.lmdb").skipped["by_reason"] == {"corrupt image": 2}
 
 
+def test_merge_keeps_the_record_of_reencoded_images(tmp_path: Path) -> None:
+    """The merged manifest dropped reencode: info on a merge of re-encoded packs no longer said they were."""
+    for name, max_side in (("a", 32), ("b", 32), ("c", None)):
+        folder = _folder(tmp_path / name, {"cat": [f"{name}1.jpg", f"{name}2.jpg"]})
+        packdata.convert(folder, tmp_path / f"{name}.lmdb", max_side=max_side, quality=80, progress=False)
+    packs = [tmp_path / f"{name}.lmdb" for name in "abc"]
+    packdata.merge_packs(packs[:2], tmp_path / "ab.lmdb")
+    assert read_manifest(tmp_path / "ab.lmdb").reencode == {"max_side": 32, "quality": 80, "count": 4}
+    info = CliRunner().invoke(cli, ["info", str(tmp_path / "ab.lmdb")])
+    assert "reencode: 4 images re-encoded as JPEG to at most 32 px (quality 80)" in info.output
+    packdata.merge_packs(packs, tmp_path / "abc.lmdb")  # c kept its bytes: the settings are not the whole pack's
+    assert read_manifest(tmp_path / "abc.lmdb").reencode == {"count": 4}
+    info = CliRunner().invoke(cli, ["info", str(tmp_path / "abc.lmdb")])
+    assert "reencode: 4 images re-encoded as JPEG (packs merged with different settings, or none" in info.output
+    packdata.merge_packs([packs[2], packs[2]], tmp_path / "cc.lmdb", on_duplicate="rename")
+    assert read_manifest(tmp_path / "cc.lmdb").reencode is None
+
+
 def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
     """As convert does: merge failed on its lock file ('No such file or directory') before making them."""
     packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)

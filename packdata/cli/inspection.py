@@ -56,10 +56,12 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
         click.echo(f"skipped:  {skipped['count']} at conversion ({reasons}; listed in {report})")
     reencode = facts.get("reencode")
     if reencode:
-        click.echo(
-            f"reencode: {_count(reencode.get('count', 0), 'image')} re-encoded as JPEG "
+        settings = (
             f"to at most {_shown(str(reencode.get('max_side')))} px (quality {_shown(str(reencode.get('quality')))})"
+            if "max_side" in reencode
+            else "(packs merged with different settings, or none: their own manifests say which)"
         )
+        click.echo(f"reencode: {_count(reencode.get('count', 0), 'image')} re-encoded as JPEG {settings}")
 
 
 @click.command()

@@ -6,6 +6,8 @@ otherwise; moved, for an append) and write a new sample index and manifest:
 - classes are united by name: the first pack's keep their numbers, names new
   to the result get the next ones, and every label is renumbered through that map;
 - fields are united by name (a name must mean the same codec in every pack);
+- images re-encoded at conversion (``reencode``) stay recorded: with the
+  packs' settings where all agree, else with the count alone;
 - keys stay unique: a key met twice fails (``on_duplicate="error"``) or, with
   ``"rename"``, the later sample becomes ``KEY~N`` (N: its pack's position),
   which rewrites that pack's shards (records carry their keys).
@@ -257,6 +259,7 @@ def _manifest(
         fields=fields if first.kind == "fields" else list(first.fields),
         codecs=codecs if first.kind == "fields" else {},
         skipped=_skipped([item.manifest.skipped for item in inputs]),
+        reencode=_reencode([item.manifest.reencode for item in inputs]),
         source={"files_found": sum(found), "merged_from": len(inputs)}
         if all(isinstance(n, int) for n in found)
         else {"merged_from": len(inputs)},
@@ -281,6 +284,23 @@ def _skipped(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     by_reason[reason] = by_reason.get(reason, 0) + int(n)
             united["by_reason"] = by_reason
     return {**united, "report": SKIP_REPORT}
+
+
+def _reencode(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The ``reencode`` record of packs united: the packs' ``max_side`` and ``quality`` where all agree, counts added.
+
+    Where they differ (other settings, or some packs kept their bytes) only the count is kept: each
+    pack's own manifest holds its settings.
+    """
+    done = [part for part in parts if part]
+    if not done:
+        return None
+    united: dict[str, Any] = {}
+    if len({None if not part else (part.get("max_side"), part.get("quality")) for part in parts}) == 1:
+        united.update(max_side=done[0].get("max_side"), quality=done[0].get("quality"))
+    if all("count" in part for part in done):
+        united["count"] = sum(int(part["count"]) for part in done)
+    return united
 
 
 def merge_packs(
