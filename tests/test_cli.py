@@ -418,3 +418,19 @@ def test_a_pack_path_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
         ), result.output
         result = _run(command, str(near))
         assert result.exit_code == 1 and result.output.startswith(f"Error: {near}: no such pack."), result.output
+
+
+def test_json_output_escapes_c1_controls_and_keeps_other_scripts(tmp_path: Path) -> None:
+    """ls --json and info --json wrote U+0080-U+009F from a pack raw: U+009B opens an escape sequence in some
+    terminals. They are now JSON \\u escapes (read back the same); other non-ASCII stays as it is."""
+    cls, key = "chat\x85é", "a\x9b31m\x7f猫.jpg"
+    (tmp_path / "src" / cls).mkdir(parents=True)
+    (tmp_path / "src" / cls / key).write_bytes(image_bytes(1))
+    pack = str(tmp_path / "p.lmdb")
+    assert _run("convert", str(tmp_path / "src"), pack, "-q").exit_code == 0
+    listed, info = _run("ls", pack, "--json"), _run("info", pack, "--json")
+    for result in (listed, info):
+        assert result.exit_code == 0, result.output
+        assert not re.search("[\x7f-\x9f]", result.output) and "é" in result.output
+    assert "\\u009b" in listed.output and "猫" in listed.output
+    assert json.loads(listed.output)["key"] == f"{cls}/{key}" and json.loads(info.output)["classes"] == [cls]

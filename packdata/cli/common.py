@@ -141,6 +141,18 @@ def _shown(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+_C1 = re.compile("[\x7f-\x9f]")
+
+
+def _json_text(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as JSON for a terminal: other scripts kept as they are, DEL and the C1 controls escaped.
+
+    JSON escapes only U+0000-U+001F; U+007F-U+009F (some terminals obey U+009B as an escape sequence)
+    from a stranger's pack or source are written as ``\\u`` escapes too, which read back the same.
+    """
+    return _C1.sub(lambda m: f"\\u{ord(m[0]):04x}", json.dumps(value, indent=indent, ensure_ascii=False))
+
+
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _mb, _shown, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _json_text, _mb, _shown, _size
 from packdata.formats import FORMATS
 
 __all__ = ["convert", "merge"]
@@ -150,7 +149,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         click.echo(f"\nInterrupted: {message}.", err=True)
         sys.exit(130)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
+        click.echo(_json_text(result.to_dict(), indent=1))
         return
     skipped = sum(result.skipped.values())
     noun = "samples" if result.kind == "fields" else "files"

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _count, _friendly, _json_object, _mb, _said, _shown
+from packdata.cli.common import _count, _friendly, _json_object, _json_text, _mb, _said, _shown
 from packdata.errors import PackdataError
 
 __all__ = ["cat", "export", "info", "ls", "verify"]
@@ -36,7 +36,7 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
 
     facts = pack_info(pack, storage_options=storage_options)
     if as_json:
-        click.echo(json.dumps(facts, indent=1, ensure_ascii=False))
+        click.echo(_json_text(facts, indent=1))
         return
     classes = facts["classes"]  # every string from the manifest is shown escaped: a stranger's pack may hold any
     shown = ", ".join(map(_shown, classes[:8])) + (", ..." if len(classes) > 8 else "")
@@ -111,7 +111,7 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: dict[str, Any
     except PackdataError as exc:
         if as_json:  # a script reading stdout gets an object either way; the line goes to stderr as well
             shown = display_url(pack) if is_url(pack) else os.fspath(Path(pack))
-            click.echo(json.dumps({"ok": False, "error": _said(exc), "path": shown}, ensure_ascii=False))
+            click.echo(_json_text({"ok": False, "error": _said(exc), "path": shown}))
         raise
     if as_json:
         click.echo(json.dumps({"ok": True, **result.to_dict()}))
@@ -152,7 +152,7 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | N
 
     for row in list_samples(pack, limit=limit or None, storage_options=storage_options):
         if as_json:
-            click.echo(json.dumps(row, ensure_ascii=False))
+            click.echo(_json_text(row))
             continue
         label = f"{row['label']}" + (f" ({_shown(row['class'])})" if row["class"] is not None else "")
         fields = " ".join(f"{_shown(name)}:{format_size(size)}" for name, size in row["fields"].items())
