@@ -348,6 +348,33 @@ def test_merge_keeps_the_record_of_reencoded_images(tmp_path: Path) -> None:
     assert read_manifest(tmp_path / "cc.lmdb").reencode is None
 
 
+def test_convert_over_a_killed_merges_work_folder_does_not_call_it_a_conversion(tmp_path: Path) -> None:
+    """convert into the output of a merge killed before its publish said 'an interrupted conversion ... Pass
+    --resume to continue it': nothing of a merge can be continued."""
+    for name in ("a", "b"):
+        packdata.convert(_folder(tmp_path / name, {"cat": [f"{name}.jpg"]}), tmp_path / f"{name}.lmdb", progress=False)
+    killed = textwrap.dedent(
+        """
+        import os, signal, sys
+        import packdata
+        from packdata.conversion import combine
+        combine._publish = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)  # killed at its last step
+        packdata.merge_packs(sys.argv[1:3], sys.argv[3])
+        """
+    )
+    out = tmp_path / "ab.lmdb"
+    args = [sys.executable, "-c", killed, str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), str(out)]
+    done = subprocess.run(args, cwd=Path(__file__).parent.parent, check=False)
+    assert done.returncode == -signal.SIGKILL and (tmp_path / ".ab.lmdb.partial" / "manifest.json").is_file()
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "a"), str(out), "-q"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {out}: an interrupted merge or conversion into {out} left {tmp_path / '.ab.lmdb.partial'}, "
+        "with no checkpoint to continue from. Pass --overwrite to start again\n"
+    )
+    assert CliRunner().invoke(cli, ["convert", str(tmp_path / "a"), str(out), "-q", "--overwrite"]).exit_code == 0
+
+
 def test_merge_makes_the_missing_folders_of_its_output(tmp_path: Path) -> None:
     """As convert does: merge failed on its lock file ('No such file or directory') before making them."""
     packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)

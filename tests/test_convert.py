@@ -261,8 +261,8 @@ def test_refuses_missing_and_empty_sources(tmp_path: Path) -> None:
 
 
 def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_path: Path) -> None:
-    partial_path(tmp_path / "out.lmdb").mkdir()
-    with pytest.raises(ConfigError, match="--resume to continue it"):
+    partial_path(tmp_path / "out.lmdb").mkdir()  # no checkpoint in it: nothing to continue
+    with pytest.raises(ConfigError, match=r"no checkpoint to continue from\. Pass --overwrite to start again"):
         convert(image_folder, tmp_path / "out.lmdb", progress=False)
 
 
@@ -746,7 +746,7 @@ def test_a_partial_pack_that_is_not_a_folder_is_named_and_overwrite_replaces_onl
         ConfigError, match=f"is a {'symlink' if kind == 'symlink' else 'regular file'}, not an interrupted"
     ):
         convert(image_folder, dst, progress=False, resume=True)
-    with pytest.raises(ConfigError, match="--resume to continue it"):
+    with pytest.raises(ConfigError, match="Pass --overwrite to start again"):
         convert(image_folder, dst, progress=False)
     convert(image_folder, dst, progress=False, overwrite=True)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"]

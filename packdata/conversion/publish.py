@@ -31,7 +31,15 @@ from packdata.errors import (
 )
 from packdata.formats import get_format
 from packdata.pack.fields import codec_of
-from packdata.pack.files import aside_path, discard_stale, file_kind, fsync_dir, is_inside, stale_siblings
+from packdata.pack.files import (
+    aside_path,
+    discard_stale,
+    file_kind,
+    fsync_dir,
+    holds_conversion,
+    is_inside,
+    stale_siblings,
+)
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
@@ -126,11 +134,21 @@ def check_inputs_apart(inputs: Sequence[Path], dst: Path) -> None:
 
 
 def interrupted_error(dst: str | os.PathLike, partial: Path) -> ConfigError:
-    """The refusal to start over an interrupted conversion into ``dst`` (in ``partial``) unasked."""
+    """The refusal to start over an interrupted run into ``dst`` (in ``partial``) unasked.
+
+    A conversion's checkpoint (or Ray plan) names it one; other work is left by a killed
+    merge (or a conversion before its first checkpoint), which nothing can continue.
+    """
+    if holds_conversion(partial):
+        return ConfigError(
+            f"an interrupted conversion into {dst} is in {partial}",
+            path=dst,
+            hint="Pass --resume to continue it, or --overwrite to start again",
+        )
     return ConfigError(
-        f"an interrupted conversion into {dst} is in {partial}",
+        f"an interrupted merge or conversion into {dst} left {partial}, with no checkpoint to continue from",
         path=dst,
-        hint="Pass --resume to continue it, or --overwrite to start again",
+        hint="Pass --overwrite to start again",
     )
 
 
