@@ -17,6 +17,7 @@ import packdata
 from packdata.errors import ConfigError, ImageFormatError
 from packdata.reading import turbo as turbo_module
 from packdata.reading.crop import DecodeCrop, crop_box
+from packdata.reading.transforms import RandomResizedCrop
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 HAVE_TURBO = turbo_module.turbojpeg() is not None
@@ -71,6 +72,21 @@ def test_boxes_follow_torchvisions_distribution(width: int, height: int) -> None
 def test_a_box_that_never_fits_falls_back_to_the_central_crop() -> None:
     top, left, h, w = crop_box(1000, 100, random.Random(1), (0.9, 1.0), RATIO)
     assert (h, w) == (100, 133) and (top, left) == (0, (1000 - 133) // 2)
+
+
+@pytest.mark.parametrize("turbo", BACKENDS)
+@pytest.mark.parametrize(("size", "ratio"), [((1, 1000), (100, 200)), ((1000, 1), (0.001, 0.002))])
+def test_a_fallback_box_rounding_to_no_pixels_keeps_one(size: tuple[int, int], ratio, turbo: bool) -> None:
+    """A 1-pixel-wide image at a ratio it cannot reach: the central crop is one pixel, never empty or 'damaged'."""
+    width, height = size
+    top, left = (height - 1) // 2, (width - 1) // 2
+    assert crop_box(width, height, random.Random(0), SCALE, ratio) == (top, left, 1, 1)
+    assert RandomResizedCrop(8, ratio=ratio).box(width, height) == (left, top, left + 1, top + 1)
+    data = image_bytes(0, size, "JPEG" if turbo else "PNG")
+    out = np.asarray(DecodeCrop(8, ratio=ratio, seed=0, turbo=turbo)(data), dtype=np.int16)
+    with Image.open(io.BytesIO(data)) as img:
+        centre = np.asarray(img.convert("RGB"), dtype=np.int16)[top, left]
+    assert np.abs(out - centre).max() <= 1  # the central pixel, spread over the output
 
 
 def _reference(data: bytes, box: tuple[int, int, int, int], size: int) -> np.ndarray:

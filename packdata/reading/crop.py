@@ -60,7 +60,8 @@ def crop_box(
     """``(top, left, height, width)`` of a random crop, as ``torchvision.transforms.RandomResizedCrop`` draws it.
 
     Ten tries at an area share in ``scale`` and a log-uniform aspect ratio in
-    ``ratio``; if none fits, the central crop at the nearest allowed aspect ratio.
+    ``ratio``; if none fits, the central crop at the nearest allowed aspect ratio,
+    at least one pixel on each side (torchvision's is empty where a side rounds to 0).
     """
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -73,9 +74,9 @@ def crop_box(
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     in_ratio = width / height
     if in_ratio < min(ratio):
-        w, h = width, round(width / min(ratio))
+        w, h = width, max(1, round(width / min(ratio)))
     elif in_ratio > max(ratio):
-        h, w = height, round(height * max(ratio))
+        h, w = height, max(1, round(height * max(ratio)))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w

@@ -56,7 +56,7 @@ class RandomResizedCrop:
     """Crop a random area and aspect ratio of a PIL image and resize it to ``size``.
 
     The same sampling as torchvision's ``RandomResizedCrop`` (ten tries, then a
-    central crop clamped to the allowed ratios).
+    central crop clamped to the allowed ratios, at least one pixel on each side).
 
     Args:
         size: output side (square) or ``(height, width)``.
@@ -99,9 +99,9 @@ class RandomResizedCrop:
                 return left, top, left + w, top + h
         in_ratio = width / height
         if in_ratio < self.ratio[0]:
-            w, h = width, round(width / self.ratio[0])
+            w, h = width, max(1, round(width / self.ratio[0]))
         elif in_ratio > self.ratio[1]:
-            w, h = round(height * self.ratio[1]), height
+            w, h = max(1, round(height * self.ratio[1])), height
         else:
             w, h = width, height
         left, top = (width - w) // 2, (height - h) // 2
