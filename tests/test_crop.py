@@ -89,6 +89,19 @@ def test_a_fallback_box_rounding_to_no_pixels_keeps_one(size: tuple[int, int], r
     assert np.abs(out - centre).max() <= 1  # the central pixel, spread over the output
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"scale": (0.08, math.inf)}, {"ratio": (0.5, math.inf)}, {"scale": (math.nan, 1.0)}, {"scale": (-0.5, 1.0)}],
+)
+def test_an_infinite_or_negative_range_is_refused_when_made(options: dict) -> None:
+    """Not an OverflowError per sample in the workers: one ValueError where the decoder is made."""
+    with pytest.raises(ValueError, match="positive finite ranges"):
+        DecodeCrop(8, **options)
+    if "ratio" in options:
+        with pytest.raises(ValueError, match="ratio should satisfy"):
+            RandomResizedCrop(8, **options)
+
+
 def _reference(data: bytes, box: tuple[int, int, int, int], size: int) -> np.ndarray:
     top, left, h, w = box
     with Image.open(io.BytesIO(data)) as img:

@@ -127,8 +127,11 @@ class DecodeCrop:
         output: str = "pil",
     ) -> None:
         height, width = (size, size) if isinstance(size, int) else size
-        if height < 1 or width < 1 or not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
-            raise ValueError(f"size, scale and ratio should be positive ranges, but got {size}, {scale}, {ratio}")
+        finite = all(map(math.isfinite, (*scale, *ratio)))
+        if height < 1 or width < 1 or not finite or not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(
+                f"size, scale and ratio should be positive finite ranges, but got {size}, {scale}, {ratio}"
+            )
         if output not in ("pil", "tensor"):
             raise ValueError(f"output should be 'pil' or 'tensor', but got output={output!r}")
         self.output = output

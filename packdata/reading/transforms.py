@@ -78,8 +78,8 @@ class RandomResizedCrop:
             raise ValueError(f"size should be positive, but got size={size!r}")
         if not 0 < scale[0] <= scale[1] <= 1:
             raise ValueError(f"scale should satisfy 0 < min <= max <= 1, but got scale={scale!r}")
-        if not 0 < ratio[0] <= ratio[1]:
-            raise ValueError(f"ratio should satisfy 0 < min <= max, but got ratio={ratio!r}")
+        if not 0 < ratio[0] <= ratio[1] < math.inf:
+            raise ValueError(f"ratio should satisfy 0 < min <= max < inf, but got ratio={ratio!r}")
         self.scale = scale
         self.ratio = ratio
         self.resample = resample
