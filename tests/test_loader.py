@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 import packdata
 from packdata.reading.decode import DecodeJPEG, decode_pil
 from packdata.reading.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
-from packdata.reading.transforms import RandomResizedCrop, standard_transform
+from packdata.reading.transforms import RandomResizedCrop, ToUint8Array, ToUint8Tensor, standard_transform
 
 # ------------------------------------------------------------------ prefetchers
 
@@ -124,6 +124,16 @@ def test_fast_collate_refuses_a_pil_mode_whose_array_is_not_pixel_values(mode: s
         fast_collate([(image, 0)])
     for kept in ("L", "LA", "RGB", "RGBA"):
         assert fast_collate([(image.convert(kept), 0)])[0].shape == (1, len(kept), 3, 4)
+
+
+@pytest.mark.parametrize(("mode", "value"), [("I;16", 1000), ("I", 300), ("F", 3.7), ("1", 1), ("P", 7)])
+@pytest.mark.parametrize("to_uint8", [ToUint8Tensor(), ToUint8Array()])
+def test_to_uint8_refuses_an_image_that_is_not_uint8_pixels(mode: str, value: float, to_uint8) -> None:
+    """A 16-bit, 32-bit or float image was cast to uint8 (1000 became 232), a 1-bit one to 0/1, a palette's
+    indices passed as pixels: each silently. An RGB image converts as before."""
+    with pytest.raises(TypeError, match=f"{type(to_uint8).__name__} expects images of mode .* mode '{mode}'"):
+        to_uint8(Image.new(mode, (4, 3), value))
+    assert np.asarray(to_uint8(Image.new("RGB", (4, 3), (200, 10, 10)))).flatten()[0] == 200
 
 
 def test_list_collate_keeps_samples() -> None:

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from packdata.reading.transforms import uint8_hwc
+
 __all__ = ["BackgroundPrefetcher", "CUDAPrefetcher", "fast_collate", "list_collate", "worker_init_fn"]
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -51,10 +53,6 @@ def worker_init_fn(worker_id: int) -> None:
         cv2.setNumThreads(1)
 
 
-_ARRAY_MODES = ("L", "LA", "RGB", "RGBA")
-"""PIL modes whose ``numpy.asarray`` is uint8 pixel values, one channel per band."""
-
-
 def _image_array(sample: Any) -> np.ndarray:
     """A sample as a ``uint8`` HWC array (PIL image, numpy array or CHW tensor)."""
     if isinstance(sample, torch.Tensor):
@@ -63,20 +61,7 @@ def _image_array(sample: Any) -> np.ndarray:
                 f"fast_collate expects uint8 CHW tensors, but got {sample.dtype} of shape {tuple(sample.shape)}"
             )
         return sample.permute(1, 2, 0).numpy()
-    mode = getattr(sample, "mode", None)  # a PIL image: its array holds what its mode stores
-    if isinstance(mode, str) and mode not in _ARRAY_MODES:
-        raise TypeError(
-            f"fast_collate expects images of mode {', '.join(_ARRAY_MODES)}, but got mode {mode!r}, whose array "
-            f"is not pixel values (a palette's indices, CMYK, YCbCr): convert it, e.g. image.convert('RGB')"
-        )
-    array = np.asarray(sample)
-    if array.dtype != np.uint8:
-        raise TypeError(f"fast_collate expects uint8 images, but got dtype={array.dtype}")
-    if array.ndim == 2:
-        array = array[:, :, None]
-    if array.ndim != 3:
-        raise TypeError(f"fast_collate expects HWC images, but got shape {array.shape}")
-    return array
+    return uint8_hwc(sample, "fast_collate")
 
 
 def fast_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.Tensor]:

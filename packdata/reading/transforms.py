@@ -133,10 +133,26 @@ class RandomHorizontalFlip:
         return f"RandomHorizontalFlip(p={self.p})"
 
 
-def _as_hwc(img: Image.Image | np.ndarray) -> np.ndarray:
-    array = np.asarray(img, dtype=np.uint8)
+ARRAY_MODES = ("L", "LA", "RGB", "RGBA")
+"""PIL modes whose ``numpy.asarray`` is uint8 pixel values, one channel per band."""
+
+
+def uint8_hwc(img: Image.Image | np.ndarray, who: str) -> np.ndarray:
+    """A PIL image or numpy array as the ``uint8`` HWC array it holds; never cast (``TypeError`` naming ``who``)."""
+    mode = getattr(img, "mode", None)
+    if isinstance(mode, str) and mode not in ARRAY_MODES:
+        raise TypeError(
+            f"{who} expects images of mode {', '.join(ARRAY_MODES)}, but got mode {mode!r}, whose array "
+            f"is not pixel values (a palette's indices, CMYK, YCbCr) or not uint8 (1-bit, 16-bit, float): "
+            f"convert it, e.g. image.convert('RGB')"
+        )
+    array = np.asarray(img)
+    if array.dtype != np.uint8:
+        raise TypeError(f"{who} expects uint8 images, but got dtype={array.dtype}")
     if array.ndim == 2:
         array = array[:, :, None]
+    if array.ndim != 3:
+        raise TypeError(f"{who} expects HWC images, but got shape {array.shape}")
     return array
 
 
@@ -146,7 +162,7 @@ class ToUint8Array:
     def __call__(self, img: Image.Image | torch.Tensor) -> np.ndarray:
         if isinstance(img, torch.Tensor):
             return _chw_tensor(img).permute(1, 2, 0).numpy()
-        return _as_hwc(img)
+        return uint8_hwc(img, "ToUint8Array")
 
     def __repr__(self) -> str:
         return "ToUint8Array()"
@@ -168,7 +184,7 @@ class ToUint8Tensor:
     def __call__(self, img: Image.Image | torch.Tensor) -> torch.Tensor:
         if isinstance(img, torch.Tensor):
             return _chw_tensor(img)
-        array = np.ascontiguousarray(_as_hwc(img).transpose(2, 0, 1))
+        array = np.ascontiguousarray(uint8_hwc(img, "ToUint8Tensor").transpose(2, 0, 1))
         return torch.from_numpy(array)
 
     def __repr__(self) -> str:
