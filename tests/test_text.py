@@ -142,6 +142,16 @@ def test_pad_collate_keeps_every_token_id_whatever_sample_comes_first() -> None:
     assert padded.dtype == torch.int64 and padded.tolist() == [[0, 0], [5, 300]] and lengths.tolist() == [0, 2]
 
 
+@pytest.mark.parametrize("pad_value", [-1, -100, 300])
+def test_pad_collate_pads_bytes_with_a_value_a_byte_cannot_hold(pad_value: int) -> None:
+    """Bytes padded with -1 or -100 (an ignore index) came back uint8 with 255 or 156 where the padding was,
+    values real bytes take (156 is in UTF-8's continuation bytes); 300 raised torch's overflow error."""
+    padded, lengths, _ = PadCollate(pad_value=pad_value)([(b"ab", 0), ("\u00e9\u0153", 1)])
+    assert padded.dtype == torch.int64 and lengths.tolist() == [2, 4]
+    assert padded.tolist() == [[97, 98, pad_value, pad_value], [0xC3, 0xA9, 0xC5, 0x93]]
+    assert PadCollate(pad_value=255)([(b"ab", 0), (b"c", 1)])[0].dtype == torch.uint8  # fits: kept
+
+
 def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:
     root = tmp_path / "texts"
     for c, cls in enumerate(["neg", "pos"]):

@@ -241,13 +241,24 @@ def _as_codes(sample: Any) -> torch.Tensor:
     return torch.as_tensor(sample).reshape(-1)
 
 
+def _holds(dtype: torch.dtype, value: float) -> bool:
+    """Whether ``dtype`` holds ``value`` as it is (a float dtype holds any number)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return True
+    if dtype == torch.bool:
+        return value in (0, 1)
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
 class PadCollate:
     """Pad variable-length samples to the batch's longest: ``(padded, lengths, labels)``.
 
     Samples are 1-D tensors or sequences of token ids, or ``str``/``bytes``
     (taken as UTF-8 byte values, for byte-level models; tokenize in the
     dataset's ``transform`` otherwise). ``padded`` is ``(N, longest)`` of the
-    dtype all samples fit in (``uint8`` for bytes) or ``dtype``; ``lengths`` and
+    dtype all samples and ``pad_value`` fit in (``uint8`` for bytes, ``int64`` for
+    bytes padded with -1) or ``dtype``; ``lengths`` and
     ``labels`` are int64 ``(N,)``.
 
     ``packdata.pad_collate`` is ``PadCollate()`` (pad with 0, keep the samples'
@@ -269,6 +280,8 @@ class PadCollate:
         codes = [_as_codes(sample) for sample, _ in batch]
         lengths = torch.tensor([len(c) for c in codes], dtype=torch.int64)
         dtype = self.dtype or functools.reduce(torch.promote_types, (c.dtype for c in codes))  # 70000 fits
+        if self.dtype is None and not _holds(dtype, self.pad_value):  # pad_value=-1 after bytes: not 255
+            dtype = torch.promote_types(dtype, torch.int64)
         padded = torch.full((len(codes), int(lengths.max()) if len(codes) else 0), self.pad_value, dtype=dtype)
         for i, c in enumerate(codes):
             padded[i, : len(c)] = c.to(dtype)
