@@ -152,6 +152,16 @@ def test_pad_collate_pads_bytes_with_a_value_a_byte_cannot_hold(pad_value: int) 
     assert PadCollate(pad_value=255)([(b"ab", 0), (b"c", 1)])[0].dtype == torch.uint8  # fits: kept
 
 
+def test_pad_collate_refuses_a_dtype_that_cannot_hold_the_ids_or_the_pad() -> None:
+    """PadCollate(dtype=torch.uint8) wrapped token id 300 round to 44, and pad_value=-1 to 255, silently."""
+    with pytest.raises(ValueError, match=r"dtype=torch.uint8 cannot hold sample 0 \(values 2 to 300\)"):
+        PadCollate(dtype=torch.uint8)([([300, 2], 0), ([1], 1)])
+    with pytest.raises(ValueError, match=r"dtype=torch\.uint8 cannot hold pad_value=-1"):
+        PadCollate(pad_value=-1, dtype=torch.uint8)
+    padded, _, _ = PadCollate(dtype=torch.int16)([([300, 2], 0), ([], 1)])
+    assert padded.dtype == torch.int16 and padded.tolist() == [[300, 2], [0, 0]]
+
+
 def test_token_buckets_from_a_text_pack(tmp_path: Path) -> None:
     root = tmp_path / "texts"
     for c, cls in enumerate(["neg", "pos"]):

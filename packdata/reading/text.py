@@ -267,10 +267,13 @@ class PadCollate:
 
     Args:
         pad_value: the value padding positions get.
-        dtype: cast the padded tensor to this dtype.
+        dtype: cast the padded tensor to this dtype (``ValueError`` where it cannot
+            hold ``pad_value`` or a sample's values: nothing wraps round).
     """
 
     def __init__(self, pad_value: int = 0, dtype: torch.dtype | None = None) -> None:
+        if dtype is not None and not _holds(dtype, pad_value):
+            raise ValueError(f"dtype={dtype} cannot hold pad_value={pad_value}: pass a wider dtype, or None")
         self.pad_value = pad_value
         self.dtype = dtype
 
@@ -282,6 +285,10 @@ class PadCollate:
         dtype = self.dtype or functools.reduce(torch.promote_types, (c.dtype for c in codes))  # 70000 fits
         if self.dtype is None and not _holds(dtype, self.pad_value):  # pad_value=-1 after bytes: not 255
             dtype = torch.promote_types(dtype, torch.int64)
+        for i, c in enumerate(codes if self.dtype is not None else ()):
+            low, high = (c.min().item(), c.max().item()) if len(c) else (0, 0)
+            if not (_holds(dtype, low) and _holds(dtype, high)):  # a token id 300 would wrap to 44 in uint8
+                raise ValueError(f"dtype={dtype} cannot hold sample {i} (values {low} to {high}): pass a wider dtype")
         padded = torch.full((len(codes), int(lengths.max()) if len(codes) else 0), self.pad_value, dtype=dtype)
         for i, c in enumerate(codes):
             padded[i, : len(c)] = c.to(dtype)
