@@ -172,10 +172,11 @@ def test_decode_crop_in_spawned_workers_differs_per_worker(tmp_path) -> None:
     for i in range(8):
         (src / f"{i}.jpg").write_bytes(image_bytes(1, (400, 300)))  # the same image: crops must still differ
     packdata.convert(tmp_path / "src", tmp_path / "p.lmdb", progress=False)
-    ds = packdata.LMDBDataset(tmp_path / "p.lmdb", decode=packdata.DecodeCrop(64))
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
-    crops = [np.asarray(img).tobytes() for img, _ in loader]
-    assert len(crops) == 8 and len(set(crops)) == 8
+    for seed in (None, 0):  # a fixed seed gave every worker, and every epoch, the same boxes: 4 crops of 8
+        ds = packdata.LMDBDataset(tmp_path / "p.lmdb", decode=packdata.DecodeCrop(64, seed=seed))
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+        crops = [np.asarray(img).tobytes() for _ in range(2) for img, _ in loader]  # two epochs
+        assert len(crops) == 16 and len(set(crops)) == 16
 
 
 def _textured_jpeg(size: tuple[int, int], mode: str, subsampling: int) -> bytes:

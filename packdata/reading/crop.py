@@ -33,7 +33,8 @@ Use it as the dataset's decoder, in place of decode + ``RandomResizedCrop``::
     )
 
 Workers: the random generator is seeded on first use in each process from
-``torch.initial_seed()``, which the DataLoader makes different per worker and epoch.
+``torch.initial_seed()``, which the DataLoader makes different per worker and epoch
+(with ``seed=``, from that seed and the worker's).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class DecodeCrop:
         scale: the range of the crop's share of the image area.
         ratio: the range of the crop's aspect ratio (width / height).
         seed: a fixed seed (tests and reproducible runs); by default per process from torch.
+            In a DataLoader worker it is mixed with the worker's seed (different per worker
+            and epoch, reproducible where the DataLoader's generator is seeded).
         turbo: decode JPEGs through TurboJPEG 3: None when it is found, True
             always (``ConfigError`` when it is not found), False never.
         output: ``"pil"`` (an RGB PIL image) or ``"tensor"`` (a ``uint8`` CHW tensor,
@@ -147,7 +150,11 @@ class DecodeCrop:
 
     def _generator(self) -> random.Random:
         if self._rng is None or self._pid != os.getpid():
-            self._rng = random.Random(self.seed if self.seed is not None else torch.initial_seed())
+            worker = torch.utils.data.get_worker_info()  # its seed differs per worker and epoch
+            if self.seed is None:
+                self._rng = random.Random(torch.initial_seed())
+            else:  # in a worker, the fixed seed with the worker's: no two workers or epochs repeat the same boxes
+                self._rng = random.Random(self.seed if worker is None else f"{self.seed}:{worker.seed}")
             self._pid = os.getpid()
         return self._rng
 
