@@ -24,6 +24,7 @@ __all__ = [
     "encode_image",
     "jpeg_frame",
     "open_image",
+    "rgb_image",
 ]
 
 #: File extensions packed as images (any letter case), and the image field names.
@@ -53,6 +54,11 @@ _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bm
 _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
 
 
+def _deep(mode: str) -> bool:
+    """Whether a PIL mode has more than 8 bits a channel (16-bit, 32-bit, float), which RGB would clip."""
+    return ImageMode.getmode(mode).typestr[-1] != "1"
+
+
 def encode_image(image: Image.Image, extension: str) -> bytes:
     """A PIL image saved in the format its field's extension names (``jpg``: JPEG at :data:`JPEG_QUALITY`).
 
@@ -67,7 +73,7 @@ def encode_image(image: Image.Image, extension: str) -> bytes:
             it is past PIL's decompression-bomb limit, which every reader applies.
     """
     fmt = _SAVE_FORMAT[extension.lower()]
-    if fmt == "JPEG" and ImageMode.getmode(image.mode).typestr[-1] != "1":  # 16-bit, 32-bit, float: RGB would clip
+    if fmt == "JPEG" and _deep(image.mode):  # 16-bit, 32-bit, float: RGB would clip
         raise ValueError(f"a {fmt} file cannot hold an image of mode {image.mode} (more than 8 bits a channel)")
     out = io.BytesIO()
     try:
@@ -119,6 +125,20 @@ def open_image(data: bytes) -> Image.Image:
             detected=detected,
         ) from None
     raise ImageFormatError(f"not an image in a known format (expected one of {allowed})", hint="The bytes are damaged")
+
+
+def rgb_image(image: Image.Image) -> Image.Image:
+    """``image.convert("RGB")``, refused where it would clip: more than 8 bits a channel (16-bit, 32-bit, float).
+
+    Raises:
+        ImageFormatError: PIL would turn every value above 255 white.
+    """
+    if _deep(image.mode):
+        raise ImageFormatError(
+            f"image of mode {image.mode} has more than 8 bits a channel, which RGB would clip (above 255: white)",
+            hint="Read such images with decode='bytes' and a reader of your own, or convert them to 8 bits",
+        )
+    return image.convert("RGB")
 
 
 def _name_bomb_warning(size: tuple[int, int]) -> None:

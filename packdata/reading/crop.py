@@ -48,7 +48,7 @@ import torch
 from PIL import Image
 
 from packdata.errors import ConfigError
-from packdata.pack.images import decoding_errors, open_image
+from packdata.pack.images import decoding_errors, open_image, rgb_image
 from packdata.reading.transforms import ToUint8Tensor
 from packdata.reading.turbo import turbojpeg
 
@@ -183,7 +183,7 @@ class DecodeCrop:
                     img.draft("RGB", (math.ceil(width / reach), math.ceil(height / reach)))
             sx, sy = img.size[0] / width, img.size[1] / height  # the scale the decoder chose
             scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-            rgb = img if img.mode == "RGB" else img.convert("RGB")  # convert("RGB") of RGB is a full copy
+            rgb = img if img.mode == "RGB" else rgb_image(img)  # convert("RGB") of RGB is a full copy
             return rgb.resize((out_w, out_h), Image.Resampling.BILINEAR, box=scaled)
 
     def __getstate__(self) -> dict[str, object]:

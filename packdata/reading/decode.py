@@ -17,7 +17,7 @@ from PIL import Image
 
 from packdata.errors import DecodeError
 from packdata.pack.fields import check_npy
-from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
+from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image, rgb_image
 
 __all__ = [
     "IMAGE_FORMATS",
@@ -40,10 +40,11 @@ def decode_pil(data: bytes) -> Image.Image:
     """Decode image bytes into an RGB PIL image, as ImageFolder's loader does.
 
     Raises:
-        ImageFormatError: not one of :data:`IMAGE_FORMATS`, or truncated or damaged.
+        ImageFormatError: not one of :data:`IMAGE_FORMATS`, truncated or damaged, or
+            of more than 8 bits a channel (a 16-bit PNG: RGB would clip it white).
     """
     with decoding_errors(), open_image(data) as img:
-        return img.convert("RGB")
+        return rgb_image(img)
 
 
 class DecodeJPEG:
@@ -77,7 +78,7 @@ class DecodeJPEG:
             if img.format == "JPEG":
                 height, width = self.min_size
                 img.draft("RGB", (width, height))
-            return img.convert("RGB")
+            return rgb_image(img)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DecodeJPEG) and other.min_size == self.min_size

@@ -8,6 +8,7 @@ import struct
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import image_bytes
 from PIL import Image
@@ -226,3 +227,22 @@ def test_jpeg_frame_names_the_frame() -> None:
     progressive = _progressive_jpeg(64, 10)
     hidden = b"\xff\xd8\xff\x00\x00\x06\xff\xe1" + struct.pack(">H", len(fake) + 2) + fake + progressive[2:]
     assert jpeg_frame(hidden) is None
+
+
+@pytest.mark.parametrize("decode", DECODERS)
+def test_a_16_bit_image_is_refused_not_clipped_white(tmp_path: Path, decode) -> None:
+    """A 16-bit greyscale PNG went through convert("RGB"), which clips: mid-grey (32896) and 1000 alike came
+    back 255, a white image, silently. Decoders now name it; an 8-bit one beside it decodes."""
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    out = io.BytesIO()
+    Image.fromarray(np.full((48, 64), 32896, dtype=np.uint16)).save(out, "PNG")
+    (src / "deep.png").write_bytes(out.getvalue())
+    (src / "flat.png").write_bytes(image_bytes(1, fmt="PNG"))
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(tmp_path / "src", pack, progress=False)
+    ds = packdata.LMDBDataset(pack, decode=decode)
+    message = re.escape(f"{pack}: sample 'c/deep.png' (index 0): image of mode I;16 has more than 8 bits a channel")
+    with pytest.raises(ImageFormatError, match=message):
+        ds[0]
+    assert ds[1][0].mode == "RGB"
