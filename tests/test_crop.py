@@ -17,6 +17,7 @@ import packdata
 from packdata.errors import ConfigError, ImageFormatError
 from packdata.reading import turbo as turbo_module
 from packdata.reading.crop import DecodeCrop, crop_box
+from packdata.reading.decode import decode_pil
 from packdata.reading.transforms import RandomResizedCrop
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
@@ -122,6 +123,21 @@ def test_output_is_the_full_decodes_crop_within_jpeg_rounding(fmt: str, turbo: b
         assert out.shape == (224, 224, 3)
         worst = max(worst, float(np.abs(out - _reference(data, box, 224)).mean()))
     assert worst < (0.01 if fmt == "PNG" else 4.0), worst
+
+
+@pytest.mark.parametrize("turbo", BACKENDS)
+def test_exif_orientation_is_not_applied_as_the_pil_decoder_does_not(turbo: bool) -> None:
+    """The documented behaviour: boxes are drawn on the stored pixels, as decode_pil returns them (no EXIF turn)."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees to display"
+    out = io.BytesIO()
+    with Image.open(io.BytesIO(image_bytes(3, (800, 600)))) as img:
+        img.save(out, "JPEG", quality=95, exif=exif.tobytes())
+    data = out.getvalue()
+    assert decode_pil(data).size == (800, 600)
+    box = crop_box(800, 600, random.Random(5), SCALE, RATIO)
+    got = np.asarray(DecodeCrop(64, seed=5, turbo=turbo)(data), dtype=np.int16)
+    assert np.abs(got - _reference(data, box, 64)).mean() < 4.0
 
 
 @pytest.mark.parametrize("turbo", BACKENDS)

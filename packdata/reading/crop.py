@@ -8,7 +8,9 @@ the image's header alone (the same distribution: :func:`crop_box` follows
 size, and crops and resizes in one step (``Image.resize(box=...)``). Where the
 box is large against the output, most of the decode is skipped; where it is
 small, the full-resolution decode is kept, so the output is the full decode's
-crop within JPEG rounding. Other formats decode at full size. No extra library
+crop within JPEG rounding. Other formats decode at full size. As with
+:func:`packdata.reading.decode.decode_pil`, EXIF orientation is not applied: the box is drawn on
+the pixels as stored. No extra library
 is needed (libjpeg-turbo, inside Pillow, does the scaling).
 
 Where TurboJPEG 3 is found (``pip install 'packdata[turbo]'``, or a system

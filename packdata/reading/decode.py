@@ -39,6 +39,9 @@ _DAMAGED = "Check that decode= (or the field's codec) fits the data; if it does,
 def decode_pil(data: bytes) -> Image.Image:
     """Decode image bytes into an RGB PIL image, as ImageFolder's loader does.
 
+    EXIF orientation is not applied: the pixels as stored (as ImageFolder gives
+    them, and as :class:`packdata.DecodeCrop` crops them).
+
     Raises:
         ImageFormatError: not one of :data:`IMAGE_FORMATS`, truncated or damaged, or
             of more than 8 bits a channel (a 16-bit PNG: RGB would clip it white).
