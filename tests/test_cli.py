@@ -434,3 +434,52 @@ def test_json_output_escapes_c1_controls_and_keeps_other_scripts(tmp_path: Path)
         assert not re.search("[\x7f-\x9f]", result.output) and "é" in result.output
     assert "\\u009b" in listed.output and "猫" in listed.output
     assert json.loads(listed.output)["key"] == f"{cls}/{key}" and json.loads(info.output)["classes"] == [cls]
+
+
+def _cat_to_terminal(pack: Path, *args: str) -> tuple[int, bytes, str]:
+    """``packdata cat`` with stdout on a real pseudo-terminal: exit code, bytes the terminal got, stderr."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "packdata.cli", "cat", str(pack), *args],
+            stdout=follower,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+        os.set_blocking(leader, False)
+        try:
+            shown = os.read(leader, 1 << 20)
+        except BlockingIOError:
+            shown = b""
+    finally:
+        os.close(follower)
+        os.close(leader)
+    return done.returncode, shown, done.stderr
+
+
+def test_cat_refuses_binary_bytes_on_a_terminal_and_writes_text(tmp_path: Path) -> None:
+    """``packdata cat pack '#0'``, typed without ``> x.jpg``, must not spray a JPEG or escape codes on the terminal."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "0001.jpg").write_bytes(image_bytes(0))
+    (src / "0001.txt").write_text("a caption, é 猫\n")
+    (src / "0002.jpg").write_bytes(image_bytes(1))
+    (src / "0002.txt").write_text("\x1b]0;pwned\x07 title")
+    pack = tmp_path / "p.lmdb"
+    assert _run("convert", str(src), str(pack), "-q").exit_code == 0
+
+    code, shown, err = _cat_to_terminal(pack, "0001", "--field", "jpg")
+    assert code == 1 and shown == b""
+    assert err.startswith(f"Error: {pack}: sample 0001 holds ") and "Redirect it to a file" in err
+    assert err.count("\n") == 1
+    code, shown, err = _cat_to_terminal(pack, "0002", "--field", "txt")
+    assert code == 1 and shown == b"" and "control characters" in err
+    code, shown, err = _cat_to_terminal(pack, "0001", "--field", "txt")
+    assert code == 0 and shown.replace(b"\r\n", b"\n") == "a caption, é 猫\n".encode(), err
+    piped = subprocess.run(
+        [sys.executable, "-m", "packdata.cli", "cat", str(pack), "0001", "--field", "jpg"], capture_output=True
+    )
+    assert piped.returncode == 0 and piped.stdout == image_bytes(0)

@@ -170,6 +170,9 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | N
 def cat(pack: str, sample: str, field_name: str | None, storage_options: dict[str, Any] | None) -> None:
     """Write the stored bytes of one field of SAMPLE (a key, or #N for index N) to stdout.
 
+    On a terminal only plain text is written: binary bytes (an image) or
+    control characters are refused, so redirect them to a file.
+
     PACK may be a URL (s3://...): the record is read with one ranged request,
     through the offsets index of a TFRecord pack or the records.i64 table of
     an LMDB shard (an LMDB shard without one: stage the pack first).
@@ -182,10 +185,25 @@ def cat(pack: str, sample: str, field_name: str | None, storage_options: dict[st
     """
     from packdata.formats.contents import read_field
 
-    rest = memoryview(read_field(pack, sample, field_name, storage_options=storage_options))
+    data = read_field(pack, sample, field_name, storage_options=storage_options)
+    if sys.stdout.isatty() and not _plain_text(data):
+        raise click.ClickException(
+            f"{pack}: sample {_shown(sample)} holds {_mb(len(data))} of binary data or control characters, "
+            "not written to the terminal. Redirect it to a file (> FILE) or a pipe"
+        )
+    rest = memoryview(data)
     while rest:  # a write the reader's exit cut short returns what it wrote: the next one raises BrokenPipeError
         rest = rest[sys.stdout.buffer.write(rest) :]
     sys.stdout.buffer.flush()
+
+
+def _plain_text(data: bytes) -> bool:
+    """UTF-8 with no control character but tab and newline: safe to write to a terminal."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return False
+    return text.replace("\t", "").replace("\n", "").replace("\r", "").isprintable()
 
 
 @click.command()
