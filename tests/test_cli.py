@@ -483,3 +483,21 @@ def test_cat_refuses_binary_bytes_on_a_terminal_and_writes_text(tmp_path: Path) 
         [sys.executable, "-m", "packdata.cli", "cat", str(pack), "0001", "--field", "jpg"], capture_output=True
     )
     assert piped.returncode == 0 and piped.stdout == image_bytes(0)
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    [
+        ("bench", "--batch-size", "64,0"),
+        ("bench", "--prefetch-factor", "0"),
+        ("bench", "--workers", "0,,2"),
+        ("bench", "--workers", "-1"),
+        ("tune", "--batch-size", "64,,128"),
+        ("tune", "--batch-size", "0"),
+    ],
+)
+def test_number_lists_name_the_option_they_refuse(tmp_path: Path, command: str, option: str, value: str) -> None:
+    """A zero batch size or a stray comma is a usage error naming its option, before anything is measured."""
+    result = _run(command, str(tmp_path), option, value)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}': should be comma-separated integers" in result.output

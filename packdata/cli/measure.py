@@ -19,14 +19,16 @@ def _progress_line(line: str) -> None:
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """Comma-separated integers: at least 0 for ``--workers``, at least 1 for batch sizes and prefetch factors."""
     if value is None:
         return None
+    least = 0 if param.name == "workers" else 1
     try:
-        values = tuple(int(v) for v in value.split(",") if v.strip())
+        values = tuple(int(v) for v in value.split(","))
     except ValueError:
         raise click.BadParameter(f"should be comma-separated integers, but got {value!r}") from None
-    if not values or min(values) < 0:
-        raise click.BadParameter(f"should be comma-separated integers >= 0, but got {value!r}")
+    if min(values) < least:
+        raise click.BadParameter(f"should be comma-separated integers >= {least}, but got {value!r}")
     return values
 
 
@@ -143,8 +145,6 @@ def bench(
     from packdata.measure.bench import run_bench
     from packdata.measure.plot import plot_bench
 
-    if 0 in batch_size or 0 in prefetch_factor:
-        raise click.BadParameter("batch sizes and prefetch factors should be at least 1")
     if plot_file:
         from packdata.measure.plot import check_plot_path
 
@@ -234,8 +234,6 @@ def tune(source: str, batch_sizes: tuple[int, ...], as_json: bool, quiet: bool, 
     """
     from packdata.measure.tune import run_tune
 
-    if 0 in batch_sizes:
-        raise click.BadParameter("batch sizes should be at least 1", param_hint="--batch-size")
     result = run_tune(source, batch_sizes=batch_sizes, progress=None if quiet else _progress_line, **options)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
