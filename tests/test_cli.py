@@ -403,7 +403,7 @@ def test_ls_shows_a_shard_name_from_the_manifest_escaped(image_folder: Path, tmp
     rewrite_manifest(pack, lambda d: d["shards"][0].__setitem__("file", name))
     result = _run("ls", str(pack), "--limit", "3")
     assert result.exit_code == 0, result.output
-    assert "\x1b" not in result.output and result.output.count("\n") == 3
+    assert "\x1b" not in result.output and result.stdout.count("\n") == 3
     assert result.output.splitlines()[0].endswith("\t's\\x1b]0;owned\\x07\\n.lmdb'")
 
 
@@ -501,3 +501,19 @@ def test_number_lists_name_the_option_they_refuse(tmp_path: Path, command: str, 
     result = _run(command, str(tmp_path), option, value)
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}': should be comma-separated integers" in result.output
+
+
+def test_ls_says_on_stderr_when_the_limit_cut_the_list(tmp_path: Path) -> None:
+    """``ls --json > samples.jsonl`` without --limit 0 kept 20 samples and said nothing: a silently short list."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"{i}.txt").write_text(f"text {i}")
+    pack = tmp_path / "p.lmdb"
+    assert _run("convert", str(src), str(pack), "-q").exit_code == 0
+    cut = _run("ls", str(pack), "--limit", "3", "--json")
+    assert cut.exit_code == 0 and [json.loads(line)["index"] for line in cut.stdout.splitlines()] == [0, 1, 2]
+    assert cut.stderr == "(the first 3 samples; more follow: --limit 0 lists all)\n"
+    for limit in ("5", "9", "0"):
+        whole = _run("ls", str(pack), "--limit", limit)
+        assert (whole.exit_code, whole.stderr, len(whole.stdout.splitlines())) == (0, "", 5)

@@ -138,6 +138,8 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: dict[str, Any
 def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | None) -> None:
     """List the samples of PACK: index, key, label/class, fields with sizes, shard (from the index only).
 
+    Only the first --limit samples unless --limit 0; a note on stderr says when more follow.
+
     PACK may be a URL (s3://...): only its manifest and sample index are
     downloaded (cached in the temporary folder while the manifest is the same).
 
@@ -150,7 +152,10 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | N
     from packdata.formats.contents import list_samples
     from packdata.units import format_size
 
-    for row in list_samples(pack, limit=limit or None, storage_options=storage_options):
+    for row in list_samples(pack, limit=limit + 1 if limit else None, storage_options=storage_options):
+        if limit and row["index"] == limit:  # one more than asked for: say the list is cut, off stdout
+            click.echo(f"(the first {limit:,} samples; more follow: --limit 0 lists all)", err=True)
+            break
         if as_json:
             click.echo(_json_text(row))
             continue
