@@ -517,3 +517,11 @@ def test_ls_says_on_stderr_when_the_limit_cut_the_list(tmp_path: Path) -> None:
     for limit in ("5", "9", "0"):
         whole = _run("ls", str(pack), "--limit", limit)
         assert (whole.exit_code, whole.stderr, len(whole.stdout.splitlines())) == (0, "", 5)
+
+
+def test_merge_of_one_pack_is_a_usage_error(tmp_path: Path) -> None:
+    """A forgotten second pack is a mistake in the command line: exit 2 with the usage, as click does for the rest."""
+    result = _run("merge", str(tmp_path / "a.lmdb"), "-o", str(tmp_path / "all.lmdb"))
+    assert result.exit_code == 2 and "Usage: main merge" in result.output
+    assert result.output.endswith("Error: merge needs at least two PACKS, but got 1\n")
+    assert not (tmp_path / "all.lmdb").exists()

@@ -197,6 +197,8 @@ def merge(packs: tuple[str, ...], out: str, on_duplicate: str, overwrite: bool) 
     """
     from packdata.conversion.combine import merge_packs
 
+    if len(packs) < 2:
+        raise click.UsageError(f"merge needs at least two PACKS, but got {len(packs)}")
     result = merge_packs(packs, out, on_duplicate=on_duplicate, overwrite=overwrite)
     click.echo(
         f"merged {len(packs)} packs into {result.pack}: "
