@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 import packdata
 from packdata.reading.decode import DecodeJPEG, decode_pil
 from packdata.reading.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
+from packdata.reading.text import PadCollate
 from packdata.reading.transforms import RandomResizedCrop, ToUint8Array, ToUint8Tensor, standard_transform
 
 # ------------------------------------------------------------------ prefetchers
@@ -139,6 +140,24 @@ def test_to_uint8_refuses_an_image_that_is_not_uint8_pixels(mode: str, value: fl
 def test_list_collate_keeps_samples() -> None:
     samples, labels = list_collate([(b"a", 1), (b"bc", 2)])
     assert samples == [b"a", b"bc"] and labels.tolist() == [1, 2]
+
+
+_PIXELS = np.zeros((2, 2, 3), dtype=np.uint8)
+_COLLATES = {
+    "fast_collate": (fast_collate, _PIXELS),
+    "list_collate": (list_collate, b"a"),
+    "pad_collate": (PadCollate(), b"a"),
+}
+
+
+@pytest.mark.parametrize("name", list(_COLLATES))
+def test_collates_refuse_a_label_that_is_not_a_whole_number(name: str) -> None:
+    collate, sample = _COLLATES[name]
+    whole = collate([(sample, 3), (sample, np.int64(4)), (sample, torch.tensor(5)), (sample, -1)])
+    assert whole[-1].dtype == torch.int64 and whole[-1].tolist() == [3, 4, 5, -1]
+    for label in (0.7, np.float32(2.5), "3", None):
+        with pytest.raises(TypeError, match=rf"^{name} collates class labels into int64, but sample 1 has label"):
+            collate([(sample, 1), (sample, label)])
 
 
 # ------------------------------------------------------------ worker threads

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import queue
 import threading
@@ -80,7 +81,7 @@ def fast_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.
         ``(images, labels)``: a ``(N, C, H, W)`` uint8 tensor and a ``(N,)`` int64 tensor.
 
     Raises:
-        TypeError: a sample is not a uint8 image.
+        TypeError: a sample is not a uint8 image, or a label not a whole number.
         ValueError: the batch is empty or the images differ in size.
     """
     if not batch:
@@ -89,25 +90,42 @@ def fast_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, torch.
     height, width, channels = first.shape
     out = torch.empty((len(batch), channels, height, width), dtype=torch.uint8)
     view = out.numpy()
-    labels = torch.empty(len(batch), dtype=torch.int64)
-    for i, (sample, label) in enumerate(batch):
+    for i, (sample, _) in enumerate(batch):
         array = first if i == 0 else _image_array(sample)
         if array.shape != first.shape:
             raise ValueError(
                 f"fast_collate needs images of one size, but sample {i} is {array.shape} and sample 0 is {first.shape}"
             )
         view[i] = array.transpose(2, 0, 1)
-        labels[i] = int(label)
-    return out, labels
+    return out, label_tensor(batch, "fast_collate")
 
 
 def list_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[list[Any], torch.Tensor]:
     """Collate ``(sample, label)`` pairs into a list of samples and int64 labels.
 
     For samples the default collate cannot stack: PIL images, bytes, images of
-    different sizes.
+    different sizes. A label that is not a whole number raises ``TypeError``.
     """
-    return [sample for sample, _ in batch], torch.tensor([int(label) for _, label in batch], dtype=torch.int64)
+    return [sample for sample, _ in batch], label_tensor(batch, "list_collate")
+
+
+def label_tensor(batch: Sequence[tuple[Any, Any]], collate: str) -> torch.Tensor:
+    """The class labels of ``(sample, label)`` pairs as an int64 tensor.
+
+    Raises:
+        TypeError: a label is not a whole number (a float target, a string):
+            ``int()`` would truncate 0.7 to 0 silently.
+    """
+    labels = []
+    for i, (_, label) in enumerate(batch):
+        try:
+            labels.append(operator.index(label))
+        except TypeError:
+            raise TypeError(
+                f"{collate} collates class labels into int64, but sample {i} has label {label!r} "
+                f"({type(label).__name__}): for other targets pass a collate_fn of your own"
+            ) from None
+    return torch.tensor(labels, dtype=torch.int64)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -27,6 +27,7 @@ from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
 from packdata.pack.index import FIELD_FILES, SIZES_FILE
+from packdata.reading.loader import label_tensor
 from packdata.reading.samplers import check_rank_world, order_number, resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
@@ -292,8 +293,7 @@ class PadCollate:
         padded = torch.full((len(codes), int(lengths.max()) if len(codes) else 0), self.pad_value, dtype=dtype)
         for i, c in enumerate(codes):
             padded[i, : len(c)] = c.to(dtype)
-        labels = torch.tensor([int(label) for _, label in batch], dtype=torch.int64)
-        return padded, lengths, labels
+        return padded, lengths, label_tensor(batch, "pad_collate")
 
     def __repr__(self) -> str:
         return f"PadCollate(pad_value={self.pad_value}, dtype={self.dtype})"
