@@ -2619,6 +2619,22 @@ def test_a_ray_driver_looks_objects_up_again_after_a_5xx_reply_but_not_after_a_d
         assert hits[head] == 7
 
 
+def _rewrite_after_listing(monkeypatch, fs, path: str) -> bytes:
+    """Rewrite the object ``path`` at its size once the local engine has listed its source; return the new bytes."""
+    import packdata.conversion.upload as upload
+
+    rewritten = bytearray(fs.cat_file(path))
+    rewritten[len(rewritten) // 2] ^= 0xFF
+    check_room = upload._check_room
+
+    def rewrite_then_check_room(*args) -> None:  # after the listing, before the downloads
+        fs.pipe_file(path, bytes(rewritten))
+        check_room(*args)
+
+    monkeypatch.setattr(upload, "_check_room", rewrite_then_check_room)
+    return bytes(rewritten)
+
+
 @pytest.mark.parametrize("whole", [True, False])
 def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_changed_skip(
     s3, tmp_path: Path, monkeypatch, whole: bool
@@ -2632,20 +2648,31 @@ def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_cha
         monkeypatch.setattr(upload, "_READ_WHOLE", 0)
     root = f"packs/rewritten-src-{whole}"
     fs.put(str(_two_classes(tmp_path / "src", 5)), root, recursive=True)
-    rewritten = bytearray(fs.cat_file(f"{root}/dog/3.jpg"))
-    rewritten[len(rewritten) // 2] ^= 0xFF
-    check_room = upload._check_room
-
-    def rewrite_then_check_room(*args) -> None:  # after the listing, before the downloads
-        fs.pipe_file(f"{root}/dog/3.jpg", bytes(rewritten))
-        check_room(*args)
-
-    monkeypatch.setattr(upload, "_check_room", rewrite_then_check_room)
+    rewritten = _rewrite_after_listing(monkeypatch, fs, f"{root}/dog/3.jpg")
     result = packdata.convert(f"s3://{root}", tmp_path / "got.lmdb", storage_options=options, progress=False)
     assert result.packed == 9 and result.skipped == {"changed": 1}
-    assert bytes(rewritten) not in [data for _, data, _ in _samples(tmp_path / "got.lmdb")]
+    assert rewritten not in [data for _, data, _ in _samples(tmp_path / "got.lmdb")]
     lines = [json.loads(line) for line in (tmp_path / "got.lmdb" / "skipped.jsonl").read_text().splitlines()]
     assert [(line["key"], line["reason"]) for line in lines] == [("dog/3.jpg", "changed")]
+
+
+def test_a_class_whose_every_object_changed_before_its_download_keeps_its_label(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """The class vanished from the downloaded folder, so every class after it took the label before it."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    root = "packs/class-changed"
+    fs.put(str(_two_classes(tmp_path / "src", 7)), root, recursive=True)
+    fs.pipe_file(f"{root}/ant/0.jpg", image_bytes(99, (30, 20)))
+    _rewrite_after_listing(monkeypatch, fs, f"{root}/ant/0.jpg")
+    result = packdata.convert(f"s3://{root}", tmp_path / "got.lmdb", storage_options=options, progress=False)
+    assert result.packed == 10 and result.skipped == {"changed": 1}
+    ds = packdata.LMDBDataset(tmp_path / "got.lmdb", decode="bytes")
+    assert ds.classes == ["ant", "cat", "dog"]
+    assert {key: ds[i][1] for i, key in enumerate(ds.keys)} == {
+        f"{c}/{i}.jpg": {"cat": 1, "dog": 2}[c] for c in ("cat", "dog") for i in range(5)
+    }
 
 
 def test_a_few_5xx_replies_to_the_destination_manifest_look_ups_and_removal_are_tried_again(

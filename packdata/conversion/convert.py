@@ -36,7 +36,7 @@ from packdata.conversion.publish import (
     recover_replaced,
 )
 from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
-from packdata.conversion.sources import Skip, scan_source
+from packdata.conversion.sources import Skip, Source, listed_class, scan_source, with_classes
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
 from packdata.conversion.upload import (
     ShardUploader,
@@ -566,4 +566,11 @@ def _with_refused(source: AnySource, src: Path | str) -> AnySource:
     folder, skips = _REFUSED.get()
     if not skips or not isinstance(src, Path) or src != folder:
         return source
+    if isinstance(source, Source):  # a class none of whose objects was copied is still a class of the listing
+        listed = {top for skip in skips if skip.reason in _MISSED and (top := listed_class(skip.key, source.kind))}
+        source = with_classes(source, listed)
     return cast(AnySource, _WithSkips(source, skips))
+
+
+_MISSED = ("changed", "vanished")
+"""The reasons of objects listed as they are but not copied: the listing's classes count them."""

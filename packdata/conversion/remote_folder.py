@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from packdata.conversion.sources import _EXTENSIONS, RemoteFile, Skip, SourceFile, _is_hidden
+from packdata.conversion.sources import _EXTENSIONS, RemoteFile, Skip, SourceFile, _is_hidden, listed_class
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.urls import (
@@ -196,17 +196,7 @@ def scan_remote_folder(
         kind = _detect_kind(names, shown)
     elif kind not in _EXTENSIONS:
         raise ConfigError(f"kind should be 'image', 'text' or 'auto', but got kind={kind!r}")
-    extensions = _EXTENSIONS[kind]
-    classes = sorted(
-        {
-            top
-            for top, _, rest in (rel.partition("/") for _, rel, _, _ in objects)
-            if rest
-            and not top.startswith(".")
-            and not _is_hidden(rest)
-            and os.path.splitext(rest)[1].lower() in extensions
-        }
-    )
+    classes = sorted({top for _, rel, _, _ in objects if (top := listed_class(rel, kind)) is not None})
     return RemoteFolder(root=shown, kind=kind, classes=classes, fs=fs, objects=objects, refused=refused)
 
 

@@ -185,6 +185,14 @@ def _is_hidden(rel: str) -> bool:
     return rel.startswith(".") or "/." in rel
 
 
+def listed_class(rel: str, kind: str) -> str | None:
+    """The class folder a listed file ``rel`` gives a class-folder source of ``kind``, or None where it gives none."""
+    top, _, rest = rel.partition("/")
+    if not rest or top.startswith(".") or _is_hidden(rest) or _extension(rest) not in _EXTENSIONS[kind]:
+        return None
+    return top
+
+
 def _extension(rel: str) -> str:
     """The lowercased extension of ``rel``'s last part, as ``os.path.splitext`` finds it."""
     name = rel[rel.rfind("/") + 1 :].lstrip(".")
@@ -324,6 +332,12 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
         and _has_candidate(Path(entry.path), kind)
     )
     return Source(root=root, kind=kind, classes=classes, _class_to_idx={c: i for i, c in enumerate(classes)})
+
+
+def with_classes(source: Source, listed: set[str]) -> Source:
+    """``source``, its classes united with ``listed`` (classes whose files all went missing keep their labels)."""
+    classes = sorted({*source.classes, *listed})
+    return Source(source.root, source.kind, classes, source.codecs, {c: i for i, c in enumerate(classes)})
 
 
 def _has_candidate(directory: Path, kind: str) -> bool:
