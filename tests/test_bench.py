@@ -284,6 +284,31 @@ def test_bench_cli_refuses_an_output_it_could_not_write_before_measuring(
         assert not out.parent.is_dir() or not any(out.parent.iterdir())
 
 
+@pytest.mark.root
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_cli_refuses_an_output_root_cannot_create_before_measuring(
+    pack: Path, tmp_path: Path, tmpfs: Any, option: str
+) -> None:
+    """Root passes every permission check on a folder, so --json /proc/bench.json (or a file on a read-only
+    mount) measured every setting and only then failed to write: now nothing is measured, and an existing
+    output file is left as it was."""
+    readonly = tmpfs("1m", options="ro")
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"old")
+    base = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", "1"]
+    for out, reason in (("/proc/bench.png", "No such file or directory"), (readonly / "b.png", "Read-only")):
+        result = CliRunner().invoke(cli_main, [*base, option, str(out)])
+        assert result.exit_code == 2, result.output
+        assert f"cannot write '{out}': {reason}" in result.output
+        assert "ceiling" not in result.output  # nothing was measured
+    if option == "--json":  # a writable one: written at the end, and not created early when a run is refused
+        result = CliRunner().invoke(cli_main, [*base, "--workers", "x", option, str(kept)])
+        assert result.exit_code == 2 and kept.read_bytes() == b"old"
+        fresh = tmp_path / "fresh.json"
+        assert CliRunner().invoke(cli_main, [*base, option, str(fresh)]).exit_code == 0
+        assert [r["source"] for r in json.loads(fresh.read_text())["results"]] == [CEILING, str(pack)]
+
+
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:
     """--plot bench.out ran the whole bench, then matplotlib's savefig raised a raw ValueError (a traceback)."""
     pytest.importorskip("matplotlib")
