@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -362,6 +363,73 @@ def test_the_cpu_share_counts_the_cpus_the_job_may_run_on(tmp_path: Path) -> Non
     write(100, 100)
     assert confined.sample().cpu_busy == 1.0
     assert whole.sample().cpu_busy == 0.25
+
+
+def test_the_cpu_share_counts_the_cgroup_cpu_quota(tmp_path: Path) -> None:
+    """A container held to 2 CPUs (cpu.max) on a 64-CPU machine that used its 2 read 3% busy, 'CPUs idle:
+    more workers': the share is now the cgroup's CPU time against its quota when that is larger."""
+    from packdata.watch.probe import SystemProbe
+
+    (tmp_path / "proc" / str(os.getpid())).mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 1000000 kB\nMemAvailable: 800000 kB\n")
+    (tmp_path / "proc" / str(os.getpid()) / "cgroup").write_text("0::/job\n")
+    job = tmp_path / "sys/fs/cgroup/job"
+    job.mkdir(parents=True)
+    (job / "cpu.max").write_text("200000 100000\n")
+
+    def write(busy: int, usage_s: int) -> None:  # cpu0 and cpu1 busy, cpu2..cpu63 idle; the cgroup's usage
+        rows = [[busy, 0, 0, 0, 0, 0, 0, 0]] * 2 + [[0, 0, 0, busy, 0, 0, 0, 0]] * 62
+        lines = [" ".join([f"cpu{i}", *map(str, r)]) for i, r in enumerate(rows)]
+        (tmp_path / "proc" / "stat").write_text("\n".join(["cpu 0 0 0 0 0 0 0 0", *lines, "intr 0", ""]))
+        (job / "cpu.stat").write_text(f"usage_usec {usage_s * 10**6}\nuser_usec 0\nsystem_usec 0\n")
+
+    write(0, 0)
+    probe = SystemProbe(root=str(tmp_path), gpus=False, packs=False, cpus=range(64))
+    time.sleep(0.05)
+    write(100, 3600)  # more than 2 CPUs' worth of the time since: its quota used up
+    snap = probe.sample()
+    assert snap.cpu_busy == 1.0 and snap.cores <= 2
+    diagnosis = diagnose(_m(wait_share=0.5, cpu_busy=snap.cpu_busy, cores=snap.cores))
+    assert "decoding is the limit" in diagnosis.message and diagnosis.num_workers is None
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_monitor_counts_the_cores_and_cpu_quota_of_the_watched_job(tmp_path: Path) -> None:
+    """packdata monitor PID counted the cores of its own process: a job in a cgroup held to 0.1 CPU showed the
+    machine's cores, and its CPU share against all of them. A real cgroup (v2 cpu.max, or v1 cpu and cpuacct)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup")
+    name = f"packdata-test-{os.getpid()}"
+    cgroup = Path("/sys/fs/cgroup")
+    v2 = (cgroup / "cgroup.controllers").is_file()
+    groups = [cgroup / name] if v2 else [cgroup / "cpu" / name, cgroup / "cpuacct" / name]
+    job = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        try:
+            if v2 and "cpu" not in (cgroup / "cgroup.subtree_control").read_text().split():
+                pytest.skip("the cgroup v2 cpu controller is not enabled at /sys/fs/cgroup")
+            for group in groups:
+                group.mkdir()
+            if v2:
+                (groups[0] / "cpu.max").write_text("10000 100000")
+            else:
+                (groups[0] / "cpu.cfs_quota_us").write_text("10000")
+            for group in groups:
+                (group / "cgroup.procs").write_text(str(job.pid))
+        except OSError as exc:
+            pytest.skip(f"cannot create a cgroup with a CPU quota here: {exc}")
+        out = CliRunner().invoke(main, ["monitor", str(job.pid), "--json", "--count", "1", "--interval", "0.5"])
+        assert out.exit_code == 0, out.output
+        sample = json.loads(out.output)
+        assert sample["cores"] == 1  # 0.1 CPU's quota, whatever the machine has
+        assert sample["cpu_busy"] >= 0.5  # it spins at its quota: the machine's share alone was 0.1 / cores
+    finally:
+        job.kill()
+        job.wait()
+        for group in groups:
+            if group.is_dir():
+                group.rmdir()
 
 
 @pytest.mark.timeout(30)

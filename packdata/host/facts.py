@@ -34,6 +34,7 @@ __all__ = [
     "is_network_fs",
     "is_rotational",
     "read_cgroup_cpu_quota",
+    "read_cgroup_cpu_usage",
     "read_cgroup_memory",
     "read_cgroup_memory_limit",
     "read_cpus_allowed",
@@ -347,6 +348,24 @@ def count_physical_cores(cpus: tuple[int, ...], root: str | os.PathLike = "/") -
     return len(cores) or None
 
 
+def _cgroup_cpu_quotas(root: str | os.PathLike, proc_self_cgroup: str | None) -> list[tuple[float, Path]]:
+    """Every CPU quota on this process's cgroup and its parents, in CPUs, with the folder holding it."""
+    paths = _cgroup_paths(root, proc_self_cgroup, "cpu")
+    quotas: list[tuple[float, Path]] = []
+    if 2 in paths:
+        for d in _cgroup_dirs(_p(root, "sys/fs/cgroup"), paths[2]):
+            quota, _, period = (_read(d / "cpu.max") or "").partition(" ")
+            if quota.strip().isdigit() and period.strip().isdigit() and int(period):
+                quotas.append((int(quota) / int(period), d))
+    if 1 in paths:
+        for base in ("sys/fs/cgroup/cpu,cpuacct", "sys/fs/cgroup/cpu"):
+            for d in _cgroup_dirs(_p(root, base), paths[1]):
+                us, period_us = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+                if us and period_us:  # -1 (no quota) does not read as an int
+                    quotas.append((us / period_us, d))
+    return quotas
+
+
 def read_cgroup_cpu_quota(root: str | os.PathLike = "/", proc_self_cgroup: str | None = None) -> float | None:
     """CPUs' worth of time this process's cgroup may use (``cpu.max`` of ``200000 100000`` is 2.0).
 
@@ -357,20 +376,31 @@ def read_cgroup_cpu_quota(root: str | os.PathLike = "/", proc_self_cgroup: str |
     Returns:
         The quota in CPUs; None when there is none (``max``, ``-1``) or no CPU controller.
     """
-    paths = _cgroup_paths(root, proc_self_cgroup, "cpu")
-    quotas: list[float] = []
-    if 2 in paths:
-        for d in _cgroup_dirs(_p(root, "sys/fs/cgroup"), paths[2]):
-            quota, _, period = (_read(d / "cpu.max") or "").partition(" ")
-            if quota.strip().isdigit() and period.strip().isdigit() and int(period):
-                quotas.append(int(quota) / int(period))
-    if 1 in paths:
-        for base in ("sys/fs/cgroup/cpu,cpuacct", "sys/fs/cgroup/cpu"):
-            for d in _cgroup_dirs(_p(root, base), paths[1]):
-                us, period_us = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
-                if us and period_us:  # -1 (no quota) does not read as an int
-                    quotas.append(us / period_us)
-    return min(quotas, default=None)
+    return min((quota for quota, _ in _cgroup_cpu_quotas(root, proc_self_cgroup)), default=None)
+
+
+def read_cgroup_cpu_usage(root: str | os.PathLike = "/", proc_self_cgroup: str | None = None) -> float | None:
+    """CPU seconds used so far by the cgroup whose quota binds this process (see :func:`read_cgroup_cpu_quota`).
+
+    v2 reads ``usage_usec`` of its ``cpu.stat``, v1 its ``cpuacct.usage`` (beside the
+    quota, or at the same path under ``cpuacct`` when that is mounted apart).
+
+    Returns:
+        The seconds; None without a quota or where the usage cannot be read.
+    """
+    quotas = _cgroup_cpu_quotas(root, proc_self_cgroup)
+    if not quotas:
+        return None
+    _, where = min(quotas, key=lambda item: item[0])
+    if (usec := _stat_value(where / "cpu.stat", "usage_usec")) is not None:
+        return usec / 1e6
+    v1, cpu_apart = [where], _p(root, "sys/fs/cgroup/cpu")
+    if where.is_relative_to(cpu_apart):
+        v1.append(_p(root, "sys/fs/cgroup/cpuacct") / where.relative_to(cpu_apart))
+    for d in v1:
+        if (ns := _read_int(d / "cpuacct.usage")) is not None:
+            return ns / 1e9
+    return None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class Measurements:
     """What one period (or an epoch) measured."""
 
     wait_share: float  # share of the loop's time spent waiting in next()
-    cpu_busy: float  # share of the machine's CPU time busy
+    cpu_busy: float  # share of the job's CPU time busy (its CPUs, or its cgroup's CPU quota)
     iowait: float  # share of CPU time waiting for I/O
     num_workers: int
     cores: int  # usable cores

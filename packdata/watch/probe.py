@@ -2,7 +2,10 @@
 
 Every figure comes from ``/proc`` (and the cgroup files) through :mod:`packdata.host`
 and :func:`packdata.host.processes.process_memory`; the CPU and iowait shares are
-the deltas of ``/proc/stat`` between two samples, over the CPUs the process may run on.
+the deltas of ``/proc/stat`` between two samples, over the CPUs the process may run on;
+under a cgroup CPU quota (``cpu.max``) the busy share is also the cgroup's CPU time
+against that quota, and the larger of the two counts (a container held to 2 CPUs of 64
+is saturated when it uses its 2, while the machine looks idle).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from typing import Any
 import psutil
 
 from packdata.host.cores import usable_cores
-from packdata.host.facts import nvml_gpus, read_cgroup_memory, read_meminfo
+from packdata.host.facts import (
+    count_physical_cores,
+    gather_facts,
+    nvml_gpus,
+    read_cgroup_cpu_quota,
+    read_cgroup_cpu_usage,
+    read_cgroup_memory,
+    read_meminfo,
+)
 from packdata.host.processes import process_memory, worker_processes
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
@@ -44,9 +55,9 @@ class Snapshot:
     mem_available: int
     swap_used: int
     cgroup_limit: int | None
-    cpu_busy: float  # share of all usable CPUs busy since the previous sample
+    cpu_busy: float  # share of the job's CPUs (or of its cgroup's CPU quota) busy since the previous sample
     iowait: float  # share of CPU time waiting for I/O since the previous sample
-    cores: int
+    cores: int  # the job's usable cores (its CPUs, cut to its cgroup's CPU quota)
     processes: list[ProcessMemory] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, utilization, used and total bytes
     packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
@@ -155,7 +166,19 @@ class SystemProbe:
                 cpus = self._process.cpu_affinity()
         self._cpus = frozenset(cpus) if cpus else None
         self._last = _cpu_times(root, self._cpus)
-        self._cores = usable_cores()
+        try:  # the watched process's cgroup, not this one's: packdata monitor may run outside the job's container
+            with open(os.path.join(root, f"proc/{self.pid}/cgroup"), encoding="utf-8", errors="replace") as f:
+                self._cgroup = f.read()
+        except OSError:
+            self._cgroup = ""
+        self._quota = read_cgroup_cpu_quota(root, self._cgroup)
+        self._usage = (time.monotonic(), read_cgroup_cpu_usage(root, self._cgroup))
+        facts = gather_facts(root, include_gpus=False)
+        if self._cpus:
+            facts.cpus_allowed = len(self._cpus)
+            facts.cores_allowed = count_physical_cores(tuple(sorted(self._cpus)), root)
+        facts.cpu_quota = self._quota
+        self._cores = usable_cores(facts)
 
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
@@ -164,6 +187,10 @@ class SystemProbe:
         busy = 1.0 - (idle - self._last[1] + iowait - self._last[2]) / d_total
         wait = (iowait - self._last[2]) / d_total
         self._last = (total, idle, iowait)
+        now, usage = time.monotonic(), read_cgroup_cpu_usage(self.root, self._cgroup)
+        (then, used), self._usage = self._usage, (now, usage)
+        if self._quota and usage is not None and used is not None and now > then:
+            busy = max(busy, (usage - used) / (self._quota * (now - then)))
         mem = read_meminfo(self.root)
         cgroup = read_cgroup_memory(self.root)
         processes = []
