@@ -192,7 +192,7 @@ class SystemProbe:
         if self._quota and usage is not None and used is not None and now > then:
             busy = max(busy, (usage - used) / (self._quota * (now - then)))
         mem = read_meminfo(self.root)
-        cgroup = read_cgroup_memory(self.root)
+        cgroup = read_cgroup_memory(self.root, self._cgroup)
         processes = []
         children = [c for c in worker_processes(self._process) if _worker_like(c)]
         for role, proc in [("main", self._process), *(("worker", c) for c in children)]:
