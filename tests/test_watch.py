@@ -468,6 +468,18 @@ def test_monitor_reads_the_memory_limit_of_the_watched_job(tmp_path: Path) -> No
     assert json.loads(out.output)["cgroup_limit"] == 256 << 20
 
 
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_the_memory_available_to_a_job_is_cut_to_its_cgroup_headroom(tmp_path: Path) -> None:
+    """Available memory was the machine's MemAvailable: a job holding 200 MiB of its cgroup's 256 MiB read
+    gigabytes available, and the OOM warning (available under 10% of the limit) could never fire."""
+    holds = "held = b'x' * (200 << 20)\nprint('ready', flush=True)\nimport time\ntime.sleep(60)"
+    with _job_in_cgroup(tmp_path, holds, **{"memory.max": str(256 << 20)}) as pid:
+        out = CliRunner().invoke(main, ["monitor", str(pid), "--json", "--count", "1", "--interval", "0.1"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["mem_available"] < 56 << 20
+
+
 @pytest.mark.timeout(30)
 def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
     """A job that ended is a zombie until its parent reaps it: psutil.pid_exists() is true for it, so

@@ -128,6 +128,12 @@ class CgroupMemory:
             return None
         return max(0, self.limit - max(0, (self.usage or 0) - (self.inactive_file or 0)))
 
+    def available(self, mem_available: int) -> int:
+        """``mem_available`` (the machine's MemAvailable) cut to the headroom: what a process in this cgroup may
+        still allocate."""
+        headroom = self.headroom
+        return mem_available if headroom is None else min(mem_available, headroom)
+
 
 def _stat_value(path: Path, key: str) -> int | None:
     for line in (_read(path) or "").splitlines():

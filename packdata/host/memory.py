@@ -49,8 +49,7 @@ def default_reserve(facts: SystemFacts) -> int:
 
 
 def _available(facts: SystemFacts) -> int:
-    headroom = facts.cgroup.headroom
-    return facts.memory.mem_available if headroom is None else min(facts.memory.mem_available, headroom)
+    return facts.cgroup.available(facts.memory.mem_available)
 
 
 def safe_tmpfs_size(facts: SystemFacts, reserve: int | None = None) -> int:

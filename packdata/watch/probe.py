@@ -52,7 +52,7 @@ class Snapshot:
 
     time: float
     mem_total: int
-    mem_available: int
+    mem_available: int  # MemAvailable, cut to the headroom under the job's cgroup memory limit
     swap_used: int
     cgroup_limit: int | None
     cpu_busy: float  # share of the job's CPUs (or of its cgroup's CPU quota) busy since the previous sample
@@ -207,7 +207,7 @@ class SystemProbe:
         return Snapshot(
             time.time(),
             mem.mem_total,
-            mem.mem_available,
+            cgroup.available(mem.mem_available),
             mem.swap_used,
             cgroup.limit,
             max(0.0, min(1.0, busy)),
