@@ -247,6 +247,16 @@ def test_help_teaches() -> None:
     assert result.exit_code == 0 and "Examples:" in result.output and "--resume" in result.output
 
 
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_decode_choices_are_explained_in_help(command: str) -> None:
+    """tune --help listed --decode [bytes|pil|reduced|crop] with no word on what each does (bench's did)."""
+    result = _run(command, "--help")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0
+    for said in ("bytes: no decoding", "pil: full decode", "reduced: JPEG DCT-scaled decode", "crop: DecodeCrop"):
+        assert said in text, (command, said)
+
+
 def test_library_keywords_are_said_as_the_commands_flags() -> None:
     from packdata.cli import as_flags
 

@@ -32,6 +32,18 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return values
 
 
+_decode_option = click.option(
+    "--decode",
+    type=click.Choice(["bytes", "pil", "reduced", "crop"]),
+    default="pil",
+    show_default=True,
+    help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to the output side (bench: "
+    "--size; tune: 224); crop: DecodeCrop, decoding only what the random crop needs: its rows and columns with "
+    "TurboJPEG 3 (pip install 'packdata[turbo]'), else PIL's DCT scaling (bench's ceiling is then PIL's full "
+    "decode + crop).",
+)
+
+
 @click.command()
 @click.argument("sources", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option(
@@ -58,15 +70,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="prefetch_factor values to sweep, comma-separated.",
 )
 @click.option("--persistent-workers", is_flag=True, help="Keep workers between epochs.")
-@click.option(
-    "--decode",
-    type=click.Choice(["bytes", "pil", "reduced", "crop"]),
-    default="pil",
-    show_default=True,
-    help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to --size; crop: DecodeCrop, "
-    "decoding only what the random crop needs: its rows and columns with TurboJPEG 3 (pip install "
-    "'packdata[turbo]'), else PIL's DCT scaling (the ceiling is then PIL's full decode + crop).",
-)
+@_decode_option
 @click.option("--no-transform", is_flag=True, help="Skip the standard transform (crop to --size, flip, uint8).")
 @click.option(
     "--size", type=click.IntRange(min=1), default=224, show_default=True, help="Output side of the transform."
@@ -210,7 +214,7 @@ def bench(
     help="Your training batch size (kept); several values, comma-separated, are searched (e.g. 32,64,128).",
 )
 @click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
-@click.option("--decode", type=click.Choice(["bytes", "pil", "reduced", "crop"]), default="pil", show_default=True)
+@_decode_option
 @click.option(
     "--seconds",
     type=_FiniteFloat(min=0, min_open=True),
