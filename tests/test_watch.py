@@ -480,6 +480,52 @@ def test_the_memory_available_to_a_job_is_cut_to_its_cgroup_headroom(tmp_path: P
     assert json.loads(out.output)["mem_available"] < 56 << 20
 
 
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_monitor_refuses_a_job_whose_memory_it_cannot_read() -> None:
+    """Watching another user's job without root drew '0 workers, private 0 B' every interval, as if the job
+    held no memory: its /proc files are unreadable. Now one line says so. Run as nobody in a forked child."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    import importlib
+    import pwd
+    import traceback
+
+    from packdata.watch.screen import watch_process
+
+    importlib.import_module("encodings.ascii")  # the probe reads /proc/stat as ASCII: imported while we may
+
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # nothing is imported from here on: the interpreter's files are not nobody's to read
+        try:
+            nobody = pwd.getpwnam("nobody")
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            out = io.StringIO()
+            watch_process(job.pid, interval=0.1, count=1, stream=out)
+            said = f"no error; printed {out.getvalue()!r}"
+        except packdata.ConfigError as exc:
+            said = str(exc)
+        except BaseException:
+            said = traceback.format_exc()
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        os.waitpid(child, 0)
+        with os.fdopen(read, "rb") as f:
+            said = f.read().decode()
+    finally:
+        job.kill()
+        job.wait()
+    assert said == (
+        f"cannot read the memory of process {job.pid} (a process of user root). "
+        "Run packdata monitor as that user, or as root"
+    )
+
+
 @pytest.mark.timeout(30)
 def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
     """A job that ended is a zombie until its parent reaps it: psutil.pid_exists() is true for it, so

@@ -160,10 +160,10 @@ class SystemProbe:
         self.pid = pid or os.getpid()
         self._gpus, self._packs = gpus, packs
         self.root = root
-        self._process = psutil.Process(self.pid)
+        self.process = psutil.Process(self.pid)
         if cpus is None:
             with contextlib.suppress(psutil.Error, AttributeError):  # no affinity on macOS
-                cpus = self._process.cpu_affinity()
+                cpus = self.process.cpu_affinity()
         self._cpus = frozenset(cpus) if cpus else None
         self._last = _cpu_times(root, self._cpus)
         try:  # the watched process's cgroup, not this one's: packdata monitor may run outside the job's container
@@ -194,8 +194,8 @@ class SystemProbe:
         mem = read_meminfo(self.root)
         cgroup = read_cgroup_memory(self.root, self._cgroup)
         processes = []
-        children = [c for c in worker_processes(self._process) if _worker_like(c)]
-        for role, proc in [("main", self._process), *(("worker", c) for c in children)]:
+        children = [c for c in worker_processes(self.process) if _worker_like(c)]
+        for role, proc in [("main", self.process), *(("worker", c) for c in children)]:
             figures = process_memory(proc)
             if figures is None:
                 continue

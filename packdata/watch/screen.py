@@ -17,6 +17,7 @@ from typing import TextIO
 import psutil
 
 from packdata.errors import ConfigError
+from packdata.host.processes import process_memory
 from packdata.units import format_size
 from packdata.watch.diagnose import MEMORY_LOW
 from packdata.watch.probe import Snapshot, SystemProbe
@@ -114,6 +115,11 @@ def watch_process(
     out = stream or sys.stdout
     try:
         probe = SystemProbe(pid)
+        if process_memory(probe.process) is None and _running(pid):  # not ours: it would show as 0 B, 0 workers
+            raise ConfigError(
+                f"cannot read the memory of process {pid} (a process of user {probe.process.username()})",
+                hint="Run packdata monitor as that user, or as root",
+            )
     except psutil.NoSuchProcess:
         raise ConfigError(f"no process {pid}", hint="Check the PID, or pass --name") from None
     tty = out.isatty() and not as_json
