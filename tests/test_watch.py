@@ -526,6 +526,44 @@ def test_monitor_refuses_a_job_whose_memory_it_cannot_read() -> None:
     )
 
 
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process() -> None:
+    """The job ended and a new process took its pid: packdata monitor went on watching the stranger as the job.
+    The kernel's next pid is set (ns_last_pid, root) so a new process really gets the ended job's pid."""
+    import threading
+
+    from packdata.watch.screen import watch_process
+
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
+        pytest.skip("needs root and a writable /proc/sys/kernel/ns_last_pid to hand a pid on")
+    job = subprocess.Popen(["sleep", "60"])
+    out = io.StringIO()
+    watcher = threading.Thread(target=watch_process, args=(job.pid,), kwargs={"interval": 3, "count": 1, "stream": out})
+    watcher.start()
+    time.sleep(0.2)  # the probe holds the job
+    job.kill()
+    job.wait()
+    stranger = None
+    try:
+        for _ in range(20):  # another process on the machine may start in between and take it: again
+            last_pid.write_text(str(job.pid - 1))
+            stranger = subprocess.Popen(["sleep", "60"])
+            if stranger.pid == job.pid:
+                break
+            stranger.kill()
+            stranger.wait()
+        else:
+            pytest.skip("could not hand the pid on: the machine starts processes too fast")
+        watcher.join()
+    finally:
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()
+    assert out.getvalue() == f"process {job.pid} has ended\n"
+
+
 @pytest.mark.timeout(30)
 def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
     """A job that ended is a zombie until its parent reaps it: psutil.pid_exists() is true for it, so

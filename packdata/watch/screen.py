@@ -100,10 +100,11 @@ def _one_line(snap: Snapshot, pid: int) -> str:
     )
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` still runs: a process that ended and was not yet reaped (a zombie) has ended."""
+def _running(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs: one that ended and was not yet reaped (a zombie) has ended, and so has
+    one whose pid a new process now holds (``is_running`` compares start times)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -115,7 +116,7 @@ def watch_process(
     out = stream or sys.stdout
     try:
         probe = SystemProbe(pid)
-        if process_memory(probe.process) is None and _running(pid):  # not ours: it would show as 0 B, 0 workers
+        if process_memory(probe.process) is None and _running(probe.process):  # not ours: it would read 0 B
             raise ConfigError(
                 f"cannot read the memory of process {pid} (a process of user {probe.process.username()})",
                 hint="Run packdata monitor as that user, or as root",
@@ -126,7 +127,7 @@ def watch_process(
     n = 0
     while count is None or n < count:
         time.sleep(interval)
-        if not _running(pid):
+        if not _running(probe.process):
             print(f"process {pid} has ended", file=out, flush=True)
             return
         snap = probe.sample()
