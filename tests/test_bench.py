@@ -309,6 +309,24 @@ def test_bench_cli_refuses_an_output_root_cannot_create_before_measuring(
         assert [r["source"] for r in json.loads(fresh.read_text())["results"]] == [CEILING, str(pack)]
 
 
+def test_bench_sweeping_prefetch_factors_gives_rows_told_apart(pack: Path, tmp_path: Path) -> None:
+    """--workers 0,1 --prefetch-factor 2,4 measured 0 workers twice (nothing is prefetched without workers) and
+    printed four rows per source in pairs that read the same, 'workers batch samples/s', with different figures:
+    no column said which prefetch factor a row had."""
+    out = tmp_path / "bench.json"
+    args = ["bench", str(pack), "--workers", "0,1", "--prefetch-factor", "2,4", "--batch-size", str(BATCH)]
+    result = CliRunner().invoke(cli_main, [*args, "--batches", "1", "--warmup", "0", "-q", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    measured = [(r["source"], r["num_workers"], r["prefetch_factor"]) for r in json.loads(out.read_text())["results"]]
+    assert measured == [(s, w, f) for s in (CEILING, str(pack)) for w, f in ((0, 2), (1, 2), (1, 4))]
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:4] == ["source", "workers", "batch", "pf"]
+    rows = [line.split()[:4] for line in lines[1:7]]
+    assert rows == [
+        [s, w, str(BATCH), f] for s in (CEILING, str(pack)) for w, f in (("0", "-"), ("1", "2"), ("1", "4"))
+    ]
+
+
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:
     """--plot bench.out ran the whole bench, then matplotlib's savefig raised a raw ValueError (a traceback)."""
     pytest.importorskip("matplotlib")

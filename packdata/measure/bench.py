@@ -91,23 +91,30 @@ class BenchResult:
         """
         width = max([len(r.source) for r in self.results] + [6])
         waiting = any(r.step_ms for r in self.results)
-        head = f"{'source':<{width}} {'workers':>7} {'batch':>5} {'samples/s':>10} {'spread':>7} {'x ceiling':>9}"
+        # a swept pin_memory or prefetch_factor gets its column: rows that differ by it are told apart
+        pin = wide or len({r.pin_memory for r in self.results}) > 1
+        pf = wide or len({r.prefetch_factor for r in self.results}) > 1
+        head = f"{'source':<{width}} {'workers':>7} {'batch':>5}"
+        head += (f" {'pin':>3}" if pin else "") + (f" {'pf':>2}" if pf else "")
+        head += f" {'samples/s':>10} {'spread':>7} {'x ceiling':>9}"
         head += f" {'wait%':>5}" if waiting else ""
         head += f" {'private mem':>11} {'avail min':>10}"
         if wide:
             head += (
-                f" {'pin':>3} {'pf':>2} {'MB/s':>7} {'cpu ms':>6} {'first s':>7} {'p50 ms':>6} {'p95 ms':>6}"
+                f" {'MB/s':>7} {'cpu ms':>6} {'first s':>7} {'p50 ms':>6} {'p95 ms':>6}"
                 f" {'USS main':>10} {'USS wk':>10} {'file':>10}"
             )
         lines = [head]
         for r in self.results:
+            line = f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5}"
+            line += (f" {'y' if r.pin_memory else 'n':>3}" if pin else "") + (f" {_pf(r):>2}" if pf else "")
             if r.error:
-                lines.append(f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5}  error: {r.error}")
+                lines.append(f"{line}  error: {r.error}")
                 continue
             mem = r.memory
             ratio = f"{r.vs_ceiling:.2f}" if r.vs_ceiling is not None else "-"
             spread = _spread(r)
-            line = f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5} {r.samples_per_s:>10.1f}"
+            line += f" {r.samples_per_s:>10.1f}"
             line += f" {spread:>7} {ratio:>9}"
             line += f" {100 * r.data_wait_share:>5.1f}" if waiting else ""
             # an upper bound: the total's peak, sampled every 0.25 s, can miss the instant both peak at once
@@ -115,7 +122,7 @@ class BenchResult:
             line += f" {format_size(private):>11} {format_size(mem['mem_available_min']):>10}"
             if wide:
                 line += (
-                    f" {'y' if r.pin_memory else 'n':>3} {r.prefetch_factor:>2} {r.mb_per_s:>7.1f}"
+                    f" {r.mb_per_s:>7.1f}"
                     f" {r.cpu_ms_per_sample:>6.2f} {r.first_batch_s:>7.2f} {r.wait_p50_ms:>6.1f} {r.wait_p95_ms:>6.1f}"
                     f" {format_size(mem['main']['uss_peak']):>10} {format_size(mem['workers']['uss_peak']):>10}"
                     f" {format_size(mem['total']['file_peak']):>10}"
@@ -152,6 +159,11 @@ class BenchResult:
         top = max(rows, key=lambda r: r.samples_per_s)
         close = [r for r in rows if r.samples_per_s >= top.samples_per_s_min and r.source == top.source]
         return min(close, key=lambda r: (r.num_workers, r.batch_size, -r.samples_per_s))
+
+
+def _pf(r: ConfigResult) -> str:
+    """The prefetch factor, or ``-`` without workers (the main process loads each batch when asked)."""
+    return str(r.prefetch_factor) if r.num_workers else "-"
 
 
 def _spread(r: ConfigResult) -> str:
@@ -227,7 +239,8 @@ def run_bench(
     Args:
         sources: packs (LMDB, TFRecord) and raw folders.
         workers, batch_sizes, pin_memory, prefetch_factor: values to sweep
-            (every combination); ``pin_memory`` is measured off without CUDA.
+            (every combination); ``pin_memory`` is measured off without CUDA, and a setting
+            without workers once, with the first prefetch factor (it prefetches nothing).
         persistent_workers: keep workers between epochs.
         decode: ``"bytes"``, ``"pil"``, ``"reduced"`` (DCT-scaled JPEG decode to
             ``size``, see :class:`packdata.DecodeJPEG`), ``"crop"`` (:class:`packdata.DecodeCrop`
@@ -266,12 +279,15 @@ def run_bench(
         transform = standard_transform(size, crop=decode != "crop")  # DecodeCrop crops as it decodes
     if collate_fn is None and (transform is None or decode == "bytes"):
         collate_fn = list_collate
-    configs = [
-        LoaderConfig(w, b, p, f, persistent_workers)
-        for w, b, p, f in itertools.product(
-            _as_tuple(workers), _as_tuple(batch_sizes), _as_tuple(pin_memory), _as_tuple(prefetch_factor)
+    factors = _as_tuple(prefetch_factor)
+    configs = list(
+        dict.fromkeys(  # without workers nothing is prefetched: such a setting is measured once, not per factor
+            LoaderConfig(w, b, p, f if w else factors[0], persistent_workers)
+            for w, b, p, f in itertools.product(
+                _as_tuple(workers), _as_tuple(batch_sizes), _as_tuple(pin_memory), factors
+            )
         )
-    ]
+    )
     for c in configs:
         if c.num_workers < 0 or c.batch_size < 1 or c.prefetch_factor < 1:
             raise ConfigError(f"invalid setting {c}: workers >= 0, batch size >= 1 and prefetch factor >= 1")
