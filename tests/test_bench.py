@@ -450,6 +450,22 @@ def test_tune_cli_json(pack: Path) -> None:
     assert data["recommended"]["projected_bytes"] <= 1 << 20
 
 
+def test_tune_warns_of_a_budget_over_the_memory_there_is(pack: Path) -> None:
+    """--memory-budget 1024TiB was taken silently: tune recommended settings 'within the budget' that the
+    machine (or the container's cgroup limit) cannot hold, and the user read them as safe from the OOM killer."""
+    args = ["tune", str(pack), "--batch-size", "4", "--batches", "1", "--max-workers", "0", "-q"]
+    result = CliRunner().invoke(cli_main, [*args, "--memory-budget", "1024TiB"])
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"^warning: memory_budget=1\.0 PiB is more than the [\d.]+ [KMGT]iB this process may still allocate "
+        r"\(MemAvailable, or the cgroup limit's headroom\): a setting within it can be OOM-killed$",
+        result.stderr,
+        re.M,
+    ), result.stderr
+    fits = CliRunner().invoke(cli_main, [*args, "--memory-budget", "1MiB"])
+    assert fits.exit_code == 0 and "warning" not in fits.stderr
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_recommend_loader_kwargs_respects_the_budget(pack: Path) -> None:
     from torch.utils.data import DataLoader

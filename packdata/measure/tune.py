@@ -38,6 +38,7 @@ from packdata.measure.sources import check_decode, open_source
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate, worker_init_fn
 from packdata.reading.transforms import standard_transform
+from packdata.units import format_size
 
 __all__ = [
     "TuneResult",
@@ -412,6 +413,12 @@ def run_tune(
     collate = list_collate if transform is None or decode == "bytes" or facts["kind"] != "image" else None
     sample_bytes = 3 * size * size if collate is None else max(int(facts["mean_bytes"]), 1)
     warnings: list[str] = []
+    available = read_cgroup_memory().available(psutil.virtual_memory().available)
+    if budget > available:  # the user's word, kept: but settings within it can be OOM-killed
+        warnings.append(
+            f"memory_budget={format_size(budget)} is more than the {format_size(available)} this process may still "
+            "allocate (MemAvailable, or the cgroup limit's headroom): a setting within it can be OOM-killed"
+        )
     cuda = _wants_cuda(device)
     if _device_type(device) == "cuda" and not cuda:
         warnings.append("CUDA is not available: pin_memory is left off and not searched")
