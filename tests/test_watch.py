@@ -564,6 +564,21 @@ def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process() -> None:
     assert out.getvalue() == f"process {job.pid} has ended\n"
 
 
+@pytest.mark.timeout(60)
+def test_monitor_json_keeps_stdout_json_when_the_job_ends() -> None:
+    """'packdata monitor PID --json >> loader.jsonl' appended 'process PID has ended' to the JSONL file when the
+    job ended: a line no JSON reader takes. The note now goes to stderr."""
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        out = CliRunner().invoke(main, ["monitor", str(job.pid), "--json", "--interval", "0.3"])
+    finally:
+        job.wait()
+    assert out.exit_code == 0, out.output
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert records and all(r["pid"] == job.pid for r in records)
+    assert out.stderr == f"process {job.pid} has ended\n"
+
+
 @pytest.mark.timeout(30)
 def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
     """A job that ended is a zombie until its parent reaps it: psutil.pid_exists() is true for it, so

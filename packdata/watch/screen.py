@@ -112,7 +112,10 @@ def _running(process: psutil.Process) -> bool:
 def watch_process(
     pid: int, *, interval: float = 1.0, count: int | None = None, as_json: bool = False, stream: TextIO | None = None
 ) -> None:
-    """Sample ``pid``'s job every ``interval`` seconds until it ends (or ``count`` samples)."""
+    """Sample ``pid``'s job every ``interval`` seconds until it ends (or ``count`` samples).
+
+    ``as_json`` writes one JSON object a line to ``stream``, and the note that the job ended to stderr.
+    """
     out = stream or sys.stdout
     try:
         probe = SystemProbe(pid)
@@ -127,8 +130,8 @@ def watch_process(
     n = 0
     while count is None or n < count:
         time.sleep(interval)
-        if not _running(probe.process):
-            print(f"process {pid} has ended", file=out, flush=True)
+        if not _running(probe.process):  # with --json a note, not a record: stdout stays one JSON object a line
+            print(f"process {pid} has ended", file=sys.stderr if as_json else out, flush=True)
             return
         snap = probe.sample()
         if as_json:
