@@ -595,6 +595,25 @@ def test_monitor_stops_when_the_job_has_ended_but_is_not_reaped() -> None:
         job.wait()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_adaptive_loader_has_a_length_with_worker_only_options(num_workers: int) -> None:
+    """len(AdaptiveLoader(..., prefetch_factor=4)) built a DataLoader with those options and no workers, and
+    torch raised 'prefetch_factor option could only be specified in multiprocessing' (the epochs ran)."""
+    from packdata.watch.adaptive import AdaptiveLoader
+
+    loader = AdaptiveLoader(
+        list(range(10)),
+        batch_size=4,
+        num_workers=num_workers,
+        prefetch_factor=4,
+        persistent_workers=True,
+        stream=io.StringIO(),
+    )
+    assert len(loader) == 3
+    batches = list(loader)
+    assert len(batches) == 3 and sorted(int(x) for b in batches for x in b) == list(range(10))
+
+
 @pytest.mark.parametrize("options", [{"memory_budget": 0}, {"every": "nan"}])
 def test_adaptive_loader_refuses_bad_options_when_built(options: dict[str, Any]) -> None:
     """They were taken, and only the first epoch's monitor refused them (or, before, misread them)."""

@@ -80,11 +80,16 @@ class AdaptiveLoader:
         self._loader: Any = None
         self._loader_state: dict[str, Any] | None = None
 
-    def _make_loader(self) -> Any:
+    def _kwargs(self) -> dict[str, Any]:
+        """The DataLoader options for the current worker count (torch refuses the worker-only ones without)."""
         kwargs = dict(self.loader_kwargs)
         if self.num_workers == 0:
             kwargs.pop("prefetch_factor", None)
             kwargs.pop("persistent_workers", None)
+        return kwargs
+
+    def _make_loader(self) -> Any:
+        kwargs = self._kwargs()
         if self.stateful:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -98,7 +103,8 @@ class AdaptiveLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, num_workers=self.num_workers, **kwargs)
 
     def __len__(self) -> int:
-        return len(DataLoader(self.dataset, batch_size=self.batch_size, **self.loader_kwargs))
+        kwargs = self._kwargs()
+        return len(DataLoader(self.dataset, batch_size=self.batch_size, num_workers=self.num_workers, **kwargs))
 
     def __iter__(self) -> Iterator[Any]:
         self._loader = self._make_loader()
