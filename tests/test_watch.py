@@ -193,6 +193,14 @@ def test_monitor_refuses_a_pid_no_process_can_have(pid: str) -> None:
     assert out.exit_code == 2 and f"Invalid value for '[PID]': {pid} is not in the range x>=1." in out.output
 
 
+@pytest.mark.parametrize("interval", ["1e300", "86401"])
+def test_monitor_refuses_an_interval_no_sleep_takes(interval: str) -> None:
+    """--interval 1e300 was taken, and the first sleep raised OverflowError ('timestamp out of range for platform
+    time_t'), a traceback. It is now at most a day: exit 2 naming the option, before anything is watched."""
+    out = CliRunner().invoke(main, ["monitor", str(os.getpid()), "--interval", interval, "--count", "1"])
+    assert out.exit_code == 2 and "Invalid value for '--interval'" in out.output and "<=86400" in out.output
+
+
 @pytest.mark.parametrize("every", ["soon", "nan", "inf", 0])
 def test_monitor_refuses_a_bad_period(every: Any) -> None:
     """'nan' and 'inf' were taken: no period report ever came."""

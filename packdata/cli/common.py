@@ -91,10 +91,10 @@ class _FiniteFloat(click.FloatRange):
     name = "finite float range"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):  # said before the range: 'inf' is not a number too large
             self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return number
+        return super().convert(number, param, ctx)
 
 
 def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:

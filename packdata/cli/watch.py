@@ -12,7 +12,9 @@ __all__ = ["monitor_command"]
 @click.command(name="monitor")
 @click.argument("pid", required=False, type=click.IntRange(min=1))
 @click.option("--name", help="Watch the oldest process whose command line contains this (e.g. train.py).")
-@click.option("--interval", type=_FiniteFloat(min=0.1), default=1.0, show_default=True, help="Seconds per sample.")
+@click.option(
+    "--interval", type=_FiniteFloat(min=0.1, max=86400), default=1.0, show_default=True, help="Seconds per sample."
+)
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many samples. Default: until the job ends.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per sample.")
 @_friendly
