@@ -670,6 +670,15 @@ def test_a_budget_or_period_that_never_ends_is_refused(pack: Path, value: str) -
         measure_loader(InMemoryDataset([(b"x", 0)] * 8, decode="bytes"), LoaderConfig(0, 4), step_ms=float(value))
 
 
+def test_bench_refuses_a_step_no_sleep_takes(pack: Path) -> None:
+    """--step-ms 1e300 passed the finiteness check, and the first simulated step raised OverflowError ('timestamp
+    out of range for platform time_t') out of the measurement: a traceback. A step is now at most an hour."""
+    args = ["bench", str(pack), "--workers", "0", "--batch-size", "4", "--batches", "1", "-q", "--step-ms", "1e300"]
+    out = CliRunner().invoke(cli_main, args)
+    assert out.exit_code == 1, out.output
+    assert out.output == "Error: --step-ms should be at most 3600000 (an hour), but got --step-ms 1e+300\n"
+
+
 def test_tune_refuses_a_device_torch_does_not_know(pack: Path) -> None:
     """torch.device('foo') raised its RuntimeError out of run_tune and recommend_loader_kwargs: a traceback from
     packdata tune --device foo."""

@@ -20,6 +20,7 @@ from packdata.reading.loader import worker_init_fn
 __all__ = [
     "DEFAULT_BATCHES",
     "DEFAULT_MIN_SECONDS",
+    "MAX_STEP_MS",
     "MEASURE_ERRORS",
     "ConfigResult",
     "LoaderConfig",
@@ -29,10 +30,12 @@ __all__ = [
 ]
 
 DEFAULT_BATCHES = 50
+"""Batches timed per setting when neither ``batches`` nor ``seconds`` is given."""
 DEFAULT_MIN_SECONDS = 1.0
 """With neither budget given, a setting is timed for :data:`DEFAULT_BATCHES` batches and at least this long:
 50 batches of 64 small texts take 16 ms, short enough that one pause of the machine decided a comparison."""
-"""Batches timed per setting when neither ``batches`` nor ``seconds`` is given."""
+MAX_STEP_MS = 3_600_000
+"""The longest simulated training step, in milliseconds (an hour)."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,8 @@ def check_timing(
     """Refuse a timed budget that would never end or mean nothing (NaN or infinite seconds never end).
 
     Raises:
-        ConfigError: ``batches`` under 1, ``seconds`` not positive and finite, ``step_ms`` negative or not
-            finite, or ``warmup`` negative.
+        ConfigError: ``batches`` under 1, ``seconds`` not positive and finite, ``step_ms`` negative or over
+            :data:`MAX_STEP_MS`, or ``warmup`` negative.
     """
     if batches is not None and batches < 1:
         raise ConfigError(f"batches should be at least 1, but got batches={batches}")
@@ -117,6 +120,8 @@ def check_timing(
         raise ConfigError(f"seconds should be a positive finite number, but got seconds={seconds}")
     if not 0 <= step_ms < math.inf:
         raise ConfigError(f"step_ms should be a finite number from 0 on, but got step_ms={step_ms}")
+    if step_ms > MAX_STEP_MS:  # a sleep that long overflows, and a step that long measures nothing
+        raise ConfigError(f"step_ms should be at most {MAX_STEP_MS} (an hour), but got step_ms={step_ms}")
     if warmup < 0:
         raise ConfigError(f"warmup should be at least 0, but got warmup={warmup}")
 
