@@ -352,7 +352,8 @@ def test_the_epoch_cpu_weighs_each_sample_by_the_time_it_covers() -> None:
 
 def test_the_cpu_share_counts_the_cpus_the_job_may_run_on(tmp_path: Path) -> None:
     """The CPU share came from /proc/stat's aggregate line: a job confined to 2 of 8 CPUs (a cpuset, taskset)
-    that saturated them read 25% busy, 'CPUs idle: more workers', against its 2 usable cores."""
+    that saturated them read 25% busy, 'CPUs idle: more workers', against its 2 usable cores. And an interval
+    without a clock tick read 100% busy: it keeps the last measured share."""
     from packdata.watch.probe import SystemProbe
 
     proc = tmp_path / "proc"
@@ -373,6 +374,8 @@ def test_the_cpu_share_counts_the_cpus_the_job_may_run_on(tmp_path: Path) -> Non
     write(100, 100)
     assert confined.sample().cpu_busy == 1.0
     assert whole.sample().cpu_busy == 0.25
+    # no clock tick since (two samples within 10 ms, an epoch's tail): 'CPUs 100% busy' was read from 0 / 1
+    assert whole.sample().cpu_busy == 0.25 and whole.sample().iowait == 0.0
 
 
 def test_the_cpu_share_counts_the_cgroup_cpu_quota(tmp_path: Path) -> None:

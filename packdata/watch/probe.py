@@ -166,6 +166,7 @@ class SystemProbe:
                 cpus = self.process.cpu_affinity()
         self._cpus = frozenset(cpus) if cpus else None
         self._last = _cpu_times(root, self._cpus)
+        self._shares = (0.0, 0.0)  # CPU busy and iowait shares of the last interval that had clock ticks
         try:  # the watched process's cgroup, not this one's: packdata monitor may run outside the job's container
             with open(os.path.join(root, f"proc/{self.pid}/cgroup"), encoding="utf-8", errors="replace") as f:
                 self._cgroup = f.read()
@@ -183,10 +184,14 @@ class SystemProbe:
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
         total, idle, iowait = _cpu_times(self.root, self._cpus)
-        d_total = max(total - self._last[0], 1)
-        busy = 1.0 - (idle - self._last[1] + iowait - self._last[2]) / d_total
-        wait = (iowait - self._last[2]) / d_total
-        self._last = (total, idle, iowait)
+        d_total = total - self._last[0]
+        if d_total > 0:  # else no clock tick (10 ms) since the previous sample: its shares stand
+            self._shares = (
+                1.0 - (idle - self._last[1] + iowait - self._last[2]) / d_total,
+                (iowait - self._last[2]) / d_total,
+            )
+            self._last = (total, idle, iowait)
+        busy, wait = self._shares
         now, usage = time.monotonic(), read_cgroup_cpu_usage(self.root, self._cgroup)
         (then, used), self._usage = self._usage, (now, usage)
         if self._quota and usage is not None and used is not None and now > then:
