@@ -59,6 +59,54 @@ def test_diagnoses_from_recorded_measurements() -> None:
     assert diagnose(_m(mem_available=GiB // 2, cgroup_limit=8 * GiB)).kind == "memory"  # 0.5 of an 8 GiB container
 
 
+def test_iowait_is_not_blamed_on_a_job_that_read_nothing_from_storage() -> None:
+    """iowait is the machine's: 'io-bound: the pack's storage cannot keep up -> stage the pack' was said of a
+    job whose every read hit the page cache while another process wrote a checkpoint."""
+    cached = diagnose(_m(wait_share=0.5, iowait=0.35, read_bytes=0))
+    assert cached.kind == "io-bound" and "the job read nothing from storage" in cached.message
+    assert "packdata stage" not in cached.next_step and "find the process doing the I/O" in cached.next_step
+    for read in (64 << 20, None):  # it read from storage, or its reads are unknown: stage the pack
+        assert "packdata stage PACK" in diagnose(_m(wait_share=0.5, iowait=0.35, read_bytes=read)).next_step
+
+
+def test_the_probe_counts_what_the_job_reads_from_storage_not_the_page_cache(tmp_path: Path) -> None:
+    """The job's reads from storage (/proc/PID/io) since the previous sample, the figure the diagnosis needs."""
+    from packdata.watch.probe import SystemProbe
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(8 << 20))
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        for line in sys.stdin:
+            fd = os.open({str(data)!r}, os.O_RDONLY)
+            if line.strip() == "cold":
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: read from the disk
+            while os.read(fd, 1 << 20):
+                pass
+            os.close(fd)
+            print("done", flush=True)
+        """
+    )
+    job = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert job.stdin is not None and job.stdout is not None
+    try:
+        probe = SystemProbe(job.pid, gpus=False, packs=False)
+        figures = []
+        for how in ("cold", "cached"):
+            job.stdin.write(how + "\n")
+            job.stdin.flush()
+            assert job.stdout.readline() == "done\n"
+            figures.append(probe.sample().read_bytes)
+    finally:
+        job.kill()
+        job.wait()
+    if figures[0] == 0:
+        pytest.skip(f"{tmp_path} is not on a block device the kernel counts reads of (tmpfs, a network filesystem)")
+    assert figures[0] is not None and figures[0] >= 8 << 20 and figures[1] == 0
+
+
 class _Instant(Dataset):
     def __len__(self) -> int:
         return 64

@@ -9,7 +9,9 @@ The rules follow the Linux data-loading guide this project follows, first match 
 2. **compute-bound**: the training step waits for data less than 10% of the
    time: the loader is not the bottleneck.
 3. **I/O-bound**: the step waits, and iowait is 20% or more of CPU time ->
-   stage the pack onto NVMe or a tmpfs.
+   stage the pack onto NVMe or a tmpfs; but when the job read nothing from
+   storage meanwhile (its pages were cached), the iowait is another process's ->
+   find it (staging would not help).
 4. **data-bound, CPU saturated**: the step waits and the CPUs are 85% busy
    or more -> cheaper decoding (reduced-size JPEG decode, a pack re-encoded
    with ``--max-side``) or more CPUs.
@@ -49,6 +51,7 @@ class Measurements:
     cgroup_limit: int | None = None
     job_private: int = 0  # private memory of the training process and its workers together
     memory_budget: int | None = None  # what the job may use, when the user gave one
+    read_bytes: int | None = None  # what the job read from storage (page cache hits not counted); None: unknown
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,13 @@ def diagnose(m: Measurements) -> Diagnosis:
     waiting = f"the step waits {100 * m.wait_share:.0f}% of the time"
     if m.wait_share < WAIT_LOW:
         return Diagnosis("compute-bound", waiting, "the loader is not the bottleneck: nothing to change")
+    if m.iowait >= IOWAIT_HIGH and m.read_bytes == 0:
+        return Diagnosis(
+            "io-bound",
+            f"{waiting}, iowait {100 * m.iowait:.0f}% of CPU time, but the job read nothing from storage: the I/O is "
+            "another process's (or a network filesystem's, which the kernel does not count per process)",
+            "find the process doing the I/O (iotop, pidstat -d): staging this job's pack would not help",
+        )
     if m.iowait >= IOWAIT_HIGH:
         return Diagnosis(
             "io-bound",

@@ -147,6 +147,7 @@ class _Monitor:
             cgroup_limit=snap.cgroup_limit,
             job_private=sum(p.private for p in snap.processes),
             memory_budget=self.memory_budget,
+            read_bytes=snap.read_bytes,
         )
 
     def _report(
@@ -168,6 +169,7 @@ class _Monitor:
                 sum(w * s.iowait for w, s in zip(weights, snaps, strict=True)),
                 snap.cores,
                 max(snaps, key=lambda s: len(s.workers)).processes,  # the workers exit as the epoch ends
+                read_bytes=None if any(s.read_bytes is None for s in snaps) else sum(s.read_bytes or 0 for s in snaps),
             )
         diagnosis = diagnose(self._measurements(snap, part.wait_share))
         if final:

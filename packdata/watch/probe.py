@@ -61,6 +61,7 @@ class Snapshot:
     processes: list[ProcessMemory] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, utilization, used and total bytes
     packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
+    read_bytes: int | None = None  # what the job's processes read from storage since the previous sample
 
     @property
     def workers(self) -> list[ProcessMemory]:
@@ -97,6 +98,14 @@ def _worker_like(proc: psutil.Process) -> bool:
         return "python" in proc.name().lower() or "python" in " ".join(proc.cmdline()[:1]).lower()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+
+
+def _read_bytes(proc: psutil.Process) -> int | None:
+    """Bytes ``proc`` has had read from storage (``read_bytes`` of /proc/PID/io: page cache hits are not), or None."""
+    try:
+        return proc.io_counters().read_bytes
+    except (psutil.Error, AttributeError):  # no I/O counters on macOS
+        return None
 
 
 def packs_in_use(pids: list[int], root: str = "/") -> list[dict[str, Any]]:
@@ -180,6 +189,11 @@ class SystemProbe:
             facts.cores_allowed = count_physical_cores(tuple(sorted(self._cpus)), root)
         facts.cpu_quota = self._quota
         self._cores = usable_cores(facts)
+        self._read = {p.pid: _read_bytes(p) for _, p in self._processes()}  # each one's counter at the last sample
+
+    def _processes(self) -> list[tuple[str, psutil.Process]]:
+        children = [c for c in worker_processes(self.process) if _worker_like(c)]
+        return [("main", self.process), *(("worker", c) for c in children)]
 
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
@@ -199,8 +213,13 @@ class SystemProbe:
         mem = read_meminfo(self.root)
         cgroup = read_cgroup_memory(self.root, self._cgroup)
         processes = []
-        children = [c for c in worker_processes(self.process) if _worker_like(c)]
-        for role, proc in [("main", self.process), *(("worker", c) for c in children)]:
+        job = self._processes()
+        read = {p.pid: _read_bytes(p) for _, p in job}
+        read_bytes = None
+        if all(n is not None for n in read.values()):  # a worker new since the last sample: all its reads count
+            read_bytes = sum(max(0, (n or 0) - (self._read.get(pid) or 0)) for pid, n in read.items())
+        self._read = read
+        for role, proc in job:
             figures = process_memory(proc)
             if figures is None:
                 continue
@@ -221,4 +240,5 @@ class SystemProbe:
             processes,
             [asdict(g) for g in (nvml_gpus() or [])] if self._gpus else [],
             packs_in_use([p.pid for p in processes], self.root) if self._packs else [],
+            read_bytes,
         )

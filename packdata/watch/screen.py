@@ -56,6 +56,10 @@ def _oom_warning(snap: Snapshot) -> str | None:
     return None
 
 
+def _read(snap: Snapshot) -> str:
+    return f", job read {format_size(snap.read_bytes)} from storage" if snap.read_bytes is not None else ""
+
+
 def render(snap: Snapshot, pid: int) -> list[str]:
     """The screen for one sample."""
     limit = f", cgroup limit {format_size(snap.cgroup_limit)}" if snap.cgroup_limit else ""
@@ -63,7 +67,8 @@ def render(snap: Snapshot, pid: int) -> list[str]:
         f"packdata monitor: pid {pid}  {time.strftime('%H:%M:%S', time.localtime(snap.time))}",
         f"memory: {format_size(snap.mem_available)} available of {format_size(snap.mem_total)}, "
         f"swap {format_size(snap.swap_used)} in use{limit}",
-        f"cpu:    {100 * snap.cpu_busy:.0f}% busy, iowait {100 * snap.iowait:.0f}% ({snap.cores} usable cores)",
+        f"cpu:    {100 * snap.cpu_busy:.0f}% busy, iowait {100 * snap.iowait:.0f}% ({snap.cores} usable cores)"
+        + _read(snap),
         f"{'pid':>8} {'role':<7} {'private':>10} {'file-backed':>12}  command",
     ]
     lines += [
@@ -96,6 +101,7 @@ def _one_line(snap: Snapshot, pid: int) -> str:
         f"{time.strftime('%H:%M:%S', time.localtime(snap.time))} pid {pid}: {len(snap.workers)} workers, private "
         f"{format_size(sum(p.private for p in snap.processes))}, available {format_size(snap.mem_available)}, "
         f"swap {format_size(snap.swap_used)}, cpu {100 * snap.cpu_busy:.0f}%, iowait {100 * snap.iowait:.0f}%"
+        + _read(snap)
         + (f"; WARNING {warning}" if warning else "")
     )
 
