@@ -208,6 +208,47 @@ def tmpfs(tmp_path: Path, request: pytest.FixtureRequest):
     return make
 
 
+@pytest.fixture
+def cgroup(request: pytest.FixtureRequest):
+    """Factory: a new cgroup with ``limits`` ({v2 file: value}: ``cpu.max``, ``memory.max``; v1 files derived);
+    returns the folders a process joins by writing its pid to their ``cgroup.procs``. Removed afterwards (its
+    processes must have ended). Skips without root or where no such cgroup can be made."""
+    made: list[Path] = []
+
+    def make(**limits: str) -> list[Path]:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to create a cgroup")
+        v1_files = {"cpu.max": ("cpu", "cpu.cfs_quota_us"), "memory.max": ("memory", "memory.limit_in_bytes")}
+        root, name = Path("/sys/fs/cgroup"), f"packdata-test-{os.getpid()}-{len(made)}"
+        v2 = (root / "cgroup.controllers").is_file()
+        if v2:
+            enabled = (root / "cgroup.subtree_control").read_text().split()
+            if any(key.partition(".")[0] not in enabled for key in limits):
+                pytest.skip("the cgroup v2 controllers these limits need are not enabled at /sys/fs/cgroup")
+            files = {root / name / key: value for key, value in limits.items()}
+        else:
+            files = {root / v1_files[k][0] / name / v1_files[k][1]: v.split()[0] for k, v in limits.items()}
+        groups = {f.parent for f in files}
+        if not v2 and "cpu.max" in limits:
+            groups.add(root / "cpuacct" / name)  # where cpuacct is mounted apart, the usage is there
+        try:
+            for group in sorted(groups):
+                group.mkdir()
+                made.append(group)
+            for file, value in files.items():
+                file.write_text(value)
+        except OSError as exc:
+            pytest.skip(f"cannot create a cgroup with {limits} here: {exc}")
+        return sorted(groups)
+
+    def cleanup() -> None:
+        for group in made:
+            group.rmdir()
+
+    request.addfinalizer(cleanup)
+    return make
+
+
 @contextlib.contextmanager
 def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]:
     """A moto S3 server on loopback with a ``packs`` bucket; yields (storage_options, s3fs filesystem).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -325,6 +327,26 @@ def test_bench_sweeping_prefetch_factors_gives_rows_told_apart(pack: Path, tmp_p
     assert rows == [
         [s, w, str(BATCH), f] for s in (CEILING, str(pack)) for w, f in (("0", "-"), ("1", "2"), ("1", "4"))
     ]
+
+
+@pytest.mark.root
+@pytest.mark.timeout(120)
+def test_bench_available_memory_is_the_containers(folder: Path, cgroup: Any) -> None:
+    """'avail min' was the machine's MemAvailable: a bench in a container limited to 1 GiB on a host with tens of
+    GiB free said tens of GiB were available. Run in a real memory cgroup of 1 GiB."""
+    groups = cgroup(**{"memory.max": str(1 << 30)})
+
+    def join() -> None:  # in the child before it runs: everything it allocates is charged to the cgroup
+        for group in groups:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    args = ["bench", str(folder), "--workers", "0,1", "--batch-size", str(BATCH), "--batches", "2", "-q", "--json", "-"]
+    done = subprocess.run(
+        [sys.executable, "-m", "packdata.cli", *args], capture_output=True, text=True, preexec_fn=join, timeout=110
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)["results"]
+    assert results and all(0 < r["memory"]["mem_available_min"] <= 1 << 30 for r in results)
 
 
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:

@@ -455,40 +455,16 @@ def test_the_cpu_share_counts_the_cgroup_cpu_quota(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _job_in_cgroup(tmp_path: Path, code: str, **limits: str) -> Iterator[int]:
-    """A Python job running ``code`` once it is in a new cgroup with ``limits`` ({v2 file: value}, v1 files
-    derived), yielding its pid once it prints ``ready``; skips without root or where no such cgroup can be made."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a cgroup")
-    v1_files = {"cpu.max": ("cpu", "cpu.cfs_quota_us"), "memory.max": ("memory", "memory.limit_in_bytes")}
-    cgroup, name = Path("/sys/fs/cgroup"), f"packdata-test-{os.getpid()}"
-    v2 = (cgroup / "cgroup.controllers").is_file()
-    if v2:
-        enabled = (cgroup / "cgroup.subtree_control").read_text().split()
-        if any(key.partition(".")[0] not in enabled for key in limits):
-            pytest.skip("the cgroup v2 controllers these limits need are not enabled at /sys/fs/cgroup")
-        files = {cgroup / name / key: value for key, value in limits.items()}
-    else:
-        files = {cgroup / v1_files[k][0] / name / v1_files[k][1]: v.split()[0] for k, v in limits.items()}
-    groups = {f.parent for f in files}
-    if not v2 and "cpu.max" in limits:
-        groups.add(cgroup / "cpuacct" / name)  # mounted apart here: the usage is there
-    made: list[Path] = []
+def _job_in_cgroup(groups: list[Path], code: str) -> Iterator[int]:
+    """A Python job running ``code`` once it is in the cgroup ``groups`` (the ``cgroup`` fixture's), yielding its
+    pid once it prints ``ready``."""
     waits = "import sys\nsys.stdin.readline()\n"  # until it is in the cgroup: its memory is charged there
     job = subprocess.Popen(
         [sys.executable, "-c", waits + code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
-        try:
-            for group in groups:
-                group.mkdir()
-                made.append(group)
-            for file, value in files.items():
-                file.write_text(value)
-            for group in groups:
-                (group / "cgroup.procs").write_text(str(job.pid))
-        except OSError as exc:
-            pytest.skip(f"cannot create a cgroup with {limits} here: {exc}")
+        for group in groups:
+            (group / "cgroup.procs").write_text(str(job.pid))
         assert job.stdin is not None and job.stdout is not None
         job.stdin.write("go\n")
         job.stdin.flush()
@@ -497,17 +473,15 @@ def _job_in_cgroup(tmp_path: Path, code: str, **limits: str) -> Iterator[int]:
     finally:
         job.kill()
         job.wait()
-        for group in made:
-            group.rmdir()
 
 
 @pytest.mark.root
 @pytest.mark.timeout(60)
-def test_monitor_counts_the_cores_and_cpu_quota_of_the_watched_job(tmp_path: Path) -> None:
+def test_monitor_counts_the_cores_and_cpu_quota_of_the_watched_job(cgroup: Any) -> None:
     """packdata monitor PID counted the cores of its own process: a job in a cgroup held to 0.1 CPU showed the
     machine's cores, and its CPU share against all of them. A real cgroup (v2 cpu.max, or v1 cpu and cpuacct)."""
     spin = "print('ready', flush=True)\nwhile True: pass"
-    with _job_in_cgroup(tmp_path, spin, **{"cpu.max": "10000 100000"}) as pid:
+    with _job_in_cgroup(cgroup(**{"cpu.max": "10000 100000"}), spin) as pid:
         out = CliRunner().invoke(main, ["monitor", str(pid), "--json", "--count", "1", "--interval", "0.5"])
     assert out.exit_code == 0, out.output
     sample = json.loads(out.output)
@@ -517,11 +491,11 @@ def test_monitor_counts_the_cores_and_cpu_quota_of_the_watched_job(tmp_path: Pat
 
 @pytest.mark.root
 @pytest.mark.timeout(60)
-def test_monitor_reads_the_memory_limit_of_the_watched_job(tmp_path: Path) -> None:
+def test_monitor_reads_the_memory_limit_of_the_watched_job(cgroup: Any) -> None:
     """packdata monitor PID read the cgroup memory limit of its own process: run from outside a job's container
     it showed none, and judged the OOM risk against the whole machine's memory."""
     sleep = "print('ready', flush=True)\nimport time\ntime.sleep(60)"
-    with _job_in_cgroup(tmp_path, sleep, **{"memory.max": str(256 << 20)}) as pid:
+    with _job_in_cgroup(cgroup(**{"memory.max": str(256 << 20)}), sleep) as pid:
         out = CliRunner().invoke(main, ["monitor", str(pid), "--json", "--count", "1", "--interval", "0.1"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["cgroup_limit"] == 256 << 20
@@ -529,11 +503,11 @@ def test_monitor_reads_the_memory_limit_of_the_watched_job(tmp_path: Path) -> No
 
 @pytest.mark.root
 @pytest.mark.timeout(60)
-def test_the_memory_available_to_a_job_is_cut_to_its_cgroup_headroom(tmp_path: Path) -> None:
+def test_the_memory_available_to_a_job_is_cut_to_its_cgroup_headroom(cgroup: Any) -> None:
     """Available memory was the machine's MemAvailable: a job holding 200 MiB of its cgroup's 256 MiB read
     gigabytes available, and the OOM warning (available under 10% of the limit) could never fire."""
     holds = "held = b'x' * (200 << 20)\nprint('ready', flush=True)\nimport time\ntime.sleep(60)"
-    with _job_in_cgroup(tmp_path, holds, **{"memory.max": str(256 << 20)}) as pid:
+    with _job_in_cgroup(cgroup(**{"memory.max": str(256 << 20)}), holds) as pid:
         out = CliRunner().invoke(main, ["monitor", str(pid), "--json", "--count", "1", "--interval", "0.1"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["mem_available"] < 56 << 20

@@ -141,6 +141,7 @@ class BenchResult:
             + " (ratios within the spread are noise)"
             + ("; wait%: share of each step spent waiting for data" if waiting else "")
             + "; private mem: peak USS of the main process plus the workers (page cache of mapped packs excluded)"
+            + "; avail min: the least memory available in the run (MemAvailable, cut to the cgroup limit's headroom)"
         )
         best = self.best()
         if best is not None:

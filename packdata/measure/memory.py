@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from packdata.host.facts import read_cgroup_memory
 from packdata.host.processes import process_memory, worker_processes
 
 __all__: list[str] = []
@@ -33,7 +34,8 @@ class _MemorySampler:
     def __init__(self, interval: float = 0.25) -> None:
         self.interval = interval
         self.main = psutil.Process()
-        # (main's memory, each readable descendant's memory, MemAvailable, swap used, descendants seen)
+        # (main's memory, each readable descendant's memory, MemAvailable cut to the cgroup's headroom, swap used,
+        # descendants seen)
         self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int, int]] = []
         self._procs: dict[int, psutil.Process] = {}
         self._stop = threading.Event()
@@ -50,7 +52,8 @@ class _MemorySampler:
             mem = process_memory(proc)
             if mem is not None:
                 workers.append(mem)
-        tick = (main, workers, psutil.virtual_memory().available, psutil.swap_memory().used, len(children))
+        available = read_cgroup_memory().available(psutil.virtual_memory().available)  # in a container: its own
+        tick = (main, workers, available, psutil.swap_memory().used, len(children))
         with self._lock:
             self.ticks.append(tick)
 
