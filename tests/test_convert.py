@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
@@ -189,6 +191,20 @@ def test_max_side_reencodes_large_images_and_records_it(tmp_path: Path) -> None:
     assert LMDBDataset(tmp_path / "out.lmdb", decode="bytes")[1][0] == (src / "a/small.jpg").read_bytes()
     manifest = json.loads((tmp_path / "out.lmdb/manifest.json").read_text())
     assert manifest["reencode"] == {"max_side": 256, "quality": 80, "count": 1}
+
+
+def test_max_side_keeps_a_16_bit_image_as_it_is_instead_of_clipping_it_white(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    deep = Image.fromarray(np.arange(400 * 300, dtype=np.uint16).reshape(300, 400))  # mode I;16, up to 65535
+    deep.save(src / "a/depth.png")
+    (src / "a/photo.png").write_bytes(image_bytes(1, size=(400, 300), fmt="PNG"))
+    with pytest.warns(UserWarning, match=r"a/depth\.png: image of mode I;16 has more than 8 bits a channel"):
+        result = convert(src, tmp_path / "out.lmdb", max_side=64, progress=False)
+    assert result.packed == 2 and result.reencoded == 1
+    stored = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    assert stored[0][0] == (src / "a/depth.png").read_bytes()  # every value kept, unresized
+    assert Image.open(io.BytesIO(stored[1][0])).size == (64, 48)
 
 
 def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:

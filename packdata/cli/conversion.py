@@ -63,8 +63,8 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--max-side",
     type=click.IntRange(min=1),
-    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG. "
-    "Default: off (bytes kept as they are).",
+    help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG (a 16-bit image, "
+    "which JPEG would clip, is kept as it is, with a warning). Default: off (bytes kept as they are).",
 )
 @click.option(
     "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."

@@ -108,7 +108,8 @@ def convert(
         on_error: ``"skip"`` corrupt, empty or unreadable files (listed in the
             summary and in ``skipped.jsonl``), or ``"fail"`` at the first.
         verify_images: fully decode every image (catches truncated files).
-        max_side: re-encode images whose longer side is larger to this size, as JPEG.
+        max_side: re-encode images whose longer side is larger to this size, as JPEG
+            (one of more than 8 bits a channel is kept as it is, with a warning).
         quality: JPEG quality of re-encoded images.
         shard_size: start a new shard before one would exceed this many bytes.
         shard_samples: at most this many samples per shard.

@@ -8,6 +8,7 @@ import operator
 import os
 import stat
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +22,7 @@ from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import ConfigError, ImageFormatError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
-from packdata.pack.images import jpeg_frame, open_image
+from packdata.pack.images import deep_mode, jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 
 __all__ = ["number_fields", "ordered_map"]
@@ -125,7 +126,7 @@ def _load(entry: SourceFile | SourceGroup, opts: _Options) -> tuple[Sample | Ski
         if problem:
             return Skip(entry.key, "not UTF-8 text", problem), False
         return Sample(entry.key, entry.label, data, "text"), False
-    checked = _check_image(data, opts)
+    checked = _check_image(data, opts, entry.key)
     if isinstance(checked, tuple):
         return Skip(entry.key, *checked), False
     return Sample(entry.key, entry.label, checked, "image"), checked is not data
@@ -153,8 +154,12 @@ def _text_problem(data: bytes) -> str:
     return ""
 
 
-def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
-    """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``."""
+def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, str]:
+    """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``.
+
+    An image of more than 8 bits a channel (a 16-bit PNG) is kept as it is,
+    unresized, with a warning naming ``key``: JPEG would clip it white.
+    """
     if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
         if jpeg_frame(data) is not None:
             return data
@@ -164,7 +169,13 @@ def _check_image(data: bytes, opts: _Options) -> bytes | tuple[str, str]:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
             if opts.verify_images or reencode:
                 img.load()
-            if reencode:
+            if reencode and deep_mode(img.mode):
+                warnings.warn(
+                    f"{key}: image of mode {img.mode} has more than 8 bits a channel, which JPEG would clip "
+                    f"(above 255: white); kept as it is, {img.size[0]}x{img.size[1]}, not re-encoded",
+                    stacklevel=1,
+                )
+            elif reencode:
                 return _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
     except ImageFormatError as exc:
         if exc.detected is not None:
@@ -215,7 +226,7 @@ def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | 
     if codec == "image":
         if not data:
             return "empty", "file has 0 bytes"
-        checked = _check_image(data, opts)
+        checked = _check_image(data, opts, name)  # never re-encoded: max_side refuses fields
         return checked if isinstance(checked, tuple) else None
     if codec == "txt" and _text_problem(data):
         return "not UTF-8 text", _text_problem(data)

@@ -21,6 +21,7 @@ __all__ = [
     "SCAN_LIMIT",
     "decoding_errors",
     "decoding_sample",
+    "deep_mode",
     "encode_image",
     "jpeg_frame",
     "open_image",
@@ -54,7 +55,7 @@ _SAVE_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bm
 _SAVE_FORMAT |= {"tif": "TIFF", "tiff": "TIFF"}
 
 
-def _deep(mode: str) -> bool:
+def deep_mode(mode: str) -> bool:
     """Whether a PIL mode has more than 8 bits a channel (16-bit, 32-bit, float), which RGB would clip."""
     return ImageMode.getmode(mode).typestr[-1] != "1"
 
@@ -73,7 +74,7 @@ def encode_image(image: Image.Image, extension: str) -> bytes:
             it is past PIL's decompression-bomb limit, which every reader applies.
     """
     fmt = _SAVE_FORMAT[extension.lower()]
-    if fmt == "JPEG" and _deep(image.mode):  # 16-bit, 32-bit, float: RGB would clip
+    if fmt == "JPEG" and deep_mode(image.mode):  # 16-bit, 32-bit, float: RGB would clip
         raise ValueError(f"a {fmt} file cannot hold an image of mode {image.mode} (more than 8 bits a channel)")
     out = io.BytesIO()
     try:
@@ -133,7 +134,7 @@ def rgb_image(image: Image.Image) -> Image.Image:
     Raises:
         ImageFormatError: PIL would turn every value above 255 white.
     """
-    if _deep(image.mode):
+    if deep_mode(image.mode):
         raise ImageFormatError(
             f"image of mode {image.mode} has more than 8 bits a channel, which RGB would clip (above 255: white)",
             hint="Read such images with decode='bytes' and a reader of your own, or convert them to 8 bits",
