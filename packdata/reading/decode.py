@@ -18,6 +18,7 @@ from PIL import Image
 from packdata.errors import DecodeError
 from packdata.pack.fields import check_npy
 from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image, rgb_image
+from packdata.reading.turbo import turbojpeg
 
 __all__ = [
     "IMAGE_FORMATS",
@@ -40,14 +41,31 @@ def decode_pil(data: bytes) -> Image.Image:
     """Decode image bytes into an RGB PIL image, as ImageFolder's loader does.
 
     EXIF orientation is not applied: the pixels as stored (as ImageFolder gives
-    them, and as :class:`packdata.DecodeCrop` crops them).
+    them, and as :class:`packdata.DecodeCrop` crops them). Where TurboJPEG 3 is
+    found (:mod:`packdata.reading.turbo`), an RGB or greyscale JPEG is decoded
+    through it, to the same pixels, refusing a JPEG cut short and closed with
+    an end-of-image marker, whose missing rows PIL fills with grey.
 
     Raises:
         ImageFormatError: not one of :data:`IMAGE_FORMATS`, truncated or damaged, or
             of more than 8 bits a channel (a 16-bit PNG: RGB would clip it white).
     """
     with decoding_errors(), open_image(data) as img:
+        return _rgb(img, data, img.size)
+
+
+def _rgb(img: Image.Image, data: bytes, full: tuple[int, int]) -> Image.Image:
+    """``img`` (of a ``full``-size image, maybe drafted smaller) in RGB: a JPEG through TurboJPEG where found.
+
+    TurboJPEG stops at libjpeg's warnings (a scan cut short), which PIL's
+    decoder drops, decoding the rest as grey.
+    """
+    turbo = turbojpeg() if img.format == "JPEG" and img.mode in ("RGB", "L") else None
+    if turbo is None:
         return rgb_image(img)
+    shrink = next(f for f in (1, 2, 4, 8) if (-(-full[0] // f), -(-full[1] // f)) == img.size)  # PIL's draft
+    pixels, _ = turbo.decode(bytes(data), (0, 0, *full), shrink)
+    return Image.fromarray(pixels)
 
 
 class DecodeJPEG:
@@ -78,10 +96,11 @@ class DecodeJPEG:
 
     def __call__(self, data: bytes) -> Image.Image:
         with decoding_errors(), open_image(data) as img:
+            full = img.size
             if img.format == "JPEG":
                 height, width = self.min_size
                 img.draft("RGB", (width, height))
-            return rgb_image(img)
+            return _rgb(img, data, full)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DecodeJPEG) and other.min_size == self.min_size
