@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from packdata.pack.turbo import turbojpeg
 from packdata.reading.crop import DecodeCrop, crop_box
-from packdata.reading.turbo import turbojpeg
 
 
 def _jpegs(n: int, side: int) -> list[bytes]:

@@ -36,6 +36,7 @@ from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.formats.lmdb_env import encode_key
 from packdata.pack.records import decode_record
+from packdata.pack.turbo import turbojpeg
 
 
 def _pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
@@ -107,6 +108,26 @@ def test_verify_images_catches_truncated_jpeg(image_folder: Path, tmp_path: Path
     result = convert(image_folder, tmp_path / "strict.lmdb", verify_images=True, progress=False)
     assert result.skipped == {"corrupt image": 1}
     assert result.skip_examples[0]["key"] == "cat/truncated.jpg"
+
+
+@pytest.mark.skipif(turbojpeg() is None, reason="no TurboJPEG 3 library")
+@pytest.mark.parametrize("options", [{"verify_images": True}, {"max_side": 64}], ids=["verify", "max-side"])
+def test_a_jpeg_cut_short_and_closed_with_its_end_marker_is_skipped_when_decoded(
+    image_folder: Path, tmp_path: Path, options: dict[str, object]
+) -> None:
+    """PIL decodes such a JPEG without a word, its missing blocks grey: verify_images passed it, and
+    max_side re-encoded the grey into a whole JPEG that no decoder could find damaged any more."""
+    whole = image_bytes(7, size=(256, 256))
+    (image_folder / "cat" / "closed.jpg").write_bytes(whole[: len(whole) // 2] + b"\xff\xd9")
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False, **options)  # type: ignore[arg-type]
+    assert result.skipped == {"corrupt image": 1}
+    assert result.skip_examples == [
+        {
+            "key": "cat/closed.jpg",
+            "reason": "corrupt image",
+            "detail": "JPEG cannot be decoded: Corrupt JPEG data: premature end of data segment",
+        }
+    ]
 
 
 def test_unreadable_file_is_skipped(image_folder: Path, tmp_path: Path) -> None:

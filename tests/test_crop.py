@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.errors import ConfigError, ImageFormatError
-from packdata.reading import turbo as turbo_module
+from packdata.pack import turbo as turbo_module
 from packdata.reading.crop import DecodeCrop, crop_box
 from packdata.reading.decode import decode_pil
 from packdata.reading.transforms import RandomResizedCrop

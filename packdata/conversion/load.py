@@ -24,6 +24,7 @@ from packdata.errors import ConfigError, ImageFormatError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
 from packdata.pack.images import deep_mode, jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
+from packdata.pack.turbo import decoded_rgb
 
 __all__ = ["number_fields", "ordered_map"]
 
@@ -167,16 +168,19 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
     try:
         with open_image(data) as img:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
-            if opts.verify_images or reencode:
-                img.load()
-            if reencode and deep_mode(img.mode):
+            deep = deep_mode(img.mode)
+            if reencode and deep:
                 warnings.warn(
                     f"{key}: image of mode {img.mode} has more than 8 bits a channel, which JPEG would clip "
                     f"(above 255: white); kept as it is, {img.size[0]}x{img.size[1]}, not re-encoded",
                     stacklevel=1,
                 )
-            elif reencode:
-                return _reencode(img, opts.max_side, opts.quality)  # type: ignore[arg-type]
+            if deep and (opts.verify_images or reencode):
+                img.load()
+            elif opts.verify_images or reencode:
+                rgb = decoded_rgb(img, data, img.size)  # a damaged JPEG refused where TurboJPEG is found
+                if reencode:
+                    return _reencode(rgb, opts.max_side, opts.quality)  # type: ignore[arg-type]
     except ImageFormatError as exc:
         if exc.detected is not None:
             return "unsupported image format", str(exc)
@@ -312,7 +316,6 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
 
 
 def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
-    img = img.convert("RGB")
     img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
     out = io.BytesIO()
     img.save(out, format="JPEG", quality=quality)

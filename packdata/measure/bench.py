@@ -41,10 +41,10 @@ from packdata.measure.loop import (
     measure_loader,
 )
 from packdata.measure.sources import InMemoryDataset, _decoder, _raw_view, check_decode, open_source
+from packdata.pack.turbo import turbojpeg
 from packdata.reading.decode import DecodeFn
 from packdata.reading.loader import list_collate
 from packdata.reading.transforms import standard_transform
-from packdata.reading.turbo import turbojpeg
 from packdata.units import format_size
 
 __all__ = ["CEILING", "MAX_WORKERS_PER_CPU", "BenchResult", "run_bench"]

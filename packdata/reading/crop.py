@@ -14,7 +14,7 @@ the pixels as stored. No extra library
 is needed (libjpeg-turbo, inside Pillow, does the scaling).
 
 Where TurboJPEG 3 is found (``pip install 'packdata[turbo]'``, or a system
-``libturbojpeg`` 3: :mod:`packdata.reading.turbo`), an RGB or greyscale JPEG is
+``libturbojpeg`` 3: :mod:`packdata.pack.turbo`), an RGB or greyscale JPEG is
 decoded through it instead, and only the box's rows and columns are decoded
 (at the same DCT scale): rows below the box are never read, and the inverse
 DCT and colour conversion run on the box alone. At full scale the box is then
@@ -51,8 +51,8 @@ from PIL import Image
 
 from packdata.errors import ConfigError
 from packdata.pack.images import decoding_errors, open_image, rgb_image
+from packdata.pack.turbo import turbojpeg
 from packdata.reading.transforms import ToUint8Tensor
-from packdata.reading.turbo import turbojpeg
 
 __all__ = ["DecodeCrop", "crop_box"]
 

@@ -17,8 +17,8 @@ from PIL import Image
 
 from packdata.errors import DecodeError
 from packdata.pack.fields import check_npy
-from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image, rgb_image
-from packdata.reading.turbo import turbojpeg
+from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
+from packdata.pack.turbo import decoded_rgb
 
 __all__ = [
     "IMAGE_FORMATS",
@@ -42,7 +42,7 @@ def decode_pil(data: bytes) -> Image.Image:
 
     EXIF orientation is not applied: the pixels as stored (as ImageFolder gives
     them, and as :class:`packdata.DecodeCrop` crops them). Where TurboJPEG 3 is
-    found (:mod:`packdata.reading.turbo`), an RGB or greyscale JPEG is decoded
+    found (:mod:`packdata.pack.turbo`), an RGB or greyscale JPEG is decoded
     through it, to the same pixels, refusing a JPEG cut short and closed with
     an end-of-image marker, whose missing rows PIL fills with grey.
 
@@ -51,21 +51,7 @@ def decode_pil(data: bytes) -> Image.Image:
             of more than 8 bits a channel (a 16-bit PNG: RGB would clip it white).
     """
     with decoding_errors(), open_image(data) as img:
-        return _rgb(img, data, img.size)
-
-
-def _rgb(img: Image.Image, data: bytes, full: tuple[int, int]) -> Image.Image:
-    """``img`` (of a ``full``-size image, maybe drafted smaller) in RGB: a JPEG through TurboJPEG where found.
-
-    TurboJPEG stops at libjpeg's warnings (a scan cut short), which PIL's
-    decoder drops, decoding the rest as grey.
-    """
-    turbo = turbojpeg() if img.format == "JPEG" and img.mode in ("RGB", "L") else None
-    if turbo is None:
-        return rgb_image(img)
-    shrink = next(f for f in (1, 2, 4, 8) if (-(-full[0] // f), -(-full[1] // f)) == img.size)  # PIL's draft
-    pixels, _ = turbo.decode(bytes(data), (0, 0, *full), shrink)
-    return Image.fromarray(pixels)
+        return decoded_rgb(img, data, img.size)
 
 
 class DecodeJPEG:
@@ -100,7 +86,7 @@ class DecodeJPEG:
             if img.format == "JPEG":
                 height, width = self.min_size
                 img.draft("RGB", (width, height))
-            return _rgb(img, data, full)
+            return decoded_rgb(img, data, full)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DecodeJPEG) and other.min_size == self.min_size

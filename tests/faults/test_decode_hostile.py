@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.errors import ImageFormatError
 from packdata.pack.images import SCAN_LIMIT
+from packdata.pack.turbo import turbojpeg
 from packdata.reading.decode import decode_pil
-from packdata.reading.turbo import turbojpeg
 
 
 def _huge_jpeg() -> bytes:

@@ -7,7 +7,8 @@ above a region, stops after its last row and leaves out the columns beside it
 order: at the path in ``PACKDATA_LIBTURBOJPEG``, as the system's
 ``libturbojpeg`` when it is version 3 or newer, and inside the ``turbojpeg``
 wheel (``pip install 'packdata[turbo]'``). Without one, :func:`turbojpeg`
-returns None and callers decode with PIL.
+returns None and callers decode with PIL. :func:`decoded_rgb` decodes a whole
+RGB or greyscale JPEG through it, to PIL's pixels.
 
 Any error or warning stops the decode and raises (``ImageFormatError``): a
 truncated or damaged JPEG is never returned with its missing rows filled in.
@@ -26,11 +27,12 @@ import threading
 import warnings
 
 import numpy as np
+from PIL import Image
 
 from packdata.errors import ImageFormatError
-from packdata.pack.images import SCAN_LIMIT
+from packdata.pack.images import SCAN_LIMIT, rgb_image
 
-__all__ = ["TurboJPEG", "turbojpeg"]
+__all__ = ["TurboJPEG", "decoded_rgb", "turbojpeg"]
 
 ENV = "PACKDATA_LIBTURBOJPEG"
 _DECOMPRESS = 1  # TJINIT_DECOMPRESS
@@ -155,3 +157,21 @@ def turbojpeg() -> TurboJPEG | None:
             if path == os.environ.get(ENV):
                 warnings.warn(f"{ENV}={path} cannot be used ({exc}); looking elsewhere", stacklevel=2)
     return None
+
+
+def decoded_rgb(img: Image.Image, data: bytes | memoryview, full: tuple[int, int]) -> Image.Image:
+    """``img``, opened from ``data`` (``full`` pixels, maybe drafted smaller), decoded in RGB.
+
+    An RGB or greyscale JPEG is decoded through TurboJPEG where found, to the
+    pixels PIL gives, but stopping at libjpeg's warnings: PIL's decoder drops
+    them and fills a scan cut short (then closed with FF D9) with grey.
+
+    Raises:
+        ImageFormatError: TurboJPEG refused the JPEG, or :func:`rgb_image` the image.
+    """
+    turbo = turbojpeg() if img.format == "JPEG" and img.mode in ("RGB", "L") else None
+    if turbo is None:
+        return rgb_image(img)
+    shrink = next(f for f in (1, 2, 4, 8) if (-(-full[0] // f), -(-full[1] // f)) == img.size)  # PIL's draft
+    pixels, _ = turbo.decode(bytes(data), (0, 0, *full), shrink)
+    return Image.fromarray(pixels)
