@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -226,6 +227,29 @@ def test_max_side_keeps_a_16_bit_image_as_it_is_instead_of_clipping_it_white(tmp
     stored = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
     assert stored[0][0] == (src / "a/depth.png").read_bytes()  # every value kept, unresized
     assert Image.open(io.BytesIO(stored[1][0])).size == (64, 48)
+
+
+def test_max_side_keeps_an_image_of_several_frames_as_it_is(tmp_path: Path) -> None:
+    """An animated GIF or multi-page TIFF was re-encoded as its first frame: the others were gone from the pack."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    frames = [Image.new("RGB", (200, 100), colour) for colour in ("red", "lime", "blue")]
+    for name in ("anim.gif", "stack.tif"):
+        frames[0].save(src / "a" / name, save_all=True, append_images=frames[1:])
+    mpo = io.BytesIO()  # a camera's photo with a preview: re-encoded as before
+    frames[0].save(mpo, "MPO", save_all=True, append_images=frames[1:2])
+    (src / "a/camera.jpg").write_bytes(mpo.getvalue())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = convert(src, tmp_path / "out.lmdb", max_side=64, progress=False)
+    assert sorted(str(w.message) for w in caught) == [
+        f"a/{name}: image has 3 frames, and a JPEG holds one; kept as it is, 200x100, not re-encoded"
+        for name in ("anim.gif", "stack.tif")
+    ]
+    assert result.packed == 3 and result.reencoded == 1
+    stored = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    kept = {key: stored[i][0] == (src / key).read_bytes() for i, key in enumerate(stored.keys)}
+    assert kept == {"a/anim.gif": True, "a/camera.jpg": False, "a/stack.tif": True}
 
 
 def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:

@@ -64,7 +64,8 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--max-side",
     type=click.IntRange(min=1),
     help="Re-encode images whose longer side exceeds N pixels down to N, as JPEG (a 16-bit image, "
-    "which JPEG would clip, is kept as it is, with a warning). Default: off (bytes kept as they are).",
+    "which JPEG would clip, or one of several frames is kept as it is, with a warning). "
+    "Default: off (bytes kept as they are).",
 )
 @click.option(
     "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality for --max-side."

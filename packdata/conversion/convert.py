@@ -109,7 +109,7 @@ def convert(
             summary and in ``skipped.jsonl``), or ``"fail"`` at the first.
         verify_images: fully decode every image (catches truncated files).
         max_side: re-encode images whose longer side is larger to this size, as JPEG
-            (one of more than 8 bits a channel is kept as it is, with a warning).
+            (one of more than 8 bits a channel or of several frames is kept as it is, with a warning).
         quality: JPEG quality of re-encoded images.
         shard_size: start a new shard before one would exceed this many bytes.
         shard_samples: at most this many samples per shard.

@@ -158,8 +158,8 @@ def _text_problem(data: bytes) -> str:
 def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, str]:
     """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``.
 
-    An image of more than 8 bits a channel (a 16-bit PNG) is kept as it is,
-    unresized, with a warning naming ``key``: JPEG would clip it white.
+    An image JPEG cannot hold (:func:`_not_for_jpeg`) is kept as it is,
+    unresized, with a warning naming ``key``.
     """
     if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
         if jpeg_frame(data) is not None:
@@ -168,14 +168,11 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
     try:
         with open_image(data) as img:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
-            deep = deep_mode(img.mode)
-            if reencode and deep:
-                warnings.warn(
-                    f"{key}: image of mode {img.mode} has more than 8 bits a channel, which JPEG would clip "
-                    f"(above 255: white); kept as it is, {img.size[0]}x{img.size[1]}, not re-encoded",
-                    stacklevel=1,
-                )
-            if deep and (opts.verify_images or reencode):
+            why = _not_for_jpeg(img) if reencode else None
+            if why is not None:
+                warnings.warn(f"{key}: {why}; kept as it is, {img.size[0]}x{img.size[1]}, not re-encoded", stacklevel=1)
+                reencode = False
+            if deep_mode(img.mode) and opts.verify_images:
                 img.load()
             elif opts.verify_images or reencode:
                 rgb = decoded_rgb(img, data, img.size)  # a damaged JPEG refused where TurboJPEG is found
@@ -188,6 +185,16 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         return "corrupt image", str(exc)
     return data
+
+
+def _not_for_jpeg(img: Image.Image) -> str | None:
+    """Why a JPEG re-encoding would lose part of the image, or None."""
+    if deep_mode(img.mode):
+        return f"image of mode {img.mode} has more than 8 bits a channel, which JPEG would clip (above 255: white)"
+    frames = getattr(img, "n_frames", 1)
+    if frames > 1 and img.format != "MPO":  # an animated GIF, a multi-page TIFF (not a camera's MPO: its preview)
+        return f"image has {frames} frames, and a JPEG holds one"
+    return None
 
 
 def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
