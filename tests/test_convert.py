@@ -252,6 +252,22 @@ def test_max_side_keeps_an_image_of_several_frames_as_it_is(tmp_path: Path) -> N
     assert kept == {"a/anim.gif": True, "a/camera.jpg": False, "a/stack.tif": True}
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"verify_images": True}, {"max_side": 32}], ids=["plain", "verify", "max-side"]
+)
+def test_the_decompression_bomb_warning_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, object]
+) -> None:
+    """PIL's DecompressionBombWarning (over MAX_IMAGE_PIXELS, at most twice it) named no file: which one?"""
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    (src / "cat/big.png").write_bytes(image_bytes(1, fmt="PNG"))  # 64x48: 3072 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)
+    named = re.escape("cat/big.png: image of 64x48 (3072 pixels) is over PIL.Image.MAX_IMAGE_PIXELS (2000)")
+    with pytest.warns(Image.DecompressionBombWarning, match=named):
+        assert convert(src, tmp_path / "out.lmdb", progress=False, **options).packed == 1  # type: ignore[arg-type]
+
+
 def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:
     convert(image_folder, tmp_path / "out.lmdb", progress=False)
     env = lmdb.open(str(tmp_path / "out.lmdb/shard-00000.lmdb"), readonly=True, lock=False)

@@ -22,7 +22,7 @@ from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import ConfigError, ImageFormatError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
-from packdata.pack.images import deep_mode, jpeg_frame, open_image
+from packdata.pack.images import decoding_sample, deep_mode, jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 from packdata.pack.turbo import decoded_rgb
 
@@ -165,6 +165,7 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
         if jpeg_frame(data) is not None:
             return data
         return "corrupt image", "JPEG header is damaged or incomplete"
+    token = decoding_sample.set(lambda: key)  # PIL's decompression-bomb warning names the file
     try:
         with open_image(data) as img:
             reencode = bool(opts.max_side) and max(img.size) > opts.max_side  # type: ignore[operator]
@@ -184,6 +185,8 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
         return "corrupt image", exc.message
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         return "corrupt image", str(exc)
+    finally:
+        decoding_sample.reset(token)
     return data
 
 
