@@ -268,6 +268,29 @@ def test_the_decompression_bomb_warning_names_the_file(
         assert convert(src, tmp_path / "out.lmdb", progress=False, **options).packed == 1  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_an_image_over_twice_the_decompression_bomb_limit_is_packed_unless_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """A PNG of more pixels than twice PIL.Image.MAX_IMAGE_PIXELS was skipped as 'corrupt image' (a JPEG was
+    packed): a genuine large image lost from the pack, called damaged. It is packed as it is (the decoders
+    name it, saying to raise the limit), and verify_images skips it as too large to decode."""
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    name = f"cat/big.{fmt.lower()}"
+    (src / name).write_bytes(image_bytes(1, fmt=fmt))  # 64x48: 3072 pixels
+    (src / "cat/small.png").write_bytes(image_bytes(2, size=(20, 20), fmt="PNG"))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    assert convert(src, tmp_path / "plain.lmdb", progress=False).packed == 2
+    assert LMDBDataset(tmp_path / "plain.lmdb", decode="bytes")[0][0] == (src / name).read_bytes()
+    with pytest.warns(Image.DecompressionBombWarning, match=re.escape(f"{name}: Image size (3072 pixels) exceeds")):
+        assert convert(src, tmp_path / "small.lmdb", max_side=16, progress=False).packed == 2
+    assert LMDBDataset(tmp_path / "small.lmdb", decode="bytes")[0][0] == (src / name).read_bytes()
+    result = convert(src, tmp_path / "strict.lmdb", verify_images=True, progress=False)
+    assert result.skipped == {"too large to decode": 1}
+    assert "raise PIL.Image.MAX_IMAGE_PIXELS where you convert" in result.skip_examples[0]["detail"]
+
+
 def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:
     convert(image_folder, tmp_path / "out.lmdb", progress=False)
     env = lmdb.open(str(tmp_path / "out.lmdb/shard-00000.lmdb"), readonly=True, lock=False)

@@ -159,7 +159,8 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
     """The image's bytes (re-encoded when ``max_side`` asks), or a skip's ``(reason, detail)``.
 
     An image JPEG cannot hold (:func:`_not_for_jpeg`) is kept as it is,
-    unresized, with a warning naming ``key``.
+    unresized, with a warning naming ``key``; so is one over twice PIL's
+    decompression-bomb limit, which only ``verify_images`` skips.
     """
     if not (opts.verify_images or opts.max_side) and data[:3] == b"\xff\xd8\xff":
         if jpeg_frame(data) is not None:
@@ -183,7 +184,12 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
         if exc.detected is not None:
             return "unsupported image format", str(exc)
         return "corrupt image", exc.message
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # over twice MAX_IMAGE_PIXELS, its header whole: never decoded
+        if opts.verify_images:
+            return "too large to decode", f"{exc} If it is genuine, raise PIL.Image.MAX_IMAGE_PIXELS where you convert"
+        if opts.max_side:
+            warnings.warn(f"{key}: {exc} Kept as it is, not re-encoded", Image.DecompressionBombWarning, stacklevel=1)
+    except (OSError, ValueError) as exc:
         return "corrupt image", str(exc)
     finally:
         decoding_sample.reset(token)
