@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
-from PIL import Image
+from PIL import Image, ImageCms
 
 from packdata import (
     CapacityError,
@@ -289,6 +289,26 @@ def test_an_image_over_twice_the_decompression_bomb_limit_is_packed_unless_verif
     result = convert(src, tmp_path / "strict.lmdb", verify_images=True, progress=False)
     assert result.skipped == {"too large to decode": 1}
     assert "raise PIL.Image.MAX_IMAGE_PIXELS where you convert" in result.skip_examples[0]["detail"]
+
+
+def test_max_side_keeps_the_exif_orientation_and_an_rgb_colour_profile(tmp_path: Path) -> None:
+    """A re-encoded JPEG lost its EXIF orientation and ICC profile, which a kept (smaller) one has: a reader that
+    applies them turned or coloured images of one pack differently by their size. Both are kept, pixels as stored."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    grey = bytes(16) + b"GRAY" + bytes(108)  # a profile of another colour space: not for an RGB JPEG
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees to view
+    photo = Image.open(io.BytesIO(image_bytes(1, size=(800, 600))))
+    photo.save(src / "a/turned.jpg", exif=exif, icc_profile=srgb)
+    photo.convert("L").save(src / "a/grey.jpg", icc_profile=grey)
+    assert convert(src, tmp_path / "out.lmdb", max_side=256, progress=False).reencoded == 2
+    stored = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
+    with Image.open(io.BytesIO(stored[stored.keys.index("a/turned.jpg")][0])) as turned:
+        assert (turned.size, turned.getexif().get(0x0112), turned.info.get("icc_profile")) == ((256, 192), 6, srgb)
+    with Image.open(io.BytesIO(stored[stored.keys.index("a/grey.jpg")][0])) as grey_jpeg:
+        assert grey_jpeg.size == (256, 192) and "icc_profile" not in grey_jpeg.info
 
 
 def test_shards_open_with_plain_lmdb_and_document_the_encoding(image_folder: Path, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ __all__ = ["number_fields", "ordered_map"]
 Entry = SourceFile | SourceGroup | Skip
 """One item of a source's walk: a file, a group of files, or a skip."""
 
+_ORIENTATION = 0x0112  # the EXIF tag
 _MAX_READ = 0x7FFFF000  # the most one read() returns on Linux: a shorter read of a regular file is its end
 
 T = TypeVar("T")
@@ -179,7 +180,7 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
             elif opts.verify_images or reencode:
                 rgb = decoded_rgb(img, data, img.size)  # a damaged JPEG refused where TurboJPEG is found
                 if reencode:
-                    return _reencode(rgb, opts.max_side, opts.quality)  # type: ignore[arg-type]
+                    return _reencode(rgb, img, opts.max_side, opts.quality)  # type: ignore[arg-type]
     except ImageFormatError as exc:
         if exc.detected is not None:
             return "unsupported image format", str(exc)
@@ -331,10 +332,25 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _reencode(img: Image.Image, max_side: int, quality: int) -> bytes:
-    img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+def _reencode(rgb: Image.Image, source: Image.Image, max_side: int, quality: int) -> bytes:
+    """``rgb`` shrunk to ``max_side`` as a JPEG, with ``source``'s EXIF orientation and RGB colour profile.
+
+    The pixels stay as stored (the decoders apply neither); the two say of the
+    JPEG what they said of the source, so a reader that applies them treats
+    re-encoded and kept images alike.
+    """
+    rgb.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+    keep: dict[str, object] = {}
+    icc = source.info.get("icc_profile")
+    if isinstance(icc, bytes) and icc[16:20] == b"RGB ":  # its data colour space: not a grey or CMYK profile
+        keep["icc_profile"] = icc
+    orientation = source.getexif().get(_ORIENTATION)
+    if isinstance(orientation, int) and 2 <= orientation <= 8:
+        exif = Image.Exif()
+        exif[_ORIENTATION] = orientation
+        keep["exif"] = exif
     out = io.BytesIO()
-    img.save(out, format="JPEG", quality=quality)
+    rgb.save(out, format="JPEG", quality=quality, **keep)
     return out.getvalue()
 
 
