@@ -17,6 +17,7 @@ from packdata.errors import ImageFormatError
 __all__ = [
     "IMAGE_EXTENSIONS",
     "IMAGE_FORMATS",
+    "JPEG_FORMATS",
     "JPEG_QUALITY",
     "SCAN_LIMIT",
     "decoding_errors",
@@ -35,6 +36,10 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", 
 #: No other PIL plug-in (EPS hands data to Ghostscript, and dozens more parse
 #: rarely used formats) is ever reached from a pack's or a source's bytes.
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+
+#: The formats PIL names JPEG bytes by: MPO is a JPEG followed by more images
+#: (a camera's preview or depth map), and reads as its first, a JPEG.
+JPEG_FORMATS = ("JPEG", "MPO")
 
 #: The JPEG quality a PIL image given for a ``jpg`` field is saved at.
 JPEG_QUALITY = 95

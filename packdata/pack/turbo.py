@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from packdata.errors import ImageFormatError
-from packdata.pack.images import SCAN_LIMIT, rgb_image
+from packdata.pack.images import JPEG_FORMATS, SCAN_LIMIT, rgb_image
 
 __all__ = ["TurboJPEG", "decoded_rgb", "turbojpeg"]
 
@@ -169,7 +169,7 @@ def decoded_rgb(img: Image.Image, data: bytes | memoryview, full: tuple[int, int
     Raises:
         ImageFormatError: TurboJPEG refused the JPEG, or :func:`rgb_image` the image.
     """
-    turbo = turbojpeg() if img.format == "JPEG" and img.mode in ("RGB", "L") else None
+    turbo = turbojpeg() if img.format in JPEG_FORMATS and img.mode in ("RGB", "L") else None
     if turbo is None:
         return rgb_image(img)
     shrink = next(f for f in (1, 2, 4, 8) if (-(-full[0] // f), -(-full[1] // f)) == img.size)  # PIL's draft

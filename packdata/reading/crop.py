@@ -50,7 +50,7 @@ import torch
 from PIL import Image
 
 from packdata.errors import ConfigError
-from packdata.pack.images import decoding_errors, open_image, rgb_image
+from packdata.pack.images import JPEG_FORMATS, decoding_errors, open_image, rgb_image
 from packdata.pack.turbo import turbojpeg
 from packdata.reading.transforms import ToUint8Tensor
 
@@ -171,7 +171,7 @@ class DecodeCrop:
             top, left, h, w = crop_box(width, height, self._generator(), self.scale, self.ratio)
             out_h, out_w = self.size
             box = (left, top, left + w, top + h)
-            if img.format == "JPEG":
+            if img.format in JPEG_FORMATS:
                 reach = min(w / out_w, h / out_h)  # how far the box may shrink and still cover the output
                 turbo = turbojpeg() if self.turbo is not False and img.mode in ("RGB", "L") else None
                 if turbo is not None and data.rstrip(b"\0").endswith(b"\xff\xd9"):  # whole: ends with EOI

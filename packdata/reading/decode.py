@@ -17,7 +17,7 @@ from PIL import Image
 
 from packdata.errors import DecodeError
 from packdata.pack.fields import check_npy
-from packdata.pack.images import IMAGE_FORMATS, decoding_errors, open_image
+from packdata.pack.images import IMAGE_FORMATS, JPEG_FORMATS, decoding_errors, open_image
 from packdata.pack.turbo import decoded_rgb
 
 __all__ = [
@@ -83,7 +83,7 @@ class DecodeJPEG:
     def __call__(self, data: bytes) -> Image.Image:
         with decoding_errors(), open_image(data) as img:
             full = img.size
-            if img.format == "JPEG":
+            if img.format in JPEG_FORMATS:
                 height, width = self.min_size
                 img.draft("RGB", (width, height))
             return decoded_rgb(img, data, full)

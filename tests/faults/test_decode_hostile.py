@@ -285,3 +285,23 @@ def test_a_jpeg_cut_short_and_closed_with_its_end_marker_is_refused_not_filled_g
     with pytest.raises(ImageFormatError, match=message):
         ds[0]
     assert ds[1][0].size == ((500, 375) if decode is decode_pil else (250, 188))
+
+
+@pytest.mark.skipif(turbojpeg() is None, reason="no TurboJPEG 3 library")
+@pytest.mark.parametrize("decode", [decode_pil, packdata.DecodeJPEG(100)], ids=["pil", "jpeg"])
+def test_a_cameras_mpo_is_decoded_as_the_jpeg_it_is(decode) -> None:
+    """A camera's JPEG with a preview after it opens in PIL as MPO, not JPEG: the decoders took it for another
+    format, so DecodeJPEG decoded it at full size and a damaged scan was read with PIL's grey blocks."""
+    out = io.BytesIO()
+    preview = Image.new("RGB", (160, 120), "blue")
+    Image.open(io.BytesIO(_photo_jpeg())).save(out, "MPO", save_all=True, append_images=[preview], quality=90)
+    mpo = out.getvalue()
+    with Image.open(io.BytesIO(mpo)) as img:
+        assert img.format == "MPO"
+        if isinstance(decode, packdata.DecodeJPEG):
+            img.draft("RGB", (100, 100))
+        assert np.array_equal(np.asarray(decode(mpo)), np.asarray(img.convert("RGB")))
+    scan = mpo.index(b"\xff\xda")
+    cut = scan + (mpo.index(b"\xff\xd9", scan) - scan) // 4  # the first image's scan, a quarter in
+    with pytest.raises(ImageFormatError, match="JPEG cannot be decoded: Corrupt JPEG data"):
+        decode(mpo[:cut] + b"\xff\xd9" + mpo[cut + 2 :])  # its length and the offsets to the preview unchanged
