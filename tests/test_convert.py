@@ -131,6 +131,36 @@ def test_a_jpeg_cut_short_and_closed_with_its_end_marker_is_skipped_when_decoded
     ]
 
 
+def _png_flipped_to_other_pixels() -> bytes:
+    """A 256x256 PNG with one bit of its image data flipped, which PIL decodes, to other pixels."""
+    whole = image_bytes(1, size=(256, 256), fmt="PNG")
+    pixels = np.asarray(Image.open(io.BytesIO(whole)))
+    start = whole.index(b"IDAT") + 4
+    for offset in range(start + 20, len(whole)):
+        flipped = bytearray(whole)
+        flipped[offset] ^= 0x10
+        try:
+            other = np.asarray(Image.open(io.BytesIO(flipped)))
+        except OSError:
+            continue
+        if not np.array_equal(other, pixels):
+            return bytes(flipped)
+    raise AssertionError("no flip decodes")
+
+
+@pytest.mark.parametrize("options", [{"verify_images": True}, {"max_side": 64}], ids=["verify", "max-side"])
+def test_a_png_whose_checksum_fails_is_skipped_when_decoded(
+    image_folder: Path, tmp_path: Path, options: dict[str, object]
+) -> None:
+    """PIL decodes a PNG without checking its chunks' CRCs: a flipped bit in its image data passed
+    verify_images as other pixels, and max_side re-encoded them into a sound JPEG."""
+    (image_folder / "cat" / "flipped.png").write_bytes(_png_flipped_to_other_pixels())
+    result = convert(image_folder, tmp_path / "out.lmdb", progress=False, **options)  # type: ignore[arg-type]
+    assert result.skipped == {"corrupt image": 1}
+    assert result.skip_examples[0]["key"] == "cat/flipped.png"
+    assert "broken PNG file (bad header checksum in b'IDAT')" in result.skip_examples[0]["detail"]
+
+
 def test_unreadable_file_is_skipped(image_folder: Path, tmp_path: Path) -> None:
     (image_folder / "cat" / "dangling.jpg").symlink_to(tmp_path / "gone.jpg")  # open() fails, even as root
     result = convert(image_folder, tmp_path / "out.lmdb", progress=False)

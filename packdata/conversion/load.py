@@ -22,7 +22,7 @@ from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import ConfigError, ImageFormatError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
-from packdata.pack.images import decoding_sample, deep_mode, jpeg_frame, open_image
+from packdata.pack.images import decoding_errors, decoding_sample, deep_mode, jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 from packdata.pack.turbo import decoded_rgb
 
@@ -175,6 +175,8 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
             if why is not None:
                 warnings.warn(f"{key}: {why}; kept as it is, {img.size[0]}x{img.size[1]}, not re-encoded", stacklevel=1)
                 reencode = False
+            if (opts.verify_images or reencode) and img.format == "PNG":
+                _check_png(data)
             if deep_mode(img.mode) and opts.verify_images:
                 img.load()
             elif opts.verify_images or reencode:
@@ -195,6 +197,16 @@ def _check_image(data: bytes, opts: _Options, key: str) -> bytes | tuple[str, st
     finally:
         decoding_sample.reset(token)
     return data
+
+
+def _check_png(data: bytes) -> None:
+    """Check a PNG's chunk checksums: PIL decodes without them, and a bit flipped in its data can decode.
+
+    Raises:
+        ImageFormatError: a checksum does not match, or the file ends before its end chunk.
+    """
+    with decoding_errors(), open_image(data) as again:
+        again.verify()
 
 
 def _not_for_jpeg(img: Image.Image) -> str | None:
