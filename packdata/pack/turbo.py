@@ -12,6 +12,9 @@ RGB or greyscale JPEG through it, to PIL's pixels.
 
 Any error or warning stops the decode and raises (``ImageFormatError``): a
 truncated or damaged JPEG is never returned with its missing rows filled in.
+One warning only is no damage: junk between the last scan and the end marker
+("extraneous bytes before marker 0xd9", of many cameras and a few ImageNet
+files), met after every pixel is decoded; such a JPEG is decoded past it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import glob
 import importlib.util
 import math
 import os
+import re
 import threading
 import warnings
 
@@ -38,6 +42,8 @@ ENV = "PACKDATA_LIBTURBOJPEG"
 _DECOMPRESS = 1  # TJINIT_DECOMPRESS
 _STOPONWARNING, _SUBSAMP, _WIDTH, _HEIGHT, _PRECISION, _SCANLIMIT = 0, 4, 5, 6, 7, 13  # TJPARAM_*
 _PF_RGB = 0  # TJPF_RGB
+_WARNING = 0  # TJERR_WARNING, of tj3GetErrorCode
+_JUNK_AT_END = re.compile(rb"extraneous bytes before marker 0xd9$")  # libjpeg's JWRN_EXTRANEOUS_DATA, at the end
 _MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # tjMCUWidth, by TJSAMP_* (444, 422, 420, GRAY, 440, 411, 441)
 
 
@@ -82,6 +88,7 @@ class TurboJPEG:
         lib.tj3SetCroppingRegion.argtypes = [handle, _Region]
         lib.tj3Decompress8.argtypes = [handle, buf, size, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [handle]
+        lib.tj3GetErrorCode.argtypes = [handle]
         self.path = path
         self._lib = lib
         self._local = threading.local()
@@ -92,9 +99,10 @@ class TurboJPEG:
             handle = self._local.handle = _Handle(self._lib)
         return handle.value
 
-    def _check(self, handle: int, status: int) -> None:
+    def _check(self, handle: int, status: int, error: bytes | None = None) -> None:
+        """Raise for a failed call (``error``: its message, where already read: a second read may give another)."""
         if status != 0:
-            message = (self._lib.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace")
+            message = (error or self._lib.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace")
             raise ImageFormatError(f"JPEG cannot be decoded: {message}", hint="The bytes are damaged")
 
     def decode(
@@ -129,8 +137,20 @@ class TurboJPEG:
             x0, x1 = 0, scaled_w
         self._check(handle, self._lib.tj3SetCroppingRegion(handle, _Region(x0, y0, x1 - x0, y1 - y0)))
         out = np.empty((y1 - y0, x1 - x0, 3), dtype=np.uint8)
-        status = self._lib.tj3Decompress8(handle, data, len(data), out.ctypes.data, out.strides[0], _PF_RGB)
-        self._check(handle, status)
+        args = (handle, data, len(data), out.ctypes.data, out.strides[0], _PF_RGB)
+        status = self._lib.tj3Decompress8(*args)
+        error = self._lib.tj3GetErrorStr(handle) if status != 0 else None
+        if error is not None and _JUNK_AT_END.search(error):
+            # the first warning is of junk after every scan: the pixels are whole, decoded again past it
+            self._lib.tj3Set(handle, _STOPONWARNING, 0)
+            try:
+                status = self._lib.tj3Decompress8(*args)
+                error = self._lib.tj3GetErrorStr(handle) if status != 0 else None
+                if status != 0 and self._lib.tj3GetErrorCode(handle) == _WARNING:
+                    status = 0
+            finally:
+                self._lib.tj3Set(handle, _STOPONWARNING, 1)
+        self._check(handle, status, error)
         return out, (left * sx - x0, top * sy - y0, right * sx - x0, bottom * sy - y0)
 
 

@@ -305,3 +305,23 @@ def test_a_cameras_mpo_is_decoded_as_the_jpeg_it_is(decode) -> None:
     cut = scan + (mpo.index(b"\xff\xd9", scan) - scan) // 4  # the first image's scan, a quarter in
     with pytest.raises(ImageFormatError, match="JPEG cannot be decoded: Corrupt JPEG data"):
         decode(mpo[:cut] + b"\xff\xd9" + mpo[cut + 2 :])  # its length and the offsets to the preview unchanged
+
+
+@pytest.mark.skipif(turbojpeg() is None, reason="no TurboJPEG 3 library")
+@pytest.mark.parametrize("options", [{}, {"progressive": True}], ids=["baseline", "progressive"])
+@pytest.mark.parametrize(
+    "decode",
+    [decode_pil, packdata.DecodeJPEG(100), packdata.DecodeCrop(500, scale=(1, 1), ratio=(4 / 3, 4 / 3), turbo=True)],
+    ids=["pil", "jpeg", "crop"],
+)
+def test_bytes_between_the_last_scan_and_the_end_marker_are_no_damage(decode, options: dict[str, object]) -> None:
+    """'Corrupt JPEG data: 240 extraneous bytes before marker 0xd9', of a few ImageNet files and many
+    cameras' (junk after the pixel data, all of which decodes), stopped TurboJPEG as damage: PIL's
+    pixels, refused. Only junk before the end marker, after every scan, is let through."""
+    whole = _photo_jpeg(**options)
+    junk = whole[:-2] + b"\x7f" * 240 + b"\xff\xd9"
+    assert np.array_equal(np.asarray(decode(junk)), np.asarray(decode(whole)))
+    scan = whole.index(b"\xff\xda")
+    restart = whole[: scan + 200] + b"\xff\xd0" + whole[scan + 200 :]  # a restart marker no interval asked for
+    with pytest.raises(ImageFormatError, match="JPEG cannot be decoded: Corrupt JPEG data"):
+        decode(restart)
