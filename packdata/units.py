@@ -1,11 +1,12 @@
-"""Byte sizes in text: the one parser (:func:`parse_size`) and formatter (:func:`format_size`)."""
+"""Byte sizes in text: the one parser (:func:`parse_size`) and formatter (:func:`format_size`); names in a line
+of output (:func:`shown`)."""
 
 from __future__ import annotations
 
 import re
 from decimal import Decimal
 
-__all__ = ["SIZE_RULE", "describe_size", "format_rate", "format_size", "parse_size"]
+__all__ = ["SIZE_RULE", "describe_size", "format_rate", "format_size", "parse_size", "shown"]
 
 SIZE_RULE = "KB/MB/GB/TB are powers of 1000; K/M/G/T and KiB/MiB/GiB/TiB powers of 1024 (as tmpfs and ls -h)"
 """The one rule for size units, quoted in every ``--help`` that takes a size."""
@@ -63,3 +64,12 @@ def format_size(n: int) -> str:
 def format_rate(bytes_per_second: float) -> str:
     """A throughput in the units of :func:`format_size`: ``4.8 MiB/s``."""
     return f"{format_size(round(bytes_per_second))}/s"
+
+
+def shown(text: str) -> str:
+    """``text`` for one line of output: as it is, or quoted and escaped if it holds a newline, tab or control.
+
+    A key or file name from a pack or a source may hold any of them: raw, one
+    sample would print as two lines, or a terminal escape sequence would run.
+    """
+    return text if text.isprintable() else repr(text)

@@ -224,6 +224,37 @@ def test_cli_monitor_finds_a_real_job_its_workers_and_its_staged_pack(tmp_path: 
     assert gone.exit_code == 1 and "no running process has" in gone.output
 
 
+def test_monitor_escapes_a_packs_path_and_origin_on_a_terminal(tmp_path: Path) -> None:
+    """The monitor's screen printed a pack's folder name and the origin from its staged.json (a stranger's pack
+    may hold any) raw on the terminal: an escape sequence in them ran. Now they are quoted and escaped; only the
+    screen's own redraw sequence reaches the terminal. A real job, and the monitor on a real pseudo-terminal."""
+    import pty
+
+    pack = tmp_path / "pack\x1b[31mred"
+    pack.mkdir()
+    (pack / "manifest.json").write_text("{}")
+    (pack / "staged.json").write_text(json.dumps({"origin": "/data/\x1b]0;pwned\x07p.lmdb"}))
+    (pack / "data.mdb").write_bytes(b"x")
+    holds = f"f = open({str(pack / 'data.mdb')!r}, 'rb')\nprint('ready', flush=True)\nimport time\ntime.sleep(60)"
+    job = subprocess.Popen([sys.executable, "-c", holds], stdout=subprocess.PIPE, text=True)
+    leader, follower = pty.openpty()
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        monitor = [sys.executable, "-m", "packdata.cli", "monitor", str(job.pid), "--count", "1", "--interval", "0.2"]
+        done = subprocess.run(monitor, stdout=follower, stderr=subprocess.PIPE, text=True, timeout=120)
+        os.set_blocking(leader, False)
+        screen = os.read(leader, 1 << 20)
+    finally:
+        os.close(follower)
+        os.close(leader)
+        job.kill()
+        job.wait()
+    assert done.returncode == 0, done.stderr
+    assert screen.startswith(b"\x1b[H\x1b[2J") and screen.count(b"\x1b") == 2, screen
+    text = screen.decode()
+    assert f"pack:   {str(pack)!r}, staged from '/data/\\x1b]0;pwned\\x07p.lmdb'" in text, text
+
+
 def test_monitor_by_name_never_takes_the_process_that_started_it() -> None:
     """`sudo packdata monitor --name x`, timeout or a script: the parent's command line holds x too."""
     token = "no-such-training-script-7f3a.py"

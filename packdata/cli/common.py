@@ -132,15 +132,6 @@ _ZERO_OK = {"reserve"}  # sizes where 0 means something (keep nothing free)
 _SIZE_HELP = f"Sizes need a unit: {SIZE_RULE}."
 
 
-def _shown(text: str) -> str:
-    """``text`` for one line of output: as it is, or quoted and escaped if it holds a newline, tab or control.
-
-    A key or file name from a pack or a source may hold any of them: raw, one
-    sample would print as two lines, or a terminal escape sequence would run.
-    """
-    return text if text.isprintable() else repr(text)
-
-
 _C1 = re.compile("[\x7f-\x9f]")
 
 

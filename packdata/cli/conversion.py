@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _json_text, _mb, _shown, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _json_text, _mb, _size
 from packdata.formats import FORMATS
+from packdata.units import shown as _shown
 
 __all__ = ["convert", "merge"]
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _count, _friendly, _json_object, _json_text, _mb, _said, _shown
+from packdata.cli.common import _count, _friendly, _json_object, _json_text, _mb, _said
 from packdata.errors import PackdataError
+from packdata.units import shown as _shown
 
 __all__ = ["cat", "export", "info", "ls", "verify"]
 

@@ -18,7 +18,7 @@ import psutil
 
 from packdata.errors import ConfigError
 from packdata.host.processes import process_memory
-from packdata.units import format_size
+from packdata.units import format_size, shown
 from packdata.watch.diagnose import MEMORY_LOW
 from packdata.watch.probe import Snapshot, SystemProbe
 
@@ -72,7 +72,7 @@ def render(snap: Snapshot, pid: int) -> list[str]:
         f"{'pid':>8} {'role':<7} {'private':>10} {'file-backed':>12}  command",
     ]
     lines += [
-        f"{p.pid:>8} {p.role:<7} {format_size(p.private):>10} {format_size(p.file_backed):>12}  {p.cmdline[:60]}"
+        f"{p.pid:>8} {p.role:<7} {format_size(p.private):>10} {format_size(p.file_backed):>12}  {shown(p.cmdline[:60])}"
         for p in snap.processes
     ]
     workers = snap.workers
@@ -83,12 +83,14 @@ def render(snap: Snapshot, pid: int) -> list[str]:
     for g in snap.gpus:
         busy = f"{100 * g['utilization']:.0f}% busy" if g.get("utilization") is not None else "busy: unknown"
         used = g["total_bytes"] - g["free_bytes"]
-        lines.append(f"gpu {g['index']}: {g['name']}, {busy}, {format_size(used)} of {format_size(g['total_bytes'])}")
+        lines.append(
+            f"gpu {g['index']}: {shown(g['name'])}, {busy}, {format_size(used)} of {format_size(g['total_bytes'])}"
+        )
     if not snap.gpus:
         lines.append("gpus:   none seen through NVML (pip install nvidia-ml-py on a GPU machine)")
     for p in snap.packs:
-        origin = f", staged from {p['origin']}" if p["staged"] else ""
-        lines.append(f"pack:   {p['path']}{origin}")
+        origin = f", staged from {shown(str(p['origin']))}" if p["staged"] else ""  # from a pack's staged.json
+        lines.append(f"pack:   {shown(p['path'])}{origin}")
     warning = _oom_warning(snap)
     if warning:
         lines.append(f"WARNING {warning}")
