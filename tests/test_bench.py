@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -470,6 +471,41 @@ def test_tune_cli_json(pack: Path) -> None:
     data = json.loads(result.stdout)
     assert data["memory_budget"] == 1 << 20
     assert data["recommended"]["projected_bytes"] <= 1 << 20
+
+
+_SMALL_SHM = """
+import sys, torch
+from torch.utils.data import DataLoader, Dataset
+from packdata.measure.tune import recommend_loader_kwargs
+
+class Images(Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        return torch.zeros(3, 224, 224, dtype=torch.uint8)
+
+batch = int(sys.argv[1])
+kwargs = recommend_loader_kwargs(Images(), batch_size=batch, memory_budget=64 << 30, cores=8)
+for i, _ in enumerate(DataLoader(Images(), **kwargs)):
+    if i == 30:
+        break
+print(kwargs["num_workers"])
+"""
+
+
+@pytest.mark.root
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("batch", "workers"), [(8, 2), (64, 0)])
+def test_recommended_workers_fit_their_batches_in_dev_shm(batch: int, workers: int) -> None:
+    """recommend_loader_kwargs gave 6 workers on 8 cores whatever /dev/shm held: in a container's small /dev/shm
+    the workers' batches did not fit, and the DataLoader died ('Caught RuntimeError in DataLoader worker').
+    Run in a private mount namespace whose /dev/shm is a real 8 MiB tmpfs; the recommended loader must run."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to give a process its own small /dev/shm")
+    script = f'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec {sys.executable} -c "$0" {batch}'
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, _SMALL_SHM], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == f"{workers}\n"  # 1.2 MB batches: 2 workers x 2 in flight + 2 held; 9.6 MB: none fits
 
 
 def test_tune_warns_of_a_budget_over_the_memory_there_is(pack: Path) -> None:

@@ -110,8 +110,9 @@ def recommend_loader_kwargs(
 
     ``DataLoader(dataset, **packdata.recommend_loader_kwargs(dataset, device="cuda"))``.
     Workers are about 3/4 of the usable physical cores, cut to what the memory budget
-    holds and to the number of batches an epoch has; ``pin_memory`` only when
-    ``device`` is CUDA and CUDA is there; ``persistent_workers`` and
+    holds, to what ``/dev/shm`` holds of the batches in flight and the two the loop holds (workers
+    hand batches over through it; a container's is 64 MiB unless raised) and to the number of batches an epoch
+    has; ``pin_memory`` only when ``device`` is CUDA and CUDA is there; ``persistent_workers`` and
     :func:`packdata.worker_init_fn` whenever there are workers.
 
     Args:
@@ -136,9 +137,10 @@ def recommend_loader_kwargs(
         with contextlib.suppress(TypeError):
             workers = min(workers, max(len(dataset) // batch_size, 1))
     config = LoaderConfig(workers, batch_size, _wants_cuda(device), 2, workers > 0)
-    while (
-        config.num_workers > 0
-        and project_memory(config, per_worker_bytes=per_worker_bytes, sample_bytes=sample_bytes) > budget
+    shm = _shm_free()
+    while config.num_workers > 0 and (
+        project_memory(config, per_worker_bytes=per_worker_bytes, sample_bytes=sample_bytes) > budget
+        or (shm is not None and (config.num_workers * config.prefetch_factor + 2) * batch_size * sample_bytes > shm)
     ):
         config = replace(config, num_workers=config.num_workers - 1)
     if project_memory(config, per_worker_bytes=per_worker_bytes, sample_bytes=sample_bytes) > budget:
@@ -148,6 +150,15 @@ def recommend_loader_kwargs(
             hint="Lower the batch size or raise the memory budget",
         )
     return _kwargs(replace(config, persistent_workers=config.num_workers > 0))
+
+
+def _shm_free() -> int | None:
+    """Bytes free in ``/dev/shm``, where DataLoader workers put the batches they hand over; None without one."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _kwargs(config: LoaderConfig) -> dict[str, Any]:
