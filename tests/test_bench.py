@@ -350,6 +350,19 @@ def test_bench_available_memory_is_the_containers(folder: Path, cgroup: Any) -> 
     assert results and all(0 < r["memory"]["mem_available_min"] <= 1 << 30 for r in results)
 
 
+def test_bench_json_names_the_best_setting_the_table_names(pack: Path, folder: Path, tmp_path: Path) -> None:
+    """The table ended with 'best: SOURCE with num_workers=N, batch_size=B' but the JSON had no such field: a
+    script had to redo the choice (the fastest within the spread, then the fewest workers) and could differ."""
+    out = tmp_path / "bench.json"
+    args = ["bench", str(pack), str(folder), "--workers", "0,1", "--batch-size", str(BATCH), "--batches", "2", "-q"]
+    result = CliRunner().invoke(cli_main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    best = data["results"][data["best"]]
+    said = f"best: {best['source']} with num_workers={best['num_workers']}, batch_size={best['batch_size']}: "
+    assert said in result.stdout and best["source"] != CEILING
+
+
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:
     """--plot bench.out ran the whole bench, then matplotlib's savefig raised a raw ValueError (a traceback)."""
     pytest.importorskip("matplotlib")

@@ -63,9 +63,11 @@ class BenchResult:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form; ``best`` is the table's best setting (:meth:`best`), as an index into ``results``."""
+        best = self.best()
         return {
             "results": [asdict(r) for r in self.results],
+            "best": None if best is None else self.results.index(best),
             "sources": self.sources,
             "settings": self.settings,
             "system": self.system,
