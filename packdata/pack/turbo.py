@@ -12,9 +12,12 @@ RGB or greyscale JPEG through it, to PIL's pixels.
 
 Any error or warning stops the decode and raises (``ImageFormatError``): a
 truncated or damaged JPEG is never returned with its missing rows filled in.
-One warning only is no damage: junk between the last scan and the end marker
-("extraneous bytes before marker 0xd9", of many cameras and a few ImageNet
-files), met after every pixel is decoded; such a JPEG is decoded past it.
+Two warnings are no damage. Odd parameters in a sequential JPEG's start of
+scan ("Invalid SOS parameters for sequential JPEG", of some phones), which
+libjpeg ignores: such a JPEG is decoded with them set as libjpeg takes them,
+still stopping at any later warning. Junk between the last scan and the end
+marker ("extraneous bytes before marker 0xd9", of many cameras and a few
+ImageNet files), met after every pixel is decoded: such a JPEG is decoded past it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ _DECOMPRESS = 1  # TJINIT_DECOMPRESS
 _STOPONWARNING, _SUBSAMP, _WIDTH, _HEIGHT, _PRECISION, _SCANLIMIT = 0, 4, 5, 6, 7, 13  # TJPARAM_*
 _PF_RGB = 0  # TJPF_RGB
 _WARNING = 0  # TJERR_WARNING, of tj3GetErrorCode
+_NOT_SEQUENTIAL = re.compile(rb"^Invalid SOS parameters for sequential JPEG")  # JWRN_NOT_SEQUENTIAL
+_START_OF_SCAN = re.compile(rb"\xff\xda")
 _JUNK_AT_END = re.compile(rb"extraneous bytes before marker 0xd9$")  # libjpeg's JWRN_EXTRANEOUS_DATA, at the end
 _MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # tjMCUWidth, by TJSAMP_* (444, 422, 420, GRAY, 440, 411, 441)
 
@@ -140,6 +145,11 @@ class TurboJPEG:
         args = (handle, data, len(data), out.ctypes.data, out.strides[0], _PF_RGB)
         status = self._lib.tj3Decompress8(*args)
         error = self._lib.tj3GetErrorStr(handle) if status != 0 else None
+        if error is not None and _NOT_SEQUENTIAL.search(error):  # decoded as libjpeg does, past the warning
+            data = _sequential_scans(data)
+            args = (handle, data, len(data), *args[3:])
+            status = self._lib.tj3Decompress8(*args)
+            error = self._lib.tj3GetErrorStr(handle) if status != 0 else None
         if error is not None and _JUNK_AT_END.search(error):
             # the first warning is of junk after every scan: the pixels are whole, decoded again past it
             self._lib.tj3Set(handle, _STOPONWARNING, 0)
@@ -152,6 +162,23 @@ class TurboJPEG:
                 self._lib.tj3Set(handle, _STOPONWARNING, 1)
         self._check(handle, status, error)
         return out, (left * sx - x0, top * sy - y0, right * sx - x0, bottom * sy - y0)
+
+
+def _sequential_scans(data: bytes) -> bytes:
+    """``data`` with each start of scan's spectral selection and approximation those of a sequential JPEG.
+
+    libjpeg warns of others in a sequential JPEG (some phones write zeros)
+    and decodes it as if they were 0, 63 and 0: this copy decodes the same
+    without the warning. Bytes that only look like a start of scan are left.
+    """
+    out = bytearray(data)
+    for match in _START_OF_SCAN.finditer(data):
+        i = match.start()
+        count = out[i + 4] if i + 4 < len(out) else 0
+        end = i + 8 + 2 * count  # marker, length, count, a table pair per component, the three parameters
+        if 1 <= count <= 4 and int.from_bytes(out[i + 2 : i + 4], "big") == 6 + 2 * count and end <= len(out):
+            out[end - 3 : end] = b"\x00\x3f\x00"
+    return bytes(out)
 
 
 def _candidates() -> list[str]:

@@ -325,3 +325,22 @@ def test_bytes_between_the_last_scan_and_the_end_marker_are_no_damage(decode, op
     restart = whole[: scan + 200] + b"\xff\xd0" + whole[scan + 200 :]  # a restart marker no interval asked for
     with pytest.raises(ImageFormatError, match="JPEG cannot be decoded: Corrupt JPEG data"):
         decode(restart)
+
+
+@pytest.mark.skipif(turbojpeg() is None, reason="no TurboJPEG 3 library")
+@pytest.mark.parametrize(
+    "decode",
+    [decode_pil, packdata.DecodeJPEG(100), packdata.DecodeCrop(500, scale=(1, 1), ratio=(4 / 3, 4 / 3), turbo=True)],
+    ids=["pil", "jpeg", "crop"],
+)
+def test_a_sequential_scan_of_odd_parameters_is_no_damage(decode) -> None:
+    """'Invalid SOS parameters for sequential JPEG': some phones (Samsung's) write a baseline scan's spectral
+    selection as zeros, which libjpeg warns of and ignores. TurboJPEG stopped there, refusing the photo; it is
+    decoded as libjpeg does, still stopping at any later warning (the same photo cut short)."""
+    whole = _photo_jpeg()
+    sos = whole.index(b"\xff\xda")
+    params = sos + 5 + 2 * whole[sos + 4]  # after the marker, length, count and each component's tables
+    odd = whole[:params] + b"\x00\x00\x00" + whole[params + 3 :]
+    assert np.array_equal(np.asarray(decode(odd)), np.asarray(decode(whole)))
+    with pytest.raises(ImageFormatError, match="premature end of data segment"):
+        decode(odd[: len(odd) // 2] + b"\xff\xd9")
