@@ -16,6 +16,7 @@ from packdata.errors import ImageFormatError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "DAMAGED_HINT",
     "IMAGE_FORMATS",
     "JPEG_FORMATS",
     "JPEG_QUALITY",
@@ -36,6 +37,9 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", 
 #: No other PIL plug-in (EPS hands data to Ghostscript, and dozens more parse
 #: rarely used formats) is ever reached from a pack's or a source's bytes.
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+
+#: The hint of an error for damaged image bytes, which a conversion that decodes would have skipped.
+DAMAGED_HINT = "Convert with verify_images=True to skip such files (they are listed with the skipped files)"
 
 #: The formats PIL names JPEG bytes by: MPO is a JPEG followed by more images
 #: (a camera's preview or depth map), and reads as its first, a JPEG.
@@ -233,7 +237,7 @@ def decoding_errors() -> Iterator[None]:
     except (OSError, SyntaxError, EOFError, ValueError, struct.error) as exc:
         raise ImageFormatError(
             f"image data is truncated or damaged ({exc})",
-            hint="Convert with verify_images=True to skip such files (they are listed with the skipped files)",
+            hint=DAMAGED_HINT,
         ) from exc
 
 

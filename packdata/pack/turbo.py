@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 
 from packdata.errors import ImageFormatError
-from packdata.pack.images import JPEG_FORMATS, SCAN_LIMIT, rgb_image
+from packdata.pack.images import DAMAGED_HINT, JPEG_FORMATS, SCAN_LIMIT, rgb_image
 
 __all__ = ["TurboJPEG", "decoded_rgb", "turbojpeg"]
 
@@ -108,7 +108,7 @@ class TurboJPEG:
         """Raise for a failed call (``error``: its message, where already read: a second read may give another)."""
         if status != 0:
             message = (error or self._lib.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace")
-            raise ImageFormatError(f"JPEG cannot be decoded: {message}", hint="The bytes are damaged")
+            raise ImageFormatError(f"JPEG cannot be decoded: {message}", hint=DAMAGED_HINT)
 
     def decode(
         self, data: bytes, box: tuple[int, int, int, int], shrink: int
