@@ -280,6 +280,13 @@ def test_max_side_keeps_an_image_of_several_frames_as_it_is(tmp_path: Path) -> N
     stored = LMDBDataset(tmp_path / "out.lmdb", decode="bytes")
     kept = {key: stored[i][0] == (src / key).read_bytes() for i, key in enumerate(stored.keys)}
     assert kept == {"a/anim.gif": True, "a/camera.jpg": False, "a/stack.tif": True}
+    # a second page whose header has no width: PIL's frame count raised TypeError out of convert
+    stack = (src / "a/stack.tif").read_bytes()
+    width = stack.index(b"\x00\x01\x04\x00\x01\x00\x00\x00", stack.index(b"\x00\x01\x04\x00") + 1)
+    (src / "a/stack.tif").write_bytes(stack[:width] + b"\xff\x0f" + stack[width + 2 :])
+    (src / "a/anim.gif").unlink()
+    with pytest.warns(UserWarning, match=r"a/stack\.tif: image's frames cannot be counted \(TypeError: Missing dim"):
+        convert(src, tmp_path / "damaged.lmdb", max_side=64, progress=False)
 
 
 @pytest.mark.parametrize(

@@ -213,7 +213,10 @@ def _not_for_jpeg(img: Image.Image) -> str | None:
     """Why a JPEG re-encoding would lose part of the image, or None."""
     if deep_mode(img.mode):
         return f"image of mode {img.mode} has more than 8 bits a channel, which JPEG would clip (above 255: white)"
-    frames = getattr(img, "n_frames", 1)
+    try:
+        frames = getattr(img, "n_frames", 1)  # reads every frame's header
+    except Exception as exc:  # a later frame's header is damaged: PIL's plug-ins raise many kinds there
+        return f"image's frames cannot be counted ({type(exc).__name__}: {exc})"
     if frames > 1 and img.format != "MPO":  # an animated GIF, a multi-page TIFF (not a camera's MPO: its preview)
         return f"image has {frames} frames, and a JPEG holds one"
     return None
