@@ -1476,6 +1476,35 @@ def test_ls_and_cat_read_a_remote_pack_in_place(s3, remote_pack, remote_tfrecord
         assert missing.exit_code == 1 and missing.output.startswith(f"Error: {url}: no sample has the key 'nope/0.jpg'")
 
 
+def test_ls_never_lists_labels_of_a_damaged_index(s3, remote_tfrecord, tmp_path: Path, monkeypatch) -> None:
+    """ls listed a cached copy's (or a local pack's) flipped labels.i32 as the samples' labels, silently.
+
+    The cached copy is downloaded again; a local pack's damaged file is named.
+    """
+    options, _ = s3
+    url, local = remote_tfrecord
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default cache of ls and cat
+    expected = _cli("ls", url, "--limit", "0", "--json", options=options).output
+    assert '"label": 1' in expected
+
+    def flip_first_label(labels: Path) -> None:
+        damaged = bytearray(labels.read_bytes())
+        damaged[0] ^= 0x01
+        labels.write_bytes(bytes(damaged))
+
+    (cached,) = (tmp_path / f"packdata-remote-{os.getuid()}").rglob("labels.i32")
+    flip_first_label(cached)
+    assert _cli("ls", url, "--limit", "0", "--json", options=options).output == expected
+    assert cached.read_bytes() == (local / "index" / "labels.i32").read_bytes()
+    flip_first_label(cached)
+    assert _cli("cat", url, "#0", "--field", "cls", options=options).stdout_bytes == b"0"
+    copy = tmp_path / "copy"
+    shutil.copytree(local, copy)
+    flip_first_label(copy / "index" / "labels.i32")
+    out = CliRunner().invoke(main, ["ls", str(copy)])
+    assert out.exit_code == 1 and out.output.startswith(f"Error: {copy / 'index' / 'labels.i32'}: "), out.output
+
+
 def test_cat_of_an_lmdb_shard_without_its_location_table_says_stage_it(s3, remote_pack) -> None:
     options, fs = s3
     fs.put(str(remote_pack[1]), "packs/notable.lmdb", recursive=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.formats.remote_pack import fetch_pack_skeleton
+from packdata.formats.remote_pack import fetch_pack_skeleton, forget_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
 from packdata.pack.files import fsync_dir, is_inside
 from packdata.pack.index import SampleIndex, check_index_digests
@@ -52,12 +52,16 @@ def list_samples(
     ``pack`` may be a URL (``s3://bucket/train.lmdb``, with ``storage_options``
     for fsspec): only its manifest and sample index are downloaded (and cached
     while the manifest is the same, see :func:`~packdata.formats.remote_pack.fetch_pack_skeleton`).
+
+    Raises:
+        PackFormatError: the sample index is missing, or differs from the manifest's digests.
     """
     if is_url(pack):
-        pack = fetch_pack_skeleton(os.fspath(pack), storage_options, None)[0]
+        pack = _checked_skeleton(os.fspath(pack), storage_options)[0]
     pack = Path(pack)
     manifest = read_manifest(pack)
     index = _index(pack, manifest)
+    check_index_digests(pack / manifest.index_dir, manifest.index_sha256)  # a flipped bit would list another label
     shard, shards = 0, manifest.shards
     for i in range(manifest.num_samples if limit is None else min(limit, manifest.num_samples)):
         while i >= shards[shard].first_index + shards[shard].num_samples:
@@ -126,10 +130,31 @@ def _match_index(index: SampleIndex, i: int, key: str | None, label: int | None,
         )
 
 
+def _checked_skeleton(url: str, storage_options: dict[str, Any] | None) -> tuple[Path, Manifest, Any, str]:
+    """:func:`fetch_pack_skeleton` (default cache), its sample index matching the manifest's digests.
+
+    A cached copy whose index was damaged since its download is downloaded
+    again once; what is still damaged then is the remote pack's, named by URL.
+    """
+    shown = display_url(url)
+    for may_retry in (True, False):
+        local, manifest, fs, root = fetch_pack_skeleton(url, storage_options, None)
+        try:
+            check_index_digests(
+                local / manifest.index_dir, manifest.index_sha256, shown=f"{shown}/{manifest.index_dir}"
+            )
+            break
+        except PackFormatError:
+            if not may_retry:
+                raise
+            forget_skeleton(local)
+    return local, manifest, fs, root
+
+
 def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None) -> tuple[Sample, Manifest, str]:
     """The sample ``which`` names in the pack at ``url``, read with ranged requests; its manifest; the URL shown."""
     shown = display_url(url)
-    local, manifest, fs, root = fetch_pack_skeleton(url, storage_options, None)
+    local, manifest, fs, root = _checked_skeleton(url, storage_options)
     i = _resolve(local, manifest, which, shown)
     shard = next((s for s in manifest.shards if s.first_index <= i < s.first_index + s.num_samples), None)
     if shard is None:
