@@ -262,6 +262,35 @@ def test_a_remote_pack_named_dot_dot_is_cached_in_its_own_folder(s3, remote_tfre
     assert [p.name for p in tag.iterdir() if not p.name.endswith(".lock")] == ["pack"]
 
 
+def _plant(at: Path, kind: str, target: Path) -> None:
+    """A ``"symlink"`` to ``target``, or a ``"file"``, where the cache wants a folder of its own."""
+    if kind == "symlink":
+        at.symlink_to(target)
+    else:
+        at.write_text("not a folder")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_a_link_planted_at_a_cache_entrys_folder_is_never_written_through(
+    s3, remote_tfrecord, tmp_path: Path, kind: str
+) -> None:
+    """A link at the cache's tag folder led the copy's swap into a folder elsewhere: its PACK folder was deleted."""
+    import hashlib
+
+    options, _ = s3
+    url, local = remote_tfrecord
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    (outside / "verify-tf").mkdir(parents=True)
+    (outside / "verify-tf" / "mine.txt").write_text("not the cache's")
+    cache.mkdir()
+    tag = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
+    _plant(tag, kind, outside)
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+    assert sorted(ds) == sorted(packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    assert sorted(p.name for p in outside.rglob("*")) == ["mine.txt", "verify-tf"]
+    assert tag.is_dir() and not tag.is_symlink() and (tag / "verify-tf" / "manifest.json").is_file()
+
+
 def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
     """A clean-up of the cache (or a full disk) took an offsets index and cut the keys: not a pack to read so."""
     options, _ = s3
@@ -1913,10 +1942,7 @@ def test_a_download_folder_that_is_a_link_or_a_file_is_replaced_never_written_th
     cache, outside = tmp_path / "cache", tmp_path / "outside"
     cache.mkdir()
     outside.mkdir()
-    if kind == "symlink":
-        (cache / ".train.lmdb.partial").symlink_to(outside)
-    else:
-        (cache / ".train.lmdb.partial").write_text("not a folder")
+    _plant(cache / ".train.lmdb.partial", kind, outside)
     staged = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
     assert not staged.is_symlink() and staged.parent == cache
     assert not any(outside.iterdir())  # nothing was downloaded through the link

@@ -17,6 +17,7 @@ with one error instead of mixing two packs' records.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import CapacityError, PackFormatError, SourceError, destination_error
+from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError, destination_error
 from packdata.formats import get_format
 from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
 from packdata.pack.index import index_files
@@ -398,6 +399,24 @@ def _regular_size(path: Path) -> int:
     return info.st_size if stat.S_ISREG(info.st_mode) else -1
 
 
+def _own_folder(folder: Path) -> None:
+    """Make ``folder`` (a cache entry's tag folder) a folder: a link or a file at its name is removed, never followed.
+
+    A link planted there would have the cache's swap replace (and delete) a
+    folder wherever it leads.
+
+    Raises:
+        ConfigError: it is a link again after its removal (another process keeps planting one).
+    """
+    for _ in range(2):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(parents=True)
+        if stat.S_ISDIR(folder.lstat().st_mode):
+            return
+        folder.unlink()
+    raise ConfigError("is not a folder of the cache: packdata never writes through it", path=folder, hint=_CACHE_HINT)
+
+
 def fetch_pack_skeleton(
     url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None
 ) -> tuple[Path, Manifest, Any, str]:
@@ -421,10 +440,11 @@ def fetch_pack_skeleton(
     manifest, raw = read_url_manifest(fs, root, shown)
     digest = hashlib.sha256(raw).hexdigest()
     base = Path(cache_dir) if cache_dir else private_temp_folder("packdata-remote", hint=_CACHE_HINT)
-    dest = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16] / local_name(root)  # never the tag folder
+    tag = base / hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
+    _own_folder(tag)
+    dest = tag / local_name(root)  # never the tag folder
     if _holds(dest, digest):
         return dest, manifest, fs, root
-    dest.parent.mkdir(parents=True, exist_ok=True)
     with wait_for_lock(convert_lock_path(dest), what="packdata (remote pack cache)", target=dest):  # one at a time
         if _holds(dest, digest):  # another process made it while this one waited
             return dest, manifest, fs, root
