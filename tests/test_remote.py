@@ -1544,6 +1544,22 @@ def test_cat_of_an_lmdb_shard_without_its_location_table_says_stage_it(s3, remot
     assert _cli("cat", "s3://packs/notable.lmdb", "#7", options=options).exit_code == 0  # another shard has its table
 
 
+def test_cat_never_prints_another_record_that_an_lmdb_location_table_points_at(s3, tmp_path: Path, monkeypatch) -> None:
+    """records.i64 rows of two records of the same size swapped: cat of the first printed the second's bytes."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = "s3://packs/swapped.lmdb"
+    _convert_to_s3(tmp_path / "src", "A", url, options, "lmdb")
+    (table,) = fs.glob("packs/swapped.lmdb/*/records.i64")
+    rows = np.frombuffer(fs.cat_file(table), dtype="<i8").reshape(-1, 3).copy()
+    rows[[2, 3]] = rows[[3, 2]]  # after the two header rows: records 0 and 1
+    fs.pipe_file(table, rows.tobytes())
+    out = _cli("cat", url, "x/0.txt", options=options)
+    assert out.exit_code == 1 and out.stdout_bytes == b"", out.output
+    assert re.match(rf"Error: {url}/.*/data\.mdb: record 0 \(key 'x/1\.txt'\) does not match the sample", out.output)
+    assert _cli("cat", url, "x/2.txt", options=options).stdout_bytes == b"Ax2" * 100  # a row of its own record
+
+
 def test_verify_ls_and_cat_never_print_credentials(s3, remote_pack, remote_tfrecord) -> None:
     options, _ = s3
     keyed = {**options, "key": "testing-key-id", "secret": SECRET}  # credentials in storage_options

@@ -180,19 +180,30 @@ class PackFormat:
             check(shard, info, where)
 
     def read_remote_payload(
-        self, fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest
-    ) -> tuple[bytes, str | None, int | None]:
-        """Record ``j`` of a shard in object storage in ranged reads: its payload, and its key and label if stored.
+        self,
+        fs: Any,
+        root: str,
+        shown: str,
+        rel: str,
+        shard: Path,
+        info: ShardInfo,
+        j: int,
+        *,
+        opened: Manifest,
+        key: str,
+    ) -> tuple[bytes, str, int]:
+        """Record ``j`` of a shard in object storage in ranged reads: its payload, and the key and label it holds.
 
         ``shard`` holds local copies of the shard's side tables, downloaded with
         ``opened``, the pack's manifest: the bytes come only from the shard
         object's version pinned for it (see :func:`~packdata.formats.remote_pack.fetch_range`).
+        ``key`` is the sample's key by the sample index (a format may find the record's start by its length).
 
         Raises:
             ConfigError: the format cannot read one record of this shard in place (stage it).
             PackFormatError: the pack was replaced since ``opened`` was read, or the record is damaged.
         """
-        return self._impl().read_remote_payload(fs, root, shown, rel, shard, info, j, opened=opened)
+        return self._impl().read_remote_payload(fs, root, shown, rel, shard, info, j, opened=opened, key=key)
 
     def record_spans(self, shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Byte offsets and lengths of every record in the shard's data file of ``size`` bytes, for read-ahead hints.

@@ -162,8 +162,10 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
     fmt = get_format(manifest.format)
     rel = fmt.data_name(shard.file)
     j = i - shard.first_index
-    data, key, label = fmt.read_remote_payload(fs, root, shown, rel, local / shard.file, shard, j, opened=manifest)
     index = _index(local, manifest)
+    data, key, label = fmt.read_remote_payload(
+        fs, root, shown, rel, local / shard.file, shard, j, opened=manifest, key=index.keys[i]
+    )
     _match_index(index, i, key, label, len(data), f"{shown}/{rel}")
     return Sample(index.keys[i], int(index.labels[i]), data, manifest.kind), manifest, shown
 

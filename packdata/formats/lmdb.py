@@ -32,7 +32,7 @@ from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.formats.lmdb_tables import RECORDS_FILE, check_records_table, location_table, record_spans
 from packdata.formats.lmdb_writer import LMDBShardWriter
 from packdata.pack.manifest import Manifest, ShardInfo
-from packdata.pack.records import RecordError, Sample, decode_record
+from packdata.pack.records import RECORD_HEADER_BYTES, RecordError, Sample, decode_record
 
 __all__ = [
     "NAME",
@@ -94,12 +94,14 @@ def check_remote_side_tables(shard: Path, info: ShardInfo, where: str) -> None:
 
 
 def read_remote_payload(
-    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest
-) -> tuple[bytes, str | None, int | None]:
-    """The payload of record ``j`` of a shard in object storage, in one ranged read through its ``records.i64``.
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest, key: str
+) -> tuple[bytes, str, int]:
+    """Record ``j`` of a shard in object storage, in one ranged read through its ``records.i64``.
 
-    Returns ``(payload, None, None)``: the record's key and label are not read
-    (the sample index gives them), only its payload, CRC32C-checked.
+    The table's row places the payload; the record's header and key lie just
+    before it, ``key`` (the sample index's) giving their length. Returns the
+    payload (CRC32C and CRC-32 checked) and the key and label the record
+    holds, so a row that points at another record's payload is found out.
 
     The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
     the shard's ``data.mdb`` is ``rel`` inside it, and ``shard`` is a local
@@ -124,11 +126,20 @@ def read_remote_payload(
             hint=f"Stage the pack first (packdata stage {shown} --to DIR), then read the staged copy",
         )
     offset, length, crc = (int(v) for v in rows[j])
-    data = fetch_range(fs, f"{root}/{rel}", where, offset, offset + length, opened=opened)
-    if crc32c(data) != crc:
-        raise PackFormatError(
-            f"record {info.first_index + j} at byte offset {offset} is damaged: its payload's CRC32C does not match",
-            path=where,
-            hint="Run `packdata verify` on the pack, then convert it again",
-        )
-    return bytes(data), None, None
+    head = RECORD_HEADER_BYTES + len(key.encode("utf-8"))
+    start = offset - head
+    problem = f"{RECORDS_FILE} places its payload at byte {offset}, before its header and key could fit"
+    if start >= 0:
+        data = fetch_range(fs, f"{root}/{rel}", where, start, offset + length, opened=opened)
+        try:
+            if crc32c(data[head:]) != crc:
+                raise RecordError("its payload's CRC32C does not match")
+            sample = decode_record(data)
+            return sample.data, sample.key, sample.label
+        except RecordError as exc:
+            problem = str(exc)
+    raise PackFormatError(
+        f"record {info.first_index + j} at byte offset {start} is damaged: {problem}",
+        path=where,
+        hint="Run `packdata verify` on the pack, then convert it again",
+    )

@@ -311,15 +311,16 @@ def iter_stream_samples(stream: ByteStream, shard: Path, info: ShardInfo, where:
 
 
 def read_remote_payload(
-    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest
-) -> tuple[bytes, str | None, int | None]:
+    fs: Any, root: str, shown: str, rel: str, shard: Path, info: ShardInfo, j: int, *, opened: Manifest, key: str
+) -> tuple[bytes, str, int]:
     """Record ``j`` of a shard in object storage in one ranged read through its offsets index, CRCs checked.
 
     The pack is ``root`` on ``fs`` (``shown``: its URL without credentials),
     the shard is ``rel`` inside it, and ``shard`` is where a local copy of its
     ``.tfindex`` lies, downloaded with ``opened`` (the pack's manifest): the
     record is read from the shard object's version pinned for it. Returns the
-    payload (a multi-field sample's field block), and the key and label the record holds.
+    payload (a multi-field sample's field block), and the key and label the record holds
+    (``key``, the sample index's, is not needed: the offsets index finds the record's start).
 
     Raises:
         PackFormatError: the index or the record is damaged, the request

@@ -28,6 +28,7 @@ __all__ = [
     "KINDS",
     "MAX_KEY_BYTES",
     "MAX_SAMPLE_BYTES",
+    "RECORD_HEADER_BYTES",
     "RECORD_MAGIC",
     "RecordError",
     "RecordHeaders",
@@ -47,6 +48,8 @@ _HEADER_FIELDS = np.dtype(  # the same header, for numpy: read_headers parses ma
     {"names": ["magic", "kind", "label", "crc", "key_len"], "formats": ["S4", "u1", "<i4", "<u4", "<u2"]}
 )
 assert _HEADER_FIELDS.itemsize == _HEADER.size
+RECORD_HEADER_BYTES = _HEADER.size
+"""Bytes of a record before its key."""
 MAX_KEY_BYTES = 0xFFFF
 """The longest key a record holds, in UTF-8 bytes (its length is a uint16)."""
 MAX_SAMPLE_BYTES = (1 << 31) - (1 << 20)
