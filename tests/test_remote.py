@@ -918,6 +918,26 @@ def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Pat
     assert len(held) == 20 and all(type(data) is bytes for data, _, _ in held)
 
 
+def test_a_url_never_reads_a_local_folder_named_like_it(s3, remote_pack, remote_tfrecord, tmp_path, monkeypatch):
+    """LMDBDataset('s3://packs/train.lmdb') (and open_dataset) read ./s3:/packs/train.lmdb, another pack, silently."""
+    from packdata.reading.open import open_dataset
+
+    options, _ = s3
+    (lmdb_url, _), (tf_url, tf_local) = remote_pack, remote_tfrecord
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    (tmp_path / "src" / "c" / "0.txt").write_text("another pack")
+    packdata.convert(tmp_path / "src", "s3:/packs/train.lmdb", progress=False)  # as a tool that mangled the URL
+    with pytest.raises(ConfigError, match=r"^s3://packs/train\.lmdb: an LMDB pack is read through local files"):
+        packdata.LMDBDataset(lmdb_url)
+    for url, streaming, hint in ((lmdb_url, True, "Stage it first"), (tf_url, False, "Pass streaming=True")):
+        with pytest.raises(ConfigError, match=rf"^{url}: a map-style dataset reads local files only\. {hint}"):
+            open_dataset(url, streaming=streaming, storage_options=options)
+    ds = open_dataset(tf_url, streaming=True, decode="bytes", storage_options=options, cache_dir=tmp_path / "cache")
+    assert isinstance(ds, packdata.TFRecordDataset)
+    assert sorted(ds) == sorted(packdata.TFRecordIndexedDataset(tf_local, decode="bytes"))
+
+
 def test_a_missing_object_is_reported_without_retries(s3) -> None:
     from packdata.formats.remote_pack import fetch_range
 

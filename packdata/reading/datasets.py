@@ -27,6 +27,7 @@ from packdata.pack.fields import FieldError, decode_block, read_directory
 from packdata.pack.images import IMAGE_EXTENSIONS, decoding_sample
 from packdata.pack.index import KeyList, LabelList
 from packdata.pack.records import RecordError, decode_record
+from packdata.pack.urls import display_url, is_url
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.fields import FieldSpec
 from packdata.reading.pack_info import PackInfo
@@ -250,6 +251,11 @@ class LMDBDataset(PackView, Dataset):
         check_crc: bool = True,
         verify: bool = False,
     ) -> None:
+        if is_url(path):  # as a local path, "s3://b/x" would be the folder s3:/b/x
+            raise ConfigError(
+                f"{display_url(os.fspath(path))}: an LMDB pack is read through local files",
+                hint="Stage it first: packdata.stage(url, to=DIR), then open the staged copy",
+            )
         super().__init__(path, LMDB, transform, target_transform, decode, fields, transforms)
         self.readahead = readahead
         self.check_crc = check_crc or verify
