@@ -2191,6 +2191,33 @@ def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record
     assert [data[:1] for data, _ in fresh] == [b"B"] * 12  # a dataset built again reads the new pack
 
 
+def test_a_reader_state_never_resumes_on_a_pack_uploaded_again_since(s3, tmp_path: Path, monkeypatch) -> None:
+    """The pack converted over itself between a checkpoint and the restart (same counts, keys, labels): the resumed
+    epoch took the new pack's records at the old pack's unread positions, mixing two packs, silently."""
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url = "s3://packs/resumed"
+    _convert_to_s3(tmp_path / "v1", "A", url, options)
+
+    def opened() -> packdata.TFRecordDataset:
+        return packdata.TFRecordDataset(url, decode="bytes", seed=3, storage_options=options, cache_dir=tmp_path)
+
+    ds = opened()
+    it = iter(ds)
+    read = [next(it)[0] for _ in range(5)]
+    state = json.loads(json.dumps(ds.state_dict()))  # as a checkpoint keeps it
+    same = opened()
+    same.load_state_dict(state)
+    assert sorted(read + [data for data, _ in same]) == sorted(data for data, _ in opened())  # the same pack resumes
+    _convert_to_s3(tmp_path / "v2", "B", url, options)
+    with pytest.raises(ConfigError, match=r"the reader state was saved with pack='[0-9a-f]{16}', but this dataset"):
+        opened().load_state_dict(state)
+    del state["pack"]  # a state saved by packdata before it named its pack
+    older = opened()
+    older.load_state_dict(state)
+    assert len(list(older)) == 12 - 5
+
+
 def test_a_pack_uploaded_again_after_the_dataset_opened_is_refused_at_its_first_read(
     s3, tmp_path: Path, monkeypatch
 ) -> None:

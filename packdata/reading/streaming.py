@@ -18,6 +18,7 @@ here; the view it shares with the map-style
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import mmap
 import numbers
@@ -269,13 +270,18 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.epoch = epoch
 
     def _state_key(self) -> dict[str, Any]:
-        """The options that fix a reader's order, saved with its position and checked on load."""
+        """What fixes a reader's order, saved with its position and checked on load.
+
+        The options, and the pack by its shards' checksums (a staged copy's are
+        the same; a pack converted or uploaded again since has another order).
+        """
         return {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
             "num_samples": int(self.pack.manifest.num_samples),
             "num_shards": len(self._counts),
+            "pack": hashlib.sha256("".join(self._sha256).encode("ascii")).hexdigest()[:16],  # a staged copy's too
             "rank": self.rank,
             "world_size": self.world_size,
             "drop_uneven": self.drop_uneven,
@@ -324,6 +330,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 this epoch; the worker is checked when iteration starts.
         """
         for name, mine in self._state_key().items():
+            if name == "pack" and name not in state_dict:  # saved by packdata before the state named its pack
+                continue
             if state_dict.get(name) != mine:
                 raise ConfigError(
                     f"the reader state was saved with {name}={state_dict.get(name)!r}, but this dataset has "
