@@ -2218,6 +2218,28 @@ def test_a_reader_state_never_resumes_on_a_pack_uploaded_again_since(s3, tmp_pat
     assert len(list(older)) == 12 - 5
 
 
+def test_a_record_that_differs_from_the_index_is_named_by_its_url(s3, tmp_path: Path, monkeypatch) -> None:
+    """A shard object overwritten by another pack's (same layout, other keys) before the first read: the error named
+    the shard by the path it would have in the local cache copy, a file that does not exist."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    _convert_to_s3(tmp_path / "named", "A", "s3://packs/named", options)
+    for c in ("u", "v"):  # keys of the same lengths as x/0.txt...
+        (tmp_path / "other" / c).mkdir(parents=True)
+        for i in range(6):
+            (tmp_path / "other" / c / f"{i}.txt").write_text(f"B{c}{i}" * 100)
+    packdata.convert(tmp_path / "other", "s3://packs/other", format="tfrecord", shard_samples=12,
+                     storage_options=options, progress=False)  # fmt: skip
+    (shard,) = fs.glob("packs/named/*.tfrecord")
+    (table,) = fs.glob("packs/named/*.tfpayload")
+    fs.rm_file(table)  # records are parsed, their keys matched with the index
+    fs.pipe_file(shard, fs.cat_file(fs.glob("packs/other/*.tfrecord")[0]))
+    ds = packdata.TFRecordDataset("s3://packs/named", decode="bytes", storage_options=options, cache_dir=tmp_path)
+    with pytest.raises(PackFormatError) as raised:
+        list(ds)
+    assert str(raised.value).startswith(f"s3://{shard}: record 0 at byte offset 0 is damaged: it holds key"), raised
+
+
 def test_a_pack_uploaded_again_after_the_dataset_opened_is_refused_at_its_first_read(
     s3, tmp_path: Path, monkeypatch
 ) -> None:

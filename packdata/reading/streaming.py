@@ -489,7 +489,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 checked = stack.enter_context(closing(stream_ahead(runs, check=self.pack.check_unchanged)))
                 streams = ((run, map(bytes, data)) for run, data in checked)
             for run, data in streams:
-                path, base, first = self._shard_paths[run.shard], int(self._first[run.shard]), run.start
+                path, base, first = run.reader.path, int(self._first[run.shard]), run.start  # a URL: named so
                 try:
                     if run.payloads is not None:  # written by packdata: payloads sliced out, labels from the index
                         labels = self.pack.index.labels[base + first : base + run.stop].tolist()
