@@ -291,6 +291,28 @@ def test_a_link_planted_at_a_cache_entrys_folder_is_never_written_through(
     assert tag.is_dir() and not tag.is_symlink() and (tag / "verify-tf" / "manifest.json").is_file()
 
 
+def test_two_packs_whose_urls_differ_only_in_their_user_part_are_cached_apart(remote_tfrecord, tmp_path) -> None:
+    """abfs://CONTAINER@account/train names a container: two such packs shared one cache folder, so opening the
+    second replaced the first's copy under its reader ('pack changed since the dataset was opened'), every time."""
+    import fsspec
+
+    _, local = remote_tfrecord
+    memory = fsspec.filesystem("memory")  # fsspec's own in-memory store: URLs with a user part, as Azure's
+    other = tmp_path / "other"
+    packdata.convert(_two_classes(tmp_path / "src", seed=5), other, format="tfrecord", progress=False)
+    for container, pack in (("c1", local), ("c2", other)):
+        memory.put(str(pack), f"/{container}@account/train", recursive=True)
+    try:
+        first, second = (
+            packdata.TFRecordDataset(f"memory://{c}@account/train", decode="bytes", cache_dir=tmp_path / "cache")
+            for c in ("c1", "c2")
+        )
+        assert sorted(first) == sorted(packdata.TFRecordIndexedDataset(local, decode="bytes"))
+        assert sorted(second) == sorted(packdata.TFRecordIndexedDataset(other, decode="bytes"))
+    finally:
+        memory.rm(["/c1@account", "/c2@account"], recursive=True)
+
+
 def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
     """A clean-up of the cache (or a full disk) took an offsets index and cut the keys: not a pack to read so."""
     options, _ = s3
