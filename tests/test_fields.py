@@ -1481,3 +1481,29 @@ def test_a_source_npy_whose_header_claims_a_huge_array_is_skipped_unallocated(tm
     detail = "field 'npy': its header asks for 80000000000 bytes of array data, 64 follow"
     assert result.skip_examples[0]["detail"] == detail
     assert np.array_equal(packdata.LMDBDataset(tmp_path / "out.lmdb")[0]["npy"], np.arange(3))
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_blank_label_cell_is_a_bad_label_not_a_class_that_renumbers_the_others(tmp_path: Path, suffix: str) -> None:
+    """A blank label cell was the class '': labels 0, 10, 2 then became classes ['', '0', '10', '2'] sorted as
+    names, so every row was packed with another label (2 as 3) without a word. Now the row is a 'bad label' skip."""
+    for name in "abcd":
+        (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    for labels, classes, targets in (
+        (["0", "", "10", "2"], [str(i) for i in range(11)], [0, 10, 2]),
+        (["cat", " ", "dog", "cat"], ["cat", "dog"], [0, 1, 0]),
+    ):
+        rows = [{"path": f"{name}.txt", "label": label} for name, label in zip("abcd", labels, strict=True)]
+        listing = tmp_path / f"l{suffix}"
+        if suffix == ".csv":
+            listing.write_text("path,label\n" + "".join(f"{r['path']},{r['label']}\n" for r in rows), encoding="utf-8")
+        else:
+            listing.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        result = packdata.convert(listing, tmp_path / "out.lmdb", label_column="label", overwrite=True, progress=False)
+        assert result.packed == 3 and result.skipped == {"bad label": 1}
+        row = 3 if suffix == ".csv" else 2  # a CSV's header is line 1
+        detail = f"row {row}: no label: column 'label' is empty or missing"
+        assert result.skip_examples[0]["key"] == "b" and result.skip_examples[0]["detail"] == detail
+        ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+        assert ds.classes == classes and list(ds.targets) == targets
+        assert [ds[i]["__key__"] for i in range(3)] == ["a", "c", "d"]

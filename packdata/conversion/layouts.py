@@ -244,6 +244,8 @@ class ListSource:
                 label = self._label(value)
                 if label < 0:
                     detail = f"label {value!r} is not a class or a non-negative integer below {len(self.classes)}"
+                    if value is None or (isinstance(value, str) and not value.strip()):
+                        detail = f"no label: column {self.label_column!r} is empty or missing"
                     yield Skip(key, "bad label", f"{where}: {detail}")
                     continue
             if "\0" in raw_path:  # no file is named so; os.stat raised a bare ValueError in a reader thread
@@ -419,8 +421,8 @@ def scan_list(
                 label = row.get(label_column)
                 if isinstance(label, int) and not isinstance(label, bool):
                     int_labels = True
-                elif isinstance(label, str) and _is_utf8(label):  # one with a lone surrogate: its rows are bad labels
-                    string_labels.add(label)
+                elif isinstance(label, str) and label.strip() and _is_utf8(label):
+                    string_labels.add(label)  # a blank cell, or one with a lone surrogate, is no class: a bad label
                 number = _integer(label)
                 if number is not None and number < FREE_CLASSES:
                     top_free = max(top_free, number)
