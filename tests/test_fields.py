@@ -1507,3 +1507,22 @@ def test_a_blank_label_cell_is_a_bad_label_not_a_class_that_renumbers_the_others
         ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
         assert ds.classes == classes and list(ds.targets) == targets
         assert [ds[i]["__key__"] for i in range(3)] == ["a", "c", "d"]
+
+
+def test_grouped_field_names_are_lower_cased_and_two_files_of_one_field_skip_the_sample(tmp_path: Path) -> None:
+    """IMG_1.JPG gave field 'JPG' where IMG_2.jpg gave 'jpg': fields=("jpg", "txt") raised a KeyError in a worker
+    mid-epoch, and c.jpg beside c.JPG packed both images as two fields. Fields are now lower-cased, as tars'
+    and lists' are (and WebDataset's), and two files of one field skip their sample, naming both."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"IMG_1.JPG": image_bytes(1), "IMG_2.jpg": image_bytes(2), "c.jpg": image_bytes(3), "c.JPG": image_bytes(4)}
+    files |= {"IMG_1.TXT": b"one", "IMG_2.txt": b"two", "c.txt": b"three"}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert result.packed == 2 and result.skipped == {"duplicate field": 1}
+    detail = "files c.JPG and c.jpg both give field 'jpg'"
+    assert result.skip_examples == [{"key": "c", "reason": "duplicate field", "detail": detail}]
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("__key__", "jpg", "txt"), decode={"jpg": "bytes"})
+    got = [(key, bytes(jpg), txt) for key, jpg, txt in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert got == [("IMG_1", files["IMG_1.JPG"], "one"), ("IMG_2", files["IMG_2.jpg"], "two")]

@@ -7,7 +7,8 @@ order; the read pool turns each into one multi-field sample
 - **Grouped files** (WebDataset's rule): files in one folder whose basenames
   share the part before the first dot form one sample, one field per
   remaining extension: ``0001.jpg`` + ``0001.json`` + ``0001.seg.png`` ->
-  key ``0001``, fields ``jpg``, ``json``, ``seg.png``. First-level subfolders
+  key ``0001``, fields ``jpg``, ``json``, ``seg.png`` (lower-cased, as
+  WebDataset names them: ``0001.JPG`` gives ``jpg`` too). First-level subfolders
   are classes, as in ImageFolder; a ``cls`` file holds an integer label.
 - **List files**: one sample per row; the path column names a file (relative
   to the list's folder, or absolute) stored under its extension (a list at a
@@ -122,7 +123,7 @@ class GroupedSource:
                 yield self._group(done, files, class_index)
             if not open_groups or open_groups[-1][1] != key:
                 open_groups.append((folder, key, []))
-            open_groups[-1][2].append((rel, extension, path))
+            open_groups[-1][2].append((rel, extension.lower(), path))  # a field name, as tars and lists name it
         while open_groups:
             _, done, files = open_groups.pop()
             yield self._group(done, files, class_index)
@@ -133,6 +134,10 @@ class GroupedSource:
             return Skip(key, *new_class(top))
         label = class_index[top] if top is not None else -1
         names = [name for _, name, _ in files]
+        twice = first_repeated(names)
+        if twice is not None:  # a.jpg and a.JPG: neither is the sample's one jpg
+            both = [rel.rpartition("/")[2] for rel, name, _ in files if name == twice]
+            return Skip(key, "duplicate field", f"files {' and '.join(both)} both give field {twice!r}")
         missing = [name for name in self.require if name not in names]
         if missing:
             return Skip(key, "missing field", f"no {', '.join(missing)} file (required: {', '.join(self.require)})")
