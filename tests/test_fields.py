@@ -413,7 +413,8 @@ def test_list_rows_whose_paths_differ_after_the_first_dot_are_one_key_reported(t
         {
             "key": "a",
             "reason": "duplicate key",
-            "detail": "row 3 (a.md.txt) has the key of row 2 (a.txt): a key ends at the first dot",
+            "detail": "row 3 (a.md.txt) has the key of row 2 (a.txt): a key is the path up to the first dot of the "
+            "file name, without '.' or empty folder parts",
         }
     ]
     assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a.txt", "b.txt"]
@@ -1526,3 +1527,22 @@ def test_grouped_field_names_are_lower_cased_and_two_files_of_one_field_skip_the
     ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("__key__", "jpg", "txt"), decode={"jpg": "bytes"})
     got = [(key, bytes(jpg), txt) for key, jpg, txt in DataLoader(ds, batch_size=None, num_workers=2)]
     assert got == [("IMG_1", files["IMG_1.JPG"], "one"), ("IMG_2", files["IMG_2.jpg"], "two")]
+
+
+def test_a_list_naming_one_file_again_as_dot_slash_packs_it_once(tmp_path: Path) -> None:
+    """imgs/a.txt, ./imgs/a.txt and imgs//a.txt name one file, but gave keys imgs/a, ./imgs/a and imgs//a:
+    that file was packed three times, three samples of one. Now '.' and empty folder parts leave the key."""
+    (tmp_path / "imgs").mkdir()
+    for name in "ab":
+        (tmp_path / "imgs" / f"{name}.txt").write_text(name, encoding="utf-8")
+    paths = ["imgs/a.txt", "./imgs/a.txt", "imgs//a.txt", "imgs/./a.txt", "imgs/b.txt", f"{tmp_path}//imgs/./b.txt"]
+    (tmp_path / "l.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths), encoding="utf-8")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 3 and result.skipped == {"duplicate key": 3}
+    assert [s["key"] for s in result.skip_examples] == ["imgs/a"] * 3
+    said = [s["detail"].split(": a key is")[0] for s in result.skip_examples]
+    assert said == [
+        f"row {n} ({p}) has the key of row 2 (imgs/a.txt)" for n, p in zip((3, 4, 5), paths[1:4], strict=True)
+    ]
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert [s["__key__"] for s in ds] == ["imgs/a", "imgs/b", f"{tmp_path}/imgs/b"]

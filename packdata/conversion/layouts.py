@@ -18,7 +18,8 @@ order; the read pool turns each into one multi-field sample
   column gives classes (strings, numbered in sorted order like ImageFolder; or
   integers, kept); every other column becomes a field of that name, stored as
   text when all its values are strings and as JSON otherwise. A row's key is
-  its path up to the first dot of the file name (``imgs/a.jpg`` -> ``imgs/a``).
+  its path up to the first dot of the file name (``imgs/a.jpg`` and
+  ``./imgs/a.jpg`` -> ``imgs/a``: ``.`` and empty folder parts are dropped).
 """
 
 from __future__ import annotations
@@ -236,10 +237,11 @@ class ListSource:
                 detail = f"the file name of {raw_path!r} starts with a dot (or is empty): it gives no key"
                 yield Skip(where, "no key", f"{detail} (a key is the path up to the first dot of the file name)")
                 continue
+            folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
             if key in keys:
                 first, first_path = keys[key]
-                detail = f"{where} ({raw_path}) has the key of row {first} ({first_path}): a key ends at the first dot"
+                detail = f"{where} ({raw_path}) has the key of row {first} ({first_path}): {_KEY_RULE}"
                 yield Skip(key, "duplicate key", detail)
                 continue
             keys[key] = (number, raw_path)
@@ -299,6 +301,18 @@ class ListSource:
         if number is None or (isinstance(value, str) and self._labels):
             return -1
         return number if 0 <= number < len(self.classes) else -1
+
+
+_KEY_RULE = "a key is the path up to the first dot of the file name, without '.' or empty folder parts"
+
+
+def _plain_folder(folder: str) -> str:
+    """A list path's folder without ``.`` and empty parts (``./imgs``, ``imgs/./``, ``imgs//``: ``imgs``).
+
+    ``..`` parts stay: through a link, ``x/../a.jpg`` may be another file than ``a.jpg``.
+    """
+    plain = "/".join(part for part in folder.split("/") if part not in ("", "."))
+    return f"/{plain}" if folder.startswith("/") else plain
 
 
 def _open_text(list_file: Path | str, fs: Any) -> TextIO:
