@@ -1546,3 +1546,15 @@ def test_a_list_naming_one_file_again_as_dot_slash_packs_it_once(tmp_path: Path)
     ]
     ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
     assert [s["__key__"] for s in ds] == ["imgs/a", "imgs/b", f"{tmp_path}/imgs/b"]
+
+
+def test_tar_member_names_are_read_as_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """tarfile decoded a GNU tar's names in the locale's encoding: under LC_ALL=C with PYTHONUTF8=0 (ASCII) the
+    member café.txt was a 'name not UTF-8' skip, a sample lost on that machine alone (Latin-1 gave another key)."""
+    (tmp_path / "data.tar").write_bytes(_tar_of([("café.txt", b"x"), ("ok.txt", b"y")]))
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    code = "import sys, packdata; packdata.convert(sys.argv[1], sys.argv[2], progress=False)"
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "data.tar"), str(tmp_path / "c.lmdb")], env=env, check=True
+    )
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "c.lmdb")] == ["café", "ok"]

@@ -5,7 +5,8 @@ ranges in order, glob matches sorted), and grouped by WebDataset's rule:
 consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
-tars. A ``cls`` member is the label. Links, devices, sparse members (whose
+tars. Member names are read as UTF-8 on every machine, never in the locale's
+encoding. A ``cls`` member is the label. Links, devices, sparse members (whose
 size is only claimed: tarfile reads their holes as zeros) and other non-file
 members are skipped and reported; the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
@@ -179,7 +180,7 @@ class TarSource:
             with (
                 self._open(shard) as stream,
                 _decompressed(stream) as plain,
-                tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo) as tar,
+                tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo, encoding="utf-8") as tar,
             ):
                 for member in tar:
                     if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
