@@ -1552,9 +1552,32 @@ def test_tar_member_names_are_read_as_utf8_whatever_the_locale(tmp_path: Path) -
     """tarfile decoded a GNU tar's names in the locale's encoding: under LC_ALL=C with PYTHONUTF8=0 (ASCII) the
     member café.txt was a 'name not UTF-8' skip, a sample lost on that machine alone (Latin-1 gave another key)."""
     (tmp_path / "data.tar").write_bytes(_tar_of([("café.txt", b"x"), ("ok.txt", b"y")]))
+    _convert_in_an_ascii_locale(tmp_path / "data.tar", tmp_path / "c.lmdb")
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "c.lmdb")] == ["café", "ok"]
+
+
+def _convert_in_an_ascii_locale(src: Path, dst: Path) -> None:
+    """Convert in a Python whose file names decode as ASCII (a machine whose locale is not UTF-8)."""
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     code = "import sys, packdata; packdata.convert(sys.argv[1], sys.argv[2], progress=False)"
-    subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "data.tar"), str(tmp_path / "c.lmdb")], env=env, check=True
-    )
-    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "c.lmdb")] == ["café", "ok"]
+    subprocess.run([sys.executable, "-c", code, str(src), str(dst)], env=env, check=True)
+
+
+@pytest.mark.parametrize("layout", ["classes", "grouped"])
+def test_a_folder_gives_the_same_keys_and_classes_whatever_the_locale(tmp_path: Path, layout: str) -> None:
+    """Python decodes file names in the locale's encoding: under ASCII, cafés/ü.txt was a 'name not UTF-8' skip
+    (and its folder no class); under Latin-1 its key was cafÃ©s/Ã¼. Names are now read as UTF-8 everywhere."""
+    src = tmp_path / "src"
+    for folder in ("cafés", "plain"):
+        (src / folder).mkdir(parents=True)
+        for stem in ("ü", "a"):
+            (src / folder / f"{stem}.txt").write_text(f"{folder} {stem}", encoding="utf-8")
+            if layout == "grouped":
+                (src / folder / f"{stem}.json").write_text("[1]", encoding="utf-8")
+    packdata.convert(src, tmp_path / "utf8.lmdb", progress=False)
+    _convert_in_an_ascii_locale(src, tmp_path / "ascii.lmdb")
+    utf8, ascii = (packdata.LMDBDataset(tmp_path / f"{name}.lmdb") for name in ("utf8", "ascii"))
+    assert ascii.classes == utf8.classes == ["cafés", "plain"]
+    assert list(ascii.targets) == list(utf8.targets) == [0, 0, 1, 1]
+    keys = [f"{key}{'.txt' * (layout == 'classes')}" for key in ("cafés/a", "cafés/ü", "plain/a", "plain/ü")]
+    assert [ascii.keys[i] for i in range(4)] == [utf8.keys[i] for i in range(4)] == keys

@@ -43,6 +43,7 @@ from packdata.conversion.sources import (
     _is_hidden,
     _is_utf8,
     _printable,
+    _utf8_name,
     _walk_files,
     new_class,
 )
@@ -178,7 +179,8 @@ def detect_grouped(root: Path, sample: int = 1000) -> bool:
 
 def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
     """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0)."""
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".") and _is_utf8(e.name))
+    names = [_utf8_name(e.name) for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
+    classes = sorted(name for name in names if _is_utf8(name))
     _check_required(require)
     return GroupedSource(root=root, classes=classes, require=require)
 

@@ -4,12 +4,15 @@ ImageFolder rules, as torchvision applies them: every first-level subfolder is a
 class, classes are sorted by name and numbered from 0, and files directly under
 the root get label -1. Files are visited in sorted order at every level, so the
 same folder always gives the same sample order. The walk is a generator: a
-folder of 100 M files is never held in memory as one list.
+folder of 100 M files is never held in memory as one list. Names are read as
+UTF-8 whatever the locale, so a folder gives the same keys and classes on every machine.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -171,6 +174,19 @@ def _printable(rel: str) -> str:
     return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+_UTF8_NAMES = codecs.lookup(sys.getfilesystemencoding()).name == "utf-8"
+
+
+def _utf8_name(name: str) -> str:
+    """A file name as its bytes read in UTF-8, as on a machine whose locale is UTF-8 (the key: the same everywhere).
+
+    Python decodes names in the locale's encoding: under ASCII (``LC_ALL=C``
+    with ``PYTHONUTF8=0``) ``café.jpg`` read as a name not in UTF-8, and under
+    Latin-1 as ``cafÃ©.jpg``. Bytes that are not UTF-8 stay surrogates.
+    """
+    return name if _UTF8_NAMES else os.fsencode(name).decode("utf-8", "surrogateescape")
+
+
 def _is_utf8(name: str) -> bool:
     """False for a name with bytes that are not UTF-8 (decoded by the OS as surrogates)."""
     try:
@@ -245,7 +261,7 @@ def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]
     while folders:
         entries, prefix, ident = folders[-1]
         for entry in entries:
-            rel = prefix + entry.name
+            rel = prefix + _utf8_name(entry.name)
             try:
                 is_dir = entry.is_dir()
                 is_file = not is_dir and entry.is_file()
@@ -324,11 +340,11 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
     elif kind not in _EXTENSIONS:
         raise ConfigError(f"kind should be 'image', 'text' or 'auto', but got kind={kind!r}")
     classes = sorted(  # a folder whose name is not UTF-8 is no class: the walk skips its files by name
-        entry.name
+        _utf8_name(entry.name)
         for entry in os.scandir(root)
         if entry.is_dir()
         and not entry.name.startswith(".")
-        and _is_utf8(entry.name)
+        and _is_utf8(_utf8_name(entry.name))
         and _has_candidate(Path(entry.path), kind)
     )
     return Source(root=root, kind=kind, classes=classes, _class_to_idx={c: i for i, c in enumerate(classes)})
