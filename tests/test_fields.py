@@ -1581,3 +1581,17 @@ def test_a_folder_gives_the_same_keys_and_classes_whatever_the_locale(tmp_path: 
     assert list(ascii.targets) == list(utf8.targets) == [0, 0, 1, 1]
     keys = [f"{key}{'.txt' * (layout == 'classes')}" for key in ("cafés/a", "cafés/ü", "plain/a", "plain/ü")]
     assert [ascii.keys[i] for i in range(4)] == [utf8.keys[i] for i in range(4)] == keys
+
+
+def test_a_list_naming_a_file_in_utf8_reads_it_whatever_the_locale(tmp_path: Path) -> None:
+    """A list names files in UTF-8, but Python encodes a path in the locale's encoding: under ASCII, os.stat of
+    café.txt raised a UnicodeEncodeError in a reader thread (a traceback, no pack); under Latin-1 it was a
+    'vanished' skip. The path is now opened by its UTF-8 bytes."""
+    for name in ("café.txt", "ok.txt"):
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    (tmp_path / "l.csv").write_text("path\ncafé.txt\nok.txt\n", encoding="utf-8")
+    _convert_in_an_ascii_locale(tmp_path / "l.csv", tmp_path / "out.lmdb")
+    assert list(packdata.LMDBDataset(tmp_path / "out.lmdb")) == [
+        {"__key__": "café", "txt": "café.txt"},
+        {"__key__": "ok", "txt": "ok.txt"},
+    ]

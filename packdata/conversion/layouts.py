@@ -42,6 +42,7 @@ from packdata.conversion.sources import (
     SourceGroup,
     _is_hidden,
     _is_utf8,
+    _os_path,
     _printable,
     _utf8_name,
     _walk_files,
@@ -279,7 +280,8 @@ class ListSource:
                     continue
                 path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
             else:
-                path = raw_path if os.path.isabs(raw_path) else os.path.join(self.root, raw_path)
+                path = _os_path(raw_path)  # the list's UTF-8 names, not the locale's (ASCII: a traceback)
+                path = path if os.path.isabs(path) else os.path.join(self.root, path)
             values = []
             try:
                 for column, value in row.items():

@@ -187,6 +187,11 @@ def _utf8_name(name: str) -> str:
     return name if _UTF8_NAMES else os.fsencode(name).decode("utf-8", "surrogateescape")
 
 
+def _os_path(text: str) -> str:
+    """The path to open for ``text``, a path a list names in UTF-8: its bytes as the locale decodes them."""
+    return text if _UTF8_NAMES else os.fsdecode(text.encode("utf-8"))
+
+
 def _is_utf8(name: str) -> bool:
     """False for a name with bytes that are not UTF-8 (decoded by the OS as surrogates)."""
     try:
