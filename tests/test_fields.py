@@ -1595,3 +1595,24 @@ def test_a_list_naming_a_file_in_utf8_reads_it_whatever_the_locale(tmp_path: Pat
         {"__key__": "café", "txt": "café.txt"},
         {"__key__": "ok", "txt": "ok.txt"},
     ]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_label_column_of_integers_and_names_is_refused_not_renumbered(tmp_path: Path, suffix: str) -> None:
+    """Labels 0, 2, 10 and one 'cat' were all read as class names sorted as text (['0', '10', '2', 'cat']): 2 was
+    packed as 2, 10 as 1, without a word. Such a column is now refused before anything is packed."""
+    rows = [("a.txt", "0"), ("b.txt", "2"), ("c.txt", "10"), ("d.txt", "cat")]
+    for name, _ in rows:
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    listing = tmp_path / f"l{suffix}"
+    if suffix == ".csv":
+        listing.write_text("path,label\n" + "".join(f"{p},{label}\n" for p, label in rows), encoding="utf-8")
+    else:
+        listing.write_text("".join(json.dumps({"path": p, "label": label}) + "\n" for p, label in rows))
+    result = CliRunner().invoke(cli, ["convert", str(listing), str(tmp_path / "out.lmdb"), "--label-column", "label"])
+    said = (
+        f"{listing}: column 'label' holds both integer labels ('0') and class names ('cat'): as names, every "
+        "integer would become another class number. Give every row a class name, or every row an integer label"
+    )
+    assert (result.exit_code, result.output) == (1, f"Error: {said}\n")
+    assert not (tmp_path / "out.lmdb").exists()

@@ -28,6 +28,7 @@ import csv
 import io
 import json
 import os
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,7 +398,8 @@ def scan_list(
     every row must give (its file's, named by its extension, or a column's).
 
     Raises:
-        SourceError: the file is missing, unreadable, empty, or lacks the path column (or the label column).
+        SourceError: the file is missing, unreadable, empty, or lacks the path column (or the label column),
+            or its label column holds both integers and class names.
         ConfigError: a column, or a name in ``require``, cannot name a field.
     """
     _check_required(require)
@@ -476,7 +478,16 @@ def scan_list(
     else:
         root = Path(list_file).parent
     source = ListSource(root, list_file, path_column, label_column, [], codecs, fs=fs, base=base, require=require)
-    if string_labels and not (int_labels or all(_integer(s) is not None for s in string_labels)):
+    numbers = sorted(s for s in string_labels if _integer(s) is not None)
+    if numbers and not int_labels and len(numbers) < len(string_labels):  # names sorted as text: '10' < '2'
+        name = reprlib.repr(min(string_labels.difference(numbers)))
+        raise SourceError(
+            f"column {label_column!r} holds both integer labels ({numbers[0]!r}) and class names ({name}): "
+            "as names, every integer would become another class number",
+            path=where,
+            hint="Give every row a class name, or every row an integer label",
+        )
+    if string_labels and not (int_labels or numbers):
         source.classes = sorted(string_labels)
         source._labels = {c: i for i, c in enumerate(source.classes)}
     else:  # integer labels stay; their classes are their numbers, as many as the list may claim

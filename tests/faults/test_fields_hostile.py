@@ -303,9 +303,12 @@ def test_a_cls_label_claims_no_more_classes_than_a_source_may_have(tmp_path: Pat
 def test_a_csv_label_int_refuses_is_a_class_name_not_a_traceback(tmp_path: Path, label: str) -> None:
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "b.txt").write_text("b")
-    (tmp_path / "l.csv").write_text(f"path,label\na.txt,{label}\nb.txt,7\n", encoding="utf-8")
+    (tmp_path / "l.csv").write_text(f"path,label\na.txt,{label}\nb.txt,x\n", encoding="utf-8")
     result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", label_column="label", progress=False)
-    assert result.packed == 2 and packdata.LMDBDataset(tmp_path / "out.lmdb").classes == sorted([label, "7"])
+    assert result.packed == 2 and packdata.LMDBDataset(tmp_path / "out.lmdb").classes == sorted([label, "x"])
+    (tmp_path / "l.csv").write_text(f"path,label\na.txt,{label}\nb.txt,7\n", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"holds both integer labels \('7'\) and class names \('(²|1+\.\.\.1+)'\)"):
+        packdata.convert(tmp_path / "l.csv", tmp_path / "o2.lmdb", label_column="label", progress=False)
 
 
 @pytest.mark.parametrize(
