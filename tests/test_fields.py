@@ -1616,3 +1616,15 @@ def test_a_label_column_of_integers_and_names_is_refused_not_renumbered(tmp_path
     )
     assert (result.exit_code, result.output) == (1, f"Error: {said}\n")
     assert not (tmp_path / "out.lmdb").exists()
+
+
+def test_spaces_around_a_label_name_leave_its_class(tmp_path: Path) -> None:
+    """'a.txt, cat' (a space after the comma) and 'b.txt,cat ' made classes ' cat', 'cat' and 'cat ': one class
+    split in three, each row packed with another label. Spaces around a name are dropped, as around an integer."""
+    rows = [("a.txt", " cat"), ("b.txt", "cat "), ("c.txt", "cat"), ("d.txt", " dog ")]
+    for name, _ in rows:
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    (tmp_path / "l.csv").write_text("path,label\n" + "".join(f"{p},{label}\n" for p, label in rows), encoding="utf-8")
+    packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", label_column="label", progress=False)
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
+    assert ds.classes == ["cat", "dog"] and list(ds.targets) == [0, 0, 0, 1]

@@ -300,8 +300,8 @@ class ListSource:
         return f"{self.root}/{os.path.basename(self.list_file)}" if self.fs is not None else self.list_file
 
     def _label(self, value: Any) -> int:
-        if isinstance(value, str) and value in self._labels:
-            return self._labels[value]
+        if isinstance(value, str) and value.strip() in self._labels:
+            return self._labels[value.strip()]
         number = _integer(value)
         if number is None or (isinstance(value, str) and self._labels):
             return -1
@@ -447,7 +447,7 @@ def scan_list(
                 if isinstance(label, int) and not isinstance(label, bool):
                     int_labels = True
                 elif isinstance(label, str) and label.strip() and _is_utf8(label):
-                    string_labels.add(label)  # a blank cell, or one with a lone surrogate, is no class: a bad label
+                    string_labels.add(label.strip())  # 'cat ' is cat; a blank cell, or a lone surrogate, is no class
                 number = _integer(label)
                 if number is not None and number < FREE_CLASSES:
                     top_free = max(top_free, number)
