@@ -1529,6 +1529,19 @@ def test_grouped_field_names_are_lower_cased_and_two_files_of_one_field_skip_the
     assert got == [("IMG_1", files["IMG_1.JPG"], "one"), ("IMG_2", files["IMG_2.jpg"], "two")]
 
 
+def test_require_names_a_grouped_field_in_the_case_of_its_files(tmp_path: Path) -> None:
+    """Grouped fields are lower-cased: --require JPG,TXT (as the camera's files are named) then matched no field,
+    and every sample was a 'missing field' skip. Required names are lower-cased as the fields are."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "IMG_1.JPG").write_bytes(image_bytes(1))
+    (src / "IMG_1.TXT").write_text("one", encoding="utf-8")
+    (src / "IMG_2.JPG").write_bytes(image_bytes(2))
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", require=("JPG", "TXT"), progress=False)
+    assert result.packed == 1 and result.skipped == {"missing field": 1}
+    assert result.skip_examples[0]["detail"] == "no txt file (required: jpg, txt)"
+
+
 def test_a_list_naming_one_file_again_as_dot_slash_packs_it_once(tmp_path: Path) -> None:
     """imgs/a.txt, ./imgs/a.txt and imgs//a.txt name one file, but gave keys imgs/a, ./imgs/a and imgs//a:
     that file was packed three times, three samples of one. Now '.' and empty folder parts leave the key."""

@@ -180,11 +180,14 @@ def detect_grouped(root: Path, sample: int = 1000) -> bool:
 
 
 def scan_grouped(root: Path, require: tuple[str, ...] = ()) -> GroupedSource:
-    """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0)."""
+    """A grouped source over ``root``: first-level subfolders are classes (sorted, numbered from 0).
+
+    ``require`` names fields in any case (``JPG`` is ``jpg``): a grouped file's field is its extension lower-cased.
+    """
     names = [_utf8_name(e.name) for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
     classes = sorted(name for name in names if _is_utf8(name))
     _check_required(require)
-    return GroupedSource(root=root, classes=classes, require=require)
+    return GroupedSource(root=root, classes=classes, require=tuple(name.lower() for name in require))
 
 
 def _check_required(require: tuple[str, ...]) -> None:
