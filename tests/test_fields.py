@@ -1641,3 +1641,29 @@ def test_spaces_around_a_label_name_leave_its_class(tmp_path: Path) -> None:
     packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", label_column="label", progress=False)
     ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
     assert ds.classes == ["cat", "dog"] and list(ds.targets) == [0, 0, 0, 1]
+
+
+def test_a_csv_row_short_of_its_header_is_a_bad_row_not_a_sample_cut_short(tmp_path: Path) -> None:
+    """A caption with a line break not in quotes split its row in two: 'a.txt,a dog' was packed with the caption
+    cut at the break and no score, without a word (the rest, 'running,3', a row of its own). A row short of
+    the header's columns is now a 'bad row' skip, as one past them is."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    (tmp_path / "l.csv").write_text("path,caption,score\na.txt,a dog\nrunning,3\nb.txt,a cat,4\n", encoding="utf-8")
+    result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"bad row": 2}
+    assert result.skip_examples == [
+        {
+            "key": "row 2",
+            "reason": "bad row",
+            "detail": "1 value short of the header's columns (a line break not in quotes?)",
+        },
+        {
+            "key": "row 3",
+            "reason": "bad row",
+            "detail": "1 value short of the header's columns (a line break not in quotes?)",
+        },
+    ]
+    assert list(packdata.LMDBDataset(tmp_path / "out.lmdb")) == [
+        {"__key__": "b", "caption": "a cat", "score": "4", "txt": "b.txt"}
+    ]

@@ -231,6 +231,13 @@ class ListSource:
                 detail = f"{extra} value{'s' * (extra != 1)} past the header's columns (a delimiter not in quotes?)"
                 yield Skip(where, "bad row", detail)
                 continue
+            if _SHORT in row:
+                short = row[_SHORT]
+                detail = (
+                    f"{short} value{'s' * (short != 1)} short of the header's columns (a line break not in quotes?)"
+                )
+                yield Skip(where, "bad row", detail)
+                continue
             raw_path = row.get(self.path_column)
             if not isinstance(raw_path, str) or not raw_path:
                 yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
@@ -351,6 +358,9 @@ def _rows(list_file: Path | str, fs: Any = None, where: str | Path = "") -> Iter
 _EXTRA = "\0extra"
 """A CSV row's values past its header's columns, under a name no column has (a NUL ends a CSV): a caption
 with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
+_SHORT = "\0short"
+"""How many of a CSV row's columns it gave no value: a caption with an unquoted line break ('a.jpg,a dog' then
+'running,3') was packed cut at it, its row's later columns missing, without a word."""
 
 
 def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -383,6 +393,9 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
             if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
                 raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
             for row in reader:
+                short = sum(value is None for value in row.values())  # DictReader's value of a column not given
+                if short:
+                    row[_SHORT] = short
                 yield reader.line_num, row
 
 
@@ -441,7 +454,7 @@ def scan_list(
                     hint="Name the column with --path-column",
                 )
             for column, value in row.items():
-                if column in (path_column, label_column, _EXTRA):
+                if column in (path_column, label_column, _EXTRA, _SHORT):
                     continue
                 columns[column] = columns.get(column, True) and (isinstance(value, str) or value is None)
             if label_column is not None:
