@@ -1667,3 +1667,25 @@ def test_a_csv_row_short_of_its_header_is_a_bad_row_not_a_sample_cut_short(tmp_p
     assert list(packdata.LMDBDataset(tmp_path / "out.lmdb")) == [
         {"__key__": "b", "caption": "a cat", "score": "4", "txt": "b.txt"}
     ]
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_a_list_value_that_opens_a_quote_it_never_closes_is_refused_not_merged(tmp_path: Path, suffix: str) -> None:
+    """A caption that starts with a double quote: '"Hello" she said' was packed as 'Hello she said', and an
+    unclosed one swallowed the rows after it into its value (c and d lost, no skip). Such a list is now refused
+    in one line; quotes opened and closed as CSV writers write them still read."""
+    sep = "\t" if suffix == ".tsv" else ","
+    for name in "abcd":
+        (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    listing = tmp_path / f"l{suffix}"
+    for bad in ('"Hello" she said', '"unclosed'):
+        rows = [("a.txt", "fine"), ("b.txt", bad), ("c.txt", "plain"), ("d.txt", 'says "hi"')]
+        listing.write_text(f"path{sep}caption\n" + "".join(f"{p}{sep}{c}\n" for p, c in rows), encoding="utf-8")
+        result = CliRunner().invoke(cli, ["convert", str(listing), str(tmp_path / "out.lmdb"), "-q"])
+        assert result.exit_code == 1 and result.output.startswith(f"Error: {listing}: the row at line 3 is not")
+        assert (
+            result.output.endswith('must end with one: "say ""hi"" twice"\n') and not (tmp_path / "out.lmdb").exists()
+        )
+    listing.write_text(f'path{sep}caption\na.txt{sep}"say ""hi""{sep} twice"\nc.txt{sep}plain\n', encoding="utf-8")
+    packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert [s["caption"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [f'say "hi"{sep} twice', "plain"]

@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
+_LIST_NAMES = {",": "CSV", "\t": "TSV"}
 MAX_JSONL_LINE = 64 << 20
 """Characters a JSONL list's line may hold (a CSV field may hold 128 Ki: csv's own limit)."""
 
@@ -388,11 +389,26 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                     raise SourceError(f"line {number} is not a JSON object", path=where)
                 yield number, row
         else:
-            reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA)
+            # strict: a field that opens a quote must close it before a delimiter ('"Hi" she said' lost its
+            # quotes, and an unclosed one swallowed the rows after it into its value), or the list is refused
+            reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA, strict=True)
             twice = first_repeated(reader.fieldnames or [])
             if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
                 raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
-            for row in reader:
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as exc:  # line_num: the lines read before the row that failed
+                    quotes = '"' in str(exc) or "end of data" in str(exc)
+                    raise SourceError(
+                        f"the row at line {reader.line_num + 1} is not {_LIST_NAMES[delimiter]}: {exc}",
+                        path=where,
+                        hint='A value that starts with a double quote must end with one: "say ""hi"" twice"'
+                        if quotes
+                        else None,
+                    ) from exc
                 short = sum(value is None for value in row.values())  # DictReader's value of a column not given
                 if short:
                     row[_SHORT] = short
