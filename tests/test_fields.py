@@ -1689,3 +1689,17 @@ def test_a_list_value_that_opens_a_quote_it_never_closes_is_refused_not_merged(t
     listing.write_text(f'path{sep}caption\na.txt{sep}"say ""hi""{sep} twice"\nc.txt{sep}plain\n', encoding="utf-8")
     packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
     assert [s["caption"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [f'say "hi"{sep} twice', "plain"]
+
+
+def test_a_tar_sample_with_two_members_of_one_field_is_skipped_whole(tmp_path: Path) -> None:
+    """a.bin then a.BIN (both field bin): the sample was packed with the first and the second reported as a
+    member skipped, though nothing tells which is the sample's. It is skipped whole, as a grouped folder's is."""
+    members = [("a.bin", b"first"), ("a.BIN", b"second"), ("a.txt", b"cap a"), ("b.bin", b"only"), ("b.txt", b"b")]
+    (tmp_path / "data.tar").write_bytes(_tar_of(members))
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "out.lmdb", progress=False)
+    assert (result.found, result.packed, result.skipped) == (2, 1, {"duplicate field": 1})
+    detail = "two members give field 'bin', the second 'a.BIN'"
+    assert result.skip_examples == [{"key": "data.tar:a", "reason": "duplicate field", "detail": detail}]
+    assert list(packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")) == [
+        {"__key__": "b", "bin": b"only", "txt": b"b"}
+    ]

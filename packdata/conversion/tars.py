@@ -5,7 +5,8 @@ ranges in order, glob matches sorted), and grouped by WebDataset's rule:
 consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
-tars. Member names are read as UTF-8 on every machine, never in the locale's
+tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
+whole. Member names are read as UTF-8 on every machine, never in the locale's
 encoding. A ``cls`` member is the label. Links, devices, sparse members (whose
 size is only claimed: tarfile reads their holes as zeros) and other non-file
 members are skipped and reported; the tars are only read, never extracted to
@@ -215,6 +216,11 @@ class TarSource:
                         key, fields, total = base, {}, 0
                     if fields is None:
                         continue
+                    if ext in fields:  # a.jpg then a.JPG: neither is the sample's one jpg, so it is skipped whole
+                        detail = f"two members give field {ext!r}, the second {member.name!r}"
+                        yield Skip(f"{name}:{base}", "duplicate field", detail)
+                        fields = None
+                        continue
                     total += member.size
                     if total > MAX_SAMPLE_BYTES:  # never read into memory; nor is the sample packed in part
                         reason, detail = too_large(total)
@@ -222,11 +228,7 @@ class TarSource:
                         fields = None
                         continue
                     extracted = tar.extractfile(member)
-                    data = extracted.read() if extracted is not None else b""
-                    if ext in fields:
-                        yield Skip(where, "duplicate field", f"sample {base!r} has two {ext!r} members")
-                        continue
-                    fields[ext] = data
+                    fields[ext] = extracted.read() if extracted is not None else b""
                 _check_end(tar)
         except corrupt as exc:
             # The sample being read may lack members or hold a cut one: it is dropped, never packed partly.
