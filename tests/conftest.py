@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 from collections import Counter
@@ -56,6 +57,18 @@ def _shut_down_leaked_loader_workers() -> Iterator[None]:
     if multiprocessing.active_children():  # also reaps children that have exited
         with contextlib.suppress(RuntimeError):  # torch's SIGCHLD handler, for a worker of the loader shut down here
             gc.collect()
+
+
+def tar_with_a_hard_link(folder: Path, tar_path: Path) -> None:
+    """A tar of a.json, a.txt, b.json, b.txt made by tarfile.add, b.txt a hard link to a.txt (one file, two names)."""
+    folder.mkdir()
+    (folder / "a.txt").write_text("one caption", encoding="utf-8")
+    os.link(folder / "a.txt", folder / "b.txt")
+    (folder / "a.json").write_text("[1]", encoding="utf-8")
+    (folder / "b.json").write_text("[2]", encoding="utf-8")
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("a.json", "a.txt", "b.json", "b.txt"):
+            tar.add(folder / name, arcname=name)  # b.txt: a link member (its inode was added as a.txt)
 
 
 def tree_digest(root: Path) -> dict[str, str]:

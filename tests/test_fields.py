@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import assert_index_digests, flip_label, image_bytes
+from conftest import assert_index_digests, flip_label, image_bytes, tar_with_a_hard_link
 from faults.hostile import rewrite_manifest
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -1702,4 +1702,18 @@ def test_a_tar_sample_with_two_members_of_one_field_is_skipped_whole(tmp_path: P
     assert result.skip_examples == [{"key": "data.tar:a", "reason": "duplicate field", "detail": detail}]
     assert list(packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")) == [
         {"__key__": "b", "bin": b"only", "txt": b"b"}
+    ]
+
+
+def test_a_hard_link_in_a_tar_is_read_from_the_member_it_names(tmp_path: Path) -> None:
+    """tar and tarfile.add store a file's second name as a hard link member: b.txt was skipped as 'not a regular
+    file' and sample b packed without its caption. It is now read from a.txt's bytes in the tar."""
+    tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
+    with tarfile.open(tmp_path / "data.tar") as tar:
+        assert tar.getmember("b.txt").islnk()
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "out.lmdb", progress=False)
+    assert (result.packed, result.skipped) == (2, {})
+    assert list(packdata.LMDBDataset(tmp_path / "out.lmdb")) == [
+        {"__key__": "a", "json": [1], "txt": "one caption"},
+        {"__key__": "b", "json": [2], "txt": "one caption"},
     ]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import faulty_s3, image_bytes, moto_s3, tree_digest
+from conftest import faulty_s3, image_bytes, moto_s3, tar_with_a_hard_link, tree_digest
 from faults.hostile import rewrite_manifest
 from torch.utils.data import DataLoader
 
@@ -2891,3 +2891,16 @@ def test_a_source_listing_that_meets_a_few_5xx_replies_is_listed_whole(s3, tmp_p
         with pytest.raises(SourceError, match="cannot list the source"):
             list_folder("s3://packs/flaky-listing-denied", faulty)
         assert hits["GET", "/packs"] == before + 1  # access denied: not tried again
+
+
+def test_a_hard_link_in_a_tar_at_a_url_is_read_from_the_member_it_names(s3, tmp_path: Path) -> None:
+    """b.txt, a hard link to a.txt in the tar, was skipped and sample b packed without its caption; a tar at a
+    URL now reads it with one ranged request for a.txt's bytes."""
+    options, fs = s3
+    tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
+    fs.put_file(str(tmp_path / "data.tar"), "packs/linked/data.tar")
+    result = packdata.convert(
+        "s3://packs/linked/data.tar", tmp_path / "out.lmdb", storage_options=options, progress=False
+    )
+    assert (result.packed, result.skipped) == (2, {})
+    assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["one caption", "one caption"]

@@ -7,7 +7,9 @@ basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
 tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
 whole. Member names are read as UTF-8 on every machine, never in the locale's
-encoding. A ``cls`` member is the label. Links, devices, sparse members (whose
+encoding. A ``cls`` member is the label. A hard link to an earlier member of an
+uncompressed tar (``tar`` and ``tarfile.add`` write the second name of a file
+so) is read from that member. Other links, devices, sparse members (whose
 size is only claimed: tarfile reads their holes as zeros) and other non-file
 members are skipped and reported; the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
@@ -183,6 +185,7 @@ class TarSource:
                 _decompressed(stream) as plain,
                 tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo, encoding="utf-8") as tar,
             ):
+                offsets: dict[str, tuple[int, int]] | None = {} if plain is stream else None  # name -> data's span
                 for member in tar:
                     if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
                         base, _ = _split(_relative(member.name))
@@ -198,7 +201,8 @@ class TarSource:
                     if not _is_utf8(member.name):
                         yield Skip(f"{name}:{_printable(member.name)}", "name not UTF-8", problem=False)
                         continue
-                    if not member.isfile():
+                    linked = offsets.get(member.linkname) if member.islnk() and offsets is not None else None
+                    if not member.isfile() and linked is None:
                         yield Skip(where, "not a regular file", "a link or device in the tar")
                         continue
                     if member.issparse():  # its size is a claim: tarfile reads the holes as zeros, all in memory
@@ -206,6 +210,8 @@ class TarSource:
                         detail = f"a sparse member ({member.size} bytes, {stored} stored)"
                         yield Skip(where, "not a regular file", detail)
                         continue
+                    if offsets is not None and linked is None:  # a later hard link to it is read from here
+                        offsets[member.name] = (member.offset_data, member.size)
                     base, ext = _split(_relative(member.name))
                     if base is None:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
@@ -221,11 +227,14 @@ class TarSource:
                         yield Skip(f"{name}:{base}", "duplicate field", detail)
                         fields = None
                         continue
-                    total += member.size
+                    total += member.size if linked is None else linked[1]
                     if total > MAX_SAMPLE_BYTES:  # never read into memory; nor is the sample packed in part
                         reason, detail = too_large(total)
                         yield Skip(f"{name}:{base}", reason, f"field {ext!r}: {detail}")
                         fields = None
+                        continue
+                    if linked is not None:
+                        fields[ext] = self._read_span(shard, stream, *linked)
                         continue
                     extracted = tar.extractfile(member)
                     fields[ext] = extracted.read() if extracted is not None else b""
@@ -244,6 +253,16 @@ class TarSource:
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None and fields is not None:
             yield _group(key, fields)
+
+    def _read_span(self, shard: str, stream: BinaryIO, offset: int, size: int) -> bytes:
+        """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
+        if self.fs is not None:
+            data = bytes(self.fs.cat_file(shard, start=offset, end=offset + size))
+        else:
+            data = os.pread(stream.fileno(), size, offset)
+        if len(data) != size:
+            raise tarfile.ReadError(f"a hard link's member holds {len(data)} of its {size} bytes")
+        return data
 
 
 def _local_error(shard: str, exc: Exception) -> SourceError:
