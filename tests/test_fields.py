@@ -1443,9 +1443,10 @@ def test_a_sparse_tar_member_is_skipped_not_read_as_its_claimed_size_of_zeros(tm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = packdata.convert(str(tmp_path / "x.tar"), tmp_path / "out.lmdb", progress=False)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: never read
-    assert result.packed == 1 and result.skipped == {"not a regular file": 2}
-    assert [e["key"] for e in result.skip_examples] == ["x.tar:s1.a", "x.tar:s1.b"]
-    assert result.skip_examples[0]["detail"] == f"a sparse member ({1 << 30} bytes, 0 stored)"
+    assert result.packed == 1 and result.skipped == {"not a regular file": 1}  # sample s1, skipped whole
+    assert [e["key"] for e in result.skip_examples] == ["x.tar:s1"]
+    said = f"member 's1.a' is a sparse member ({1 << 30} bytes, 0 stored): the sample is skipped whole"
+    assert result.skip_examples[0]["detail"] == said
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["s2"]
 
 
@@ -1717,3 +1718,29 @@ def test_a_hard_link_in_a_tar_is_read_from_the_member_it_names(tmp_path: Path) -
         {"__key__": "a", "json": [1], "txt": "one caption"},
         {"__key__": "b", "json": [2], "txt": "one caption"},
     ]
+
+
+def test_a_tar_member_left_unread_skips_its_sample_not_packed_without_it(tmp_path: Path) -> None:
+    """A link the reader cannot follow (in a gzipped tar, or a symbolic one) was skipped and its sample packed
+    without that field: b without its caption, or without its cls label. The sample is skipped whole now."""
+    import gzip
+
+    tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
+    (tmp_path / "data.tar.gz").write_bytes(gzip.compress((tmp_path / "data.tar").read_bytes()))
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in (("c.json", b"[3]"), ("d.json", b"[4]")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            if name == "c.json":
+                link = tarfile.TarInfo("c.cls")
+                link.type, link.linkname = tarfile.SYMTYPE, "labels/3.cls"
+                tar.addfile(link)
+    (tmp_path / "sym.tar").write_bytes(out.getvalue())
+    for tar_name, skipped_key, kept in (("data.tar.gz", "b", "a"), ("sym.tar", "c", "d")):
+        result = packdata.convert(str(tmp_path / tar_name), tmp_path / f"{tar_name}.lmdb", progress=False)
+        assert (result.packed, result.skipped) == (1, {"not a regular file": 1})
+        assert result.skip_examples[0]["key"] == f"{tar_name}:{skipped_key}"
+        assert result.skip_examples[0]["detail"].endswith("is a link or device in the tar: the sample is skipped whole")
+        assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / f"{tar_name}.lmdb")] == [kept]

@@ -11,7 +11,8 @@ encoding. A ``cls`` member is the label. A hard link to an earlier member of an
 uncompressed tar (``tar`` and ``tarfile.add`` write the second name of a file
 so) is read from that member. Other links, devices, sparse members (whose
 size is only claimed: tarfile reads their holes as zeros) and other non-file
-members are skipped and reported; the tars are only read, never extracted to
+members are skipped and reported, with their sample (never packed without
+that field); the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
 before the member that passes it is read.
 
@@ -202,17 +203,13 @@ class TarSource:
                         yield Skip(f"{name}:{_printable(member.name)}", "name not UTF-8", problem=False)
                         continue
                     linked = offsets.get(member.linkname) if member.islnk() and offsets is not None else None
-                    if not member.isfile() and linked is None:
-                        yield Skip(where, "not a regular file", "a link or device in the tar")
-                        continue
-                    if member.issparse():  # its size is a claim: tarfile reads the holes as zeros, all in memory
-                        stored = sum(size for _, size in cast("list[tuple[int, int]]", member.sparse or []))
-                        detail = f"a sparse member ({member.size} bytes, {stored} stored)"
-                        yield Skip(where, "not a regular file", detail)
-                        continue
-                    if offsets is not None and linked is None:  # a later hard link to it is read from here
-                        offsets[member.name] = (member.offset_data, member.size)
+                    unread = _unread(member) if linked is None else None  # why a member's bytes are not read
                     base, ext = _split(_relative(member.name))
+                    if unread is not None and base is None:
+                        yield Skip(where, "not a regular file", unread)
+                        continue
+                    if offsets is not None and unread is None and linked is None:  # a later hard link reads it here
+                        offsets[member.name] = (member.offset_data, member.size)
                     if base is None:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
                         continue
@@ -221,6 +218,11 @@ class TarSource:
                             yield _group(key, fields)
                         key, fields, total = base, {}, 0
                     if fields is None:
+                        continue
+                    if unread is not None:  # the sample lacks that field: never packed without it
+                        detail = f"member {member.name!r} is {unread}: the sample is skipped whole"
+                        yield Skip(f"{name}:{base}", "not a regular file", detail)
+                        fields = None
                         continue
                     if ext in fields:  # a.jpg then a.JPG: neither is the sample's one jpg, so it is skipped whole
                         detail = f"two members give field {ext!r}, the second {member.name!r}"
@@ -263,6 +265,16 @@ class TarSource:
         if len(data) != size:
             raise tarfile.ReadError(f"a hard link's member holds {len(data)} of its {size} bytes")
         return data
+
+
+def _unread(member: tarfile.TarInfo) -> str | None:
+    """Why a member's bytes are not read (a link, device or sparse member), in words; None for a regular file."""
+    if not member.isfile():
+        return "a link or device in the tar"
+    if member.issparse():  # its size is a claim: tarfile reads the holes as zeros, all in memory
+        stored = sum(size for _, size in cast("list[tuple[int, int]]", member.sparse or []))
+        return f"a sparse member ({member.size} bytes, {stored} stored)"
+    return None
 
 
 def _local_error(shard: str, exc: Exception) -> SourceError:
