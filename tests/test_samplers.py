@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
+import packdata
 from packdata import (
     BlockShuffleSampler,
+    ConfigError,
     LMDBDataset,
     TFRecordDataset,
     TFRecordIndexedDataset,
@@ -580,3 +582,28 @@ def test_a_rank_or_world_out_of_range_from_the_environment_names_the_variables(
         BlockShuffleSampler(10)
     with pytest.raises(ValueError, match=r"but got world_size=0$"):
         resolve_rank_world(0, 0)
+
+
+def test_a_state_saved_on_a_pack_converted_again_since_is_refused(small_texts: Path, tmp_path: Path) -> None:
+    """The state named the pack only by its sample count: after 'convert --overwrite' of other texts (same count)
+    between the checkpoint and the restart, the rest of the epoch read the new pack at the positions the old one's
+    order left unread, two packs mixed in one epoch, silently."""
+    pack = tmp_path / "p.lmdb"
+    convert(small_texts, pack, shard_samples=9, progress=False)
+    sampler = BlockShuffleSampler(LMDBDataset(pack), block_size=4, window=2, read_ahead=False)
+    it = iter(sampler)
+    for _ in range(5):
+        next(it)
+    state = sampler.state_dict()
+    again = BlockShuffleSampler(LMDBDataset(pack), block_size=4, window=2)  # the same pack: resumes
+    again.load_state_dict(state)
+    assert len(list(again)) == 35
+    staged = packdata.stage(pack, to=tmp_path / "cache", progress=False).staged  # a staged copy resumes too
+    BlockShuffleSampler(LMDBDataset(staged), block_size=4, window=2).load_state_dict(state)
+    BlockShuffleSampler(40, block_size=4, window=2).load_state_dict(state)  # over a length: nothing to compare
+    (small_texts / "a" / "00.txt").write_text("edited", encoding="utf-8")
+    convert(small_texts, pack, shard_samples=9, overwrite=True, progress=False)
+    other = BlockShuffleSampler(LMDBDataset(pack), block_size=4, window=2)
+    with pytest.raises(ConfigError, match=r"^the sampler state was saved over the pack with shards '[0-9a-f]{16}'"):
+        other.load_state_dict(state)
+    other.load_state_dict({k: v for k, v in state.items() if k != "pack"})  # saved before states named their pack

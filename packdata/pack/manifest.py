@@ -104,6 +104,10 @@ class Manifest:
         """Index file name -> its SHA-256 (empty for a pack written before packdata recorded them)."""
         return dict(self.index.get("sha256", {}))
 
+    def shards_digest(self) -> str:
+        """16 hex digits of SHA-256 over the shards' checksums: a staged copy's are the same, a new pack's not."""
+        return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()[:16]
+
     @property
     def total_bytes(self) -> int:
         """Sum of the shards' byte sizes."""

@@ -281,10 +281,12 @@ class BlockShuffleSampler(Sampler[int]):
         if isinstance(dataset_or_length, numbers.Number) and not _natural(dataset_or_length):
             raise ValueError(f"the number of samples should be an integer from 1 on, but got {dataset_or_length!r}")
         n = int(dataset_or_length) if _natural(dataset_or_length) else len(dataset_or_length)  # type: ignore[arg-type]
-        pack = getattr(dataset_or_length, "pack", None) if read_ahead else None
-        self._pack: tuple[Path, Manifest] | None = None
-        if isinstance(getattr(pack, "manifest", None), Manifest):
-            self._pack = (Path(pack.path), pack.manifest)  # type: ignore[union-attr]
+        pack = getattr(dataset_or_length, "pack", None)
+        manifest = getattr(pack, "manifest", None)
+        self._pack: tuple[Path, Manifest] | None = None  # the pack to read ahead in
+        if read_ahead and isinstance(manifest, Manifest):
+            self._pack = (Path(pack.path), manifest)  # type: ignore[union-attr]
+        self._pack_digest = manifest.shards_digest() if isinstance(manifest, Manifest) else None
         self._read_ahead: ReadAhead | None = None
         if n < 1:
             raise ValueError(f"the dataset should hold at least one sample, but got length={n}")
@@ -359,7 +361,8 @@ class BlockShuffleSampler(Sampler[int]):
 
         Returns:
             ``{"epoch", "seed", "consumed": [[world_size, samples], ...], ...}``
-            plus the options that fix the order, checked on load.
+            plus the options that fix the order and the pack (its shards'
+            checksums, None over a length), checked on load.
         """
         if consumed is not None and consumed < 0:
             raise ValueError(f"consumed should be at least 0, but got consumed={consumed}")
@@ -378,6 +381,7 @@ class BlockShuffleSampler(Sampler[int]):
             "rank": self.rank,
             "world_size": self.world_size,
             "consumed": [*([w, c] for w, c in self._history), [self.world_size, int(position)]],
+            "pack": self._pack_digest,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -391,9 +395,10 @@ class BlockShuffleSampler(Sampler[int]):
 
         Raises:
             ConfigError: the state was saved by a sampler with another order
-                (seed, number of samples, block size, window, shuffle, drop_last), or is
-                not one :meth:`state_dict` returned (its epoch or counts malformed or out
-                of range); the sampler is then left as it was.
+                (seed, number of samples, block size, window, shuffle, drop_last, or a
+                pack converted again since: its shards' checksums), or is not one
+                :meth:`state_dict` returned (its epoch or counts malformed or out of
+                range); the sampler is then left as it was.
         """
         for name, mine in (
             ("seed", self.seed),
@@ -409,6 +414,13 @@ class BlockShuffleSampler(Sampler[int]):
                     f"{name}={mine!r}",
                     hint=f"Build the sampler with {name}={state_dict.get(name)!r} to resume this epoch",
                 )
+        saved = state_dict.get("pack")  # None: saved over a length, or by packdata before states named their pack
+        if saved is not None and self._pack_digest is not None and saved != self._pack_digest:
+            raise ConfigError(
+                f"the sampler state was saved over the pack with shards {saved!r}, but this sampler's pack has "
+                f"{self._pack_digest!r}: it was converted again since, so the saved position is another order's",
+                hint="Start the epoch again (do not load this state), or resume on the pack the state was saved on",
+            )
         phases, epoch = state_dict.get("consumed"), state_dict.get("epoch")
         most = max(self.num_samples_total, self.world_size, _MOST_RANKS)  # a layout holds a world's ranks: bounded
         if not isinstance(phases, list) or not phases or not all(_is_phase(p, most) for p in phases):

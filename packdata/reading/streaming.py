@@ -18,7 +18,6 @@ here; the view it shares with the map-style
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import mmap
 import numbers
@@ -281,7 +280,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             "shuffle_buffer": self.shuffle_buffer,
             "num_samples": int(self.pack.manifest.num_samples),
             "num_shards": len(self._counts),
-            "pack": hashlib.sha256("".join(self._sha256).encode("ascii")).hexdigest()[:16],  # a staged copy's too
+            "pack": self.pack.manifest.shards_digest(),
             "rank": self.rank,
             "world_size": self.world_size,
             "drop_uneven": self.drop_uneven,
