@@ -44,10 +44,10 @@ from packdata.conversion.sources import (
     _is_hidden,
     _is_utf8,
     _os_path,
-    _printable,
     _utf8_name,
     _walk_files,
     new_class,
+    walk_named,
 )
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
@@ -107,16 +107,11 @@ class GroupedSource:
         """
         class_index = {c: i for i, c in enumerate(self.classes)}
         open_groups: list[tuple[str, str, list[tuple[str, str, str]]]] = []  # (folder, key, files), deepest last
-        for rel, path, problem in _walk_files(self.root):
-            if _is_hidden(rel):
-                yield Skip(rel, "hidden", problem=False)
+        for entry in walk_named(self.root):
+            if isinstance(entry, Skip):
+                yield entry
                 continue
-            if not _is_utf8(rel):
-                yield Skip(_printable(rel), "name not UTF-8", problem=False)
-                continue
-            if problem is not None:
-                yield Skip(rel, *problem)
-                continue
+            rel, path = entry
             folder, _, name = rel.rpartition("/")
             stem, dot, extension = name.partition(".")
             if not dot or not stem or not extension:

@@ -34,9 +34,12 @@ __all__ = [
     "Source",
     "SourceFile",
     "SourceGroup",
+    "listed_class",
     "new_class",
     "scan_source",
+    "walk_named",
     "walk_record",
+    "with_classes",
 ]
 
 TEXT_EXTENSIONS = frozenset(
@@ -147,16 +150,11 @@ class Source:
     def walk(self) -> Iterator[SourceFile | Skip]:
         """Yield every entry under the root in sorted order: files to pack and skips."""
         extensions = _EXTENSIONS[self.kind]
-        for rel, path, problem in _walk_files(self.root):
-            if _is_hidden(rel):
-                yield Skip(rel, "hidden", problem=False)
+        for entry in walk_named(self.root):
+            if isinstance(entry, Skip):
+                yield entry
                 continue
-            if not _is_utf8(rel):
-                yield Skip(_printable(rel), "name not UTF-8", problem=False)
-                continue
-            if problem is not None:
-                yield Skip(rel, *problem)
-                continue
+            rel, path = entry
             if _extension(rel) not in extensions:
                 yield Skip(
                     rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions", problem=False
@@ -219,6 +217,19 @@ def _extension(rel: str) -> str:
     name = rel[rel.rfind("/") + 1 :].lstrip(".")
     dot = name.rfind(".")
     return name[dot:].lower() if dot > 0 else ""
+
+
+def walk_named(root: Path) -> Iterator[tuple[str, str] | Skip]:
+    """Every file under ``root`` in sorted order as ``(rel, path)``, or a skip: hidden, not UTF-8, unreadable."""
+    for rel, path, problem in _walk_files(root):
+        if _is_hidden(rel):
+            yield Skip(rel, "hidden", problem=False)
+        elif not _is_utf8(rel):
+            yield Skip(_printable(rel), "name not UTF-8", problem=False)
+        elif problem is not None:
+            yield Skip(rel, *problem)
+        else:
+            yield rel, path
 
 
 def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]:
