@@ -135,6 +135,18 @@ def test_ray_manifest_records_the_digest_of_each_index_file(ray_local, clean_fol
 
 
 @pytest.mark.ray
+def test_ray_takes_relative_paths_from_the_drivers_working_directory(
+    ray_local, clean_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative SRC and DST reached the tasks as they were, read in the tasks' own working directory (where Ray
+    started them, or on another machine): every task failed ('the conversion this task belongs to is gone')."""
+    monkeypatch.chdir(tmp_path)  # the module's Ray workers started in the test run's working directory
+    packdata.convert("src", "ray.lmdb", shard_samples=10, progress=False, engine="ray")
+    packdata.convert("src", "local.lmdb", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+
+
+@pytest.mark.ray
 def test_ray_shards_equal_local_without_skips(ray_local, clean_folder: Path, tmp_path: Path) -> None:
     """Without read-time skips the plan cuts shards exactly where the local engine rolls them."""
     for name, engine in (("local.lmdb", "local"), ("ray.lmdb", "ray")):

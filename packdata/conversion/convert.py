@@ -156,6 +156,8 @@ def convert(
         return _convert_to_url(src, os.fspath(dst), locals())
     src = os.fspath(src) if streamed else Path(src)
     dst = Path(dst)
+    if engine == "ray":  # its tasks run in another working directory, maybe on another machine
+        src, dst = src if streamed else Path(src).absolute(), dst.absolute()
     if append:
         return _append(src, dst, locals())
     if engine == "ray":
