@@ -441,6 +441,23 @@ def test_tune_says_why_a_setting_that_fits_could_not_be_measured(pack: Path) -> 
     assert out.output == expected
 
 
+def test_tune_tries_no_more_workers_than_the_cpus_it_may_use(pack: Path) -> None:
+    """Without --max-workers tune climbed to the machine's logical CPUs, whatever its affinity or CPU quota allowed:
+    in a container held to a few CPUs of many it measured (and could recommend) settings far past them."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs at least 2 CPUs to give tune fewer")
+    args = ["tune", str(pack), "--batch-size", "4", "--batches", "2", "--memory-budget", "8GiB", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "packdata.cli", *args, "-q"],
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert max(trial["config"]["num_workers"] for trial in json.loads(done.stdout)["trials"]) == 1
+
+
 def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
     result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(4,), max_workers=2, batches=2, warmup=1)
     measured = [t for t in result.trials if t.accepted]

@@ -213,7 +213,11 @@ def bench(
     show_default=True,
     help="Your training batch size (kept); several values, comma-separated, are searched (e.g. 32,64,128).",
 )
-@click.option("--max-workers", type=click.IntRange(min=0), help="Most workers to try. Default: the logical CPUs.")
+@click.option(
+    "--max-workers",
+    type=click.IntRange(min=0),
+    help="Most workers to try. Default: the logical CPUs this process may use (affinity, CPU quota).",
+)
 @_decode_option
 @click.option(
     "--seconds",

@@ -19,7 +19,7 @@ import math
 import os
 
 from packdata.errors import ConfigError
-from packdata.host.facts import SystemFacts, cpu_counts, gather_facts, read_cpus_allowed
+from packdata.host.facts import SystemFacts, cpu_counts, gather_facts, read_cgroup_cpu_quota, read_cpus_allowed
 from packdata.host.memory import safe_tmpfs_size
 from packdata.units import format_size
 
@@ -30,6 +30,7 @@ __all__ = [
     "recommend_workers",
     "rule_of_thumb_workers",
     "usable_cores",
+    "usable_cpus",
 ]
 
 WORKER_BYTES = 160 << 20
@@ -86,6 +87,17 @@ def recommend_workers(facts: SystemFacts, *, cores: int | None = None) -> tuple[
     return by_cpu, f"3/4 of {cores} usable physical cores; memory holds {by_memory} workers"
 
 
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity), cut to the cgroup's CPU quota rounded up."""
+    quota = read_cgroup_cpu_quota()
+    return min(_affinity_cpus(), max(1, math.ceil(quota))) if quota is not None else _affinity_cpus()
+
+
+def _affinity_cpus() -> int:
+    """Logical CPUs of this process's affinity, the machine's where that is unknown."""
+    return len(read_cpus_allowed() or ()) or cpu_counts()[1]
+
+
 def check_workers(workers: int, *, name: str) -> None:
     """Refuse more than :data:`MAX_WORKERS_PER_CPU` workers per logical CPU this process may run on.
 
@@ -99,7 +111,7 @@ def check_workers(workers: int, *, name: str) -> None:
     Raises:
         ConfigError: ``workers`` is over the bound.
     """
-    cpus = len(read_cpus_allowed() or ()) or cpu_counts()[1]
+    cpus = _affinity_cpus()
     most = MAX_WORKERS_PER_CPU * cpus
     if workers > most:
         raise ConfigError(

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from packdata.errors import CapacityError, ConfigError, PackdataError
-from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores
+from packdata.host.cores import WORKER_BYTES, check_workers, rule_of_thumb_workers, usable_cores, usable_cpus
 from packdata.host.facts import read_cgroup_memory
 from packdata.measure.loop import MEASURE_ERRORS, LoaderConfig, check_timing, error_line, measure_loader
 from packdata.measure.sources import check_decode, open_source
@@ -391,7 +391,8 @@ def run_tune(
         batch_sizes: your training batch size, kept as it is; several values are
             searched (starting from 64, or the nearest).
         prefetch_factors: prefetch factors to search (from 2).
-        max_workers: most workers to try (default: the logical CPUs); at most
+        max_workers: most workers to try (default: the logical CPUs this process may
+            use, cut to the cgroup's CPU quota; see :func:`~packdata.host.cores.usable_cpus`); at most
             :data:`~packdata.host.cores.MAX_WORKERS_PER_CPU` per CPU this process may use.
         decode, transform, size: as for :func:`packdata.run_bench`.
         batches, seconds, warmup: the timed budget of each trial (default: 50 batches and at least one second).
@@ -449,7 +450,7 @@ def run_tune(
         )
 
     search = _Search(dataset, measure, budget, sample_bytes, min_gain, progress)
-    limit = max_workers if max_workers is not None else (psutil.cpu_count() or 1)
+    limit = max_workers if max_workers is not None else usable_cpus()
     workers = [w for w in _WORKER_STEPS if w <= limit]
     start_batch = min(batch_sizes, key=lambda b: (abs(b - 64), b))
     base = LoaderConfig(min(rule_of_thumb_workers(), limit), start_batch, cuda, 2, True)
