@@ -519,6 +519,23 @@ def test_ray_grouped_folder_matches_local(ray_local, grouped_folder: Path, tmp_p
     assert packdata.verify_pack(tmp_path / "ray.lmdb", progress=False).records == 14
 
 
+@pytest.mark.ray
+def test_ray_skips_a_grouped_sample_with_a_file_left_unread_as_local_does(
+    ray_local, grouped_folder: Path, tmp_path: Path
+) -> None:
+    """A FIFO s03.txt was skipped alone and sample s03 packed without its caption, on either engine."""
+    (grouped_folder / "s03.txt").unlink()
+    os.mkfifo(grouped_folder / "s03.txt")
+    options = {"layout": "grouped", "shard_samples": 4, "progress": False}
+    local = packdata.convert(grouped_folder, tmp_path / "local.lmdb", **options)
+    result = packdata.convert(grouped_folder, tmp_path / "ray.lmdb", engine="ray", **options)
+    _assert_same_fields_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
+    assert result.skipped == local.skipped and result.skipped["not a regular file"] == 1
+    assert "s03" not in LMDBDataset(tmp_path / "ray.lmdb").keys
+    said = [e["detail"] for e in result.skip_examples if e["key"] == "s03"]
+    assert said == ["file 's03.txt' (a FIFO) is left unread: the sample is skipped whole"]
+
+
 def _finished_fields_task(grouped_folder: Path, tmp_path: Path) -> tuple[Path, dict]:
     """The first task of a grouped folder, run here as a Ray worker runs it: its partial folder and result."""
     from packdata.conversion.layouts import scan_grouped

@@ -1744,3 +1744,34 @@ def test_a_tar_member_left_unread_skips_its_sample_not_packed_without_it(tmp_pat
         assert result.skip_examples[0]["key"] == f"{tar_name}:{skipped_key}"
         assert result.skip_examples[0]["detail"].endswith("is a link or device in the tar: the sample is skipped whole")
         assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / f"{tar_name}.lmdb")] == [kept]
+
+
+def test_a_grouped_file_left_unread_skips_its_sample_not_packed_without_it(tmp_path: Path) -> None:
+    """A FIFO b.txt, a file c.cls\\xe9 whose name is not UTF-8 past its key, a file 'd.' with no field name: each was
+    skipped alone and its sample packed without that field (b without its caption, c without its label). Each
+    sample is skipped whole now, as a tar's with a member left unread."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for key in "abcde":
+        (src / f"{key}.json").write_text(json.dumps([key]), encoding="utf-8")
+    (src / "a.txt").write_text("a caption", encoding="utf-8")
+    os.mkfifo(src / "b.txt")
+    try:
+        Path(os.fsdecode(os.fsencode(src) + b"/c.cls\xe9")).write_text("3", encoding="utf-8")
+    except OSError:
+        pytest.skip("filesystem refuses non-UTF-8 names")
+    (src / "d.").write_text("no field", encoding="utf-8")
+    (src / "e.txt").write_text("e caption", encoding="utf-8")
+    (src / "e.d").mkdir()  # a folder beside group e: no file of it (its files are group e.d/x's)
+    (src / "e.d" / "x.txt").write_text("x caption", encoding="utf-8")
+    result = packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
+    assert (result.found, result.packed) == (6, 3)
+    assert result.skipped == {"not a regular file": 1, "name not UTF-8": 1, "bad field name": 1}
+    details = {e["key"]: e["detail"] for e in result.skip_examples}
+    assert details == {
+        "b": "file 'b.txt' (a FIFO) is left unread: the sample is skipped whole",
+        "c": "file 'c.cls\\xe9' is left unread: the sample is skipped whole",
+        "d": "file 'd.': a field name should be a non-empty string, but got ''",
+    }
+    packed = [(s["__key__"], s["txt"]) for s in packdata.LMDBDataset(tmp_path / "out.lmdb")]
+    assert packed == [("a", "a caption"), ("e.d/x", "x caption"), ("e", "e caption")]  # e open while e.d/ is walked

@@ -9,7 +9,9 @@ order; the read pool turns each into one multi-field sample
   remaining extension: ``0001.jpg`` + ``0001.json`` + ``0001.seg.png`` ->
   key ``0001``, fields ``jpg``, ``json``, ``seg.png`` (lower-cased, as
   WebDataset names them: ``0001.JPG`` gives ``jpg`` too). First-level subfolders
-  are classes, as in ImageFolder; a ``cls`` file holds an integer label.
+  are classes, as in ImageFolder; a ``cls`` file holds an integer label. A
+  group with a file left unread (a FIFO, a name not UTF-8 past the key) is
+  skipped whole, never packed without that field.
 - **List files**: one sample per row; the path column names a file (relative
   to the list's folder, or absolute) stored under its extension (a list at a
   URL names objects relative to its folder only, read through fsspec in the
@@ -32,7 +34,7 @@ import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from packdata.conversion.remote_folder import RemoteFolder
 from packdata.conversion.sources import (
@@ -44,6 +46,7 @@ from packdata.conversion.sources import (
     _is_hidden,
     _is_utf8,
     _os_path,
+    _printable,
     _utf8_name,
     _walk_files,
     new_class,
@@ -87,6 +90,12 @@ def _integer(value: Any) -> int | None:
     return None
 
 
+_Member = tuple[str, str, "str | Skip"]
+"""A file of a group: its name, its field, and its path (or the skip that left it unread)."""
+_UNREAD_MEMBER = ("not a regular file", "name not UTF-8")
+"""The walk's skips of a group's file (a folder's, such as 'unreadable folder', are no file of a group)."""
+
+
 @dataclass
 class GroupedSource:
     """A folder of grouped files (``--layout grouped``)."""
@@ -103,50 +112,57 @@ class GroupedSource:
         A group's files are contiguous in a sorted walk, except around a subfolder
         whose name starts with the group's key and a dot (``a.bin``, ``a.d/``,
         ``a.json``): the group stays open while that subfolder is walked, and is
-        yielded once complete, never as two samples of one key.
+        yielded once complete, never as two samples of one key. A file of a
+        group left unread (a FIFO, a name not UTF-8 past the key) skips its
+        group whole: a sample is never packed without one of its fields.
         """
         class_index = {c: i for i, c in enumerate(self.classes)}
-        open_groups: list[tuple[str, str, list[tuple[str, str, str]]]] = []  # (folder, key, files), deepest last
-        for entry in walk_named(self.root):
-            if isinstance(entry, Skip):
-                yield entry
-                continue
-            rel, path = entry
+        open_groups: list[tuple[str, str, list[_Member]]] = []  # (folder, key, files), deepest last
+        for rel, path, skip in walk_named(self.root):
             folder, _, name = rel.rpartition("/")
             stem, dot, extension = name.partition(".")
-            if not dot or not stem or not extension:
+            key = f"{folder}/{stem}" if folder else stem
+            member = bool(dot and stem) and _is_utf8(key)  # a file of group `key`: never hidden (its stem is not empty)
+            if skip is not None and not (member and skip.reason in _UNREAD_MEMBER):
+                yield skip
+                continue
+            if not member:
                 yield Skip(rel, "no field", "a grouped file is named KEY.FIELD (e.g. 0001.jpg)", problem=False)
                 continue
-            key = f"{folder}/{stem}" if folder else stem
             while open_groups and not _continues(open_groups[-1][1], folder, key):
                 _, done, files = open_groups.pop()
                 yield self._group(done, files, class_index)
             if not open_groups or open_groups[-1][1] != key:
                 open_groups.append((folder, key, []))
-            open_groups[-1][2].append((rel, extension.lower(), path))  # a field name, as tars and lists name it
+            open_groups[-1][2].append((name, extension.lower(), skip or path))  # a field name, as tars name it
         while open_groups:
             _, done, files = open_groups.pop()
             yield self._group(done, files, class_index)
 
-    def _group(self, key: str, files: list[tuple[str, str, str]], class_index: dict[str, int]) -> SourceGroup | Skip:
+    def _group(self, key: str, files: list[_Member], class_index: dict[str, int]) -> SourceGroup | Skip:
         top = key.split("/", 1)[0] if "/" in key else None
         if top is not None and top not in class_index:
             return Skip(key, *new_class(top))
         label = class_index[top] if top is not None else -1
-        names = [name for _, name, _ in files]
+        for name, _, read in files:
+            if isinstance(read, Skip):  # the sample would lack that field: skipped whole, as a tar's
+                what = f" ({read.detail})" if read.detail else ""  # the reason comes first: 'not a regular file: ...'
+                detail = f"file '{_printable(name)}'{what} is left unread: the sample is skipped whole"
+                return Skip(key, read.reason, detail)
+        names = [given for _, given, _ in files]
         twice = first_repeated(names)
         if twice is not None:  # a.jpg and a.JPG: neither is the sample's one jpg
-            both = [rel.rpartition("/")[2] for rel, name, _ in files if name == twice]
+            both = [name for name, given, _ in files if given == twice]
             return Skip(key, "duplicate field", f"files {' and '.join(both)} both give field {twice!r}")
         missing = [name for name in self.require if name not in names]
         if missing:
             return Skip(key, "missing field", f"no {', '.join(missing)} file (required: {', '.join(self.require)})")
-        for name in names:
+        for name, given, _ in files:
             try:
-                check_field_name(name)
+                check_field_name(given)
             except FieldError as exc:
-                return Skip(key, "bad field name", str(exc))
-        return SourceGroup(key, label, tuple((name, path) for _, name, path in files))
+                return Skip(key, "bad field name", f"file {name!r}: {exc}")
+        return SourceGroup(key, label, tuple((given, cast("str", path)) for _, given, path in files))
 
 
 def _continues(key: str, folder: str, next_key: str) -> bool:

@@ -150,11 +150,10 @@ class Source:
     def walk(self) -> Iterator[SourceFile | Skip]:
         """Yield every entry under the root in sorted order: files to pack and skips."""
         extensions = _EXTENSIONS[self.kind]
-        for entry in walk_named(self.root):
-            if isinstance(entry, Skip):
-                yield entry
+        for rel, path, skip in walk_named(self.root):
+            if skip is not None:
+                yield skip
                 continue
-            rel, path = entry
             if _extension(rel) not in extensions:
                 yield Skip(
                     rel, f"not {self.kind}", f"extension is not one of the {self.kind} extensions", problem=False
@@ -219,17 +218,19 @@ def _extension(rel: str) -> str:
     return name[dot:].lower() if dot > 0 else ""
 
 
-def walk_named(root: Path) -> Iterator[tuple[str, str] | Skip]:
-    """Every file under ``root`` in sorted order as ``(rel, path)``, or a skip: hidden, not UTF-8, unreadable."""
+def walk_named(root: Path) -> Iterator[tuple[str, str, Skip | None]]:
+    """Every entry under ``root`` in sorted order as ``(rel, path, skip)``.
+
+    ``skip`` is None for a file to read, else why it is left out: hidden, name not UTF-8, or unreadable
+    (``"not a regular file"`` for a file; a folder's own reasons for a folder).
+    """
     for rel, path, problem in _walk_files(root):
         if _is_hidden(rel):
-            yield Skip(rel, "hidden", problem=False)
+            yield rel, path, Skip(rel, "hidden", problem=False)
         elif not _is_utf8(rel):
-            yield Skip(_printable(rel), "name not UTF-8", problem=False)
-        elif problem is not None:
-            yield Skip(rel, *problem)
+            yield rel, path, Skip(_printable(rel), "name not UTF-8", problem=False)
         else:
-            yield rel, path
+            yield rel, path, None if problem is None else Skip(rel, *problem)
 
 
 def _walk_files(root: Path) -> Iterator[tuple[str, str, tuple[str, str] | None]]:
