@@ -1273,6 +1273,17 @@ def test_a_tar_member_named_in_non_utf8_bytes_is_skipped_by_name(tmp_path: Path)
     assert result.packed == 1 and result.skipped == {"name not UTF-8": 1}
 
 
+def test_a_tar_member_named_in_non_utf8_bytes_past_its_key_skips_its_sample(tmp_path: Path) -> None:
+    """c.cls\\xe9 was skipped by name alone and sample c packed without its label (-1). Now c is skipped whole."""
+    members: list[tuple[str | bytes, bytes]] = [("c.json", b"[3]"), (b"c.cls\xe9", b"3"), ("d.json", b"[4]")]
+    (tmp_path / "data.tar").write_bytes(_tar_of(members))
+    result = packdata.convert(str(tmp_path / "data.tar"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"name not UTF-8": 1}
+    said = "member 'c.cls\\xe9' is named in bytes not UTF-8: the sample is skipped whole"
+    assert [(e["key"], e["detail"]) for e in result.skip_examples] == [("data.tar:c", said)]
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["d"]
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_a_tar_member_whose_key_no_record_holds_is_skipped(tmp_path: Path, fmt: str) -> None:
     """A pax name of 70,000 bytes; an LMDB record holds 65,535 (a uint16 length): it once crashed the writer."""

@@ -7,7 +7,8 @@ basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
 tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
 whole. Member names are read as UTF-8 on every machine, never in the locale's
-encoding. A ``cls`` member is the label. A hard link to an earlier member of an
+encoding; a member named in bytes not UTF-8 past its key (``c.cls\\xe9``)
+skips its sample whole. A ``cls`` member is the label. A hard link to an earlier member of an
 uncompressed tar (``tar`` and ``tarfile.add`` write the second name of a file
 so) is read from that member. Other links, devices, sparse members (whose
 size is only claimed: tarfile reads their holes as zeros) and other non-file
@@ -199,12 +200,15 @@ class TarSource:
                     where = f"{name}:{member.name}"
                     if member.isdir():
                         continue
-                    if not _is_utf8(member.name):
+                    base, ext = _split(_relative(member.name))
+                    named = _is_utf8(member.name)
+                    if not named and (base is None or not _is_utf8(base)):  # no sample of a key in UTF-8 lacks it
                         yield Skip(f"{name}:{_printable(member.name)}", "name not UTF-8", problem=False)
                         continue
                     linked = offsets.get(member.linkname) if member.islnk() and offsets is not None else None
                     unread = _unread(member) if linked is None else None  # why a member's bytes are not read
-                    base, ext = _split(_relative(member.name))
+                    if not named:  # c.cls\xe9: sample c would lack its field
+                        unread = "named in bytes not UTF-8"
                     if unread is not None and base is None:
                         yield Skip(where, "not a regular file", unread)
                         continue
@@ -220,8 +224,9 @@ class TarSource:
                     if fields is None:
                         continue
                     if unread is not None:  # the sample lacks that field: never packed without it
-                        detail = f"member {member.name!r} is {unread}: the sample is skipped whole"
-                        yield Skip(f"{name}:{base}", "not a regular file", detail)
+                        shown = repr(member.name) if named else f"'{_printable(member.name)}'"
+                        detail = f"member {shown} is {unread}: the sample is skipped whole"
+                        yield Skip(f"{name}:{base}", "not a regular file" if named else "name not UTF-8", detail)
                         fields = None
                         continue
                     if ext in fields:  # a.jpg then a.JPG: neither is the sample's one jpg, so it is skipped whole
