@@ -2818,6 +2818,25 @@ def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_cha
     assert [(line["key"], line["reason"]) for line in lines] == [("dog/3.jpg", "changed")]
 
 
+def test_a_grouped_object_rewritten_before_its_download_skips_its_sample_whole(s3, tmp_path: Path, monkeypatch) -> None:
+    """b.txt rewritten after the listing was a 'changed' skip, and sample b was packed without its caption."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = tmp_path / "src"
+    src.mkdir()
+    for key in "abc":
+        (src / f"{key}.json").write_text(json.dumps([key]), encoding="utf-8")
+        (src / f"{key}.txt").write_text(f"caption {key}", encoding="utf-8")
+    root = "packs/grouped-changed"
+    fs.put(str(src), root, recursive=True)
+    _rewrite_after_listing(monkeypatch, fs, f"{root}/b.txt")
+    result = packdata.convert(f"s3://{root}", tmp_path / "got.lmdb", storage_options=options, progress=False)
+    assert (result.found, result.packed, result.skipped) == (3, 2, {"changed": 1})
+    assert [e["key"] for e in result.skip_examples] == ["b"]  # one skip, the sample's
+    assert result.skip_examples[0]["detail"].startswith("not copied from the source: 'b.txt' (changed: ")
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "got.lmdb")] == ["a", "c"]
+
+
 def test_a_class_whose_every_object_changed_before_its_download_keeps_its_label(
     s3, tmp_path: Path, monkeypatch
 ) -> None:

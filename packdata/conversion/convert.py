@@ -13,6 +13,7 @@ from before the partial folder is touched until after the publish rename."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import shutil
@@ -23,7 +24,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from packdata.conversion.append import append_pack, interrupted_append, next_generation
-from packdata.conversion.layouts import LIST_SUFFIXES, AnySource, detect_grouped, scan_grouped, scan_list
+from packdata.conversion.layouts import (
+    LIST_SUFFIXES,
+    AnySource,
+    GroupedSource,
+    detect_grouped,
+    scan_grouped,
+    scan_list,
+)
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import (
@@ -572,6 +580,9 @@ def _with_refused(source: AnySource, src: Path | str) -> AnySource:
     if isinstance(source, Source):  # a class none of whose objects was copied is still a class of the listing
         listed = {top for skip in skips if skip.reason in _MISSED and (top := listed_class(skip.key, source.kind))}
         source = with_classes(source, listed)
+    if isinstance(source, GroupedSource):  # its walk skips a group one of whose objects was not copied whole
+        source = dataclasses.replace(source, lost=tuple(skip for skip in skips if skip.reason in _MISSED))
+        skips = tuple(skip for skip in skips if skip.reason not in _MISSED)
     return cast(AnySource, _WithSkips(source, skips))
 
 

@@ -105,6 +105,7 @@ class GroupedSource:
     require: tuple[str, ...] = ()
     kind: str = "fields"
     codecs: dict[str, str] = field(default_factory=dict)
+    lost: tuple[Skip, ...] = ()  # files of a folder at a URL not copied into root (changed or vanished): walked here
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield every group in sorted order, and skips.
@@ -117,33 +118,46 @@ class GroupedSource:
         group whole: a sample is never packed without one of its fields.
         """
         class_index = {c: i for i, c in enumerate(self.classes)}
+        lost: dict[str, list[Skip]] = {}  # group key -> its files not copied
+        for gone in self.lost:
+            key = _group_key(gone.key)
+            if key is None:
+                yield gone
+            else:
+                lost.setdefault(key, []).append(gone)
         open_groups: list[tuple[str, str, list[_Member]]] = []  # (folder, key, files), deepest last
         for rel, path, skip in walk_named(self.root):
             folder, _, name = rel.rpartition("/")
-            stem, dot, extension = name.partition(".")
-            key = f"{folder}/{stem}" if folder else stem
-            member = bool(dot and stem) and _is_utf8(key)  # a file of group `key`: never hidden (its stem is not empty)
-            if skip is not None and not (member and skip.reason in _UNREAD_MEMBER):
+            key = _group_key(rel)
+            if skip is not None and not (key and skip.reason in _UNREAD_MEMBER):
                 yield skip
                 continue
-            if not member:
+            if not key:
                 yield Skip(rel, "no field", "a grouped file is named KEY.FIELD (e.g. 0001.jpg)", problem=False)
                 continue
             while open_groups and not _continues(open_groups[-1][1], folder, key):
                 _, done, files = open_groups.pop()
-                yield self._group(done, files, class_index)
+                yield self._group(done, files, class_index, lost.pop(done, []))
             if not open_groups or open_groups[-1][1] != key:
                 open_groups.append((folder, key, []))
-            open_groups[-1][2].append((name, extension.lower(), skip or path))  # a field name, as tars name it
+            field_name = name.partition(".")[2].lower()  # as tars and lists name it
+            open_groups[-1][2].append((name, field_name, skip or path))
         while open_groups:
             _, done, files = open_groups.pop()
-            yield self._group(done, files, class_index)
+            yield self._group(done, files, class_index, lost.pop(done, []))
+        for skips in lost.values():  # a group none of whose files was copied
+            yield from skips
 
-    def _group(self, key: str, files: list[_Member], class_index: dict[str, int]) -> SourceGroup | Skip:
+    def _group(
+        self, key: str, files: list[_Member], class_index: dict[str, int], lost: list[Skip]
+    ) -> SourceGroup | Skip:
         top = key.split("/", 1)[0] if "/" in key else None
         if top is not None and top not in class_index:
             return Skip(key, *new_class(top))
         label = class_index[top] if top is not None else -1
+        if lost:  # files left out of the copy: the sample would lack their fields
+            gone = ", ".join(f"'{skip.key.rpartition('/')[2]}' ({skip.reason}: {skip.detail})" for skip in lost)
+            return Skip(key, lost[0].reason, f"not copied from the source: {gone}; the sample is skipped whole")
         for name, _, read in files:
             if isinstance(read, Skip):  # the sample would lack that field: skipped whole, as a tar's
                 what = f" ({read.detail})" if read.detail else ""  # the reason comes first: 'not a regular file: ...'
@@ -163,6 +177,17 @@ class GroupedSource:
             except FieldError as exc:
                 return Skip(key, "bad field name", f"file {name!r}: {exc}")
         return SourceGroup(key, label, tuple((given, cast("str", path)) for _, given, path in files))
+
+
+def _group_key(rel: str) -> str | None:
+    """The key of the group file ``rel`` belongs to (its path up to the name's first dot), or None: no ``KEY.`` name.
+
+    A hidden name has none (it starts with a dot), nor does a key not in UTF-8.
+    """
+    folder, _, name = rel.rpartition("/")
+    stem, dot, _ = name.partition(".")
+    key = f"{folder}/{stem}" if folder else stem
+    return key if dot and stem and _is_utf8(key) else None
 
 
 def _continues(key: str, folder: str, next_key: str) -> bool:
