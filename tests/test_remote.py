@@ -1490,6 +1490,34 @@ def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack)
     assert f"packdata stage {url} --to DIR" in out.output
 
 
+@pytest.mark.parametrize("damage", ["swap", "elsewhere"])
+def test_verify_of_a_remote_lmdb_pack_checks_every_row_of_its_location_table(
+    s3, remote_pack, tmp_path: Path, damage: str
+) -> None:
+    """records.i64 rows swapped, or one row pointing at another record (the table's size kept): a remote verify
+    passed it (only the table's header was checked), a local verify of the same pack named the row."""
+    options, fs = s3
+    fs.put(str(remote_pack[1]), f"packs/{damage}.lmdb", recursive=True)
+    table = f"packs/{damage}.lmdb/shard-00001.lmdb/records.i64"
+    rows = np.frombuffer(fs.cat_file(table), dtype="<i8").reshape(-1, 3).copy()
+    if damage == "swap":
+        rows[[3, 4]] = rows[[4, 3]]  # after the two header rows: records 1 and 2 of the shard
+    else:
+        rows[3] = rows[5]  # record 1's row points at record 3's payload
+    fs.pipe_file(table, rows.tobytes())
+    wrong = "2 rows wrong" if damage == "swap" else "1 rows wrong"
+    local = tmp_path / "local"
+    fs.get(f"packs/{damage}.lmdb", str(local), recursive=True)
+    with pytest.raises(PackFormatError, match=rf"records\.i64 row 1 does not point at record 1 \({wrong}\)"):
+        packdata.verify_pack(local, progress=False)
+    out = _cli("verify", f"s3://packs/{damage}.lmdb", "-q", options=options)
+    assert out.exit_code == 1, out.output
+    assert out.output.startswith(
+        f"Error: s3://packs/{damage}.lmdb/shard-00001.lmdb/records.i64: "
+        f"records.i64 row 1 does not point at record 1 ({wrong})"
+    ), out.output
+
+
 def test_verify_names_a_damaged_remote_object(s3, remote_pack, remote_tfrecord) -> None:
     options, fs = s3
     fs.put(str(remote_tfrecord[1]), "packs/bad-tf", recursive=True)

@@ -21,6 +21,7 @@ from packdata.pack.manifest import MANIFEST_NAME
 if TYPE_CHECKING:
     import numpy as np
 
+    from packdata.pack.index import SampleIndex
     from packdata.pack.manifest import Manifest, ShardInfo
     from packdata.pack.records import Sample
 
@@ -173,11 +174,16 @@ class PackFormat:
         walk = getattr(self._impl(), "iter_stream_samples", None)
         return None if walk is None else walk(stream, shard, info, where)
 
-    def check_remote_side_tables(self, shard: Path, info: ShardInfo, where: str) -> None:
-        """Check what can be checked of local copies of a shard's side tables without the shard (for remote verify)."""
+    def check_remote_side_tables(
+        self, stream: ByteStream, shard: Path, info: ShardInfo, index: SampleIndex, where: str
+    ) -> None:
+        """Check local copies of a shard's side tables against its bytes as ``stream`` passes them (remote verify).
+
+        For a format whose records are not checked in a stream (:meth:`iter_stream_samples` is None).
+        """
         check = getattr(self._impl(), "check_remote_side_tables", None)
         if check is not None:
-            check(shard, info, where)
+            check(stream, shard, info, index, where)
 
     def read_remote_payload(
         self,

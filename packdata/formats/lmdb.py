@@ -23,14 +23,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import ConfigError, PackFormatError
-from packdata.formats import ShardLayout
+from packdata.formats import ByteStream, ShardLayout
 from packdata.formats.lmdb_env import DATA_FILE
 from packdata.formats.lmdb_reader import LMDBShardReader
-from packdata.formats.lmdb_tables import RECORDS_FILE, check_records_table, location_table, record_spans
+from packdata.formats.lmdb_tables import (
+    RECORDS_FILE,
+    TABLE_HINT,
+    check_records_table,
+    location_table,
+    record_spans,
+    wrong_rows_error,
+)
 from packdata.formats.lmdb_writer import LMDBShardWriter
+from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, ShardInfo
 from packdata.pack.records import RECORD_HEADER_BYTES, RecordError, Sample, decode_record
 
@@ -47,6 +56,7 @@ __all__ = [
 
 NAME = "lmdb"
 SHARD_WRITER = LMDBShardWriter
+_SKIP_BLOCK = 1 << 20  # the most bytes held while a remote verify skips the bytes between records
 
 
 def shard_layout(name: str) -> ShardLayout:
@@ -73,24 +83,70 @@ def check_side_tables(shard: Path, info: ShardInfo) -> None:
     check_records_table(shard, info.sha256)
 
 
-def check_remote_side_tables(shard: Path, info: ShardInfo, where: str) -> None:
-    """Check a downloaded ``records.i64`` (``shard`` is a folder holding it) is bound to the shard ``info`` describes.
+def check_remote_side_tables(stream: ByteStream, shard: Path, info: ShardInfo, index: SampleIndex, where: str) -> None:
+    """Check a downloaded ``records.i64`` (``shard`` is a folder holding it) row by row against the shard's bytes.
 
-    Its rows cannot be compared with the records without the shard's file, so
-    only the binding is checked: count, size, checksum, rows in bounds.
+    The table's header must bind it to the shard ``info`` describes (count,
+    size, checksum, rows in bounds). Then every row is read from ``stream``
+    (the shard's ``data.mdb`` front to back, holding one record's bytes at a
+    time), in file order: it must place the payload of its own record, the
+    bytes before it a record header and the key the sample index gives that
+    record, its label and size the index's, its CRC-32 the record's and its
+    CRC32C the row's. So rows swapped or pointing at another record are found
+    as a local verify finds them (:func:`~packdata.formats.lmdb_tables.check_records_table`).
 
     Raises:
-        PackFormatError: the table belongs to another shard or is damaged (``where`` names it).
+        PackFormatError: the table belongs to another shard, is damaged, or a row is wrong (``where`` names it).
     """
     table = shard / RECORDS_FILE
     if not table.is_file():
         return
-    if location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256) is None:
+    shown = f"{where.rsplit('/', 1)[0]}/{RECORDS_FILE}"
+    rows = location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256)
+    if rows is None:
         raise PackFormatError(
             f"{RECORDS_FILE} does not fit this shard (count, size, checksum or a row out of bounds)",
-            path=f"{where.rsplit('/', 1)[0]}/{RECORDS_FILE}",
-            hint="Convert the pack again (or delete the table: readers then walk the shard's pages)",
+            path=shown,
+            hint=TABLE_HINT,
         )
+    bad = _wrong_rows(stream, rows, info.first_index, index)
+    if bad:
+        raise wrong_rows_error(bad, shown)
+
+
+def _wrong_rows(stream: ByteStream, rows: np.ndarray, first: int, index: SampleIndex) -> list[int]:
+    """The rows of a location table not placing their own record in ``stream`` (:func:`check_remote_side_tables`)."""
+    keys = [index.keys[first + j].encode("utf-8") for j in range(len(rows))]
+    starts = rows[:, 0] - RECORD_HEADER_BYTES - np.array([len(k) for k in keys], dtype=np.int64)
+    bad: list[int] = []
+    held, held_at = b"", 0  # the stream's bytes from held_at on, read already
+    for j in np.argsort(starts, kind="stable").tolist():
+        start, length, crc = int(starts[j]), int(rows[j, 1]), int(rows[j, 2])
+        if start < 0 or length != int(index.sizes[first + j]):
+            bad.append(j)
+            continue
+        while held_at + len(held) < start:  # skipped a block at a time: a gap never held whole
+            held_at += len(held)
+            held = stream.read(min(start - held_at, _SKIP_BLOCK))
+            if not held:
+                break
+        held = held[start - held_at :]
+        held_at = start
+        end = int(rows[j, 0]) + length
+        if held_at + len(held) < end:
+            held += stream.read(end - held_at - len(held))
+        try:
+            sample = decode_record(held[: end - start])  # its CRC-32 checked
+        except RecordError:
+            bad.append(j)
+            continue
+        if (
+            sample.key != keys[j].decode("utf-8")
+            or sample.label != int(index.labels[first + j])
+            or crc32c(sample.data) != crc
+        ):
+            bad.append(j)
+    return sorted(bad)
 
 
 def read_remote_payload(

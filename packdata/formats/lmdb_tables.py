@@ -32,9 +32,18 @@ from packdata.formats.lmdb_pages import value_locations
 from packdata.pack.files import map_int64, open_pack_file, sha256_prefix
 from packdata.pack.records import RecordError, checked_payload_start
 
-__all__ = ["RECORDS_FILE", "check_records_table", "location_table", "record_locations", "record_spans"]
+__all__ = [
+    "RECORDS_FILE",
+    "TABLE_HINT",
+    "check_records_table",
+    "location_table",
+    "record_locations",
+    "record_spans",
+    "wrong_rows_error",
+]
 
 RECORDS_FILE = "records.i64"
+TABLE_HINT = "Convert the pack again (or delete the table: readers then walk the shard's pages)"
 _TABLE_MAGIC = int.from_bytes(b"PDRLOC02", "little", signed=True)
 _TABLE_VERSION = 2
 
@@ -142,7 +151,7 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
         stored = os.fstat(f.fileno()).st_size
     size = os.path.getsize(os.path.join(path, DATA_FILE))
     raw = np.frombuffer(blob[: len(blob) - len(blob) % 8], dtype="<i8")
-    hint = "Convert the pack again (or delete the table: readers then walk the shard's pages)"
+    hint = TABLE_HINT
     whole = len(blob) == stored  # a longer file is not read whole: it fits no table
     if whole and raw.size == 3 * (len(locations) + 2):
         found = _read_table(path, len(locations), txnid, size)
@@ -165,11 +174,16 @@ def check_records_table(path: str | os.PathLike, sha256_hex: str) -> None:
             hint=hint,
         )
     if len(bad):
-        raise PackFormatError(
-            f"{RECORDS_FILE} row {int(bad[0])} does not point at record {int(bad[0])} ({len(bad)} rows wrong)",
-            path=table,
-            hint=hint,
-        )
+        raise wrong_rows_error(bad.tolist(), table)
+
+
+def wrong_rows_error(bad: list[int], table: str) -> PackFormatError:
+    """The error naming the first of the ``bad`` rows (sorted) of the location table at ``table``."""
+    return PackFormatError(
+        f"{RECORDS_FILE} row {bad[0]} does not point at record {bad[0]} ({len(bad)} rows wrong)",
+        path=table,
+        hint=TABLE_HINT,
+    )
 
 
 def record_spans(shard: Path, size: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -12,9 +12,10 @@ shards at a time (a bounded thread pool), and for each:
   and fields against the sample index, and every payload table row, exactly
   as a local verify does;
 - where it cannot (LMDB: records are read through LMDB, which needs a local
-  file), only what needs no record: size, SHA-256 and the binding of the
-  side table to the shard. The result then says ``checks="checksums"`` and
-  the CLI says so: stage the pack and verify the staged copy for record checks.
+  file), size, SHA-256, and the side table: its binding to the shard, and
+  every row against the record it places, read as the shard's bytes pass
+  (as a local verify checks it). The result then says ``checks="checksums"``
+  and the CLI says so: stage the pack and verify the staged copy for record checks.
 """
 
 from __future__ import annotations
@@ -116,11 +117,15 @@ def _verify_shard(
     shard_copy = local / shard.file
     samples = fmt.iter_stream_samples(stream, shard_copy, shard, where)
     records = nbytes = 0
+    table_error: PackFormatError | None = None
     try:
         if samples is not None:
             records, nbytes = check_shard_records(samples, shard, manifest, index, where)
         else:
-            fmt.check_remote_side_tables(shard_copy, shard, where)
+            try:
+                fmt.check_remote_side_tables(stream, shard_copy, shard, index, where)
+            except PackFormatError as exc:  # raised after the checksum: a damaged shard is named, not its table
+                table_error = exc
     except PackFormatError as exc:  # a local copy's path in the message: name the object instead
         if os.fspath(local) not in str(exc):
             raise
@@ -131,4 +136,6 @@ def _verify_shard(
             path=where,
             hint="The shard is damaged: convert or upload again",
         )
+    if table_error is not None:
+        raise table_error
     return records, nbytes, samples is not None

@@ -146,8 +146,8 @@ def verify_pack(
     A URL (``s3://bucket/train``) is verified in place (see
     :func:`packdata.formats.remote_verify.verify_remote_pack`): the same checks
     for a TFRecord pack, its shards streamed once each; for an LMDB pack each
-    shard's size and SHA-256 and the binding of its side table only
-    (``checks="checksums"`` in the result): its records are read through
+    shard's size and SHA-256 and its side table, every row against the record
+    it places (``checks="checksums"`` in the result): its records are read through
     LMDB, which needs a local file, so stage it and verify the staged copy.
 
     Args:
