@@ -406,6 +406,35 @@ def test_a_url_replaces_only_its_own_staged_copy(s3, remote_pack, tmp_path: Path
     assert sorted(p.name for p in cache.iterdir()) == ["train.lmdb"]
 
 
+def test_a_pack_whose_url_differs_only_in_its_user_part_never_replaces_a_staged_copy(
+    remote_pack, tmp_path: Path
+) -> None:
+    """abfs://CONTAINER@account/train names a container: staging a second container's train into the cache took the
+    first's staged copy for its own (both 'staged from abfs://account/train') and replaced it, a different pack."""
+    import fsspec
+
+    _, local = remote_pack
+    memory = fsspec.filesystem("memory")  # fsspec's own in-memory store: URLs with a user part, as Azure's
+    other = tmp_path / "other"
+    packdata.convert(_two_classes(tmp_path / "src", seed=5), other, format="lmdb", progress=False)
+    memory.put(str(local), "/alpha@account/train", recursive=True)
+    memory.put(str(other), "/bravo:hunter2@account/train", recursive=True)  # a user part with a password
+    cache = tmp_path / "cache"
+    try:
+        first = packdata.stage("memory://alpha@account/train", to=cache, progress=False)
+        with pytest.raises(packdata.ConfigError, match=r"train: holds a staged copy of another pack") as refused:
+            packdata.stage("memory://bravo:hunter2@account/train", to=cache, progress=False)
+        assert "hunter2" not in str(refused.value)
+        assert _samples(first.staged) == _samples(local)  # the first pack's copy, untouched
+        again = packdata.stage("memory://alpha@account/train", to=cache, progress=False)
+        assert not again.downloaded and again.staged == first.staged
+        second = packdata.stage("memory://bravo:hunter2@account/train", to=cache, name="train2", progress=False)
+        assert _samples(second.staged) == _samples(other)
+        assert "hunter2" not in (second.staged / "staged.json").read_text()
+    finally:
+        memory.rm(["/alpha@account", "/bravo:hunter2@account"], recursive=True)
+
+
 @pytest.mark.parametrize("name", ["../escaped", ""])
 def test_a_name_that_is_not_a_plain_folder_name_is_refused_for_a_url(s3, remote_pack, tmp_path: Path, name) -> None:
     options, _ = s3

@@ -7,6 +7,7 @@ log line: :func:`display_url` is what packdata prints of a URL.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 import time
@@ -52,6 +53,16 @@ def display_url(url: str) -> str:
     if parts.port:
         host += f":{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def user_digest(url: str) -> str:
+    """A hash of ``url``'s user name, ``""`` without one: it tells apart URLs that :func:`display_url` shows alike.
+
+    ``abfs://CONTAINER@account/x`` names the pack's container there, yet a user
+    part may be a credential: only its hash is ever written (markers), never it.
+    """
+    user = urlsplit(url).username
+    return hashlib.sha256(user.encode("utf-8")).hexdigest()[:16] if user else ""
 
 
 def local_name(url: str) -> str:

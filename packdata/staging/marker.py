@@ -54,12 +54,14 @@ def write_marker(
     bytes_staged: int,
     bytes_left: int,
     complete: bool,
+    origin_user: str = "",
 ) -> None:
-    """Write ``dest/staged.json``, atomically."""
+    """Write ``dest/staged.json``, atomically (``origin_user``: a URL's :func:`~packdata.pack.urls.user_digest`)."""
     write_json(
         dest / STAGED_FILE,
         {
             "origin": os.fspath(origin),
+            "origin_user": origin_user,
             "format": format,
             "staged": list(staged),
             "left": list(left),
@@ -157,12 +159,13 @@ def check_name(name: str, *, area: Path, url: str | None = None) -> None:
     )
 
 
-def check_destination(source: Path | str, dest: Path) -> None:
+def check_destination(source: Path | str, dest: Path, *, user: str = "") -> None:
     """Refuse a staging destination that is the pack, inside it or around it, a foreign folder, or another's copy.
 
     Args:
         source: the pack's folder, or the URL of a pack in object storage (as ``display_url`` shows it).
         dest: the folder the staged pack goes into, ``AREA/NAME``.
+        user: for a URL, its :func:`~packdata.pack.urls.user_digest` (the user part ``source`` does not show).
 
     Raises:
         ConfigError: ``dest`` must not be written; only an empty folder, one a killed stage left
@@ -202,9 +205,10 @@ def check_destination(source: Path | str, dest: Path) -> None:
             )
         origin = marker.get("origin")
         same = origin == source if isinstance(source, str) else Path(str(origin)) == source.resolve()
-        if origin and not same:
+        if origin and not (same and marker.get("origin_user", "") == user):
+            shown = origin if not same else f"{origin}, whose URL had another user part, or one not noted then"
             raise ConfigError(
-                f"holds a staged copy of another pack ({origin})",
+                f"holds a staged copy of another pack ({shown})",
                 path=dest,
                 hint=f"Unstage it first (packdata unstage {dest}) or choose another name=NAME",
             )

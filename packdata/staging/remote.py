@@ -73,7 +73,7 @@ from packdata.pack.lock import (
     wait_for_lock,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error
+from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error, user_digest
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import LOCK as STAGE_LOCK
 from packdata.staging.copy import dir_bytes, missing_folders, removed_if_refused
@@ -169,7 +169,18 @@ def stage_remote(
             wait_for_lock(lock, what="packdata stage (download)", target=cache / name, timeout=wait_seconds)
         )
         result = _stage_locked(
-            fs, root.rstrip("/"), shown, cache, name, workers, reserve, force, progress, cache_limit, storage_options
+            fs,
+            root.rstrip("/"),
+            shown,
+            user_digest(url),
+            cache,
+            name,
+            workers,
+            reserve,
+            force,
+            progress,
+            cache_limit,
+            storage_options,
         )
     result.waited_seconds = time.monotonic() - start - result.seconds
     return result
@@ -199,6 +210,7 @@ def _stage_locked(
     fs: Any,
     root: str,
     shown: str,
+    user: str,
     cache: Path,
     name: str,
     workers: int | None,
@@ -212,11 +224,16 @@ def _stage_locked(
     manifest, raw = read_url_manifest(fs, root, shown)
     files = _pack_files(manifest, shown)
     dest, partial = cache / name, cache / f".{name}.partial"
-    check_destination(shown, dest)  # a folder there is replaced only when it is a staged copy of this URL
+    check_destination(shown, dest, user=user)  # a folder there is replaced only when it is a staged copy of this URL
     discard_stale_copies(dest)  # the copy a stage killed between the renames of its swap moved aside
     digest = hashlib.sha256(raw).hexdigest()
     marker = read_marker(dest) if dest.is_dir() else None
-    if marker and marker.get("origin") == shown and marker.get("manifest_sha256") == digest and marker.get("complete"):
+    if (
+        marker
+        and (marker.get("origin"), marker.get("origin_user", "")) == (shown, user)
+        and marker.get("manifest_sha256") == digest
+        and marker.get("complete")
+    ):
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
@@ -253,6 +270,7 @@ def _stage_locked(
             write_marker(
                 partial,
                 origin=shown,
+                origin_user=user,
                 format=manifest.format,
                 staged=[s.file for s in manifest.shards],
                 left=[],
@@ -267,7 +285,7 @@ def _stage_locked(
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise destination_error(exc, partial) from exc
-    check_destination(shown, dest)  # again: a folder may have appeared there while downloading
+    check_destination(shown, dest, user=user)  # again: a folder may have appeared there while downloading
     if not dest.exists():
         os.rename(partial, dest)
         fsync_dir(cache)
