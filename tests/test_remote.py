@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import itertools
 import json
 import os
@@ -30,6 +31,7 @@ from packdata.cli import main
 from packdata.conversion.upload import download_source, work_folder
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
+from packdata.pack.urls import display_url
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
 s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
@@ -443,6 +445,17 @@ def test_a_name_that_is_not_a_plain_folder_name_is_refused_for_a_url(s3, remote_
     with pytest.raises(packdata.ConfigError, match=r"cache: the staged pack's name should be one plain folder name"):
         packdata.stage(url, to=cache, name=name, storage_options=options, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_messages_name_an_azure_container_and_never_a_user_part_that_may_be_a_credential() -> None:
+    """abfs://CONTAINER@account/x was shown as abfs://account/x: every message about two containers' packs alike."""
+    if importlib.util.find_spec("adlfs") is None:  # the message that the Azure filesystem is not installed
+        out = CliRunner().invoke(main, ["verify", "abfs://c1@account/train"])
+        assert out.exit_code == 1 and out.output.startswith("Error: abfs://c1@account/train: "), out.output
+    assert display_url("abfs://c1@account/train") == "abfs://c1@account/train"
+    assert display_url("az://c2@account.dfs.core.windows.net/x?sig=token") == "az://c2@account.dfs.core.windows.net/x"
+    for url in (f"abfss://c1:{SECRET}@account/x", f"https://{SECRET}@host/x", f"s3://key:{SECRET}@bucket/x"):
+        assert SECRET not in display_url(url) and display_url(url).endswith("/x")
 
 
 def test_errors_never_show_credentials(s3, tmp_path: Path) -> None:

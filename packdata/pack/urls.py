@@ -46,12 +46,22 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and bool(_SCHEME.match(path)) and not path.lower().startswith("file://")
 
 
+_CONTAINER_SCHEMES = frozenset({"abfs", "abfss", "az"})  # Azure's CONTAINER@account: a name, never a credential
+
+
 def display_url(url: str) -> str:
-    """``url`` without credentials or query (``s3://key:secret@bucket/x?token=...`` -> ``s3://bucket/x``)."""
+    """``url`` without credentials or query (``s3://key:secret@bucket/x?token=...`` -> ``s3://bucket/x``).
+
+    A user part is dropped (it may be a credential, a token alone included),
+    but Azure's container (``abfs://CONTAINER@account/x``, no password) is kept:
+    it names the pack there.
+    """
     parts = urlsplit(url)
     host = parts.hostname or ""
     if parts.port:
         host += f":{parts.port}"
+    if parts.scheme.lower() in _CONTAINER_SCHEMES and parts.username and parts.password is None:
+        host = f"{parts.username}@{host}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
