@@ -1375,6 +1375,29 @@ def test_cache_limit_evicts_the_least_recently_used_copy_nobody_reads(s3, remote
         packdata.stage(local, to=cache, name="x", cache_limit=limit, progress=False)
 
 
+def test_a_copy_whose_url_had_a_user_part_is_never_evicted_by_a_look_at_another_pack(remote_pack, tmp_path) -> None:
+    """Eviction looked for a copy's origin at the URL its staged.json shows, without the user part: the copy of
+    memory://alpha@account/train, whose origin is gone (the last copy), was evicted as 'still there' because another
+    pack lies at memory://account/train."""
+    import fsspec
+
+    _, local = remote_pack
+    memory = fsspec.filesystem("memory")
+    memory.put(str(local), "/alpha@account/train", recursive=True)
+    cache = tmp_path / "cache"
+    try:
+        first = packdata.stage("memory://alpha@account/train", to=cache, progress=False).staged
+        size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+        memory.rm("/alpha@account", recursive=True)  # the origin gone: the staged copy is the last one
+        memory.put(str(local), "/account/train", recursive=True)  # another pack where the shown URL points
+        memory.put(str(local), "/account/second", recursive=True)
+        with pytest.raises(packdata.CapacityError, match="cache limit"):
+            packdata.stage("memory://account/second", to=cache, progress=False, cache_limit=int(1.5 * size))
+        assert _samples(first) == _samples(local)
+    finally:
+        memory.rm([p for p in ("/alpha@account", "/account") if memory.exists(p)], recursive=True)
+
+
 def test_a_pack_larger_than_the_cache_limit_evicts_nothing(s3, remote_pack, tmp_path: Path) -> None:
     options, local, cache, first, _ = _staged_and_second(s3, remote_pack, tmp_path)
     incoming = read_manifest(local).total_bytes

@@ -416,7 +416,8 @@ def evict_for(
     Only complete, verified copies of packs in object storage are candidates,
     each deleted holding its ``.NAME.lock`` (taken without waiting: a copy
     another process is staging, replacing or unstaging is skipped), and only
-    when its origin's manifest is still there (never the last copy) and nobody
+    when its origin's manifest is still there (never the last copy; nor one
+    whose origin cannot be looked up: its URL's user part not shown) and nobody
     reads it: no dataset holds its ``.readers.lock`` and no process visibly has
     a file of it open (:func:`delete_unread`, which renames it aside before
     deleting it). ``keep`` (the copy being staged) and its partial or old
@@ -575,6 +576,8 @@ def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
     marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
     if marker is None or not _remote_copy(marker):
         return False  # replaced or removed before its lock was taken
+    if user_digest(marker["origin"]) != marker.get("origin_user", ""):
+        return False  # its URL had a user part the origin does not show: it names another place
     try:
         fs, root = open_url(marker["origin"], storage_options)
         return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))
