@@ -110,6 +110,29 @@ def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(
     assert tree_digest(partial) == before and not (cache / "train.lmdb").exists()
 
 
+def test_a_file_without_a_digest_left_by_an_interrupted_stage_is_downloaded_again(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """A side table (or skip report, or an old pack's index file: no digest in the manifest) of the right size in
+    the .NAME.partial of an interrupted stage was kept as downloaded, though another pack's stage (or this URL's
+    before it was converted again) may have left it: the staged copy held another shard's table."""
+    options, _ = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    partial = cache / ".train.lmdb.partial" / "shard-00000.lmdb"
+    partial.mkdir(parents=True)
+    other = (local / "shard-00001.lmdb" / "records.i64").read_bytes()
+    assert (
+        len(other) == (local / "shard-00000.lmdb" / "records.i64").stat().st_size
+        and other != (local / "shard-00000.lmdb" / "records.i64").read_bytes()
+    )
+    (partial / "records.i64").write_bytes(other)  # the right size, another table
+    staged = packdata.stage(url, to=cache, storage_options=options, progress=False).staged
+    for rel in ("shard-00000.lmdb/records.i64", "shard-00001.lmdb/records.i64"):
+        assert (staged / rel).read_bytes() == (local / rel).read_bytes(), rel
+    assert _samples(staged) == _samples(local)
+
+
 _RANK = """
 import json, sys
 import packdata
@@ -2545,8 +2568,9 @@ def test_cache_limit_never_evicts_the_partial_copy_of_the_pack_being_staged(s3, 
     partial = cache / ".train.lmdb.partial"
     size = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file())
     result = packdata.stage(url, to=cache, storage_options=options, progress=False, cache_limit=int(1.5 * size))
-    assert result.files == 0 and _samples(result.staged) == _samples(local)  # resumed: nothing downloaded again
-    assert not partial.exists()
+    unhashed = [p for p in local.rglob("*") if p.name in ("records.i64", "skipped.jsonl")]  # no digest: again
+    assert (result.files, result.bytes_downloaded) == (len(unhashed), sum(p.stat().st_size for p in unhashed))
+    assert _samples(result.staged) == _samples(local) and not partial.exists()  # resumed: no shard downloaded again
 
 
 def _in_own_pid_namespace() -> list[str]:

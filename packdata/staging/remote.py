@@ -351,10 +351,16 @@ def _part(local: Path) -> Path:
 
 
 def _complete(local: Path, size: int, sha256: str | None) -> bool:
-    """A file already downloaded by an interrupted run: right size and, for a shard, right hash."""
-    if not (local.is_file() and not local.is_symlink() and local.stat().st_size == size):
+    """A file already downloaded by an interrupted run: right size and right hash.
+
+    A file the manifest gives no hash (a side table, the skip report, an older
+    pack's index file) is never taken from a partial folder: an interrupted
+    stage of another pack, or of this URL before it was converted again, may
+    have left one of the same size.
+    """
+    if sha256 is None or not (local.is_file() and not local.is_symlink() and local.stat().st_size == size):
         return False
-    return sha256 is None or file_sha256(local) == sha256
+    return file_sha256(local) == sha256
 
 
 def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> None:
