@@ -41,6 +41,7 @@ from packdata.formats.verify import check_shard_file, check_shard_records, open_
 from packdata.pack.fields import codec_of
 from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside, open_pack_file
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
+from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (
     FIELDS_VERSION,
@@ -98,7 +99,7 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
     classes: dict[str, int] = {}  # name -> number in the result, in order (a dict: no search per name)
     fields: dict[str, int] = {}
     codecs: dict[str, str] = {}
-    seen: set[str] = set()
+    seen = KeySet()  # key -> the number of the pack that holds it first
     inputs = []
     first: Manifest | None = None
     for number, path in enumerate(paths):
@@ -121,7 +122,8 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
         field_map = np.array([fields[n] for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
         renames = {}
         for i, key in enumerate(index.keys):
-            if key in seen:
+            holder = seen.add(key, number)
+            if holder is not None:
                 if on_duplicate == "append":
                     raise ConfigError(
                         f"the new samples repeat key {key!r}, already in the pack",
@@ -131,7 +133,7 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                     )
                 if on_duplicate == "error":
                     raise ConfigError(
-                        f"key {key!r} (sample {i}) is already in an earlier pack",
+                        f"key {key!r} (sample {i}) is already in an earlier pack ({paths[holder]})",
                         path=path,
                         hint="Pass on_duplicate='rename' to keep both as KEY~N",
                     )
@@ -139,8 +141,8 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                 while new in seen:
                     n += 1
                     new = f"{key}~{n}"
-                renames[i] = key = new
-            seen.add(key)
+                renames[i] = new
+                seen.add(new, number)
         inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
     return inputs, list(classes), list(fields), codecs
 

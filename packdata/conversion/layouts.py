@@ -55,6 +55,7 @@ from packdata.conversion.sources import (
 from packdata.conversion.tars import TarSource
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
+from packdata.pack.keyset import KeySet
 from packdata.pack.manifest import first_repeated, unique_keys
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
@@ -260,7 +261,7 @@ class ListSource:
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
-        keys: dict[str, tuple[int, str]] = {}  # key -> the row that first gave it, and its path
+        keys = KeySet()  # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
         for number, row in _rows(self.list_file, self.fs, self._where):
             where = f"row {number}"
             if _EXTRA in row:
@@ -290,12 +291,10 @@ class ListSource:
                 continue
             folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
-            if key in keys:
-                first, first_path = keys[key]
-                detail = f"{where} ({raw_path}) has the key of row {first} ({first_path}): {_KEY_RULE}"
-                yield Skip(key, "duplicate key", detail)
+            first = keys.add(key, number)
+            if first is not None:
+                yield Skip(key, "duplicate key", f"{where} ({raw_path}) has the key of row {first}: {_KEY_RULE}")
                 continue
-            keys[key] = (number, raw_path)
             label = -1
             if self.label_column is not None:
                 value = row.get(self.label_column)

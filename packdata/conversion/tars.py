@@ -47,6 +47,7 @@ from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable,
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import open_regular
+from packdata.pack.keyset import KeySet
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
@@ -155,14 +156,14 @@ class TarSource:
 
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per sample, tar by tar, and skips for members that are not samples."""
-        seen: set[str] = set()
-        for shard in self.shards:
+        seen = KeySet()  # key -> the shard that gave it first
+        for number, shard in enumerate(self.shards):
             for entry in self._read(shard):
                 if isinstance(entry, SourceGroup):
-                    if entry.key in seen:
-                        entry = Skip(entry.key, "duplicate key", f"an earlier sample has this key ({shard})")
-                    else:
-                        seen.add(entry.key)
+                    first = seen.add(entry.key, number)
+                    if first is not None:
+                        detail = f"an earlier sample in {self.shards[first]} has this key ({shard})"
+                        entry = Skip(entry.key, "duplicate key", detail)
                 yield entry
 
     def _open(self, shard: str) -> BinaryIO:

@@ -39,6 +39,7 @@ from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import PROGRESS_FILE, discard_partial
+from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import classes_problem
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES, Sample
@@ -103,7 +104,7 @@ class PackWriter:
         _check_existing(self.dst, overwrite)
         self._overwrite = overwrite
         self._classes = list(classes) if classes is not None else None
-        self._keys: set[str] = set()
+        self._keys = KeySet()
         self._top_label = -1
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
@@ -187,9 +188,9 @@ class PackWriter:
         """Write an encoded sample (in the writer's thread)."""
         if self.result is not None or self._packer.report.closed:
             raise ConfigError("this PackWriter is closed", path=self.dst)
-        if sample.key in self._keys:
-            raise ConfigError(f"key {sample.key!r} was written before: keys are unique", path=self.dst)
-        self._keys.add(sample.key)
+        first = self._keys.add(sample.key, self.count)
+        if first is not None:
+            raise ConfigError(f"key {sample.key!r} was written before (sample {first}): keys are unique", path=self.dst)
         self._top_label = max(self._top_label, sample.label)
         self._packer._make_room(len(sample.data))
         self._packer._add(sample)
