@@ -18,6 +18,7 @@ __all__ = [
     "LockedError",
     "PackFormatError",
     "PackdataError",
+    "RankMismatchError",
     "SourceError",
     "OUT_OF_FILES_HINT",
     "destination_error",
@@ -61,6 +62,10 @@ class CapacityError(PackdataError):
 
 class ConfigError(PackdataError, ValueError):
     """Options that contradict each other or a destination that must not be used (also a ``ValueError``)."""
+
+
+class RankMismatchError(PackdataError):
+    """The ranks of one distributed job read different packs (or one pack through different options)."""
 
 
 class LockedError(PackdataError):

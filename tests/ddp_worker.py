@@ -16,6 +16,16 @@ records were really read.
   ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` unset (as ``mp.spawn`` scripts that pass the rank
   to ``init_process_group`` run), and write the ``PackdataError`` the first
   epoch raises, if any, as ``error``.
+- ``--append SRC``: rank 0 builds its loader, then runs ``convert SRC PACK
+  --append``, then rank 1 builds its own, and the ``PackdataError`` the first
+  epoch raises, if any, is written as ``error``. ``--rank1-pack PATH``: rank 1
+  opens PATH (a staged copy) instead of PACK. With either, ``--format lmdb``
+  calls ``check_same_pack`` before the first epoch (``DistributedSampler`` checks nothing).
+- ``--only-rank0``: rank 0 alone reads (a loader iterated on some ranks
+  only, as an evaluation on rank 0), with no collective a step; rank 1 reads
+  nothing, and the ranks meet at no barrier after. ``--no-check-ranks``: build
+  the ``BlockShuffleSampler`` with ``check_ranks=False``.
+- ``--timeout S``: the process group's timeout (its store's too).
 """
 
 from __future__ import annotations
@@ -24,12 +34,14 @@ import argparse
 import hashlib
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from packdata.conversion.convert import convert
 from packdata.errors import PackdataError
 
 
@@ -38,7 +50,9 @@ def sha1(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
 
 
-def _loader(pack: str, fmt: str, workers: int, batch_size: int) -> tuple[DataLoader, object]:
+def _loader(
+    pack: str, fmt: str, workers: int, batch_size: int, check_ranks: bool = True
+) -> tuple[DataLoader, object, object]:
     if fmt in ("lmdb", "block", "token"):
         from packdata.reading.datasets import LMDBDataset
         from packdata.reading.samplers import BlockShuffleSampler
@@ -47,16 +61,29 @@ def _loader(pack: str, fmt: str, workers: int, batch_size: int) -> tuple[DataLoa
         dataset = LMDBDataset(pack, decode=sha1)
         if fmt == "token":
             batches = TokenBucketSampler(dataset, max_tokens=4096, max_samples=batch_size, seed=0)
-            return DataLoader(dataset, batch_sampler=batches, num_workers=workers), batches
+            return DataLoader(dataset, batch_sampler=batches, num_workers=workers), batches, dataset
         if fmt == "lmdb":
             sampler = DistributedSampler(dataset, shuffle=True, seed=0)
         else:
-            sampler = BlockShuffleSampler(dataset, block_size=4, window=2, seed=0)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers), sampler
+            sampler = BlockShuffleSampler(dataset, block_size=4, window=2, seed=0, check_ranks=check_ranks)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers), sampler, dataset
     from packdata.reading.streaming import TFRecordDataset
 
     dataset = TFRecordDataset(pack, decode=sha1, shuffle=True, seed=0, shuffle_buffer=8)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers), dataset
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers), dataset, dataset
+
+
+def _open_around_append(args: argparse.Namespace, rank: int) -> tuple[DataLoader, object, object]:
+    """Rank 0's loader over the pack before ``convert SRC PACK --append``, rank 1's after it."""
+    if rank == 0:
+        built = _loader(args.pack, args.format, args.workers, args.batch_size)
+    dist.barrier()
+    if rank == 0:
+        convert(args.append, args.pack, append=True, progress=False)
+    dist.barrier()
+    if rank != 0:
+        built = _loader(args.pack, args.format, args.workers, args.batch_size)
+    return built
 
 
 def main() -> None:
@@ -68,34 +95,49 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--before-init", action="store_true")
+    parser.add_argument("--append")
+    parser.add_argument("--rank1-pack")
+    parser.add_argument("--only-rank0", action="store_true")
+    parser.add_argument("--no-check-ranks", dest="check_ranks", action="store_false")
+    parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
 
+    timeout = timedelta(seconds=args.timeout)
     if args.before_init:
         rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
         del os.environ["LOCAL_RANK"]
-        loader, epoch_owner = _loader(args.pack, args.format, args.workers, args.batch_size)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        loader, epoch_owner, dataset = _loader(args.pack, args.format, args.workers, args.batch_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
-        loader, epoch_owner = _loader(args.pack, args.format, args.workers, args.batch_size)
+        if args.append:
+            loader, epoch_owner, dataset = _open_around_append(args, rank)
+        else:
+            pack = args.rank1_pack if args.rank1_pack and rank == 1 else args.pack
+            loader, epoch_owner, dataset = _loader(pack, args.format, args.workers, args.batch_size, args.check_ranks)
     report: dict = {"rank": rank, "world": world, "pid": os.getpid(), "epochs": []}
     try:
-        for epoch in range(args.epochs):
+        if args.format == "lmdb" and (args.append or args.rank1_pack):
+            from packdata.reading.ranks import check_same_pack
+
+            check_same_pack(dataset)  # DistributedSampler checks nothing
+        for epoch in range(0 if args.only_rank0 and rank != 0 else args.epochs):
             epoch_owner.set_epoch(epoch)  # type: ignore[attr-defined]
             seen: list[str] = []
             steps = 0
             for digests, _labels in loader:
                 seen.extend(digests)
                 steps += 1
-                # what DDP does every step: a collective every rank must join
-                dist.all_reduce(torch.ones(1))
+                if not args.only_rank0:  # what DDP does every step: a collective every rank must join
+                    dist.all_reduce(torch.ones(1))
             report["epochs"].append({"epoch": epoch, "steps": steps, "digests": seen})
     except PackdataError as exc:
-        if not args.before_init:
+        if not (args.before_init or args.append or args.only_rank0):
             raise
         report["error"] = str(exc)
-    dist.barrier()
+    if not args.only_rank0:
+        dist.barrier()
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

@@ -4,6 +4,8 @@ Each rank runs ``tests/ddp_worker.py`` and reports the SHA-1 of every sample
 it read; the test maps them back to source files and checks: every sample once
 per epoch across ranks, equal step counts on every rank, a new order after
 ``set_epoch``. A hang fails through the subprocess timeout (and pytest-timeout).
+Ranks that open a pack on either side of an append (or of any change) are
+refused on every rank; a pack and its staged copy read as one.
 """
 
 from __future__ import annotations
@@ -91,3 +93,61 @@ def test_a_reader_built_before_init_process_group_is_refused_not_read_by_every_r
         assert report["epochs"] == [], f"rank {r} read {len(report['epochs'][0]['digests'])} samples"
         assert f"torch.distributed says rank {r} of 2" in report["error"]
         assert "init_process_group" in report["error"]
+
+
+def _extra_source(tmp_path: Path) -> Path:
+    """8 more samples (2 a class, keys not in ``source``) to append: 48 in all, 24 a rank."""
+    root = tmp_path / "more"
+    for c in range(N_CLASSES):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(2):
+            pixels = np.random.default_rng(5000 + 10 * c + i).integers(0, 255, (6, 6, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"c{c}" / f"more{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["block", "token", "tfrecord", "lmdb"])
+def test_ranks_that_open_a_pack_on_either_side_of_an_append_both_raise(source: Path, tmp_path: Path, fmt: str) -> None:
+    """Rank 0 opened 40 samples, rank 1 48: each would cut its own view into halves, losing and repeating samples."""
+    pack = tmp_path / ("pack" if fmt == "tfrecord" else "pack.lmdb")
+    packdata.convert(source, pack, format="tfrecord" if fmt == "tfrecord" else "lmdb", progress=False)
+    more = _extra_source(tmp_path)
+    # the group's timeout bounds the collectives a silent disagreement leaves unmatched (or a hang in the check)
+    reports = _torchrun(pack, fmt, tmp_path / "out", "--append", str(more), "--epochs", "1", "--timeout", "60")
+    for r, report in enumerate(reports):
+        assert report["epochs"] == [], f"rank {r} read {len(report['epochs'][0]['digests'])} samples"
+        error = report["error"]
+        assert error.startswith(f"{pack}: the ranks of this job disagree on what their "), error
+        assert "rank 0 has samples=40, pack='" in error and "rank 1 has samples=48, pack='" in error, error
+        assert "append to it or convert it again between jobs" in error
+
+
+@pytest.mark.parametrize("fmt", ["block", "lmdb"])
+def test_ranks_reading_a_pack_and_its_staged_copy_pass_the_check_and_read_every_sample_once(
+    source: Path, tmp_path: Path, fmt: str
+) -> None:
+    """The same shards at another path are the same pack: rank 1 reads a staged copy, nothing is refused."""
+    packdata.convert(source, tmp_path / "pack.lmdb", shard_samples=12, progress=False)
+    staged = packdata.stage(tmp_path / "pack.lmdb", to=tmp_path / "cache").staged
+    reports = _torchrun(tmp_path / "pack.lmdb", fmt, tmp_path / "out", "--rank1-pack", str(staged))
+    _check(reports, _digests(source))
+
+
+@pytest.mark.parametrize("check_ranks", [True, False])
+def test_a_sampler_iterated_on_one_rank_only_raises_after_the_group_timeout_and_never_hangs(
+    source: Path, tmp_path: Path, check_ranks: bool
+) -> None:
+    """Rank 1 never iterates its sampler: rank 0 waits for it the group's timeout (10 s here), then says so.
+
+    With ``check_ranks=False`` rank 0 reads its half and nothing is compared.
+    """
+    packdata.convert(source, tmp_path / "pack.lmdb", progress=False)
+    args = ["--only-rank0", "--epochs", "1", "--timeout", "10", *([] if check_ranks else ["--no-check-ranks"])]
+    reports = _torchrun(tmp_path / "pack.lmdb", "block", tmp_path / "out", *args)
+    assert reports[1]["epochs"] == [] and "error" not in reports[1]
+    if not check_ranks:
+        assert "error" not in reports[0] and len(reports[0]["epochs"][0]["digests"]) == 20
+        return
+    error = reports[0]["error"]
+    assert "rank 0 of 2 waited for the other ranks to compare what their BlockShuffleSampler reads" in error
+    assert "pass check_ranks=False where it is built on some ranks only" in error

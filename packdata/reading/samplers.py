@@ -22,6 +22,7 @@ from torch.utils.data import Sampler
 
 from packdata.errors import ConfigError
 from packdata.pack.manifest import Manifest
+from packdata.reading.ranks import RankCheck, pack_of
 from packdata.reading.readahead import ReadAhead
 
 __all__ = [
@@ -263,6 +264,12 @@ class BlockShuffleSampler(Sampler[int]):
             is read (:class:`~packdata.reading.readahead.ReadAhead`), so a cold
             page cache is filled in long sequential reads. Hints only: what is
             read does not change.
+        check_ranks: in a job with an initialised ``torch.distributed`` group,
+            the first iteration compares the pack (sample count, shards'
+            checksums) and the order options with every rank's, once, and
+            raises :class:`~packdata.errors.RankMismatchError` on every rank if
+            they differ (see :mod:`packdata.reading.ranks`). Pass ``False`` where
+            the sampler is built on some ranks only.
     """
 
     def __init__(
@@ -277,6 +284,7 @@ class BlockShuffleSampler(Sampler[int]):
         world_size: int | None = None,
         drop_last: bool = False,
         read_ahead: bool = True,
+        check_ranks: bool = True,
     ) -> None:
         if isinstance(dataset_or_length, numbers.Number) and not _natural(dataset_or_length):
             raise ValueError(f"the number of samples should be an integer from 1 on, but got {dataset_or_length!r}")
@@ -286,7 +294,7 @@ class BlockShuffleSampler(Sampler[int]):
         self._pack: tuple[Path, Manifest] | None = None  # the pack to read ahead in
         if read_ahead and isinstance(manifest, Manifest):
             self._pack = (Path(pack.path), manifest)  # type: ignore[union-attr]
-        self._pack_digest = manifest.shards_digest() if isinstance(manifest, Manifest) else None
+        where, self._pack_digest = pack_of(dataset_or_length)
         self._read_ahead: ReadAhead | None = None
         if n < 1:
             raise ValueError(f"the dataset should hold at least one sample, but got length={n}")
@@ -310,6 +318,17 @@ class BlockShuffleSampler(Sampler[int]):
         self._start = 0  # position in this rank's stream where the current (or pending) pass starts
         self._yielded = 0  # position reached by the current pass
         self._pending = False  # a loaded position the next pass starts from
+        self._rank_check = RankCheck(
+            check_ranks,
+            where,
+            samples=n,
+            pack=self._pack_digest,
+            seed=self.seed,
+            shuffle=shuffle,
+            block_size=self.block_size,
+            window=self.window,
+            drop_last=drop_last,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` on the next iteration (call on every rank).
@@ -496,6 +515,7 @@ class BlockShuffleSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         check_rank_world("BlockShuffleSampler", self._rank_given, (self.rank, self.world_size))
+        self._rank_check("BlockShuffleSampler", self.world_size)
         resumed, self._pending = self._pending, False
         if not resumed:
             self._history, self._start = [], 0  # a new pass over the whole epoch

@@ -35,7 +35,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_remote import ShardRun, stream_ahead
+from packdata.pack.urls import display_url
 from packdata.reading.decode import DecodeFn, resolve_decoder
+from packdata.reading.ranks import RankCheck
 from packdata.reading.samplers import check_rank_world, order_number, per_rank_count, resolve_rank_world
 from packdata.reading.tfrecord_view import _TFRecordView
 
@@ -167,6 +169,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     else ``RANK``/``WORLD_SIZE``): build the dataset after
     ``init_process_group``. ``set_epoch`` (called before each epoch's loader
     iterator is made) also reaches the copies ``persistent_workers=True`` keeps.
+    The first ``set_epoch``, or the first pass in the main process
+    (``num_workers=0``), compares the pack and the order options across the
+    ranks of an initialised ``torch.distributed`` group (``check_ranks``).
 
     Resuming: see ``docs/architecture.md``; resume at the same world size and ``num_workers``.
 
@@ -195,6 +200,11 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             options, and where the manifest, index and side tables are kept
             (shards stream from the URL, chunks fetched ahead; see
             :mod:`packdata.formats.tfrecord_remote`).
+        check_ranks: compare the sample count, the pack's shards' checksums and
+            the order options with every rank's, once, and raise
+            :class:`~packdata.errors.RankMismatchError` on every rank if they
+            differ (see :mod:`packdata.reading.ranks`). Pass ``False`` where the
+            dataset is built on some ranks only.
     """
 
     pack_format = TFRECORD
@@ -217,6 +227,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike | None = None,
+        check_ranks: bool = True,
     ) -> None:
         _TFRecordView.__init__(
             self, path, transform, target_transform, decode, check_crc, fields, transforms, storage_options, cache_dir
@@ -249,6 +260,15 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 path=self.path,
                 hint="Pass drop_uneven=False to pad instead",
             )
+        self._rank_check = RankCheck(
+            check_ranks,
+            display_url(self._url) if self._url else os.fspath(self.path),
+            samples=n,
+            pack=self.pack.manifest.shards_digest(),
+            seed=self.seed,
+            shuffle=shuffle,
+            drop_uneven=drop_uneven,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` on the next iteration (call on every rank).
@@ -258,6 +278,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         ``persistent_workers``: each takes it when its next pass starts.
         """
         check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
+        self._rank_check("TFRecordDataset", self.world_size)
         self._use_epoch(order_number("epoch", epoch))
         self._epoch_calls += 1
         self._shared_epoch.write(epoch, self._epoch_calls)
@@ -504,6 +525,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
+        self._rank_check("TFRecordDataset", self.world_size)  # in the main process only
         epoch, calls = self._shared_epoch.read()
         if self._resume is not None and self._resume_from_main and info is not None and self._shared_epoch.take(worker):
             self._resume, self._after_resume = None, True  # a worker of an earlier pass resumed from it: not again

@@ -28,6 +28,7 @@ from torch.utils.data import Sampler
 from packdata.errors import ConfigError
 from packdata.pack.index import FIELD_FILES, SIZES_FILE
 from packdata.reading.loader import label_tensor
+from packdata.reading.ranks import RankCheck, pack_of
 from packdata.reading.samplers import check_rank_world, order_number, resolve_rank_world
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
@@ -103,6 +104,10 @@ class TokenBucketSampler(Sampler[list[int]]):
         rank, world_size: this process's place in a distributed job; by default from
             :func:`~packdata.reading.samplers.resolve_rank_world` (``torch.distributed``, else ``RANK``/``WORLD_SIZE``).
         drop_last: with several ranks, drop the batches that do not divide evenly.
+        check_ranks: at the first iteration, compare the sample count (and a pack
+            dataset's pack) and the options with every rank's, as
+            :class:`~packdata.reading.samplers.BlockShuffleSampler` does; pass
+            ``False`` where the sampler is built on some ranks only.
 
     Raises:
         PackFormatError: the pack's index of sizes is damaged (see :func:`sample_lengths`).
@@ -125,6 +130,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         world_size: int | None = None,
         drop_last: bool = False,
         field: str | None = None,
+        check_ranks: bool = True,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens should be at least 1, but got max_tokens={max_tokens}")
@@ -162,6 +168,21 @@ class TokenBucketSampler(Sampler[list[int]]):
                 hint="Raise max_tokens, truncate long samples, or pass oversize='alone' to give each its own batch",
             )
         self._cache: tuple[int, list[list[int]]] | None = None
+        where, digest = pack_of(lengths)
+        self._rank_check = RankCheck(
+            check_ranks,
+            where,
+            samples=len(self.lengths),
+            pack=digest,
+            field=field,
+            seed=self.seed,
+            shuffle=shuffle,
+            max_tokens=self.max_tokens,
+            length_scale=length_scale,
+            max_samples=max_samples,
+            bucket_size=bucket_size,
+            drop_last=drop_last,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler)."""
@@ -222,6 +243,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         check_rank_world("TokenBucketSampler", self._rank_given, (self.rank, self.world_size))
+        self._rank_check("TokenBucketSampler", self.world_size)
         yield from self._rank_batches()
 
     def __len__(self) -> int:

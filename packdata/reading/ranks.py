@@ -1,0 +1,152 @@
+"""One check that every rank of a distributed job reads the same pack the same way.
+
+The first time a reader shards an epoch in the main process, its sample count,
+pack (its shards' checksums) and order options are compared across the ranks
+of the initialised ``torch.distributed`` group, through the group's store; see
+``docs/architecture.md`` (Ranks read the same pack) for why there, and why so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any
+
+from torch.utils.data import get_worker_info
+
+from packdata.errors import RankMismatchError
+from packdata.pack.manifest import Manifest
+
+__all__ = ["RankCheck", "check_same_pack"]
+
+_CHECKS = itertools.count()  # this process's checks so far: every rank makes the same ones, in the same order
+_SHOWN = 3  # ranks that differ from rank 0 named in the error
+
+
+def pack_of(data: Any) -> tuple[str | None, str | None]:
+    """``(path, shards' digest)`` of a pack dataset's pack; ``(None, None)`` for anything else (a length, a list)."""
+    pack = getattr(data, "pack", None)
+    manifest = getattr(pack, "manifest", None)
+    if not isinstance(manifest, Manifest):
+        return None, None
+    return os.fspath(pack.path), manifest.shards_digest()  # type: ignore[union-attr]
+
+
+class RankCheck:
+    """A reader's facts, compared across ranks once, the first time it is called in the main process.
+
+    Plain data: it pickles with the reader, and a ``DataLoader`` worker's copy never compares.
+
+    Args:
+        enabled: ``False`` never compares (readers built on some ranks only).
+        where: this rank's pack, named in the error.
+        facts: what must be equal on every rank: numbers, strings, bools, None
+            (numpy's scalars taken as Python's).
+    """
+
+    def __init__(self, enabled: bool, where: str | None, **facts: Any) -> None:
+        self.pending, self.where = enabled, where
+        self.facts = json.loads(json.dumps(facts, default=_plain))
+
+    def __call__(self, owner: str, world_size: int) -> None:
+        """Compare, unless done already or in a ``DataLoader`` worker (see :func:`_same_on_every_rank`)."""
+        if self.pending and get_worker_info() is None:
+            _same_on_every_rank(owner, world_size, self.where, self.facts)
+            self.pending = False
+
+
+def _plain(value: Any) -> Any:
+    """A fact JSON does not hold as it is: a numpy scalar's Python value, else its type's name (no address)."""
+    return value.item() if hasattr(value, "item") else type(value).__name__
+
+
+def check_same_pack(dataset: Any) -> None:
+    """Raise unless every rank's ``dataset`` has the same pack: call it on every rank, once, before the first epoch.
+
+    For a dataset read through a sampler packdata does not make (``torch``'s
+    ``DistributedSampler``); ``BlockShuffleSampler``, ``TokenBucketSampler`` and
+    ``TFRecordDataset`` check by themselves. Does nothing without an initialised
+    ``torch.distributed`` group of several ranks.
+
+    Raises:
+        RankMismatchError: naming each differing rank's sample count and pack.
+    """
+    import torch.distributed as dist
+
+    path, digest = pack_of(dataset)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    _same_on_every_rank(type(dataset).__name__, world, path, {"samples": len(dataset), "pack": digest})
+
+
+def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: dict[str, Any]) -> None:
+    """Raise on every rank unless every rank's ``facts`` equal rank 0's.
+
+    Compares only where ``world_size`` is the initialised default group's
+    (a reader of ``world_size=1``, or of a sub-group, shards across no other
+    ranks of it). Every rank of the group must make the same checks in the
+    same order: each waits for all the others.
+
+    Raises:
+        RankMismatchError: the facts differ (on every rank, naming them by rank and
+            each rank's pack), or not every rank came within the store's timeout.
+    """
+    import torch.distributed as dist
+
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if store is None:  # the MPI backend makes none
+        return
+    rank, key = dist.get_rank(), f"packdata/same-pack/{next(_CHECKS)}"
+    mine = {"reader": owner, **facts}
+    try:
+        if rank == 0:
+            store.set(f"{key}/0", json.dumps({"at": where, **mine}))
+        first = json.loads(store.get(f"{key}/0"))
+        if {k: v for k, v in first.items() if k != "at"} != mine:
+            slot = store.add(f"{key}/differ", 1)
+            store.set(f"{key}/differ/{slot}", json.dumps({"rank": rank, "at": where, **mine}))
+        if store.add(f"{key}/arrived", 1) == world_size:
+            store.set(f"{key}/done", "1")
+        store.wait([f"{key}/done"])
+        differ = store.add(f"{key}/differ", 0)
+        shown = [json.loads(store.get(f"{key}/differ/{s}")) for s in range(1, min(differ, _SHOWN) + 1)]
+    except RuntimeError as exc:  # the store's timeout (DistStoreError), or the store's host gone
+        raise RankMismatchError(
+            f"rank {rank} of {world_size} waited for the other ranks to compare what their {owner} reads, and "
+            f"not all came ({str(exc).splitlines()[0]})",
+            path=where,
+            hint=f"Build the {owner} on every rank, in the same order, or pass check_ranks=False where it is "
+            "built on some ranks only",
+        ) from exc
+    if differ:
+        raise _disagreement(owner, where, {"rank": 0, **first}, shown, differ)
+
+
+def _disagreement(
+    owner: str, where: str | None, first: dict[str, Any], shown: list[dict[str, Any]], differ: int
+) -> RankMismatchError:
+    """The error naming rank 0's facts and the first differing ranks', the facts that differ only."""
+    names = [k for k in first if k not in ("rank", "at") and any(s.get(k) != first[k] for s in shown)]
+
+    def facts(entry: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={entry.get(k)!r}" for k in names) + (f" ({entry['at']})" if entry.get("at") else "")
+
+    ranks = "; ".join(f"rank {s['rank']} has {facts(s)}" for s in shown)
+    more = f"; and {differ - len(shown)} more ranks differ" if differ > len(shown) else ""
+    if "reader" in names:
+        hint = "Build the same readers on every rank, in the same order"
+    elif {"samples", "pack"} & set(names):
+        hint = (
+            "Open the pack on every rank from the same state: append to it or convert it again between jobs, "
+            "or give the job a staged copy (packdata stage)"
+        )
+    else:
+        hint = "Pass the same seed and options on every rank"
+    return RankMismatchError(
+        f"the ranks of this job disagree on what their {owner} reads: rank 0 has {facts(first)}; {ranks}{more}: "
+        "each rank would split its own view, so samples would be lost or read twice",
+        path=where,
+        hint=hint,
+    )
