@@ -95,8 +95,9 @@ def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: d
 
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
         return
-    store = dist.distributed_c10d._get_default_store()
-    if store is None:  # the MPI backend makes none
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)  # private: torch 2.1 to 2.13 have it
+    store = default_store() if default_store is not None else None
+    if store is None:  # the MPI backend makes none; a torch without the call compares nothing, as without a group
         return
     rank, key = dist.get_rank(), f"packdata/same-pack/{next(_CHECKS)}"
     mine = {"reader": owner, **facts}
