@@ -17,7 +17,14 @@ from torch.utils.data import DataLoader, Dataset
 
 import packdata
 from packdata.reading.decode import DecodeJPEG, decode_pil
-from packdata.reading.loader import BackgroundPrefetcher, CUDAPrefetcher, fast_collate, list_collate, worker_init_fn
+from packdata.reading.loader import (
+    BackgroundPrefetcher,
+    CUDAPrefetcher,
+    fast_collate,
+    list_collate,
+    one_ahead,
+    worker_init_fn,
+)
 from packdata.reading.text import PadCollate
 from packdata.reading.transforms import RandomResizedCrop, ToUint8Array, ToUint8Tensor, standard_transform
 
@@ -49,6 +56,53 @@ def test_cuda_prefetcher_moves_batches_to_the_device() -> None:  # pragma: no co
     out = list(CUDAPrefetcher(loader, "cuda"))
     assert all(x.is_cuda and y.is_cuda for x, y in out)
     assert torch.cat([x[:, 0] for x, _ in out]).cpu().tolist() == list(range(8))
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __init__(self, size: int, bad: int) -> None:
+        self.size, self.bad = size, bad
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad:
+            raise ValueError(f"sample {index} is damaged")
+        return index
+
+
+def test_cuda_prefetchers_lookahead_hands_out_every_batch_before_a_loader_error() -> None:
+    """CUDAPrefetcher starts batch i + 1's copy before handing out batch i; an error in batch i + 1 was raised
+    there, so batch i was never handed out (lost to a loop that stops or skips on errors). one_ahead, its
+    lookahead, hands out batches 0..i, then raises."""
+    loader = DataLoader(_FailsAt(10, bad=7), batch_size=2)
+    events: list[str] = []
+
+    def start(batch: torch.Tensor) -> torch.Tensor:
+        events.append(f"start {batch.tolist()}")
+        return batch
+
+    def finish(batch: torch.Tensor) -> torch.Tensor:
+        events.append(f"finish {batch.tolist()}")
+        return batch
+
+    got = []
+    with pytest.raises(ValueError, match="sample 7 is damaged"):
+        for batch in one_ahead(iter(loader), start, finish):
+            events.append(f"use {batch.tolist()}")
+            got.append(batch.tolist())
+    assert got == [[0, 1], [2, 3], [4, 5]]
+    assert events[:4] == ["start [0, 1]", "finish [0, 1]", "start [2, 3]", "use [0, 1]"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetcher_hands_out_every_batch_before_a_loader_error() -> None:  # pragma: no cover - GPU only
+    got = []
+    with pytest.raises(ValueError, match="sample 7 is damaged"):
+        for batch in CUDAPrefetcher(DataLoader(_FailsAt(10, bad=7), batch_size=2, pin_memory=True), "cuda"):
+            got.append(batch.cpu().tolist())
+    assert got == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_background_prefetcher_yields_everything_in_order() -> None:

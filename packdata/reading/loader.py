@@ -16,7 +16,7 @@ import operator
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -184,23 +184,42 @@ class CUDAPrefetcher:
             yield from self.loader
             return
         stream = torch.cuda.Stream(device=self.device)
-        iterator = iter(self.loader)
+        current = torch.cuda.current_stream(self.device)
 
-        def preload() -> Any:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return _END
+        def start(batch: Any) -> Any:
             with torch.cuda.stream(stream):
                 return _to_device(batch, self.device)
 
-        upcoming = preload()
-        while upcoming is not _END:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            batch = upcoming
-            _record_stream(batch, torch.cuda.current_stream(self.device))
-            upcoming = preload()
-            yield batch
+        def finish(batch: Any) -> Any:
+            current.wait_stream(stream)
+            _record_stream(batch, current)
+            return batch
+
+        yield from one_ahead(iter(self.loader), start, finish)
+
+
+def one_ahead(iterator: Iterator[Any], start: Callable[[Any], Any], finish: Callable[[Any], Any]) -> Iterator[Any]:
+    """``finish(start(item))`` for each item, item ``i + 1`` started before item ``i`` is handed out.
+
+    An error from ``iterator`` or ``start`` is raised where it happened, after
+    every item before it: raised as item ``i + 1`` started, it lost item ``i``.
+    """
+
+    def begin() -> Any:
+        try:
+            return start(next(iterator))
+        except StopIteration:
+            return _END
+        except Exception as exc:
+            return _Failure(exc)
+
+    upcoming = begin()
+    while upcoming is not _END:
+        if isinstance(upcoming, _Failure):
+            raise upcoming.exc
+        batch = finish(upcoming)
+        upcoming = begin()
+        yield batch
 
 
 _END = object()
