@@ -25,7 +25,8 @@ from packdata import (
     shuffle_quality,
 )
 from packdata.formats import get_format
-from packdata.reading.samplers import block_shuffle_order, resolve_rank_world
+from packdata.reading.ranks import resolve_rank_world
+from packdata.reading.samplers import block_shuffle_order
 
 
 @pytest.fixture

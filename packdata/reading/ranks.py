@@ -1,4 +1,4 @@
-"""One check that every rank of a distributed job reads the same pack the same way.
+"""Where a process sits in a distributed job, and one check that every rank reads the same pack the same way.
 
 The first time a reader shards an epoch in the main process, its sample count,
 pack (its shards' checksums) and order options are compared across the ranks
@@ -15,10 +15,10 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
-from packdata.errors import RankMismatchError
+from packdata.errors import ConfigError, RankMismatchError
 from packdata.pack.manifest import Manifest
 
-__all__ = ["RankCheck", "check_same_pack"]
+__all__ = ["RankCheck", "check_rank_world", "check_same_pack", "resolve_rank_world"]
 
 _CHECKS = itertools.count()  # this process's checks so far: every rank makes the same ones, in the same order
 _SHOWN = 3  # ranks that differ from rank 0 named in the error
@@ -151,3 +151,88 @@ def _disagreement(
         path=where,
         hint=hint,
     )
+
+
+def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """This process's ``(rank, world_size)``.
+
+    Arguments win; else an initialised ``torch.distributed`` group; else the
+    ``RANK`` and ``WORLD_SIZE`` environment variables (set by ``torchrun``);
+    else ``(0, 1)``. A world of several ranks needs this process's rank from
+    one of them: rank 0 on every process would read every sample once per rank.
+    So does a ``RANK`` or ``LOCAL_RANK`` other than 0 without ``WORLD_SIZE``.
+
+    Raises:
+        ValueError: the values are out of range, not integers, or the rank of a
+            world of several ranks (or the world of a rank other than 0) is not known.
+    """
+    given_rank, given_world = rank, world_size
+    if rank is None or world_size is None:
+        found_rank, found_world = None, 1
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            found_rank, found_world = dist.get_rank(), dist.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            found_world = _environment_int("WORLD_SIZE")
+            found_rank = _environment_int("RANK") if "RANK" in os.environ else None
+        elif world_size is None:
+            for name in ("RANK", "LOCAL_RANK"):
+                if name in os.environ and _environment_int(name) != 0:
+                    raise ValueError(
+                        f"world_size should be given with {name}={os.environ[name]!r}, but got none: no world_size= "
+                        "argument, no initialised torch.distributed group and no WORLD_SIZE environment variable"
+                    )
+        world_size = found_world if world_size is None else world_size
+        if rank is None and found_rank is None and world_size > 1:
+            raise ValueError(
+                f"rank should be given for world_size={world_size}, but got none: no rank= argument, no "
+                "initialised torch.distributed group and no RANK environment variable"
+            )
+        rank = (found_rank or 0) if rank is None else rank
+    if world_size < 1:
+        raise ValueError(f"world_size should be at least 1, but got world_size={world_size}{_env_note(given_world)}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank should be in [0, {world_size - 1}], but got rank={rank}{_env_note(given_rank)}")
+    return rank, world_size
+
+
+def _env_note(given: int | None) -> str:
+    """Where a rank or world size came from, when the environment gave it (the user typed no such argument)."""
+    import torch.distributed as dist
+
+    if given is not None or (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" not in os.environ:
+        return ""
+    return f" (from the environment: RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r})"
+
+
+def check_rank_world(owner: str, given: tuple[int | None, int | None], resolved: tuple[int, int]) -> None:
+    """Raise unless ``torch.distributed``, if initialised, still gives the ``(rank, world_size)`` found at construction.
+
+    ``given`` are the ``rank=``/``world_size=`` arguments, ``resolved`` what
+    :func:`resolve_rank_world` made of them. A reader built before
+    ``init_process_group`` by a launcher that sets no ``RANK``/``WORLD_SIZE``
+    (``mp.spawn``) took rank 0 of 1, so every rank would read every sample.
+
+    Raises:
+        ConfigError: naming both places.
+    """
+    import torch.distributed as dist
+
+    if None not in given or not (dist.is_available() and dist.is_initialized()):
+        return
+    now = resolve_rank_world(*given)
+    if now != resolved:
+        raise ConfigError(
+            f"{owner} was built as rank {resolved[0]} of {resolved[1]}, but torch.distributed says rank {now[0]} "
+            f"of {now[1]}: it was built before init_process_group, and each rank would read the wrong samples",
+            hint="Build it after init_process_group, or pass rank= and world_size=",
+        )
+
+
+def _environment_int(name: str) -> int:
+    """The integer environment variable ``name`` (``RANK``, ``WORLD_SIZE``), or ValueError naming it."""
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"{name} should be an integer, but got {name}={os.environ[name]!r}") from None

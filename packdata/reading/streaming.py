@@ -37,8 +37,8 @@ from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_remote import ShardRun, stream_ahead
 from packdata.pack.urls import display_url
 from packdata.reading.decode import DecodeFn, resolve_decoder
-from packdata.reading.ranks import RankCheck
-from packdata.reading.samplers import check_rank_world, order_number, per_rank_count, resolve_rank_world
+from packdata.reading.ranks import RankCheck, check_rank_world, resolve_rank_world
+from packdata.reading.samplers import order_number, per_rank_count
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordDataset"]
@@ -191,7 +191,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             holds copies (about 100 MB of process memory per worker), so that
             no record keeps its whole downloaded chunk alive.
         rank, world_size: this process's place in a distributed job; by default
-            from :func:`~packdata.reading.samplers.resolve_rank_world`.
+            from :func:`~packdata.reading.ranks.resolve_rank_world`.
         drop_uneven: drop samples rather than pad so that ranks are equal.
         check_crc: check both CRC32Cs of every record (framing is always checked).
         fields, transforms: a multi-field pack's fields to return and per-field

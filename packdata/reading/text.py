@@ -28,8 +28,8 @@ from torch.utils.data import Sampler
 from packdata.errors import ConfigError
 from packdata.pack.index import FIELD_FILES, SIZES_FILE
 from packdata.reading.loader import label_tensor
-from packdata.reading.ranks import RankCheck, pack_of
-from packdata.reading.samplers import check_rank_world, order_number, resolve_rank_world
+from packdata.reading.ranks import RankCheck, check_rank_world, pack_of, resolve_rank_world
+from packdata.reading.samplers import order_number
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
@@ -102,7 +102,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         oversize: what to do with a sample longer than ``max_tokens``: ``"error"``
             (default) or ``"alone"`` (a batch of its own, over budget).
         rank, world_size: this process's place in a distributed job; by default from
-            :func:`~packdata.reading.samplers.resolve_rank_world` (``torch.distributed``, else ``RANK``/``WORLD_SIZE``).
+            :func:`~packdata.reading.ranks.resolve_rank_world` (``torch.distributed``, else ``RANK``/``WORLD_SIZE``).
         drop_last: with several ranks, drop the batches that do not divide evenly.
         check_ranks: at the first iteration, compare the sample count (and a pack
             dataset's pack) and the options with every rank's, as
