@@ -6,16 +6,21 @@ import hashlib
 import io
 import random
 import tarfile
+import threading
 import tracemalloc
 from pathlib import Path
 
+import fsspec
 import pytest
 
 import packdata
+from packdata.conversion import layouts
 from packdata.conversion.layouts import scan_list
+from packdata.conversion.local import _count_walk
 from packdata.errors import ConfigError
 from packdata.pack import keyset
 from packdata.pack.keyset import KeySet
+from packdata.progress import progress
 
 
 def _keys(count: int, seed: int) -> list[str]:
@@ -93,3 +98,29 @@ def test_a_tar_key_repeated_in_a_later_shard_names_the_shard_that_gave_it_first(
     assert result.packed == 3 and result.skipped == {"duplicate key": 1}
     detail = result.skip_examples[0]["detail"]
     assert detail == f"an earlier sample in {tmp_path}/a-0.tar has this key ({tmp_path}/a-1.tar)"
+
+
+def test_the_progress_bars_count_of_a_list_reads_rows_and_remembers_no_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bar's total came from a second walk in a thread, which built a second KeySet as large as the walk's
+    (and parsed every label and path again). It now counts rows: as many as the walk's entries, skips included."""
+    made: list[int] = []
+
+    class CountedKeySet(KeySet):
+        def __init__(self) -> None:
+            made.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(layouts, "KeySet", CountedKeySet)
+    listing = tmp_path / "l.csv"
+    rows = ["a.txt,cat", "b.txt,dog", "a.txt,dog", ",cat", "c.txt,", 'd.txt,"x,y"', "e.txt,cat"]
+    listing.write_text("path,label\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    source = scan_list(listing, label_column="label")
+    bar = progress(desc="packing", unit=" files", disable=True)
+    _count_walk(source, bar, threading.Event())
+    assert made == []
+    assert bar.total == len(list(source.walk())) == len(rows)
+    assert made == [1]
+    fsspec.filesystem("memory").pipe("/keyset-lists/l.csv", listing.read_bytes())
+    assert source.cheap_to_count and not scan_list("memory://keyset-lists/l.csv").cheap_to_count  # downloaded once

@@ -341,6 +341,20 @@ class ListSource:
             yield SourceGroup(key, label, ((name, path),), tuple(values))
 
     @property
+    def cheap_to_count(self) -> bool:
+        """A list at a URL is not read twice (for the progress bar's total): one download of it is enough."""
+        return self.fs is None
+
+    def count_walk(self) -> Iterator[int]:
+        """One item per entry :meth:`walk` yields (a group or a skip a row), without its work: the bar's count.
+
+        The walk itself remembers every key (:class:`~packdata.pack.keyset.KeySet`): a second one, in the
+        counting thread, would hold as much again.
+        """
+        for number, _ in _rows(self.list_file, self.fs, self._where):
+            yield number
+
+    @property
     def _where(self) -> str | Path:
         """The list file in messages: its path, or its URL without credentials."""
         return f"{self.root}/{os.path.basename(self.list_file)}" if self.fs is not None else self.list_file

@@ -167,7 +167,7 @@ def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
     """Count the source's entries in a second walk and give the bar its total (runs in a thread)."""
     count = 0
     try:
-        for _ in source.walk():
+        for _ in getattr(source, "count_walk", source.walk)():
             count += 1
             if stop.is_set():
                 return
