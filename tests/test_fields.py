@@ -1784,3 +1784,100 @@ def test_a_grouped_file_left_unread_skips_its_sample_not_packed_without_it(tmp_p
     }
     packed = [(s["__key__"], s["txt"]) for s in packdata.LMDBDataset(tmp_path / "out.lmdb")]
     assert packed == [("a", "a caption"), ("e.d/x", "x caption"), ("e", "e caption")]  # e open while e.d/ is walked
+
+
+def _partial_samples(root: Path, keys: range, *, txt_every: int = 3) -> Path:
+    """A grouped folder whose samples all have a jpg, and a txt unless their number divides by ``txt_every``."""
+    root.mkdir(parents=True)
+    for i in keys:
+        (root / f"s{i:02d}.jpg").write_bytes(image_bytes(i))
+        if i % txt_every:
+            (root / f"s{i:02d}.txt").write_text(f"caption {i}", encoding="utf-8")
+    return root
+
+
+def _wds_tar(path: Path, samples: dict[str, dict[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for key, fields in samples.items():
+            for name, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_the_manifest_counts_the_samples_holding_each_field_and_appends_and_merges_add_them_up(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A pack whose samples did not all hold the same fields said nothing of it: its manifest listed the fields
+    alone. Now it counts, per field, the samples that hold it, through convert, an append and a merge."""
+    pack, other = tmp_path / "a", tmp_path / "b"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, format=fmt, progress=False)
+    assert read_manifest(pack).field_counts == {"jpg": 6, "txt": 4}
+    tar = _wds_tar(tmp_path / "t.tar", {"t0": {"jpg": image_bytes(0), "json": b"{}"}, "t1": {"jpg": image_bytes(1)}})
+    packdata.convert(tar, other, format=fmt, progress=False)
+    assert read_manifest(other).field_counts == {"jpg": 2, "json": 1}
+    packdata.merge_packs([pack, other], tmp_path / "merged")
+    assert read_manifest(tmp_path / "merged").field_counts == {"jpg": 8, "txt": 4, "json": 1}
+    packdata.convert(_partial_samples(tmp_path / "more", range(6, 10), txt_every=2), pack, append=True, progress=False)
+    assert read_manifest(pack).field_counts == {"jpg": 10, "txt": 6}
+    written = tmp_path / "w"
+    packdata.write_pack([{"__key__": "k0", "txt": "a"}, {"__key__": "k1", "npy": np.zeros(2)}], written, format=fmt)
+    assert read_manifest(written).field_counts == {"txt": 1, "npy": 1}
+    for each in (pack, tmp_path / "merged", written):
+        packdata.verify_pack(each, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"jpg": -1, "txt": 4}, r"'field_counts\.jpg' should be an integer from 0 to num_samples \(6\), but got -1"),
+        ({"jpg": 7, "txt": 4}, r"'field_counts\.jpg' should be an integer from 0 to num_samples \(6\), but got 7"),
+        ({"jpg": 6, "txt": True}, r"'field_counts\.txt' should be an integer from 0 to num_samples \(6\)"),
+        (
+            {"jpg": 6, "txt": 4, "seg.png": 1},
+            r"'field_counts' should count only the manifest's fields \(jpg, txt\), but got 'seg\.png'",
+        ),
+        ({"jpg": 6}, r"'field_counts' should count each of the manifest's fields \(jpg, txt\), but got \['jpg'\]"),
+        ([6, 4], r"'field_counts' should be an object of field name -> sample count"),
+    ],
+)
+def test_a_manifest_whose_field_counts_cannot_be_is_refused_in_one_line(
+    tmp_path: Path, change: object, problem: str
+) -> None:
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, progress=False)
+    rewrite_manifest(pack, lambda d: d.__setitem__("field_counts", change))
+    with pytest.raises(PackFormatError, match=re.escape(str(pack / "manifest.json")) + ": manifest field " + problem):
+        packdata.LMDBDataset(pack)
+
+
+def test_field_counts_the_sample_index_does_not_bear_out_are_named_by_verify_merge_and_append(tmp_path: Path) -> None:
+    """Counts in range but false (7 of 6 samples would not pass; 6 of 6 for a field 4 samples hold does)."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, progress=False)
+    packdata.convert(_partial_samples(tmp_path / "src2", range(6, 8)), tmp_path / "q.lmdb", progress=False)
+    rewrite_manifest(pack, lambda d: d["field_counts"].__setitem__("txt", 6))
+    lie = f"{pack}/manifest.json: manifest field 'field_counts' says 6 samples hold field 'txt', but the sample index "
+    lie += "lists it for 4"
+    with pytest.raises(PackFormatError, match=re.escape(lie)):
+        packdata.verify_pack(pack, progress=False)
+    with pytest.raises(PackFormatError, match=re.escape(lie)):
+        packdata.merge_packs([pack, tmp_path / "q.lmdb"], tmp_path / "m.lmdb")
+    with pytest.raises(PackFormatError, match=re.escape(lie)):
+        packdata.convert(tmp_path / "src2", pack, append=True, progress=False)
+    assert not (tmp_path / "m.lmdb").exists()
+
+
+def test_a_manifest_of_a_multi_field_pack_without_field_counts_still_reads(tmp_path: Path) -> None:
+    """Packs written before the counts: their manifests have none, and read, verify and merge as before."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, progress=False)
+    rewrite_manifest(pack, lambda d: d.pop("field_counts"))
+    assert read_manifest(pack).field_counts == {}
+    assert "field_counts" not in packdata.pack_info(pack)
+    assert len(packdata.LMDBDataset(pack)) == 6
+    assert packdata.verify_pack(pack, progress=False).records == 6
+    packdata.convert(_partial_samples(tmp_path / "more", range(6, 8)), pack, append=True, progress=False)
+    assert read_manifest(pack).field_counts == {"jpg": 8, "txt": 5}

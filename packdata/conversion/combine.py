@@ -251,15 +251,17 @@ def _manifest(
     """The manifest of the united pack whose finished index :func:`_write_index` wrote into ``out``."""
     first = inputs[0].manifest
     found = [item.manifest.source.get("files_found") for item in inputs]
+    num_samples = sum(item.manifest.num_samples for item in inputs)
     return Manifest(
         format=first.format,
         kind=first.kind,
         classes=classes,
-        num_samples=sum(item.manifest.num_samples for item in inputs),
+        num_samples=num_samples,
         shards=shards,
         index={"dir": INDEX_DIR, "sha256": index_digests(out / INDEX_DIR, first.kind)},
         fields=fields if first.kind == "fields" else list(first.fields),
         codecs=codecs if first.kind == "fields" else {},
+        field_counts=SampleIndex(out / INDEX_DIR, num_samples, fields).field_counts() if first.kind == "fields" else {},
         skipped=_skipped([item.manifest.skipped for item in inputs]),
         reencode=_reencode([item.manifest.reencode for item in inputs]),
         source={"files_found": sum(found), "merged_from": len(inputs)}

@@ -40,7 +40,7 @@ from packdata.pack.files import (
     is_inside,
     stale_siblings,
 )
-from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, index_digests, index_files
+from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, SampleIndex, index_digests, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
 
@@ -446,6 +446,7 @@ def _make_manifest(
             index=index,
             fields=names,
             codecs={name: source.codecs.get(name) or codec_of(name) for name in names},
+            field_counts=SampleIndex(partial / INDEX_DIR, samples, names).field_counts(),
             skipped={"count": sum(skipped.values()), "by_reason": dict(skipped), "report": SKIP_REPORT},
             source={"files_found": files_found, "bytes": bytes_in},
             format_version=FIELDS_VERSION,

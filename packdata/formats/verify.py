@@ -13,7 +13,7 @@ from packdata.formats import get_format
 from packdata.pack.fields import FieldError, decode_block
 from packdata.pack.files import file_sha256, not_a_file, open_pack_file
 from packdata.pack.index import SampleIndex, check_index_digests, labels_out_of_range
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_field_counts, read_manifest
 from packdata.pack.records import Sample
 from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest
 from packdata.progress import progress as show_progress
@@ -103,7 +103,8 @@ def open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex
     """The pack's sample index: each file checked against its SHA-256 in the manifest, every label to lie in range.
 
     Labels must lie in ``[-1, len(classes))``; a pack written before the
-    manifest recorded index digests is checked for range only.
+    manifest recorded index digests is checked for range only. The
+    manifest's ``field_counts``, when it has them, must be the index's.
     """
     index_dir = pack / manifest.index_dir
     shown_dir = f"{where}/{manifest.index_dir}"
@@ -123,6 +124,7 @@ def open_index(manifest: Manifest, pack: Path, where: str | Path) -> SampleIndex
             path=f"{shown_dir}/labels.i32",
             hint="Convert the pack again",
         )
+    check_field_counts(manifest, index.field_counts(), f"{where}/{MANIFEST_NAME}")
     return index
 
 

@@ -405,6 +405,18 @@ class SampleIndex:
         rows = self._field_pairs[self._field_offsets[index] : self._field_offsets[index + 1]]
         return {self.field_names[int(number)]: int(size) for number, size in rows}
 
+    def field_counts(self, chunk: int = 1 << 20) -> dict[str, int]:
+        """Field name -> how many samples hold it (a sample names a field once), ``chunk`` rows at a time.
+
+        Empty for a pack without fields. One pass over ``field_sizes.i64``, whose numbers were found in range.
+        """
+        if self._field_pairs is None:
+            return {}
+        counts = np.zeros(len(self.field_names), dtype=np.int64)
+        for start in range(0, len(self._field_pairs), chunk):
+            counts += np.bincount(self._field_pairs[start : start + chunk, 0], minlength=len(counts))
+        return dict(zip(self.field_names, counts.tolist(), strict=True))
+
     def field_sizes(self, name: str) -> np.ndarray:
         """Every sample's byte length of field ``name`` (-1 where a sample lacks it), as int64.
 

@@ -34,6 +34,7 @@ __all__ = [
     "SKIP_REPORT",
     "Manifest",
     "ShardInfo",
+    "check_field_counts",
     "classes_problem",
     "file_sha256",
     "first_repeated",
@@ -87,6 +88,7 @@ class Manifest:
     index: dict[str, Any] = field(default_factory=dict)  # dir, previous (an append's), sha256 (file -> digest)
     fields: list[str] = field(default_factory=list)
     codecs: dict[str, str] = field(default_factory=dict)  # kind "fields": each field's codec
+    field_counts: dict[str, int] = field(default_factory=dict)  # kind "fields": samples holding each field
     reencode: dict[str, Any] | None = None
     skipped: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
@@ -118,8 +120,9 @@ class Manifest:
         data = dataclasses.asdict(self)
         if data["staged_from"] is None:
             del data["staged_from"]
-        if not data["codecs"]:
-            del data["codecs"]  # version-1 manifests stay as they were
+        for key in ("codecs", "field_counts"):
+            if not data[key]:
+                del data[key]  # version-1 manifests (and those of packdata before field counts) stay as they were
         return data
 
 
@@ -366,6 +369,41 @@ def _check_index_names(path: Path, index: dict[str, str], shards: list[ShardInfo
         )
 
 
+def _field_counts(where: Path, counts: object, kind: object, fields: list[str], num_samples: int) -> dict[str, int]:
+    """``field_counts``: each field of a multi-field pack -> how many of its samples hold it (0 to ``num_samples``)."""
+    if not isinstance(counts, dict):
+        raise _field_error(where, "field_counts", "should be an object of field name -> sample count", counts)
+    if counts and kind != "fields":
+        raise _field_error(where, "field_counts", "is for a pack of multi-field samples only", counts)
+    names = ", ".join(fields)
+    unknown = [name for name in counts if name not in fields]
+    if unknown:
+        raise _field_error(where, "field_counts", f"should count only the manifest's fields ({names})", unknown[0])
+    if counts and len(counts) != len(fields):
+        raise _field_error(where, "field_counts", f"should count each of the manifest's fields ({names})", list(counts))
+    for name, n in counts.items():
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= num_samples:
+            problem = f"should be an integer from 0 to num_samples ({num_samples})"
+            raise _field_error(where, f"field_counts.{name}", problem, n)
+    return dict(counts)
+
+
+def check_field_counts(manifest: Manifest, counted: dict[str, int], path: str | os.PathLike) -> None:
+    """Raise unless the manifest's ``field_counts`` (when it has them) are ``counted``, the sample index's.
+
+    Raises:
+        PackFormatError: naming the manifest ``path`` and the first field whose count differs.
+    """
+    for name, n in manifest.field_counts.items():
+        if counted.get(name, 0) != n:
+            raise PackFormatError(
+                f"manifest field 'field_counts' says {n} samples hold field {name!r}, "
+                f"but the sample index lists it for {counted.get(name, 0)}",
+                path=path,
+                hint=_HINT,
+            )
+
+
 def _check_index_sha256(where: Path, digests: object, kind: object) -> None:
     """``index.sha256``: each index file of a pack of ``kind`` -> 64 lowercase hex digits."""
     names = index_files(kind) if isinstance(kind, str) else ()
@@ -456,6 +494,7 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
     if data["kind"] == "fields" and (set(codecs) != set(fields) or len(set(fields)) != len(fields)):
         raise _field_error(where, "codecs", "should name each of the manifest's fields once", codecs)
     num_samples = _count(where, "num_samples", data["num_samples"])
+    field_counts = _field_counts(where, data.get("field_counts", {}), data["kind"], fields, num_samples)
     index = data.get("index", {})
     if not isinstance(index, dict) or not all(isinstance(v, str) for k, v in index.items() if k != "sha256"):
         raise _field_error(where, "index", "should be an object of folder names (and sha256, of digests)", index)
@@ -489,6 +528,7 @@ def validate_manifest(data: object, path: str | os.PathLike) -> Manifest:
         index=dict(index),
         fields=fields,
         codecs=dict(codecs),
+        field_counts=field_counts,
         reencode=data.get("reencode"),
         skipped=dict(data.get("skipped", {})),
         source=dict(data.get("source", {})),
