@@ -95,10 +95,13 @@ def test_default_decoders_fields_tuple_and_transforms(tmp_path: Path) -> None:
         fields=("txt", "__key__", "json"),
         decode={"json": "bytes"},
         transforms={"txt": str.upper},
+        missing={"json": None},  # dogs.v2/d has none
     )
     assert ds[ds.keys.index("café")] == ("CAPTION 2 ÜNÏ", "café", b'{"boxes": [2, 3]}')
-    with pytest.raises(KeyError, match=r"seg\.png"):
-        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("seg.png",))[ds.keys.index("0001")]
+    assert ds[ds.keys.index("dogs.v2/d")] == ("A DOG", "dogs.v2/d", None)
+    lack = r"fields asks for 'seg\.png', which 3 of the pack's 5 samples lack \(the first: sample '0001', index 0\)"
+    with pytest.raises(ConfigError, match=lack):
+        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("seg.png",))
     with pytest.raises(ConfigError, match=r"no field .jpeg.*jpg"):
         packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("jpeg",))
 
@@ -136,11 +139,11 @@ def test_a_damaged_field_is_named_and_other_fields_still_read(tmp_path: Path) ->
     src = _grouped(tmp_path / "src")
     packdata.convert(src, tmp_path / "out.lmdb", layout="grouped", progress=False)
     _flip_inside(tmp_path / "out.lmdb" / "shard-00000.lmdb", b'{"boxes": [2, 3]}')
-    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("txt",))
+    ds = packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("txt",), missing={"txt": None})  # lonely has none
     i = ds.keys.index("café")
     assert ds[i] == ("caption 2 ünï",)  # only the caption was read: the damaged JSON is never touched
     with pytest.raises(PackFormatError, match=r"record .* is damaged"):
-        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("json",))[i]
+        packdata.LMDBDataset(tmp_path / "out.lmdb", fields=("json",), missing={"json": None})[i]
     with pytest.raises(PackFormatError):
         packdata.LMDBDataset(tmp_path / "out.lmdb")[i]
     with pytest.raises(PackFormatError, match="shard checksum"):
@@ -1881,3 +1884,84 @@ def test_a_manifest_of_a_multi_field_pack_without_field_counts_still_reads(tmp_p
     assert packdata.verify_pack(pack, progress=False).records == 6
     packdata.convert(_partial_samples(tmp_path / "more", range(6, 8)), pack, append=True, progress=False)
     assert read_manifest(pack).field_counts == {"jpg": 8, "txt": 5}
+
+
+def _datasets(pack: Path, fmt: str, **options: object) -> list:
+    """Every dataset class that reads a pack of ``fmt``, in pack order."""
+    if fmt == "lmdb":
+        return [packdata.LMDBDataset(pack, **options)]
+    return [packdata.TFRecordIndexedDataset(pack, **options), packdata.TFRecordDataset(pack, shuffle=False, **options)]
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_field_some_samples_lack_is_refused_when_the_dataset_opens_or_read_with_its_missing_value(
+    tmp_path: Path, fmt: str
+) -> None:
+    """fields=("__key__", "txt") on a pack where some samples have no txt (a grouped folder, a WebDataset tar with
+    a member missing) opened fine and raised a bare KeyError in a DataLoader worker at the first such sample. Now it
+    is refused at construction, naming the field, how many samples lack it and the first; missing= reads a value
+    in its place, through workers of both start methods."""
+    grouped, tarred = tmp_path / "g", tmp_path / "t"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), grouped, format=fmt, progress=False)
+    tar = {f"t{i}": {"jpg": image_bytes(i)} | ({"txt": f"c{i}".encode()} if i % 3 else {}) for i in range(6)}
+    packdata.convert(_wds_tar(tmp_path / "t.tar", tar), tarred, format=fmt, progress=False)
+    for pack, first in ((grouped, "s00"), (tarred, "t0")):
+        for ds in _datasets(pack, fmt, fields=("__key__", "jpg"), decode="bytes"):
+            assert sorted(key for key, _ in ds) == sorted(f"{first[0]}{i:0{len(first) - 1}d}" for i in range(6))
+        lack = f"{pack}: fields asks for 'txt', which 2 of the pack's 6 samples lack (the first: sample {first!r}, "
+        lack += "index 0). Pass missing={'txt': VALUE} to read VALUE in its place"
+        unlabelled = "fields asks for 'cls', which 6 of the pack's 6 samples lack"
+        for options, problem in (({"fields": ("__key__", "txt")}, lack), ({"fields": ("cls",)}, unlabelled)):
+            with pytest.raises(ConfigError, match=re.escape(problem)):
+                _datasets(pack, fmt, **options)
+        expected = [(key, data.get("txt", b"").decode() or None) for key, data in _source_fields(pack).items()]
+        for ds in _datasets(pack, fmt, fields=("__key__", "txt"), missing={"txt": None}):
+            for method in ("fork", "spawn"):
+                loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=_listed, multiprocessing_context=method)
+                assert sorted(s for batch in loader for s in batch) == sorted(expected), (type(ds).__name__, method)
+        for ds in _datasets(pack, fmt, decode="bytes", missing={"txt": b"", "cls": -1}):
+            assert {(sample["__key__"], sample["txt"], sample["cls"]) for sample in ds} == {
+                (key, data.get("txt", b""), -1) for key, data in _source_fields(pack).items()
+            }
+    with pytest.raises(ConfigError, match=re.escape(f"{grouped}: missing names '__key__', but every sample has a")):
+        _datasets(grouped, fmt, missing={"__key__": ""})
+    with pytest.raises(ConfigError, match=re.escape(f"{grouped}: missing names 'txt', but fields does not ask")):
+        _datasets(grouped, fmt, fields=("jpg",), missing={"txt": ""})
+
+
+def _source_fields(pack: Path) -> dict[str, dict[str, bytes]]:
+    """Key -> stored fields of every sample of ``pack``, as ``packdata cat`` gives them."""
+    return {
+        row["key"]: {name: read_field(pack, row["key"], name) for name in row["fields"]} for row in list_samples(pack)
+    }
+
+
+def test_a_record_lacking_a_field_its_sample_index_lists_is_named_mid_epoch_not_a_bare_key_error(
+    tmp_path: Path,
+) -> None:
+    """A record without a field that the sample index (and so the check at construction) says every sample holds,
+    read in a DataLoader worker: a PackFormatError naming the pack, the sample's key and index, and the field."""
+    whole, cut = tmp_path / "whole.lmdb", tmp_path / "cut.lmdb"
+    src = _partial_samples(tmp_path / "src", range(1, 5), txt_every=99)  # s01 to s04, each with its txt
+    packdata.convert(src, whole, progress=False)
+    (src / "s04.txt").unlink()
+    packdata.convert(src, cut, progress=False)
+    shutil.rmtree(cut / "index")
+    shutil.copytree(whole / "index", cut / "index")  # the index of the pack whose s04 has its txt
+    whole_manifest = json.loads((whole / "manifest.json").read_text())
+    rewrite_manifest(cut, lambda d: d.update(index=whole_manifest["index"], field_counts={"jpg": 4, "txt": 4}))
+    loader = DataLoader(packdata.LMDBDataset(cut, fields=("__key__", "txt")), batch_size=None, num_workers=2)
+    with pytest.raises(PackFormatError, match=re.escape(f"{cut}: sample 's04' (index 3) holds no field 'txt'")):
+        list(loader)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_dataset_refuses_field_counts_its_sample_index_does_not_bear_out(tmp_path: Path, fmt: str) -> None:
+    """A manifest saying every sample holds txt (6 of 6) where 4 do opened, and read as if they all did."""
+    pack = tmp_path / "p"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, format=fmt, progress=False)
+    rewrite_manifest(pack, lambda d: d["field_counts"].__setitem__("txt", 6))
+    lie = f"{pack}/manifest.json: manifest field 'field_counts' says 6 samples hold field 'txt', but the sample index "
+    for options in ({}, {"fields": ("__key__", "txt")}):
+        with pytest.raises(PackFormatError, match=re.escape(lie)):
+            _datasets(pack, fmt, **options)

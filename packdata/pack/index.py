@@ -29,7 +29,7 @@ import hashlib
 import os
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import overload
 
@@ -60,6 +60,7 @@ __all__ = [
     "index_digests",
     "index_files",
     "labels_out_of_range",
+    "unlabelled",
 ]
 
 INDEX_DIR = "index"
@@ -417,6 +418,20 @@ class SampleIndex:
             counts += np.bincount(self._field_pairs[start : start + chunk, 0], minlength=len(counts))
         return dict(zip(self.field_names, counts.tolist(), strict=True))
 
+    def first_lacking(self, name: str, chunk: int = 1 << 20) -> int | None:
+        """The first sample that lacks stored field ``name`` (``chunk`` samples at a time), or None when none does."""
+        if self._field_pairs is None or self._field_offsets is None:
+            return None
+        number = self.field_names.index(name)
+        for start in range(0, len(self._field_offsets) - 1, chunk):
+            span = np.asarray(self._field_offsets[start : start + chunk + 1])
+            owners = np.repeat(np.arange(len(span) - 1), np.diff(span))
+            holds = np.zeros(len(span) - 1, dtype=bool)
+            holds[owners[self._field_pairs[span[0] : span[-1], 0] == number]] = True
+            if not holds.all():
+                return start + int(np.argmin(holds))
+        return None
+
     def field_sizes(self, name: str) -> np.ndarray:
         """Every sample's byte length of field ``name`` (-1 where a sample lacks it), as int64.
 
@@ -477,10 +492,20 @@ def labels_out_of_range(labels: np.ndarray, num_classes: int, chunk: int = 1 << 
     Checked in chunks of ``chunk`` labels: memory stays flat whatever count an
     index claims (a mapped file of 2**27 labels is never copied whole).
     """
+    return _first_where(labels, lambda part: (part < -1) | (part >= num_classes), chunk)
+
+
+def unlabelled(labels: np.ndarray, chunk: int = 1 << 20) -> tuple[int, int] | None:
+    """The first sample without a label (-1: its ``cls`` field is missing) and how many, or None when every one has."""
+    return _first_where(labels, lambda part: part < 0, chunk)
+
+
+def _first_where(labels: np.ndarray, test: Callable[[np.ndarray], np.ndarray], chunk: int) -> tuple[int, int] | None:
+    """The first label ``test`` marks and how many it marks, ``chunk`` labels at a time, or None for none."""
     first, count = -1, 0
     for start in range(0, len(labels), chunk):
         part = labels[start : start + chunk]
-        bad = np.flatnonzero((part < -1) | (part >= num_classes))
+        bad = np.flatnonzero(test(part))
         if len(bad):
             first = start + int(bad[0]) if first < 0 else first
             count += len(bad)

@@ -75,6 +75,7 @@ class PackView:
         decode: str | DecodeFn | Mapping[str, str | DecodeFn],
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        missing: Mapping[str, Any] | None = None,
     ) -> None:
         self.pack = PackInfo(path, expected_format)
         self.pack.check_labels()
@@ -84,13 +85,14 @@ class PackView:
         manifest = self.pack.manifest
         self.field_spec: FieldSpec | None = None
         if manifest.kind == "fields":
-            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.path)
+            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.path, missing=missing)
             self.pack.index.keys.check()  # every sample carries its key: hashed here once, forked workers inherit it
+            self.field_spec.check_present(self.pack)
             self.decode: DecodeFn = resolve_decoder("bytes")
         else:
-            if fields is not None or transforms or isinstance(decode, Mapping):
+            if fields is not None or transforms or missing is not None or isinstance(decode, Mapping):
                 raise ConfigError(
-                    f"fields, transforms and per-field decode are for multi-field packs; this pack holds one "
+                    f"fields, transforms, missing and per-field decode are for multi-field packs; this pack holds one "
                     f"{manifest.kind} per sample",
                     path=self.path,
                     hint="Use decode= and transform=",
@@ -225,8 +227,13 @@ class LMDBDataset(PackView, Dataset):
             image or str), ``"pil"``, ``"bytes"``, ``"text"``, or a callable on
             the bytes; for a multi-field pack also a mapping field -> decoder.
         fields: a multi-field pack: the field names to return, as a tuple in
-            this order (``"__key__"``, ``"cls"`` included); default: a dict of all.
+            this order (``"__key__"``, ``"cls"`` included); default: a dict of
+            the fields each sample holds. A field some samples lack is refused
+            here (ConfigError naming it and how many lack it) unless ``missing`` gives it a value.
         transforms: a multi-field pack: field name -> transform after decoding.
+        missing: a multi-field pack: field name -> the value a sample without
+            that field reads in its place (as given: not decoded or transformed),
+            e.g. ``{"txt": ""}``; with ``fields=None`` it is added to the dict.
         readahead: no effect, kept so older code runs: records are read with
             ``pread`` (or slices of a resident file), never through page faults.
         check_crc: check each payload's checksum as it is read (on by default, as
@@ -247,6 +254,7 @@ class LMDBDataset(PackView, Dataset):
         *,
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        missing: Mapping[str, Any] | None = None,
         readahead: bool = False,
         check_crc: bool = True,
         verify: bool = False,
@@ -256,7 +264,7 @@ class LMDBDataset(PackView, Dataset):
                 f"{display_url(os.fspath(path))}: an LMDB pack is read through local files",
                 hint="Stage it first: packdata.stage(url, to=DIR), then open the staged copy",
             )
-        super().__init__(path, LMDB, transform, target_transform, decode, fields, transforms)
+        super().__init__(path, LMDB, transform, target_transform, decode, fields, transforms, missing)
         self.readahead = readahead
         self.check_crc = check_crc or verify
         shards = self.pack.manifest.shards

@@ -1,8 +1,9 @@
 """What a reader returns for a multi-field pack: which fields, decoded how, transformed how.
 
 ``FieldSpec`` is built once from the dataset's arguments and the manifest (so
-a typo in a field name fails at construction, naming the pack's fields) and is
-picklable, so it travels to ``spawn``-ed workers with the dataset.
+a typo in a field name, or a field some samples lack, fails at construction,
+naming the pack's fields) and is picklable, so it travels to ``spawn``-ed
+workers with the dataset.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
 from packdata.pack.images import decoding_sample
+from packdata.pack.index import unlabelled
 from packdata.pack.manifest import Manifest
 from packdata.reading.decode import CODEC_DECODERS, DecodeFn, resolve_decoder
+from packdata.reading.pack_info import PackInfo
 
 __all__ = ["FieldSpec"]
 
@@ -32,9 +35,12 @@ class FieldSpec:
             (images -> RGB PIL, ``txt`` -> str, ``json`` -> parsed, ``npy`` -> array, else bytes).
         transforms: field name -> callable applied to that field after decoding.
         path: the pack, named in errors about a sample.
+        missing: field name -> the value a sample that lacks the field reads
+            in its place (as given: not decoded, not transformed); without it,
+            ``fields`` may name only fields every sample holds (:meth:`check_present`).
 
     Raises:
-        ConfigError: a field, decoder or transform names a field the pack does not have.
+        ConfigError: a field, decoder, transform or ``missing`` names a field the pack does not have.
     """
 
     def __init__(
@@ -45,13 +51,19 @@ class FieldSpec:
         transforms: Mapping[str, Callable[[Any], Any]] | None,
         *,
         path: str | os.PathLike | None = None,
+        missing: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = os.fspath(path) if path is not None else None
+        self.num_samples = manifest.num_samples
         known = set(manifest.fields) | {KEY_FIELD, LABEL_FIELD}
         if isinstance(fields, str):
             raise ConfigError(f"fields should be a sequence of names, but got fields={fields!r}; write ({fields!r},)")
         self.fields = tuple(fields) if fields is not None else None
-        for name in (*(self.fields or ()), *(decode if isinstance(decode, Mapping) else ()), *(transforms or ())):
+        if missing is not None and not isinstance(missing, Mapping):
+            raise ConfigError(f"missing should map field names to values, but got missing={missing!r}", path=path)
+        self.missing = dict(missing or {})
+        names = (*(self.fields or ()), *(decode if isinstance(decode, Mapping) else ()), *(transforms or ()))
+        for name in (*names, *self.missing):
             if name not in known:
                 raise ConfigError(
                     f"the pack has no field {name!r}; its fields are {', '.join(sorted(known))}",
@@ -63,6 +75,10 @@ class FieldSpec:
                     f"decode names {name!r}, which is not stored encoded: {KEY_FIELD} is a str, {LABEL_FIELD} an int",
                     hint=f"Transform it instead: transforms={{{name!r}: f}}",
                 )
+        for name in self.missing:
+            if name == KEY_FIELD or (self.fields is not None and name not in self.fields):
+                why = "every sample has a key" if name == KEY_FIELD else "fields does not ask for it"
+                raise ConfigError(f"missing names {name!r}, but {why}: its value would never be used", path=path)
         stored = [n for n in manifest.fields if self.fields is None or n in self.fields]
         self.stored = None if self.fields is None else tuple(stored)  # None: read every stored field
         self.decoders: dict[str, DecodeFn] = {}
@@ -73,6 +89,36 @@ class FieldSpec:
             self.decoders[name] = resolve_decoder(choice)
         self.transforms = dict(transforms or {})
         self.image_fields = frozenset(name for name in manifest.fields if manifest.codecs[name] == "image")
+
+    def check_present(self, pack: PackInfo) -> None:
+        """Raise unless every sample holds each field ``fields`` asks for without a ``missing`` value.
+
+        By the sample index (one pass over its field pairs, or labels for ``cls``), checked against the
+        manifest's ``field_counts``: a reader never meets a sample without a field mid-epoch.
+
+        Raises:
+            ConfigError: naming the field, how many samples lack it and the first of them.
+            PackFormatError: the manifest's field counts are not the sample index's.
+        """
+        counts = pack.field_counts()
+        for name in self.fields or ():
+            if name == KEY_FIELD or name in self.missing:
+                continue
+            if name == LABEL_FIELD:
+                first, lacking = unlabelled(pack.index.labels) or (None, 0)
+            else:
+                lacking = self.num_samples - counts[name]
+                first = pack.index.first_lacking(name) if lacking else None
+            if first is None:
+                continue
+            also = f"; `packdata convert --require {name}` skips samples without it" if name != LABEL_FIELD else ""
+            raise ConfigError(
+                f"fields asks for {name!r}, which {lacking} of the pack's {self.num_samples} samples lack "
+                f"(the first: sample {pack.index.keys[first]!r}, index {first})",
+                path=self.path,
+                hint=f"Pass missing={{{name!r}: VALUE}} to read VALUE in its place, or fields=None for a dict of "
+                f"the fields each sample holds{also}",
+            )
 
     def wants(self, name: str) -> bool:
         """Whether stored field ``name`` is read."""
@@ -86,8 +132,8 @@ class FieldSpec:
         ``index``, when known, is the sample's position in the pack (named in errors).
 
         Raises:
-            KeyError: a field asked for in ``fields`` is missing from this sample.
-            PackFormatError: the sample holds a field the manifest does not list.
+            PackFormatError: the sample holds a field the manifest does not list, or lacks one
+                ``fields`` asks for without a ``missing`` value (its record is not the index's).
             ImageFormatError, DecodeError: a field cannot be decoded (naming the sample and field).
         """
         sample: dict[str, Any] = {KEY_FIELD: self.transforms[KEY_FIELD](key) if KEY_FIELD in self.transforms else key}
@@ -116,8 +162,12 @@ class FieldSpec:
         if label >= 0:
             sample[LABEL_FIELD] = self.transforms[LABEL_FIELD](label) if LABEL_FIELD in self.transforms else label
         if self.fields is None:
-            return sample
-        missing = [name for name in self.fields if name not in sample]
-        if missing:
-            raise KeyError(f"sample {key!r} has no field {missing[0]!r} (it has {', '.join(sorted(sample))})")
-        return tuple(sample[name] for name in self.fields)
+            return sample | {name: value for name, value in self.missing.items() if name not in sample}
+        absent = [name for name in self.fields if name not in sample and name not in self.missing]
+        if absent:
+            raise PackFormatError(
+                f"{which} holds no field {absent[0]!r}, which the sample index lists for every sample",
+                path=self.path,
+                hint="The record does not match the sample index: run `packdata verify` on the pack",
+            )
+        return tuple(sample[name] if name in sample else self.missing[name] for name in self.fields)

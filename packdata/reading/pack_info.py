@@ -16,13 +16,14 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.pack.files import file_sha256
 from packdata.pack.index import (
+    FIELD_FILES,
     LABELS_FILE,
     SampleIndex,
     damaged_index_file,
     labels_out_of_range,
 )
 from packdata.pack.lock import copy_evicted, hold_readers_lock
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, check_field_counts, read_manifest
 
 __all__ = ["PackInfo"]
 
@@ -139,6 +140,20 @@ class PackInfo:
                 path=path,
                 hint="The sample index is damaged or does not belong to this manifest: convert the pack again",
             )
+
+    def field_counts(self) -> dict[str, int]:
+        """Field name -> how many samples hold it, by the sample index (one pass over its field pairs).
+
+        Raises:
+            PackFormatError: the manifest's ``field_counts`` (when it has them)
+                are not the index's: naming a damaged index file, else the manifest.
+        """
+        counts = self.index.field_counts()
+        if self.manifest.field_counts and counts != self.manifest.field_counts:
+            for name in FIELD_FILES:  # a damaged index is named as itself, not as a lying manifest
+                self.check_index_file(name)
+            check_field_counts(self.manifest, counts, self.path / MANIFEST_NAME)
+        return counts
 
     def check_index_file(self, name: str) -> None:
         """Raise unless index file ``name`` (``sizes.i64``, ``field_sizes.i64``, ...) matches its manifest SHA-256.

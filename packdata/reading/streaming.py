@@ -194,8 +194,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             from :func:`~packdata.reading.ranks.resolve_rank_world`.
         drop_uneven: drop samples rather than pad so that ranks are equal.
         check_crc: check both CRC32Cs of every record (framing is always checked).
-        fields, transforms: a multi-field pack's fields to return and per-field
-            transforms, as for :class:`~packdata.LMDBDataset`.
+        fields, transforms, missing: a multi-field pack's fields to return,
+            per-field transforms and values for fields a sample lacks, as for :class:`~packdata.LMDBDataset`.
         storage_options, cache_dir: for a pack URL (``s3://bucket/train``): fsspec
             options, and where the manifest, index and side tables are kept
             (shards stream from the URL, chunks fetched ahead; see
@@ -225,12 +225,23 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         check_crc: bool = True,
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        missing: Mapping[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike | None = None,
         check_ranks: bool = True,
     ) -> None:
         _TFRecordView.__init__(
-            self, path, transform, target_transform, decode, check_crc, fields, transforms, storage_options, cache_dir
+            self,
+            path,
+            transform,
+            target_transform,
+            decode,
+            check_crc,
+            fields,
+            transforms,
+            storage_options,
+            cache_dir,
+            missing,
         )
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer should be at least 1, but got shuffle_buffer={shuffle_buffer}")

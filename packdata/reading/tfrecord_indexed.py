@@ -72,8 +72,8 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
             ``"text"``, or a callable on the bytes; a multi-field pack also takes
             a mapping field -> decoder (see :class:`~packdata.LMDBDataset`).
         check_crc: check both CRC32Cs of every record (framing is always checked).
-        fields, transforms: a multi-field pack's fields to return and per-field
-            transforms, as for :class:`~packdata.LMDBDataset`.
+        fields, transforms, missing: a multi-field pack's fields to return,
+            per-field transforms and values for fields a sample lacks, as for :class:`~packdata.LMDBDataset`.
     """
 
     pack_format = TFRECORD
@@ -88,13 +88,16 @@ class TFRecordIndexedDataset(_TFRecordView, Dataset):
         check_crc: bool = True,
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+        missing: Mapping[str, Any] | None = None,
     ) -> None:
         if is_url(path):
             raise ConfigError(
                 f"{display_url(os.fspath(path))}: random access reads local shards",
                 hint="Stream it with TFRecordDataset(url), or stage it first: packdata.stage(url, to=DIR)",
             )
-        _TFRecordView.__init__(self, path, transform, target_transform, decode, check_crc, fields, transforms)
+        _TFRecordView.__init__(
+            self, path, transform, target_transform, decode, check_crc, fields, transforms, missing=missing
+        )
         # with CRCs off, records are parsed instead: the parse checks their structure and label
         payloads = self.field_spec is None and check_crc
         kwargs = []

@@ -46,6 +46,7 @@ class _TFRecordView(PackView):
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike | None = None,
+        missing: Mapping[str, Any] | None = None,
     ) -> None:
         self._url: str | None = None
         self._storage_options = storage_options
@@ -54,7 +55,7 @@ class _TFRecordView(PackView):
         for may_retry in (True, False):
             local = fetch_skeleton(self._url, storage_options, cache_dir) if self._url else path
             try:
-                super().__init__(local, TFRECORD, transform, target_transform, decode, fields, transforms)
+                super().__init__(local, TFRECORD, transform, target_transform, decode, fields, transforms, missing)
                 self.pack.index.keys.check()  # every record read is matched to its key: hashed here, not per worker
                 break
             except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more

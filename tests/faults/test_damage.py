@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from faults.damage import DAMAGES, shard_files, swap_foreign_shard
 from faults.hostile import rewrite_manifest
-from packdata import LMDBDataset, PackFormatError, convert
+from packdata import ConfigError, LMDBDataset, PackFormatError, convert
 from packdata.cli import main
 from packdata.formats import lmdb_reader
 from packdata.reading.streaming import TFRecordDataset
@@ -110,7 +110,7 @@ def test_a_damaged_field_name_read_through_the_table_is_named_not_a_missing_fiel
     One flipped bit in record 1's directory ("txt" -> "tyt") made ``raw_fields(1, ["txt"])`` return ``{}``
     and ``ds[1]`` with ``fields=("__key__", "txt")`` raise a bare ``KeyError`` ("has no field 'txt'"), as for a
     sample without a caption, where the whole record read says it is damaged. A field a sample really lacks
-    still reads as missing.
+    still reads as missing (its ``missing`` value).
     """
     src = tmp_path / "src"
     src.mkdir()
@@ -131,11 +131,12 @@ def test_a_damaged_field_name_read_through_the_table_is_named_not_a_missing_fiel
     with pytest.raises(PackFormatError, match=damaged):
         ds.raw_fields(1, ["txt"])
     with pytest.raises(PackFormatError, match=damaged):
-        LMDBDataset(pack, fields=("__key__", "txt"))[1]
+        LMDBDataset(pack, fields=("__key__", "txt"), missing={"txt": None})[1]
     assert ds.raw_fields(2, ["txt"]) == {"txt": b"caption 2"}
     assert ds.raw_fields(4, ["txt"]) == {}  # k4 has no caption
-    with pytest.raises(KeyError, match="has no field 'txt'"):
-        LMDBDataset(pack, fields=("__key__", "txt"))[4]
+    assert LMDBDataset(pack, fields=("__key__", "txt"), missing={"txt": None})[4] == ("k4", None)
+    with pytest.raises(ConfigError, match="fields asks for 'txt', which 1 of the pack's 5 samples lack"):
+        LMDBDataset(pack, fields=("__key__", "txt"))
 
 
 @pytest.mark.parametrize("change", ["cut", "offset_negative", "length_past_end"])
