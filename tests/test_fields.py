@@ -1965,3 +1965,31 @@ def test_a_dataset_refuses_field_counts_its_sample_index_does_not_bear_out(tmp_p
     for options in ({}, {"fields": ("__key__", "txt")}):
         with pytest.raises(PackFormatError, match=re.escape(lie)):
             _datasets(pack, fmt, **options)
+
+
+def test_convert_append_merge_and_info_name_the_fields_some_samples_lack(tmp_path: Path) -> None:
+    """Converting samples that do not all hold the same fields succeeded without a word of it; now convert, an
+    append, a merge and info say which fields some samples lack, and how many."""
+    runner = CliRunner()
+    full, partial = tmp_path / "full.lmdb", tmp_path / "partial.lmdb"
+    everything = _partial_samples(tmp_path / "all", range(10, 14), txt_every=99)  # a caption in every sample
+    done = runner.invoke(cli, ["convert", str(everything), str(full), "-q"])
+    assert done.exit_code == 0 and "SOME SAMPLES LACK" not in done.output
+    done = runner.invoke(cli, ["convert", str(_partial_samples(tmp_path / "src", range(6))), str(partial), "-q"])
+    assert done.exit_code == 0, done.output
+    assert (
+        "FIELDS SOME SAMPLES LACK: txt (2 samples); a dataset whose fields= asks for one needs missing=" in done.output
+    )
+    as_json = runner.invoke(cli, ["convert", str(tmp_path / "src"), str(tmp_path / "j.lmdb"), "-q", "--json"])
+    assert json.loads(as_json.output)["missing_fields"] == {"txt": 2}
+    info = runner.invoke(cli, ["info", str(partial)])
+    assert "fields:   jpg (image), txt (txt, in 4 of 6 samples)\n" in info.output
+    merged = runner.invoke(cli, ["merge", str(full), str(partial), "-o", str(tmp_path / "m.lmdb")])
+    assert merged.exit_code == 0 and "FIELDS SOME SAMPLES LACK: txt (2 samples)" in merged.output
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "x.jpg").write_bytes(image_bytes(9))  # no caption: the pack's txt is no longer in every sample
+    appended = runner.invoke(cli, ["convert", str(more), str(full), "--append", "--layout", "grouped", "-q"])
+    assert appended.exit_code == 0, appended.output
+    assert "FIELDS SOME SAMPLES LACK: txt (1 sample)" in appended.output
+    assert "txt (txt, in 4 of 5 samples)" in runner.invoke(cli, ["info", str(full)]).output

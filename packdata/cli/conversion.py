@@ -14,6 +14,16 @@ from packdata.units import shown as _shown
 __all__ = ["convert", "merge"]
 
 
+def _echo_missing_fields(missing: dict[str, int]) -> None:
+    """Say which fields some of the pack's samples lack: a reader asking for one must be told what to read there."""
+    if missing:
+        lacking = ", ".join(f"{_shown(name)} ({_count(n, 'sample')})" for name, n in missing.items())
+        click.secho(
+            f"  FIELDS SOME SAMPLES LACK: {lacking}; a dataset whose fields= asks for one needs missing= for them",
+            fg="yellow",
+        )
+
+
 def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
@@ -172,6 +182,7 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         )
         for example in result.skip_examples[:10]:
             click.echo(f"    {_shown(example['key'])}: {example['reason']}: {_shown(example['detail'])}")
+    _echo_missing_fields(result.missing_fields)
 
 
 @click.command()
@@ -209,3 +220,4 @@ def merge(packs: tuple[str, ...], out: str, on_duplicate: str, overwrite: bool) 
         + (f"; {_count(result.renamed_keys, 'key')} renamed" if result.renamed_keys else "")
         + ")"
     )
+    _echo_missing_fields(result.missing_fields)

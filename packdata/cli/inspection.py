@@ -48,7 +48,12 @@ def info(pack: str, as_json: bool, storage_options: dict[str, Any] | None) -> No
     click.echo(f"classes:  {len(classes)}" + (f" ({shown})" if classes else ""))
     click.echo(f"shards:   {len(facts['shards'])}, {_mb(facts['total_bytes'])}")
     if facts.get("codecs"):
-        click.echo("fields:   " + ", ".join(f"{_shown(name)} ({codec})" for name, codec in facts["codecs"].items()))
+        counts, total = facts.get("field_counts", {}), facts["num_samples"]
+        held = {name: f", in {n:,} of {total:,} samples" for name, n in counts.items() if n < total}
+        click.echo(
+            "fields:   "
+            + ", ".join(f"{_shown(name)} ({codec}{held.get(name, '')})" for name, codec in facts["codecs"].items())
+        )
     skipped = facts.get("skipped") or {}
     if skipped.get("count"):
         reasons = ", ".join(f"{n} {_shown(reason)}" for reason, n in sorted(skipped.get("by_reason", {}).items()))

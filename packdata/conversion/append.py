@@ -345,7 +345,13 @@ def _finish(dst: Path, journal: _Journal, new: Path | None) -> None:
 
 def _merge_result(dst: Path, journal: _Journal) -> MergeResult:
     manifest = journal.manifest
-    return MergeResult(dst, manifest.num_samples, len(manifest.shards), appended=journal.appended)
+    return MergeResult(
+        dst,
+        manifest.num_samples,
+        len(manifest.shards),
+        appended=journal.appended,
+        missing_fields=manifest.missing_fields(),
+    )
 
 
 def _remove_shard(fmt: str, shard: Path) -> None:

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class MergeResult:
     rewritten: int = 0
     renamed_keys: int = 0
     appended: Manifest | None = None  # an append: the manifest of the pack it added
+    missing_fields: dict[str, int] = field(default_factory=dict)  # field -> the pack's samples lacking it
 
 
 @dataclass
@@ -375,6 +376,7 @@ def merge_packs(
                 ) from exc
             raise
     result.samples, result.shards = manifest.num_samples, len(shards)
+    result.missing_fields = manifest.missing_fields()
     result.renamed_keys = sum(len(item.renames) for item in inputs)
     return result
 

@@ -391,6 +391,7 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
         merged = append_pack(dst, extra, resume=resume)
     result.pack = dst
     result.shards = merged.shards
+    result.missing_fields = merged.missing_fields  # of the whole pack: the new samples may lack an old field
     if merged.appended is not None:
         result.packed = merged.appended.num_samples
     return result
@@ -431,6 +432,7 @@ def _summary(manifest: Manifest, pack: Path, started: float) -> ConvertResult:
         shards=len(manifest.shards),
         resumed=True,
         packed_before=manifest.num_samples,  # all packed before the interruption
+        missing_fields=manifest.missing_fields(),
     )
 
 

@@ -88,6 +88,7 @@ class ConvertResult:
     reencoded: int = 0
     skip_examples: list[dict[str, str]] = field(default_factory=list)
     packed_before: int = 0  # of packed: samples an interrupted run had packed, which this resumed run kept
+    missing_fields: dict[str, int] = field(default_factory=dict)  # field -> the pack's samples lacking it
 
     @property
     def rate(self) -> float:
@@ -600,4 +601,5 @@ def make_result(
         reencoded=reencoded,
         skip_examples=skip_examples,
         packed_before=packed_before,
+        missing_fields=manifest.missing_fields(),
     )

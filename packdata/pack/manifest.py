@@ -110,6 +110,10 @@ class Manifest:
         """16 hex digits of SHA-256 over the shards' checksums: a staged copy's are the same, a new pack's not."""
         return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()[:16]
 
+    def missing_fields(self) -> dict[str, int]:
+        """Field name -> how many samples lack it, for the fields some samples lack (by ``field_counts``)."""
+        return {name: self.num_samples - n for name, n in self.field_counts.items() if n < self.num_samples}
+
     @property
     def total_bytes(self) -> int:
         """Sum of the shards' byte sizes."""
