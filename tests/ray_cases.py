@@ -499,7 +499,7 @@ def _fields_content(pack: Path) -> list[tuple[int, dict]]:
 def _assert_same_fields_pack(local: Path, ray_pack: Path) -> None:
     _assert_same_pack(local, ray_pack)
     a, b = read_manifest(local), read_manifest(ray_pack)
-    assert a.codecs == b.codecs
+    assert a.codecs == b.codecs and a.field_counts == b.field_counts and a.field_counts
     for name in ("field_sizes.i64", "field_offsets.i64"):
         assert (local / "index" / name).read_bytes() == (ray_pack / "index" / name).read_bytes(), name
     assert _fields_content(local) == _fields_content(ray_pack)
@@ -512,6 +512,7 @@ def test_ray_grouped_folder_matches_local(ray_local, grouped_folder: Path, tmp_p
     result = packdata.convert(grouped_folder, tmp_path / "ray.lmdb", engine="ray", **options)
     _assert_same_fields_pack(tmp_path / "local.lmdb", tmp_path / "ray.lmdb")
     assert result.packed == local.packed == 14 and result.skipped == local.skipped
+    assert result.missing_fields == local.missing_fields and local.missing_fields  # some samples lack a field
     manifest = read_manifest(tmp_path / "ray.lmdb")
     assert manifest.fields == ["jpg", "txt", "json", "seg.png"]  # first appearance over the whole walk (cls: labels)
     assert manifest.classes == ["cats", "1", "2", "3"]
