@@ -1993,3 +1993,16 @@ def test_convert_append_merge_and_info_name_the_fields_some_samples_lack(tmp_pat
     assert appended.exit_code == 0, appended.output
     assert "FIELDS SOME SAMPLES LACK: txt (1 sample)" in appended.output
     assert "txt (txt, in 4 of 5 samples)" in runner.invoke(cli, ["info", str(full)]).output
+
+
+def test_a_field_index_file_damaged_so_its_counts_differ_from_the_manifests_is_named_as_itself(tmp_path: Path) -> None:
+    """A field number flipped in field_sizes.i64 (txt read as jpg): the counts differ from the manifest's, and the
+    file, not the manifest, is named."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, progress=False)
+    sizes = pack / "index" / "field_sizes.i64"
+    pairs = np.fromfile(sizes, dtype="<i8").reshape(-1, 2)
+    pairs[np.flatnonzero(pairs[:, 0] == 1)[0], 0] = 0  # a txt pair now names jpg: still in range
+    pairs.tofile(sizes)
+    with pytest.raises(PackFormatError, match=re.escape(f"{sizes}: sample index file field_sizes.i64 does not match")):
+        packdata.LMDBDataset(pack)
