@@ -2006,3 +2006,18 @@ def test_a_field_index_file_damaged_so_its_counts_differ_from_the_manifests_is_n
     pairs.tofile(sizes)
     with pytest.raises(PackFormatError, match=re.escape(f"{sizes}: sample index file field_sizes.i64 does not match")):
         packdata.LMDBDataset(pack)
+
+
+def test_a_sample_without_a_field_asked_for_with_missing_reads_only_its_directory(tmp_path: Path) -> None:
+    """fields=("__key__", "txt") with missing={"txt": None}: a sample without a caption whose directory is the
+    index's read its whole record (image included) to be sure, so a damaged image it was never asked for failed
+    the read. Now its directory, matching the sample index, settles it: only the fields asked for are read."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_partial_samples(tmp_path / "src", range(6)), pack, progress=False)
+    _flip_inside(pack / "shard-00000.lmdb", image_bytes(0)[-60:-20])  # inside s00's jpg: s00 has no txt
+    ds = packdata.LMDBDataset(pack, fields=("__key__", "txt"), missing={"txt": None})
+    loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=_listed)
+    assert sorted(s for batch in loader for s in batch)[0] == ("s00", None)
+    assert ds.raw_fields(0, ["txt"]) == {}
+    with pytest.raises(PackFormatError, match="record 0 is damaged"):
+        packdata.LMDBDataset(pack, fields=("jpg",))[0]

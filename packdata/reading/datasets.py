@@ -331,7 +331,7 @@ class LMDBDataset(PackView, Dataset):
         reader: LMDBShardReader = self._readers[shard]
         local = index - self._first[shard]
         try:
-            found = self._fields_by_span(reader, local, names)
+            found = self._fields_by_span(reader, local, names, index)
             if found is None:
                 block: bytes | memoryview | None = reader.payload(local)  # one pread, CRC32C-checked
                 if block is None:
@@ -343,19 +343,25 @@ class LMDBDataset(PackView, Dataset):
             ) from exc
         return found
 
-    def _fields_by_span(self, reader: LMDBShardReader, local: int, names: Sequence[str] | None) -> dict | None:
-        """Some fields of a record read span by span through the table, or None (read the whole block then).
+    def _fields_by_span(
+        self, reader: LMDBShardReader, local: int, names: Sequence[str] | None, index: int
+    ) -> dict | None:
+        """Some fields of sample ``index`` read span by span through the table, or None (read the whole block then).
 
-        None too when the directory lacks a field asked for: the directory is
-        not covered by the fields' CRC-32s, so a damaged name would read as a
-        field the sample does not have; the whole block's CRC32C tells.
+        None too when the directory lacks a field asked for and its names and
+        sizes are not the ones the sample index lists: the directory is not covered by the
+        fields' CRC-32s, so a damaged name would read as a field the sample does
+        not have; the whole block's CRC32C tells.
         """
         total = reader.payload_length(local)
         if names is None or total is None:
             return None
         head = reader.payload_span(local, 0, min(total, 512))
         entries = None if head is None else read_directory(head, total)
-        if entries is None or not set(names) <= {entry.name for entry in entries}:
+        if entries is None:
+            return None
+        held = {entry.name: entry.length for entry in entries}
+        if not set(names) <= held.keys() and held != self.pack.index.sample_fields(index):
             return None  # a name missing may be a damaged directory, which no CRC covers: the whole block's tells
         out = {}
         for entry in entries:
