@@ -3040,3 +3040,30 @@ def test_a_hard_link_in_a_tar_at_a_url_is_read_from_the_member_it_names(s3, tmp_
     )
     assert (result.packed, result.skipped) == (2, {})
     assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["one caption", "one caption"]
+
+
+def test_a_field_some_samples_of_a_pack_at_a_url_lack_is_refused_naming_the_url(tmp_path: Path) -> None:
+    """TFRecordDataset(url, fields=(..., "txt")) over a pack where some samples have no txt named the local cache
+    folder holding its manifest and index, not the pack the user gave; missing= reads it as locally."""
+    import fsspec
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"s{i}.jpg").write_bytes(image_bytes(i))
+        if i % 2:
+            (src / f"s{i}.txt").write_text(f"caption {i}", encoding="utf-8")
+    pack = tmp_path / "pack"
+    packdata.convert(src, pack, format="tfrecord", progress=False)
+    memory = fsspec.filesystem("memory")
+    memory.put(str(pack), "/fields-bucket/train", recursive=True)
+    url = "memory://fields-bucket/train"
+    try:
+        with pytest.raises(ConfigError, match=re.escape(f"{url}: fields asks for 'txt', which 2 of the pack's 4")):
+            packdata.TFRecordDataset(url, fields=("__key__", "txt"), cache_dir=tmp_path / "cache")
+        ds = packdata.TFRecordDataset(
+            url, fields=("__key__", "txt"), missing={"txt": None}, shuffle=False, cache_dir=tmp_path / "cache"
+        )
+        assert list(ds) == [("s0", None), ("s1", "caption 1"), ("s2", None), ("s3", "caption 3")]
+    finally:
+        memory.rm("/fields-bucket", recursive=True)

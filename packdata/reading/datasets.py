@@ -76,7 +76,9 @@ class PackView:
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
         missing: Mapping[str, Any] | None = None,
+        shown: str | None = None,
     ) -> None:
+        """``shown``: the pack as multi-field errors name it (a URL whose manifest and index are at ``path``)."""
         self.pack = PackInfo(path, expected_format)
         self.pack.check_labels()
         self.path = self.pack.path
@@ -85,7 +87,8 @@ class PackView:
         manifest = self.pack.manifest
         self.field_spec: FieldSpec | None = None
         if manifest.kind == "fields":
-            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.path, missing=missing)
+            spec_path = shown or self.path
+            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=spec_path, missing=missing)
             self.pack.index.keys.check()  # every sample carries its key: hashed here once, forked workers inherit it
             self.field_spec.check_present(self.pack)
             self.decode: DecodeFn = resolve_decoder("bytes")

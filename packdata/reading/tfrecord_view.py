@@ -55,7 +55,10 @@ class _TFRecordView(PackView):
         for may_retry in (True, False):
             local = fetch_skeleton(self._url, storage_options, cache_dir) if self._url else path
             try:
-                super().__init__(local, TFRECORD, transform, target_transform, decode, fields, transforms, missing)
+                shown = display_url(self._url) if self._url else None
+                super().__init__(
+                    local, TFRECORD, transform, target_transform, decode, fields, transforms, missing, shown
+                )
                 self.pack.index.keys.check()  # every record read is matched to its key: hashed here, not per worker
                 break
             except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more
