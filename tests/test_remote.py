@@ -375,6 +375,23 @@ def test_a_cached_index_file_damaged_since_its_download_is_downloaded_again(
     assert cached.read_bytes() == (local / "index" / name).read_bytes()
 
 
+def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
+    """A cached copy was reused while each file kept its size: a record table whose payload spans were edited in
+    place (each still inside its record) gave every later epoch payloads one byte short, silently."""
+    options, _ = s3
+    url, local = remote_tfrecord
+    cache = tmp_path / "cache"
+    expected = sorted(packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    assert sorted(packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)) == expected
+    table = sorted(cache.rglob("*.tfpayload"))[0]
+    rows = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    rows[2:, 2] -= 1  # every payload one byte shorter: still inside its record
+    rows.tofile(table)
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
+    assert sorted(ds) == expected
+    assert table.read_bytes() == (local / table.relative_to(next(cache.iterdir()) / local.name)).read_bytes()
+
+
 @pytest.mark.root
 @pytest.mark.parametrize("inodes", [6, 9])  # the disk fills at an index file, at a side table
 def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(s3, remote_tfrecord, tmpfs, inodes: int) -> None:

@@ -289,7 +289,7 @@ def _skeleton_names(manifest: Manifest, *, report: bool) -> list[tuple[str, bool
 
 
 _COPY_BLOCK = 4 << 20
-_FILES = ".files.json"  # in a downloaded skeleton: {relative path: size} of each file downloaded
+_FILES = ".files.json"  # in a downloaded skeleton: {relative path: its stamp} of each file downloaded
 
 
 def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown: str, dest: Path) -> Path:
@@ -337,7 +337,8 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                 if _disk_full(exc):
                     raise
                 raise remote_error(shown, f"cannot read {name}", exc) from exc
-        atomic_write(dest / _FILES, json.dumps(sizes).encode("utf-8"))  # what a reused copy must still hold
+        stamps = {name: _stamp(dest / name) for name in sizes}
+        atomic_write(dest / _FILES, json.dumps(stamps).encode("utf-8"))  # what a reused copy must still hold
         atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
     except OSError as exc:
         if not _disk_full(exc):
@@ -372,15 +373,17 @@ _CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of 
 def _holds(dest: Path, digest: str) -> bool:
     """Whether the cached copy ``dest`` is of the manifest whose sha256 is ``digest`` and still holds every file.
 
-    Each file downloaded must still be a regular file of the size it had (a copy
-    that lost one, to a clean-up of the temporary folder or a full disk, is
-    downloaded again rather than read as a pack without it).
+    Each file downloaded must still be the regular file written then, unchanged
+    since: same size, inode, modification and change times (:func:`_stamp`). A
+    copy that lost a file (to a clean-up of the temporary folder or a full disk)
+    or had one edited, even at the same size, is downloaded again rather than
+    read with it. One ``lstat`` a file: nothing is hashed.
     """
     try:
         if hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() != digest:
             return False
-        sizes = json.loads((dest / _FILES).read_bytes())
-        return isinstance(sizes, dict) and all(_regular_size(dest / name) == size for name, size in sizes.items())
+        stamps = json.loads((dest / _FILES).read_bytes())
+        return isinstance(stamps, dict) and all(_stamp(dest / name) == stamp for name, stamp in stamps.items())
     except (OSError, ValueError):
         return False
 
@@ -394,10 +397,11 @@ def forget_skeleton(dest: Path) -> None:
     (dest / _FILES).unlink(missing_ok=True)
 
 
-def _regular_size(path: Path) -> int:
-    """``path``'s size, or -1 when it is not a regular file."""
+def _stamp(path: Path) -> list[int] | None:
+    """``[size, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (a write changes the change time,
+    which no call sets back); None when it is not a regular file."""
     info = path.lstat()
-    return info.st_size if stat.S_ISREG(info.st_mode) else -1
+    return [info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns] if stat.S_ISREG(info.st_mode) else None
 
 
 def _own_folder(folder: Path) -> None:
