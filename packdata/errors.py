@@ -6,8 +6,10 @@ message leads with the path, in the way of py-lmdb's errors.
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
+from pathlib import Path
 
 __all__ = [
     "CapacityError",
@@ -36,10 +38,27 @@ class PackdataError(Exception):
     def __init__(self, message: str, *, path: str | os.PathLike | None = None, hint: str | None = None) -> None:
         self.message, self.path = message, os.fspath(path) if path is not None else None
         self.hint = hint
-        text = f"{self.path}: {message}" if self.path else message
-        if hint:
-            text = f"{text}. {hint}"
-        super().__init__(text)
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        return f"{text}. {self.hint}" if self.hint else text
+
+    def at_url(self, local: str | os.PathLike, url: str) -> PackdataError:
+        """This error, its path in ``local`` (the cached copy of the pack at ``url``) named by the URL.
+
+        A file that is in the copy is named there too, second. Returns ``self``
+        when its path is not in ``local``.
+        """
+        if self.path is None or not (self.path + os.sep).startswith(os.path.join(local, "")):
+            return self
+        named = copy.copy(self)
+        rel = os.path.relpath(self.path, local)
+        named.path = url if rel == "." else f"{url}/{Path(rel).as_posix()}"
+        if os.path.lexists(self.path):
+            named.message = f"{self.message} (cached copy: {self.path})"
+        named.args = (named._text(),)
+        return named
 
 
 class SourceError(PackdataError):

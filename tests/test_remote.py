@@ -2240,6 +2240,39 @@ def _text_pack(root: Path, tag: str) -> Path:
     return root / "changing"
 
 
+def test_errors_of_a_pack_at_a_url_name_the_url_never_only_the_cache(s3, tmp_path: Path) -> None:
+    """A dataset opened at a URL named its local cache folder in its errors: a path the user never gave."""
+    options, fs = s3
+    url, cache = "s3://packs/named-by-url", tmp_path / "cache"
+    fs.put(str(_text_pack(tmp_path / "p", "A")), "packs/named-by-url", recursive=True)
+
+    def opened(**options_: object) -> packdata.TFRecordDataset:
+        return packdata.TFRecordDataset(url, shuffle=False, storage_options=options, cache_dir=cache, **options_)
+
+    with pytest.raises(
+        ConfigError, match=rf"^{url}: fields, transforms, missing and per-field decode are for multi-field"
+    ):
+        opened(fields=("txt",))
+    with pytest.raises(PackFormatError, match=rf"^{url}: sample 'x/0\.txt' \(index 0\): "):
+        next(iter(opened(decode="pil")))
+    with pytest.raises(ConfigError, match=rf"^{url}: the reader state was saved with seed=5"):
+        opened().load_state_dict({**opened().state_dict(), "seed": 5})
+    ds = opened()
+    for table in [*cache.rglob("*.tfpayload"), *cache.rglob("*.tfindex")]:
+        table.unlink()  # a clean-up of the cache while the dataset is open
+    with pytest.raises(PackFormatError, match=rf"^{url}/changing-00000-of-00001\.tfindex: ") as raised:
+        list(ds)
+    assert str(cache) not in str(raised.value)
+    older = _text_pack(tmp_path / "older", "A")  # a pack whose manifest records no index digests, its index cut
+    rewrite_manifest(older, lambda d: d["index"].pop("sha256"))
+    os.truncate(older / "index" / "sizes.i64", 8)
+    fs.put(str(older), "packs/older", recursive=True)
+    with pytest.raises(PackFormatError, match=r"^s3://packs/older/index: sample index is missing or damaged"):
+        packdata.TFRecordDataset("s3://packs/older", storage_options=options, cache_dir=cache)
+    out = _cli("ls", "s3://packs/older", options=options)
+    assert out.exit_code == 1 and out.output.startswith("Error: s3://packs/older/index: sample index is"), out.output
+
+
 def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear_error(s3, tmp_path: Path) -> None:
     """The pack uploaded again, its records of the same lengths: nothing read after the replacement is the new one's."""
     options, fs = s3
@@ -2268,7 +2301,8 @@ def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear
         reader.wait()
     assert all(data.startswith("A") for data in outcome["read"]), outcome["read"]  # never the new pack's records
     assert re.fullmatch(
-        rf"{re.escape(str(cache))}/\w+/changing/manifest\.json: pack changed since the dataset was opened .*",
+        rf"{url}/manifest\.json: pack changed since the dataset was opened .* \(cached copy: "
+        rf"{re.escape(str(cache))}/\w+/changing/manifest\.json\)\. Recreate the dataset .*",
         outcome["error"],
     ), outcome["error"]
 

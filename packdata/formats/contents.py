@@ -30,7 +30,8 @@ from packdata.pack.urls import display_url, is_url
 __all__ = ["ExportResult", "export_pack", "list_samples", "read_field", "resolve_sample"]
 
 
-def _index(pack: Path, manifest: Manifest) -> SampleIndex:
+def _index(pack: Path, manifest: Manifest, where: str | Path | None = None) -> SampleIndex:
+    """The pack's sample index; ``where``: the pack as errors name it (a URL for a cached copy), default ``pack``."""
     directory = pack / manifest.index_dir
     try:
         fields = manifest.fields if manifest.kind == "fields" else None
@@ -40,7 +41,9 @@ def _index(pack: Path, manifest: Manifest) -> SampleIndex:
             f"{os.path.basename(exc.filename)}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else exc
         )
         raise PackFormatError(
-            f"sample index is missing or damaged: {problem}", path=directory, hint="Convert the pack again"
+            f"sample index is missing or damaged: {problem}",
+            path=f"{where}/{manifest.index_dir}" if where else directory,
+            hint="Convert the pack again",
         ) from exc
 
 
@@ -57,9 +60,10 @@ def list_samples(
         PackFormatError: the sample index is missing, or differs from the manifest's digests.
     """
     url = is_url(pack)
+    shown = display_url(os.fspath(pack)) if url else None
     pack = Path(_checked_skeleton(os.fspath(pack), storage_options)[0] if url else pack)
     manifest = read_manifest(pack)
-    index = _index(pack, manifest)
+    index = _index(pack, manifest, shown)
     if not url:  # a cached copy's index was checked as it was fetched
         check_index_digests(pack / manifest.index_dir, manifest.index_sha256)  # a flipped bit would list another label
     shard, shards = 0, manifest.shards
@@ -95,7 +99,7 @@ def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> i
             shown = digits if len(digits) <= 18 else f"{digits[:18]}..."
             raise ConfigError(f"index {shown} is out of range for {manifest.num_samples} samples", path=where)
         return int(digits)
-    keys = _index(pack, manifest).keys
+    keys = _index(pack, manifest, where).keys
     for i in range(len(keys)):
         if keys[i] == which:
             return i
@@ -162,7 +166,7 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
     fmt = get_format(manifest.format)
     rel = fmt.data_name(shard.file)
     j = i - shard.first_index
-    index = _index(local, manifest)
+    index = _index(local, manifest, shown)
     data, key, label = fmt.read_remote_payload(
         fs, root, shown, rel, local / shard.file, shard, j, opened=manifest, key=index.keys[i]
     )

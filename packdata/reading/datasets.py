@@ -76,19 +76,19 @@ class PackView:
         fields: Sequence[str] | None = None,
         transforms: Mapping[str, Callable[[Any], Any]] | None = None,
         missing: Mapping[str, Any] | None = None,
-        shown: str | None = None,
+        where: str | None = None,
     ) -> None:
-        """``shown``: the pack as multi-field errors name it (a URL whose manifest and index are at ``path``)."""
+        """``where``: the pack as errors name it (a URL whose manifest and index are cached at ``path``)."""
         self.pack = PackInfo(path, expected_format)
         self.pack.check_labels()
         self.path = self.pack.path
+        self.where = where or os.fspath(self.path)  # the pack as errors name it: its URL for a cached copy
         self.transform = transform
         self.target_transform = target_transform
         manifest = self.pack.manifest
         self.field_spec: FieldSpec | None = None
         if manifest.kind == "fields":
-            spec_path = shown or self.path
-            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=spec_path, missing=missing)
+            self.field_spec = FieldSpec(manifest, fields, decode, transforms, path=self.where, missing=missing)
             self.pack.index.keys.check()  # every sample carries its key: hashed here once, forked workers inherit it
             self.field_spec.check_present(self.pack)
             self.decode: DecodeFn = resolve_decoder("bytes")
@@ -97,7 +97,7 @@ class PackView:
                 raise ConfigError(
                     f"fields, transforms, missing and per-field decode are for multi-field packs; this pack holds one "
                     f"{manifest.kind} per sample",
-                    path=self.path,
+                    path=self.where,
                     hint="Use decode= and transform=",
                 )
             if decode == "auto":  # the manifest says what the samples are
@@ -176,11 +176,11 @@ class PackView:
 
     def _finish(self, data: bytes, label: int, index: int | None = None) -> tuple[Any, Any]:
         """Decode and transform one sample (``index``: its position, to name it in errors and image warnings)."""
-        token = decoding_sample.set(lambda: f"{self.path}: {self._which(index)}") if self._images else None
+        token = decoding_sample.set(lambda: f"{self.where}: {self._which(index)}") if self._images else None
         try:
             sample = self.decode(data)
         except (ImageFormatError, DecodeError) as exc:
-            raise sample_error(exc, self._which(index), self.path) from exc
+            raise sample_error(exc, self._which(index), self.where) from exc
         finally:
             if token is not None:
                 decoding_sample.reset(token)

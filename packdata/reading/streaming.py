@@ -262,13 +262,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if n == 0:  # packdata writes no empty pack: nothing to pad from, whatever the options
             raise PackFormatError(
                 "pack holds no samples: an epoch would be empty",
-                path=self.path,
+                path=self.where,
                 hint="Convert a source that holds samples",
             )
         if per_rank_count(n, self.world_size, drop_uneven) == 0:  # the options, not the pack, are wrong
             raise ConfigError(
                 f"drop_uneven=True leaves no samples: {n} samples over world_size={self.world_size}",
-                path=self.path,
+                path=self.where,
                 hint="Pass drop_uneven=False to pad instead",
             )
         self._rank_check = RankCheck(
@@ -367,14 +367,14 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 raise ConfigError(
                     f"the reader state was saved with {name}={state_dict.get(name)!r}, but this dataset has "
                     f"{name}={mine!r}",
-                    path=self.path,
+                    path=self.where,
                     hint="Resume with the options, pack and world size the state was saved with",
                 )
         epoch = state_dict.get("epoch")
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:  # numpy's ints pass
             raise ConfigError(
                 f"the reader state's epoch should be a number from 0 on, but got {epoch!r}",
-                path=self.path,
+                path=self.where,
                 hint="Pass the state state_dict or loader_state_dict returned, unchanged",
             )
         if "yielded_per_worker" in state_dict:
@@ -385,7 +385,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 if type(value) is not int or value < least:
                     raise ConfigError(
                         f"the reader state's {name} should be an integer from {least} on, but got {value!r}",
-                        path=self.path,
+                        path=self.where,
                         hint="Pass the state state_dict returned, unchanged",
                     )
         self.epoch = int(epoch)
@@ -401,7 +401,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if type(streams) is not int or streams < 1:
             raise ConfigError(
                 f"the reader state's num_workers should be a positive number of workers, but got {streams!r}",
-                path=self.path,
+                path=self.where,
                 hint="Pass the state loader_state_dict returned, unchanged",
             )
         counts = state["yielded_per_worker"]
@@ -410,7 +410,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             raise ConfigError(
                 f"the reader state's yielded_per_worker should be a list of {streams} counts (num_workers={streams}), "
                 f"but got {got}",
-                path=self.path,
+                path=self.where,
                 hint="Pass the state loader_state_dict returned, unchanged",
             )
         for worker, count in enumerate(counts):
@@ -419,7 +419,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 raise ConfigError(
                     f"the reader state's yielded_per_worker should be from 0 to {length} for worker {worker} "
                     f"(the samples its stream holds this epoch), but got yielded_per_worker[{worker}]={count!r}",
-                    path=self.path,
+                    path=self.where,
                     hint="Pass the state loader_state_dict returned, unchanged",
                 )
 
@@ -549,8 +549,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self._after_resume = resume is not None
         self._position = 0
         if resume is not None:
-            return self._resumed(resume, worker, num_workers)
-        return self._iterate(worker, num_workers)
+            return self._named(self._resumed(resume, worker, num_workers))
+        return self._named(self._iterate(worker, num_workers))
 
     def _iterate(self, worker: int, num_workers: int) -> Iterator[tuple[Any, Any]]:
         records = self._records(self.reader_segments(worker, num_workers), copy=not self.shuffle)
@@ -579,7 +579,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             raise ConfigError(
                 f"the reader state is worker {state.get('worker')} of {state.get('num_workers')}, but it was loaded "
                 f"into worker {worker} of {num_workers}",
-                path=self.path,
+                path=self.where,
                 hint="Resume with the num_workers the state was saved with",
             )
         segments = self.reader_segments(worker, num_workers)
@@ -588,7 +588,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if not 0 <= skip <= length:
             raise ConfigError(
                 f"the reader state says {skip} samples yielded, but this reader's epoch holds {length}",
-                path=self.path,
+                path=self.where,
                 hint="Pass the state this reader saved, unchanged",
             )
         seed = f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}"
@@ -631,6 +631,6 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
     def __repr__(self) -> str:
         return (
-            f"TFRecordDataset({os.fspath(self.path)!r}, samples={self.pack.manifest.num_samples}, "
+            f"TFRecordDataset({self.where!r}, samples={self.pack.manifest.num_samples}, "
             f"shards={len(self._counts)}, rank={self.rank}/{self.world_size})"
         )

@@ -11,13 +11,13 @@ the sample index.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackdataError, PackFormatError
 from packdata.formats.remote_pack import forget_skeleton
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
@@ -30,6 +30,8 @@ from packdata.reading.datasets import PackView
 from packdata.reading.decode import DecodeFn
 
 __all__: list[str] = []
+
+_T = TypeVar("_T")
 
 
 class _TFRecordView(PackView):
@@ -52,19 +54,21 @@ class _TFRecordView(PackView):
         self._storage_options = storage_options
         if is_url(path):  # shards stream from object storage; the manifest and index come from a local copy
             self._url = os.fspath(path).rstrip("/")
+        where = display_url(self._url) if self._url else None
         for may_retry in (True, False):
             local = fetch_skeleton(self._url, storage_options, cache_dir) if self._url else path
             try:
-                shown = display_url(self._url) if self._url else None
                 super().__init__(
-                    local, TFRECORD, transform, target_transform, decode, fields, transforms, missing, shown
+                    local, TFRECORD, transform, target_transform, decode, fields, transforms, missing, where
                 )
                 self.pack.index.keys.check()  # every record read is matched to its key: hashed here, not per worker
                 break
             except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more
                 if not (self._url and may_retry and exc.path and Path(exc.path).is_relative_to(local)):
-                    raise
+                    _raise_at_url(exc, local, where)
                 forget_skeleton(Path(local))
+            except PackdataError as exc:
+                _raise_at_url(exc, local, where)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
@@ -72,6 +76,13 @@ class _TFRecordView(PackView):
         self._first = np.array([s.first_index for s in shards], dtype=np.int64)
         self._sha256 = [s.sha256 for s in shards]
         self._bytes = [s.bytes for s in shards]
+
+    def _named(self, items: Iterator[_T]) -> Iterator[_T]:
+        """``items``; an error they raise that names a file of a pack's cached copy names it by its URL instead."""
+        try:
+            yield from items
+        except PackdataError as exc:
+            _raise_at_url(exc, self.path, display_url(self._url) if self._url else None)
 
     def _load_records(self, shard: int, payloads: bool) -> RecordTable:
         """Shard ``shard``'s records: its record table mapped where valid, else its ``.tfindex`` parsed."""
@@ -128,3 +139,11 @@ class _TFRecordView(PackView):
         stored = {name: value for name, value in fields.items() if self.field_spec.wants(name)}
         sample = self.field_spec.build(stored, key, label, index)
         return self.transform(sample) if self.transform is not None else sample
+
+
+def _raise_at_url(exc: PackdataError, local: str | os.PathLike, url: str | None) -> NoReturn:
+    """Raise ``exc`` (being handled), naming ``url`` in place of ``local``, its cached copy (``url`` None: as it is)."""
+    named = exc if url is None else exc.at_url(local, url)
+    if named is exc:
+        raise exc
+    raise named from exc
