@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
@@ -2378,6 +2378,31 @@ def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record
     assert 1 <= len(read) < 12 and all(data.startswith(b"A") for data in read), read  # never the new pack's bytes
     fresh = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
     assert [data[:1] for data, _ in fresh] == [b"B"] * 12  # a dataset built again reads the new pack
+
+
+def test_a_shard_replaced_mid_epoch_in_a_store_without_etags_stops_the_reader(tmp_path: Path, monkeypatch) -> None:
+    """fsspec's memory store gives no ETag or modification time, only a creation time: a shard replaced there by
+    another pack's of the same layout while a reader read it was streamed on, the epoch mixing both packs."""
+    import fsspec
+
+    import packdata.formats.tfrecord_remote as remote
+
+    monkeypatch.setattr(remote.RemoteShardReader, "CHUNK", 400)  # one record a request: most are fetched later
+    memory = fsspec.filesystem("memory")
+    first, second = _text_pack(tmp_path / "v1", "A"), _text_pack(tmp_path / "v2", "B")
+    memory.put(str(first), "/replaced/changing", recursive=True)
+    try:
+        ds = packdata.TFRecordDataset("memory://replaced/changing", decode="bytes", shuffle=False, cache_dir=tmp_path)
+        it = iter(ds)
+        read = [next(it)[0]]
+        (shard,) = memory.glob("/replaced/changing/*.tfrecord")
+        memory.pipe_file(shard, (second / PurePosixPath(shard).name).read_bytes())
+        with pytest.raises(PackFormatError, match=r"^memory://.*\.tfrecord: was replaced \(re-uploaded\?\) while"):
+            for data, _ in it:
+                read.append(data)
+        assert all(data.startswith(b"A") for data in read), read  # never the other pack's records
+    finally:
+        memory.rm("/replaced", recursive=True)
 
 
 def test_a_reader_state_never_resumes_on_a_pack_uploaded_again_since(s3, tmp_path: Path, monkeypatch) -> None:

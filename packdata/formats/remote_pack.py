@@ -86,7 +86,7 @@ def fetch_range(
     ``If-Match`` (a replaced object answers 412, at no extra request); on other
     stores the object's version is looked up again after each read (one
     metadata request a read). A store that reports no version (no ETag,
-    generation or modification time) is read as without ``opened``, but for
+    modification or creation time) is read as without ``opened``, but for
     the manifest check at the pin.
 
     Raises:

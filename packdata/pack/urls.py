@@ -86,8 +86,19 @@ def local_name(url: str) -> str:
 
 
 def object_version(info: dict[str, Any]) -> str:
-    """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``."""
-    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+    """What a store says changes whenever an object is written: its ETag, else its modification time, else ``""``.
+
+    A store that gives neither may give the object's creation time (fsspec's
+    memory store, where every write makes a new object): that is taken last.
+    """
+    return str(
+        info.get("ETag")
+        or info.get("etag")
+        or info.get("mtime")
+        or info.get("LastModified")
+        or info.get("created")
+        or ""
+    )
 
 
 def conditional_reads(fs: Any) -> bool:
