@@ -181,6 +181,29 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     assert not (tmp_path / "cache" / "flip.lmdb").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
+def test_a_shard_object_shorter_than_its_manifest_or_missing_is_named_by_its_url_at_stage(
+    s3, remote_pack, tmp_path: Path, damage: str
+) -> None:
+    """A shard object cut short, emptied or deleted at the URL: stage said '... is shorter than expected (it changed
+    while staging). Rerun' or blamed the network ('rerun to resume... check the credentials'); no rerun helps."""
+    options, fs = s3
+    url = f"s3://packs/short-{damage}.lmdb"
+    fs.put(str(remote_pack[1]), url, recursive=True)
+    shard = f"{url}/shard-00000.lmdb/data.mdb"
+    size = fs.size(shard)
+    if damage == "missing":
+        fs.rm_file(shard)
+    else:
+        fs.pipe_file(shard, fs.cat_file(shard)[: size // 2 if damage == "truncated" else 0])
+    expected = (
+        "is missing" if damage == "missing" else rf"the object is {size // 2 if damage == 'truncated' else 0} bytes"
+    )
+    with pytest.raises(PackFormatError, match=rf"^{shard}: {expected}"):
+        packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert not (tmp_path / "cache" / f"short-{damage}.lmdb").exists()
+
+
 @pytest.mark.parametrize("clash", ["side-table", "skip-report"])
 def test_a_remote_manifest_naming_one_file_twice_is_refused_before_a_download(
     s3, remote_tfrecord, tmp_path: Path, clash: str
@@ -1058,8 +1081,10 @@ def test_a_missing_object_is_reported_without_retries(s3) -> None:
     assert len(calls) == 1
 
 
-def test_an_object_shorter_than_the_pack_says_is_named_without_retries(s3) -> None:
-    """A short read was retried as a network fault, and the error pointed at the network."""
+@pytest.mark.parametrize("start", [100, 700])  # 700: past the object's end, which S3 answers with an error (416)
+def test_an_object_shorter_than_the_pack_says_is_named_without_retries(s3, start: int) -> None:
+    """A short read was retried as a network fault, and the error pointed at the network (a range past the end:
+    four tries, then 'could not be read after 4 tries (OSError)')."""
     from packdata.formats.remote_pack import fetch_range
 
     _, fs = s3
@@ -1074,8 +1099,10 @@ def test_an_object_shorter_than_the_pack_says_is_named_without_retries(s3) -> No
         def info(self, path):
             return fs.info(path)
 
-    with pytest.raises(PackFormatError, match=r"the object is 675 bytes, but the pack's tables place bytes 100-775"):
-        fetch_range(Counting(), "packs/short-object", "s3://packs/short-object", 100, 775, backoff=5)
+    with pytest.raises(
+        PackFormatError, match=rf"the object is 675 bytes, but the pack's tables place bytes {start}-775"
+    ):
+        fetch_range(Counting(), "packs/short-object", "s3://packs/short-object", start, 775, backoff=0.01)
     assert len(calls) == 1
 
 

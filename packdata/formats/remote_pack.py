@@ -44,6 +44,7 @@ from packdata.pack.urls import (
     object_version,
     open_url,
     precondition_failed,
+    range_not_satisfiable,
     read_at_version,
     read_url_manifest,
     remote_error,
@@ -51,6 +52,7 @@ from packdata.pack.urls import (
 
 __all__ = [
     "RemoteStream",
+    "check_not_short",
     "download_skeleton",
     "fetch_pack_skeleton",
     "fetch_range",
@@ -114,8 +116,10 @@ def fetch_range(
             if precondition_failed(exc):
                 raise _replaced(where) from exc
             problem = type(exc).__name__
+            if range_not_satisfiable(exc):
+                check_not_short(fs, path, where, start, end)
         else:
-            _check_not_short(fs, path, where, start, end)
+            check_not_short(fs, path, where, start, end)
         if tries < retries:
             if stop is None:
                 time.sleep(delay)
@@ -199,7 +203,7 @@ def _check_version(fs: Any, path: str, where: str, version: str) -> None:
         raise _replaced(where)
 
 
-def _check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> None:
+def check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> None:
     """After a short read: raise if the object itself ends before ``end`` (no retry helps); else let it retry."""
     try:
         size = remote_size(fs, path, where)

@@ -30,6 +30,7 @@ __all__ = [
     "object_version",
     "open_url",
     "precondition_failed",
+    "range_not_satisfiable",
     "read_at_version",
     "read_url_manifest",
     "remote_error",
@@ -134,11 +135,20 @@ async def _s3_get(fs: Any, bucket: str, key: str, etag: str, byte_range: dict[st
 
 def precondition_failed(exc: BaseException) -> bool:
     """Whether a request failed with HTTP 412 (its ``If-Match`` no longer holds: the object was replaced)."""
+    return _failed_with(exc, 412, "PreconditionFailed")
+
+
+def range_not_satisfiable(exc: BaseException) -> bool:
+    """Whether a request failed with HTTP 416: its range starts past the object's end (S3's answer to that)."""
+    return _failed_with(exc, 416, "InvalidRange")
+
+
+def _failed_with(exc: BaseException, status: int, code: str) -> bool:
     for error in (exc, exc.__cause__):  # s3fs raises an OSError caused by botocore's ClientError
         response = getattr(error, "response", None)
         if isinstance(response, dict) and (
-            response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
-            or response.get("Error", {}).get("Code") == "PreconditionFailed"
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode") == status
+            or response.get("Error", {}).get("Code") == code
         ):
             return True
     return False

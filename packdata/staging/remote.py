@@ -49,7 +49,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.formats.remote_pack import remote_size
+from packdata.formats.remote_pack import check_not_short, remote_size
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
@@ -73,7 +73,15 @@ from packdata.pack.lock import (
     wait_for_lock,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
-from packdata.pack.urls import display_url, is_url, open_url, read_url_manifest, remote_error, user_digest
+from packdata.pack.urls import (
+    display_url,
+    is_url,
+    open_url,
+    range_not_satisfiable,
+    read_url_manifest,
+    remote_error,
+    user_digest,
+)
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import LOCK as STAGE_LOCK
 from packdata.staging.copy import dir_bytes, missing_folders, removed_if_refused
@@ -380,12 +388,25 @@ def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> N
 
 
 def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: int, shown: str) -> int:
-    """Download bytes ``[start, end)`` of ``rel`` into its ``.part`` file; returns the bytes written."""
+    """Download bytes ``[start, end)`` of ``rel`` into its ``.part`` file; returns the bytes written.
+
+    Raises:
+        PackFormatError: the object is missing, or shorter than the manifest (a shard) or its look-up says.
+        SourceError: the request failed (a rerun resumes).
+    """
+    where = f"{shown}/{rel}"
     try:
         chunk = fs.cat_file(f"{root}/{rel}", start=start, end=end)
+    except FileNotFoundError as exc:  # the manifest names it: no rerun helps
+        raise PackFormatError(
+            "is missing", path=where, hint="The pack is incomplete: convert or upload it again"
+        ) from exc
     except Exception as exc:
+        if range_not_satisfiable(exc):  # S3's answer to a range past the end
+            check_not_short(fs, f"{root}/{rel}", where, start, end)
         raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
     if len(chunk) != end - start:
+        check_not_short(fs, f"{root}/{rel}", where, start, end)  # the object itself ends early: named
         raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
     fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
     try:
