@@ -204,6 +204,28 @@ def test_a_shard_object_shorter_than_its_manifest_or_missing_is_named_by_its_url
     assert not (tmp_path / "cache" / f"short-{damage}.lmdb").exists()
 
 
+def test_a_remote_manifest_of_a_staged_pack_is_refused_before_a_local_path_it_names_is_read(
+    s3, remote_tfrecord, tmp_path: Path
+) -> None:
+    """A manifest at a URL that says it is a staged pack, its shards at absolute paths: each path's folder on this
+    machine was read as the shard's origin pack before the refusal, and the error told what lay there."""
+    options, fs = s3
+    pack = tmp_path / "staged"
+    shutil.copytree(remote_tfrecord[1], pack)
+    origin = tmp_path / "origin-on-this-machine"
+    rewrite_manifest(pack, lambda d: (d.__setitem__("staged_from", str(origin)),
+                                      d["shards"][0].__setitem__("file", str(origin / "x.tfrecord"))))  # fmt: skip
+    fs.put(str(pack), "packs/staged-manifest", recursive=True)
+    url = "s3://packs/staged-manifest"
+    for opened in (
+        lambda: packdata.TFRecordDataset(url, storage_options=options, cache_dir=tmp_path / "cache"),
+        lambda: packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False),
+    ):
+        with pytest.raises(PackFormatError, match=rf"^{url}/manifest\.json: is a staged pack's manifest\. ") as raised:
+            opened()
+        assert str(origin) not in str(raised.value)
+
+
 @pytest.mark.parametrize("clash", ["side-table", "skip-report"])
 def test_a_remote_manifest_naming_one_file_twice_is_refused_before_a_download(
     s3, remote_tfrecord, tmp_path: Path, clash: str

@@ -581,7 +581,7 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _read(pack: Path, *, external: bool) -> Manifest:
+def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
     path = pack / MANIFEST_NAME
     try:
         mode: int | None = os.stat(pack).st_mode
@@ -626,6 +626,8 @@ def _read(pack: Path, *, external: bool) -> Manifest:
             path=path,
             hint=_HINT,
         )
+    if not staged and manifest.staged_from is not None:  # before any path it names is looked at
+        raise PackFormatError("is a staged pack's manifest", path=path, hint="Point at the original pack")
     if not external and any(os.path.isabs(s.file) for s in manifest.shards):
         raise PackFormatError(
             "is a staged pack whose shards are partly elsewhere; it cannot be the origin of another",
@@ -642,16 +644,17 @@ def _read(pack: Path, *, external: bool) -> Manifest:
     return manifest
 
 
-def read_manifest(pack: str | os.PathLike) -> Manifest:
+def read_manifest(pack: str | os.PathLike, *, staged: bool = True) -> Manifest:
     """Read a pack's manifest and validate all of it.
 
     The schema is checked strictly (:func:`validate_manifest`) and every path
     it names is resolved inside the pack (:func:`resolve_in_pack`); the shards a
     staged pack left at its origin must be shards of that pack, with the same
-    checksum.
+    checksum. ``staged=False`` refuses a staged pack before any path its
+    manifest names is looked at (a manifest from a URL names no local file).
 
     Raises:
         PackFormatError: the path is missing, is not a pack, is damaged, names a
             path outside the pack, or was written by a newer packdata.
     """
-    return _read(Path(pack), external=True)
+    return _read(Path(pack), external=True, staged=staged)

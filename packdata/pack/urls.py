@@ -201,11 +201,9 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
     with tempfile.TemporaryDirectory(prefix="packdata-manifest-") as probe:
         Path(probe, MANIFEST_NAME).write_bytes(raw)
         try:
-            manifest = read_manifest(probe)
+            manifest = read_manifest(probe, staged=False)  # a staged pack's shards would be paths on this machine
         except PackFormatError as exc:  # named by its URL: the probe folder is gone once this returns
             raise PackFormatError(exc.message, path=f"{shown}/{MANIFEST_NAME}", hint=exc.hint) from exc
-    if manifest.staged_from is not None:
-        raise PackFormatError(f"{shown}: is a staged pack; use its origin", hint="Point at the original pack")
     return manifest, raw
 
 
