@@ -10,6 +10,7 @@ import copy
 import errno
 import os
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = [
     "CapacityError",
@@ -27,6 +28,7 @@ __all__ = [
     "out_of_files_error",
     "out_of_maps",
     "out_of_maps_error",
+    "raise_at_url",
     "sample_error",
     "too_many_open_files",
 ]
@@ -59,6 +61,15 @@ class PackdataError(Exception):
             named.message = f"{self.message} (cached copy: {self.path})"
         named.args = (named._text(),)
         return named
+
+
+def raise_at_url(exc: PackdataError, local: str | os.PathLike, url: str | None) -> NoReturn:
+    """Raise ``exc`` (being handled) naming ``url`` in place of ``local``, its cached copy (see
+    :meth:`PackdataError.at_url`); as it is when ``url`` is None."""
+    named = exc if url is None else exc.at_url(local, url)
+    if named is exc:
+        raise exc
+    raise named from exc
 
 
 class SourceError(PackdataError):

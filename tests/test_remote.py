@@ -2320,6 +2320,12 @@ def test_errors_of_a_pack_at_a_url_name_the_url_never_only_the_cache(s3, tmp_pat
         packdata.TFRecordDataset("s3://packs/older", storage_options=options, cache_dir=cache)
     out = _cli("ls", "s3://packs/older", options=options)
     assert out.exit_code == 1 and out.output.startswith("Error: s3://packs/older/index: sample index is"), out.output
+    damaged = _text_pack(tmp_path / "damaged", "A")  # its offsets index cut: cat reads a record through it
+    (tfindex,) = damaged.glob("*.tfindex")
+    os.truncate(tfindex, tfindex.stat().st_size - 8)
+    fs.put(str(damaged), "packs/damaged", recursive=True)
+    out = _cli("cat", "s3://packs/damaged", "x/0.txt", options=options)
+    assert out.exit_code == 1 and out.output.startswith(f"Error: s3://packs/damaged/{tfindex.name}: "), out.output
 
 
 def test_a_reader_whose_cache_copy_another_process_replaced_stops_with_one_clear_error(s3, tmp_path: Path) -> None:

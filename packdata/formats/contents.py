@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, destination_error, raise_at_url
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton, forget_skeleton
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
@@ -167,9 +167,12 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
     rel = fmt.data_name(shard.file)
     j = i - shard.first_index
     index = _index(local, manifest, shown)
-    data, key, label = fmt.read_remote_payload(
-        fs, root, shown, rel, local / shard.file, shard, j, opened=manifest, key=index.keys[i]
-    )
+    try:
+        data, key, label = fmt.read_remote_payload(
+            fs, root, shown, rel, local / shard.file, shard, j, opened=manifest, key=index.keys[i]
+        )
+    except PackdataError as exc:  # a damaged side table of the cached copy: named by its URL
+        raise_at_url(exc, local, shown)
     _match_index(index, i, key, label, len(data), f"{shown}/{rel}")
     return Sample(index.keys[i], int(index.labels[i]), data, manifest.kind), manifest, shown
 

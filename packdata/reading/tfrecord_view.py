@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from packdata.errors import PackdataError, PackFormatError
+from packdata.errors import PackdataError, PackFormatError, raise_at_url
 from packdata.formats.remote_pack import forget_skeleton
 from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
@@ -65,10 +65,10 @@ class _TFRecordView(PackView):
                 break
             except PackFormatError as exc:  # a cached copy's index damaged since it was downloaded: once more
                 if not (self._url and may_retry and exc.path and Path(exc.path).is_relative_to(local)):
-                    _raise_at_url(exc, local, where)
+                    raise_at_url(exc, local, where)
                 forget_skeleton(Path(local))
             except PackdataError as exc:
-                _raise_at_url(exc, local, where)
+                raise_at_url(exc, local, where)
         self.check_crc = check_crc
         shards = self.pack.manifest.shards
         self._shard_paths = [os.fspath(s.path(self.path)) for s in shards]
@@ -82,7 +82,7 @@ class _TFRecordView(PackView):
         try:
             yield from items
         except PackdataError as exc:
-            _raise_at_url(exc, self.path, display_url(self._url) if self._url else None)
+            raise_at_url(exc, self.path, display_url(self._url) if self._url else None)
 
     def _load_records(self, shard: int, payloads: bool) -> RecordTable:
         """Shard ``shard``'s records: its record table mapped where valid, else its ``.tfindex`` parsed."""
@@ -139,11 +139,3 @@ class _TFRecordView(PackView):
         stored = {name: value for name, value in fields.items() if self.field_spec.wants(name)}
         sample = self.field_spec.build(stored, key, label, index)
         return self.transform(sample) if self.transform is not None else sample
-
-
-def _raise_at_url(exc: PackdataError, local: str | os.PathLike, url: str | None) -> NoReturn:
-    """Raise ``exc`` (being handled), naming ``url`` in place of ``local``, its cached copy (``url`` None: as it is)."""
-    named = exc if url is None else exc.at_url(local, url)
-    if named is exc:
-        raise exc
-    raise named from exc
