@@ -89,6 +89,19 @@ def test_stage_from_s3_downloads_verifies_and_then_reuses(s3, remote_pack, tmp_p
     assert not list((tmp_path / "cache").glob(".*partial*"))
 
 
+@pytest.mark.parametrize("lost", ["shard-00001.lmdb/data.mdb", "index/keys.utf8"])
+def test_a_staged_copy_that_lost_a_file_is_downloaded_again(s3, remote_pack, tmp_path: Path, lost: str) -> None:
+    """A staged copy that lost a shard (a clean-up of the cache) was reused by the next stage, as complete: the
+    reader's error said 'convert or stage it again', and staging again changed nothing."""
+    options, _ = s3
+    url, local = remote_pack
+    staged = packdata.stage(url, to=tmp_path, storage_options=options, progress=False).staged
+    (staged / lost).unlink()
+    result = packdata.stage(url, to=tmp_path, storage_options=options, progress=False)
+    assert result.downloaded and result.staged == staged
+    assert _samples(staged) == _samples(local)
+
+
 def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(
     s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,8 +9,8 @@ the same lock: a download waits for them, a local stage waits for a download,
 and an unstage is refused while one runs. The steps:
 
 1. The remote ``manifest.json`` is read and validated like a local one.
-2. When ``CACHE/NAME`` already holds a complete copy of this manifest, nothing
-   is downloaded.
+2. When ``CACHE/NAME`` already holds a complete copy of this manifest, still
+   holding every file the pack needs, nothing is downloaded.
 3. Otherwise every file of the pack (shards with their side tables, the sample
    index, the skip report) is downloaded into ``CACHE/.NAME.partial``: in
    parallel, large files in parallel byte ranges, each shard's SHA-256
@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -241,6 +242,7 @@ def _stage_locked(
         and (marker.get("origin"), marker.get("origin_user", "")) == (shown, user)
         and marker.get("manifest_sha256") == digest
         and marker.get("complete")
+        and _intact(dest, files)
     ):
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
@@ -356,6 +358,25 @@ def _remote_size(fs: Any, path: str, required: bool) -> int | None:
 
 def _part(local: Path) -> Path:
     return local.with_name(f".{local.name}.part")
+
+
+def _intact(dest: Path, files: list[tuple[str, int | None, str | None, bool]]) -> bool:
+    """Whether the staged copy ``dest`` still holds each file the pack needs (``files``, see :func:`_pack_files`).
+
+    Each is a regular file, a shard of the manifest's size: one ``lstat`` a
+    file (a copy that lost a shard to a clean-up is downloaded again, not
+    reused until a reader fails on it).
+    """
+    for rel, size, _, required in files:
+        try:
+            info = (dest / rel).lstat()
+        except FileNotFoundError:
+            if required:
+                return False
+            continue
+        if not stat.S_ISREG(info.st_mode) or (size is not None and info.st_size != size):
+            return False
+    return True
 
 
 def _complete(local: Path, size: int, sha256: str | None) -> bool:
