@@ -93,7 +93,8 @@ def fetch_range(
 
     Raises:
         PackFormatError: the bytes could not be read in ``retries`` tries
-            (``where`` names the object), or the object was replaced since it was pinned.
+            (``where`` names the object), the object is missing or shorter, or
+            it was replaced since it was pinned.
     """
     delay = backoff
     problem = ""
@@ -109,7 +110,13 @@ def fetch_range(
             problem = f"got {len(data)} of {end - start} bytes"
         except PackFormatError:  # the pack was replaced: no retry helps
             raise
-        except (FileNotFoundError, PermissionError) as exc:  # the object is gone or denied: no retry helps
+        except FileNotFoundError as exc:  # no retry helps
+            raise PackFormatError(
+                "is missing (removed, or its pack is being converted again)",
+                path=where,
+                hint="Run `packdata verify` on the pack; once it is converted again, recreate the dataset",
+            ) from exc
+        except PermissionError as exc:  # denied: no retry helps
             problem = type(exc).__name__
             break
         except Exception as exc:
