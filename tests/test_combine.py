@@ -911,3 +911,20 @@ def test_append_to_a_pack_whose_names_count_too_many_appends_is_refused_before_c
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith(f"Error: {pack / 'manifest.json'}: the pack's names (index.dir or a shard's file)")
     assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == sorted([*around, "b"])
+
+
+def test_append_through_a_symbolic_link_to_a_pack_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """An append takes its lock (and converts) beside the path given: through a link that was beside the link,
+    so an append through the link and one through the pack's own path held two locks and wrote into one pack
+    at once (both named their files shard-a1-..., index-a1). Refused, as convert and merge refuse a linked DST."""
+    pack = tmp_path / "a.lmdb"
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), pack, progress=False)
+    link = tmp_path / "link.lmdb"
+    link.symlink_to(pack.name)
+    tree, around = tree_digest(pack), sorted(os.listdir(tmp_path))
+    result = CliRunner().invoke(
+        cli, ["convert", str(_folder(tmp_path / "b", {"dog": ["2.jpg"]})), str(link), "--append"]
+    )
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"Error: {link}: destination is a symbolic link (to 'a.lmdb')")
+    assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == sorted([*around, "b"])

@@ -50,6 +50,7 @@ __all__ = [
     "ConvertResult",
     "bad_file_error",
     "check_inputs_apart",
+    "check_not_a_link",
     "check_resumable",
     "classes_changed_error",
     "extend_classes",
@@ -298,6 +299,21 @@ _NAME_ROOM = 40
 """Bytes packdata adds to a destination's name (``.NAME.append.partial``, ``STEM-000000-of-000000.tfpayload``)."""
 
 
+def check_not_a_link(dst: Path) -> None:
+    """Refuse a destination that is a symbolic link: its lock (``.NAME.lock``) is taken beside the path given,
+    so a pack written through a link and through its real path at once would hold two locks.
+
+    Raises:
+        ConfigError: naming ``dst`` and where it points.
+    """
+    if dst.is_symlink():
+        raise ConfigError(
+            f"destination is a symbolic link (to {os.readlink(dst)!r}); packdata writes a pack only at a real path",
+            path=dst,
+            hint="Pass the path the link points to, or another path",
+        )
+
+
 def _check_destination_writable(dst: Path) -> None:
     """Refuse, with one line, a destination packdata cannot write a pack at.
 
@@ -312,12 +328,7 @@ def _check_destination_writable(dst: Path) -> None:
         ConfigError: ``dst`` or its parent cannot be used.
         CapacityError: the parent's file system is full.
     """
-    if dst.is_symlink():
-        raise ConfigError(
-            f"destination is a symbolic link (to {os.readlink(dst)!r}); packdata writes a pack only at a real path",
-            path=dst,
-            hint="Pass the path the link points to, or another path",
-        )
+    check_not_a_link(dst)
     if dst.exists() and not dst.is_dir():
         raise ConfigError(
             "destination exists and is not a folder", path=dst, hint="Choose another path; packdata will not replace it"
