@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import packdata
 from packdata.cli import main
 from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import Skip, SourceFile, scan_source
-from packdata.errors import CapacityError, EngineError, PackFormatError, SourceError
+from packdata.errors import CapacityError, ConfigError, EngineError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 from packdata.reading.datasets import LMDBDataset
 
@@ -432,30 +433,54 @@ def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_pat
         packdata.convert(clean_folder, dst, shard_samples=10, progress=False, engine="ray")
 
 
-@pytest.mark.ray
-def test_ray_resume_refuses_a_source_whose_classes_changed(ray_local, clean_folder: Path, tmp_path: Path) -> None:
-    """The plan kept no classes: a class folder added since renumbered every class the saved tasks had labelled."""
+_RESUME = {"format": "tfrecord", "shard_samples": 10, "resume": True, "progress": False, "engine": "ray"}
+
+
+def _interrupted_ray_run(folder: Path, dst: Path) -> list[str]:
+    """A Ray conversion of ``folder`` into ``dst`` whose last task failed for good; the names of its saved tasks."""
     from packdata.conversion.load import _Options
+    from packdata.conversion.publish import source_identity
     from packdata.conversion.ray_gather import _prepare_partial
     from packdata.conversion.ray_tasks import TASKS_DIR
 
-    dst = tmp_path / "out"
     partial = partial_path(dst)
     opts = _Options("tfrecord", "image", "skip", False, None, 90, None, 10)
-    classes = scan_source(clean_folder).classes
-    _prepare_partial(partial, dst, opts, overwrite=False, resume=False, classes=classes, source=clean_folder)
+    source = scan_source(folder)  # the plan as the run writes it
+    places = source_identity(source)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False, classes=source.classes, places=places)
     (partial / "part-00003.tfindex").mkdir()  # the last task cannot write its index: it fails for good
-    options = {"format": "tfrecord", "shard_samples": 10, "resume": True, "progress": False, "engine": "ray"}
     with pytest.raises(EngineError):
-        packdata.convert(clean_folder, dst, **options)
+        packdata.convert(folder, dst, **_RESUME)
     (partial / "part-00003.tfindex").rmdir()
-    saved = sorted(p.name for p in (partial / TASKS_DIR).iterdir())
+    return sorted(p.name for p in (partial / TASKS_DIR).iterdir())
+
+
+@pytest.mark.ray
+def test_ray_resume_refuses_a_source_whose_classes_changed(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """The plan kept no classes: a class folder added since renumbered every class the saved tasks had labelled."""
+    dst = tmp_path / "out"
+    saved = _interrupted_ray_run(clean_folder, dst)
     (clean_folder / "aaa").mkdir()
     (clean_folder / "aaa" / "x.jpg").write_bytes(_tiny_jpeg(1))
     message = "the source's classes changed since the interrupted conversion (class 0 was 'class0', is now 'aaa')"
     with pytest.raises(SourceError, match=re.escape(message)):
-        packdata.convert(clean_folder, dst, **options)
-    assert sorted(p.name for p in (partial / TASKS_DIR).iterdir()) == saved and not dst.exists()
+        packdata.convert(clean_folder, dst, **_RESUME)
+    assert sorted(p.name for p in (partial_path(dst) / "tasks").iterdir()) == saved and not dst.exists()
+
+
+@pytest.mark.ray
+def test_ray_resume_refuses_another_source_with_the_same_names(ray_local, clean_folder: Path, tmp_path: Path) -> None:
+    """The plan did not record which source it read: a run of v1 resumed from v2 (the same names and classes,
+    other bytes) kept v1's finished tasks beside v2's. It is refused now, naming both, the saved tasks kept."""
+    other = tmp_path / "v2"
+    shutil.copytree(clean_folder, other)
+    dst = tmp_path / "out"
+    saved = _interrupted_ray_run(clean_folder, dst)
+    message = f"the interrupted conversion read another source ({clean_folder.resolve()}; this run reads {other})"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        packdata.convert(other, dst, **_RESUME)
+    assert sorted(p.name for p in (partial_path(dst) / "tasks").iterdir()) == saved and not dst.exists()
+    assert packdata.convert(clean_folder, dst, **_RESUME).resumed
 
 
 @pytest.mark.ray

@@ -788,6 +788,37 @@ def test_a_resume_refuses_a_source_whose_classes_changed_since(
     assert tree_digest(partial_path(dst)) == before and not dst.exists()
 
 
+@pytest.mark.parametrize("layout", ["folder", "list"])
+def test_a_resume_from_another_source_with_the_same_names_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """The checkpoint did not record which source it read: a conversion of v1 (images_256/, say) resumed from v2
+    (images_512/: the same names and classes, other bytes) gave a pack of v1's first samples and v2's last ones,
+    which neither gives. It is refused now, naming both sources, the partial kept for v1."""
+    for version in ("v1", "v2"):
+        rows = ["path,label"]
+        for i in range(8):
+            cls = "cat" if i < 4 else "dog"
+            (tmp_path / version / cls).mkdir(parents=True, exist_ok=True)
+            (tmp_path / version / cls / f"{i}.txt").write_text(f"{version} {i}", encoding="utf-8")
+            rows.append(f"{cls}/{i}.txt,{cls}")
+        (tmp_path / f"{version}.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        shutil.move(tmp_path / f"{version}.csv", tmp_path / version / "list.csv")
+    options = {"list": {"label_column": "label"}}.get(layout, {})
+    source = {"folder": "{v}", "list": "{v}/list.csv"}[layout]
+    v1, v2 = (tmp_path / source.format(v=v) for v in ("v1", "v2"))
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(v1, dst, monkeypatch, after=3, **options)
+    before = tree_digest(partial_path(dst))
+    message = f"the interrupted conversion read another source ({v1.resolve()}; this run reads {v2.resolve()})"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        convert(v2, dst, progress=False, resume=True, **options)
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
+    assert convert(v1, dst, progress=False, resume=True, **options).resumed
+    convert(v1, tmp_path / "whole.lmdb", progress=False, **options)
+    assert tree_digest(dst) == tree_digest(tmp_path / "whole.lmdb")
+
+
 def test_a_resume_over_a_changed_source_keeps_the_interrupted_conversion(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,6 +25,7 @@ from packdata.conversion.publish import (
     is_skip_counts,
     is_skip_lines,
     other_options_error,
+    source_changed_error,
 )
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write
@@ -42,9 +43,13 @@ _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 class _Checkpoint:
     """The resumable state of a conversion, saved in ``progress.json``."""
 
-    def __init__(self, path: Path, options: dict[str, Any], classes: Sequence[str] = ()) -> None:
+    def __init__(
+        self, path: Path, options: dict[str, Any], classes: Sequence[str] = (), source: Sequence[str] = ()
+    ) -> None:
         self.path = path
         self.options = options
+        self.source = list(source)  # where the source is (source_identity): a resume must read the same
+        self.saved_source: list[str] | None = None  # the interrupted run's (None: an earlier packdata kept none)
         self.classes = list(classes)  # the source's, as scanned: its labels number them
         self.saved_classes: list[str] | None = None  # the interrupted run's (None: an earlier packdata kept none)
         self.files_done = 0
@@ -68,6 +73,7 @@ class _Checkpoint:
         return {
             "options": self.options,
             "classes": self.classes,
+            "source": self.source,
             "files_done": self.files_done,
             "samples_done": self.samples_done,
             _WALK: self.walk.hexdigest(),
@@ -106,6 +112,17 @@ class _Checkpoint:
         self.field_names = state.get("field_names", [])
         self.index_files = state.get("index_files")  # None from an earlier packdata
         self.saved_classes = state.get("classes")
+        self.saved_source = state.get("source")
+
+    def check_source(self) -> None:
+        """Refuse a resume that reads another source than the interrupted run read.
+
+        Raises:
+            ConfigError: naming both (:func:`source_changed_error`).
+        """
+        error = source_changed_error(self.saved_source, self.source, self.path.parent)
+        if error is not None:
+            raise error
 
     def check_classes(self, source: Path | str) -> None:
         """Refuse a resume whose source numbers its classes otherwise than the interrupted run's did.
@@ -189,6 +206,9 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     names = state.get("field_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise _bad(path, "field_names", "a list of distinct strings", names)
+    source = state.get("source", [])  # absent from an earlier packdata's
+    if not isinstance(source, list) or not all(isinstance(s, str) for s in source):
+        raise _bad(path, "source", "a list of strings", source)
     classes = state.get("classes", [])  # absent from an earlier packdata's
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         raise _bad(path, "classes", "a list of strings", classes)

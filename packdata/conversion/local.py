@@ -34,6 +34,7 @@ from packdata.conversion.publish import (
     partial_path,
     record_skip,
     skip_line,
+    source_identity,
 )
 from packdata.conversion.sources import Skip, walk_record
 from packdata.errors import (
@@ -72,12 +73,13 @@ def _convert_local(
 ) -> ConvertResult:
     """The local engine: threads read, this process writes; run under the destination's lock."""
     partial = partial_path(dst)
-    checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts), source.classes)
+    checkpoint = _Checkpoint(partial / PROGRESS_FILE, asdict(opts), source.classes, source_identity(source))
     if resume and os.path.lexists(partial):
         check_resumable(partial)
     resumed = resume and checkpoint.path.is_file()
     if resumed:
         checkpoint.load(shard_writer(opts.format).shard_name)
+        checkpoint.check_source()
         checkpoint.check_classes(source.root)
     elif os.path.lexists(partial):
         if not overwrite and not resume:

@@ -43,6 +43,7 @@ from packdata.pack.files import (
 from packdata.pack.index import ALL_FILES, INDEX_DIR, LABELS_FILE, SampleIndex, index_digests, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import FIELDS_VERSION, MANIFEST_NAME, SKIP_REPORT, Manifest, ShardInfo, read_manifest
+from packdata.pack.urls import is_url
 
 __all__ = [
     "MAX_SKIP_EXAMPLES",
@@ -64,6 +65,8 @@ __all__ = [
     "record_skip",
     "recover_replaced",
     "skip_line",
+    "source_changed_error",
+    "source_identity",
 ]
 
 
@@ -401,6 +404,40 @@ def classes_changed_error(saved: list[str] | None, now: list[str], source: Path 
         "the samples packed before it carry the old class numbers",
         path=source,
         hint="Restore the source as it was, or start again with --overwrite",
+    )
+
+
+def source_identity(source: AnySource) -> list[str]:
+    """What a checkpoint records of the source it reads: its real path (a list's file, each tar shard) or URL."""
+    if isinstance(source, TarSource):
+        places = [os.fspath(shard) for shard in source.shards]
+    elif isinstance(source, ListSource):
+        places = [os.fspath(source.list_file)]
+    else:
+        return [os.fspath(source.root) if is_url(os.fspath(source.root)) else os.path.realpath(source.root)]
+    if getattr(source, "fs", None) is not None:  # paths on the store: shown under the source's URL
+        return [f"{source.root}/{os.path.basename(place)}" for place in places]
+    return [os.path.realpath(place) for place in places]
+
+
+def source_changed_error(saved: object, now: list[str], partial: Path) -> ConfigError | None:
+    """The refusal of a resume that reads another source than the interrupted run (``saved``: what it recorded).
+
+    Samples of the same names and classes from another folder (a new version, another resolution) would
+    follow the ones packed before. None when they agree, or nothing was saved (an earlier packdata's run).
+    """
+    if saved is None or saved == now:
+        return None
+
+    def shown(places: object) -> str:
+        if not isinstance(places, list) or not places:
+            return reprlib.repr(places)
+        return str(places[0]) + (f" and {len(places) - 1} more" if len(places) > 1 else "")
+
+    return ConfigError(
+        f"the interrupted conversion read another source ({shown(saved)}; this run reads {shown(now)})",
+        path=partial,
+        hint="Resume with the source it read, or start again with --overwrite",
     )
 
 

@@ -34,6 +34,7 @@ from packdata.conversion.publish import (
     extend_classes,
     make_result,
     partial_path,
+    source_identity,
 )
 from packdata.conversion.ray_gather import (
     _drop_strays,
@@ -144,7 +145,14 @@ def convert_on_ray(
         opts = replace(opts, shard_samples=DEFAULT_TASK_SAMPLES)
     partial = partial_path(dst)
     resumed = _prepare_partial(
-        partial, dst, opts, overwrite=overwrite, resume=resume, classes=list(source.classes), source=source.root
+        partial,
+        dst,
+        opts,
+        overwrite=overwrite,
+        resume=resume,
+        classes=list(source.classes),
+        source=source.root,
+        places=source_identity(source),
     )
     started_ray = _connect(ray, address)
     try:

@@ -29,6 +29,7 @@ from packdata.conversion.publish import (
     is_skip_counts,
     is_skip_lines,
     other_options_error,
+    source_changed_error,
 )
 from packdata.conversion.ray_remote import (
     RemoteTarget,
@@ -269,11 +270,13 @@ def _prepare_partial(
     resume: bool,
     classes: list[str] | None = None,
     source: Path | str = "",
+    places: list[str] | None = None,
 ) -> bool:
     """Make the partial folder ready; True when an interrupted Ray run into it is resumed.
 
     ``classes``: the source's, as scanned (recorded in the plan; a resume whose
-    source, at ``source``, numbers them otherwise is refused).
+    source, at ``source``, numbers them otherwise is refused). ``places``: where the
+    source is (:func:`~packdata.conversion.publish.source_identity`; a resume reading another is refused).
     """
     state = {"engine": "ray", "options": asdict(opts)}
     plan = partial / RAY_PLAN_FILE
@@ -290,6 +293,7 @@ def _prepare_partial(
                     hint="Start the conversion again with --overwrite",
                 ) from exc
             saved_classes = saved.pop("classes", None) if isinstance(saved, dict) else None
+            saved_places = saved.pop("source", None) if isinstance(saved, dict) else None
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
                 raise other_options_error(options, asdict(opts), partial)
@@ -301,6 +305,9 @@ def _prepare_partial(
                     path=plan,
                     hint="Start the conversion again with --overwrite",
                 )
+            moved = None if places is None else source_changed_error(saved_places, places, partial)
+            if moved is not None:
+                raise moved
             changed = None if classes is None else classes_changed_error(saved_classes, classes, source)
             if changed is not None:
                 raise changed
@@ -316,7 +323,12 @@ def _prepare_partial(
             raise interrupted_error(dst, partial)
         discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
-    plan.write_text(json.dumps(state if classes is None else {**state, "classes": classes}), encoding="utf-8")
+    recorded = {
+        **state,
+        **({} if classes is None else {"classes": classes}),
+        **({} if places is None else {"source": places}),
+    }
+    plan.write_text(json.dumps(recorded), encoding="utf-8")
     return False
 
 
