@@ -928,3 +928,39 @@ def test_append_through_a_symbolic_link_to_a_pack_is_refused_before_anything_is_
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith(f"Error: {link}: destination is a symbolic link (to 'a.lmdb')")
     assert tree_digest(pack) == tree and sorted(os.listdir(tmp_path)) == sorted([*around, "b"])
+
+
+_KILLED_BETWEEN_RENAMES = r"""
+import os, signal, sys
+import packdata
+
+def hook(event, args):  # SIGKILL as the merged pack is renamed into place: the old one is already moved aside
+    if event == "os.rename" and os.fspath(args[0]).endswith(".partial"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.merge_packs(sys.argv[1:3], sys.argv[3], overwrite=True)
+"""
+
+
+def test_a_merge_without_overwrite_after_a_killed_overwrite_refuses_the_restored_pack(tmp_path: Path) -> None:
+    """A merge --overwrite killed between its two renames leaves the old pack hidden beside DST. A merge without
+    --overwrite then checked DST before restoring it, merged, and failed with 'destination appeared while
+    converting. The new pack is left in .m.lmdb.partial', a folder it had deleted. Now DST is restored first and
+    the merge refused at once, as a merge over an existing pack is."""
+    for name, classes in (("a", {"cat": ["1.jpg"]}), ("b", {"dog": ["2.jpg"]}), ("c", {"ant": ["3.jpg"]})):
+        packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
+    out = tmp_path / "m.lmdb"
+    shutil.copytree(tmp_path / "c.lmdb", out)
+    old = _samples(out)
+    packs = [str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb")]
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, *packs, str(out)], check=False)
+    assert killed.returncode == -signal.SIGKILL and not out.exists()
+    result = CliRunner().invoke(cli, ["merge", *packs, "-o", str(out)])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"Error: {out}: destination already exists"), result.output
+    assert _samples(out) == old
+    left = {".m.lmdb.partial", "a", "a.lmdb", "b", "b.lmdb", "c", "c.lmdb", "m.lmdb"}  # the killed run's partial
+    assert set(os.listdir(tmp_path)) == left
+    assert CliRunner().invoke(cli, ["merge", *packs, "-o", str(out), "--overwrite"]).exit_code == 0
+    assert len(_samples(out)) == 2 and set(os.listdir(tmp_path)) == left - {".m.lmdb.partial"}

@@ -337,6 +337,7 @@ def merge_packs(
     out.parent.mkdir(parents=True, exist_ok=True)  # missing parents are made, as convert makes them
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
         recover_replaced(out)
+        _check_existing(out, overwrite)  # again: a pack a killed merge --overwrite hid is back at out
         partial = partial_path(out)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
