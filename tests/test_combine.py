@@ -964,3 +964,25 @@ def test_a_merge_without_overwrite_after_a_killed_overwrite_refuses_the_restored
     assert set(os.listdir(tmp_path)) == left
     assert CliRunner().invoke(cli, ["merge", *packs, "-o", str(out), "--overwrite"]).exit_code == 0
     assert len(_samples(out)) == 2 and set(os.listdir(tmp_path)) == left - {".m.lmdb.partial"}
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_merge_refuses_a_rename_that_would_make_a_key_too_long_before_anything_is_written(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A key of the most bytes a pack holds (65535), in two packs merged with on_duplicate='rename': KEY~1 did
+    not fit, a traceback (RecordError) for LMDB as its shard was rewritten; a TFRecord pack was published with a
+    key no other packdata tool writes. Refused now while planning, naming the pack and the sample."""
+    key = "k" * 65535
+    packs = [tmp_path / f"{name}.{fmt}" for name in ("a", "b")]
+    for pack, text in zip(packs, ("a", "b"), strict=True):
+        packdata.write_pack([{"__key__": key, "txt": text}], pack, format=fmt)
+    around = sorted(os.listdir(tmp_path))
+    result = CliRunner().invoke(cli, ["merge", *map(str, packs), "-o", str(tmp_path / "m"), "--on-duplicate", "rename"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert (
+        result.output.startswith(f"Error: {packs[1]}: key 'kkk")
+        and "(sample 0) is already in an earlier pack" in result.output
+    )
+    assert "renamed 'KEY~1' it would be 65537 bytes in UTF-8, more than the 65535 a key may hold" in result.output
+    assert sorted(os.listdir(tmp_path)) == around

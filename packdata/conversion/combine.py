@@ -52,7 +52,7 @@ from packdata.pack.manifest import (
     resolve_in_pack,
     write_manifest,
 )
-from packdata.pack.records import Sample
+from packdata.pack.records import MAX_KEY_BYTES, Sample
 
 __all__ = ["MergeResult", "merge_packs"]
 
@@ -142,6 +142,14 @@ def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[
                 while new in seen:
                     n += 1
                     new = f"{key}~{n}"
+                size = len(new.encode("utf-8", "surrogateescape"))
+                if size > MAX_KEY_BYTES:  # no record, sample index or reader takes a longer key
+                    raise ConfigError(
+                        f"key {key[:100]!r} (sample {i}) is already in an earlier pack, and renamed "
+                        f"'KEY~{n}' it would be {size} bytes in UTF-8, more than the {MAX_KEY_BYTES} a key may hold",
+                        path=path,
+                        hint="Shorten the key where the pack was made, or merge without that pack",
+                    )
                 renames[i] = new
                 seen.add(new, number)
         inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
