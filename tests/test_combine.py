@@ -986,3 +986,23 @@ def test_merge_refuses_a_rename_that_would_make_a_key_too_long_before_anything_i
     )
     assert "renamed 'KEY~1' it would be 65537 bytes in UTF-8, more than the 65535 a key may hold" in result.output
     assert sorted(os.listdir(tmp_path)) == around
+
+
+@pytest.mark.parametrize("command", ["convert", "merge", "append"])
+def test_a_destination_that_ends_in_dotdot_is_refused_before_any_folder_is_made(tmp_path: Path, command: str) -> None:
+    """DST 'out/new/..' names out, but packdata takes its lock and its partial pack beside the last name: convert
+    and merge made out/new, then said 'destination already exists' (or, over a pack, that 'index/....lock' in it
+    is not part of a pack); an append through 'p.lmdb/index/..' said its own sibling pack would be inside the pack."""
+    packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False)
+    packdata.convert(_folder(tmp_path / "b", {"dog": ["2.jpg"]}), tmp_path / "b.lmdb", progress=False)
+    dst = tmp_path / ("a.lmdb/index/.." if command == "append" else "out/new/..")
+    tree, around = tree_digest(tmp_path / "a.lmdb"), sorted(os.listdir(tmp_path))
+    args = {
+        "convert": ["convert", str(tmp_path / "a"), str(dst)],
+        "merge": ["merge", str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb"), "-o", str(dst)],
+        "append": ["convert", str(tmp_path / "b"), str(dst), "--append"],
+    }[command]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"Error: {dst}: destination ends in '..'"), result.output
+    assert sorted(os.listdir(tmp_path)) == around and tree_digest(tmp_path / "a.lmdb") == tree

@@ -40,7 +40,7 @@ from packdata.conversion.publish import (
     _check_existing,
     _check_paths,
     check_inputs_apart,
-    check_not_a_link,
+    check_real_destination,
     partial_path,
     recover_replaced,
 )
@@ -348,7 +348,7 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
     """
     if options["overwrite"]:
         raise ConfigError("append adds to a pack, overwrite replaces it: pass one of them")
-    check_not_a_link(dst)  # its lock and its sibling pack would lie beside the link, not beside the pack
+    check_real_destination(dst)  # its lock and its sibling pack would not lie beside the pack
     manifest = read_manifest(dst)
     if options["format"] not in (None, manifest.format):
         raise ConfigError(f"the pack is {manifest.format}; its appended shards must be too", path=dst)

@@ -51,7 +51,7 @@ __all__ = [
     "ConvertResult",
     "bad_file_error",
     "check_inputs_apart",
-    "check_not_a_link",
+    "check_real_destination",
     "check_resumable",
     "classes_changed_error",
     "extend_classes",
@@ -302,13 +302,20 @@ _NAME_ROOM = 40
 """Bytes packdata adds to a destination's name (``.NAME.append.partial``, ``STEM-000000-of-000000.tfpayload``)."""
 
 
-def check_not_a_link(dst: Path) -> None:
-    """Refuse a destination that is a symbolic link: its lock (``.NAME.lock``) is taken beside the path given,
-    so a pack written through a link and through its real path at once would hold two locks.
+def check_real_destination(dst: Path) -> None:
+    """Refuse a destination that is a symbolic link or ends in ``..``: its lock (``.NAME.lock``) and partial pack
+    are made beside the last name given, so a pack written through such a path and through its real path at once
+    would hold two locks.
 
     Raises:
-        ConfigError: naming ``dst`` and where it points.
+        ConfigError: naming ``dst`` and what it is.
     """
+    if dst.name == "..":
+        raise ConfigError(
+            "destination ends in '..'; packdata writes a pack only at a path that names it",
+            path=dst,
+            hint=f"Pass {os.path.normpath(dst)} itself",
+        )
     if dst.is_symlink():
         raise ConfigError(
             f"destination is a symbolic link (to {os.readlink(dst)!r}); packdata writes a pack only at a real path",
@@ -331,7 +338,7 @@ def _check_destination_writable(dst: Path) -> None:
         ConfigError: ``dst`` or its parent cannot be used.
         CapacityError: the parent's file system is full.
     """
-    check_not_a_link(dst)
+    check_real_destination(dst)
     if dst.exists() and not dst.is_dir():
         raise ConfigError(
             "destination exists and is not a folder", path=dst, hint="Choose another path; packdata will not replace it"
