@@ -677,8 +677,9 @@ def test_append_killed_at_every_step_then_rerun_equals_an_uninterrupted_one(
             assert _tree(pack) == tree_after, kill_at
             assert sorted(os.listdir(pack.parent)) == [pack.name], kill_at  # the sibling pack and the locks are gone
     assert kill_at > 30 and states == {4, 8}  # killed before and after the manifest changed
-    # resumed, only a run killed at its lock's removal has nothing left to do; run again, every one that took effect
-    assert refused == 1 if resume else refused > 5
+    # resumed, only a run killed at the removal of its source's record (.p.lmdb.append.source) or of its lock has
+    # nothing left to do; run again, every one that took effect
+    assert refused == 2 if resume else refused > 5
     assert tree_before != tree_after and packdata.verify_pack(pack, progress=False).records == 8
 
 
@@ -1006,3 +1007,38 @@ def test_a_destination_that_ends_in_dotdot_is_refused_before_any_folder_is_made(
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith(f"Error: {dst}: destination ends in '..'"), result.output
     assert sorted(os.listdir(tmp_path)) == around and tree_digest(tmp_path / "a.lmdb") == tree
+
+
+def test_a_resumed_append_from_another_source_with_the_same_names_is_refused(tmp_path: Path) -> None:
+    """An append of v1 killed once v1 was converted beside the pack (or once its plan was written), resumed with
+    v2 (the same names, other bytes): the resume appended v1's samples and said it had packed v2's. Refused now,
+    naming both, until resumed with v1 (which then appends v1, as an uninterrupted append does)."""
+    template = tmp_path / "template" / "p.lmdb"
+    packdata.convert(_folder(tmp_path / "base", {"cat": ["1.jpg"]}), template, progress=False)
+    v1 = _folder(tmp_path / "v1", {"ant": ["5.jpg"], "dog": ["6.jpg", "7.jpg"]})
+    v2 = tmp_path / "v2"
+    shutil.copytree(v1, v2)
+    for i, path in enumerate(sorted(v2.rglob("*.jpg"))):
+        path.write_bytes(image_bytes(500 + i))
+    reference = tmp_path / "reference" / "p.lmdb"
+    shutil.copytree(template, reference)
+    packdata.convert(v1, reference, append=True, shard_samples=2, progress=False)
+    runner, found = CliRunner(), set()
+    with _KilledAppends() as appends:
+        for kill_at in range(1, 200):
+            pack = tmp_path / f"kill{kill_at}" / "p.lmdb"
+            shutil.copytree(template, pack)
+            if not appends.run(v1, pack, kill_at):
+                break
+            planned = (pack / ".append-a1.json").exists()
+            if not planned and not (pack.parent / ".p.lmdb.append" / "manifest.json").exists():
+                continue  # not converted yet (a resume converts v2: refused by its checkpoint), or appended
+            found.add(planned)
+            args = ["--append", "--resume", "--shard-samples", "2", "-q"]
+            done = runner.invoke(cli, ["convert", str(v2), str(pack), *args])
+            assert done.exit_code == 1 and done.output.count("\n") == 1, (kill_at, done.output)
+            assert f"the interrupted append read another source ({v1}; this run reads {v2})" in done.output
+            done = runner.invoke(cli, ["convert", str(v1), str(pack), *args])
+            assert done.exit_code == 0, (kill_at, done.output)
+            assert _samples(pack) == _samples(reference), kill_at
+    assert found == {False, True}  # killed with v1 converted, and with the append's plan written

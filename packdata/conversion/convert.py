@@ -59,9 +59,9 @@ from packdata.conversion.upload import (
     upload_pack,
     work_folder,
 )
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import FORMATS, format_from_path, get_format
-from packdata.pack.files import discard_partial
+from packdata.pack.files import atomic_write, discard_partial, read_regular
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.urls import display_url, is_url
@@ -370,33 +370,82 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
         with hold_lock(convert_lock_path(extra), what="packdata convert --append", target=extra):
             pass  # the lock a conversion into extra killed before its end left: taken over and removed
         planned = interrupted_append(dst) if resume else None
-        if planned is not None:  # its shards are moving into dst: finish that
-            result = _summary(planned, extra, started)
-        else:
-            for leftover in () if resume else (extra, partial_path(extra)):
-                discard_partial(leftover)  # what a run killed before it moved shards converted (or began to): again
-            if resume and not extra.exists() and not partial_path(extra).exists():
-                raise ConfigError(
-                    "there is no interrupted append to resume",
-                    path=dst,
-                    hint="The last append into it finished (or none began): append without resume",
-                )
-            # Converted before an interruption: apply it now; else convert (resuming a partial one).
-            token = _APPEND_INTO.set((dst, manifest.kind))
-            try:
-                result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
-            finally:
-                _APPEND_INTO.reset(token)
-            if result.kind != manifest.kind:
-                shutil.rmtree(extra)
-                raise _kind_mismatch(result.kind, manifest.kind, dst)
-        merged = append_pack(dst, extra, resume=resume)
+        record, place = extra.with_name(f"{extra.name}.source"), _source_place(src)
+        try:
+            if planned is not None or (resume and extra.exists()):  # converted: src is not read again
+                _check_append_source(record, place, dst)
+            if planned is not None:  # its shards are moving into dst: finish that
+                result = _summary(planned, extra, started)
+            else:
+                for leftover in () if resume else (extra, partial_path(extra)):
+                    discard_partial(leftover)  # what a run killed before it moved shards converted: again
+                if not resume:
+                    atomic_write(record, place.encode("utf-8"))  # a resume once extra is converted checks it
+                if resume and not extra.exists() and not partial_path(extra).exists():
+                    raise ConfigError(
+                        "there is no interrupted append to resume",
+                        path=dst,
+                        hint="The last append into it finished (or none began): append without resume",
+                    )
+                # Converted before an interruption: apply it now; else convert (resuming a partial one).
+                token = _APPEND_INTO.set((dst, manifest.kind))
+                try:
+                    result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
+                finally:
+                    _APPEND_INTO.reset(token)
+                if result.kind != manifest.kind:
+                    shutil.rmtree(extra)
+                    raise _kind_mismatch(result.kind, manifest.kind, dst)
+            merged = append_pack(dst, extra, resume=resume)
+        finally:
+            if not _left_to_resume(dst, extra):  # finished, refused or undone: the record goes with it
+                record.unlink(missing_ok=True)
     result.pack = dst
     result.shards = merged.shards
     result.missing_fields = merged.missing_fields  # of the whole pack: the new samples may lack an old field
     if merged.appended is not None:
         result.packed = merged.appended.num_samples
     return result
+
+
+def _source_place(src: Path | str) -> str:
+    """Where an append's source is: its real path, or its URL as messages show it."""
+    return display_url(src) if isinstance(src, str) and is_url(src) else os.path.realpath(src)
+
+
+def _left_to_resume(dst: Path, extra: Path) -> bool:
+    """Whether an append into ``dst`` is left to resume: its source converted (or converting) beside it, or its plan."""
+    if os.path.lexists(extra) or os.path.lexists(partial_path(extra)):
+        return True
+    try:
+        return interrupted_append(dst) is not None
+    except PackdataError:  # a damaged pack or plan: what resuming it says
+        return True
+
+
+def _check_append_source(record: Path, place: str, dst: Path) -> None:
+    """Refuse to resume an append whose source was converted from another ``place`` (``record`` says which).
+
+    Raises:
+        ConfigError: naming both; nothing recorded (an earlier packdata's append) passes.
+        PackFormatError: the record is not a small regular file.
+    """
+    try:
+        saved = read_regular(record, 1 << 16, follow_symlinks=False).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise PackFormatError(
+            f"the record of the interrupted append's source is unreadable ({exc.strerror})",
+            path=record,
+            hint="Remove it, then resume",
+        ) from exc
+    if saved != place:
+        raise ConfigError(
+            f"the interrupted append read another source ({saved[:4096]}; this run reads {place})",
+            path=dst,
+            hint="Resume with the source it read, or append again without resume",
+        )
 
 
 _CONVERT_OPTIONS = tuple(inspect.signature(convert).parameters)[2:]
