@@ -46,6 +46,13 @@ class PackdataError(Exception):
         text = f"{self.path}: {self.message}" if self.path else self.message
         return f"{text}. {self.hint}" if self.hint else text
 
+    def with_hint(self, hint: str) -> PackdataError:
+        """This error with ``hint`` in place of its own (advice that fits where it is raised again)."""
+        hinted = copy.copy(self)
+        hinted.hint = hint
+        hinted.args = (hinted._text(),)
+        return hinted
+
     def at_url(self, local: str | os.PathLike, url: str) -> PackdataError:
         """This error, its path in ``local`` (the cached copy of the pack at ``url``) named by the URL.
 

@@ -1042,3 +1042,30 @@ def test_a_resumed_append_from_another_source_with_the_same_names_is_refused(tmp
             assert done.exit_code == 0, (kill_at, done.output)
             assert _samples(pack) == _samples(reference), kill_at
     assert found == {False, True}  # killed with v1 converted, and with the append's plan written
+
+
+def test_a_refused_append_resume_advises_appending_again_not_overwrite(tmp_path: Path) -> None:
+    """An append killed while its source's conversion beside the pack was unfinished, its checkpoint then
+    damaged, resumed: the refusal said 'start the conversion again with --overwrite', which --append refuses.
+    It now says to append again without --resume, and doing so appends as an uninterrupted append does."""
+    pack = tmp_path / "p.lmdb"
+    packdata.convert(_folder(tmp_path / "base", {"cat": ["1.jpg"]}), pack, progress=False)
+    new = _folder(tmp_path / "new", {"ant": ["5.jpg"], "dog": ["6.jpg", "7.jpg"]})
+    reference = tmp_path / "reference" / "p.lmdb"
+    shutil.copytree(pack, reference)
+    packdata.convert(new, reference, append=True, shard_samples=2, progress=False)
+    with _KilledAppends() as appends:
+        assert appends.run(new, pack, 1)  # killed before its conversion's partial pack was renamed
+    partial = tmp_path / "..p.lmdb.append.partial"
+    assert partial.is_dir()
+    (partial / "progress.json").write_text("not json", encoding="utf-8")
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--resume", "--shard-samples", "2", "-q"])
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert "checkpoint is damaged" in done.output and "--overwrite" not in done.output, done.output
+    assert done.output.rstrip().endswith(
+        "Append again without --resume: the interrupted append starts over, the pack keeps its samples"
+    )
+    again = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--shard-samples", "2", "-q"])
+    assert again.exit_code == 0, again.output
+    assert _samples(pack) == _samples(reference)

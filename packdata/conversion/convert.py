@@ -391,6 +391,10 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
                 token = _APPEND_INTO.set((dst, manifest.kind))
                 try:
                     result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
+                except PackdataError as exc:  # a resume refused: --overwrite, its advice, is refused with --append
+                    if resume and exc.hint and "--overwrite" in exc.hint:
+                        raise exc.with_hint(_APPEND_AGAIN) from exc
+                    raise
                 finally:
                     _APPEND_INTO.reset(token)
                 if result.kind != manifest.kind:
@@ -406,6 +410,9 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
     if merged.appended is not None:
         result.packed = merged.appended.num_samples
     return result
+
+
+_APPEND_AGAIN = "Append again without --resume: the interrupted append starts over, the pack keeps its samples"
 
 
 def _source_place(src: Path | str) -> str:
