@@ -1477,7 +1477,8 @@ def test_a_destination_another_user_owns_is_refused_even_with_a_marker(lmdb_pack
     assert sorted(p.name for p in dest.iterdir()) == ["staged.json"] and sorted(p.name for p in area.iterdir()) == [
         lmdb_pack.name
     ]
-    os.chown(dest, 0, 0)  # the user's own: staged into
+    os.chown(dest, 0, 0)
+    os.chown(dest / "staged.json", 0, 0)  # the user's own folder and marker: staged into
     assert stage(lmdb_pack, to=area, progress=False).copied
 
 
@@ -1500,3 +1501,32 @@ def test_staging_again_keeps_a_copy_a_dataset_reads_unless_nothing_changes(lmdb_
     assert again.exit_code == 0, again.output  # the same copy: nothing changes under its readers
     del dataset
     assert not stage(lmdb_pack, to=area, progress=False).left
+
+
+@pytest.mark.root
+@needs_root
+@pytest.mark.parametrize("planted", ["staged.json", ".stage.lock"])
+def test_a_marker_another_user_put_into_a_shared_area_never_makes_unstage_delete_the_area(
+    lmdb_pack: Path, tmp_path: Path, planted: str
+) -> None:
+    """In a shared area (mode 1777, like /dev/shm), a staged.json (or a lone .stage.lock) another user wrote made
+    the area itself read as a staged pack: `unstage AREA` deleted the whole folder, the users' files in it too.
+    A marker or lock counts only when the folder's owner wrote it."""
+    area = tmp_path / "shm"
+    area.mkdir()
+    area.chmod(0o1777)
+    if planted == "staged.json":
+        stage(lmdb_pack, to=area, progress=False)
+        (area / "notes.txt").write_text("mine")
+        shutil.copy(area / lmdb_pack.name / STAGED_FILE, area / STAGED_FILE)
+    else:
+        (area / planted).write_text("")
+    os.chown(area / planted, 65534, 65534)  # as `nobody` writes it
+    assert area not in [p.path for p in stage_status(area).areas[0].packs]
+    if planted == "staged.json":
+        assert unstage(area).removed == [area / lmdb_pack.name]
+        assert sorted(p.name for p in area.iterdir()) == ["notes.txt", STAGED_FILE]
+    else:
+        with pytest.raises(ConfigError, match="is not a staged pack and holds none"):
+            unstage(area)
+        assert [p.name for p in area.iterdir()] == [planted]

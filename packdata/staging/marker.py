@@ -80,10 +80,13 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     Well-formed: a regular file (never a symlink, FIFO or device: one would be followed
     out of the folder, or block the read forever) holding a JSON object with every field
     :func:`write_marker` writes, each of its type; a ``staged.json`` of anything else
-    (a project's own file of that name) is no marker.
+    (a project's own file of that name) is no marker, nor is one the folder's owner did not write
+    (another user's, dropped into a shared area such as ``/dev/shm``, would make the area a staged pack).
     """
     try:
         with os.fdopen(open_regular(folder / STAGED_FILE, follow_symlinks=False), "rb") as file:
+            if os.fstat(file.fileno()).st_uid != folder.lstat().st_uid:
+                return None
             data = json.loads(file.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
@@ -98,12 +101,17 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
 def only_lock_left(folder: Path) -> bool:
     """A folder holding a stage's lock and at most the first ``staged.json`` it writes (``.staged.json.partial``).
 
-    What a stage killed before its marker had its name leaves, or what a live one holds for that instant.
+    What a stage killed before its marker had its name leaves, or what a live one holds for that instant;
+    the lock must be the folder's owner's (another user's file of that name in a shared area is not a stage's).
     """
     if not folder.is_dir() or folder.is_symlink():
         return False
     names = {p.name for p in folder.iterdir()}
-    return LOCK in names and names <= {LOCK, f".{STAGED_FILE}{PARTIAL}"}
+    if not (LOCK in names and names <= {LOCK, f".{STAGED_FILE}{PARTIAL}"}):
+        return False
+    with contextlib.suppress(OSError):
+        return (folder / LOCK).lstat().st_uid == folder.lstat().st_uid  # the owner's stage, not another user's file
+    return False
 
 
 def is_staged_copy(folder: Path) -> bool:
