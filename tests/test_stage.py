@@ -1048,7 +1048,12 @@ def test_enospc_on_tiny_tmpfs(lmdb_pack: Path, tmpfs, monkeypatch: pytest.Monkey
     with pytest.raises(CapacityError) as info:
         stage(lmdb_pack, to=area, workers=2, progress=False)
     message = str(info.value)
-    assert "no space left while staging shard" in message and "partial copy was removed" in message
+    assert re.search(
+        rf"no space left on {re.escape(str(area))} \(tmpfs of 1\.0 MiB, [0-9.]+ [KM]?i?B free\) "
+        r"while staging shard \d \(shard-0000\d\.lmdb, [0-9.]+ KiB\)",
+        message,
+    ), message
+    assert "partial copy was removed" in message
     staged = area / "train.lmdb"
     assert not [p for p in staged.iterdir() if p.name.endswith(".partial")]
     manifest = read_manifest(staged)

@@ -26,6 +26,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, destination_error
 from packdata.formats import get_format
+from packdata.host.facts import find_mount, read_mounts
 from packdata.pack.files import (
     aside_path,
     atomic_write,
@@ -267,8 +268,10 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: Any) -> None:
                 size, sha = copy_file(src, tmp, stop, bar)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    unit.remove_temp()
                     raise CapacityError(
-                        f"no space left while staging shard {unit.number} ({unit.name}, {format_size(unit.size)})",
+                        f"no space left on {_filesystem(unit.dest_root.parent)} while staging shard {unit.number} "
+                        f"({unit.name}, {format_size(unit.size)})",
                         path=unit.dest_root.parent,
                         hint="The partial copy was removed and the source is untouched. Stage fewer shards "
                         "with budget=SIZE, free space, or use a larger tmpfs=SIZE",
@@ -293,6 +296,16 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: Any) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _filesystem(folder: Path) -> str:
+    """The file system holding ``folder``, as a full disk is named: ``MOUNT (FSTYPE of SIZE, FREE free)``."""
+    usage = shutil.disk_usage(folder)
+    try:
+        mount = find_mount(folder, read_mounts())
+    except LookupError:
+        return f"{folder} ({format_size(usage.total)}, {format_size(usage.free)} free)"
+    return f"{mount.mountpoint} ({mount.fstype} of {format_size(usage.total)}, {format_size(usage.free)} free)"
 
 
 def dir_bytes(path: Path) -> int:
