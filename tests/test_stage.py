@@ -1535,3 +1535,14 @@ def test_a_marker_another_user_put_into_a_shared_area_never_makes_unstage_delete
         with pytest.raises(ConfigError, match="is not a staged pack and holds none"):
             unstage(area)
         assert [p.name for p in area.iterdir()] == [planted]
+
+
+def test_status_of_the_area_given_by_mount(lmdb_pack: Path, tmp_path: Path) -> None:
+    """`stage --status --mount DIR` (the option that names the area everywhere else) was refused as a usage error."""
+    area = tmp_path / "area"
+    stage(lmdb_pack, to=area, progress=False)
+    out = CliRunner().invoke(main, ["stage", "--status", "--mount", str(area)])
+    assert out.exit_code == 0, out.output
+    assert f"{lmdb_pack.name}: 6 shards staged" in out.output and str(area) in out.output
+    both = CliRunner().invoke(main, ["stage", "--status", "--mount", str(area), str(area)])
+    assert both.exit_code == 2 and "--status takes only an optional area (PACK or --mount DIR)" in both.output

@@ -50,7 +50,11 @@ def _rate(bytes_per_second: float) -> str:
     help="Memory to keep free for training in the tmpfs checks, e.g. 8G (0B: none). Default: 10% of RAM, "
     "at least 4 GiB, at most half.",
 )
-@click.option("--status", is_flag=True, help="List staged packs, sizes, free space and memory (in PACK as an area).")
+@click.option(
+    "--status",
+    is_flag=True,
+    help="List staged packs, sizes, free space and memory (in PACK or --mount DIR as an area).",
+)
 @click.option(
     "--cache-limit",
     callback=_size,
@@ -89,9 +93,10 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     from packdata.staging.tmpfs import prepare_tmpfs
 
     if status:
-        if any(v not in (None, False) for v in options.values()) or shards:
-            raise click.UsageError("--status takes only an optional area (PACK) and --json")
-        report = stage_status(pack)
+        area = options.pop("mount")
+        if any(v not in (None, False) for v in options.values()) or shards or (pack and area):
+            raise click.UsageError("--status takes only an optional area (PACK or --mount DIR) and --json")
+        report = stage_status(pack or area)
         if as_json:
             click.echo(json.dumps(report.to_dict(), indent=1))
             return
