@@ -391,6 +391,28 @@ def test_changed_source_shard_is_recopied(fmt: str, noise_folder: Path, tmp_path
     assert [x[i] for i in range(len(x))] == [y[i] for i in range(len(y))]
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_shards_a_source_converted_again_no_longer_has_are_removed_from_its_staged_copy(
+    fmt: str, noise_folder: Path, tmp_path: Path
+) -> None:
+    """A source converted again into fewer (or other-named) shards left its old shards in the staged copy for good
+    (on tmpfs: RAM), in no manifest, taking the room later stages needed; the next stage now removes them."""
+    pack = tmp_path / ("train.lmdb" if fmt == "lmdb" else "train")
+    packdata.convert(noise_folder, pack, format=fmt, shard_samples=6, progress=False)
+    stage(pack, to=tmp_path / "nvme", progress=False)
+    packdata.convert(noise_folder, pack, format=fmt, shard_samples=12, overwrite=True, progress=False)
+    user_file = tmp_path / "nvme" / "notes.txt"
+    user_file.write_text("mine")
+    stage(pack, to=tmp_path / "nvme", progress=False)
+    staged = tmp_path / "nvme" / pack.name
+    mine = {".readers.lock", ".stage.lock", STAGED_FILE}
+    assert sorted(p.name for p in staged.iterdir() if p.name not in mine) == sorted(p.name for p in pack.iterdir())
+    assert user_file.read_text() == "mine"
+    reader = TFRecordIndexedDataset if fmt == "tfrecord" else LMDBDataset
+    x, y = reader(staged, decode="bytes"), reader(pack, decode="bytes")
+    assert [x[i] for i in range(len(x))] == [y[i] for i in range(len(y))]
+
+
 def test_corrupt_staged_copy_is_recopied(lmdb_pack: Path, tmp_path: Path) -> None:
     """Documented choice: a staged copy failing its checksum is replaced on the next run."""
     stage(lmdb_pack, to=tmp_path / "nvme", progress=False)

@@ -15,7 +15,8 @@ How a run goes:
    the source's size and its SHA-256 equals the manifest's (side files, such as
    ``records.i64`` or ``.tfindex``, must equal the source's). Anything else is
    deleted and copied again, so a second run copies nothing and a corrupt or
-   outdated copy is replaced (the choice documented for checksum mismatches).
+   outdated copy is replaced (the choice documented for checksum mismatches);
+   shards ``staged.json`` names that the source no longer has are removed.
 2. Shards are chosen in priority order (the pack's order, or ``shards=``) while
    their bytes fit the budget; a shard too big for what is left is skipped and
    smaller later ones still get their chance. The default budget is what fits
@@ -75,12 +76,13 @@ from packdata.staging.copy import (
     locked,
     missing_folders,
     remove_leftovers,
+    remove_old_shards,
     resolve_order,
     same_tree,
     shard_files,
     staged_manifest,
 )
-from packdata.staging.marker import STAGED_FILE, check_destination, check_name, write_marker
+from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.remote import RemoteStageResult, discard_stale_copies, stage_remote
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
@@ -308,6 +310,7 @@ def stage(
         discard_stale_copies(dest)  # a copy an unstage killed mid-delete left aside (it holds .NAME.lock too)
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
+        previous = read_marker(dest)  # the shards of the pack as it was staged last
         index_dir = index_folder(source, manifest)
         sizes = {u.number: u.size for u in units}
         if not (dest / STAGED_FILE).is_file():  # claim the folder first, so a failed run can be retried
@@ -364,6 +367,8 @@ def stage(
             _mark(dest, source, manifest, units, keep, sizes, complete=False)
             for unit in dead:
                 unit.remove()
+            if previous is not None:
+                remove_old_shards(dest, previous, units, manifest)
 
             copy_all(to_copy, new_bytes, workers, progress)
 
