@@ -58,7 +58,7 @@ def safe_tmpfs_size(facts: SystemFacts, reserve: int | None = None) -> int:
 
 
 def memory_warnings(
-    facts: SystemFacts, *, tmpfs_size: int | None = None, reserve: int | None = None
+    facts: SystemFacts, *, tmpfs_size: int | None = None, reserve: int | None = None, adding: bool = False
 ) -> list[SafetyWarning]:
     """Check memory before staging; the warnings come most serious first.
 
@@ -66,6 +66,7 @@ def memory_warnings(
         facts: From :func:`gather_facts`.
         tmpfs_size: Bytes of tmpfs about to be requested; None when no tmpfs is involved.
         reserve: Bytes to keep free; None for :func:`default_reserve`.
+        adding: ``tmpfs_size`` is what is about to be written into a tmpfs already mounted, not its size.
 
     Returns:
         Those of ``tmpfs-too-large`` (severity refuse), ``swap-on-tmpfs``, ``oom-near``,
@@ -76,10 +77,15 @@ def memory_warnings(
     if tmpfs_size is not None:
         available, res = _available(facts), default_reserve(facts) if reserve is None else reserve
         if tmpfs_size > (safe := max(0, available - res)):
+            what, ask = (
+                (f"{fs(tmpfs_size)} more in this tmpfs", f"stage at most {fs(safe)} into it")
+                if adding
+                else (f"a {fs(tmpfs_size)} tmpfs", f"ask for at most {fs(safe)}")
+            )
             msg = (
-                f"a {fs(tmpfs_size)} tmpfs does not fit in memory: {fs(available)} is available and {fs(res)} "
-                f"must stay free for the OS and data-loading workers, leaving {fs(safe)}; ask for at most "
-                f"{fs(safe)}, free memory first, or stage onto a local NVMe disk instead"
+                f"{what} does not fit in memory: {fs(available)} is available and {fs(res)} "
+                f"must stay free for the OS and data-loading workers, leaving {fs(safe)}; {ask}, "
+                "free memory first, or stage onto a local NVMe disk instead"
             )
             out.append(SafetyWarning("tmpfs-too-large", msg, "refuse"))
         if mem.swap_total > 0:

@@ -345,7 +345,8 @@ def stage(
             if area_info is not None and area_info.action != "reused":
                 warnings = list(area_info.warnings)  # the new size was checked as it was mounted
             else:  # the bytes about to land in RAM
-                warnings = memory_warnings(gather_facts(include_gpus=False), tmpfs_size=new_bytes, reserve=reserve)
+                facts = gather_facts(include_gpus=False)
+                warnings = memory_warnings(facts, tmpfs_size=new_bytes, reserve=reserve, adding=True)
                 refused = [w for w in warnings if w.severity == "refuse"]
                 if refused and not force:
                     raise CapacityError(
