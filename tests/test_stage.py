@@ -413,6 +413,22 @@ def test_shards_a_source_converted_again_no_longer_has_are_removed_from_its_stag
     assert [x[i] for i in range(len(x))] == [y[i] for i in range(len(y))]
 
 
+def test_a_staged_shard_folder_swapped_for_a_link_is_copied_again_not_reused(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A staged LMDB shard folder replaced by a link to a copy elsewhere (slow disk, another user's folder) passed
+    the check file by file through the link and was kept: the staged pack read that shard from outside its area."""
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    shard = tmp_path / "nvme" / "train.lmdb" / "shard-00001.lmdb"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(shard, elsewhere)
+    shutil.rmtree(shard)
+    shard.symlink_to(elsewhere)
+    again = stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert again.copied == ["shard-00001.lmdb"]
+    assert shard.is_dir() and not shard.is_symlink()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["data.mdb", "records.i64"]
+    assert _all_bytes(tmp_path / "nvme" / "train.lmdb") == _all_bytes(lmdb_pack)
+
+
 def test_corrupt_staged_copy_is_recopied(lmdb_pack: Path, tmp_path: Path) -> None:
     """Documented choice: a staged copy failing its checksum is replaced on the next run."""
     stage(lmdb_pack, to=tmp_path / "nvme", progress=False)

@@ -232,7 +232,12 @@ def copy_regular(src: Path, tmp: Path, on_chunk: Callable[[int], None] | None = 
 
 
 def is_staged(unit: ShardFiles) -> bool:
-    """Every file of the staged copy has the source's size and the expected checksum."""
+    """Every file of the staged copy has the source's size and the expected checksum, inside the staged pack.
+
+    A shard folder that is a link (to files elsewhere) is no staged copy, however its files hash.
+    """
+    if unit.directory and unit.dest_root.is_symlink():
+        return False
     try:
         for src, dst, _, primary in unit.files:
             if not _is_regular(dst) or dst.stat().st_size != src.lstat().st_size:
