@@ -1095,6 +1095,10 @@ def test_enospc_on_tiny_tmpfs(lmdb_pack: Path, tmpfs, monkeypatch: pytest.Monkey
     staged = area / "train.lmdb"
     assert not [p for p in staged.iterdir() if p.name.endswith(".partial")]
     manifest = read_manifest(staged)
+    # the shards copied and verified before the disk filled are read from the area, not left unused in it
+    copies = sorted(p.name for p in staged.glob("shard-*"))
+    assert copies and copies == sorted(s.file for s in manifest.shards if not Path(s.file).is_absolute())
+    assert json.loads((staged / STAGED_FILE).read_text())["staged"] == copies
     for shard in manifest.shards:
         if not Path(shard.file).is_absolute():
             assert packdata.pack.files.file_sha256(staged / shard.file / "data.mdb") == shard.sha256

@@ -32,7 +32,8 @@ How a run goes:
    to its real name, then the final manifest and ``staged.json`` are written.
 
 A Ctrl-C or a kill therefore leaves at most ``.partial`` leftovers that no
-reader opens and the next run deletes. A destination that fills up raises one
+reader opens and the next run deletes; a run that stops on an error or Ctrl-C
+points the manifest at the shards it copied and verified before it stopped. A destination that fills up raises one
 :class:`~packdata.errors.CapacityError`, after removing the partial shard; the
 source is only ever read.
 
@@ -371,7 +372,14 @@ def stage(
             if previous is not None:
                 remove_old_shards(dest, previous, units, manifest)
 
-            copy_all(to_copy, new_bytes, workers, progress)
+            try:
+                copy_all(to_copy, new_bytes, workers, progress)
+            except BaseException:  # a full disk, a damaged shard, Ctrl-C: the copies verified so far are read
+                done = keep | {u.number for u in to_copy if os.path.lexists(u.dest_root)}  # renamed once verified
+                with contextlib.suppress(OSError, PackdataError):  # never hides why the copy stopped
+                    write_manifest(dest, staged_manifest(manifest, source, units, done))
+                    _mark(dest, source, manifest, units, done, sizes, complete=False)
+                raise
 
         staged = chosen
         write_manifest(dest, staged_manifest(manifest, source, units, staged))
