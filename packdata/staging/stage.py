@@ -314,45 +314,53 @@ def stage(
         previous = read_marker(dest)  # the shards of the pack as it was staged last
         index_dir = index_folder(source, manifest)
         sizes = {u.number: u.size for u in units}
-        if not (dest / STAGED_FILE).is_file():  # claim the folder first, so a failed run can be retried
+        claimed = not (dest / STAGED_FILE).is_file()
+        if claimed:  # claim the folder first, so a failed run can be retried
             _mark(dest, source, manifest, units, set(), sizes, complete=False)
-        valid = {u.number for u in units if is_staged(u)}
-        existing = sum(u.dest_bytes() for u in units)
-        fresh_index = not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
-        index_bytes = dir_bytes(index_dir) if fresh_index else 0
-        free = _free_bytes(area)
-        capacity = max(free + existing - index_bytes - _HEADROOM, 0)
-        limit = capacity if budget is None else budget
-        chosen: set[int] = set()
-        total = 0
-        for number in order:
-            if total + sizes[number] <= limit:
-                chosen.add(number)
-                total += sizes[number]
-        to_copy = [units[n] for n in order if n in chosen and n not in valid]  # hottest first
-        new_bytes = sum(sizes[u.number] for u in to_copy)
-        dead = [u for u in units if u.number not in chosen or u.number not in valid]
-        room = free + sum(u.dest_bytes() for u in dead) - _HEADROOM
-        if new_bytes + index_bytes > room:
-            raise CapacityError(
-                f"the {len(to_copy)} shards to stage need {format_size(new_bytes + index_bytes)}, "
-                f"but only {format_size(max(room, 0))} is free",
-                path=area,
-                hint="Lower budget=SIZE, choose fewer shards=LIST, or free space",
-            )
-        warnings: list[SafetyWarning] = []
-        mount_info = mount_of(area, read_mounts())
-        if mount_info is not None and mount_info.fstype == "tmpfs":
-            if area_info is not None and area_info.action != "reused":
-                warnings = list(area_info.warnings)  # the new size was checked as it was mounted
-            else:  # the bytes about to land in RAM
-                facts = gather_facts(include_gpus=False)
-                warnings = memory_warnings(facts, tmpfs_size=new_bytes, reserve=reserve, adding=True)
-                refused = [w for w in warnings if w.severity == "refuse"]
-                if refused and not force:
-                    raise CapacityError(
-                        refused[0].message, path=area, hint="Stage fewer shards with budget=SIZE, or pass force=True"
-                    )
+        try:  # the checks before a byte is copied: a refused first run leaves no folder claimed
+            valid = {u.number for u in units if is_staged(u)}
+            existing = sum(u.dest_bytes() for u in units)
+            fresh_index = not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
+            index_bytes = dir_bytes(index_dir) if fresh_index else 0
+            free = _free_bytes(area)
+            capacity = max(free + existing - index_bytes - _HEADROOM, 0)
+            limit = capacity if budget is None else budget
+            chosen: set[int] = set()
+            total = 0
+            for number in order:
+                if total + sizes[number] <= limit:
+                    chosen.add(number)
+                    total += sizes[number]
+            to_copy = [units[n] for n in order if n in chosen and n not in valid]  # hottest first
+            new_bytes = sum(sizes[u.number] for u in to_copy)
+            dead = [u for u in units if u.number not in chosen or u.number not in valid]
+            room = free + sum(u.dest_bytes() for u in dead) - _HEADROOM
+            if new_bytes + index_bytes > room:
+                raise CapacityError(
+                    f"the {len(to_copy)} shards to stage need {format_size(new_bytes + index_bytes)}, "
+                    f"but only {format_size(max(room, 0))} is free",
+                    path=area,
+                    hint="Lower budget=SIZE, choose fewer shards=LIST, or free space",
+                )
+            warnings: list[SafetyWarning] = []
+            mount_info = mount_of(area, read_mounts())
+            if mount_info is not None and mount_info.fstype == "tmpfs":
+                if area_info is not None and area_info.action != "reused":
+                    warnings = list(area_info.warnings)  # the new size was checked as it was mounted
+                else:  # the bytes about to land in RAM
+                    facts = gather_facts(include_gpus=False)
+                    warnings = memory_warnings(facts, tmpfs_size=new_bytes, reserve=reserve, adding=True)
+                    refused = [w for w in warnings if w.severity == "refuse"]
+                    if refused and not force:
+                        raise CapacityError(
+                            refused[0].message,
+                            path=area,
+                            hint="Stage fewer shards with budget=SIZE, or pass force=True",
+                        )
+        except CapacityError:
+            if claimed:
+                (dest / STAGED_FILE).unlink(missing_ok=True)  # then locked() removes the folders it made
+            raise
 
         if _changed(dest, staged_manifest(manifest, source, units, chosen)) and not held.enter_context(
             exclude_readers(dest)  # held while the copy changes: a dataset opening it waits for the new one
