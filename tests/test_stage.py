@@ -429,6 +429,22 @@ def test_a_staged_shard_folder_swapped_for_a_link_is_copied_again_not_reused(lmd
     assert _all_bytes(tmp_path / "nvme" / "train.lmdb") == _all_bytes(lmdb_pack)
 
 
+@pytest.mark.root
+@needs_root
+def test_the_room_a_source_converted_again_frees_in_its_staged_copy_counts_for_the_new_shards(
+    noise_folder: Path, tmp_path: Path, tmpfs
+) -> None:
+    """The old shards a source converted again no longer has were removed only after the budget was chosen: on a
+    tmpfs that holds the pack once, staging it again left shards on the source the area had room for."""
+    pack = tmp_path / "train"
+    packdata.convert(noise_folder, pack, format="tfrecord", shard_samples=6, progress=False)
+    area = tmpfs(f"{read_manifest(pack).total_bytes * 3 // 2 // 1024}k")  # room for the pack once, not twice
+    assert stage(pack, to=area, progress=False).left == []
+    packdata.convert(noise_folder, pack, format="tfrecord", shard_samples=12, overwrite=True, progress=False)
+    again = stage(pack, to=area, progress=False)
+    assert again.left == [] and len(again.copied) == 3
+
+
 def test_corrupt_staged_copy_is_recopied(lmdb_pack: Path, tmp_path: Path) -> None:
     """Documented choice: a staged copy failing its checksum is replaced on the next run."""
     stage(lmdb_pack, to=tmp_path / "nvme", progress=False)

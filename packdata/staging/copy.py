@@ -55,9 +55,9 @@ __all__ = [
     "is_staged",
     "locked",
     "missing_folders",
+    "old_shards",
     "remove_empty",
     "remove_leftovers",
-    "remove_old_shards",
     "removed_if_refused",
     "resolve_order",
     "same_tree",
@@ -414,30 +414,30 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
             os.replace(tmp, dest / extra)
 
 
-def remove_old_shards(dest: Path, marker: dict[str, Any], units: list[ShardFiles], manifest: Manifest) -> None:
-    """Remove from ``dest`` the shards its ``marker`` names (staged or left) that ``units`` no longer has.
+def old_shards(dest: Path, marker: dict[str, Any], units: list[ShardFiles], manifest: Manifest) -> list[Path]:
+    """The files and folders in ``dest`` of shards its ``marker`` names (staged or left) that ``units`` no longer has.
 
-    What a source converted again into other shards leaves of its old ones. Only
-    plain names directly in ``dest`` (not hidden) that are no file of the pack being staged go,
-    each with its side tables; a link is removed itself, never followed. Call it
+    What a source converted again into other shards leaves of its old ones, each
+    with its side tables: only plain names directly in ``dest`` (not hidden) that
+    are no file of the pack being staged. Remove them with
+    :func:`~packdata.pack.files.discard_partial` (a link itself, never followed),
     holding ``dest``'s lock.
     """
     try:
         layout_of = get_format(marker["format"]).shard_layout
-    except PackdataError:  # a format this packdata does not know: nothing is removed
-        return
+    except PackdataError:  # a format this packdata does not know: nothing is taken for its shards
+        return []
     current = {u.name for u in units} | {dst.name for u in units for _, dst, _, _ in u.files}
     current |= {MANIFEST_NAME, manifest.index_dir, *EXTRA_FILES, "staged.json"}
+    found = []
     for name in [*marker["staged"], *marker["left"]]:
         plain = isinstance(name, str) and name[:1] not in ("", ".") and "/" not in name and "\0" not in name
         if not plain or name in current:
             continue
         layout = layout_of(name)
-        doomed = [dest / name] if layout.folder else [dest / name, *layout.side_paths(dest / name)]
-        for path in doomed:
-            if path.name not in current:
-                with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the stage
-                    discard_partial(path)
+        paths = [dest / name] if layout.folder else [dest / name, *layout.side_paths(dest / name)]
+        found += [p for p in paths if p.name not in current and os.path.lexists(p)]
+    return found
 
 
 def remove_leftovers(dest: Path) -> None:

@@ -64,6 +64,7 @@ from packdata.errors import (
 )
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
+from packdata.pack.files import discard_partial
 from packdata.pack.lock import create_readers_lock, exclude_readers
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
@@ -76,8 +77,8 @@ from packdata.staging.copy import (
     is_staged,
     locked,
     missing_folders,
+    old_shards,
     remove_leftovers,
-    remove_old_shards,
     resolve_order,
     same_tree,
     shard_files,
@@ -312,6 +313,8 @@ def stage(
         remove_leftovers(dest)
         units = shard_files(manifest, source, dest)
         previous = read_marker(dest)  # the shards of the pack as it was staged last
+        gone = [] if previous is None else old_shards(dest, previous, units, manifest)
+        gone_bytes = sum(dir_bytes(p) for p in gone if not p.is_symlink())  # the room they leave (a link: none)
         index_dir = index_folder(source, manifest)
         sizes = {u.number: u.size for u in units}
         claimed = not (dest / STAGED_FILE).is_file()
@@ -319,7 +322,7 @@ def stage(
             _mark(dest, source, manifest, units, set(), sizes, complete=False)
         try:  # the checks before a byte is copied: a refused first run leaves no folder claimed
             valid = {u.number for u in units if is_staged(u)}
-            existing = sum(u.dest_bytes() for u in units)
+            existing = sum(u.dest_bytes() for u in units) + gone_bytes
             fresh_index = not same_tree(index_dir, dest / index_dir.name, manifest.index_sha256)
             index_bytes = dir_bytes(index_dir) if fresh_index else 0
             free = _free_bytes(area)
@@ -334,7 +337,7 @@ def stage(
             to_copy = [units[n] for n in order if n in chosen and n not in valid]  # hottest first
             new_bytes = sum(sizes[u.number] for u in to_copy)
             dead = [u for u in units if u.number not in chosen or u.number not in valid]
-            room = free + sum(u.dest_bytes() for u in dead) - _HEADROOM
+            room = free + sum(u.dest_bytes() for u in dead) + gone_bytes - _HEADROOM
             if new_bytes + index_bytes > room:
                 raise CapacityError(
                     f"the {len(to_copy)} shards to stage need {format_size(new_bytes + index_bytes)}, "
@@ -377,8 +380,9 @@ def stage(
             _mark(dest, source, manifest, units, keep, sizes, complete=False)
             for unit in dead:
                 unit.remove()
-            if previous is not None:
-                remove_old_shards(dest, previous, units, manifest)
+            for path in gone:
+                with contextlib.suppress(OSError):  # one that cannot be removed costs disk, never the stage
+                    discard_partial(path)
 
             try:
                 copy_all(to_copy, new_bytes, workers, progress)
