@@ -3213,3 +3213,31 @@ def test_a_field_some_samples_of_a_pack_at_a_url_lack_is_refused_naming_the_url(
         assert list(ds) == [("s0", None), ("s1", "caption 1"), ("s2", None), ("s3", "caption 3")]
     finally:
         memory.rm("/fields-bucket", recursive=True)
+
+
+@pytest.mark.root
+def test_a_stage_from_a_url_into_a_tmpfs_memory_cannot_hold_says_what_does_not_fit(
+    remote_pack, tmpfs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is a tmpfs already mounted: the refusal said 'a N tmpfs does not fit in memory ... ask for at
+    most', as if a tmpfs were asked for, where what does not fit is the pack about to be written into it."""
+    import fsspec
+
+    from packdata.host import facts as system
+    from packdata.staging import remote as remote_module
+
+    _, local = remote_pack
+    memory = fsspec.filesystem("memory")
+    memory.put(str(local), "/tight/train", recursive=True)
+    fake = tmp_path / "fake"
+    (fake / "proc").mkdir(parents=True)
+    # 4 GiB + 4 KiB available, and the default reserve of 4 GiB: 4 KiB may go to tmpfs, the pack needs more
+    (fake / "proc" / "meminfo").write_text(
+        "MemTotal: 16777216 kB\nMemAvailable: 4194308 kB\nSwapTotal: 1048576 kB\nSwapFree: 1048576 kB\n"
+    )
+    monkeypatch.setattr(remote_module, "gather_facts", lambda **kw: system.gather_facts(fake, **kw))
+    try:
+        with pytest.raises(CapacityError, match=r"[0-9.]+ [KM]iB more in this tmpfs does not fit in memory: "):
+            packdata.stage("memory://tight/train", to=tmpfs("16M", "cache"), progress=False)
+    finally:
+        memory.rm("/tight", recursive=True)

@@ -402,7 +402,7 @@ def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> N
         )
     mount = mount_of(cache, read_mounts())
     if mount is not None and mount.fstype == "tmpfs":
-        warnings = memory_warnings(gather_facts(include_gpus=False), tmpfs_size=needed, reserve=reserve)
+        warnings = memory_warnings(gather_facts(include_gpus=False), tmpfs_size=needed, reserve=reserve, adding=True)
         refused = [w for w in warnings if w.severity == "refuse"]
         if refused and not force:
             raise CapacityError(refused[0].message, path=cache, hint="Stage onto disk, or pass force=True")
