@@ -1609,3 +1609,15 @@ def test_status_of_the_area_given_by_mount(lmdb_pack: Path, tmp_path: Path) -> N
     assert f"{lmdb_pack.name}: 6 shards staged" in out.output and str(area) in out.output
     both = CliRunner().invoke(main, ["stage", "--status", "--mount", str(area), str(area)])
     assert both.exit_code == 2 and "--status takes only an optional area (PACK or --mount DIR)" in both.output
+
+
+def test_a_failed_mount_command_is_named_in_one_line(tmp_path: Path) -> None:
+    """mount's stderr of several lines was put in the error as it was: a message of several lines, where
+    packdata's errors are one ('... failed: mount: /x: wrong fs type\\n       dmesg(1) may have ...')."""
+    from packdata.staging.tmpfs import run_mount
+
+    script = ["sh", "-c", "echo 'mount: /x: wrong fs type.' >&2; echo '       dmesg(1) may have more.' >&2; exit 32"]
+    with pytest.raises(ConfigError) as raised:
+        run_mount(script, tmp_path, "Check the mount")
+    assert "\n" not in str(raised.value)
+    assert str(raised.value).endswith("failed: mount: /x: wrong fs type.; dmesg(1) may have more. Check the mount")

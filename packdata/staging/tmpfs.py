@@ -126,7 +126,8 @@ def run_mount(args: list[str], path: Path, hint: str) -> None:
     except FileNotFoundError as exc:
         raise ConfigError(f"the `{args[0]}` command is not installed", path=path) from exc
     except subprocess.CalledProcessError as exc:
-        detail = (exc.stderr or "").strip().rstrip(".") or f"exit status {exc.returncode}"
+        lines = [line.strip() for line in (exc.stderr or "").splitlines() if line.strip()]  # one line: a message's
+        detail = "; ".join(lines).rstrip(".") or f"exit status {exc.returncode}"
         raise ConfigError(f"`{' '.join(args)}` failed: {detail}", path=path, hint=hint) from exc
 
 
