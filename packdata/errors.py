@@ -23,6 +23,7 @@ __all__ = [
     "PackdataError",
     "RankMismatchError",
     "SourceError",
+    "DAMAGED_PACK_HINT",
     "OUT_OF_FILES_HINT",
     "destination_error",
     "out_of_files_error",
@@ -32,6 +33,10 @@ __all__ = [
     "sample_error",
     "too_many_open_files",
 ]
+
+
+DAMAGED_PACK_HINT = "Run `packdata verify` on the pack, then convert it again (a staged copy: stage it again)"
+"""What to do about a pack found damaged while it is read (a staged copy's origin may be sound)."""
 
 
 class PackdataError(Exception):

@@ -734,7 +734,7 @@ def test_a_flipped_label_in_range_is_named_at_open_and_by_verify(pack: Path) -> 
     before = LMDBDataset(pack).targets.tolist()
     labels = flip_label(pack)
     damaged = rf"{re.escape(str(labels))}: sample index file labels\.i32 does not match its SHA-256 in the manifest"
-    with pytest.raises(PackFormatError, match=rf"{damaged}\. .*run `packdata verify`"):
+    with pytest.raises(PackFormatError, match=rf"{damaged}\. .*Run `packdata verify`"):
         LMDBDataset(pack)
     with pytest.raises(PackFormatError, match=damaged):
         verify_pack(pack, progress=False)

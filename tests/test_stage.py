@@ -1621,3 +1621,19 @@ def test_a_failed_mount_command_is_named_in_one_line(tmp_path: Path) -> None:
         run_mount(script, tmp_path, "Check the mount")
     assert "\n" not in str(raised.value)
     assert str(raised.value).endswith("failed: mount: /x: wrong fs type.; dmesg(1) may have more. Check the mount")
+
+
+def test_a_damaged_staged_copy_advises_staging_it_again(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A staged copy whose sample index or record was damaged after staging said 'run packdata verify on the pack,
+    then convert it again': its origin may be sound, and staging again is what mends the copy."""
+    staged = stage(lmdb_pack, to=tmp_path / "area", progress=False).staged
+    labels = staged / read_manifest(staged).index_dir / "labels.i32"
+    data = bytearray(labels.read_bytes())
+    data[0] ^= 1
+    labels.write_bytes(bytes(data))
+    with pytest.raises(PackFormatError, match=r"labels\.i32: .*\(a staged copy: stage it again\)$"):
+        LMDBDataset(staged)
+    stage(lmdb_pack, to=tmp_path / "area", progress=False)
+    assert [label for _, label in LMDBDataset(staged, decode="bytes")] == [
+        label for _, label in LMDBDataset(lmdb_pack, decode="bytes")
+    ]

@@ -911,7 +911,7 @@ def test_a_flipped_label_in_range_is_named_when_either_dataset_opens(tf_images: 
     labels = flip_label(pack)
     damaged = rf"{re.escape(str(labels))}: sample index file labels\.i32 does not match its SHA-256 in the manifest"
     for dataset in (TFRecordIndexedDataset, TFRecordDataset):
-        with pytest.raises(PackFormatError, match=rf"{damaged}\. .*run `packdata verify`"):
+        with pytest.raises(PackFormatError, match=rf"{damaged}\. .*Run `packdata verify`"):
             dataset(pack)
     with pytest.raises(PackFormatError, match=damaged):
         verify_pack(pack, progress=False)

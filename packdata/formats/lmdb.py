@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import DAMAGED_PACK_HINT, ConfigError, PackFormatError
 from packdata.formats import ByteStream, ShardLayout
 from packdata.formats.lmdb_env import DATA_FILE
 from packdata.formats.lmdb_reader import LMDBShardReader
@@ -197,5 +197,5 @@ def read_remote_payload(
     raise PackFormatError(
         f"record {info.first_index + j} at byte offset {start} is damaged: {problem}",
         path=where,
-        hint="Run `packdata verify` on the pack, then convert it again",
+        hint=DAMAGED_PACK_HINT,
     )

@@ -37,7 +37,7 @@ import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 from zlib_ng.zlib_ng import crc32
 
-from packdata.errors import PackFormatError, too_many_open_files
+from packdata.errors import DAMAGED_PACK_HINT, PackFormatError, too_many_open_files
 from packdata.formats.lmdb_env import DATA_FILE
 from packdata.formats.lmdb_pages import ShardValues, read_lmdb_meta, value_locations
 from packdata.formats.lmdb_tables import RECORDS_FILE, _read_table
@@ -258,7 +258,7 @@ class LMDBShardReader:
         return PackFormatError(
             f"record {index} is damaged: the {part} at byte offset {offset}: {what}",
             path=os.path.join(self.path, DATA_FILE),
-            hint="Run `packdata verify` on the pack, then convert it again",
+            hint=DAMAGED_PACK_HINT,
         )
 
     def payloads(self, indices: np.ndarray) -> list[bytes | None]:

@@ -35,7 +35,7 @@ from typing import overload
 
 import numpy as np
 
-from packdata.errors import PackFormatError
+from packdata.errors import DAMAGED_PACK_HINT, PackFormatError
 from packdata.pack.files import file_sha256
 
 __all__ = [
@@ -281,7 +281,7 @@ class KeyList(Sequence[str]):
             expected = self._unchecked.get(name)
             if expected is not None and hashlib.sha256(data.data).hexdigest() != expected:
                 where = Path(self._path).with_name(name) if self._path is not None else name
-                raise damaged_index_file(where, hint="Run `packdata verify` on the pack, then convert it again")
+                raise damaged_index_file(where, hint=DAMAGED_PACK_HINT)
         self._unchecked = {}
 
     def __len__(self) -> int:

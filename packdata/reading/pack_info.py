@@ -13,7 +13,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import PackFormatError
+from packdata.errors import DAMAGED_PACK_HINT, PackFormatError
 from packdata.pack.files import file_sha256
 from packdata.pack.index import (
     FIELD_FILES,
@@ -129,7 +129,7 @@ class PackInfo:
         path = self.path / self.manifest.index_dir / LABELS_FILE
         expected = self.manifest.index_sha256.get(LABELS_FILE)
         if expected is not None and hashlib.sha256(labels.data).hexdigest() != expected:
-            hint = "The sample index is damaged: run `packdata verify` on the pack, then convert it again"
+            hint = f"The sample index is damaged. {DAMAGED_PACK_HINT}"
             raise damaged_index_file(path, hint=hint)
         bad = labels_out_of_range(labels, len(self.classes))
         if bad is not None:
