@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1069,3 +1070,26 @@ def test_a_refused_append_resume_advises_appending_again_not_overwrite(tmp_path:
     again = runner.invoke(cli, ["convert", str(new), str(pack), "--append", "--shard-samples", "2", "-q"])
     assert again.exit_code == 0, again.output
     assert _samples(pack) == _samples(reference)
+
+
+def test_a_merge_whose_destination_appears_meanwhile_never_says_its_result_was_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something that does not take the lock makes the destination while a merge writes: the refusal said 'The new
+    pack is left in .NAME.partial', a folder the merge had just deleted. It now says nothing was published."""
+    from packdata.conversion import combine
+
+    a = packdata.convert(_folder(tmp_path / "a", {"cat": ["1.jpg"]}), tmp_path / "a.lmdb", progress=False).pack
+    b = packdata.convert(_folder(tmp_path / "b", {"dog": ["2.jpg"]}), tmp_path / "b.lmdb", progress=False).pack
+    out = tmp_path / "out.lmdb"
+    write_manifest = combine.write_manifest
+
+    def then_someone_makes_the_destination(folder: Path, manifest: Any) -> None:
+        write_manifest(folder, manifest)
+        out.mkdir()  # another program, which takes no lock
+
+    monkeypatch.setattr(combine, "write_manifest", then_someone_makes_the_destination)
+    with pytest.raises(ConfigError, match=r"destination appeared while converting\. Nothing was published") as raised:
+        packdata.merge_packs([a, b], out)
+    assert ".partial" not in str(raised.value)
+    assert not (tmp_path / ".out.lmdb.partial").exists() and list(out.iterdir()) == []

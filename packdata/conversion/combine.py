@@ -383,6 +383,9 @@ def merge_packs(
                 raise CapacityError(
                     "the destination disk filled while merging: nothing was published", path=out, hint=_FULL_HINT
                 ) from exc
+            if isinstance(exc, ConfigError) and exc.hint and os.fspath(partial) in exc.hint:  # it is gone, not left
+                hint = "Nothing was published: move what is at the destination away and merge again"
+                raise exc.with_hint(hint) from exc
             raise
     result.samples, result.shards = manifest.num_samples, len(shards)
     result.missing_fields = manifest.missing_fields()
