@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main
-from packdata.conversion.upload import download_source, work_folder
+from packdata.conversion.download import download_source
+from packdata.conversion.upload import work_folder
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 from packdata.pack.urls import display_url
@@ -3046,17 +3047,17 @@ def test_a_ray_driver_looks_objects_up_again_after_a_5xx_reply_but_not_after_a_d
 
 def _rewrite_after_listing(monkeypatch, fs, path: str) -> bytes:
     """Rewrite the object ``path`` at its size once the local engine has listed its source; return the new bytes."""
-    import packdata.conversion.upload as upload
+    import packdata.conversion.download as download
 
     rewritten = bytearray(fs.cat_file(path))
     rewritten[len(rewritten) // 2] ^= 0xFF
-    check_room = upload._check_room
+    check_room = download._check_room
 
     def rewrite_then_check_room(*args) -> None:  # after the listing, before the downloads
         fs.pipe_file(path, bytes(rewritten))
         check_room(*args)
 
-    monkeypatch.setattr(upload, "_check_room", rewrite_then_check_room)
+    monkeypatch.setattr(download, "_check_room", rewrite_then_check_room)
     return bytes(rewritten)
 
 
@@ -3065,12 +3066,12 @@ def test_a_source_object_rewritten_at_the_same_size_before_its_download_is_a_cha
     s3, tmp_path: Path, monkeypatch, whole: bool
 ) -> None:
     """The local engine packed the rewritten bytes and journalled them under the version it had listed."""
-    import packdata.conversion.upload as upload
+    import packdata.conversion.download as download
 
     options, fs = s3
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     if not whole:  # an object too large to read into memory: downloaded to a file, its version looked up after
-        monkeypatch.setattr(upload, "_READ_WHOLE", 0)
+        monkeypatch.setattr(download, "_READ_WHOLE", 0)
     root = f"packs/rewritten-src-{whole}"
     fs.put(str(_two_classes(tmp_path / "src", 5)), root, recursive=True)
     rewritten = _rewrite_after_listing(monkeypatch, fs, f"{root}/dog/3.jpg")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from packdata.conversion.append import append_pack, interrupted_append, next_generation
+from packdata.conversion.download import download_source
 from packdata.conversion.layouts import (
     LIST_SUFFIXES,
     AnySource,
@@ -53,7 +54,6 @@ from packdata.conversion.upload import (
     check_remote_destination,
     check_writable,
     clean_work_folder,
-    download_source,
     end_remote_pack,
     record_job,
     upload_pack,
@@ -104,7 +104,7 @@ def convert(
             ``storage_options``): tar shards and list files are read in place
             through fsspec (no local copy; a list's relative paths name objects
             beside it); a folder is first copied into a local work folder
-            (:func:`~packdata.conversion.upload.download_source`), except on
+            (:func:`~packdata.conversion.download.download_source`), except on
             Ray, whose tasks read class folders in place
             (:mod:`packdata.conversion.remote_folder`).
         dst: the pack to create (``out.lmdb``; a folder for TFRecord), or a URL

@@ -5,7 +5,7 @@ once (:func:`list_folder`) and walks the listing in the order a local walk of
 the same tree gives (names sorted at every level, depth first), so the pack
 equals the one made from a local copy; each task reads its objects itself. An
 object whose name has ``..``, ``.`` or empty parts is never read: it is a skip
-(``unsafe name``), walked first, as :func:`~packdata.conversion.upload.download_source`
+(``unsafe name``), walked first, as :func:`~packdata.conversion.download.download_source`
 reports it for the local engine. An object read with another size than
 listed, or (where the listing gave one) at another version (ETag), was rewritten
 since the listing: a skip (``changed``), as one removed since is (``vanished``).

@@ -1,0 +1,163 @@
+"""Convert from object storage: a source folder at a URL copied into a local work folder, then converted.
+
+:func:`download_source` copies it in parallel and resumably; an object whose name
+would leave the work folder (``..``, ``.`` or empty parts) is never written, and
+appears in the pack's skip report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from packdata.conversion.remote_folder import _ListedObject, list_folder
+from packdata.conversion.sources import Skip
+from packdata.conversion.upload import _read_journal, work_folder
+from packdata.errors import CapacityError
+from packdata.host.facts import disk_free
+from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
+from packdata.progress import progress as show_progress
+from packdata.units import format_size
+
+__all__ = ["download_source"]
+
+
+_WORK_FOLDER_HINT = "Set PACKDATA_TMP to a folder on a disk with room (the work folder lives there), or free space"
+
+
+def _check_room(folder: Path, needed: int, what: str) -> None:
+    """Refuse to start writing ``needed`` bytes into ``folder`` when its disk has less free.
+
+    Raises:
+        CapacityError: naming both sizes and how to move the work folder.
+    """
+    free = disk_free(folder)
+    if needed > free:
+        raise CapacityError(
+            f"{what} need {format_size(needed)} in the work folder, its disk has {format_size(free)} free",
+            path=folder,
+            hint=_WORK_FOLDER_HINT,
+        )
+
+
+def download_source(
+    url: str, storage_options: dict[str, Any] | None, *, workers: int | None, progress: bool
+) -> tuple[Path, list[Skip]]:
+    """Copy the source folder at ``url`` into a local work folder (resumable); return it and the objects refused.
+
+    A file an earlier run downloaded is kept only when the journal beside the
+    folder says it was downloaded from the object as it is now (same size and
+    version, see :func:`~packdata.conversion.remote_folder.list_folder`); any
+    other file in the folder (an object since removed or rewritten, a partial
+    download) is removed or downloaded again, so the folder holds exactly the
+    listing. Downloads go to a folder of their own and are renamed into place.
+    An object whose name has ``..``, ``.`` or empty parts (``a/../b``, ``a//b``,
+    a leading ``/``) is not downloaded: it could land outside the folder or on
+    another object's file. It is returned as a :class:`Skip` (sorted by name)
+    for the conversion's skip report, never dropped silently, as is an object
+    rewritten or removed since the listing (see :func:`_download`).
+
+    Raises:
+        SourceError: the URL cannot be listed or holds no file, or a download failed for good.
+    """
+    fs, _, objects, refused = list_folder(url, storage_options)
+    shown = display_url(url)
+    local = work_folder(f"source:{shown}")
+    local.mkdir(parents=True, exist_ok=True)
+    journal = local.parent / _DOWNLOADED
+    incoming = local.parent / ".incoming"
+    shutil.rmtree(incoming, ignore_errors=True)
+    incoming.mkdir()
+    done = _read_journal(journal, ("size", "version"))
+    _remove_unlisted(local, {rel for _, rel, _, _ in objects})
+    todo = []
+    for path, rel, size, version in objects:
+        target = local.joinpath(*rel.split("/"))
+        kept = version and done.get(rel) == [size, version] and target.is_file() and target.stat().st_size == size
+        if not kept:
+            target.unlink(missing_ok=True)
+            todo.append((path, rel, target, size, version))
+    _check_room(local, sum(item[3] for item in todo), "the source's files")
+    lock = threading.Lock()
+
+    def get(item: tuple[str, str, Path, int, str]) -> Skip | None:
+        path, rel, target, size, version = item
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=incoming)
+        os.close(fd)
+        skip = _download(fs, path, shown, rel, Path(tmp), size, version)
+        if skip is not None:
+            os.unlink(tmp)
+            return skip
+        os.replace(tmp, target)
+        with lock, open(journal, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"name": rel, "size": size, "version": version}) + "\n")
+        return None
+
+    with (
+        show_progress(desc="download source", unit="B", total=sum(i[3] for i in todo), disable=not progress) as bar,
+        ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-source") as pool,
+    ):
+        for item, skip in zip(todo, pool.map(get, todo), strict=True):
+            bar.update(item[3])
+            if skip is not None:
+                refused.append(skip)
+    shutil.rmtree(incoming, ignore_errors=True)
+    return local, refused
+
+
+_READ_WHOLE = 16 << 20
+"""Source objects up to this size are read in one request that only the listed version answers (S3's If-Match)."""
+
+
+def _download(fs: Any, path: str, shown: str, rel: str, file: Path, size: int, version: str) -> Skip | None:
+    """Download the object ``path`` into ``file`` as listed (``size`` bytes at ``version``), or why ``rel`` is skipped.
+
+    An object up to :data:`_READ_WHOLE` bytes is read as the Ray engine reads it
+    (``_ListedObject``: on S3 only from the listed version); a larger one is
+    streamed into ``file``, then its size and the version the store reports now
+    are compared with the listing's. One rewritten since the listing is a skip
+    (``changed``), one removed since too (``vanished``).
+
+    Raises:
+        SourceError: a request failed for good (the message shows the URL and the error's type only).
+    """
+    if size <= _READ_WHOLE:
+        data = _ListedObject(fs, path, f"{shown}/{rel}", size, version).read(rel)
+        if isinstance(data, Skip):
+            return data
+        file.write_bytes(data)
+        return None
+    try:
+        retry_transient(partial(fs.get_file, path, os.fspath(file)))
+        fs.invalidate_cache(path)
+        now = object_version(retry_transient(partial(fs.info, path)))
+    except FileNotFoundError:
+        return Skip(rel, "vanished", "no such object: removed since the listing")
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
+    if file.stat().st_size != size or (version and now != version):
+        return Skip(rel, "changed", "its size or version is not the one listed: rewritten since the listing")
+    return None
+
+
+_DOWNLOADED = "downloaded.jsonl"
+"""Beside a source's work folder: one line per object downloaded (name, size, version), appended once in place."""
+
+
+def _remove_unlisted(local: Path, names: set[str]) -> None:
+    """Remove from the work folder every file, link or empty folder that is not one of the listed ``names``."""
+    for folder, dirs, files in os.walk(local, topdown=False):
+        here = Path(folder)
+        for name in files + [d for d in dirs if (here / d).is_symlink()]:
+            if (here / name).relative_to(local).as_posix() not in names or (here / name).is_symlink():
+                (here / name).unlink()
+        if here != local and not any(here.iterdir()):
+            here.rmdir()
