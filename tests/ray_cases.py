@@ -28,7 +28,7 @@ from PIL import Image
 
 import packdata
 from packdata.cli import main
-from packdata.conversion.publish import partial_path
+from packdata.conversion.destination import partial_path
 from packdata.conversion.sources import Skip, SourceFile, scan_source
 from packdata.errors import CapacityError, ConfigError, EngineError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest

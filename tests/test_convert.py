@@ -34,7 +34,7 @@ from packdata import (
     verify_pack,
 )
 from packdata.cli import main
-from packdata.conversion.publish import partial_path
+from packdata.conversion.destination import partial_path
 from packdata.formats.lmdb_env import encode_key
 from packdata.pack.records import decode_record
 from packdata.pack.turbo import turbojpeg

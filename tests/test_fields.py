@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.cli import main as cli
-from packdata.conversion.publish import partial_path
+from packdata.conversion.destination import partial_path
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb_env import DATA_FILE

@@ -1883,7 +1883,7 @@ def test_convert_tar_shards_at_a_url_streams_them_like_local_tars(s3, tmp_path: 
 
 
 def test_a_failed_tar_request_stops_resumably_and_a_resume_completes(s3, tmp_path: Path, monkeypatch) -> None:
-    from packdata.conversion.publish import partial_path
+    from packdata.conversion.destination import partial_path
 
     options, fs = s3
     _write_tars(tmp_path / "tars")

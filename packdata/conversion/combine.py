@@ -26,15 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from packdata.conversion.publish import (
-    SKIP_REPORT,
+from packdata.conversion.destination import (
     _check_destination_writable,
     _check_existing,
-    _publish,
     check_inputs_apart,
     partial_path,
-    recover_replaced,
 )
+from packdata.conversion.publish import SKIP_REPORT, _publish, recover_replaced
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import check_shard_file, check_shard_records, open_index

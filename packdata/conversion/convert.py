@@ -24,6 +24,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from packdata.conversion.append import append_pack, interrupted_append, next_generation
+from packdata.conversion.destination import (
+    _check_destination_writable,
+    _check_existing,
+    _check_paths,
+    check_inputs_apart,
+    check_real_destination,
+    partial_path,
+)
 from packdata.conversion.download import download_source
 from packdata.conversion.layouts import (
     LIST_SUFFIXES,
@@ -35,16 +43,7 @@ from packdata.conversion.layouts import (
 )
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
-from packdata.conversion.publish import (
-    ConvertResult,
-    _check_destination_writable,
-    _check_existing,
-    _check_paths,
-    check_inputs_apart,
-    check_real_destination,
-    partial_path,
-    recover_replaced,
-)
+from packdata.conversion.publish import ConvertResult, recover_replaced
 from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
 from packdata.conversion.sources import Skip, Source, listed_class, scan_source, with_classes
 from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars

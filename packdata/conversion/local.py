@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
+from packdata.conversion.destination import check_resumable, interrupted_error, partial_path
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
@@ -27,11 +28,8 @@ from packdata.conversion.publish import (
     _no_samples_error,
     _publish,
     bad_file_error,
-    check_resumable,
     extend_classes,
-    interrupted_error,
     make_result,
-    partial_path,
     record_skip,
     skip_line,
     source_identity,

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.destination import partial_path
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options
 from packdata.conversion.publish import (
@@ -33,7 +34,6 @@ from packdata.conversion.publish import (
     bad_file_error,
     extend_classes,
     make_result,
-    partial_path,
     source_identity,
 )
 from packdata.conversion.ray_gather import (

@@ -18,13 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from packdata.conversion.destination import check_resumable, interrupted_error
 from packdata.conversion.load import _Options
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     SKIP_REPORT,
-    check_resumable,
     classes_changed_error,
-    interrupted_error,
     is_count,
     is_skip_counts,
     is_skip_lines,

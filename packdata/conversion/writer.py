@@ -23,17 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
+from packdata.conversion.destination import _check_destination_writable, _check_existing, partial_path
 from packdata.conversion.load import _Options, ordered_map, shard_limits
 from packdata.conversion.local import _Packer
-from packdata.conversion.publish import (
-    ConvertResult,
-    _check_destination_writable,
-    _check_existing,
-    _publish,
-    make_result,
-    partial_path,
-    recover_replaced,
-)
+from packdata.conversion.publish import ConvertResult, _publish, make_result, recover_replaced
 from packdata.conversion.sources import FREE_CLASSES
 from packdata.errors import ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format

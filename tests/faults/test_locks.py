@@ -22,7 +22,7 @@ from conftest import IMAGE_EXTS, expected_samples, tree_digest
 
 from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
 from packdata.cli import main
-from packdata.conversion.publish import partial_path
+from packdata.conversion.destination import partial_path
 
 REPO = Path(__file__).parents[2]
 

@@ -24,7 +24,7 @@ import pytest
 from conftest import IMAGE_EXTS, expected_samples, image_bytes
 
 from packdata import LMDBDataset, TFRecordIndexedDataset, verify_pack
-from packdata.conversion.publish import partial_path
+from packdata.conversion.destination import partial_path
 from packdata.pack.manifest import manifest_checksum, read_manifest
 
 DRIVER = Path(__file__).with_name("resume_driver.py")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from packdata import LMDBDataset, convert
+from packdata.conversion.destination import partial_path
 from packdata.conversion.layouts import scan_grouped
 from packdata.conversion.load import _read_regular
-from packdata.conversion.publish import partial_path
 from packdata.conversion.sources import Skip, scan_source
 from packdata.errors import SourceError
 
