@@ -707,7 +707,7 @@ def test_ray_resume_reruns_a_finished_task_whose_list_labels_changed(ray_local, 
         (tmp_path / "l.csv").write_text("\n".join(["path,label", *rows]) + "\n", encoding="utf-8")
 
     write_list()
-    from packdata.conversion.layouts import scan_list
+    from packdata.conversion.lists import scan_list
     from packdata.conversion.load import _Options
     from packdata.conversion.ray_gather import _prepare_partial
     from packdata.conversion.ray_tasks import TASKS_DIR

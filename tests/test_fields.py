@@ -373,9 +373,9 @@ def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
 def test_a_jsonl_line_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A JSONL line was read whole, however long: a list of one 10 GB line (a stranger's) filled the memory.
     Now a line is read to MAX_JSONL_LINE characters at most (64 Mi; 100 here) and one longer is refused."""
-    from packdata.conversion import layouts
+    from packdata.conversion import lists
 
-    monkeypatch.setattr(layouts, "MAX_JSONL_LINE", 100)
+    monkeypatch.setattr(lists, "MAX_JSONL_LINE", 100)
     (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
     listing = tmp_path / "l.jsonl"
     long_line = json.dumps({"path": "a.txt", "caption": "x" * 150})

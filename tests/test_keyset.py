@@ -14,8 +14,8 @@ import fsspec
 import pytest
 
 import packdata
-from packdata.conversion import layouts
-from packdata.conversion.layouts import scan_list
+from packdata.conversion import lists
+from packdata.conversion.lists import scan_list
 from packdata.conversion.local import _count_walk
 from packdata.errors import ConfigError
 from packdata.pack import keyset
@@ -112,7 +112,7 @@ def test_the_progress_bars_count_of_a_list_reads_rows_and_remembers_no_key(
             made.append(1)
             super().__init__()
 
-    monkeypatch.setattr(layouts, "KeySet", CountedKeySet)
+    monkeypatch.setattr(lists, "KeySet", CountedKeySet)
     listing = tmp_path / "l.csv"
     rows = ["a.txt,cat", "b.txt,dog", "a.txt,dog", ",cat", "c.txt,", 'd.txt,"x,y"', "e.txt,cat"]
     listing.write_text("path,label\n" + "\n".join(rows) + "\n", encoding="utf-8")

@@ -33,14 +33,8 @@ from packdata.conversion.destination import (
     partial_path,
 )
 from packdata.conversion.download import download_source
-from packdata.conversion.layouts import (
-    LIST_SUFFIXES,
-    AnySource,
-    GroupedSource,
-    detect_grouped,
-    scan_grouped,
-    scan_list,
-)
+from packdata.conversion.layouts import AnySource, GroupedSource, detect_grouped, scan_grouped
+from packdata.conversion.lists import LIST_SUFFIXES, scan_list
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, recover_replaced

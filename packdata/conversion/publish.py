@@ -18,7 +18,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from packdata.conversion.destination import _check_replaceable
-from packdata.conversion.layouts import AnySource, ListSource
+from packdata.conversion.layouts import AnySource
+from packdata.conversion.lists import ListSource
 from packdata.conversion.load import _Options
 from packdata.conversion.sources import Skip
 from packdata.conversion.tars import TarSource

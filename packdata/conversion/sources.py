@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.errors import ConfigError, SourceError
+from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind
 from packdata.pack.images import IMAGE_EXTENSIONS
 from packdata.pack.records import MAX_SAMPLE_BYTES
@@ -402,3 +403,18 @@ def walk_record(entry: SourceFile | SourceGroup | Skip) -> bytes:
         for name, value in entry.values:
             parts += [name.encode("utf-8", "surrogateescape"), value]
     return b"".join(b"%d:%s" % (len(part), part) for part in parts) + b"\n"
+
+
+def _check_required(require: tuple[str, ...]) -> None:
+    """Refuse a name in ``require`` that cannot name a field (a raw FieldError reached the CLI).
+
+    Raises:
+        ConfigError: naming it.
+    """
+    for name in require:
+        try:
+            check_field_name(name)
+        except FieldError as exc:
+            raise ConfigError(
+                f"require=FIELDS names no field: {exc}", hint="Name fields as file names end: jpg,json"
+            ) from exc
