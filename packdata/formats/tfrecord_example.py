@@ -1,18 +1,16 @@
-"""TFRecord framing and tf.train.Example records: masked CRC32C, framing checks, encoding,
-and a parser that slices the payload without protobuf objects.
+"""tf.train.Example records: encoding, and a parser that slices the payload without protobuf objects.
+
+A record's TFRecord framing (length, masked CRC32C) is :mod:`packdata.formats.tfrecord_framing`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import struct
 from typing import NamedTuple, cast
 
 import numpy as np
-from fastcrc.crc32 import iscsi as crc32c  # CRC-32C (Castagnoli), SIMD (about 2x the crc32c package)
 
-from packdata.errors import PackFormatError
 from packdata.pack.fields import LABEL_FIELD, codec_of, decode_block
 from packdata.pack.records import RecordError, Sample
 
@@ -20,27 +18,17 @@ __all__ = [
     "FIELDS_FEATURE",
     "PRIMARY_FEATURE",
     "ParsedExample",
-    "check_record",
     "encode_example",
     "encode_with_span",
     "example_fields",
-    "frame_record",
-    "masked_crc",
     "parse_example",
 ]
 
 
-_HEADER = struct.Struct("<QI")
 FIELDS_FEATURE = b"packdata/fields"
 """A multi-field sample's field names (bytes list): every field is the feature of its name..."""
 PRIMARY_FEATURE = b"packdata/primary"
 """...except the first image field (by name), stored as ``image/encoded``, whose name this holds."""
-
-
-_U32 = struct.Struct("<I")
-
-
-_MASK_DELTA = 0xA282EAD8
 
 
 _IMAGE_FORMATS = (
@@ -51,12 +39,6 @@ _IMAGE_FORMATS = (
     (b"II*\x00", b"tiff"),
     (b"MM\x00*", b"tiff"),
 )
-
-
-def masked_crc(data: bytes | memoryview) -> int:
-    """TFRecord's masked CRC32C of ``data``."""
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
 _IMAGE_KEY, _TEXT_KEY = b"\x0a\x0dimage/encoded", b"\x0a\x0ctext/encoded"
@@ -253,12 +235,6 @@ def _field_features(sample: Sample) -> dict[str, list[bytes] | list[int]]:
     features["image/class/label"] = [sample.label]
     features["image/filename"] = [sample.key.encode("utf-8")]
     return features
-
-
-def frame_record(data: bytes) -> bytes:
-    """``data`` framed as one TFRecord record."""
-    head = struct.pack("<Q", len(data))
-    return b"".join((head, _U32.pack(masked_crc(head)), data, _U32.pack(masked_crc(data))))
 
 
 class ParsedExample(NamedTuple):
@@ -531,32 +507,3 @@ def _all_bytes(buf: memoryview, name: bytes) -> list[bytes]:
             inner += m
         pos = list_end
     return values
-
-
-def _damaged(path: str | os.PathLike, offset: int, problem: str) -> PackFormatError:
-    return PackFormatError(
-        f"record at byte offset {offset} is damaged: {problem}",
-        path=path,
-        hint="Run `packdata verify` on the pack, then convert or stage it again",
-    )
-
-
-def check_record(buf: memoryview, pos: int, length: int, *, path: str, offset: int, check_crc: bool) -> memoryview:
-    """The data of the framed record ``buf[pos:pos + length]``, its framing checked.
-
-    ``offset`` is where the record starts in the shard file (for the message).
-    """
-    if length < 16 or pos + length > len(buf):
-        raise _damaged(path, offset, f"record of {length} bytes does not fit")
-    n, length_crc = _HEADER.unpack_from(buf, pos)
-    if n != length - 16:
-        raise _damaged(path, offset, f"length field says {n} bytes, the index says {length - 16}")
-    data = buf[pos + 12 : pos + 12 + n]
-    if check_crc:  # masked_crc inlined: this runs once per record read
-        crc = crc32c(buf[pos : pos + 8])
-        if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
-            raise _damaged(path, offset, "CRC32C of the length field does not match")
-        crc = crc32c(data)
-        if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != _U32.unpack_from(buf, pos + 12 + n)[0]:
-            raise _damaged(path, offset, "CRC32C of the data does not match")
-    return data

@@ -18,7 +18,8 @@ import numpy as np
 from fastcrc.crc32 import iscsi as crc32c
 
 from packdata.errors import PackFormatError
-from packdata.formats.tfrecord_example import _HEADER, _MASK_DELTA, _U32, _damaged, _span_ok, check_record
+from packdata.formats.tfrecord_example import _span_ok
+from packdata.formats.tfrecord_framing import _HEADER, _MASK_DELTA, _U32, _damaged, check_record
 from packdata.pack.files import not_a_file, open_regular
 
 __all__ = ["TFRecordShardReader", "chunk_plan"]

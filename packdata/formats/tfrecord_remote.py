@@ -33,7 +33,7 @@ import numpy as np
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.remote_pack import fetch_pack_skeleton, fetch_range
 from packdata.formats.tfrecord import NAME
-from packdata.formats.tfrecord_example import check_record
+from packdata.formats.tfrecord_framing import check_record
 from packdata.formats.tfrecord_reader import TFRecordShardReader, chunk_plan
 from packdata.formats.tfrecord_tables import index_path
 from packdata.pack.manifest import Manifest

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError, destination_error
-from packdata.formats.tfrecord_example import encode_with_span, frame_record
+from packdata.formats.tfrecord_example import encode_with_span
+from packdata.formats.tfrecord_framing import frame_record
 from packdata.formats.tfrecord_reader import _CHUNK, TFRecordShardReader
 from packdata.formats.tfrecord_tables import (
     _HEAD,
