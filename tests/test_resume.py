@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packdata import BlockShuffleSampler, LMDBDataset, TFRecordDataset, convert
+from packdata import BlockShuffleSampler, LMDBDataset, TFRecordDataset, TokenBucketSampler, convert
 from packdata.errors import ConfigError
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
@@ -238,6 +238,57 @@ def test_sampler_elastic_exactly_once_without_padding() -> None:
             next_state = sampler.state_dict(consumed=len(order))
         state = json.loads(json.dumps(next_state))
     assert seen == Counter(range(36))
+
+
+def _token_loaders(pack: Path, world: int, workers: int, states: list[str] | None = None) -> list:
+    """One StatefulDataLoader per rank over TokenBucketSampler batches of up to 6 samples (4 bytes each, budget 24)."""
+    ds = LMDBDataset(pack, decode="bytes")
+    loaders = []
+    for rank in range(world):
+        sampler = TokenBucketSampler(ds, 24, bucket_size=8, seed=5, rank=rank, world_size=world, check_ranks=False)
+        sampler.set_epoch(1)
+        loader = StatefulDataLoader(ds, batch_sampler=sampler, num_workers=workers, collate_fn=_collate)
+        if states is not None:
+            loader.load_state_dict(json.loads(states[0]))  # every rank consumed the same steps: any rank's state
+        loaders.append(loader)
+    return loaders
+
+
+@pytest.mark.parametrize(("before_world", "after_world"), [(1, 1), (2, 2), (2, 3), (3, 1)])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_bucket_resume_visits_every_remaining_sample_also_at_another_world_size(
+    packs: dict[str, Path], before_world: int, after_world: int, workers: int
+) -> None:
+    full = [[_ids(batch) for batch in loader] for loader in _token_loaders(packs["lmdb"], before_world, 0)]
+    seen: Counter[str] = Counter()
+    states = []
+    for loader in _token_loaders(packs["lmdb"], before_world, workers):
+        it = iter(loader)
+        for _ in range(2):
+            seen.update(_ids(next(it)))  # 2 steps of every rank
+        states.append(json.dumps(loader.state_dict()))
+        del it
+    rest = [[_ids(batch) for batch in loader] for loader in _token_loaders(packs["lmdb"], after_world, workers, states)]
+    for after in rest:
+        seen.update(s for batch in after for s in batch)
+    assert set(seen) == {f"{c}/{i:02d}" for c, count in (("a", 19), ("b", N - 19)) for i in range(count)}
+    assert sum(seen.values()) - N <= 6 * (before_world - 1 + after_world - 1)  # whole padding batches only
+    if before_world == after_world:  # the same ranks continue exactly
+        assert [full[r][2:] for r in range(after_world)] == rest
+
+
+def test_token_bucket_state_for_a_plain_dataloader_counts_batches(packs: dict[str, Path]) -> None:
+    from torch.utils.data import DataLoader
+
+    ds = LMDBDataset(packs["lmdb"], decode="bytes")
+    sampler = TokenBucketSampler(ds, 24, bucket_size=8, seed=5)
+    full = [_ids(batch) for batch in DataLoader(ds, batch_sampler=sampler, collate_fn=_collate)]
+    state = json.dumps(sampler.state_dict(consumed=3))
+    resumed = TokenBucketSampler(ds, 24, bucket_size=8, seed=5)
+    resumed.load_state_dict(json.loads(state))
+    assert [_ids(batch) for batch in DataLoader(ds, batch_sampler=resumed, collate_fn=_collate)] == full[3:]
+    with pytest.raises(ConfigError, match="other max_tokens"):
+        TokenBucketSampler(ds, 30, bucket_size=8, seed=5).load_state_dict(json.loads(state))
 
 
 def test_sampler_resume_in_fresh_process(packs: dict[str, Path], tmp_path: Path) -> None:

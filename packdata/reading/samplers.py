@@ -116,6 +116,86 @@ def _is_phase(phase: object, most: int) -> bool:
     return 1 <= phase[0] <= most
 
 
+class ResumablePass:
+    """A sampler's pass over an epoch, resumable from a loaded position: the ``__iter__`` both samplers share.
+
+    The sampler provides ``_stream()`` (this rank's items for the current phase
+    of the epoch, from its start) and ``_iterate(items)`` (yields them, adding
+    one to ``_yielded`` each), and sets ``_history``, ``_start``, ``_yielded``
+    and ``_pending`` as :meth:`BlockShuffleSampler.load_state_dict` does.
+    """
+
+    epoch: int
+    rank: int
+    world_size: int
+    _rank_given: tuple[int | None, int | None]
+    _rank_check: RankCheck
+    _history: list[list[int]]  # [world_size, consumed] of this epoch's earlier phases
+    _start: int  # position in this rank's stream where the current (or pending) pass starts
+    _yielded: int  # position reached by the current pass
+    _pending: bool  # a loaded position the next pass starts from
+
+    def _stream(self) -> Any:
+        raise NotImplementedError
+
+    def _iterate(self, items: Any) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def _load_position(self, state: dict[str, Any], samples: int, unit: str) -> None:
+        """Take a state's ``epoch`` and ``consumed`` for the next pass (``unit`` names what is counted).
+
+        The last ``[world_size, consumed]`` phase is the position when it is this
+        world size's; otherwise it is an earlier phase too and the position is 0.
+
+        Raises:
+            ConfigError: they are malformed, or do not fit this epoch; the sampler is then left as it was.
+        """
+        phases, epoch = state.get("consumed"), state.get("epoch")
+        most = max(samples, self.world_size, _MOST_RANKS)  # a layout holds a world's ranks: bounded
+        if not isinstance(phases, list) or not phases or not all(_is_phase(p, most) for p in phases):
+            raise ConfigError(
+                f"the sampler state's consumed should be a non-empty list of [world_size, {unit}] pairs of integers "
+                f"(world_size from 1 to {most}, {unit} from 0 on), but got {str(phases)[:80]}",
+                hint="Pass the state state_dict() returned, unchanged",
+            )
+        try:
+            epoch = order_number("epoch", epoch)
+        except ValueError as exc:
+            raise ConfigError(
+                f"the sampler state's {exc}", hint="Pass the state state_dict() returned, unchanged"
+            ) from None
+        pairs = [[int(w), int(c)] for w, c in phases]
+        history, position = (pairs[:-1], pairs[-1][1]) if pairs[-1][0] == self.world_size else (pairs, 0)
+        before = self.epoch, self._history
+        self.epoch, self._history = int(epoch), history
+        try:  # nothing changes unless the whole state fits this epoch
+            length = len(self._stream())
+            if position > length:
+                raise ValueError(f"says {position} {unit} consumed, but this rank's epoch holds {length}")
+        except ValueError as exc:
+            self.epoch, self._history = before
+            if isinstance(exc, ConfigError):  # drop_last leaves this epoch nothing
+                raise
+            raise ConfigError(f"the sampler state {exc}", hint="Pass the state this rank saved, unchanged") from None
+        self._start = self._yielded = position
+        self._pending = True
+
+    def _pass(self, owner: str) -> Iterator[Any]:
+        """The next pass: the whole epoch, or the rest of a loaded one."""
+        check_rank_world(owner, self._rank_given, (self.rank, self.world_size))
+        self._rank_check(owner, self.world_size)
+        resumed, self._pending = self._pending, False
+        if not resumed:
+            self._history, self._start = [], 0  # a new pass over the whole epoch
+        stream = self._stream()
+        if resumed and self._start >= len(stream):  # resumed where the epoch ended
+            self._history, self._start, self._yielded = [], 0, 0
+            self.epoch += 1
+            return iter([])
+        self._yielded = self._start
+        return self._iterate(stream[self._start :])
+
+
 class ShuffleQuality(NamedTuple):
     """How far an order moves samples from their pack order (see :func:`shuffle_quality`)."""
 
@@ -144,7 +224,7 @@ def shuffle_quality(order: np.ndarray | list[int]) -> ShuffleQuality:
     return ShuffleQuality(displacement, correlation)
 
 
-class BlockShuffleSampler(Sampler[int]):
+class BlockShuffleSampler(ResumablePass, Sampler[int]):
     """Locality-aware shuffling for map-style packs (LMDB, indexed TFRecord), DDP-aware.
 
     Each epoch, blocks of ``block_size`` consecutive indices are shuffled, then
@@ -352,35 +432,7 @@ class BlockShuffleSampler(Sampler[int]):
                 f"{self._pack_digest!r}: it was converted again since, so the saved position is another order's",
                 hint="Start the epoch again (do not load this state), or resume on the pack the state was saved on",
             )
-        phases, epoch = state_dict.get("consumed"), state_dict.get("epoch")
-        most = max(self.num_samples_total, self.world_size, _MOST_RANKS)  # a layout holds a world's ranks: bounded
-        if not isinstance(phases, list) or not phases or not all(_is_phase(p, most) for p in phases):
-            raise ConfigError(
-                f"the sampler state's consumed should be a non-empty list of [world_size, samples] pairs of integers "
-                f"(world_size from 1 to {most}, samples from 0 on), but got {str(phases)[:80]}",
-                hint="Pass the state state_dict() returned, unchanged",
-            )
-        try:
-            epoch = order_number("epoch", epoch)
-        except ValueError as exc:
-            raise ConfigError(
-                f"the sampler state's {exc}", hint="Pass the state state_dict() returned, unchanged"
-            ) from None
-        before = self.epoch, self._history
-        self.epoch = int(epoch)
-        if phases[-1][0] == self.world_size:
-            self._history, position = [[int(w), int(c)] for w, c in phases[:-1]], int(phases[-1][1])
-        else:
-            self._history, position = [[int(w), int(c)] for w, c in phases], 0
-        try:  # nothing changes unless the whole state fits this epoch
-            length = len(self._stream())
-            if position > length:
-                raise ValueError(f"says {position} samples consumed, but this rank's epoch holds {length}")
-        except ValueError as exc:
-            self.epoch, self._history = before
-            raise ConfigError(f"the sampler state {exc}", hint="Pass the state this rank saved, unchanged") from None
-        self._start = self._yielded = position
-        self._pending = True
+        self._load_position(state_dict, self.num_samples_total, "samples")
 
     def _iterate(self, order: np.ndarray) -> Iterator[int]:
         """Yield ``order`` a window at a time (as Python ints only a window at a time: 100 M of them are 3.6 GB)."""
@@ -426,18 +478,7 @@ class BlockShuffleSampler(Sampler[int]):
         )
 
     def __iter__(self) -> Iterator[int]:
-        check_rank_world("BlockShuffleSampler", self._rank_given, (self.rank, self.world_size))
-        self._rank_check("BlockShuffleSampler", self.world_size)
-        resumed, self._pending = self._pending, False
-        if not resumed:
-            self._history, self._start = [], 0  # a new pass over the whole epoch
-        stream = self._stream()
-        if resumed and self._start >= len(stream):  # resumed where the epoch ended
-            self._history, self._start, self._yielded = [], 0, 0
-            self.epoch += 1
-            return iter([])
-        self._yielded = self._start
-        return self._iterate(stream[self._start :])
+        return self._pass("BlockShuffleSampler")
 
     def __len__(self) -> int:
         return per_rank_count(self.num_samples_total, self.world_size, self.drop_last)

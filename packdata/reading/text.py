@@ -16,6 +16,7 @@ English BPE: 4 bytes per token) or your own ``lengths`` array of token counts.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,7 @@ from packdata.errors import ConfigError
 from packdata.pack.index import FIELD_FILES, SIZES_FILE
 from packdata.reading.loader import label_tensor
 from packdata.reading.ranks import RankCheck, check_rank_world, pack_of, resolve_rank_world
-from packdata.reading.samplers import order_number
+from packdata.reading.samplers import ResumablePass, order_number
 
 __all__ = ["PadCollate", "TokenBucketSampler", "pad_collate", "sample_lengths"]
 
@@ -71,7 +72,7 @@ def sample_lengths(dataset: Any, field: str | None = None) -> np.ndarray:
     )
 
 
-class TokenBucketSampler(Sampler[list[int]]):
+class TokenBucketSampler(ResumablePass, Sampler[list[int]]):
     """Batch sampler: batches of similar-length samples, each under a token budget.
 
     Use as ``DataLoader(ds, batch_sampler=TokenBucketSampler(ds, max_tokens=8192),
@@ -88,6 +89,10 @@ class TokenBucketSampler(Sampler[list[int]]):
     and takes every ``world_size``-th one; the batch count is cut to a
     multiple of ``world_size`` (``drop_last=True``) or padded by repeating
     batches from the start (``drop_last=False``) so all ranks step together.
+
+    Resuming mid-epoch, also at another world size: :meth:`state_dict` /
+    :meth:`load_state_dict`, as for
+    :class:`~packdata.reading.samplers.BlockShuffleSampler`, counted in batches.
 
     Args:
         lengths: a pack dataset (its index gives the lengths) or a sequence of lengths.
@@ -168,26 +173,37 @@ class TokenBucketSampler(Sampler[list[int]]):
                 hint="Raise max_tokens, truncate long samples, or pass oversize='alone' to give each its own batch",
             )
         self._cache: tuple[int, list[list[int]]] | None = None
+        self._history: list[list[int]] = []  # [world_size, batches consumed] of this epoch's earlier phases
+        self._start = 0  # batch of this rank's stream where the current (or pending) pass starts
+        self._yielded = 0  # batch reached by the current pass
+        self._pending = False  # a loaded position the next pass starts from
         where, digest = pack_of(lengths)
-        self._rank_check = RankCheck(
-            check_ranks,
-            where,
-            samples=len(self.lengths),
-            pack=digest,
-            field=field,
-            seed=self.seed,
-            shuffle=shuffle,
-            max_tokens=self.max_tokens,
-            length_scale=length_scale,
-            max_samples=max_samples,
-            bucket_size=bucket_size,
-            drop_last=drop_last,
-        )
+        self._order_facts = {  # what fixes the batches: compared across ranks, and with a loaded state
+            "samples": len(self.lengths),
+            "pack": digest,
+            "lengths": hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16],
+            "field": field,
+            "seed": self.seed,
+            "shuffle": shuffle,
+            "max_tokens": self.max_tokens,
+            "length_scale": length_scale,
+            "max_samples": max_samples,
+            "bucket_size": bucket_size,
+            "drop_last": drop_last,
+        }
+        self._rank_check = RankCheck(check_ranks, where, **self._order_facts)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler)."""
+        """Use the shuffle of ``epoch`` (call before each epoch, as with DistributedSampler).
+
+        A position loaded by :meth:`load_state_dict` belongs to its epoch:
+        setting another epoch discards it.
+        """
         check_rank_world("TokenBucketSampler", self._rank_given, (self.rank, self.world_size))
-        self.epoch = order_number("epoch", epoch)
+        order_number("epoch", epoch)
+        if epoch != self.epoch:
+            self._history, self._start, self._yielded, self._pending = [], 0, 0, False
+        self.epoch = epoch
 
     def _pack(self, order: np.ndarray) -> list[list[int]]:
         batches: list[list[int]] = []
@@ -223,28 +239,99 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._cache = (self.epoch, batches)
         return batches
 
+    def _layout(self, ids: list[int], world_size: int) -> list[int]:
+        """Batch ids cut (``drop_last``) or padded by repeating their start to a multiple of ``world_size``."""
+        if self.drop_last:
+            return ids[: len(ids) - len(ids) % world_size]
+        total = math.ceil(len(ids) / world_size) * world_size
+        return ids + list(itertools.islice(itertools.cycle(ids), total - len(ids)))
+
     def _rank_batches(self) -> list[list[int]]:
         batches = self.batches()
-        if self.world_size == 1:
-            return batches
-        if self.drop_last:
-            usable = len(batches) - len(batches) % self.world_size
-            if usable == 0:
-                raise ConfigError(
-                    f"drop_last=True leaves no batches: epoch {self.epoch} has {len(batches)} over "
-                    f"world_size={self.world_size}",
-                    hint="Pass drop_last=False to pad instead, or lower max_tokens",
+        layout = self._layout(list(range(len(batches))), self.world_size)
+        if not layout:
+            raise ConfigError(
+                f"drop_last=True leaves no batches: epoch {self.epoch} has {len(batches)} over "
+                f"world_size={self.world_size}",
+                hint="Pass drop_last=False to pad instead, or lower max_tokens",
+            )
+        return [batches[b] for b in layout[self.rank :: self.world_size]]
+
+    def _stream(self) -> list[list[int]]:
+        """This rank's batches for the current phase of the epoch (all of them, from its start).
+
+        Rank ``r`` takes every ``world_size``-th batch from ``r``, so ``k`` steps
+        of every rank consumed the layout's first ``k * world_size`` batches; the
+        rest, deduplicated, is laid out again for the next phase's world size.
+        """
+        if not self._history:
+            return self._rank_batches()
+        batches = self.batches()
+        worlds = [w for w, _ in self._history] + [self.world_size]
+        layout = self._layout(list(range(len(batches))), worlds[0])
+        for (world, taken), next_world in zip(self._history, worlds[1:], strict=True):
+            if taken > len(layout) // world:
+                raise ValueError(
+                    f"says {taken} batches consumed at world_size={world}, but its ranks held {len(layout) // world}"
                 )
-            batches = batches[:usable]
-        else:
-            total = math.ceil(len(batches) / self.world_size) * self.world_size
-            batches = batches + list(itertools.islice(itertools.cycle(batches), total - len(batches)))
-        return batches[self.rank :: self.world_size]
+            done = set(layout[: taken * world])
+            layout = self._layout([b for b in dict.fromkeys(layout[taken * world :]) if b not in done], next_world)
+        return [batches[b] for b in layout[self.rank :: self.world_size]]
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """This rank's position in the epoch, in batches: small, JSON-serialisable.
+
+        Args:
+            consumed: batches training has taken from the current iteration
+                (for a plain ``DataLoader``: its steps; a count past the end of
+                the iteration is its end). By default the batches this sampler
+                has yielded, which is what ``StatefulDataLoader`` needs.
+        """
+        if consumed is not None and consumed < 0:
+            raise ValueError(f"consumed should be at least 0, but got consumed={consumed}")
+        position = self._yielded if consumed is None else min(self._start + consumed, len(self._stream()))
+        return {
+            "version": 1,
+            "epoch": self.epoch,
+            "order": dict(self._order_facts),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "consumed": [*([w, c] for w, c in self._history), [self.world_size, int(position)]],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` (from :meth:`state_dict`) on the next iteration.
+
+        Sets the epoch to the saved one. At the same world size the next pass
+        yields exactly the batches the interrupted pass had left; at another,
+        every remaining batch once (plus at most ``world_size - 1`` padding
+        repeats, or cut with ``drop_last``). A pass that starts where an epoch
+        ended yields nothing and moves the sampler to the next epoch.
+
+        Raises:
+            ConfigError: the state was saved by a sampler with other batches
+                (lengths, pack, options), or is not one :meth:`state_dict`
+                returned; the sampler is then left as it was.
+        """
+        saved = state_dict.get("order")
+        if saved != self._order_facts:
+            names = sorted(
+                k for k in self._order_facts if not isinstance(saved, dict) or saved.get(k) != self._order_facts[k]
+            )
+            raise ConfigError(
+                f"the sampler state was saved by a TokenBucketSampler with other {', '.join(names)}: its batches "
+                "differ",
+                hint="Build the sampler over the same pack with the same options to resume this epoch",
+            )
+        self._load_position(state_dict, len(self.lengths), "batches")
 
     def __iter__(self) -> Iterator[list[int]]:
-        check_rank_world("TokenBucketSampler", self._rank_given, (self.rank, self.world_size))
-        self._rank_check("TokenBucketSampler", self.world_size)
-        yield from self._rank_batches()
+        return self._pass("TokenBucketSampler")
+
+    def _iterate(self, batches: list[list[int]]) -> Iterator[list[int]]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
 
     def __len__(self) -> int:
         return len(self._rank_batches())
