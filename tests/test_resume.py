@@ -448,6 +448,15 @@ def test_tfrecord_plain_dataloader_resume(packs: dict[str, Path], workers: int) 
             assert sorted(before + after) == sorted(full), stop
 
 
+def test_a_loader_state_loaded_into_another_number_of_workers_names_both(packs: dict[str, Path]) -> None:
+    ds = TFRecordDataset(packs["tfrecord"], decode="bytes", seed=5)
+    ds.load_state_dict(ds.loader_state_dict(3, batch_size=BATCH, num_workers=2))
+    with pytest.raises(
+        ConfigError, match=r"is the streams of 2 workers \(loader_state_dict\), but it was loaded into worker 0 of 1"
+    ):
+        next(iter(ds))
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_tfrecord_loaded_state_resumes_one_pass_of_workers(packs: dict[str, Path], context: str) -> None:
     """The state stayed in the main process's dataset, so every later pass's workers resumed from it again:

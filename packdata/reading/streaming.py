@@ -576,9 +576,11 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         if "yielded_per_worker" in state and state.get("num_workers") == num_workers:  # from loader_state_dict
             state = {**state, "worker": worker, "yielded": state["yielded_per_worker"][worker]}
         if (state.get("worker"), state.get("num_workers")) != (worker, num_workers):
+            saved = f"worker {state.get('worker')} of {state.get('num_workers')}"
+            if "yielded_per_worker" in state:  # a loader_state_dict state: every worker's count, none named
+                saved = f"the streams of {state.get('num_workers')} workers (loader_state_dict)"
             raise ConfigError(
-                f"the reader state is worker {state.get('worker')} of {state.get('num_workers')}, but it was loaded "
-                f"into worker {worker} of {num_workers}",
+                f"the reader state is {saved}, but it was loaded into worker {worker} of {num_workers}",
                 path=self.where,
                 hint="Resume with the num_workers the state was saved with",
             )
