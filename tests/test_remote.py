@@ -592,8 +592,8 @@ def test_info_reads_a_remote_manifest(s3, remote_pack) -> None:
 _HUGE_MANIFEST = """
 import json, sys, tracemalloc
 import packdata
-from packdata.pack import manifest
-manifest._MAX_MANIFEST_BYTES = 1 << 20  # as the real 256 MiB, at test scale
+from packdata.pack.manifest import schema
+schema.MAX_MANIFEST_BYTES = 1 << 20  # as the real 256 MiB, at test scale
 options = json.loads(sys.argv[1])
 packdata.pack_info("s3://packs/train.lmdb", storage_options=options)  # every import and connection made
 tracemalloc.start()

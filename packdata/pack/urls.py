@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from packdata.errors import ConfigError, PackFormatError, SourceError
-from packdata.pack import manifest as manifest_file
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.manifest import schema as manifest_schema
 
 __all__ = [
     "EXTRAS",
@@ -189,7 +189,7 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
     """
     try:
         # one byte past the largest manifest read_manifest takes: a larger object is refused, never downloaded whole
-        raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}", start=0, end=manifest_file._MAX_MANIFEST_BYTES + 1)
+        raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}", start=0, end=manifest_schema.MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
         raise PackFormatError(
             f"{shown}: no {MANIFEST_NAME} there: not a pack, or not finished (a pack exists when its "
