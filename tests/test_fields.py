@@ -1123,6 +1123,23 @@ def test_a_tar_of_a_folder_made_with_tar_c_dot_keys_samples_without_its_dot_pref
     ]
 
 
+def test_tar_member_names_become_relative_keys_and_one_leading_out_is_a_bad_key(tmp_path: Path) -> None:
+    """Members named '../x.txt', '/abs/y.txt', 'a/./w.txt', 'a//v.txt', 'a/../u.txt' were packed under those
+    keys verbatim, where a key is a relative path (export refused each). They are now keyed as tar extracts them
+    (leading '/', '.', empty parts and an inner '..' dropped); one whose '..' leads out is a 'bad key' skip."""
+    names = ["../x.txt", "/abs/y.txt", "./z.txt", "a/./w.txt", "a//v.txt", "a/../u.txt", "a/b/../../../t.txt"]
+    (tmp_path / "d.tar").write_bytes(_tar_of([(name, name.encode()) for name in names]))
+    result = packdata.convert(str(tmp_path / "d.tar"), tmp_path / "out.lmdb", progress=False)
+    assert (result.packed, result.skipped) == (5, {"bad key": 2})
+    detail = "its '..' leads out of the tar's top folder: a key is a relative path inside it (tar refuses it too)"
+    assert result.skip_examples == [
+        {"key": f"d.tar:{name}", "reason": "bad key", "detail": detail} for name in ("../x.txt", "a/b/../../../t.txt")
+    ]
+    packed = {s["__key__"]: s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")}
+    assert packed == {"abs/y": "/abs/y.txt", "z": "./z.txt", "a/w": "a/./w.txt", "a/v": "a//v.txt", "u": "a/../u.txt"}
+    assert export_pack(tmp_path / "out.lmdb", tmp_path / "back").refused == []
+
+
 def test_tars_are_read_once_even_with_a_progress_bar(tmp_path: Path, monkeypatch) -> None:
     from packdata.conversion.tars import TarSource
 

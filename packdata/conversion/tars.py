@@ -6,8 +6,11 @@ consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
 tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
-whole. Member names are read as UTF-8 on every machine, never in the locale's
-encoding; a member named in bytes not UTF-8 past its key (``c.cls\\xe9``)
+whole. A member's name is its path as tar extracts it (``./a.jpg``, ``/a.jpg``
+and ``b/../a.jpg`` are ``a.jpg``: keys are relative POSIX paths); one whose
+``..`` leads out of the tar's top is a ``"bad key"`` skip. Member names are
+read as UTF-8 on every machine, never in the locale's encoding; a member
+named in bytes not UTF-8 past its key (``c.cls\\xe9``)
 skips its sample whole. A ``cls`` member is the label. A hard link to an earlier member of an
 uncompressed tar (``tar`` and ``tarfile.add`` write the second name of a file
 so) is read from that member. Other links, devices, sparse members (whose
@@ -35,6 +38,7 @@ import gzip
 import io
 import lzma
 import os
+import posixpath
 import re
 import tarfile
 import zlib
@@ -58,6 +62,7 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _CHOICE = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _MAX_SHARDS = 1_000_000
 _BLOCK = 8 << 20  # bytes per read of a tar at a URL
+_OUTSIDE = "its '..' leads out of the tar's top folder: a key is a relative path inside it (tar refuses it too)"
 
 
 def is_tar_pattern(src: str) -> bool:
@@ -191,7 +196,7 @@ class TarSource:
                 offsets: dict[str, tuple[int, int]] | None = {} if plain is stream else None  # name -> data's span
                 for member in tar:
                     if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
-                        base, _ = _split(_relative(member.name))
+                        base, _ = _split(_relative(member.name) or "")
                         if base not in (None, key) and key is not None and fields is not None:
                             yield _group(key, fields)  # whole: this member starts the next sample
                             key, fields = base, {}
@@ -201,7 +206,11 @@ class TarSource:
                     where = f"{name}:{member.name}"
                     if member.isdir():
                         continue
-                    base, ext = _split(_relative(member.name))
+                    relative = _relative(member.name)
+                    if relative is None:
+                        yield Skip(where, "bad key", _OUTSIDE)
+                        continue
+                    base, ext = _split(relative)
                     named = _is_utf8(member.name)
                     if not named and (base is None or not _is_utf8(base)):  # no sample of a key in UTF-8 lacks it
                         yield Skip(f"{name}:{_printable(member.name)}", "name not UTF-8", problem=False)
@@ -363,10 +372,19 @@ def _check_end(tar: tarfile.TarFile) -> None:
             raise tarfile.ReadError(f"data follows a zero block at byte {tar.offset}: a damaged member header?")
 
 
-def _relative(name: str) -> str:
-    """A member name without the ``./`` prefixes ``tar -C DIR .`` writes (the same path to tar, not part of a key)."""
-    while name.startswith("./"):
-        name = name[2:]
+def _relative(name: str) -> str | None:
+    """A member name as a relative POSIX path, the key's source; None for one that leads out of the tar's top.
+
+    ``./`` (as ``tar -C DIR .`` writes), ``.`` and empty parts, a ``..`` that
+    stays inside, and leading slashes are dropped, as tar and Python's tarfile
+    (``filter="data"``) extract them: ``/a/./b/../c.jpg`` is ``a/c.jpg``. A
+    name whose ``..`` leads above the top (``../x.jpg``) has no such path:
+    extracting it is refused there too.
+    """
+    if name.startswith(("/", ".")) or "/." in name or "//" in name:  # else it is plain already: no normpath
+        name = posixpath.normpath(name.lstrip("/"))
+        if name == ".." or name.startswith("../"):
+            return None
     return name
 
 

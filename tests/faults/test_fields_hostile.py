@@ -323,7 +323,8 @@ def test_a_jsonl_row_json_cannot_hold_is_one_source_error(tmp_path: Path, value:
         packdata.convert(tmp_path / "l.jsonl", tmp_path / "out.lmdb", progress=False)
 
 
-def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_path: Path) -> None:
+def test_tar_members_with_escaping_names_never_become_keys_or_paths(tmp_path: Path) -> None:
+    """An absolute member is keyed as tar extracts it (etc/owned), one leading out through '..' is a skip."""
     tar_path = tmp_path / "evil.tar"
     with tarfile.open(tar_path, "w") as tar:
         for name in ("../../escape.txt", "/etc/owned.txt", "fine/a.txt"):
@@ -331,11 +332,15 @@ def test_tar_members_with_escaping_names_stay_keys_and_never_become_paths(tmp_pa
             info.size = 3
             tar.addfile(info, io.BytesIO(b"abc"))
     result = packdata.convert(str(tar_path), tmp_path / "t.lmdb", progress=False)
-    assert result.packed == 3  # stored as keys only: the tar is never extracted
+    assert (result.packed, result.skipped) == (2, {"bad key": 1})  # the tar is never extracted
     assert not (tmp_path.parent.parent / "escape.txt").exists()
     out = export_pack(tmp_path / "t.lmdb", tmp_path / "out")
-    assert sorted(r["key"] for r in out.refused) == ["../../escape", "/etc/owned"]
-    assert [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["a.txt"]
+    assert out.refused == []
+    files = (tmp_path / "out").rglob("*")
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in files if p.is_file()) == [
+        "etc/owned.txt",
+        "fine/a.txt",
+    ]
 
 
 @pytest.mark.timeout(30)
