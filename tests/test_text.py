@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import packdata
 from packdata.errors import ConfigError
+from packdata.formats.contents import export_pack
 from packdata.reading.open import open_dataset
 from packdata.reading.text import PadCollate, TokenBucketSampler, pad_collate, sample_lengths
 
@@ -230,3 +231,18 @@ def test_token_buckets_take_rank_and_world_from_torchrun_environment(monkeypatch
     assert not set(ranks[0]) & set(ranks[1])  # each batch goes to one rank
     everything = TokenBucketSampler(lengths, 200, seed=1, rank=0, world_size=1)
     assert len(ranks[0]) + len(ranks[1]) <= sum(len(b) for b in everything)
+
+
+def test_a_text_saved_with_a_byte_order_mark_decodes_without_it_and_keeps_it_in_the_pack(tmp_path: Path) -> None:
+    """A .txt file an editor saved as 'UTF-8 with BOM' decoded to '\\ufeffhello': a tokenizer read U+FEFF as the
+    text's first character. The str now starts at the text (Python's utf-8-sig); the pack keeps the file's bytes
+    (decode='bytes' and export give them as they were), and a mark past the start stays in the str."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"\xef\xbb\xbfhello")
+    (src / "b.txt").write_bytes("mid\ufeffdle".encode())
+    packdata.convert(src, tmp_path / "out.lmdb", progress=False)
+    assert [text for text, _ in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["hello", "mid\ufeffdle"]
+    assert packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")[0][0] == b"\xef\xbb\xbfhello"
+    export_pack(tmp_path / "out.lmdb", tmp_path / "back")
+    assert (tmp_path / "back" / "a.txt").read_bytes() == b"\xef\xbb\xbfhello"

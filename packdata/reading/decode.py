@@ -6,6 +6,7 @@ Decoders are plain picklable callables, so a dataset that holds one can go to
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 from collections.abc import Callable
@@ -99,12 +100,19 @@ class DecodeJPEG:
 
 
 def decode_text(data: bytes) -> str:
-    """Decode UTF-8 text.
+    """Decode UTF-8 text; a leading byte order mark is dropped, as Python's ``utf-8-sig`` drops it.
+
+    A file saved by an editor that marks UTF-8 (Notepad, Excel) starts with
+    U+FEFF, which a tokenizer would read as the text's first character. The
+    stored bytes keep it (``decode="bytes"``, ``packdata cat`` and export give
+    the file as it was); only the str loses it.
 
     Raises:
         DecodeError: the bytes are not UTF-8.
     """
     try:
+        if data[:3] == codecs.BOM_UTF8:
+            return data[3:].decode("utf-8")
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DecodeError(f"text is not UTF-8 ({exc})", hint=_DAMAGED) from exc
