@@ -1583,12 +1583,51 @@ def test_a_list_naming_one_file_again_as_dot_slash_packs_it_once(tmp_path: Path)
     paths = ["imgs/a.txt", "./imgs/a.txt", "imgs//a.txt", "imgs/./a.txt", "imgs/b.txt", f"{tmp_path}//imgs/./b.txt"]
     (tmp_path / "l.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths), encoding="utf-8")
     result = packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
-    assert result.packed == 3 and result.skipped == {"duplicate key": 3}
-    assert [s["key"] for s in result.skip_examples] == ["imgs/a"] * 3
+    assert result.packed == 2 and result.skipped == {"duplicate key": 4}
+    assert [s["key"] for s in result.skip_examples] == ["imgs/a"] * 3 + [f"{tmp_path}/imgs/b"]
     said = [s["detail"].split(": a key is")[0] for s in result.skip_examples]
-    assert said == [f"row {n} ({p}) has the key of row 2" for n, p in zip((3, 4, 5), paths[1:4], strict=True)]
+    assert said[:3] == [f"row {n} ({p}) has the key of row 2" for n, p in zip((3, 4, 5), paths[1:4], strict=True)]
+    assert said[3] == f"row 7 ({paths[5]}) has the key of row 6 (as 'imgs/b', from the list's folder)"
     ds = packdata.LMDBDataset(tmp_path / "out.lmdb")
-    assert [s["__key__"] for s in ds] == ["imgs/a", "imgs/b", f"{tmp_path}/imgs/b"]
+    assert [s["__key__"] for s in ds] == ["imgs/a", "imgs/b"]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_list_naming_one_file_by_its_absolute_path_or_through_dotdot_packs_it_once(
+    tmp_path: Path, suffix: str
+) -> None:
+    """a.txt named again as /LIST_FOLDER/a.txt, or as x/../a.txt, gave keys a, /LIST_FOLDER/a and x/../a: one
+    file packed as two or three samples, without a word. The later rows are now 'duplicate key' skips naming the
+    row first given (the first spelling's key is packed); a file outside the list's folder, and one named through
+    a link to it (not looked for: a stat a row), stay samples of their own."""
+    (tmp_path / "x").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "c.txt")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+    outside.write_text("o", encoding="utf-8")
+    paths = [f"{tmp_path}/b.txt", "a.txt", f"{tmp_path}/a.txt", "x/../a.txt", "b.txt", "c.txt", "link.txt"]
+    paths += [str(outside), f"../{outside.name}"]
+    listing = tmp_path / f"l{suffix}"
+    rows = [json.dumps({"path": p}) if suffix == ".jsonl" else p for p in paths]
+    listing.write_text(("" if suffix == ".jsonl" else "path\n") + "".join(f"{r}\n" for r in rows), encoding="utf-8")
+    result = packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert result.skipped == {"duplicate key": 4}
+    first = 1 if suffix == ".jsonl" else 2  # the line of the list's first row
+    said = [(s["key"], s["detail"].split(": a key is")[0]) for s in result.skip_examples]
+    as_a = "(as 'a', from the list's folder)"
+    away = str(outside.with_suffix(""))
+    assert said == [
+        (f"{tmp_path}/a", f"row {first + 2} ({paths[2]}) has the key of row {first + 1} {as_a}"),
+        ("x/../a", f"row {first + 3} (x/../a.txt) has the key of row {first + 1} {as_a}"),
+        ("b", f"row {first + 4} (b.txt) has the key of row {first}"),
+        (
+            f"../{outside.stem}",
+            f"row {first + 8} ({paths[8]}) has the key of row {first + 7} (as {away!r}, from the list's folder)",
+        ),
+    ]
+    keys = [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")]
+    assert keys == [f"{tmp_path}/b", "a", "c", "link", away]
 
 
 def test_tar_member_names_are_read_as_utf8_whatever_the_locale(tmp_path: Path) -> None:

@@ -8,7 +8,11 @@ gives classes (strings, numbered in sorted order like ImageFolder; or integers,
 kept); every other column becomes a field of that name, stored as text when all
 its values are strings and as JSON otherwise. A row's key is its path up to the
 first dot of the file name (``imgs/a.jpg`` and ``./imgs/a.jpg`` -> ``imgs/a``:
-``.`` and empty folder parts are dropped). Like grouped files
+``.`` and empty folder parts are dropped). Rows naming one file in other
+spellings (``/data/imgs/a.jpg`` in a list in ``/data``, ``x/../imgs/a.jpg``)
+are one key too: the later row is a ``"duplicate key"`` skip, though its
+own key (the path as given) is packed for the earlier one alone. A file named
+through a symbolic link to it is not recognised (a ``stat`` a row). Like grouped files
 (:mod:`packdata.conversion.layouts`), each row is a :class:`SourceGroup`.
 """
 
@@ -86,6 +90,7 @@ class ListSource:
     def walk(self) -> Iterator[SourceGroup | Skip]:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
         keys = KeySet()  # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
+        roots = _roots(self.root) if self.fs is None else ()
         for number, row in _rows(self.list_file, self.fs, self._where):
             where = f"row {number}"
             if _EXTRA in row:
@@ -115,9 +120,14 @@ class ListSource:
                 continue
             folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
-            first = keys.add(key, number)
+            same = key  # the key as the list's folder names it: /root/a.jpg and x/../a.jpg name a.jpg, key a
+            if self.fs is None and (raw_path.startswith("/") or ".." in raw_path):
+                same = _key_from(self.root, raw_path, roots)
+            first = keys.add(same, number)
             if first is not None:
-                yield Skip(key, "duplicate key", f"{where} ({raw_path}) has the key of row {first}: {_KEY_RULE}")
+                said = f" (as {same!r}, from the list's folder)" if same != key else ""
+                detail = f"{where} ({raw_path}) has the key of row {first}{said}: {_KEY_RULE}"
+                yield Skip(key, "duplicate key", detail)
                 continue
             label = -1
             if self.label_column is not None:
@@ -193,6 +203,37 @@ class ListSource:
 
 
 _KEY_RULE = "a key is the path up to the first dot of the file name, without '.' or empty folder parts"
+
+
+def _roots(root: Path | str) -> tuple[str, ...]:
+    """The list's folder as an absolute path, and its real path where another: the prefixes of paths inside it."""
+    plain, real = os.path.abspath(root), os.path.realpath(root)
+    return tuple(path.rstrip(os.sep) + os.sep for path in dict.fromkeys((plain, real)))
+
+
+def _key_from(root: Path | str, raw_path: str, roots: tuple[str, ...]) -> str:
+    """The key a list path has as a path from the list's folder ``root`` (``roots``: :func:`_roots`).
+
+    An absolute path inside the folder is read from there (``/data/a.jpg`` in
+    a list in ``/data``: ``a``); one with ``..`` parts has its folder
+    resolved (links followed: through a link, ``x/..`` need not be the list's
+    folder), its only ``stat``; any other path, as the list gives it.
+    Neither is a file named through a symbolic link to it found (that would
+    take a ``stat`` a row).
+    """
+    path = os.path.join(root, _os_path(raw_path))
+    folder, base = os.path.split(path)
+    if ".." in raw_path.replace(os.sep, "/").split("/"):
+        folder = os.path.realpath(folder)
+    full = os.path.join(os.path.normpath(folder), base)
+    for prefix in roots:
+        if full.startswith(prefix):
+            full = full[len(prefix) :]
+            break
+    folder, _, base = full.replace(os.sep, "/").rpartition("/")
+    folder = _plain_folder(folder)
+    stem = base.partition(".")[0]
+    return f"{folder}/{stem}" if folder else stem
 
 
 def _plain_folder(folder: str) -> str:
