@@ -1760,6 +1760,36 @@ def test_a_list_value_that_opens_a_quote_it_never_closes_is_refused_not_merged(t
     assert [s["caption"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [f'say "hi"{sep} twice', "plain"]
 
 
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_a_list_value_whose_quote_closes_rows_later_is_refused_not_merged(tmp_path: Path, suffix: str) -> None:
+    """'a.txt,"a dog' ... 'c.txt,runs"': an opened quote closed by a later row's value before a delimiter read as
+    one row whose caption held the rows between (b and c lost, no skip; standard CSV reads it so). A value whose
+    line names a file beside the list, where rows name theirs, is now refused naming the lines; a caption of
+    several lines that names no file still reads."""
+    sep = "\t" if suffix == ".tsv" else ","
+    for name in "abcd":
+        (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    listing = tmp_path / f"l{suffix}"
+    rows = ["a.txt{0}fine{0}1", 'b.txt{0}"a dog{0}2', "c.txt{0}plain{0}3", 'd.txt{0}runs"{0}4']
+    listing.write_text("".join(f"{r.format(sep)}\n" for r in ["path{0}caption{0}n", *rows]), encoding="utf-8")
+    result = CliRunner().invoke(cli, ["convert", str(listing), str(tmp_path / "out.lmdb"), "-q"])
+    name = "TSV" if suffix == ".tsv" else "CSV"
+    assert result.exit_code == 1 and result.output == (
+        f"Error: {listing}: the row at line 3 is not {name}: its value of column 'caption' runs on to line 5, and "
+        "its line 4 names a file as a row does ('c.txt'): a quote not closed swallowed the rows between. A value "
+        'that starts with a double quote must end with one: "say ""hi"" twice"\n'
+    )
+    assert not (tmp_path / "out.lmdb").exists()
+    listing.write_text(
+        f'path{sep}caption\na.txt{sep}"two\nlines{sep} x.txt"\nc.txt{sep}"one\r\nmore"\n', encoding="utf-8"
+    )
+    packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
+    assert [s["caption"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [
+        f"two\nlines{sep} x.txt",
+        "one\r\nmore",
+    ]
+
+
 def test_a_tar_sample_with_two_members_of_one_field_is_skipped_whole(tmp_path: Path) -> None:
     """a.bin then a.BIN (both field bin): the sample was packed with the first and the second reported as a
     member skipped, though nothing tells which is the sample's. It is skipped whole, as a grouped folder's is."""

@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import os
+import re
 import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ class ListSource:
         """Yield one group per row, in file order; a row without a usable path or label is a skip."""
         keys = KeySet()  # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
         roots = _roots(self.root) if self.fs is None else ()
-        for number, row in _rows(self.list_file, self.fs, self._where):
+        for number, row in _rows(self.list_file, self.fs, self._where, self.path_column):
             where = f"row {number}"
             if _EXTRA in row:
                 extra = len(row[_EXTRA])
@@ -185,7 +186,7 @@ class ListSource:
         The walk itself remembers every key (:class:`~packdata.pack.keyset.KeySet`): a second one, in the
         counting thread, would hold as much again.
         """
-        for number, _ in _rows(self.list_file, self.fs, self._where):
+        for number, _ in _rows(self.list_file, self.fs, self._where, self.path_column):
             yield number
 
     @property
@@ -252,24 +253,27 @@ def _open_text(list_file: Path | str, fs: Any) -> TextIO:
     return io.TextIOWrapper(fs.open(list_file, "rb"), encoding="utf-8-sig", newline="")
 
 
-def _rows(list_file: Path | str, fs: Any = None, where: str | Path = "") -> Iterator[tuple[int, dict[str, Any]]]:
+def _rows(
+    list_file: Path | str, fs: Any = None, where: str | Path = "", path_column: str = ""
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` of a CSV, TSV or JSONL file (JSONL rows must be objects), on ``fs`` if given.
 
     Raises:
-        SourceError: a line is not a JSON object; for a list on ``fs``, a
-            failed request too (resumable: the conversion is kept).
+        SourceError: a line is not a JSON object, or a CSV value swallowed rows
+            (:func:`_check_merged`); for a list on ``fs``, a failed request too (resumable: the conversion is kept).
     """
     if fs is None:
-        yield from _read_rows(list_file, None, where or list_file)
+        yield from _read_rows(list_file, None, where or list_file, path_column)
         return
     try:
-        yield from _read_rows(list_file, fs, where)
+        yield from _read_rows(list_file, fs, where, path_column)
     except (SourceError, UnicodeDecodeError, csv.Error):
         raise
     except Exception as exc:
         raise remote_error(os.fspath(where), "cannot read the list file", exc, resumable=True) from exc
 
 
+_QUOTE_HINT = 'A value that starts with a double quote must end with one: "say ""hi"" twice"'
 _EXTRA = "\0extra"
 """A CSV row's values past its header's columns, under a name no column has (a NUL ends a CSV): a caption
 with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
@@ -278,7 +282,9 @@ _SHORT = "\0short"
 'running,3') was packed cut at it, its row's later columns missing, without a word."""
 
 
-def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _read_rows(
+    list_file: Path | str, fs: Any, where: str | Path, path_column: str
+) -> Iterator[tuple[int, dict[str, Any]]]:
     delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
     with _open_text(list_file, fs) as f:
         if delimiter is None:
@@ -309,7 +315,10 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
             twice = first_repeated(reader.fieldnames or [])
             if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
                 raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
+            folder = os.path.dirname(list_file) if fs is None else None  # rows swallowed: looked for locally
+            column = (reader.fieldnames or []).index(path_column) if path_column in (reader.fieldnames or []) else -1
             while True:
+                start = reader.line_num + 1
                 try:
                     row = next(reader)
                 except StopIteration:
@@ -319,14 +328,46 @@ def _read_rows(list_file: Path | str, fs: Any, where: str | Path) -> Iterator[tu
                     raise SourceError(
                         f"the row at line {reader.line_num + 1} is not {_LIST_NAMES[delimiter]}: {exc}",
                         path=where,
-                        hint='A value that starts with a double quote must end with one: "say ""hi"" twice"'
-                        if quotes
-                        else None,
+                        hint=_QUOTE_HINT if quotes else None,
                     ) from exc
+                if reader.line_num > start and folder is not None and column >= 0:  # a value holds line breaks
+                    _check_merged(row, start, delimiter, column, folder, where)
                 short = sum(value is None for value in row.values())  # DictReader's value of a column not given
                 if short:
                     row[_SHORT] = short
                 yield reader.line_num, row
+
+
+def _check_merged(row: dict[str, Any], start: int, delimiter: str, column: int, folder: str, where: str | Path) -> None:
+    """Refuse a row whose quoted value swallowed the rows after it: a quote opened and never closed in its line.
+
+    A quoted value may hold line breaks (standard CSV, a caption of several
+    lines), so ``a.jpg,"a dog`` ... ``c.jpg,runs"`` reads as one row whose
+    caption holds the rows between, which were lost without a word. Such a row
+    is told by a line of its value that names, where a row names its file, a
+    file beside the list: a ``stat`` for each such line, only in the rare
+    values that span lines.
+
+    Raises:
+        SourceError: naming the row's line, the value's column and the line that reads as a row.
+    """
+    line = start
+    for name, value in row.items():
+        if not isinstance(value, str):
+            continue
+        lines = re.split(r"\r\n|\r|\n", value)
+        for number, text in enumerate(lines[1:], line + 1):
+            fields = next(csv.reader([text], delimiter=delimiter))
+            path = fields[column] if len(fields) > max(column, 1) else ""
+            if path and "\0" not in path and os.path.lexists(os.path.join(folder, _os_path(path))):
+                raise SourceError(
+                    f"the row at line {start} is not {_LIST_NAMES[delimiter]}: its value of column {name!r} runs on "
+                    f"to line {line + len(lines) - 1}, and its line {number} names a file as a row "
+                    f"does ({path!r}): a quote not closed swallowed the rows between",
+                    path=where,
+                    hint=_QUOTE_HINT,
+                )
+        line += len(lines) - 1
 
 
 def scan_list(
@@ -375,7 +416,7 @@ def scan_list(
     rows = 0
     label_seen = False
     try:
-        for _, row in _rows(list_file, fs, where):
+        for _, row in _rows(list_file, fs, where, path_column):
             rows += 1
             if path_column not in row:
                 raise SourceError(
