@@ -313,7 +313,7 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
     changed while it was read is refused rather than packed half old, half new.
 
     Raises:
-        _NotReadable: not a regular file, or changed while read.
+        _NotReadable: not a regular file, changed while read, or of a length stat does not give (/proc).
         OSError: it cannot be opened or read.
     """
     if stat_first:
@@ -339,7 +339,15 @@ def _read_regular(path: str, *, stat_first: bool = False) -> bytes:
         after = os.fstat(fd)
     finally:
         os.close(fd)
-    if got != size or (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
+    unchanged = (after.st_size, after.st_mtime_ns) == (size, before.st_mtime_ns)
+    if got != size and unchanged:  # a file of /proc or /sys: its size in stat is 0 or a page, not its length
+        read = "more" if got > size else f"{got} bytes"
+        raise _NotReadable(
+            "size unknown",
+            f"stat gives {size} bytes but {read} were read, the file unchanged: a file of /proc or /sys, whose "
+            "length no stat gives; copy it into a regular file to pack it",
+        )
+    if got != size or not unchanged:
         raise _NotReadable(
             "changed while read",
             f"{size} bytes when opened, {got} read, {after.st_size} after; it is being written to",

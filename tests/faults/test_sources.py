@@ -68,6 +68,30 @@ def test_read_refuses_a_fifo_put_in_place_of_a_file(tmp_path: Path) -> None:
         _read_regular(os.fspath(tmp_path / "swapped.jpg"))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_list_rows_naming_system_files_are_skipped_each_with_its_reason_never_read_on(tmp_path: Path) -> None:
+    """A list's rows may name any path: /dev/zero (endless), a FIFO (blocks), a folder, /proc/self/status (stat
+    says 0 bytes, it reads more). Each is a skip with its reason, read at most one byte past its size; the /proc
+    file was said to be 'changed while read ... being written to', which it was not: it is now 'size unknown'."""
+    os.mkfifo(tmp_path / "fifo.txt")
+    os.chmod(tmp_path / "fifo.txt", 0o644)  # whatever the umask
+    (tmp_path / "fine.txt").write_text("fine", encoding="utf-8")
+    paths = ["/dev/zero", "fifo.txt", "/proc/self", "/proc/self/status", "fine.txt"]
+    (tmp_path / "l.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths), encoding="utf-8")
+    result = convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"not a regular file": 3, "size unknown": 1}
+    report = _report(tmp_path / "out.lmdb")
+    assert report["/dev/zero"]["detail"] == "field 'bytes': mode crw-rw-rw-, never opened"
+    assert report["fifo"]["detail"] == "field 'txt': mode prw-r--r--, never opened"
+    assert report["/proc/self"]["detail"].startswith("field 'bytes': mode dr-xr-xr-x")
+    assert report["/proc/self/status"]["detail"] == (
+        "field 'bytes': stat gives 0 bytes but more were read, the file unchanged: a file of /proc or /sys, whose "
+        "length no stat gives; copy it into a regular file to pack it"
+    )
+    assert [s["__key__"] for s in LMDBDataset(tmp_path / "out.lmdb")] == ["fine"]
+
+
 def test_symlink_loop_and_duplicate_folder_are_reported(image_folder: Path, tmp_path: Path) -> None:
     (image_folder / "cat" / "loop").symlink_to(image_folder / "cat")
     (image_folder / "again").symlink_to(image_folder / "dog")
