@@ -1315,6 +1315,38 @@ def test_a_resume_refuses_a_group_whose_fields_changed_in_the_packed_part(
     assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
 
 
+@pytest.mark.parametrize("source", ["folder", "list"])
+def test_a_resume_refuses_a_source_rewritten_since_the_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """Files packed before the interruption and rewritten before the resume (same names: resized again,
+    regenerated) were not looked at: the pack held old samples then new ones. A checkpoint now keeps the size
+    and modification time of a packed file per commit (at most 256), and a resume stats them: one that differs
+    is refused, naming it, the partial kept; --overwrite packs the source as it is."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    (tmp_path / "l.csv").write_text("path\n" + "".join(f"src/{i}.txt\n" for i in range(8)), encoding="utf-8")
+    given = src if source == "folder" else tmp_path / "l.csv"
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(given, dst, monkeypatch, after=5)
+    checkpoint = (partial_path(dst) / "progress.json").read_bytes()
+    assert [p[0] for p in json.loads(checkpoint)["probes"]] == [str(src / "1.txt"), str(src / "3.txt")]
+    for i in range(8):  # the whole source written again, one byte longer
+        (src / f"{i}.txt").write_text(f"new{i}", encoding="utf-8")
+    with pytest.raises(SourceError) as raised:
+        convert(given, dst, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{src / '1.txt'}: a file packed before the interruption changed since (2 bytes then, 4 bytes now; or its "
+        "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+    )
+    assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
+    convert(given, dst, progress=False, overwrite=True)
+    texts = [s["txt"] if isinstance(s, dict) else s[0] for s in LMDBDataset(dst)]
+    assert texts == [f"new{i}" for i in range(8)]
+
+
 @pytest.mark.parametrize("limit", ["shard_samples", "shard_size"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "3"])
 def test_a_shard_limit_that_is_not_a_whole_number_from_1_is_refused_before_anything_is_made(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import reprlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from packdata.conversion.publish import (
     other_options_error,
     source_changed_error,
 )
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
@@ -38,6 +39,8 @@ _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reenc
 _WALK = "walk_labels_sha256"  # of walk_record(entry) over the walk (earlier: "walk_sha256", of keys only)
 _REQUIRED = ("options", _WALK, "skipped", "skip_examples", "shards", *_COUNTS)
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
+MAX_PROBES = 256
+"""Packed files whose size and modification time a checkpoint keeps, spread over the walk, for a resume to stat."""
 
 
 class _Checkpoint:
@@ -67,6 +70,9 @@ class _Checkpoint:
         self.field_names: list[str] = []  # a fields pack's field numbers, in order of first appearance
         self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
         self.index_files: dict[str, list[object]] | None = None  # the sample index's sizes and SHA-256s
+        self.probes: list[list[Any]] = []  # [path, size, mtime_ns] of packed files (see probe)
+        self._probe_every = 1  # one commit in so many records a probe: doubled each time the list is thinned
+        self._commits = 0
 
     def state(self) -> dict[str, Any]:
         """What :meth:`save` writes, as of now."""
@@ -88,6 +94,7 @@ class _Checkpoint:
             "finishing": self.finishing,
             "field_names": list(self.field_names),
             "index_files": self.index_files,
+            "probes": list(self.probes),
         }
 
     def save(self, state: dict[str, Any] | None = None) -> None:
@@ -113,6 +120,51 @@ class _Checkpoint:
         self.index_files = state.get("index_files")  # None from an earlier packdata
         self.saved_classes = state.get("classes")
         self.saved_source = state.get("source")
+        self.probes = state.get("probes", [])  # none from an earlier packdata
+
+    def probe(self, path: str) -> None:
+        """Record the size and modification time of ``path``, a file just packed, on one commit in a few.
+
+        At most :data:`MAX_PROBES` are kept, spread over the walk (every other
+        one dropped when full, and probes taken half as often): a stat a commit
+        (thousands of samples) while converting, as many at a resume.
+        """
+        self._commits += 1
+        if self._commits % self._probe_every:
+            return
+        try:
+            st = os.stat(path)
+        except OSError:  # gone already: the walk, or the skip report, will say
+            return
+        self.probes.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
+        if len(self.probes) > MAX_PROBES:
+            self.probes = self.probes[1::2]
+            self._probe_every *= 2
+
+    def check_probes(self) -> None:
+        """Refuse a resume where a packed file probed changed since (its size or modification time).
+
+        A sample: a source rewritten as a whole (images resized again, captions
+        regenerated) is found, a single file edited in place most often not.
+
+        Raises:
+            SourceError: naming the first such file (resumable: the partial is kept).
+        """
+        for path, size, mtime_ns in self.probes:
+            try:
+                st = os.stat(path)
+                now = None if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else f"{st.st_size} bytes now"
+            except OSError as exc:
+                now = f"now {exc.strerror or exc}"
+            if now is not None:
+                error = SourceError(
+                    f"a file packed before the interruption changed since ({size} bytes then, {now}; "
+                    "or its modification time differs)",
+                    path=path,
+                    hint="Restore it as it was and resume, or start again with --overwrite",
+                )
+                error.resumable = True  # the partial is kept
+                raise error
 
     def check_source(self) -> None:
         """Refuse a resume that reads another source than the interrupted run read.
@@ -218,11 +270,28 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
         and all(isinstance(v, list) and len(v) == 2 and is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
     ):
         raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
+    probes = state.get("probes", [])  # absent from an earlier packdata's
+    if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(_is_probe(p) for p in probes):
+        raise _bad(path, "probes", f"a list of at most {MAX_PROBES} [path, size, mtime_ns]", probes)
     report = path.parent / SKIP_REPORT
     size = report.stat().st_size if report.is_file() else 0
     if state["skip_report_bytes"] > size:
         raise _bad(path, "skip_report_bytes", f"at most the {size} bytes of {SKIP_REPORT}", state["skip_report_bytes"])
     return state
+
+
+def _is_probe(probe: object) -> bool:
+    """Whether ``probe`` is ``[absolute path, size, mtime_ns]`` (a resume stats the path, never opens it)."""
+    return (
+        isinstance(probe, list)
+        and len(probe) == 3
+        and isinstance(probe[0], str)
+        and os.path.isabs(probe[0])
+        and "\0" not in probe[0]
+        and is_count(probe[1])
+        and isinstance(probe[2], int)
+        and not isinstance(probe[2], bool)
+    )
 
 
 def _check_shards(path: Path, state: dict[str, Any], shard_name: Callable[[int], str]) -> None:

@@ -34,7 +34,8 @@ from packdata.conversion.publish import (
     skip_line,
     source_identity,
 )
-from packdata.conversion.sources import Skip, walk_record
+from packdata.conversion.remote_folder import RemoteSourceFile
+from packdata.conversion.sources import Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import (
     CapacityError,
     PackFormatError,
@@ -163,6 +164,15 @@ def _shard_changed(path: Path, what: str) -> PackFormatError:
     )
 
 
+def _local_file(entry: Entry) -> str | None:
+    """The local file ``entry`` packs (a group's first), or None (an object at a URL, a tar's member)."""
+    if isinstance(entry, SourceFile) and not isinstance(entry, RemoteSourceFile):
+        return entry.path
+    if isinstance(entry, SourceGroup):
+        return next((source for _, source in entry.files if isinstance(source, str)), None)
+    return None
+
+
 def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
     """Count the source's entries in a second walk and give the bar its total (runs in a thread)."""
     count = 0
@@ -206,6 +216,7 @@ class _Packer:
             self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
+        self.packed_file: str | None = None  # the last local file packed: the next checkpoint may probe it
         self.shard_samples = cp.samples_done - cp.shard_first
         # a full shard closing in a thread, and the checkpoint to save once it is closed
         self._closing: tuple[Future[tuple[int, str]], dict[str, Any]] | None = None
@@ -233,6 +244,7 @@ class _Packer:
                     if isinstance(result, Skip):
                         self._skip(result, is_read_error=result.problem)
                     else:
+                        self.packed_file = _local_file(entry)
                         self._add(result, _source_bytes(entry, result, reencoded))
                         self.cp.reencoded += reencoded
                     bar.update()
@@ -260,6 +272,7 @@ class _Packer:
                 error.resumable = True  # the partial is kept: a file moved for a while, a mount not up yet
                 raise error
             self.cp.walk = check
+            self.cp.check_probes()
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
@@ -313,6 +326,9 @@ class _Packer:
         self._write_batch()
         assert self.writer is not None
         self.writer.sync()
+        if self.packed_file is not None:
+            self.cp.probe(self.packed_file)
+            self.packed_file = None
         self.cp.save()
 
     def _roll_shard(self) -> None:
