@@ -727,8 +727,10 @@ def test_a_full_disk_is_one_line_not_a_traceback(lmdb_pack: Path, tmpfs) -> None
     result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
     assert result.exit_code == 1, result.output
     assert result.output == (
-        f"Error: {area}/train.lmdb/staged.json: the destination disk is full (No space left on device). "
-        "Free space and rerun\n"
+        f"Error: {area}/train.lmdb/staged.json: no space left on {area} (tmpfs of 1.0 MiB, 0 B free) while writing "
+        "staged.json of the staged pack. The source is untouched; the staged pack is left as it was, or to be "
+        "completed by a rerun. Free space, stage fewer shards with --budget SIZE, or use a larger --tmpfs SIZE, "
+        "then stage again\n"
     )
     assert sorted(p.name for p in area.iterdir()) == ["filler"]  # not an empty train.lmdb
     filler.unlink()
@@ -745,9 +747,27 @@ def test_an_area_out_of_inodes_at_any_file_is_one_line_and_leaves_no_partial_ind
         result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
         assert result.exit_code == 1, (inodes, result.output)
         assert result.output.startswith("Error: ") and result.output.count("\n") == 1, (inodes, result.output)
-        assert "No space left on device" in result.output or "no space left" in result.output
         staged = area / lmdb_pack.name
         assert not staged.exists() or not [p.name for p in staged.iterdir() if p.name.endswith(".partial")]
+        _assert_full_disk_named_and_resumable(lmdb_pack, area, result.output)
+
+
+def _assert_full_disk_named_and_resumable(pack: Path, area: Path, output: str) -> None:
+    """A stage stopped by a full ``area``: named like a shard's copy; its staged pack (if it has a manifest)
+    reads every sample of ``pack``, never a missing or partial file; once there is room a rerun completes it."""
+    assert re.match(
+        rf"Error: {re.escape(str(area))}/\S*: no space left on {re.escape(str(area))} \(tmpfs of 64\.0 MiB, "
+        r"[0-9.]+ [KM]iB free\) while (writing \S+ of the staged pack|staging shard \d \(shard-0000\d\.lmdb, )",
+        output,
+    ), output
+    assert "stage fewer shards with --budget SIZE" in output or "Stage fewer shards with --budget SIZE" in output
+    staged = area / pack.name
+    if (staged / "manifest.json").exists():
+        assert _all_bytes(staged) == _all_bytes(pack), output
+    subprocess.run(["mount", "-o", "remount,nr_inodes=1000", os.fspath(area)], check=True)
+    stage(pack, to=area, progress=False)
+    assert json.loads((staged / STAGED_FILE).read_text())["complete"]
+    assert _all_bytes(staged) == _all_bytes(pack)
 
 
 @pytest.mark.root

@@ -26,7 +26,6 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.host.facts import find_mount, read_mounts
 from packdata.pack.files import (
     aside_path,
     atomic_write,
@@ -41,6 +40,7 @@ from packdata.pack.index import damaged_index_file, index_files
 from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from packdata.progress import progress as show_progress
+from packdata.staging.space import FULL_DISK_ERRNOS, filesystem_named, no_space_error
 from packdata.units import format_size
 
 __all__ = [
@@ -267,21 +267,11 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: Any) -> None:
     """Copy one shard to its temporary names, verify it, and rename it into place."""
     unit.remove_temp()
     try:
-        if unit.directory:
-            unit.temp_root.mkdir()
-        for src, _, tmp, primary in unit.files:
+        for src, tmp, primary in _copied(unit):
             try:
                 size, sha = copy_file(src, tmp, stop, bar)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    unit.remove_temp()
-                    raise CapacityError(
-                        f"no space left on {_filesystem(unit.dest_root.parent)} while staging shard {unit.number} "
-                        f"({unit.name}, {format_size(unit.size)})",
-                        path=unit.dest_root.parent,
-                        hint="The partial copy was removed and the source is untouched. Stage fewer shards "
-                        "with budget=SIZE, free space, or use a larger tmpfs=SIZE",
-                    ) from exc
+                _raise_if_full(exc, unit)
                 raise
             if primary and (sha != unit.info.sha256 or size != unit.info.bytes):
                 raise PackFormatError(
@@ -301,17 +291,33 @@ def copy_unit(unit: ShardFiles, stop: threading.Event, bar: Any) -> None:
         raise
 
 
+def _copied(unit: ShardFiles) -> Iterator[tuple[Path, Path, bool]]:
+    """``unit``'s files to copy as (source, temporary, is the checksummed file), its temporary folder made first."""
+    if unit.directory:
+        try:
+            unit.temp_root.mkdir()
+        except OSError as exc:  # no inode left for the folder
+            _raise_if_full(exc, unit)
+            raise
+    for src, _, tmp, primary in unit.files:
+        yield src, tmp, primary
+
+
+def _raise_if_full(exc: OSError, unit: ShardFiles) -> None:
+    """A full disk or quota while ``unit`` is copied: the CapacityError naming the file system and the shard."""
+    if exc.errno not in FULL_DISK_ERRNOS:
+        return
+    unit.remove_temp()
+    raise CapacityError(
+        f"no space left on {filesystem_named(unit.dest_root.parent)} while staging shard {unit.number} "
+        f"({unit.name}, {format_size(unit.size)})",
+        path=unit.dest_root.parent,
+        hint="The partial copy was removed and the source is untouched. Stage fewer shards "
+        "with budget=SIZE, free space, or use a larger tmpfs=SIZE",
+    ) from exc
+
+
 # --------------------------------------------------------------------------- helpers
-
-
-def _filesystem(folder: Path) -> str:
-    """The file system holding ``folder``, as a full disk is named: ``MOUNT (FSTYPE of SIZE, FREE free)``."""
-    usage = shutil.disk_usage(folder)
-    try:
-        mount = find_mount(folder, read_mounts())
-    except LookupError:
-        return f"{folder} ({format_size(usage.total)}, {format_size(usage.free)} free)"
-    return f"{mount.mountpoint} ({mount.fstype} of {format_size(usage.total)}, {format_size(usage.free)} free)"
 
 
 def dir_bytes(path: Path) -> int:
@@ -520,6 +526,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     try:
         atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), tmp_suffix=PARTIAL)
     except OSError as exc:
+        if exc.errno in FULL_DISK_ERRNOS:
+            raise no_space_error(exc, path, staged=path.parent) from exc
         raise destination_error(exc, path) from exc
 
 

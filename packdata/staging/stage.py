@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import shutil
 import time
@@ -86,6 +85,7 @@ from packdata.staging.copy import (
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.remote import RemoteStageResult, discard_stale_copies, stage_remote
+from packdata.staging.space import FULL_DISK_ERRNOS, no_space_error
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
     TmpfsArea,
@@ -430,13 +430,16 @@ def _changed(dest: Path, final: Manifest) -> bool:
 
 @contextlib.contextmanager
 def _full_disk_named(dest: Path) -> Iterator[None]:
-    """A full disk (no block or inode left) while ``dest`` is written: one CapacityError naming the file."""
+    """A full disk (no block or inode left) while ``dest`` is written: one CapacityError naming the file and its disk.
+
+    The same words as a shard's copy that fills the disk (:func:`~packdata.staging.space.no_space_error`).
+    """
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in FULL_DISK_ERRNOS:
             raise
-        raise destination_error(exc, exc.filename or dest) from exc
+        raise no_space_error(exc, exc.filename or dest, staged=dest) from exc
 
 
 @contextlib.contextmanager
