@@ -873,6 +873,36 @@ def test_status_and_unstage(lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
     assert list(area.iterdir()) == []
 
 
+def test_status_lists_a_link_to_a_pack_staged_elsewhere_apart_and_unstage_never_deletes_through_it(
+    lmdb_pack: Path, tfrecord_pack: Path, tmp_path: Path
+) -> None:
+    """A symlink in the area to a pack staged in another area was listed by `stage --status` as one of the area's
+    staged packs, which `unstage AREA` then said the area did not hold."""
+    elsewhere = stage(lmdb_pack, to=tmp_path / "other", progress=False).staged
+    area = tmp_path / "nvme"
+    own = stage(tfrecord_pack, to=area, progress=False).staged
+    (area / "linked.lmdb").symlink_to(elsewhere)
+    (area / "loop").symlink_to(area / "loop")  # a link that leads nowhere is no staged pack either
+    status = stage_status(area).areas[0]
+    assert [p.path for p in status.packs] == [own]
+    assert status.links == {"linked.lmdb": os.fspath(elsewhere)}
+    out = CliRunner().invoke(main, ["stage", "--status", os.fspath(area)])
+    assert out.exit_code == 0, out.output
+    assert f"  linked.lmdb: a link to {elsewhere}, staged there, not here (see, or unstage, it there)\n" in out.output
+    assert "  train: 6 shards staged" in out.output and "  linked.lmdb: 6 shards" not in out.output
+    assert [p.path for p in stage_status(area / "linked.lmdb").areas[0].packs] == [elsewhere]  # where it leads
+    out = CliRunner().invoke(main, ["unstage", os.fspath(area / "linked.lmdb")])
+    assert (
+        out.exit_code == 1
+        and f"is a symlink; unstage the staged pack itself. Run `packdata unstage {elsewhere}`" in (out.output)
+    )
+    assert unstage(area).removed == [own]
+    assert (area / "linked.lmdb").is_symlink() and _all_bytes(elsewhere) == _all_bytes(lmdb_pack)
+    with pytest.raises(ConfigError, match="is not a staged pack and holds none"):
+        unstage(area)
+    assert _all_bytes(elsewhere) == _all_bytes(lmdb_pack) and (elsewhere / STAGED_FILE).is_file()
+
+
 def _plant(lock: Path, kind: str, outside: Path) -> None:
     """Put a FIFO, a folder or a symlink to ``outside`` where a staged copy's ``.readers.lock`` was."""
     lock.unlink()

@@ -122,6 +122,8 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
                     f"  {p.path.name}: {_count(p.shards_staged, 'shard')} staged ({_mb(p.bytes_staged)}), "
                     f"{p.shards_left} left ({_mb(p.bytes_left)}) from {p.origin}{state}"
                 )
+            for name, target in area.links.items():
+                click.echo(f"  {name}: a link to {target}, staged there, not here (see, or unstage, it there)")
         _warn(report.warnings)
         return
     if options["to"] and (options["tmpfs"] is not None or options["mount"]):

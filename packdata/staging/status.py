@@ -18,7 +18,7 @@ from packdata.formats import get_format
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
-from packdata.staging.marker import read_marker, unreadable_named
+from packdata.staging.marker import is_staged_copy, read_marker, unreadable_named
 from packdata.staging.tmpfs import DEFAULT_AREA, TMPFS_SOURCE, mount_of
 
 __all__ = [
@@ -56,7 +56,8 @@ class AreaStatus:
     used: int
     free: int
     mounted_by_packdata: bool
-    packs: list[StagedPack]
+    packs: list[StagedPack]  # the staged packs packdata wrote here: real folders, never reached through a link
+    links: dict[str, str] = field(default_factory=dict)  # name -> target: links to staged packs that live elsewhere
 
 
 @dataclass
@@ -119,8 +120,11 @@ def _read_marker(path: Path) -> StagedPack | None:
 def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
     usage = shutil.disk_usage(path)
     mount = mount_of(path, mounts)
-    packs = [p for p in (_read_marker(d) for d in sorted(path.iterdir()) if d.is_dir()) if p is not None]
-    own = _read_marker(path)
+    entries = sorted(path.iterdir())
+    packs = [p for p in (_read_marker(d) for d in entries if is_staged_copy(d)) if p is not None]
+    targets = {d.name: Path(os.path.realpath(d)) for d in entries if d.is_symlink()}  # a loop: itself, no pack
+    links = {name: os.fspath(target) for name, target in targets.items() if is_staged_copy(target)}
+    own = _read_marker(path) if not path.is_symlink() else None
     if own is not None:
         packs.insert(0, own)
     return AreaStatus(
@@ -131,11 +135,16 @@ def _area_status(path: Path, mounts: list[Mount]) -> AreaStatus:
         free=usage.free,
         mounted_by_packdata=mount is not None and mount.device == TMPFS_SOURCE and Path(mount.mountpoint) == path,
         packs=packs,
+        links=links,
     )
 
 
 def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
     """Staging areas with their staged packs, sizes and free space, and the memory facts.
+
+    Only what ``packdata stage`` wrote in an area is one of its packs: a link there to a
+    staged pack elsewhere is listed apart (:attr:`AreaStatus.links`), as unstage never
+    deletes through one; ``area`` given as a link is reported where it leads.
 
     Args:
         area: one area (or staged pack) to report; default :data:`DEFAULT_AREA`
@@ -147,6 +156,8 @@ def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
     mounts = read_mounts()
     if area is not None:
         paths = [Path(area).absolute()]
+        if paths[0].is_symlink():  # reported where it leads, as unstage names it
+            paths = [paths[0].resolve()]
         with unreadable_named(paths[0]):
             if not paths[0].is_dir():
                 raise ConfigError("no such staging area", path=paths[0])
