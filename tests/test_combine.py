@@ -960,12 +960,65 @@ def test_a_merge_without_overwrite_after_a_killed_overwrite_refuses_the_restored
     assert killed.returncode == -signal.SIGKILL and not out.exists()
     result = CliRunner().invoke(cli, ["merge", *packs, "-o", str(out)])
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
-    assert result.output.startswith(f"Error: {out}: destination already exists"), result.output
+    assert result.output.startswith(f"Error: {out}: destination already exists, and an interrupted merge"), (
+        result.output
+    )
     assert _samples(out) == old
     left = {".m.lmdb.partial", "a", "a.lmdb", "b", "b.lmdb", "c", "c.lmdb", "m.lmdb"}  # the killed run's partial
     assert set(os.listdir(tmp_path)) == left
     assert CliRunner().invoke(cli, ["merge", *packs, "-o", str(out), "--overwrite"]).exit_code == 0
     assert len(_samples(out)) == 2 and set(os.listdir(tmp_path)) == left - {".m.lmdb.partial"}
+
+
+_KILLED_MERGING = r"""
+import os, signal, sys
+import packdata
+
+def hook(event, args):  # SIGKILL as the first shard file lands in the partial pack, or as that pack is renamed in
+    where = os.fspath(args[1] if event == "os.link" else args[0]) if event in ("os.link", "os.rename") else ""
+    if (event == "os.link" and ".partial" in where) or (event == "os.rename" and where.endswith(".partial")):
+        if sys.argv[4] in event:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.merge_packs(sys.argv[1:3], sys.argv[3], overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("killed_at", ["link", "rename"])
+def test_a_merge_after_a_killed_merge_overwrite_names_its_leftover_and_each_remedy_works(
+    tmp_path: Path, killed_at: str
+) -> None:
+    """A merge --overwrite SIGKILLed mid-write (its first shard linked into .m.lmdb.partial) or between its renames
+    leaves that folder; the next merge without --overwrite said only 'destination already exists. Pass --overwrite
+    to replace it, or choose another path', never naming the folder left behind, which stayed whatever was chosen
+    (no --resume continues a merge). It now names it, that --overwrite removes it, and that keeping the pack means
+    deleting it; both remedies leave one pack and no leftover, its samples exactly those asked for."""
+    for name, classes in (("a", {"cat": ["1.jpg"]}), ("b", {"dog": ["2.jpg"]}), ("c", {"ant": ["3.jpg"]})):
+        packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
+    out, partial = tmp_path / "m.lmdb", tmp_path / ".m.lmdb.partial"
+    shutil.copytree(tmp_path / "c.lmdb", out)
+    old = _samples(out)
+    packs = [str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb")]
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MERGING, *packs, str(out), killed_at], check=False)
+    assert killed.returncode == -signal.SIGKILL and partial.is_dir()
+    result = CliRunner().invoke(cli, ["merge", *packs, "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"Error: {out}: destination already exists, and an interrupted merge or conversion into it left {partial}, "
+        "which was never published (merge cannot continue it: it has no --resume). Pass --overwrite to replace "
+        f"the pack, which removes .m.lmdb.partial too; or, to keep the pack, delete {partial} and merge into "
+        "another path\n"
+    )
+    assert _samples(out) == old and partial.is_dir()  # refused: nothing changed
+    if killed_at == "link":  # keep the pack: delete the leftover, merge elsewhere
+        shutil.rmtree(partial)
+        assert CliRunner().invoke(cli, ["merge", *packs, "-o", str(tmp_path / "n.lmdb")]).exit_code == 0
+        assert _samples(out) == old and len(_samples(tmp_path / "n.lmdb")) == 2
+    else:  # replace it
+        assert CliRunner().invoke(cli, ["merge", *packs, "-o", str(out), "--overwrite"]).exit_code == 0
+        assert sorted(_samples(out)) == sorted(_samples(tmp_path / "a.lmdb") + _samples(tmp_path / "b.lmdb"))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.lmdb.") and p.name != ".m.lmdb.lock"]
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])

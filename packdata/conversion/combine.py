@@ -335,7 +335,8 @@ def merge_packs(
         )
     check_inputs_apart(paths, out)
     _check_destination_writable(out)
-    _check_existing(out, overwrite)
+    if overwrite or not os.path.lexists(partial_path(out)):  # one a killed run left is named under the lock
+        _check_existing(out, overwrite)
     inputs, classes, fields, codecs = _plan(paths, on_duplicate)
     fmt = inputs[0].manifest.format
     writer_cls = shard_writer(fmt)
@@ -343,6 +344,7 @@ def merge_packs(
     out.parent.mkdir(parents=True, exist_ok=True)  # missing parents are made, as convert makes them
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
         recover_replaced(out)
+        _check_left_behind(out, overwrite)
         _check_existing(out, overwrite)  # again: a pack a killed merge --overwrite hid is back at out
         partial = partial_path(out)
         shutil.rmtree(partial, ignore_errors=True)
@@ -389,6 +391,23 @@ def merge_packs(
     result.missing_fields = manifest.missing_fields()
     result.renamed_keys = sum(len(item.renames) for item in inputs)
     return result
+
+
+def _check_left_behind(out: Path, overwrite: bool) -> None:
+    """Refuse a merge over the pack at ``out`` that a killed merge or conversion into it left a partial pack beside.
+
+    Call it holding ``out``'s lock: no live run writes that folder then. ``overwrite`` removes it with the pack.
+    """
+    partial = partial_path(out)
+    if overwrite or not (out.exists() or out.is_symlink()) or not os.path.lexists(partial):
+        return
+    raise ConfigError(
+        f"destination already exists, and an interrupted merge or conversion into it left {partial}, "
+        "which was never published (merge cannot continue it: it has no --resume)",
+        path=out,
+        hint=f"Pass --overwrite to replace the pack, which removes {partial.name} too; or, to keep the pack, "
+        f"delete {partial} and merge into another path",
+    )
 
 
 def _shard_pairs(fmt: str, pack: Path, source: str, target: str) -> list[tuple[str, str]]:
