@@ -1021,6 +1021,47 @@ def test_a_merge_after_a_killed_merge_overwrite_names_its_leftover_and_each_reme
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.lmdb.") and p.name != ".m.lmdb.lock"]
 
 
+_KILLED_CONVERTING = r"""
+import os, signal, sys
+import packdata
+
+checkpoints = []
+
+def hook(event, args):  # SIGKILL as the second checkpoint is written: the partial pack holds one to resume from
+    if event in ("os.rename", "os.replace") and os.fspath(args[1]).endswith("progress.json"):
+        checkpoints.append(args[1])
+        if len(checkpoints) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.convert(sys.argv[1], sys.argv[2], shard_samples=1, workers=1, progress=False)
+"""
+
+
+def test_a_merge_never_deletes_an_interrupted_conversion_that_resume_would_finish(tmp_path: Path) -> None:
+    """A conversion SIGKILLed after its checkpoint leaves .m.lmdb.partial, which `convert --resume` finishes (and
+    convert without it refuses to touch); a merge into m.lmdb deleted it without a word and published its own pack.
+    It is now refused, naming the conversion and the three ways on; the resume then finishes the pack."""
+    for name, classes in (("a", {"cat": ["1.jpg"]}), ("b", {"dog": ["2.jpg"]})):
+        packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
+    source = _folder(tmp_path / "big", {"ant": [f"{i}.jpg" for i in range(6)], "bee": ["x.jpg", "y.jpg"]})
+    out, partial = tmp_path / "m.lmdb", tmp_path / ".m.lmdb.partial"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_CONVERTING, str(source), str(out)], check=False)
+    assert killed.returncode == -signal.SIGKILL and (partial / "progress.json").is_file() and not out.exists()
+    packs = [str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb")]
+    result = CliRunner().invoke(cli, ["merge", *packs, "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"Error: {out}: an interrupted conversion into {out} is in {partial}, and merging there would delete it. "
+        f"Finish it with `packdata convert SRC {out} --resume`, merge into another path, or pass --overwrite to "
+        "merge over it (its work is lost)\n"
+    )
+    assert (partial / "progress.json").is_file() and not out.exists()
+    packdata.convert(source, out, shard_samples=1, workers=1, progress=False, resume=True)
+    packdata.convert(source, tmp_path / "clean.lmdb", shard_samples=1, workers=1, progress=False)
+    assert _samples(out) == _samples(tmp_path / "clean.lmdb")
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_merge_refuses_a_rename_that_would_make_a_key_too_long_before_anything_is_written(
     tmp_path: Path, fmt: str

@@ -37,7 +37,7 @@ from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import check_shard_file, check_shard_records, open_index
 from packdata.pack.fields import codec_of
-from packdata.pack.files import atomic_write, file_kind, fsync_dir, is_inside, open_pack_file
+from packdata.pack.files import atomic_write, file_kind, fsync_dir, holds_conversion, is_inside, open_pack_file
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
@@ -394,12 +394,22 @@ def merge_packs(
 
 
 def _check_left_behind(out: Path, overwrite: bool) -> None:
-    """Refuse a merge over the pack at ``out`` that a killed merge or conversion into it left a partial pack beside.
+    """Refuse a merge into ``out`` beside a partial pack a killed run left: a conversion's that ``--resume`` continues,
+    or any beside an existing pack (a killed merge's into a new ``out`` is replaced without a word).
 
-    Call it holding ``out``'s lock: no live run writes that folder then. ``overwrite`` removes it with the pack.
+    Call it holding ``out``'s lock: no live run writes that folder then. ``overwrite`` removes it.
     """
     partial = partial_path(out)
-    if overwrite or not (out.exists() or out.is_symlink()) or not os.path.lexists(partial):
+    if overwrite or not os.path.lexists(partial):
+        return
+    if holds_conversion(partial):  # hours of a conversion's work, which its --resume continues
+        raise ConfigError(
+            f"an interrupted conversion into {out} is in {partial}, and merging there would delete it",
+            path=out,
+            hint=f"Finish it with `packdata convert SRC {out} --resume`, merge into another path, "
+            "or pass --overwrite to merge over it (its work is lost)",
+        )
+    if not (out.exists() or out.is_symlink()):  # a killed merge's: nothing can continue it, this merge replaces it
         return
     raise ConfigError(
         f"destination already exists, and an interrupted merge or conversion into it left {partial}, "
