@@ -784,6 +784,43 @@ def test_a_read_only_area_is_named_with_the_fix_that_applies(lmdb_pack: Path, tm
     )
 
 
+@pytest.mark.root
+@needs_root
+def test_an_area_whose_file_system_refuses_a_rename_is_one_line_and_unstage_then_stage_mends_it(
+    noise_folder: Path, lmdb_pack: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A real overlay whose lower layer holds a staged copy (a container image's) refuses to rename its folders
+    (EXDEV): staging it again after its source was converted again stopped with a raw OSError traceback, leaving
+    .index.partial behind. Now one line names the folder and the remedy; the copy is left as it was (it reads the
+    pack it was staged from), and the remedy named, unstage then stage, gives the new pack's samples."""
+    lower = tmp_path / "lower"
+    stage(lmdb_pack, to=lower, progress=False)
+    upper, work, area = tmp_path / "upper", tmp_path / "work", tmp_path / "area"
+    for folder in (upper, work, area):
+        folder.mkdir()
+    layers = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", layers, os.fspath(area)], check=True)
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", os.fspath(area)], check=False))
+    staged = area / lmdb_pack.name
+    before = _samples_digest_in_child(staged, "lmdb")
+    (noise_folder / "a" / "new.jpg").write_bytes(_noise_jpeg(999))
+    packdata.convert(noise_folder, lmdb_pack, shard_samples=6, progress=False, overwrite=True)
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    assert result.exit_code == 1, result.output
+    assert re.fullmatch(
+        rf"Error: {re.escape(str(staged / 'index'))}: cannot write the staged pack: Invalid cross-device link "
+        rf"\(renaming it to {re.escape(str(staged))}/\.index\.old-\d+\)\. Its file system refuses what a stage "
+        r"does \(create, rename, fsync; an overlay whose lower layer holds the copy refuses to rename its folders\): "
+        r"unstage it and stage again, or stage into another --to DIR on a local file system\n",
+        result.output,
+    ), result.output
+    assert not [p.name for p in staged.iterdir() if p.name.endswith(".partial")]
+    assert _samples_digest_in_child(staged, "lmdb") == before  # as it was: the pack it was staged from
+    unstage(staged)
+    stage(lmdb_pack, to=area, progress=False)
+    assert _all_bytes(staged) == _all_bytes(lmdb_pack) and len(_all_bytes(staged)) == 37
+
+
 def test_interrupt_leaves_no_staged_looking_shard(
     lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -407,9 +407,13 @@ def copy_index(source: Path, dest: Path, manifest: Manifest) -> None:
             raise
         discard_stale(dest / name, "old")  # what a run killed between the renames below left
         old = aside_path(dest / name)  # never onto a leftover that could not be removed
-        if os.path.lexists(dest / name):
-            os.rename(dest / name, old)
-        os.rename(temp, dest / name)
+        try:
+            if os.path.lexists(dest / name):
+                os.rename(dest / name, old)
+            os.rename(temp, dest / name)
+        except OSError:  # a file system that refuses the rename: the old index stays, no copy is left over
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
         with contextlib.suppress(OSError):  # one that cannot be removed costs disk; the next stage sweeps it
             discard_partial(old)
     for extra in EXTRA_FILES:

@@ -550,7 +550,8 @@ def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | N
     (``.NAME.old-PID``, which the next stage of NAME discards if this one is
     killed) and ``successor``, a finished copy, renamed into its place, so a
     reader opening it meanwhile finds it gone or replaced, never half deleted.
-    A copy that never stood at its name is deleted where it is.
+    A copy that never stood at its name is deleted where it is, as is one its file system
+    will not rename (``EXDEV``: an overlay's lower layer), its ``staged.json`` last.
 
     Args:
         entry: the staged copy, or a partial or moved-aside folder of one.
@@ -568,7 +569,12 @@ def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | N
         doomed = entry
         if entry == owner:
             doomed = aside_path(owner)
-            os.rename(entry, doomed)
+            try:
+                os.rename(entry, doomed)
+            except OSError as exc:  # an overlay whose lower layer holds the copy: deleted where it is
+                if exc.errno != errno.EXDEV or successor is not None:
+                    raise
+                doomed = entry
         if successor is not None:
             os.rename(successor, entry)
             fsync_dir(entry.parent)

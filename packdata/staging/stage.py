@@ -433,13 +433,24 @@ def _full_disk_named(dest: Path) -> Iterator[None]:
     """A full disk (no block or inode left) while ``dest`` is written: one CapacityError naming the file and its disk.
 
     The same words as a shard's copy that fills the disk (:func:`~packdata.staging.space.no_space_error`).
+    Any other refusal of a file in ``dest`` (a rename across an overlay's layers, an fsync the file system
+    refuses) is one ConfigError naming it; the staged pack is left as the interim manifest says.
     """
     try:
         yield
     except OSError as exc:
-        if exc.errno not in FULL_DISK_ERRNOS:
-            raise
-        raise no_space_error(exc, exc.filename or dest, staged=dest) from exc
+        if exc.errno in FULL_DISK_ERRNOS:
+            raise no_space_error(exc, exc.filename or dest, staged=dest) from exc
+        if exc.filename is None or not Path(os.fsdecode(exc.filename)).is_relative_to(dest):
+            raise  # the source's, or no file's: not the destination's to name
+        raise ConfigError(
+            f"cannot write the staged pack: {exc.strerror or exc}"
+            + (f" (renaming it to {os.fsdecode(exc.filename2)})" if exc.filename2 else ""),
+            path=os.fsdecode(exc.filename),
+            hint="Its file system refuses what a stage does (create, rename, fsync; an overlay whose lower layer "
+            "holds the copy refuses to rename its folders): unstage it and stage again, or stage into another "
+            "to=DIR on a local file system",
+        ) from exc
 
 
 @contextlib.contextmanager
