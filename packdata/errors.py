@@ -58,27 +58,28 @@ class PackdataError(Exception):
         hinted.args = (hinted._text(),)
         return hinted
 
-    def at_url(self, local: str | os.PathLike, url: str) -> PackdataError:
+    def at_url(self, local: str | os.PathLike, url: str, *, cached: bool = True) -> PackdataError:
         """This error, its path in ``local`` (the cached copy of the pack at ``url``) named by the URL.
 
-        A file that is in the copy is named there too, second. Returns ``self``
-        when its path is not in ``local``.
+        A file that is in the copy is named there too, second, unless
+        ``cached=False`` (a temporary copy, gone once the error is raised).
+        Returns ``self`` when its path is not in ``local``.
         """
         if self.path is None or not (self.path + os.sep).startswith(os.path.join(local, "")):
             return self
         named = copy.copy(self)
         rel = os.path.relpath(self.path, local)
         named.path = url if rel == "." else f"{url}/{Path(rel).as_posix()}"
-        if os.path.lexists(self.path):
+        if cached and os.path.lexists(self.path):
             named.message = f"{self.message} (cached copy: {self.path})"
         named.args = (named._text(),)
         return named
 
 
-def raise_at_url(exc: PackdataError, local: str | os.PathLike, url: str | None) -> NoReturn:
+def raise_at_url(exc: PackdataError, local: str | os.PathLike, url: str | None, *, cached: bool = True) -> NoReturn:
     """Raise ``exc`` (being handled) naming ``url`` in place of ``local``, its cached copy (see
     :meth:`PackdataError.at_url`); as it is when ``url`` is None."""
-    named = exc if url is None else exc.at_url(local, url)
+    named = exc if url is None else exc.at_url(local, url, cached=cached)
     if named is exc:
         raise exc
     raise named from exc

@@ -1724,6 +1724,30 @@ def test_verify_names_a_damaged_remote_object(s3, remote_pack, remote_tfrecord) 
     ), out.output
 
 
+@pytest.mark.parametrize("table", ["tfindex", "records.i64"])
+def test_verify_names_a_damaged_remote_side_table_by_its_url(s3, remote_pack, remote_tfrecord, table: str) -> None:
+    """A malformed .tfindex was named by its copy in verify's temporary folder, deleted by then
+    ('/tmp/packdata-verify-x/pack/NAME.tfindex: offsets index is malformed'). An LMDB location table's error,
+    raised while its shard streams, is named by its URL too, with its path and hint."""
+    options, fs = s3
+    if table == "tfindex":
+        url, rel = "s3://packs/bad-tfindex", "verify-tf-00001-of-00004.tfindex"
+        fs.put(str(remote_tfrecord[1]), url, recursive=True)
+        fs.pipe_file(f"{url}/{rel}", fs.cat_file(f"{url}/{rel}").replace(b"\n", b" 1\n", 1))
+        expected = "offsets index is malformed"
+    else:
+        url, rel = "s3://packs/bad-table.lmdb", "shard-00001.lmdb/records.i64"
+        fs.put(str(remote_pack[1]), url, recursive=True)
+        rows = np.frombuffer(fs.cat_file(f"{url}/{rel}"), dtype="<i8").reshape(-1, 3).copy()
+        rows[3] = rows[5]
+        fs.pipe_file(f"{url}/{rel}", rows.tobytes())
+        expected = "records.i64 row 1 does not point at record 1"
+    with pytest.raises(PackFormatError) as caught:
+        packdata.verify_pack(url, storage_options=options, progress=False)
+    assert caught.value.path == f"{url}/{rel}" and caught.value.message.startswith(expected)
+    assert caught.value.hint and "packdata-verify-" not in str(caught.value)
+
+
 def test_ls_and_cat_read_a_remote_pack_in_place(s3, remote_pack, remote_tfrecord, tmp_path: Path) -> None:
     from packdata.formats.contents import read_field
 

@@ -20,14 +20,13 @@ shards at a time (a bounded thread pool), and for each:
 
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackdataError, PackFormatError, raise_at_url
 from packdata.formats import PackFormat, get_format
 from packdata.formats.remote_pack import RemoteStream, download_skeleton, remote_size
 from packdata.formats.verify import VerifyResult, _check_counts, check_shard_records, open_index
@@ -63,27 +62,30 @@ def verify_remote_pack(
     fmt = get_format(manifest.format)
     with tempfile.TemporaryDirectory(prefix="packdata-verify-") as tmp:
         local = download_skeleton(fs, root, manifest, raw, shown, Path(tmp) / "pack")
-        index = open_index(manifest, local, shown)
-        _check_counts(manifest, local, shown)
-        lock = threading.Lock()
-        with (
-            show_progress(total=manifest.total_bytes, desc="verifying", unit="B", disable=not progress) as bar,
-            ThreadPoolExecutor(max_workers=workers or _WORKERS, thread_name_prefix="packdata-verify") as pool,
-        ):
+        try:  # a file of the temporary copy is named by its URL
+            index = open_index(manifest, local, shown)
+            _check_counts(manifest, local, shown)
+            lock = threading.Lock()
+            with (
+                show_progress(total=manifest.total_bytes, desc="verifying", unit="B", disable=not progress) as bar,
+                ThreadPoolExecutor(max_workers=workers or _WORKERS, thread_name_prefix="packdata-verify") as pool,
+            ):
 
-            def advance(n: int) -> None:
-                with lock:
-                    bar.update(n)
+                def advance(n: int) -> None:
+                    with lock:
+                        bar.update(n)
 
-            futures = [
-                pool.submit(_verify_shard, fs, root, shown, local, fmt, manifest, index, shard, advance)
-                for shard in manifest.shards
-            ]
-            try:
-                results = [future.result() for future in futures]  # the first bad shard in manifest order
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+                futures = [
+                    pool.submit(_verify_shard, fs, root, shown, local, fmt, manifest, index, shard, advance)
+                    for shard in manifest.shards
+                ]
+                try:
+                    results = [future.result() for future in futures]  # the first bad shard in manifest order
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+        except PackdataError as exc:
+            raise_at_url(exc, local, shown, cached=False)
     streamed = all(checked for _, _, checked in results)
     if streamed:
         return VerifyResult(shown, sum(r for r, _, _ in results), sum(b for _, b, _ in results), len(results))
@@ -118,18 +120,13 @@ def _verify_shard(
     samples = fmt.iter_stream_samples(stream, shard_copy, shard, where)
     records = nbytes = 0
     table_error: PackFormatError | None = None
-    try:
-        if samples is not None:
-            records, nbytes = check_shard_records(samples, shard, manifest, index, where)
-        else:
-            try:
-                fmt.check_remote_side_tables(stream, shard_copy, shard, index, where)
-            except PackFormatError as exc:  # raised after the checksum: a damaged shard is named, not its table
-                table_error = exc
-    except PackFormatError as exc:  # a local copy's path in the message: name the object instead
-        if os.fspath(local) not in str(exc):
-            raise
-        raise PackFormatError(str(exc).replace(os.fspath(local), shown)) from exc
+    if samples is not None:
+        records, nbytes = check_shard_records(samples, shard, manifest, index, where)
+    else:
+        try:
+            fmt.check_remote_side_tables(stream, shard_copy, shard, index, where)
+        except PackFormatError as exc:  # raised after the checksum: a damaged shard is named, not its table
+            table_error = exc
     if stream.hexdigest() != shard.sha256:
         raise PackFormatError(
             "shard checksum does not match the manifest",
