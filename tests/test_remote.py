@@ -147,6 +147,43 @@ def test_a_file_without_a_digest_left_by_an_interrupted_stage_is_downloaded_agai
     assert _samples(staged) == _samples(local)
 
 
+@pytest.mark.parametrize(("store", "change"), [("s3", "larger"), ("s3", "same size"), ("memory", "larger")])
+def test_a_file_without_a_digest_rewritten_at_the_url_while_staging_is_named_and_never_staged(
+    s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str, change: str
+) -> None:
+    """An older pack's labels.i32 (no digest in its manifest) rewritten at the URL after the stage looked its size
+    up: a larger one was cut to its first bytes and a same-size one taken whole, and the staged copy read other
+    labels, silently (the label range check passes)."""
+    import fsspec
+
+    from packdata.staging import remote
+
+    options, fs = s3
+    older = tmp_path / "older.lmdb"
+    shutil.copytree(remote_pack[1], older)
+    rewrite_manifest(older, lambda d: d["index"].pop("sha256"))
+    labels = np.fromfile(older / "index" / "labels.i32", dtype="<i4")
+    new = np.concatenate([labels, labels[:1]]) if change == "larger" else labels ^ 1
+    url = f"s3://packs/older-{change.replace(' ', '-')}.lmdb" if store == "s3" else "memory://older/grown.lmdb"
+    target, store_options = (fs, options) if store == "s3" else (fsspec.filesystem("memory"), None)
+    target.put(str(older), url, recursive=True)
+    check_room = remote._check_room
+
+    def rewritten_after_the_look_up(*args, **kwargs):
+        target.pipe_file(f"{url}/index/labels.i32", new.astype("<i4").tobytes())
+        return check_room(*args, **kwargs)
+
+    monkeypatch.setattr(remote, "_check_room", rewritten_after_the_look_up)
+    cache = tmp_path / "cache"
+    try:
+        with pytest.raises(PackFormatError, match=rf"^{url}/index/labels\.i32: (is larger than|was rewritten)"):
+            packdata.stage(url, to=cache, storage_options=store_options, progress=False)
+    finally:
+        if store == "memory":
+            target.rm("/older", recursive=True)
+    assert not (cache / url.rsplit("/", 1)[1]).exists()
+
+
 _RANK = """
 import json, sys
 import packdata

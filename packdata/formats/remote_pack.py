@@ -58,6 +58,7 @@ __all__ = [
     "fetch_range",
     "forget_skeleton",
     "pinned_version",
+    "remote_object",
     "remote_size",
 ]
 
@@ -231,6 +232,13 @@ def remote_size(fs: Any, path: str, where: str) -> int | None:
         PackFormatError: ``path`` is a folder (a prefix of other objects) or anything but a file.
         SourceError: the request failed.
     """
+    found = remote_object(fs, path, where)
+    return None if found is None else found[0]
+
+
+def remote_object(fs: Any, path: str, where: str) -> tuple[int, str] | None:
+    """``(byte size, version)`` of ``path`` on ``fs`` (the version: :func:`~packdata.pack.urls.object_version`,
+    ``""`` where the store gives none), or None when there is no such object; raises as :func:`remote_size`."""
     try:
         info = fs.info(path)
     except FileNotFoundError:
@@ -241,7 +249,7 @@ def remote_size(fs: Any, path: str, where: str) -> int | None:
     if kind != "file":
         shown = "a folder (a prefix of other objects)" if kind == "directory" else f"of type {kind!r}"
         raise PackFormatError(f"is {shown}, not a file", path=where, hint="Upload or convert the pack again")
-    return int(info["size"])
+    return int(info["size"]), object_version(info)
 
 
 class RemoteStream:

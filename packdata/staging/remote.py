@@ -50,7 +50,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.formats.remote_pack import check_not_short, remote_size
+from packdata.formats.remote_pack import check_not_short, remote_object
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.host.processes import open_by_any_process
@@ -78,7 +78,9 @@ from packdata.pack.urls import (
     display_url,
     is_url,
     open_url,
+    precondition_failed,
     range_not_satisfiable,
+    read_at_version,
     read_url_manifest,
     remote_error,
     user_digest,
@@ -263,15 +265,17 @@ def _stage_locked(
     with removed_if_refused(made):  # refused before a download began (no room, the cache limit): it goes
         try:  # the disk may fill after the check (another stage into the cache): what is downloaded is kept
             partial.mkdir(exist_ok=True)
-            sizes = {
-                rel: size if size is not None else _remote_size(fs, f"{root}/{rel}", req) for rel, size, _, req in files
+            looked = {  # a file the manifest gives no size: its size and version now, read at that version
+                rel: (size, "") if size is not None else _remote_size(fs, f"{root}/{rel}", req)
+                for rel, size, _, req in files
             }
             todo = [
-                (rel, size, sha)
+                (rel, size, sha, version)
                 for rel, _, sha, _ in files
-                if (size := sizes[rel]) is not None and not _complete(partial / rel, size, sha)
+                for size, version in [looked[rel]]
+                if size is not None and not _complete(partial / rel, size, sha)
             ]
-            needed = sum(size for _, size, _ in todo)
+            needed = sum(size for _, size, _, _ in todo)
             if cache_limit is not None:
                 evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
             _check_room(cache, needed, reserve, force)
@@ -308,28 +312,29 @@ def _download(
     fs: Any,
     root: str,
     partial: Path,
-    todo: list[tuple[str, int, str | None]],
+    todo: list[tuple[str, int, str | None, str]],
     shown: str,
     name: str,
     needed: int,
     workers: int | None,
     progress: bool,
 ) -> None:
-    """Download the files ``todo`` (``(relative path, size, sha256)``) into ``partial``, each checked and renamed."""
+    """Download the files ``todo`` (``(relative path, size, sha256, version)``) into ``partial``, each checked and
+    renamed (see :func:`_fetch_range` for ``version``)."""
     ranges = []
-    for rel, size, _ in todo:  # every file cut into ranges: a big shard downloads in parallel too
+    for rel, size, _, version in todo:  # every file cut into ranges: a big shard downloads in parallel too
         tmp = _part(partial / rel)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.truncate(size)
-        ranges += [(rel, offset, min(offset + _RANGE, size)) for offset in range(0, size, _RANGE)]
+        ranges += [(rel, offset, min(offset + _RANGE, size), size, version) for offset in range(0, size, _RANGE)]
     with (
         show_progress(desc=f"download {name}", unit="B", total=needed, disable=not progress) as bar,
         ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-fetch") as pool,
     ):
-        for got in pool.map(lambda r: _fetch_range(fs, root, partial, r[0], r[1], r[2], shown), ranges):
+        for got in pool.map(lambda r: _fetch_range(fs, root, partial, r[0], r[1], r[2], r[3], r[4], shown), ranges):
             bar.update(got)
-    for rel, _, sha in todo:
+    for rel, _, sha, _ in todo:
         _finish_file(partial / rel, sha, shown, rel)
 
 
@@ -349,11 +354,12 @@ def _add_manifest_digest(folder: Path, digest: str) -> None:
     atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
 
 
-def _remote_size(fs: Any, path: str, required: bool) -> int | None:
-    size = remote_size(fs, path, display_url(path))
-    if size is None and required:
+def _remote_size(fs: Any, path: str, required: bool) -> tuple[int | None, str]:
+    """The size (None: no such object) and version (:func:`~packdata.pack.urls.object_version`) of ``path``."""
+    found = remote_object(fs, path, display_url(path))
+    if found is None and required:
         raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing")
-    return size
+    return found or (None, "")
 
 
 def _part(local: Path) -> Path:
@@ -408,24 +414,38 @@ def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> N
             raise CapacityError(refused[0].message, path=cache, hint="Stage onto disk, or pass force=True")
 
 
-def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: int, shown: str) -> int:
-    """Download bytes ``[start, end)`` of ``rel`` into its ``.part`` file; returns the bytes written.
+def _fetch_range(
+    fs: Any, root: str, partial: Path, rel: str, start: int, end: int, size: int, version: str, shown: str
+) -> int:
+    """Download bytes ``[start, end)`` of ``rel`` (``size`` bytes) into its ``.part`` file; returns the bytes written.
+
+    The last range asks for one byte more: an object now larger than ``size``
+    (rewritten at the origin) is named, never cut to a prefix of another
+    file. With a ``version`` (a file the manifest gives no size or SHA-256,
+    looked up when the stage began) the bytes come only from that version on
+    S3 (``If-Match``): an object rewritten since, even at the same size, is named.
 
     Raises:
-        PackFormatError: the object is missing, or shorter than the manifest (a shard) or its look-up says.
+        PackFormatError: the object is missing, shorter or larger than the manifest (a shard) or its look-up
+            says, or was rewritten since its look-up.
         SourceError: the request failed (a rerun resumes).
     """
     where = f"{shown}/{rel}"
+    asked = end + 1 if end == size else end
     try:
-        chunk = fs.cat_file(f"{root}/{rel}", start=start, end=end)
+        chunk = read_at_version(fs, f"{root}/{rel}", version, start, asked)
     except FileNotFoundError as exc:  # the manifest names it: no rerun helps
         raise PackFormatError(
             "is missing", path=where, hint="The pack is incomplete: convert or upload it again"
         ) from exc
     except Exception as exc:
+        if precondition_failed(exc):
+            raise _changed(where, "was rewritten") from exc
         if range_not_satisfiable(exc):  # S3's answer to a range past the end
             check_not_short(fs, f"{root}/{rel}", where, start, end)
         raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
+    if len(chunk) > end - start:
+        raise _changed(where, f"is larger than the {size} bytes the stage began with")
     if len(chunk) != end - start:
         check_not_short(fs, f"{root}/{rel}", where, start, end)  # the object itself ends early: named
         raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
@@ -435,6 +455,14 @@ def _fetch_range(fs: Any, root: str, partial: Path, rel: str, start: int, end: i
     finally:
         os.close(fd)
     return len(chunk)
+
+
+def _changed(where: str, what: str) -> PackFormatError:
+    return PackFormatError(
+        f"{what} (the pack at the URL changed while staging): nothing was staged from it",
+        path=where,
+        hint="Stage again once the pack at the URL is complete (converted or uploaded again?)",
+    )
 
 
 def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
