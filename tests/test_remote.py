@@ -103,6 +103,26 @@ def test_a_staged_copy_that_lost_a_file_is_downloaded_again(s3, remote_pack, tmp
     assert _samples(staged) == _samples(local)
 
 
+@pytest.mark.parametrize("damaged", ["shard-00001.lmdb/data.mdb", "shard-00001.lmdb/records.i64"])
+def test_a_staged_copy_written_to_at_the_same_size_is_downloaded_again(
+    s3, remote_pack, tmp_path: Path, damaged: str
+) -> None:
+    """A staged copy was reused when each file had its size: a shard (or side table) overwritten in place kept
+    failing readers with '... (a staged copy: stage it again)', and staging again changed nothing."""
+    options, _ = s3
+    url, local = remote_pack
+    staged = packdata.stage(url, to=tmp_path, storage_options=options, progress=False).staged
+    data = bytearray((staged / damaged).read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    with open(staged / damaged, "r+b") as f:  # in place: the same file, the same size
+        f.write(data)
+    result = packdata.stage(url, to=tmp_path, storage_options=options, progress=False)
+    assert result.downloaded and result.staged == staged
+    assert (staged / damaged).read_bytes() == (local / damaged).read_bytes()
+    assert _samples(staged) == _samples(local)
+    assert not packdata.stage(url, to=tmp_path, storage_options=options, progress=False).downloaded
+
+
 def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(
     s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

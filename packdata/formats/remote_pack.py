@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError, destination_error
 from packdata.formats import get_format
-from packdata.pack.files import aside_path, atomic_write, discard_stale, private_temp_folder
+from packdata.pack.files import aside_path, atomic_write, discard_stale, file_stamp, private_temp_folder
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
@@ -356,7 +356,7 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                 if _disk_full(exc):
                     raise
                 raise remote_error(shown, f"cannot read {name}", exc) from exc
-        stamps = {name: _stamp(dest / name) for name in sizes}
+        stamps = {name: file_stamp(dest / name) for name in sizes}
         atomic_write(dest / _FILES, json.dumps(stamps).encode("utf-8"))  # what a reused copy must still hold
         atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
     except OSError as exc:
@@ -393,7 +393,7 @@ def _holds(dest: Path, digest: str) -> bool:
     """Whether the cached copy ``dest`` is of the manifest whose sha256 is ``digest`` and still holds every file.
 
     Each file downloaded must still be the regular file written then, unchanged
-    since: same size, inode, modification and change times (:func:`_stamp`). A
+    since: same size, inode, modification and change times (:func:`~packdata.pack.files.file_stamp`). A
     copy that lost a file (to a clean-up of the temporary folder or a full disk)
     or had one edited, even at the same size, is downloaded again rather than
     read with it. One ``lstat`` a file: nothing is hashed.
@@ -402,7 +402,7 @@ def _holds(dest: Path, digest: str) -> bool:
         if hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() != digest:
             return False
         stamps = json.loads((dest / _FILES).read_bytes())
-        return isinstance(stamps, dict) and all(_stamp(dest / name) == stamp for name, stamp in stamps.items())
+        return isinstance(stamps, dict) and all(file_stamp(dest / name) == stamp for name, stamp in stamps.items())
     except (OSError, ValueError):
         return False
 
@@ -414,13 +414,6 @@ def forget_skeleton(dest: Path) -> None:
     and the next :func:`fetch_pack_skeleton` swaps a fresh copy in atomically.
     """
     (dest / _FILES).unlink(missing_ok=True)
-
-
-def _stamp(path: Path) -> list[int] | None:
-    """``[size, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (a write changes the change time,
-    which no call sets back); None when it is not a regular file."""
-    info = path.lstat()
-    return [info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns] if stat.S_ISREG(info.st_mode) else None
 
 
 def _own_folder(folder: Path) -> None:

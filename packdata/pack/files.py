@@ -34,6 +34,7 @@ __all__ = [
     "discard_stale",
     "stale_siblings",
     "file_sha256",
+    "file_stamp",
     "sha256_prefix",
     "file_kind",
     "fsync_dir",
@@ -61,6 +62,17 @@ def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     """Whether ``path`` lies strictly inside ``folder``, links resolved (a path yet to be made, too)."""
     real_path, real_folder = os.path.realpath(path), os.path.realpath(folder)
     return real_path.startswith(real_folder.rstrip(os.sep) + os.sep)
+
+
+def file_stamp(path: str | os.PathLike) -> list[int] | None:
+    """``[size, inode, mtime_ns, ctime_ns]`` of the regular file ``path`` (a link is not followed): a write since
+    changes it (the change time, which no call sets back); None when it is not a regular file.
+
+    Raises:
+        OSError: ``path`` cannot be looked up (missing).
+    """
+    info = os.lstat(path)
+    return [info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns] if stat.S_ISREG(info.st_mode) else None
 
 
 def holds_conversion(folder: Path) -> bool:

@@ -10,7 +10,8 @@ and an unstage is refused while one runs. The steps:
 
 1. The remote ``manifest.json`` is read and validated like a local one.
 2. When ``CACHE/NAME`` already holds a complete copy of this manifest, still
-   holding every file the pack needs, nothing is downloaded.
+   holding every file the pack needs, none written to since it was staged,
+   nothing is downloaded.
 3. Otherwise every file of the pack (shards with their side tables, the sample
    index, the skip report) is downloaded into ``CACHE/.NAME.partial``: in
    parallel, large files in parallel byte ranges, each shard's SHA-256
@@ -40,7 +41,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +59,7 @@ from packdata.pack.files import (
     atomic_write,
     discard_partial,
     file_sha256,
+    file_stamp,
     fsync_dir,
     holds_conversion,
     stale_siblings,
@@ -244,7 +245,7 @@ def _stage_locked(
         and (marker.get("origin"), marker.get("origin_user", "")) == (shown, user)
         and marker.get("manifest_sha256") == digest
         and marker.get("complete")
-        and _intact(dest, files)
+        and _intact(dest, files, marker.get("stamps"))
     ):
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
@@ -292,7 +293,8 @@ def _stage_locked(
                 bytes_left=0,
                 complete=True,
             )
-            _add_manifest_digest(partial, digest)
+            stamps = {rel: file_stamp(partial / rel) for rel, _, _, _ in files if os.path.lexists(partial / rel)}
+            _add_to_marker(partial, manifest_sha256=digest, stamps=stamps)
             create_readers_lock(partial)
             fsync_dir(partial)
         except OSError as exc:
@@ -347,10 +349,10 @@ def _still_read(dest: Path, shown: str) -> LockedError:
     )
 
 
-def _add_manifest_digest(folder: Path, digest: str) -> None:
+def _add_to_marker(folder: Path, **items: Any) -> None:
     path = folder / STAGED_FILE
     data = json.loads(path.read_text(encoding="utf-8"))
-    data["manifest_sha256"] = digest
+    data.update(items)
     atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
 
 
@@ -366,21 +368,29 @@ def _part(local: Path) -> Path:
     return local.with_name(f".{local.name}.part")
 
 
-def _intact(dest: Path, files: list[tuple[str, int | None, str | None, bool]]) -> bool:
+def _intact(dest: Path, files: list[tuple[str, int | None, str | None, bool]], stamps: object) -> bool:
     """Whether the staged copy ``dest`` still holds each file the pack needs (``files``, see :func:`_pack_files`).
 
     Each is a regular file, a shard of the manifest's size: one ``lstat`` a
     file (a copy that lost a shard to a clean-up is downloaded again, not
-    reused until a reader fails on it).
+    reused until a reader fails on it). A copy staged with ``stamps`` (its
+    marker's: relative path -> :func:`~packdata.pack.files.file_stamp` when
+    staged) holds those files only, each unchanged since: one written to in
+    place, even at the same size, is downloaded again, so "stage it again"
+    mends what a reader found damaged. Nothing is hashed: damage no write
+    made (a failing disk) is found by the readers' checks of each record.
     """
+    stamped = stamps if isinstance(stamps, dict) else None
     for rel, size, _, required in files:
         try:
-            info = (dest / rel).lstat()
+            stamp = file_stamp(dest / rel)
         except FileNotFoundError:
             if required:
                 return False
             continue
-        if not stat.S_ISREG(info.st_mode) or (size is not None and info.st_size != size):
+        if stamp is None or (size is not None and stamp[0] != size):
+            return False
+        if stamped is not None and stamped.get(rel) != stamp:
             return False
     return True
 
