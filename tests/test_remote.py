@@ -720,6 +720,46 @@ def _two_classes(src: Path, seed: int) -> Path:
     return src
 
 
+@pytest.mark.parametrize(("fmt", "interrupted"), [("tfrecord", False), ("lmdb", False), ("tfrecord", True)])
+def test_overwriting_a_url_pack_of_more_shards_removes_the_old_packs_objects_and_nothing_else(
+    s3, tmp_path: Path, monkeypatch, fmt: str, interrupted: bool
+) -> None:
+    """convert --overwrite into a URL whose pack had more shards left the old shards (and their side tables) at
+    the URL, outside any manifest: a glob of *.tfrecord read both packs' records, and they were paid for."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    url = f"s3://packs/shrunk-{fmt}-{interrupted}"
+    root = url.removeprefix("s3://")
+    packdata.convert(src, url, format=fmt, shard_samples=2, storage_options=options, progress=False)
+    stranger = {f"{root}/notes.txt": b"a stranger's", f"{root}/other-00009-of-00010.tfrecord": b"not in a manifest"}
+    fs.pipe(stranger)
+    if interrupted:  # the old manifest ended, then the upload failed: the rerun still knows the old pack's objects
+        real_put = fs.put_file
+
+        def no_manifest(lpath, rpath, *args, **kwargs):
+            if rpath.endswith("manifest.json"):
+                raise OSError("connection reset")
+            return real_put(lpath, rpath, *args, **kwargs)
+
+        monkeypatch.setattr(fs, "put_file", no_manifest)
+        with pytest.raises(PackFormatError, match=r"uploading manifest\.json failed"):
+            packdata.convert(
+                src, url, format=fmt, shard_samples=5, storage_options=options, progress=False, overwrite=True
+            )
+        monkeypatch.setattr(fs, "put_file", real_put)
+    packdata.convert(
+        src, url, format=fmt, shard_samples=5, storage_options=options, progress=False, overwrite=True, resume=True
+    )
+    local = tmp_path / url.rsplit("/", 1)[1]  # the same name: the same shard names
+    packdata.convert(src, local, format=fmt, shard_samples=5, progress=False)
+    fs.invalidate_cache()
+    expected = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and p.name != "lock.mdb"}
+    found = {p.removeprefix(f"{root}/") for p in fs.find(root)}
+    assert found == expected | {"notes.txt", "other-00009-of-00010.tfrecord"}
+    assert all(fs.cat_file(k) == v for k, v in stranger.items())
+
+
 def test_a_finished_conversion_removes_only_the_objects_its_earlier_unfinished_run_uploaded(
     s3, tmp_path: Path, monkeypatch
 ) -> None:

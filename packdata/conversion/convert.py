@@ -519,7 +519,7 @@ def _pack_and_upload(
     check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held: another may have published
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
-    end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
+    end_remote_pack(url, storage, work=local)  # with overwrite: the old pack ends before its files are replaced
     early: dict[str, int] = {}
     if local.exists():  # packed before an interruption, from this source with these options: upload it
         check_job(local, src, kwargs, url)
@@ -565,7 +565,7 @@ def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, 
     storage, local, kwargs = _into_url(url, options)
     with _hold_work_folder(local, url):
         check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held
-        end_remote_pack(url, storage)  # with overwrite: the old pack ends before its files are replaced
+        end_remote_pack(url, storage, work=local)  # with overwrite: the old pack ends before its files are replaced
         token = _UPLOAD_TO.set((local, RemoteTarget(url, storage)))
         try:
             result = convert(src, local, **kwargs)

@@ -39,8 +39,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import ConfigError, PackFormatError, SourceError
+from packdata.conversion.replace import record_replaced, remove_replaced
+from packdata.errors import ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.formats import shard_writer
+from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import PROGRESS_FILE, atomic_write, file_sha256, private_temp_folder
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import (
@@ -132,13 +134,23 @@ def check_writable(url: str, storage_options: dict[str, Any] | None) -> None:
 _WRITE_CHECK = ".packdata-write-check-"
 
 
-def end_remote_pack(url: str, storage_options: dict[str, Any] | None) -> None:
-    """Delete the manifest at ``url``: the pack there ends, before any of its files is replaced."""
+def end_remote_pack(url: str, storage_options: dict[str, Any] | None, work: Path | None = None) -> None:
+    """Delete the manifest at ``url``: the pack there ends, before any of its files is replaced.
+
+    With ``work`` (the conversion's work folder), its objects are recorded
+    first, beside it, for :func:`upload_pack` to remove those the new pack
+    does not have (:mod:`packdata.conversion.replace`).
+    """
     fs, root = open_url(url, storage_options)
-    manifest = f"{root.rstrip('/')}/{MANIFEST_NAME}"
+    root = root.rstrip("/")
+    manifest = f"{root}/{MANIFEST_NAME}"
     try:
         if _manifest_there(fs, manifest):
+            if work is not None:
+                record_replaced(fs, root, display_url(url), work)
             retry_transient(partial(fs.rm_file, manifest))
+    except PackdataError:
+        raise
     except Exception as exc:
         raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
 
@@ -251,7 +263,7 @@ def upload_pack(
     root = root.rstrip("/")
     shown = display_url(url)
     manifest = f"{root}/{MANIFEST_NAME}"
-    end_remote_pack(url, storage_options)
+    end_remote_pack(url, storage_options, work=local)
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     early = dict(early or {})
     journal = _UploadJournal(local.parent)
@@ -286,6 +298,8 @@ def upload_pack(
         retry_transient(partial(fs.put_file, os.fspath(local / MANIFEST_NAME), manifest))  # the pack exists from here
     except Exception as exc:
         raise _upload_error(shown, MANIFEST_NAME, exc) from exc
+    keep = {p.relative_to(local).as_posix() for p in files} | set(pack_objects(read_manifest(local)))
+    remove_replaced(fs, root, shown, local, keep | {MANIFEST_NAME})  # the new pack's, Ray tasks' shards too
     return total
 
 

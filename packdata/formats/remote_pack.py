@@ -57,6 +57,7 @@ __all__ = [
     "fetch_pack_skeleton",
     "fetch_range",
     "forget_skeleton",
+    "pack_objects",
     "pinned_version",
     "remote_object",
     "remote_size",
@@ -304,6 +305,20 @@ def _skeleton_names(manifest: Manifest, *, report: bool) -> list[tuple[str, bool
     skip_report = manifest.skipped.get("report")
     if report and isinstance(skip_report, str) and skip_report:
         names.append((skip_report, False))
+    return names
+
+
+def pack_objects(manifest: Manifest) -> list[str]:
+    """The relative name of every file a pack of ``manifest`` may hold, its manifest but: each shard's data,
+    side tables and scratch files, the sample index, the skip report (names a stranger's manifest gives are
+    checked plain, in the pack, when it is read)."""
+    layout_of = get_format(manifest.format).shard_layout
+    names = [name for name, _ in _skeleton_names(manifest, report=True)]
+    for shard in manifest.shards:
+        layout = layout_of(os.path.basename(shard.file))
+        names.append(f"{shard.file}/{layout.data}" if layout.folder else shard.file)
+        if layout.folder:
+            names += [f"{shard.file}/{name}" for name in layout.scratch]
     return names
 
 

@@ -1,0 +1,94 @@
+"""The objects of a pack in object storage that ``convert ... --overwrite`` replaces, removed once the new one is up.
+
+Before the old pack's manifest is deleted (:func:`record_replaced`), each
+object its manifest lists (shards, side tables, sample index, skip report) is
+recorded with the size and version the store reports, in ``replaced.jsonl``
+beside the conversion's work folder, so a rerun after an interruption still
+knows them. Once the new manifest is up (:func:`remove_replaced`), each
+recorded object the new pack does not have is removed, only while the store
+still reports it as recorded: an object written since, or one the old
+manifest did not list (anything else under the prefix), is never touched. A
+pack with fewer shards thus leaves no old shard behind for a ``*.tfrecord``
+glob to read, or to pay for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from packdata.errors import PackFormatError
+from packdata.formats.remote_pack import pack_objects
+from packdata.pack.urls import object_version, read_url_manifest, remote_error, retry_transient
+
+__all__ = ["record_replaced", "remove_replaced"]
+
+_REPLACED = "replaced.jsonl"
+"""Beside a destination's work folder: one line per object of the pack it replaces (name, size, version)."""
+
+
+def record_replaced(fs: Any, root: str, shown: str, work: Path) -> None:
+    """Record the objects at ``root`` that the manifest there lists, beside the work folder ``work``.
+
+    A manifest packdata cannot read names nothing: none of its objects is removed later.
+    """
+    try:
+        old, _ = read_url_manifest(fs, root, shown)
+    except PackFormatError:
+        return
+    names = set(pack_objects(old))
+    found = _listing(fs, root)
+    lines = [json.dumps({"name": n, "size": s, "version": v}) + "\n" for n, (s, v) in found.items() if n in names]
+    work.parent.mkdir(parents=True, exist_ok=True)
+    with open(work.parent / _REPLACED, "a", encoding="utf-8") as f:  # a second ended pack adds its own
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) -> int:
+    """Remove the recorded objects (see :func:`record_replaced`) whose names are not in ``keep`` (the new
+    pack's files), each only while the store reports the recorded size and version; returns how many.
+
+    Raises:
+        SourceError: a request failed (the record is kept: a rerun removes the rest).
+    """
+    record = work.parent / _REPLACED
+    try:
+        lines = record.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    recorded: dict[str, tuple[int, str]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            recorded[str(entry["name"])] = (int(entry["size"]), str(entry["version"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line counts for nothing
+    removed = 0
+    try:
+        found = _listing(fs, root)
+        for name, was in sorted(recorded.items()):
+            if name in keep or any(part in ("", ".", "..") for part in name.split("/")) or found.get(name) != was:
+                continue
+            retry_transient(partial(fs.rm_file, f"{root}/{name}"))
+            removed += 1
+    except Exception as exc:
+        raise remote_error(shown, "cannot remove the objects of the pack it replaced", exc, resumable=True) from exc
+    record.unlink()
+    return removed
+
+
+def _listing(fs: Any, root: str) -> dict[str, tuple[int, str]]:
+    """Every object under ``root``, asked of the store: name relative to ``root`` -> (size, version)."""
+    fs.invalidate_cache(root)
+    found = retry_transient(partial(fs.find, root, detail=True))
+    prefix = f"{root}/"
+    return {
+        path[len(prefix) :]: (int(info.get("size") or 0), object_version(info))
+        for path, info in found.items()
+        if path.startswith(prefix) and info.get("type", "file") == "file"
+    }
