@@ -491,9 +491,18 @@ def test_a_cached_index_file_damaged_since_its_download_is_downloaded_again(
     assert cached.read_bytes() == (local / "index" / name).read_bytes()
 
 
-def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stamped", [False, True])
+def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(
+    s3, remote_tfrecord, tmp_path: Path, stamped: bool
+) -> None:
     """A cached copy was reused while each file kept its size: a record table whose payload spans were edited in
-    place (each still inside its record) gave every later epoch payloads one byte short, silently."""
+    place (each still inside its record) gave every later epoch payloads one byte short, silently.
+
+    stamped: the change is one the stamps cannot see (within the timestamp tick, or a failing disk). The record
+    the table misplaces is named damaged (never a wrong payload), but every later dataset named it too, though
+    the pack at the URL is sound (verify passes), until the cache was found and deleted."""
+    from packdata.pack.files import file_stamp
+
     options, _ = s3
     url, local = remote_tfrecord
     cache = tmp_path / "cache"
@@ -503,6 +512,12 @@ def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(s3, rem
     rows = np.fromfile(table, dtype="<i8").reshape(-1, 3)
     rows[2:, 2] -= 1  # every payload one byte shorter: still inside its record
     rows.tofile(table)
+    if stamped:
+        (record,) = cache.rglob(".files.json")
+        stamps = json.loads(record.read_text())
+        record.write_text(json.dumps({name: file_stamp(record.parent / name) for name in stamps}))
+        with pytest.raises(PackFormatError, match=rf"^{url}/{local.name}-00000-of-00004\.tfrecord: record at byte"):
+            list(packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache))
     ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
     assert sorted(ds) == expected
     assert table.read_bytes() == (local / table.relative_to(next(cache.iterdir()) / local.name)).read_bytes()

@@ -78,10 +78,18 @@ class _TFRecordView(PackView):
         self._bytes = [s.bytes for s in shards]
 
     def _named(self, items: Iterator[_T]) -> Iterator[_T]:
-        """``items``; an error they raise that names a file of a pack's cached copy names it by its URL instead."""
+        """``items``; an error they raise that names a file of a pack's cached copy names it by its URL instead.
+
+        A record found damaged in a pack at a URL may be a damaged side table
+        of the cached copy (one its stamps cannot tell: changed within the
+        timestamp tick, or by a failing disk): the copy is marked not to be
+        reused, so the dataset made again reads a fresh one.
+        """
         try:
             yield from items
         except PackdataError as exc:
+            if self._url and isinstance(exc, PackFormatError):
+                forget_skeleton(Path(self.path))
             raise_at_url(exc, self.path, display_url(self._url) if self._url else None)
 
     def _load_records(self, shard: int, payloads: bool) -> RecordTable:
