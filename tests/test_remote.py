@@ -167,7 +167,9 @@ def test_a_file_without_a_digest_left_by_an_interrupted_stage_is_downloaded_agai
     assert _samples(staged) == _samples(local)
 
 
-@pytest.mark.parametrize(("store", "change"), [("s3", "larger"), ("s3", "same size"), ("memory", "larger")])
+@pytest.mark.parametrize(
+    ("store", "change"), [("s3", "larger"), ("s3", "same size"), ("memory", "larger"), ("memory", "same size")]
+)
 def test_a_file_without_a_digest_rewritten_at_the_url_while_staging_is_named_and_never_staged(
     s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str, change: str
 ) -> None:
@@ -184,7 +186,7 @@ def test_a_file_without_a_digest_rewritten_at_the_url_while_staging_is_named_and
     rewrite_manifest(older, lambda d: d["index"].pop("sha256"))
     labels = np.fromfile(older / "index" / "labels.i32", dtype="<i4")
     new = np.concatenate([labels, labels[:1]]) if change == "larger" else labels ^ 1
-    url = f"s3://packs/older-{change.replace(' ', '-')}.lmdb" if store == "s3" else "memory://older/grown.lmdb"
+    url = f"s3://packs/older-{change.replace(' ', '-')}.lmdb" if store == "s3" else "memory://older/changed.lmdb"
     target, store_options = (fs, options) if store == "s3" else (fsspec.filesystem("memory"), None)
     target.put(str(older), url, recursive=True)
     check_room = remote._check_room

@@ -76,6 +76,7 @@ from packdata.pack.lock import (
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import (
+    conditional_reads,
     display_url,
     is_url,
     open_url,
@@ -433,7 +434,8 @@ def _fetch_range(
     (rewritten at the origin) is named, never cut to a prefix of another
     file. With a ``version`` (a file the manifest gives no size or SHA-256,
     looked up when the stage began) the bytes come only from that version on
-    S3 (``If-Match``): an object rewritten since, even at the same size, is named.
+    S3 (``If-Match``; elsewhere its version is looked up again after each
+    read): an object rewritten since, even at the same size, is named.
 
     Raises:
         PackFormatError: the object is missing, shorter or larger than the manifest (a shard) or its look-up
@@ -459,12 +461,21 @@ def _fetch_range(
     if len(chunk) != end - start:
         check_not_short(fs, f"{root}/{rel}", where, start, end)  # the object itself ends early: named
         raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
+    if version and not conditional_reads(fs) and _version_now(fs, f"{root}/{rel}") != version:
+        raise _changed(where, "was rewritten")  # elsewhere than S3: its version looked up again after the read
     fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.pwrite(fd, chunk, start)
     finally:
         os.close(fd)
     return len(chunk)
+
+
+def _version_now(fs: Any, path: str) -> str:
+    """The version of ``path`` asked of the store now (``""``: gone, or the store gives none)."""
+    fs.invalidate_cache(path)
+    found = remote_object(fs, path, display_url(path))
+    return "" if found is None else found[1]
 
 
 def _changed(where: str, what: str) -> PackFormatError:
