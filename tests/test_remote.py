@@ -777,6 +777,27 @@ def test_overwriting_a_url_pack_of_more_shards_removes_the_old_packs_objects_and
     assert all(fs.cat_file(k) == v for k, v in stranger.items())
 
 
+def test_an_old_object_that_cannot_be_removed_after_an_overwrite_says_the_new_pack_is_published(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """The removal of the replaced pack's objects runs after the new manifest is up: its failure read as the
+    conversion's ('cannot remove ...'), though the new pack was published and complete."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    url, root = "s3://packs/denied-removal.lmdb", "packs/denied-removal.lmdb"
+    packdata.convert(src, url, shard_samples=2, storage_options=options, progress=False)
+    with faulty_s3(options) as (faulty, rules, _):
+        rules["DELETE", f"/{root}/shard-00004.lmdb/data.mdb"] = [403, 1]
+        with pytest.raises(SourceError, match=rf"^{url}: the new pack is published, but the objects of the pack it"):
+            packdata.convert(src, url, shard_samples=5, storage_options=faulty, progress=False, overwrite=True)
+        staged = packdata.stage(url, to=tmp_path / "cache", storage_options=faulty, progress=False).staged
+        assert len(packdata.LMDBDataset(staged)) == 10
+        packdata.convert(src, url, shard_samples=5, storage_options=faulty, progress=False, overwrite=True, resume=True)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/shard-00004.lmdb/data.mdb") and fs.exists(f"{root}/shard-00001.lmdb/data.mdb")
+
+
 def test_a_finished_conversion_removes_only_the_objects_its_earlier_unfinished_run_uploaded(
     s3, tmp_path: Path, monkeypatch
 ) -> None:

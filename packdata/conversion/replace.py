@@ -76,8 +76,13 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
                 continue
             retry_transient(partial(fs.rm_file, f"{root}/{name}"))
             removed += 1
-    except Exception as exc:
-        raise remote_error(shown, "cannot remove the objects of the pack it replaced", exc, resumable=True) from exc
+    except Exception as exc:  # the new pack is up: say so, and how the rest goes
+        error = remote_error(
+            shown, "the new pack is published, but the objects of the pack it replaced could not all be removed", exc
+        )
+        raise error.with_hint(
+            f"{error.hint} with overwrite=True and resume=True to remove the rest (nothing else is uploaded again)"
+        ) from exc
     record.unlink()
     return removed
 
