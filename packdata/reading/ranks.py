@@ -25,12 +25,17 @@ _SHOWN = 3  # ranks that differ from rank 0 named in the error
 
 
 def pack_of(data: Any) -> tuple[str | None, str | None]:
-    """``(path, shards' digest)`` of a pack dataset's pack; ``(None, None)`` for anything else (a length, a list)."""
+    """``(where, shards' digest)`` of a pack dataset's pack; ``(None, None)`` for anything else (a length, a list).
+
+    ``where`` is the pack as the dataset's errors name it: the URL the user
+    passed for a pack read from object storage, not the folder its manifest is cached in.
+    """
     pack = getattr(data, "pack", None)
     manifest = getattr(pack, "manifest", None)
     if not isinstance(manifest, Manifest):
         return None, None
-    return os.fspath(pack.path), manifest.shards_digest()  # type: ignore[union-attr]
+    where = getattr(data, "where", None)
+    return where if isinstance(where, str) else os.fspath(pack.path), manifest.shards_digest()  # type: ignore[union-attr]
 
 
 class RankCheck:

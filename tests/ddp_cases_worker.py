@@ -1,0 +1,106 @@
+"""One rank of several short DDP reading cases, launched once by ``tests/test_ddp_cases.py`` through torchrun.
+
+Every rank runs the cases of ``CONFIG`` (a JSON file) in order, on the gloo
+backend, and writes ``OUT/rank{RANK}.json``: per case, what its loader yielded
+(the samples' identities, per epoch) or the ``PackdataError`` it raised. Ranks
+meet at a barrier after each case, so one case's refusal never leaks into the next.
+
+Cases (``kind``):
+
+- ``sampler``: ``LMDBDataset`` + torch's ``DistributedSampler`` (``drop_last``,
+  ``num_workers``, ``multiprocessing_context``, ``persistent_workers``,
+  ``epochs`` with ``set_epoch``); the batches go through ``__getitems__``.
+  A single-field pack yields each sample's SHA-1 (computed in the worker's
+  decode), a multi-field pack its ``__key__``.
+- ``url_pack``: a ``TFRecordDataset`` at a URL (``storage_options``), ``url``
+  on every rank but rank 1, which opens ``other`` (another pack), then
+  ``check_same_pack``: it must refuse, naming each rank's URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from packdata.errors import PackdataError
+from packdata.reading.datasets import LMDBDataset
+
+
+def sha1(data: bytes) -> str:
+    """The decode step: a sample's identity, computed in the DataLoader worker."""
+    return hashlib.sha1(data).hexdigest()
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    """Collate: the samples as they came (a multi-field sample's bytes do not stack)."""
+    return batch
+
+
+def _identity(sample: Any) -> str:
+    return sample["__key__"] if isinstance(sample, dict) else sample[0]
+
+
+def _sampler_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    fields = case.get("fields", False)
+    dataset = LMDBDataset(case["pack"], decode="bytes" if fields else sha1)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=case["drop_last"])
+    workers = case["num_workers"]
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=as_list,
+        multiprocessing_context=case.get("context") if workers else None,
+        persistent_workers=case.get("persistent", False),
+    )
+    epochs = []
+    for epoch in range(case.get("epochs", 1)):
+        sampler.set_epoch(epoch)
+        seen, steps = [], 0
+        for batch in loader:
+            seen += [_identity(sample) for sample in batch]
+            steps += 1
+        epochs.append({"seen": seen, "steps": steps})
+    return {"epochs": epochs}
+
+
+def _url_pack_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    from packdata.reading.ranks import check_same_pack
+    from packdata.reading.streaming import TFRecordDataset
+
+    cache = out / f"cache{rank}"
+    cache.mkdir(exist_ok=True)
+    url = case["other"] if rank == 1 else case["url"]
+    check_same_pack(TFRecordDataset(url, storage_options=case["storage_options"], cache_dir=cache))
+    return {}
+
+
+CASES = {"sampler": _sampler_case, "url_pack": _url_pack_case}
+
+
+def main() -> None:
+    config, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    report: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(), "cases": {}}
+    for name, case in config.items():
+        try:
+            result = CASES[case["kind"]](case, rank, out)
+        except PackdataError as exc:
+            result = {"error": str(exc)}
+        report["cases"][name] = result
+        dist.barrier()
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

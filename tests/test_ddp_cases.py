@@ -1,0 +1,136 @@
+"""Exactly once under DDP, and the rank check's messages: one torchrun of 3 ranks (gloo, CPU) runs every case.
+
+``tests/ddp_cases_worker.py`` runs the cases in order on each rank; each test
+below asserts on its case's part of the reports. One torchrun start for all of
+them (each start costs seconds). Keys are compared as exact sorted lists across
+the ranks: a sample lost or read twice fails, not only a wrong count.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import image_bytes, moto_s3, run_torchrun
+from torch.utils.data import DistributedSampler
+
+import packdata
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+WORKER = Path(__file__).with_name("ddp_cases_worker.py")
+RANKS = 3
+SAMPLES = 40  # over 3 ranks: DistributedSampler pads 2 (drop_last=False) or leaves 1 out (drop_last=True)
+FIELD_SAMPLES = 23  # a multi-field pack: pads 1, or leaves 2 out
+
+
+def _sampler_cases(single: Path, fields: Path) -> dict[str, dict[str, Any]]:
+    """The DistributedSampler cases: drop_last both ways, spawn, persistent workers over 2 epochs, multi-field."""
+    plain = {"kind": "sampler", "pack": str(single), "num_workers": 2}
+    return {
+        "keep_last": {**plain, "drop_last": False},
+        "drop_last": {**plain, "drop_last": True},
+        "spawn_persistent": {**plain, "drop_last": False, "context": "spawn", "persistent": True, "epochs": 2},
+        "fields": {**plain, "pack": str(fields), "drop_last": True, "fields": True},
+        "fields_keep_last": {**plain, "pack": str(fields), "drop_last": False, "fields": True, "num_workers": 0},
+    }
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The packs, the cases, and each rank's report of one torchrun."""
+    root = tmp_path_factory.mktemp("ddp_cases")
+    single, grouped = root / "src", root / "grouped"
+    digests = {}
+    for i in range(SAMPLES):
+        data = image_bytes(i, fmt="PNG")
+        (single / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (single / f"c{i % 3}" / f"{i:02d}.png").write_bytes(data)
+        digests[hashlib.sha1(data).hexdigest()] = f"c{i % 3}/{i:02d}.png"
+    grouped.mkdir()
+    for i in range(FIELD_SAMPLES):
+        (grouped / f"s{i:02d}.txt").write_text(f"caption {i}")
+        (grouped / f"s{i:02d}.json").write_text(json.dumps({"n": i}))
+    packdata.convert(single, root / "pack.lmdb", shard_samples=7, progress=False)
+    packdata.convert(grouped, root / "fields.lmdb", shard_samples=5, progress=False)
+    packdata.convert(single, root / "pack", format="tfrecord", shard_samples=7, progress=False)
+    packdata.convert(grouped, root / "other", format="tfrecord", progress=False)
+    cases = _sampler_cases(root / "pack.lmdb", root / "fields.lmdb")
+    with moto_s3({"key": "ddp-testing-key-id", "secret": "ddp-testing-secret"}) as (options, fs):
+        fs.put(str(root / "pack"), "packs/train", recursive=True)
+        fs.put(str(root / "other"), "packs/other", recursive=True)
+        cases["url_pack"] = {"kind": "url_pack", "url": "s3://packs/train", "other": "s3://packs/other"}
+        cases["url_pack"]["storage_options"] = options
+        (root / "cases.json").write_text(json.dumps(cases))
+        (root / "out").mkdir()
+        run_torchrun(WORKER, [str(root / "cases.json"), str(root / "out")], nproc=RANKS, timeout=360)
+    reports = [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert [r["rank"] for r in reports] == list(range(RANKS)) and all(r["world"] == RANKS for r in reports)
+    return {"cases": cases, "reports": reports, "digests": digests}
+
+
+def _expected(pack: str, drop_last: bool, epoch: int, key_of: Any) -> list[str]:
+    """The keys torch's DistributedSampler gives all ranks together (its padding included), sorted."""
+    n = len(packdata.LMDBDataset(pack, decode="bytes"))
+    keys = []
+    for rank in range(RANKS):
+        sampler = DistributedSampler(range(n), num_replicas=RANKS, rank=rank, shuffle=True, seed=0, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        keys += [key_of(i) for i in sampler]
+    return sorted(keys)
+
+
+def _seen(run: dict[str, Any], name: str, epoch: int) -> list[list[str]]:
+    results = [report["cases"][name] for report in run["reports"]]
+    assert all("error" not in result for result in results), results
+    return [result["epochs"][epoch]["seen"] for result in results]
+
+
+@pytest.mark.parametrize("name", ["keep_last", "drop_last", "spawn_persistent"])
+def test_lmdb_under_distributed_sampler_reads_every_sample_once_across_ranks(run: dict[str, Any], name: str) -> None:
+    """40 samples over 3 ranks, 2 workers, batches through __getitems__: torch's split, exactly, and nothing else."""
+    case = run["cases"][name]
+    dataset = packdata.LMDBDataset(case["pack"], decode="bytes")
+    key_of = {i: run["digests"][hashlib.sha1(dataset[i][0]).hexdigest()] for i in range(len(dataset))}.__getitem__
+    orders = []
+    for epoch in range(case.get("epochs", 1)):
+        seen = _seen(run, name, epoch)
+        keys = sorted(run["digests"][d] for rank in seen for d in rank)  # KeyError: a foreign sample
+        assert keys == _expected(case["pack"], case["drop_last"], epoch, key_of)
+        counts = collections.Counter(keys)
+        if case["drop_last"]:  # one sample left out, none twice
+            assert len(counts) == SAMPLES - 1 and set(counts.values()) == {1}
+        else:  # every sample, two of them twice (the padding)
+            assert len(counts) == SAMPLES and sorted(counts.values()) == [1] * (SAMPLES - 2) + [2, 2]
+        assert [len(rank) for rank in seen] == [len(keys) // RANKS] * RANKS
+        orders.append(seen)
+    if len(orders) == 2:  # persistent workers took set_epoch's new order
+        assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("name", ["fields", "fields_keep_last"])
+def test_a_multi_field_pack_under_distributed_sampler_reads_every_sample_once(run: dict[str, Any], name: str) -> None:
+    """23 multi-field samples over 3 ranks: each sample's ``__key__``, exactly as the sampler split them."""
+    case = run["cases"][name]
+    dataset = packdata.LMDBDataset(case["pack"], decode="bytes")
+    keys = sorted(key for rank in _seen(run, name, 0) for key in rank)
+    assert keys == _expected(case["pack"], case["drop_last"], 0, lambda i: dataset[i]["__key__"])
+    counts = collections.Counter(keys)
+    if case["drop_last"]:
+        assert len(counts) == FIELD_SAMPLES - 2 and set(counts.values()) == {1}
+    else:
+        assert len(counts) == FIELD_SAMPLES and sorted(counts.values()) == [1] * (FIELD_SAMPLES - 1) + [2]
+
+
+def test_check_same_pack_over_a_pack_at_a_url_names_the_url(run: dict[str, Any]) -> None:
+    """Rank 1 streams another pack: every rank refuses naming each rank's URL, not its cached manifest's folder."""
+    for rank, report in enumerate(run["reports"]):
+        error = report["cases"]["url_pack"].get("error", "")
+        shown = "s3://packs/other" if rank == 1 else "s3://packs/train"
+        assert error.startswith(f"{shown}: the ranks of this job disagree on what their TFRecordDataset reads"), error
+        assert "(s3://packs/train); rank 1 has samples=" in error and "(s3://packs/other):" in error, error
+        assert "cache" not in error, error
