@@ -15,6 +15,9 @@ Cases (``kind``):
 - ``url_pack``: a ``TFRecordDataset`` at a URL (``storage_options``), ``url``
   on every rank but rank 1, which opens ``other`` (another pack), then
   ``check_same_pack``: it must refuse, naming each rank's URL.
+- ``public_store``: as a torch without the private ``_get_default_store``
+  (removed for the case), a ``BlockShuffleSampler`` whose seed is 1 on rank 1
+  only: the check must still refuse, through torchrun's store.
 """
 
 from __future__ import annotations
@@ -83,7 +86,19 @@ def _url_pack_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]
     return {}
 
 
-CASES = {"sampler": _sampler_case, "url_pack": _url_pack_case}
+def _public_store_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    from packdata.reading.samplers import BlockShuffleSampler
+
+    private = dist.distributed_c10d._get_default_store
+    del dist.distributed_c10d._get_default_store
+    try:
+        sampler = BlockShuffleSampler(LMDBDataset(case["pack"]), block_size=4, seed=1 if rank == 1 else 0)
+        return {"indices": list(sampler)}
+    finally:
+        dist.distributed_c10d._get_default_store = private
+
+
+CASES = {"sampler": _sampler_case, "url_pack": _url_pack_case, "public_store": _public_store_case}
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ def _sampler_cases(single: Path, fields: Path) -> dict[str, dict[str, Any]]:
         "spawn_persistent": {**plain, "drop_last": False, "context": "spawn", "persistent": True, "epochs": 2},
         "fields": {**plain, "pack": str(fields), "drop_last": True, "fields": True},
         "fields_keep_last": {**plain, "pack": str(fields), "drop_last": False, "fields": True, "num_workers": 0},
+        "public_store": {"kind": "public_store", "pack": str(single)},
     }
 
 
@@ -134,3 +135,13 @@ def test_check_same_pack_over_a_pack_at_a_url_names_the_url(run: dict[str, Any])
         assert error.startswith(f"{shown}: the ranks of this job disagree on what their TFRecordDataset reads"), error
         assert "(s3://packs/train); rank 1 has samples=" in error and "(s3://packs/other):" in error, error
         assert "cache" not in error, error
+
+
+def test_a_torch_without_its_private_default_store_still_compares_under_torchrun(run: dict[str, Any]) -> None:
+    """Without torch's private _get_default_store, the ranks meet at torchrun's store: rank 1's seed is refused."""
+    pack = run["cases"]["public_store"]["pack"]
+    for report in run["reports"]:
+        error = report["cases"]["public_store"].get("error", "")
+        assert error.startswith(f"{pack}: the ranks of this job disagree on what their BlockShuffleSampler"), error
+        assert f"rank 0 has seed=0 ({pack}); rank 1 has seed=1 ({pack})" in error, error
+        assert "Pass the same seed and options on every rank" in error

@@ -98,15 +98,12 @@ def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: d
     """
     import torch.distributed as dist
 
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
-        return
-    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)  # private: torch 2.1 to 2.13 have it
-    store = default_store() if default_store is not None else None
-    if store is None:  # the MPI backend makes none; a torch without the call compares nothing, as without a group
+    if not can_compare(world_size):
         return
     rank, key = dist.get_rank(), f"packdata/same-pack/{next(_CHECKS)}"
     mine = {"reader": owner, **facts}
     try:
+        store = _group_store()
         if rank == 0:
             store.set(f"{key}/0", json.dumps({"at": where, **mine}))
         first = json.loads(store.get(f"{key}/0"))
@@ -128,6 +125,42 @@ def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: d
         ) from exc
     if differ:
         raise _disagreement(owner, where, {"rank": 0, **first}, shown, differ)
+
+
+def can_compare(world_size: int) -> bool:
+    """Whether this process's ranks can compare a reader of ``world_size``: see :func:`_same_on_every_rank`."""
+    import torch.distributed as dist
+
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        return False
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is not None:
+        return default_store() is not None  # the MPI backend makes none
+    return _LAUNCHER_STORE.issubset(os.environ)
+
+
+_LAUNCHER_STORE = {"TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"}  # torchrun's: the group's env:// store
+
+
+def _group_store() -> Any:
+    """The store the default group was made with, or a client of the one torchrun's group met at.
+
+    torch's ``_get_default_store`` is private, but it is the group's own store
+    (whatever ``init_method`` or launcher made it) with the group's timeout;
+    torch 2.1 to 2.13 have it. A torch without it: under ``torchrun``, whose
+    ranks' ``env://`` group meets at ``MASTER_ADDR:MASTER_PORT``, a client of
+    that store (``torch``'s default timeout, keys under a prefix of packdata's own).
+    """
+    import torch.distributed as dist
+
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is not None:
+        return default_store()
+    from torch.distributed.constants import default_pg_timeout
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout, wait_for_workers=False)
+    return dist.PrefixStore("packdata", client)
 
 
 def _disagreement(
