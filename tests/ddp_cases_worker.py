@@ -15,6 +15,8 @@ Cases (``kind``):
 - ``url_pack``: a ``TFRecordDataset`` at a URL (``storage_options``), ``url``
   on every rank but rank 1, which opens ``other`` (another pack), then
   ``check_same_pack``: it must refuse, naming each rank's URL.
+- ``stream``: a ``TFRecordDataset`` read by 2 workers per rank, with or without
+  ``set_epoch``, ``check_ranks`` as given.
 - ``public_store``: as a torch without the private ``_get_default_store``
   (removed for the case), a ``BlockShuffleSampler`` whose seed is 1 on rank 1
   only: the check must still refuse, through torchrun's store.
@@ -86,6 +88,16 @@ def _url_pack_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]
     return {}
 
 
+def _stream_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    from packdata.reading.streaming import TFRecordDataset
+
+    dataset = TFRecordDataset(case["pack"], decode=sha1, shuffle_buffer=8, check_ranks=case["check_ranks"])
+    if case["set_epoch"]:
+        dataset.set_epoch(0)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=as_list)
+    return {"epochs": [{"seen": [digest for batch in loader for digest, _ in batch]}]}
+
+
 def _public_store_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
     from packdata.reading.samplers import BlockShuffleSampler
 
@@ -98,7 +110,12 @@ def _public_store_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, 
         dist.distributed_c10d._get_default_store = private
 
 
-CASES = {"sampler": _sampler_case, "url_pack": _url_pack_case, "public_store": _public_store_case}
+CASES = {
+    "sampler": _sampler_case,
+    "stream": _stream_case,
+    "url_pack": _url_pack_case,
+    "public_store": _public_store_case,
+}
 
 
 def main() -> None:

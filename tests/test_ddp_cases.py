@@ -61,6 +61,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     packdata.convert(single, root / "pack", format="tfrecord", shard_samples=7, progress=False)
     packdata.convert(grouped, root / "other", format="tfrecord", progress=False)
     cases = _sampler_cases(root / "pack.lmdb", root / "fields.lmdb")
+    for name, set_epoch, check_ranks in [("never_set", False, True), ("set", True, True), ("unchecked", False, False)]:
+        cases[f"stream_{name}"] = {"kind": "stream", "pack": str(root / "pack"), "set_epoch": set_epoch}
+        cases[f"stream_{name}"]["check_ranks"] = check_ranks
     with moto_s3({"key": "ddp-testing-key-id", "secret": "ddp-testing-secret"}) as (options, fs):
         fs.put(str(root / "pack"), "packs/train", recursive=True)
         fs.put(str(root / "other"), "packs/other", recursive=True)
@@ -145,3 +148,20 @@ def test_a_torch_without_its_private_default_store_still_compares_under_torchrun
         assert error.startswith(f"{pack}: the ranks of this job disagree on what their BlockShuffleSampler"), error
         assert f"rank 0 has seed=0 ({pack}); rank 1 has seed=1 ({pack})" in error, error
         assert "Pass the same seed and options on every rank" in error
+
+
+def test_a_tfrecord_dataset_read_by_workers_without_set_epoch_is_refused_on_every_rank(run: dict[str, Any]) -> None:
+    """2 workers a rank and no set_epoch: the ranks would never compare their pack. With set_epoch, or
+    check_ranks=False, every sample is read once (40 over 3 ranks: 14 a rank, 2 repeated to pad)."""
+    pack = run["cases"]["stream_never_set"]["pack"]
+    for rank, report in enumerate(run["reports"]):
+        error = report["cases"]["stream_never_set"].get("error", "")
+        shown = f"{pack}: TFRecordDataset is read by DataLoader workers on rank {rank} of 3, but set_epoch was never"
+        assert shown in error, error
+        assert "Call set_epoch(epoch) on every rank before each epoch's loader iteration" in error
+        assert "or pass check_ranks=False where the dataset is read on some ranks only" in error
+    for name in ("stream_set", "stream_unchecked"):
+        seen = _seen(run, name, 0)
+        counts = collections.Counter(run["digests"][d] for rank in seen for d in rank)
+        assert len(counts) == SAMPLES and sorted(counts.values()) == [1] * (SAMPLES - 2) + [2, 2]
+        assert [len(rank) for rank in seen] == [14] * RANKS

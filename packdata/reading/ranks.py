@@ -51,7 +51,7 @@ class RankCheck:
     """
 
     def __init__(self, enabled: bool, where: str | None, **facts: Any) -> None:
-        self.pending, self.where = enabled, where
+        self.pending, self.where, self.meets = enabled, where, False
         self.facts = json.loads(json.dumps(facts, default=_plain))
 
     def __call__(self, owner: str, world_size: int) -> None:
@@ -59,6 +59,31 @@ class RankCheck:
         if self.pending and get_worker_info() is None:
             _same_on_every_rank(owner, world_size, self.where, self.facts)
             self.pending = False
+
+    def note_group(self, world_size: int) -> None:
+        """Note whether the ranks can compare now, where the reader is built: its copies in workers keep it."""
+        self.meets = self.pending and can_compare(world_size)
+
+    def refuse_unchecked(self, owner: str, rank: int, world_size: int) -> None:
+        """In a ``DataLoader`` worker: raise if the main process could have compared the ranks but never did.
+
+        An iterable reader's passes run in its workers, where no rank meets
+        another; its main process compares at ``set_epoch``. Without it nothing
+        would ever be compared.
+
+        Raises:
+            ConfigError: naming ``set_epoch`` and ``check_ranks=False``.
+        """
+        if self.pending and self.meets:
+            raise ConfigError(
+                f"{owner} is read by DataLoader workers on rank {rank} of {world_size}, but set_epoch was never "
+                "called on it: the ranks never compared the pack they read, and a rank that opened another state "
+                "of it would lose or repeat samples silently",
+                path=self.where,
+                hint="Call set_epoch(epoch) on every rank before each epoch's loader iteration (it compares the "
+                "ranks once, and gives each epoch its own order), or pass check_ranks=False where the dataset is "
+                "read on some ranks only",
+            )
 
 
 def _plain(value: Any) -> Any:

@@ -171,7 +171,9 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     iterator is made) also reaches the copies ``persistent_workers=True`` keeps.
     The first ``set_epoch``, or the first pass in the main process
     (``num_workers=0``), compares the pack and the order options across the
-    ranks of an initialised ``torch.distributed`` group (``check_ranks``).
+    ranks of an initialised ``torch.distributed`` group (``check_ranks``);
+    read by workers in such a job before any ``set_epoch``, it raises
+    ``ConfigError`` (its workers cannot compare: nothing would).
 
     Resuming: see ``docs/architecture.md``; resume at the same world size and ``num_workers``.
 
@@ -280,6 +282,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
             shuffle=shuffle,
             drop_uneven=drop_uneven,
         )
+        self._rank_check.note_group(self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` on the next iteration (call on every rank).
@@ -537,6 +540,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
         self._rank_check("TFRecordDataset", self.world_size)  # in the main process only
+        if info is not None:
+            self._rank_check.refuse_unchecked("TFRecordDataset", self.rank, self.world_size)
         epoch, calls = self._shared_epoch.read()
         if self._resume is not None and self._resume_from_main and info is not None and self._shared_epoch.take(worker):
             self._resume, self._after_resume = None, True  # a worker of an earlier pass resumed from it: not again
