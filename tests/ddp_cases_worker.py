@@ -7,9 +7,10 @@ meet at a barrier after each case, so one case's refusal never leaks into the ne
 
 Cases (``kind``):
 
-- ``sampler``: ``LMDBDataset`` + torch's ``DistributedSampler`` (``drop_last``,
-  ``num_workers``, ``multiprocessing_context``, ``persistent_workers``,
-  ``epochs`` with ``set_epoch``); the batches go through ``__getitems__``.
+- ``sampler``: ``LMDBDataset`` (``TFRecordIndexedDataset`` with ``tfrecord``)
+  + torch's ``DistributedSampler`` (``drop_last``, ``num_workers``,
+  ``multiprocessing_context``, ``persistent_workers``, ``epochs`` with
+  ``set_epoch``); the batches go through ``__getitems__``.
   A single-field pack yields each sample's SHA-1 (computed in the worker's
   decode), a multi-field pack its ``__key__``.
 - ``url_pack``: a ``TFRecordDataset`` at a URL (``storage_options``), ``url``
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from packdata.errors import PackdataError
 from packdata.reading.datasets import LMDBDataset
+from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
 
 def sha1(data: bytes) -> str:
@@ -54,7 +56,8 @@ def _identity(sample: Any) -> str:
 
 def _sampler_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
     fields = case.get("fields", False)
-    dataset = LMDBDataset(case["pack"], decode="bytes" if fields else sha1)
+    reader = TFRecordIndexedDataset if case.get("tfrecord") else LMDBDataset
+    dataset = reader(case["pack"], decode="bytes" if fields else sha1)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=case["drop_last"])
     workers = case["num_workers"]
     loader = DataLoader(

@@ -29,9 +29,16 @@ FIELD_SAMPLES = 23  # a multi-field pack: pads 1, or leaves 2 out
 
 
 def _sampler_cases(single: Path, fields: Path) -> dict[str, dict[str, Any]]:
-    """The DistributedSampler cases: drop_last both ways, spawn, persistent workers over 2 epochs, multi-field."""
+    """The DistributedSampler cases: drop_last both ways, spawn, persistent workers over 2 epochs, multi-field.
+
+    ``tf_*``: the same through ``TFRecordIndexedDataset`` (its ``__getitems__``) over the TFRecord packs
+    ``single`` and ``fields`` were converted to (the same paths without ``.lmdb``).
+    """
     plain = {"kind": "sampler", "pack": str(single), "num_workers": 2}
+    tfrecord = {**plain, "tfrecord": True, "pack": str(single.with_suffix(""))}
     return {
+        "tf_keep_last": {**tfrecord, "drop_last": False},
+        "tf_fields": {**tfrecord, "pack": str(fields.with_suffix("")), "drop_last": True, "fields": True},
         "keep_last": {**plain, "drop_last": False},
         "drop_last": {**plain, "drop_last": True},
         "spawn_persistent": {**plain, "drop_last": False, "context": "spawn", "persistent": True, "epochs": 2},
@@ -58,6 +65,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (grouped / f"s{i:02d}.json").write_text(json.dumps({"n": i}))
     packdata.convert(single, root / "pack.lmdb", shard_samples=7, progress=False)
     packdata.convert(grouped, root / "fields.lmdb", shard_samples=5, progress=False)
+    packdata.convert(grouped, root / "fields", format="tfrecord", shard_samples=5, progress=False)
     packdata.convert(single, root / "pack", format="tfrecord", shard_samples=7, progress=False)
     packdata.convert(grouped, root / "other", format="tfrecord", progress=False)
     cases = _sampler_cases(root / "pack.lmdb", root / "fields.lmdb")
@@ -77,9 +85,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"cases": cases, "reports": reports, "digests": digests}
 
 
-def _expected(pack: str, drop_last: bool, epoch: int, key_of: Any) -> list[str]:
+def _dataset(case: dict[str, Any]) -> Any:
+    """The case's dataset, opened here: a sample's key from its index."""
+    reader = packdata.TFRecordIndexedDataset if case.get("tfrecord") else packdata.LMDBDataset
+    return reader(case["pack"], decode="bytes")
+
+
+def _expected(case: dict[str, Any], epoch: int, key_of: Any) -> list[str]:
     """The keys torch's DistributedSampler gives all ranks together (its padding included), sorted."""
-    n = len(packdata.LMDBDataset(pack, decode="bytes"))
+    n, drop_last = len(_dataset(case)), case["drop_last"]
     keys = []
     for rank in range(RANKS):
         sampler = DistributedSampler(range(n), num_replicas=RANKS, rank=rank, shuffle=True, seed=0, drop_last=drop_last)
@@ -94,17 +108,17 @@ def _seen(run: dict[str, Any], name: str, epoch: int) -> list[list[str]]:
     return [result["epochs"][epoch]["seen"] for result in results]
 
 
-@pytest.mark.parametrize("name", ["keep_last", "drop_last", "spawn_persistent"])
+@pytest.mark.parametrize("name", ["keep_last", "drop_last", "spawn_persistent", "tf_keep_last"])
 def test_lmdb_under_distributed_sampler_reads_every_sample_once_across_ranks(run: dict[str, Any], name: str) -> None:
     """40 samples over 3 ranks, 2 workers, batches through __getitems__: torch's split, exactly, and nothing else."""
     case = run["cases"][name]
-    dataset = packdata.LMDBDataset(case["pack"], decode="bytes")
+    dataset = _dataset(case)
     key_of = {i: run["digests"][hashlib.sha1(dataset[i][0]).hexdigest()] for i in range(len(dataset))}.__getitem__
     orders = []
     for epoch in range(case.get("epochs", 1)):
         seen = _seen(run, name, epoch)
         keys = sorted(run["digests"][d] for rank in seen for d in rank)  # KeyError: a foreign sample
-        assert keys == _expected(case["pack"], case["drop_last"], epoch, key_of)
+        assert keys == _expected(case, epoch, key_of)
         counts = collections.Counter(keys)
         if case["drop_last"]:  # one sample left out, none twice
             assert len(counts) == SAMPLES - 1 and set(counts.values()) == {1}
@@ -116,13 +130,13 @@ def test_lmdb_under_distributed_sampler_reads_every_sample_once_across_ranks(run
         assert orders[0] != orders[1]
 
 
-@pytest.mark.parametrize("name", ["fields", "fields_keep_last"])
+@pytest.mark.parametrize("name", ["fields", "fields_keep_last", "tf_fields"])
 def test_a_multi_field_pack_under_distributed_sampler_reads_every_sample_once(run: dict[str, Any], name: str) -> None:
     """23 multi-field samples over 3 ranks: each sample's ``__key__``, exactly as the sampler split them."""
     case = run["cases"][name]
-    dataset = packdata.LMDBDataset(case["pack"], decode="bytes")
+    dataset = _dataset(case)
     keys = sorted(key for rank in _seen(run, name, 0) for key in rank)
-    assert keys == _expected(case["pack"], case["drop_last"], 0, lambda i: dataset[i]["__key__"])
+    assert keys == _expected(case, 0, lambda i: dataset[i]["__key__"])
     counts = collections.Counter(keys)
     if case["drop_last"]:
         assert len(counts) == FIELD_SAMPLES - 2 and set(counts.values()) == {1}
