@@ -154,6 +154,13 @@ def test_check_same_pack_over_a_pack_at_a_url_names_the_url(run: dict[str, Any])
         assert "cache" not in error, error
 
 
+def test_check_same_pack_over_a_tfrecord_dataset_names_the_pack_s_sample_count(run: dict[str, Any]) -> None:
+    """The packs hold 40 and 23 samples: the error says so, not each rank's share of them (14 and 8 over 3 ranks)."""
+    for report in run["reports"]:
+        error = report["cases"]["url_pack"].get("error", "")
+        assert "rank 0 has samples=40, pack='" in error and "rank 1 has samples=23, pack='" in error, error
+
+
 def test_a_torch_without_its_private_default_store_still_compares_under_torchrun(run: dict[str, Any]) -> None:
     """Without torch's private _get_default_store, the ranks meet at torchrun's store: rank 1's seed is refused."""
     pack = run["cases"]["public_store"]["pack"]

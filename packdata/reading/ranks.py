@@ -105,8 +105,10 @@ def check_same_pack(dataset: Any) -> None:
     import torch.distributed as dist
 
     path, digest = pack_of(dataset)
+    # the pack's count: a TFRecordDataset's len() is its rank's share, read as the pack's in the error
+    samples = dataset.pack.manifest.num_samples if digest is not None else len(dataset)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    _same_on_every_rank(type(dataset).__name__, world, path, {"samples": len(dataset), "pack": digest})
+    _same_on_every_rank(type(dataset).__name__, world, path, {"samples": samples, "pack": digest})
 
 
 def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: dict[str, Any]) -> None:
