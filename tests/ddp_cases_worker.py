@@ -17,7 +17,7 @@ Cases (``kind``):
   on every rank but rank 1, which opens ``other`` (another pack), then
   ``check_same_pack``: it must refuse, naming each rank's URL.
 - ``stream``: a ``TFRecordDataset`` read by 2 workers per rank, with or without
-  ``set_epoch``, ``check_ranks`` as given.
+  ``set_epoch``, ``check_ranks``, ``context``, ``persistent`` and ``epochs`` as given.
 - ``public_store``: as a torch without the private ``_get_default_store``
   (removed for the case), a ``BlockShuffleSampler`` whose seed is 1 on rank 1
   only: the check must still refuse, through torchrun's store.
@@ -95,10 +95,20 @@ def _stream_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
     from packdata.reading.streaming import TFRecordDataset
 
     dataset = TFRecordDataset(case["pack"], decode=sha1, shuffle_buffer=8, check_ranks=case["check_ranks"])
-    if case["set_epoch"]:
-        dataset.set_epoch(0)
-    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=as_list)
-    return {"epochs": [{"seen": [digest for batch in loader for digest, _ in batch]}]}
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        collate_fn=as_list,
+        multiprocessing_context=case.get("context"),
+        persistent_workers=case.get("persistent", False),
+    )
+    epochs = []
+    for epoch in range(case.get("epochs", 1)):
+        if case["set_epoch"]:
+            dataset.set_epoch(epoch)
+        epochs.append({"seen": [digest for batch in loader for digest, _ in batch]})
+    return {"epochs": epochs}
 
 
 def _public_store_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, set_epoch, check_ranks in [("never_set", False, True), ("set", True, True), ("unchecked", False, False)]:
         cases[f"stream_{name}"] = {"kind": "stream", "pack": str(root / "pack"), "set_epoch": set_epoch}
         cases[f"stream_{name}"]["check_ranks"] = check_ranks
+    cases["stream_spawn_persistent"] = {**cases["stream_set"], "context": "spawn", "persistent": True, "epochs": 2}
     with moto_s3({"key": "ddp-testing-key-id", "secret": "ddp-testing-secret"}) as (options, fs):
         fs.put(str(root / "pack"), "packs/train", recursive=True)
         fs.put(str(root / "other"), "packs/other", recursive=True)
@@ -186,3 +187,16 @@ def test_a_tfrecord_dataset_read_by_workers_without_set_epoch_is_refused_on_ever
         counts = collections.Counter(run["digests"][d] for rank in seen for d in rank)
         assert len(counts) == SAMPLES and sorted(counts.values()) == [1] * (SAMPLES - 2) + [2, 2]
         assert [len(rank) for rank in seen] == [14] * RANKS
+
+
+def test_tfrecord_dataset_persistent_spawn_workers_read_every_sample_once_each_epoch(run: dict[str, Any]) -> None:
+    """3 ranks, 2 spawned persistent workers each, set_epoch(0) then (1): each epoch every sample once across
+    ranks (2 repeated to pad 40 to 42), 14 a rank, and a new order in epoch 1."""
+    orders = []
+    for epoch in range(2):
+        seen = _seen(run, "stream_spawn_persistent", epoch)
+        counts = collections.Counter(run["digests"][d] for rank in seen for d in rank)
+        assert len(counts) == SAMPLES and sorted(counts.values()) == [1] * (SAMPLES - 2) + [2, 2]
+        assert [len(rank) for rank in seen] == [14] * RANKS
+        orders.append(seen)
+    assert all(orders[0][rank] != orders[1][rank] for rank in range(RANKS))
