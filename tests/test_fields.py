@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main as cli
 from packdata.conversion.destination import partial_path
+from packdata.conversion.lists import scan_list
+from packdata.conversion.sources import Skip
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.formats.contents import export_pack, list_samples, read_field
 from packdata.formats.lmdb_env import DATA_FILE
@@ -1758,6 +1760,26 @@ def test_a_list_value_that_opens_a_quote_it_never_closes_is_refused_not_merged(t
     listing.write_text(f'path{sep}caption\na.txt{sep}"say ""hi""{sep} twice"\nc.txt{sep}plain\n', encoding="utf-8")
     packdata.convert(listing, tmp_path / "out.lmdb", progress=False)
     assert [s["caption"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == [f'say "hi"{sep} twice', "plain"]
+
+
+def test_a_list_given_a_column_while_converting_skips_that_row_not_a_traceback(tmp_path: Path) -> None:
+    """A JSONL list appended to between its first read (columns, codecs, classes) and the walk: a row with a
+    column the first read never saw stopped the conversion with a bare KeyError. It is a 'list changed' skip."""
+    for name in "abc":
+        (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    listing = tmp_path / "l.jsonl"
+    listing.write_text(json.dumps({"path": "a.txt", "caption": "x"}) + "\n", encoding="utf-8")
+    source = scan_list(listing)
+    with open(listing, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"path": "b.txt", "caption": "y", "extra": "z"}) + "\n")
+        f.write(json.dumps({"path": "c.txt", "caption": "w"}) + "\n")
+    walked = list(source.walk())
+    assert [entry.key for entry in walked] == ["a", "b", "c"]
+    assert walked[1] == Skip(
+        "b",
+        "list changed",
+        "row 2: column 'extra' was not in the list when it was read first: it changed while converting (convert again)",
+    )
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".csv"])

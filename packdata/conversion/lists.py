@@ -164,16 +164,21 @@ class ListSource:
             else:
                 path = _os_path(raw_path)  # the list's UTF-8 names, not the locale's (ASCII: a traceback)
                 path = path if os.path.isabs(path) else os.path.join(self.root, path)
-            values = []
-            try:
-                for column, value in row.items():
-                    if column in (self.path_column, self.label_column) or value is None:
-                        continue
+            values: list[tuple[str, bytes]] = []
+            problem = None
+            for column, value in row.items():
+                if column in (self.path_column, self.label_column) or value is None:
+                    continue
+                if column not in self.codecs:  # a KeyError stopped the conversion with a traceback
+                    detail = f"{where}: column {column!r} was not in the list when it was read first"
+                    problem = Skip(key, "list changed", f"{detail}: it changed while converting (convert again)")
+                    break
+                try:
                     values.append((column, encode_value(column, value, self.codecs[column])))
-            except FieldError as exc:
-                yield Skip(key, "bad value", f"{where}: {exc}")
-                continue
-            yield SourceGroup(key, label, ((name, path),), tuple(values))
+                except FieldError as exc:
+                    problem = Skip(key, "bad value", f"{where}: {exc}")
+                    break
+            yield problem if problem is not None else SourceGroup(key, label, ((name, path),), tuple(values))
 
     @property
     def cheap_to_count(self) -> bool:
