@@ -821,6 +821,34 @@ def test_an_area_whose_file_system_refuses_a_rename_is_one_line_and_unstage_then
     assert _all_bytes(staged) == _all_bytes(lmdb_pack) and len(_all_bytes(staged)) == 37
 
 
+def test_a_staged_copy_whose_origin_was_converted_again_says_so_and_never_mixes_the_two(
+    noise_folder: Path, lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """A copy staged with shards left at the origin, whose origin was then converted again (other samples): opening
+    it was refused, but as 'should name a shard of its origin pack ... The manifest is damaged or was not written by
+    packdata: convert the pack again', sending the user to convert a sound pack. It now says the pack was converted
+    again since it was staged, and to stage it again; staging it again gives the new pack's samples alone."""
+    staged = stage(lmdb_pack, to=tmp_path / "nvme", shards=[0], progress=False).staged
+    (noise_folder / "a" / "new.jpg").write_bytes(_noise_jpeg(999))
+    packdata.convert(noise_folder, lmdb_pack, shard_samples=6, progress=False, overwrite=True)
+    origin = lmdb_pack.resolve()
+    message = (
+        rf"{re.escape(str(staged / 'manifest.json'))}: manifest field 'shards\[(\d)\]\.file' names shard "
+        rf"shard-0000\1\.lmdb of {re.escape(str(origin))}, which now lists it with another checksum or size: the "
+        rf"pack was converted again since it was staged\. Stage it again \(packdata stage {re.escape(str(origin))} "
+        r"\.\.\.\); its staged shards are of the pack as it was"
+    )
+    with pytest.raises(PackFormatError) as info:
+        LMDBDataset(staged)
+    assert re.fullmatch(message, str(info.value)), str(info.value)
+    status = CliRunner().invoke(main, ["stage", "--status", str(staged.parent)])
+    assert re.search(f"DAMAGED: its manifest cannot be read: {message} \\(stage it again\\)", status.output), (
+        status.output
+    )
+    stage(lmdb_pack, to=tmp_path / "nvme", shards=[0], progress=False)
+    assert _all_bytes(staged) == _all_bytes(lmdb_pack) and len(_all_bytes(staged)) == 37
+
+
 def test_interrupt_leaves_no_staged_looking_shard(
     lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

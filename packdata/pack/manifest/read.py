@@ -93,9 +93,12 @@ def _check_origin(manifest_path: Path, number: int, shard: ShardInfo, seen: dict
     name = os.path.basename(shard.file)
     match = next((s for s in seen[origin].shards if s.file == name), None)
     if match is None or (match.sha256, match.bytes) != (shard.sha256, shard.bytes):
-        problem = "lists no such shard" if match is None else "lists it with another checksum or size"
-        raise field_error(
-            manifest_path, field, f"should name a shard of its origin pack, but that pack {problem}", shard.file
+        problem = "no longer lists it" if match is None else "now lists it with another checksum or size"
+        raise PackFormatError(  # a staged copy's origin converted again: its staged shards are of the old pack
+            f"manifest field {field!r} names shard {name} of {origin}, which {problem}: "
+            "the pack was converted again since it was staged",
+            path=manifest_path,
+            hint=f"Stage it again (packdata stage {origin} ...); its staged shards are of the pack as it was",
         )
     resolve_in_pack(origin, name, field=field, manifest=manifest_path)
 
