@@ -849,6 +849,30 @@ def test_a_staged_copy_whose_origin_was_converted_again_says_so_and_never_mixes_
     assert _all_bytes(staged) == _all_bytes(lmdb_pack) and len(_all_bytes(staged)) == 37
 
 
+def test_status_marks_a_whole_staged_copy_whose_origin_was_converted_again_outdated(
+    noise_folder: Path, lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """A copy holding every shard reads on by itself after its origin is converted again: the pack as it was
+    staged, whole (never a mix). `stage --status` said nothing of it, as if it were the origin's current copy."""
+    staged = stage(lmdb_pack, to=tmp_path / "nvme", progress=False).staged
+    before = _all_bytes(staged)
+    assert stage_status(staged.parent).areas[0].packs[0].outdated is False
+    (noise_folder / "a" / "new.jpg").write_bytes(_noise_jpeg(999))
+    packdata.convert(noise_folder, lmdb_pack, shard_samples=6, progress=False, overwrite=True)
+    assert stage_status(staged.parent).areas[0].packs[0].outdated is True
+    out = CliRunner().invoke(main, ["stage", "--status", str(staged.parent)])
+    assert (
+        f"  train.lmdb: 6 shards staged ({format_size(read_manifest(staged).total_bytes)}), 0 left (0 B) from "
+        f"{lmdb_pack.resolve()} OUTDATED: its origin was converted again since; this copy reads the pack as it was "
+        "(stage it again for the new one)\n"
+    ) in out.output, out.output
+    assert _all_bytes(staged) == before and len(before) == 36  # the pack as it was, whole
+    stage(lmdb_pack, to=tmp_path / "nvme", progress=False)
+    assert stage_status(staged.parent).areas[0].packs[0].outdated is False
+    assert "OUTDATED" not in CliRunner().invoke(main, ["stage", "--status", str(staged.parent)]).output
+    assert _all_bytes(staged) == _all_bytes(lmdb_pack) and len(_all_bytes(staged)) == 37
+
+
 def test_interrupt_leaves_no_staged_looking_shard(
     lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

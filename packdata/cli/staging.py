@@ -118,6 +118,9 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
                 if p.complete and p.damaged:
                     more = f" (and {len(p.damaged) - 1} more)" if len(p.damaged) > 1 else ""
                     state = f" DAMAGED: {p.damaged[0]}{more} (stage it again)"
+                elif p.complete and p.outdated:
+                    state = " OUTDATED: its origin was converted again since; this copy reads the pack as it was "
+                    state += "(stage it again for the new one)"
                 click.echo(
                     f"  {p.path.name}: {_count(p.shards_staged, 'shard')} staged ({_mb(p.bytes_staged)}), "
                     f"{p.shards_left} left ({_mb(p.bytes_left)}) from {p.origin}{state}"

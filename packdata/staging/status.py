@@ -18,6 +18,7 @@ from packdata.formats import get_format
 from packdata.host.facts import Mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packdata.pack.urls import is_url
 from packdata.staging.marker import is_staged_copy, read_marker, unreadable_named
 from packdata.staging.tmpfs import DEFAULT_AREA, TMPFS_SOURCE, mount_of
 
@@ -26,6 +27,7 @@ __all__ = [
     "StageStatus",
     "StagedPack",
     "damaged_shards",
+    "outdated",
     "stage_status",
 ]
 
@@ -44,6 +46,7 @@ class StagedPack:
     complete: bool
     staged_at: str
     damaged: list[str] = field(default_factory=list)  # staged shards changed since (see damaged_shards)
+    outdated: bool = False  # its origin was converted again since: it reads the pack as it was (see outdated)
 
 
 @dataclass
@@ -93,14 +96,35 @@ def damaged_shards(pack: Path, manifest: Manifest) -> list[str]:
     return damaged
 
 
+def outdated(manifest: Manifest) -> bool:
+    """Whether the staged pack of ``manifest`` is of its origin as it was: the origin was converted again since.
+
+    Its shards and sample index are compared with the origin's manifest's (checksums, sizes, names); an
+    origin that cannot be read is not told outdated (opening the staged pack names why, where it matters).
+    """
+    if manifest.staged_from is None or is_url(manifest.staged_from):  # a URL's copy: no request for a status
+        return False
+    try:
+        origin = read_manifest(manifest.staged_from)
+    except PackdataError:
+        return False
+
+    def shards(m: Manifest) -> list[tuple[str, str, int]]:
+        return [(os.path.basename(s.file), s.sha256, s.bytes) for s in m.shards]
+
+    return shards(origin) != shards(manifest) or origin.index_sha256 != manifest.index_sha256
+
+
 def _read_marker(path: Path) -> StagedPack | None:
     data = read_marker(path)
     if data is None:
         return None
     damaged: list[str] = []
+    old = False
     if (path / MANIFEST_NAME).is_file():
         try:
-            damaged = damaged_shards(path, read_manifest(path))
+            manifest = read_manifest(path)
+            damaged, old = damaged_shards(path, manifest), outdated(manifest)
         except PackdataError as exc:
             damaged = [f"its manifest cannot be read: {exc}"]
     return StagedPack(
@@ -114,6 +138,7 @@ def _read_marker(path: Path) -> StagedPack | None:
         complete=bool(data.get("complete")) and (path / MANIFEST_NAME).is_file(),
         staged_at=str(data.get("staged_at", "")),
         damaged=damaged,
+        outdated=old,
     )
 
 
