@@ -17,7 +17,8 @@ Cases (``kind``):
   on every rank but rank 1, which opens ``other`` (another pack), then
   ``check_same_pack``: it must refuse, naming each rank's URL.
 - ``stream``: a ``TFRecordDataset`` read by 2 workers per rank, with or without
-  ``set_epoch``, ``check_ranks``, ``context``, ``persistent`` and ``epochs`` as given.
+  ``set_epoch``, ``check_ranks``, ``context``, ``persistent`` and ``epochs`` as given;
+  with ``before_init``, the dataset is built before ``init_process_group``.
 - ``public_store``: as a torch without the private ``_get_default_store``
   (removed for the case), a ``BlockShuffleSampler`` whose seed is 1 on rank 1
   only: the check must still refuse, through torchrun's store.
@@ -91,10 +92,14 @@ def _url_pack_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]
     return {}
 
 
-def _stream_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+def _stream_dataset(case: dict[str, Any]) -> Any:
     from packdata.reading.streaming import TFRecordDataset
 
-    dataset = TFRecordDataset(case["pack"], decode=sha1, shuffle_buffer=8, check_ranks=case["check_ranks"])
+    return TFRecordDataset(case["pack"], decode=sha1, shuffle_buffer=8, check_ranks=case["check_ranks"])
+
+
+def _stream_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    dataset = case["built"] if "built" in case else _stream_dataset(case)
     loader = DataLoader(
         dataset,
         batch_size=4,
@@ -133,6 +138,9 @@ CASES = {
 
 def main() -> None:
     config, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    for case in config.values():  # built from torchrun's RANK and WORLD_SIZE, before the group exists
+        if case.get("before_init"):
+            case["built"] = _stream_dataset(case)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     report: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(), "cases": {}}

@@ -72,6 +72,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, set_epoch, check_ranks in [("never_set", False, True), ("set", True, True), ("unchecked", False, False)]:
         cases[f"stream_{name}"] = {"kind": "stream", "pack": str(root / "pack"), "set_epoch": set_epoch}
         cases[f"stream_{name}"]["check_ranks"] = check_ranks
+    cases["stream_built_before_init"] = {**cases["stream_never_set"], "before_init": True}
     cases["stream_spawn_persistent"] = {**cases["stream_set"], "context": "spawn", "persistent": True, "epochs": 2}
     with moto_s3({"key": "ddp-testing-key-id", "secret": "ddp-testing-secret"}) as (options, fs):
         fs.put(str(root / "pack"), "packs/train", recursive=True)
@@ -175,18 +176,29 @@ def test_a_torch_without_its_private_default_store_still_compares_under_torchrun
 def test_a_tfrecord_dataset_read_by_workers_without_set_epoch_is_refused_on_every_rank(run: dict[str, Any]) -> None:
     """2 workers a rank and no set_epoch: the ranks would never compare their pack. With set_epoch, or
     check_ranks=False, every sample is read once (40 over 3 ranks: 14 a rank, 2 repeated to pad)."""
-    pack = run["cases"]["stream_never_set"]["pack"]
-    for rank, report in enumerate(run["reports"]):
-        error = report["cases"]["stream_never_set"].get("error", "")
-        shown = f"{pack}: TFRecordDataset is read by DataLoader workers on rank {rank} of 3, but set_epoch was never"
-        assert shown in error, error
-        assert "Call set_epoch(epoch) on every rank before each epoch's loader iteration" in error
-        assert "or pass check_ranks=False where the dataset is read on some ranks only" in error
+    _refused_for_no_set_epoch(run, "stream_never_set")
     for name in ("stream_set", "stream_unchecked"):
         seen = _seen(run, name, 0)
         counts = collections.Counter(run["digests"][d] for rank in seen for d in rank)
         assert len(counts) == SAMPLES and sorted(counts.values()) == [1] * (SAMPLES - 2) + [2, 2]
         assert [len(rank) for rank in seen] == [14] * RANKS
+
+
+def test_a_tfrecord_dataset_built_before_init_process_group_read_by_workers_without_set_epoch_is_refused(
+    run: dict[str, Any],
+) -> None:
+    """Built from torchrun's RANK/WORLD_SIZE before the group existed: its forked workers see the group since."""
+    _refused_for_no_set_epoch(run, "stream_built_before_init")
+
+
+def _refused_for_no_set_epoch(run: dict[str, Any], name: str) -> None:
+    pack = run["cases"][name]["pack"]
+    for rank, report in enumerate(run["reports"]):
+        error = report["cases"][name].get("error", "")
+        shown = f"{pack}: TFRecordDataset is read by DataLoader workers on rank {rank} of 3, but set_epoch was never"
+        assert shown in error, error
+        assert "Call set_epoch(epoch) on every rank before each epoch's loader iteration" in error
+        assert "or pass check_ranks=False where the dataset is read on some ranks only" in error
 
 
 def test_tfrecord_dataset_persistent_spawn_workers_read_every_sample_once_each_epoch(run: dict[str, Any]) -> None:

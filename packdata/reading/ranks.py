@@ -71,10 +71,15 @@ class RankCheck:
         another; its main process compares at ``set_epoch``. Without it nothing
         would ever be compared.
 
+        Whether the main process could compare was noted where the reader was
+        built (:meth:`note_group`); a reader built before ``init_process_group``
+        (ranks from ``RANK``/``WORLD_SIZE``) is refused in forked workers, which
+        see the group their parent made since.
+
         Raises:
             ConfigError: naming ``set_epoch`` and ``check_ranks=False``.
         """
-        if self.pending and self.meets:
+        if self.pending and (self.meets or can_compare(world_size)):
             raise ConfigError(
                 f"{owner} is read by DataLoader workers on rank {rank} of {world_size}, but set_epoch was never "
                 "called on it: the ranks never compared the pack they read, and a rank that opened another state "
