@@ -13,23 +13,21 @@ exactly once per epoch and no two readers read the same record.
 Split, shuffle and resume are one state machine, so they stay in one class
 here; the view it shares with the map-style
 :class:`~packdata.reading.tfrecord_indexed.TFRecordIndexedDataset` is in
-:mod:`packdata.reading.tfrecord_view`.
+:mod:`packdata.reading.tfrecord_view`, the parts it is built from (record ranges, shuffle
+buffer, epoch board) in :mod:`packdata.reading.stream_parts`.
 """
 
 from __future__ import annotations
 
 import itertools
-import mmap
 import numbers
 import os
 import random
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, closing, suppress
+from contextlib import ExitStack, closing
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packdata.errors import ConfigError, PackFormatError
@@ -39,115 +37,12 @@ from packdata.pack.urls import display_url
 from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.ranks import RankCheck, check_rank_world, resolve_rank_world
 from packdata.reading.samplers import order_number, per_rank_count
+from packdata.reading.stream_parts import EpochBoard, shuffled, stream_segments
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordDataset"]
 
 DEFAULT_SHUFFLE_BUFFER = 1024
-
-
-def _segments(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(shard, first, end)`` record ranges covering stream positions ``[start, stop)``.
-
-    The stream is the shards in ``order`` laid end to end; positions past its
-    end wrap around to its start (padding repeats the epoch's first samples).
-    """
-    n = int(counts.sum())
-    ordered = counts[order]
-    ends = np.cumsum(ordered)
-    out: list[tuple[int, int, int]] = []
-    while start < stop:
-        position = start % n
-        take = min(stop - start, n - position)
-        lo, hi = position, position + take
-        k = int(np.searchsorted(ends, lo, side="right"))
-        while lo < hi:
-            shard_start = int(ends[k] - ordered[k])
-            end = min(hi, int(ends[k]))
-            out.append((int(order[k]), lo - shard_start, end - shard_start))
-            lo = end
-            k += 1
-        start += take
-    return out
-
-
-def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """Yield ``items`` through a shuffle buffer of ``size``."""
-    buffer: list[Any] = []
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        j = rng.randrange(size)
-        yield buffer[j]
-        buffer[j] = item
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-_BOARD = struct.Struct("<qq")
-_BOARD_SIZE = mmap.PAGESIZE  # the epoch and calls, then one byte per DataLoader worker
-
-
-class _EpochBoard:
-    """``(epoch, set_epoch calls)``, where a dataset's copies in ``DataLoader`` workers read it when a pass starts.
-
-    After them, one byte per worker id says that worker already took the state
-    :meth:`TFRecordDataset.load_state_dict` loaded in the main process (which
-    clears them), so the workers of later passes, copied from a dataset that
-    still holds that state, do not resume from it again.
-
-    Forked workers share an anonymous shared map with the dataset (no file, no
-    ``/dev/shm``). A copy pickled for a ``spawn``-ed worker carries a
-    shared-memory tensor, made at the first pickling and written with the map
-    from then on; a loader without workers, or with forked ones, makes none.
-    """
-
-    def __init__(self) -> None:
-        self._map = mmap.mmap(-1, _BOARD_SIZE)
-        self._tensor: torch.Tensor | None = None
-
-    def _views(self) -> list[memoryview | mmap.mmap]:
-        return [self._map] if self._tensor is None else [self._map, self._tensor.numpy().data]
-
-    def write(self, epoch: int, calls: int) -> None:
-        for view in self._views():
-            _BOARD.pack_into(view, 0, epoch, calls)
-
-    def read(self) -> tuple[int, int]:
-        return _BOARD.unpack_from(self._views()[-1], 0)
-
-    def clear_taken(self) -> None:
-        """No worker has taken the loaded state yet."""
-        for view in self._views():
-            view[_BOARD.size :] = bytes(_BOARD_SIZE - _BOARD.size)
-
-    def take(self, worker: int) -> bool:
-        """Mark the loaded state taken by ``worker``; whether a worker of an earlier pass had taken it."""
-        slot = _BOARD.size + worker
-        if slot >= _BOARD_SIZE:  # more workers than a page holds: not tracked
-            return False
-        taken = self._views()[-1][slot] == 1
-        for view in self._views():
-            view[slot] = 1
-        return taken
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._tensor is not None:
-            return {"tensor": self._tensor}
-        tensor = torch.frombuffer(bytearray(self._map[:]), dtype=torch.uint8)
-        with suppress(RuntimeError, OSError):  # else no usable shared memory: a copy by value, as pickle makes
-            tensor.share_memory_()
-        if tensor.is_shared():
-            self._tensor = tensor
-        return {"tensor": tensor}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._map = mmap.mmap(-1, _BOARD_SIZE)
-        tensor = state["tensor"]
-        self._tensor = tensor if tensor.is_shared() else None
-        if self._tensor is None:  # a copy by value (pickle, deepcopy): its own board, which its forked workers share
-            self._map[:] = tensor.numpy().tobytes()
 
 
 class TFRecordDataset(_TFRecordView, IterableDataset):
@@ -255,7 +150,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         self.drop_uneven = drop_uneven
         self.epoch = 0
         self._epoch_calls = 0  # set_epoch calls this copy has seen
-        self._shared_epoch = _EpochBoard()  # persistent workers' copies read it when a pass starts
+        self._shared_epoch = EpochBoard()  # persistent workers' copies read it when a pass starts
         self._position = 0  # samples this reader's stream has yielded in the current pass
         self._resume: dict[str, Any] | None = None  # a loaded state the next pass starts from
         self._after_resume = False  # the last pass was a loaded state's: the next takes set_epoch's epoch
@@ -483,7 +378,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         base = self.rank * per_rank
         start = base + worker * per_rank // num_workers
         stop = base + (worker + 1) * per_rank // num_workers
-        return _segments(self._counts, self.shard_order(), start, stop)
+        return stream_segments(self._counts, self.shard_order(), start, stop)
 
     def _runs(self, segments: list[tuple[int, int, int]]) -> Iterator[ShardRun]:
         """Each segment's shard opened, with its records' offsets, lengths and payload spans (None: parse)."""
@@ -561,7 +456,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         records = self._records(self.reader_segments(worker, num_workers), copy=not self.shuffle)
         if self.shuffle:
             rng = random.Random(f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}")
-            records = _shuffled(records, self.shuffle_buffer, rng)
+            records = shuffled(records, self.shuffle_buffer, rng)
         if (
             self.field_spec is None
             and self.decode is resolve_decoder("bytes")
@@ -601,13 +496,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
         seed = f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}"
         needed = np.ones(length, dtype=bool)
         if self.shuffle:  # replay the buffer's draws on positions to find the records already yielded
-            positions = _shuffled(iter(range(length)), self.shuffle_buffer, random.Random(seed))
+            positions = shuffled(iter(range(length)), self.shuffle_buffer, random.Random(seed))
             needed[list(itertools.islice(positions, skip))] = False
         else:
             needed[:skip] = False
         records: Iterator[Any] = self._sparse_records(segments, needed)
         if self.shuffle:
-            records = _shuffled(records, self.shuffle_buffer, random.Random(seed))
+            records = shuffled(records, self.shuffle_buffer, random.Random(seed))
         self._position = skip
         for item in itertools.islice(records, skip, None):
             data, label, index = item
