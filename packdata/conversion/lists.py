@@ -122,7 +122,7 @@ class ListSource:
             folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
             key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
             same = key  # the key as the list's folder names it: /root/a.jpg and x/../a.jpg name a.jpg, key a
-            if self.fs is None and (raw_path.startswith("/") or ".." in raw_path):
+            if self.fs is None and (raw_path.startswith("/") or ".." in raw_path) and "\0" not in raw_path:
                 same = _key_from(self.root, raw_path, roots)
             first = keys.add(same, number)
             if first is not None:
