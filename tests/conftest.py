@@ -59,6 +59,19 @@ def _shut_down_leaked_loader_workers() -> Iterator[None]:
             gc.collect()
 
 
+def kill_at_files_done(proc: subprocess.Popen, progress: Path, files: int, timeout: float = 60) -> None:
+    """SIGKILL a conversion in ``proc`` once its checkpoint ``progress`` counts ``files`` files done (or at timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["files_done"] >= files:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def tar_with_a_hard_link(folder: Path, tar_path: Path) -> None:
     """A tar of a.json, a.txt, b.json, b.txt made by tarfile.add, b.txt a hard link to a.txt (one file, two names)."""
     folder.mkdir()

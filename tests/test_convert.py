@@ -20,7 +20,7 @@ import lmdb
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import IMAGE_EXTS, expected_samples, image_bytes, tree_digest
+from conftest import IMAGE_EXTS, expected_samples, image_bytes, kill_at_files_done, tree_digest
 from PIL import Image, ImageCms
 
 from packdata import (
@@ -965,14 +965,7 @@ def test_kill_9_then_resume_equals_a_clean_run(tmp_path: Path) -> None:
             (src / f"c{c}/{i:03d}.jpg").write_bytes(image_bytes(100 * c + i))
     dst = tmp_path / "out.lmdb"
     progress = partial_path(dst) / "progress.json"
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(dst)])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text())["files_done"] >= 40:
-            break
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_at_files_done(subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(src), str(dst)]), progress, 40)
     assert not dst.exists()  # nothing looks complete
     done = json.loads(progress.read_text())["files_done"]
     assert 0 < done < 180

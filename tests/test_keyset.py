@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
+import subprocess
+import sys
 import tarfile
 import threading
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
+from conftest import kill_at_files_done
 
 import packdata
 from packdata.conversion import lists
+from packdata.conversion.destination import SPILL_DIR, partial_path
 from packdata.conversion.lists import scan_list
 from packdata.conversion.local import _count_walk
 from packdata.errors import ConfigError
@@ -108,9 +114,9 @@ def test_the_progress_bars_count_of_a_list_reads_rows_and_remembers_no_key(
     made: list[int] = []
 
     class CountedKeySet(KeySet):
-        def __init__(self) -> None:
+        def __init__(self, **options: Any) -> None:
             made.append(1)
-            super().__init__()
+            super().__init__(**options)
 
     monkeypatch.setattr(lists, "KeySet", CountedKeySet)
     listing = tmp_path / "l.csv"
@@ -124,3 +130,137 @@ def test_the_progress_bars_count_of_a_list_reads_rows_and_remembers_no_key(
     assert made == [1]
     fsspec.filesystem("memory").pipe("/keyset-lists/l.csv", listing.read_bytes())
     assert source.cheap_to_count and not scan_list("memory://keyset-lists/l.csv").cheap_to_count  # downloaded once
+
+
+_SPILL_EVERY = 50
+"""Keys the arrays hold before they spill, under the tiny budget the spill tests set."""
+
+
+def _tiny_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keyset, "_BUDGET", _SPILL_EVERY * 24 * 4)  # a quarter of it holds _SPILL_EVERY keys
+    monkeypatch.setattr(keyset, "_MIN_RECENT", 8)
+
+
+def _runs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("run-*")) if folder.exists() else []
+
+
+@pytest.mark.parametrize("weak", [False, True])
+def test_a_spilling_key_set_answers_as_a_dict_across_runs_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weak: bool
+) -> None:
+    """Past its budget the arrays go to sorted runs in the folder: a repeat of a key in any run is found, with
+    the first value; a new key is not taken for one (also where digests share their first 8 bytes across runs).
+    close() deletes the runs."""
+    if weak:
+        monkeypatch.setattr(keyset, "_digest", lambda key: bytes(7) + hashlib.blake2b(key.encode()).digest()[:9])
+    keys = KeySet(4, spill=tmp_path / "spill", budget=_SPILL_EVERY * 24 * 4)
+    _check_against_dict(keys, _keys(3000, seed=3)[:-2], _keys(1000, seed=4)[:-2])
+    assert keys.runs >= 10 and len(_runs(tmp_path / "spill")) == keys.runs
+    keys.close()
+    assert list((tmp_path / "spill").iterdir()) == []
+
+
+def _list_with_repeats(tmp_path: Path, rows: int) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = []
+    for i in range(rows):
+        (src / f"{i:05d}.txt").write_text(f"t{i}")
+        lines.append(f"{i:05d}.txt,c{i % 3}")
+    lines += ["00002.txt,c0", f"{rows - 1:05d}.txt,c1", "./00007.txt,c2"]  # repeats of keys long spilled
+    listing = src / "l.csv"
+    listing.write_text("path,label\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    return listing
+
+
+def test_a_list_whose_keys_spill_names_each_repeats_first_row_and_publishes_no_spill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The list walk's keys spill into the partial pack; repeats of keys in spilled runs are skipped naming the
+    row that gave them first; the spilled runs are not in the published pack."""
+    _tiny_budget(monkeypatch)
+    listing = _list_with_repeats(tmp_path, 600)
+    walk = scan_list(listing, label_column="label").walk(spill=tmp_path / "s")
+    for _ in range(400):
+        next(walk)
+    assert len(_runs(tmp_path / "s")) >= 5  # spilled while walking
+    assert sum(1 for _ in walk) == 203
+    assert _runs(tmp_path / "s") == []  # the walk's end deletes its runs
+    dst = tmp_path / "out.lmdb"
+    result = packdata.convert(listing, dst, label_column="label", progress=False)
+    assert result.packed == 600 and result.skipped == {"duplicate key": 3}
+    details = [e["detail"] for e in result.skip_examples]
+    assert details == [
+        "row 602 (00002.txt) has the key of row 4: " + lists._KEY_RULE,
+        "row 603 (00599.txt) has the key of row 601: " + lists._KEY_RULE,
+        "row 604 (./00007.txt) has the key of row 9: " + lists._KEY_RULE,
+    ]
+    assert not (dst / SPILL_DIR).exists() and not partial_path(dst).exists()
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(dst)) == [f"{i:05d}" for i in range(600)]
+
+
+def test_a_packwriter_whose_keys_spill_names_the_first_sample_and_leaves_no_spill_closed_or_aborted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _tiny_budget(monkeypatch)
+    for end in ("abort", "close"):
+        dst = tmp_path / f"{end}.lmdb"
+        writer = packdata.PackWriter(dst)
+        for n in range(300):
+            writer.write({"__key__": f"k{n}", "txt": "x"})
+        assert len(_runs(partial_path(dst) / SPILL_DIR)) >= 4
+        with pytest.raises(ConfigError, match=r"key 'k3' was written before \(sample 3\)"):
+            writer.write({"__key__": "k3", "txt": "y"})
+        getattr(writer, end)()
+        assert not partial_path(dst).exists()
+    assert not os.path.lexists(tmp_path / "abort.lmdb")
+    assert not (tmp_path / "close.lmdb" / SPILL_DIR).exists()
+    assert len(packdata.LMDBDataset(tmp_path / "close.lmdb")) == 300
+
+
+def test_a_merge_whose_keys_spill_finds_repeats_in_spilled_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _tiny_budget(monkeypatch)
+    for name, keys in (("a", range(300)), ("b", [*range(300, 400), 5, 250])):
+        with packdata.PackWriter(tmp_path / f"{name}.lmdb") as writer:
+            for n in keys:
+                writer.write({"__key__": f"k{n:03d}", "txt": name})
+    packs = [tmp_path / "a.lmdb", tmp_path / "b.lmdb"]
+    with pytest.raises(ConfigError, match=rf"key 'k005' \(sample 100\) is already in an earlier pack \({packs[0]}\)"):
+        packdata.merge_packs(packs, tmp_path / "m.lmdb")
+    assert not partial_path(tmp_path / "m.lmdb").exists()
+    result = packdata.merge_packs(packs, tmp_path / "m.lmdb", on_duplicate="rename")
+    assert result.renamed_keys == 2 and not (tmp_path / "m.lmdb" / SPILL_DIR).exists()
+    keys = sorted(s["__key__"] for s in packdata.LMDBDataset(tmp_path / "m.lmdb"))
+    assert keys == sorted([f"k{n:03d}" for n in range(400)] + ["k005~1", "k250~1"])
+
+
+_SLOW_LIST = """
+import sys, time
+import packdata
+from packdata.conversion import load, local
+from packdata.pack import keyset
+keyset._BUDGET, keyset._MIN_RECENT, local._COMMIT_SAMPLES = 50 * 24 * 4, 8, 5
+load._load = lambda entry, opts, _load=load._load: (time.sleep(0.005), _load(entry, opts))[1]
+packdata.convert(sys.argv[1], sys.argv[2], label_column="label", workers=2, progress=False, resume=len(sys.argv) > 3)
+"""
+
+
+@pytest.mark.slow
+def test_a_list_conversion_killed_with_keys_spilled_resumes_to_the_clean_runs_pack(tmp_path: Path) -> None:
+    """Killed with runs spilled, a resume walks again with a fresh key set (the killed run's runs removed), finds
+    the same repeats, and publishes what an uninterrupted run does, without the spill folder."""
+    listing = _list_with_repeats(tmp_path, 600)
+    dst = tmp_path / "out.lmdb"
+    progress = partial_path(dst) / "progress.json"
+    kill_at_files_done(subprocess.Popen([sys.executable, "-c", _SLOW_LIST, str(listing), str(dst)]), progress, 300, 120)
+    assert not dst.exists() and _runs(partial_path(dst) / SPILL_DIR)  # killed with runs on disk
+    subprocess.run([sys.executable, "-c", _SLOW_LIST, str(listing), str(dst), "resume"], check=True)
+    assert not (dst / SPILL_DIR).exists() and not partial_path(dst).exists()
+    clean = packdata.convert(listing, tmp_path / "clean.lmdb", label_column="label", progress=False)
+    assert clean.skipped == {"duplicate key": 3}
+    assert (dst / "skipped.jsonl").read_bytes() == (tmp_path / "clean.lmdb" / "skipped.jsonl").read_bytes()
+    ours = [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(dst)]
+    assert ours == [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(tmp_path / "clean.lmdb")]

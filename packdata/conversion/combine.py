@@ -31,6 +31,7 @@ from packdata.conversion.destination import (
     _check_existing,
     check_inputs_apart,
     partial_path,
+    spill_folder,
 )
 from packdata.conversion.publish import SKIP_REPORT, _publish, recover_replaced
 from packdata.errors import CapacityError, ConfigError, PackFormatError
@@ -91,66 +92,69 @@ def _open(path: Path) -> tuple[Manifest, SampleIndex]:
     return manifest, open_index(manifest, path, path)
 
 
-def _plan(paths: Sequence[Path], on_duplicate: str) -> tuple[list[_Input], list[str], list[str], dict[str, str]]:
-    """Open every pack, unite classes and fields by name, and find duplicate keys."""
+def _plan(
+    paths: Sequence[Path], on_duplicate: str, spill: Path | None = None
+) -> tuple[list[_Input], list[str], list[str], dict[str, str]]:
+    """Open every pack, unite classes and fields by name, and find duplicate keys (``spill``: see KeySet)."""
     if on_duplicate not in ("error", "rename", "append"):
         raise ConfigError(f"on_duplicate should be 'error' or 'rename', but got on_duplicate={on_duplicate!r}")
     classes: dict[str, int] = {}  # name -> number in the result, in order (a dict: no search per name)
     fields: dict[str, int] = {}
     codecs: dict[str, str] = {}
-    seen = KeySet()  # key -> the number of the pack that holds it first
     inputs = []
     first: Manifest | None = None
-    for number, path in enumerate(paths):
-        manifest, index = _open(path)
-        first = first or manifest
-        if (manifest.format, manifest.kind) != (first.format, first.kind):
-            raise ConfigError(
-                f"is a {manifest.format} pack of {manifest.kind} samples, the first is {first.format}/{first.kind}",
-                path=path,
-                hint="Merge packs of one format and kind (convert one again with --format)",
-            )
-        for name in manifest.classes:
-            classes.setdefault(name, len(classes))
-        for name in manifest.fields if manifest.kind == "fields" else ():
-            codec = manifest.codecs.get(name, codec_of(name))
-            if codecs.setdefault(name, codec) != codec:
-                raise ConfigError(f"field {name!r} is {codec} here, {codecs[name]} in an earlier pack", path=path)
-            fields.setdefault(name, len(fields))
-        label_map = np.array([-1] + [classes[c] for c in manifest.classes], dtype=np.int32)
-        field_map = np.array([fields[n] for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
-        renames = {}
-        for i, key in enumerate(index.keys):
-            holder = seen.add(key, number)
-            if holder is not None:
-                if on_duplicate == "append":
-                    raise ConfigError(
-                        f"the new samples repeat key {key!r}, already in the pack",
-                        path=paths[0],
-                        hint="Keys are unique in a pack: rename the source's files, or convert them into a pack "
-                        "of their own and `packdata merge --on-duplicate rename` the two",
-                    )
-                if on_duplicate == "error":
-                    raise ConfigError(
-                        f"key {key!r} (sample {i}) is already in an earlier pack ({paths[holder]})",
-                        path=path,
-                        hint="Pass on_duplicate='rename' to keep both as KEY~N",
-                    )
-                new, n = f"{key}~{number}", number
-                while new in seen:
-                    n += 1
-                    new = f"{key}~{n}"
-                size = len(new.encode("utf-8", "surrogateescape"))
-                if size > MAX_KEY_BYTES:  # no record, sample index or reader takes a longer key
-                    raise ConfigError(
-                        f"key {key[:100]!r} (sample {i}) is already in an earlier pack, and renamed "
-                        f"'KEY~{n}' it would be {size} bytes in UTF-8, more than the {MAX_KEY_BYTES} a key may hold",
-                        path=path,
-                        hint="Shorten the key where the pack was made, or merge without that pack",
-                    )
-                renames[i] = new
-                seen.add(new, number)
-        inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
+    with KeySet(spill=spill) as seen:  # key -> the number of the pack that holds it first
+        for number, path in enumerate(paths):
+            manifest, index = _open(path)
+            first = first or manifest
+            if (manifest.format, manifest.kind) != (first.format, first.kind):
+                raise ConfigError(
+                    f"is a {manifest.format} pack of {manifest.kind} samples, the first is {first.format}/{first.kind}",
+                    path=path,
+                    hint="Merge packs of one format and kind (convert one again with --format)",
+                )
+            for name in manifest.classes:
+                classes.setdefault(name, len(classes))
+            for name in manifest.fields if manifest.kind == "fields" else ():
+                codec = manifest.codecs.get(name, codec_of(name))
+                if codecs.setdefault(name, codec) != codec:
+                    raise ConfigError(f"field {name!r} is {codec} here, {codecs[name]} in an earlier pack", path=path)
+                fields.setdefault(name, len(fields))
+            label_map = np.array([-1] + [classes[c] for c in manifest.classes], dtype=np.int32)
+            field_map = np.array([fields[n] for n in manifest.fields] if manifest.kind == "fields" else [], np.int64)
+            renames = {}
+            for i, key in enumerate(index.keys):
+                holder = seen.add(key, number)
+                if holder is not None:
+                    if on_duplicate == "append":
+                        raise ConfigError(
+                            f"the new samples repeat key {key!r}, already in the pack",
+                            path=paths[0],
+                            hint="Keys are unique in a pack: rename the source's files, or convert them into a pack "
+                            "of their own and `packdata merge --on-duplicate rename` the two",
+                        )
+                    if on_duplicate == "error":
+                        raise ConfigError(
+                            f"key {key!r} (sample {i}) is already in an earlier pack ({paths[holder]})",
+                            path=path,
+                            hint="Pass on_duplicate='rename' to keep both as KEY~N",
+                        )
+                    new, n = f"{key}~{number}", number
+                    while new in seen:
+                        n += 1
+                        new = f"{key}~{n}"
+                    size = len(new.encode("utf-8", "surrogateescape"))
+                    if size > MAX_KEY_BYTES:  # no record, sample index or reader takes a longer key
+                        raise ConfigError(
+                            f"key {key[:100]!r} (sample {i}) is already in an earlier pack, and renamed "
+                            f"'KEY~{n}' it would be {size} bytes in UTF-8, more than the {MAX_KEY_BYTES} "
+                            "a key may hold",
+                            path=path,
+                            hint="Shorten the key where the pack was made, or merge without that pack",
+                        )
+                    renames[i] = new
+                    seen.add(new, number)
+            inputs.append(_Input(path, manifest, index, label_map, field_map, renames))
     return inputs, list(classes), list(fields), codecs
 
 
@@ -337,9 +341,6 @@ def merge_packs(
     _check_destination_writable(out)
     if overwrite or not os.path.lexists(partial_path(out)):  # one a killed run left is named under the lock
         _check_existing(out, overwrite)
-    inputs, classes, fields, codecs = _plan(paths, on_duplicate)
-    fmt = inputs[0].manifest.format
-    writer_cls = shard_writer(fmt)
     result = MergeResult(out, 0, 0)
     out.parent.mkdir(parents=True, exist_ok=True)  # missing parents are made, as convert makes them
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
@@ -350,6 +351,10 @@ def merge_packs(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
+            # the keys spill into the partial (removed with it): planned under the lock, after it is made
+            inputs, classes, fields, codecs = _plan(paths, on_duplicate, spill_folder(partial))
+            fmt = inputs[0].manifest.format
+            writer_cls = shard_writer(fmt)
             shards: list[ShardInfo] = []
             base = 0
             for item in inputs:

@@ -619,10 +619,10 @@ class _WithSkips:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)
 
-    def walk(self) -> Iterator[Any]:
+    def walk(self, spill: Path | None = None) -> Iterator[Any]:
         """The refused objects' skips, then the source's walk."""
         yield from self._skips
-        yield from self._source.walk()
+        yield from self._source.walk(spill)
 
 
 def _with_refused(source: AnySource, src: Path | str) -> AnySource:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,18 +16,32 @@ from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import MANIFEST_NAME, SKIP_REPORT, Manifest, read_manifest
 
 __all__ = [
+    "SPILL_DIR",
     "check_inputs_apart",
     "check_real_destination",
     "check_resumable",
     "interrupted_error",
     "partial_path",
+    "spill_folder",
 ]
+
+SPILL_DIR = "keys.spill"
+"""The folder of a partial pack where a walk's :class:`~packdata.pack.keyset.KeySet` spills sorted runs of
+keys (its memory stays bounded): emptied as a conversion starts or resumes, removed before it is published."""
 
 
 def partial_path(dst: str | os.PathLike) -> Path:
     """The hidden sibling a conversion into ``dst`` writes before renaming."""
     dst = Path(dst)
     return dst.parent / f".{dst.name}.partial"
+
+
+def spill_folder(partial: Path, *, empty: bool = False) -> Path:
+    """Where the key sets of a conversion into ``partial`` spill; ``empty``: what was spilled there is removed."""
+    folder = partial / SPILL_DIR
+    if empty and os.path.lexists(folder):  # most conversions never spill: no rmtree then
+        shutil.rmtree(folder)
+    return folder
 
 
 def check_inputs_apart(inputs: Sequence[Path], dst: Path) -> None:

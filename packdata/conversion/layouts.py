@@ -67,7 +67,7 @@ class GroupedSource:
     codecs: dict[str, str] = field(default_factory=dict)
     lost: tuple[Skip, ...] = ()  # files of a folder at a URL not copied into root (changed or vanished): walked here
 
-    def walk(self) -> Iterator[SourceGroup | Skip]:
+    def walk(self, spill: Path | None = None) -> Iterator[SourceGroup | Skip]:
         """Yield every group in sorted order, and skips.
 
         A group's files are contiguous in a sorted walk, except around a subfolder

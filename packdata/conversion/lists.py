@@ -88,97 +88,101 @@ class ListSource:
     base: str = ""  # the list's folder on fs
     require: tuple[str, ...] = ()  # fields every row must give (its file's, or a column's)
 
-    def walk(self) -> Iterator[SourceGroup | Skip]:
-        """Yield one group per row, in file order; a row without a usable path or label is a skip."""
-        keys = KeySet()  # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
-        roots = _roots(self.root) if self.fs is None else ()
-        for number, row in _rows(self.list_file, self.fs, self._where, self.path_column):
-            where = f"row {number}"
-            if _EXTRA in row:
-                extra = len(row[_EXTRA])
-                detail = f"{extra} value{'s' * (extra != 1)} past the header's columns (a delimiter not in quotes?)"
-                yield Skip(where, "bad row", detail)
-                continue
-            if _SHORT in row:
-                short = row[_SHORT]
-                detail = (
-                    f"{short} value{'s' * (short != 1)} short of the header's columns (a line break not in quotes?)"
-                )
-                yield Skip(where, "bad row", detail)
-                continue
-            raw_path = row.get(self.path_column)
-            if not isinstance(raw_path, str) or not raw_path:
-                yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
-                continue
-            if not _is_utf8(raw_path):  # JSON spells a lone surrogate ("\ud800"): no file name in UTF-8 holds one
-                yield Skip(where, "bad path", f"the path {raw_path!r} is not valid UTF-8 (a lone surrogate)")
-                continue
-            folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
-            stem, _, extension = base.partition(".")
-            if not stem:  # the key would end at the file name's first dot: "" for .env.txt, PackWriter refuses that
-                detail = f"the file name of {raw_path!r} starts with a dot (or is empty): it gives no key"
-                yield Skip(where, "no key", f"{detail} (a key is the path up to the first dot of the file name)")
-                continue
-            folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
-            key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
-            same = key  # the key as the list's folder names it: /root/a.jpg and x/../a.jpg name a.jpg, key a
-            if self.fs is None and (raw_path.startswith("/") or ".." in raw_path) and "\0" not in raw_path:
-                same = _key_from(self.root, raw_path, roots)
-            first = keys.add(same, number)
-            if first is not None:
-                said = f" (as {same!r}, from the list's folder)" if same != key else ""
-                detail = f"{where} ({raw_path}) has the key of row {first}{said}: {_KEY_RULE}"
-                yield Skip(key, "duplicate key", detail)
-                continue
-            label = -1
-            if self.label_column is not None:
-                value = row.get(self.label_column)
-                label = self._label(value)
-                if label < 0:
-                    detail = f"label {value!r} is not a class or a non-negative integer below {len(self.classes)}"
-                    if value is None or (isinstance(value, str) and not value.strip()):
-                        detail = f"no label: column {self.label_column!r} is empty or missing"
-                    yield Skip(key, "bad label", f"{where}: {detail}")
+    def walk(self, spill: Path | None = None) -> Iterator[SourceGroup | Skip]:
+        """Yield one group per row, in file order; a row without a usable path or label is a skip.
+
+        ``spill``: a folder where the keys seen spill past a memory budget (:class:`~packdata.pack.keyset.KeySet`).
+        """
+        # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
+        with KeySet(spill=spill) as keys:
+            roots = _roots(self.root) if self.fs is None else ()
+            for number, row in _rows(self.list_file, self.fs, self._where, self.path_column):
+                where = f"row {number}"
+                if _EXTRA in row:
+                    extra = len(row[_EXTRA])
+                    detail = f"{extra} value{'s' * (extra != 1)} past the header's columns (a delimiter not in quotes?)"
+                    yield Skip(where, "bad row", detail)
                     continue
-            if "\0" in raw_path:  # no file is named so; os.stat raised a bare ValueError in a reader thread
-                yield Skip(key, "bad path", f"{where}: the path holds a NUL byte, which no file name can")
-                continue
-            name = extension.lower() or "bytes"
-            if row.get(name) is not None and name not in (self.path_column, self.label_column):
-                detail = f"{where}: the file ({raw_path}) and column {name!r} both give field {name!r}"
-                yield Skip(key, "duplicate field", detail)
-                continue
-            given = {name} | {c for c, v in row.items() if v is not None} - {self.path_column, self.label_column}
-            missing = [n for n in self.require if n not in given]
-            if missing:
-                detail = f"{where}: no {', '.join(missing)} field (required: {', '.join(self.require)})"
-                yield Skip(key, "missing field", detail)
-                continue
-            path: str | RemoteFile
-            if self.fs is not None:
-                parts = raw_path.split("/")
-                if raw_path.startswith("/") or "://" in raw_path or any(p in ("", ".", "..") for p in parts):
-                    yield Skip(key, "bad path", f"{where}: a list at a URL names objects relative to its folder")
+                if _SHORT in row:
+                    short = row[_SHORT]
+                    detail = (
+                        f"{short} value{'s' * (short != 1)} short of the header's columns (a line break not in quotes?)"
+                    )
+                    yield Skip(where, "bad row", detail)
                     continue
-                path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
-            else:
-                path = _os_path(raw_path)  # the list's UTF-8 names, not the locale's (ASCII: a traceback)
-                path = path if os.path.isabs(path) else os.path.join(self.root, path)
-            values: list[tuple[str, bytes]] = []
-            problem = None
-            for column, value in row.items():
-                if column in (self.path_column, self.label_column) or value is None:
+                raw_path = row.get(self.path_column)
+                if not isinstance(raw_path, str) or not raw_path:
+                    yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
                     continue
-                if column not in self.codecs:  # a KeyError stopped the conversion with a traceback
-                    detail = f"{where}: column {column!r} was not in the list when it was read first"
-                    problem = Skip(key, "list changed", f"{detail}: it changed while converting (convert again)")
-                    break
-                try:
-                    values.append((column, encode_value(column, value, self.codecs[column])))
-                except FieldError as exc:
-                    problem = Skip(key, "bad value", f"{where}: {exc}")
-                    break
-            yield problem if problem is not None else SourceGroup(key, label, ((name, path),), tuple(values))
+                if not _is_utf8(raw_path):  # JSON spells a lone surrogate ("\ud800"): no file name in UTF-8 holds one
+                    yield Skip(where, "bad path", f"the path {raw_path!r} is not valid UTF-8 (a lone surrogate)")
+                    continue
+                folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
+                stem, _, extension = base.partition(".")
+                if not stem:  # the key would end at the file name's first dot: "" for .env.txt, PackWriter refuses that
+                    detail = f"the file name of {raw_path!r} starts with a dot (or is empty): it gives no key"
+                    yield Skip(where, "no key", f"{detail} (a key is the path up to the first dot of the file name)")
+                    continue
+                folder = _plain_folder(folder)  # ./a.jpg and a.jpg name one file: one key, not that file packed twice
+                key = f"{folder}/{stem}" if folder else stem  # WebDataset's key: the path up to the first dot
+                same = key  # the key as the list's folder names it: /root/a.jpg and x/../a.jpg name a.jpg, key a
+                if self.fs is None and (raw_path.startswith("/") or ".." in raw_path) and "\0" not in raw_path:
+                    same = _key_from(self.root, raw_path, roots)
+                first = keys.add(same, number)
+                if first is not None:
+                    said = f" (as {same!r}, from the list's folder)" if same != key else ""
+                    detail = f"{where} ({raw_path}) has the key of row {first}{said}: {_KEY_RULE}"
+                    yield Skip(key, "duplicate key", detail)
+                    continue
+                label = -1
+                if self.label_column is not None:
+                    value = row.get(self.label_column)
+                    label = self._label(value)
+                    if label < 0:
+                        detail = f"label {value!r} is not a class or a non-negative integer below {len(self.classes)}"
+                        if value is None or (isinstance(value, str) and not value.strip()):
+                            detail = f"no label: column {self.label_column!r} is empty or missing"
+                        yield Skip(key, "bad label", f"{where}: {detail}")
+                        continue
+                if "\0" in raw_path:  # no file is named so; os.stat raised a bare ValueError in a reader thread
+                    yield Skip(key, "bad path", f"{where}: the path holds a NUL byte, which no file name can")
+                    continue
+                name = extension.lower() or "bytes"
+                if row.get(name) is not None and name not in (self.path_column, self.label_column):
+                    detail = f"{where}: the file ({raw_path}) and column {name!r} both give field {name!r}"
+                    yield Skip(key, "duplicate field", detail)
+                    continue
+                given = {name} | {c for c, v in row.items() if v is not None} - {self.path_column, self.label_column}
+                missing = [n for n in self.require if n not in given]
+                if missing:
+                    detail = f"{where}: no {', '.join(missing)} field (required: {', '.join(self.require)})"
+                    yield Skip(key, "missing field", detail)
+                    continue
+                path: str | RemoteFile
+                if self.fs is not None:
+                    parts = raw_path.split("/")
+                    if raw_path.startswith("/") or "://" in raw_path or any(p in ("", ".", "..") for p in parts):
+                        yield Skip(key, "bad path", f"{where}: a list at a URL names objects relative to its folder")
+                        continue
+                    path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
+                else:
+                    path = _os_path(raw_path)  # the list's UTF-8 names, not the locale's (ASCII: a traceback)
+                    path = path if os.path.isabs(path) else os.path.join(self.root, path)
+                values: list[tuple[str, bytes]] = []
+                problem = None
+                for column, value in row.items():
+                    if column in (self.path_column, self.label_column) or value is None:
+                        continue
+                    if column not in self.codecs:  # a KeyError stopped the conversion with a traceback
+                        detail = f"{where}: column {column!r} was not in the list when it was read first"
+                        problem = Skip(key, "list changed", f"{detail}: it changed while converting (convert again)")
+                        break
+                    try:
+                        values.append((column, encode_value(column, value, self.codecs[column])))
+                    except FieldError as exc:
+                        problem = Skip(key, "bad value", f"{where}: {exc}")
+                        break
+                yield problem if problem is not None else SourceGroup(key, label, ((name, path),), tuple(values))
 
     @property
     def cheap_to_count(self) -> bool:

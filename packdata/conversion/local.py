@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
-from packdata.conversion.destination import check_resumable, interrupted_error, partial_path
+from packdata.conversion.destination import check_resumable, interrupted_error, partial_path, spill_folder
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.publish import (
@@ -258,7 +258,7 @@ class _Packer:
 
     def _entries(self) -> Iterator[Entry]:
         """The walk, with the part an interrupted run already packed verified and dropped."""
-        walk = self.source.walk()
+        walk = self.source.walk(spill_folder(self.partial, empty=True))
         if self.cp.files_done:
             check = hashlib.sha256()
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):

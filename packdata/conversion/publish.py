@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from packdata.conversion.destination import _check_replaceable
+from packdata.conversion.destination import _check_replaceable, spill_folder
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.lists import ListSource
 from packdata.conversion.load import _Options
@@ -257,6 +257,7 @@ def _publish(partial: Path, dst: Path, *, overwrite: bool) -> None:
     may have changed while converting), moved aside to a hidden sibling, and deleted only
     once the new pack has its name; if the rename fails, it is moved back.
     """
+    spill_folder(partial, empty=True)  # the walk's key set's scratch, never published
     old = None
     if os.path.lexists(dst):
         if not overwrite:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.destination import partial_path
+from packdata.conversion.destination import partial_path, spill_folder
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options
 from packdata.conversion.publish import (
@@ -287,7 +287,8 @@ def _run_tasks(
 
     try:
         with bar:
-            for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size):
+            spill = spill_folder(partial, empty=True)
+            for task in plan_tasks(source, shard_samples=opts.shard_samples, shard_size=opts.shard_size, spill=spill):
                 queue.append(task.number)  # the entries travel with the task, not kept here
                 saved = None
                 if resumed:

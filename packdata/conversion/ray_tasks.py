@@ -83,7 +83,9 @@ def _entry_size(entry: SourceFile | SourceGroup) -> int:
     return on_disk + sum(len(value) for _, value in entry.values)
 
 
-def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int | None) -> Iterator[ShardTask]:
+def plan_tasks(
+    source: AnySource, *, shard_samples: int | None, shard_size: int | None, spill: Path | None = None
+) -> Iterator[ShardTask]:
     """Cut the sorted walk of ``source`` into shard tasks, deterministically.
 
     The roll rule is the local engine's: a task takes files (or groups) until
@@ -96,6 +98,7 @@ def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int 
         source: the scanned source.
         shard_samples: at most this many files per task.
         shard_size: at most this many source bytes per task.
+        spill: where the walk's key set spills (see :class:`~packdata.pack.keyset.KeySet`).
 
     Raises:
         ConfigError: neither limit is given.
@@ -105,7 +108,7 @@ def plan_tasks(source: AnySource, *, shard_samples: int | None, shard_size: int 
     entries: list[SourceFile | SourceGroup | Skip] = []
     files = nbytes = number = 0
     digest = hashlib.sha256()
-    for entry in source.walk():
+    for entry in source.walk(spill):
         if not isinstance(entry, Skip):
             size = _entry_size(entry) if shard_size else 0
             if files and ((shard_samples and files >= shard_samples) or (shard_size and nbytes + size > shard_size)):

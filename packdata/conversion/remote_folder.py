@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from packdata.conversion.sources import _EXTENSIONS, RemoteFile, Skip, SourceFile, _is_hidden, listed_class
@@ -157,7 +158,7 @@ class RemoteFolder:
     refused: list[Skip] = field(repr=False, default_factory=list)
     codecs: dict[str, str] = field(default_factory=dict)
 
-    def walk(self) -> Iterator[RemoteSourceFile | Skip]:
+    def walk(self, spill: Path | None = None) -> Iterator[RemoteSourceFile | Skip]:
         """The refused objects' skips, then every object in walk order: files to pack and skips."""
         yield from self.refused
         extensions = _EXTENSIONS[self.kind]

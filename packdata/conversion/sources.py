@@ -148,7 +148,7 @@ class Source:
     codecs: dict[str, str] = field(default_factory=dict)  # single-field sources name no field codecs
     _class_to_idx: dict[str, int] = field(repr=False, default_factory=dict)
 
-    def walk(self) -> Iterator[SourceFile | Skip]:
+    def walk(self, spill: Path | None = None) -> Iterator[SourceFile | Skip]:
         """Yield every entry under the root in sorted order: files to pack and skips."""
         extensions = _EXTENSIONS[self.kind]
         for rel, path, skip in walk_named(self.root):

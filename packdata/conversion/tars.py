@@ -159,17 +159,20 @@ class TarSource:
     """A second walk to count samples for the progress bar would read (and decompress) every tar again:
     it made a conversion about 1.6x slower, so the bar shows counts and rates without a total."""
 
-    def walk(self) -> Iterator[SourceGroup | Skip]:
-        """Yield one group per sample, tar by tar, and skips for members that are not samples."""
-        seen = KeySet()  # key -> the shard that gave it first
-        for number, shard in enumerate(self.shards):
-            for entry in self._read(shard):
-                if isinstance(entry, SourceGroup):
-                    first = seen.add(entry.key, number)
-                    if first is not None:
-                        detail = f"an earlier sample in {self.shards[first]} has this key ({shard})"
-                        entry = Skip(entry.key, "duplicate key", detail)
-                yield entry
+    def walk(self, spill: Path | None = None) -> Iterator[SourceGroup | Skip]:
+        """Yield one group per sample, tar by tar, and skips for members that are not samples.
+
+        ``spill``: a folder where the keys seen spill past a memory budget (:class:`~packdata.pack.keyset.KeySet`).
+        """
+        with KeySet(spill=spill) as seen:  # key -> the shard that gave it first
+            for number, shard in enumerate(self.shards):
+                for entry in self._read(shard):
+                    if isinstance(entry, SourceGroup):
+                        first = seen.add(entry.key, number)
+                        if first is not None:
+                            detail = f"an earlier sample in {self.shards[first]} has this key ({shard})"
+                            entry = Skip(entry.key, "duplicate key", detail)
+                    yield entry
 
     def _open(self, shard: str) -> BinaryIO:
         if self.fs is None:  # a FIFO a glob matched is refused (EINVAL, named), never waited on

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
-from packdata.conversion.destination import _check_destination_writable, _check_existing, partial_path
+from packdata.conversion.destination import _check_destination_writable, _check_existing, partial_path, spill_folder
 from packdata.conversion.load import _Options, ordered_map, shard_limits
 from packdata.conversion.local import _Packer
 from packdata.conversion.publish import ConvertResult, _publish, make_result, recover_replaced
@@ -97,7 +97,6 @@ class PackWriter:
         _check_existing(self.dst, overwrite)
         self._overwrite = overwrite
         self._classes = list(classes) if classes is not None else None
-        self._keys = KeySet()
         self._top_label = -1
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
@@ -110,6 +109,7 @@ class PackWriter:
         except OSError as exc:
             self._stack.close()
             raise destination_error(exc, self._partial) from exc
+        self._keys = KeySet(spill=spill_folder(self._partial))  # the partial is new: nothing spilled there yet
         self._opts = _Options(fmt, "fields", "fail", False, None, 90, shard_size, shard_samples)
         self._source = _WriterSource(self.dst, [])
         self._checkpoint = _Checkpoint(self._partial / PROGRESS_FILE, asdict(self._opts))
@@ -208,6 +208,7 @@ class PackWriter:
             self._packer._commit()
             self._packer.close_files()
             manifest = self._packer.finish()
+            self._keys.close()
             _publish(self._partial, self.dst, overwrite=self._overwrite)
         except BaseException:
             self.abort()
@@ -234,6 +235,7 @@ class PackWriter:
         if self.result is not None or self._aborted:
             return  # the lock is released: the partial pack there now is another writer's
         self._aborted = True
+        self._keys.close()
         writer = self._packer.writer
         self._packer.close_files(failed=True)
         if writer is not None:

@@ -1,4 +1,4 @@
-"""A set of sample keys small enough for a 100 M-sample source: about 40 bytes a key, not 100 to 250.
+"""A set of sample keys for a source of any size: its memory stays under a budget, the rest spills to disk.
 
 Conversion refuses a repeated key (a list's rows, a tar's members, a
 ``PackWriter``'s samples, the packs a merge unites), so it must remember every
@@ -7,7 +7,17 @@ key it has seen. A Python ``set`` of ``str`` costs about 100 bytes a key
 samples. :class:`KeySet` keeps each key's 128-bit BLAKE2b digest and one
 int64 value (the row, shard or sample that gave it first) in sorted NumPy
 arrays: 24 bytes a key, plus recent keys in a dict of at most an eighth of
-them, merged in as it fills (amortized: each key is copied about nine times).
+them, merged in as it fills.
+
+Given a ``spill`` folder, the arrays never grow past a quarter of ``budget``
+(256 MiB): once they do they are written to a file there (a sorted run),
+and emptied. A lookup searches the recent dict, the arrays,
+then each run (4 to 8 KiB of it, read from the file: every 512th digest of a run
+is held in memory to find the place). A Bloom filter of at most half the budget (3 bits a
+key, 32 filter bits a key while it has room) keeps most new keys from looking
+any further: at its full 128 MiB, 10^8 keys pass it wrongly about 1.5% of the
+time. The runs are deleted by :meth:`KeySet.close` (or when the set is
+collected); the caller removes the folder with what it holds.
 
 Two distinct keys with one digest would make the second read as a repeat:
 for 10^8 keys the chance is about 10^-23, far below a disk's silent bit flip.
@@ -16,12 +26,20 @@ for 10^8 keys the chance is about 10^-23, far below a disk's silent bit flip.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
 
 import numpy as np
 
 __all__ = ["KeySet"]
 
 _MIN_RECENT = 1 << 16  # recent keys held in a dict before the first merge into the arrays
+_BUDGET = 256 << 20  # bytes: a quarter for the arrays (then they spill), half for the filter
+_SHIFTS = (0, 40, 80)  # a key's filter bits: its digest's bits from each of these on (at most 40 of them)
+_STRIDE = 512  # every this many digests of a run are held in memory, to find a key's page in it
 
 
 def _digest(key: str) -> bytes:
@@ -29,24 +47,101 @@ def _digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-class KeySet:
-    """Distinct string keys, each with the int value it was first added with."""
+class _Run:
+    """One spilled run: ``count`` digests (high, low) and values, sorted by high, in a file read as needed.
 
-    def __init__(self, min_recent: int | None = None) -> None:
+    The file holds three columns of ``count`` little-endian 8-byte integers
+    (high, low, value); a lookup reads the few KiB where its key would be
+    (``pread``: the page cache keeps them, the process holds none).
+    """
+
+    def __init__(self, path: Path, high: np.ndarray, low: np.ndarray, values: np.ndarray) -> None:
+        with open(path, "wb") as f:
+            for array in (high, low, values.view(np.uint64)):
+                array.astype("<u8", copy=False).tofile(f)
+        self.count = len(high)
+        self.fd = os.open(path, os.O_RDONLY)
+        self.sparse = np.array(high[::_STRIDE])  # in memory: 8 bytes per _STRIDE keys
+
+    def column(self, number: int, start: int, stop: int) -> np.ndarray:
+        """Rows ``start`` to ``stop`` of column ``number`` (0 high, 1 low, 2 values as uint64)."""
+        size = (stop - start) * 8
+        data = os.pread(self.fd, size, (number * self.count + start) * 8)
+        if len(data) != size:  # the scratch file was cut short under us: never answer from a part of it
+            raise OSError(f"a spilled run of keys ended early: {len(data)} bytes of {size}")
+        return np.frombuffer(data, "<u8")
+
+    def find(self, high: np.uint64, low: np.uint64) -> int | None:
+        # every row with this high lies past the last sparse entry below it and before the first above it
+        start = max(0, int(self.sparse.searchsorted(high, "left")) - 1) * _STRIDE
+        stop = min(self.count, int(self.sparse.searchsorted(high, "right")) * _STRIDE)
+        highs = self.column(0, start, stop)
+        at = int(highs.searchsorted(high))
+        while at < len(highs) and highs[at] == high:
+            if self.column(1, start + at, start + at + 1)[0] == low:
+                return int(self.column(2, start + at, start + at + 1).view(np.int64)[0])
+            at += 1
+        return None
+
+
+def _remove(runs: list[_Run], folder: Path) -> None:
+    for run in runs:
+        os.close(run.fd)
+    runs.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class KeySet:
+    """Distinct string keys, each with the int value it was first added with.
+
+    Args:
+        min_recent: keys held in a dict before they are merged into the sorted arrays.
+        spill: a folder for sorted runs once the arrays pass a quarter of ``budget``
+            (None: they stay in memory, however many).
+        budget: bytes of memory the set aims to stay under (256 MiB).
+    """
+
+    def __init__(self, min_recent: int | None = None, *, spill: Path | None = None, budget: int | None = None) -> None:
         self._min_recent = max(1, min_recent or _MIN_RECENT)
         self._merge_at = self._min_recent  # merge the recent keys into the arrays once this many
         self._recent: dict[bytes, int] = {}
         self._high = np.empty(0, np.uint64)  # sorted: the digests' first 8 bytes (little-endian)
         self._low = np.empty(0, np.uint64)  # the digests' last 8 bytes, row for row
         self._values = np.empty(0, np.int64)
-        self._filter = bytearray(1)  # bit (low & mask) set for each digest in the arrays: most new keys miss it
+        budget = budget or _BUDGET
+        self._spill_at = max(1, budget // 4 // 24)  # keys in the arrays
+        most = min(8 * max(1, budget // 2), 1 << 40)
+        self._max_filter_bits = 1 << (most.bit_length() - 1)  # a power of two
+        self._filter = bytearray(1)  # len(_SHIFTS) bits set for each digest in the arrays and runs
         self._mask = 7
+        self._runs: list[_Run] = []
+        self._spilled = 0
+        self._spill = spill
+        self._folder: Path | None = None
+        self._cleanup: weakref.finalize | None = None
 
     def __len__(self) -> int:
-        return len(self._recent) + len(self._high)
+        return len(self._recent) + len(self._high) + self._spilled
 
     def __contains__(self, key: str) -> bool:
         return self._find(_digest(key)) is not None
+
+    def __enter__(self) -> KeySet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def runs(self) -> int:
+        """How many sorted runs spilled to the folder so far."""
+        return len(self._runs)
+
+    def close(self) -> None:
+        """Delete the spilled runs (the set is empty of them after: call at the end of its use)."""
+        self._spilled = 0
+        if self._cleanup is not None:
+            self._cleanup()  # closes and deletes the runs, empties the list
 
     def add(self, key: str, value: int = 0) -> int | None:
         """Add ``key`` with ``value``; None if it is new, else the value it was first added with (kept)."""
@@ -60,11 +155,13 @@ class KeySet:
 
     def _find(self, digest: bytes) -> int | None:
         value = self._recent.get(digest)
-        if value is not None or not len(self._high):
+        if value is not None or not (len(self._high) or self._runs):
             return value
-        bit = int.from_bytes(digest[8:], "little") & self._mask
-        if not self._filter[bit >> 3] >> (bit & 7) & 1:  # no key in the arrays has this bit: new
-            return None
+        whole, mask, bits = int.from_bytes(digest, "little"), self._mask, self._filter
+        for shift in _SHIFTS:  # no key held has one of these bits: new
+            bit = (whole >> shift) & mask
+            if not bits[bit >> 3] >> (bit & 7) & 1:
+                return None
         pair = np.frombuffer(digest, "<u8")  # (first 8 bytes, last 8), as the arrays hold them
         high, low = pair[0], pair[1]
         at = int(self._high.searchsorted(pair[:1])[0])
@@ -72,10 +169,14 @@ class KeySet:
             if self._low[at] == low:
                 return int(self._values[at])
             at += 1
+        for run in self._runs:
+            value = run.find(high, low)
+            if value is not None:
+                return value
         return None
 
     def _merge(self) -> None:
-        """Move the recent keys into the sorted arrays (a merge: linear in the keys held)."""
+        """Move the recent keys into the sorted arrays (a merge: linear in the keys held), then spill if full."""
         pairs = np.frombuffer(b"".join(self._recent), dtype="<u8").reshape(-1, 2)
         values = np.fromiter(self._recent.values(), np.int64, len(self._recent))
         order = np.argsort(pairs[:, 0], kind="stable")
@@ -85,11 +186,45 @@ class KeySet:
         self._low = np.insert(self._low, at, low)
         self._values = np.insert(self._values, at, values)
         self._recent = {}
-        self._merge_at = max(self._min_recent, len(self._high) // 8)
-        if len(self._high) * 16 > self._mask + 1:  # under 16 bits a key: about 6% of new keys would look further
-            self._mask = (1 << (len(self._high) * 32).bit_length()) - 1
+        total = len(self._high) + self._spilled
+        if total * 16 > self._mask + 1 and self._mask + 1 < self._max_filter_bits:  # under 16 bits a key
+            size = min(1 << (total * 32).bit_length(), self._max_filter_bits)
+            self._mask = (1 << (size.bit_length() - 1)) - 1  # a power of two
             self._filter = bytearray((self._mask + 1) // 8)
-            low = self._low
-        bits = low & np.uint64(self._mask)
-        ones = np.left_shift(np.uint8(1), (bits & np.uint64(7)).astype(np.uint8))
-        np.bitwise_or.at(np.frombuffer(self._filter, np.uint8), bits >> np.uint64(3), ones)
+            for run in self._runs:  # read a piece at a time: the runs are not held in memory
+                for start in range(0, run.count, self._spill_at):
+                    stop = min(run.count, start + self._spill_at)
+                    self._set_bits(run.column(0, start, stop), run.column(1, start, stop))
+            high, low = self._high, self._low
+        self._set_bits(high, low)
+        if self._spill is not None and len(self._high) >= self._spill_at:
+            self._spill_run()
+        self._merge_at = max(self._min_recent, len(self._high) // 8)
+
+    def _set_bits(self, high: np.ndarray, low: np.ndarray) -> None:
+        filter_bytes = np.frombuffer(self._filter, np.uint8)
+        mask = np.uint64(self._mask)
+        for shift in _SHIFTS:  # bits shift.. of the digest as one 128-bit integer (high holds bits 0 to 63)
+            if shift < 64:
+                bits = high >> np.uint64(shift)
+                if shift:
+                    bits = bits | (low << np.uint64(64 - shift))
+            else:
+                bits = low >> np.uint64(shift - 64)
+            bits &= mask
+            ones = np.left_shift(np.uint8(1), (bits & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(filter_bytes, bits >> np.uint64(3), ones)
+
+    def _spill_run(self) -> None:
+        """Write the arrays to a run file in the spill folder, map it, and empty them."""
+        if self._folder is None:
+            assert self._spill is not None  # internal invariant: only called with a spill folder
+            self._spill.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix="keys-", dir=self._spill))
+            self._cleanup = weakref.finalize(self, _remove, self._runs, self._folder)
+        path = self._folder / f"run-{len(self._runs):05d}"
+        self._runs.append(_Run(path, self._high, self._low, self._values))
+        self._spilled += len(self._high)
+        self._high = np.empty(0, np.uint64)
+        self._low = np.empty(0, np.uint64)
+        self._values = np.empty(0, np.int64)
