@@ -50,7 +50,7 @@ from typing import Any, BinaryIO, Self, cast
 from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable, too_large
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
-from packdata.pack.files import open_regular
+from packdata.pack.files import file_kind, open_regular
 from packdata.pack.keyset import KeySet
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
@@ -126,12 +126,27 @@ def expand_shards(pattern: str, fs: Any = None, scheme: str = "") -> list[str]:
                 raise SourceError("the pattern matches no file", path=shown, hint="Check the shard names")
             paths += found
         elif not _is_file(part, fs, shown):
+            kind = _local_kind(part) if fs is None else None
+            if kind is not None:  # a FIFO or folder named .tar was "no such tar shard. Check the pattern's range"
+                raise SourceError(
+                    f"not a tar file: {kind}",
+                    path=shown,
+                    hint="Name regular tar files (a FIFO or device is never opened)",
+                )
             raise SourceError("no such tar shard", path=shown, hint="Check the pattern's range")
         else:
             paths.append(part)
     if not paths:
         raise SourceError("the pattern names no tar shard", path=pattern)
     return paths
+
+
+def _local_kind(path: str) -> str | None:
+    """What a local path that is no regular file is, in words (from ``stat``: never opened); None where nothing is."""
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return None
 
 
 def _is_file(path: str, fs: Any, shown: str) -> bool:

@@ -271,3 +271,17 @@ def test_a_class_folder_made_while_walking_is_a_skip_not_a_keyerror_or_no_label(
     assert Skip(key, "not a class", detail) in list(source.walk())
     packed = ["cat/a.json", "cat/a.txt"] if layout == "classes" else ["cat/a"]
     assert [e.key for e in source.walk() if not isinstance(e, Skip)] == packed
+
+
+@pytest.mark.timeout(60)
+def test_a_tar_shard_named_that_is_a_fifo_or_folder_says_what_it_is(tmp_path: Path) -> None:
+    """A FIFO (or a folder) named x.tar was refused as 'no such tar shard. Check the pattern's range', a file
+    that is there. It is now named for what it is, never opened."""
+    os.mkfifo(tmp_path / "fifo.tar")
+    (tmp_path / "folder.tar").mkdir()
+    for name, kind in (("fifo.tar", "a FIFO"), ("folder.tar", "a folder")):
+        with pytest.raises(SourceError) as raised:
+            convert(os.fspath(tmp_path / name), tmp_path / "out.lmdb", progress=False)
+        hint = "Name regular tar files (a FIFO or device is never opened)"
+        assert str(raised.value) == f"{tmp_path / name}: not a tar file: {kind}. {hint}"
+    assert not (tmp_path / "out.lmdb").exists()
