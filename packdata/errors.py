@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 
-DAMAGED_PACK_HINT = "Run `packdata verify` on the pack, then convert it again (a staged copy: stage it again)"
+DAMAGED_PACK_HINT = (
+    "Run `packdata verify` on the pack, then convert it again "
+    "(a staged copy: stage it again; one staged from a URL: `packdata unstage` it first)"
+)
 """What to do about a pack found damaged while it is read (a staged copy's origin may be sound)."""
 
 

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import faulty_s3, image_bytes, moto_s3, tar_with_a_hard_link, tree_digest
+from conftest import faulty_s3, flip_label, image_bytes, moto_s3, tar_with_a_hard_link, tree_digest
 from faults.hostile import rewrite_manifest
 from torch.utils.data import DataLoader
 
@@ -121,6 +121,27 @@ def test_a_staged_copy_written_to_at_the_same_size_is_downloaded_again(
     assert (staged / damaged).read_bytes() == (local / damaged).read_bytes()
     assert _samples(staged) == _samples(local)
     assert not packdata.stage(url, to=tmp_path, storage_options=options, progress=False).downloaded
+
+
+def test_a_staged_copy_from_a_url_damaged_without_a_write_advises_unstaging_it_first(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """Damage no write made (a failing disk) leaves each file's stamp as staged, so staging again reused the
+    copy, while the reader's hint said only 'a staged copy: stage it again': the damage stayed, every time."""
+    from packdata.pack.files import file_stamp
+
+    options, _ = s3
+    url, local = remote_pack
+    staged = packdata.stage(url, to=tmp_path, storage_options=options, progress=False).staged
+    flip_label(staged)
+    marker = json.loads((staged / "staged.json").read_text())
+    marker["stamps"] = {rel: file_stamp(staged / rel) for rel in marker["stamps"]}  # as a failing disk leaves them
+    (staged / "staged.json").write_text(json.dumps(marker))
+    with pytest.raises(PackFormatError, match=r"labels\.i32: .*one staged from a URL: `packdata unstage` it first\)$"):
+        packdata.LMDBDataset(staged)
+    packdata.unstage(staged)
+    assert packdata.stage(url, to=tmp_path, storage_options=options, progress=False).downloaded
+    assert _samples(staged) == _samples(local)
 
 
 def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(

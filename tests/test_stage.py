@@ -1770,7 +1770,10 @@ def test_a_damaged_staged_copy_advises_staging_it_again(lmdb_pack: Path, tmp_pat
     data = bytearray(labels.read_bytes())
     data[0] ^= 1
     labels.write_bytes(bytes(data))
-    with pytest.raises(PackFormatError, match=r"labels\.i32: .*\(a staged copy: stage it again\)$"):
+    with pytest.raises(
+        PackFormatError,
+        match=r"labels\.i32: .*\(a staged copy: stage it again; one staged from a URL: `packdata unstage` it first\)$",
+    ):
         LMDBDataset(staged)
     stage(lmdb_pack, to=tmp_path / "area", progress=False)
     assert [label for _, label in LMDBDataset(staged, decode="bytes")] == [
