@@ -30,7 +30,7 @@ import packdata.staging.tmpfs as tmpfs_module
 from packdata.cli import main
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
 from packdata.pack.lock import convert_lock_path, hold_lock
-from packdata.pack.manifest import read_manifest
+from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset
 from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
@@ -1779,3 +1779,18 @@ def test_a_damaged_staged_copy_advises_staging_it_again(lmdb_pack: Path, tmp_pat
     assert [label for _, label in LMDBDataset(staged, decode="bytes")] == [
         label for _, label in LMDBDataset(lmdb_pack, decode="bytes")
     ]
+
+
+def test_a_folder_a_stage_left_without_its_manifest_advises_staging_again(lmdb_pack: Path, tmp_path: Path) -> None:
+    """A stage killed after its marker but before its first manifest left staged.json alone (with what it had
+    copied): opening it said 'Convert a folder with `packdata convert SRC DST` first', of a pack that exists."""
+    staged = stage(lmdb_pack, to=tmp_path / "area", progress=False).staged
+    (staged / MANIFEST_NAME).unlink()  # the state a kill between staged.json and manifest.json leaves
+    with pytest.raises(
+        PackFormatError,
+        match=r"area/train\.lmdb: not a packdata pack \(no manifest\.json\)\. A stage into it was interrupted before "
+        r"its manifest was written: stage the pack again$",
+    ):
+        LMDBDataset(staged)
+    stage(lmdb_pack, to=tmp_path / "area", progress=False)
+    assert len(LMDBDataset(staged)) == len(LMDBDataset(lmdb_pack))

@@ -38,7 +38,7 @@ from packdata.pack.files import (
 from packdata.pack.index import ALL_FILES as INDEX_FILES
 from packdata.pack.index import damaged_index_file, index_files
 from packdata.pack.lock import convert_lock_path, wait_for_lock
-from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from packdata.pack.manifest import MANIFEST_NAME, STAGED_FILE, Manifest, ShardInfo
 from packdata.progress import progress as show_progress
 from packdata.staging.space import FULL_DISK_ERRNOS, filesystem_named, no_space_error
 from packdata.units import format_size
@@ -438,7 +438,7 @@ def old_shards(dest: Path, marker: dict[str, Any], units: list[ShardFiles], mani
     except PackdataError:  # a format this packdata does not know: nothing is taken for its shards
         return []
     current = {u.name for u in units} | {dst.name for u in units for _, dst, _, _ in u.files}
-    current |= {MANIFEST_NAME, manifest.index_dir, *EXTRA_FILES, "staged.json"}
+    current |= {MANIFEST_NAME, manifest.index_dir, *EXTRA_FILES, STAGED_FILE}
     found = []
     for name in [*marker["staged"], *marker["left"]]:
         plain = isinstance(name, str) and name[:1] not in ("", ".") and "/" not in name and "\0" not in name

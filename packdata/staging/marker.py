@@ -18,6 +18,7 @@ from typing import Any
 from packdata._version import __version__
 from packdata.errors import ConfigError
 from packdata.pack.files import open_regular, temporary_owner
+from packdata.pack.manifest import STAGED_FILE
 from packdata.staging.copy import LOCK, PARTIAL, write_json
 
 __all__ = [
@@ -30,8 +31,6 @@ __all__ = [
     "unreadable_named",
     "write_marker",
 ]
-
-STAGED_FILE = "staged.json"
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "origin": str,

@@ -31,6 +31,7 @@ from packdata.host.facts import (
     read_meminfo,
 )
 from packdata.host.processes import process_memory, worker_processes
+from packdata.pack.manifest import STAGED_FILE
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
 
@@ -140,7 +141,7 @@ def packs_in_use(pids: list[int], root: str = "/") -> list[dict[str, Any]]:
 
 def _pack_entry(folder: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"path": folder, "staged": False, "origin": None}
-    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, "staged.json"), encoding="utf-8") as f:
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, STAGED_FILE), encoding="utf-8") as f:
         marker = json.load(f)
         entry["staged"], entry["origin"] = True, marker.get("origin") if isinstance(marker, dict) else None
     return entry

@@ -19,6 +19,7 @@ __all__ = [
     "MANIFEST_NAME",
     "SINGLE_FIELD_VERSION",
     "SKIP_REPORT",
+    "STAGED_FILE",
     "Manifest",
     "ShardInfo",
     "manifest_checksum",
@@ -34,6 +35,8 @@ FIELDS_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 SKIP_REPORT = "skipped.jsonl"
 """The skip report a conversion writes (``skipped.report`` names it)."""
+STAGED_FILE = "staged.json"
+"""The marker ``packdata stage`` writes in a staged copy (written and read by :mod:`packdata.staging.marker`)."""
 CHECKSUM_KEY = "checksum"
 """The manifest's own SHA-256 (:func:`manifest_checksum`); manifests of packdata before 0.2 have none."""
 

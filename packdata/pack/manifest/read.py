@@ -13,6 +13,7 @@ from packdata.pack.manifest.model import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     SINGLE_FIELD_VERSION,
+    STAGED_FILE,
     Manifest,
     ShardInfo,
     manifest_checksum,
@@ -138,6 +139,8 @@ def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
                 "A conversion into it was interrupted: finish it with resume (`packdata convert SRC DST --resume`);"
                 " a PackWriter's cannot be resumed: write it again"
             )
+        elif _exists(pack / STAGED_FILE):  # a stage's marker, written before its first manifest
+            hint = "A stage into it was interrupted before its manifest was written: stage the pack again"
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if mode is not None else "no such pack"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = parse_manifest(path)
