@@ -25,6 +25,7 @@ from PIL import Image
 
 import packdata
 import packdata.staging.copy as copy_module
+import packdata.staging.folder as folder_module
 import packdata.staging.stage as stage_module
 import packdata.staging.tmpfs as tmpfs_module
 from packdata.cli import main
@@ -362,8 +363,8 @@ def test_a_restaged_index_is_never_moved_aside_onto_a_leftover(lmdb_pack: Path, 
     killed = copy / f".index.old-{os.getpid()}"
     killed.mkdir()
     (killed / "labels.i32").write_bytes(b"left mid-swap")
-    with copy_module.locked(copy):  # as stage calls it, after remove_leftovers could not remove the blocker
-        copy_module.copy_index(lmdb_pack.resolve(), copy, read_manifest(lmdb_pack))
+    with folder_module.locked(copy):  # as stage calls it, after remove_leftovers could not remove the blocker
+        folder_module.copy_index(lmdb_pack.resolve(), copy, read_manifest(lmdb_pack))
     assert tree_digest(copy / "index") == tree_digest(lmdb_pack / "index")
     assert (blocker / "index" / "labels.i32").read_bytes() == b"left by a killed stage"  # remove_leftovers' to remove
     assert not killed.exists() and not list(copy.glob(".index.old-*"))
@@ -1599,7 +1600,7 @@ def test_a_stage_caught_or_killed_writing_its_first_marker_is_a_stage_not_a_fore
     area = tmp_path / "nvme"
     dest = area / lmdb_pack.name
     area.mkdir()
-    with copy_module.locked(dest):  # a live stage, as it writes its first marker
+    with folder_module.locked(dest):  # a live stage, as it writes its first marker
         (dest / ".staged.json.partial").write_text("{")
         with pytest.raises(LockedError, match=rf"^{re.escape(str(dest))}: pid {os.getpid()} on host .* is writing it"):
             stage(lmdb_pack, to=area, progress=False, wait_seconds=0)

@@ -19,7 +19,8 @@ from packdata._version import __version__
 from packdata.errors import ConfigError
 from packdata.pack.files import open_regular, temporary_owner
 from packdata.pack.manifest import STAGED_FILE
-from packdata.staging.copy import LOCK, PARTIAL, write_json
+from packdata.staging.copy import LOCK, PARTIAL
+from packdata.staging.folder import write_json
 
 __all__ = [
     "STAGED_FILE",

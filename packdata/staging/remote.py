@@ -89,7 +89,7 @@ from packdata.pack.urls import (
 )
 from packdata.progress import progress as show_progress
 from packdata.staging.copy import LOCK as STAGE_LOCK
-from packdata.staging.copy import dir_bytes, missing_folders, removed_if_refused
+from packdata.staging.folder import dir_bytes, missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 

@@ -67,20 +67,17 @@ from packdata.pack.files import discard_partial
 from packdata.pack.lock import create_readers_lock, exclude_readers
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
-from packdata.staging.copy import (
-    ShardFiles,
-    copy_all,
+from packdata.staging.copy import ShardFiles, copy_all, is_staged, shard_files
+from packdata.staging.folder import (
     copy_index,
     dir_bytes,
     index_folder,
-    is_staged,
     locked,
     missing_folders,
     old_shards,
     remove_leftovers,
     resolve_order,
     same_tree,
-    shard_files,
     staged_manifest,
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker

@@ -17,7 +17,7 @@ from packdata.errors import CapacityError, ConfigError
 from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.lock import convert_lock_path, wait_for_lock
-from packdata.staging.copy import missing_folders, removed_if_refused
+from packdata.staging.folder import missing_folders, removed_if_refused
 from packdata.units import format_size
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
