@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import filecmp
 import io
 import json
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 import packdata
 from packdata.cli import main as cli
 from packdata.conversion.destination import partial_path
-from packdata.conversion.lists import scan_list
+from packdata.conversion.lists import _EXTRA, _SHORT, _rows, scan_list
 from packdata.conversion.sources import Skip
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.formats.contents import export_pack, list_samples, read_field
@@ -2129,3 +2130,20 @@ def test_a_sample_without_a_field_asked_for_with_missing_reads_only_its_director
     assert ds.raw_fields(0, ["txt"]) == {}
     with pytest.raises(PackFormatError, match="record 0 is damaged"):
         packdata.LMDBDataset(pack, fields=("jpg",))[0]
+
+
+@pytest.mark.parametrize("delimiter", [",", "\t"])
+def test_a_lists_rows_are_those_csv_dictreader_reads(tmp_path: Path, delimiter: str) -> None:
+    """The walk reads a CSV or TSV list with csv.reader, making each row's dict itself (quicker than DictReader's):
+    its rows, values past the header's columns, columns not given and blank lines are DictReader's."""
+    lines = ["path,label,caption", "a.jpg,cat,x", "", "b.jpg,dog", 'c.jpg,cat,"q,r",extra,more', "d.jpg", "", ""]
+    listing = tmp_path / f"l.{'csv' if delimiter == ',' else 'tsv'}"
+    listing.write_text("\n".join(line.replace(",", delimiter) for line in lines) + "\n", encoding="utf-8")
+    with open(listing, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA, strict=True)
+        expected = []
+        for row in reader:
+            short = sum(value is None for value in row.values())
+            expected.append((reader.line_num, {**row, **({_SHORT: short} if short else {})}))
+    assert list(_rows(listing)) == expected
+    assert [row.get(_SHORT, 0) for _, row in expected] == [0, 1, 0, 2]

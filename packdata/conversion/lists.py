@@ -94,6 +94,8 @@ class ListSource:
         ``spill``: a folder where the keys seen spill past a memory budget (:class:`~packdata.pack.keyset.KeySet`).
         """
         # key -> the row that first gave it: a dict of str (and paths) was 250 bytes a row
+        named = (self.path_column, self.label_column)  # the columns that are no field
+        root = os.path.join(self.root, "")  # the list's folder and a separator: a relative path joins it
         with KeySet(spill=spill) as keys:
             roots = _roots(self.root) if self.fs is None else ()
             for number, row in _rows(self.list_file, self.fs, self._where, self.path_column):
@@ -114,7 +116,8 @@ class ListSource:
                 if not isinstance(raw_path, str) or not raw_path:
                     yield Skip(where, "no path", f"column {self.path_column!r} is empty or missing")
                     continue
-                if not _is_utf8(raw_path):  # JSON spells a lone surrogate ("\ud800"): no file name in UTF-8 holds one
+                # JSON spells a lone surrogate ("\ud800"): no file name in UTF-8 holds one (ASCII holds none)
+                if not (raw_path.isascii() or _is_utf8(raw_path)):
                     yield Skip(where, "bad path", f"the path {raw_path!r} is not valid UTF-8 (a lone surrogate)")
                     continue
                 folder, _, base = raw_path.replace(os.sep, "/").rpartition("/")
@@ -148,12 +151,11 @@ class ListSource:
                     yield Skip(key, "bad path", f"{where}: the path holds a NUL byte, which no file name can")
                     continue
                 name = extension.lower() or "bytes"
-                if row.get(name) is not None and name not in (self.path_column, self.label_column):
+                if row.get(name) is not None and name not in named:
                     detail = f"{where}: the file ({raw_path}) and column {name!r} both give field {name!r}"
                     yield Skip(key, "duplicate field", detail)
                     continue
-                given = {name} | {c for c, v in row.items() if v is not None} - {self.path_column, self.label_column}
-                missing = [n for n in self.require if n not in given]
+                missing = [n for n in self.require if n != name and (n in named or row.get(n) is None)]
                 if missing:
                     detail = f"{where}: no {', '.join(missing)} field (required: {', '.join(self.require)})"
                     yield Skip(key, "missing field", detail)
@@ -167,11 +169,11 @@ class ListSource:
                     path = RemoteFile(self.fs, f"{self.base}/{raw_path}", f"{self.root}/{raw_path}")
                 else:
                     path = _os_path(raw_path)  # the list's UTF-8 names, not the locale's (ASCII: a traceback)
-                    path = path if os.path.isabs(path) else os.path.join(self.root, path)
+                    path = path if path.startswith(os.sep) else root + path  # os.path.join(self.root, path)
                 values: list[tuple[str, bytes]] = []
                 problem = None
                 for column, value in row.items():
-                    if column in (self.path_column, self.label_column) or value is None:
+                    if value is None or column in named:
                         continue
                     if column not in self.codecs:  # a KeyError stopped the conversion with a traceback
                         detail = f"{where}: column {column!r} was not in the list when it was read first"
@@ -251,6 +253,8 @@ def _plain_folder(folder: str) -> str:
 
     ``..`` parts stay: through a link, ``x/../a.jpg`` may be another file than ``a.jpg``.
     """
+    if "." not in folder and "//" not in folder and not folder.endswith("/"):  # no such part: most folders
+        return folder
     plain = "/".join(part for part in folder.split("/") if part not in ("", "."))
     return f"/{plain}" if folder.startswith("/") else plain
 
@@ -320,31 +324,43 @@ def _read_rows(
         else:
             # strict: a field that opens a quote must close it before a delimiter ('"Hi" she said' lost its
             # quotes, and an unclosed one swallowed the rows after it into its value), or the list is refused
-            reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA, strict=True)
-            twice = first_repeated(reader.fieldnames or [])
-            if twice is not None:  # DictReader keeps the last value of such a column: the first was dropped
+            # csv.DictReader's rows, made here (a row a third quicker): a value past the header's columns goes
+            # under _EXTRA, a column not given is None (counted in _SHORT), blank lines are no rows
+            reader = csv.reader(f, delimiter=delimiter, strict=True)
+            header = next(reader, None)
+            if header is None:
+                return
+            twice = first_repeated(header)
+            if twice is not None:  # a dict keeps the last value of such a column: the first was dropped
                 raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
             folder = os.path.dirname(list_file) if fs is None else None  # rows swallowed: looked for locally
-            column = (reader.fieldnames or []).index(path_column) if path_column in (reader.fieldnames or []) else -1
+            column = header.index(path_column) if path_column in header else -1
+            columns, done = len(header), reader.line_num  # done: the lines of the rows read whole
             while True:
                 start = reader.line_num + 1
                 try:
-                    row = next(reader)
+                    values = next(reader)
+                    while not values:
+                        values = next(reader)
                 except StopIteration:
                     return
-                except csv.Error as exc:  # line_num: the lines read before the row that failed
+                except csv.Error as exc:
                     quotes = '"' in str(exc) or "end of data" in str(exc)
                     raise SourceError(
-                        f"the row at line {reader.line_num + 1} is not {_LIST_NAMES[delimiter]}: {exc}",
+                        f"the row at line {done + 1} is not {_LIST_NAMES[delimiter]}: {exc}",
                         path=where,
                         hint=_QUOTE_HINT if quotes else None,
                     ) from exc
+                cells: dict[str, Any] = dict(zip(header, values, strict=False))
+                if len(values) > columns:
+                    cells[_EXTRA] = values[columns:]
+                elif len(values) < columns:
+                    cells.update(dict.fromkeys(header[len(values) :]))
+                    cells[_SHORT] = columns - len(values)
                 if reader.line_num > start and folder is not None and column >= 0:  # a value holds line breaks
-                    _check_merged(row, start, delimiter, column, folder, where)
-                short = sum(value is None for value in row.values())  # DictReader's value of a column not given
-                if short:
-                    row[_SHORT] = short
-                yield reader.line_num, row
+                    _check_merged(cells, start, delimiter, column, folder, where)
+                done = reader.line_num
+                yield done, cells
 
 
 def _check_merged(row: dict[str, Any], start: int, delimiter: str, column: int, folder: str, where: str | Path) -> None:
