@@ -2917,12 +2917,12 @@ def _in_own_pid_namespace() -> list[str]:
 _STAGE_WITH_LIMIT = """
 import json, os, shutil, sys
 import packdata
-from packdata.staging import remote
+from packdata.staging import cache as stage_cache
 url, cache, options, limit, stall = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 def wait():  # for a line on stdin
     print("evicting", flush=True)
     sys.stdin.readline()
-evictable, rename, rmtree = remote._evictable, os.rename, shutil.rmtree
+evictable, rename, rmtree = stage_cache._evictable, os.rename, shutil.rmtree
 def checked(entry, options):  # eviction has checked the copy is unread, and has not deleted it yet
     found = evictable(entry, options)
     wait()
@@ -2936,7 +2936,7 @@ def deleted(path, *args, **kwargs):  # (before readers' locks, it was deleted wh
         wait()
     rmtree(path, *args, **kwargs)
 if stall == "check":
-    remote._evictable = checked
+    stage_cache._evictable = checked
 elif stall == "delete":
     os.rename, shutil.rmtree = moved, deleted
 try:

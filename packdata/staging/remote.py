@@ -22,7 +22,7 @@ and an unstage is refused while one runs. The steps:
    (a previous copy is moved aside and deleted): a reader never sees a half copy.
    An old copy that a stage killed in between left (``.NAME.old-PID``) is
    deleted by the next stage of ``NAME``. A previous copy that is still read
-   (see :func:`delete_unread`) is never replaced: the stage is refused, before
+   (see :func:`~packdata.staging.cache.delete_unread`) is never replaced: the stage is refused, before
    downloading and again at the swap, and a rerun once its readers are gone
    resumes from the finished download.
    Only a staged copy of the same URL (its ``staged.json`` says so) or an empty
@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -53,32 +52,24 @@ from packdata.formats import get_format
 from packdata.formats.remote_pack import check_not_short, remote_object
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
-from packdata.host.processes import open_by_any_process
 from packdata.pack.files import (
-    aside_path,
     atomic_write,
     discard_partial,
     file_sha256,
     file_stamp,
     fsync_dir,
     holds_conversion,
-    stale_siblings,
-    temporary_owner,
 )
 from packdata.pack.index import index_files
 from packdata.pack.lock import (
-    READERS_LOCK,
     convert_lock_path,
     create_readers_lock,
-    exclude_readers,
-    hold_lock,
     wait_for_lock,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import (
     conditional_reads,
     display_url,
-    is_url,
     open_url,
     precondition_failed,
     range_not_satisfiable,
@@ -88,20 +79,12 @@ from packdata.pack.urls import (
     user_digest,
 )
 from packdata.progress import progress as show_progress
-from packdata.staging.copy import LOCK as STAGE_LOCK
-from packdata.staging.folder import dir_bytes, missing_folders, removed_if_refused
+from packdata.staging.cache import delete_unread, discard_stale_copies, evict_for, unread_copy
+from packdata.staging.folder import missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.tmpfs import mount_of
 
-__all__ = [
-    "RemoteStageResult",
-    "delete_copy",
-    "delete_unread",
-    "discard_aside",
-    "discard_stale_copies",
-    "evict_for",
-    "stage_remote",
-]
+__all__ = ["RemoteStageResult", "stage_remote"]
 
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 
@@ -148,7 +131,7 @@ def stage_remote(
         progress: show progress on stderr.
         cache_limit: most bytes the cache folder's staged copies may hold; the
             least recently used copies of remote packs are evicted to make room
-            (see :func:`evict_for`).
+            (see :func:`~packdata.staging.cache.evict_for`).
 
     Raises:
         ConfigError: no ``to`` (or one that cannot be made), a ``name`` that is not a plain folder name,
@@ -252,7 +235,7 @@ def _stage_locked(
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
     if dest.is_dir():
-        with _unread(dest) as unread:
+        with unread_copy(dest) as unread:
             if not unread:
                 raise _still_read(dest, shown)  # before a byte is downloaded
     if partial.is_symlink() or (os.path.lexists(partial) and not partial.is_dir()):
@@ -498,191 +481,3 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
             hint="Rerun; if it persists, verify the pack at its origin",
         )
     os.replace(tmp, local)
-
-
-def _owner(entry: Path) -> Path:
-    """The staged copy ``entry`` stands for: itself, or the copy whose partial or moved-aside folder it is."""
-    return temporary_owner(entry, "partial", "old") or entry
-
-
-def evict_for(
-    cache: Path, incoming: int, limit: int, *, keep: Path, storage_options: dict[str, Any] | None = None
-) -> list[Path]:
-    """Delete least recently used staged copies in ``cache`` until they and ``incoming`` bytes fit ``limit``.
-
-    Only complete, verified copies of packs in object storage are candidates,
-    each deleted holding its ``.NAME.lock`` (taken without waiting: a copy
-    another process is staging, replacing or unstaging is skipped), and only
-    when its origin's manifest is still there (never the last copy; nor one
-    whose origin cannot be looked up: its URL's user part not shown) and nobody
-    reads it: no dataset holds its ``.readers.lock`` and no process visibly has
-    a file of it open (:func:`delete_unread`, which renames it aside before
-    deleting it). ``keep`` (the copy being staged) and its partial or old
-    folders are never evicted.
-
-    Returns:
-        The copies deleted, oldest first.
-
-    Raises:
-        CapacityError: the limit cannot be met by evicting what may be evicted (when
-            no eviction could meet it, such as a pack larger than the limit, nothing is evicted).
-    """
-    copies = []
-    for entry in cache.iterdir():
-        marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
-        if marker is None or _owner(entry) == keep:
-            continue
-        copies.append((os.stat(entry / STAGED_FILE).st_mtime, entry, dir_bytes(entry), marker))
-    total = incoming + sum(size for _, _, size, _ in copies)
-    kept = sum(size for _, _, size, marker in copies if not _remote_copy(marker))
-    if incoming + kept > limit:  # evicting every copy would not make room: evict none
-        beside = f" beside {kept:,} bytes of copies that are never evicted (of local packs, or incomplete)"
-        raise CapacityError(
-            f"the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes){beside if kept else ''}",
-            path=cache,
-            hint="Raise --cache-limit, or stage into another folder",
-        )
-    evicted: list[Path] = []
-    unknown = ""  # why a copy whose readers cannot be told was kept
-    for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
-        if total <= limit:
-            break
-        if not _remote_copy(marker):
-            continue  # a local pack's copy, or an incomplete one: not ours to evict (its lock is never taken)
-        owner = _owner(entry)
-        try:
-            with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
-                try:
-                    if _evictable(entry, storage_options) and delete_unread(entry, owner):
-                        evicted.append(entry)
-                        total -= size
-                except ConfigError as exc:  # its .readers.lock is not one a stage made
-                    unknown = unknown or f" ({exc})"
-        except LockedError:
-            continue  # another process is staging, replacing or unstaging it
-    if total > limit:
-        raise CapacityError(
-            f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers "
-            f"or other stages, of local packs, or whose origin is gone leave {total:,} bytes{unknown}",
-            path=cache,
-            hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
-        )
-    return evicted
-
-
-def _remote_copy(marker: dict[str, Any] | None) -> bool:
-    """Whether a staged copy's marker says it is a complete copy of a pack in object storage."""
-    origin = marker.get("origin") if marker else None
-    return bool(marker and marker.get("complete") and isinstance(origin, str) and is_url(origin))
-
-
-@contextlib.contextmanager
-def _unread(copy: Path) -> Iterator[bool]:
-    """Hold ``copy``'s readers' lock exclusively for the block if nobody reads it; yields whether nobody does.
-
-    Read: a dataset holds its ``.readers.lock`` (taken without waiting, see
-    :func:`packdata.pack.lock.exclude_readers`), or a process visibly has one of
-    its files open or mapped (readers that take no lock: other tools, copies
-    staged before readers' locks; only processes this one may inspect are seen).
-    """
-    if open_by_any_process(copy, ignore=(READERS_LOCK, STAGE_LOCK)) is not None:  # readers hold no lock file
-        yield False
-        return
-    with exclude_readers(copy) as unread:
-        yield unread
-
-
-def delete_unread(entry: Path, owner: Path | None = None, *, successor: Path | None = None) -> bool:
-    """Delete the staged copy ``entry`` (``owner``'s ``.NAME.lock`` held) unless it is read; whether it did.
-
-    Under its readers' lock (see :func:`_unread`) the copy is renamed aside
-    (``.NAME.old-PID``, which the next stage of NAME discards if this one is
-    killed) and ``successor``, a finished copy, renamed into its place, so a
-    reader opening it meanwhile finds it gone or replaced, never half deleted.
-    A copy that never stood at its name is deleted where it is, as is one its file system
-    will not rename (``EXDEV``: an overlay's lower layer), its ``staged.json`` last.
-
-    Args:
-        entry: the staged copy, or a partial or moved-aside folder of one.
-        owner: the copy ``entry`` stands for (default: ``entry``, see :func:`_owner`).
-        successor: the folder that takes ``entry``'s place.
-
-    Raises:
-        ConfigError: its ``.readers.lock`` is not a regular file, so its readers
-            cannot be told (:func:`packdata.pack.lock.exclude_readers`): it is kept.
-    """
-    owner = entry if owner is None else owner
-    with _unread(entry) as unread:
-        if not unread:
-            return False
-        doomed = entry
-        if entry == owner:
-            doomed = aside_path(owner)
-            try:
-                os.rename(entry, doomed)
-            except OSError as exc:  # an overlay whose lower layer holds the copy: deleted where it is
-                if exc.errno != errno.EXDEV or successor is not None:
-                    raise
-                doomed = entry
-        if successor is not None:
-            os.rename(successor, entry)
-            fsync_dir(entry.parent)
-        delete_copy(doomed, ignore_errors=successor is not None)  # a leftover there costs disk; swept later
-    return True
-
-
-def delete_copy(copy: Path, *, ignore_errors: bool = False) -> None:
-    """Delete a staged copy (a folder, not a link), its ``staged.json`` last.
-
-    A delete killed midway so leaves a folder still known as a staged copy,
-    which ``unstage AREA`` sweeps; without its marker it would stay for good
-    (on tmpfs: RAM) unless NAME were staged there again. A link (or a file)
-    standing there is removed itself: what a link leads to is never deleted.
-    """
-    if copy.is_symlink() or not copy.is_dir():
-        discard_partial(copy)
-        return
-    with os.scandir(copy) as entries:
-        inside = [Path(entry.path) for entry in entries if entry.name != STAGED_FILE]
-    try:
-        for path in inside:
-            discard_partial(path)
-    except OSError:
-        if not ignore_errors:
-            raise
-        return
-    shutil.rmtree(copy, ignore_errors=ignore_errors)
-
-
-def discard_aside(aside: Path) -> None:
-    """Remove a ``.NAME.old-PID`` a killed run left: a folder as :func:`delete_copy` does, a link or file itself."""
-    if aside.is_dir() and not aside.is_symlink():
-        delete_copy(aside)
-    else:
-        discard_partial(aside)
-
-
-def discard_stale_copies(dest: Path) -> None:
-    """Remove the copies of ``dest`` that killed runs left aside (:func:`~packdata.pack.files.discard_stale`'s rule).
-
-    Each goes by :func:`discard_aside`: a staged copy's ``staged.json`` last,
-    so a stage killed midway leaves it still known to ``unstage AREA``. Call it
-    holding ``dest``'s lock; one that cannot be removed costs disk, never the caller.
-    """
-    for aside in stale_siblings(dest, "old"):
-        with contextlib.suppress(OSError):
-            discard_aside(aside)
-
-
-def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
-    """Whether ``entry`` (its lock held) is still a complete remote copy whose origin is there."""
-    marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
-    if marker is None or not _remote_copy(marker):
-        return False  # replaced or removed before its lock was taken
-    if user_digest(marker["origin"]) != marker.get("origin_user", ""):
-        return False  # its URL had a user part the origin does not show: it names another place
-    try:
-        fs, root = open_url(marker["origin"], storage_options)
-        return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))
-    except Exception:
-        return False

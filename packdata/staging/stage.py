@@ -67,6 +67,7 @@ from packdata.pack.files import discard_partial
 from packdata.pack.lock import create_readers_lock, exclude_readers
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from packdata.pack.urls import is_url
+from packdata.staging.cache import discard_stale_copies
 from packdata.staging.copy import ShardFiles, copy_all, is_staged, shard_files
 from packdata.staging.folder import (
     copy_index,
@@ -81,7 +82,7 @@ from packdata.staging.folder import (
     staged_manifest,
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
-from packdata.staging.remote import RemoteStageResult, discard_stale_copies, stage_remote
+from packdata.staging.remote import RemoteStageResult, stage_remote
 from packdata.staging.space import FULL_DISK_ERRNOS, no_space_error
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,

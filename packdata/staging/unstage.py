@@ -13,9 +13,9 @@ from typing import Any
 from packdata.errors import ConfigError, LockedError
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.staging.cache import delete_copy, delete_unread, discard_aside
 from packdata.staging.folder import dir_bytes, locked, remove_empty
 from packdata.staging.marker import STAGED_FILE, is_staged_copy, unreadable_named
-from packdata.staging.remote import delete_copy, delete_unread, discard_aside
 from packdata.staging.tmpfs import TMPFS_SOURCE, made_folders, run_mount, tmpfs_mount_at
 
 __all__ = [
