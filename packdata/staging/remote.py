@@ -36,7 +36,6 @@ not at all: a cache without room for it is refused before anything is downloaded
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -82,10 +81,15 @@ from packdata.progress import progress as show_progress
 from packdata.staging.cache import delete_unread, discard_stale_copies, evict_for, unread_copy
 from packdata.staging.folder import missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
+from packdata.staging.space import FULL_DISK_ERRNOS, no_space_error
 from packdata.staging.tmpfs import mount_of
 
 __all__ = ["RemoteStageResult", "stage_remote"]
 
+_FULL_HINT = (
+    "A pack is staged whole from a URL: free space or stage into another cache, then stage again "
+    "(what was downloaded is kept)"
+)
 _RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 
 
@@ -282,9 +286,9 @@ def _stage_locked(
             create_readers_lock(partial)
             fsync_dir(partial)
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno not in FULL_DISK_ERRNOS:
                 raise
-            raise destination_error(exc, partial) from exc
+            raise no_space_error(exc, exc.filename or partial, staged=partial, hint=_FULL_HINT) from exc
     check_destination(shown, dest, user=user)  # again: a folder may have appeared there while downloading
     if not dest.exists():
         os.rename(partial, dest)

@@ -41,10 +41,10 @@ def filesystem_named(folder: str | os.PathLike) -> str:
     return f"{mount.mountpoint} ({mount.fstype} of {sizes})"
 
 
-def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path) -> CapacityError:
+def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path, hint: str = _RERUN_HINT) -> CapacityError:
     """The CapacityError for ``exc`` (a full disk or quota) raised writing ``path``, a file of the staged pack.
 
-    Raise it ``from exc``.
+    Raise it ``from exc``; ``hint`` says what to do (by default: a local stage's remedies).
     """
     path = Path(path)
     try:
@@ -55,7 +55,7 @@ def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path) -> Ca
     return CapacityError(
         f"no space left on {filesystem_named(_existing(path))} while writing {shown} of the staged pack",
         path=path,
-        hint=_RERUN_HINT,
+        hint=hint,
     )
 
 
