@@ -990,14 +990,14 @@ def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
 
     The size caught a rewrite of another length; one of the same length is caught by its ETag (If-Match).
     """
-    from packdata.conversion import convert as conversion
+    from packdata.conversion import scan as conversion_scan
 
     options, fs = s3
     fs.put(str(clean_folder), "packs/changing", recursive=True)
     same_size = bytearray((clean_folder / "class1" / "img002.jpg").read_bytes())
     same_size[len(same_size) // 2] ^= 0xFF  # other bytes in the image data, same length
     same_size = bytes(same_size)
-    real_scan = conversion.scan_remote_folder
+    real_scan = conversion_scan.scan_remote_folder
 
     def scan_then_change(*args, **kwargs):  # listed by the driver, then changed before any task reads it
         scanned = real_scan(*args, **kwargs)
@@ -1006,7 +1006,7 @@ def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
         fs.rm_file("packs/changing/class2/img007.jpg")
         return scanned
 
-    monkeypatch.setattr(conversion, "scan_remote_folder", scan_then_change)
+    monkeypatch.setattr(conversion_scan, "scan_remote_folder", scan_then_change)
     dst = tmp_path / "changing.lmdb"
     result = packdata.convert(
         "s3://packs/changing", dst, shard_samples=10, storage_options=options, progress=False, engine="ray"

@@ -13,15 +13,13 @@ from before the partial folder is touched until after the publish rename."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from packdata.conversion.append import append_pack, interrupted_append, next_generation
 from packdata.conversion.destination import (
@@ -33,14 +31,12 @@ from packdata.conversion.destination import (
     partial_path,
 )
 from packdata.conversion.download import download_source
-from packdata.conversion.layouts import AnySource, GroupedSource, detect_grouped, scan_grouped
-from packdata.conversion.lists import LIST_SUFFIXES, scan_list
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, recover_replaced
-from packdata.conversion.remote_folder import RemoteFolder, scan_remote_folder
-from packdata.conversion.sources import Skip, Source, listed_class, scan_source, with_classes
-from packdata.conversion.tars import TarSource, is_tar_pattern, scan_tars
+from packdata.conversion.remote_folder import RemoteFolder
+from packdata.conversion.scan import REFUSED_OBJECTS, is_pack, scan_any, streams_in_place, with_refused
+from packdata.conversion.tars import TarSource
 from packdata.conversion.upload import (
     ShardUploader,
     check_job,
@@ -148,10 +144,10 @@ def convert(
         LockedError: another process is converting into ``dst`` (it is named).
     """
     started = time.perf_counter()
-    if is_url(src) and is_url(dst) and not _streams(os.fspath(src)):
+    if is_url(src) and is_url(dst) and not streams_in_place(os.fspath(src)):
         _check_urls_apart(os.fspath(src), os.fspath(dst))
     # tar shards or a list at a URL, or on Ray a folder at a URL: read in place
-    streamed = is_url(src) and (_streams(os.fspath(src)) or engine == "ray")
+    streamed = is_url(src) and (streams_in_place(os.fspath(src)) or engine == "ray")
     if is_url(src) and not streamed:
         return _convert_from_url(os.fspath(src), dst, locals())
     if is_url(dst):
@@ -177,7 +173,7 @@ def convert(
     if max_side is not None and max_side < 1:
         raise ConfigError(f"max_side should be a positive number of pixels, but got max_side={max_side}")
     shard_size, shard_samples = shard_limits(shard_size, shard_samples, pack_format.default_shard_bytes)
-    source = _with_refused(_scan(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
+    source = with_refused(scan_any(src, kind, layout, tuple(require), path_column, label_column, storage_options), src)
     into, into_kind = _APPEND_INTO.get()
     if into_kind is not None and source.kind != into_kind:  # before any file is read, not after all were packed
         raise _kind_mismatch(source.kind, into_kind, into)
@@ -228,11 +224,6 @@ def convert(
         )
 
 
-def _streams(url: str) -> bool:
-    """Whether a source URL is read in place (tar shards, a list file), not copied into a work folder first."""
-    return is_tar_pattern(url) or os.path.splitext(url.rstrip("/"))[1].lower() in LIST_SUFFIXES
-
-
 def _check_urls_apart(src: str, dst: str) -> None:
     """Refuse a destination URL inside the source folder's URL, or around it: a later run would pack the pack.
 
@@ -255,81 +246,13 @@ def _check_urls_apart(src: str, dst: str) -> None:
 def _check_source_and_destination(src: Path | str, dst: Path, overwrite: bool) -> None:
     """Refuse a destination inside a local source (or around it) or inside a pack, or an existing pack unless
     ``overwrite``."""
-    around = next((folder for folder in Path(os.path.abspath(dst)).parents if _is_pack(folder)), None)
+    around = next((folder for folder in Path(os.path.abspath(dst)).parents if is_pack(folder)), None)
     if around is not None:  # its shards would sit in a pack's folder, which --overwrite of that pack then refuses
         raise ConfigError(f"the pack would be inside the pack {around}", path=dst, hint="Choose an output outside it")
     if isinstance(src, str):  # a URL: nothing of it is on this disk
         _check_existing(dst, overwrite)
     else:
         _check_paths(src, dst, overwrite)
-
-
-def _scan(
-    src: Path | str,
-    kind: str,
-    layout: str,
-    require: tuple[str, ...],
-    path_column: str,
-    label_column: str | None,
-    storage_options: dict[str, Any] | None = None,
-) -> AnySource:
-    """The source at ``src`` (a path, or the URL of tar shards or a list) in the layout asked for (or detected)."""
-    if layout not in ("auto", "classes", "grouped"):
-        raise ConfigError(f"layout should be 'auto', 'classes' or 'grouped', but got layout={layout!r}")
-    is_list = os.path.splitext(os.fspath(src).rstrip("/"))[1].lower() in LIST_SUFFIXES
-    if isinstance(src, Path):
-        is_list = is_list and (src.is_file() or not src.exists())
-    if path_column != "path" and not is_list:
-        raise ConfigError(
-            "path_column=COLUMN is for list files", hint="A folder's files are found by walking it: drop it"
-        )
-    if is_tar_pattern(os.fspath(src)):
-        if require:
-            raise ConfigError(
-                "require=FIELDS is for grouped files and list files", hint="Drop it: tar samples are kept whole"
-            )
-        return scan_tars(os.fspath(src), storage_options)
-    if isinstance(src, str) and os.path.splitext(src.rstrip("/"))[1].lower() not in LIST_SUFFIXES:
-        if require or label_column is not None:
-            raise ConfigError(
-                "require=FIELDS and label_column=COLUMN are for grouped files and list files", path=display_url(src)
-            )
-        return scan_remote_folder(src, storage_options, kind, layout)  # a folder at a URL, on Ray
-    if isinstance(src, str):
-        return scan_list(
-            src,
-            path_column=path_column,
-            label_column=label_column,
-            storage_options=storage_options,
-            require=require,
-        )
-    if is_list:
-        return scan_list(src, path_column=path_column, label_column=label_column, require=require)
-    if label_column is not None:
-        raise ConfigError("label_column=COLUMN is for list files", hint="Class folders give labels: drop it")
-    if _is_pack(src):  # its manifest, index and shards would be packed as samples
-        raise ConfigError(
-            "is a packdata pack, not a folder of files to pack",
-            path=src,
-            hint=f"To repack it (another format or shard size), export it first (`packdata export {src} DIR`), "
-            "then convert DIR",
-        )
-    if layout == "grouped" or (layout == "auto" and kind == "auto" and src.is_dir() and detect_grouped(src)):
-        return scan_grouped(src, require)
-    if require:
-        raise ConfigError("require=FIELDS is for grouped files and list files", hint="Pass layout='grouped'")
-    return scan_source(src, kind)
-
-
-def _is_pack(folder: Path) -> bool:
-    """Whether ``folder`` is a packdata pack: a manifest.json that packdata reads, not just any file of that name."""
-    if not (folder / MANIFEST_NAME).is_file():
-        return False
-    try:
-        read_manifest(folder)
-    except PackFormatError:
-        return False
-    return True
 
 
 def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResult:
@@ -592,52 +515,10 @@ def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any])
         url, options["storage_options"], workers=options["workers"], progress=options["progress"]
     )
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
-    token = _REFUSED.set((local, tuple(refused)))
+    token = REFUSED_OBJECTS.set((local, tuple(refused)))
     try:
         result = convert(local, dst, **kwargs)
     finally:
-        _REFUSED.reset(token)
+        REFUSED_OBJECTS.reset(token)
     clean_work_folder(local)
     return result
-
-
-_REFUSED: ContextVar[tuple[Path, tuple[Skip, ...]]] = ContextVar("packdata_refused_objects", default=(Path(), ()))
-"""Objects of a source folder at a URL that were not copied into its work folder (that folder, its skips).
-
-Set by :func:`_convert_from_url` around the conversion of the work folder, so
-every conversion of that folder (also through an upload or an append) walks
-them first and they land in the skip report, counted among the files found.
-"""
-
-
-class _WithSkips:
-    """A scanned source whose walk yields some skips first (objects refused before the walk), then its own."""
-
-    def __init__(self, source: AnySource, skips: tuple[Skip, ...]) -> None:
-        self._source, self._skips = source, skips
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)
-
-    def walk(self, spill: Path | None = None) -> Iterator[Any]:
-        """The refused objects' skips, then the source's walk."""
-        yield from self._skips
-        yield from self._source.walk(spill)
-
-
-def _with_refused(source: AnySource, src: Path | str) -> AnySource:
-    """``source``, walking first the objects refused when ``src`` was copied from a URL (see :data:`_REFUSED`)."""
-    folder, skips = _REFUSED.get()
-    if not skips or not isinstance(src, Path) or src != folder:
-        return source
-    if isinstance(source, Source):  # a class none of whose objects was copied is still a class of the listing
-        listed = {top for skip in skips if skip.reason in _MISSED and (top := listed_class(skip.key, source.kind))}
-        source = with_classes(source, listed)
-    if isinstance(source, GroupedSource):  # its walk skips a group one of whose objects was not copied whole
-        source = dataclasses.replace(source, lost=tuple(skip for skip in skips if skip.reason in _MISSED))
-        skips = tuple(skip for skip in skips if skip.reason not in _MISSED)
-    return cast(AnySource, _WithSkips(source, skips))
-
-
-_MISSED = ("changed", "vanished")
-"""The reasons of objects listed as they are but not copied: the listing's classes count them."""
