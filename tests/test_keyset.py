@@ -6,6 +6,9 @@ import hashlib
 import io
 import os
 import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -16,14 +19,16 @@ from typing import Any
 
 import fsspec
 import pytest
-from conftest import kill_at_files_done
+from click.testing import CliRunner
+from conftest import kill_at_files_done, tree_digest
 
 import packdata
-from packdata.conversion import lists
+from packdata.cli import main as cli
+from packdata.conversion import combine, lists
 from packdata.conversion.destination import SPILL_DIR, partial_path
 from packdata.conversion.lists import scan_list
 from packdata.conversion.local import _count_walk
-from packdata.errors import ConfigError
+from packdata.errors import ConfigError, PackFormatError
 from packdata.pack import keyset
 from packdata.pack.keyset import KeySet
 from packdata.progress import progress
@@ -264,3 +269,97 @@ def test_a_list_conversion_killed_with_keys_spilled_resumes_to_the_clean_runs_pa
     assert (dst / "skipped.jsonl").read_bytes() == (tmp_path / "clean.lmdb" / "skipped.jsonl").read_bytes()
     ours = [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(dst)]
     assert ours == [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(tmp_path / "clean.lmdb")]
+
+
+def _listing(folder: Path, names: list[str]) -> Path:
+    """A list source in ``folder`` of a text file per name (its key), each of class c0 or c1."""
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / f"{name}.txt").write_text(name)
+    listing = folder / "l.csv"
+    listing.write_text("path,label\n" + "".join(f"{n}.txt,c{i % 2}\n" for i, n in enumerate(names)), "utf-8")
+    return listing
+
+
+def _pack_and_new(tmp_path: Path, repeat: str | None = None) -> tuple[Path, Path]:
+    """A pack of 300 keys and a list of 100 new ones (``repeat`` last, a key of the pack, if given)."""
+    pack = tmp_path / "p.lmdb"
+    listing = _listing(tmp_path / "a", [f"k{n:03d}" for n in range(300)])
+    packdata.convert(listing, pack, label_column="label", progress=False)
+    names = [f"k{n:03d}" for n in range(300, 400)] + ([repeat] if repeat else [])
+    return pack, _listing(tmp_path / "b", names)
+
+
+def test_an_append_whose_keys_spill_names_a_repeat_and_leaves_no_spill_done_refused_or_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append's key set held every key of the pack and the new samples in memory (about 40 B a key); it now
+    spills into the append's own folder in the pack (.append-aN.partial), removed once planned, refused or failed."""
+    spilled: list[tuple[Path | None, int]] = []
+
+    class SeenKeySet(KeySet):
+        def close(self) -> None:
+            spilled.append((self._spill, self.runs))
+            super().close()
+
+    _tiny_budget(monkeypatch)
+    monkeypatch.setattr(combine, "KeySet", SeenKeySet)
+    pack, new = _pack_and_new(tmp_path / "refused", repeat="k002")
+    before = tree_digest(pack)
+    refusal = f"{pack}: the new samples repeat key 'k002', already in the pack. Keys are unique in a pack"
+    with pytest.raises(ConfigError, match=f"^{re.escape(refusal)}"):
+        packdata.convert(new, pack, label_column="label", append=True, progress=False)
+    assert spilled == [(pack / ".append-a1.partial" / SPILL_DIR, spilled[0][1])] and spilled[0][1] >= 5
+    assert tree_digest(pack) == before and sorted(os.listdir(pack.parent)) == ["a", "b", "p.lmdb"]
+
+    spilled.clear()
+    pack, new = _pack_and_new(tmp_path / "done")
+    result = packdata.convert(new, pack, label_column="label", append=True, progress=False)
+    assert result.packed == 100 and spilled[0][0] == pack / ".append-a1.partial" / SPILL_DIR and spilled[0][1] >= 6
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(pack)) == [f"k{n:03d}" for n in range(400)]
+    assert not any(name.startswith(".") for name in os.listdir(pack))
+    assert sorted(os.listdir(pack.parent)) == ["a", "b", "p.lmdb"]
+    (pack / "index" / "notes.txt").write_text("mine")  # the next append deletes index/: it fails after planning
+    other = _listing(tmp_path / "done" / "c", ["x1"])
+    with pytest.raises(PackFormatError, match=re.escape(f"{pack / 'index'}: the index folder an append replaced")):
+        packdata.convert(other, pack, label_column="label", append=True, progress=False)
+    assert spilled[-1][0] == pack / ".append-a2.partial" / SPILL_DIR and spilled[-1][1] >= 6
+    assert not any(name.startswith(".append") for name in os.listdir(pack))
+
+
+_KILLED_APPEND = """
+import os, signal, sys
+import packdata
+from packdata.pack import keyset
+keyset._BUDGET, keyset._MIN_RECENT = 50 * 24 * 4, 8
+spill = os.path.join(sys.argv[2], ".append-a1.partial")
+def run(self, path, *args, _run=keyset._Run.__init__):
+    _run(self, path, *args)
+    if str(path).startswith(spill) and path.name == "run-00003":  # the append's key set has spilled 4 runs
+        os.kill(os.getpid(), signal.SIGKILL)
+keyset._Run.__init__ = run
+packdata.convert(sys.argv[1], sys.argv[2], label_column="label", append=True, progress=False)
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["again", "resume"])
+def test_an_append_killed_with_its_keys_spilled_then_rerun_gives_the_pack_of_an_uninterrupted_one(
+    tmp_path: Path, resume: bool
+) -> None:
+    """Killed while its keys spill into the pack, the pack reads as before; appended again (or resumed), the
+    spill is removed and made anew, and the pack equals one appended uninterrupted, with no spill left."""
+    pack, new = _pack_and_new(tmp_path)
+    clean = tmp_path / "clean.lmdb"
+    shutil.copytree(pack, clean)
+    packdata.convert(new, clean, label_column="label", append=True, progress=False)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_APPEND, str(new), str(pack)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert len(_runs(pack / ".append-a1.partial" / SPILL_DIR)) == 4  # killed with its runs on disk
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(pack)) == [f"k{n:03d}" for n in range(300)]
+    args = ["--resume"] if resume else []
+    done = CliRunner().invoke(cli, ["convert", str(new), str(pack), "--append", "--label-column", "label", "-q", *args])
+    assert done.exit_code == 0, done.output
+    assert not any(name.startswith(".") for name in os.listdir(pack))
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "clean.lmdb", "p.lmdb"]
+    ours = [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(pack)]
+    assert ours == [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(clean)]

@@ -1,8 +1,10 @@
 """Append a pack's samples to another: its shards move in whole, a new sample index and manifest are written.
 
 Classes, fields and keys are united as :mod:`packdata.conversion.combine`
-merges them. An append never touches the existing shards. It prepares the new index and skip
-report in ``.append-aN.partial`` in the pack (N: the append's generation), then
+merges them. An append never touches the existing shards. Its keys, past
+:class:`~packdata.pack.keyset.KeySet`'s budget, spill into ``.append-aN.partial``
+in the pack (N: the append's generation), removed once they are checked. It
+prepares the new index and skip report in that folder, then
 writes its plan, ``.append-aN.json`` (the manifest to publish, the files to move,
 the index folder to delete). It then moves the index and the new shards' files
 in, replaces the manifest atomically (the append takes effect), cleans up, and
@@ -37,6 +39,7 @@ from packdata.conversion.combine import (
     _shard_pairs,
     _write_index,
 )
+from packdata.conversion.destination import spill_folder
 from packdata.conversion.publish import SKIP_REPORT
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
@@ -79,14 +82,18 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
     done = _recover(dst, new, resume=resume)
     if done is not None:
         return done
-    try:
-        inputs, classes, fields, codecs = _plan([dst, new], "append")
+    generation = next_generation(dst, read_manifest(dst))
+    staging = _staging_path(dst, generation)  # none yet: _recover removed what an interrupted append left
+    try:  # the keys spill into the append's own folder, removed once planned, refused or failed
+        inputs, classes, fields, codecs = _plan([dst, new], "append", spill_folder(staging))
     except ConfigError:
         shutil.rmtree(new)
         raise
+    finally:
+        if os.path.lexists(staging):  # only once the keys spilled
+            shutil.rmtree(staging)
     old, extra = inputs
     fmt = old.manifest.format
-    generation = next_generation(dst, old.manifest)
     index_dir = f"{INDEX_DIR}-a{generation}"
     drop = old.manifest.index.get("previous")
     if drop in (index_dir, old.manifest.index_dir):
@@ -110,7 +117,6 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
             pairs = _shard_pairs(fmt, new, source, name)
         moves.extend(pairs)
         shards.append(info)
-    staging = _staging_path(dst, generation)
     staging.mkdir()
     _write_index(staging, inputs, fields=old.manifest.kind == "fields")
     atomic_write(staging / SKIP_REPORT, b"".join(line for item in inputs for line in _report_lines(item)))
