@@ -363,3 +363,59 @@ def test_an_append_killed_with_its_keys_spilled_then_rerun_gives_the_pack_of_an_
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "clean.lmdb", "p.lmdb"]
     ours = [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(pack)]
     assert ours == [(s["__key__"], s["txt"], s["cls"]) for s in packdata.LMDBDataset(clean)]
+
+
+def _damage_message(run: Path, problem: str) -> str:
+    return re.escape(f"{run}: a run of keys spilled to disk {problem}. It is scratch this run wrote, damaged since")
+
+
+@pytest.mark.parametrize("damage", ["cut", "zeroed"])
+def test_a_spilled_run_damaged_on_disk_is_named_never_read_as_other_keys(tmp_path: Path, damage: str) -> None:
+    """A run file cut short raised a bare OSError where a lookup read past its end (and answered where it did
+    not); one whose keys were overwritten answered lookups from other bytes. Both are a PackFormatError naming it."""
+    keys = KeySet(4, spill=tmp_path / "spill", budget=_SPILL_EVERY * 24 * 4)
+    for n in range(300):
+        keys.add(f"k{n}", n)
+    run = next((tmp_path / "spill").rglob("run-00000"))
+    if damage == "cut":
+        os.truncate(run, run.stat().st_size - 13)
+        problem = f"is {run.stat().st_size} bytes, {run.stat().st_size + 13} were written"
+    else:
+        with open(run, "r+b") as f:
+            f.write(bytes(16))  # the first two digests' high halves: the page's first no longer the one held
+        problem = "holds other bytes than were written (its keys are out of order)"
+    with pytest.raises(PackFormatError, match=_damage_message(run, problem)):
+        keys.add("k3", 9)  # in the first run
+    keys.close()
+
+
+def test_a_list_conversion_whose_spilled_run_is_cut_short_stops_naming_it_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cut short while the walk goes on, the run is named, the partial kept; a resume spills anew and publishes
+    the pack an uninterrupted run makes."""
+    _tiny_budget(monkeypatch)
+    cut: list[tuple[Path, int]] = []
+
+    class CutKeySet(KeySet):
+        def _spill_run(self) -> None:
+            super()._spill_run()
+            if self.runs == 4 and not cut:  # once: the first run of the first walk, cut to 100 bytes
+                run = next(Path(self._spill or "").rglob("run-00000"))
+                cut.append((run, run.stat().st_size))
+                os.truncate(run, 100)
+
+    monkeypatch.setattr(lists, "KeySet", CutKeySet)
+    listing = _list_with_repeats(tmp_path, 600)
+    dst = tmp_path / "out.lmdb"
+    with pytest.raises(PackFormatError) as caught:
+        packdata.convert(listing, dst, label_column="label", progress=False)
+    [(run, written)] = cut
+    assert run.parent.parent == partial_path(dst) / SPILL_DIR and partial_path(dst).exists()
+    assert str(caught.value) == (
+        f"{run}: a run of keys spilled to disk is 100 bytes, {written} were written. It is scratch this run wrote, "
+        "damaged since (check that disk): run again (a conversion: resume=True continues it); the keys spill anew"
+    )
+    result = packdata.convert(listing, dst, label_column="label", progress=False, resume=True)
+    assert result.skipped == {"duplicate key": 3} and not partial_path(dst).exists()
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(dst)) == [f"{i:05d}" for i in range(600)]

@@ -17,7 +17,9 @@ is held in memory to find the place). A Bloom filter of at most half the budget 
 key, 32 filter bits a key while it has room) keeps most new keys from looking
 any further: at its full 128 MiB, 10^8 keys pass it wrongly about 1.5% of the
 time. The runs are deleted by :meth:`KeySet.close` (or when the set is
-collected); the caller removes the folder with what it holds.
+collected); the caller removes the folder with what it holds. A run read back
+other than it was written (its size; the order of a lookup's page of keys and
+the digests held of it) raises :class:`~packdata.errors.PackFormatError` naming it.
 
 Two distinct keys with one digest would make the second read as a repeat:
 for 10^8 keys the chance is about 10^-23, far below a disk's silent bit flip.
@@ -34,7 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
+from packdata.errors import PackFormatError
+
 __all__ = ["KeySet"]
+
+_RERUN = (
+    "It is scratch this run wrote, damaged since (check that disk): run again (a conversion: resume=True "
+    "continues it); the keys spill anew"
+)
 
 _MIN_RECENT = 1 << 16  # recent keys held in a dict before the first merge into the arrays
 _BUDGET = 256 << 20  # bytes: a quarter for the arrays (then they spill), half for the filter
@@ -59,23 +68,38 @@ class _Run:
         with open(path, "wb") as f:
             for array in (high, low, values.view(np.uint64)):
                 array.astype("<u8", copy=False).tofile(f)
+        self.path = path
         self.count = len(high)
         self.fd = os.open(path, os.O_RDONLY)
         self.sparse = np.array(high[::_STRIDE])  # in memory: 8 bytes per _STRIDE keys
 
     def column(self, number: int, start: int, stop: int) -> np.ndarray:
-        """Rows ``start`` to ``stop`` of column ``number`` (0 high, 1 low, 2 values as uint64)."""
+        """Rows ``start`` to ``stop`` of column ``number`` (0 high, 1 low, 2 values as uint64).
+
+        Raises:
+            PackFormatError: the file is not the size it was written, or cannot be read.
+        """
         size = (stop - start) * 8
-        data = os.pread(self.fd, size, (number * self.count + start) * 8)
-        if len(data) != size:  # the scratch file was cut short under us: never answer from a part of it
-            raise OSError(f"a spilled run of keys ended early: {len(data)} bytes of {size}")
+        try:
+            found = os.fstat(self.fd).st_size
+            data = os.pread(self.fd, size, (number * self.count + start) * 8) if found == self.count * 24 else b""
+        except OSError as exc:
+            raise self.damaged(f"cannot be read ({exc})") from exc
+        if len(data) != size:  # cut short (or grown) under us: never answer from a part of it
+            raise self.damaged(f"is {found} bytes, {self.count * 24} were written")
         return np.frombuffer(data, "<u8")
+
+    def damaged(self, problem: str) -> PackFormatError:
+        return PackFormatError(f"a run of keys spilled to disk {problem}", path=self.path, hint=_RERUN)
 
     def find(self, high: np.uint64, low: np.uint64) -> int | None:
         # every row with this high lies past the last sparse entry below it and before the first above it
         start = max(0, int(self.sparse.searchsorted(high, "left")) - 1) * _STRIDE
         stop = min(self.count, int(self.sparse.searchsorted(high, "right")) * _STRIDE)
         highs = self.column(0, start, stop)
+        held = self.sparse[start // _STRIDE : start // _STRIDE + len(highs[::_STRIDE])]
+        if not (np.array_equal(highs[::_STRIDE], held) and bool(np.all(highs[1:] >= highs[:-1]))):
+            raise self.damaged("holds other bytes than were written (its keys are out of order)")
         at = int(highs.searchsorted(high))
         while at < len(highs) and highs[at] == high:
             if self.column(1, start + at, start + at + 1)[0] == low:
