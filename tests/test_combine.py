@@ -1062,6 +1062,33 @@ def test_a_merge_never_deletes_an_interrupted_conversion_that_resume_would_finis
     assert _samples(out) == _samples(tmp_path / "clean.lmdb")
 
 
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_a_merge_beside_a_partial_that_is_a_link_or_a_file_removes_only_it_and_publishes(
+    tmp_path: Path, planted: str
+) -> None:
+    """A .m.lmdb.partial that is a symlink to a folder outside (or a plain file), with no pack at m.lmdb, stopped
+    every merge there with a bare FileExistsError (rmtree refused the link, mkdir found it). The link (or file)
+    itself is removed now, what it leads to is untouched, and the merge publishes, with and without overwrite."""
+    packs = []
+    for name, classes in (("a", {"cat": ["1.jpg"]}), ("b", {"dog": ["2.jpg"]})):
+        packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
+        packs.append(tmp_path / f"{name}.lmdb")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine", encoding="utf-8")
+    for overwrite in (False, True):
+        out = tmp_path / f"m{overwrite}.lmdb"
+        partial = tmp_path / f".{out.name}.partial"
+        if planted == "link":
+            partial.symlink_to(outside, target_is_directory=True)
+        else:
+            partial.write_text("a file", encoding="utf-8")
+        result = packdata.merge_packs(packs, out, overwrite=overwrite)
+        assert result.samples == 2 and not os.path.lexists(partial)
+        assert sorted(s[0] for s in _samples(out)) == ["cat/1.jpg", "dog/2.jpg"]
+    assert os.listdir(outside) == ["keep.txt"] and (outside / "keep.txt").read_text(encoding="utf-8") == "mine"
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_merge_refuses_a_rename_that_would_make_a_key_too_long_before_anything_is_written(
     tmp_path: Path, fmt: str

@@ -34,11 +34,19 @@ from packdata.conversion.destination import (
     spill_folder,
 )
 from packdata.conversion.publish import SKIP_REPORT, _publish, recover_replaced
-from packdata.errors import CapacityError, ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import check_shard_file, check_shard_records, open_index
 from packdata.pack.fields import codec_of
-from packdata.pack.files import atomic_write, file_kind, fsync_dir, holds_conversion, is_inside, open_pack_file
+from packdata.pack.files import (
+    atomic_write,
+    discard_partial,
+    file_kind,
+    fsync_dir,
+    holds_conversion,
+    is_inside,
+    open_pack_file,
+)
 from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
 from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
@@ -348,8 +356,11 @@ def merge_packs(
         _check_left_behind(out, overwrite)
         _check_existing(out, overwrite)  # again: a pack a killed merge --overwrite hid is back at out
         partial = partial_path(out)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        try:  # a link or file planted there goes itself, never what a link leads to
+            discard_partial(partial)
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            raise destination_error(exc, partial) from exc
         try:
             # the keys spill into the partial (removed with it): planned under the lock, after it is made
             inputs, classes, fields, codecs = _plan(paths, on_duplicate, spill_folder(partial))
