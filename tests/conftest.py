@@ -59,6 +59,24 @@ def _shut_down_leaked_loader_workers() -> Iterator[None]:
             gc.collect()
 
 
+KILLED_AT_SECOND_CHECKPOINT = r"""
+import os, signal, sys
+import packdata
+
+checkpoints = []
+
+def hook(event, args):  # SIGKILL as the second checkpoint is written: the partial pack holds one to resume from
+    if event in ("os.rename", "os.replace") and os.fspath(args[1]).endswith("progress.json"):
+        checkpoints.append(args[1])
+        if len(checkpoints) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.convert(sys.argv[1], sys.argv[2], shard_samples=1, workers=1, progress=False)
+"""
+"""``python -c`` it with SRC DST: a conversion into DST SIGKILLed as it writes its second checkpoint."""
+
+
 def kill_at_files_done(proc: subprocess.Popen, progress: Path, files: int, timeout: float = 60) -> None:
     """SIGKILL a conversion in ``proc`` once its checkpoint ``progress`` counts ``files`` files done (or at timeout)."""
     import time

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import assert_index_digests, flip_label, image_bytes, tree_digest
+from conftest import KILLED_AT_SECOND_CHECKPOINT, assert_index_digests, flip_label, image_bytes, tree_digest
 from faults.hostile import rewrite_manifest
 
 import packdata
@@ -1021,23 +1021,6 @@ def test_a_merge_after_a_killed_merge_overwrite_names_its_leftover_and_each_reme
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.lmdb.") and p.name != ".m.lmdb.lock"]
 
 
-_KILLED_CONVERTING = r"""
-import os, signal, sys
-import packdata
-
-checkpoints = []
-
-def hook(event, args):  # SIGKILL as the second checkpoint is written: the partial pack holds one to resume from
-    if event in ("os.rename", "os.replace") and os.fspath(args[1]).endswith("progress.json"):
-        checkpoints.append(args[1])
-        if len(checkpoints) == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-sys.addaudithook(hook)
-packdata.convert(sys.argv[1], sys.argv[2], shard_samples=1, workers=1, progress=False)
-"""
-
-
 def test_a_merge_never_deletes_an_interrupted_conversion_that_resume_would_finish(tmp_path: Path) -> None:
     """A conversion SIGKILLed after its checkpoint leaves .m.lmdb.partial, which `convert --resume` finishes (and
     convert without it refuses to touch); a merge into m.lmdb deleted it without a word and published its own pack.
@@ -1046,7 +1029,7 @@ def test_a_merge_never_deletes_an_interrupted_conversion_that_resume_would_finis
         packdata.convert(_folder(tmp_path / name, classes), tmp_path / f"{name}.lmdb", progress=False)
     source = _folder(tmp_path / "big", {"ant": [f"{i}.jpg" for i in range(6)], "bee": ["x.jpg", "y.jpg"]})
     out, partial = tmp_path / "m.lmdb", tmp_path / ".m.lmdb.partial"
-    killed = subprocess.run([sys.executable, "-c", _KILLED_CONVERTING, str(source), str(out)], check=False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_SECOND_CHECKPOINT, str(source), str(out)], check=False)
     assert killed.returncode == -signal.SIGKILL and (partial / "progress.json").is_file() and not out.exists()
     packs = [str(tmp_path / "a.lmdb"), str(tmp_path / "b.lmdb")]
     result = CliRunner().invoke(cli, ["merge", *packs, "-o", str(out)])

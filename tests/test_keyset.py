@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 import pytest
 from click.testing import CliRunner
-from conftest import kill_at_files_done, tree_digest
+from conftest import KILLED_AT_SECOND_CHECKPOINT, kill_at_files_done, tree_digest
 
 import packdata
 from packdata.cli import main as cli
@@ -419,3 +419,20 @@ def test_a_list_conversion_whose_spilled_run_is_cut_short_stops_naming_it_and_re
     result = packdata.convert(listing, dst, label_column="label", progress=False, resume=True)
     assert result.skipped == {"duplicate key": 3} and not partial_path(dst).exists()
     assert sorted(s["__key__"] for s in packdata.LMDBDataset(dst)) == [f"{i:05d}" for i in range(600)]
+
+
+def test_a_resume_whose_partial_holds_a_file_named_keys_spill_removes_it_and_publishes(tmp_path: Path) -> None:
+    """A plain file at the partial pack's keys.spill (a folder there is emptied as a resume starts) stopped the
+    resume with a bare NotADirectoryError from rmtree. The file is removed now, and the pack is published."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(6):
+        (src / f"{n}.txt").write_text("x" * (n + 1), encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_SECOND_CHECKPOINT, str(src), str(dst)], check=False)
+    assert killed.returncode == -9 and (partial_path(dst) / "progress.json").is_file()
+    (partial_path(dst) / SPILL_DIR).write_text("not a folder", encoding="utf-8")
+    result = packdata.convert(src, dst, shard_samples=1, workers=1, progress=False, resume=True)
+    assert result.resumed and result.packed == 6
+    assert not os.path.lexists(partial_path(dst)) and not os.path.lexists(dst / SPILL_DIR)
+    assert sorted(packdata.LMDBDataset(dst).keys) == [f"{n}.txt" for n in range(6)]

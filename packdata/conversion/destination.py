@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format
-from packdata.pack.files import file_kind, holds_conversion, is_inside
+from packdata.pack.files import discard_partial, file_kind, holds_conversion, is_inside
 from packdata.pack.index import ALL_FILES, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import MANIFEST_NAME, SKIP_REPORT, Manifest, read_manifest
@@ -39,8 +38,8 @@ def partial_path(dst: str | os.PathLike) -> Path:
 def spill_folder(partial: Path, *, empty: bool = False) -> Path:
     """Where the key sets of a conversion into ``partial`` spill; ``empty``: what was spilled there is removed."""
     folder = partial / SPILL_DIR
-    if empty and os.path.lexists(folder):  # most conversions never spill: no rmtree then
-        shutil.rmtree(folder)
+    if empty:  # a file or link found there goes itself (never what it leads to): packdata makes only a folder
+        discard_partial(folder)
     return folder
 
 
