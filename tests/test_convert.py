@@ -500,6 +500,26 @@ def test_resume_refuses_a_symlink_planted_in_the_partial_pack(
     assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+@pytest.mark.parametrize("folder", ["", "index"])
+def test_resume_refuses_a_partial_pack_whose_folder_another_user_owns(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """A partial pack left in a shared area by another user (or one of its folders theirs) was resumed into: its
+    owner could swap a file for a link between the resume's checks and its writes. Refused now, naming it."""
+    dst = tmp_path / "out.lmdb"
+    _interrupted_convert(image_folder, dst, monkeypatch)
+    theirs = partial_path(dst) / folder if folder else partial_path(dst)
+    os.chown(theirs, 65534, 65534)
+    before = tree_digest(partial_path(dst))
+    message = f"the interrupted conversion's folder {theirs} belongs to another user (uid 65534), who could swap"
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*Move it away, or start again with --overwrite"):
+        convert(image_folder, dst, progress=False, resume=True)
+    assert tree_digest(partial_path(dst)) == before and not dst.exists()
+    convert(image_folder, dst, progress=False, overwrite=True)  # --overwrite starts again
+    assert _pack_contents(dst) == expected_samples(image_folder, IMAGE_EXTS)
+
+
 def test_resume_names_a_partial_shard_cut_short_instead_of_dying_in_lmdb(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

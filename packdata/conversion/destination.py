@@ -92,18 +92,27 @@ def check_resumable(partial: Path) -> None:
     """Refuse to resume into anything but a folder of folders and regular files, as packdata writes them.
 
     A resume truncates and appends to the files it finds: a symlink, FIFO or
-    device planted in the partial pack would send those writes elsewhere.
+    device planted in the partial pack would send those writes elsewhere, and
+    a folder of another user's (a shared scratch area) lets that user plant one
+    while the resume writes there.
 
     Raises:
-        ConfigError: ``partial``, or something inside it, is of another type (named).
+        ConfigError: ``partial``, or something inside it, is of another type or
+            a folder of another user's (named).
     """
     hint = "Move it away, or start again with --overwrite"
-    mode = os.lstat(partial).st_mode
-    if not stat.S_ISDIR(mode):
-        raise ConfigError(f"{partial} is {file_kind(mode)}, not an interrupted conversion", path=partial, hint=hint)
+    info = os.lstat(partial)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(
+            f"{partial} is {file_kind(info.st_mode)}, not an interrupted conversion", path=partial, hint=hint
+        )
+    _check_own_folder(partial, info, partial, hint)
     for root, folders, files in os.walk(partial):
         for name in (*folders, *files):
-            mode = os.lstat(os.path.join(root, name)).st_mode
+            info = os.lstat(os.path.join(root, name))
+            mode = info.st_mode
+            if stat.S_ISDIR(mode):
+                _check_own_folder(Path(root, name), info, partial, hint)
             if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
                 where = os.path.join(root, name)
                 raise ConfigError(
@@ -111,6 +120,17 @@ def check_resumable(partial: Path) -> None:
                     path=partial,
                     hint=hint,
                 )
+
+
+def _check_own_folder(folder: Path, info: os.stat_result, partial: Path, hint: str) -> None:
+    """Refuse a folder of ``partial`` that another user owns: that user may swap its files for links meanwhile."""
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"the interrupted conversion's folder {folder} belongs to another user (uid {info.st_uid}), "
+            "who could swap its files for links while packdata writes there",
+            path=partial,
+            hint=hint,
+        )
 
 
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
