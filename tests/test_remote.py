@@ -1980,6 +1980,36 @@ def test_cat_never_prints_another_record_that_an_lmdb_location_table_points_at(s
     assert _cli("cat", url, "x/2.txt", options=options).stdout_bytes == b"Ax2" * 100  # a row of its own record
 
 
+def test_a_cached_side_table_cat_finds_damaged_is_downloaded_again(
+    s3, remote_pack, tmp_path: Path, monkeypatch
+) -> None:
+    """A cached records.i64 whose rows were swapped in place (same size, a change its stamps cannot see: within
+    the timestamp tick, or a failing disk): cat named the record damaged, rightly, but every later cat and
+    dataset reused the copy and named it too, though the pack at the URL is sound, until the cache was deleted."""
+    from packdata.pack.files import file_stamp
+
+    options, _ = s3
+    url, local = remote_pack
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default cache of cat
+    expected = _cli("cat", url, "#0", options=options).stdout_bytes
+    assert expected == packdata.LMDBDataset(local, decode="bytes")[0][0]
+    (table,) = (tmp_path / f"packdata-remote-{os.getuid()}").rglob("shard-00000.lmdb/records.i64")
+    rows = np.fromfile(table, dtype="<i8").reshape(-1, 3)
+    rows[[2, 3]] = rows[[3, 2]]  # after the two header rows: records 0 and 1
+    rows.tofile(table)
+    (record,) = table.parents[1].glob(".files.json")
+    stamps = json.loads(record.read_text())
+    record.write_text(json.dumps({name: file_stamp(record.parent / name) for name in stamps}))
+    out = _cli("cat", url, "#0", options=options)
+    assert out.exit_code == 1 and out.stdout_bytes == b"", out.output
+    assert re.match(
+        rf"Error: {url}/shard-00000\.lmdb/data\.mdb: record 0 \(key 'cat/1\.jpg'\) does not match the sample index",
+        out.output,
+    ), out.output
+    assert _cli("cat", url, "#0", options=options).stdout_bytes == expected
+    assert table.read_bytes() == (local / "shard-00000.lmdb" / "records.i64").read_bytes()
+
+
 def test_verify_ls_and_cat_never_print_credentials(s3, remote_pack, remote_tfrecord) -> None:
     options, _ = s3
     keyed = {**options, "key": "testing-key-id", "secret": SECRET}  # credentials in storage_options

@@ -171,9 +171,11 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
         data, key, label = fmt.read_remote_payload(
             fs, root, shown, rel, local / shard.file, shard, j, opened=manifest, key=index.keys[i]
         )
-    except PackdataError as exc:  # a damaged side table of the cached copy: named by its URL
+        _match_index(index, i, key, label, len(data), f"{shown}/{rel}")
+    except PackdataError as exc:  # maybe a side table of the cached copy damaged unseen: named by its URL
+        if isinstance(exc, PackFormatError):  # and not reused: the next reader downloads a fresh copy
+            forget_skeleton(local)
         raise_at_url(exc, local, shown)
-    _match_index(index, i, key, label, len(data), f"{shown}/{rel}")
     return Sample(index.keys[i], int(index.labels[i]), data, manifest.kind), manifest, shown
 
 
