@@ -227,6 +227,42 @@ def test_a_file_without_a_digest_rewritten_at_the_url_while_staging_is_named_and
     assert not (cache / url.rsplit("/", 1)[1]).exists()
 
 
+def test_an_index_file_rewritten_at_the_url_while_a_cache_copies_it_is_named_never_cached_mixed(
+    remote_tfrecord, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older pack (no index digests in its manifest) at a URL outside S3 whose sizes.i64 was rewritten after the
+    cache looked its files up and before it read that one: the copy held the old labels.i32 beside the new
+    sizes.i64, cached under the old manifest, silently (nothing checks the index files against each other)."""
+    import fsspec
+
+    from packdata.formats import remote_pack
+
+    older = tmp_path / "older"
+    shutil.copytree(remote_tfrecord[1], older)
+    rewrite_manifest(older, lambda d: d["index"].pop("sha256"))
+    sizes = np.fromfile(older / "index" / "sizes.i64", dtype="<i8")
+    url, store = "memory://older-skeleton/verify-tf", fsspec.filesystem("memory")
+    store.put(str(older), url, recursive=True)
+    copy_within = remote_pack._copy_within
+
+    def rewritten_after_the_look_up(*args, **kwargs):  # while labels.i32, the first file, is copied
+        store.pipe_file(f"{url}/index/sizes.i64", (sizes + 1).astype("<i8").tobytes())
+        return copy_within(*args, **kwargs)
+
+    monkeypatch.setattr(remote_pack, "_copy_within", rewritten_after_the_look_up)
+    cache = tmp_path / "cache"
+    try:
+        with pytest.raises(
+            PackFormatError,
+            match=rf"^{url}/index/sizes\.i64: was rewritten or removed while the pack's index and side tables were "
+            r"copied \(the pack at the URL changed\): nothing was cached from it\. Open it again once",
+        ):
+            packdata.TFRecordDataset(url, decode="bytes", cache_dir=cache)
+    finally:
+        store.rm("/older-skeleton", recursive=True)
+    assert not list(cache.rglob("manifest.json")) and not list(cache.rglob(".files.json"))
+
+
 _RANK = """
 import json, sys
 import packdata

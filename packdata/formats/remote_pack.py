@@ -48,6 +48,9 @@ from packdata.pack.urls import (
     read_at_version,
     read_url_manifest,
     remote_error,
+    remote_object,
+    remote_size,
+    version_now,
 )
 
 __all__ = [
@@ -60,7 +63,6 @@ __all__ = [
     "pack_objects",
     "pinned_version",
     "remote_object",
-    "remote_size",
 ]
 
 _CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
@@ -226,33 +228,6 @@ def check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> Non
         )
 
 
-def remote_size(fs: Any, path: str, where: str) -> int | None:
-    """The byte size of ``path`` on ``fs``, or None when there is no such object.
-
-    Raises:
-        PackFormatError: ``path`` is a folder (a prefix of other objects) or anything but a file.
-        SourceError: the request failed.
-    """
-    found = remote_object(fs, path, where)
-    return None if found is None else found[0]
-
-
-def remote_object(fs: Any, path: str, where: str) -> tuple[int, str] | None:
-    """``(byte size, version)`` of ``path`` on ``fs`` (the version: :func:`~packdata.pack.urls.object_version`,
-    ``""`` where the store gives none), or None when there is no such object; raises as :func:`remote_size`."""
-    try:
-        info = fs.info(path)
-    except FileNotFoundError:
-        return None
-    except Exception as exc:
-        raise remote_error(where, "cannot look the object up", exc) from exc
-    kind = info.get("type", "file")
-    if kind != "file":
-        shown = "a folder (a prefix of other objects)" if kind == "directory" else f"of type {kind!r}"
-        raise PackFormatError(f"is {shown}, not a file", path=where, hint="Upload or convert the pack again")
-    return int(info["size"]), object_version(info)
-
-
 class RemoteStream:
     """One remote file read front to back (``read(n)`` like a file), in ranged requests, SHA-256 on the way.
 
@@ -330,7 +305,11 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     """Copy a pack's files but its shards' data into the new folder ``dest``, the manifest last.
 
     Optional files (side tables, the skip report) that are not there are left
-    out; a missing sample index file raises.
+    out; a missing sample index file raises. On S3, s3fs reads each object
+    only at its version when opened (``If-Match``); elsewhere every file's
+    version is looked up before the first is read and again after its own
+    read, so a file rewritten meanwhile (an older pack, without index digests,
+    uploaded again) is named, never cached beside another upload's files.
 
     The files together may take the disk's free space less a twentieth of
     the file system or 1 GiB, whichever is less (but at least half the free
@@ -338,7 +317,7 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     the copy before it fills the disk (``/tmp`` may be a tmpfs: memory).
 
     Raises:
-        PackFormatError: a file the pack needs is missing.
+        PackFormatError: a file the pack needs is missing, or one was rewritten during the copy.
         SourceError: a request failed.
         CapacityError: the files pass what the disk may take (what was
             written is removed), or it filled up (named; what was written
@@ -348,14 +327,21 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     try:
         usage = shutil.disk_usage(dest.parent)  # dest is made by the first copy
         room = limit = max(usage.free // 2, usage.free - min(usage.total // 20, 1 << 30))
-        for name, required in _skeleton_names(manifest, report=True):
-            target = dest / name
+        names = _skeleton_names(manifest, report=True)
+        pinned = conditional_reads(fs)  # else each file's version now, looked up again after its read
+        found = {} if pinned else {n: remote_object(fs, f"{root}/{n}", f"{shown}/{n}") for n, _ in names}
+        for name, required in names:
+            target, where, looked = dest / name, f"{shown}/{name}", found.get(name)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
+                if not pinned and looked is None:
+                    raise FileNotFoundError(name)
                 with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
                     sizes[name] = _copy_within(remote, local, room)
                 room -= sizes[name]
             except FileNotFoundError:
+                if looked is not None:  # there at the look-up
+                    raise _rewritten(where) from None
                 if required:
                     raise PackFormatError(f"{shown}: {name} is missing", hint="The pack is incomplete") from None
             except _NoRoom:
@@ -371,6 +357,8 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                 if _disk_full(exc):
                     raise
                 raise remote_error(shown, f"cannot read {name}", exc) from exc
+            if looked is not None and version_now(fs, f"{root}/{name}", where) != looked[1]:
+                raise _rewritten(where)
         stamps = {name: file_stamp(dest / name) for name in sizes}
         atomic_write(dest / _FILES, json.dumps(stamps).encode("utf-8"))  # what a reused copy must still hold
         atomic_write(dest / MANIFEST_NAME, raw)  # the manifest last: a skeleton without it is not used
@@ -379,6 +367,15 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             raise
         raise destination_error(exc, dest) from exc
     return dest
+
+
+def _rewritten(where: str) -> PackFormatError:
+    return PackFormatError(
+        "was rewritten or removed while the pack's index and side tables were copied (the pack at the URL "
+        "changed): nothing was cached from it",
+        path=where,
+        hint="Open it again once the pack at the URL is complete (converted or uploaded again?)",
+    )
 
 
 class _NoRoom(Exception):

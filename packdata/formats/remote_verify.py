@@ -28,11 +28,11 @@ from typing import Any
 
 from packdata.errors import PackdataError, PackFormatError, raise_at_url
 from packdata.formats import PackFormat, get_format
-from packdata.formats.remote_pack import RemoteStream, download_skeleton, remote_size
+from packdata.formats.remote_pack import RemoteStream, download_skeleton
 from packdata.formats.verify import VerifyResult, _check_counts, check_shard_records, open_index
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, ShardInfo
-from packdata.pack.urls import display_url, open_url, read_url_manifest
+from packdata.pack.urls import display_url, open_url, read_url_manifest, remote_size
 from packdata.progress import progress as show_progress
 
 __all__ = ["verify_remote_pack"]

@@ -34,7 +34,10 @@ __all__ = [
     "read_at_version",
     "read_url_manifest",
     "remote_error",
+    "remote_object",
+    "remote_size",
     "retry_transient",
+    "version_now",
 ]
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
@@ -100,6 +103,41 @@ def object_version(info: dict[str, Any]) -> str:
         or info.get("created")
         or ""
     )
+
+
+def remote_size(fs: Any, path: str, where: str) -> int | None:
+    """The byte size of ``path`` on ``fs``, or None when there is no such object.
+
+    Raises:
+        PackFormatError: ``path`` is a folder (a prefix of other objects) or anything but a file.
+        SourceError: the request failed.
+    """
+    found = remote_object(fs, path, where)
+    return None if found is None else found[0]
+
+
+def remote_object(fs: Any, path: str, where: str) -> tuple[int, str] | None:
+    """``(byte size, version)`` of ``path`` on ``fs`` (the version: :func:`~packdata.pack.urls.object_version`,
+    ``""`` where the store gives none), or None when there is no such object; raises as :func:`remote_size`."""
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise remote_error(where, "cannot look the object up", exc) from exc
+    kind = info.get("type", "file")
+    if kind != "file":
+        shown = "a folder (a prefix of other objects)" if kind == "directory" else f"of type {kind!r}"
+        raise PackFormatError(f"is {shown}, not a file", path=where, hint="Upload or convert the pack again")
+    return int(info["size"]), object_version(info)
+
+
+def version_now(fs: Any, path: str, where: str | None = None) -> str:
+    """The version (:func:`~packdata.pack.urls.object_version`) of ``path`` asked of the store now, not of a
+    listing cached earlier (``""``: no such object, or the store gives none); ``where`` names it in errors."""
+    fs.invalidate_cache(path)
+    found = remote_object(fs, path, where or display_url(path))
+    return "" if found is None else found[1]
 
 
 def conditional_reads(fs: Any) -> bool:
