@@ -575,7 +575,12 @@ def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(
         (record,) = cache.rglob(".files.json")
         stamps = json.loads(record.read_text())
         record.write_text(json.dumps({name: file_stamp(record.parent / name) for name in stamps}))
-        with pytest.raises(PackFormatError, match=rf"^{url}/{local.name}-00000-of-00004\.tfrecord: record at byte"):
+        with pytest.raises(
+            PackFormatError,
+            match=rf"^{url}/{local.name}-00000-of-00004\.tfpayload: the payload table does not point at the payload "
+            rf"of the record at byte offset \d+ of {local.name}-00000-of-00004\.tfrecord, and the record is sound .*"
+            r"the table is damaged, not the shard \(cached copy: .*\)\. Open the pack again: its cached copy is not",
+        ):
             list(packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache))
     ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
     assert sorted(ds) == expected

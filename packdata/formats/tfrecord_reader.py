@@ -20,6 +20,7 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import PackFormatError
 from packdata.formats.tfrecord_example import _span_ok
 from packdata.formats.tfrecord_framing import _HEADER, _MASK_DELTA, _U32, _damaged, check_record
+from packdata.formats.tfrecord_tables import payload_path
 from packdata.pack.files import not_a_file, open_regular
 
 __all__ = ["TFRecordShardReader", "chunk_plan"]
@@ -28,6 +29,8 @@ __all__ = ["TFRecordShardReader", "chunk_plan"]
 _CHUNK = 8 << 20  # bytes per positioned read when streaming a shard
 
 
+_NOT_AT_PAYLOAD = "the payload table does not point at the payload"
+
 _COPY_MIN_RECORD = 16 << 10  # mean record size from which stream(copy=True) reads record by record
 
 
@@ -35,13 +38,25 @@ class TFRecordShardReader:
     """Positioned reads of one shard's records; the file opens on first use.
 
     Holds an OS file descriptor, so create one per process (datasets key their
-    readers by ``os.getpid()``).
+    readers by ``os.getpid()``). ``table``: the payload table whose rows are
+    passed in, named when a row misses its sound record's payload (default: the
+    ``.tfpayload`` beside the shard).
     """
 
-    def __init__(self, path: str | os.PathLike, *, check_crc: bool = True, expected_bytes: int | None = None) -> None:
+    TABLE_HINT = "Convert or stage the pack again to rebuild the table (or delete it: readers then parse each record)"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        check_crc: bool = True,
+        expected_bytes: int | None = None,
+        table: str | os.PathLike | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self.check_crc = check_crc
         self.expected_bytes = expected_bytes
+        self.table: str | None = os.fspath(table if table is not None else payload_path(self.path))
         self._fd = -1
 
     def open(self) -> TFRecordShardReader:
@@ -78,6 +93,26 @@ class TFRecordShardReader:
             hint="Convert or stage the pack again",
         )
 
+    def _misplaced(self, offset: int, framed: bytes | memoryview, problem: str) -> PackFormatError:
+        """A payload-table row that does not fit the record at ``offset`` (``framed``: its bytes, framing included).
+
+        Only on this error path are the record's CRC32Cs checked, whatever
+        ``check_crc``: a damaged record is the shard's damage; a sound one
+        means the table's row, not the shard, is wrong.
+        """
+        try:
+            check_record(memoryview(framed), 0, len(framed), path=self.path, offset=offset, check_crc=True)
+        except PackFormatError as exc:
+            return exc
+        if self.table is None:  # not known: the shard is named
+            return _damaged(self.path, offset, problem)
+        return PackFormatError(
+            f"{problem} of the record at byte offset {offset} of {os.path.basename(self.path)}, and the record "
+            "is sound (its CRC32Cs match): the table is damaged, not the shard",
+            path=self.table,
+            hint=self.TABLE_HINT,
+        )
+
     def read(self, offset: int, length: int) -> memoryview:
         """The data of the record at ``offset`` (``length`` framed bytes), checked."""
         buf = memoryview(os.pread(self._open(), length, offset))
@@ -98,7 +133,7 @@ class TFRecordShardReader:
         data = check_record(memoryview(raw), 0, length, path=self.path, offset=offset, check_crc=self.check_crc)
         at, m = span
         if at < 0 or m < 0 or at + m > len(data) or not _span_ok(data, at, m):
-            raise _damaged(self.path, offset, "the payload table does not point at the payload")
+            raise self._misplaced(offset, raw, _NOT_AT_PAYLOAD)
         return raw[12 + at : 12 + at + m]  # the data starts after the 12-byte length header
 
     def stream(
@@ -190,7 +225,7 @@ class TFRecordShardReader:
             else:
                 at, m = span
                 if at < 0 or m < 0 or at + m > n or not _span_ok(buf, first + at, m):
-                    raise _damaged(self.path, base + pos, "the payload table does not point at the payload")
+                    raise self._misplaced(base + pos, buf[pos : pos + length], _NOT_AT_PAYLOAD)
                 yield buf[first + at : first + at + m]
 
     def _read_each(
@@ -243,7 +278,7 @@ class TFRecordShardReader:
             if length < 16:
                 raise _damaged(self.path, offset, f"record of {length} bytes does not fit")
             if at < 0 or m < 0 or at + m > length - 16:
-                raise _damaged(self.path, offset, "the payload table points outside the record")
+                raise self._misplaced(offset, pread(fd, length, offset), "the payload table points outside the record")
             head = pending if pending is not None else pread(fd, 12 + at, offset)
             if len(head) < 12 + at:
                 raise self._truncated(offset, length, len(head))
@@ -251,7 +286,7 @@ class TFRecordShardReader:
             if n != length - 16:
                 raise _damaged(self.path, offset, f"length field says {n} bytes, the index says {length - 16}")
             if not _span_ok(head, 12 + at, m):
-                raise _damaged(self.path, offset, "the payload table does not point at the payload")
+                raise self._misplaced(offset, pread(fd, length, offset), _NOT_AT_PAYLOAD)
             payload = pread(fd, m, offset + 12 + at)
             if len(payload) < m:
                 raise self._truncated(offset, length, 12 + at + len(payload))

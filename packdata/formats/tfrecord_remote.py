@@ -60,10 +60,13 @@ class RemoteShardReader(TFRecordShardReader):
         opened: the manifest of the pack as the dataset opened it: every read (streamed or
             single) then comes from the object's pinned version, and a replaced object
             raises :class:`~packdata.errors.PackFormatError`. None: read whatever is there.
+        table: the local copy of the shard's payload table, named when its row misses a sound record's payload
+            (None: the shard's URL is named, as for a damaged record).
     """
 
     BACKOFF = 0.5
     CHUNK = 8 << 20
+    TABLE_HINT = "Open the pack again: its cached copy is not reused (if it persists, convert the pack again)"
 
     def __init__(
         self,
@@ -77,8 +80,10 @@ class RemoteShardReader(TFRecordShardReader):
         backoff: float | None = None,
         ahead: int = 2,
         opened: Manifest | None = None,
+        table: str | os.PathLike | None = None,
     ) -> None:
         super().__init__(shown, check_crc=check_crc, expected_bytes=size)
+        self.table = os.fspath(table) if table is not None else None
         self.fs, self.remote_path, self.size, self.opened = fs, remote_path, size, opened
         self.retries, self.ahead = retries, ahead
         self.backoff = self.BACKOFF if backoff is None else backoff

@@ -180,8 +180,9 @@ class TFRecordShardWriter:
             for _ in reader.stream(offsets, lengths, 0, keep, spans):
                 pass
         except PackFormatError as exc:
+            what = "payload table" if exc.path == reader.table else "shard"
             raise PackFormatError(
-                f"the interrupted conversion's shard is damaged: {exc.message}", path=exc.path, hint=_OVERWRITE
+                f"the interrupted conversion's {what} is damaged: {exc.message}", path=exc.path, hint=_OVERWRITE
             ) from exc
         finally:
             reader.close()

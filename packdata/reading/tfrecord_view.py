@@ -23,7 +23,7 @@ from packdata.formats.tfrecord import NAME as TFRECORD
 from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
 from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_remote import RemoteShardReader, fetch_skeleton
-from packdata.formats.tfrecord_tables import RecordTable, shard_records
+from packdata.formats.tfrecord_tables import RecordTable, payload_path, shard_records
 from packdata.pack.records import RecordError
 from packdata.pack.urls import display_url, is_url, open_url
 from packdata.reading.datasets import PackView
@@ -108,7 +108,13 @@ class _TFRecordView(PackView):
         shown = f"{display_url(self._url)}/{name}"
         remote = f"{root.rstrip('/')}/{name}"
         return RemoteShardReader(
-            fs, remote, shown, self._bytes[shard], check_crc=self.check_crc, opened=self.pack.manifest
+            fs,
+            remote,
+            shown,
+            self._bytes[shard],
+            check_crc=self.check_crc,
+            opened=self.pack.manifest,
+            table=payload_path(self._shard_paths[shard]),  # in the cached copy
         )
 
     def _parse(self, data: memoryview | bytes, path: str, offset: int, index: int) -> tuple[memoryview, int]:
