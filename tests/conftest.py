@@ -19,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -307,6 +308,10 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
         port = s.getsockname()[1]
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
+    # moto keeps its buckets in this process, not in the server: one an earlier server of this process made
+    # (another test module's) would still be there, so each server starts from none
+    reset = urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=30).close()
     try:
         options = {**credentials, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
         fs = s3fs.S3FileSystem(**options)
