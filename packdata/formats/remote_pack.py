@@ -62,7 +62,6 @@ __all__ = [
     "forget_skeleton",
     "pack_objects",
     "pinned_version",
-    "remote_object",
 ]
 
 _CHUNK = 8 << 20  # bytes per ranged request while streaming a shard

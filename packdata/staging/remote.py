@@ -48,7 +48,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.formats.remote_pack import check_not_short, remote_object
+from packdata.formats.remote_pack import check_not_short
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.pack.files import (
@@ -75,7 +75,9 @@ from packdata.pack.urls import (
     read_at_version,
     read_url_manifest,
     remote_error,
+    remote_object,
     user_digest,
+    version_now,
 )
 from packdata.progress import progress as show_progress
 from packdata.staging.cache import delete_unread, discard_stale_copies, evict_for, unread_copy
@@ -448,7 +450,7 @@ def _fetch_range(
     if len(chunk) != end - start:
         check_not_short(fs, f"{root}/{rel}", where, start, end)  # the object itself ends early: named
         raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
-    if version and not conditional_reads(fs) and _version_now(fs, f"{root}/{rel}") != version:
+    if version and not conditional_reads(fs) and version_now(fs, f"{root}/{rel}") != version:
         raise _changed(where, "was rewritten")  # elsewhere than S3: its version looked up again after the read
     fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
     try:
@@ -456,13 +458,6 @@ def _fetch_range(
     finally:
         os.close(fd)
     return len(chunk)
-
-
-def _version_now(fs: Any, path: str) -> str:
-    """The version of ``path`` asked of the store now (``""``: gone, or the store gives none)."""
-    fs.invalidate_cache(path)
-    found = remote_object(fs, path, display_url(path))
-    return "" if found is None else found[1]
 
 
 def _changed(where: str, what: str) -> PackFormatError:
