@@ -30,6 +30,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import packdata
+
 
 def image_bytes(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "JPEG") -> bytes:
     """A small natural-looking image (a seeded colour gradient) encoded as ``fmt``: the one test image maker."""
@@ -396,3 +398,36 @@ def faulty_s3(options: dict):
     finally:
         relay.shutdown()
         relay.server_close()
+
+
+# The packs of the stage tests (tests/test_stage_*.py): incompressible JPEGs, so a budget or a tmpfs fills as planned.
+
+
+def _noise_jpeg(seed: int, side: int = 160) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+@pytest.fixture
+def noise_folder(tmp_path: Path) -> Path:
+    """36 incompressible JPEGs (about 1.5 MB in all) in 3 classes."""
+    root = tmp_path / "noise"
+    for c, cls in enumerate(["a", "b", "c"]):
+        (root / cls).mkdir(parents=True)
+        for i in range(12):
+            (root / cls / f"{i:02d}.jpg").write_bytes(_noise_jpeg(100 * c + i))
+    return root
+
+
+@pytest.fixture
+def lmdb_pack(noise_folder: Path, tmp_path: Path) -> Path:
+    return packdata.convert(noise_folder, tmp_path / "train.lmdb", shard_samples=6, progress=False).pack
+
+
+@pytest.fixture
+def tfrecord_pack(noise_folder: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "train"
+    packdata.convert(noise_folder, dst, format="tfrecord", shard_samples=6, progress=False)
+    return dst
