@@ -93,6 +93,27 @@ def kill_at_files_done(proc: subprocess.Popen, progress: Path, files: int, timeo
     proc.wait()
 
 
+def interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5, **options) -> None:
+    """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2 (``options``: convert's)."""
+    from packdata import convert
+    from packdata.conversion import local
+    from packdata.conversion.destination import partial_path
+
+    monkeypatch.setattr(local, "_COMMIT_SAMPLES", 2)
+    real_add = local._Packer._add
+
+    def add(self, *args, **kwargs):
+        if self.cp.samples_done >= after:
+            raise KeyboardInterrupt
+        return real_add(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(local._Packer, "_add", add)
+        with pytest.raises(KeyboardInterrupt):
+            convert(src, dst, progress=False, workers=1, **options)
+    assert (partial_path(dst) / "progress.json").is_file()
+
+
 def tar_with_a_hard_link(folder: Path, tar_path: Path) -> None:
     """A tar of a.json, a.txt, b.json, b.txt made by tarfile.add, b.txt a hard link to a.txt (one file, two names)."""
     folder.mkdir()

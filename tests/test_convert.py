@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, image_bytes, kill_at_files_done, tree_digest
+from conftest import interrupted_convert as _interrupted_convert
 from PIL import Image, ImageCms
 
 from packdata import (
@@ -443,25 +444,6 @@ def test_a_pack_given_as_the_source_is_refused_not_packed_as_files(
     (own / "manifest.json").write_text('{"files": 1}')
     (own / "docs" / "a.txt").write_text("alpha")
     assert convert(own, tmp_path / "own.lmdb", progress=False).packed == 2
-
-
-def _interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5, **options) -> None:
-    """A conversion stopped (as by Ctrl-C) after ``after`` samples, checkpointed every 2 (``options``: convert's)."""
-    from packdata.conversion import local
-
-    monkeypatch.setattr(local, "_COMMIT_SAMPLES", 2)
-    real_add = local._Packer._add
-
-    def add(self, *args, **kwargs):
-        if self.cp.samples_done >= after:
-            raise KeyboardInterrupt
-        return real_add(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(local._Packer, "_add", add)
-        with pytest.raises(KeyboardInterrupt):
-            convert(src, dst, progress=False, workers=1, **options)
-    assert (partial_path(dst) / "progress.json").is_file()
 
 
 def test_a_resume_with_other_options_names_each_that_differs_as_a_flag(

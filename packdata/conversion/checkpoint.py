@@ -141,15 +141,26 @@ class _Checkpoint:
             self.probes = self.probes[1::2]
             self._probe_every *= 2
 
-    def check_probes(self) -> None:
+    def check_probes(self, walked: set[str]) -> None:
         """Refuse a resume where a packed file probed changed since (its size or modification time).
 
         A sample: a source rewritten as a whole (images resized again, captions
         regenerated) is found, a single file edited in place most often not.
+        ``walked``: the probes' paths that the resume's walk of the packed part
+        gave again; a probe naming any other path is refused before anything is
+        stat'ed (``progress.json`` edited: a file outside the source, a link, a FIFO).
 
         Raises:
-            SourceError: naming the first such file (resumable: the partial is kept).
+            PackFormatError: a probe names a file the walk did not give (naming ``progress.json``).
+            SourceError: naming the first file that changed (resumable: the partial is kept).
         """
+        for path, _, _ in self.probes:
+            if path not in walked:
+                raise _damaged(
+                    self.path,
+                    f"probes names {path!r}, which is not a file the interrupted conversion packed "
+                    "(a resume looks only at those)",
+                )
         for path, size, mtime_ns in self.probes:
             try:
                 st = os.stat(path)

@@ -261,8 +261,12 @@ class _Packer:
         walk = self.source.walk(spill_folder(self.partial, empty=True))
         if self.cp.files_done:
             check = hashlib.sha256()
+            probed, walked = {probe[0] for probe in self.cp.probes}, set()
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):
                 check.update(walk_record(entry))
+                packed = _local_file(entry)
+                if packed is not None and os.path.abspath(packed) in probed:
+                    walked.add(os.path.abspath(packed))
             if check.hexdigest() != self.cp.walk_expected:
                 error = SourceError(
                     "the source folder changed since the interrupted conversion",
@@ -272,7 +276,7 @@ class _Packer:
                 error.resumable = True  # the partial is kept: a file moved for a while, a mount not up yet
                 raise error
             self.cp.walk = check
-            self.cp.check_probes()
+            self.cp.check_probes(walked)
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
