@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import interrupted_convert, moto_s3
 
-from packdata import LMDBDataset, PackFormatError, convert
+from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
 from packdata.conversion.destination import partial_path
 from packdata.conversion.replace import remove_replaced
 from packdata.pack.urls import object_version
@@ -115,3 +117,61 @@ def test_a_resume_stats_only_files_the_interrupted_conversion_packed(
     assert secret.read_text(encoding="utf-8") == "not the source's"
     convert(src, dst, progress=False, overwrite=True)
     assert len(LMDBDataset(dst)) == (9 if probe == "link" else 8)
+
+
+def test_a_lock_file_of_deeply_nested_json_is_in_the_way_never_a_crash(tmp_path: Path) -> None:
+    """A ``.NAME.lock`` beside the destination holding ``[[[[...`` (4,000 deep, within the 4,096 bytes a lock record
+    may have) stopped convert with a bare RecursionError (and its descriptor left open): it is now a file in the
+    way of the lock file, named, as any other content that is not a lock record."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "0.txt").write_text("t0", encoding="utf-8")
+    lock = tmp_path / ".out.lmdb.lock"
+    lock.write_text("[" * 4000, encoding="utf-8")
+    with pytest.raises(ConfigError) as raised:
+        convert(src, tmp_path / "out.lmdb", progress=False)
+    assert str(raised.value) == (
+        f"{lock}: a file is in the way of the lock file: its content is not a packdata lock record. "
+        "Move it away if it is not packdata's, or choose another destination"
+    )
+    assert not (tmp_path / "out.lmdb").exists()
+
+
+@pytest.mark.parametrize("record", ["nested", "since_out_of_range"])
+def test_a_held_lock_whose_record_is_hostile_names_another_process(tmp_path: Path, record: str) -> None:
+    """A lock held by another process whose record is deeply nested JSON, or gives a start time no clock can show
+    (1e300 seconds), stopped convert with a bare RecursionError or OverflowError: the holder is now 'another
+    process', as for a record not written yet."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "0.txt").write_text("t0", encoding="utf-8")
+    lock, dst = tmp_path / ".out.lmdb.lock", tmp_path / "out.lmdb"
+    text = (
+        "[" * 4000
+        if record == "nested"
+        else json.dumps({"pid": 1, "host": "h", "command": "packdata convert", "since": 1e300})
+    )
+    lock.write_text(text, encoding="utf-8")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(LockedError) as raised:
+            convert(src, dst, progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(raised.value) == (
+        f"{dst}: another process (it has not written its name yet) is writing it (lock file {lock}). Wait for it to "
+        "finish, or stop that process; a lock left by a dead process is taken over"
+    )
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""

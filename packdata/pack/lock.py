@@ -70,7 +70,7 @@ def _holder(fd: int) -> str:
             f"pid {int(info['pid'])} on host {info['host']} "
             f"({info['command']}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['since']))})"
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):  # its record: any bytes
         return "another process (it has not written its name yet)"
 
 
@@ -90,7 +90,7 @@ def _foreign(fd: int) -> str | None:
         return f"it holds {st.st_size} bytes, not a lock record"
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past Python's stack
         return "its content is not a packdata lock record"
     if not isinstance(info, dict) or set(info) != _FIELDS:
         return "its content is not a packdata lock record"
