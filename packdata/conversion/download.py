@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.remote_folder import _ListedObject, list_folder
+from packdata.conversion.replace import WORK_FILE_HINT
 from packdata.conversion.sources import Skip
 from packdata.conversion.upload import _read_journal, work_folder
 from packdata.errors import CapacityError
 from packdata.host.facts import disk_free
+from packdata.pack.files import append_own_file
 from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
@@ -97,8 +99,9 @@ def download_source(
             os.unlink(tmp)
             return skip
         os.replace(tmp, target)
-        with lock, open(journal, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"name": rel, "size": size, "version": version}) + "\n")
+        with lock:
+            line = json.dumps({"name": rel, "size": size, "version": version}) + "\n"
+            append_own_file(journal, line, hint=WORK_FILE_HINT)
         return None
 
     with (

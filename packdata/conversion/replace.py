@@ -15,16 +15,19 @@ glob to read, or to pay for.
 from __future__ import annotations
 
 import json
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from packdata.errors import PackFormatError
 from packdata.formats.remote_pack import pack_objects
+from packdata.pack.files import append_own_file, read_own_file
 from packdata.pack.urls import object_version, read_url_manifest, remote_error, retry_transient
 
-__all__ = ["record_replaced", "remove_replaced"]
+__all__ = ["WORK_FILE_HINT", "record_replaced", "remove_replaced"]
+
+WORK_FILE_HINT = "Remove it if it is not yours (nothing was written through it), or set PACKDATA_TMP to your own folder"
+"""The hint of a file in a conversion's work folder that packdata refuses (a link planted there, another user's)."""
 
 _REPLACED = "replaced.jsonl"
 """Beside a destination's work folder: one line per object of the pack it replaces (name, size, version)."""
@@ -42,11 +45,8 @@ def record_replaced(fs: Any, root: str, shown: str, work: Path) -> None:
     names = set(pack_objects(old))
     found = _listing(fs, root)
     lines = [json.dumps({"name": n, "size": s, "version": v}) + "\n" for n, (s, v) in found.items() if n in names]
-    work.parent.mkdir(parents=True, exist_ok=True)
-    with open(work.parent / _REPLACED, "a", encoding="utf-8") as f:  # a second ended pack adds its own
-        f.write("".join(lines))
-        f.flush()
-        os.fsync(f.fileno())
+    work.parent.mkdir(parents=True, exist_ok=True)  # a second ended pack adds its own lines
+    append_own_file(work.parent / _REPLACED, "".join(lines), hint=WORK_FILE_HINT, sync=True)
 
 
 def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) -> int:
@@ -57,10 +57,10 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
         SourceError: a request failed (the record is kept: a rerun removes the rest).
     """
     record = work.parent / _REPLACED
-    try:
-        lines = record.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
+    text = read_own_file(record, hint=WORK_FILE_HINT)
+    if text is None:
         return 0
+    lines = text.splitlines()
     recorded: dict[str, tuple[int, str]] = {}
     for line in lines:
         try:

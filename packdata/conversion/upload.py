@@ -39,11 +39,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.replace import record_replaced, remove_replaced
+from packdata.conversion.replace import WORK_FILE_HINT, record_replaced, remove_replaced
 from packdata.errors import ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
-from packdata.pack.files import PROGRESS_FILE, atomic_write, file_sha256, private_temp_folder
+from packdata.pack.files import (
+    PROGRESS_FILE,
+    append_own_file,
+    atomic_write,
+    file_sha256,
+    private_folder,
+    private_temp_folder,
+    read_own_file,
+)
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import (
     display_url,
@@ -74,7 +82,11 @@ _PRIVATE_HINT = "Remove it if it is not yours, or set PACKDATA_TMP to a folder o
 def work_folder(url: str) -> Path:
     """The local folder a conversion into ``url`` packs into (stable per URL, so a resume finds it)."""
     chosen = os.environ.get("PACKDATA_TMP")
-    base = Path(chosen) / "packdata-upload" if chosen else private_temp_folder("packdata-upload", hint=_PRIVATE_HINT)
+    base = (
+        private_folder(Path(chosen) / "packdata-upload", hint=_PRIVATE_HINT)
+        if chosen
+        else private_temp_folder("packdata-upload", hint=_PRIVATE_HINT)
+    )
     shown = display_url(url)
     tag = hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
     return base / tag / local_name(shown)  # never the tag folder or above it
@@ -400,8 +412,8 @@ class _UploadJournal:
         """Journal ``target`` as ``rel``: ``[size, sha256, md5]``, with the version the store reports now."""
         fs.invalidate_cache(target)
         entry = [*digests, object_version(fs.info(target))]
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(_journal_line(rel, *entry))
+        with self._lock:
+            append_own_file(self.path, _journal_line(rel, *entry), hint=WORK_FILE_HINT)
             self.entries[rel] = entry
 
     def same_bytes(self, rel: str, path: Path) -> bool:
@@ -433,8 +445,7 @@ def journal_task_objects(folder: Path, objects: dict[str, list[Any]]) -> None:
     if the finished pack does not have them (see :func:`upload_pack`).
     """
     lines = [_journal_line(rel, int(size), "", str(md5), str(version)) for rel, (size, md5, version) in objects.items()]
-    with open(folder / _UPLOADED, "a", encoding="utf-8") as f:
-        f.writelines(lines)
+    append_own_file(folder / _UPLOADED, "".join(lines), hint=WORK_FILE_HINT)
 
 
 def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> bool:
@@ -492,7 +503,7 @@ def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url:
         ConfigError: the pack there is another conversion's (or its record is missing or damaged).
     """
     try:
-        saved = json.loads((local.parent / _JOB).read_text(encoding="utf-8"))
+        saved = json.loads(read_own_file(local.parent / _JOB, hint=WORK_FILE_HINT) or "null")
     except (OSError, ValueError):
         saved = None
     if saved != _job(src, options):
@@ -512,11 +523,7 @@ def clean_work_folder(local: Path) -> None:
 def _read_journal(journal: Path, fields: tuple[str, ...]) -> dict[str, list[Any]]:
     """The objects a journal lists: name -> its ``fields``' values; a torn or odd line counts for nothing."""
     done: dict[str, list[Any]] = {}
-    try:
-        lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
-        return done
-    for line in lines:
+    for line in (read_own_file(journal, hint=WORK_FILE_HINT) or "").splitlines():
         try:
             entry = json.loads(line)
             done[str(entry["name"])] = [entry[key] for key in fields]

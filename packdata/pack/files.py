@@ -28,6 +28,7 @@ from packdata.errors import (
 __all__ = [
     "PROGRESS_FILE",
     "RAY_PLAN_FILE",
+    "append_own_file",
     "aside_path",
     "atomic_write",
     "discard_partial",
@@ -44,7 +45,9 @@ __all__ = [
     "not_a_file",
     "open_pack_file",
     "open_regular",
+    "private_folder",
     "private_temp_folder",
+    "read_own_file",
     "read_regular",
     "stream_sha256",
     "temporary_owner",
@@ -362,7 +365,13 @@ def private_temp_folder(name: str, *, hint: str) -> Path:
         ConfigError: it is a link or not a folder, another user's, or others may write in it
             (``hint`` says where else to keep the files).
     """
-    folder = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    return private_folder(Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}", hint=hint)
+
+
+def private_folder(folder: Path, *, hint: str) -> Path:
+    """``folder``, made (mode 0700, its parents as usual) when missing, only if it is this user's and no one
+    else may write in it (see :func:`private_temp_folder`); raises as it does."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
     info = folder.lstat()
@@ -375,3 +384,51 @@ def private_temp_folder(name: str, *, hint: str) -> Path:
     else:
         return folder
     raise ConfigError(f"{problem}: packdata keeps no files there (others could change them)", path=folder, hint=hint)
+
+
+def append_own_file(path: Path, text: str, *, hint: str, sync: bool = False) -> None:
+    """Append ``text`` to ``path`` (made, mode 0600, when missing): a regular file of this user's, never a link's
+    target (``O_NOFOLLOW``), so a link planted where packdata keeps a journal never has it write elsewhere.
+
+    Raises:
+        ConfigError: a link, FIFO or folder is there, or another user's file (``hint`` says what to do).
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with os.fdopen(_open_own(path, flags, hint), "a", encoding="utf-8") as f:
+        f.write(text)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_own_file(path: Path, *, hint: str) -> str | None:
+    """The text of ``path`` (None when there is nothing there), a regular file of this user's, never through a
+    link; raises as :func:`append_own_file`."""
+    try:
+        fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, hint)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _open_own(path: Path, flags: int, hint: str) -> int:
+    """``os.open(path, flags, 0o600)``, kept only if it is this user's regular file; ConfigError if not."""
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise  # missing (a reader says what that means), or a disk's failure
+        mode = os.lstat(path).st_mode
+        raise ConfigError(_not_own(f"is {file_kind(mode)}, not a regular file"), path=path, hint=hint) from exc
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    problem = f"is {file_kind(info.st_mode)}, not a regular file" if not stat.S_ISREG(info.st_mode) else ""
+    raise ConfigError(_not_own(problem or "is another user's file"), path=path, hint=hint)
+
+
+def _not_own(problem: str) -> str:
+    return f"{problem}: packdata never reads or writes its own files through it (another user may have put it there)"
