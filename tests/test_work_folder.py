@@ -39,7 +39,7 @@ def test_a_link_planted_for_a_work_folder_journal_is_refused_and_never_written_t
     if journal == "downloaded.jsonl":  # a source folder at a URL, copied into its work folder first
         source = "s3://packs/source-folder"
         fs.put(str(src), source.removeprefix("s3://"), recursive=True)
-        folder = work_folder(f"source:{source}").parent
+        folder = work_folder(source, kind="source").parent
     else:
         folder = work_folder(url).parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,3 +83,26 @@ def test_an_upload_folder_in_packdata_tmp_others_may_write_in_is_refused(
     (shared / "packdata-upload").unlink() if planted == "symlink" else (shared / "packdata-upload").rmdir()
     made = work_folder("s3://packs/new.lmdb").parent.parent
     assert made == shared / "packdata-upload" and os.stat(made).st_mode & 0o777 == 0o700
+
+
+def test_urls_that_differ_in_their_user_part_only_keep_their_work_apart(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work folders were keyed on the URL without its user part, yet fsspec reads memory://alice@packs/x at
+    /alice@packs/x, another place than memory://packs/x: a conversion into one removed the other's interrupted
+    work (and would have shared its journals), with no word."""
+    import fsspec
+
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    theirs, mine = "memory://alice:pw-9f3c@h-s3-packs/x.lmdb", "memory://h-s3-packs/x.lmdb"
+    waiting = work_folder(theirs)
+    assert waiting != work_folder(mine) and "alice" not in str(waiting) and "pw-9f3c" not in str(waiting)
+    assert waiting == work_folder("memory://alice@h-s3-packs/x.lmdb")  # the password names no other place
+    waiting.mkdir(parents=True)
+    (waiting / "progress.json").write_text("{}")  # an interrupted conversion's, to resume
+    try:
+        packdata.convert(image_folder, mine, progress=False)
+        assert fsspec.filesystem("memory").exists("/h-s3-packs/x.lmdb/manifest.json")
+    finally:
+        fsspec.filesystem("memory").rm("/h-s3-packs", recursive=True)
+    assert (waiting / "progress.json").read_text() == "{}"

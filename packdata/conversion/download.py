@@ -71,7 +71,7 @@ def download_source(
     """
     fs, _, objects, refused = list_folder(url, storage_options)
     shown = display_url(url)
-    local = work_folder(f"source:{shown}")
+    local = work_folder(url, kind="source")
     local.mkdir(parents=True, exist_ok=True)
     journal = local.parent / _DOWNLOADED
     incoming = local.parent / ".incoming"

@@ -61,6 +61,7 @@ from packdata.pack.urls import (
     open_url,
     remote_error,
     retry_transient,
+    url_place,
 )
 from packdata.progress import progress as show_progress
 
@@ -79,17 +80,21 @@ __all__ = [
 _PRIVATE_HINT = "Remove it if it is not yours, or set PACKDATA_TMP to a folder of your own"
 
 
-def work_folder(url: str) -> Path:
-    """The local folder a conversion into ``url`` packs into (stable per URL, so a resume finds it)."""
+def work_folder(url: str, *, kind: str = "") -> Path:
+    """The local folder a conversion into ``url`` packs into (stable per URL, so a resume finds it).
+
+    One per place (:func:`~packdata.pack.urls.url_place`: URLs that differ in their user part only have
+    a folder each, its name a hash); ``kind`` (``"source"``: a source folder's copy) keeps apart other uses.
+    """
     chosen = os.environ.get("PACKDATA_TMP")
     base = (
         private_folder(Path(chosen) / "packdata-upload", hint=_PRIVATE_HINT)
         if chosen
         else private_temp_folder("packdata-upload", hint=_PRIVATE_HINT)
     )
-    shown = display_url(url)
-    tag = hashlib.sha256(shown.encode("utf-8")).hexdigest()[:16]
-    return base / tag / local_name(shown)  # never the tag folder or above it
+    place = f"{kind}:{url_place(url)}" if kind else url_place(url)
+    tag = hashlib.sha256(place.encode("utf-8")).hexdigest()[:16]
+    return base / tag / local_name(display_url(url))  # never the tag folder or above it
 
 
 def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool) -> None:

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlsplit
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError, SourceError, destination_error
 from packdata.formats import get_format
@@ -50,6 +49,7 @@ from packdata.pack.urls import (
     remote_error,
     remote_object,
     remote_size,
+    url_place,
     version_now,
 )
 
@@ -468,8 +468,7 @@ def fetch_pack_skeleton(
     manifest, raw = read_url_manifest(fs, root, shown)
     digest = hashlib.sha256(raw).hexdigest()
     base = Path(cache_dir) if cache_dir else private_temp_folder("packdata-remote", hint=_CACHE_HINT)
-    user = urlsplit(url).username  # hashed, never shown: abfs://CONTAINER@account/x names the pack's container
-    tag = base / hashlib.sha256((f"{user}@{shown}" if user else shown).encode("utf-8")).hexdigest()[:16]
+    tag = base / hashlib.sha256(url_place(url).encode("utf-8")).hexdigest()[:16]  # hashed: a user part is never shown
     _own_folder(tag)
     dest = tag / local_name(root)  # never the tag folder
     if _holds(dest, digest):

@@ -37,6 +37,7 @@ __all__ = [
     "remote_object",
     "remote_size",
     "retry_transient",
+    "url_place",
     "version_now",
 ]
 
@@ -67,6 +68,14 @@ def display_url(url: str) -> str:
     if parts.scheme.lower() in _CONTAINER_SCHEMES and parts.username and parts.password is None:
         host = f"{parts.username}@{host}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def url_place(url: str) -> str:
+    """What tells ``url``'s place apart: :func:`display_url` with the user part it drops (a user part may name
+    another bucket or home: fsspec reads ``memory://alice@x/p`` at ``/alice@x/p``); hash it before writing it."""
+    user = urlsplit(url).username
+    shown = display_url(url)
+    return f"{user}@{shown}" if user else shown
 
 
 def user_digest(url: str) -> str:
