@@ -1,0 +1,177 @@
+"""ls, cat and export of multi-field packs: round trips, escaped keys, keys that leave the folder, a full disk."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import flip_label, image_bytes
+from faults.hostile import rewrite_manifest
+from fields_helpers import KEYS, _fields_of, _grouped, _same_tree
+
+import packdata
+from packdata.cli import main as cli
+from packdata.formats.contents import export_pack, list_samples, read_field
+
+
+def test_ls_cat_export_round_trip(tmp_path: Path) -> None:
+    src = _grouped(tmp_path / "src")
+    (src / "lonely.jpg").unlink()
+    pack = tmp_path / "out.lmdb"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(src), str(pack), "-q", "--layout", "grouped"])
+    assert done.exit_code == 0, done.output
+    listed = runner.invoke(cli, ["ls", str(pack), "--json", "--limit", "0"])
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert sorted(r["key"] for r in rows) == sorted([*KEYS, "dogs.v2/d"])
+    assert rows[0]["fields"] == {n: len(d) for n, d in _fields_of(src, rows[0]["key"]).items()}
+    shown = runner.invoke(cli, ["cat", str(pack), "café", "--field", "txt"])
+    assert shown.exit_code == 0 and shown.stdout_bytes == (src / "café.txt").read_bytes()
+    assert read_field(pack, "#0", "jpg") == (src / f"{rows[0]['key']}.jpg").read_bytes()
+    missing = runner.invoke(cli, ["cat", str(pack), "nope"])
+    assert missing.exit_code == 1 and "no sample has the key 'nope'" in missing.output
+    for odd, said in [("#²", "no sample has the key '#²'"), ("#" + "9" * 5000, "index 999999999999999999... is out")]:
+        refused = runner.invoke(cli, ["cat", str(pack), odd])  # a raw ValueError each (isdigit takes '²'; int() 4,300)
+        assert refused.exit_code == 1 and said in refused.output, refused.output
+    out = tmp_path / "exported"
+    done = runner.invoke(cli, ["export", str(pack), str(out)])
+    assert done.exit_code == 0, done.output
+    comparison = filecmp.dircmp(src, out)
+    assert _same_tree(comparison), comparison.report_full_closure()
+
+
+def test_ls_and_convert_show_keys_with_newlines_and_control_characters_escaped(tmp_path: Path) -> None:
+    """A key holding a newline prints as one line, quoted; an escape sequence never reaches the terminal raw."""
+    odd = "cat\x1b[2J"
+    keys = [f"{odd}/a\nb.jpg", f"{odd}/tab\there.jpg", "dog/plain café.jpg"]
+    for k, key in enumerate(keys):
+        (tmp_path / "src" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / key).write_bytes(image_bytes(k))
+    bad = f"{odd}/bad\nname.jpg"
+    (tmp_path / "src" / bad).write_bytes(b"not an image")
+    pack = tmp_path / "out.lmdb"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["convert", str(tmp_path / "src"), str(pack), "--verify-images"])
+    assert done.exit_code == 0, done.output
+    assert f"    {bad!r}: corrupt image: " in done.output
+    assert "\x1b" not in done.output
+    listed = runner.invoke(cli, ["ls", str(pack)])
+    assert listed.exit_code == 0 and "\x1b" not in listed.output, listed.output
+    columns = [line.split("\t") for line in listed.output.splitlines()]
+    assert [c[1] for c in columns] == [repr(keys[0]), repr(keys[1]), keys[2]]  # one line each; plain keys as they are
+    assert [c[2] for c in columns] == [f"0 ({odd!r})", f"0 ({odd!r})", "1 (dog)"]
+    rows = [json.loads(line) for line in runner.invoke(cli, ["ls", str(pack), "--json"]).output.splitlines()]
+    assert [row["key"] for row in rows] == keys  # JSON: exact
+
+
+def test_export_of_an_imagefolder_pack_gives_the_source_back(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + ord(c)))
+    packdata.convert(src, tmp_path / "p.lmdb", progress=False)
+    result = export_pack(tmp_path / "p.lmdb", tmp_path / "back")
+    assert result.samples == 6 and not result.refused
+    assert _same_tree(filecmp.dircmp(src, tmp_path / "back"))
+    assert [r["class"] for r in list_samples(tmp_path / "p.lmdb")] == ["a"] * 3 + ["b"] * 3
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_cat_and_export_give_what_a_dataset_reads_from_the_index_or_refuse(tmp_path: Path, fmt: str) -> None:
+    """They read records alone: a label the index (which datasets read) no longer shares was exported and cat as it was.
+
+    A pack written before the manifest held index digests: only reading the records against the index tells.
+    """
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + ord(c)))
+    pack = packdata.convert(src, tmp_path / "p", format=fmt, progress=False).pack
+    rewrite_manifest(pack, lambda d: d["index"].pop("sha256"))
+    flip_label(pack)  # sample 0 (a/0.jpg): label 1 in the index, 0 in its record
+    assert next(iter(list_samples(pack)))["label"] == 1
+    if fmt == "lmdb":
+        assert packdata.LMDBDataset(pack, decode="bytes")[0][1] == 1  # what training sees
+    out = CliRunner().invoke(cli, ["cat", str(pack), "#0", "--field", "cls"])
+    assert out.exit_code == 1 and "record 0 (key 'a/0.jpg') does not match the sample index" in out.output
+    out = CliRunner().invoke(cli, ["export", str(pack), str(tmp_path / "back")])
+    assert out.exit_code == 1 and "record 0 (key 'a/0.jpg') does not match the sample index" in out.output
+    assert not any((tmp_path / "back").rglob("*.jpg"))
+
+
+def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:
+    with packdata.PackWriter(tmp_path / "evil.lmdb") as writer:
+        writer.write({"__key__": "../escape", "txt": "x"})
+        writer.write({"__key__": "/abs/path", "txt": "y"})
+        writer.write({"__key__": "fine/one", "txt": "z"})
+        writer.write({"__key__": "fine/one.txt/x", "txt": "a folder where a file is"})
+    result = export_pack(tmp_path / "evil.lmdb", tmp_path / "out")
+    assert result.samples == 1
+    assert [r["key"] for r in result.refused] == ["../escape", "/abs/path", "fine/one.txt/x"]
+    assert not (tmp_path / "escape.txt").exists()
+    assert (tmp_path / "out" / "fine" / "one.txt").read_text() == "z"
+
+
+def test_export_refuses_a_key_the_file_system_rejects_and_goes_on(tmp_path: Path) -> None:
+    with packdata.PackWriter(tmp_path / "long.lmdb") as writer:
+        writer.write({"__key__": "a", "txt": "first"})
+        writer.write({"__key__": "x" * 300, "txt": "a name too long for the file system"})
+        writer.write({"__key__": "d/" + "y" * 300, "txt": "its folder is made, then removed"})
+        writer.write({"__key__": "z", "txt": "last"})
+    result = export_pack(tmp_path / "long.lmdb", tmp_path / "out")
+    assert (result.samples, result.files) == (2, 2)
+    assert [r["key"] for r in result.refused] == ["x" * 300, "d/" + "y" * 300]
+    assert all("the file system refuses its files (File name too long)" in r["reason"] for r in result.refused)
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["a.txt", "z.txt"]
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "long.lmdb"), str(tmp_path / "cli")])
+    assert done.exit_code == 1 and "exported 2 samples as 2 files" in done.output  # refusals exit 1, listed
+    assert f"{'x' * 300}: the file system refuses its files (File name too long)" in done.output
+    assert done.exception is None or isinstance(done.exception, SystemExit)
+
+
+def test_export_of_a_key_of_many_folders_writes_it_without_running_out_of_stack(tmp_path: Path) -> None:
+    """A key of 1,500 parts (3,000 bytes: a path Linux takes): Path.mkdir(parents=True) recursed once a folder."""
+    deep = "d/" * 1500 + "leaf"
+    with packdata.PackWriter(tmp_path / "deep.lmdb") as writer:
+        writer.write({"__key__": deep, "txt": "deep"})
+        writer.write({"__key__": "d/" * 1499 + "e", "txt": "beside it, in folders already made"})
+        writer.write({"__key__": "z", "txt": "last"})
+    try:
+        result = export_pack(tmp_path / "deep.lmdb", tmp_path / "out")
+        assert (result.samples, result.files, result.refused) == (3, 3, [])
+        assert (tmp_path / "out" / f"{deep}.txt").read_text() == "deep"
+        assert (tmp_path / "out" / ("d/" * 1499 + "e.txt")).read_text() == "beside it, in folders already made"
+        assert (tmp_path / "out" / "z.txt").read_text() == "last"
+    finally:  # shutil.rmtree (pytest's clean-up of old temporary folders) recurses once per level: a crash later
+        subprocess.run(["rm", "-rf", str(tmp_path / "out")], check=True)
+
+
+def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -> None:
+    """A real 1 MiB tmpfs: two samples of 400 KB fit, the third fills it."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    with packdata.PackWriter(tmp_path / "p.lmdb") as writer:
+        for key in ("a", "b", "c"):
+            writer.write({"__key__": key, "txt": key * 400_000})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(disk / "out")])
+        assert done.exit_code == 1
+        assert done.output == (
+            f"Error: {disk / 'out'}: the disk is full (No space left on device) after 2 samples were exported. "
+            "Free space, delete the partial export and run it again\n"
+        )
+        assert sorted(p.name for p in (disk / "out").iterdir()) == ["a.txt", "b.txt"]  # c's partly written file is gone
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
