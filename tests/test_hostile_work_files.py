@@ -15,6 +15,7 @@ from conftest import interrupted_convert, moto_s3
 from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
 from packdata.conversion.destination import partial_path
 from packdata.conversion.replace import remove_replaced
+from packdata.conversion.upload import check_job, work_folder
 from packdata.pack.urls import object_version
 
 
@@ -175,3 +176,35 @@ fcntl.flock(fd, fcntl.LOCK_EX)
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+_NESTED = "[" * 100_000
+
+
+def test_a_work_folders_journal_line_of_deeply_nested_json_counts_for_nothing(
+    s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line of ``[[[[...`` (100,000 deep) in a URL source's download journal (downloaded.jsonl, the work folder's),
+    or in an overwrite's replaced.jsonl, stopped the conversion with a bare RecursionError: like a torn line, it
+    now counts for nothing (the files are downloaded again; nothing is removed for it). A job.json (the record of a
+    pack waiting in the work folder for its upload) nested so is an unknown conversion's, as one not JSON."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    for i in range(3):
+        fs.pipe_file(f"packs/nested-src/{i}.txt", f"t{i}".encode())
+    fs.invalidate_cache()
+    journal = work_folder("source:s3://packs/nested-src").parent / "downloaded.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text(_NESTED + "\n", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    convert("s3://packs/nested-src", dst, storage_options=options, progress=False)
+    assert [s[0] for s in LMDBDataset(dst)] == ["t0", "t1", "t2"]
+    fs.pipe_file("packs/nested-pack/shard-00000.bin", b"old")
+    work = tmp_path / "replacing" / "nested-pack"
+    work.parent.mkdir()
+    (work.parent / "replaced.jsonl").write_text(_NESTED + "\n", encoding="utf-8")
+    assert remove_replaced(fs, "packs/nested-pack", "s3://packs/nested-pack", work, keep=set()) == 0
+    assert fs.cat_file("packs/nested-pack/shard-00000.bin") == b"old"
+    (work.parent / "job.json").write_text(_NESTED, encoding="utf-8")  # the record of the pack waiting for upload
+    with pytest.raises(ConfigError, match=r"^s3://packs/nested-pack: the pack waiting .* by an unknown conversion"):
+        check_job(work, "src", {}, "s3://packs/nested-pack")

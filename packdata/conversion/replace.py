@@ -66,8 +66,8 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
         try:
             entry = json.loads(line)
             recorded[str(entry["name"])] = (int(entry["size"]), str(entry["version"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn line counts for nothing
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue  # a torn line (or one nested past Python's stack) counts for nothing
     removed = 0
     try:
         found = _listing(fs, root)

@@ -509,7 +509,7 @@ def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url:
     """
     try:
         saved = json.loads(read_own_file(local.parent / _JOB, hint=WORK_FILE_HINT) or "null")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         saved = None
     if saved != _job(src, options):
         was = saved.get("src") if isinstance(saved, dict) else None
@@ -532,6 +532,6 @@ def _read_journal(journal: Path, fields: tuple[str, ...]) -> dict[str, list[Any]
         try:
             entry = json.loads(line)
             done[str(entry["name"])] = [entry[key] for key in fields]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past Python's stack
             continue
     return done
