@@ -43,7 +43,7 @@ from packdata.conversion.destination import spill_folder
 from packdata.conversion.publish import SKIP_REPORT
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
-from packdata.pack.files import atomic_write, fsync_dir
+from packdata.pack.files import atomic_write, fsync_dir, open_regular
 from packdata.pack.index import ALL_FILES, INDEX_DIR
 from packdata.pack.manifest import (
     MANIFEST_NAME,
@@ -193,9 +193,10 @@ def _read_journal(dst: Path, path: Path) -> _Journal:
         PackFormatError: the plan is damaged.
     """
     hint = f"Remove {path.name} from the pack, then append again without resume"
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    try:  # a FIFO in its place would block the read for ever, a link lead out of the pack
+        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
+            data = json.loads(file.read())
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
         raise PackFormatError(f"the plan of an interrupted append is unreadable ({exc})", path=path, hint=hint) from exc
     if not isinstance(data, dict) or set(data) != {"manifest", "appended", "moves", "drop"}:
         raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)

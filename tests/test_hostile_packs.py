@@ -1,0 +1,52 @@
+"""Packs a stranger hands over, with files made to hang, crash or lead out of the pack: each is named, never read
+through, never waited on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from packdata import LMDBDataset, PackFormatError, convert
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("plan", ["fifo", "nested", "link"])
+def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_waited_on(
+    tmp_path: Path, plan: str
+) -> None:
+    """A pack holding ``.append-a1.json`` (the plan an interrupted append leaves) as a FIFO hung ``convert ...
+    --append --resume`` for ever (the plan was read with a plain open); one of ``[[[[...`` (100,000 deep) stopped it
+    with a bare RecursionError; a link to a plan outside the pack was read through. Each is now named as an
+    unreadable plan, with the remedy; the pack is untouched, and an append without resume goes on."""
+    src, more = tmp_path / "src", tmp_path / "more"
+    src.mkdir()
+    more.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    for i in range(4, 6):
+        (more / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    pack = tmp_path / "out.lmdb"
+    convert(src, pack, progress=False)
+    journal = pack / ".append-a1.json"
+    if plan == "fifo":
+        os.mkfifo(journal)
+        why = f"[Errno 22] not a regular file: a FIFO: '{journal}'"
+    elif plan == "nested":
+        journal.write_text("[" * 100_000, encoding="utf-8")
+        why = "maximum recursion depth exceeded while decoding a JSON array from a unicode string"
+    else:
+        outside = tmp_path / "plan.json"
+        outside.write_text("{}", encoding="utf-8")
+        journal.symlink_to(outside)
+        why = f"[Errno 40] Too many levels of symbolic links: '{journal}'"
+    with pytest.raises(PackFormatError) as raised:
+        convert(more, pack, progress=False, append=True, resume=True)
+    assert str(raised.value) == (
+        f"{journal}: the plan of an interrupted append is unreadable ({why}). Remove .append-a1.json from the pack, "
+        "then append again without resume"
+    )
+    assert len(LMDBDataset(pack)) == 4
+    convert(more, pack, progress=False, append=True)
+    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
