@@ -50,3 +50,32 @@ def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_wait
     assert len(LMDBDataset(pack)) == 4
     convert(more, pack, progress=False, append=True)
     assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
+
+
+def test_a_cached_copys_record_of_deeply_nested_json_is_downloaded_again(tmp_path: Path) -> None:
+    """The cache's record of the files a URL pack's cached copy holds (.files.json) holding ``[[[[...`` (100,000
+    deep) stopped every reader of that URL with a bare RecursionError: the copy is now not reused, and a fresh one
+    is downloaded, as for any record that is not JSON."""
+    import fsspec
+
+    from packdata import TFRecordDataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    convert(src, tmp_path / "pack", format="tfrecord", progress=False)
+    memory = fsspec.filesystem("memory")
+    memory.put(str(tmp_path / "pack"), "/hostile/nested", recursive=True)
+    cache = tmp_path / "cache"
+    try:
+        ds = TFRecordDataset("memory://hostile/nested", decode="bytes", shuffle=False, cache_dir=cache)
+        assert [data for data, _ in ds] == [f"t{i}".encode() for i in range(4)]
+        (record,) = cache.rglob(".files.json")
+        record.write_text("[" * 100_000, encoding="utf-8")
+        again = TFRecordDataset("memory://hostile/nested", decode="bytes", shuffle=False, cache_dir=cache)
+        assert [data for data, _ in again] == [f"t{i}".encode() for i in range(4)]
+        (record,) = cache.rglob(".files.json")
+        assert record.read_bytes().startswith(b"{")
+    finally:
+        memory.rm("/hostile", recursive=True)

@@ -414,7 +414,7 @@ def _holds(dest: Path, digest: str) -> bool:
             return False
         stamps = json.loads((dest / _FILES).read_bytes())
         return isinstance(stamps, dict) and all(file_stamp(dest / name) == stamp for name, stamp in stamps.items())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: its record nested past Python's stack
         return False
 
 
