@@ -344,7 +344,14 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
         server.stop()
 
 
-_S3_ERRORS = {403: "AccessDenied", 503: "ServiceUnavailable"}
+@pytest.fixture(scope="module")
+def s3_store() -> Iterator[tuple[dict[str, Any], Any]]:
+    """A moto S3 server for a test module (see :func:`moto_s3`), its credentials in the storage options."""
+    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as found:
+        yield found
+
+
+_S3_ERRORS = {403: "AccessDenied", 501: "NotImplemented", 503: "ServiceUnavailable"}
 
 
 class _FaultyRelay(http.server.BaseHTTPRequestHandler):

@@ -51,13 +51,14 @@ def test_an_edited_replaced_record_never_deletes_a_neighbouring_packs_objects(
     work = tmp_path / "work" / "train"
     work.parent.mkdir()
     (work.parent / "replaced.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    real_rm, asked = fs.rm_file, []
+    real_call, asked = fs._call_s3, []
 
-    def recording_rm(path, *args, **kwargs):  # S3 keys are literal: asked for, ../ would name another object
-        asked.append(path)
-        return real_rm(path, *args, **kwargs)
+    async def recording_call(method, *args, **kwargs):  # S3 keys are literal: asked for, ../ would name another object
+        if method == "delete_object":  # plain and conditional deletes alike
+            asked.append(f"{kwargs['Bucket']}/{kwargs['Key']}")
+        return await real_call(method, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "rm_file", recording_rm)
+    monkeypatch.setattr(fs, "_call_s3", recording_call)
     removed = remove_replaced(fs, "packs/train", "s3://packs/train", work, keep=set())
     fs.invalidate_cache()
     assert sorted(fs.find("packs")) == [

@@ -7,30 +7,19 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import moto_s3
 
 import packdata
 from packdata.conversion.upload import work_folder
 from packdata.errors import ConfigError
 
-pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
-pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on loopback with a ``packs`` bucket; yields (storage_options, filesystem)."""
-    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as found:
-        yield found
-
 
 @pytest.mark.parametrize("journal", ["uploaded.jsonl", "replaced.jsonl", "downloaded.jsonl"])
 def test_a_link_planted_for_a_work_folder_journal_is_refused_and_never_written_through(
-    s3, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: str
+    s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: str
 ) -> None:
     """A journal beside the work folder was opened for append through whatever was at its name: with a shared
     PACKDATA_TMP, a symlink planted there had packdata append its journal lines to a file the planter chose."""
-    options, fs = s3
+    options, fs = s3_store
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     src = image_folder
     url, source = f"s3://packs/linked-{journal}.lmdb", src

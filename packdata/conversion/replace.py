@@ -6,7 +6,8 @@ recorded with the size and version the store reports, in ``replaced.jsonl``
 beside the conversion's work folder, so a rerun after an interruption still
 knows them. Once the new manifest is up (:func:`remove_replaced`), each
 recorded object the new pack does not have is removed, only while the store
-still reports it as recorded: an object written since, or one the old
+still reports it as recorded (on S3 the delete itself carries ``If-Match``, so
+an object rewritten after that look-up is kept too): an object written since, or one the old
 manifest did not list (anything else under the prefix), is never touched. A
 pack with fewer shards thus leaves no old shard behind for a ``*.tfrecord``
 glob to read, or to pay for.
@@ -22,7 +23,7 @@ from typing import Any
 from packdata.errors import PackFormatError
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import append_own_file, read_own_file
-from packdata.pack.urls import object_version, read_url_manifest, remote_error, retry_transient
+from packdata.pack.urls import object_version, read_url_manifest, remote_error, remove_at_version, retry_transient
 
 __all__ = ["WORK_FILE_HINT", "record_replaced", "remove_replaced"]
 
@@ -74,8 +75,7 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
         for name, was in sorted(recorded.items()):
             if name in keep or any(part in ("", ".", "..") for part in name.split("/")) or found.get(name) != was:
                 continue
-            retry_transient(partial(fs.rm_file, f"{root}/{name}"))
-            removed += 1
+            removed += retry_transient(partial(remove_at_version, fs, f"{root}/{name}", was[1]))
     except Exception as exc:  # the new pack is up: say so, and how the rest goes
         error = remote_error(
             shown, "the new pack is published, but the objects of the pack it replaced could not all be removed", exc

@@ -60,6 +60,7 @@ from packdata.pack.urls import (
     object_version,
     open_url,
     remote_error,
+    remove_at_version,
     retry_transient,
     url_place,
 )
@@ -385,7 +386,7 @@ def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path
         try:
             fs.invalidate_cache(f"{root}/{rel}")
             if retry_transient(partial(object_matches, fs, f"{root}/{rel}", size, version, md5)):
-                retry_transient(partial(fs.rm_file, f"{root}/{rel}"))
+                retry_transient(partial(remove_at_version, fs, f"{root}/{rel}", version))  # S3: If-Match
         except Exception as exc:
             raise remote_error(
                 display_url(root), f"cannot remove {rel}, left by an earlier run", exc, resumable=True

@@ -36,6 +36,7 @@ __all__ = [
     "remote_error",
     "remote_object",
     "remote_size",
+    "remove_at_version",
     "retry_transient",
     "url_place",
     "version_now",
@@ -178,6 +179,43 @@ async def _s3_get(fs: Any, bucket: str, key: str, etag: str, byte_range: dict[st
         return await response["Body"].read()
     finally:
         response["Body"].close()
+
+
+def remove_at_version(fs: Any, path: str, version: str) -> bool:
+    """Remove ``path``, on S3 only while it is at ``version`` (an ETag the caller found); whether it was removed.
+
+    On S3 the DELETE carries ``If-Match``: an object rewritten since the
+    caller's look-up answers HTTP 412 and is kept (False), as is one gone
+    (404). A store that refuses the header (HTTP 501 ``NotImplemented``, or 400
+    ``InvalidArgument``/``InvalidRequest``) and any other store get a plain
+    delete: there, an object written between the caller's look-up and the delete is removed.
+    """
+    if version and conditional_reads(fs):
+        from fsspec.asyn import sync
+
+        bucket, key, _ = fs.split_path(path)
+        try:
+            sync(fs.loop, fs._call_s3, "delete_object", Bucket=bucket, Key=key, IfMatch=version)
+        except FileNotFoundError:
+            return False
+        except Exception as exc:
+            if precondition_failed(exc) or _failed_with(exc, 404, "NoSuchKey"):
+                return False
+            if not _header_refused(exc):
+                raise
+        else:
+            fs.invalidate_cache(path)
+            return True
+    fs.rm_file(path)
+    return True
+
+
+def _header_refused(exc: BaseException) -> bool:
+    """Whether a store refused a request for a header it does not implement (conditional deletes, say)."""
+    return any(
+        _failed_with(exc, status, code)
+        for status, code in ((501, "NotImplemented"), (400, "InvalidArgument"), (400, "InvalidRequest"))
+    )
 
 
 def precondition_failed(exc: BaseException) -> bool:
