@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import faulty_s3
+from faults.hostile import rewrite_manifest
 
 import packdata
+from packdata.errors import PackFormatError
 
 
 def test_an_old_object_rewritten_after_the_overwrites_look_up_is_kept_not_deleted(
@@ -54,3 +57,80 @@ def test_a_store_that_refuses_conditional_deletes_gets_a_plain_one(
         assert hits["DELETE", f"/{root}/shard-00003.lmdb/data.mdb"] == 2  # refused, then plain
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/shard-00003.lmdb/data.mdb") and not fs.exists(f"{root}/shard-00001.lmdb")
+
+
+def _older_pack(image_folder: Path, tmp_path: Path) -> tuple[Path, np.ndarray]:
+    """A TFRecord pack whose manifest has no index digests (an older packdata's), and its sizes.i64."""
+    older = tmp_path / "older"
+    packdata.convert(image_folder, older, format="tfrecord", shard_samples=6, progress=False)
+    rewrite_manifest(older, lambda d: d["index"].pop("sha256"))
+    return older, np.fromfile(older / "index" / "sizes.i64", dtype="<i8")
+
+
+_REWRITTEN = (
+    r"was rewritten or removed while the pack's index and side tables were copied \(the pack at the URL changed\)"
+)
+
+
+def test_an_index_file_rewritten_on_s3_while_a_cache_copies_it_is_named_never_cached_mixed(
+    s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On S3 each skeleton file was pinned to its ETag only when opened: an older pack (no index digests) whose
+    sizes.i64 was rewritten after the first file's copy began was cached with the new sizes.i64 under the old
+    manifest, silently. Every file's ETag is now looked up first, and each read carries it (If-Match)."""
+    from packdata.formats import remote_pack
+
+    options, fs = s3_store
+    older, sizes = _older_pack(image_folder, tmp_path)
+    url, root = "s3://packs/older-rewritten-mid-copy", "packs/older-rewritten-mid-copy"
+    fs.put(str(older), root, recursive=True)
+    copy_within = remote_pack._copy_within
+
+    def rewritten_after_the_look_up(*args, **kwargs):  # while the first file is copied
+        fs.pipe(f"{root}/index/sizes.i64", (sizes + 1).astype("<i8").tobytes())
+        return copy_within(*args, **kwargs)
+
+    monkeypatch.setattr(remote_pack, "_copy_within", rewritten_after_the_look_up)
+    cache = tmp_path / "cache"
+    with pytest.raises(PackFormatError, match=rf"^{url}/index/sizes\.i64: {_REWRITTEN}: nothing was cached from it"):
+        packdata.TFRecordDataset(url, decode="bytes", cache_dir=cache, storage_options=options)
+    assert not list(cache.rglob("manifest.json")) and not list(cache.rglob(".files.json"))
+
+
+@pytest.mark.parametrize("store", ["s3", "memory"])
+def test_a_pack_uploaded_again_between_its_manifest_read_and_the_look_ups_is_named(
+    s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """The skeleton's files were looked up after its manifest was read: an older pack (no index digests) uploaded
+    again in between had its new sizes.i64 looked up, read and cached under the old manifest, silently."""
+    import fsspec
+
+    from packdata.formats import remote_pack
+
+    options, fs = s3_store
+    older, sizes = _older_pack(image_folder, tmp_path)
+    if store == "memory":
+        options, fs = {}, fsspec.filesystem("memory")
+    url = f"{store}://packs/uploaded-again-h-s3"
+    root = url.split("://", 1)[1]
+    fs.put(str(older), root, recursive=True)
+    rewrite_manifest(older, lambda d: d.update(source="another source"))  # the pack converted and uploaded again
+    (older / "index" / "sizes.i64").write_bytes((sizes + 1).astype("<i8").tobytes())
+    looked_up = remote_pack.remote_object
+
+    def uploaded_again_before_the_look_ups(store_fs, path, where):
+        if not fs.exists(f"{root}/.uploaded-again"):
+            fs.pipe(f"{root}/.uploaded-again", b"")
+            for name in ("index/sizes.i64", "manifest.json"):  # --overwrite: the manifest goes up last
+                fs.pipe(f"{root}/{name}", (older / name).read_bytes())
+            fs.invalidate_cache()
+        return looked_up(store_fs, path, where)
+
+    monkeypatch.setattr(remote_pack, "remote_object", uploaded_again_before_the_look_ups)
+    cache = tmp_path / "cache"
+    try:
+        with pytest.raises(PackFormatError, match=rf"^{url}/manifest\.json: {_REWRITTEN}: nothing was cached"):
+            packdata.TFRecordDataset(url, decode="bytes", cache_dir=cache, storage_options=options)
+    finally:
+        fs.rm(root, recursive=True)
+    assert not list(cache.rglob("manifest.json")) and not list(cache.rglob(".files.json"))

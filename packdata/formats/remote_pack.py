@@ -41,6 +41,7 @@ from packdata.pack.urls import (
     display_url,
     local_name,
     object_version,
+    open_at_version,
     open_url,
     precondition_failed,
     range_not_satisfiable,
@@ -304,11 +305,12 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     """Copy a pack's files but its shards' data into the new folder ``dest``, the manifest last.
 
     Optional files (side tables, the skip report) that are not there are left
-    out; a missing sample index file raises. On S3, s3fs reads each object
-    only at its version when opened (``If-Match``); elsewhere every file's
-    version is looked up before the first is read and again after its own
-    read, so a file rewritten meanwhile (an older pack, without index digests,
-    uploaded again) is named, never cached beside another upload's files.
+    out; a missing sample index file raises. Every file's version is looked up before the first is read (then the
+    manifest is read again: a pack uploaded again since it was first read is
+    named); on S3 each read carries that version (``If-Match``), elsewhere each
+    file's version is looked up again after its read, so a file rewritten
+    meanwhile (an older pack, without index digests, uploaded again) is named,
+    never cached beside another upload's files.
 
     The files together may take the disk's free space less a twentieth of
     the file system or 1 GiB, whichever is less (but at least half the free
@@ -327,15 +329,17 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
         usage = shutil.disk_usage(dest.parent)  # dest is made by the first copy
         room = limit = max(usage.free // 2, usage.free - min(usage.total // 20, 1 << 30))
         names = _skeleton_names(manifest, report=True)
-        pinned = conditional_reads(fs)  # else each file's version now, looked up again after its read
-        found = {} if pinned else {n: remote_object(fs, f"{root}/{n}", f"{shown}/{n}") for n, _ in names}
+        pinned, at = conditional_reads(fs), None  # S3: each read at the version looked up (If-Match)
+        found = {n: remote_object(fs, f"{root}/{n}", f"{shown}/{n}") for n, _ in names}
+        _check_manifest_kept(fs, root, raw, shown)  # a pack uploaded again since the manifest was read
         for name, required in names:
             target, where, looked = dest / name, f"{shown}/{name}", found.get(name)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:  # streamed: an index of 100 M keys is gigabytes, never held in memory at once
-                if not pinned and looked is None:
+                if looked is None:
                     raise FileNotFoundError(name)
-                with fs.open(f"{root}/{name}", "rb") as remote, open(target, "wb") as local:
+                at = looked if pinned and looked[1] else None  # else looked up again after the read
+                with open_at_version(fs, f"{root}/{name}", at) as remote, open(target, "wb") as local:
                     sizes[name] = _copy_within(remote, local, room)
                 room -= sizes[name]
             except FileNotFoundError:
@@ -355,8 +359,10 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             except Exception as exc:
                 if _disk_full(exc):
                     raise
+                if precondition_failed(exc):  # S3: no longer at the version looked up
+                    raise _rewritten(where) from exc
                 raise remote_error(shown, f"cannot read {name}", exc) from exc
-            if looked is not None and version_now(fs, f"{root}/{name}", where) != looked[1]:
+            if looked is not None and at is None and version_now(fs, f"{root}/{name}", where) != looked[1]:
                 raise _rewritten(where)
         stamps = {name: file_stamp(dest / name) for name in sizes}
         atomic_write(dest / _FILES, json.dumps(stamps).encode("utf-8"))  # what a reused copy must still hold
@@ -366,6 +372,20 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             raise
         raise destination_error(exc, dest) from exc
     return dest
+
+
+def _check_manifest_kept(fs: Any, root: str, raw: bytes, shown: str) -> None:
+    """Raise unless ``root``'s manifest still has the bytes ``raw``, read before its files were looked up (a pack
+    uploaded again in between, its manifest removed first and put last, is gone or another's now)."""
+    where = f"{shown}/{MANIFEST_NAME}"
+    try:
+        again = fs.cat_file(f"{root}/{MANIFEST_NAME}", start=0, end=len(raw) + 1)
+    except FileNotFoundError:
+        raise _rewritten(where) from None
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {MANIFEST_NAME}", exc) from exc
+    if bytes(again) != raw:
+        raise _rewritten(where)
 
 
 def _rewritten(where: str) -> PackFormatError:

@@ -7,11 +7,13 @@ log line: :func:`display_url` is what packdata prints of a URL.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -28,6 +30,7 @@ __all__ = [
     "is_url",
     "local_name",
     "object_version",
+    "open_at_version",
     "open_url",
     "precondition_failed",
     "range_not_satisfiable",
@@ -170,6 +173,38 @@ def read_at_version(fs: Any, path: str, version: str, start: int = 0, end: int |
     bucket, key, _ = fs.split_path(path)
     byte_range = {} if not start and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
     return bytes(sync(fs.loop, _s3_get, fs, bucket, key, version, byte_range))
+
+
+@contextlib.contextmanager
+def open_at_version(fs: Any, path: str, looked: tuple[int, str] | None) -> Iterator[Any]:
+    """``path`` open for ``read(n)``; with ``looked`` (its size and S3 ETag), read only at that version.
+
+    Each read is a ranged request at that ETag (:func:`read_at_version`,
+    retried while it fails transiently): an object rewritten since answers HTTP 412
+    (:func:`precondition_failed`). Without ``looked``, the file as fsspec opens it.
+    """
+    if looked is None:
+        with fs.open(path, "rb") as remote:
+            yield remote
+    else:
+        yield _ReaderAt(fs, path, *looked)
+
+
+class _ReaderAt:
+    """``read(n)`` of an S3 object at one ETag, in ranged requests."""
+
+    def __init__(self, fs: Any, path: str, size: int, version: str) -> None:
+        self.fs, self.path, self.size, self.version, self.pos = fs, path, size, version, 0
+
+    def read(self, n: int) -> bytes:
+        end = min(self.pos + max(n, 0), self.size)
+        if end <= self.pos:
+            return b""
+        data = retry_transient(partial(read_at_version, self.fs, self.path, self.version, self.pos, end))
+        if len(data) != end - self.pos:
+            raise EOFError(f"{len(data)} bytes read of {end - self.pos}")  # named as a failed read
+        self.pos = end
+        return data
 
 
 async def _s3_get(fs: Any, bucket: str, key: str, etag: str, byte_range: dict[str, str]) -> bytes:
