@@ -73,6 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cases[f"stream_{name}"] = {"kind": "stream", "pack": str(root / "pack"), "set_epoch": set_epoch}
         cases[f"stream_{name}"]["check_ranks"] = check_ranks
     cases["stream_built_before_init"] = {**cases["stream_never_set"], "before_init": True}
+    cases["stream_built_before_init_spawn"] = {**cases["stream_built_before_init"], "context": "spawn"}
     cases["stream_spawn_persistent"] = {**cases["stream_set"], "context": "spawn", "persistent": True, "epochs": 2}
     with moto_s3({"key": "ddp-testing-key-id", "secret": "ddp-testing-secret"}) as (options, fs):
         fs.put(str(root / "pack"), "packs/train", recursive=True)
@@ -184,11 +185,13 @@ def test_a_tfrecord_dataset_read_by_workers_without_set_epoch_is_refused_on_ever
         assert [len(rank) for rank in seen] == [14] * RANKS
 
 
+@pytest.mark.parametrize("name", ["stream_built_before_init", "stream_built_before_init_spawn"])
 def test_a_tfrecord_dataset_built_before_init_process_group_read_by_workers_without_set_epoch_is_refused(
-    run: dict[str, Any],
+    run: dict[str, Any], name: str
 ) -> None:
-    """Built from torchrun's RANK/WORLD_SIZE before the group existed: its forked workers see the group since."""
-    _refused_for_no_set_epoch(run, "stream_built_before_init")
+    """Built from torchrun's RANK/WORLD_SIZE before the group existed: its forked workers see the group since,
+    and its spawned workers' copies were pickled once the group was made, so they are refused alike."""
+    _refused_for_no_set_epoch(run, name)
 
 
 def _refused_for_no_set_epoch(run: dict[str, Any], name: str) -> None:

@@ -53,6 +53,14 @@ class RankCheck:
     def __init__(self, enabled: bool, where: str | None, **facts: Any) -> None:
         self.pending, self.where, self.meets = enabled, where, False
         self.facts = json.loads(json.dumps(facts, default=_plain))
+        self.world_size: int | None = None  # the reader's, once noted: its pickled copies note the group again
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Note the group again as the copy leaves: a spawned worker's copy sees no group of its own."""
+        state = dict(self.__dict__)
+        if self.world_size is not None and not self.meets:
+            state["meets"] = self.pending and can_compare(self.world_size)
+        return state
 
     def __call__(self, owner: str, world_size: int) -> None:
         """Compare, unless done already or in a ``DataLoader`` worker (see :func:`_same_on_every_rank`)."""
@@ -61,7 +69,13 @@ class RankCheck:
             self.pending = False
 
     def note_group(self, world_size: int) -> None:
-        """Note whether the ranks can compare now, where the reader is built: its copies in workers keep it."""
+        """Note whether the ranks can compare now, where the reader is built, and again where it is pickled.
+
+        Its copies in workers keep what was noted: a forked worker's as the
+        reader was at the fork, a spawned one's as it was pickled to it (the
+        ``DataLoader``'s iterator, in the main process, after ``init_process_group``).
+        """
+        self.world_size = world_size
         self.meets = self.pending and can_compare(world_size)
 
     def refuse_unchecked(self, owner: str, rank: int, world_size: int) -> None:
@@ -72,9 +86,10 @@ class RankCheck:
         would ever be compared.
 
         Whether the main process could compare was noted where the reader was
-        built (:meth:`note_group`); a reader built before ``init_process_group``
-        (ranks from ``RANK``/``WORLD_SIZE``) is refused in forked workers, which
-        see the group their parent made since.
+        built or pickled (:meth:`note_group`); a reader built before
+        ``init_process_group`` (ranks from ``RANK``/``WORLD_SIZE``) is refused in
+        forked workers, which see the group their parent made since, and in
+        spawned ones, whose copy was pickled once the group was made.
 
         Raises:
             ConfigError: naming ``set_epoch`` and ``check_ranks=False``.
