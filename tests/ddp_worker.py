@@ -26,6 +26,8 @@ records were really read.
   nothing, and the ranks meet at no barrier after. ``--no-check-ranks``: build
   the ``BlockShuffleSampler`` with ``check_ranks=False``.
 - ``--timeout S``: the process group's timeout (its store's too).
+- ``--public-store``: as a torch without the private ``_get_default_store``
+  (removed once the group is made): the ranks meet at torchrun's store.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--only-rank0", action="store_true")
     parser.add_argument("--no-check-ranks", dest="check_ranks", action="store_false")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--public-store", action="store_true")
     args = parser.parse_args()
 
     timeout = timedelta(seconds=args.timeout)
@@ -110,6 +113,8 @@ def main() -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+        if args.public_store:
+            del dist.distributed_c10d._get_default_store
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.append:
             loader, epoch_owner, dataset = _open_around_append(args, rank)

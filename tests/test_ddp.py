@@ -133,21 +133,26 @@ def test_ranks_reading_a_pack_and_its_staged_copy_pass_the_check_and_read_every_
     _check(reports, _digests(source))
 
 
-@pytest.mark.parametrize("check_ranks", [True, False])
+@pytest.mark.parametrize(("check_ranks", "store"), [(True, "group"), (False, "group"), (True, "torchrun")])
 def test_a_sampler_iterated_on_one_rank_only_raises_after_the_group_timeout_and_never_hangs(
-    source: Path, tmp_path: Path, check_ranks: bool
+    source: Path, tmp_path: Path, check_ranks: bool, store: str
 ) -> None:
-    """Rank 1 never iterates its sampler: rank 0 waits for it the group's timeout (10 s here), then says so.
+    """Rank 1 never iterates its sampler: rank 0 waits for it the group's timeout (10 s here), then names it.
 
-    With ``check_ranks=False`` rank 0 reads its half and nothing is compared.
+    ``torchrun``: as a torch without the private default store, whose ranks meet
+    at torchrun's store: it waits the group's timeout too, not torch's default
+    30 minutes (the run's own timeout would fail the test). With
+    ``check_ranks=False`` rank 0 reads its half and nothing is compared.
     """
     packdata.convert(source, tmp_path / "pack.lmdb", progress=False)
     args = ["--only-rank0", "--epochs", "1", "--timeout", "10", *([] if check_ranks else ["--no-check-ranks"])]
+    args += ["--public-store"] if store == "torchrun" else []
     reports = _torchrun(tmp_path / "pack.lmdb", "block", tmp_path / "out", *args)
     assert reports[1]["epochs"] == [] and "error" not in reports[1]
     if not check_ranks:
         assert "error" not in reports[0] and len(reports[0]["epochs"][0]["digests"]) == 20
         return
     error = reports[0]["error"]
-    assert "rank 0 of 2 waited for the other ranks to compare what their BlockShuffleSampler reads" in error
+    assert error.startswith(f"{tmp_path / 'pack.lmdb'}: rank 0 of 2 waited for the other ranks to compare "), error
+    assert "what their BlockShuffleSampler reads, and rank 1 never came within 0:00:10 (" in error, error
     assert "pass check_ranks=False where it is built on some ranks only" in error

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from datetime import timedelta
 from typing import Any
 
 from torch.utils.data import get_worker_info
@@ -149,8 +150,10 @@ def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: d
         return
     rank, key = dist.get_rank(), f"packdata/same-pack/{next(_CHECKS)}"
     mine = {"reader": owner, **facts}
+    store = None
     try:
         store = _group_store()
+        store.set(f"{key}/here/{rank}", "1")
         if rank == 0:
             store.set(f"{key}/0", json.dumps({"at": where, **mine}))
         first = json.loads(store.get(f"{key}/0"))
@@ -165,13 +168,25 @@ def _same_on_every_rank(owner: str, world_size: int, where: str | None, facts: d
     except RuntimeError as exc:  # the store's timeout (DistStoreError), or the store's host gone
         raise RankMismatchError(
             f"rank {rank} of {world_size} waited for the other ranks to compare what their {owner} reads, and "
-            f"not all came ({str(exc).splitlines()[0]})",
+            f"{_missing(store, key, world_size)} ({str(exc).splitlines()[0]})",
             path=where,
             hint=f"Build the {owner} on every rank, in the same order, or pass check_ranks=False where it is "
             "built on some ranks only",
         ) from exc
     if differ:
         raise _disagreement(owner, where, {"rank": 0, **first}, shown, differ)
+
+
+def _missing(store: Any, key: str, world_size: int) -> str:
+    """Which ranks never came to the check ``key``, and for how long they were waited for, as the error says it."""
+    try:
+        missing = [r for r in range(world_size) if not store.check([f"{key}/here/{r}"])]
+        waited = f" within {store.timeout}"
+    except (AttributeError, RuntimeError):  # no store made, or its host gone: nothing to ask
+        return "not all came"
+    if not missing:
+        return f"not all came{waited}"
+    return f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} never came{waited}"
 
 
 def can_compare(world_size: int) -> bool:
@@ -196,18 +211,38 @@ def _group_store() -> Any:
     (whatever ``init_method`` or launcher made it) with the group's timeout;
     torch 2.1 to 2.13 have it. A torch without it: under ``torchrun``, whose
     ranks' ``env://`` group meets at ``MASTER_ADDR:MASTER_PORT``, a client of
-    that store (``torch``'s default timeout, keys under a prefix of packdata's own).
+    that store (keys under a prefix of packdata's own), waiting as long as the
+    group does (:func:`_group_timeout`).
     """
     import torch.distributed as dist
 
     default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if default_store is not None:
         return default_store()
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=_group_timeout(), wait_for_workers=False)
+    return dist.PrefixStore("packdata", client)
+
+
+def _group_timeout() -> timedelta:
+    """The default group's timeout (``init_process_group(timeout=)``), else ``torch``'s default of 30 minutes.
+
+    torch keeps it in each backend's options (``_timeout``, private too, but
+    older than ``_get_default_store``); a torch without them gives its default.
+    """
+    import torch
+    import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    client = dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout, wait_for_workers=False)
-    return dist.PrefixStore("packdata", client)
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        for device in getattr(group, "_device_types", [torch.device("cpu")]):
+            timeout = group._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    except (AttributeError, RuntimeError, ValueError):  # no such call, or no backend for the device
+        pass
+    return default_pg_timeout
 
 
 def _disagreement(
