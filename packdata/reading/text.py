@@ -78,7 +78,8 @@ class TokenBucketSampler(ResumablePass, Sampler[list[int]]):
     Use as ``DataLoader(ds, batch_sampler=TokenBucketSampler(ds, max_tokens=8192),
     collate_fn=packdata.pad_collate)``. Every batch satisfies
     ``len(batch) * max(lengths[batch]) <= max_tokens`` (its size once padded),
-    and each epoch yields every sample exactly once.
+    and each epoch yields every sample exactly once (across ranks: plus the
+    whole batches repeated to pad, with ``drop_last=False``; see below).
 
     Each epoch it shuffles the samples (seeded by ``seed`` and
     :meth:`set_epoch`), cuts the order into buckets of ``bucket_size`` samples,
@@ -88,7 +89,8 @@ class TokenBucketSampler(ResumablePass, Sampler[list[int]]):
     With several ranks (``world_size``), every rank builds the same batches
     and takes every ``world_size``-th one; the batch count is cut to a
     multiple of ``world_size`` (``drop_last=True``) or padded by repeating
-    batches from the start (``drop_last=False``) so all ranks step together.
+    batches from the start (``drop_last=False``: at most ``world_size - 1``
+    whole batches read twice an epoch) so all ranks step together.
 
     Resuming mid-epoch, also at another world size: :meth:`state_dict` /
     :meth:`load_state_dict`, as for
