@@ -41,7 +41,7 @@ from packdata.conversion.combine import (
 )
 from packdata.conversion.destination import spill_folder
 from packdata.conversion.publish import SKIP_REPORT
-from packdata.errors import ConfigError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.files import atomic_write, fsync_dir, open_regular
 from packdata.pack.index import ALL_FILES, INDEX_DIR
@@ -89,6 +89,8 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
     except ConfigError:
         shutil.rmtree(new)
         raise
+    except CapacityError as exc:  # the keys spilled onto a full disk: the pack is as it was, new is kept
+        raise exc.with_hint(_FULL_HINT) from exc
     finally:
         if os.path.lexists(staging):  # only once the keys spilled
             shutil.rmtree(staging)
@@ -159,6 +161,7 @@ def next_generation(dst: str | os.PathLike, manifest: Manifest) -> int:
 
 _STAGING = ".append-a"
 """An append's files are prepared in ``.append-aN.partial`` in the pack (N: the append's generation)."""
+_FULL_HINT = "The pack is as it was: free space on that disk, then append again with resume=True"
 _RESTART = "Append again without resume: the pack holds nothing of that append yet"
 
 

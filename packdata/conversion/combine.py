@@ -37,6 +37,7 @@ from packdata.conversion.publish import SKIP_REPORT, _publish, recover_replaced
 from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import check_shard_file, check_shard_records, open_index
+from packdata.host.disks import FULL_DISK_ERRNOS, filesystem_named
 from packdata.pack.fields import codec_of
 from packdata.pack.files import (
     atomic_write,
@@ -393,11 +394,13 @@ def merge_packs(
             fsync_dir(partial)
             _publish(partial, out, overwrite=overwrite)
         except BaseException as exc:
+            # a copy's raw OSError; a rewritten shard's or a key spill's CapacityError (whose hints say to resume)
+            full = isinstance(exc, CapacityError) or (isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS)
+            disk = filesystem_named(partial) if full else ""  # before the partial's room is given back
             shutil.rmtree(partial, ignore_errors=True)
-            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            if full or isinstance(exc, CapacityError):  # a copy's raw OSError; a rewritten shard's hint to resume
+            if full:
                 raise CapacityError(
-                    "the destination disk filled while merging: nothing was published", path=out, hint=_FULL_HINT
+                    f"no space left on {disk} while merging: nothing was published", path=out, hint=_FULL_HINT
                 ) from exc
             if isinstance(exc, ConfigError) and exc.hint and os.fspath(partial) in exc.hint:  # it is gone, not left
                 hint = "Nothing was published: move what is at the destination away and merge again"

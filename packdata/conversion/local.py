@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import os
 import shutil
@@ -37,12 +36,12 @@ from packdata.conversion.publish import (
 from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import (
-    CapacityError,
     PackFormatError,
     SourceError,
     destination_error,
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir
 from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
@@ -52,6 +51,8 @@ from packdata.units import format_rate
 
 __all__ = []
 
+
+_FULL_HINT = "Free space on that disk, then convert again with resume=True"
 
 _COMMIT_BYTES = 128 << 20
 
@@ -107,10 +108,9 @@ def _convert_local(
         raise
     except OSError as exc:
         packer.close_files(failed=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CapacityError(
-                "the destination disk is full", path=partial, hint="Free space and rerun with --resume"
-            ) from exc
+        if exc.errno in FULL_DISK_ERRNOS:
+            where = exc.filename or partial
+            raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=_FULL_HINT) from exc
         raise
     except BaseException:
         packer.close_files(failed=True)

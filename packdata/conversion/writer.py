@@ -28,7 +28,7 @@ from packdata.conversion.load import _Options, ordered_map, shard_limits
 from packdata.conversion.local import _Packer
 from packdata.conversion.publish import ConvertResult, _publish, make_result, recover_replaced
 from packdata.conversion.sources import FREE_CLASSES
-from packdata.errors import ConfigError, destination_error
+from packdata.errors import CapacityError, ConfigError, destination_error
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import PROGRESS_FILE, discard_partial
@@ -40,6 +40,8 @@ from packdata.progress import progress as show_progress
 from packdata.units import parse_size
 
 __all__ = ["PackWriter", "write_pack"]
+
+_FULL_HINT = "Free space on that disk, then write the pack again: a PackWriter publishes nothing it did not finish"
 
 
 @dataclass
@@ -181,7 +183,10 @@ class PackWriter:
         """Write an encoded sample (in the writer's thread)."""
         if self.result is not None or self._packer.report.closed:
             raise ConfigError("this PackWriter is closed", path=self.dst)
-        first = self._keys.add(sample.key, self.count)
+        try:
+            first = self._keys.add(sample.key, self.count)
+        except CapacityError as exc:  # its keys spilled past the memory budget onto a full disk
+            raise exc.with_hint(_FULL_HINT) from exc
         if first is not None:
             raise ConfigError(f"key {sample.key!r} was written before (sample {first}): keys are unique", path=self.dst)
         self._top_label = max(self._top_label, sample.label)

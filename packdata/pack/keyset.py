@@ -19,7 +19,9 @@ any further: at its full 128 MiB, 10^8 keys pass it wrongly about 1.5% of the
 time. The runs are deleted by :meth:`KeySet.close` (or when the set is
 collected); the caller removes the folder with what it holds. A run read back
 other than it was written (its size; the order of a lookup's page of keys and
-the digests held of it) raises :class:`~packdata.errors.PackFormatError` naming it.
+the digests held of it) raises :class:`~packdata.errors.PackFormatError` naming it;
+a disk that fills while a run is written, :class:`~packdata.errors.CapacityError`
+naming the run's file and its file system (callers put their own remedy in its hint).
 
 Two distinct keys with one digest would make the second read as a repeat:
 for 10^8 keys the chance is about 10^-23, far below a disk's silent bit flip.
@@ -37,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
 
 __all__ = ["KeySet"]
 
@@ -44,6 +47,8 @@ _RERUN = (
     "It is scratch this run wrote, damaged since (check that disk): run again (a conversion: resume=True "
     "continues it); the keys spill anew"
 )
+
+_FULL_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
 
 _MIN_RECENT = 1 << 16  # recent keys held in a dict before the first merge into the arrays
 _BUDGET = 256 << 20  # bytes: a quarter for the arrays (then they spill), half for the filter
@@ -65,9 +70,9 @@ class _Run:
     """
 
     def __init__(self, path: Path, high: np.ndarray, low: np.ndarray, values: np.ndarray) -> None:
-        with open(path, "wb") as f:
+        with open(path, "wb") as f:  # f.write, not ndarray.tofile: that loses a full disk's ENOSPC on its way out
             for array in (high, low, values.view(np.uint64)):
-                array.astype("<u8", copy=False).tofile(f)
+                f.write(np.ascontiguousarray(array, "<u8").data)
         self.path = path
         self.count = len(high)
         self.fd = os.open(path, os.O_RDONLY)
@@ -241,13 +246,22 @@ class KeySet:
 
     def _spill_run(self) -> None:
         """Write the arrays to a run file in the spill folder, map it, and empty them."""
-        if self._folder is None:
-            assert self._spill is not None  # internal invariant: only called with a spill folder
-            self._spill.mkdir(parents=True, exist_ok=True)
-            self._folder = Path(tempfile.mkdtemp(prefix="keys-", dir=self._spill))
-            self._cleanup = weakref.finalize(self, _remove, self._runs, self._folder)
-        path = self._folder / f"run-{len(self._runs):05d}"
-        self._runs.append(_Run(path, self._high, self._low, self._values))
+        assert self._spill is not None  # internal invariant: only called with a spill folder
+        path = self._spill
+        try:
+            if self._folder is None:
+                self._spill.mkdir(parents=True, exist_ok=True)
+                self._folder = Path(tempfile.mkdtemp(prefix="keys-", dir=self._spill))
+                self._cleanup = weakref.finalize(self, _remove, self._runs, self._folder)
+            path = self._folder / f"run-{len(self._runs):05d}"
+            self._runs.append(_Run(path, self._high, self._low, self._values))
+        except OSError as exc:
+            if exc.errno not in FULL_DISK_ERRNOS:
+                raise
+            if path != self._spill:  # the run written in part: its room goes back at once (the keys stay held)
+                path.unlink(missing_ok=True)
+            of = "(keys spilled past the memory budget)"
+            raise no_space_error(exc, path, folder=self._spill.parent, of=of, hint=_FULL_HINT) from exc
         self._spilled += len(self._high)
         self._high = np.empty(0, np.uint64)
         self._low = np.empty(0, np.uint64)

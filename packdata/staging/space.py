@@ -2,43 +2,24 @@
 
 Every write of a stage that runs out of room (a shard's copy, the sample index, the
 manifest, ``staged.json``) says it in the same words: ``no space left on MOUNT
-(FSTYPE of SIZE, FREE free) while ...``.
+(FSTYPE of SIZE, FREE free) while ...`` (:mod:`packdata.host.disks`, as conversion's).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 from pathlib import Path
 
 from packdata.errors import CapacityError
-from packdata.host.facts import find_mount, read_mounts
-from packdata.units import format_size
+from packdata.host import disks
+from packdata.host.disks import FULL_DISK_ERRNOS, filesystem_named
 
 __all__ = ["FULL_DISK_ERRNOS", "filesystem_named", "no_space_error"]
 
-FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-_TEMPORARY = (".partial", ".tmp")  # what copy.PARTIAL and atomic_write's own suffix add
 _RERUN_HINT = (
     "The source is untouched; the staged pack is left as it was, or to be completed by a rerun. "
     "Free space, stage fewer shards with budget=SIZE, or use a larger tmpfs=SIZE, then stage again"
 )
-
-
-def filesystem_named(folder: str | os.PathLike) -> str:
-    """The file system holding ``folder``, as a full disk is named: ``MOUNT (FSTYPE of SIZE, FREE free)``."""
-    try:
-        usage = shutil.disk_usage(folder)
-    except OSError:  # gone meanwhile: the folder is named alone
-        return os.fspath(folder)
-    sizes = f"{format_size(usage.total)}, {format_size(usage.free)} free"
-    try:
-        mount = find_mount(folder, read_mounts())
-    except LookupError:
-        return f"{os.fspath(folder)} ({sizes})"
-    return f"{mount.mountpoint} ({mount.fstype} of {sizes})"
 
 
 def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path, hint: str = _RERUN_HINT) -> CapacityError:
@@ -46,30 +27,4 @@ def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path, hint:
 
     Raise it ``from exc``; ``hint`` says what to do (by default: a local stage's remedies).
     """
-    path = Path(path)
-    try:
-        parts = path.relative_to(staged).parts or (staged.name,)
-    except ValueError:
-        parts = path.parts
-    shown = "/".join(_final_name(part) for part in parts)
-    return CapacityError(
-        f"no space left on {filesystem_named(_existing(path))} while writing {shown} of the staged pack",
-        path=path,
-        hint=hint,
-    )
-
-
-def _final_name(name: str) -> str:
-    """The name a hidden temporary (``.NAME.partial``, ``.NAME.tmp``) takes once written: ``NAME``."""
-    for suffix in _TEMPORARY:
-        if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
-            return name[1 : -len(suffix)]
-    return name
-
-
-def _existing(path: Path) -> Path:
-    """``path`` or the nearest folder above it that exists (a file being created is not there yet)."""
-    for candidate in (path, *path.parents):
-        if candidate.is_dir():
-            return candidate
-    return path
+    return disks.no_space_error(exc, path, folder=staged, of="of the staged pack", hint=hint)

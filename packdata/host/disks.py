@@ -1,0 +1,73 @@
+"""Naming a full disk: which file system, of what type and size, with how much left.
+
+Every write that runs out of room (a stage's copy, a conversion's shard, keys
+spilled past a memory budget) says it in the same words: ``no space left on
+MOUNT (FSTYPE of SIZE, FREE free) while writing FILE of WHAT``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from packdata.errors import CapacityError
+from packdata.host.facts import find_mount, read_mounts
+from packdata.units import format_size
+
+__all__ = ["FULL_DISK_ERRNOS", "filesystem_named", "no_space_error"]
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+_TEMPORARY = (".partial", ".tmp")  # what a pack's work folder and atomic_write's own suffix add
+
+
+def filesystem_named(folder: str | os.PathLike) -> str:
+    """The file system holding ``folder``, as a full disk is named: ``MOUNT (FSTYPE of SIZE, FREE free)``."""
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:  # gone meanwhile: the folder is named alone
+        return os.fspath(folder)
+    sizes = f"{format_size(usage.total)}, {format_size(usage.free)} free"
+    try:
+        mount = find_mount(folder, read_mounts())
+    except LookupError:
+        return f"{os.fspath(folder)} ({sizes})"
+    return f"{mount.mountpoint} ({mount.fstype} of {sizes})"
+
+
+def no_space_error(
+    exc: OSError, path: str | os.PathLike, *, folder: str | os.PathLike, of: str, hint: str
+) -> CapacityError:
+    """The CapacityError for ``exc`` (a full disk or quota) raised writing ``path``, a file in ``folder``.
+
+    The file is shown relative to ``folder`` (a temporary name as it will be
+    named once written), followed by ``of`` (``"of the staged pack"``); ``hint``
+    says what to do. Raise it ``from exc``.
+    """
+    path, folder = Path(path), Path(folder)
+    try:
+        parts = path.relative_to(folder).parts or (folder.name,)
+    except ValueError:
+        parts = path.parts
+    shown = "/".join(_final_name(part) for part in parts)
+    return CapacityError(
+        f"no space left on {filesystem_named(_existing(path))} while writing {shown} {of}", path=path, hint=hint
+    )
+
+
+def _final_name(name: str) -> str:
+    """The name a hidden temporary (``.NAME.partial``, ``.NAME.tmp``) takes once written: ``NAME``."""
+    for suffix in _TEMPORARY:
+        if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
+            return name[1 : -len(suffix)]
+    return name
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or the nearest folder above it that exists (a file being created is not there yet)."""
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return candidate
+    return path

@@ -1,0 +1,184 @@
+"""A disk that fills while keys spill past the memory budget: every writer names the disk, as a stage does.
+
+Each test mounts a real small tmpfs (as root; skipped otherwise), fills it with
+a real file, and lets the writer's key set spill onto it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import tree_digest
+
+import packdata
+from packdata.cli import main as cli
+from packdata.conversion import destination
+from packdata.conversion.destination import SPILL_DIR, partial_path
+from packdata.pack import keyset
+
+_SPILL_EVERY = 8
+"""Keys the arrays hold before they spill: each run is one page of the tmpfs."""
+
+_RUN = r"keys\.spill/keys-[^/]+/run-\d{5}"
+_KEYS_HINT = "Free space on that disk, then run again (a conversion: --resume continues it)"
+
+
+_START_ROOM = 32 << 10
+"""Free bytes a conversion or merge needs to start, in these tests (1 MiB else: 250 runs of a page to fill it)."""
+
+
+def _tiny_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keyset, "_BUDGET", _SPILL_EVERY * 24 * 4)  # a quarter of it holds _SPILL_EVERY keys
+    monkeypatch.setattr(keyset, "_MIN_RECENT", _SPILL_EVERY)
+    monkeypatch.setattr(destination, "_MIN_FREE_BYTES", _START_ROOM)
+
+
+def _fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` with a file until ``leave`` bytes are free (0: until the disk refuses a write)."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        if leave:
+            st = os.statvfs(disk)
+            f.write(bytes(st.f_bavail * st.f_frsize - leave))
+        else:
+            with pytest.raises(OSError, match="No space left on device"):
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+    return filler
+
+
+def _folder(root: Path, names: range, cls: str = "c") -> Path:
+    (root / cls).mkdir(parents=True)
+    for n in names:
+        (root / cls / f"{n:05d}.txt").write_text(f"t{n}")
+    return root
+
+
+def _refused(args: list[str], pattern: str) -> None:
+    """The command ``args`` exits 1 with the one line ``pattern`` matches."""
+    failed = CliRunner().invoke(cli, args)
+    assert failed.exit_code == 1 and re.fullmatch(pattern, failed.output), failed.output
+
+
+def _samples(pack: Path) -> list[object]:
+    """Every sample of ``pack`` in pack order: its fields, or (key, stored bytes, label)."""
+    ds = packdata.LMDBDataset(pack, decode="bytes")
+    return [sorted(s.items()) if isinstance(s, dict) else (ds.keys[i], *s) for i, s in enumerate(ds)]
+
+
+def test_a_pack_writer_whose_keys_spill_onto_a_full_disk_names_the_disk(
+    tmp_path: Path, tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PackWriter's keys spilled onto a full disk as a bare OSError (ENOSPC). It is now the CapacityError a full
+    stage gives: the run's file, the mount, its type, size and free space, and that a writer must start again;
+    the writer's partial pack is removed, and once space is freed the pack is written whole."""
+    _tiny_budget(monkeypatch)
+    disk = tmpfs("8m")
+    dst = disk / "w.lmdb"
+    samples = [{"__key__": f"k{n:04d}", "txt": f"t{n}"} for n in range(200)]
+    with pytest.raises(packdata.CapacityError) as caught, packdata.PackWriter(dst) as writer:
+        for sample in samples[:4]:  # under the budget: nothing spilled yet
+            writer.write(sample)
+        filler = _fill(disk)
+        for sample in samples[4:]:
+            writer.write(sample)
+    pattern = (
+        rf"{re.escape(str(partial_path(dst)))}/{_RUN}: no space left on {re.escape(str(disk))} "
+        rf"\(tmpfs of 8\.0 MiB, [0-9.]+ [KM]?i?B free\) while writing {_RUN} \(keys spilled past the memory "
+        r"budget\)\. Free space on that disk, then write the pack again: a PackWriter publishes nothing it did not "
+        r"finish"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert sorted(os.listdir(disk)) == ["filler"]
+    filler.unlink()
+    packdata.write_pack(samples, dst, progress=False)
+    assert [(s["__key__"], s["txt"]) for s in packdata.LMDBDataset(dst)] == [(s["__key__"], s["txt"]) for s in samples]
+
+
+def test_a_list_conversion_whose_keys_spill_onto_a_full_disk_names_it_and_resumes_to_the_clean_pack(
+    tmp_path: Path, tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list's walk spilling keys onto a full disk said 'PARTIAL: the destination disk is full', naming neither
+    the disk nor the file. It now names both as a stage does; freed, --resume publishes the uninterrupted pack."""
+    _tiny_budget(monkeypatch)
+    src = _folder(tmp_path / "src", range(1200))
+    listing = src / "l.csv"
+    listing.write_text("path,label\n" + "".join(f"c/{n:05d}.txt,c{n % 3}\n" for n in range(1200)), "utf-8")
+    disk = tmpfs("4m")
+    filler = _fill(disk, leave=_START_ROOM + (256 << 10))  # room for the shard to start, not for 150 runs of a page
+    dst = disk / "out.lmdb"
+    args = ["convert", str(listing), str(dst), "--label-column", "label", "-q"]
+    pattern = (
+        rf"Error: {re.escape(str(partial_path(dst)))}/{_RUN}: no space left on {re.escape(str(disk))} "
+        rf"\(tmpfs of 4\.0 MiB, [0-9.]+ [KM]?i?B free\) while writing {_RUN} \(keys spilled past the memory "
+        rf"budget\)\. {re.escape(_KEYS_HINT)}\n"
+    )
+    _refused(args, pattern)
+    assert not dst.exists() and partial_path(dst).is_dir()
+    filler.unlink()
+    resumed = CliRunner().invoke(cli, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert not (dst / SPILL_DIR).exists() and not partial_path(dst).exists()
+    clean = tmp_path / "clean.lmdb"
+    packdata.convert(listing, clean, label_column="label", progress=False)
+    assert _samples(dst) == _samples(clean) and len(_samples(dst)) == 1200
+
+
+def test_an_append_whose_keys_spill_onto_a_full_disk_names_it_and_resumes_to_the_clean_append(
+    tmp_path: Path, tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append's keys (the pack's and the new samples') spilled onto a full disk as a bare OSError. It now
+    names the disk, the pack is as it was, and once space is freed --append --resume gives the append a run
+    with room gives."""
+    _tiny_budget(monkeypatch)
+    disk = tmpfs("8m")
+    pack = disk / "p.lmdb"
+    packdata.convert(_folder(tmp_path / "a", range(600)), pack, progress=False)
+    clean = tmp_path / "clean.lmdb"
+    shutil.copytree(pack, clean)
+    new = _folder(tmp_path / "b", range(600, 700), cls="d")
+    before = tree_digest(pack)
+    filler = _fill(disk, leave=_START_ROOM + (160 << 10))  # room to convert the new samples, not for 87 runs
+    args = ["convert", str(new), str(pack), "--append", "-q"]
+    staging = re.escape(str(pack / ".append-a1.partial"))
+    pattern = (
+        rf"Error: {staging}/{_RUN}: no space left on {re.escape(str(disk))} \(tmpfs of 8\.0 MiB, [0-9.]+ [KM]?i?B "
+        rf"free\) while writing {_RUN} \(keys spilled past the memory budget\)\. The pack is as it was: free space on "
+        r"that disk, then append again with --resume\n"
+    )
+    _refused(args, pattern)
+    assert tree_digest(pack) == before
+    filler.unlink()
+    resumed = CliRunner().invoke(cli, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    packdata.convert(new, clean, append=True, progress=False)
+    assert _samples(pack) == _samples(clean) and len(_samples(pack)) == 700
+    assert sorted(os.listdir(disk)) == ["p.lmdb"]
+
+
+def test_a_merge_whose_keys_spill_onto_a_full_disk_names_it_and_leaves_nothing(
+    tmp_path: Path, tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge whose keys spilled onto a full disk said 'the destination disk filled while merging', naming
+    neither the disk nor its size. It now names the mount, its type, size and free space."""
+    _tiny_budget(monkeypatch)
+    a = tmp_path / "a.lmdb"
+    b = tmp_path / "b.lmdb"
+    packdata.convert(_folder(tmp_path / "a", range(400)), a, progress=False)
+    packdata.convert(_folder(tmp_path / "b", range(400, 600), cls="d"), b, progress=False)
+    disk = tmpfs("4m")
+    _fill(disk, leave=_START_ROOM + (64 << 10))
+    out = disk / "m.lmdb"
+    pattern = (
+        rf"Error: {re.escape(str(out))}: no space left on {re.escape(str(disk))} \(tmpfs of 4\.0 MiB, [0-9.]+ "
+        r"[KM]?i?B free\) while merging: nothing was published\. Free space on its disk \(shards are copied there "
+        r"from another disk\), then merge again\n"
+    )
+    _refused(["merge", str(a), str(b), "-o", str(out)], pattern)
+    assert sorted(os.listdir(disk)) == ["filler"]
