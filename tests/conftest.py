@@ -351,6 +351,61 @@ def s3_store() -> Iterator[tuple[dict[str, Any], Any]]:
         yield found
 
 
+# The S3 server and packs of the tests of packs in object storage (tests/test_remote_*.py): one of each per test module.
+SECRET = "never-print-this-secret-9f3c"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """A moto S3 server on loopback with dummy credentials in the environment; yields (storage_options, filesystem)."""
+    env = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with moto_s3({}) as (options, fs):
+            yield options, fs
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def remote_pack(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 3-shard LMDB pack converted locally and uploaded to s3://packs/train.lmdb."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("remote")
+    src = root / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(9):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + 10 * len(c), (40, 30)))
+    local = root / "train.lmdb"
+    packdata.convert(src, local, shard_samples=6, progress=False)
+    fs.put(str(local), "packs/train.lmdb", recursive=True)
+    return "s3://packs/train.lmdb", local
+
+
+@pytest.fixture(scope="module")
+def remote_tfrecord(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 4-shard TFRecord pack converted locally and uploaded to s3://packs/verify-tf."""
+    _, fs = s3
+    root = tmp_path_factory.mktemp("remote-tf")
+    src = root / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(7):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + (30 if c == "b" else 0), (36, 24)))
+    (src / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # a skip: the report is checked too
+    local = root / "verify-tf"
+    packdata.convert(src, local, format="tfrecord", shard_samples=4, progress=False)
+    assert (local / "skipped.jsonl").stat().st_size
+    fs.put(str(local), "packs/verify-tf", recursive=True)
+    return "s3://packs/verify-tf", local
+
+
 _S3_ERRORS = {403: "AccessDenied", 501: "NotImplemented", 503: "ServiceUnavailable"}
 
 
