@@ -26,6 +26,8 @@ records were really read.
   nothing, and the ranks meet at no barrier after. ``--no-check-ranks``: build
   the ``BlockShuffleSampler`` with ``check_ranks=False``.
 - ``--timeout S``: the process group's timeout (its store's too).
+- ``--spawn``: the ``TFRecordDataset``'s loader starts its workers with
+  ``multiprocessing_context="spawn"``; ``--no-set-epoch``: never call ``set_epoch``.
 - ``--public-store``: as a torch without the private ``_get_default_store``
   (removed once the group is made): the ranks meet at torchrun's store.
 """
@@ -53,7 +55,7 @@ def sha1(data: bytes) -> str:
 
 
 def _loader(
-    pack: str, fmt: str, workers: int, batch_size: int, check_ranks: bool = True
+    pack: str, fmt: str, workers: int, batch_size: int, check_ranks: bool = True, spawn: bool = False
 ) -> tuple[DataLoader, object, object]:
     if fmt in ("lmdb", "block", "token"):
         from packdata.reading.datasets import LMDBDataset
@@ -72,7 +74,12 @@ def _loader(
     from packdata.reading.streaming import TFRecordDataset
 
     dataset = TFRecordDataset(pack, decode=sha1, shuffle=True, seed=0, shuffle_buffer=8)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers), dataset, dataset
+    context = "spawn" if spawn and workers else None
+    return (
+        DataLoader(dataset, batch_size=batch_size, num_workers=workers, multiprocessing_context=context),
+        dataset,
+        dataset,
+    )
 
 
 def _open_around_append(args: argparse.Namespace, rank: int) -> tuple[DataLoader, object, object]:
@@ -103,13 +110,15 @@ def main() -> None:
     parser.add_argument("--no-check-ranks", dest="check_ranks", action="store_false")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--public-store", action="store_true")
+    parser.add_argument("--spawn", action="store_true")
+    parser.add_argument("--no-set-epoch", dest="set_epoch", action="store_false")
     args = parser.parse_args()
 
     timeout = timedelta(seconds=args.timeout)
     if args.before_init:
         rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
         del os.environ["LOCAL_RANK"]
-        loader, epoch_owner, dataset = _loader(args.pack, args.format, args.workers, args.batch_size)
+        loader, epoch_owner, dataset = _loader(args.pack, args.format, args.workers, args.batch_size, spawn=args.spawn)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
@@ -128,7 +137,8 @@ def main() -> None:
 
             check_same_pack(dataset)  # DistributedSampler checks nothing
         for epoch in range(0 if args.only_rank0 and rank != 0 else args.epochs):
-            epoch_owner.set_epoch(epoch)  # type: ignore[attr-defined]
+            if args.set_epoch:
+                epoch_owner.set_epoch(epoch)  # type: ignore[attr-defined]
             seen: list[str] = []
             steps = 0
             for digests, _labels in loader:

@@ -95,6 +95,21 @@ def test_a_reader_built_before_init_process_group_is_refused_not_read_by_every_r
         assert "init_process_group" in report["error"]
 
 
+def test_a_tfrecord_dataset_built_before_init_process_group_is_refused_in_spawned_workers_without_set_epoch(
+    source: Path, tmp_path: Path
+) -> None:
+    """As above, read by 2 spawned workers a rank and no set_epoch: a spawned worker sees no group, so its
+    copy compares with the group where the loader pickled it, and refuses instead of reading all 40 samples."""
+    packdata.convert(source, tmp_path / "pack", format="tfrecord", progress=False)
+    args = ["--before-init", "--spawn", "--no-set-epoch", "--epochs", "1"]
+    reports = _torchrun(tmp_path / "pack", "tfrecord", tmp_path / "out", *args)
+    for r, report in enumerate(reports):
+        assert report["epochs"] == [], f"rank {r} read {len(report['epochs'][0]['digests'])} samples"
+        shown = f"TFRecordDataset was built as rank 0 of 1, but torch.distributed says rank {r} of 2: it was built "
+        assert shown + "before init_process_group" in report["error"], report["error"]
+        assert "Build it after init_process_group, or pass rank= and world_size=" in report["error"]
+
+
 def _extra_source(tmp_path: Path) -> Path:
     """8 more samples (2 a class, keys not in ``source``) to append: 48 in all, 24 a rank."""
     root = tmp_path / "more"

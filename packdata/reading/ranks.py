@@ -55,12 +55,17 @@ class RankCheck:
         self.pending, self.where, self.meets = enabled, where, False
         self.facts = json.loads(json.dumps(facts, default=_plain))
         self.world_size: int | None = None  # the reader's, once noted: its pickled copies note the group again
+        self.group: tuple[int, int] | None = None  # (rank, world size) of the group where a copy was pickled
 
     def __getstate__(self) -> dict[str, Any]:
         """Note the group again as the copy leaves: a spawned worker's copy sees no group of its own."""
+        import torch.distributed as dist
+
         state = dict(self.__dict__)
         if self.world_size is not None and not self.meets:
             state["meets"] = self.pending and can_compare(self.world_size)
+        if self.world_size is not None and dist.is_available() and dist.is_initialized():
+            state["group"] = dist.get_rank(), dist.get_world_size()
         return state
 
     def __call__(self, owner: str, world_size: int) -> None:
@@ -326,22 +331,35 @@ def _env_note(given: int | None) -> str:
     return f" (from the environment: RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r})"
 
 
-def check_rank_world(owner: str, given: tuple[int | None, int | None], resolved: tuple[int, int]) -> None:
+def check_rank_world(
+    owner: str,
+    given: tuple[int | None, int | None],
+    resolved: tuple[int, int],
+    seen: tuple[int, int] | None = None,
+) -> None:
     """Raise unless ``torch.distributed``, if initialised, still gives the ``(rank, world_size)`` found at construction.
 
     ``given`` are the ``rank=``/``world_size=`` arguments, ``resolved`` what
     :func:`resolve_rank_world` made of them. A reader built before
     ``init_process_group`` by a launcher that sets no ``RANK``/``WORLD_SIZE``
     (``mp.spawn``) took rank 0 of 1, so every rank would read every sample.
+    ``seen``: in a process with no group of its own (a spawned ``DataLoader``
+    worker), the ``(rank, world_size)`` of the group where the reader was
+    pickled to it (:attr:`RankCheck.group`).
 
     Raises:
         ConfigError: naming both places.
     """
     import torch.distributed as dist
 
-    if None not in given or not (dist.is_available() and dist.is_initialized()):
+    if None not in given:
         return
-    now = resolve_rank_world(*given)
+    if dist.is_available() and dist.is_initialized():
+        now = resolve_rank_world(*given)
+    elif seen is not None:
+        now = (seen[0] if given[0] is None else given[0], seen[1] if given[1] is None else given[1])
+    else:
+        return
     if now != resolved:
         raise ConfigError(
             f"{owner} was built as rank {resolved[0]} of {resolved[1]}, but torch.distributed says rank {now[0]} "

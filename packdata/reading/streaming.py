@@ -433,7 +433,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        check_rank_world("TFRecordDataset", self._rank_given, (self.rank, self.world_size))
+        resolved, seen = (self.rank, self.world_size), self._rank_check.group
+        check_rank_world("TFRecordDataset", self._rank_given, resolved, seen)  # seen: a spawned worker's
         self._rank_check("TFRecordDataset", self.world_size)  # in the main process only
         if info is not None:
             self._rank_check.refuse_unchecked("TFRecordDataset", self.rank, self.world_size)
