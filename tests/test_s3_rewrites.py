@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,40 +100,76 @@ def test_an_index_file_rewritten_on_s3_while_a_cache_copies_it_is_named_never_ca
     assert not list(cache.rglob("manifest.json")) and not list(cache.rglob(".files.json"))
 
 
+@contextlib.contextmanager
+def _uploaded_again_at_the_first_look_up(
+    s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str, module: Any, name: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """An older pack (no index digests) at ``store://packs/NAME``, uploaded again (a new sizes.i64, then a new
+    manifest) when ``module``'s first ``remote_object`` look-up begins; yields (its URL, storage options), then
+    removes it."""
+    import fsspec
+
+    options, fs = s3_store
+    older, sizes = _older_pack(image_folder, tmp_path)
+    if store == "memory":
+        options, fs = {}, fsspec.filesystem("memory")
+    url, root = f"{store}://packs/{name}", f"packs/{name}"
+    fs.put(str(older), root, recursive=True)
+    rewrite_manifest(older, lambda d: d.update(source="another source"))  # the pack converted and uploaded again
+    (older / "index" / "sizes.i64").write_bytes((sizes + 1).astype("<i8").tobytes())
+    looked_up = module.remote_object
+
+    def uploaded_again_before_the_look_ups(store_fs, path, where):
+        if not fs.exists(f"{root}/.uploaded-again"):
+            fs.pipe(f"{root}/.uploaded-again", b"")
+            for rel in ("index/sizes.i64", "manifest.json"):  # --overwrite: the manifest goes up last
+                fs.pipe(f"{root}/{rel}", (older / rel).read_bytes())
+            fs.invalidate_cache()
+        return looked_up(store_fs, path, where)
+
+    monkeypatch.setattr(module, "remote_object", uploaded_again_before_the_look_ups)
+    try:
+        yield url, options
+    finally:
+        fs.rm(root, recursive=True)
+
+
 @pytest.mark.parametrize("store", ["s3", "memory"])
 def test_a_pack_uploaded_again_between_its_manifest_read_and_the_look_ups_is_named(
     s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
 ) -> None:
     """The skeleton's files were looked up after its manifest was read: an older pack (no index digests) uploaded
     again in between had its new sizes.i64 looked up, read and cached under the old manifest, silently."""
-    import fsspec
-
     from packdata.formats import remote_pack
 
-    options, fs = s3_store
-    older, sizes = _older_pack(image_folder, tmp_path)
-    if store == "memory":
-        options, fs = {}, fsspec.filesystem("memory")
-    url = f"{store}://packs/uploaded-again-h-s3"
-    root = url.split("://", 1)[1]
-    fs.put(str(older), root, recursive=True)
-    rewrite_manifest(older, lambda d: d.update(source="another source"))  # the pack converted and uploaded again
-    (older / "index" / "sizes.i64").write_bytes((sizes + 1).astype("<i8").tobytes())
-    looked_up = remote_pack.remote_object
-
-    def uploaded_again_before_the_look_ups(store_fs, path, where):
-        if not fs.exists(f"{root}/.uploaded-again"):
-            fs.pipe(f"{root}/.uploaded-again", b"")
-            for name in ("index/sizes.i64", "manifest.json"):  # --overwrite: the manifest goes up last
-                fs.pipe(f"{root}/{name}", (older / name).read_bytes())
-            fs.invalidate_cache()
-        return looked_up(store_fs, path, where)
-
-    monkeypatch.setattr(remote_pack, "remote_object", uploaded_again_before_the_look_ups)
     cache = tmp_path / "cache"
-    try:
-        with pytest.raises(PackFormatError, match=rf"^{url}/manifest\.json: {_REWRITTEN}: nothing was cached"):
-            packdata.TFRecordDataset(url, decode="bytes", cache_dir=cache, storage_options=options)
-    finally:
-        fs.rm(root, recursive=True)
+    with (
+        _uploaded_again_at_the_first_look_up(
+            s3_store, image_folder, tmp_path, monkeypatch, store, remote_pack, "uploaded-again-h-s3"
+        ) as (url, options),
+        pytest.raises(PackFormatError, match=rf"^{url}/manifest\.json: {_REWRITTEN}: nothing was cached"),
+    ):
+        packdata.TFRecordDataset(url, decode="bytes", cache_dir=cache, storage_options=options)
     assert not list(cache.rglob("manifest.json")) and not list(cache.rglob(".files.json"))
+
+
+@pytest.mark.parametrize("store", ["s3", "memory"])
+def test_a_pack_uploaded_again_between_its_manifest_read_and_a_stages_look_ups_is_named(
+    s3_store, image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """A stage from a URL looked up the files its manifest gives no size (an older pack's index files) after it
+    read the manifest: a pack uploaded again in between was staged, its new sizes.i64 under the old manifest."""
+    from packdata.staging import remote
+
+    with (
+        _uploaded_again_at_the_first_look_up(
+            s3_store, image_folder, tmp_path, monkeypatch, store, remote, "staged-uploaded-again-h-s3"
+        ) as (url, options),
+        pytest.raises(
+            PackFormatError,
+            match=rf"^{url}/manifest\.json: was rewritten or removed \(the pack at the URL changed while staging\): "
+            r"nothing was staged from it",
+        ),
+    ):
+        packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False)
+    assert not (tmp_path / "cache" / "staged-uploaded-again-h-s3").exists()

@@ -40,6 +40,7 @@ from packdata.pack.urls import (
     conditional_reads,
     display_url,
     local_name,
+    manifest_kept,
     object_version,
     open_at_version,
     open_url,
@@ -331,7 +332,8 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
         names = _skeleton_names(manifest, report=True)
         pinned, at = conditional_reads(fs), None  # S3: each read at the version looked up (If-Match)
         found = {n: remote_object(fs, f"{root}/{n}", f"{shown}/{n}") for n, _ in names}
-        _check_manifest_kept(fs, root, raw, shown)  # a pack uploaded again since the manifest was read
+        if not manifest_kept(fs, root, raw, shown):  # a pack uploaded again since the manifest was read
+            raise _rewritten(f"{shown}/{MANIFEST_NAME}")
         for name, required in names:
             target, where, looked = dest / name, f"{shown}/{name}", found.get(name)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -372,20 +374,6 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
             raise
         raise destination_error(exc, dest) from exc
     return dest
-
-
-def _check_manifest_kept(fs: Any, root: str, raw: bytes, shown: str) -> None:
-    """Raise unless ``root``'s manifest still has the bytes ``raw``, read before its files were looked up (a pack
-    uploaded again in between, its manifest removed first and put last, is gone or another's now)."""
-    where = f"{shown}/{MANIFEST_NAME}"
-    try:
-        again = fs.cat_file(f"{root}/{MANIFEST_NAME}", start=0, end=len(raw) + 1)
-    except FileNotFoundError:
-        raise _rewritten(where) from None
-    except Exception as exc:
-        raise remote_error(shown, f"cannot read {MANIFEST_NAME}", exc) from exc
-    if bytes(again) != raw:
-        raise _rewritten(where)
 
 
 def _rewritten(where: str) -> PackFormatError:

@@ -29,6 +29,7 @@ __all__ = [
     "is_transient",
     "is_url",
     "local_name",
+    "manifest_kept",
     "object_version",
     "open_at_version",
     "open_url",
@@ -325,6 +326,24 @@ def read_url_manifest(fs: Any, root: str, shown: str) -> tuple[Manifest, bytes]:
         except PackFormatError as exc:  # named by its URL: the probe folder is gone once this returns
             raise PackFormatError(exc.message, path=f"{shown}/{MANIFEST_NAME}", hint=exc.hint) from exc
     return manifest, raw
+
+
+def manifest_kept(fs: Any, root: str, raw: bytes, shown: str) -> bool:
+    """Whether ``root``'s manifest still has the bytes ``raw``, read before the pack's files were looked up.
+
+    A pack uploaded again in between (its manifest removed first and put last)
+    had the look-ups find its files: its manifest is gone or another's now.
+
+    Raises:
+        SourceError: the request failed.
+    """
+    try:
+        again = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST_NAME}", start=0, end=len(raw) + 1)
+    except FileNotFoundError:
+        return False
+    except Exception as exc:
+        raise remote_error(shown, f"cannot read {MANIFEST_NAME}", exc) from exc
+    return bytes(again) == raw
 
 
 def remote_error(shown: str, what: str, exc: BaseException, *, resumable: bool = False) -> SourceError:

@@ -69,6 +69,7 @@ from packdata.pack.manifest import MANIFEST_NAME, Manifest
 from packdata.pack.urls import (
     conditional_reads,
     display_url,
+    manifest_kept,
     open_url,
     precondition_failed,
     range_not_satisfiable,
@@ -260,6 +261,8 @@ def _stage_locked(
                 rel: (size, "") if size is not None else _remote_size(fs, f"{root}/{rel}", req)
                 for rel, size, _, req in files
             }
+            if not manifest_kept(fs, root, raw, shown):  # a pack uploaded again since the manifest was read
+                raise _changed(f"{shown}/{MANIFEST_NAME}", "was rewritten or removed")
             todo = [
                 (rel, size, sha, version)
                 for rel, _, sha, _ in files
