@@ -263,6 +263,38 @@ def test_ray_full_destination_disk_is_one_line_and_resumes(ray_local, tmp_path: 
             assert (disk / "out" / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
 
 
+@pytest.mark.ray
+def test_ray_resume_refuses_a_file_of_a_finished_task_rewritten_since(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A file a finished task packed, rewritten under its name before the resume, was not looked at: the task's
+    result was kept (its part of the walk, names and labels, had not changed), so the pack held the old image
+    beside shards of the source as it is now. Each task now records the size and time of its first and last file
+    packed, and a resume stats those of every task it keeps: one that differs is refused, naming it, as on the
+    local engine, the partial kept."""
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out.lmdb"
+    with pytest.raises(EngineError):
+        _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00003.lmdb")
+    partial = partial_path(dst)
+    done = sorted((partial / TASKS_DIR).glob("*/result.json"))
+    assert done
+    walk = sorted(str(p) for p in clean_folder.rglob("*.jpg"))  # class0/..., class1/..., class2/..., top.jpg
+    path = walk[10 * int(done[0].parent.name)]  # the finished task's first file
+    size = os.stat(path).st_size
+    Path(path).write_bytes(_tiny_jpeg(999) + b"\0")
+    (partial / "shard-00003.lmdb").unlink()
+    with pytest.raises(SourceError) as raised:
+        packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
+    assert str(raised.value) == (
+        f"{path}: a file packed before the interruption changed since ({size} bytes then, "
+        f"{Path(path).stat().st_size} bytes now; or its modification time differs). Restore it as it was and "
+        "resume, or start again with --overwrite"
+    )
+    assert partial.is_dir() and not dst.exists()
+
+
 def _convert_with_blocked_shard(src: Path, dst: Path, blocked: str) -> None:
     """Start a Ray conversion whose partial folder already holds a file at ``blocked``."""
     from packdata.conversion.load import _Options
@@ -395,6 +427,30 @@ def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
     packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
     _assert_same_pack(tmp_path / "local", dst)
     assert packdata.verify_pack(dst, progress=False).records == N_CLASSES * PER_CLASS + 1
+
+
+@pytest.mark.ray
+def test_ray_resume_never_stats_a_file_a_saved_result_probes_outside_its_task(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A result.json edited to probe a file outside its task (here outside the source) is never stat'ed: the
+    task is run again, as for any result that does not add up, and the pack is the uninterrupted run's."""
+    from packdata.conversion.ray_tasks import TASKS_DIR, load_result, save_result
+
+    dst = tmp_path / "out"
+    partial = _interrupted_tfrecord_run(clean_folder, dst)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not the source's")
+    results = sorted((partial / TASKS_DIR).glob("*/result.json"))
+    assert results
+    for result in results:
+        saved = load_result(result)
+        assert saved is not None
+        saved["probes"] = [[str(secret), 1, secret.stat().st_mtime_ns]]  # a size it lacks: a stat would tell its own
+        save_result(result.parent, saved)  # its digest made again: anyone can
+    packdata.convert(clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
+    packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local", dst)
 
 
 @pytest.mark.ray
@@ -1018,6 +1074,40 @@ def test_ray_names_an_object_rewritten_or_removed_since_the_listing(
         ("class2/img007.jpg", "vanished"),
     ]
     assert not {"class0/img003.jpg", "class1/img002.jpg"} & {row[0] for row in _lmdb_content(dst)}
+
+
+@pytest.mark.ray
+def test_ray_resume_reruns_a_finished_task_whose_object_was_rewritten_at_the_url_since(
+    ray_local, s3, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A source folder at a URL is read in place by the tasks. An object a finished task packed, rewritten at the
+    URL (same size: only its ETag tells) before the resume, was not looked at: the task's result was kept, and the
+    pack held the old image. A task's fingerprint now holds each object's size and version as listed, so the
+    resume reruns that task, and the pack is the one of the source as it is now."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    options, fs = s3
+    fs.put(str(clean_folder), "packs/rewritten", recursive=True)
+    dst = tmp_path / "out.lmdb"
+    partial = partial_path(dst)
+    opts = _Options("lmdb", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
+    (partial / "shard-00003.lmdb").write_bytes(b"")  # the last task fails for good
+    run = {"shard_samples": 10, "storage_options": options, "progress": False, "engine": "ray", "resume": True}
+    with pytest.raises(EngineError):
+        packdata.convert("s3://packs/rewritten", dst, **run)
+    done = sorted((partial / TASKS_DIR).glob("*/result.json"))
+    assert done
+    walk = sorted(p.relative_to(clean_folder).as_posix() for p in clean_folder.rglob("*.jpg"))
+    name = walk[10 * int(done[0].parent.name)]  # the finished task's first object
+    new = bytearray((clean_folder / name).read_bytes())
+    new[len(new) // 2] ^= 0xFF  # other bytes in the image data, same length
+    fs.pipe_file(f"packs/rewritten/{name}", bytes(new))
+    (partial / "shard-00003.lmdb").unlink()
+    packdata.convert("s3://packs/rewritten", dst, **run)
+    assert {row[0]: row[2] for row in _lmdb_content(dst)}[name] == bytes(new)
 
 
 @pytest.mark.ray

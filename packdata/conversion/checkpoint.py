@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import reprlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.probes import Lookup, check_probes, is_probe, stat_probe
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     SKIP_REPORT,
@@ -28,12 +28,13 @@ from packdata.conversion.publish import (
     other_options_error,
     source_changed_error,
 )
-from packdata.errors import ConfigError, PackFormatError, SourceError
+from packdata.conversion.sources import RemoteFile
+from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write
 from packdata.pack.index import field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
 
-__all__: list[str] = []
+__all__ = ["MAX_PROBES"]
 
 _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
 _WALK = "walk_labels_sha256"  # of walk_record(entry) over the walk (earlier: "walk_sha256", of keys only)
@@ -71,8 +72,10 @@ class _Checkpoint:
         self.finishing = False  # every shard is closed and listed: only naming, manifest and publish remain
         self.index_files: dict[str, list[object]] | None = None  # the sample index's sizes and SHA-256s
         self.probes: list[list[Any]] = []  # [path, size, mtime_ns] of packed files (see probe)
-        self._probe_every = 1  # one commit in so many records a probe: doubled each time the list is thinned
+        self._probe_every = 1  # one commit in so many keeps its probe: doubled each time the list is thinned
         self._commits = 0
+        self._tail = False  # the last probe is only the latest commit's: the next one replaces it
+        self.copied_journal: int | None = None  # a copy of a URL's folder: its download journal's bytes before packing
 
     def state(self) -> dict[str, Any]:
         """What :meth:`save` writes, as of now."""
@@ -95,6 +98,7 @@ class _Checkpoint:
             "field_names": list(self.field_names),
             "index_files": self.index_files,
             "probes": list(self.probes),
+            "copied_journal": self.copied_journal,
         }
 
     def save(self, state: dict[str, Any] | None = None) -> None:
@@ -121,61 +125,56 @@ class _Checkpoint:
         self.saved_classes = state.get("classes")
         self.saved_source = state.get("source")
         self.probes = state.get("probes", [])  # none from an earlier packdata
+        self.copied_journal = state.get("copied_journal")  # None from an earlier packdata, or not a copy
 
-    def probe(self, path: str) -> None:
-        """Record the size and modification time of ``path``, a file just packed, on one commit in a few.
+    def probe(self, path: str | RemoteFile) -> None:
+        """Record the size and modification time of ``path``, the last file packed before this commit.
 
         At most :data:`MAX_PROBES` are kept, spread over the walk (every other
-        one dropped when full, and probes taken half as often): a stat a commit
-        (thousands of samples) while converting, as many at a resume.
+        one dropped when full, and probes kept half as often), and always the
+        latest commit's, the file likeliest to be rewritten still (by a producer
+        writing the source as it is packed): a stat a commit (thousands of
+        samples) while converting, as many at a resume.
         """
         self._commits += 1
-        if self._commits % self._probe_every:
+        probe = stat_probe(path)
+        if probe is None:
             return
-        try:
-            st = os.stat(path)
-        except OSError:  # gone already: the walk, or the skip report, will say
-            return
-        self.probes.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
+        if self._tail:
+            self.probes.pop()
+        self._tail = self._commits % self._probe_every != 0
+        self.probes.append(probe)
         if len(self.probes) > MAX_PROBES:
-            self.probes = self.probes[1::2]
+            self.probes = self.probes[::2]  # the first and the latest kept
             self._probe_every *= 2
 
-    def check_probes(self, walked: set[str]) -> None:
+    def check_probes(
+        self, walked: set[str], what: str = "a file packed", lookup: Lookup | None = None, *, walked_only: bool = False
+    ) -> None:
         """Refuse a resume where a packed file probed changed since (its size or modification time).
 
         A sample: a source rewritten as a whole (images resized again, captions
         regenerated) is found, a single file edited in place most often not.
-        ``walked``: the probes' paths that the resume's walk of the packed part
-        gave again; a probe naming any other path is refused before anything is
-        stat'ed (``progress.json`` edited: a file outside the source, a link, a FIFO).
+        ``walked``: the probes' places that the resume's walk of the packed part
+        gave again; a probe naming any other is refused before anything is
+        looked at (``progress.json`` edited: a file outside the source, a link, a
+        FIFO), or passed over with ``walked_only`` (the walk differs: files gone
+        are the source's change, which the caller names). ``what`` the files are,
+        for the message (``"a tar read"``: tar shards); ``lookup`` asks the store
+        for a list's objects (:func:`~packdata.conversion.probes.remote_lookup`).
 
         Raises:
             PackFormatError: a probe names a file the walk did not give (naming ``progress.json``).
             SourceError: naming the first file that changed (resumable: the partial is kept).
         """
-        for path, _, _ in self.probes:
-            if path not in walked:
-                raise _damaged(
-                    self.path,
-                    f"probes names {path!r}, which is not a file the interrupted conversion packed "
-                    "(a resume looks only at those)",
-                )
-        for path, size, mtime_ns in self.probes:
-            try:
-                st = os.stat(path)
-                now = None if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else f"{st.st_size} bytes now"
-            except OSError as exc:
-                now = f"now {exc.strerror or exc}"
-            if now is not None:
-                error = SourceError(
-                    f"a file packed before the interruption changed since ({size} bytes then, {now}; "
-                    "or its modification time differs)",
-                    path=path,
-                    hint="Restore it as it was and resume, or start again with --overwrite",
-                )
-                error.resumable = True  # the partial is kept
-                raise error
+        unknown = next((probe[0] for probe in self.probes if probe[0] not in walked), None)
+        if unknown is not None and not walked_only:
+            raise _damaged(
+                self.path,
+                f"probes names {unknown!r}, which is not a file the interrupted conversion packed "
+                "(a resume looks only at those)",
+            )
+        check_probes([probe for probe in self.probes if probe[0] in walked], what, lookup)
 
     def check_source(self) -> None:
         """Refuse a resume that reads another source than the interrupted run read.
@@ -282,27 +281,17 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     ):
         raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
     probes = state.get("probes", [])  # absent from an earlier packdata's
-    if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(_is_probe(p) for p in probes):
-        raise _bad(path, "probes", f"a list of at most {MAX_PROBES} [path, size, mtime_ns]", probes)
+    if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(is_probe(p) for p in probes):
+        should = f"a list of at most {MAX_PROBES} [path, size, mtime_ns] or [URL, size, version]"
+        raise _bad(path, "probes", should, probes)
+    copied = state.get("copied_journal")
+    if copied is not None and not is_count(copied):
+        raise _bad(path, "copied_journal", "an integer >= 0 or null", copied)
     report = path.parent / SKIP_REPORT
     size = report.stat().st_size if report.is_file() else 0
     if state["skip_report_bytes"] > size:
         raise _bad(path, "skip_report_bytes", f"at most the {size} bytes of {SKIP_REPORT}", state["skip_report_bytes"])
     return state
-
-
-def _is_probe(probe: object) -> bool:
-    """Whether ``probe`` is ``[absolute path, size, mtime_ns]`` (a resume stats the path, never opens it)."""
-    return (
-        isinstance(probe, list)
-        and len(probe) == 3
-        and isinstance(probe[0], str)
-        and os.path.isabs(probe[0])
-        and "\0" not in probe[0]
-        and is_count(probe[1])
-        and isinstance(probe[2], int)
-        and not isinstance(probe[2], bool)
-    )
 
 
 def _check_shards(path: Path, state: dict[str, Any], shard_name: Callable[[int], str]) -> None:

@@ -30,7 +30,7 @@ from packdata.conversion.destination import (
     check_real_destination,
     partial_path,
 )
-from packdata.conversion.download import download_source
+from packdata.conversion.download import COPIED_FROM, download_source
 from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _convert_local
 from packdata.conversion.publish import ConvertResult, recover_replaced
@@ -516,9 +516,11 @@ def _convert_from_url(url: str, dst: str | os.PathLike, options: dict[str, Any])
     )
     kwargs = {k: v for k, v in options.items() if k in _CONVERT_OPTIONS}
     token = REFUSED_OBJECTS.set((local, tuple(refused)))
+    copied = COPIED_FROM.set((local, display_url(url).rstrip("/")))
     try:
         result = convert(local, dst, **kwargs)
     finally:
+        COPIED_FROM.reset(copied)
         REFUSED_OBJECTS.reset(token)
     clean_work_folder(local)
     return result

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from packdata.pack.urls import display_url, object_version, remote_error, retry_
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
-__all__ = ["download_source"]
+__all__ = ["COPIED_FROM", "copied_again", "download_source", "journal_bytes"]
 
 
 _WORK_FOLDER_HINT = "Set PACKDATA_TMP to a folder on a disk with room (the work folder lives there), or free space"
@@ -164,3 +165,63 @@ def _remove_unlisted(local: Path, names: set[str]) -> None:
                 (here / name).unlink()
         if here != local and not any(here.iterdir()):
             here.rmdir()
+
+
+COPIED_FROM: ContextVar[tuple[Path, str] | None] = ContextVar("packdata_copied_from", default=None)
+"""The work folder a conversion reads and the URL of the source folder it was copied from (None: not a copy).
+
+Set by :func:`~packdata.conversion.convert._convert_from_url` around the
+conversion of the work folder: its checkpoint records how much of the
+download journal came before it packed (:func:`journal_bytes`), and a resume
+refuses a packed file copied again since at another size or version
+(:func:`copied_again`).
+"""
+
+
+def journal_bytes(folder: Path) -> int:
+    """The size of the download journal beside the work folder ``folder`` (0 when there is none)."""
+    try:
+        return (folder.parent / _DOWNLOADED).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def copied_again(folder: Path, before: int) -> dict[str, str]:
+    """The files of ``folder`` downloaded again since the journal held ``before`` bytes, as another object.
+
+    Another object: one listed at another size or version than its last
+    download before then (or not downloaded before then at all: the work
+    folder was emptied, its journal with it). Name -> what differs, in words.
+    An object downloaded again as it was (its copy removed, or a store that
+    gives no version) is not among them.
+    """
+    try:
+        data = (folder.parent / _DOWNLOADED).read_bytes()
+    except FileNotFoundError:
+        return {}
+    if before > len(data):  # another journal than the one the checkpoint measured: nothing of it came before
+        before = 0
+    since = _journal_entries(data[before:], None)
+    earlier = _journal_entries(data[:before], set(since))
+    again = {}
+    for name, (size, version) in since.items():
+        then = earlier.get(name)
+        if then is None:
+            again[name] = "copied again, and no earlier copy is listed in the download journal"
+        elif then[0] != size or then[1] != version:
+            again[name] = f"{then[0]} bytes at version {then[1]!r} when packed, {size} bytes at {version!r} now"
+    return again
+
+
+def _journal_entries(data: bytes, names: set[str] | None) -> dict[str, tuple[int, str]]:
+    """The last (size, version) a journal's ``data`` lists of each name (of ``names`` only, unless None)."""
+    entries: dict[str, tuple[int, str]] = {}
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+            name = str(entry["name"])
+            if names is None or name in names:
+                entries[name] = (entry["size"], entry["version"])
+        except (ValueError, KeyError, TypeError):  # a torn or odd line counts for nothing
+            continue
+    return entries

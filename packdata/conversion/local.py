@@ -18,8 +18,10 @@ from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
 from packdata.conversion.destination import check_resumable, interrupted_error, partial_path, spill_folder
+from packdata.conversion.download import COPIED_FROM, copied_again, journal_bytes
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
+from packdata.conversion.probes import REWRITTEN, probe_path, probe_place, refuse_changed, remote_lookup
 from packdata.conversion.publish import (
     SKIP_REPORT,
     ConvertResult,
@@ -33,8 +35,7 @@ from packdata.conversion.publish import (
     skip_line,
     source_identity,
 )
-from packdata.conversion.remote_folder import RemoteSourceFile
-from packdata.conversion.sources import Skip, SourceFile, SourceGroup, walk_record
+from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import (
     PackFormatError,
     SourceError,
@@ -164,13 +165,22 @@ def _shard_changed(path: Path, what: str) -> PackFormatError:
     )
 
 
-def _local_file(entry: Entry) -> str | None:
-    """The local file ``entry`` packs (a group's first), or None (an object at a URL, a tar's member)."""
-    if isinstance(entry, SourceFile) and not isinstance(entry, RemoteSourceFile):
-        return entry.path
-    if isinstance(entry, SourceGroup):
-        return next((source for _, source in entry.files if isinstance(source, str)), None)
-    return None
+def _refuse_copied_again(entry: Entry, again: dict[str, str], folder: Path, url: str) -> None:
+    """Refuse a resume where ``entry``, packed, is a file of ``folder`` downloaded again from ``url`` as another object.
+
+    Raises:
+        SourceError: naming the object's URL (resumable: the partial is kept).
+    """
+    if isinstance(entry, SourceFile):
+        paths = [entry.path]
+    elif isinstance(entry, SourceGroup):
+        paths = [path for _, path in entry.files if isinstance(path, str)]
+    else:
+        return
+    for path in paths:
+        name = Path(os.path.relpath(path, folder)).as_posix()
+        if name in again:
+            refuse_changed(f"{url}/{name}", REWRITTEN.format(again[name]))
 
 
 def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
@@ -216,7 +226,7 @@ class _Packer:
             self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
-        self.packed_file: str | None = None  # the last local file packed: the next checkpoint may probe it
+        self.packed_file: str | RemoteFile | None = None  # the last file (or listed object) packed: to probe
         self.shard_samples = cp.samples_done - cp.shard_first
         # a full shard closing in a thread, and the checkpoint to save once it is closed
         self._closing: tuple[Future[tuple[int, str]], dict[str, Any]] | None = None
@@ -244,7 +254,7 @@ class _Packer:
                     if isinstance(result, Skip):
                         self._skip(result, is_read_error=result.problem)
                     else:
-                        self.packed_file = _local_file(entry)
+                        self.packed_file = probe_path(entry)
                         self._add(result, _source_bytes(entry, result, reencoded))
                         self.cp.reencoded += reencoded
                     bar.update()
@@ -259,15 +269,26 @@ class _Packer:
     def _entries(self) -> Iterator[Entry]:
         """The walk, with the part an interrupted run already packed verified and dropped."""
         walk = self.source.walk(spill_folder(self.partial, empty=True))
+        copy = COPIED_FROM.get()  # the work folder and URL of a source folder copied from a URL
+        if copy is not None and Path(os.fspath(self.source.root)) != copy[0]:
+            copy = None
         if self.cp.files_done:
             check = hashlib.sha256()
+            again = {}  # files of the copy downloaded again as other objects since the interrupted run packed
+            if copy is not None and self.cp.copied_journal is not None:
+                again = copied_again(copy[0], self.cp.copied_journal)
             probed, walked = {probe[0] for probe in self.cp.probes}, set()
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):
                 check.update(walk_record(entry))
-                packed = _local_file(entry)
-                if packed is not None and os.path.abspath(packed) in probed:
-                    walked.add(os.path.abspath(packed))
+                packed = probe_path(entry)
+                if packed is not None and (place := probe_place(packed)) in probed:
+                    walked.add(place)
+                if again:
+                    _refuse_copied_again(entry, again, *copy)  # type: ignore[misc]
+            covered = getattr(self.source, "walk_covers_content", False)  # tars: the members' bytes are walked
+            what = "a tar read" if covered else "a file packed"
             if check.hexdigest() != self.cp.walk_expected:
+                self.cp.check_probes(walked, what, remote_lookup(self.source), walked_only=True)  # named first
                 error = SourceError(
                     "the source folder changed since the interrupted conversion",
                     path=self.source.root,
@@ -276,7 +297,10 @@ class _Packer:
                 error.resumable = True  # the partial is kept: a file moved for a while, a mount not up yet
                 raise error
             self.cp.walk = check
-            self.cp.check_probes(walked)
+            if not covered:  # else what was packed is as it was read, whatever its file's time says
+                self.cp.check_probes(walked, what, remote_lookup(self.source))
+        if copy is not None:  # every file this run packs was downloaded before this point of the journal
+            self.cp.copied_journal = journal_bytes(copy[0])
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
@@ -330,10 +354,14 @@ class _Packer:
         self._write_batch()
         assert self.writer is not None
         self.writer.sync()
+        self._probe()
+        self.cp.save()
+
+    def _probe(self) -> None:
+        """Let the checkpoint about to be recorded probe the last file packed (see :meth:`_Checkpoint.probe`)."""
         if self.packed_file is not None:
             self.cp.probe(self.packed_file)
             self.packed_file = None
-        self.cp.save()
 
     def _roll_shard(self) -> None:
         """Write the full shard's last batch, hand the shard to a thread that closes it, and open the next.
@@ -353,6 +381,7 @@ class _Packer:
         self.cp.shards.append(ShardInfo(name, self.shard_samples, self.cp.shard_first, 0, ""))  # sized when closed
         self.cp.shard_first = self.cp.samples_done
         self.shard_samples = self.cp.shard_bytes = 0
+        self._probe()
         closer = ThreadPoolExecutor(1, thread_name_prefix="packdata-shard-close")
         self._closing = (closer.submit(self.writer.close), self.cp.state())
         closer.shutdown(wait=False)  # its thread ends with the close

@@ -20,6 +20,7 @@ import numpy as np
 
 from packdata.conversion.destination import check_resumable, interrupted_error
 from packdata.conversion.load import _Options
+from packdata.conversion.probes import is_probe, probe_path, probe_place
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
     SKIP_REPORT,
@@ -104,11 +105,16 @@ def _saved_result(
 def _adds_up(partial: Path, task: ShardTask, saved: dict[str, Any]) -> bool:
     """Whether a saved result holds what :class:`_Gatherer` adds, of the right types and agreeing with its task.
 
-    Agreeing: each entry a sample or a skip, the shard holding the samples, the index fragment one label a sample.
+    Agreeing: each entry a sample or a skip, the shard holding the samples, the index fragment one label a sample,
+    the probes of the task's own files (a resume stats or looks up no other: ``result.json`` may be edited).
     """
-    names = saved.get("field_names")
+    names, probes = saved.get("field_names"), saved.get("probes", [])  # no probes from an earlier packdata
     if not (
-        all(is_count(saved.get(key)) for key in ("samples", "bytes_in", "reencoded"))
+        isinstance(probes, list)
+        and len(probes) <= 2
+        and all(is_probe(p) for p in probes)
+        and {p[0] for p in probes} <= {probe_place(path) for e in task.entries if (path := probe_path(e)) is not None}
+        and all(is_count(saved.get(key)) for key in ("samples", "bytes_in", "reencoded"))
         and is_skip_counts(saved.get("skipped"))
         and is_skip_lines(saved.get("skip_examples"))
         and isinstance(names, list)

@@ -23,6 +23,7 @@ from typing import Any
 
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options, _pipeline, _source_bytes, number_fields
+from packdata.conversion.probes import probe_path, stat_probe
 from packdata.conversion.publish import (
     SKIP_REPORT,
     record_skip,
@@ -34,7 +35,7 @@ from packdata.conversion.ray_remote import (
     upload_task_files,
 )
 from packdata.conversion.remote_folder import RemoteSourceFile
-from packdata.conversion.sources import Skip, SourceFile, SourceGroup, walk_record
+from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write
@@ -118,6 +119,9 @@ def plan_tasks(
             nbytes += size
         entries.append(entry)
         digest.update(walk_record(entry))
+        if isinstance(entry, RemoteSourceFile):  # the object as listed: one rewritten since reruns its task
+            version = getattr(entry.remote, "version", "")
+            digest.update(b"%d:%s\n" % (entry.size, version.encode("utf-8", "surrogateescape")))
     if entries:
         yield ShardTask(number, tuple(entries), files, digest.hexdigest())
 
@@ -179,6 +183,7 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
     field_names: list[str] = []  # this task's field numbers; the driver renumbers them for the pack
     report_digest, report_bytes = hashlib.sha256(), 0  # of the skip list as written
     shard = None
+    packed: list[str | RemoteFile] = []  # the first and the last file (or listed object) packed: probed
     try:
         with open(work / SKIP_REPORT, "wb") as report, ThreadPoolExecutor(threads) as pool:
             for entry, result, was_reencoded in _pipeline(iter(task.entries), pool, opts, max(32, 8 * threads)):
@@ -193,6 +198,8 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
                     continue
                 if writer is None:
                     writer = writer_cls(pack / name)
+                if (path := probe_path(entry)) is not None:
+                    packed[1 if packed else 0 :] = [path]
                 size = len(result.data)
                 batch.append((samples, result))
                 index.append(result.key, result.label, size, number_fields(result, field_numbers, field_names))
@@ -227,6 +234,7 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
         "skip_examples": examples,
         "shard": shard,
         "field_names": field_names,
+        "probes": [probe for path in packed if (probe := stat_probe(path)) is not None],
         # what the gather appends, as written: it checks each file against these first
         "fragment_files": {
             **{f"{INDEX_DIR}/{name}": entry for name, entry in index.checkpoint().items()},

@@ -170,6 +170,9 @@ class TarSource:
     fs: Any = None  # the fsspec filesystem of shards at a URL (their paths are on it)
     scheme: str = ""  # the URL's scheme, for messages
 
+    walk_covers_content: bool = True
+    """The walk's records hold the members' bytes: a resume's check of the walk sees any edit of what was packed."""
+
     cheap_to_count: bool = False
     """A second walk to count samples for the progress bar would read (and decompress) every tar again:
     it made a conversion about 1.6x slower, so the bar shows counts and rates without a total."""
@@ -196,6 +199,7 @@ class TarSource:
 
     def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
         name = os.path.basename(shard)
+        origin = os.path.abspath(shard) if self.fs is None else ""  # a local tar: a resume stats it
         key: str | None = None
         fields: dict[str, bytes] | None = {}  # None: the sample is skipped whole (a member too large)
         total = 0  # the sample's member sizes so far: all of them together must fit a sample
@@ -216,7 +220,7 @@ class TarSource:
                     if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
                         base, _ = _split(_relative(member.name) or "")
                         if base not in (None, key) and key is not None and fields is not None:
-                            yield _group(key, fields)  # whole: this member starts the next sample
+                            yield _group(key, fields, origin)  # whole: this member starts the next sample
                             key, fields = base, {}
                         raise tarfile.ReadError(
                             f"member {member.name!r} claims {member.size} bytes, past the tar's end (byte {end})"
@@ -247,7 +251,7 @@ class TarSource:
                         continue
                     if base != key:
                         if key is not None and fields is not None:
-                            yield _group(key, fields)
+                            yield _group(key, fields, origin)
                         key, fields, total = base, {}, 0
                     if fields is None:
                         continue
@@ -287,7 +291,7 @@ class TarSource:
             shown = display_url(f"{self.scheme}://{shard}")
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None and fields is not None:
-            yield _group(key, fields)
+            yield _group(key, fields, origin)
 
     def _read_span(self, shard: str, stream: BinaryIO, offset: int, size: int) -> bytes:
         """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
@@ -414,7 +418,7 @@ def _split(name: str) -> tuple[str | None, str]:
     return match.group(1), match.group(2).lower()
 
 
-def _group(key: str, fields: dict[str, bytes]) -> SourceGroup | Skip:
+def _group(key: str, fields: dict[str, bytes], origin: str = "") -> SourceGroup | Skip:
     size = len(key.encode("utf-8"))
     if size > MAX_KEY_BYTES:  # a pax or GNU long name: any length
         return Skip(f"{key[:100]}...", "key too long", f"{size} bytes in UTF-8, at most {MAX_KEY_BYTES} fit")
@@ -423,7 +427,7 @@ def _group(key: str, fields: dict[str, bytes]) -> SourceGroup | Skip:
             check_field_name(name)
         except FieldError as exc:
             return Skip(key, "bad field name", str(exc))
-    return SourceGroup(key, -1, (), tuple(sorted(fields.items())))
+    return SourceGroup(key, -1, (), tuple(sorted(fields.items())), origin)
 
 
 def scan_tars(pattern: str, storage_options: dict[str, Any] | None = None) -> TarSource:

@@ -1,0 +1,178 @@
+"""A resume over a source that changed since the interruption is refused, naming what changed, on every source kind.
+
+Each conversion here is SIGKILLed in a subprocess as it writes a checkpoint
+(:data:`conftest.KILLED_AT_SECOND_CHECKPOINT`), then resumed in this process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import KILLED_AT_SECOND_CHECKPOINT, moto_s3
+
+import packdata
+from packdata.errors import SourceError
+
+
+def _tar(path: Path, texts: list[str]) -> None:
+    """A tar of ``0.txt``, ``1.txt``, ... holding ``texts`` (members of a fixed time: the bytes are the texts')."""
+    with tarfile.open(path, "w") as tar:
+        for i, text in enumerate(texts):
+            data = text.encode("utf-8")
+            member = tarfile.TarInfo(f"{path.stem}-{i}.txt")
+            member.size, member.mtime = len(data), 1_700_000_000
+            tar.addfile(member, io.BytesIO(data))
+
+
+def _killed(src: str, dst: Path) -> Path:
+    """The partial folder of a conversion of ``src`` into ``dst`` SIGKILLed at its second checkpoint."""
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_SECOND_CHECKPOINT, src, str(dst)], check=False)
+    partial = dst.parent / f".{dst.name}.partial"
+    assert killed.returncode == -signal.SIGKILL and (partial / "progress.json").is_file() and not dst.exists()
+    return partial
+
+
+def _texts(pack: Path) -> list[str]:
+    return [s["txt"] if isinstance(s, dict) else s[0] for s in packdata.LMDBDataset(pack)]
+
+
+@pytest.mark.parametrize("edit", ["rewritten", "touched"])
+def test_a_resume_names_a_tar_rewritten_in_place_and_resumes_over_one_only_touched(tmp_path: Path, edit: str) -> None:
+    """A tar whose packed members were rewritten in place (same size, other bytes) was refused as 'SRC: the source
+    folder changed since the interrupted conversion', naming the tars' folder: the walk's check sees the members'
+    bytes, but not which tar differs. The checkpoint now probes the tar of the last sample packed, and the refusal
+    names it. A tar only touched (its time changed, its bytes not) is not a change: the resume publishes."""
+    (tmp_path / "src").mkdir()
+    for n in range(3):
+        _tar(tmp_path / "src" / f"d-{n}.tar", [f"a{n}{i}" for i in range(3)])
+    src, dst = str(tmp_path / "src" / "d-{0..2}.tar"), tmp_path / "out.lmdb"
+    partial = _killed(src, dst)
+    first = tmp_path / "src" / "d-0.tar"
+    if edit == "rewritten":
+        _tar(first, ["b00", "b01", "b02"])
+        with pytest.raises(SourceError) as raised:
+            packdata.convert(src, dst, shard_samples=1, workers=1, progress=False, resume=True)
+        assert str(raised.value) == (
+            f"{first}: a tar read before the interruption changed since (10240 bytes then, 10240 bytes now; or its "
+            "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+        )
+        assert (partial / "progress.json").is_file() and not dst.exists()
+        return
+    os.utime(first, ns=(1, 1))
+    packdata.convert(src, dst, shard_samples=1, workers=1, progress=False, resume=True)
+    assert _texts(dst) == [f"a{n}{i}" for n in range(3) for i in range(3)]
+
+
+_KILLED_AT_CHECKPOINT = r"""
+import json, os, signal, sys
+import packdata
+from packdata.conversion import checkpoint, local
+
+local._COMMIT_SAMPLES = 1  # a checkpoint a sample
+kwargs = json.loads(sys.argv[4])
+checkpoint.MAX_PROBES = kwargs.pop("max_probes")  # the list thinned within a few files
+saved = []
+
+def hook(event, args):  # SIGKILL as checkpoint N is written: the one before it is on disk
+    if event in ("os.rename", "os.replace") and os.fspath(args[1]).endswith("progress.json"):
+        saved.append(args[1])
+        if len(saved) == int(sys.argv[3]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(hook)
+packdata.convert(sys.argv[1], sys.argv[2], workers=1, progress=False, **kwargs)
+"""
+"""``python -c`` it with SRC DST N KWARGS: a conversion SIGKILLed at checkpoint N, keeping at most
+``KWARGS["max_probes"]`` probes (KWARGS: JSON, the rest of them convert's)."""
+
+
+def test_a_resume_refuses_the_last_file_packed_rewritten_once_the_probes_were_thinned(tmp_path: Path) -> None:
+    """Thinning the full list of probes kept every other one from the second, so the latest commit's file (the
+    likeliest to be rewritten still, by a producer writing the source as it is packed) was dropped, and, probes
+    then kept one commit in two, the next ones too: a rewrite of the last files packed was resumed over. The
+    latest commit's file is now always probed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"{i:02d}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, str(src), str(dst), "10", '{"max_probes": 4}']
+    assert subprocess.run(args, check=False).returncode == -signal.SIGKILL
+    progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
+    last = src / f"{progress['samples_done'] - 1:02d}.txt"
+    last.write_text("rewritten", encoding="utf-8")
+    with pytest.raises(SourceError) as raised:
+        packdata.convert(src, dst, workers=1, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{last}: a file packed before the interruption changed since (2 bytes then, 9 bytes now; or its "
+        "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+    )
+    assert len(progress["probes"]) <= 4
+
+
+def _refused_naming(src: str, dst: Path, options: dict, url: str) -> None:
+    """Assert a resume of ``src`` into ``dst`` is refused naming the object at ``url``, 2 bytes when packed."""
+    with pytest.raises(SourceError) as raised:
+        packdata.convert(src, dst, storage_options=options, workers=1, progress=False, resume=True)
+    message = str(raised.value)
+    assert message.startswith(f"{url}: an object packed before the interruption was rewritten at the URL since (2 ")
+    assert message.endswith(". Restore it as it was and resume, or start again with --overwrite")
+    assert (dst.parent / f".{dst.name}.partial" / "progress.json").is_file() and not dst.exists()
+
+
+def test_a_resume_of_a_copied_url_folder_refuses_an_object_rewritten_at_the_url_since(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source folder at a URL is copied into a work folder, then converted. An object packed before the
+    interruption and rewritten at the URL since was downloaded again by the resume, and was refused only if its
+    local copy was among the probes (naming the work folder's file, not the object), else resumed over: the pack
+    held the old bytes. The checkpoint now records how much of the download journal came before the packing, and
+    a resume refuses any packed file the journal shows copied again at another size or version, naming its URL,
+    again at every later resume (the journal keeps the new copy's line after the recorded point)."""
+    work = tmp_path / "work"
+    monkeypatch.setenv("PACKDATA_TMP", str(work))
+    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as (options, fs):
+        for i in range(8):
+            fs.pipe_file(f"packs/src/{i:02d}.txt", f"t{i}".encode())
+        dst = tmp_path / "out.lmdb"
+        kwargs = json.dumps({"max_probes": 2, "storage_options": options})
+        args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, "s3://packs/src", str(dst), "5", kwargs]
+        env = {**os.environ, "PACKDATA_TMP": str(work)}
+        assert subprocess.run(args, check=False, env=env).returncode == -signal.SIGKILL
+        progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
+        assert progress["samples_done"] == 4 and len(progress["probes"]) == 2  # 01.txt is not among them
+        fs.pipe_file("packs/src/01.txt", b"rewritten")
+        for _ in range(2):
+            _refused_naming("s3://packs/src", dst, options, "s3://packs/src/01.txt")
+        packdata.convert("s3://packs/src", dst, storage_options=options, progress=False, overwrite=True)
+    assert _texts(dst) == ["t0", "rewritten", *(f"t{i}" for i in range(2, 8))]
+
+
+def test_a_resume_of_a_list_at_a_url_refuses_an_object_it_names_rewritten_since(tmp_path: Path) -> None:
+    """A list at a URL names objects beside it, read in place. An object packed before the interruption and
+    rewritten since (same size: only its ETag tells) was not looked at: probes were of local files only, and the
+    walk holds names, so the resume packed the new objects after the old one. A checkpoint now probes the last
+    object packed at each commit by its size and version, and a resume asks the store for them: one that differs
+    is refused, naming its URL."""
+    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as (options, fs):
+        for i in range(6):
+            fs.pipe_file(f"packs/l/{i}.txt", f"t{i}".encode())
+        fs.pipe_file("packs/l/list.csv", b"path\n" + b"".join(b"%d.txt\n" % i for i in range(6)))
+        dst = tmp_path / "out.lmdb"
+        kwargs = json.dumps({"max_probes": 256, "storage_options": options})
+        args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, "s3://packs/l/list.csv", str(dst), "4", kwargs]
+        assert subprocess.run(args, check=False).returncode == -signal.SIGKILL
+        progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
+        assert progress["samples_done"] == 3
+        fs.pipe_file("packs/l/0.txt", b"T0")  # same size, other bytes
+        _refused_naming("s3://packs/l/list.csv", dst, options, "s3://packs/l/0.txt")
+        packdata.convert("s3://packs/l/list.csv", dst, storage_options=options, progress=False, overwrite=True)
+    assert _texts(dst) == ["T0", *(f"t{i}" for i in range(1, 6))]
