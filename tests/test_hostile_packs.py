@@ -4,6 +4,7 @@ through, never waited on."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,60 @@ def test_a_cached_copys_record_of_deeply_nested_json_is_downloaded_again(tmp_pat
         assert record.read_bytes().startswith(b"{")
     finally:
         memory.rm("/hostile", recursive=True)
+
+
+@pytest.mark.parametrize("rerun", ["again", "resume"])
+@pytest.mark.parametrize("stopped", ["took_effect", "planned"])
+def test_an_append_folder_that_is_a_link_is_refused_nothing_moved_out_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopped: str, rerun: str
+) -> None:
+    """A pack whose interrupted append's folder (.append-a1.partial) is a link to a folder outside: finishing the
+    append moved that folder's skipped.jsonl into the pack (taken from outside, the pack's skip report replaced),
+    then stopped on a bare OSError ('Cannot call rmtree on a symbolic link') on every run; resuming one not yet
+    taken effect moved the outside folder's index in as the pack's. It is now refused, named, before anything is
+    read or moved through it (an append not taken effect and not resumed is undone, the link itself removed, as
+    before); what is outside stays as it was."""
+    from packdata.conversion import append
+
+    src, more, again = tmp_path / "src", tmp_path / "more", tmp_path / "again"
+    for folder, numbers in ((src, range(4)), (more, range(4, 6)), (again, range(6, 7))):
+        folder.mkdir()
+        for i in numbers:
+            (folder / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    pack = tmp_path / "out.lmdb"
+    convert(src, pack, progress=False)
+    step = "_finish" if stopped == "took_effect" else "write_manifest"
+    real = getattr(append, step)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(append, step, real)
+        raise KeyboardInterrupt  # Ctrl-C before the append's folder is taken
+
+    monkeypatch.setattr(append, step, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(more, pack, progress=False, append=True)
+    staging = pack / ".append-a1.partial"
+    assert staging.is_dir() and (pack / ".append-a1.json").is_file()
+    shutil.rmtree(staging)
+    outside = tmp_path / "outside"
+    (outside / "index").mkdir(parents=True)
+    (outside / "index" / "keys.utf8").write_text("not the pack's", encoding="utf-8")
+    (outside / "skipped.jsonl").write_text("not the pack's\n", encoding="utf-8")
+    before = {p.relative_to(outside): p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    staging.symlink_to(outside)
+    if (stopped, rerun) == ("planned", "again"):  # an append that never took effect is undone: the link itself goes
+        convert(again, pack, progress=False, append=True)
+    else:
+        with pytest.raises(PackFormatError) as raised:
+            convert(again if rerun == "again" else more, pack, progress=False, append=True, resume=rerun == "resume")
+        assert str(raised.value) == (
+            f"{staging}: the interrupted append's folder is a link or a file, not the folder packdata made: nothing "
+            "is read or moved through it. Remove it from the pack (a link: only the link itself), then run the "
+            "append again"
+        )
+        staging.unlink()
+        convert(again, pack, progress=False, append=True)
+    assert {p.relative_to(outside): p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+    assert b"not the pack's" not in (pack / "skipped.jsonl").read_bytes()
+    expected = [f"t{i}" for i in range(7)] if stopped == "took_effect" else [f"t{i}" for i in (0, 1, 2, 3, 6)]
+    assert [s[0] for s in LMDBDataset(pack)] == expected

@@ -170,6 +170,23 @@ def _journal_path(dst: Path, generation: int) -> Path:
     return dst / f"{_STAGING}{generation}.json"
 
 
+def _staging_of(dst: Path, generation: int) -> Path:
+    """:func:`_staging_path`, refused when a link or a file stands there: nothing is read or moved through it.
+
+    Raises:
+        PackFormatError: naming it.
+    """
+    staging = _staging_path(dst, generation)
+    if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_dir()):
+        raise PackFormatError(
+            "the interrupted append's folder is a link or a file, not the folder packdata made: nothing is read or "
+            "moved through it",
+            path=staging,
+            hint="Remove it from the pack (a link: only the link itself), then run the append again",
+        )
+    return staging
+
+
 def _staging_path(dst: Path, generation: int) -> Path:
     return dst / f"{_STAGING}{generation}.partial"
 
@@ -303,7 +320,7 @@ def _recover(dst: Path, new: Path, *, resume: bool) -> MergeResult | None:
 
 def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
     """Carry out an append's plan from wherever it stopped: every step is done once, whatever ran before."""
-    index = _staging_path(dst, journal.generation) / INDEX_DIR
+    index = _staging_of(dst, journal.generation) / INDEX_DIR
     target = dst / journal.manifest.index_dir
     if index.is_dir():
         os.rename(index, target)
@@ -339,9 +356,9 @@ def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
 
 def _finish(dst: Path, journal: _Journal, new: Path | None) -> None:
     """What follows an append taking effect: its skip report, the index two appends old, ``new``, the plan last."""
-    staging = _staging_path(dst, journal.generation)
+    staging = _staging_of(dst, journal.generation)
     report = staging / SKIP_REPORT
-    if report.is_file():
+    if report.is_file() and not report.is_symlink():  # a link's file outside never becomes the pack's report
         os.replace(report, dst / SKIP_REPORT)
     if journal.drop is not None:
         _drop_index(dst, journal.drop)
