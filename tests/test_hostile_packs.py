@@ -137,3 +137,46 @@ def test_an_append_folder_that_is_a_link_is_refused_nothing_moved_out_of_it(
     assert b"not the pack's" not in (pack / "skipped.jsonl").read_bytes()
     expected = [f"t{i}" for i in range(7)] if stopped == "took_effect" else [f"t{i}" for i in (0, 1, 2, 3, 6)]
     assert [s[0] for s in LMDBDataset(pack)] == expected
+
+
+def test_an_append_resumed_through_a_linked_sibling_never_moves_another_packs_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``convert SRC PACK --append`` converts SRC into ``.PACK.append`` beside the pack, then moves its shards in.
+    Interrupted there, and that folder swapped for a link to another pack (the user's ``other.lmdb``), ``--append
+    --resume`` moved the other pack's shard files into PACK (the other pack left without its data, its samples
+    now PACK's), then stopped on a bare OSError ('Cannot call rmtree on a symbolic link'). A link there is now
+    refused, named, before anything moves; the other pack reads as before."""
+    import packdata.conversion.convert as convert_module
+
+    src, more, other_src = tmp_path / "src", tmp_path / "more", tmp_path / "other_src"
+    for folder, numbers in ((src, range(4)), (more, range(4, 6)), (other_src, range(10, 14))):
+        folder.mkdir()
+        for i in numbers:
+            (folder / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    pack, other = tmp_path / "out.lmdb", tmp_path / "other.lmdb"
+    convert(src, pack, progress=False)
+    convert(other_src, other, progress=False)
+    real = convert_module.append_pack
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(convert_module, "append_pack", real)
+        raise KeyboardInterrupt  # Ctrl-C once the new samples are converted beside the pack
+
+    monkeypatch.setattr(convert_module, "append_pack", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(more, pack, progress=False, append=True)
+    extra = tmp_path / ".out.lmdb.append"
+    shutil.rmtree(extra)
+    extra.symlink_to(other)
+    with pytest.raises(PackFormatError) as raised:
+        convert(more, pack, progress=False, append=True, resume=True)
+    assert str(raised.value) == (
+        f"{extra}: the pack to append is a link or a file, not the folder packdata converted: nothing is moved out "
+        "of it. Remove it (a link: only the link itself), then append again without resume"
+    )
+    assert [s[0] for s in LMDBDataset(other)] == [f"t{i}" for i in range(10, 14)]
+    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(4)]
+    convert(more, pack, progress=False, append=True)  # without resume: the link itself goes, SRC converted again
+    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
+    assert [s[0] for s in LMDBDataset(other)] == [f"t{i}" for i in range(10, 14)]

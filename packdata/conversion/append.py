@@ -75,10 +75,16 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
 
     Raises:
         ConfigError: the packs differ in format or kind, or a key repeats.
-        PackFormatError: a shard of ``new`` is missing, or ``index.previous`` of
-            ``dst`` (the folder this append deletes) holds more than a sample index.
+        PackFormatError: a shard of ``new`` is missing, ``new`` is a link or a file, or
+            ``index.previous`` of ``dst`` (the folder this append deletes) holds more than a sample index.
     """
     dst, new = Path(dst), Path(new)
+    if new.is_symlink() or (os.path.lexists(new) and not new.is_dir()):  # its shards would move out of elsewhere
+        raise PackFormatError(
+            "the pack to append is a link or a file, not the folder packdata converted: nothing is moved out of it",
+            path=new,
+            hint="Remove it (a link: only the link itself), then append again without resume",
+        )
     done = _recover(dst, new, resume=resume)
     if done is not None:
         return done
