@@ -43,7 +43,7 @@ from packdata.errors import (
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
 from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
-from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir
+from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -345,7 +345,7 @@ class _Packer:
         self.index.flush()
         self.cp.index_files = self.index.checkpoint()
         self.report.flush()
-        os.fsync(self.report.fileno())
+        fsync_named(self.report.fileno(), self.report.name)
         self.cp.skip_report_bytes = self.report.tell()
 
     def _commit(self) -> None:

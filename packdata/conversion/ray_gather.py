@@ -38,7 +38,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir, load_result, save_result
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import PROGRESS_FILE, RAY_PLAN_FILE, discard_partial, file_sha256
+from packdata.pack.files import PROGRESS_FILE, RAY_PLAN_FILE, discard_partial, file_sha256, fsync_named
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,
@@ -262,7 +262,7 @@ class _Gatherer:
         for f in (*self.files.values(), self.report):
             if not f.closed:
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_named(f.fileno(), f.name)
                 f.close()
 
 

@@ -38,7 +38,7 @@ from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
-from packdata.pack.files import atomic_write
+from packdata.pack.files import atomic_write, fsync_named
 from packdata.pack.index import (
     INDEX_DIR,
     SampleIndexWriter,
@@ -213,7 +213,7 @@ def _write_shard(task: ShardTask, pack: Path, opts: _Options, threads: int) -> d
             if batch and writer is not None:
                 writer.write(batch)
             report.flush()
-            os.fsync(report.fileno())
+            fsync_named(report.fileno(), report.name)
         if writer is not None:
             nbytes, digest = writer.close()
             writer = None

@@ -15,7 +15,7 @@ from packdata.errors import CapacityError, PackFormatError, destination_error
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
-from packdata.pack.files import file_sha256, open_regular, sha256_prefix
+from packdata.pack.files import file_sha256, fsync_named, open_regular, sha256_prefix
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample, encode_record
 
@@ -169,7 +169,7 @@ class LMDBShardWriter:
         if self._located is not None:  # sealed: LMDB is closed, its pages are the file's
             fd = open_regular(self.path / DATA_FILE)
             try:
-                os.fsync(fd)
+                fsync_named(fd, self.path / DATA_FILE)
             finally:
                 os.close(fd)
         else:
@@ -217,7 +217,7 @@ class LMDBShardWriter:
         with open(self.path / RECORDS_FILE, "wb") as f:
             f.write(np.array(header, dtype="<i8").tobytes())
             f.write(locations.astype("<i8").tobytes())
-            os.fsync(f.fileno())
+            fsync_named(f.fileno(), f.name)
         return size, digest
 
 

@@ -28,7 +28,7 @@ from packdata.formats.tfrecord_tables import (
     payload_path,
     record_table_header,
 )
-from packdata.pack.files import atomic_write
+from packdata.pack.files import atomic_write, fsync_named
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample
 
@@ -215,7 +215,7 @@ class TFRecordShardWriter:
         for f in (self._file, self._index, self._table):
             if f is not None:
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_named(f.fileno(), f.name)
 
     def seal(self) -> None:
         """Nothing to do: the checksum and record tables grow with each write."""
@@ -232,5 +232,5 @@ class TFRecordShardWriter:
             with open(self.payload_path, "r+b") as f:  # the header makes the table valid
                 f.write(record_table_header(self.count, self.bytes, digest, self._spans))
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_named(f.fileno(), f.name)
         return self.bytes, digest

@@ -24,6 +24,7 @@ from packdata.errors import (
     out_of_maps_error,
     too_many_open_files,
 )
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
 
 __all__ = [
     "PROGRESS_FILE",
@@ -39,6 +40,7 @@ __all__ = [
     "sha256_prefix",
     "file_kind",
     "fsync_dir",
+    "fsync_named",
     "holds_conversion",
     "is_inside",
     "map_int64",
@@ -86,11 +88,37 @@ def holds_conversion(folder: Path) -> bool:
     return any(os.path.lexists(folder / name) for name in (PROGRESS_FILE, RAY_PLAN_FILE))
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new entry in the folder ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
+_FSYNC_HINT = (
+    "What was written there is not known to be on the disk: check that disk (a failing device, or a full volume "
+    "beneath it: a thin, loop or network volume), or write to a local file system that supports fsync, "
+    "then run again"
+)
+
+
+def fsync_named(fd: int, path: str | os.PathLike) -> None:
+    """``os.fsync(fd)`` of the open file or folder ``path``; its file system's refusal is named.
+
+    Raises:
+        CapacityError: a full disk or quota (of the volume beneath it too: the mount is named).
+        ConfigError: any other refusal (``EIO`` from a failing device, ``EINVAL`` where the file
+            system does not support fsync, as some FUSE and special file systems).
+    """
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno in FULL_DISK_ERRNOS:
+            path = Path(path)
+            raise no_space_error(exc, path, folder=path.parent, of="(flushing it to disk)", hint=_FSYNC_HINT) from exc
+        raise ConfigError(
+            f"its file system refused to flush it to disk (fsync: {exc.strerror or exc})", path=path, hint=_FSYNC_HINT
+        ) from exc
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in the folder ``path`` durable (a refusal: see :func:`fsync_named`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync_named(fd, path)
     finally:
         os.close(fd)
 
@@ -111,7 +139,7 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, tmp_suffix: str = ".tm
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            fsync_named(f.fileno(), tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -398,7 +426,7 @@ def append_own_file(path: Path, text: str, *, hint: str, sync: bool = False) -> 
         f.write(text)
         if sync:
             f.flush()
-            os.fsync(f.fileno())
+            fsync_named(f.fileno(), path)
 
 
 def read_own_file(path: Path, *, hint: str) -> str | None:

@@ -36,7 +36,7 @@ from typing import overload
 import numpy as np
 
 from packdata.errors import DAMAGED_PACK_HINT, PackFormatError
-from packdata.pack.files import file_sha256
+from packdata.pack.files import file_sha256, fsync_named
 
 __all__ = [
     "ALL_FILES",
@@ -238,7 +238,7 @@ class SampleIndexWriter:
         self._keys.clear()
         for f in self._files.values():
             f.flush()
-            os.fsync(f.fileno())
+            fsync_named(f.fileno(), f.name)
 
     def close(self) -> None:
         """Flush and close the files (safe to call twice)."""

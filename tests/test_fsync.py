@@ -1,0 +1,70 @@
+"""A file system that refuses fsync is named, with the file and what to do, wherever packdata makes a write durable.
+
+Two real refusals: fsync of a folder on ``/proc`` (EINVAL, as some FUSE and special
+file systems answer), and an ext4 volume on a loop device whose backing file lies
+on a small tmpfs (thin provisioning: the volume says it has room, the disk below it
+fills when the data is flushed, and fsync fails; mounted as root, skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import packdata
+from packdata.pack.files import atomic_write, fsync_dir
+
+_HINT = (
+    "What was written there is not known to be on the disk: check that disk (a failing device, or a full volume "
+    "beneath it: a thin, loop or network volume), or write to a local file system that supports fsync, then run again"
+)
+
+
+@pytest.fixture
+def thin_ext4(tmp_path: Path, tmpfs, request: pytest.FixtureRequest) -> Path:
+    """An ext4 file system of 64 MiB whose blocks lie in a sparse file on an 8 MiB tmpfs; unmounted afterwards."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4")
+    backing = tmpfs("8m", name="thin") / "backing"
+    with open(backing, "wb") as f:
+        f.truncate(64 << 20)
+    options = "lazy_itable_init=1,lazy_journal_init=1"  # mkfs writes a few hundred KiB, not the whole volume
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", options, os.fspath(backing)], check=True)
+    point = tmp_path / "ext4"
+    point.mkdir()
+    mounted = subprocess.run(["mount", "-o", "loop", os.fspath(backing), os.fspath(point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode().strip()}")
+    request.addfinalizer(lambda: subprocess.run(["umount", os.fspath(point)], check=False))  # before the tmpfs
+    return point
+
+
+def test_fsync_of_a_folder_whose_file_system_refuses_it_names_the_folder() -> None:
+    """fsync_dir (after every rename that publishes a pack, a manifest, a checkpoint) raised a bare
+    OSError ('[Errno 22] Invalid argument') where the file system refuses fsync; it is now one ConfigError
+    naming the folder, the refusal and what to do."""
+    with pytest.raises(packdata.ConfigError) as caught:
+        fsync_dir("/proc/self")
+    assert str(caught.value) == (
+        f"/proc/self: its file system refused to flush it to disk (fsync: Invalid argument). {_HINT}"
+    )
+
+
+def test_an_atomic_write_whose_flush_fills_the_disk_beneath_names_the_file_and_the_disk(thin_ext4: Path) -> None:
+    """atomic_write (manifests, checkpoints, side tables) raised a bare OSError from fsync where the volume's
+    data could not be flushed (the disk beneath it full); it is now a CapacityError naming the file and the
+    mount, and neither the file nor its temporary is left."""
+    target = thin_ext4 / "big.bin"
+    with pytest.raises(packdata.CapacityError) as caught:
+        atomic_write(target, os.urandom(16 << 20))  # room on the volume, not on the tmpfs beneath it
+    pattern = (
+        rf"{re.escape(str(thin_ext4))}/\.big\.bin\.tmp: no space left on {re.escape(str(thin_ext4))} \(ext4 of "
+        rf"[0-9.]+ MiB, [0-9.]+ [KM]?i?B free\) while writing big\.bin \(flushing it to disk\)\. {re.escape(_HINT)}"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert sorted(p.name for p in thin_ext4.iterdir()) == ["lost+found"]
