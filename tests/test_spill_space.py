@@ -1,4 +1,5 @@
-"""A disk that fills while keys spill past the memory budget: every writer names the disk, as a stage does.
+"""A disk that fills while keys spill past the memory budget (or a shard starts): every writer names the disk,
+as a stage does.
 
 Each test mounts a real small tmpfs (as root; skipped otherwise), fills it with
 a real file, and lets the writer's key set spill onto it.
@@ -25,7 +26,7 @@ _SPILL_EVERY = 8
 """Keys the arrays hold before they spill: each run is one page of the tmpfs."""
 
 _RUN = r"keys\.spill/keys-[^/]+/run-\d{5}"
-_KEYS_HINT = "Free space on that disk, then run again (a conversion: --resume continues it)"
+_RERUN_HINT = "Free space on that disk, then run again (a conversion: --resume continues it)"
 
 
 _START_ROOM = 32 << 10
@@ -117,7 +118,7 @@ def test_a_list_conversion_whose_keys_spill_onto_a_full_disk_names_it_and_resume
     pattern = (
         rf"Error: {re.escape(str(partial_path(dst)))}/{_RUN}: no space left on {re.escape(str(disk))} "
         rf"\(tmpfs of 4\.0 MiB, [0-9.]+ [KM]?i?B free\) while writing {_RUN} \(keys spilled past the memory "
-        rf"budget\)\. {re.escape(_KEYS_HINT)}\n"
+        rf"budget\)\. {re.escape(_RERUN_HINT)}\n"
     )
     _refused(args, pattern)
     assert not dst.exists() and partial_path(dst).is_dir()
@@ -182,3 +183,29 @@ def test_a_merge_whose_keys_spill_onto_a_full_disk_names_it_and_leaves_nothing(
     )
     _refused(["merge", str(a), str(b), "-o", str(out)], pattern)
     assert sorted(os.listdir(disk)) == ["filler"]
+
+
+def test_a_conversion_without_room_for_a_shards_lock_file_names_the_disk_and_resumes(
+    tmp_path: Path, tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An LMDB shard's lock file, allocated before LMDB maps it, said 'LOCK: the destination disk is full (No
+    space left on device). Free space and rerun' on a full disk, naming neither the disk nor its size. It is now
+    named as a full stage is; once space is freed, --resume publishes what an uninterrupted run does."""
+    monkeypatch.setattr(destination, "_MIN_FREE_BYTES", _START_ROOM)
+    src = _folder(tmp_path / "src", range(20))
+    disk = tmpfs("4m")
+    filler = _fill(disk, leave=_START_ROOM + (64 << 10))  # room to start, not for a lock file of 135 KB
+    dst = disk / "out.lmdb"
+    args = ["convert", str(src), str(dst), "-q"]
+    lock = "shard-00000.lmdb/lock.mdb"
+    pattern = (
+        rf"Error: {re.escape(str(partial_path(dst) / lock))}: no space left on {re.escape(str(disk))} \(tmpfs of "
+        rf"4\.0 MiB, [0-9.]+ [KM]?i?B free\) while writing {re.escape(lock)} \(an LMDB shard's lock file, allocated "
+        rf"before LMDB maps it\)\. {re.escape(_RERUN_HINT)}\n"
+    )
+    _refused(args, pattern)
+    filler.unlink()
+    resumed = CliRunner().invoke(cli, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    packdata.convert(src, tmp_path / "clean.lmdb", progress=False)
+    assert _samples(dst) == _samples(tmp_path / "clean.lmdb") and len(_samples(dst)) == 20

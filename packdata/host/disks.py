@@ -16,9 +16,11 @@ from packdata.errors import CapacityError
 from packdata.host.facts import find_mount, read_mounts
 from packdata.units import format_size
 
-__all__ = ["FULL_DISK_ERRNOS", "filesystem_named", "no_space_error"]
+__all__ = ["FULL_DISK_ERRNOS", "RERUN_HINT", "filesystem_named", "no_space_error"]
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+RERUN_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
+"""The remedy where the writer is not known: a conversion's, a merge's or an append's, which reword it."""
 
 _TEMPORARY = (".partial", ".tmp")  # what a pack's work folder and atomic_write's own suffix add
 

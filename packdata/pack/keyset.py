@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from packdata.errors import PackFormatError
-from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
 
 __all__ = ["KeySet"]
 
@@ -47,8 +47,6 @@ _RERUN = (
     "It is scratch this run wrote, damaged since (check that disk): run again (a conversion: resume=True "
     "continues it); the keys spill anew"
 )
-
-_FULL_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
 
 _MIN_RECENT = 1 << 16  # recent keys held in a dict before the first merge into the arrays
 _BUDGET = 256 << 20  # bytes: a quarter for the arrays (then they spill), half for the filter
@@ -261,7 +259,7 @@ class KeySet:
             if path != self._spill:  # the run written in part: its room goes back at once (the keys stay held)
                 path.unlink(missing_ok=True)
             of = "(keys spilled past the memory budget)"
-            raise no_space_error(exc, path, folder=self._spill.parent, of=of, hint=_FULL_HINT) from exc
+            raise no_space_error(exc, path, folder=self._spill.parent, of=of, hint=RERUN_HINT) from exc
         self._spilled += len(self._high)
         self._high = np.empty(0, np.uint64)
         self._low = np.empty(0, np.uint64)
