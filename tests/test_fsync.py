@@ -40,7 +40,8 @@ def thin_ext4(tmp_path: Path, tmpfs, request: pytest.FixtureRequest) -> Path:
     mounted = subprocess.run(["mount", "-o", "loop", os.fspath(backing), os.fspath(point)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode().strip()}")
-    request.addfinalizer(lambda: subprocess.run(["umount", os.fspath(point)], check=False))  # before the tmpfs
+    # before the tmpfs; lazily: a file a failed test left open would keep it mounted
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", os.fspath(point)], check=False))
     return point
 
 
@@ -68,3 +69,19 @@ def test_an_atomic_write_whose_flush_fills_the_disk_beneath_names_the_file_and_t
     )
     assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
     assert sorted(p.name for p in thin_ext4.iterdir()) == ["lost+found"]
+
+
+def test_a_pack_writer_stopped_on_a_volume_that_refuses_fsync_raises_what_stopped_it(thin_ext4: Path) -> None:
+    """A PackWriter that stops (a repeated key) closes its files: the sample index's flush, once a refused fsync
+    became a PackdataError (the previous commit), replaced the error that stopped it, as closing after a failure
+    must not. The repeated key is raised, and the partial pack is removed."""
+    dst = thin_ext4 / "w.lmdb"
+    # the volume's data cannot be flushed: the tmpfs beneath it is now full
+    with pytest.raises(OSError), open(thin_ext4 / "filler", "wb") as f:
+        f.write(os.urandom(16 << 20))
+        os.fsync(f.fileno())
+    repeated = r"key 'a' was written before \(sample 0\): keys are unique$"
+    with pytest.raises(packdata.ConfigError, match=repeated), packdata.PackWriter(dst) as writer:
+        writer.write({"__key__": "a", "txt": "first"})
+        writer.write({"__key__": "a", "txt": "again"})
+    assert not dst.exists() and not any(p.name.startswith(".w.lmdb") for p in thin_ext4.iterdir())

@@ -37,6 +37,7 @@ from packdata.conversion.publish import (
 )
 from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
 from packdata.errors import (
+    PackdataError,
     PackFormatError,
     SourceError,
     destination_error,
@@ -420,7 +421,7 @@ class _Packer:
         try:
             self.report.close()
             self.index.close()
-        except OSError:
+        except (OSError, PackdataError):  # PackdataError: a refused fsync, named (pack.files.fsync_named)
             if not failed:
                 raise
 

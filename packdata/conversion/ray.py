@@ -50,7 +50,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
 from packdata.conversion.upload import journal_task_objects, upload_pack
-from packdata.errors import CapacityError, EngineError
+from packdata.errors import CapacityError, EngineError, PackdataError
 from packdata.formats import get_format, shard_writer
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
@@ -171,7 +171,7 @@ def convert_on_ray(
                 target=target,
             )
         except BaseException:
-            with contextlib.suppress(OSError):  # never in place of the error that stopped the run
+            with contextlib.suppress(OSError, PackdataError):  # never in place of the error that stopped the run
                 gatherer.close()
             raise
         gatherer.close()
