@@ -34,6 +34,27 @@ def test_convert_info_verify(bad_files: Path, tmp_path: Path) -> None:
     assert verified.exit_code == 0 and "ok: 19 records" in verified.output
 
 
+def test_a_summary_of_one_file_or_one_skip_says_file_not_files(tmp_path: Path) -> None:
+    """One of a thing is singular: "SKIPPED 1 sample: 1 missing field", never "1 samples"."""
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "a.jpg").write_bytes(image_bytes(0))
+    one = _run("convert", str(tmp_path / "src"), str(tmp_path / "one.lmdb"), "-q")
+    assert one.exit_code == 0 and "packed 1 of 1 file into" in one.output, one.output
+    (src / "b.jpg").write_bytes(b"")
+    skipped = _run("convert", str(tmp_path / "src"), str(tmp_path / "two.lmdb"), "-q")
+    assert "packed 1 of 2 files into" in skipped.output, skipped.output
+    assert "SKIPPED 1 file: 1 empty (all listed in" in skipped.output, skipped.output
+    grouped = tmp_path / "grouped"
+    grouped.mkdir()
+    for stem in ("0001", "0002"):
+        (grouped / f"{stem}.jpg").write_bytes(image_bytes(1))
+    (grouped / "0001.txt").write_text("a caption")
+    required = _run("convert", str(grouped), str(tmp_path / "caps.lmdb"), "--require", "jpg,txt", "-q")
+    assert "packed 1 of 2 samples into" in required.output, required.output
+    assert "SKIPPED 1 sample: 1 missing field (all listed in" in required.output, required.output
+
+
 def test_counts_are_printed_with_thousands_separators(tmp_path: Path) -> None:
     """A summary of 100 M files must be readable at a glance: "packed 1,200 of 1,200", not "1200 of 1200"."""
     src = tmp_path / "src" / "notes"

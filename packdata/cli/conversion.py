@@ -164,19 +164,19 @@ def convert(src: str, dst: str, fmt: str | None, as_json: bool, quiet: bool, **o
         click.echo(_json_text(result.to_dict(), indent=1))
         return
     skipped = sum(result.skipped.values())
-    noun = "samples" if result.kind == "fields" else "files"
+    noun = "sample" if result.kind == "fields" else "file"
     click.echo(
-        f"packed {result.packed:,} of {result.found:,} {noun} into {result.pack} "
+        f"packed {result.packed:,} of {_count(result.found, noun)} into {result.pack} "
         f"({result.format}, {_count(result.shards, 'shard')}) in {result.seconds:.1f}s"
     )
     click.echo(
         f"  bytes in {_mb(result.bytes_in)}, out {_mb(result.bytes_out)}, "
-        f"{result.rate:,.0f} {noun}/s" + (f", {result.reencoded:,} re-encoded" if result.reencoded else "")
+        f"{result.rate:,.0f} {noun}s/s" + (f", {result.reencoded:,} re-encoded" if result.reencoded else "")
     )
     if skipped:
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in sorted(result.skipped.items()))
         click.secho(
-            f"  SKIPPED {skipped:,} {noun}: {reasons} (all listed in {result.pack}/skipped.jsonl)",
+            f"  SKIPPED {_count(skipped, noun)}: {reasons} (all listed in {result.pack}/skipped.jsonl)",
             fg="yellow",
             err=False,
         )
