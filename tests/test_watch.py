@@ -179,6 +179,19 @@ def test_a_cpu_burning_dataset_with_one_worker_is_data_bound() -> None:
     assert summary.diagnosis is not None and summary.diagnosis.kind == "data-bound", summary.diagnosis
 
 
+def test_an_epoch_shorter_than_the_period_reports_its_workers_and_their_memory() -> None:
+    """An epoch that ended before its first period was summed up from one sample taken after the loop, when
+    the workers had exited: 'epoch: ..., 0 workers' beside a diagnosis of '1 worker', and no per-worker
+    memory for AdaptiveLoader's memory_budget check."""
+    stream = io.StringIO()
+    watched = packdata.monitor(DataLoader(_Instant(), batch_size=4, num_workers=1), every=3600, stream=stream)
+    assert sum(1 for _ in watched) == 16
+    epoch_line = stream.getvalue().splitlines()[0]
+    assert epoch_line.startswith("epoch: 16 steps") and ", 1 worker, private " in epoch_line, epoch_line
+    workers = [p for s in watched.summaries[0].snapshots for p in s.workers]
+    assert workers and all(w.private > 0 for w in workers)
+
+
 _TRAINING = """
 import sys, time
 from torch.utils.data import DataLoader, RandomSampler

@@ -116,6 +116,8 @@ class _Monitor:
             except StopIteration:
                 break
             after = time.perf_counter()
+            if self.num_workers and not summary.steps:  # the workers, while they run: they exit as the epoch ends
+                summary.snapshots.append(probe.sample())
             n = _batch_len(batch)
             for s in (summary, period):
                 s.wait_seconds += after - before
