@@ -172,6 +172,20 @@ def test_storage_options_that_are_not_a_json_object_are_a_usage_error(tmp_path: 
         assert f"but got {problem}" in result.output and secret not in result.output
 
 
+@pytest.mark.parametrize("command", ["info", "stage"])
+def test_storage_options_nested_too_deeply_are_a_usage_error(tmp_path: Path, command: str) -> None:
+    """json.loads raises RecursionError, not a JSONDecodeError, on '[[[[...': a bare traceback, not the one line."""
+    value = "[" * 100_000 + "]" * 100_000
+    result = _run(command, str(tmp_path / "PACK"), "--storage-options", value)
+    assert result.exit_code == 2, result.output
+    expected = (
+        "Invalid value for '--storage-options': should be a JSON object such as '{\"anon\": true}', but got JSON "
+        "nested too deeply to read (200000 characters)"
+    )
+    assert expected in result.output
+    assert "[[[[" not in result.output
+
+
 def test_an_option_that_does_not_apply_is_named_as_a_flag(image_folder: Path, tmp_path: Path) -> None:
     """'require is for grouped files ...' and 'cache_limit applies ...' named keyword arguments on the command line.
 

@@ -169,6 +169,11 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
             f"should be a JSON object such as '{{\"anon\": true}}', but got invalid JSON: {exc.msg} "
             f"at character {exc.pos + 1} of {len(value)}"
         ) from exc
+    except RecursionError as exc:  # '[[[[...' deeper than Python's stack: json.loads raises this, not a decode error
+        raise click.BadParameter(
+            f"should be a JSON object such as '{{\"anon\": true}}', but got JSON nested too deeply to read "
+            f"({len(value)} characters)"
+        ) from exc
     if not isinstance(options, dict):
         raise click.BadParameter(
             f"should be a JSON object such as '{{\"anon\": true}}', but got a JSON {type(options).__name__}"
