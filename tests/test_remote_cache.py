@@ -111,20 +111,31 @@ def test_two_packs_whose_urls_differ_only_in_their_user_part_are_cached_apart(re
         memory.rm(["/c1@account", "/c2@account"], recursive=True)
 
 
-def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path) -> None:
-    """A clean-up of the cache (or a full disk) took an offsets index and cut the keys: not a pack to read so."""
+@pytest.mark.parametrize("record", ["as_written", "empty", "partial"])
+def test_a_cached_copy_that_lost_a_file_is_downloaded_again(s3, remote_tfrecord, tmp_path: Path, record: str) -> None:
+    """A clean-up of the cache (or a full disk) took an offsets index and cut the keys: not a pack to read so.
+
+    empty, partial: the copy's .files.json of {} (or one naming only some files) made it count as intact whatever
+    it held: an empty record checks nothing."""
     options, _ = s3
     url, local = remote_tfrecord
     cache = tmp_path / "cache"
     expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
     ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
     assert sorted(data for data, _ in ds) == expected
-    next(cache.rglob("*.tfindex")).unlink()
+    lost = next(cache.rglob("*.tfindex"))
+    lost.unlink()
     (keys,) = cache.rglob("keys.utf8")
     os.truncate(keys, keys.stat().st_size // 2)
+    if record != "as_written":
+        (files,) = cache.rglob(".files.json")
+        stamps = json.loads(files.read_text())
+        kept = {n: s for n, s in stamps.items() if record == "partial" and "keys" not in n and ".tfindex" not in n}
+        assert record == "empty" or kept
+        files.write_text(json.dumps(kept))
     ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=cache)
     assert sorted(data for data, _ in ds) == expected
-    assert keys.read_bytes() == (local / "index" / "keys.utf8").read_bytes()
+    assert keys.read_bytes() == (local / "index" / "keys.utf8").read_bytes() and lost.exists()
 
 
 @pytest.mark.parametrize("name", ["labels.i32", "keys.utf8"])

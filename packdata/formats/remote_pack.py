@@ -408,10 +408,13 @@ def _disk_full(exc: BaseException) -> bool:
 _CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of your own)"
 
 
-def _holds(dest: Path, digest: str) -> bool:
+def _holds(dest: Path, digest: str, required: list[str]) -> bool:
     """Whether the cached copy ``dest`` is of the manifest whose sha256 is ``digest`` and still holds every file.
 
-    Each file downloaded must still be the regular file written then, unchanged
+    Its record of the files downloaded must name every file in ``required`` (the
+    sample index files) and every other file of the pack the copy holds: an empty
+    or partial record (written by hand, or planted) checks nothing, so the copy is
+    downloaded again. Each file recorded must still be the regular file written then, unchanged
     since: same size, inode, modification and change times (:func:`~packdata.pack.files.file_stamp`). A
     copy that lost a file (to a clean-up of the temporary folder or a full disk)
     or had one edited, even at the same size, is downloaded again rather than
@@ -421,9 +424,18 @@ def _holds(dest: Path, digest: str) -> bool:
         if hashlib.sha256((dest / MANIFEST_NAME).read_bytes()).hexdigest() != digest:
             return False
         stamps = json.loads((dest / _FILES).read_bytes())
-        return isinstance(stamps, dict) and all(file_stamp(dest / name) == stamp for name, stamp in stamps.items())
+        if not isinstance(stamps, dict) or any(name not in stamps for name in required):
+            return False
+        return all(file_stamp(dest / name) == stamp for name, stamp in stamps.items())
     except (OSError, ValueError, RecursionError):  # RecursionError: its record nested past Python's stack
         return False
+
+
+def _recorded_needs(dest: Path, manifest: Manifest) -> list[str]:
+    """The files a cached copy's record must name: the sample index files, and each optional one the copy holds."""
+    return [
+        name for name, required in _skeleton_names(manifest, report=True) if required or os.path.lexists(dest / name)
+    ]
 
 
 def forget_skeleton(dest: Path) -> None:
@@ -479,10 +491,10 @@ def fetch_pack_skeleton(
     tag = base / hashlib.sha256(url_place(url).encode("utf-8")).hexdigest()[:16]  # hashed: a user part is never shown
     _own_folder(tag)
     dest = tag / local_name(root)  # never the tag folder
-    if _holds(dest, digest):
+    if _holds(dest, digest, _recorded_needs(dest, manifest)):
         return dest, manifest, fs, root
     with wait_for_lock(convert_lock_path(dest), what="packdata (remote pack cache)", target=dest):  # one at a time
-        if _holds(dest, digest):  # another process made it while this one waited
+        if _holds(dest, digest, _recorded_needs(dest, manifest)):  # another process made it while this one waited
             return dest, manifest, fs, root
         discard_stale(dest, "partial", "old")  # what killed downloads and swaps of this entry left
         partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
