@@ -244,8 +244,8 @@ def wait():  # for a line on stdin
     print("evicting", flush=True)
     sys.stdin.readline()
 evictable, rename, rmtree = stage_cache._evictable, os.rename, shutil.rmtree
-def checked(entry, options):  # eviction has checked the copy is unread, and has not deleted it yet
-    found = evictable(entry, options)
+def checked(entry, *args):  # eviction has checked the copy is unread, and has not deleted it yet
+    found = evictable(entry, *args)
     wait()
     return found
 def moved(src, dst):  # the copy about to leave its path, its locks held

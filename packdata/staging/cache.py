@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from packdata.errors import CapacityError, ConfigError, LockedError
 from packdata.host.processes import open_by_any_process
@@ -48,7 +49,13 @@ def _owner(entry: Path) -> Path:
 
 
 def evict_for(
-    cache: Path, incoming: int, limit: int, *, keep: Path, storage_options: dict[str, Any] | None = None
+    cache: Path,
+    incoming: int,
+    limit: int,
+    *,
+    keep: Path,
+    storage_options: dict[str, Any] | None = None,
+    source: str | None = None,
 ) -> list[Path]:
     """Delete least recently used staged copies in ``cache`` until they and ``incoming`` bytes fit ``limit``.
 
@@ -59,7 +66,10 @@ def evict_for(
     whose origin cannot be looked up: its URL's user part not shown) and nobody
     reads it: no dataset holds its ``.readers.lock`` and no process visibly has
     a file of it open (:func:`delete_unread`, which renames it aside before
-    deleting it). ``keep`` (the copy being staged) and its partial or old
+    deleting it). An origin is looked up only in the store of ``source`` (the URL being staged, whose
+    ``storage_options`` these are): same scheme, and same host for ``http(s)``; a copy whose
+    ``staged.json`` names another store (a folder planted in the cache can name any URL) is
+    kept, never contacted. ``keep`` (the copy being staged) and its partial or old
     folders are never evicted.
 
     Returns:
@@ -95,7 +105,7 @@ def evict_for(
         try:
             with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
                 try:
-                    if _evictable(entry, storage_options) and delete_unread(entry, owner):
+                    if _evictable(entry, storage_options, source) and delete_unread(entry, owner):
                         evicted.append(entry)
                         total -= size
                 except ConfigError as exc:  # its .readers.lock is not one a stage made
@@ -216,13 +226,23 @@ def discard_stale_copies(dest: Path) -> None:
             discard_aside(aside)
 
 
-def _evictable(entry: Path, storage_options: dict[str, Any] | None) -> bool:
+def _same_store(origin: str, source: str | None) -> bool:
+    """Whether ``origin`` lies in the store of ``source``: same scheme, and same host for ``http(s)``."""
+    if source is None:
+        return True
+    a, b = urlsplit(origin), urlsplit(source)
+    return a.scheme == b.scheme and (a.scheme not in ("http", "https") or a.netloc == b.netloc)
+
+
+def _evictable(entry: Path, storage_options: dict[str, Any] | None, source: str | None) -> bool:
     """Whether ``entry`` (its lock held) is still a complete remote copy whose origin is there."""
     marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
     if marker is None or not _remote_copy(marker):
         return False  # replaced or removed before its lock was taken
     if user_digest(marker["origin"]) != marker.get("origin_user", ""):
         return False  # its URL had a user part the origin does not show: it names another place
+    if not _same_store(marker["origin"], source):
+        return False  # another store: never sent these storage_options, nor a request a planted marker names
     try:
         fs, root = open_url(marker["origin"], storage_options)
         return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))

@@ -271,7 +271,9 @@ def _stage_locked(
             ]
             needed = sum(size for _, size, _, _ in todo)
             if cache_limit is not None:
-                evict_for(cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options)
+                evict_for(
+                    cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options, source=shown
+                )
             _check_room(cache, needed, reserve, force)
             _download(fs, root, partial, todo, shown, name, needed, workers, progress)
             atomic_write(partial / MANIFEST_NAME, raw)
