@@ -14,7 +14,6 @@ the partial folder's resume checks and the gather in
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -50,8 +49,9 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
 from packdata.conversion.upload import journal_task_objects, upload_pack
-from packdata.errors import CapacityError, EngineError, PackdataError
+from packdata.errors import EngineError, PackdataError
 from packdata.formats import get_format, shard_writer
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
 from packdata.progress import count_done_before
@@ -176,10 +176,9 @@ def convert_on_ray(
             raise
         gatherer.close()
     except OSError as exc:  # the driver's own writes: the gathered index, a remote task's fragment
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CapacityError(
-                "the destination disk is full", path=partial, hint="Free space and rerun with --resume"
-            ) from exc
+        if exc.errno in FULL_DISK_ERRNOS:
+            where = exc.filename or partial
+            raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=RERUN_HINT) from exc
         raise
     finally:
         if started_ray:
@@ -268,6 +267,11 @@ def _run_tasks(
                     result = ray.get(ref)
                 except ray.exceptions.RayError as exc:
                     _abort(ray, in_flight)
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and target is None:
+                        where = cause.filename or partial  # a task's write into the partial pack: its disk is named
+                        hint = "Free space on that disk, then rerun with --resume: finished shards are kept"
+                        raise no_space_error(cause, where, folder=partial, of="of the partial pack", hint=hint) from exc
                     raise EngineError(
                         f"{description} failed for good (Ray retries a task up to {MAX_RETRIES} times): "
                         f"{_failure(exc)}",
