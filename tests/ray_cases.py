@@ -413,21 +413,22 @@ def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, dam
 def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
     ray_local, clean_folder: Path, tmp_path: Path
 ) -> None:
-    """A result.json's counts are added into the pack: one of the wrong type or disagreeing is never used."""
-    from packdata.conversion.ray_tasks import TASKS_DIR
+    """A result.json's counts are added into the pack: one of the wrong type or disagreeing is never used,
+    even with its digest made again (anyone can)."""
+    from packdata.conversion.ray_tasks import TASKS_DIR, load_result, save_result
 
     dst = tmp_path / "out"
     partial = _interrupted_tfrecord_run(clean_folder, dst)
     results = {int(p.parent.name): p for p in (partial / TASKS_DIR).glob("*/result.json")}
     assert len(results) >= 2  # with 2 CPUs, two tasks had finished when the last one started
     first, second = sorted(results)[:2]
-    saved = {n: json.loads(results[n].read_text()) for n in (first, second)}
+    saved = {n: load_result(results[n]) for n in (first, second)}
     assert saved[first]["samples"] == saved[first]["shard"]["num_samples"] == 10
     saved[first]["samples"] = "10"  # a string: a raw TypeError in the gather
     saved[second]["samples"] = saved[second]["shard"]["num_samples"] = 9  # one sample short of its index
     saved[second]["skipped"] = {"lost": 1}  # so the entries still add up
     for n, data in saved.items():
-        results[n].write_text(json.dumps(data))
+        save_result(results[n].parent, data)
     packdata.convert(clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray")
     packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
     _assert_same_pack(tmp_path / "local", dst)
