@@ -23,6 +23,7 @@ from packdata.cli import main as cli_main
 from packdata.errors import CapacityError, ConfigError
 from packdata.measure.bench import CEILING, run_bench
 from packdata.measure.loop import DEFAULT_BATCHES, DEFAULT_MIN_SECONDS, ConfigResult, LoaderConfig, measure_loader
+from packdata.measure.memory import _MemorySampler
 from packdata.measure.sources import InMemoryDataset, open_source
 from packdata.measure.tune import project_memory, recommend_loader_kwargs, run_tune
 from packdata.reading.loader import list_collate, worker_init_fn
@@ -238,6 +239,28 @@ def test_bench_tfrecord_pack(folder: Path, tmp_path: Path) -> None:
     result = run_bench(dst, workers=(0, 2), batch_sizes=BATCH, batches=BATCHES, warmup=1)
     _check_consistent(result.to_dict())
     assert result.sources[0]["from"] == str(dst)
+
+
+_BURN = """
+import sys, time
+end = time.process_time() + 0.5
+while time.process_time() < end:
+    pass
+print("burnt", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_cpu_seconds_keep_a_worker_that_has_exited() -> None:
+    """A bench's CPU per sample is the difference of two cpu_seconds() readings: a worker that exited between
+    them (an epoch's end, workers not persistent) took its CPU time out of the second, and a full-suite run
+    reported cpu_ms_per_sample -0.08. A child that burned CPU and then exited still counts, as last seen."""
+    sampler = _MemorySampler()
+    child = subprocess.Popen([sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "burnt\n"
+    while_alive = sampler.cpu_seconds()
+    child.communicate("")  # its stdin closed: it exits
+    assert sampler.cpu_seconds() >= while_alive
 
 
 def test_bench_cli_writes_json_and_plot(pack: Path, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ class _MemorySampler:
         # descendants seen)
         self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int, int]] = []
         self._procs: dict[int, psutil.Process] = {}
+        self._cpu: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds last seen: exited ones kept
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -47,6 +48,7 @@ class _MemorySampler:
         main = process_memory(self.main) or {}
         workers = []
         children = worker_processes(self.main)
+        self._note_cpu(children)
         for child in children:
             proc = self._procs.setdefault(child.pid, child)
             mem = process_memory(proc)
@@ -58,22 +60,30 @@ class _MemorySampler:
             self.ticks.append(tick)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the main process and its live descendants so far.
+        """User + system CPU seconds of the main process and its descendants so far.
 
         The main process is read with ``time.process_time`` (nanosecond clock), the
-        workers with psutil (clock ticks, 10 ms on most Linux systems).
+        workers with psutil (clock ticks, 10 ms on most Linux systems). A worker that
+        has exited (an epoch's end) counts with its time as last seen (here or at a
+        sample), so the total never falls between two calls.
         """
         total = time.process_time() if self.main.pid == os.getpid() else 0.0
         procs = worker_processes(self.main)
         if self.main.pid != os.getpid():
             procs.append(self.main)
+        self._note_cpu(procs)
+        with self._lock:
+            return total + sum(self._cpu.values())
+
+    def _note_cpu(self, procs: list[psutil.Process]) -> None:
+        """Record the CPU seconds of each of ``procs`` as of now (those gone already keep what was seen)."""
         for proc in procs:
             try:
-                times = proc.cpu_times()
+                key, times = (proc.pid, proc.create_time()), proc.cpu_times()
             except psutil.Error:
                 continue
-            total += times.user + times.system
-        return total
+            with self._lock:
+                self._cpu[key] = max(times.user + times.system, self._cpu.get(key, 0.0))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
