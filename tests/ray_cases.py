@@ -242,7 +242,8 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
 @pytest.mark.ray
 def test_ray_full_destination_disk_is_one_line_and_resumes(ray_local, tmp_path: Path, tmpfs) -> None:
     """The driver's gather closed its index files on the full disk in a finally: that OSError replaced the error.
-    A task's write onto the full disk names it, as the local engine does (it was a bare EngineError of ENOSPC)."""
+    A task's write onto the full disk names it, as the local engine does (it was a bare EngineError of ENOSPC),
+    whether the task met it as a bare OSError or as a writer's CapacityError (beginning a TFRecord shard)."""
     src = tmp_path / "src"
     rng = np.random.default_rng(5)
     for c in ("a", "b"):
@@ -253,7 +254,7 @@ def test_ray_full_destination_disk_is_one_line_and_resumes(ray_local, tmp_path: 
     options = {"format": "tfrecord", "shard_samples": 3, "progress": False, "engine": "ray"}
     with pytest.raises(
         CapacityError,
-        match=rf"no space left on {re.escape(str(disk))} \(tmpfs of 2\.0 MiB, .* of the partial pack\. "
+        match=rf"no space left on {re.escape(str(disk))} \(tmpfs of 2\.0 MiB, .* while writing .*\. "
         "Free space on that disk, then rerun with --resume",
     ):
         packdata.convert(src, disk / "out", **options)

@@ -209,3 +209,21 @@ def test_a_conversion_without_room_for_a_shards_lock_file_names_the_disk_and_res
     assert resumed.exit_code == 0, resumed.output
     packdata.convert(src, tmp_path / "clean.lmdb", progress=False)
     assert _samples(dst) == _samples(tmp_path / "clean.lmdb") and len(_samples(dst)) == 20
+
+
+def test_a_tfrecord_shard_begun_on_a_full_disk_names_the_disk(tmp_path: Path, tmpfs) -> None:
+    """A TFRecord shard begun on a full disk said 'SHARD: the destination disk is full (No space left on device).
+    Free space and rerun', naming neither the disk nor its size; a Ray task raising it then stopped the conversion
+    with an EngineError instead of the named full disk. It is now named as a full LMDB shard's lock file is."""
+    from packdata.formats.tfrecord_writer import TFRecordShardWriter
+
+    disk = tmpfs("1m")
+    _fill(disk)
+    shard = disk / "part-00000.tfrecord"
+    pattern = (
+        rf"{re.escape(str(shard))}: no space left on {re.escape(str(disk))} \(tmpfs of 1\.0 MiB, 0 B free\) while "
+        r"writing part-00000\.tfrecord \(a new TFRecord shard, its index or record table\)\. "
+        rf"{re.escape(_RERUN_HINT.replace('--resume', 'resume=True'))}$"
+    )
+    with pytest.raises(packdata.CapacityError, match=pattern):
+        TFRecordShardWriter(shard)

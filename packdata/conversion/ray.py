@@ -49,7 +49,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
 from packdata.conversion.upload import journal_task_objects, upload_pack
-from packdata.errors import EngineError, PackdataError
+from packdata.errors import CapacityError, EngineError, PackdataError
 from packdata.formats import get_format, shard_writer
 from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
@@ -272,6 +272,9 @@ def _run_tasks(
                         where = cause.filename or partial  # a task's write into the partial pack: its disk is named
                         hint = "Free space on that disk, then rerun with --resume: finished shards are kept"
                         raise no_space_error(cause, where, folder=partial, of="of the partial pack", hint=hint) from exc
+                    if isinstance(cause, CapacityError) and target is None:  # the task named the full disk
+                        hint = "Free space on that disk, then rerun with --resume: finished shards are kept"
+                        raise cause.with_hint(hint) from exc
                     raise EngineError(
                         f"{description} failed for good (Ray retries a task up to {MAX_RETRIES} times): "
                         f"{_failure(exc)}",

@@ -28,6 +28,7 @@ from packdata.formats.tfrecord_tables import (
     payload_path,
     record_table_header,
 )
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
 from packdata.pack.files import atomic_write, fsync_named
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample
@@ -65,6 +66,10 @@ class TFRecordShardWriter:
                 self.index_path.write_bytes(b"")
                 self.payload_path.write_bytes(_UNFINISHED)  # header completed by close()
             except OSError as exc:
+                if exc.errno in FULL_DISK_ERRNOS:  # named as any full disk a pack is written to
+                    of = "(a new TFRecord shard, its index or record table)"
+                    where = exc.filename or self.path
+                    raise no_space_error(exc, where, folder=self.path.parent, of=of, hint=RERUN_HINT) from exc
                 raise destination_error(exc, self.path) from exc
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self._index = open(self.index_path, "ab")  # noqa: SIM115
