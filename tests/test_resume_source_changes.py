@@ -118,12 +118,13 @@ def test_a_resume_refuses_the_last_file_packed_rewritten_once_the_probes_were_th
     assert len(progress["probes"]) <= 4
 
 
-def _refused_naming(src: str, dst: Path, options: dict, url: str) -> None:
-    """Assert a resume of ``src`` into ``dst`` is refused naming the object at ``url``, 2 bytes when packed."""
+def _refused_naming(src: str, dst: Path, options: dict, url: str, size: int = 2) -> None:
+    """Assert a resume of ``src`` into ``dst`` is refused naming the object at ``url``, ``size`` bytes when packed."""
     with pytest.raises(SourceError) as raised:
         packdata.convert(src, dst, storage_options=options, workers=1, progress=False, resume=True)
     message = str(raised.value)
-    assert message.startswith(f"{url}: an object packed before the interruption was rewritten at the URL since (2 ")
+    rewritten = "an object packed before the interruption was rewritten at the URL since"
+    assert message.startswith(f"{url}: {rewritten} ({size} ")
     assert message.endswith(". Restore it as it was and resume, or start again with --overwrite")
     assert (dst.parent / f".{dst.name}.partial" / "progress.json").is_file() and not dst.exists()
 
@@ -176,3 +177,25 @@ def test_a_resume_of_a_list_at_a_url_refuses_an_object_it_names_rewritten_since(
         _refused_naming("s3://packs/l/list.csv", dst, options, "s3://packs/l/0.txt")
         packdata.convert("s3://packs/l/list.csv", dst, storage_options=options, progress=False, overwrite=True)
     assert _texts(dst) == ["T0", *(f"t{i}" for i in range(1, 6))]
+
+
+def test_a_resume_names_a_tar_at_a_url_rewritten_since(tmp_path: Path) -> None:
+    """A tar at a URL whose packed members were rewritten (same size, other bytes) was refused as 's3://packs/t:
+    the source folder changed since the interrupted conversion', naming the tars' folder: tars at a URL were not
+    probed. The checkpoint now probes the tar of the last sample packed by its size and version, as a list's
+    objects are, and the refusal names its URL."""
+    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as (options, fs):
+        for n in range(3):
+            _tar(tmp_path / f"d-{n}.tar", [f"a{n}{i}" for i in range(3)])
+            fs.put_file(str(tmp_path / f"d-{n}.tar"), f"packs/t/d-{n}.tar")
+        src, dst = "s3://packs/t/d-{0..2}.tar", tmp_path / "out.lmdb"
+        kwargs = json.dumps({"max_probes": 256, "storage_options": options})
+        args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, src, str(dst), "4", kwargs]
+        assert subprocess.run(args, check=False).returncode == -signal.SIGKILL
+        progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
+        assert progress["samples_done"] == 3  # all of d-0.tar
+        _tar(tmp_path / "d-0.tar", ["b00", "b01", "b02"])  # same size, other bytes
+        fs.put_file(str(tmp_path / "d-0.tar"), "packs/t/d-0.tar")
+        _refused_naming(src, dst, options, "s3://packs/t/d-0.tar", size=10240)
+        packdata.convert(src, dst, storage_options=options, progress=False, overwrite=True)
+    assert _texts(dst) == ["b00", "b01", "b02", *(f"a{n}{i}" for n in (1, 2) for i in range(3))]

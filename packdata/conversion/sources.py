@@ -105,7 +105,7 @@ class SourceGroup:
     label: int
     files: tuple[tuple[str, str | RemoteFile], ...]
     values: tuple[tuple[str, bytes], ...] = ()  # fields already in memory (list columns, tar members)
-    origin: str = ""  # the local tar its members were read from ("" elsewhere): a resume probes it
+    origin: str | RemoteFile = ""  # the tar its members were read from ("" elsewhere): a resume probes it
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Self, cast
 
-from packdata.conversion.sources import Skip, SourceGroup, _is_utf8, _printable, too_large
+from packdata.conversion.sources import RemoteFile, Skip, SourceGroup, _is_utf8, _printable, too_large
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind, open_regular
@@ -169,6 +169,7 @@ class TarSource:
     codecs: dict[str, str] = field(default_factory=dict)
     fs: Any = None  # the fsspec filesystem of shards at a URL (their paths are on it)
     scheme: str = ""  # the URL's scheme, for messages
+    base: str = ""  # the path on fs of the folder at ``root`` (shards at a URL): a resume asks the store there
 
     walk_covers_content: bool = True
     """The walk's records hold the members' bytes: a resume's check of the walk sees any edit of what was packed."""
@@ -192,6 +193,18 @@ class TarSource:
                             entry = Skip(entry.key, "duplicate key", detail)
                     yield entry
 
+    def _origin(self, shard: str) -> str | RemoteFile:
+        """What a resume probes of ``shard``: a local tar's path, or the object of a tar in the folder at ``root``.
+
+        A tar at a URL outside that folder (a brace pattern over folders) is not
+        probed: a resume's check of the walk still sees its members' bytes.
+        """
+        if self.fs is None:
+            return os.path.abspath(shard)
+        if not self.base or not shard.startswith(f"{self.base}/"):
+            return ""
+        return RemoteFile(self.fs, shard, f"{self.root}/{shard[len(self.base) + 1 :]}")
+
     def _open(self, shard: str) -> BinaryIO:
         if self.fs is None:  # a FIFO a glob matched is refused (EINVAL, named), never waited on
             return os.fdopen(open_regular(shard), "rb")
@@ -199,7 +212,7 @@ class TarSource:
 
     def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
         name = os.path.basename(shard)
-        origin = os.path.abspath(shard) if self.fs is None else ""  # a local tar: a resume stats it
+        origin = self._origin(shard)
         key: str | None = None
         fields: dict[str, bytes] | None = {}  # None: the sample is skipped whole (a member too large)
         total = 0  # the sample's member sizes so far: all of them together must fit a sample
@@ -418,7 +431,7 @@ def _split(name: str) -> tuple[str | None, str]:
     return match.group(1), match.group(2).lower()
 
 
-def _group(key: str, fields: dict[str, bytes], origin: str = "") -> SourceGroup | Skip:
+def _group(key: str, fields: dict[str, bytes], origin: str | RemoteFile = "") -> SourceGroup | Skip:
     size = len(key.encode("utf-8"))
     if size > MAX_KEY_BYTES:  # a pax or GNU long name: any length
         return Skip(f"{key[:100]}...", "key too long", f"{size} bytes in UTF-8, at most {MAX_KEY_BYTES} fit")
@@ -436,7 +449,7 @@ def scan_tars(pattern: str, storage_options: dict[str, Any] | None = None) -> Ta
         scheme = pattern.split("://", 1)[0]
         fs, path = open_url(pattern, storage_options)
         shards = expand_shards(path, fs, scheme)
-        folder = display_url(f"{scheme}://{shards[0].rsplit('/', 1)[0]}")
-        return TarSource(root=folder, shards=shards, fs=fs, scheme=scheme)
+        base = shards[0].rsplit("/", 1)[0]
+        return TarSource(root=display_url(f"{scheme}://{base}"), shards=shards, fs=fs, scheme=scheme, base=base)
     shards = expand_shards(pattern)
     return TarSource(root=Path(os.path.dirname(shards[0]) or "."), shards=shards)
