@@ -25,7 +25,7 @@ from typing import Any
 from packdata.conversion.destination import partial_path, spill_folder
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import _Options
-from packdata.conversion.probes import check_probes, remote_lookup
+from packdata.conversion.probes import check_probes
 from packdata.conversion.publish import (
     ConvertResult,
     _make_manifest,
@@ -256,7 +256,6 @@ def _run_tasks(
     queue: deque[int] = deque()  # task numbers planned, not yet gathered, in plan order
     results: dict[int, dict[str, Any]] = {}
     bar = show_progress(desc="packing (ray)", unit=" files", disable=not progress)
-    lookup = remote_lookup(source)  # the objects a list at a URL names, for the finished tasks' probes
 
     def settle(block: bool) -> None:
         if in_flight:
@@ -305,7 +304,7 @@ def _run_tasks(
                         partial, task, opts.kind, name(task.number), data_name(name(task.number)), target
                     )
                 if saved is not None:
-                    check_probes(saved.get("probes", []), lookup=lookup)  # a finished task's file rewritten: refused
+                    check_probes(saved.get("probes", []))  # a finished task's file rewritten: refused
                     results[task.number] = saved
                     gatherer.samples_before += saved["samples"]
                     count_done_before(bar, len(task.entries))
