@@ -15,7 +15,8 @@ from conftest import interrupted_convert, moto_s3
 from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
 from packdata.conversion.destination import partial_path
 from packdata.conversion.replace import remove_replaced
-from packdata.conversion.upload import check_job, work_folder
+from packdata.conversion.upload import work_folder
+from packdata.conversion.upload_journal import check_job
 from packdata.pack.urls import object_version
 
 

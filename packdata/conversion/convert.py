@@ -39,15 +39,14 @@ from packdata.conversion.scan import REFUSED_OBJECTS, is_pack, scan_any, streams
 from packdata.conversion.tars import TarSource
 from packdata.conversion.upload import (
     ShardUploader,
-    check_job,
     check_remote_destination,
     check_writable,
     clean_work_folder,
     end_remote_pack,
-    record_job,
     upload_pack,
     work_folder,
 )
+from packdata.conversion.upload_journal import check_job, record_job
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.pack.files import atomic_write, discard_partial, read_regular

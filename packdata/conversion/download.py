@@ -21,7 +21,8 @@ from typing import Any
 from packdata.conversion.remote_folder import _ListedObject, list_folder
 from packdata.conversion.replace import WORK_FILE_HINT
 from packdata.conversion.sources import Skip
-from packdata.conversion.upload import _read_journal, work_folder
+from packdata.conversion.upload import work_folder
+from packdata.conversion.upload_journal import _read_journal
 from packdata.errors import CapacityError
 from packdata.host.facts import disk_free
 from packdata.pack.files import append_own_file

@@ -48,7 +48,8 @@ from packdata.conversion.ray_remote import (
     place_shards,
 )
 from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
-from packdata.conversion.upload import journal_task_objects, upload_pack
+from packdata.conversion.upload import upload_pack
+from packdata.conversion.upload_journal import journal_task_objects
 from packdata.errors import CapacityError, EngineError, PackdataError
 from packdata.formats import get_format, shard_writer
 from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error

@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.upload import file_md5, object_matches
+from packdata.conversion.upload_journal import file_md5, object_matches
 from packdata.errors import EngineError, PackdataError, PackFormatError
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo

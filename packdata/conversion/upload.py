@@ -23,7 +23,8 @@ Objects the journal holds that the finished pack does not have (an earlier,
 unfinished run's) are removed before the manifest goes up, each only while the
 store still reports it as the journal recorded it.
 A resume uploads a pack finished in the work folder only for the source and
-options it was packed with (``job.json`` beside the work folder).
+options it was packed with (``job.json`` beside the work folder). Both records are
+kept by :mod:`packdata.conversion.upload_journal`.
 """
 
 from __future__ import annotations
@@ -39,25 +40,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.replace import WORK_FILE_HINT, record_replaced, remove_replaced
+from packdata.conversion.replace import record_replaced, remove_replaced
+from packdata.conversion.upload_journal import UploadJournal, object_matches
 from packdata.errors import ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import (
     PROGRESS_FILE,
-    append_own_file,
-    atomic_write,
-    file_sha256,
     private_folder,
     private_temp_folder,
-    read_own_file,
 )
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
 from packdata.pack.urls import (
     display_url,
-    is_url,
     local_name,
-    object_version,
     open_url,
     remote_error,
     remove_at_version,
@@ -68,11 +64,10 @@ from packdata.progress import progress as show_progress
 
 __all__ = [
     "ShardUploader",
+    "check_remote_destination",
     "check_writable",
+    "clean_work_folder",
     "end_remote_pack",
-    "file_md5",
-    "journal_task_objects",
-    "object_matches",
     "upload_pack",
     "work_folder",
 ]
@@ -194,7 +189,7 @@ class ShardUploader:
     start: a failed or interrupted upload is left for
     :func:`upload_pack`, which checks every object before the manifest goes
     up. An object counts as uploaded when the journal says this conversion
-    uploaded it (see :class:`_UploadJournal`).
+    uploaded it (see :class:`UploadJournal`).
     """
 
     PERIOD = 1.0
@@ -205,7 +200,7 @@ class ShardUploader:
         self.fs, root = open_url(url, storage_options)
         self.root = root.rstrip("/")
         self.uploaded: dict[str, int] = {}  # path relative to the pack -> bytes, uploaded or found there
-        self.journal = _UploadJournal(partial.parent)
+        self.journal = UploadJournal(partial.parent)
         self._seen: set[str] = set()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-upload-early")
@@ -272,7 +267,7 @@ def upload_pack(
     finished (a TFRecord shard's ``-of-N`` name) is moved on the store, and
     objects under names the pack no longer has are removed. Any other file is
     skipped only when the journal beside ``local`` holds it (see
-    :class:`_UploadJournal`).
+    :class:`UploadJournal`).
 
     Raises:
         PackFormatError: an upload failed (rerun with resume to continue).
@@ -284,7 +279,7 @@ def upload_pack(
     end_remote_pack(url, storage_options, work=local)
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     early = dict(early or {})
-    journal = _UploadJournal(local.parent)
+    journal = UploadJournal(local.parent)
     _move_renamed(fs, root, local, files, early, journal)
     try:
         todo = [
@@ -329,7 +324,7 @@ def _upload_error(shown: str, rel: str, exc: BaseException) -> PackFormatError:
 
 
 def _move_renamed(
-    fs: Any, root: str, local: Path, files: list[Path], early: dict[str, int], journal: _UploadJournal
+    fs: Any, root: str, local: Path, files: list[Path], early: dict[str, int], journal: UploadJournal
 ) -> None:
     """Move early uploads of files renamed when the pack was finished to their final names.
 
@@ -362,7 +357,7 @@ def _move_renamed(
         del early[rel]
 
 
-def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path], journal: _UploadJournal) -> None:
+def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path], journal: UploadJournal) -> None:
     """Remove the objects an earlier, unfinished run of this conversion uploaded that the pack no longer has.
 
     Only what the journal holds is looked at (objects this work folder's
@@ -393,146 +388,6 @@ def _remove_strays(fs: Any, root: str, shown: str, local: Path, files: list[Path
             ) from exc
 
 
-class _UploadJournal:
-    """The objects a conversion into a URL uploaded: ``uploaded.jsonl`` in its work folder's parent.
-
-    One line per object, appended once the store reports it: name, size,
-    SHA-256 and MD5 of the local file, and the version (ETag) the store gave
-    after the upload. Only this journal makes an object count as uploaded: an
-    object found at the URL with the right size may be an older pack's (a
-    multi-part object's ETag is no MD5 of its bytes, so nothing else tells).
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / _UPLOADED
-        self.entries = _read_journal(self.path, ("size", "sha256", "md5", "version"))
-        self._lock = threading.Lock()
-
-    def put(self, fs: Any, path: Path, target: str, rel: str) -> None:
-        """Upload ``path`` to ``target`` and journal it as ``rel``."""
-        digests = [path.stat().st_size, file_sha256(path), file_md5(path)]
-        fs.put_file(os.fspath(path), target)
-        self.record(fs, target, rel, digests)
-
-    def record(self, fs: Any, target: str, rel: str, digests: list[Any]) -> None:
-        """Journal ``target`` as ``rel``: ``[size, sha256, md5]``, with the version the store reports now."""
-        fs.invalidate_cache(target)
-        entry = [*digests, object_version(fs.info(target))]
-        with self._lock:
-            append_own_file(self.path, _journal_line(rel, *entry), hint=WORK_FILE_HINT)
-            self.entries[rel] = entry
-
-    def same_bytes(self, rel: str, path: Path) -> bool:
-        """Whether the journal holds ``rel`` with the size and SHA-256 of the local file ``path``."""
-        entry = self.entries.get(rel)
-        return entry is not None and entry[0] == path.stat().st_size and entry[1] == file_sha256(path)
-
-    def holds(self, fs: Any, target: str, rel: str, path: Path) -> bool:
-        """Whether ``target`` is what this conversion uploaded from ``path``'s bytes, unchanged since."""
-        entry = self.entries.get(rel)
-        if entry is None or entry[0] != path.stat().st_size:
-            return False
-        fs.invalidate_cache(target)
-        return object_matches(fs, target, entry[0], entry[3], entry[2]) and self.same_bytes(rel, path)
-
-
-_UPLOADED = "uploaded.jsonl"
-"""Beside a destination's work folder: one line per object uploaded (name, size, sha256, md5, version)."""
-
-
-def _journal_line(rel: str, size: int, sha256: str, md5: str, version: str) -> str:
-    return json.dumps({"name": rel, "size": size, "sha256": sha256, "md5": md5, "version": version}) + "\n"
-
-
-def journal_task_objects(folder: Path, objects: dict[str, list[Any]]) -> None:
-    """Journal in ``folder`` the objects a Ray task uploaded (``{name: [size, md5, version]}``).
-
-    With no SHA-256: never taken for an upload of a local file, only removed
-    if the finished pack does not have them (see :func:`upload_pack`).
-    """
-    lines = [_journal_line(rel, int(size), "", str(md5), str(version)) for rel, (size, md5, version) in objects.items()]
-    append_own_file(folder / _UPLOADED, "".join(lines), hint=WORK_FILE_HINT)
-
-
-def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> bool:
-    """Whether the store still reports ``target`` as the object uploaded: ``size`` bytes and version ``version``.
-
-    ``version`` is what the store reported right after the upload (see
-    :func:`~packdata.pack.urls.object_version`): it changes
-    whenever the object is written, so an older object of the same size (a
-    multi-part one, whose ETag is no MD5) never passes; an empty one never
-    matches. Where the ETag is a single-part upload's MD5, it must be ``md5``.
-    """
-    try:
-        info = fs.info(target)
-    except FileNotFoundError:
-        return False
-    found = object_version(info)
-    if int(info.get("size", -1)) != size or not version or found != version:
-        return False
-    etag = found.strip('"')
-    return len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag) or etag == md5
-
-
-def file_md5(path: Path) -> str:
-    """The MD5 of a local file, hex (what a store reports as a single-part object's ETag)."""
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-_JOB = "job.json"
-"""Beside a destination's work folder: the source and options its pack is converted from (no storage options)."""
-
-_JOB_OPTIONS = (
-    "format", "kind", "layout", "require", "path_column", "label_column", "on_error", "verify_images", "max_side",
-    "quality", "shard_size", "shard_samples",
-)  # fmt: skip
-
-
-def _job(src: str | os.PathLike, options: dict[str, Any]) -> dict[str, Any]:
-    where = os.fspath(src) if is_url(src) else os.path.abspath(src)
-    return json.loads(json.dumps({"src": where, "options": {k: options.get(k) for k in _JOB_OPTIONS}}))
-
-
-def record_job(local: Path, src: str | os.PathLike, options: dict[str, Any]) -> None:
-    """Record beside the work folder ``local`` that its pack is converted from ``src`` with ``options``."""
-    atomic_write(local.parent / _JOB, json.dumps(_job(src, options)).encode("utf-8"))
-
-
-def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url: str) -> None:
-    """Refuse to upload the finished pack in ``local`` for another source or other options than it was packed with.
-
-    Raises:
-        ConfigError: the pack there is another conversion's (or its record is missing or damaged).
-    """
-    try:
-        saved = json.loads(read_own_file(local.parent / _JOB, hint=WORK_FILE_HINT) or "null")
-    except (OSError, ValueError, RecursionError):
-        saved = None
-    if saved != _job(src, options):
-        was = saved.get("src") if isinstance(saved, dict) else None
-        raise ConfigError(
-            f"{display_url(url)}: the pack waiting in the work folder to be uploaded was converted "
-            + (f"from {was!r}, or with other options" if isinstance(was, str) else "by an unknown conversion"),
-            hint="Resume with the same source and options, or rerun without --resume to convert again",
-        )
-
-
 def clean_work_folder(local: Path) -> None:
     """Remove a work folder after a finished upload."""
     shutil.rmtree(local.parent, ignore_errors=True)
-
-
-def _read_journal(journal: Path, fields: tuple[str, ...]) -> dict[str, list[Any]]:
-    """The objects a journal lists: name -> its ``fields``' values; a torn or odd line counts for nothing."""
-    done: dict[str, list[Any]] = {}
-    for line in (read_own_file(journal, hint=WORK_FILE_HINT) or "").splitlines():
-        try:
-            entry = json.loads(line)
-            done[str(entry["name"])] = [entry[key] for key in fields]
-        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past Python's stack
-            continue
-    return done
