@@ -14,13 +14,13 @@ Split, shuffle and resume are one state machine, so they stay in one class
 here; the view it shares with the map-style
 :class:`~packdata.reading.tfrecord_indexed.TFRecordIndexedDataset` is in
 :mod:`packdata.reading.tfrecord_view`, the parts it is built from (record ranges, shuffle
-buffer, epoch board) in :mod:`packdata.reading.stream_parts`.
+buffer, epoch board) in :mod:`packdata.reading.stream_parts`, the checks and replay of
+its resume states in :mod:`packdata.reading.stream_state`.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +38,7 @@ from packdata.reading.decode import DecodeFn, resolve_decoder
 from packdata.reading.ranks import RankCheck, check_rank_world, resolve_rank_world
 from packdata.reading.samplers import order_number, per_rank_count
 from packdata.reading.stream_parts import EpochBoard, shuffled, stream_segments
+from packdata.reading.stream_state import check_state, fill_gaps, loader_counts, sparse_reads, unread_mask
 from packdata.reading.tfrecord_view import _TFRecordView
 
 __all__ = ["TFRecordDataset"]
@@ -258,68 +259,16 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 ``yielded_per_worker`` do not describe that many streams of
                 this epoch; the worker is checked when iteration starts.
         """
-        for name, mine in self._state_key().items():
-            if name == "pack" and name not in state_dict:  # saved by packdata before the state named its pack
-                continue
-            if state_dict.get(name) != mine:
-                raise ConfigError(
-                    f"the reader state was saved with {name}={state_dict.get(name)!r}, but this dataset has "
-                    f"{name}={mine!r}",
-                    path=self.where,
-                    hint="Resume with the options, pack and world size the state was saved with",
-                )
-        epoch = state_dict.get("epoch")
-        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:  # numpy's ints pass
-            raise ConfigError(
-                f"the reader state's epoch should be a number from 0 on, but got {epoch!r}",
-                path=self.where,
-                hint="Pass the state state_dict or loader_state_dict returned, unchanged",
-            )
-        if "yielded_per_worker" in state_dict:
-            self._check_loader_state(state_dict)
-        else:  # one reader's: its place and count are numbers (a "0" or 5.9 was compared as given, or cut to 5)
-            for name, least in (("worker", 0), ("num_workers", 1), ("yielded", 0)):
-                value = state_dict.get(name)
-                if type(value) is not int or value < least:
-                    raise ConfigError(
-                        f"the reader state's {name} should be an integer from {least} on, but got {value!r}",
-                        path=self.where,
-                        hint="Pass the state state_dict returned, unchanged",
-                    )
-        self.epoch = int(epoch)
+        self.epoch = check_state(state_dict, self._state_key(), self.where, self._stream_lengths)
         self._resume = dict(state_dict)
         self._position = int(state_dict.get("yielded", 0))
         self._resume_from_main = get_worker_info() is None
         if self._resume_from_main:  # its workers' copies take it once, in the next pass
             self._shared_epoch.clear_taken()
 
-    def _check_loader_state(self, state: dict[str, Any]) -> None:
-        """Refuse a :meth:`loader_state_dict` state whose counts do not fit its workers' streams of this epoch."""
-        streams = state.get("num_workers")
-        if type(streams) is not int or streams < 1:
-            raise ConfigError(
-                f"the reader state's num_workers should be a positive number of workers, but got {streams!r}",
-                path=self.where,
-                hint="Pass the state loader_state_dict returned, unchanged",
-            )
-        counts = state["yielded_per_worker"]
-        if not isinstance(counts, list) or len(counts) != streams:
-            got = f"a list of {len(counts)}" if isinstance(counts, list) else type(counts).__name__
-            raise ConfigError(
-                f"the reader state's yielded_per_worker should be a list of {streams} counts (num_workers={streams}), "
-                f"but got {got}",
-                path=self.where,
-                hint="Pass the state loader_state_dict returned, unchanged",
-            )
-        for worker, count in enumerate(counts):
-            length = sum(end - first for _, first, end in self.reader_segments(worker, streams))
-            if type(count) is not int or not 0 <= count <= length:
-                raise ConfigError(
-                    f"the reader state's yielded_per_worker should be from 0 to {length} for worker {worker} "
-                    f"(the samples its stream holds this epoch), but got yielded_per_worker[{worker}]={count!r}",
-                    path=self.where,
-                    hint="Pass the state loader_state_dict returned, unchanged",
-                )
+    def _stream_lengths(self, num_workers: int) -> list[int]:
+        """Samples each of ``num_workers`` workers' streams of this rank holds this epoch."""
+        return [sum(end - first for _, first, end in self.reader_segments(w, num_workers)) for w in range(num_workers)]
 
     def loader_state_dict(self, batches: int, *, batch_size: int, num_workers: int = 0) -> dict[str, Any]:
         """This rank's state after a plain ``DataLoader`` yielded ``batches`` batches of this epoch.
@@ -341,25 +290,13 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 f"batches, batch_size and num_workers should be counts (batch_size at least 1), but got "
                 f"batches={batches}, batch_size={batch_size}, num_workers={num_workers}"
             )
-        streams = max(num_workers, 1)
-        lengths = [sum(end - first for _, first, end in self.reader_segments(w, streams)) for w in range(streams)]
-        left = [-(-length // batch_size) for length in lengths]
-        taken = [0] * streams
-        worker = 0
-        for _ in range(batches):
-            if not any(left):
-                break
-            while not left[worker]:
-                worker = (worker + 1) % streams
-            taken[worker] += 1
-            left[worker] -= 1
-            worker = (worker + 1) % streams
+        lengths = self._stream_lengths(max(num_workers, 1))
         return {
             "version": 1,
             "epoch": self.epoch,
             **self._state_key(),
-            "num_workers": streams,
-            "yielded_per_worker": [min(t * batch_size, n) for t, n in zip(taken, lengths, strict=True)],
+            "num_workers": len(lengths),
+            "yielded_per_worker": loader_counts(lengths, batches, batch_size),
         }
 
     def __len__(self) -> int:
@@ -495,12 +432,7 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
                 hint="Pass the state this reader saved, unchanged",
             )
         seed = f"packdata-{self.seed}-{self.epoch}-{self.rank}-{worker}"
-        needed = np.ones(length, dtype=bool)
-        if self.shuffle:  # replay the buffer's draws on positions to find the records already yielded
-            positions = shuffled(iter(range(length)), self.shuffle_buffer, random.Random(seed))
-            needed[list(itertools.islice(positions, skip))] = False
-        else:
-            needed[:skip] = False
+        needed = unread_mask(length, skip, self.shuffle_buffer if self.shuffle else None, seed)
         records: Iterator[Any] = self._sparse_records(segments, needed)
         if self.shuffle:
             records = shuffled(records, self.shuffle_buffer, random.Random(seed))
@@ -514,23 +446,8 @@ class TFRecordDataset(_TFRecordView, IterableDataset):
 
     def _sparse_records(self, segments: list[tuple[int, int, int]], needed: np.ndarray) -> Iterator[Any]:
         """Like :meth:`_records`, with ``None`` in place of records not ``needed`` (those are not read)."""
-        position = 0
-        reads: list[tuple[int, int, int]] = []  # from each segment's first needed record to its last
-        spans: list[tuple[np.ndarray, int, int]] = []
-        for shard, first, end in segments:
-            mask = needed[position : position + end - first]
-            position += end - first
-            hits = np.flatnonzero(mask)
-            lo, hi = (int(hits[0]), int(hits[-1]) + 1) if len(hits) else (0, 0)
-            if hi > lo:
-                reads.append((shard, first + lo, first + hi))
-            spans.append((mask, lo, hi))
-        records = self._records(reads)
-        for mask, lo, hi in spans:
-            yield from itertools.repeat(None, lo)
-            for k, record in zip(range(lo, hi), records, strict=False):
-                yield record if mask[k] else None
-            yield from itertools.repeat(None, len(mask) - hi)
+        reads, spans = sparse_reads(segments, needed)
+        return fill_gaps(self._records(reads), spans)
 
     def __repr__(self) -> str:
         return (
