@@ -75,7 +75,7 @@ def test_a_url_never_reads_a_local_folder_named_like_it(s3, remote_pack, remote_
 def test_a_missing_object_is_reported_without_retries(s3) -> None:
     """A shard object deleted (or listed, then 404 on GET) was named as 'bytes 0-10 could not be read after 1 tries
     (FileNotFoundError). The epoch stops here rather than skip records: check the network', in verify too."""
-    from packdata.formats.remote_pack import fetch_range
+    from packdata.formats.remote_reads import fetch_range
 
     _, fs = s3
     calls = []
@@ -94,7 +94,7 @@ def test_a_missing_object_is_reported_without_retries(s3) -> None:
 def test_an_object_shorter_than_the_pack_says_is_named_without_retries(s3, start: int) -> None:
     """A short read was retried as a network fault, and the error pointed at the network (a range past the end:
     four tries, then 'could not be read after 4 tries (OSError)')."""
-    from packdata.formats.remote_pack import fetch_range
+    from packdata.formats.remote_reads import fetch_range
 
     _, fs = s3
     fs.pipe("packs/short-object", b"x" * 675)
@@ -534,6 +534,7 @@ def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record
 ) -> None:
     """The pack converted over itself while read, records of the same lengths: the epoch once mixed both packs."""
     import packdata.formats.remote_pack as remote_pack
+    import packdata.formats.remote_reads as remote_reads
     import packdata.formats.tfrecord_remote as remote
     import packdata.pack.urls as urls
 
@@ -541,7 +542,7 @@ def test_a_shard_uploaded_again_mid_epoch_stops_the_reader_before_any_new_record
     monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
     monkeypatch.setattr(remote.RemoteShardReader, "CHUNK", 400)  # one record a request: most are fetched later
     if not if_match:  # a store without If-Match: the version is looked up after each read
-        for module in (urls, remote_pack):
+        for module in (urls, remote_pack, remote_reads):
             monkeypatch.setattr(module, "conditional_reads", lambda fs: False)
     url = f"s3://packs/mid-epoch-{if_match}"
     _convert_to_s3(tmp_path / "v1", "A", url, options)

@@ -202,7 +202,7 @@ class PackFormat:
 
         ``shard`` holds local copies of the shard's side tables, downloaded with
         ``opened``, the pack's manifest: the bytes come only from the shard
-        object's version pinned for it (see :func:`~packdata.formats.remote_pack.fetch_range`).
+        object's version pinned for it (see :func:`~packdata.formats.remote_reads.fetch_range`).
         ``key`` is the sample's key by the sample index (a format may find the record's start by its length).
 
         Raises:

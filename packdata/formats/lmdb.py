@@ -163,14 +163,14 @@ def read_remote_payload(
     the shard's ``data.mdb`` is ``rel`` inside it, and ``shard`` is a local
     folder holding a copy of the shard's table, downloaded with ``opened``
     (the pack's manifest): the payload is read from the shard object's
-    version pinned for it (:func:`~packdata.formats.remote_pack.fetch_range`).
+    version pinned for it (:func:`~packdata.formats.remote_reads.fetch_range`).
 
     Raises:
         ConfigError: no table fits the shard (the record is then only found by walking the pages of a local file).
         PackFormatError: the bytes read are not the payload the table describes,
             the request failed, or the pack was replaced since ``opened`` was read.
     """
-    from packdata.formats.remote_pack import fetch_range
+    from packdata.formats.remote_reads import fetch_range
 
     table = shard / RECORDS_FILE
     rows = location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256) if table.is_file() else None

@@ -28,7 +28,8 @@ from typing import Any
 
 from packdata.errors import PackdataError, PackFormatError, raise_at_url
 from packdata.formats import PackFormat, get_format
-from packdata.formats.remote_pack import RemoteStream, download_skeleton
+from packdata.formats.remote_pack import download_skeleton
+from packdata.formats.remote_reads import RemoteStream
 from packdata.formats.verify import VerifyResult, _check_counts, check_shard_records, open_index
 from packdata.pack.index import SampleIndex
 from packdata.pack.manifest import Manifest, ShardInfo

@@ -13,7 +13,7 @@ naming the shard's URL and byte range, when the reader gets to that chunk, so
 an epoch never skips or repeats a record silently. A reader given the manifest
 its dataset opened reads every range of a shard from the object's version
 pinned at the first access in the process, so a pack uploaded again meanwhile
-stops it with one error (see :func:`~packdata.formats.remote_pack.fetch_range`).
+stops it with one error (see :func:`~packdata.formats.remote_reads.fetch_range`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any, cast
 import numpy as np
 
 from packdata.errors import ConfigError, PackFormatError
-from packdata.formats.remote_pack import fetch_pack_skeleton, fetch_range
+from packdata.formats.remote_pack import fetch_pack_skeleton
+from packdata.formats.remote_reads import fetch_range
 from packdata.formats.tfrecord import NAME
 from packdata.formats.tfrecord_framing import check_record
 from packdata.formats.tfrecord_reader import TFRecordShardReader, chunk_plan
@@ -93,7 +94,7 @@ class RemoteShardReader(TFRecordShardReader):
         return self
 
     def fetch(self, base: int, end: int, stop: threading.Event | None = None) -> bytes:
-        """Bytes ``[base, end)`` of the shard (see :func:`~packdata.formats.remote_pack.fetch_range`)."""
+        """Bytes ``[base, end)`` of the shard (see :func:`~packdata.formats.remote_reads.fetch_range`)."""
         return fetch_range(
             self.fs,
             self.remote_path,

@@ -48,7 +48,7 @@ from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
 from packdata.formats import get_format
-from packdata.formats.remote_pack import check_not_short
+from packdata.formats.remote_reads import check_not_short
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.pack.files import (

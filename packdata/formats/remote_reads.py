@@ -1,0 +1,239 @@
+"""A shard in object storage read in place: ranged requests, retried, at the version pinned for its pack.
+
+:func:`fetch_range` reads bytes of an object, every failed request retried
+with backoff; :class:`RemoteStream` reads one shard front to back in ranged
+requests of about 8 MiB, hashing it on the way (memory stays bounded whatever
+the shard's size), for ``verify``. Every message names the URL without
+credentials.
+
+A reader that names the manifest it opened reads each shard object at the
+version pinned at its first access in the process (:func:`pinned_version`), so
+a pack uploaded again while it reads (``convert ... --overwrite``) stops it
+with one error instead of mixing two packs' records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from packdata.errors import PackFormatError, SourceError
+from packdata.formats import get_format
+from packdata.pack.manifest import Manifest
+from packdata.pack.urls import (
+    conditional_reads,
+    object_version,
+    precondition_failed,
+    range_not_satisfiable,
+    read_at_version,
+    read_url_manifest,
+    remote_size,
+)
+
+__all__ = ["RemoteStream", "check_not_short", "fetch_range", "pinned_version"]
+
+_CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
+
+
+def fetch_range(
+    fs: Any,
+    path: str,
+    where: str,
+    start: int,
+    end: int,
+    *,
+    retries: int = 4,
+    backoff: float = 0.5,
+    stop: threading.Event | None = None,
+    opened: Manifest | None = None,
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` on ``fs``, retried with doubling backoff (4 tries wait 0.5 + 1 + 2 s).
+
+    A missing or forbidden object is reported at once (retrying cannot help).
+
+    ``stop``, once set, ends the retries at once (a reader that was closed).
+
+    ``opened``: the manifest of the pack ``path`` is a shard of, as the reader
+    opened it. The bytes then come only from the object's version pinned for
+    that manifest (:func:`pinned_version`): on S3 each request carries
+    ``If-Match`` (a replaced object answers 412, at no extra request); on other
+    stores the object's version is looked up again after each read (one
+    metadata request a read). A store that reports no version (no ETag,
+    modification or creation time) is read as without ``opened``, but for
+    the manifest check at the pin.
+
+    Raises:
+        PackFormatError: the bytes could not be read in ``retries`` tries
+            (``where`` names the object), the object is missing or shorter, or
+            it was replaced since it was pinned.
+    """
+    delay = backoff
+    problem = ""
+    tries = 0
+    for tries in range(1, retries + 1):
+        try:
+            version = "" if opened is None else pinned_version(fs, path, where, opened)
+            data = read_at_version(fs, path, version, start, end)
+            if len(data) == end - start:
+                if version and not conditional_reads(fs):
+                    _check_version(fs, path, where, version)
+                return data
+            problem = f"got {len(data)} of {end - start} bytes"
+        except PackFormatError:  # the pack was replaced: no retry helps
+            raise
+        except FileNotFoundError as exc:  # no retry helps
+            raise PackFormatError(
+                "is missing (removed, or its pack is being converted again)",
+                path=where,
+                hint="Run `packdata verify` on the pack; once it is converted again, recreate the dataset",
+            ) from exc
+        except PermissionError as exc:  # denied: no retry helps
+            problem = type(exc).__name__
+            break
+        except Exception as exc:
+            if precondition_failed(exc):
+                raise _replaced(where) from exc
+            problem = type(exc).__name__
+            if range_not_satisfiable(exc):
+                check_not_short(fs, path, where, start, end)
+        else:
+            check_not_short(fs, path, where, start, end)
+        if tries < retries:
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                problem += "; the reader was closed"
+                break
+            delay *= 2
+    raise PackFormatError(
+        f"bytes {start}-{end} could not be read after {tries} tries ({problem})",
+        path=where,
+        hint="The epoch stops here rather than skip records: check the network or the object, then rerun",
+    )
+
+
+_PINS: dict[tuple[Any, str], tuple[Manifest, str]] = {}
+"""(filesystem, object path) -> (the manifest its version was pinned for, that version), in this process."""
+
+
+def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
+    """The version of the shard object ``path`` this process reads for the pack whose manifest is ``opened``.
+
+    The first call for ``path`` and ``opened`` in a process (forked children
+    inherit the pins) asks the store for the object's version
+    (:func:`~packdata.pack.urls.object_version`), then reads the pack's
+    manifest again: packdata replaces a pack in object storage manifest first
+    (``convert --overwrite`` deletes the old manifest before it uploads any
+    shard, and puts the new one last), so the same manifest after the lookup
+    proves the version is the opened pack's. Later calls return the pinned
+    version; ``""`` where the store reports none. A pack uploaded by other
+    means (a plain recursive copy) carries no such proof.
+
+    Raises:
+        PackFormatError: the manifest is gone or changed (the pack was replaced since it was opened).
+        FileNotFoundError: the object is missing.
+    """
+    held = _PINS.get((fs, path))
+    if held is not None and held[0] == opened:
+        return held[1]
+    fs.invalidate_cache(path)  # a listing cached earlier may predate the object
+    version = object_version(fs.info(path))
+    root, shown = _pack_of(path, where, opened)
+    try:
+        current, _ = read_url_manifest(fs, root, shown)
+    except PackFormatError as exc:  # no manifest: a new pack is being uploaded
+        raise _replaced(where) from exc
+    if current != opened:
+        raise _replaced(where)
+    _PINS[fs, path] = (opened, version)  # a pin for another manifest (an older dataset's) is replaced
+    return version
+
+
+def _pack_of(path: str, where: str, opened: Manifest) -> tuple[str, str]:
+    """The root and shown URL of the pack whose manifest is ``opened``, from one of its shard objects' ``path``.
+
+    The shard's records file may lie in a folder of the pack (an LMDB shard's ``NAME.lmdb/data.mdb``).
+    """
+    fmt = get_format(opened.format)
+    for shard in opened.shards:
+        rel = fmt.data_name(shard.file)
+        if path.endswith(f"/{rel}"):
+            return path[: -len(rel) - 1], where[: -len(rel) - 1]
+    raise PackFormatError("is not a shard of the pack this reader opened", path=where)
+
+
+def _replaced(where: str) -> PackFormatError:
+    return PackFormatError(
+        "was replaced (re-uploaded?) while this reader ran",
+        path=where,
+        hint="Rebuild the dataset (and its DataLoader) to read the new pack",
+    )
+
+
+def _check_version(fs: Any, path: str, where: str, version: str) -> None:
+    """Raise if ``path`` is no longer at ``version`` (read just now: the bytes read may be another object's)."""
+    fs.invalidate_cache(path)
+    try:
+        now = object_version(fs.info(path))
+    except FileNotFoundError as exc:
+        raise _replaced(where) from exc
+    if now != version:
+        raise _replaced(where)
+
+
+def check_not_short(fs: Any, path: str, where: str, start: int, end: int) -> None:
+    """After a short read: raise if the object itself ends before ``end`` (no retry helps); else let it retry."""
+    try:
+        size = remote_size(fs, path, where)
+    except SourceError:  # the lookup failed too: a transient fault, retried as one
+        return
+    if size is not None and size < end:
+        raise PackFormatError(
+            f"the object is {size} bytes, but the pack's tables place bytes {start}-{end} in it",
+            path=where,
+            hint="The object is truncated or was replaced: run `packdata verify` on the pack",
+        )
+
+
+class RemoteStream:
+    """One remote file read front to back (``read(n)`` like a file), in ranged requests, SHA-256 on the way.
+
+    Holds at most one request's bytes plus the record being read, so memory is
+    bounded whatever the file's size. ``on_bytes`` is called with each
+    request's size (a progress bar).
+    """
+
+    def __init__(
+        self, fs: Any, path: str, where: str, size: int, *, on_bytes: Callable[[int], object] | None = None
+    ) -> None:
+        self.fs, self.path, self.where, self.size = fs, path, where, size
+        self.on_bytes = on_bytes
+        self._sha = hashlib.sha256()
+        self._buf = b""
+        self._pos = 0
+        self._next = 0  # the first byte not fetched yet
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes from the current position (fewer only at the end of the file)."""
+        while len(self._buf) - self._pos < n and self._next < self.size:
+            end = min(self._next + _CHUNK, self.size)
+            chunk = fetch_range(self.fs, self.path, self.where, self._next, end)
+            self._sha.update(chunk)
+            if self.on_bytes is not None:
+                self.on_bytes(len(chunk))
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+            self._next = end
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def hexdigest(self) -> str:
+        """SHA-256 of the whole file (the rest is read first)."""
+        while self._next < self.size:
+            self._pos = len(self._buf)
+            self.read(_CHUNK)
+        return self._sha.hexdigest()
