@@ -372,38 +372,40 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
                 os.environ[k] = v
 
 
+def _uploaded_pack(
+    fs: Any, root: Path, name: str, first: dict[str, int], count: int, size: tuple[int, int], **options: Any
+) -> tuple[str, Path]:
+    """A pack converted locally from ``count`` JPEGs a class (class ``c``'s ``i``-th from seed ``first[c] + i``, of
+    ``size``; plus what ``root/src`` already holds) into ``root/name`` and uploaded to s3://packs/NAME."""
+    src = root / "src"
+    for c, seed in first.items():
+        (src / c).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            (src / c / f"{i}.jpg").write_bytes(image_bytes(seed + i, size))
+    local = root / name
+    packdata.convert(src, local, progress=False, **options)
+    fs.put(str(local), f"packs/{name}", recursive=True)
+    return f"s3://packs/{name}", local
+
+
 @pytest.fixture(scope="module")
 def remote_pack(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A 3-shard LMDB pack converted locally and uploaded to s3://packs/train.lmdb."""
-    _, fs = s3
     root = tmp_path_factory.mktemp("remote")
-    src = root / "src"
-    for c in ("cat", "dog"):
-        (src / c).mkdir(parents=True)
-        for i in range(9):
-            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + 10 * len(c), (40, 30)))
-    local = root / "train.lmdb"
-    packdata.convert(src, local, shard_samples=6, progress=False)
-    fs.put(str(local), "packs/train.lmdb", recursive=True)
-    return "s3://packs/train.lmdb", local
+    return _uploaded_pack(s3[1], root, "train.lmdb", {"cat": 30, "dog": 30}, 9, (40, 30), shard_samples=6)
 
 
 @pytest.fixture(scope="module")
 def remote_tfrecord(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A 4-shard TFRecord pack converted locally and uploaded to s3://packs/verify-tf."""
-    _, fs = s3
     root = tmp_path_factory.mktemp("remote-tf")
-    src = root / "src"
-    for c in ("a", "b"):
-        (src / c).mkdir(parents=True)
-        for i in range(7):
-            (src / c / f"{i}.jpg").write_bytes(image_bytes(i + (30 if c == "b" else 0), (36, 24)))
-    (src / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # a skip: the report is checked too
-    local = root / "verify-tf"
-    packdata.convert(src, local, format="tfrecord", shard_samples=4, progress=False)
+    (root / "src" / "a").mkdir(parents=True)
+    (root / "src" / "a" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")  # a skip: the report is checked too
+    url, local = _uploaded_pack(
+        s3[1], root, "verify-tf", {"a": 0, "b": 30}, 7, (36, 24), format="tfrecord", shard_samples=4
+    )
     assert (local / "skipped.jsonl").stat().st_size
-    fs.put(str(local), "packs/verify-tf", recursive=True)
-    return "s3://packs/verify-tf", local
+    return url, local
 
 
 _S3_ERRORS = {403: "AccessDenied", 501: "NotImplemented", 503: "ServiceUnavailable"}
