@@ -469,7 +469,11 @@ def test_a_stage_that_stages_nothing_says_why_and_fails(lmdb_pack: Path, tmp_pat
     )
     assert out.exit_code == 1
     assert "copied 0 shards" in out.output and "LEFT 6 shards" in out.output
-    assert "Error: nothing was staged: the budget" in out.output and "smaller --shard-size" in out.output
+    assert out.output.endswith(
+        f"Error: nothing was staged: the budget ({format_size(smallest - 1)}) holds no more shards: the smallest "
+        f"left is {format_size(smallest)}. Stage more with a bigger --budget, or convert with a smaller "
+        "--shard-size (shards are the unit stage copies)\n"
+    )
     one = CliRunner().invoke(
         main, ["stage", os.fspath(lmdb_pack), "--to", os.fspath(tmp_path / "nvme2"), "--budget", f"{smallest}B", "-q"]
     )

@@ -121,6 +121,7 @@ class StageResult:
     seconds: float
     free_after: int
     smallest_left: int = 0  # bytes of the smallest shard asked for and left behind (0: none)
+    bound: str = "budget"  # what held the shards: 'budget' (given), 'tmpfs' (its free room), 'folder' (disk room)
     tmpfs: TmpfsArea | None = None
     warnings: list[SafetyWarning] = field(default_factory=list)
 
@@ -131,13 +132,18 @@ class StageResult:
             return ""
         if not self.smallest_left:  # every shard asked for was staged: the others were not asked for
             return "only the shards --shards named are staged; name the others too to stage them"
+        room = "" if self.bound == "budget" else f": what {self.area} has free"
         why = (
-            f"the budget ({format_size(self.budget)}) holds no more shards: the smallest left is "
+            f"the budget ({format_size(self.budget)}{room}) holds no more shards: the smallest left is "
             f"{format_size(self.smallest_left)}"
         )
+        more = {
+            "budget": "a bigger --budget",
+            "tmpfs": "a bigger tmpfs (--tmpfs SIZE --resize)",
+            "folder": f"more free space at {self.area} (or --to a folder on a bigger disk)",
+        }[self.bound]
         return (
-            f"{why}. Stage more with a bigger area (--tmpfs SIZE --resize) or --budget, or convert with a "
-            f"smaller --shard-size (shards are the unit stage copies)"
+            f"{why}. Stage more with {more}, or convert with a smaller --shard-size (shards are the unit stage copies)"
         )
 
     @property
@@ -345,7 +351,8 @@ def stage(
                 )
             warnings: list[SafetyWarning] = []
             mount_info = mount_of(area, read_mounts())
-            if mount_info is not None and mount_info.fstype == "tmpfs":
+            in_tmpfs = mount_info is not None and mount_info.fstype == "tmpfs"
+            if in_tmpfs:
                 if area_info is not None and area_info.action != "reused":
                     warnings = list(area_info.warnings)  # the new size was checked as it was mounted
                 else:  # the bytes about to land in RAM
@@ -411,6 +418,7 @@ def stage(
         seconds=time.monotonic() - start,
         free_after=shutil.disk_usage(area).free,
         smallest_left=min((sizes[n] for n in order if n not in staged), default=0),
+        bound="budget" if budget is not None else "tmpfs" if to is None and in_tmpfs else "folder",  # to=DIR: no resize
         tmpfs=area_info,
         warnings=warnings,
     )
