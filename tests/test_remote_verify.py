@@ -55,6 +55,25 @@ def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack)
     assert f"packdata stage {url} --to DIR" in out.output
 
 
+def test_verify_help_says_what_is_checked_of_an_lmdb_pack_at_a_url() -> None:
+    """The help said only 'checksums (and the binding of each records.i64 table to its shard)' were checked of an
+    LMDB pack at a URL, while every row of the table is checked against the record it places (the test below)."""
+    taught = (
+        "PACK may be a URL (s3://...), verified in place without staging: the sample index's SHA-256, the counts, "
+        "skip report and labels are checked, and every shard is read once and its size and SHA-256 checked "
+        "against the manifest. A TFRecord pack's records are checked as for a local pack (framing, CRCs, index, "
+        "keys, labels, fields) while its shards stream. An LMDB pack's records are read through LMDB, which needs "
+        "a local file, so at a URL each row of a shard's records.i64 table is checked against the record it "
+        "places as the shard streams (the record's header and CRC-32, its key, label and size against the sample "
+        "index, the row's CRC32C; a shard without the table: its size and SHA-256 only), but neither LMDB's own "
+        "pages nor the fields of a multi-field sample are, and the output says records were not checked: stage it "
+        "and verify the staged copy for every check."
+    )
+    out = CliRunner().invoke(main, ["verify", "--help"])
+    assert out.exit_code == 0, out.output
+    assert " ".join(out.output.split()).count(taught) == 1
+
+
 @pytest.mark.parametrize("damage", ["swap", "elsewhere"])
 def test_verify_of_a_remote_lmdb_pack_checks_every_row_of_its_location_table(
     s3, remote_pack, tmp_path: Path, damage: str

@@ -94,14 +94,18 @@ def verify(pack: str, quiet: bool, as_json: bool, storage_options: dict[str, Any
 
     Exits 1 naming the first bad shard or record.
 
-    PACK may be a URL (s3://...), verified in place without staging: every
-    shard is read once and its size and SHA-256 checked against the manifest,
-    along with the counts, skip report and labels. A TFRecord pack's records
-    are checked as for a local pack (framing, CRCs, index, keys, labels,
-    fields) while its shards stream. An LMDB pack's records are read through
-    LMDB, which needs a local file, so at a URL only its checksums (and the
-    binding of each records.i64 table to its shard) are checked, and the
-    output says so: stage it and verify the staged copy to check its records.
+    PACK may be a URL (s3://...), verified in place without staging: the
+    sample index's SHA-256, the counts, skip report and labels are checked, and
+    every shard is read once and its size and SHA-256 checked against the
+    manifest. A TFRecord pack's records are checked as for a local pack
+    (framing, CRCs, index, keys, labels, fields) while its shards stream. An
+    LMDB pack's records are read through LMDB, which needs a local file, so at
+    a URL each row of a shard's records.i64 table is checked against the record
+    it places as the shard streams (the record's header and CRC-32, its key,
+    label and size against the sample index, the row's CRC32C; a shard without
+    the table: its size and SHA-256 only), but neither LMDB's own pages nor the
+    fields of a multi-field sample are, and the output says records were not
+    checked: stage it and verify the staged copy for every check.
 
     \b
     Examples:

@@ -147,10 +147,13 @@ def verify_pack(
 
     A URL (``s3://bucket/train``) is verified in place (see
     :func:`packdata.formats.remote_verify.verify_remote_pack`): the same checks
-    for a TFRecord pack, its shards streamed once each; for an LMDB pack each
-    shard's size and SHA-256 and its side table, every row against the record
-    it places (``checks="checksums"`` in the result): its records are read through
-    LMDB, which needs a local file, so stage it and verify the staged copy.
+    for a TFRecord pack, its shards streamed once each. For an LMDB pack
+    (``checks="checksums"`` in the result), the sample index, counts, skip
+    report and labels, each shard's size and SHA-256, and every row of its
+    ``records.i64`` (where it has one) against the record it places (header,
+    CRC-32, key, label and size); not LMDB's own pages nor the fields of a
+    ``kind="fields"`` record: its records are read through LMDB, which needs a
+    local file, so stage it and verify the staged copy for every check.
 
     Args:
         path: the pack, or its URL.
