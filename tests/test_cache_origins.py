@@ -4,11 +4,15 @@ in the store of the pack being staged."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 import packdata
+from packdata.pack.manifest import read_manifest
 from packdata.staging.marker import STAGED_FILE
 
 
@@ -55,9 +59,47 @@ def test_eviction_never_contacts_an_origin_a_planted_staged_json_names_in_anothe
         except packdata.CapacityError as exc:
             error = str(exc)
         assert asked == []
-        assert error is not None and "the cache limit of" in error  # the planted copy is kept, not evicted
+        assert error is not None and re.fullmatch(  # the planted copy is kept, not evicted, and said so
+            rf"{re.escape(str(cache))}: the cache limit of [\d,]+ bytes cannot hold the pack \([\d,]+ bytes\) beside "
+            r"the staged copies kept: 1 whose origin is in another store than the pack staged \(never looked up\); "
+            r"[\d,]+ bytes in all\. Raise --cache-limit, stop the readers of older copies, or unstage them",
+            error,
+        ), error
         assert (first / STAGED_FILE).is_file()
     finally:
         server.shutdown()
         server.server_close()
         memory.rm("/h-cache", recursive=True)
+
+
+def test_the_cache_limit_error_says_why_each_copy_was_kept(remote_pack, tmp_path: Path) -> None:
+    """The error said every copy kept was 'in use by live readers or other stages, of local packs, or whose origin
+    is gone', also a copy whose origin is in another store (never looked up, so not known to be gone)."""
+    import fsspec
+
+    _, local = remote_pack
+    memory = fsspec.filesystem("memory")
+    for name in ("train", "other", "second"):
+        memory.put(str(local), f"/h-kept/{name}", recursive=True)
+    cache = tmp_path / "cache"
+    try:
+        first = packdata.stage("memory://h-kept/train", to=cache, progress=False).staged
+        other = packdata.stage("memory://h-kept/other", to=cache, progress=False).staged
+        marker = json.loads((other / STAGED_FILE).read_text())
+        (other / STAGED_FILE).write_text(json.dumps({**marker, "origin": "s3://elsewhere/other"}))
+        memory.rm("/h-kept/train", recursive=True)  # its origin gone: the staged copy is the last one
+        size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+        limit = int(1.5 * size)
+        with pytest.raises(packdata.CapacityError) as caught:
+            packdata.stage("memory://h-kept/second", to=cache, progress=False, cache_limit=limit)
+        incoming = read_manifest(local).total_bytes
+        total = incoming + size + sum(p.stat().st_size for p in other.rglob("*") if p.is_file())
+        assert str(caught.value) == (
+            f"{cache}: the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes) beside the staged "
+            "copies kept: 1 whose origin is gone (the last copy); 1 whose origin is in another store than the pack "
+            f"staged (never looked up); {total:,} bytes in all. Raise --cache-limit, stop the readers of older "
+            "copies, or unstage them"
+        )
+        assert first.is_dir() and other.is_dir()
+    finally:
+        memory.rm("/h-kept", recursive=True)

@@ -96,30 +96,50 @@ def evict_for(
         )
     evicted: list[Path] = []
     unknown = ""  # why a copy whose readers cannot be told was kept
+    kept_because: list[str] = []  # a key of _KEPT for each copy kept
     for _, entry, size, marker in sorted(copies, key=lambda c: c[0]):
         if total <= limit:
             break
         if not _remote_copy(marker):
-            continue  # a local pack's copy, or an incomplete one: not ours to evict (its lock is never taken)
+            kept_because.append("local")  # not ours to evict (its lock is never taken)
+            continue
         owner = _owner(entry)
         try:
             with hold_lock(convert_lock_path(owner), what="packdata stage (evicting)", target=owner):
                 try:
-                    if _evictable(entry, storage_options, source) and delete_unread(entry, owner):
+                    if not _evictable(entry, storage_options, source, kept_because):
+                        continue
+                    if delete_unread(entry, owner):
                         evicted.append(entry)
                         total -= size
+                    else:
+                        kept_because.append("read")
                 except ConfigError as exc:  # its .readers.lock is not one a stage made
                     unknown = unknown or f" ({exc})"
+                    kept_because.append("untold")
         except LockedError:
-            continue  # another process is staging, replacing or unstaging it
+            kept_because.append("busy")
     if total > limit:
+        why = "; ".join(f"{kept_because.count(k)} {words}" for k, words in _KEPT.items() if k in kept_because)
         raise CapacityError(
-            f"the cache limit of {limit:,} bytes cannot hold the pack: staged copies in use by live readers "
-            f"or other stages, of local packs, or whose origin is gone leave {total:,} bytes{unknown}",
+            f"the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes) beside the staged "
+            f"copies kept: {why}; {total:,} bytes in all{unknown}",
             path=cache,
             hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
         )
     return evicted
+
+
+_KEPT = {  # why evict_for kept a staged copy, in the words of its CapacityError
+    "read": "in use by live readers",
+    "busy": "being staged, replaced or unstaged by another process",
+    "untold": "whose readers cannot be told",
+    "local": "of a local pack, or incomplete",
+    "gone": "whose origin is gone (the last copy)",
+    "store": "whose origin is in another store than the pack staged (never looked up)",
+    "user": "whose origin's URL had a user part it does not show (never looked up)",
+    "unreachable": "whose origin could not be looked up",
+}
 
 
 def _remote_copy(marker: dict[str, Any] | None) -> bool:
@@ -234,17 +254,25 @@ def _same_store(origin: str, source: str | None) -> bool:
     return a.scheme == b.scheme and (a.scheme not in ("http", "https") or a.netloc == b.netloc)
 
 
-def _evictable(entry: Path, storage_options: dict[str, Any] | None, source: str | None) -> bool:
-    """Whether ``entry`` (its lock held) is still a complete remote copy whose origin is there."""
+def _evictable(entry: Path, storage_options: dict[str, Any] | None, source: str | None, why: list[str]) -> bool:
+    """Whether ``entry`` (its lock held) is still a complete remote copy whose origin is there.
+
+    When it is not, the reason (a key of ``_KEPT``) is appended to ``why``.
+    """
     marker = read_marker(entry) if entry.is_dir() and not entry.is_symlink() else None
+    reason = ""
     if marker is None or not _remote_copy(marker):
-        return False  # replaced or removed before its lock was taken
-    if user_digest(marker["origin"]) != marker.get("origin_user", ""):
-        return False  # its URL had a user part the origin does not show: it names another place
-    if not _same_store(marker["origin"], source):
-        return False  # another store: never sent these storage_options, nor a request a planted marker names
-    try:
-        fs, root = open_url(marker["origin"], storage_options)
-        return bool(fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}"))
-    except Exception:
-        return False
+        reason = "busy"  # replaced or removed before its lock was taken
+    elif user_digest(marker["origin"]) != marker.get("origin_user", ""):
+        reason = "user"  # its URL had a user part the origin does not show: it names another place
+    elif not _same_store(marker["origin"], source):
+        reason = "store"  # never sent these storage_options, nor a request a planted marker names
+    else:
+        try:
+            fs, root = open_url(marker["origin"], storage_options)
+            reason = "" if fs.exists(f"{root.rstrip('/')}/{MANIFEST_NAME}") else "gone"
+        except Exception:
+            reason = "unreachable"
+    if reason:
+        why.append(reason)
+    return not reason
