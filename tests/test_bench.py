@@ -627,6 +627,22 @@ def test_bench_and_tune_name_a_file_given_as_a_source_once(pack: Path, tmp_path:
     assert tune.exit_code == 1 and tune.output == f"Error: {said}\n"
 
 
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_decode_crop_help_says_the_ceiling_is_a_full_decode_whichever_decodes(command: str) -> None:
+    """--help said 'else PIL's DCT scaling (bench's ceiling is then PIL's full decode + crop)', as if only without
+    TurboJPEG; the ceiling of --decode crop is PIL's full decode + crop with TurboJPEG too (the table says so)."""
+    out = CliRunner().invoke(cli_main, [command, "--help"])
+    assert out.exit_code == 0, out.output
+    assert (
+        " ".join(out.output.split()).count(
+            "crop: DecodeCrop, decoding only what the random crop needs: its rows and columns with TurboJPEG 3 (pip "
+            "install 'packdata[turbo]'), else PIL's DCT scaling; bench's ceiling for crop is PIL's full decode + crop "
+            "(the work DecodeCrop replaces), whichever decodes. [default: pil]"
+        )
+        == 1
+    )
+
+
 def test_tune_keeps_the_batch_size_unless_asked_to_search(pack: Path) -> None:
     """tune used to search 32-256 by default and recommend another batch size from noisy 3-batch timings."""
     result = run_tune(pack, memory_budget=8 << 30, batch_sizes=(8,), max_workers=0, batches=2, warmup=0)

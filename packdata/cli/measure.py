@@ -39,8 +39,8 @@ _decode_option = click.option(
     show_default=True,
     help="bytes: no decoding; pil: full decode; reduced: JPEG DCT-scaled decode to the output side (bench: "
     "--size; tune: 224); crop: DecodeCrop, decoding only what the random crop needs: its rows and columns with "
-    "TurboJPEG 3 (pip install 'packdata[turbo]'), else PIL's DCT scaling (bench's ceiling is then PIL's full "
-    "decode + crop).",
+    "TurboJPEG 3 (pip install 'packdata[turbo]'), else PIL's DCT scaling; bench's ceiling for crop is PIL's full "
+    "decode + crop (the work DecodeCrop replaces), whichever decodes.",
 )
 
 
