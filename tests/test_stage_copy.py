@@ -480,6 +480,22 @@ def test_a_stage_that_stages_nothing_says_why_and_fails(lmdb_pack: Path, tmp_pat
     assert one.exit_code == 0 and "copied 1 shard (" in one.output and "why: the budget" in one.output
 
 
+def test_stage_help_names_every_reason_a_shard_is_left_behind() -> None:
+    """The help said shards are left behind '(over --budget)', but a stage without --budget leaves those past the
+    room free in the area, and one with --shards those it does not name (the tests above)."""
+    out = CliRunner().invoke(main, ["stage", "--help"])
+    assert out.exit_code == 0, out.output
+    assert (
+        " ".join(out.output.split()).count(
+            "The staged pack, AREA/NAME, has its own manifest: staged shards point at the copies, shards left behind "
+            "(not named by --shards, or past --budget or the room free in the area) at the originals, so "
+            "LMDBDataset(staged) and TFRecordDataset(staged) read the mix. A second run copies only what is missing or "
+            "changed."
+        )
+        == 1
+    )
+
+
 def test_lmdb_and_tfrecord_share_one_default_shard_size(noise_folder: Path, tmp_path: Path) -> None:
     """LMDB used to write one shard whatever the size, so staging into a smaller area staged nothing."""
     from packdata.formats import DEFAULT_SHARD_BYTES, get_format

@@ -73,9 +73,10 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
     """Copy PACK's shards to fast storage (NVMe or a sized tmpfs) and verify them.
 
     The staged pack, AREA/NAME, has its own manifest: staged shards point at
-    the copies, shards left behind (over --budget) at the originals, so
-    LMDBDataset(staged) and TFRecordDataset(staged) read the mix. A second
-    run copies only what is missing or changed.
+    the copies, shards left behind (not named by --shards, or past --budget or
+    the room free in the area) at the originals, so LMDBDataset(staged) and
+    TFRecordDataset(staged) read the mix. A second run copies only what is
+    missing or changed.
 
     \b
     Examples:
