@@ -27,17 +27,23 @@ _HINT = (
 
 @pytest.fixture
 def thin_ext4(tmp_path: Path, tmpfs, request: pytest.FixtureRequest) -> Path:
-    """An ext4 file system of 64 MiB whose blocks lie in a sparse file on an 8 MiB tmpfs; unmounted afterwards."""
+    """An ext4 file system of 64 MiB whose blocks lie in a sparse file on an 8 MiB tmpfs; unmounted afterwards.
+
+    Without a journal, and mounted errors=continue: a journal aborts at the first of its writes the full disk
+    beneath refuses, and the volume, read-only then, gave a later write (a lock's removal) an EROFS that
+    replaced the error under test.
+    """
     if shutil.which("mkfs.ext4") is None:
         pytest.skip("needs mkfs.ext4")
     backing = tmpfs("8m", name="thin") / "backing"
     with open(backing, "wb") as f:
         f.truncate(64 << 20)
     options = "lazy_itable_init=1,lazy_journal_init=1"  # mkfs writes a few hundred KiB, not the whole volume
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", options, os.fspath(backing)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", options, os.fspath(backing)], check=True)
     point = tmp_path / "ext4"
     point.mkdir()
-    mounted = subprocess.run(["mount", "-o", "loop", os.fspath(backing), os.fspath(point)], capture_output=True)
+    mount = ["mount", "-o", "loop,errors=continue", os.fspath(backing), os.fspath(point)]
+    mounted = subprocess.run(mount, capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode().strip()}")
     # before the tmpfs; lazily: a file a failed test left open would keep it mounted
@@ -85,3 +91,48 @@ def test_a_pack_writer_stopped_on_a_volume_that_refuses_fsync_raises_what_stoppe
         writer.write({"__key__": "a", "txt": "first"})
         writer.write({"__key__": "a", "txt": "again"})
     assert not dst.exists() and not any(p.name.startswith(".w.lmdb") for p in thin_ext4.iterdir())
+
+
+def _big_pack(folder: Path) -> Path:
+    """An LMDB pack of one shard of 16 MiB of random bytes: more than the disk beneath the thin volume holds."""
+    with packdata.PackWriter(folder / "big.lmdb") as writer:
+        for i in range(4):
+            writer.write({"__key__": f"k{i}", "bin": os.urandom(4 << 20)})
+    return folder / "big.lmdb"
+
+
+def test_a_downloaded_file_whose_flush_fills_the_disk_beneath_is_named_not_its_folder(
+    thin_ext4: Path, tmp_path: Path, s3_store
+) -> None:
+    """A file a remote stage downloaded was made durable by a raw fsync: the full disk beneath the volume that
+    refused it was named as the staged pack's folder ('while writing fsync-big.lmdb of the staged pack'), not the
+    file. It is now the file, in the stage's words (the disk, the remote stage's hint)."""
+    options, fs = s3_store
+    fs.put(str(_big_pack(tmp_path)), "packs/fsync-big.lmdb", recursive=True)
+    with pytest.raises(packdata.CapacityError) as caught:
+        packdata.stage("s3://packs/fsync-big.lmdb", to=thin_ext4 / "cache", storage_options=options, progress=False)
+    partial = thin_ext4 / "cache" / ".fsync-big.lmdb.partial"
+    pattern = (
+        rf"{re.escape(str(partial))}/shard-00000\.lmdb/\.data\.mdb\.part: no space left on "
+        rf"{re.escape(str(thin_ext4))} \(ext4 of [0-9.]+ MiB, [0-9.]+ [KM]?i?B free\) while writing "
+        r"shard-00000\.lmdb/data\.mdb of the staged pack\. A pack is staged whole from a URL: free space or stage "
+        r"into another cache, then stage again \(what was downloaded is kept\)"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+
+
+def test_a_staged_shard_whose_flush_fills_the_disk_beneath_is_named_in_the_stages_words(
+    thin_ext4: Path, tmp_path: Path
+) -> None:
+    """A shard's copy is made durable through pack.files.fsync_named now (a refusal other than a full disk is
+    a ConfigError naming the file); its full disk is still named in the stage's words: the shard, the volume and
+    the stage's hint, not fsync_named's own."""
+    with pytest.raises(packdata.CapacityError) as caught:
+        packdata.stage(_big_pack(tmp_path), to=thin_ext4 / "staged", progress=False)
+    pattern = (
+        rf"{re.escape(str(thin_ext4 / 'staged' / 'big.lmdb'))}: no space left on {re.escape(str(thin_ext4))} "
+        r"\(ext4 of [0-9.]+ MiB, [0-9.]+ [KM]?i?B free\) while staging shard 0 \(shard-00000\.lmdb, 16\.0 MiB\)\. "
+        r"The partial copy was removed and the source is untouched\. Stage fewer shards with budget=SIZE, free "
+        r"space, or use a larger tmpfs=SIZE"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)

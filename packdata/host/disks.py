@@ -22,7 +22,7 @@ FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 RERUN_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
 """The remedy where the writer is not known: a conversion's, a merge's or an append's, which reword it."""
 
-_TEMPORARY = (".partial", ".tmp")  # what a pack's work folder and atomic_write's own suffix add
+_TEMPORARY = (".partial", ".tmp", ".part")  # a pack's work folder, atomic_write's, a download's (remote stage)
 
 
 def filesystem_named(folder: str | os.PathLike) -> str:

@@ -95,8 +95,12 @@ _FSYNC_HINT = (
 )
 
 
-def fsync_named(fd: int, path: str | os.PathLike) -> None:
+def fsync_named(fd: int, path: str | os.PathLike, *, full_disk_as_oserror: bool = False) -> None:
     """``os.fsync(fd)`` of the open file or folder ``path``; its file system's refusal is named.
+
+    Args:
+        full_disk_as_oserror: for a caller that names a full disk in its own words (a stage's):
+            a full disk or quota raises the ``OSError`` again, with ``path`` as its file name.
 
     Raises:
         CapacityError: a full disk or quota (of the volume beneath it too: the mount is named).
@@ -106,6 +110,8 @@ def fsync_named(fd: int, path: str | os.PathLike) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
+        if exc.errno in FULL_DISK_ERRNOS and full_disk_as_oserror:
+            raise OSError(exc.errno, exc.strerror, os.fspath(path)) from exc
         if exc.errno in FULL_DISK_ERRNOS:
             path = Path(path)
             raise no_space_error(exc, path, folder=path.parent, of="(flushing it to disk)", hint=_FSYNC_HINT) from exc

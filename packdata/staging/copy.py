@@ -26,6 +26,7 @@ from packdata.errors import CapacityError, PackdataError, PackFormatError
 from packdata.formats import get_format
 from packdata.pack.files import (
     file_kind,
+    fsync_named,
     open_regular,
     stream_sha256,
 )
@@ -188,6 +189,7 @@ def copy_regular(src: Path, tmp: Path, on_chunk: Callable[[int], None] | None = 
 
     Raises:
         PackFormatError: ``src`` is a symlink, a FIFO, a device or a folder.
+        ConfigError: the file system of ``tmp`` refused the fsync (a full disk: the ``OSError``, ``tmp`` named).
     """
     digest = hashlib.sha256()
     buffer = bytearray(CHUNK)
@@ -211,7 +213,7 @@ def copy_regular(src: Path, tmp: Path, on_chunk: Callable[[int], None] | None = 
                     on_chunk(n)
             fout.flush()
             os.fchmod(out, mode)
-            os.fsync(out)
+            fsync_named(out, tmp, full_disk_as_oserror=True)  # a full disk: the stage's words
     return size, digest.hexdigest()
 
 

@@ -57,6 +57,7 @@ from packdata.pack.files import (
     file_sha256,
     file_stamp,
     fsync_dir,
+    fsync_named,
     holds_conversion,
 )
 from packdata.pack.index import index_files
@@ -477,7 +478,7 @@ def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
     """Check a downloaded file against the manifest's SHA-256 (if it has one), make it durable and give it its name."""
     tmp = _part(local)
     with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+        fsync_named(f.fileno(), tmp, full_disk_as_oserror=True)  # a full disk: the stage's words, the file named
     if sha256 is not None and file_sha256(tmp) != sha256:
         tmp.unlink()
         raise PackFormatError(
