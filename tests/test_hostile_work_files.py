@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from conftest import interrupted_convert, moto_s3
 
 from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
 from packdata.conversion.destination import partial_path
+from packdata.conversion.download import copied_again
 from packdata.conversion.replace import remove_replaced
 from packdata.conversion.upload import work_folder
 from packdata.conversion.upload_journal import check_job
@@ -210,3 +212,30 @@ def test_a_work_folders_journal_line_of_deeply_nested_json_counts_for_nothing(
     (work.parent / "job.json").write_text(_NESTED, encoding="utf-8")  # the record of the pack waiting for upload
     with pytest.raises(ConfigError, match=r"^s3://packs/nested-pack: the pack waiting .* by an unknown conversion"):
         check_job(work, "src", {}, "s3://packs/nested-pack")
+
+
+@pytest.mark.parametrize("planted", ["symlink", "FIFO", "folder"])
+def test_a_download_journal_that_is_no_regular_file_is_refused_by_a_resumes_check(tmp_path: Path, planted: str) -> None:
+    """copied_again (a resume's check of the files of a URL's folder downloaded again since they were packed) read
+    downloaded.jsonl with Path.read_bytes: through a link planted at its name (the planter's lines read as the
+    journal), a FIFO (the read waited for a writer forever), a folder (a bare IsADirectoryError). It is read as
+    the work folder's other journals are: refused, named, never read through."""
+    folder = tmp_path / "work" / "src"
+    folder.mkdir(parents=True)
+    journal = folder.parent / "downloaded.jsonl"
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_text(json.dumps({"name": "a.txt", "size": 2, "version": "v2"}) + "\n", encoding="utf-8")
+    if planted == "symlink":
+        journal.symlink_to(theirs)
+    elif planted == "FIFO":
+        os.mkfifo(journal)
+    else:
+        journal.mkdir()
+    kind = {"symlink": "a symlink", "FIFO": "a FIFO", "folder": "a folder"}[planted]
+    expected = (
+        f"{journal}: is {kind}, not a regular file: packdata never reads or writes its own files through it "
+        "(another user may have put it there). Remove it if it is not yours (nothing was written through it), or "
+        "set PACKDATA_TMP to your own folder"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        copied_again(folder, 0)

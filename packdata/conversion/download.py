@@ -25,7 +25,7 @@ from packdata.conversion.upload import work_folder
 from packdata.conversion.upload_journal import _read_journal
 from packdata.errors import CapacityError
 from packdata.host.facts import disk_free
-from packdata.pack.files import append_own_file
+from packdata.pack.files import append_own_file, read_own_bytes
 from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
@@ -195,10 +195,12 @@ def copied_again(folder: Path, before: int) -> dict[str, str]:
     folder was emptied, its journal with it). Name -> what differs, in words.
     An object downloaded again as it was (its copy removed, or a store that
     gives no version) is not among them.
+
+    Raises:
+        ConfigError: the journal is a link, a FIFO, a folder or another user's file (never read through it).
     """
-    try:
-        data = (folder.parent / _DOWNLOADED).read_bytes()
-    except FileNotFoundError:
+    data = read_own_bytes(folder.parent / _DOWNLOADED, hint=WORK_FILE_HINT)
+    if data is None:
         return {}
     if before > len(data):  # another journal than the one the checkpoint measured: nothing of it came before
         before = 0

@@ -49,6 +49,7 @@ __all__ = [
     "open_regular",
     "private_folder",
     "private_temp_folder",
+    "read_own_bytes",
     "read_own_file",
     "read_regular",
     "stream_sha256",
@@ -438,11 +439,17 @@ def append_own_file(path: Path, text: str, *, hint: str, sync: bool = False) -> 
 def read_own_file(path: Path, *, hint: str) -> str | None:
     """The text of ``path`` (None when there is nothing there), a regular file of this user's, never through a
     link; raises as :func:`append_own_file`."""
+    data = read_own_bytes(path, hint=hint)
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def read_own_bytes(path: Path, *, hint: str) -> bytes | None:
+    """The bytes of ``path`` (None when there is nothing there), as :func:`read_own_file` reads it."""
     try:
         fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, hint)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
+    with os.fdopen(fd, "rb") as f:
         return f.read()
 
 
