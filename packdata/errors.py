@@ -32,6 +32,7 @@ __all__ = [
     "raise_at_url",
     "sample_error",
     "too_many_open_files",
+    "unwritable_error",
 ]
 
 
@@ -154,15 +155,25 @@ def sample_error(exc: ImageFormatError | DecodeError, which: str, path: str | os
 def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:
     """The one-line error for ``exc``, raised creating or opening ``path`` in a destination.
 
-    A full disk or quota gives :class:`CapacityError`; anything else (read-only
-    file system, no permission, a parent that is not a folder, a special file
-    system such as ``/proc``) gives :class:`ConfigError`. Raise it ``from exc``.
+    A full disk or quota gives :class:`CapacityError`; anything else gives
+    :func:`unwritable_error`. Raise it ``from exc``.
     """
     reason = exc.strerror or str(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return CapacityError(f"the destination disk is full ({reason})", path=path, hint="Free space and rerun")
+    return unwritable_error(exc, path)
+
+
+def unwritable_error(exc: OSError, path: str | os.PathLike) -> ConfigError:
+    """The ConfigError for ``exc``, raised creating or writing ``path`` where packdata writes: not a full disk.
+
+    Read-only file system, no permission, a parent that is not a folder, a special
+    file system such as ``/proc``. A full disk is named with its mount, size and free
+    space by ``packdata.host.disks.write_error`` (which calls this for anything else),
+    as this layer knows no mounts. Raise it ``from exc``.
+    """
     return ConfigError(
-        f"cannot write the destination ({reason})",
+        f"cannot write the destination ({exc.strerror or exc})",
         path=path,
         hint="Choose a destination on a writable local or network file system",
     )

@@ -227,3 +227,71 @@ def test_a_tfrecord_shard_begun_on_a_full_disk_names_the_disk(tmp_path: Path, tm
     )
     with pytest.raises(packdata.CapacityError, match=pattern):
         TFRecordShardWriter(shard)
+
+
+def _out_of_inodes(tmpfs) -> Path:
+    """A real 4 MiB tmpfs with room for its root and one file (a conversion's lock file): bytes free, no inodes."""
+    return tmpfs("4m", options="nr_inodes=2")
+
+
+def _partial_refused(disk: Path, dst: Path, hint: str) -> str:
+    """The one line a writer that cannot make the partial pack of ``dst`` on ``disk`` (out of inodes) gives."""
+    return (
+        rf"{re.escape(str(partial_path(dst)))}: no space left on {re.escape(str(disk))} \(tmpfs of 4\.0 MiB, "
+        rf"[0-9.]+ [KM]?i?B free, no inodes free\) while writing {re.escape(dst.name)} \(making its partial pack's "
+        rf"folder\){hint}"
+    )
+
+
+def test_a_conversion_that_cannot_make_its_partial_pack_names_the_full_disk(tmp_path: Path, tmpfs) -> None:
+    """A conversion whose partial pack's folder a full disk refused said 'PARTIAL: the destination disk is full
+    (No space left on device). Free space and rerun', naming neither the disk nor its size. It is now named as a
+    full shard is, with the resume hint; once there is room, --resume publishes the pack."""
+    src = _folder(tmp_path / "src", range(5))
+    disk = _out_of_inodes(tmpfs)
+    dst = disk / "out.lmdb"
+    args = ["convert", str(src), str(dst), "-q"]
+    hint = r"\. Free space on that disk, then convert again with --resume\n"
+    _refused(args, f"Error: {_partial_refused(disk, dst, hint)}")
+    assert not os.path.lexists(partial_path(dst)) and not dst.exists()
+
+
+def test_a_pack_writer_that_cannot_make_its_partial_pack_names_the_full_disk(tmp_path: Path, tmpfs) -> None:
+    """PackWriter's partial pack refused by a full disk said 'PARTIAL: the destination disk is full'; it now
+    names the disk and that a PackWriter publishes nothing it did not finish."""
+    disk = _out_of_inodes(tmpfs)
+    dst = disk / "w.lmdb"
+    hint = r"\. Free space on that disk, then write the pack again: a PackWriter publishes nothing it did not finish"
+    with pytest.raises(packdata.CapacityError) as caught:
+        packdata.PackWriter(dst)
+    assert re.fullmatch(_partial_refused(disk, dst, hint), str(caught.value)), str(caught.value)
+
+
+def test_a_merge_that_cannot_make_its_partial_pack_names_the_full_disk(tmp_path: Path, tmpfs) -> None:
+    """A merge whose partial pack a full disk refused said 'PARTIAL: the destination disk is full'; it now names
+    the disk and that nothing was published."""
+    a, b = tmp_path / "a.lmdb", tmp_path / "b.lmdb"
+    packdata.convert(_folder(tmp_path / "a", range(3)), a, progress=False)
+    packdata.convert(_folder(tmp_path / "b", range(3, 6), cls="d"), b, progress=False)
+    disk = _out_of_inodes(tmpfs)
+    out = disk / "m.lmdb"
+    hint = (
+        r": nothing was published\. Free space on its disk \(shards are copied there from another disk\), then "
+        r"merge again\n"
+    )
+    _refused(["merge", str(a), str(b), "-o", str(out)], f"Error: {_partial_refused(disk, out, hint)}")
+    assert not out.exists()
+
+
+def test_a_conversion_onto_a_full_disk_names_it_before_it_starts(tmp_path: Path, tmpfs) -> None:
+    """A destination disk without the room to start said 'the destination disk is full: 0 bytes free, at least
+    1048576 needed to start', naming no disk; it now names it as every full disk is."""
+    src = _folder(tmp_path / "src", range(2))
+    disk = tmpfs("1m")
+    _fill(disk)
+    dst = disk / "out.lmdb"
+    pattern = (
+        rf"Error: {re.escape(str(disk))}: no space left on {re.escape(str(disk))} \(tmpfs of 1\.0 MiB, 0 B free\) "
+        r"to start a pack there \(1\.0 MiB needed\)\. Free space or choose another destination\n"
+    )
+    _refused(["convert", str(src), str(dst), "-q"], pattern)

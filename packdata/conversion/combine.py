@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from packdata.conversion.destination import (
+    MAKING_PARTIAL,
     _check_destination_writable,
     _check_existing,
     check_inputs_apart,
@@ -34,10 +35,10 @@ from packdata.conversion.destination import (
     spill_folder,
 )
 from packdata.conversion.publish import SKIP_REPORT, _publish, recover_replaced
-from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.formats.verify import check_shard_file, check_shard_records, open_index
-from packdata.host.disks import FULL_DISK_ERRNOS, filesystem_named
+from packdata.host.disks import FULL_DISK_ERRNOS, filesystem_named, write_error
 from packdata.pack.fields import codec_of
 from packdata.pack.files import (
     atomic_write,
@@ -361,7 +362,8 @@ def merge_packs(
             discard_partial(partial)
             partial.mkdir(parents=True)
         except OSError as exc:
-            raise destination_error(exc, partial) from exc
+            of = f"{MAKING_PARTIAL}: nothing was published"
+            raise write_error(exc, partial, folder=out.parent, of=of, hint=_FULL_HINT) from exc
         try:
             # the keys spill into the partial (removed with it): planned under the lock, after it is made
             inputs, classes, fields, codecs = _plan(paths, on_duplicate, spill_folder(partial))

@@ -9,12 +9,15 @@ from pathlib import Path
 
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format
+from packdata.host.disks import filesystem_named
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, is_inside
 from packdata.pack.index import ALL_FILES, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import MANIFEST_NAME, SKIP_REPORT, Manifest, read_manifest
+from packdata.units import format_size
 
 __all__ = [
+    "MAKING_PARTIAL",
     "SPILL_DIR",
     "check_inputs_apart",
     "check_real_destination",
@@ -27,6 +30,10 @@ __all__ = [
 SPILL_DIR = "keys.spill"
 """The folder of a partial pack where a walk's :class:`~packdata.pack.keyset.KeySet` spills sorted runs of
 keys (its memory stays bounded): emptied as a conversion starts or resumes, removed before it is published."""
+
+MAKING_PARTIAL = "(making its partial pack's folder)"
+"""What a full disk names a write as when the partial pack's folder cannot be made (``of=`` of
+:func:`packdata.host.disks.write_error`)."""
 
 
 def partial_path(dst: str | os.PathLike) -> Path:
@@ -323,7 +330,8 @@ def _check_destination_writable(dst: Path) -> None:
     free = st.f_bavail * st.f_frsize
     if free < _MIN_FREE_BYTES:
         raise CapacityError(
-            f"the destination disk is full: {free} bytes free, at least {_MIN_FREE_BYTES} needed to start",
+            f"no space left on {filesystem_named(parent)} to start a pack there "
+            f"({format_size(_MIN_FREE_BYTES)} needed)",
             path=parent,
             hint="Free space or choose another destination",
         )

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
-from packdata.conversion.destination import check_resumable, interrupted_error, partial_path, spill_folder
+from packdata.conversion.destination import (
+    MAKING_PARTIAL,
+    check_resumable,
+    interrupted_error,
+    partial_path,
+    spill_folder,
+)
 from packdata.conversion.download import COPIED_FROM, copied_again, journal_bytes
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
@@ -40,10 +46,9 @@ from packdata.errors import (
     PackdataError,
     PackFormatError,
     SourceError,
-    destination_error,
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
-from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
@@ -91,7 +96,7 @@ def _convert_local(
     try:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise destination_error(exc, partial) from exc
+        raise write_error(exc, partial, folder=dst.parent, of=MAKING_PARTIAL, hint=_FULL_HINT) from exc
     workers = workers or min(32, 4 * (os.cpu_count() or 1))
 
     packer = _Packer(source, partial, opts, checkpoint, resumed)

@@ -23,13 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import _Checkpoint
-from packdata.conversion.destination import _check_destination_writable, _check_existing, partial_path, spill_folder
+from packdata.conversion.destination import (
+    MAKING_PARTIAL,
+    _check_destination_writable,
+    _check_existing,
+    partial_path,
+    spill_folder,
+)
 from packdata.conversion.load import _Options, ordered_map, shard_limits
 from packdata.conversion.local import _Packer
 from packdata.conversion.publish import ConvertResult, _publish, make_result, recover_replaced
 from packdata.conversion.sources import FREE_CLASSES
-from packdata.errors import CapacityError, ConfigError, destination_error
+from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
+from packdata.host.disks import write_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import PROGRESS_FILE, discard_partial
 from packdata.pack.keyset import KeySet
@@ -109,8 +116,10 @@ class PackWriter:
             discard_partial(self._partial)  # a writer's partial is never resumable
             self._partial.mkdir(parents=True)
         except OSError as exc:
+            # named before the lock file gives its room back
+            error = write_error(exc, self._partial, folder=self.dst.parent, of=MAKING_PARTIAL, hint=_FULL_HINT)
             self._stack.close()
-            raise destination_error(exc, self._partial) from exc
+            raise error from exc
         self._keys = KeySet(spill=spill_folder(self._partial))  # the partial is new: nothing spilled there yet
         self._opts = _Options(fmt, "fields", "fail", False, None, 90, shard_size, shard_samples)
         self._source = _WriterSource(self.dst, [])

@@ -1,8 +1,10 @@
 """Naming a full disk: which file system, of what type and size, with how much left.
 
 Every write that runs out of room (a stage's copy, a conversion's shard, keys
-spilled past a memory budget) says it in the same words: ``no space left on
-MOUNT (FSTYPE of SIZE, FREE free) while writing FILE of WHAT``.
+spilled past a memory budget, a folder made at a destination) says it in the same
+words: ``no space left on MOUNT (FSTYPE of SIZE, FREE free) while writing FILE of
+WHAT``; :func:`write_error` gives them for a full disk and
+:func:`packdata.errors.unwritable_error` for any other refusal.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import os
 import shutil
 from pathlib import Path
 
-from packdata.errors import CapacityError
+from packdata.errors import CapacityError, PackdataError, unwritable_error
 from packdata.host.facts import find_mount, read_mounts
 from packdata.units import format_size
 
-__all__ = ["FULL_DISK_ERRNOS", "RERUN_HINT", "filesystem_named", "no_space_error"]
+__all__ = ["FULL_DISK_ERRNOS", "RERUN_HINT", "filesystem_named", "no_space_error", "write_error"]
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 RERUN_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
@@ -31,12 +33,21 @@ def filesystem_named(folder: str | os.PathLike) -> str:
         usage = shutil.disk_usage(folder)
     except OSError:  # gone meanwhile: the folder is named alone
         return os.fspath(folder)
-    sizes = f"{format_size(usage.total)}, {format_size(usage.free)} free"
+    sizes = f"{format_size(usage.total)}, {format_size(usage.free)} free{_no_inodes(folder)}"
     try:
         mount = find_mount(folder, read_mounts())
     except LookupError:
         return f"{os.fspath(folder)} ({sizes})"
     return f"{mount.mountpoint} ({mount.fstype} of {sizes})"
+
+
+def _no_inodes(folder: str | os.PathLike) -> str:
+    """``", no inodes free"`` where the file system of ``folder`` has room for bytes but not for another file."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    return ", no inodes free" if st.f_files and not st.f_favail else ""
 
 
 def no_space_error(
@@ -57,6 +68,20 @@ def no_space_error(
     return CapacityError(
         f"no space left on {filesystem_named(_existing(path))} while writing {shown} {of}", path=path, hint=hint
     )
+
+
+def write_error(
+    exc: OSError, path: str | os.PathLike, *, folder: str | os.PathLike, of: str, hint: str
+) -> PackdataError:
+    """The one-line error for ``exc``, raised creating or writing ``path`` (a file or folder in ``folder``).
+
+    A full disk or quota gives :func:`no_space_error` (``of`` and ``hint`` as there); anything
+    else (read-only, no permission, a file on the way) gives :func:`packdata.errors.unwritable_error`.
+    Raise it ``from exc``.
+    """
+    if exc.errno in FULL_DISK_ERRNOS:
+        return no_space_error(exc, path, folder=folder, of=of, hint=hint)
+    return unwritable_error(exc, path)
 
 
 def _final_name(name: str) -> str:
