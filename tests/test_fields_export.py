@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -154,7 +155,8 @@ def test_export_of_a_key_of_many_folders_writes_it_without_running_out_of_stack(
 
 
 def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -> None:
-    """A real 1 MiB tmpfs: two samples of 400 KB fit, the third fills it."""
+    """A real 1 MiB tmpfs: two samples of 400 KB fit, the third fills it. The error said 'OUT: the disk is full
+    (No space left on device) after 2 samples were exported', naming no disk; it names it as every full disk is."""
     import subprocess
 
     if os.geteuid() != 0:
@@ -168,10 +170,28 @@ def test_export_onto_a_full_disk_stops_with_one_capacity_error(tmp_path: Path) -
     try:
         done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(disk / "out")])
         assert done.exit_code == 1
-        assert done.output == (
-            f"Error: {disk / 'out'}: the disk is full (No space left on device) after 2 samples were exported. "
-            "Free space, delete the partial export and run it again\n"
+        pattern = (
+            rf"Error: {re.escape(str(disk / 'out' / 'c.txt'))}: no space left on {re.escape(str(disk))} \(tmpfs of "
+            r"1\.0 MiB, [0-9.]+ KiB free\) while writing c\.txt of the export, after 2 samples were exported\. "
+            r"Free space, delete the partial export and run it again\n"
         )
+        assert re.fullmatch(pattern, done.output), done.output
         assert sorted(p.name for p in (disk / "out").iterdir()) == ["a.txt", "b.txt"]  # c's partly written file is gone
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.root
+def test_export_whose_folder_a_full_disk_refuses_names_the_disk(tmp_path: Path, tmpfs) -> None:
+    """A real tmpfs without an inode to spare: the export's folder said 'OUT: the destination disk is full (No
+    space left on device). Free space and rerun', naming no disk; it is named as every full disk is."""
+    with packdata.PackWriter(tmp_path / "p.lmdb") as writer:
+        writer.write({"__key__": "a", "txt": "a"})
+    disk = tmpfs("1m", options="nr_inodes=1")
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(disk / "out")])
+    pattern = (
+        rf"Error: {re.escape(str(disk / 'out'))}: no space left on {re.escape(str(disk))} \(tmpfs of 1\.0 MiB, "
+        r"1\.0 MiB free, no inodes free\) while writing out \(the export's folder\)\. Free space, then export again\n"
+    )
+    assert done.exit_code == 1 and re.fullmatch(pattern, done.output), done.output
+    assert os.listdir(disk) == []

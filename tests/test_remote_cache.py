@@ -199,11 +199,17 @@ def test_a_cached_side_table_edited_at_the_same_size_is_downloaded_again(
 @pytest.mark.root
 @pytest.mark.parametrize("inodes", [6, 9])  # the disk fills at an index file, at a side table
 def test_a_full_cache_while_opening_a_remote_pack_names_the_cache(s3, remote_tfrecord, tmpfs, inodes: int) -> None:
-    """Once 'cannot read index/labels.i32 (OSError). Check the URL, the endpoint and the credentials'."""
+    """Once 'cannot read index/labels.i32 (OSError). Check the URL, the endpoint and the credentials', then 'FILE:
+    the destination disk is full (No space left on device). Free space and rerun', naming no disk."""
     options, _ = s3
     url, _ = remote_tfrecord
     cache = tmpfs("64m", "cache", options=f"nr_inodes={inodes}")
-    with pytest.raises(packdata.CapacityError, match=rf"^{re.escape(str(cache))}/.*: the destination disk is full"):
+    pattern = (
+        rf"^{re.escape(str(cache))}/(\S+): no space left on {re.escape(str(cache))} \(tmpfs of 64\.0 MiB, [0-9.]+ "
+        r"MiB free, no inodes free\) while writing \S+ \(the pack's index and side tables, copied from the URL\)\. "
+        r"Free space there, or pass cache_dir=DIR on a larger disk$"
+    )
+    with pytest.raises(packdata.CapacityError, match=pattern):
         packdata.TFRecordDataset(url, storage_options=options, cache_dir=cache)
 
 

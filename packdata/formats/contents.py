@@ -10,16 +10,16 @@ re-encoding (the round trip a user runs before trusting a format).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, destination_error, raise_at_url
+from packdata.errors import ConfigError, PackdataError, PackFormatError, raise_at_url
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton, forget_skeleton
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
 from packdata.pack.files import fsync_dir, is_inside
 from packdata.pack.index import SampleIndex, check_index_digests
@@ -180,6 +180,7 @@ def _remote_record(url: str, which: str, storage_options: dict[str, Any] | None)
 
 
 _VERIFY = "Run `packdata verify` on the pack"
+_EXPORT_AGAIN = "Free space, then export again"
 
 
 def read_field(
@@ -296,8 +297,8 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError("export destination is not an empty folder", path=dst, hint="Choose a new folder")
     try:
         dst.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # read-only, a file on the way, no permission
-        raise destination_error(exc, dst) from exc
+    except OSError as exc:  # a full disk, read-only, a file on the way, no permission
+        raise write_error(exc, dst, folder=dst.parent, of="(the export's folder)", hint=_EXPORT_AGAIN) from exc
     result = ExportResult(dst)
     for shard in manifest.shards:
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
@@ -322,12 +323,11 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
                 continue
             except OSError as exc:
                 _undo(dst, written, targets)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise CapacityError(
-                        f"the disk is full ({exc.strerror or exc}) after {result.samples} samples were exported",
-                        path=dst,
-                        hint="Free space, delete the partial export and run it again",
-                    ) from exc
+                if exc.errno in FULL_DISK_ERRNOS:
+                    of = f"of the export, after {result.samples} samples were exported"
+                    hint = "Free space, delete the partial export and run it again"
+                    where = exc.filename or (written[-1] if written else dst)  # a write's error names no file
+                    raise no_space_error(exc, where, folder=dst, of=of, hint=hint) from exc
                 reason = exc.strerror or str(exc)  # a name too long, a character the file system rejects
                 result.refused.append({"key": sample.key, "reason": f"the file system refuses its files ({reason})"})
                 continue

@@ -11,7 +11,6 @@ credentials.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -20,8 +19,9 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, PackFormatError, destination_error
+from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format
+from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
 from packdata.pack.files import aside_path, atomic_write, discard_stale, file_stamp, private_temp_folder
 from packdata.pack.index import index_files
 from packdata.pack.lock import convert_lock_path, wait_for_lock
@@ -130,7 +130,7 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
                     f"{limit:,} bytes the cache may take (its free space, less a twentieth of its file system "
                     "or 1 GiB kept free)",
                     path=dest,
-                    hint="Free space there, or pass cache_dir=DIR on a larger disk",
+                    hint=_ROOM_HINT,
                 ) from None
             except Exception as exc:
                 if _disk_full(exc):
@@ -146,7 +146,8 @@ def download_skeleton(fs: Any, root: str, manifest: Manifest, raw: bytes, shown:
     except OSError as exc:
         if not _disk_full(exc):
             raise
-        raise destination_error(exc, dest) from exc
+        of = "(the pack's index and side tables, copied from the URL)"
+        raise no_space_error(exc, exc.filename or dest, folder=dest, of=of, hint=_ROOM_HINT) from exc
     return dest
 
 
@@ -176,7 +177,10 @@ def _copy_within(remote: Any, local: Any, room: int) -> int:
 
 def _disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` is a local write refused for want of space (never what a failed request raises)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS
+
+
+_ROOM_HINT = "Free space there, or pass cache_dir=DIR on a larger disk"
 
 
 _CACHE_HINT = "Remove it if it is not yours, or pass cache_dir=DIR (a folder of your own)"
