@@ -361,6 +361,25 @@ def test_a_read_only_or_full_cache_is_one_line_and_a_rerun_resumes(s3, remote_pa
     assert _samples(staged.staged) == _samples(local)
 
 
+@pytest.mark.root
+def test_a_cache_folder_a_full_disk_refuses_names_the_disk(s3, remote_pack, tmpfs) -> None:
+    """A cache whose folder a full disk refused said 'CACHE: the destination disk is full (No space left on
+    device). Free space and rerun', naming no disk; it is named as a full stage from a URL is, with its hint."""
+    options, _ = s3
+    url, _ = remote_pack
+    disk = tmpfs("4m", "full", options="nr_inodes=1")
+    cache = disk / "cache"
+    pattern = (
+        rf"{re.escape(str(cache))}: no space left on {re.escape(str(disk))} \(tmpfs of 4\.0 MiB, 4\.0 MiB free, "
+        r"no inodes free\) while writing cache \(the staging area's folder\)\. A pack is staged whole from a URL: "
+        r"free space or stage into another cache, then stage again \(what was downloaded is kept\)"
+    )
+    with pytest.raises(CapacityError) as caught:
+        packdata.stage(url, to=cache, storage_options=options, progress=False)
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert os.listdir(disk) == []
+
+
 _KILLED_SWAP = """
 import json, os, sys, time
 import packdata

@@ -519,3 +519,21 @@ def test_a_failed_mount_command_is_named_in_one_line(tmp_path: Path) -> None:
         run_mount(script, tmp_path, "Check the mount")
     assert "\n" not in str(raised.value)
     assert str(raised.value).endswith("failed: mount: /x: wrong fs type.; dmesg(1) may have more. Check the mount")
+
+
+@pytest.mark.root
+@needs_root
+def test_a_staging_area_a_full_disk_refuses_names_the_disk(lmdb_pack: Path, tmpfs) -> None:
+    """--to DIR whose folder a full disk refused said 'DIR: the destination disk is full (No space left on
+    device). Free space and rerun', naming no disk; it is named as a full stage is, with the stage's hint."""
+    disk = tmpfs("4m", name="full", options="nr_inodes=1")
+    area = disk / "area"
+    result = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(area), "-q"])
+    pattern = (
+        rf"Error: {re.escape(str(area))}: no space left on {re.escape(str(disk))} \(tmpfs of 4\.0 MiB, 4\.0 MiB "
+        r"free, no inodes free\) while writing area \(the staging area's folder\)\. The source is untouched; the "
+        r"staged pack is left as it was, or to be completed by a rerun\. Free space, stage fewer shards with "
+        r"--budget SIZE, or use a larger --tmpfs SIZE, then stage again\n"
+    )
+    assert result.exit_code == 1 and re.fullmatch(pattern, result.output), result.output
+    assert os.listdir(disk) == []

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError, destination_error
+from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
 from packdata.formats import get_format
 from packdata.formats.remote_reads import check_not_short
 from packdata.host.facts import gather_facts, read_mounts
@@ -85,7 +85,7 @@ from packdata.progress import progress as show_progress
 from packdata.staging.cache import delete_unread, discard_stale_copies, evict_for, unread_copy
 from packdata.staging.folder import missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
-from packdata.staging.space import FULL_DISK_ERRNOS, no_space_error
+from packdata.staging.space import FULL_DISK_ERRNOS, area_error, no_space_error
 from packdata.staging.tmpfs import mount_of
 
 __all__ = ["RemoteStageResult", "stage_remote"]
@@ -166,7 +166,7 @@ def stage_remote(
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise destination_error(exc, cache) from exc
+            raise area_error(exc, cache, hint=_FULL_HINT) from exc
         lock = convert_lock_path(cache / name)  # the lock a local stage into cache/NAME takes too
         # only the lock is waited for: a refusal under it (a copy still read) is final
         held.enter_context(

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from packdata.errors import CapacityError
+from packdata.errors import CapacityError, PackdataError
 from packdata.host import disks
 from packdata.host.disks import FULL_DISK_ERRNOS, filesystem_named
 
-__all__ = ["FULL_DISK_ERRNOS", "filesystem_named", "no_space_error"]
+__all__ = ["FULL_DISK_ERRNOS", "area_error", "filesystem_named", "no_space_error"]
 
 _RERUN_HINT = (
     "The source is untouched; the staged pack is left as it was, or to be completed by a rerun. "
@@ -28,3 +28,13 @@ def no_space_error(exc: OSError, path: str | os.PathLike, *, staged: Path, hint:
     Raise it ``from exc``; ``hint`` says what to do (by default: a local stage's remedies).
     """
     return disks.no_space_error(exc, path, folder=staged, of="of the staged pack", hint=hint)
+
+
+def area_error(exc: OSError, area: Path, *, hint: str = _RERUN_HINT) -> PackdataError:
+    """The one-line error for ``exc``, raised making the staging area (or cache) ``area``.
+
+    A full disk or quota is named as a full stage is (``hint`` says what to do); anything else
+    (read-only, no permission, a file on the way) is :func:`packdata.errors.unwritable_error`'s.
+    Raise it ``from exc``.
+    """
+    return disks.write_error(exc, area, folder=area.parent, of="(the staging area's folder)", hint=hint)

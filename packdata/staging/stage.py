@@ -59,7 +59,6 @@ from packdata.errors import (
     LockedError,
     PackdataError,
     PackFormatError,
-    destination_error,
 )
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
@@ -83,7 +82,7 @@ from packdata.staging.folder import (
 )
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.remote import RemoteStageResult, stage_remote
-from packdata.staging.space import FULL_DISK_ERRNOS, no_space_error
+from packdata.staging.space import FULL_DISK_ERRNOS, area_error, no_space_error
 from packdata.staging.tmpfs import (
     DEFAULT_AREA,
     TmpfsArea,
@@ -294,8 +293,8 @@ def stage(
         made = missing_folders(area)
         try:
             area.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # read-only, a file on the way, no permission
-            raise destination_error(exc, area) from exc
+        except OSError as exc:  # a full disk, read-only, a file on the way, no permission
+            raise area_error(exc, area) from exc
     else:
         area = Path(mount or DEFAULT_AREA).absolute()
         if not area.is_dir() or (mount is None and tmpfs_mount_at(area) is None):
