@@ -25,7 +25,6 @@ __all__ = [
     "SourceError",
     "DAMAGED_PACK_HINT",
     "OUT_OF_FILES_HINT",
-    "destination_error",
     "out_of_files_error",
     "out_of_maps",
     "out_of_maps_error",
@@ -152,25 +151,13 @@ def sample_error(exc: ImageFormatError | DecodeError, which: str, path: str | os
     return DecodeError(f"{which}: {exc}", path=path)
 
 
-def destination_error(exc: OSError, path: str | os.PathLike) -> PackdataError:
-    """The one-line error for ``exc``, raised creating or opening ``path`` in a destination.
-
-    A full disk or quota gives :class:`CapacityError`; anything else gives
-    :func:`unwritable_error`. Raise it ``from exc``.
-    """
-    reason = exc.strerror or str(exc)
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CapacityError(f"the destination disk is full ({reason})", path=path, hint="Free space and rerun")
-    return unwritable_error(exc, path)
-
-
 def unwritable_error(exc: OSError, path: str | os.PathLike) -> ConfigError:
     """The ConfigError for ``exc``, raised creating or writing ``path`` where packdata writes: not a full disk.
 
     Read-only file system, no permission, a parent that is not a folder, a special
-    file system such as ``/proc``. A full disk is named with its mount, size and free
-    space by ``packdata.host.disks.write_error`` (which calls this for anything else),
-    as this layer knows no mounts. Raise it ``from exc``.
+    file system such as ``/proc``. Never a full disk or quota: those are named with their
+    mount, size and free space by ``packdata.host.disks.write_error`` (which calls this
+    for anything else), as this layer knows no mounts. Raise it ``from exc``.
     """
     return ConfigError(
         f"cannot write the destination ({exc.strerror or exc})",

@@ -11,11 +11,11 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from packdata.errors import CapacityError, PackFormatError, destination_error
+from packdata.errors import CapacityError, PackFormatError
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
-from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
+from packdata.host.disks import RERUN_HINT, write_error
 from packdata.pack.files import file_sha256, fsync_named, open_regular, sha256_prefix
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample, encode_record
@@ -48,12 +48,10 @@ def _reserve_lock_file(shard: Path) -> None:
                 raise
         finally:
             os.close(fd)
-    except OSError as exc:
-        if exc.errno in FULL_DISK_ERRNOS:  # named as any full disk a pack is written to
-            of = "(an LMDB shard's lock file, allocated before LMDB maps it)"
-            where = lock if shard.is_dir() else shard
-            raise no_space_error(exc, where, folder=shard.parent, of=of, hint=RERUN_HINT) from exc
-        raise destination_error(exc, lock if shard.is_dir() else shard) from exc
+    except OSError as exc:  # a full disk named as any full disk a pack is written to
+        of = "(an LMDB shard's lock file, allocated before LMDB maps it)"
+        where = lock if shard.is_dir() else shard
+        raise write_error(exc, where, folder=shard.parent, of=of, hint=RERUN_HINT) from exc
 
 
 class LMDBShardWriter:

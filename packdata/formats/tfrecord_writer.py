@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packdata.errors import PackFormatError, destination_error
+from packdata.errors import PackFormatError, unwritable_error
 from packdata.formats.tfrecord_example import encode_with_span
 from packdata.formats.tfrecord_framing import frame_record
 from packdata.formats.tfrecord_reader import _CHUNK, TFRecordShardReader
@@ -70,7 +70,7 @@ class TFRecordShardWriter:
                     of = "(a new TFRecord shard, its index or record table)"
                     where = exc.filename or self.path
                     raise no_space_error(exc, where, folder=self.path.parent, of=of, hint=RERUN_HINT) from exc
-                raise destination_error(exc, self.path) from exc
+                raise unwritable_error(exc, self.path) from exc
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self._index = open(self.index_path, "ab")  # noqa: SIM115
         self._table = open(self.payload_path, "ab") if self._with_table else None  # noqa: SIM115

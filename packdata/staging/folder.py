@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from packdata.errors import ConfigError, PackdataError, PackFormatError, destination_error
+from packdata.errors import ConfigError, PackdataError, PackFormatError, unwritable_error
 from packdata.formats import get_format
 from packdata.pack.files import (
     aside_path,
@@ -267,7 +267,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     except OSError as exc:
         if exc.errno in FULL_DISK_ERRNOS:
             raise no_space_error(exc, path, staged=path.parent) from exc
-        raise destination_error(exc, path) from exc
+        raise unwritable_error(exc, path) from exc
 
 
 def staged_manifest(manifest: Manifest, source: Path, units: list[ShardFiles], staged: set[int]) -> Manifest:
