@@ -49,6 +49,7 @@ from packdata.conversion.upload import (
 from packdata.conversion.upload_journal import check_job, record_job
 from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
 from packdata.formats import FORMATS, format_from_path, get_format
+from packdata.host.disks import filesystem_named
 from packdata.pack.files import atomic_write, discard_partial, read_regular
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -453,7 +454,8 @@ def _pack_and_upload(
                 result = convert(src, local, **kwargs)
         except CapacityError as exc:  # the work folder's disk, which the user never named
             raise CapacityError(
-                f"the work folder's disk filled while packing for {display_url(url)}",
+                f"no space left on {filesystem_named(local.parent)} while packing for {display_url(url)} "
+                "in this work folder",
                 path=local,
                 hint="Free space there and rerun with --resume, or set PACKDATA_TMP to a disk with room and rerun",
             ) from exc
