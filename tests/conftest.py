@@ -126,6 +126,17 @@ def tar_with_a_hard_link(folder: Path, tar_path: Path) -> None:
             tar.add(folder / name, arcname=name)  # b.txt: a link member (its inode was added as a.txt)
 
 
+def help_text(*command: str) -> str:
+    """``packdata COMMAND --help`` through CliRunner, its words joined by single spaces (click rewraps to the width)."""
+    from click.testing import CliRunner
+
+    from packdata.cli import main
+
+    out = CliRunner().invoke(main, [*command, "--help"])
+    assert out.exit_code == 0, out.output
+    return " ".join(out.output.split())
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file's relative path -> SHA-256 (to prove a folder was not touched)."""
     return {
