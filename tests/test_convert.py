@@ -726,6 +726,10 @@ _DAMAGED_CHECKPOINTS = {  # how progress.json is damaged -> the field the error 
     "finishing with a shard open": (_set(finishing=True), r"shards should be every shard, 4 samples in all"),
     "classes as text": (_set(classes="cat,dog"), "classes should be a list of strings, but got classes='cat,dog'"),
     "index files as a list": (_set(index_files=[1]), "index_files should be an object of file name -> .size, SHA-256."),
+    "a journal digest alone": (
+        _set(copied_journal_sha256="0" * 64),
+        r"copied_journal_sha256 should be a SHA-256 \(with copied_journal\) or null, but got copied_journal_sha256='0",
+    ),
     "shard_first moved": (_set(shard_first=1), "shard_first should be the 2 samples of the shards listed"),
     "shards as an object": (_set(shards={}), "shards should be a list"),
     "a shard as a number": (_set(shards=[1]), r"shards\[0\] should be an object of bytes, file, first_index"),

@@ -238,4 +238,4 @@ def test_a_download_journal_that_is_no_regular_file_is_refused_by_a_resumes_chec
         "set PACKDATA_TMP to your own folder"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
-        copied_again(folder, 0)
+        copied_again(folder, 0, None)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import KILLED_AT_SECOND_CHECKPOINT, moto_s3
@@ -129,6 +131,22 @@ def _refused_naming(src: str, dst: Path, options: dict, url: str, size: int = 2)
     assert (dst.parent / f".{dst.name}.partial" / "progress.json").is_file() and not dst.exists()
 
 
+def _killed_copy(fs: Any, options: dict, texts: list[str], work: Path, dst: Path) -> dict:
+    """The checkpoint of a conversion of s3://packs/src (``texts`` as 00.txt, 01.txt, ..., copied into its work
+    folder under ``work``) into ``dst``, SIGKILLed at its fifth checkpoint: 4 samples packed, 00.txt and 03.txt
+    the probes."""
+    for i, text in enumerate(texts):
+        fs.pipe_file(f"packs/src/{i:02d}.txt", text.encode())
+    kwargs = json.dumps({"max_probes": 2, "storage_options": options})
+    args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, "s3://packs/src", str(dst), "5", kwargs]
+    assert (
+        subprocess.run(args, check=False, env={**os.environ, "PACKDATA_TMP": str(work)}).returncode == -signal.SIGKILL
+    )
+    progress = json.loads((dst.parent / f".{dst.name}.partial" / "progress.json").read_text(encoding="utf-8"))
+    assert progress["samples_done"] == 4 and [Path(p[0]).name for p in progress["probes"]] == ["00.txt", "03.txt"]
+    return progress
+
+
 def test_a_resume_of_a_copied_url_folder_refuses_an_object_rewritten_at_the_url_since(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,15 +159,8 @@ def test_a_resume_of_a_copied_url_folder_refuses_an_object_rewritten_at_the_url_
     work = tmp_path / "work"
     monkeypatch.setenv("PACKDATA_TMP", str(work))
     with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as (options, fs):
-        for i in range(8):
-            fs.pipe_file(f"packs/src/{i:02d}.txt", f"t{i}".encode())
         dst = tmp_path / "out.lmdb"
-        kwargs = json.dumps({"max_probes": 2, "storage_options": options})
-        args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, "s3://packs/src", str(dst), "5", kwargs]
-        env = {**os.environ, "PACKDATA_TMP": str(work)}
-        assert subprocess.run(args, check=False, env=env).returncode == -signal.SIGKILL
-        progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
-        assert progress["samples_done"] == 4 and len(progress["probes"]) == 2  # 01.txt is not among them
+        _killed_copy(fs, options, [f"t{i}" for i in range(8)], work, dst)  # 01.txt is not among the probes
         fs.pipe_file("packs/src/01.txt", b"rewritten")
         for _ in range(2):
             _refused_naming("s3://packs/src", dst, options, "s3://packs/src/01.txt")
@@ -199,3 +210,42 @@ def test_a_resume_names_a_tar_at_a_url_rewritten_since(tmp_path: Path) -> None:
         _refused_naming(src, dst, options, "s3://packs/t/d-0.tar", size=10240)
         packdata.convert(src, dst, storage_options=options, progress=False, overwrite=True)
     assert _texts(dst) == ["b00", "b01", "b02", *(f"a{n}{i}" for n in (1, 2) for i in range(3))]
+
+
+@pytest.mark.parametrize("journal_now", ["shorter", "edited"])
+def test_a_resume_of_a_copied_url_folder_refuses_a_download_journal_other_than_the_one_it_packed_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal_now: str
+) -> None:
+    """The checkpoint records how many bytes of the download journal came before the packing; a resume read the
+    journal's lines past that point as the files downloaded again. A journal other than the one measured was
+    misread: one shorter (its work folder removed, an unpacked object rewritten shorter, all downloaded again)
+    had every packed object refused as 'rewritten at the URL since', unchanged ones too; one edited (a packed
+    object's line gone, that object rewritten at the same size and downloaded again) grew back to the same size,
+    and the resume packed the rest after the old bytes. The checkpoint now records the SHA-256 of those bytes
+    too; a journal whose first bytes are not those is refused, named, the partial kept."""
+    work = tmp_path / "work"
+    monkeypatch.setenv("PACKDATA_TMP", str(work))
+    with moto_s3({"key": "testing-key-id", "secret": "testing-secret"}) as (options, fs):
+        dst = tmp_path / "out.lmdb"
+        progress = _killed_copy(fs, options, [f"text-{i:05d}" for i in range(8)], work, dst)
+        journal = next(work.rglob("downloaded.jsonl"))
+        if journal_now == "shorter":  # 07.txt is not packed yet: 6 bytes now, 10 then (its line a byte shorter)
+            shutil.rmtree(journal.parent)
+            fs.pipe_file("packs/src/07.txt", b"text-7")
+        else:  # 01.txt (packed, not probed) rewritten at the same size; its journal line removed
+            lines = journal.read_text(encoding="utf-8").splitlines(keepends=True)
+            journal.write_text("".join(line for line in lines if '"01.txt"' not in line), encoding="utf-8")
+            fs.pipe_file("packs/src/01.txt", b"TEXT-00001")
+        with pytest.raises(SourceError) as raised:
+            packdata.convert("s3://packs/src", dst, storage_options=options, workers=1, progress=False, resume=True)
+        size, before = journal.stat().st_size, progress["copied_journal"]
+        held = f"fewer than the {before} it held" if journal_now == "shorter" else f"its first {before} bytes not those"
+        assert (journal_now, size < before) in (("shorter", True), ("edited", False))
+        assert str(raised.value) == (
+            f"{journal}: is not the download journal the interrupted conversion packed from ({size} bytes, {held} "
+            "then): which packed files were downloaded again since, as other objects, cannot be told. It was cut, "
+            "edited or removed with its work folder since: start again with --overwrite"
+        )
+        assert (tmp_path / ".out.lmdb.partial" / "progress.json").is_file() and not dst.exists()
+        packdata.convert("s3://packs/src", dst, storage_options=options, progress=False, overwrite=True)
+    assert _texts(dst)[:2] == ["text-00000", "TEXT-00001" if journal_now == "edited" else "text-00001"]

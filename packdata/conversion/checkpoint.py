@@ -76,6 +76,7 @@ class _Checkpoint:
         self._commits = 0
         self._tail = False  # the last probe is only the latest commit's: the next one replaces it
         self.copied_journal: int | None = None  # a copy of a URL's folder: its download journal's bytes before packing
+        self.copied_journal_sha256: str | None = None  # ... and their SHA-256 (None from an earlier packdata)
 
     def state(self) -> dict[str, Any]:
         """What :meth:`save` writes, as of now."""
@@ -99,6 +100,7 @@ class _Checkpoint:
             "index_files": self.index_files,
             "probes": list(self.probes),
             "copied_journal": self.copied_journal,
+            "copied_journal_sha256": self.copied_journal_sha256,
         }
 
     def save(self, state: dict[str, Any] | None = None) -> None:
@@ -126,6 +128,7 @@ class _Checkpoint:
         self.saved_source = state.get("source")
         self.probes = state.get("probes", [])  # none from an earlier packdata
         self.copied_journal = state.get("copied_journal")  # None from an earlier packdata, or not a copy
+        self.copied_journal_sha256 = state.get("copied_journal_sha256")
 
     def probe(self, path: str | RemoteFile) -> None:
         """Record the size and modification time of ``path``, the last file packed before this commit.
@@ -287,6 +290,9 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     copied = state.get("copied_journal")
     if copied is not None and not is_count(copied):
         raise _bad(path, "copied_journal", "an integer >= 0 or null", copied)
+    copied_sha256 = state.get("copied_journal_sha256")
+    if copied_sha256 is not None and not (copied is not None and is_sha256(copied_sha256)):
+        raise _bad(path, "copied_journal_sha256", "a SHA-256 (with copied_journal) or null", copied_sha256)
     report = path.parent / SKIP_REPORT
     size = report.stat().st_size if report.is_file() else 0
     if state["skip_report_bytes"] > size:

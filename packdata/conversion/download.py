@@ -7,6 +7,7 @@ appears in the pack's skip report.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,14 +24,14 @@ from packdata.conversion.replace import WORK_FILE_HINT
 from packdata.conversion.sources import Skip
 from packdata.conversion.upload import work_folder
 from packdata.conversion.upload_journal import _read_journal
-from packdata.errors import CapacityError
+from packdata.errors import CapacityError, SourceError
 from packdata.host.facts import disk_free
 from packdata.pack.files import append_own_file, read_own_bytes
 from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
 from packdata.progress import progress as show_progress
 from packdata.units import format_size
 
-__all__ = ["COPIED_FROM", "copied_again", "download_source", "journal_bytes"]
+__all__ = ["COPIED_FROM", "copied_again", "download_source", "journal_mark"]
 
 
 _WORK_FOLDER_HINT = "Set PACKDATA_TMP to a folder on a disk with room (the work folder lives there), or free space"
@@ -173,22 +174,21 @@ COPIED_FROM: ContextVar[tuple[Path, str] | None] = ContextVar("packdata_copied_f
 
 Set by :func:`~packdata.conversion.convert._convert_from_url` around the
 conversion of the work folder: its checkpoint records how much of the
-download journal came before it packed (:func:`journal_bytes`), and a resume
+download journal came before it packed (:func:`journal_mark`), and a resume
 refuses a packed file copied again since at another size or version
 (:func:`copied_again`).
 """
 
 
-def journal_bytes(folder: Path) -> int:
-    """The size of the download journal beside the work folder ``folder`` (0 when there is none)."""
-    try:
-        return (folder.parent / _DOWNLOADED).stat().st_size
-    except FileNotFoundError:
-        return 0
+def journal_mark(folder: Path) -> tuple[int, str]:
+    """The size and SHA-256 of the download journal beside the work folder ``folder`` (an empty one's if none)."""
+    data = read_own_bytes(folder.parent / _DOWNLOADED, hint=WORK_FILE_HINT) or b""
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
-def copied_again(folder: Path, before: int) -> dict[str, str]:
-    """The files of ``folder`` downloaded again since the journal held ``before`` bytes, as another object.
+def copied_again(folder: Path, before: int, sha256: str | None) -> dict[str, str]:
+    """The files of ``folder`` downloaded again since the journal held ``before`` bytes (of SHA-256 ``sha256``:
+    None from an earlier packdata), as another object.
 
     Another object: one listed at another size or version than its last
     download before then (or not downloaded before then at all: the work
@@ -198,11 +198,15 @@ def copied_again(folder: Path, before: int) -> dict[str, str]:
 
     Raises:
         ConfigError: the journal is a link, a FIFO, a folder or another user's file (never read through it).
+        SourceError: the journal's first ``before`` bytes are not those measured (resumable: the partial is kept).
     """
-    data = read_own_bytes(folder.parent / _DOWNLOADED, hint=WORK_FILE_HINT)
+    journal = folder.parent / _DOWNLOADED
+    data = read_own_bytes(journal, hint=WORK_FILE_HINT)
     if data is None:
         return {}
-    if before > len(data):  # another journal than the one the checkpoint measured: nothing of it came before
+    if sha256 is not None and (before > len(data) or hashlib.sha256(data[:before]).hexdigest() != sha256):
+        raise _another_journal(journal, len(data), before)
+    if before > len(data):  # another journal (an earlier packdata's checkpoint has no SHA-256): none of it came before
         before = 0
     since = _journal_entries(data[before:], None)
     earlier = _journal_entries(data[:before], set(since))
@@ -214,6 +218,19 @@ def copied_again(folder: Path, before: int) -> dict[str, str]:
         elif then[0] != size or then[1] != version:
             again[name] = f"{then[0]} bytes at version {then[1]!r} when packed, {size} bytes at {version!r} now"
     return again
+
+
+def _another_journal(journal: Path, size: int, before: int) -> SourceError:
+    """The refusal of a resume whose download journal is not the one measured before packing (``before`` bytes)."""
+    held = f"fewer than the {before} it held" if before > size else f"its first {before} bytes not those"
+    error = SourceError(
+        f"is not the download journal the interrupted conversion packed from ({size} bytes, {held} then): "
+        "which packed files were downloaded again since, as other objects, cannot be told",
+        path=journal,
+        hint="It was cut, edited or removed with its work folder since: start again with --overwrite",
+    )
+    error.resumable = True  # the partial is kept
+    return error
 
 
 def _journal_entries(data: bytes, names: set[str] | None) -> dict[str, tuple[int, str]]:

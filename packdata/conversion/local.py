@@ -24,7 +24,7 @@ from packdata.conversion.destination import (
     partial_path,
     spill_folder,
 )
-from packdata.conversion.download import COPIED_FROM, copied_again, journal_bytes
+from packdata.conversion.download import COPIED_FROM, copied_again, journal_mark
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
 from packdata.conversion.probes import REWRITTEN, probe_path, probe_place, refuse_changed, remote_lookup
@@ -282,7 +282,7 @@ class _Packer:
             check = hashlib.sha256()
             again = {}  # files of the copy downloaded again as other objects since the interrupted run packed
             if copy is not None and self.cp.copied_journal is not None:
-                again = copied_again(copy[0], self.cp.copied_journal)
+                again = copied_again(copy[0], self.cp.copied_journal, self.cp.copied_journal_sha256)
             probed, walked = {probe[0] for probe in self.cp.probes}, set()
             for _, entry in zip(range(self.cp.files_done), walk, strict=False):
                 check.update(walk_record(entry))
@@ -306,7 +306,7 @@ class _Packer:
             if not covered:  # else what was packed is as it was read, whatever its file's time says
                 self.cp.check_probes(walked, what, remote_lookup(self.source))
         if copy is not None:  # every file this run packs was downloaded before this point of the journal
-            self.cp.copied_journal = journal_bytes(copy[0])
+            self.cp.copied_journal, self.cp.copied_journal_sha256 = journal_mark(copy[0])
         return walk
 
     def _skip(self, skip: Skip, is_read_error: bool) -> None:
