@@ -295,3 +295,26 @@ def test_a_conversion_onto_a_full_disk_names_it_before_it_starts(tmp_path: Path,
         r"to start a pack there \(1\.0 MiB needed\)\. Free space or choose another destination\n"
     )
     _refused(["convert", str(src), str(dst), "-q"], pattern)
+
+
+def test_an_lmdb_shard_that_fills_the_disk_names_it(tmpfs) -> None:
+    """LMDB reports the short write of a commit on a full disk as EIO (a write with no room at all as ENOSPC): the
+    shard said 'SHARD: cannot write the shard (mdb_txn_commit: Input/output error); 0.0 MB free on its disk. Free
+    space on the destination disk and rerun with --resume' (its own units, a CLI flag in the library). It is now
+    named as a full lock file is."""
+    from packdata.formats.lmdb_writer import LMDBShardWriter
+    from packdata.pack.records import Sample
+
+    disk = tmpfs("1m")
+    _fill(disk, leave=300 << 10)  # the lock file (135 KB) and a record of 100 KB fit, not two records more
+    shard = disk / "shard-00000.lmdb"
+    writer = LMDBShardWriter(shard)
+    pattern = (
+        rf"{re.escape(str(shard / 'data.mdb'))}: no space left on {re.escape(str(disk))} \(tmpfs of 1\.0 MiB, "
+        r"[0-9.]+ [KM]?i?B free\) while writing shard-00000\.lmdb/data\.mdb \(LMDB: mdb_txn_commit: "
+        rf"(Input/output error|No space left on device)\)\. {re.escape(_RERUN_HINT.replace('--resume', 'resume=True'))}"
+    )
+    with pytest.raises(packdata.CapacityError) as caught:
+        for i in range(3):
+            writer.write([(i, Sample(key=f"k{i}", label=0, data=bytes(100_000)))])
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from packdata.errors import CapacityError, PackFormatError
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
-from packdata.host.disks import RERUN_HINT, write_error
+from packdata.host.disks import RERUN_HINT, filesystem_named, no_space_error, write_error
 from packdata.pack.files import file_sha256, fsync_named, open_regular, sha256_prefix
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample, encode_record
@@ -161,11 +162,7 @@ class LMDBShardWriter:
             except lmdb.MapFullError:
                 self._grow_to(self._map_size * 2)
             except lmdb.Error as exc:  # a short write on a full disk surfaces as EIO or ENOSPC
-                raise CapacityError(
-                    f"cannot write the shard ({exc}); {_free(self.path)} free on its disk",
-                    path=self.path,
-                    hint="Free space on the destination disk and rerun with --resume",
-                ) from exc
+                raise _write_failed(exc, self.path, 2 * payload) from exc
 
     def sync(self) -> None:
         """Make every committed transaction durable."""
@@ -224,6 +221,12 @@ class LMDBShardWriter:
         return size, digest
 
 
-def _free(path: Path) -> str:
-    stat = os.statvfs(path)
-    return f"{stat.f_bavail * stat.f_frsize / 1e6:.1f} MB"
+def _write_failed(exc: lmdb.Error, shard: Path, needed: int) -> CapacityError:
+    """The CapacityError for LMDB's refusal ``exc`` to commit about ``needed`` bytes into ``shard``.
+
+    LMDB reports a short write (a full disk) as EIO: with less than ``needed`` free, the disk is
+    named as any full disk a pack is written to; else LMDB's words lead, with the disk named after.
+    """
+    if shutil.disk_usage(shard).free < needed:
+        return no_space_error(exc, shard / DATA_FILE, folder=shard.parent, of=f"(LMDB: {exc})", hint=RERUN_HINT)
+    return CapacityError(f"cannot write the shard ({exc}) on {filesystem_named(shard)}", path=shard, hint=RERUN_HINT)

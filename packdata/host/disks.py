@@ -51,9 +51,10 @@ def _no_inodes(folder: str | os.PathLike) -> str:
 
 
 def no_space_error(
-    exc: OSError, path: str | os.PathLike, *, folder: str | os.PathLike, of: str, hint: str
+    exc: BaseException, path: str | os.PathLike, *, folder: str | os.PathLike, of: str, hint: str
 ) -> CapacityError:
-    """The CapacityError for ``exc`` (a full disk or quota) raised writing ``path``, a file in ``folder``.
+    """The CapacityError for ``exc`` (a full disk or quota; a C library's short write) raised writing ``path``, a
+    file in ``folder``.
 
     The file is shown relative to ``folder`` (a temporary name as it will be
     named once written), followed by ``of`` (``"of the staged pack"``); ``hint``
