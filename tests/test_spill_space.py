@@ -318,3 +318,18 @@ def test_an_lmdb_shard_that_fills_the_disk_names_it(tmpfs) -> None:
         for i in range(3):
             writer.write([(i, Sample(key=f"k{i}", label=0, data=bytes(100_000)))])
     assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+
+
+def test_a_conversion_whose_lock_file_a_full_disk_refuses_names_the_disk(tmp_path: Path, tmpfs) -> None:
+    """The lock file beside the destination, refused by a full disk, said 'LOCK: cannot create the lock file: No
+    space left on device. Choose a destination on a writable file system', as if it were read-only."""
+    src = _folder(tmp_path / "src", range(2))
+    disk = tmpfs("4m", options="nr_inodes=1")  # its root alone
+    dst = disk / "out.lmdb"
+    pattern = (
+        rf"Error: {re.escape(str(disk / '.out.lmdb.lock'))}: no space left on {re.escape(str(disk))} \(tmpfs of "
+        r"4\.0 MiB, 4\.0 MiB free, no inodes free\) while writing \.out\.lmdb\.lock \(the lock file of packdata "
+        rf"convert, local engine\)\. {re.escape(_RERUN_HINT)}\n"
+    )
+    _refused(["convert", str(src), str(dst), "-q"], pattern)
+    assert os.listdir(disk) == []

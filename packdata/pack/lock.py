@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packdata.errors import ConfigError, LockedError, PackFormatError
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
 from packdata.pack.files import file_kind, open_regular
 
 __all__ = [
@@ -132,6 +133,9 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
                 raise OSError(errno.EINVAL, f"{file_kind(mode)} is in its place", os.fspath(path))
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:
+            if exc.errno in FULL_DISK_ERRNOS:  # named as any full disk packdata writes to
+                of = f"(the lock file of {what})"
+                raise no_space_error(exc, path, folder=path.parent, of=of, hint=RERUN_HINT) from exc
             reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
             in_place = exists or exc.errno == errno.ELOOP  # a file stands there, else the folder refuses a new one
             raise ConfigError(
