@@ -172,7 +172,7 @@ def _remove_unlisted(local: Path, names: set[str]) -> None:
 COPIED_FROM: ContextVar[tuple[Path, str] | None] = ContextVar("packdata_copied_from", default=None)
 """The work folder a conversion reads and the URL of the source folder it was copied from (None: not a copy).
 
-Set by :func:`~packdata.conversion.convert._convert_from_url` around the
+Set by :func:`~packdata.conversion.remote_convert.convert_from_url` around the
 conversion of the work folder: its checkpoint records how much of the
 download journal came before it packed (:func:`journal_mark`), and a resume
 refuses a packed file copied again since at another size or version

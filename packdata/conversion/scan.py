@@ -100,9 +100,10 @@ REFUSED_OBJECTS: ContextVar[tuple[Path, tuple[Skip, ...]]] = ContextVar(
 )
 """Objects of a source folder at a URL that were not copied into its work folder (that folder, its skips).
 
-Set by :func:`_convert_from_url` around the conversion of the work folder, so
-every conversion of that folder (also through an upload or an append) walks
-them first and they land in the skip report, counted among the files found.
+Set by :func:`~packdata.conversion.remote_convert.convert_from_url` around the
+conversion of the work folder, so every conversion of that folder (also through
+an upload or an append) walks them first and they land in the skip report,
+counted among the files found.
 """
 
 
