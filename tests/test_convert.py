@@ -1095,7 +1095,7 @@ def test_bad_options_are_one_config_error_that_is_also_a_value_error(
 
 def test_reads_in_flight_follow_what_pays() -> None:
     """The read pipeline keeps the chunks in flight (0: none, the caller reads) that gave the most chunks a second."""
-    from packdata.conversion.load import _InFlight
+    from packdata.conversion.pool_map import _InFlight
 
     now = [0.0]
 
@@ -1140,9 +1140,9 @@ def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(m
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import packdata.conversion.load as load
+    import packdata.conversion.pool_map as pool_map
 
-    class Cycling(load._InFlight):
+    class Cycling(pool_map._InFlight):
         def __init__(self, most: int) -> None:
             super().__init__(most)
             self._schedule = iter([2, 0, 0, 4, 0, 2, 2, 0] * 100)
@@ -1151,7 +1151,7 @@ def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(m
         def done(self, item_seconds: float = 0.0) -> None:
             self.limit = next(self._schedule)
 
-    monkeypatch.setattr(load, "_InFlight", Cycling)
+    monkeypatch.setattr(pool_map, "_InFlight", Cycling)
 
     def where(x: int) -> tuple[int, str]:
         if x == 500:
@@ -1160,7 +1160,7 @@ def test_ordered_map_runs_chunks_in_the_pool_or_in_the_callers_thread_in_order(m
 
     got = []
     with ThreadPoolExecutor(4, thread_name_prefix="pool") as pool, pytest.raises(ValueError, match="item 500"):
-        for item, result in load.ordered_map(where, iter(range(1000)), pool, depth=8, chunk=10):
+        for item, result in pool_map.ordered_map(where, iter(range(1000)), pool, depth=8, chunk=10):
             got.append((item, result))
     assert [item for item, _ in got] == list(range(500))  # every item before the failing chunk's, in order
     assert all(result == 2 * item for item, (result, _) in got)

@@ -30,8 +30,9 @@ from packdata.conversion.destination import (
     partial_path,
     spill_folder,
 )
-from packdata.conversion.load import _Options, ordered_map, shard_limits
+from packdata.conversion.load import _Options, shard_limits
 from packdata.conversion.local import _Packer
+from packdata.conversion.pool_map import ordered_map
 from packdata.conversion.publish import ConvertResult, _publish, make_result, recover_replaced
 from packdata.conversion.sources import FREE_CLASSES
 from packdata.errors import CapacityError, ConfigError
