@@ -16,7 +16,8 @@ from fields_helpers import _convert_in_an_ascii_locale
 
 import packdata
 from packdata.cli import main as cli
-from packdata.conversion.lists import _EXTRA, _SHORT, _rows, scan_list
+from packdata.conversion.list_rows import EXTRA, SHORT, read_list_rows
+from packdata.conversion.lists import scan_list
 from packdata.conversion.sources import Skip
 from packdata.errors import SourceError
 
@@ -125,9 +126,9 @@ def test_list_file_integer_labels_stay(tmp_path: Path) -> None:
 def test_a_jsonl_line_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A JSONL line was read whole, however long: a list of one 10 GB line (a stranger's) filled the memory.
     Now a line is read to MAX_JSONL_LINE characters at most (64 Mi; 100 here) and one longer is refused."""
-    from packdata.conversion import lists
+    from packdata.conversion import list_rows as rows_module
 
-    monkeypatch.setattr(lists, "MAX_JSONL_LINE", 100)
+    monkeypatch.setattr(rows_module, "MAX_JSONL_LINE", 100)
     (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
     listing = tmp_path / "l.jsonl"
     long_line = json.dumps({"path": "a.txt", "caption": "x" * 150})
@@ -410,10 +411,10 @@ def test_a_lists_rows_are_those_csv_dictreader_reads(tmp_path: Path, delimiter: 
     listing = tmp_path / f"l.{'csv' if delimiter == ',' else 'tsv'}"
     listing.write_text("\n".join(line.replace(",", delimiter) for line in lines) + "\n", encoding="utf-8")
     with open(listing, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=delimiter, restkey=_EXTRA, strict=True)
+        reader = csv.DictReader(f, delimiter=delimiter, restkey=EXTRA, strict=True)
         expected = []
         for row in reader:
             short = sum(value is None for value in row.values())
-            expected.append((reader.line_num, {**row, **({_SHORT: short} if short else {})}))
-    assert list(_rows(listing)) == expected
-    assert [row.get(_SHORT, 0) for _, row in expected] == [0, 1, 0, 2]
+            expected.append((reader.line_num, {**row, **({SHORT: short} if short else {})}))
+    assert list(read_list_rows(listing)) == expected
+    assert [row.get(SHORT, 0) for _, row in expected] == [0, 1, 0, 2]

@@ -13,22 +13,21 @@ spellings (``/data/imgs/a.jpg`` in a list in ``/data``, ``x/../imgs/a.jpg``)
 are one key too: the later row is a ``"duplicate key"`` skip, though its
 own key (the path as given) is packed for the earlier one alone. A file named
 through a symbolic link to it is not recognised (a ``stat`` a row). Like grouped files
-(:mod:`packdata.conversion.layouts`), each row is a :class:`SourceGroup`.
+(:mod:`packdata.conversion.layouts`), each row is a :class:`SourceGroup`. The
+rows come read and checked from :mod:`packdata.conversion.list_rows`.
 """
 
 from __future__ import annotations
 
 import csv
-import io
-import json
 import os
-import re
 import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from packdata.conversion.list_rows import EXTRA, LIST_SUFFIXES, SHORT, read_list_rows
 from packdata.conversion.sources import (
     FREE_CLASSES,
     RemoteFile,
@@ -41,20 +40,9 @@ from packdata.conversion.sources import (
 from packdata.errors import ConfigError, SourceError
 from packdata.pack.fields import LABEL_FIELD, FieldError, check_field_name, codec_of, encode_value
 from packdata.pack.keyset import KeySet
-from packdata.pack.manifest import first_repeated, unique_keys
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
-__all__ = [
-    "LIST_SUFFIXES",
-    "MAX_JSONL_LINE",
-    "ListSource",
-    "scan_list",
-]
-
-LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
-_LIST_NAMES = {",": "CSV", "\t": "TSV"}
-MAX_JSONL_LINE = 64 << 20
-"""Characters a JSONL list's line may hold (a CSV field may hold 128 Ki: csv's own limit)."""
+__all__ = ["ListSource", "scan_list"]
 
 
 def _integer(value: Any) -> int | None:
@@ -98,15 +86,15 @@ class ListSource:
         root = os.path.join(self.root, "")  # the list's folder and a separator: a relative path joins it
         with KeySet(spill=spill) as keys:
             roots = _roots(self.root) if self.fs is None else ()
-            for number, row in _rows(self.list_file, self.fs, self._where, self.path_column):
+            for number, row in read_list_rows(self.list_file, self.fs, self._where, self.path_column):
                 where = f"row {number}"
-                if _EXTRA in row:
-                    extra = len(row[_EXTRA])
+                if EXTRA in row:
+                    extra = len(row[EXTRA])
                     detail = f"{extra} value{'s' * (extra != 1)} past the header's columns (a delimiter not in quotes?)"
                     yield Skip(where, "bad row", detail)
                     continue
-                if _SHORT in row:
-                    short = row[_SHORT]
+                if SHORT in row:
+                    short = row[SHORT]
                     detail = (
                         f"{short} value{'s' * (short != 1)} short of the header's columns (a line break not in quotes?)"
                     )
@@ -197,7 +185,7 @@ class ListSource:
         The walk itself remembers every key (:class:`~packdata.pack.keyset.KeySet`): a second one, in the
         counting thread, would hold as much again.
         """
-        for number, _ in _rows(self.list_file, self.fs, self._where, self.path_column):
+        for number, _ in read_list_rows(self.list_file, self.fs, self._where, self.path_column):
             yield number
 
     @property
@@ -259,142 +247,6 @@ def _plain_folder(folder: str) -> str:
     return f"/{plain}" if folder.startswith("/") else plain
 
 
-def _open_text(list_file: Path | str, fs: Any) -> TextIO:
-    """The list as UTF-8 text; a byte order mark (Excel's "CSV UTF-8") is dropped, not read into the first column."""
-    if fs is None:
-        return open(list_file, encoding="utf-8-sig", newline="")
-    return io.TextIOWrapper(fs.open(list_file, "rb"), encoding="utf-8-sig", newline="")
-
-
-def _rows(
-    list_file: Path | str, fs: Any = None, where: str | Path = "", path_column: str = ""
-) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` of a CSV, TSV or JSONL file (JSONL rows must be objects), on ``fs`` if given.
-
-    Raises:
-        SourceError: a line is not a JSON object, or a CSV value swallowed rows
-            (:func:`_check_merged`); for a list on ``fs``, a failed request too (resumable: the conversion is kept).
-    """
-    if fs is None:
-        yield from _read_rows(list_file, None, where or list_file, path_column)
-        return
-    try:
-        yield from _read_rows(list_file, fs, where, path_column)
-    except (SourceError, UnicodeDecodeError, csv.Error):
-        raise
-    except Exception as exc:
-        raise remote_error(os.fspath(where), "cannot read the list file", exc, resumable=True) from exc
-
-
-_QUOTE_HINT = 'A value that starts with a double quote must end with one: "say ""hi"" twice"'
-_EXTRA = "\0extra"
-"""A CSV row's values past its header's columns, under a name no column has (a NUL ends a CSV): a caption
-with an unquoted comma ('a.jpg,a dog, running') was cut at it, the rest dropped without a word."""
-_SHORT = "\0short"
-"""How many of a CSV row's columns it gave no value: a caption with an unquoted line break ('a.jpg,a dog' then
-'running,3') was packed cut at it, its row's later columns missing, without a word."""
-
-
-def _read_rows(
-    list_file: Path | str, fs: Any, where: str | Path, path_column: str
-) -> Iterator[tuple[int, dict[str, Any]]]:
-    delimiter = LIST_SUFFIXES[os.path.splitext(list_file)[1].lower()]
-    with _open_text(list_file, fs) as f:
-        if delimiter is None:
-            for number, line in enumerate(iter(lambda: f.readline(MAX_JSONL_LINE + 1), ""), 1):
-                if len(line) > MAX_JSONL_LINE:  # read no further: a line of gigabytes would be held whole
-                    raise SourceError(
-                        f"line {number} is longer than {MAX_JSONL_LINE:,} characters",
-                        path=where,
-                        hint="Store large values in files beside the list and name them in a column",
-                    )
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line, object_pairs_hook=unique_keys)
-                except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
-                    raise SourceError(f"line {number} is not JSON: {exc}", path=where) from exc
-                except RecursionError as exc:
-                    raise SourceError(
-                        f"line {number} is not JSON: nested deeper than the parser goes", path=where
-                    ) from exc
-                if not isinstance(row, dict):
-                    raise SourceError(f"line {number} is not a JSON object", path=where)
-                yield number, row
-        else:
-            # strict: a field that opens a quote must close it before a delimiter ('"Hi" she said' lost its
-            # quotes, and an unclosed one swallowed the rows after it into its value), or the list is refused
-            # csv.DictReader's rows, made here (a row a third quicker): a value past the header's columns goes
-            # under _EXTRA, a column not given is None (counted in _SHORT), blank lines are no rows
-            reader = csv.reader(f, delimiter=delimiter, strict=True)
-            header = next(reader, None)
-            if header is None:
-                return
-            twice = first_repeated(header)
-            if twice is not None:  # a dict keeps the last value of such a column: the first was dropped
-                raise SourceError(f"the header names column {twice!r} twice", path=where, hint="Rename one of them")
-            folder = os.path.dirname(list_file) if fs is None else None  # rows swallowed: looked for locally
-            column = header.index(path_column) if path_column in header else -1
-            columns, done = len(header), reader.line_num  # done: the lines of the rows read whole
-            while True:
-                start = reader.line_num + 1
-                try:
-                    values = next(reader)
-                    while not values:
-                        values = next(reader)
-                except StopIteration:
-                    return
-                except csv.Error as exc:
-                    quotes = '"' in str(exc) or "end of data" in str(exc)
-                    raise SourceError(
-                        f"the row at line {done + 1} is not {_LIST_NAMES[delimiter]}: {exc}",
-                        path=where,
-                        hint=_QUOTE_HINT if quotes else None,
-                    ) from exc
-                cells: dict[str, Any] = dict(zip(header, values, strict=False))
-                if len(values) > columns:
-                    cells[_EXTRA] = values[columns:]
-                elif len(values) < columns:
-                    cells.update(dict.fromkeys(header[len(values) :]))
-                    cells[_SHORT] = columns - len(values)
-                if reader.line_num > start and folder is not None and column >= 0:  # a value holds line breaks
-                    _check_merged(cells, start, delimiter, column, folder, where)
-                done = reader.line_num
-                yield done, cells
-
-
-def _check_merged(row: dict[str, Any], start: int, delimiter: str, column: int, folder: str, where: str | Path) -> None:
-    """Refuse a row whose quoted value swallowed the rows after it: a quote opened and never closed in its line.
-
-    A quoted value may hold line breaks (standard CSV, a caption of several
-    lines), so ``a.jpg,"a dog`` ... ``c.jpg,runs"`` reads as one row whose
-    caption holds the rows between, which were lost without a word. Such a row
-    is told by a line of its value that names, where a row names its file, a
-    file beside the list: a ``stat`` for each such line, only in the rare
-    values that span lines.
-
-    Raises:
-        SourceError: naming the row's line, the value's column and the line that reads as a row.
-    """
-    line = start
-    for name, value in row.items():
-        if not isinstance(value, str):
-            continue
-        lines = re.split(r"\r\n|\r|\n", value)
-        for number, text in enumerate(lines[1:], line + 1):
-            fields = next(csv.reader([text], delimiter=delimiter))
-            path = fields[column] if len(fields) > max(column, 1) else ""
-            if path and "\0" not in path and os.path.lexists(os.path.join(folder, _os_path(path))):
-                raise SourceError(
-                    f"the row at line {start} is not {_LIST_NAMES[delimiter]}: its value of column {name!r} runs on "
-                    f"to line {line + len(lines) - 1}, and its line {number} names a file as a row "
-                    f"does ({path!r}): a quote not closed swallowed the rows between",
-                    path=where,
-                    hint=_QUOTE_HINT,
-                )
-        line += len(lines) - 1
-
-
 def scan_list(
     list_file: str | os.PathLike,
     *,
@@ -441,7 +293,7 @@ def scan_list(
     rows = 0
     label_seen = False
     try:
-        for _, row in _rows(list_file, fs, where, path_column):
+        for _, row in read_list_rows(list_file, fs, where, path_column):
             rows += 1
             if path_column not in row:
                 raise SourceError(
@@ -450,7 +302,7 @@ def scan_list(
                     hint="Name the column with --path-column",
                 )
             for column, value in row.items():
-                if column in (path_column, label_column, _EXTRA, _SHORT):
+                if column in (path_column, label_column, EXTRA, SHORT):
                     continue
                 columns[column] = columns.get(column, True) and (isinstance(value, str) or value is None)
             if label_column is not None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from packdata.conversion.layouts import AnySource, GroupedSource, detect_grouped, scan_grouped
-from packdata.conversion.lists import LIST_SUFFIXES, scan_list
+from packdata.conversion.list_rows import LIST_SUFFIXES
+from packdata.conversion.lists import scan_list
 from packdata.conversion.remote_folder import scan_remote_folder
 from packdata.conversion.sources import Skip, Source, listed_class, scan_source, with_classes
 from packdata.conversion.tars import is_tar_pattern, scan_tars
