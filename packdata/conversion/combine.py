@@ -49,7 +49,8 @@ from packdata.pack.files import (
     is_inside,
     open_pack_file,
 )
-from packdata.pack.index import INDEX_DIR, SampleIndex, SampleIndexWriter, index_digests
+from packdata.pack.index import INDEX_DIR, SampleIndex, index_digests
+from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
 from packdata.pack.manifest import (

@@ -50,7 +50,8 @@ from packdata.errors import (
 from packdata.formats import ShardWriter, get_format, shard_writer
 from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
-from packdata.pack.index import FIELD_SIZES_FILE, SampleIndexWriter
+from packdata.pack.index import FIELD_SIZES_FILE
+from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
 from packdata.progress import progress as show_progress

@@ -39,10 +39,8 @@ from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGrou
 from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write, fsync_named
-from packdata.pack.index import (
-    INDEX_DIR,
-    SampleIndexWriter,
-)
+from packdata.pack.index import INDEX_DIR
+from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.records import Sample
 
 __all__ = ["TASKS_DIR", "ShardTask", "load_result", "plan_tasks", "run_shard_task", "save_result"]
