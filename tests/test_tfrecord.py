@@ -29,8 +29,9 @@ import packdata
 import packdata.reading.streaming as tfd
 from packdata import PackFormatError, TFRecordDataset, TFRecordIndexedDataset, convert, verify_pack
 from packdata.cli import main
-from packdata.formats.tfrecord_example import encode_example, encode_with_span, example_fields, parse_example
+from packdata.formats.tfrecord_example import encode_example, encode_with_span
 from packdata.formats.tfrecord_framing import frame_record
+from packdata.formats.tfrecord_parse import example_fields, parse_example
 from packdata.formats.tfrecord_tables import index_path, map_record_table, payload_path
 from packdata.formats.tfrecord_writer import TFRecordShardWriter
 from packdata.pack.manifest import read_manifest

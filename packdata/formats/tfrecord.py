@@ -50,7 +50,8 @@ The format's modules:
 - :mod:`~packdata.formats.tfrecord_writer`: :class:`~packdata.formats.tfrecord_writer.TFRecordShardWriter`
 - :mod:`~packdata.formats.tfrecord_reader`: :class:`~packdata.formats.tfrecord_reader.TFRecordShardReader`
   (positioned and mapped reads, chunk checks) and :func:`~packdata.formats.tfrecord_reader.chunk_plan`
-- :mod:`~packdata.formats.tfrecord_example`: the ``tf.train.Example`` codec
+- :mod:`~packdata.formats.tfrecord_example`: the ``tf.train.Example`` encoder;
+  :mod:`~packdata.formats.tfrecord_parse`: its parser
 - :mod:`~packdata.formats.tfrecord_framing`: record framing (length, masked CRC32C) and its checks
 - :mod:`~packdata.formats.tfrecord_tables`: file names, the ``.tfindex`` and the ``.tfpayload`` record table
 - :mod:`~packdata.formats.tfrecord_remote`: shards read from object storage
@@ -68,8 +69,9 @@ import numpy as np
 
 from packdata.errors import PackFormatError, out_of_files_error, too_many_open_files
 from packdata.formats import ByteStream, ShardLayout
-from packdata.formats.tfrecord_example import FIELDS_FEATURE, _payload_span, example_fields, parse_example
+from packdata.formats.tfrecord_example import FIELDS_FEATURE
 from packdata.formats.tfrecord_framing import _HEADER, _U32, _damaged, masked_crc
+from packdata.formats.tfrecord_parse import _payload_span, example_fields, parse_example
 from packdata.formats.tfrecord_reader import _CHUNK, TFRecordShardReader
 from packdata.formats.tfrecord_tables import (
     INDEX_SUFFIX,

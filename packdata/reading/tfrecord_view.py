@@ -20,7 +20,7 @@ import numpy as np
 from packdata.errors import PackdataError, PackFormatError, raise_at_url
 from packdata.formats.remote_pack import forget_skeleton
 from packdata.formats.tfrecord import NAME as TFRECORD
-from packdata.formats.tfrecord_example import ParsedExample, example_fields, parse_example
+from packdata.formats.tfrecord_parse import ParsedExample, example_fields, parse_example
 from packdata.formats.tfrecord_reader import TFRecordShardReader
 from packdata.formats.tfrecord_remote import RemoteShardReader, fetch_skeleton
 from packdata.formats.tfrecord_tables import RecordTable, payload_path, shard_records
