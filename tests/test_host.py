@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from packdata.host import facts as host_facts
+from packdata.host import gpus as host_gpus
 from packdata.host.facts import (
     CgroupMemory,
-    GPUInfo,
     MemoryInfo,
     Mount,
     SystemFacts,
@@ -28,6 +28,7 @@ from packdata.host.facts import (
     read_mounts,
     tmpfs_usage,
 )
+from packdata.host.gpus import GPUInfo
 from packdata.host.memory import DEFAULT_RESERVE_MIN, SafetyWarning, default_reserve, memory_warnings, safe_tmpfs_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -308,7 +309,7 @@ def test_cpu_counts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gpus_returns_a_list_without_raising() -> None:
-    found = host_facts.gpus()
+    found = host_gpus.gpus()
     assert isinstance(found, list)
     assert all(isinstance(g, GPUInfo) and g.total_bytes >= g.free_bytes >= 0 for g in found)
 
@@ -331,7 +332,7 @@ def test_gpus_through_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         nvmlDeviceGetMemoryInfo=lambda h: mem,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert host_facts.gpus() == [
+    assert host_gpus.gpus() == [
         GPUInfo(0, "NVIDIA H100", 80 * GiB, 70 * GiB, 0.37),
         GPUInfo(1, "NVIDIA A100", 80 * GiB, 70 * GiB, None),
     ]
@@ -342,8 +343,8 @@ def test_gpus_never_raise_when_every_probe_fails(monkeypatch: pytest.MonkeyPatch
         raise RuntimeError("driver gone")
 
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=boom))
-    monkeypatch.setattr(host_facts, "_gpus_torch", boom)
-    assert host_facts.gpus() == []
+    monkeypatch.setattr(host_gpus, "_gpus_torch", boom)
+    assert host_gpus.gpus() == []
 
 
 # --------------------------------------------------------------------------- facts

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import packdata
 from packdata.cli import main
-from packdata.host.facts import nvml_gpus
+from packdata.host.gpus import nvml_gpus
 from packdata.watch.diagnose import Diagnosis, Measurements, diagnose
 from packdata.watch.loop import EpochSummary
 

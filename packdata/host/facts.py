@@ -1,4 +1,4 @@
-"""Machine facts: memory, cgroup limits, mounts, disks, CPUs, GPUs.
+"""Machine facts: memory, cgroup limits, mounts, disks, CPUs, and GPUs (read by :mod:`packdata.host.gpus`).
 
 Every reader of ``/proc`` or ``/sys`` takes ``root``, the filesystem root those
 trees live under, so tests can feed crafted files. :func:`gather_facts` collects
@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 
 import psutil
 
+from packdata.host.gpus import GPUInfo, gpus
+
 __all__ = [
     "CgroupMemory",
-    "GPUInfo",
     "MemoryInfo",
     "Mount",
     "SystemFacts",
@@ -29,8 +30,6 @@ __all__ = [
     "disk_free",
     "find_mount",
     "gather_facts",
-    "gpus",
-    "nvml_gpus",
     "is_network_fs",
     "is_rotational",
     "read_cgroup_cpu_quota",
@@ -407,68 +406,6 @@ def read_cgroup_cpu_usage(root: str | os.PathLike = "/", proc_self_cgroup: str |
         if (ns := _read_int(d / "cpuacct.usage")) is not None:
             return ns / 1e9
     return None
-
-
-@dataclass(frozen=True)
-class GPUInfo:
-    """One CUDA device and its memory, in bytes."""
-
-    index: int
-    name: str
-    total_bytes: int
-    free_bytes: int
-    utilization: float | None = None  # share of the last sample period the GPU was busy (NVML only)
-
-
-def nvml_gpus() -> list[GPUInfo] | None:
-    """CUDA devices with memory and utilisation through NVML (``pynvml``); None without it or without a driver.
-
-    Never initialises CUDA in this process (the monitor calls it from outside a job).
-    """
-    try:
-        import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-    except Exception:
-        return None  # no pynvml or no driver: let torch try
-    try:
-        found = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name, mem = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            try:
-                busy: float | None = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
-            except Exception:
-                busy = None
-            found.append(GPUInfo(i, name, int(mem.total), int(mem.free), busy))
-        return found
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _gpus_torch() -> list[GPUInfo]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    found = []
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        found.append(GPUInfo(i, torch.cuda.get_device_name(i), int(total), int(free)))
-    return found
-
-
-def gpus() -> list[GPUInfo]:
-    """CUDA devices via NVML (``pynvml``) if importable, else ``torch.cuda`` (initialises CUDA), else [].
-
-    Never raises.
-    """
-    for probe in (nvml_gpus, _gpus_torch):
-        with contextlib.suppress(Exception):
-            if (found := probe()) is not None:
-                return found
-    return []
 
 
 @dataclass

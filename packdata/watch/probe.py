@@ -24,12 +24,12 @@ from packdata.host.cores import usable_cores
 from packdata.host.facts import (
     count_physical_cores,
     gather_facts,
-    nvml_gpus,
     read_cgroup_cpu_quota,
     read_cgroup_cpu_usage,
     read_cgroup_memory,
     read_meminfo,
 )
+from packdata.host.gpus import nvml_gpus
 from packdata.host.processes import process_memory, worker_processes
 from packdata.pack.manifest import STAGED_FILE
 
