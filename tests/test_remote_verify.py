@@ -18,6 +18,7 @@ from remote_helpers import _cli, _convert_to_s3
 import packdata
 from packdata.cli import main
 from packdata.errors import ConfigError, PackFormatError
+from packdata.units import format_size
 
 pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
 pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
@@ -44,15 +45,52 @@ def test_verify_a_remote_tfrecord_pack_checks_every_record(s3, remote_tfrecord) 
     }
 
 
-def test_verify_a_remote_lmdb_pack_checks_checksums_and_says_so(s3, remote_pack) -> None:
-    options, _ = s3
-    url, _ = remote_pack
+@pytest.mark.parametrize("tables", ["all", "one missing", "none"])
+def test_verify_of_a_remote_lmdb_pack_says_which_records_were_checked(s3, remote_pack, tables: str) -> None:
+    """Every records.i64 row is checked against its record, yet the output said 'Records NOT checked' of every LMDB
+    pack at a URL (and --json counted 0 records): it now counts the records checked through their rows, and says
+    NOT checked only of the shards without the table (size and SHA-256 only)."""
+    options, fs = s3
+    url = f"s3://packs/tables-{tables.replace(' ', '-')}.lmdb"
+    fs.put(str(remote_pack[1]), url[5:], recursive=True)
+    missing = {"all": [], "one missing": ["shard-00001.lmdb"], "none": [f"shard-0000{i}.lmdb" for i in range(3)]}
+    for shard in missing[tables]:
+        fs.rm_file(f"{url[5:]}/{shard}/records.i64")
     result = packdata.verify_pack(url, storage_options=options, progress=False)
-    assert (result.checks, result.records, result.shards) == ("checksums", 0, 3)
+    records = 18 - 6 * len(missing[tables])
+    checks = "checksums" if tables == "none" else "rows"
+    assert (result.checks, result.records, result.shards, result.unchecked_shards) == (
+        checks,
+        records,
+        3,
+        missing[tables],
+    )
+    out = _cli("verify", url, "-q", "--json", options=options)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {
+        "ok": True,
+        "path": url,
+        "records": records,
+        "bytes": result.bytes,
+        "shards": 3,
+        "checks": checks,
+        "unchecked_shards": missing[tables],
+    }
     out = _cli("verify", url, "-q", options=options)
     assert out.exit_code == 0, out.output
-    assert out.output.startswith("ok: 3 shards,") and "Records NOT checked" in out.output
-    assert f"packdata stage {url} --to DIR" in out.output
+    stage = f"packdata stage {url} --to DIR, then packdata verify the staged copy"
+    checked = {
+        "all": f"{records} records checked through their records.i64 rows (record header and CRC-32; key, label "
+        f"and size against the sample index; row CRC32C). LMDB's own pages and a multi-field sample's fields are "
+        f"checked in local files ({stage})",
+        "one missing": f"{records} records checked through their records.i64 rows (record header and CRC-32; key, "
+        "label and size against the sample index; row CRC32C). Records NOT checked in 1 shard without the table "
+        f"(shard-00001.lmdb). LMDB's own pages and a multi-field sample's fields are checked in local files ({stage})",
+        "none": f"Records NOT checked: no shard has a records.i64 table to check them by at a URL ({stage})",
+    }[tables]
+    assert out.output == (
+        f"ok: 3 shards, {format_size(result.bytes)}: sizes and SHA-256 match the manifest. {checked}\n"
+    )
 
 
 def test_verify_help_says_what_is_checked_of_an_lmdb_pack_at_a_url() -> None:
@@ -66,8 +104,8 @@ def test_verify_help_says_what_is_checked_of_an_lmdb_pack_at_a_url() -> None:
         "a local file, so at a URL each row of a shard's records.i64 table is checked against the record it "
         "places as the shard streams (the record's header and CRC-32, its key, label and size against the sample "
         "index, the row's CRC32C; a shard without the table: its size and SHA-256 only), but neither LMDB's own "
-        "pages nor the fields of a multi-field sample are, and the output says records were not checked: stage it "
-        "and verify the staged copy for every check."
+        "pages nor the fields of a multi-field sample are, and the output says which records were checked: stage "
+        "it and verify the staged copy for every check."
     )
     assert help_text("verify").count(taught) == 1
 

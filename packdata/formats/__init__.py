@@ -176,14 +176,14 @@ class PackFormat:
 
     def check_remote_side_tables(
         self, stream: ByteStream, shard: Path, info: ShardInfo, index: SampleIndex, where: str
-    ) -> None:
+    ) -> int | None:
         """Check local copies of a shard's side tables against its bytes as ``stream`` passes them (remote verify).
 
         For a format whose records are not checked in a stream (:meth:`iter_stream_samples` is None).
+        Returns the records the tables let it check, or None where none was (no table: size and SHA-256 only).
         """
         check = getattr(self._impl(), "check_remote_side_tables", None)
-        if check is not None:
-            check(stream, shard, info, index, where)
+        return None if check is None else check(stream, shard, info, index, where)
 
     def read_remote_payload(
         self,

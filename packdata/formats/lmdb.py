@@ -83,7 +83,9 @@ def check_side_tables(shard: Path, info: ShardInfo) -> None:
     check_records_table(shard, info.sha256)
 
 
-def check_remote_side_tables(stream: ByteStream, shard: Path, info: ShardInfo, index: SampleIndex, where: str) -> None:
+def check_remote_side_tables(
+    stream: ByteStream, shard: Path, info: ShardInfo, index: SampleIndex, where: str
+) -> int | None:
     """Check a downloaded ``records.i64`` (``shard`` is a folder holding it) row by row against the shard's bytes.
 
     The table's header must bind it to the shard ``info`` describes (count,
@@ -95,12 +97,15 @@ def check_remote_side_tables(stream: ByteStream, shard: Path, info: ShardInfo, i
     CRC32C the row's. So rows swapped or pointing at another record are found
     as a local verify finds them (:func:`~packdata.formats.lmdb_tables.check_records_table`).
 
+    Returns:
+        The records checked (every one of the shard), or None for a shard without the table (nothing checked).
+
     Raises:
         PackFormatError: the table belongs to another shard, is damaged, or a row is wrong (``where`` names it).
     """
     table = shard / RECORDS_FILE
     if not table.is_file():
-        return
+        return None
     shown = f"{where.rsplit('/', 1)[0]}/{RECORDS_FILE}"
     rows = location_table(table.read_bytes(), info.num_samples, info.bytes, info.sha256)
     if rows is None:
@@ -112,6 +117,7 @@ def check_remote_side_tables(stream: ByteStream, shard: Path, info: ShardInfo, i
     bad = _wrong_rows(stream, rows, info.first_index, index)
     if bad:
         raise wrong_rows_error(bad, shown)
+    return len(rows)
 
 
 def _wrong_rows(stream: ByteStream, rows: np.ndarray, first: int, index: SampleIndex) -> list[int]:

@@ -14,8 +14,11 @@ shards at a time (a bounded thread pool), and for each:
 - where it cannot (LMDB: records are read through LMDB, which needs a local
   file), size, SHA-256, and the side table: its binding to the shard, and
   every row against the record it places, read as the shard's bytes pass
-  (as a local verify checks it). The result then says ``checks="checksums"``
-  and the CLI says so: stage the pack and verify the staged copy for record checks.
+  (as a local verify checks it). The result then says ``checks="rows"``,
+  counts the records so checked and names the shards without a table
+  (``unchecked_shards``: size and SHA-256 only), or ``checks="checksums"``
+  where no shard had one; the CLI says which. Stage the pack and verify the
+  staged copy for LMDB's own pages and every record.
 """
 
 from __future__ import annotations
@@ -87,10 +90,12 @@ def verify_remote_pack(
                     raise
         except PackdataError as exc:
             raise_at_url(exc, local, shown, cached=False)
-    streamed = all(checked for _, _, checked in results)
-    if streamed:
-        return VerifyResult(shown, sum(r for r, _, _ in results), sum(b for _, b, _ in results), len(results))
-    return VerifyResult(shown, 0, manifest.total_bytes, len(results), checks="checksums")
+    records = sum(r for r, _, _ in results)
+    if all(how == "records" for _, _, how in results):
+        return VerifyResult(shown, records, sum(b for _, b, _ in results), len(results))
+    unchecked = [shard.file for shard, (_, _, how) in zip(manifest.shards, results, strict=True) if how == "checksums"]
+    checks = "checksums" if len(unchecked) == len(results) else "rows"
+    return VerifyResult(shown, records, manifest.total_bytes, len(results), checks=checks, unchecked_shards=unchecked)
 
 
 def _verify_shard(
@@ -103,8 +108,12 @@ def _verify_shard(
     index: SampleIndex,
     shard: ShardInfo,
     advance: Any,
-) -> tuple[int, int, bool]:
-    """One shard read once: ``(records checked, payload bytes, whether records were checked)``."""
+) -> tuple[int, int, str]:
+    """One shard read once: ``(records checked, payload bytes, how)``.
+
+    ``how`` is ``"records"`` (each record read from the stream), ``"rows"``
+    (each record checked through its side table's row) or ``"checksums"`` (size and SHA-256 only).
+    """
     rel = fmt.data_name(shard.file)
     where = f"{shown}/{rel}"
     size = remote_size(fs, f"{root}/{rel}", where)
@@ -120,14 +129,17 @@ def _verify_shard(
     shard_copy = local / shard.file
     samples = fmt.iter_stream_samples(stream, shard_copy, shard, where)
     records = nbytes = 0
+    how = "records"
     table_error: PackFormatError | None = None
     if samples is not None:
         records, nbytes = check_shard_records(samples, shard, manifest, index, where)
     else:
         try:
-            fmt.check_remote_side_tables(stream, shard_copy, shard, index, where)
+            rows = fmt.check_remote_side_tables(stream, shard_copy, shard, index, where)
         except PackFormatError as exc:  # raised after the checksum: a damaged shard is named, not its table
             table_error = exc
+        else:
+            records, how = (0, "checksums") if rows is None else (rows, "rows")
     if stream.hexdigest() != shard.sha256:
         raise PackFormatError(
             "shard checksum does not match the manifest",
@@ -136,4 +148,4 @@ def _verify_shard(
         )
     if table_error is not None:
         raise table_error
-    return records, nbytes, samples is not None
+    return records, nbytes, how

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,13 @@ def pack_info(path: str | os.PathLike, *, storage_options: dict[str, Any] | None
 class VerifyResult:
     """A verified pack: how many records and bytes were checked, and how deeply.
 
-    ``checks`` is ``"records"`` (every record read and checked) or
-    ``"checksums"`` (each shard's size and SHA-256 only: an LMDB pack verified
-    at a URL, whose records are checked in local files); ``records`` counts the
-    records checked, ``bytes`` their payload bytes, or with ``"checksums"`` the shards' bytes.
+    ``checks`` is ``"records"`` (every record read and checked); for an LMDB
+    pack verified at a URL (its records are read through LMDB in local files)
+    ``"rows"`` (each shard's size and SHA-256, and every record of a shard with
+    a ``records.i64`` checked through its row; ``unchecked_shards`` names the
+    shards without one) or ``"checksums"`` (no shard had one: sizes and SHA-256
+    only). ``records`` counts the records checked, ``bytes`` their payload
+    bytes, or for an LMDB pack at a URL the shards' bytes.
     """
 
     path: Path | str
@@ -52,10 +55,14 @@ class VerifyResult:
     bytes: int
     shards: int
     checks: str = "records"
+    unchecked_shards: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready data."""
-        return {**self.__dict__, "path": os.fspath(self.path)}
+        """JSON-ready data (``unchecked_shards`` only where records are not all checked)."""
+        data = {**self.__dict__, "path": os.fspath(self.path)}
+        if self.checks == "records":
+            del data["unchecked_shards"]
+        return data
 
 
 def _check_counts(manifest: Manifest, pack: Path, where: str | Path | None = None) -> None:
@@ -148,7 +155,7 @@ def verify_pack(
     A URL (``s3://bucket/train``) is verified in place (see
     :func:`packdata.formats.remote_verify.verify_remote_pack`): the same checks
     for a TFRecord pack, its shards streamed once each. For an LMDB pack
-    (``checks="checksums"`` in the result), the sample index, counts, skip
+    (``checks="rows"``, or ``"checksums"`` where no shard has a ``records.i64``), the sample index, counts, skip
     report and labels, each shard's size and SHA-256, and every row of its
     ``records.i64`` (where it has one) against the record it places (header,
     CRC-32, key, label and size); not LMDB's own pages nor the fields of a
