@@ -730,6 +730,18 @@ def test_bench_cli_fails_when_no_setting_of_a_source_could_be_measured(folder: P
     assert out.exit_code == 0, out.output  # one setting measured: the table is the result
 
 
+def test_bench_cli_table_rows_say_a_failed_setting_in_flags(folder: Path) -> None:
+    """The rows of a setting that failed said the library's 'fewer than batch_size=64. Use a smaller batch_size=N'
+    while the Error line below them said --batch-size: the rows are now said in the same flags."""
+    out = CliRunner().invoke(cli_main, ["bench", str(folder), "--workers", "0", "--batches", "1", "-q"])
+    assert out.exit_code == 1
+    width = len(str(folder))
+    error = "error: ConfigError: the source holds 30 samples, fewer than --batch-size 64. Use a smaller --batch-size N"
+    lines = out.output.splitlines()
+    assert lines[1:3] == [f"{'ceiling':<{width}}       0    64  {error}", f"{folder}       0    64  {error}"]
+    assert "batch_size" not in out.output
+
+
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_multiprocessing_helpers_are_not_counted_as_workers(context: str) -> None:
     """With spawn and forkserver, the resource tracker and the fork server (Python children of the main

@@ -115,6 +115,11 @@ def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _said(exc: PackdataError) -> str:
     """The one line the running command says for ``exc``: in its flags, a control character escaped."""
+    return _in_flags(str(exc))
+
+
+def _in_flags(message: str) -> str:
+    """A library ``message`` as the running command says it: in its flags, a control character escaped."""
     command = click.get_current_context().command
     flags = {
         opt.lstrip("-").replace("-", "_"): opt
@@ -122,7 +127,7 @@ def _said(exc: PackdataError) -> str:
         if isinstance(param, click.Option)
         for opt in param.opts[:1]
     }
-    message = as_flags(str(exc), flags)
+    message = as_flags(message, flags)
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 

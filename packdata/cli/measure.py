@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _FiniteFloat, _friendly, _mb, _output_file, _size, _write_failed
+from packdata.cli.common import _FiniteFloat, _friendly, _in_flags, _mb, _output_file, _size, _write_failed
 from packdata.errors import PackdataError
 
 __all__ = ["bench", "tune"]
@@ -169,7 +169,7 @@ def bench(
     if json_file == "-":
         click.echo(result.to_json())
     else:
-        click.echo(result.table(wide=wide))
+        click.echo(result.table(wide=wide, say=_in_flags))
         if json_file:
             try:
                 result.to_json(json_file)

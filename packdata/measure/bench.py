@@ -85,11 +85,12 @@ class BenchResult:
         """The results of one source (``"ceiling"`` for the ceiling)."""
         return [r for r in self.results if r.source == name]
 
-    def table(self, *, wide: bool = False) -> str:
+    def table(self, *, wide: bool = False, say: Callable[[str], str] = str) -> str:
         """A fixed-width table, one line per source and setting, a legend, and the best setting.
 
         The default table has the columns that decide a setting; ``wide`` adds
-        MB/s, CPU time, first-batch time, wait percentiles and every memory figure.
+        MB/s, CPU time, first-batch time, wait percentiles and every memory
+        figure. ``say`` rewords the error of a setting that failed (the CLI: in its flags).
         """
         width = max([len(r.source) for r in self.results] + [6])
         waiting = any(r.step_ms for r in self.results)
@@ -111,7 +112,7 @@ class BenchResult:
             line = f"{r.source:<{width}} {r.num_workers:>7} {r.batch_size:>5}"
             line += (f" {'y' if r.pin_memory else 'n':>3}" if pin else "") + (f" {_pf(r):>2}" if pf else "")
             if r.error:
-                lines.append(f"{line}  error: {r.error}")
+                lines.append(f"{line}  error: {say(r.error)}")
                 continue
             mem = r.memory
             ratio = f"{r.vs_ceiling:.2f}" if r.vs_ceiling is not None else "-"
