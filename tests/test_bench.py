@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -728,6 +729,25 @@ def test_bench_cli_fails_when_no_setting_of_a_source_could_be_measured(folder: P
     )
     out = CliRunner().invoke(cli_main, ["bench", str(folder), "--workers", "0", "--batch-size", "4,64", "-q"])
     assert out.exit_code == 0, out.output  # one setting measured: the table is the result
+
+
+def test_bench_cli_writes_no_plot_when_nothing_was_measured(folder: Path, tmp_path: Path) -> None:
+    """Every setting failing (30 samples, batch 64) still wrote an empty plot, said 'plot: FILE', and matplotlib's
+    'No artists with labels found' warning leaked to stderr: no file is written now, and the line says why."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "b.png"
+    args = ["bench", str(folder), "--workers", "0", "--batches", "1", "-q", "--plot", str(plot)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = CliRunner().invoke(cli_main, args)
+    assert out.exit_code == 1
+    assert not plot.exists()
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []  # matplotlib's legend
+    assert out.output.splitlines()[-2:] == [
+        f"plot: none written to {plot}: no setting was measured",
+        f"Error: no setting could be measured: {folder}: ConfigError: the source holds 30 samples, fewer than "
+        "--batch-size 64. Use a smaller --batch-size N",
+    ]
 
 
 def test_bench_cli_table_rows_say_a_failed_setting_in_flags(folder: Path) -> None:

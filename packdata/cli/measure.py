@@ -182,7 +182,11 @@ def bench(
         click.secho(f"warning: {warning}", fg="yellow", err=True)
     if plot_file:
         try:
-            click.echo(f"plot: {plot_bench(result, plot_file)}", err=True)
+            plotted = plot_bench(result, plot_file)
+            click.echo(
+                f"plot: {plotted}" if plotted else f"plot: none written to {plot_file}: no setting was measured",
+                err=True,
+            )
         except OSError as exc:
             raise _write_failed(plot_file, exc) from exc
     if failed:

@@ -32,15 +32,21 @@ def check_plot_path(path: str | os.PathLike) -> None:
         )
 
 
-def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path:
+def plot_bench(result: BenchResult, path: str | os.PathLike) -> Path | None:
     """Plot throughput and peak private memory against num_workers: measured points only, one series per source.
 
     Memory is the table's "private mem" (peak USS of the main process plus the
     workers); a caption names the batch size, decode and machine.
 
+    Returns:
+        The plot written, or None where no setting of a source (the ceiling
+        aside) was measured: nothing is written then.
+
     Raises:
         ConfigError: matplotlib is not installed (``pip install 'packdata[plot]'``).
     """
+    if all(r.error or r.source == CEILING for r in result.results):
+        return None  # nothing measured to plot: no empty axes, no legend without labels
     try:
         import matplotlib
 
