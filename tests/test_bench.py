@@ -170,9 +170,11 @@ def test_the_table_shows_private_memory_as_the_sum_of_the_peaks() -> None:
 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
+    """The ceiling's timed loop sleeps the same step as the source's (a ratio over 1.0x is not the step's doing)."""
     result = run_bench(
         pack, workers=0, batch_sizes=BATCH, batches=BATCHES, warmup=1, step_ms=30, decode="bytes", transform=None
     )
+    assert sorted(r.source for r in result.results) == sorted([CEILING, str(pack)])
     for r in result.results:
         assert r.step_ms == 30
         assert 0 < r.data_wait_share < 1
