@@ -178,10 +178,33 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
         yield path
-    finally:
+    except BaseException:
+        _release(fd, path, failing=True)
+        raise
+    _release(fd, path, failing=False)
+
+
+def _release(fd: int, path: Path, *, failing: bool) -> None:
+    """Unlink the lock file ``path`` held on ``fd`` (if it is still that file), then close ``fd``.
+
+    Where it cannot be removed (its volume turned read-only), the error already
+    propagating (``failing``) is kept, never replaced by that one; else the lock
+    file is named: the run's own work is done, and the next run takes it over.
+    """
+    try:
         if _same_file(fd, path):  # never unlink a lock file that someone else created since
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if not failing:
+            raise ConfigError(
+                f"cannot remove the lock file: {exc.strerror or exc}",
+                path=path,
+                hint="The work under it is done, and the next run takes over a lock file left behind; "
+                "remove it once its file system is writable again",
+            ) from exc
+    finally:
         os.close(fd)
 
 

@@ -14,15 +14,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from conftest import IMAGE_EXTS, expected_samples, tree_digest
 
-from packdata import ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
+from packdata import CapacityError, ConfigError, LMDBDataset, LockedError, convert, stage, unstage, verify_pack
 from packdata.cli import main
 from packdata.conversion.destination import partial_path
+from packdata.pack.lock import hold_lock
 
 REPO = Path(__file__).parents[2]
 
@@ -291,3 +293,55 @@ def test_a_readers_lock_that_cannot_be_opened_keeps_the_copy_quietly(tmp_path: P
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"  # kept, as while a reader holds it
+
+
+@pytest.fixture
+def read_only_later(tmpfs) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A real tmpfs, and a call that turns its path read-only while a file on it is open for writing.
+
+    ``mount -o remount,ro`` of the tmpfs itself is refused (busy) while the lock file is open for writing, as a
+    volume the kernel turns read-only is not: the folder gets a read-only bind mount of itself on top, through
+    which the lock file's path still names the same inode and its unlink gets EROFS. Unmounted afterwards.
+    """
+    folder = tmpfs("1m", name="vol")
+    over: list[Path] = []
+
+    def turn_read_only() -> None:
+        subprocess.run(["mount", "--bind", os.fspath(folder), os.fspath(folder)], check=True)
+        over.append(folder)
+        subprocess.run(["mount", "-o", "remount,ro,bind", os.fspath(folder)], check=True)
+
+    yield folder, turn_read_only
+    for point in over:
+        subprocess.run(["umount", os.fspath(point)], check=True)
+
+
+def test_a_lock_file_a_read_only_volume_keeps_never_replaces_the_error_raised(
+    read_only_later: tuple[Path, Callable[[], None]],
+) -> None:
+    """The unlink of a lock file, in hold_lock's finally, raised EROFS where the volume turned read-only under a
+    stage, and that OSError replaced the stage's own error (its CapacityError). The error propagating is now
+    raised, and the lock file is left (the next run takes it over)."""
+    folder, turn_read_only = read_only_later
+    lock = folder / ".out.lock"
+    with pytest.raises(CapacityError) as caught, hold_lock(lock, what="a test", target=folder / "out"):
+        turn_read_only()
+        raise CapacityError("the stage's own error", path=folder / "out", hint="Free space")
+    assert str(caught.value) == f"{folder / 'out'}: the stage's own error. Free space"
+    assert lock.is_file()
+
+
+def test_a_lock_file_a_read_only_volume_keeps_is_named_when_nothing_else_failed(
+    read_only_later: tuple[Path, Callable[[], None]],
+) -> None:
+    """Where the block under the lock finished, a lock file that cannot be removed is named in one line, not
+    raised as a bare OSError."""
+    folder, turn_read_only = read_only_later
+    lock = folder / ".out.lock"
+    with pytest.raises(ConfigError) as caught, hold_lock(lock, what="a test", target=folder / "out"):
+        turn_read_only()
+    assert str(caught.value) == (
+        f"{lock}: cannot remove the lock file: Read-only file system. The work under it is done, and the next run "
+        "takes over a lock file left behind; remove it once its file system is writable again"
+    )
+    assert lock.is_file()
