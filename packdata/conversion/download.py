@@ -25,6 +25,7 @@ from packdata.conversion.sources import Skip
 from packdata.conversion.upload import work_folder
 from packdata.conversion.upload_journal import _read_journal
 from packdata.errors import CapacityError, SourceError
+from packdata.host.disks import filesystem_named
 from packdata.host.facts import disk_free
 from packdata.pack.files import append_own_file, read_own_bytes
 from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
@@ -41,12 +42,11 @@ def _check_room(folder: Path, needed: int, what: str) -> None:
     """Refuse to start writing ``needed`` bytes into ``folder`` when its disk has less free.
 
     Raises:
-        CapacityError: naming both sizes and how to move the work folder.
+        CapacityError: naming the disk (its mount, size and room), what is needed and how to move the work folder.
     """
-    free = disk_free(folder)
-    if needed > free:
+    if needed > disk_free(folder):
         raise CapacityError(
-            f"{what} need {format_size(needed)} in the work folder, its disk has {format_size(free)} free",
+            f"no space left on {filesystem_named(folder)} for {what} ({format_size(needed)} needed in the work folder)",
             path=folder,
             hint=_WORK_FOLDER_HINT,
         )
