@@ -567,8 +567,8 @@ def test_a_full_work_disk_while_packing_for_a_url_names_the_work_folder(s3, smal
     pattern = (  # it said 'the work folder's disk filled while packing for URL', naming no mount or size
         rf"{re.escape(str(small_work_disk))}/\S+: no space left on {re.escape(str(small_work_disk))} \(tmpfs of "
         r"2\.0 MiB, [0-9.]+ [KM]?i?B free\) while packing for s3://packs/too-big\.lmdb in this work folder\. Free "
-        r"space there and rerun with --resume, or set PACKDATA_TMP to a disk with room and rerun"
-    )
+        r"space there and run again with resume=True, or set PACKDATA_TMP to a disk with room and run again"
+    )  # the library's words: it said 'rerun with --resume', a flag of the CLI (which maps resume=True to it)
     assert re.fullmatch(pattern, str(full.value)), str(full.value)
     assert "no space left on" in str(full.value.__cause__)  # it ran out writing a shard, past the start check
     assert not fs.exists("packs/too-big.lmdb/manifest.json")  # no manifest: no pack

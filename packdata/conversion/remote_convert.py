@@ -89,7 +89,8 @@ def _pack_and_upload(
                 f"no space left on {filesystem_named(local.parent)} while packing for {display_url(url)} "
                 "in this work folder",
                 path=local,
-                hint="Free space there and rerun with --resume, or set PACKDATA_TMP to a disk with room and rerun",
+                hint="Free space there and run again with resume=True, "
+                "or set PACKDATA_TMP to a disk with room and run again",
             ) from exc
         early = uploader.uploaded
     upload_pack(
