@@ -8,9 +8,11 @@ fills when the data is flushed, and fsync fails; mounted as root, skipped otherw
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -136,3 +138,34 @@ def test_a_staged_shard_whose_flush_fills_the_disk_beneath_is_named_in_the_stage
         r"space, or use a larger tmpfs=SIZE"
     )
     assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+
+
+_EXT4_IOC_SHUTDOWN, _NOLOGFLUSH = 0x8004587D, 2  # _IOR('X', 125, __u32); EXT4_GOING_FLAGS_NOLOGFLUSH
+
+
+def test_an_lmdb_shard_refused_by_a_volume_with_room_is_no_capacity_error(thin_ext4: Path) -> None:
+    """An LMDB commit refused where the disk has room (EIO from a failing device or a volume shut down) was a
+    CapacityError, 'SHARD: cannot write the shard (mdb_txn_commit: Input/output error) on MOUNT (...)', as if
+    the disk were full. It is now a ConfigError in LMDB's words that says the disk has room. The volume is
+    really shut down (ext4's shutdown ioctl, as xfs_io -c shutdown): every write on it then gets EIO."""
+    from packdata.formats.lmdb_writer import LMDBShardWriter
+    from packdata.pack.records import Sample
+
+    shard = thin_ext4 / "shard-00000.lmdb"
+    writer = LMDBShardWriter(shard)
+    writer.write([(0, Sample(key="k0", label=0, data=bytes(1000)))])
+    fd = os.open(thin_ext4, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _NOLOGFLUSH))
+    finally:
+        os.close(fd)
+    with pytest.raises(packdata.ConfigError) as caught:
+        writer.write([(1, Sample(key="k1", label=0, data=bytes(100_000)))])
+    pattern = (
+        rf"{re.escape(str(shard))}: cannot write the shard \(LMDB: mdb_txn_commit: Input/output error\) on "
+        rf"{re.escape(str(thin_ext4))} \(ext4 of [0-9.]+ MiB, [0-9.]+ MiB free\), which has room for it\. Check that "
+        r"disk \(a failing device, a volume shut down or turned read-only\), or write to another file system, then "
+        r"run again \(a conversion: resume=True continues it\)"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert not isinstance(caught.value, packdata.CapacityError)

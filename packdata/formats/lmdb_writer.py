@@ -12,11 +12,11 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from packdata.errors import CapacityError, PackFormatError
+from packdata.errors import ConfigError, PackdataError, PackFormatError
 from packdata.formats.lmdb_env import DATA_FILE, MAX_READERS, encode_key
 from packdata.formats.lmdb_pages import check_lmdb_tree
 from packdata.formats.lmdb_tables import _TABLE_MAGIC, _TABLE_VERSION, RECORDS_FILE, record_locations
-from packdata.host.disks import RERUN_HINT, filesystem_named, no_space_error, write_error
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, filesystem_named, no_space_error, write_error
 from packdata.pack.files import file_sha256, fsync_named, open_regular, sha256_prefix
 from packdata.pack.manifest import ShardInfo
 from packdata.pack.records import Sample, encode_record
@@ -221,12 +221,20 @@ class LMDBShardWriter:
         return size, digest
 
 
-def _write_failed(exc: lmdb.Error, shard: Path, needed: int) -> CapacityError:
-    """The CapacityError for LMDB's refusal ``exc`` to commit about ``needed`` bytes into ``shard``.
+def _write_failed(exc: lmdb.Error, shard: Path, needed: int) -> PackdataError:
+    """The error for LMDB's refusal ``exc`` to commit about ``needed`` bytes into ``shard``.
 
-    LMDB reports a short write (a full disk) as EIO: with less than ``needed`` free, the disk is
-    named as any full disk a pack is written to; else LMDB's words lead, with the disk named after.
+    LMDB reports a short write (a full disk) as EIO, and its errors carry no errno: with less
+    than ``needed`` free at that moment (or LMDB's words a full disk's or quota's), the disk is
+    named as any full disk a pack is written to. With room, it is no capacity problem (a failing
+    device, a volume shut down or turned read-only): a ConfigError in LMDB's words, the disk named.
     """
-    if shutil.disk_usage(shard).free < needed:
+    full = any(os.strerror(code) in str(exc) for code in FULL_DISK_ERRNOS)
+    if full or shutil.disk_usage(shard).free < needed:
         return no_space_error(exc, shard / DATA_FILE, folder=shard.parent, of=f"(LMDB: {exc})", hint=RERUN_HINT)
-    return CapacityError(f"cannot write the shard ({exc}) on {filesystem_named(shard)}", path=shard, hint=RERUN_HINT)
+    return ConfigError(
+        f"cannot write the shard (LMDB: {exc}) on {filesystem_named(shard)}, which has room for it",
+        path=shard,
+        hint="Check that disk (a failing device, a volume shut down or turned read-only), or write to another "
+        "file system, then run again (a conversion: resume=True continues it)",
+    )
