@@ -229,6 +229,27 @@ def test_a_tfrecord_shard_begun_on_a_full_disk_names_the_disk(tmp_path: Path, tm
         TFRecordShardWriter(shard)
 
 
+@pytest.mark.parametrize("which", ["index", "record table"])
+def test_a_tfrecord_shard_whose_index_or_record_table_cannot_be_written_names_that_file(
+    tmp_path: Path, which: str
+) -> None:
+    """A new TFRecord shard whose offsets index or record table could not be created (here a folder in its
+    place, a real EISDIR) named the shard file, 'SHARD: cannot write the destination (Is a directory)', which was
+    written; it now names the file that failed."""
+    from packdata.formats.tfrecord_tables import index_path, payload_path
+    from packdata.formats.tfrecord_writer import TFRecordShardWriter
+
+    shard = tmp_path / "part-00000.tfrecord"
+    failing = index_path(shard) if which == "index" else payload_path(shard)
+    failing.mkdir()
+    with pytest.raises(packdata.ConfigError) as caught:
+        TFRecordShardWriter(shard)
+    assert str(caught.value) == (
+        f"{failing}: cannot write the destination (Is a directory). Choose a destination on a writable local or "
+        "network file system"
+    )
+
+
 def _out_of_inodes(tmpfs) -> Path:
     """A real 4 MiB tmpfs with room for its root and one file (a conversion's lock file): bytes free, no inodes."""
     return tmpfs("4m", options="nr_inodes=2")

@@ -66,11 +66,11 @@ class TFRecordShardWriter:
                 self.index_path.write_bytes(b"")
                 self.payload_path.write_bytes(_UNFINISHED)  # header completed by close()
             except OSError as exc:
+                where = exc.filename or self.path  # the file that failed: the shard, its index or record table
                 if exc.errno in FULL_DISK_ERRNOS:  # named as any full disk a pack is written to
                     of = "(a new TFRecord shard, its index or record table)"
-                    where = exc.filename or self.path
                     raise no_space_error(exc, where, folder=self.path.parent, of=of, hint=RERUN_HINT) from exc
-                raise unwritable_error(exc, self.path) from exc
+                raise unwritable_error(exc, where) from exc
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self._index = open(self.index_path, "ab")  # noqa: SIM115
         self._table = open(self.payload_path, "ab") if self._with_table else None  # noqa: SIM115
