@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -354,3 +357,63 @@ def test_a_conversion_whose_lock_file_a_full_disk_refuses_names_the_disk(tmp_pat
     )
     _refused(["convert", str(src), str(dst), "-q"], pattern)
     assert os.listdir(disk) == []
+
+
+_KILLED_AT_THE_MANIFEST = """
+import importlib, os, signal, sys
+import packdata
+local = importlib.import_module("packdata.conversion.local")
+local.write_manifest = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # in this child only
+packdata.convert(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_manifest_that_a_full_disk_refuses_names_the_disk_and_the_partial_resumes(tmp_path: Path, tmpfs) -> None:
+    """A full disk met writing the manifest (or the last checkpoint) of a local conversion escaped as a bare
+    OSError ('[Errno 28] No space left on device', no file): packer.finish ran past the handler that names a full
+    disk, and atomic_write's write named no file. It is now the named full disk, nothing looks published, and a
+    resume once there is room publishes the pack a first run gives.
+
+    The resume's start check wants 1 MiB free, so the disk is full of files rather than bytes: a conversion is
+    killed (in a child) as it is about to write the manifest, every shard renamed and the last checkpoint saved;
+    the tmpfs's inodes are then used up, and the resume's first new file is the manifest's temporary."""
+    src = _folder(tmp_path / "src", range(12))
+    first = packdata.convert(src, tmp_path / "first.tfrecord", progress=False)
+    disk = tmpfs("4m", options="nr_inodes=64")
+    dst = disk / "out.tfrecord"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_MANIFEST, str(src), str(dst)], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    fillers = disk / "fillers"
+    fillers.mkdir()
+    with pytest.raises(OSError, match="No space left on device"):
+        for n in range(64):
+            (fillers / str(n)).touch()
+    partial = partial_path(dst)
+    with pytest.raises(packdata.CapacityError) as caught:
+        packdata.convert(src, dst, resume=True, progress=False)
+    pattern = (
+        rf"{re.escape(str(partial / '.manifest.json.tmp'))}: no space left on {re.escape(str(disk))} \(tmpfs of "
+        r"4\.0 MiB, [0-9.]+ [KM]?i?B free, no inodes free\) while writing manifest\.json of the partial pack\. Free "
+        r"space on that disk, then convert again with resume=True"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert not dst.exists() and not (partial / "manifest.json").exists()  # nothing that looks whole
+    assert (partial / "progress.json").is_file()
+    shutil.rmtree(fillers)
+    resumed = packdata.convert(src, dst, resume=True, progress=False)
+    assert resumed.resumed and resumed.packed_before == 12 and not partial.exists()
+    assert list(packdata.TFRecordDataset(dst)) == list(packdata.TFRecordDataset(first.pack))
+
+
+def test_an_atomic_write_that_a_full_disk_refuses_names_its_file(tmpfs) -> None:
+    """atomic_write (manifests, checkpoints) let a write's ENOSPC escape naming no file, so a caller that names a
+    full disk by the file that met it named its folder instead; it now names the temporary file it was writing
+    (shown as the file it becomes), and removes it."""
+    from packdata.pack.files import atomic_write
+
+    disk = tmpfs("1m")
+    _fill(disk)
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        atomic_write(disk / "manifest.json", bytes(10_000))
+    assert caught.value.filename == str(disk / ".manifest.json.tmp")
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]

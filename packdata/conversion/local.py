@@ -116,9 +116,7 @@ def _convert_local(
         raise
     except OSError as exc:
         packer.close_files(failed=True)
-        if exc.errno in FULL_DISK_ERRNOS:
-            where = exc.filename or partial
-            raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=_FULL_HINT) from exc
+        _raise_if_full(exc, partial)
         raise
     except BaseException:
         packer.close_files(failed=True)
@@ -127,7 +125,11 @@ def _convert_local(
     if checkpoint.samples_done == 0:
         shutil.rmtree(partial)
         raise _no_samples_error(source, checkpoint.skipped)
-    manifest = packer.finish()
+    try:
+        manifest = packer.finish()
+    except OSError as exc:  # its checkpoint or manifest on a full disk: the partial is kept, resumable
+        _raise_if_full(exc, partial)
+        raise
     _publish(partial, dst, overwrite=overwrite)
     return make_result(
         dst,
@@ -202,6 +204,13 @@ def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
         return
     bar.total = count
     bar.refresh()
+
+
+def _raise_if_full(exc: OSError, partial: Path) -> None:
+    """Raise the named full disk for ``exc`` (met writing into ``partial``) if it is one; else return."""
+    if exc.errno in FULL_DISK_ERRNOS:
+        where = exc.filename or partial
+        raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=_FULL_HINT) from exc
 
 
 class _Packer:

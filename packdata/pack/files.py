@@ -148,6 +148,11 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, tmp_suffix: str = ".tm
             f.flush()
             fsync_named(f.fileno(), tmp)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # a write's refusal names no file: the temporary one
+            raise OSError(exc.errno, exc.strerror, os.fspath(tmp)) from exc
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
