@@ -12,7 +12,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -337,11 +336,11 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
     """
     moto_server = pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
     s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    # port 0: the server binds a free port itself. A port found free by a probe socket and bound later could be
+    # taken in between (any process's connection gets one), and the server's thread then died unseen: start() hung
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
+    port = server.get_host_and_port()[1]
     # moto keeps its buckets in this process, not in the server: one an earlier server of this process made
     # (another test module's) would still be there, so each server starts from none
     reset = urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")
