@@ -270,16 +270,15 @@ def test_what_s3fs_raises_for_a_refused_connection_is_transient_and_a_missing_bu
     from packdata.pack.urls import is_transient
 
     _, fs = s3
-    with socket.socket() as s:
+    with socket.socket() as s:  # bound, never listening: connections are refused, and no server can take the port
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
-    down = s3fs.S3FileSystem(
-        client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"},
-        config_kwargs={"retries": {"total_max_attempts": 1}},
-        skip_instance_cache=True,
-    )
-    with pytest.raises(Exception) as refused:
-        down.cat_file("packs/x")
+        down = s3fs.S3FileSystem(
+            client_kwargs={"endpoint_url": f"http://127.0.0.1:{s.getsockname()[1]}"},
+            config_kwargs={"retries": {"total_max_attempts": 1}},
+            skip_instance_cache=True,
+        )
+        with pytest.raises(Exception) as refused:
+            down.cat_file("packs/x")
     assert is_transient(refused.value), repr(refused.value)
     with pytest.raises(FileNotFoundError) as missing:
         fs.pipe_file("no-such-bucket/x", b"")
