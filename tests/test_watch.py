@@ -605,21 +605,31 @@ def test_monitor_refuses_a_job_whose_memory_it_cannot_read() -> None:
 
 @pytest.mark.root
 @pytest.mark.timeout(60)
-def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process() -> None:
+def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """The job ended and a new process took its pid: packdata monitor went on watching the stranger as the job.
     The kernel's next pid is set (ns_last_pid, root) so a new process really gets the ended job's pid."""
     import threading
 
-    from packdata.watch.screen import watch_process
+    from packdata.watch import screen
 
     last_pid = Path("/proc/sys/kernel/ns_last_pid")
     if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
         pytest.skip("needs root and a writable /proc/sys/kernel/ns_last_pid to hand a pid on")
+    probed, real_probe = threading.Event(), screen.SystemProbe
+
+    def probe(*args: Any, **kwargs: Any) -> Any:  # the real probe; the test learns when it holds the job
+        made = real_probe(*args, **kwargs)
+        probed.set()
+        return made
+
+    monkeypatch.setattr(screen, "SystemProbe", probe)
     job = subprocess.Popen(["sleep", "60"])
     out = io.StringIO()
-    watcher = threading.Thread(target=watch_process, args=(job.pid,), kwargs={"interval": 3, "count": 1, "stream": out})
+    watcher = threading.Thread(
+        target=screen.watch_process, args=(job.pid,), kwargs={"interval": 3, "count": 1, "stream": out}
+    )
     watcher.start()
-    time.sleep(0.2)  # the probe holds the job
+    assert probed.wait(30)  # the job is ended only once the probe holds it (a fixed 0.2 s wait lost this race)
     job.kill()
     job.wait()
     stranger = None
