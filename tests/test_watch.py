@@ -199,8 +199,9 @@ import packdata
 
 ds = packdata.LMDBDataset(sys.argv[1], decode="bytes")
 sampler = RandomSampler(ds, replacement=True, num_samples=1_000_000)
-print("ready", flush=True)
-for _ in DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2):
+for step, _ in enumerate(DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2)):
+    if step == 1:  # batches come in turn from workers 0 and 1: both have started and opened the pack
+        print("ready", flush=True)
     time.sleep(0.01)
 """
 
@@ -217,7 +218,6 @@ def test_cli_monitor_finds_a_real_job_its_workers_and_its_staged_pack(tmp_path: 
     )
     try:
         assert job.stdout is not None and job.stdout.readline().strip() == "ready"
-        time.sleep(2.0)  # the workers start and open the pack
         out = CliRunner().invoke(main, ["monitor", str(job.pid), "--count", "2", "--interval", "0.3", "--json"])
         assert out.exit_code == 0, out.output
         samples = [json.loads(line) for line in out.output.splitlines()]
