@@ -433,7 +433,7 @@ def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: 
     from packdata.reading.readahead import ReadAhead
 
     monkeypatch.setattr(ReadAhead, "IDLE", 0.05)
-    monkeypatch.setattr(ReadAhead, "RECHECK", 0.5)
+    monkeypatch.setattr(ReadAhead, "RECHECK", 3600.0)  # the verdicts outlast this part however slow the machine
     convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
     pack = tmp_path / "p.lmdb"
     for data in pack.glob("shard-*/data.mdb"):
@@ -444,6 +444,11 @@ def test_warm_shards_get_no_hints_and_cold_ones_do(small_texts: Path, tmp_path: 
     assert hints.advised_bytes == 0
     hints.advise(list(range(40)))  # known warm: nothing queued, no thread started
     assert hints._thread is None
+    monkeypatch.setattr(ReadAhead, "RECHECK", 0.5)
+    hints = ReadAhead(pack, LMDBDataset(pack).pack.manifest)
+    hints.advise(list(range(40)))  # warm again, verdicts for 0.5 s
+    hints.close()
+    assert hints.advised_bytes == 0
     _make_cold(pack)
     time.sleep(0.6)  # the warm verdicts expire: the kernel is asked again
     hints.advise(list(range(40)))
