@@ -655,15 +655,23 @@ def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process(monkeypatch: 
 def test_monitor_json_keeps_stdout_json_when_the_job_ends() -> None:
     """'packdata monitor PID --json >> loader.jsonl' appended 'process PID has ended' to the JSONL file when the
     job ended: a line no JSON reader takes. The note now goes to stderr."""
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    job = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    command = [sys.executable, "-m", "packdata.cli", "monitor", str(job.pid), "--json", "--interval", "0.3"]
+    monitor = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out = CliRunner().invoke(main, ["monitor", str(job.pid), "--json", "--interval", "0.3"])
+        assert monitor.stdout is not None and job.stdin is not None
+        first = monitor.stdout.readline()  # the job ends once the monitor has written a record, not at a set time
+        job.stdin.close()
+        rest, err = monitor.communicate(timeout=60)
     finally:
         job.wait()
-    assert out.exit_code == 0, out.output
-    records = [json.loads(line) for line in out.stdout.splitlines()]
+        if monitor.poll() is None:
+            monitor.kill()
+            monitor.wait()
+    assert monitor.returncode == 0, err
+    records = [json.loads(line) for line in (first + rest).splitlines()]
     assert records and all(r["pid"] == job.pid for r in records)
-    assert out.stderr == f"process {job.pid} has ended\n"
+    assert err == f"process {job.pid} has ended\n"
 
 
 @pytest.mark.timeout(30)
