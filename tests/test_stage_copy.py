@@ -518,7 +518,14 @@ def test_unitless_or_zero_sizes_are_refused_by_every_size_option(lmdb_pack: Path
 _STAGE_CLI = """
 import sys
 from packdata.cli import main
-print("ready", flush=True)
+
+def hook(event, args):  # the stage has read the manifest and tries the lock another process holds
+    if event == "open" and str(args[0]).endswith(".lock") and not hooked:
+        hooked.append(args[0])
+        print("at the lock", flush=True)
+
+hooked = []
+sys.addaudithook(hook)
 main(sys.argv[1:])
 """
 
@@ -539,8 +546,7 @@ def test_a_source_converted_again_while_it_is_staged_is_named_changed_not_damage
             stderr=subprocess.PIPE,
             text=True,
         )
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        time.sleep(1)  # not a timing check: lets the stage read the manifest and wait for the lock
+        assert child.stdout is not None and child.stdout.readline().strip() == "at the lock"  # a set wait lost it
         packdata.convert(noise_folder, lmdb_pack, shard_samples=5, overwrite=True, progress=False)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 1, err
