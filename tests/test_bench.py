@@ -499,10 +499,10 @@ def test_tune_measures_workers_and_reports_a_runner_up(pack: Path) -> None:
 
 
 def _slow_in_workers(data: bytes) -> bytes:
-    """A decode that costs 5 ms in a DataLoader worker and nothing in the main process: what moving
+    """A decode that costs 20 ms in a DataLoader worker and nothing in the main process: what moving
     batches between processes costs samples that take microseconds to decode."""
     if torch.utils.data.get_worker_info() is not None:
-        time.sleep(0.005)
+        time.sleep(0.02)  # a wait, not CPU: 2 workers overlap it even on a loaded machine
     return data
 
 
