@@ -417,3 +417,51 @@ def test_an_atomic_write_that_a_full_disk_refuses_names_its_file(tmpfs) -> None:
         atomic_write(disk / "manifest.json", bytes(10_000))
     assert caught.value.filename == str(disk / ".manifest.json.tmp")
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+_APPEND_KILLED_AT_THE_MANIFEST = """
+import os, signal, sys
+from packdata.conversion import append
+append.write_manifest = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # in this child only
+append.append_pack(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_an_append_whose_manifest_a_full_disk_refuses_names_the_disk_and_resumes(tmp_path: Path, tmpfs) -> None:
+    """An append whose new manifest (the step that makes it take effect) a full disk refused escaped as a bare
+    OSError. It is now the named full disk, the pack reads as it was, and once there is room the plan resumes
+    to the pack a clean append gives.
+
+    The append is killed (in a child) as it is about to write the manifest, its plan written and every file
+    moved; the tmpfs's inodes are then used up, so the resume's first new file is the manifest's temporary."""
+    from packdata.conversion.append import append_pack
+
+    disk = tmpfs("4m", options="nr_inodes=96")
+    pack, new = disk / "p.lmdb", disk / "new.lmdb"
+    packdata.convert(_folder(tmp_path / "a", range(20)), pack, progress=False)
+    packdata.convert(_folder(tmp_path / "b", range(20, 30), cls="d"), new, progress=False)
+    clean = tmp_path / "clean.lmdb"
+    packdata.convert(tmp_path / "a", clean, progress=False)
+    packdata.convert(tmp_path / "b", clean, append=True, progress=False)
+    manifest = (pack / "manifest.json").read_bytes()
+    killed = subprocess.run([sys.executable, "-c", _APPEND_KILLED_AT_THE_MANIFEST, str(pack), str(new)])
+    assert killed.returncode == -signal.SIGKILL
+    fillers = disk / "fillers"
+    fillers.mkdir()
+    with pytest.raises(OSError, match="No space left on device"):
+        for n in range(96):
+            (fillers / str(n)).touch()
+    with pytest.raises(packdata.CapacityError) as caught:
+        append_pack(pack, new, resume=True)
+    pattern = (
+        rf"{re.escape(str(pack / '.manifest.json.tmp'))}: no space left on {re.escape(str(disk))} \(tmpfs of "
+        r"4\.0 MiB, [0-9.]+ [KM]?i?B free, no inodes free\) while writing manifest\.json of the pack\. The pack is "
+        r"as it was: free space on that disk, then append again with resume=True"
+    )
+    assert re.fullmatch(pattern, str(caught.value)), str(caught.value)
+    assert (pack / "manifest.json").read_bytes() == manifest and not (pack / ".manifest.json.tmp").exists()
+    assert len(_samples(pack)) == 20
+    shutil.rmtree(fillers)
+    append_pack(pack, new, resume=True)
+    assert _samples(pack) == _samples(clean) and len(_samples(pack)) == 30
+    assert not new.exists() and not [name for name in os.listdir(pack) if name.startswith(".append")]

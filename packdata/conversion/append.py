@@ -43,6 +43,7 @@ from packdata.conversion.destination import spill_folder
 from packdata.conversion.publish import SKIP_REPORT
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
+from packdata.host.disks import raise_if_full
 from packdata.pack.files import atomic_write, fsync_dir, open_regular
 from packdata.pack.index import ALL_FILES, INDEX_DIR
 from packdata.pack.manifest import (
@@ -355,7 +356,11 @@ def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
     for folder in sorted(folders):
         fsync_dir(folder)
     fsync_dir(dst)
-    write_manifest(dst, journal.manifest)  # the append takes effect here, atomically
+    try:
+        write_manifest(dst, journal.manifest)  # the append takes effect here, atomically
+    except OSError as exc:  # nothing published (atomic_write removed its temporary): the plan resumes it
+        raise_if_full(exc, dst, of="of the pack", hint=_FULL_HINT)
+        raise
     _finish(dst, journal, new)
     return _merge_result(dst, journal)
 

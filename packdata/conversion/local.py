@@ -48,7 +48,7 @@ from packdata.errors import (
     SourceError,
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
-from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
+from packdata.host.disks import raise_if_full, write_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE
 from packdata.pack.index_writer import SampleIndexWriter
@@ -208,9 +208,7 @@ def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
 
 def _raise_if_full(exc: OSError, partial: Path) -> None:
     """Raise the named full disk for ``exc`` (met writing into ``partial``) if it is one; else return."""
-    if exc.errno in FULL_DISK_ERRNOS:
-        where = exc.filename or partial
-        raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=_FULL_HINT) from exc
+    raise_if_full(exc, partial, of="of the partial pack", hint=_FULL_HINT)
 
 
 class _Packer:

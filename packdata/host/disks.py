@@ -18,7 +18,7 @@ from packdata.errors import CapacityError, PackdataError, unwritable_error
 from packdata.host.facts import find_mount, read_mounts
 from packdata.units import format_size
 
-__all__ = ["FULL_DISK_ERRNOS", "RERUN_HINT", "filesystem_named", "no_space_error", "write_error"]
+__all__ = ["FULL_DISK_ERRNOS", "RERUN_HINT", "filesystem_named", "no_space_error", "raise_if_full", "write_error"]
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 RERUN_HINT = "Free space on that disk, then run again (a conversion: resume=True continues it)"
@@ -69,6 +69,13 @@ def no_space_error(
     return CapacityError(
         f"no space left on {filesystem_named(_existing(path))} while writing {shown} {of}", path=path, hint=hint
     )
+
+
+def raise_if_full(exc: OSError, folder: str | os.PathLike, *, of: str, hint: str) -> None:
+    """Raise :func:`no_space_error` for ``exc`` if it is a full disk or quota (met writing into ``folder``: its
+    file, else ``folder`` itself, is named); else return, for the caller to raise ``exc`` as it is."""
+    if exc.errno in FULL_DISK_ERRNOS:
+        raise no_space_error(exc, exc.filename or folder, folder=folder, of=of, hint=hint) from exc
 
 
 def write_error(
