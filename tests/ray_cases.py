@@ -220,7 +220,7 @@ def test_ray_task_failure_names_the_shard_then_resume(ray_local, clean_folder: P
         _convert_with_blocked_shard(clean_folder, dst, blocked="shard-00003.lmdb")
     message = str(failed.value)
     assert "shard task 3 (7 files, class2/img006.jpg .. top.jpg) failed for good" in message
-    assert "cannot write the destination" in message and "--resume" in message
+    assert "cannot write the destination" in message and "resume=True" in message
     assert not dst.exists() and partial.is_dir()
     done = {p.parent.name: (partial / f"shard-{p.parent.name}.lmdb" / "data.mdb").stat().st_mtime_ns
             for p in (partial / TASKS_DIR).glob("*/result.json")}  # fmt: skip
@@ -255,7 +255,7 @@ def test_ray_full_destination_disk_is_one_line_and_resumes(ray_local, tmp_path: 
     with pytest.raises(
         CapacityError,
         match=rf"no space left on {re.escape(str(disk))} \(tmpfs of 2\.0 MiB, .* while writing .*\. "
-        "Free space on that disk, then rerun with --resume",
+        "Free space on that disk, then run again with resume=True",
     ):
         packdata.convert(src, disk / "out", **options)
     subprocess.run(["mount", "-o", "remount,size=32m", os.fspath(disk)], check=True)
@@ -726,7 +726,7 @@ def test_ray_gather_names_a_fragment_changed_since_its_task_ended(grouped_folder
     labels.write_bytes(bytes(data))
     gatherer = _Gatherer(partial, "fields")
     try:
-        with pytest.raises(PackFormatError, match=r"00000/index/labels.i32: this task's fragment file .*--resume"):
+        with pytest.raises(PackFormatError, match=r"00000/index/labels.i32: this task's fragment file .*resume=True"):
             gatherer.add(result)
     finally:
         gatherer.close()

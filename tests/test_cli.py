@@ -304,6 +304,15 @@ def test_library_keywords_are_said_as_the_commands_flags() -> None:
     assert as_flags("format should be lmdb", flags) == "format should be lmdb"
 
 
+def test_a_keyword_that_ends_a_clause_is_said_as_its_flag_without_the_punctuation() -> None:
+    """'Run again with resume=True: ...' was said 'Run again with --resume True: ...' (the colon read as the value)."""
+    from packdata.cli import as_flags
+
+    flags = {"resume": "--resume", "to": "--to"}
+    said = as_flags("Run again with resume=True: files are kept. Or give to=DIR.", flags)
+    assert said == "Run again with --resume: files are kept. Or give --to DIR."
+
+
 def _logged_runs(image_folder: Path, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
     """convert, verify and stage run as a user's script would, stdout and stderr going to a log (not a terminal)."""
     env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import faulty_s3, image_bytes
-from remote_helpers import _samples, _two_classes
+from remote_helpers import _cli, _samples, _two_classes
 
 import packdata
 from packdata.errors import ConfigError, PackFormatError, SourceError
@@ -622,3 +622,25 @@ def test_a_few_5xx_replies_to_the_destination_manifest_look_ups_and_removal_are_
         with pytest.raises(SourceError, match=r"flaky-end\.lmdb: cannot reach the destination \(PermissionError\)"):
             packdata.convert(src, "s3://packs/flaky-end.lmdb", storage_options=faulty, overwrite=True, progress=False)
         assert hits[head] == before + 1  # access denied: not tried again
+
+
+def test_a_failed_upload_says_resume_in_the_library_s_words_and_the_cli_s_flag(s3, tmp_path: Path, monkeypatch) -> None:
+    """A failed upload's hint named the CLI's flag ('Rerun with --resume') to a Python caller, who passes
+    resume=True; the CLI, which maps it back, still says --resume."""
+    options, _ = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 3)
+    with faulty_s3(options) as (faulty, rules, _):
+        rules[("PUT", "/packs/denied-hint.lmdb/manifest.json")] = [403, 2]
+        with pytest.raises(PackFormatError) as caught:
+            packdata.convert(src, "s3://packs/denied-hint.lmdb", storage_options=faulty, progress=False)
+        assert str(caught.value) == (
+            "s3://packs/denied-hint.lmdb: uploading manifest.json failed (PermissionError). Run again with "
+            "resume=True: uploaded files are kept"
+        )
+        said = _cli("convert", str(src), "s3://packs/denied-hint.lmdb", "-q", "--resume", options=faulty)
+    assert said.exit_code == 1
+    assert said.output.splitlines()[-1] == (
+        "Error: s3://packs/denied-hint.lmdb: uploading manifest.json failed (PermissionError). Run again with "
+        "--resume: uploaded files are kept"
+    )

@@ -33,8 +33,10 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
         option = flags.get(match.group(1))
         if option is None:
             return match.group(0)
-        value = match.group(2)
-        return option if value == "True" else f"{option} {value.strip(chr(39))}"
+        value, end = match.group(2), ""
+        if len(value) > 1 and value[-1] in ".:" and not value.startswith("'"):  # the sentence's, not the value's
+            value, end = value[:-1], value[-1]
+        return (option if value == "True" else f"{option} {value.strip(chr(39))}") + end
 
     def subject(match: re.Match[str]) -> str:
         return flags.get(match.group(1), match.group(1)) + match.group(2)

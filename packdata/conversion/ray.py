@@ -270,16 +270,16 @@ def _run_tasks(
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and target is None:
                         where = cause.filename or partial  # a task's write into the partial pack: its disk is named
-                        hint = "Free space on that disk, then rerun with --resume: finished shards are kept"
+                        hint = "Free space on that disk, then run again with resume=True: finished shards are kept"
                         raise no_space_error(cause, where, folder=partial, of="of the partial pack", hint=hint) from exc
                     if isinstance(cause, CapacityError) and target is None:  # the task named the full disk
-                        hint = "Free space on that disk, then rerun with --resume: finished shards are kept"
+                        hint = "Free space on that disk, then run again with resume=True: finished shards are kept"
                         raise cause.with_hint(hint) from exc
                     raise EngineError(
                         f"{description} failed for good (Ray retries a task up to {MAX_RETRIES} times): "
                         f"{_failure(exc)}",
                         path=partial,
-                        hint="Fix the cause and rerun with --resume: finished shards are kept",
+                        hint="Fix the cause and run again with resume=True: finished shards are kept",
                     ) from exc
                 if "fragment" in result:
                     result = _keep_fragment(partial, result)

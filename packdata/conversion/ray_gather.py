@@ -192,7 +192,7 @@ class _Gatherer:
             raise PackFormatError(
                 "this task's fragment file is missing or differs from the size and SHA-256 its task recorded",
                 path=fragment / damaged,
-                hint="Rerun with --resume (the task runs again) or --overwrite",
+                hint="Run again with resume=True (the task runs again) or overwrite=True",
             )
         source = fragment / INDEX_DIR
         for name in (LABELS_FILE, SIZES_FILE, KEYS_FILE):

@@ -208,7 +208,7 @@ def place_shards(
                 state = "is missing" if found < 0 else f"holds {found} bytes"
                 raise PackFormatError(
                     f"{target.shown}: {name} {state}; its task uploaded {size} bytes",
-                    hint="Rerun with --resume: that task runs again",
+                    hint="Run again with resume=True: that task runs again",
                 )
 
 

@@ -114,7 +114,7 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
     if exists and not overwrite:
         raise ConfigError(
             f"{display_url(url)}: a pack already exists there",
-            hint="Pass --overwrite to replace it, or choose another URL",
+            hint="Pass overwrite=True to replace it, or choose another URL",
         )
 
 
@@ -319,7 +319,8 @@ def upload_pack(
 def _upload_error(shown: str, rel: str, exc: BaseException) -> PackFormatError:
     """One line for a failed upload of ``rel``: the URL (no credentials) and the error's type only."""
     return PackFormatError(
-        f"{shown}: uploading {rel} failed ({type(exc).__name__})", hint="Rerun with --resume: uploaded files are kept"
+        f"{shown}: uploading {rel} failed ({type(exc).__name__})",
+        hint="Run again with resume=True: uploaded files are kept",
     )
 
 

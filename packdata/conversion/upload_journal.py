@@ -150,7 +150,7 @@ def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url:
         raise ConfigError(
             f"{display_url(url)}: the pack waiting in the work folder to be uploaded was converted "
             + (f"from {was!r}, or with other options" if isinstance(was, str) else "by an unknown conversion"),
-            hint="Resume with the same source and options, or rerun without --resume to convert again",
+            hint="Resume with the same source and options, or run again without resume=True to convert again",
         )
 
 
