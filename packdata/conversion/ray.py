@@ -52,7 +52,7 @@ from packdata.conversion.upload import upload_pack
 from packdata.conversion.upload_journal import journal_task_objects
 from packdata.errors import CapacityError, EngineError, PackdataError
 from packdata.formats import get_format, shard_writer
-from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error
+from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error, raise_if_full
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
 from packdata.pack.manifest import write_manifest
 from packdata.progress import count_done_before
@@ -101,6 +101,12 @@ def _connect(ray: Any, address: str | None) -> bool:
             hint="Check --address (start a cluster with `ray start --head`), or leave it out",
         ) from exc
     return True
+
+
+_FINISH_FULL_HINT = (
+    "Free space on that disk, then convert again with overwrite=True: its tasks' results were already gathered "
+    "and removed, so the conversion starts over"
+)
 
 
 def _failure(exc: BaseException) -> str:
@@ -177,9 +183,7 @@ def convert_on_ray(
             raise
         gatherer.close()
     except OSError as exc:  # the driver's own writes: the gathered index, a remote task's fragment
-        if exc.errno in FULL_DISK_ERRNOS:
-            where = exc.filename or partial
-            raise no_space_error(exc, where, folder=partial, of="of the partial pack", hint=RERUN_HINT) from exc
+        raise_if_full(exc, partial, of="of the partial pack", hint=RERUN_HINT)
         raise
     finally:
         if started_ray:
@@ -213,7 +217,11 @@ def convert_on_ray(
         skipped=gatherer.skipped,
         field_names=gatherer.field_names,
     )
-    write_manifest(partial, manifest)
+    try:
+        write_manifest(partial, manifest)
+    except OSError as exc:  # nothing published (atomic_write removed its temporary); the plan is gone
+        raise_if_full(exc, partial, of="of the partial pack", hint=_FINISH_FULL_HINT)
+        raise
     if target is None:
         _publish(partial, dst, overwrite=overwrite)
     else:  # index and skip report, then the manifest
