@@ -615,21 +615,21 @@ def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process(monkeypatch: 
     last_pid = Path("/proc/sys/kernel/ns_last_pid")
     if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
         pytest.skip("needs root and a writable /proc/sys/kernel/ns_last_pid to hand a pid on")
-    probed, real_probe = threading.Event(), screen.SystemProbe
+    probed, real_memory = threading.Event(), screen.process_memory
 
-    def probe(*args: Any, **kwargs: Any) -> Any:  # the real probe; the test learns when it holds the job
-        made = real_probe(*args, **kwargs)
+    def memory(*args: Any, **kwargs: Any) -> Any:  # the real read; the test learns when the watcher holds the job
+        read = real_memory(*args, **kwargs)
         probed.set()
-        return made
+        return read
 
-    monkeypatch.setattr(screen, "SystemProbe", probe)
+    monkeypatch.setattr(screen, "process_memory", memory)
     job = subprocess.Popen(["sleep", "60"])
     out = io.StringIO()
     watcher = threading.Thread(
         target=screen.watch_process, args=(job.pid,), kwargs={"interval": 3, "count": 1, "stream": out}
     )
     watcher.start()
-    assert probed.wait(30)  # the job is ended only once the probe holds it (a fixed 0.2 s wait lost this race)
+    assert probed.wait(30)  # the job ends only once the watcher has read it (its last look before sampling)
     job.kill()
     job.wait()
     stranger = None
