@@ -69,8 +69,6 @@ __all__ = [
 DEFAULT_TASK_SAMPLES = 10_000
 DEFAULT_TASK_THREADS = 4
 MAX_RETRIES = 3
-DRAIN_SECONDS = 60.0
-"""How long the tasks in flight may go on once one failed for good: those that end keep their shards for a resume."""
 _INSTALL_HINT = "Install it with: pip install 'packdata[ray]'"
 
 
@@ -276,7 +274,7 @@ def _run_tasks(
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    _drain(ray, in_flight)
+                    _abort(ray, in_flight)
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and target is None:
                         where = cause.filename or partial  # a task's write into the partial pack: its disk is named
@@ -335,17 +333,6 @@ def _run_tasks(
     except BaseException:
         _abort(ray, in_flight)
         raise
-
-
-def _drain(ray: Any, in_flight: dict[Any, Any]) -> None:
-    """Let the tasks in flight end, for up to :data:`DRAIN_SECONDS`, then stop the rest (:func:`_abort`).
-
-    A task writes its own shard and result, so each one that ends is kept for a
-    resume; one cancelled would be packed again, however far it had got.
-    """
-    if in_flight:
-        ray.wait(list(in_flight), num_returns=len(in_flight), timeout=DRAIN_SECONDS)
-    _abort(ray, in_flight)
 
 
 def _abort(ray: Any, in_flight: dict[Any, Any]) -> None:
