@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 import torch
 from click.testing import CliRunner
@@ -649,6 +650,37 @@ def test_monitor_stops_when_the_jobs_pid_is_taken_by_a_new_process(monkeypatch: 
             stranger.kill()
             stranger.wait()
     assert out.getvalue() == f"process {job.pid} has ended\n"
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_a_new_process_started_in_the_ended_jobs_clock_tick_is_not_the_job() -> None:
+    """The fresh-clone CI saw packdata monitor sample a stranger as the job: psutil tells processes apart by
+    pid and start time, counted in 10 ms ticks, and a new process given the ended job's pid within one tick
+    (181 of 200 handovers here) had both. The watcher now holds a pidfd on the job itself."""
+    from packdata.watch import screen
+
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if os.geteuid() != 0 or not os.access(last_pid, os.W_OK) or not hasattr(os, "pidfd_open"):
+        pytest.skip("needs root, a writable /proc/sys/kernel/ns_last_pid and pidfd_open to hand a pid on")
+    for _ in range(50):  # until the stranger has the job's pid and, as psutil reads it, its start time
+        job = subprocess.Popen(["sleep", "60"])
+        process, pidfd = psutil.Process(job.pid), screen._open_pidfd(job.pid)
+        assert pidfd is not None
+        job.kill()
+        job.wait()
+        last_pid.write_text(str(job.pid - 1))
+        stranger = subprocess.Popen(["sleep", "60"])
+        try:
+            same = stranger.pid == job.pid and psutil.Process(stranger.pid).create_time() == process.create_time()
+            if same:
+                assert not screen._running(process, pidfd)
+                return
+        finally:
+            os.close(pidfd)
+            stranger.kill()
+            stranger.wait()
+    pytest.skip("no new process got the job's pid within its clock tick in 50 tries")
 
 
 @pytest.mark.timeout(60)

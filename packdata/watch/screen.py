@@ -10,6 +10,8 @@ piped, one line per interval; ``--json`` gives one JSON object per interval.
 from __future__ import annotations
 
 import json
+import os
+import select
 import sys
 import time
 from typing import TextIO
@@ -108,9 +110,21 @@ def _one_line(snap: Snapshot, pid: int) -> str:
     )
 
 
-def _running(process: psutil.Process) -> bool:
+def _open_pidfd(pid: int) -> int | None:
+    """A handle on process ``pid`` itself (Linux 5.3+), which a new process later given the same pid does not
+    take over; None where the kernel or Python has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _running(process: psutil.Process, pidfd: int | None) -> bool:
     """Whether ``process`` still runs: one that ended and was not yet reaped (a zombie) has ended, and so has
-    one whose pid a new process now holds (``is_running`` compares start times)."""
+    one whose pid a new process now holds. A pidfd turns readable when its process ends, exactly; without
+    one, ``is_running`` compares start times, which cannot tell apart two processes started in one 10 ms tick."""
+    if pidfd is not None:
+        return not select.select([pidfd], [], [], 0)[0]
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -127,18 +141,31 @@ def watch_process(
     out = stream or sys.stdout
     try:
         probe = SystemProbe(pid)
-        if process_memory(probe.process) is None and _running(probe.process):  # not ours: it would read 0 B
+        pidfd = _open_pidfd(pid)
+    except psutil.NoSuchProcess:
+        raise ConfigError(f"no process {pid}", hint="Check the PID, or pass --name") from None
+    try:
+        if process_memory(probe.process) is None and _running(probe.process, pidfd):  # not ours: it would read 0 B
             raise ConfigError(
                 f"cannot read the memory of process {pid} (a process of user {probe.process.username()})",
                 hint="Run packdata monitor as that user, or as root",
             )
-    except psutil.NoSuchProcess:
-        raise ConfigError(f"no process {pid}", hint="Check the PID, or pass --name") from None
+        _sample_until_ended(probe, pidfd, interval=interval, count=count, as_json=as_json, out=out)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _sample_until_ended(
+    probe: SystemProbe, pidfd: int | None, *, interval: float, count: int | None, as_json: bool, out: TextIO
+) -> None:
+    """``watch_process``'s loop: a sample of ``probe``'s job each ``interval``, until it ends or ``count``."""
+    pid = probe.process.pid
     tty = out.isatty() and not as_json
     n = 0
     while count is None or n < count:
         time.sleep(interval)
-        if not _running(probe.process):  # with --json a note, not a record: stdout stays one JSON object a line
+        if not _running(probe.process, pidfd):  # with --json a note, not a record: stdout stays one JSON object a line
             print(f"process {pid} has ended", file=sys.stderr if as_json else out, flush=True)
             return
         snap = probe.sample()
