@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -168,22 +167,38 @@ def small_chunks(monkeypatch) -> None:
     monkeypatch.setattr(remote.RemoteShardReader, "BACKOFF", 0.01)
 
 
-def _logged(
-    monkeypatch, fs, fail=lambda name, start: False, calls: list[tuple[str, dict]] | None = None
-) -> list[tuple[str, int]]:
+class _Requests(list):
+    """The ranged GETs of shards made so far, as (file name, first byte); :meth:`wait_for` one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grown = threading.Condition()
+
+    def add(self, request: tuple[str, int]) -> None:
+        with self._grown:
+            self.append(request)
+            self._grown.notify_all()
+
+    def wait_for(self, request: tuple[str, int]) -> bool:
+        """Whether ``request`` was made: waits until it is, however loaded the machine (60 s: it never comes)."""
+        with self._grown:
+            return self._grown.wait_for(lambda: request in self, timeout=60)
+
+
+def _logged(monkeypatch, fs, fail=lambda name, start: False, calls: list[tuple[str, dict]] | None = None) -> _Requests:
     """Log every ranged GET of a shard as (file name, first byte); ``fail(name, start)`` drops one.
 
     ``calls``, when given, gets every S3 request as (operation, arguments).
     """
     real = fs._call_s3  # fsspec caches filesystems: the dataset gets this very instance
-    log: list[tuple[str, int]] = []
+    log = _Requests()
 
     async def call_s3(method, *args, **kwargs):
         if calls is not None:
             calls.append((method, kwargs))
         if method == "get_object" and kwargs["Key"].endswith(".tfrecord"):
             name, start = kwargs["Key"].rsplit("/", 1)[-1], int(kwargs["Range"].split("=")[1].split("-")[0])
-            log.append((name, start))
+            log.add((name, start))
             if fail(name, start):
                 raise ConnectionResetError("reset by peer")
         return await real(method, *args, **kwargs)
@@ -237,10 +252,7 @@ def test_the_next_shard_is_requested_before_the_current_one_ends(
     for k, ((name, count), (following, _)) in enumerate(itertools.pairwise(shards)):
         for _ in range(count):
             next(it)  # the shard's last record is now in our hands; the reader is not asked for more
-        deadline = time.monotonic() + 5
-        while (following, 0) not in log and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert (following, 0) in log, f"shard {k + 1}'s first range was not requested before shard {k} ended"
+        assert log.wait_for((following, 0)), f"shard {k + 1}'s first range was not requested before shard {k} ended"
         assert log.index((following, 0)) > log.index((name, 0))
     assert len(list(it)) == shards[-1][1]
     assert len(log) == len(set(log))  # every range requested once
@@ -288,10 +300,10 @@ def _readahead_threads(besides: set[threading.Thread] = frozenset()) -> set[thre
     return {t for t in threading.enumerate() if t.name.startswith("packdata-readahead")} - besides
 
 
-def _wait_gone(threads: set[threading.Thread], limit: float = 5.0) -> bool:
-    deadline = time.monotonic() + limit
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _wait_gone(threads: set[threading.Thread]) -> bool:
+    """Whether ``threads`` end: each is joined, however loaded the machine (60 s: it does not end)."""
+    for t in threads:
+        t.join(60)
     return not any(t.is_alive() for t in threads)
 
 
@@ -307,10 +319,7 @@ def test_an_abandoned_remote_reader_leaves_no_thread_behind(s3, remote_shards, s
     it = iter(ds)
     for _ in range(shards[0][1]):
         next(it)
-    deadline = time.monotonic() + 5
-    while (shards[1][0], 0) not in log and time.monotonic() < deadline:  # the read-ahead is in its backoff
-        time.sleep(0.01)
-    assert (shards[1][0], 0) in log
+    assert log.wait_for((shards[1][0], 0))  # the read-ahead is in its backoff
     ours = _readahead_threads(others)
     assert len(ours) == 1
     it.close()  # what a DataLoader shutting down or a training loop breaking out does
