@@ -296,7 +296,7 @@ def test_ray_resume_refuses_a_file_of_a_finished_task_rewritten_since(
     assert str(raised.value) == (
         f"{path}: a file packed before the interruption changed since ({size} bytes then, "
         f"{Path(path).stat().st_size} bytes now; or its modification time differs). Restore it as it was and "
-        "resume, or start again with --overwrite"
+        "resume, or start again with overwrite=True"
     )
     assert partial.is_dir() and not dst.exists()
 
@@ -406,7 +406,7 @@ def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, dam
         resume=False,
     )
     (partial_path(dst) / "ray-plan.json").write_text(damaged)
-    with pytest.raises((PackFormatError, ConfigError), match=rf"{error}.*--overwrite"):
+    with pytest.raises((PackFormatError, ConfigError), match=rf"{error}.*overwrite=True"):
         packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
 
 
@@ -490,9 +490,9 @@ def test_ray_resume_rejects_other_options(ray_local, clean_folder: Path, tmp_pat
     dst = tmp_path / "out.lmdb"
     opts = _Options("lmdb", "image", "skip", False, None, 90, None, 10)
     _prepare_partial(partial_path(dst), dst, opts, overwrite=False, resume=False)
-    with pytest.raises(ConfigError, match=r"other options.*--overwrite"):
+    with pytest.raises(ConfigError, match=r"other options.*overwrite=True"):
         packdata.convert(clean_folder, dst, shard_samples=11, resume=True, progress=False, engine="ray")
-    with pytest.raises(ConfigError, match=r"interrupted conversion.*--resume"):
+    with pytest.raises(ConfigError, match=r"interrupted conversion.*resume=True"):
         packdata.convert(clean_folder, dst, shard_samples=10, progress=False, engine="ray")
 
 

@@ -313,6 +313,47 @@ def test_a_keyword_that_ends_a_clause_is_said_as_its_flag_without_the_punctuatio
     assert said == "Run again with --resume: files are kept. Or give --to DIR."
 
 
+def test_a_resume_of_a_complete_pack_says_overwrite_to_python_and_the_flag_to_the_cli(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """convert's hints named the CLI's flag ('pass --overwrite to convert it again') to a Python caller, who passes
+    overwrite=True; the CLI, which maps it (as_flags), still says --overwrite."""
+    import packdata
+
+    dst = tmp_path / "out.lmdb"
+    packdata.convert(image_folder, dst, progress=False)
+    with pytest.raises(packdata.ConfigError) as raised:
+        packdata.convert(image_folder, dst, progress=False, resume=True)
+    said = f"{dst}: is already complete: there is no interrupted conversion to resume. Use the pack as it is, or pass "
+    assert str(raised.value) == said + "overwrite=True to convert it again"
+    result = _run("convert", str(image_folder), str(dst), "--resume", "-q")
+    assert result.exit_code == 1
+    assert result.output == f"Error: {said}--overwrite to convert it again\n"
+
+
+def test_a_merge_into_an_existing_pack_says_overwrite_to_python_and_the_flag_to_the_cli(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """merge_packs' refusal of an existing output said 'Pass --overwrite' to a Python caller; merge's CLI still does."""
+    import packdata
+
+    packs = [tmp_path / "a.lmdb", tmp_path / "b.lmdb"]
+    for number, pack in enumerate(packs):  # one sample each, of keys apart
+        src = tmp_path / f"src-{pack.stem}" / "cat"
+        src.mkdir(parents=True)
+        (src / f"{pack.stem}.jpg").write_bytes(image_bytes(number))
+        packdata.convert(src.parent, pack, progress=False)
+    out = tmp_path / "m.lmdb"
+    out.mkdir()
+    with pytest.raises(packdata.ConfigError) as raised:
+        packdata.merge_packs(packs, out)
+    said = f"{out}: destination already exists. Pass "
+    assert str(raised.value) == said + "overwrite=True to replace it, or choose another path"
+    result = _run("merge", *map(str, packs), "-o", str(out))
+    assert result.exit_code == 1
+    assert result.output == f"Error: {said}--overwrite to replace it, or choose another path\n"
+
+
 def _logged_runs(image_folder: Path, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
     """convert, verify and stage run as a user's script would, stdout and stderr going to a log (not a terminal)."""
     env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}

@@ -1008,7 +1008,7 @@ def test_a_merge_after_a_killed_merge_overwrite_names_its_leftover_and_each_reme
     assert result.exit_code == 1, result.output
     assert result.output == (
         f"Error: {out}: destination already exists, and an interrupted merge or conversion into it left {partial}, "
-        "which was never published (merge cannot continue it: it has no --resume). Pass --overwrite to replace "
+        "which was never published (merge cannot continue it: it has no resume). Pass --overwrite to replace "
         f"the pack, which removes .m.lmdb.partial too; or, to keep the pack, delete {partial} and merge into "
         "another path\n"
     )
@@ -1038,8 +1038,8 @@ def test_a_merge_never_deletes_an_interrupted_conversion_that_resume_would_finis
     assert result.exit_code == 1, result.output
     assert result.output == (
         f"Error: {out}: an interrupted conversion into {out} is in {partial}, and merging there would delete it. "
-        f"Finish it with `packdata convert SRC {out} --resume`, merge into another path, or pass --overwrite to "
-        "merge over it (its work is lost)\n"
+        f"Finish it with resume (`packdata convert SRC {out} --resume`), merge into another path, or pass "
+        "--overwrite to merge over it (its work is lost)\n"
     )
     assert (partial / "progress.json").is_file() and not out.exists()
     packdata.convert(source, out, shard_samples=1, workers=1, progress=False, resume=True)

@@ -372,7 +372,7 @@ def test_shards_open_with_mdb_stat(image_folder: Path, tmp_path: Path) -> None:
 def test_refuses_existing_destination_without_overwrite(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     convert(image_folder, dst, progress=False)
-    with pytest.raises(ConfigError, match=r"out\.lmdb: destination already exists.*--overwrite"):
+    with pytest.raises(ConfigError, match=r"out\.lmdb: destination already exists.*overwrite=True"):
         convert(image_folder, dst, progress=False)
     (image_folder / "cat" / "a.jpg").unlink()
     assert convert(image_folder, dst, overwrite=True, progress=False).packed == 18
@@ -420,7 +420,7 @@ def test_refuses_missing_and_empty_sources(tmp_path: Path) -> None:
 
 def test_interrupted_partial_needs_resume_or_overwrite(image_folder: Path, tmp_path: Path) -> None:
     partial_path(tmp_path / "out.lmdb").mkdir()  # no checkpoint in it: nothing to continue
-    with pytest.raises(ConfigError, match=r"no checkpoint to continue from\. Pass --overwrite to start again"):
+    with pytest.raises(ConfigError, match=r"no checkpoint to continue from\. Pass overwrite=True to start again"):
         convert(image_folder, tmp_path / "out.lmdb", progress=False)
 
 
@@ -495,7 +495,7 @@ def test_resume_refuses_a_partial_pack_whose_folder_another_user_owns(
     os.chown(theirs, 65534, 65534)
     before = tree_digest(partial_path(dst))
     message = f"the interrupted conversion's folder {theirs} belongs to another user (uid 65534), who could swap"
-    with pytest.raises(ConfigError, match=re.escape(message) + ".*Move it away, or start again with --overwrite"):
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*Move it away, or start again with overwrite=True"):
         convert(image_folder, dst, progress=False, resume=True)
     assert tree_digest(partial_path(dst)) == before and not dst.exists()
     convert(image_folder, dst, progress=False, overwrite=True)  # --overwrite starts again
@@ -581,7 +581,7 @@ def test_resume_names_a_partial_file_that_is_gone(
     dst = tmp_path / f"out.{fmt}"
     _interrupted_convert(image_folder, dst, monkeypatch, format=fmt)
     (partial_path(dst) / gone).unlink()
-    with pytest.raises(PackFormatError, match=r"interrupted conversion's .*(missing|gone).*--overwrite"):
+    with pytest.raises(PackFormatError, match=r"interrupted conversion's .*(missing|gone).*overwrite=True"):
         convert(image_folder, dst, progress=False, resume=True, format=fmt)
     assert not dst.exists()
 
@@ -944,7 +944,7 @@ def test_a_partial_pack_that_is_not_a_folder_is_named_and_overwrite_replaces_onl
         ConfigError, match=f"is a {'symlink' if kind == 'symlink' else 'regular file'}, not an interrupted"
     ):
         convert(image_folder, dst, progress=False, resume=True)
-    with pytest.raises(ConfigError, match="Pass --overwrite to start again"):
+    with pytest.raises(ConfigError, match="Pass overwrite=True to start again"):
         convert(image_folder, dst, progress=False)
     convert(image_folder, dst, progress=False, overwrite=True)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"]
@@ -1286,7 +1286,7 @@ def test_a_resume_refuses_a_list_whose_labels_changed_with_the_same_classes(
     state = json.loads(checkpoint)  # as an earlier packdata wrote it: its walk's digest covered keys only
     state["walk_sha256"] = state.pop("walk_labels_sha256")
     (partial_path(dst) / "progress.json").write_text(json.dumps(state), encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"made by an earlier packdata.*Start again with --overwrite"):
+    with pytest.raises(ConfigError, match=r"made by an earlier packdata.*Start again with overwrite=True"):
         convert(src / "l.csv", dst, progress=False, resume=True, label_column="label")
     convert(src / "l.csv", dst, progress=False, overwrite=True, label_column="label")
     ds = LMDBDataset(dst, decode="bytes")
@@ -1343,7 +1343,7 @@ def test_a_resume_refuses_a_source_rewritten_since_the_interruption(
         convert(given, dst, progress=False, resume=True)
     assert str(raised.value) == (
         f"{src / '1.txt'}: a file packed before the interruption changed since (2 bytes then, 4 bytes now; or its "
-        "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+        "modification time differs). Restore it as it was and resume, or start again with overwrite=True"
     )
     assert (partial_path(dst) / "progress.json").read_bytes() == checkpoint and not dst.exists()
     convert(given, dst, progress=False, overwrite=True)

@@ -71,7 +71,9 @@ def test_a_label_column_no_row_has_is_named_before_packing(tmp_path: Path) -> No
     listing.write_text("path,label\na.txt,cat\n", encoding="utf-8")
     result = CliRunner().invoke(cli, ["convert", str(listing), str(tmp_path / "out.lmdb"), "--label-column", "lable"])
     assert result.exit_code == 1
-    said = f"{listing}: no row has a 'lable' column (columns: ['label', 'path']). Name the column with --label-column"
+    said = (
+        f"{listing}: no row has a 'lable' column (columns: ['label', 'path']). Name the column with --label-column NAME"
+    )
     assert result.output == f"Error: {said}\n"
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "l.csv"]
 

@@ -113,7 +113,8 @@ def test_a_resume_stats_only_files_the_interrupted_conversion_packed(
     checkpoint = progress.read_bytes()
     message = (
         f"{progress}: the interrupted conversion's checkpoint is damaged: probes names {named!r}, which is not a file "
-        "the interrupted conversion packed (a resume looks only at those). Start the conversion again with --overwrite"
+        "the interrupted conversion packed (a resume looks only at those). Start the conversion again with "
+        "overwrite=True"
     )
     with pytest.raises(PackFormatError) as raised:
         convert(src, dst, progress=False, resume=True)

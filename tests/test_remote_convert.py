@@ -174,7 +174,7 @@ def test_overwrite_into_a_url_starts_over_an_interrupted_conversion(s3, tmp_path
         m.setattr(local._Packer, "_add", add)
         with pytest.raises(KeyboardInterrupt):
             packdata.convert(src, url, shard_samples=2, storage_options=options, progress=False, workers=1)
-    with pytest.raises(ConfigError, match="Pass --resume to continue it, or --overwrite to start again"):
+    with pytest.raises(ConfigError, match="Pass resume=True to continue it, or overwrite=True to start again"):
         packdata.convert(src, url, shard_samples=3, storage_options=options, progress=False)
     result = packdata.convert(src, url, shard_samples=3, overwrite=True, storage_options=options, progress=False)
     assert result.packed == 10 and not result.resumed and result.shards == 4

@@ -64,7 +64,7 @@ def test_a_resume_names_a_tar_rewritten_in_place_and_resumes_over_one_only_touch
             packdata.convert(src, dst, shard_samples=1, workers=1, progress=False, resume=True)
         assert str(raised.value) == (
             f"{first}: a tar read before the interruption changed since (10240 bytes then, 10240 bytes now; or its "
-            "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+            "modification time differs). Restore it as it was and resume, or start again with overwrite=True"
         )
         assert (partial / "progress.json").is_file() and not dst.exists()
         return
@@ -115,7 +115,7 @@ def test_a_resume_refuses_the_last_file_packed_rewritten_once_the_probes_were_th
         packdata.convert(src, dst, workers=1, progress=False, resume=True)
     assert str(raised.value) == (
         f"{last}: a file packed before the interruption changed since (2 bytes then, 9 bytes now; or its "
-        "modification time differs). Restore it as it was and resume, or start again with --overwrite"
+        "modification time differs). Restore it as it was and resume, or start again with overwrite=True"
     )
     assert len(progress["probes"]) <= 4
 
@@ -127,7 +127,7 @@ def _refused_naming(src: str, dst: Path, options: dict, url: str, size: int = 2)
     message = str(raised.value)
     rewritten = "an object packed before the interruption was rewritten at the URL since"
     assert message.startswith(f"{url}: {rewritten} ({size} ")
-    assert message.endswith(". Restore it as it was and resume, or start again with --overwrite")
+    assert message.endswith(". Restore it as it was and resume, or start again with overwrite=True")
     assert (dst.parent / f".{dst.name}.partial" / "progress.json").is_file() and not dst.exists()
 
 
@@ -244,7 +244,7 @@ def test_a_resume_of_a_copied_url_folder_refuses_a_download_journal_other_than_t
         assert str(raised.value) == (
             f"{journal}: is not the download journal the interrupted conversion packed from ({size} bytes, {held} "
             "then): which packed files were downloaded again since, as other objects, cannot be told. It was cut, "
-            "edited or removed with its work folder since: start again with --overwrite"
+            "edited or removed with its work folder since: start again with overwrite=True"
         )
         assert (tmp_path / ".out.lmdb.partial" / "progress.json").is_file() and not dst.exists()
         packdata.convert("s3://packs/src", dst, storage_options=options, progress=False, overwrite=True)

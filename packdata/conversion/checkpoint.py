@@ -217,7 +217,7 @@ def _damaged(path: Path, what: str) -> PackFormatError:
     return PackFormatError(
         f"the interrupted conversion's checkpoint is damaged: {what}",
         path=path,
-        hint="Start the conversion again with --overwrite",
+        hint="Start the conversion again with overwrite=True",
     )
 
 
@@ -244,7 +244,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
             "the interrupted conversion was made by an earlier packdata, whose checkpoint cannot tell whether "
             "a list's labels changed since",
             path=path.parent,
-            hint="Start again with --overwrite",
+            hint="Start again with overwrite=True",
         )
     for name in _REQUIRED:
         if name not in state:

@@ -122,7 +122,8 @@ def _plan(
                 raise ConfigError(
                     f"is a {manifest.format} pack of {manifest.kind} samples, the first is {first.format}/{first.kind}",
                     path=path,
-                    hint="Merge packs of one format and kind (convert one again with --format)",
+                    hint="Merge packs of one format and kind "
+                    "(convert one again with format=FORMAT, `packdata convert --format FORMAT`)",
                 )
             for name in manifest.classes:
                 classes.setdefault(name, len(classes))
@@ -142,7 +143,8 @@ def _plan(
                             f"the new samples repeat key {key!r}, already in the pack",
                             path=paths[0],
                             hint="Keys are unique in a pack: rename the source's files, or convert them into a pack "
-                            "of their own and `packdata merge --on-duplicate rename` the two",
+                            "of their own and merge the two with on_duplicate='rename' "
+                            "(`packdata merge --on-duplicate rename`)",
                         )
                     if on_duplicate == "error":
                         raise ConfigError(
@@ -357,7 +359,7 @@ def merge_packs(
     with hold_lock(convert_lock_path(out), what="packdata merge", target=out):
         recover_replaced(out)
         _check_left_behind(out, overwrite)
-        _check_existing(out, overwrite)  # again: a pack a killed merge --overwrite hid is back at out
+        _check_existing(out, overwrite)  # again: a pack a killed merge with overwrite hid is back at out
         partial = partial_path(out)
         try:  # a link or file planted there goes itself, never what a link leads to
             discard_partial(partial)
@@ -416,7 +418,7 @@ def merge_packs(
 
 
 def _check_left_behind(out: Path, overwrite: bool) -> None:
-    """Refuse a merge into ``out`` beside a partial pack a killed run left: a conversion's that ``--resume`` continues,
+    """Refuse a merge into ``out`` beside a partial pack a killed run left: a conversion's that ``resume`` continues,
     or any beside an existing pack (a killed merge's into a new ``out`` is replaced without a word).
 
     Call it holding ``out``'s lock: no live run writes that folder then. ``overwrite`` removes it.
@@ -424,20 +426,20 @@ def _check_left_behind(out: Path, overwrite: bool) -> None:
     partial = partial_path(out)
     if overwrite or not os.path.lexists(partial):
         return
-    if holds_conversion(partial):  # hours of a conversion's work, which its --resume continues
+    if holds_conversion(partial):  # hours of a conversion's work, which its resume continues
         raise ConfigError(
             f"an interrupted conversion into {out} is in {partial}, and merging there would delete it",
             path=out,
-            hint=f"Finish it with `packdata convert SRC {out} --resume`, merge into another path, "
-            "or pass --overwrite to merge over it (its work is lost)",
+            hint=f"Finish it with resume (`packdata convert SRC {out} --resume`), merge into another path, "
+            "or pass overwrite=True to merge over it (its work is lost)",
         )
     if not (out.exists() or out.is_symlink()):  # a killed merge's: nothing can continue it, this merge replaces it
         return
     raise ConfigError(
         f"destination already exists, and an interrupted merge or conversion into it left {partial}, "
-        "which was never published (merge cannot continue it: it has no --resume)",
+        "which was never published (merge cannot continue it: it has no resume)",
         path=out,
-        hint=f"Pass --overwrite to replace the pack, which removes {partial.name} too; or, to keep the pack, "
+        hint=f"Pass overwrite=True to replace the pack, which removes {partial.name} too; or, to keep the pack, "
         f"delete {partial} and merge into another path",
     )
 

@@ -181,7 +181,7 @@ def convert(
         raise ConfigError(
             "is already complete: there is no interrupted conversion to resume",
             path=dst,
-            hint="Use the pack as it is, or pass --overwrite to convert it again",
+            hint="Use the pack as it is, or pass overwrite=True to convert it again",
         )
     _check_source_and_destination(src, dst, overwrite)
     opts = _Options(
@@ -189,7 +189,7 @@ def convert(
     )
     dst.parent.mkdir(parents=True, exist_ok=True)
     with hold_lock(convert_lock_path(dst), what=f"packdata convert, {engine} engine", target=dst):
-        recover_replaced(dst)  # a pack a killed --overwrite moved aside goes back (or its leftover goes)
+        recover_replaced(dst)  # a pack a killed overwrite=True moved aside goes back (or its leftover goes)
         _check_source_and_destination(src, dst, overwrite)  # again, under the lock: another may have published
         if engine == "ray":
             from packdata.conversion.ray import convert_on_ray
@@ -235,7 +235,7 @@ def _check_source_and_destination(src: Path | str, dst: Path, overwrite: bool) -
     """Refuse a destination inside a local source (or around it) or inside a pack, or an existing pack unless
     ``overwrite``."""
     around = next((folder for folder in Path(os.path.abspath(dst)).parents if is_pack(folder)), None)
-    if around is not None:  # its shards would sit in a pack's folder, which --overwrite of that pack then refuses
+    if around is not None:  # its shards would sit in a pack's folder, which overwrite=True of that pack then refuses
         raise ConfigError(f"the pack would be inside the pack {around}", path=dst, hint="Choose an output outside it")
     if isinstance(src, str):  # a URL: nothing of it is on this disk
         _check_existing(dst, overwrite)
@@ -295,8 +295,8 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
                 token = _APPEND_INTO.set((dst, manifest.kind))
                 try:
                     result = _result_of(extra, started) if extra.exists() else convert(src, extra, **kwargs)
-                except PackdataError as exc:  # a resume refused: --overwrite, its advice, is refused with --append
-                    if resume and exc.hint and "--overwrite" in exc.hint:
+                except PackdataError as exc:  # a resume refused: overwrite=True, its advice, is refused here
+                    if resume and exc.hint and "overwrite=True" in exc.hint:
                         raise exc.with_hint(_APPEND_AGAIN) from exc
                     raise
                 finally:
@@ -316,7 +316,7 @@ def _append(src: Path | str, dst: Path, options: dict[str, Any]) -> ConvertResul
     return result
 
 
-_APPEND_AGAIN = "Append again without --resume: the interrupted append starts over, the pack keeps its samples"
+_APPEND_AGAIN = "Append again without resume=True: the interrupted append starts over, the pack keeps its samples"
 
 
 def _source_place(src: Path | str) -> str:

@@ -86,12 +86,12 @@ def interrupted_error(dst: str | os.PathLike, partial: Path) -> ConfigError:
         return ConfigError(
             f"an interrupted conversion into {dst} is in {partial}",
             path=dst,
-            hint="Pass --resume to continue it, or --overwrite to start again",
+            hint="Pass resume=True to continue it, or overwrite=True to start again",
         )
     return ConfigError(
         f"an interrupted merge or conversion into {dst} left {partial}, with no checkpoint to continue from",
         path=dst,
-        hint="Pass --overwrite to start again",
+        hint="Pass overwrite=True to start again",
     )
 
 
@@ -107,7 +107,7 @@ def check_resumable(partial: Path) -> None:
         ConfigError: ``partial``, or something inside it, is of another type or
             a folder of another user's (named).
     """
-    hint = "Move it away, or start again with --overwrite"
+    hint = "Move it away, or start again with overwrite=True"
     info = os.lstat(partial)
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(
@@ -161,7 +161,7 @@ def _check_existing(dst: Path, overwrite: bool) -> None:
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise ConfigError(
-                "destination already exists", path=dst, hint="Pass --overwrite to replace it, or choose another path"
+                "destination already exists", path=dst, hint="Pass overwrite=True to replace it, or choose another path"
             )
         _check_replaceable(dst)
 

@@ -227,7 +227,7 @@ def _another_journal(journal: Path, size: int, before: int) -> SourceError:
         f"is not the download journal the interrupted conversion packed from ({size} bytes, {held} then): "
         "which packed files were downloaded again since, as other objects, cannot be told",
         path=journal,
-        hint="It was cut, edited or removed with its work folder since: start again with --overwrite",
+        hint="It was cut, edited or removed with its work folder since: start again with overwrite=True",
     )
     error.resumable = True  # the partial is kept
     return error

@@ -299,7 +299,7 @@ def scan_list(
                 raise SourceError(
                     f"a row has no {path_column!r} column (columns: {sorted(row)})",
                     path=where,
-                    hint="Name the column with --path-column",
+                    hint="Name the column with path_column=NAME",
                 )
             for column, value in row.items():
                 if column in (path_column, label_column, EXTRA, SHORT):
@@ -325,7 +325,7 @@ def scan_list(
         raise SourceError(
             f"no row has a {label_column!r} column (columns: {sorted(columns.keys() | {path_column})})",
             path=where,
-            hint="Name the column with --label-column",
+            hint="Name the column with label_column=NAME",
         )
     codecs = {}
     for column, all_strings in columns.items():
@@ -334,7 +334,7 @@ def scan_list(
         except FieldError as exc:
             raise ConfigError(f"column {column!r}: {exc}", path=where) from exc
         if column == LABEL_FIELD:
-            raise ConfigError("column 'cls' is the label: pass it with --label-column cls", path=where)
+            raise ConfigError("column 'cls' is the label: pass it with label_column='cls'", path=where)
         named = codec_of(column)
         codecs[column] = named if named != "bytes" else ("txt" if all_strings else "json")
     if fs is not None:

@@ -170,7 +170,9 @@ def _check_shard_files(partial: Path, fmt: str, shards: list[ShardInfo], final: 
 
 def _shard_changed(path: Path, what: str) -> PackFormatError:
     return PackFormatError(
-        f"a shard of the interrupted conversion {what}", path=path, hint="Start the conversion again with --overwrite"
+        f"a shard of the interrupted conversion {what}",
+        path=path,
+        hint="Start the conversion again with overwrite=True",
     )
 
 
@@ -306,7 +308,7 @@ class _Packer:
                 error = SourceError(
                     "the source folder changed since the interrupted conversion",
                     path=self.source.root,
-                    hint="Restore it as it was and resume, or start again with --overwrite",
+                    hint="Restore it as it was and resume, or start again with overwrite=True",
                 )
                 error.resumable = True  # the partial is kept: a file moved for a while, a mount not up yet
                 raise error

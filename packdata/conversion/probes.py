@@ -31,7 +31,7 @@ __all__ = [
 Lookup = Callable[[str], "tuple[int, str] | None"]
 """An object's ``(size, version)`` now, by its URL (None: no such object)."""
 
-_HINT = "Restore it as it was and resume, or start again with --overwrite"
+_HINT = "Restore it as it was and resume, or start again with overwrite=True"
 REWRITTEN = "an object packed before the interruption was rewritten at the URL since ({})"
 """The refusal of an object packed and rewritten since, with what differs."""
 

@@ -96,7 +96,7 @@ def other_options_error(saved: Any, now: dict[str, Any], path: str | os.PathLike
     return ConfigError(
         f"the interrupted conversion used other options: {what}",
         path=path,
-        hint="Resume with the same options, or start again with --overwrite",
+        hint="Resume with the same options, or start again with overwrite=True",
     )
 
 
@@ -118,7 +118,7 @@ def classes_changed_error(saved: list[str] | None, now: list[str], source: Path 
         f"the source's classes changed since the interrupted conversion ({change}): "
         "the samples packed before it carry the old class numbers",
         path=source,
-        hint="Restore the source as it was, or start again with --overwrite",
+        hint="Restore the source as it was, or start again with overwrite=True",
     )
 
 
@@ -152,7 +152,7 @@ def source_changed_error(saved: object, now: list[str], partial: Path) -> Config
     return ConfigError(
         f"the interrupted conversion read another source ({shown(saved)}; this run reads {shown(now)})",
         path=partial,
-        hint="Resume with the source it read, or start again with --overwrite",
+        hint="Resume with the source it read, or start again with overwrite=True",
     )
 
 
@@ -167,7 +167,7 @@ def _no_samples_error(source: AnySource, skipped: Counter[str]) -> SourceError:
         )
         hint = "Check the tar shards: each sample is files sharing a key, as WebDataset writes them"
     else:
-        where, hint = source.root, "Check the folder and --kind"
+        where, hint = source.root, "Check the folder and kind=KIND"
     if "missing field" in skipped:
         hint = "Check require=FIELDS: it names the fields every sample must have"
     what = f"{source.kind} files" if source.kind in ("image", "text") else "samples"

@@ -98,7 +98,9 @@ def _connect(ray: Any, address: str | None) -> bool:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
         raise EngineError(
             f"cannot start or reach {where}: {exc}".splitlines()[0],
-            hint="Check --address (start a cluster with `ray start --head`), or leave it out",
+            hint=f"Check address={address!r} (start a cluster with `ray start --head`), or leave it out"
+            if address
+            else "Check that Ray starts on this machine, or pass the address=ADDRESS of a running cluster",
         ) from exc
     return True
 

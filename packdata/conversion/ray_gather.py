@@ -243,7 +243,7 @@ class _Gatherer:
                 raise PackFormatError(
                     f"{size} bytes: not a whole number of (field number, size) pairs of 16 bytes",
                     path=fragment / FIELD_SIZES_FILE,
-                    hint="Start the conversion again with --overwrite",
+                    hint="Start the conversion again with overwrite=True",
                 )
             while len(pairs := np.fromfile(f, dtype="<i8", count=2 * _CHUNK)):
                 pairs = pairs.reshape(-1, 2)
@@ -252,7 +252,7 @@ class _Gatherer:
                     raise PackFormatError(
                         problem,
                         path=fragment / FIELD_SIZES_FILE,
-                        hint="Start the conversion again with --overwrite",
+                        hint="Start the conversion again with overwrite=True",
                     )
                 pairs[:, 0] = pack_number[pairs[:, 0]]
                 self.files[FIELD_SIZES_FILE].write(pairs.astype("<i8").tobytes())
@@ -295,7 +295,7 @@ def _prepare_partial(
                 raise PackFormatError(
                     f"the interrupted conversion's plan is damaged: not JSON ({exc})",
                     path=plan,
-                    hint="Start the conversion again with --overwrite",
+                    hint="Start the conversion again with overwrite=True",
                 ) from exc
             saved_classes = saved.pop("classes", None) if isinstance(saved, dict) else None
             saved_places = saved.pop("source", None) if isinstance(saved, dict) else None
@@ -308,7 +308,7 @@ def _prepare_partial(
                 raise PackFormatError(
                     "the interrupted conversion's plan is damaged: classes should be a list of strings",
                     path=plan,
-                    hint="Start the conversion again with --overwrite",
+                    hint="Start the conversion again with overwrite=True",
                 )
             moved = None if places is None else source_changed_error(saved_places, places, partial)
             if moved is not None:
@@ -322,7 +322,7 @@ def _prepare_partial(
             raise ConfigError(
                 "the interrupted conversion into it ran on the local engine",
                 path=dst,
-                hint="Resume it with --engine local, or start again with --overwrite",
+                hint="Resume it with engine='local', or start again with overwrite=True",
             )
         if not overwrite and not resume:
             raise interrupted_error(dst, partial)

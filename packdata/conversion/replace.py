@@ -1,4 +1,4 @@
-"""The objects of a pack in object storage that ``convert ... --overwrite`` replaces, removed once the new one is up.
+"""The objects of a pack in object storage that an overwriting conversion replaces, removed once the new one is up.
 
 Before the old pack's manifest is deleted (:func:`record_replaced`), each
 object its manifest lists (shards, side tables, sample index, skip report) is

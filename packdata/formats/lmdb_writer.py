@@ -79,7 +79,7 @@ class LMDBShardWriter:
             raise PackFormatError(
                 f"the interrupted conversion's shard is gone: its checkpoint keeps {resume_at} records of it",
                 path=data,
-                hint="Convert again with --overwrite",
+                hint="Convert again with overwrite=True",
             )
         if not self._fresh:  # an interrupted run's shard: LMDB trusts its file (a cut one is a SIGBUS)
             try:
@@ -88,7 +88,7 @@ class LMDBShardWriter:
                 raise PackFormatError(
                     f"the interrupted conversion's shard is damaged: {exc.message}",
                     path=exc.path,
-                    hint="Convert again with --overwrite",
+                    hint="Convert again with overwrite=True",
                 ) from exc
         _reserve_lock_file(self.path)
         self._env = lmdb.open(
@@ -194,7 +194,7 @@ class LMDBShardWriter:
                 raise PackFormatError(  # a record kept from the interrupted run
                     f"the interrupted conversion's shard is damaged: {exc.message}",
                     path=exc.path,
-                    hint="Convert again with --overwrite",
+                    hint="Convert again with overwrite=True",
                 ) from exc
 
     def close(self) -> tuple[int, str]:

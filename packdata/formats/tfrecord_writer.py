@@ -36,7 +36,7 @@ from packdata.pack.records import Sample
 __all__ = ["TFRecordShardWriter"]
 
 
-_OVERWRITE = "Start the conversion again with --overwrite"
+_OVERWRITE = "Start the conversion again with overwrite=True"
 _UNFINISHED = _ROW.pack(_TABLE_MAGIC, _TABLE_VERSION, 0) + _ROW.pack(0, 0, 0)  # a record table being written
 
 

@@ -38,7 +38,7 @@ def _resume_error(path: Path, what: str) -> PackFormatError:
     return PackFormatError(
         f"the interrupted conversion's sample index is damaged: {what}",
         path=path,
-        hint="Start the conversion again with --overwrite",
+        hint="Start the conversion again with overwrite=True",
     )
 
 
