@@ -62,7 +62,7 @@ def test_eviction_never_contacts_an_origin_a_planted_staged_json_names_in_anothe
         assert error is not None and re.fullmatch(  # the planted copy is kept, not evicted, and said so
             rf"{re.escape(str(cache))}: the cache limit of [\d,]+ bytes cannot hold the pack \([\d,]+ bytes\) beside "
             r"the staged copies kept: 1 whose origin is in another store than the pack staged \(never looked up\); "
-            r"[\d,]+ bytes in all\. Raise --cache-limit, stop the readers of older copies, or unstage them",
+            r"[\d,]+ bytes in all\. Raise cache_limit=SIZE, stop the readers of older copies, or unstage them",
             error,
         ), error
         assert (first / STAGED_FILE).is_file()
@@ -97,7 +97,7 @@ def test_the_cache_limit_error_says_why_each_copy_was_kept(remote_pack, tmp_path
         assert str(caught.value) == (
             f"{cache}: the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes) beside the staged "
             "copies kept: 1 whose origin is gone (the last copy); 1 whose origin is in another store than the pack "
-            f"staged (never looked up); {total:,} bytes in all. Raise --cache-limit, stop the readers of older "
+            f"staged (never looked up); {total:,} bytes in all. Raise cache_limit=SIZE, stop the readers of older "
             "copies, or unstage them"
         )
         assert first.is_dir() and other.is_dir()

@@ -354,6 +354,24 @@ def test_a_merge_into_an_existing_pack_says_overwrite_to_python_and_the_flag_to_
     assert result.output == f"Error: {said}--overwrite to replace it, or choose another path\n"
 
 
+def test_a_stage_with_no_staging_area_says_tmpfs_and_to_to_python_and_the_flags_to_the_cli(
+    lmdb_pack: Path, tmp_path: Path
+) -> None:
+    """stage's refusal of a missing area said 'Prepare one with `sudo packdata stage --tmpfs 30G`, or give --to DIR'
+    to a Python caller, who passes tmpfs= or to=; the CLI, which maps them, says --tmpfs SIZE and --to DIR."""
+    import packdata
+
+    area = tmp_path / "no-area"
+    with pytest.raises(packdata.ConfigError) as raised:
+        packdata.stage(lmdb_pack, mount=area, progress=False)
+    said = f"{area}: no staging area here. Prepare one with "
+    assert str(raised.value) == said + "tmpfs=SIZE (as root), or give to=DIR"
+    result = _run("stage", str(lmdb_pack), "--mount", str(area))
+    assert result.exit_code == 1
+    assert result.output == f"Error: {said}--tmpfs SIZE (as root), or give --to DIR\n"
+    assert not area.exists()
+
+
 def _logged_runs(image_folder: Path, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
     """convert, verify and stage run as a user's script would, stdout and stderr going to a log (not a terminal)."""
     env = {**os.environ, "PACKDATA_PROGRESS_SECONDS": "0"}

@@ -241,7 +241,7 @@ def test_hot_shards_in_given_order(tfrecord_pack: Path, tmp_path: Path) -> None:
     assert result.copied == ["train-00004-of-00006.tfrecord", "train-00001-of-00006.tfrecord"]
     assert len(result.left) == 4
     # the others were left as asked, not for want of room ('the budget (66.7 GiB) holds no more shards')
-    assert result.advice == "only the shards --shards named are staged; name the others too to stage them"
+    assert result.advice == "only the shards asked for (shards=LIST) are staged; name the others too to stage them"
     staged = tmp_path / "nvme" / "train"
     assert (staged / "train-00004-of-00006.tfindex").is_file()
     assert (staged / "train-00004-of-00006.tfpayload").is_file()  # the payload table travels too
@@ -471,8 +471,8 @@ def test_a_stage_that_stages_nothing_says_why_and_fails(lmdb_pack: Path, tmp_pat
     assert "copied 0 shards" in out.output and "LEFT 6 shards" in out.output
     assert out.output.endswith(
         f"Error: nothing was staged: the budget ({format_size(smallest - 1)}) holds no more shards: the smallest "
-        f"left is {format_size(smallest)}. Stage more with a bigger --budget, or convert with a smaller "
-        "--shard-size (shards are the unit stage copies)\n"
+        f"left is {format_size(smallest)}. Stage more with a bigger --budget SIZE, or convert with a smaller "
+        "shard size (shards are the unit stage copies; `packdata convert --shard-size`)\n"
     )
     one = CliRunner().invoke(
         main, ["stage", os.fspath(lmdb_pack), "--to", os.fspath(tmp_path / "nvme2"), "--budget", f"{smallest}B", "-q"]

@@ -81,18 +81,20 @@ def test_free_space_checked_before_copying(lmdb_pack: Path, tmpfs) -> None:
 def test_the_advice_for_shards_left_fits_the_area_staged_into(lmdb_pack: Path, tmpfs) -> None:
     """A stage --to DIR that left shards for want of room advised '--tmpfs SIZE --resize', which --to refuses."""
     size = r"[0-9.]+ (?:B|KiB|MiB)"
-    tail = ", or convert with a smaller --shard-size (shards are the unit stage copies)\n"
+    tail = (
+        ", or convert with a smaller shard size (shards are the unit stage copies; `packdata convert --shard-size`)\n"
+    )
     folder = tmpfs("800k", name="folder")  # given as --to DIR: a folder stage cannot resize
     out = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--to", str(folder), "-q"])
     assert out.exit_code == 0, out.output
     why = re.escape("  why: the budget (") + size + re.escape(f": what {folder} has free) holds no more shards: ")
-    more = re.escape(f". Stage more with more free space at {folder} (or --to a folder on a bigger disk)")
+    more = re.escape(f". Stage more with more free space at {folder} (or --to DIR on a bigger disk)")
     assert re.search(why + "the smallest left is " + size + more + re.escape(tail), out.output), out.output
     area = tmpfs("800k", name="area")  # a tmpfs area (--mount), as --tmpfs SIZE mounts: --resize grows it
     out = CliRunner().invoke(main, ["stage", str(lmdb_pack), "--mount", str(area), "-q"])
     assert out.exit_code == 0, out.output
     why = re.escape("  why: the budget (") + size + re.escape(f": what {area} has free) holds no more shards: ")
-    more = re.escape(". Stage more with a bigger tmpfs (--tmpfs SIZE --resize)")
+    more = re.escape(". Stage more with a bigger tmpfs (--tmpfs SIZE with --resize)")
     assert re.search(why + "the smallest left is " + size + more + re.escape(tail), out.output), out.output
 
 

@@ -110,7 +110,8 @@ def test_unstage_of_a_folder_named_as_moved_aside_that_is_no_staged_copy_says_so
     with pytest.raises(
         ConfigError,
         match=r"nvme/\.train\.lmdb\.old-77: is named as train\.lmdb moved aside, but is no staged copy \(it holds no "
-        r"staged\.json\): not unstage's\. A killed `packdata convert --overwrite` leaves its old pack so: the next "
+        r"staged\.json\): not unstage's\. A killed conversion with overwrite \(`packdata convert --overwrite`\) leaves "
+        r"its old pack so: the next "
         r"convert into .*nvme/train\.lmdb moves it back or removes it\. Otherwise delete it yourself$",
     ):
         unstage(converted)
@@ -130,7 +131,10 @@ def test_unstage_of_an_area_keeps_an_interrupted_conversion_into_it(
     before = tree_digest(partial)
     assert unstage(area).removed == [area / "train.lmdb"]
     assert tree_digest(partial) == before
-    with pytest.raises(ConfigError, match=r"is an interrupted conversion into val\.lmdb .* with --resume"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is an interrupted conversion into val\.lmdb .*\. Finish it with resume \(`packdata convert \.\.\. ",
+    ):
         unstage(partial)
     assert tree_digest(partial) == before
     done = packdata.convert(noise_folder, area / "val.lmdb", resume=True, progress=False)
@@ -268,9 +272,9 @@ def test_unstage_of_a_file_says_what_it_is(tmp_path: Path) -> None:
     for path, problem in ((notes, "is a regular file, not a staged pack"), (tmp_path / "gone", "no such staged pack")):
         result = CliRunner().invoke(main, ["unstage", str(path)])
         assert result.exit_code == 1
-        assert (
-            result.output
-            == f"Error: {path}: {problem} or staging area. List staged packs with `packdata stage --status`\n"
+        assert result.output == (
+            f"Error: {path}: {problem} or staging area. "
+            "List staged packs with stage_status() (`packdata stage --status`)\n"
         )
     assert notes.read_text() == "x"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _SIZE_HELP, _count, _friendly, _json_object, _mb, _size
+from packdata.cli.common import _SIZE_HELP, _count, _friendly, _in_flags, _json_object, _mb, _size
 
 __all__ = ["doctor", "stage", "unstage"]
 
@@ -175,10 +175,10 @@ def stage(pack: str | None, shards: str | None, status: bool, as_json: bool, qui
             f"read from there: {shown}",
             fg="yellow",
         )
-        click.echo(f"  why: {result.advice}")
+        click.echo(f"  why: {_in_flags(result.advice)}")
     _warn(result.warnings)
     if not result.copied and not result.reused and result.left:
-        raise click.ClickException(f"nothing was staged: {result.advice}")
+        raise click.ClickException(f"nothing was staged: {_in_flags(result.advice)}")
 
 
 @click.command()

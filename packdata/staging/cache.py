@@ -92,7 +92,7 @@ def evict_for(
         raise CapacityError(
             f"the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes){beside if kept else ''}",
             path=cache,
-            hint="Raise --cache-limit, or stage into another folder",
+            hint="Raise cache_limit=SIZE, or stage into another folder",
         )
     evicted: list[Path] = []
     unknown = ""  # why a copy whose readers cannot be told was kept
@@ -125,7 +125,7 @@ def evict_for(
             f"the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes) beside the staged "
             f"copies kept: {why}; {total:,} bytes in all{unknown}",
             path=cache,
-            hint="Raise --cache-limit, stop the readers of older copies, or unstage them",
+            hint="Raise cache_limit=SIZE, stop the readers of older copies, or unstage them",
         )
     return evicted
 

@@ -152,7 +152,7 @@ def stage_remote(
     """
     start = time.monotonic()
     if to is None:
-        raise ConfigError("staging from a URL needs to=DIR: the local cache folder", hint="Pass --to /nvme/cache")
+        raise ConfigError("staging from a URL needs to=DIR: the local cache folder", hint="Pass to='/nvme/cache'")
     fs, root = open_url(url, storage_options)
     shown = display_url(url)
     cache = Path(to).absolute()
@@ -252,7 +252,8 @@ def _stage_locked(
         raise ConfigError(
             f"{partial.name} is an interrupted conversion into {name} (it holds its checkpoint), not a download",
             path=partial,
-            hint=f"Finish it (packdata convert ... {dest} --resume), drop it (--overwrite), or stage as another name",
+            hint=f"Finish it with resume (`packdata convert ... {dest} --resume`), drop it with overwrite "
+            "(`--overwrite`), or stage as another name",
         )
     made = [] if os.path.lexists(partial) else [partial]
     with removed_if_refused(made):  # refused before a download began (no room, the cache limit): it goes

@@ -130,19 +130,20 @@ class StageResult:
         if not self.left:
             return ""
         if not self.smallest_left:  # every shard asked for was staged: the others were not asked for
-            return "only the shards --shards named are staged; name the others too to stage them"
+            return "only the shards asked for (shards=LIST) are staged; name the others too to stage them"
         room = "" if self.bound == "budget" else f": what {self.area} has free"
         why = (
             f"the budget ({format_size(self.budget)}{room}) holds no more shards: the smallest left is "
             f"{format_size(self.smallest_left)}"
         )
         more = {
-            "budget": "a bigger --budget",
-            "tmpfs": "a bigger tmpfs (--tmpfs SIZE --resize)",
-            "folder": f"more free space at {self.area} (or --to a folder on a bigger disk)",
+            "budget": "a bigger budget=SIZE",
+            "tmpfs": "a bigger tmpfs (tmpfs=SIZE with resize=True)",
+            "folder": f"more free space at {self.area} (or to=DIR on a bigger disk)",
         }[self.bound]
         return (
-            f"{why}. Stage more with {more}, or convert with a smaller --shard-size (shards are the unit stage copies)"
+            f"{why}. Stage more with {more}, or convert with a smaller shard size (shards are the unit stage "
+            "copies; `packdata convert --shard-size`)"
         )
 
     @property
@@ -240,7 +241,8 @@ def stage(
         if tmpfs is not None or budget is not None or shards is not None:
             raise ConfigError(
                 "a pack in object storage is staged whole into to=DIR (LMDB reads local files only)",
-                hint="Mount the tmpfs first (packdata stage --tmpfs SIZE), then stage the URL with to=MOUNT",
+                hint="Mount the tmpfs first (prepare_tmpfs, or `packdata stage --tmpfs SIZE`), "
+                "then stage the URL with to=MOUNT",
             )
         area = to if to is not None else mount
         return stage_remote(
@@ -301,7 +303,7 @@ def stage(
             raise ConfigError(
                 "no staging area here",
                 path=area,
-                hint="Prepare one with `sudo packdata stage --tmpfs 30G`, or give --to DIR",
+                hint="Prepare one with tmpfs=SIZE (as root), or give to=DIR",
             )
     dest = area / name
     check_destination(source, dest)

@@ -82,15 +82,17 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 else "no such staged pack"
             )
             raise ConfigError(
-                f"{problem} or staging area", path=target, hint="List staged packs with `packdata stage --status`"
+                f"{problem} or staging area",
+                path=target,
+                hint="List staged packs with stage_status() (`packdata stage --status`)",
             )
         owner = temporary_owner(target, "old", "partial")
         if owner is not None and temporary_owner(target, "partial") and holds_conversion(target):
             raise ConfigError(
                 f"is an interrupted conversion into {owner.name} (it holds its checkpoint), not a staged pack",
                 path=target,
-                hint=f"Run the same `packdata convert ... {owner}` with --resume to finish it, "
-                "or --overwrite to drop it",
+                hint=f"Finish it with resume (`packdata convert ... {owner} --resume`), "
+                "or drop it with overwrite (`--overwrite`)",
             )
         if owner is not None and (
             is_staged_copy(target) or temporary_owner(target, "partial")
@@ -105,8 +107,8 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 f"is named as {owner.name} moved aside, but is no staged copy (it holds no {STAGED_FILE}): "
                 "not unstage's",
                 path=target,
-                hint=f"A killed `packdata convert --overwrite` leaves its old pack so: the next convert into "
-                f"{owner} moves it back or removes it. Otherwise delete it yourself",
+                hint="A killed conversion with overwrite (`packdata convert --overwrite`) leaves its old pack so: "
+                f"the next convert into {owner} moves it back or removes it. Otherwise delete it yourself",
             )
         asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
         downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
@@ -142,7 +144,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 raise ConfigError(
                     f"still holds {len(others)} other entr{'ies' if len(others) != 1 else 'y'} ({others[0].name})",
                     path=area,
-                    hint=f"Unstage them, or run `packdata unstage {area} --unmount`",
+                    hint=f"Unstage them, or unstage {area} with unmount=True",
                 )
     freed, read, removed = 0, [], list(packs)
     unknown: ConfigError | None = None
@@ -204,8 +206,8 @@ def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
     The rule a stage of NAME sweeps by (:func:`~packdata.staging.remote.discard_stale_copies`):
     under that lock no live process has one, exact names only, a symlink is
     unlinked, never followed. ``staged_only`` (NAME is no staged pack here)
-    keeps what is not a staged copy: a killed ``convert --overwrite``'s old
-    pack, which its next run moves back. Each one removed is added to ``removed``.
+    keeps what is not a staged copy: the old pack a killed conversion with
+    ``overwrite=True`` moved aside, which its next run moves back. Each one removed is added to ``removed``.
     """
     freed = 0
     for aside in stale_siblings(copy, "old"):
