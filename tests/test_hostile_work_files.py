@@ -15,10 +15,10 @@ from conftest import interrupted_convert, moto_s3
 
 from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
 from packdata.conversion.destination import partial_path
-from packdata.conversion.download import copied_again
+from packdata.conversion.download import copied_again, journal_mark
 from packdata.conversion.replace import remove_replaced
 from packdata.conversion.upload import work_folder
-from packdata.conversion.upload_journal import check_job
+from packdata.conversion.upload_journal import UploadJournal, check_job
 from packdata.pack.urls import object_version
 
 
@@ -183,13 +183,13 @@ sys.stdin.read()
 """
 
 
-_NESTED = "[" * 100_000
+_NESTED = "[" * 12_000  # past the C recursion limit of json.loads, within a journal line at its longest
 
 
 def test_a_work_folders_journal_line_of_deeply_nested_json_counts_for_nothing(
     s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A line of ``[[[[...`` (100,000 deep) in a URL source's download journal (downloaded.jsonl, the work folder's),
+    """A line of ``[[[[...`` (12,000 deep) in a URL source's download journal (downloaded.jsonl, the work folder's),
     or in an overwrite's replaced.jsonl, stopped the conversion with a bare RecursionError: like a torn line, it
     now counts for nothing (the files are downloaded again; nothing is removed for it). A job.json (the record of a
     pack waiting in the work folder for its upload) nested so is an unknown conversion's, as one not JSON."""
@@ -240,3 +240,125 @@ def test_a_download_journal_that_is_no_regular_file_is_refused_by_a_resumes_chec
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
         copied_again(folder, 0, None)
+
+
+def _plant(path: Path, planted: str, size: int = 0) -> None:
+    """Put ``planted`` at ``path``: a FIFO, a symlink to /dev/zero, or a sparse file of ``size`` zero bytes."""
+    path.unlink(missing_ok=True)
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "devzero":
+        path.symlink_to("/dev/zero")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(size)
+
+
+@pytest.mark.parametrize("planted", ["fifo", "devzero", "oversized"])
+def test_a_checkpoint_replaced_by_a_fifo_dev_zero_or_a_huge_file_is_named_never_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """progress.json, replaced by a FIFO or a link to /dev/zero, is refused by the resume's look at the partial
+    pack; replaced by a file of 64 MiB (more than a checkpoint of this conversion can hold: its probes, skip
+    examples and a listing per shard, at their longest) it was read whole, as a 10 GB one would have been, and
+    refused only as 'not JSON'. It is now refused by its size, read no further, naming it: the partial is kept,
+    the source untouched, nothing published, and overwrite=True packs the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(src, dst, monkeypatch, after=5)
+    partial = partial_path(dst)
+    progress = partial / "progress.json"
+    _plant(progress, planted, 64 << 20)
+    if planted == "oversized":
+        with pytest.raises(PackFormatError) as raised:
+            convert(src, dst, progress=False, resume=True)
+        message = str(raised.value)
+        assert re.fullmatch(
+            rf"{re.escape(str(progress))}: the interrupted conversion's checkpoint is damaged: it holds more than the "
+            r"[0-9]+ bytes a checkpoint of this conversion can hold\. Start the conversion again with overwrite=True",
+            message,
+        ), message
+        assert int(message.split("more than the ")[1].split(" ")[0]) < 64 << 20
+    else:
+        kind = "a FIFO" if planted == "fifo" else "a symlink"
+        with pytest.raises(ConfigError) as raised:
+            convert(src, dst, progress=False, resume=True)
+        assert str(raised.value) == (
+            f"{partial}: the interrupted conversion holds {progress}, {kind}: packdata never writes one. "
+            "Move it away, or start again with overwrite=True"
+        )
+    assert os.path.lexists(progress) and not dst.exists()
+    assert sorted(p.read_text(encoding="utf-8") for p in src.iterdir()) == [f"t{i}" for i in range(8)]
+    convert(src, dst, progress=False, overwrite=True)
+    assert len(LMDBDataset(dst)) == 8
+
+
+_OVERSIZED = (
+    ": holds more than the {} bytes packdata writes there at most: it is not packdata's file. A resume cannot go on "
+    "from it: remove it with the work folder beside it (nothing was read from it), then run again"
+)
+
+
+@pytest.mark.parametrize("planted", ["fifo", "devzero", "oversized"])
+@pytest.mark.parametrize("journal", ["downloaded.jsonl", "uploaded.jsonl", "replaced.jsonl"])
+def test_a_work_folder_journal_replaced_by_a_fifo_dev_zero_or_a_huge_file_is_named_never_read_whole(
+    s3, tmp_path: Path, planted: str, journal: str
+) -> None:
+    """The work folder's journals (a URL source's downloaded.jsonl, a conversion into a URL's uploaded.jsonl, an
+    overwrite's replaced.jsonl) replaced by a FIFO or a link to /dev/zero are refused, never read through; one
+    longer than a line per object at its longest was read whole (a 10 GB file too) and its lines
+    taken. It is now refused by its size, naming it, and read no further; the store's objects are untouched."""
+    _, fs = s3
+    folder = tmp_path / "work" / "pack"
+    folder.mkdir(parents=True)
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(name, encoding="utf-8")
+    path = folder.parent / journal
+    objects = 3 if journal == "uploaded.jsonl" else 2  # uploaded: every file beside it (itself too) counts
+    most = (objects + 1) * (2 * (6 * 1024 + 2) + 256)  # a line each, and one more, at the longest
+    _plant(path, planted, most + 1)
+    root = f"packs/hostile-{journal}"
+    fs.pipe_file(f"{root}/a.txt", b"old a")
+    fs.pipe_file(f"{root}/b.txt", b"old b")
+    fs.invalidate_cache()
+
+    def read() -> object:
+        if journal == "downloaded.jsonl":
+            return copied_again(folder, 0, None)
+        if journal == "uploaded.jsonl":
+            return UploadJournal(folder.parent)
+        return remove_replaced(fs, root, f"s3://{root}", folder, keep=set())
+
+    if planted == "oversized":
+        expected = f"{path}{_OVERSIZED.format(most)}"
+    else:
+        kind = "a FIFO" if planted == "fifo" else "a symlink"
+        expected = (
+            f"{path}: is {kind}, not a regular file: packdata never reads or writes its own files through it (another "
+            "user may have put it there). Remove it if it is not yours (nothing was written through it), or set "
+            "PACKDATA_TMP to your own folder"
+        )
+    with pytest.raises(ConfigError) as raised:
+        read()
+    assert str(raised.value) == expected
+    if journal == "downloaded.jsonl":
+        with pytest.raises(ConfigError) as raised:
+            journal_mark(folder)
+        assert str(raised.value) == expected
+    assert os.path.lexists(path)
+    fs.invalidate_cache()
+    assert sorted(fs.find(root)) == [f"{root}/a.txt", f"{root}/b.txt"]
+    fs.rm(root, recursive=True)
+
+
+def test_a_job_record_longer_than_packdata_writes_is_an_unknown_conversions_never_read_whole(tmp_path: Path) -> None:
+    """job.json (the record of a pack waiting in the work folder for its upload) longer than the record of this
+    conversion, as packdata writes it, is another conversion's: refused as one, never read whole."""
+    work = tmp_path / "work" / "pack"
+    work.mkdir(parents=True)
+    _plant(work.parent / "job.json", "oversized", 1 << 20)
+    with pytest.raises(ConfigError, match=r"^s3://packs/pack: the pack waiting .* by an unknown conversion"):
+        check_job(work, "src", {}, "s3://packs/pack")

@@ -7,9 +7,12 @@ shard names, the skip report's length) before any is used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import reprlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -30,8 +33,8 @@ from packdata.conversion.publish import (
 )
 from packdata.conversion.sources import RemoteFile
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import atomic_write
-from packdata.pack.index import field_file_problem
+from packdata.pack.files import atomic_write, open_regular
+from packdata.pack.index import FIELD_SIZES_FILE, field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
 
 __all__ = ["MAX_PROBES"]
@@ -42,6 +45,13 @@ _REQUIRED = ("options", _WALK, "skipped", "skip_examples", "shards", *_COUNTS)
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 MAX_PROBES = 256
 """Packed files whose size and modification time a checkpoint keeps, spread over the walk, for a resume to stat."""
+
+# The most bytes JSON writes of what a checkpoint holds (every byte of a string at most 6: "\u001f"):
+_PATH_JSON = 6 * 4096 + 2  # a path (PATH_MAX bytes), a URL or a version, quoted
+_NAME_JSON = 6 * 255 + 2  # a file's name (NAME_MAX bytes) or a field's, quoted
+_PROBE_JSON = 2 * _PATH_JSON + 32  # [path or URL, size, mtime_ns or version]
+_SKIP_EXAMPLE_JSON = 4 * _PATH_JSON  # a skip's key, reason and detail: an error's message naming a path or two
+_ENTRY_JSON = 2 * (_NAME_JSON + 160)  # a shard's listing, or an index file's [size, SHA-256], by name
 
 
 class _Checkpoint:
@@ -114,7 +124,7 @@ class _Checkpoint:
             ConfigError: the interrupted conversion used other options, or an earlier packdata made it.
             PackFormatError: ``progress.json`` is not a checkpoint packdata wrote (naming the first bad field).
         """
-        state = _checked_state(self.path, self.options, shard_name)
+        state = _checked_state(self.path, self.options, shard_name, self._most_bytes())
         for name in _COUNTS:
             setattr(self, name, state[name])
         self.skipped = Counter(state["skipped"])
@@ -129,6 +139,25 @@ class _Checkpoint:
         self.probes = state.get("probes", [])  # none from an earlier packdata
         self.copied_journal = state.get("copied_journal")  # None from an earlier packdata, or not a copy
         self.copied_journal_sha256 = state.get("copied_journal_sha256")
+
+    def _most_bytes(self) -> int:
+        """The most bytes a ``progress.json`` of this conversion can hold (more is not its checkpoint).
+
+        Its options, source and classes are this run's (twice their size: an
+        interrupted run's other classes are refused as such, not as too many
+        bytes); at most :data:`MAX_PROBES` probes and ``MAX_SKIP_EXAMPLES``
+        skip examples; a listing per file or folder the partial pack holds (a
+        shard, an index file); a name per field its field sizes can number (a
+        pair of int64s each, at least).
+        """
+        entries = fields = 0
+        for root, folders, files in os.walk(self.path.parent):
+            entries += len(folders) + len(files)
+            if FIELD_SIZES_FILE in files:
+                with contextlib.suppress(OSError):  # gone since the walk: no field of it
+                    fields += os.lstat(os.path.join(root, FIELD_SIZES_FILE)).st_size // 16
+        fixed = 2 * len(json.dumps(self.state())) + MAX_PROBES * _PROBE_JSON + MAX_SKIP_EXAMPLES * _SKIP_EXAMPLE_JSON
+        return fixed + entries * _ENTRY_JSON + fields * _NAME_JSON
 
     def probe(self, path: str | RemoteFile) -> None:
         """Record the size and modification time of ``path``, the last file packed before this commit.
@@ -225,8 +254,29 @@ def _bad(path: Path, field: str, should: str, value: object) -> PackFormatError:
     return _damaged(path, f"{field} should be {should}, but got {field}={reprlib.repr(value)}")
 
 
-def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[int], str]) -> dict[str, Any]:
-    """``progress.json`` parsed, with each value of the right type and range and all of them agreeing.
+def _read(path: Path, most: int) -> bytes:
+    """The bytes of ``progress.json``: a regular file, never through a link, of at most ``most`` bytes (no more read).
+
+    Raises:
+        PackFormatError: it is a link, FIFO, device or folder, or longer (naming it).
+    """
+    try:  # a FIFO in its place would block the read for ever, a link to /dev/zero never end it
+        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
+            data = file.read(most + 1)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _damaged(path, "it is a symlink, not the file packdata wrote") from exc
+        if exc.errno == errno.EINVAL:  # "not a regular file: a FIFO"
+            raise _damaged(path, f"it is {exc.strerror}") from exc
+        raise
+    if len(data) > most:
+        raise _damaged(path, f"it holds more than the {most} bytes a checkpoint of this conversion can hold")
+    return data
+
+
+def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[int], str], most: int) -> dict[str, Any]:
+    """``progress.json`` (of at most ``most`` bytes) parsed, with each value of the right type and range and all of
+    them agreeing.
 
     Agreeing: each file walked gave a sample or a skip; the shards are named
     ``shard_name(0)``, ``shard_name(1)``, ... and their samples follow one
@@ -234,7 +284,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     the skip report holds at least the bytes the checkpoint kept of it.
     """
     try:
-        state = json.loads(path.read_bytes())
+        state = json.loads(_read(path, most))
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested past Python's stack
         raise _damaged(path, f"not JSON ({exc})") from exc
     if not isinstance(state, dict):

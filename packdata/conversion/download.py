@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.remote_folder import _ListedObject, list_folder
-from packdata.conversion.replace import WORK_FILE_HINT
+from packdata.conversion.replace import OVERSIZED_WORK_FILE_HINT, WORK_FILE_HINT, files_under, journal_most
 from packdata.conversion.sources import Skip
 from packdata.conversion.upload import work_folder
 from packdata.conversion.upload_journal import _read_journal
@@ -80,7 +80,7 @@ def download_source(
     incoming = local.parent / ".incoming"
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.mkdir()
-    done = _read_journal(journal, ("size", "version"))
+    done = _read_journal(journal, ("size", "version"), journal_most(len(objects) + len(refused)))
     _remove_unlisted(local, {rel for _, rel, _, _ in objects})
     todo = []
     for path, rel, size, version in objects:
@@ -182,8 +182,21 @@ refuses a packed file copied again since at another size or version
 
 def journal_mark(folder: Path) -> tuple[int, str]:
     """The size and SHA-256 of the download journal beside the work folder ``folder`` (an empty one's if none)."""
-    data = read_own_bytes(folder.parent / _DOWNLOADED, hint=WORK_FILE_HINT) or b""
+    data = _read_downloaded(folder) or b""
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+def _read_downloaded(folder: Path) -> bytes | None:
+    """The download journal beside the work folder ``folder`` (None: there is none), of at most a line per file
+    there at its longest (see :func:`~packdata.conversion.replace.journal_most`).
+
+    Raises:
+        ConfigError: it is a link, FIFO, folder or another user's file, or longer (never read through or whole).
+    """
+    most = journal_most(files_under(folder))
+    return read_own_bytes(
+        folder.parent / _DOWNLOADED, hint=WORK_FILE_HINT, most=most, over_hint=OVERSIZED_WORK_FILE_HINT
+    )
 
 
 def copied_again(folder: Path, before: int, sha256: str | None) -> dict[str, str]:
@@ -197,11 +210,12 @@ def copied_again(folder: Path, before: int, sha256: str | None) -> dict[str, str
     gives no version) is not among them.
 
     Raises:
-        ConfigError: the journal is a link, a FIFO, a folder or another user's file (never read through it).
+        ConfigError: the journal is a link, a FIFO, a folder or another user's file, or longer than packdata writes
+            it (never read through it, or whole).
         SourceError: the journal's first ``before`` bytes are not those measured (resumable: the partial is kept).
     """
     journal = folder.parent / _DOWNLOADED
-    data = read_own_bytes(journal, hint=WORK_FILE_HINT)
+    data = _read_downloaded(folder)
     if data is None:
         return {}
     if sha256 is not None and (before > len(data) or hashlib.sha256(data[:before]).hexdigest() != sha256):

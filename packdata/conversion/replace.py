@@ -16,19 +16,51 @@ glob to read, or to pay for.
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from packdata.errors import PackFormatError
+from packdata.errors import PackFormatError, SourceError
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import append_own_file, read_own_file
 from packdata.pack.urls import object_version, read_url_manifest, remote_error, remove_at_version, retry_transient
 
-__all__ = ["WORK_FILE_HINT", "record_replaced", "remove_replaced"]
+__all__ = [
+    "OVERSIZED_WORK_FILE_HINT",
+    "WORK_FILE_HINT",
+    "files_under",
+    "journal_most",
+    "record_replaced",
+    "remove_replaced",
+]
 
 WORK_FILE_HINT = "Remove it if it is not yours (nothing was written through it), or set PACKDATA_TMP to your own folder"
 """The hint of a file in a conversion's work folder that packdata refuses (a link planted there, another user's)."""
+
+OVERSIZED_WORK_FILE_HINT = (
+    "A resume cannot go on from it: remove it with the work folder beside it (nothing was read from it), then run again"
+)
+"""The hint of a work file longer than packdata writes it (a stranger's file, never read whole)."""
+
+_JOURNAL_LINE_MOST = 2 * (6 * 1024 + 2) + 256
+"""The longest line packdata appends to a journal: an object's name and version (1,024 bytes each at most, as
+object stores keep keys), every byte JSON-escaped at most 6 ways, with a size and digests."""
+
+
+def journal_most(objects: int) -> int:
+    """The most bytes a journal of ``objects`` objects (downloaded, uploaded or replaced) can hold.
+
+    A line each at its longest (:data:`_JOURNAL_LINE_MOST`), some 100 times an
+    ordinary line: room for each object journaled again run after run.
+    """
+    return (objects + 1) * _JOURNAL_LINE_MOST
+
+
+def files_under(folder: Path) -> int:
+    """How many files ``folder`` holds, in its subfolders too (0 when it is missing); links are not followed."""
+    return sum(len(files) for _, _, files in os.walk(folder))
+
 
 _REPLACED = "replaced.jsonl"
 """Beside a destination's work folder: one line per object of the pack it replaces (name, size, version)."""
@@ -58,10 +90,14 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
         SourceError: a request failed (the record is kept: a rerun removes the rest).
     """
     record = work.parent / _REPLACED
-    text = read_own_file(record, hint=WORK_FILE_HINT)
-    if text is None:
+    if not os.path.lexists(record):
         return 0
-    lines = text.splitlines()
+    try:
+        found = _listing(fs, root)
+    except Exception as exc:  # the new pack is up: say so, and how the rest goes
+        raise _not_all_removed(shown, exc) from exc
+    text = read_own_file(record, hint=WORK_FILE_HINT, most=journal_most(len(found)), over_hint=OVERSIZED_WORK_FILE_HINT)
+    lines = (text or "").splitlines()
     recorded: dict[str, tuple[int, str]] = {}
     for line in lines:
         try:
@@ -71,20 +107,23 @@ def remove_replaced(fs: Any, root: str, shown: str, work: Path, keep: set[str]) 
             continue  # a torn line (or one nested past Python's stack) counts for nothing
     removed = 0
     try:
-        found = _listing(fs, root)
         for name, was in sorted(recorded.items()):
             if name in keep or any(part in ("", ".", "..") for part in name.split("/")) or found.get(name) != was:
                 continue
             removed += retry_transient(partial(remove_at_version, fs, f"{root}/{name}", was[1]))
     except Exception as exc:  # the new pack is up: say so, and how the rest goes
-        error = remote_error(
-            shown, "the new pack is published, but the objects of the pack it replaced could not all be removed", exc
-        )
-        raise error.with_hint(
-            f"{error.hint} with overwrite=True and resume=True to remove the rest (nothing else is uploaded again)"
-        ) from exc
+        raise _not_all_removed(shown, exc) from exc
     record.unlink()
     return removed
+
+
+def _not_all_removed(shown: str, exc: Exception) -> SourceError:
+    """The error of a request that failed as the objects of the pack replaced at ``shown`` were removed."""
+    error = remote_error(
+        shown, "the new pack is published, but the objects of the pack it replaced could not all be removed", exc
+    )
+    hint = f"{error.hint} with overwrite=True and resume=True to remove the rest (nothing else is uploaded again)"
+    return cast(SourceError, error.with_hint(hint))
 
 
 def _listing(fs: Any, root: str) -> dict[str, tuple[int, str]]:

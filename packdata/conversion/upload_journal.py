@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from packdata.conversion.replace import WORK_FILE_HINT
+from packdata.conversion.replace import OVERSIZED_WORK_FILE_HINT, WORK_FILE_HINT, files_under, journal_most
 from packdata.errors import ConfigError
 from packdata.pack.files import append_own_file, atomic_write, file_sha256, read_own_file
 from packdata.pack.urls import display_url, is_url, object_version
@@ -38,7 +38,8 @@ class UploadJournal:
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / _UPLOADED
-        self.entries = _read_journal(self.path, ("size", "sha256", "md5", "version"))
+        most = journal_most(files_under(folder))  # a line per file of the pack uploaded
+        self.entries = _read_journal(self.path, ("size", "sha256", "md5", "version"), most)
         self._lock = threading.Lock()
 
     def put(self, fs: Any, path: Path, target: str, rel: str) -> None:
@@ -142,7 +143,9 @@ def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url:
         ConfigError: the pack there is another conversion's (or its record is missing or damaged).
     """
     try:
-        saved = json.loads(read_own_file(local.parent / _JOB, hint=WORK_FILE_HINT) or "null")
+        most = len(json.dumps(_job(src, options)))  # as record_job writes it: a longer one is another's
+        text = read_own_file(local.parent / _JOB, hint=WORK_FILE_HINT, most=most, over_hint=OVERSIZED_WORK_FILE_HINT)
+        saved = json.loads(text or "null")
     except (OSError, ValueError, RecursionError):
         saved = None
     if saved != _job(src, options):
@@ -154,10 +157,16 @@ def check_job(local: Path, src: str | os.PathLike, options: dict[str, Any], url:
         )
 
 
-def _read_journal(journal: Path, fields: tuple[str, ...]) -> dict[str, list[Any]]:
-    """The objects a journal lists: name -> its ``fields``' values; a torn or odd line counts for nothing."""
+def _read_journal(journal: Path, fields: tuple[str, ...], most: int) -> dict[str, list[Any]]:
+    """The objects a journal of at most ``most`` bytes lists: name -> its ``fields``' values; a torn or odd line
+    counts for nothing.
+
+    Raises:
+        ConfigError: it is a link, FIFO, folder or another user's file, or longer (never read through or whole).
+    """
     done: dict[str, list[Any]] = {}
-    for line in (read_own_file(journal, hint=WORK_FILE_HINT) or "").splitlines():
+    text = read_own_file(journal, hint=WORK_FILE_HINT, most=most, over_hint=OVERSIZED_WORK_FILE_HINT)
+    for line in (text or "").splitlines():
         try:
             entry = json.loads(line)
             done[str(entry["name"])] = [entry[key] for key in fields]

@@ -441,21 +441,30 @@ def append_own_file(path: Path, text: str, *, hint: str, sync: bool = False) -> 
             fsync_named(f.fileno(), path)
 
 
-def read_own_file(path: Path, *, hint: str) -> str | None:
+def read_own_file(path: Path, *, hint: str, most: int | None = None, over_hint: str = "") -> str | None:
     """The text of ``path`` (None when there is nothing there), a regular file of this user's, never through a
-    link; raises as :func:`append_own_file`."""
-    data = read_own_bytes(path, hint=hint)
+    link; raises as :func:`append_own_file`, and as :func:`read_own_bytes` over ``most`` bytes."""
+    data = read_own_bytes(path, hint=hint, most=most, over_hint=over_hint)
     return None if data is None else data.decode("utf-8", errors="replace")
 
 
-def read_own_bytes(path: Path, *, hint: str) -> bytes | None:
-    """The bytes of ``path`` (None when there is nothing there), as :func:`read_own_file` reads it."""
+def read_own_bytes(path: Path, *, hint: str, most: int | None = None, over_hint: str = "") -> bytes | None:
+    """The bytes of ``path`` (None when there is nothing there), as :func:`read_own_file` reads it.
+
+    Raises:
+        ConfigError: as :func:`append_own_file`; or it holds more than ``most`` bytes, more than packdata
+            writes there (never read whole; ``over_hint`` says what to do).
+    """
     try:
         fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, hint)
     except FileNotFoundError:
         return None
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        data = f.read() if most is None else f.read(most + 1)
+    if most is not None and len(data) > most:
+        problem = f"holds more than the {most} bytes packdata writes there at most: it is not packdata's file"
+        raise ConfigError(problem, path=path, hint=over_hint or hint)
+    return data
 
 
 def _open_own(path: Path, flags: int, hint: str) -> int:
