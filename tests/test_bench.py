@@ -169,6 +169,27 @@ def test_the_table_shows_private_memory_as_the_sum_of_the_peaks() -> None:
     assert "800.0 MiB" in table and "600.0 MiB" not in table
 
 
+def test_one_run_s_advice_says_repeats_to_python_and_the_flag_to_the_cli(pack: Path) -> None:
+    """The table of one run advised 'rerun with --repeat 3', a flag of the CLI, to run_bench's caller, who passes
+    repeats=3; bench's CLI, which maps it (repeats is --repeat's keyword), still says --repeat 3."""
+    from packdata.measure.bench import BenchResult
+
+    memory = {
+        "main": {"uss_peak": 1 << 20},
+        "workers": {"uss_peak": 0},
+        "total": {"uss_peak": 1 << 20, "file_peak": 0},
+        "mem_available_min": 8 << 30,
+    }
+    config = LoaderConfig(num_workers=0, batch_size=BATCH)
+    result = ConfigResult("p.lmdb", "lmdb", **asdict(config), samples_per_s=10.0, memory=memory)
+    advice = "median of 1 run; spread: (max - min) / median (one run: run again with {} for a noise estimate)"
+    assert advice.format("repeats=3") in BenchResult([result], [], {}, {}).table()
+    args = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", str(BATCHES)]
+    said = CliRunner().invoke(cli_main, [*args, "--warmup", "1", "-q"])
+    assert said.exit_code == 0, said.output
+    assert advice.format("--repeat 3") in said.output, said.output
+
+
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
     """The ceiling's timed loop sleeps the same step as the source's (a ratio over 1.0x is not the step's doing)."""
     result = run_bench(

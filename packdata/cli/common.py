@@ -123,12 +123,11 @@ def _said(exc: PackdataError) -> str:
 def _in_flags(message: str) -> str:
     """A library ``message`` as the running command says it: in its flags, a control character escaped."""
     command = click.get_current_context().command
-    flags = {
-        opt.lstrip("-").replace("-", "_"): opt
-        for param in command.params
-        if isinstance(param, click.Option)
-        for opt in param.opts[:1]
-    }
+    flags: dict[str, str] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            flags[param.opts[0].lstrip("-").replace("-", "_")] = param.opts[0]
+            flags.setdefault(param.name or "", param.opts[0])  # the keyword it passes on: repeats= is --repeat
     message = as_flags(message, flags)
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 

@@ -90,7 +90,7 @@ class BenchResult:
 
         The default table has the columns that decide a setting; ``wide`` adds
         MB/s, CPU time, first-batch time, wait percentiles and every memory
-        figure. ``say`` rewords the error of a setting that failed (the CLI: in its flags).
+        figure. ``say`` rewords the error of a setting that failed and the advice to repeat (the CLI: in its flags).
         """
         width = max([len(r.source) for r in self.results] + [6])
         waiting = any(r.step_ms for r in self.results)
@@ -134,7 +134,7 @@ class BenchResult:
         repeats = max((r.repeats for r in self.results), default=1)
         lines.append(
             f"samples/s: median of {repeats} run{'s' * (repeats != 1)}; spread: (max - min) / median"
-            + (" (one run: rerun with --repeat 3 for a noise estimate)" if repeats == 1 else "")
+            + (say(" (one run: run again with repeats=3 for a noise estimate)") if repeats == 1 else "")
             + (
                 "; x ceiling: over PIL full decode + the standard crop on bytes in memory (what DecodeCrop replaces;"
                 f" DecodeCrop decoded with {self.settings.get('crop_decoder')})"
