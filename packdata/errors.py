@@ -224,13 +224,14 @@ def out_of_maps_error(path: str | os.PathLike) -> CapacityError:
         f"cannot map the file: out of memory maps ({used} in use, vm.max_map_count {limit}) or of memory",
         path=path,
         hint="Raise vm.max_map_count (sysctl -w vm.max_map_count=262144, as root), read fewer shards per process "
-        "(BlockShuffleSampler), or convert with a larger --shard-size so the pack has fewer shards",
+        "(BlockShuffleSampler), or convert with a larger shard_size (`packdata convert --shard-size`) so the pack has "
+        "fewer shards",
     )
 
 
 OUT_OF_FILES_HINT = (
     "Raise the hard limit (ulimit -Hn as root, LimitNOFILE= for a service, --ulimit nofile= for a container), "
-    "or convert with a larger --shard-size so the pack has fewer shards"
+    "or convert with a larger shard_size (`packdata convert --shard-size`) so the pack has fewer shards"
 )
 
 

@@ -392,6 +392,19 @@ def _partial_samples(root: Path, keys: range, *, txt_every: int = 3) -> Path:
     return root
 
 
+def test_a_field_some_samples_lack_says_require_in_the_library_s_words_beside_the_command_line(tmp_path: Path) -> None:
+    """The refusal of fields= naming a field some samples lack said only '`packdata convert --require txt` skips
+    samples without it' to a dataset's Python caller; it names convert's keyword, require=['txt'], too."""
+    pack = packdata.convert(_partial_samples(tmp_path / "src", range(4)), tmp_path / "p.lmdb", progress=False).pack
+    with pytest.raises(ConfigError) as raised:
+        packdata.LMDBDataset(pack, fields=("txt",))
+    assert str(raised.value) == (
+        f"{pack}: fields asks for 'txt', which 2 of the pack's 4 samples lack (the first: sample 's00', index 0). "
+        "Pass missing={'txt': VALUE} to read VALUE in its place, or fields=None for a dict of the fields each sample "
+        "holds; converting with require=['txt'] (`packdata convert --require txt`) skips samples without it"
+    )
+
+
 def _wds_tar(path: Path, samples: dict[str, dict[str, bytes]]) -> Path:
     with tarfile.open(path, "w") as tar:
         for key, fields in samples.items():

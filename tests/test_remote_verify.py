@@ -254,7 +254,9 @@ def test_cat_of_an_lmdb_shard_without_its_location_table_says_stage_it(s3, remot
     fs.rm_file("packs/notable.lmdb/shard-00000.lmdb/records.i64")
     out = _cli("cat", "s3://packs/notable.lmdb", "#0", options=options)
     assert out.exit_code == 1 and len(out.output.strip().splitlines()) == 1
-    assert "has none that fits" in out.output and "packdata stage s3://packs/notable.lmdb --to DIR" in out.output
+    assert "has none that fits" in out.output, out.output
+    url = "s3://packs/notable.lmdb"  # what a Python caller passes, and the command line
+    assert f"Stage the pack first (packdata.stage({url!r}, to=DIR); `packdata stage {url} --to DIR`)" in out.output
     assert _cli("cat", "s3://packs/notable.lmdb", "#7", options=options).exit_code == 0  # another shard has its table
 
 

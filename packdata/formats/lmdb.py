@@ -185,7 +185,8 @@ def read_remote_payload(
         raise ConfigError(
             f"{where}: one LMDB record is read from a URL through the shard's {RECORDS_FILE} table, "
             "and this shard has none that fits",
-            hint=f"Stage the pack first (packdata stage {shown} --to DIR), then read the staged copy",
+            hint=f"Stage the pack first (packdata.stage({shown!r}, to=DIR); `packdata stage {shown} --to DIR`), "
+            "then read the staged copy",
         )
     offset, length, crc = (int(v) for v in rows[j])
     head = RECORD_HEADER_BYTES + len(key.encode("utf-8"))

@@ -111,7 +111,10 @@ class FieldSpec:
                 first = pack.index.first_lacking(name) if lacking else None
             if first is None:
                 continue
-            also = f"; `packdata convert --require {name}` skips samples without it" if name != LABEL_FIELD else ""
+            also = (
+                f"; converting with require=[{name!r}] (`packdata convert --require {name}`) skips samples without it"
+            )
+            also = also if name != LABEL_FIELD else ""
             raise ConfigError(
                 f"fields asks for {name!r}, which {lacking} of the pack's {self.num_samples} samples lack "
                 f"(the first: sample {pack.index.keys[first]!r}, index {first})",

@@ -128,7 +128,7 @@ def test_a_reader_out_of_descriptors_at_the_hard_limit_says_so_in_one_line(many_
     assert (
         "too many open files opening shard" in line and f"may open {SOFT} files (ulimit -n; hard limit {SOFT})" in line
     )
-    assert "Raise the hard limit" in line and "--shard-size" in line
+    assert "Raise the hard limit" in line and "larger shard_size (`packdata convert --shard-size`)" in line
     assert "damaged" not in line and "again" not in line
 
 
