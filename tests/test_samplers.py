@@ -495,25 +495,26 @@ def test_an_idle_read_ahead_leaves_no_thread(small_texts: Path, tmp_path: Path, 
 
     monkeypatch.setattr(ReadAhead, "IDLE", 0.05)
     monkeypatch.setattr(ReadAhead, "RECHECK", 0.0)  # the shards' residency is asked anew at each window
+    others = set(threading.enumerate())  # another test's read-ahead may still be idling out
     convert(small_texts, tmp_path / "p.lmdb", shard_samples=9, progress=False)
     sampler = BlockShuffleSampler(LMDBDataset(tmp_path / "p.lmdb"), block_size=4, window=2)
     _make_cold(tmp_path / "p.lmdb")  # a warm shard gets no hints
 
-    def hint_threads() -> int:
-        return sum(t.name == "packdata-sampler-hints" for t in threading.enumerate())
+    def hint_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "packdata-sampler-hints" and t not in others]
 
-    def settled(target: int) -> int:
-        deadline = time.monotonic() + 5
-        while (hint_threads() or sampler._read_ahead.advised_bytes < target) and time.monotonic() < deadline:
-            time.sleep(0.01)
+    def settled() -> int:
+        """The bytes hinted once the hint threads have ended on their own (each joined; 60 s: it never ends)."""
+        for thread in hint_threads():
+            thread.join(60)
         return sampler._read_ahead.advised_bytes
 
     assert len(list(sampler)) == 40
-    first = settled(1)
-    assert first > 0 and hint_threads() == 0  # the hints were given, then an idle thread ended on its own
+    first = settled()
+    assert first > 0 and hint_threads() == []  # the hints were given, then an idle thread ended on its own
     _make_cold(tmp_path / "p.lmdb")  # the hints brought the pages in
     assert len(list(sampler)) == 40
-    assert settled(first + 1) > first and hint_threads() == 0  # and it started again when needed
+    assert settled() > first and hint_threads() == []  # and it started again when needed
 
 
 def _iterate_in_child(sampler: BlockShuffleSampler, out: Any) -> None:
