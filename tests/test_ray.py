@@ -1,4 +1,4 @@
-"""Runs the Ray engine tests (``tests/ray_cases.py``) in a child pytest.
+"""Runs the Ray engine tests (``tests/ray_cases.py``, ``tests/ray_finish_cases.py``) in a child pytest.
 
 A Ray driver exits its whole process with status 1 and no Python exception when
 it loses its raylet or GCS (Ray's own ``QuickExit``): run in this process, one
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 CASES = Path(__file__).with_name("ray_cases.py")
+FILES = [str(CASES), str(CASES.with_name("ray_finish_cases.py"))]
 RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")
 
 
@@ -42,7 +43,7 @@ def test_ray_engine_cases_in_a_child_pytest() -> None:
     # Ray puts unix sockets under its temp folder: keep the path short (sun_path holds 107 bytes)
     with tempfile.TemporaryDirectory(prefix="ray-") as ray_tmp:
         env = {**os.environ, "RAY_TMPDIR": ray_tmp}
-        command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(CASES)]
+        command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *FILES]
         proc = subprocess.run(
             command, cwd=CASES.parents[1], env=env, capture_output=True, text=True, timeout=840, check=False
         )

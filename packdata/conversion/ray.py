@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,10 @@ from packdata.conversion.publish import (
 )
 from packdata.conversion.ray_gather import (
     _drop_strays,
+    _finishing_state,
     _Gatherer,
     _keep_fragment,
+    _mark_finishing,
     _prepare_partial,
     _saved_result,
 )
@@ -47,14 +49,14 @@ from packdata.conversion.ray_remote import (
     RemoteTarget,
     place_shards,
 )
-from packdata.conversion.ray_tasks import TASKS_DIR, plan_tasks, run_shard_task
+from packdata.conversion.ray_tasks import plan_tasks, run_shard_task
 from packdata.conversion.upload import upload_pack
 from packdata.conversion.upload_journal import journal_task_objects
-from packdata.errors import CapacityError, EngineError, PackdataError
+from packdata.errors import CapacityError, EngineError, PackdataError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.host.disks import FULL_DISK_ERRNOS, RERUN_HINT, no_space_error, raise_if_full
 from packdata.pack.files import RAY_PLAN_FILE, fsync_dir
-from packdata.pack.manifest import write_manifest
+from packdata.pack.manifest import Manifest, write_manifest
 from packdata.progress import count_done_before
 from packdata.progress import progress as show_progress
 
@@ -105,10 +107,7 @@ def _connect(ray: Any, address: str | None) -> bool:
     return True
 
 
-_FINISH_FULL_HINT = (
-    "Free space on that disk, then convert again with overwrite=True: its tasks' results were already gathered "
-    "and removed, so the conversion starts over"
-)
+_FULL_HINT = "Free space on that disk, then run again with resume=True: finished shards are kept"
 
 
 def _failure(exc: BaseException) -> str:
@@ -139,7 +138,8 @@ def convert_on_ray(
         opts: the validated conversion options.
         workers: reader threads per task (default :data:`DEFAULT_TASK_THREADS`).
         overwrite: replace an existing pack or interrupted conversion.
-        resume: rerun only the tasks an interrupted Ray conversion did not finish.
+        resume: rerun only the tasks an interrupted Ray conversion did not finish (one killed
+            after its manifest was written only finishes: no task runs, Ray is not started).
         progress: show a progress bar on stderr.
         address: the Ray cluster to join; None starts a local Ray instance.
         started: ``time.perf_counter()`` when the conversion began.
@@ -149,6 +149,8 @@ def convert_on_ray(
     Raises:
         EngineError: Ray is missing or unreachable, or a task failed for good.
         SourceError: no usable files, or (``on_error="fail"``) a bad file.
+        CapacityError: a full disk under the partial pack (named; resume once freed).
+        PackFormatError: what an interrupted run left (resumed) is damaged.
     """
     ray = require_ray()
     if opts.shard_samples is None and opts.shard_size is None:
@@ -164,6 +166,49 @@ def convert_on_ray(
         source=source.root,
         places=source_identity(source),
     )
+    writer_cls = shard_writer(opts.format)
+    finishing = _finishing_state(partial, writer_cls.shard_name) if resumed else None
+    if finishing is None:
+        gatherer = _gather(ray, source, partial, opts, workers, resumed, progress, address, target)
+        manifest, record = _commit(source, partial, opts, gatherer, target)
+        packed_before = gatherer.samples_before
+    else:  # killed while finishing: every task was gathered, the manifest written
+        manifest, record = finishing
+        packed_before = manifest.num_samples
+    _finish(partial, writer_cls, manifest, record["written"], local=target is None)
+    if target is None:
+        _publish(partial, dst, overwrite=overwrite)
+    else:  # index and skip report, then the manifest
+        upload_pack(partial, target.url, storage_options=target.storage_options, workers=workers, progress=progress)
+        shutil.rmtree(partial)
+    return make_result(
+        dst,
+        opts,
+        source,
+        manifest,
+        found=record["found"],
+        skipped=Counter(record["skipped"]),
+        skip_examples=record["skip_examples"],
+        bytes_in=record["bytes_in"],
+        reencoded=record["reencoded"],
+        resumed=resumed,
+        started=started,
+        packed_before=packed_before,
+    )
+
+
+def _gather(
+    ray: Any,
+    source: AnySource,
+    partial: Path,
+    opts: _Options,
+    workers: int | None,
+    resumed: bool,
+    progress: bool,
+    address: str | None,
+    target: RemoteTarget | None,
+) -> _Gatherer:
+    """Run the tasks a resume does not keep and gather every task's result, in plan order; the closed gatherer."""
     started_ray = _connect(ray, address)
     try:
         gatherer = _Gatherer(partial, opts.kind)
@@ -193,19 +238,20 @@ def convert_on_ray(
     if gatherer.samples == 0:
         shutil.rmtree(partial)
         raise _no_samples_error(source, gatherer.skipped)
+    return gatherer
+
+
+def _commit(
+    source: AnySource, partial: Path, opts: _Options, gatherer: _Gatherer, target: RemoteTarget | None
+) -> tuple[Manifest, dict[str, Any]]:
+    """Record what finishing needs in the plan, then write the manifest: from then on, a resume only finishes.
+
+    Nothing is removed or renamed before: a run stopped here (a full disk) resumes from its tasks' results.
+    """
     writer_cls = shard_writer(opts.format)
-    if target is not None:  # before the plan goes: a failure here is resumable
-        shards = writer_cls.final_shards(partial, gatherer.shards)
+    shards = writer_cls.final_shards(partial, gatherer.shards)  # the names finalize gives; no file touched
+    if target is not None:  # the shards' objects get those names at the URL: repeatable, as the plan stays
         place_shards(target, gatherer.shards, shards, gatherer.objects)
-    # The plan goes first: a run killed from here on starts afresh on --resume, never
-    # resumes from task results whose index fragments are half deleted.
-    (partial / RAY_PLAN_FILE).unlink()
-    fsync_dir(partial)
-    shutil.rmtree(partial / TASKS_DIR)
-    if resumed:
-        _drop_strays(partial, gatherer.shards)
-    if target is None:
-        shards = writer_cls.finalize(partial, gatherer.shards)
     extend_classes(source, partial)
     manifest = _make_manifest(
         source,
@@ -219,30 +265,45 @@ def convert_on_ray(
         skipped=gatherer.skipped,
         field_names=gatherer.field_names,
     )
+    record = {
+        "written": [shard.file for shard in gatherer.shards],
+        "found": gatherer.files_found,
+        "bytes_in": gatherer.bytes_in,
+        "reencoded": gatherer.reencoded,
+        "skipped": dict(gatherer.skipped),
+        "skip_examples": gatherer.skip_examples,
+    }
     try:
+        _mark_finishing(partial, record)
         write_manifest(partial, manifest)
-    except OSError as exc:  # nothing published (atomic_write removed its temporary); the plan is gone
-        raise_if_full(exc, partial, of="of the partial pack", hint=_FINISH_FULL_HINT)
+    except OSError as exc:  # nothing published (atomic_write removed its temporary); every task's result is kept
+        raise_if_full(exc, partial, of="of the partial pack", hint=_FULL_HINT)
         raise
-    if target is None:
-        _publish(partial, dst, overwrite=overwrite)
-    else:  # index and skip report, then the manifest
-        upload_pack(partial, target.url, storage_options=target.storage_options, workers=workers, progress=progress)
-        shutil.rmtree(partial)
-    return make_result(
-        dst,
-        opts,
-        source,
-        manifest,
-        found=gatherer.files_found,
-        skipped=gatherer.skipped,
-        skip_examples=gatherer.skip_examples,
-        bytes_in=gatherer.bytes_in,
-        reencoded=gatherer.reencoded,
-        resumed=resumed,
-        started=started,
-        packed_before=gatherer.samples_before,
-    )
+    return manifest, record
+
+
+def _finish(partial: Path, writer_cls: Any, manifest: Manifest, written: list[str], *, local: bool) -> None:
+    """Give the shards their final names, remove the tasks' folder and strays, then the plan, last.
+
+    Each step is repeatable, so a run killed at any of them resumes here (:func:`_finishing_state`).
+
+    Raises:
+        PackFormatError: a shard the manifest lists is under neither its written nor its final name.
+    """
+    if local:
+        as_written = [replace(shard, file=name) for shard, name in zip(manifest.shards, written, strict=True)]
+        with contextlib.suppress(FileNotFoundError):  # one neither written nor renamed: named below
+            writer_cls.finalize(partial, as_written)
+        for shard in manifest.shards:
+            if not os.path.lexists(partial / shard.file):
+                raise PackFormatError(
+                    "the interrupted conversion's shard is missing",
+                    path=partial / shard.file,
+                    hint="Start the conversion again with overwrite=True",
+                )
+    _drop_strays(partial, manifest.shards)
+    (partial / RAY_PLAN_FILE).unlink()
+    fsync_dir(partial)
 
 
 def _run_tasks(
@@ -280,11 +341,11 @@ def _run_tasks(
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and target is None:
                         where = cause.filename or partial  # a task's write into the partial pack: its disk is named
-                        hint = "Free space on that disk, then run again with resume=True: finished shards are kept"
-                        raise no_space_error(cause, where, folder=partial, of="of the partial pack", hint=hint) from exc
+                        raise no_space_error(
+                            cause, where, folder=partial, of="of the partial pack", hint=_FULL_HINT
+                        ) from exc
                     if isinstance(cause, CapacityError) and target is None:  # the task named the full disk
-                        hint = "Free space on that disk, then run again with resume=True: finished shards are kept"
-                        raise cause.with_hint(hint) from exc
+                        raise cause.with_hint(_FULL_HINT) from exc
                     raise EngineError(
                         f"{description} failed for good (Ray retries a task up to {MAX_RETRIES} times): "
                         f"{_failure(exc)}",

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,14 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir, load_result, save_result
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import PROGRESS_FILE, RAY_PLAN_FILE, discard_partial, file_sha256, fsync_named
+from packdata.pack.files import (
+    PROGRESS_FILE,
+    RAY_PLAN_FILE,
+    atomic_write,
+    discard_partial,
+    file_sha256,
+    fsync_named,
+)
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
     FIELD_SIZES_FILE,
@@ -50,11 +59,13 @@ from packdata.pack.index import (
     field_pairs_problem,
     index_files,
 )
-from packdata.pack.manifest import ShardInfo
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 
 __all__: list[str] = []
 
 _CHUNK = 1 << 20  # index entries per copy when gathering fragments
+_FINISHING = "finishing"  # the plan's key for what finishing needs once every task is gathered (_mark_finishing)
+_FINISHING_KEYS = ("written", "found", "bytes_in", "reencoded", "skipped", "skip_examples")
 
 
 def _keep_fragment(partial: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -299,6 +310,8 @@ def _prepare_partial(
                 ) from exc
             saved_classes = saved.pop("classes", None) if isinstance(saved, dict) else None
             saved_places = saved.pop("source", None) if isinstance(saved, dict) else None
+            if isinstance(saved, dict):
+                saved.pop(_FINISHING, None)  # what finishing needs: read by _finishing_state
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
                 raise other_options_error(options, asdict(opts), partial)
@@ -338,12 +351,68 @@ def _prepare_partial(
 
 
 def _drop_strays(partial: Path, shards: list[ShardInfo]) -> None:
-    """Remove what an interrupted run left that is no shard of this plan (the source may have shrunk)."""
+    """Remove what is no file of the finished pack, but its plan: the tasks' folder, and what an interrupted run
+    left (no shard of this plan, as the source may have shrunk; a killed write's temporary file)."""
     stems = tuple(Path(s.file).stem + "." for s in shards)  # a shard and its companions (a .tfindex)
     for path in partial.iterdir():
-        if path.name in (INDEX_DIR, SKIP_REPORT) or path.name.startswith(stems):
+        if path.name in (INDEX_DIR, SKIP_REPORT, MANIFEST_NAME, RAY_PLAN_FILE) or path.name.startswith(stems):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def _mark_finishing(partial: Path, record: dict[str, Any]) -> None:
+    """Add ``record`` to the plan, atomically: what the finishing steps need (the shards' names as written, the
+    result's counts), kept until the plan goes; written before the manifest, whose presence says it is complete."""
+    plan = partial / RAY_PLAN_FILE
+    saved = json.loads(plan.read_bytes())  # this run's own plan, written or checked by _prepare_partial
+    atomic_write(plan, json.dumps({**saved, _FINISHING: record}).encode("utf-8"))
+
+
+def _finishing_state(partial: Path, shard_name: Callable[[int], str]) -> tuple[Manifest, dict[str, Any]] | None:
+    """The manifest and finishing record of a resumed run killed while finishing (every task gathered, the manifest
+    written, the plan not yet removed), or None when the tasks are to be gathered (again). ``shard_name``: the
+    format's name of a shard as a task writes it.
+
+    Raises:
+        PackFormatError: the manifest or the plan's finishing record is damaged.
+    """
+    plan = partial / RAY_PLAN_FILE
+    saved = json.loads(plan.read_bytes())  # checked by _prepare_partial
+    if not (partial / MANIFEST_NAME).is_file() or _FINISHING not in saved:
+        return None  # killed before the manifest: the tasks' results are all there
+    manifest = read_manifest(partial)
+    record = saved[_FINISHING]
+    problem = _finishing_problem(record, manifest, shard_name)
+    if problem is not None:
+        raise PackFormatError(
+            f"the interrupted conversion's plan is damaged: its finishing record {problem}",
+            path=plan,
+            hint="Start the conversion again with overwrite=True",
+        )
+    return manifest, record
+
+
+def _finishing_problem(record: object, manifest: Manifest, shard_name: Callable[[int], str]) -> str | None:
+    """What is wrong with a finishing record read from the plan, for ``manifest``; None when nothing is."""
+    if not isinstance(record, dict) or set(record) != set(_FINISHING_KEYS):
+        return "should be an object of the result's counts and the shards' names"
+    written = record["written"]
+    if not isinstance(written, list) or len(written) != len(manifest.shards):
+        return f"should name the manifest's {len(manifest.shards)} shards"
+    if not all(isinstance(name, str) and name == shard_name(_number(name)) for name in written):
+        return "should name each shard as a task writes it"
+    if len(set(written)) != len(written):
+        return "should name each shard once"
+    counts = all(is_count(record[key]) for key in ("found", "bytes_in", "reencoded"))
+    if not (counts and is_skip_counts(record["skipped"]) and is_skip_lines(record["skip_examples"])):
+        return "should hold counts, skip counts and skip examples"
+    return None
+
+
+def _number(name: str) -> int:
+    """The first number in ``name`` (a shard's as written), or -1."""
+    found = re.search(r"[0-9]+", name)
+    return int(found.group()) if found else -1
