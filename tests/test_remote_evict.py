@@ -335,12 +335,13 @@ def _open_during_eviction(evictor: subprocess.Popen, copy: Path) -> object:
         except PackFormatError as exc:
             outcome.append(exc)
 
+    lock = os.path.realpath(copy / ".readers.lock")  # this copy's: another dataset of the process may hold one
     try:
         assert evictor.stdout.readline().strip() == "evicting"
         reader = threading.Thread(target=open_and_read)
         reader.start()
-        deadline = time.monotonic() + 5
-        while not outcome and time.monotonic() < deadline and ".readers.lock" not in _open_files():
+        deadline = time.monotonic() + 60  # a guard: it reads, or waits on the lock, however loaded the machine
+        while not outcome and time.monotonic() < deadline and lock not in _open_files().splitlines():
             time.sleep(0.01)  # until it has read, or waits on the readers' lock eviction holds
         evictor.stdin.write("\n")
         evictor.stdin.flush()
