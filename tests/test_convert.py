@@ -611,12 +611,13 @@ def test_a_tfrecord_resume_checks_the_record_table_rows_it_keeps(
 def test_a_resumed_pack_equals_an_uninterrupted_one_index_included(
     image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: bool
 ) -> None:
-    """Resume hashes the kept index and goes on hashing what it appends (``earlier``: a checkpoint without digests)."""
+    """Resume hashes the kept index and goes on hashing what it appends (``earlier``: a checkpoint without digests,
+    null; one without the field at all is damaged)."""
     _interrupted_convert(image_folder, tmp_path / "resumed.lmdb", monkeypatch)
     if earlier:
         progress = partial_path(tmp_path / "resumed.lmdb") / "progress.json"
         state = json.loads(progress.read_text())
-        del state["index_files"]
+        state["index_files"] = None
         progress.write_text(json.dumps(state))
     convert(image_folder, tmp_path / "resumed.lmdb", progress=False, resume=True)
     convert(image_folder, tmp_path / "whole.lmdb", progress=False)

@@ -362,3 +362,71 @@ def test_a_job_record_longer_than_packdata_writes_is_an_unknown_conversions_neve
     _plant(work.parent / "job.json", "oversized", 1 << 20)
     with pytest.raises(ConfigError, match=r"^s3://packs/pack: the pack waiting .* by an unknown conversion"):
         check_job(work, "src", {}, "s3://packs/pack")
+
+
+_ADDED = ["source", "probes", "copied_journal", "copied_journal_sha256"]  # in the order packdata added them
+
+
+def _interrupted_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path, dict]:
+    """A source of 8 texts, its conversion interrupted after 5: (src, dst, progress.json, its state)."""
+    src = tmp_path / "src"
+    src.mkdir(parents=True)
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(src, dst, monkeypatch, after=5)
+    progress = partial_path(dst) / "progress.json"
+    return src, dst, progress, json.loads(progress.read_bytes())
+
+
+@pytest.mark.parametrize(
+    "dropped", ["copied_journal_sha256", "copied_journal", "probes", "source", "finishing", "index_files", "classes"]
+)
+def test_a_checkpoint_that_lost_a_field_this_packdata_writes_is_named_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dropped: str
+) -> None:
+    """progress.json without copied_journal_sha256 (or another field the current packdata writes: the journal's
+    length, the probes, the source, finishing, the index files' digests, the classes) was read as an earlier
+    packdata's checkpoint, the missing value taken as 'none kept': a damaged or edited file passed as old. A
+    checkpoint now says its version, and one of this version lacking a field is refused, naming the file and the
+    field; the partial is kept, nothing published."""
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
+    del state[dropped]
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    checkpoint = progress.read_bytes()
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{progress}: the interrupted conversion's checkpoint is damaged: it lacks {dropped}. "
+        "Start the conversion again with overwrite=True"
+    )
+    assert progress.read_bytes() == checkpoint and not dst.exists()
+
+
+@pytest.mark.parametrize("held", [4, 3, 2, 1, 0])
+def test_an_earlier_packdatas_checkpoint_resumes_and_one_with_a_gap_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: int
+) -> None:
+    """A checkpoint without a version, as an earlier packdata wrote it (the fields added since walk_labels_sha256
+    up to some point: source, probes, copied_journal, copied_journal_sha256), still resumes into the whole pack;
+    one without a version that lacks a field before the last one it holds is damaged, named."""
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
+    del state["version"]
+    for name in _ADDED[held:]:
+        del state[name]
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    convert(src, dst, progress=False, resume=True)
+    assert sorted(s[0] for s in LMDBDataset(dst)) == [f"t{i}" for i in range(8)]
+    if held < 2:
+        return
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path / "gap", monkeypatch)
+    del state["version"], state[_ADDED[held - 2]]
+    for name in _ADDED[held:]:
+        del state[name]
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{progress}: the interrupted conversion's checkpoint is damaged: it lacks {_ADDED[held - 2]}. "
+        "Start the conversion again with overwrite=True"
+    )

@@ -41,7 +41,16 @@ __all__ = ["MAX_PROBES"]
 
 _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
 _WALK = "walk_labels_sha256"  # of walk_record(entry) over the walk (earlier: "walk_sha256", of keys only)
-_REQUIRED = ("options", _WALK, "skipped", "skip_examples", "shards", *_COUNTS)
+_VERSION = 1
+"""progress.json's ``version``: a checkpoint that has it holds every field :meth:`_Checkpoint.state` writes."""
+_REQUIRED = (
+    "options", "classes", _WALK, "skipped", "skip_examples", "shards", "finishing", "field_names", "index_files",
+    *_COUNTS,
+)  # fmt: skip
+"""What every checkpoint holds, an earlier packdata's too (one without walk_labels_sha256 is refused first)."""
+_ADDED = ("source", "probes", "copied_journal", "copied_journal_sha256")
+"""Fields added since walk_labels_sha256, in that order: a checkpoint without ``version`` (an earlier packdata's)
+holds the first few, each up to the last it holds."""
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 MAX_PROBES = 256
 """Packed files whose size and modification time a checkpoint keeps, spread over the walk, for a resume to stat."""
@@ -65,7 +74,7 @@ class _Checkpoint:
         self.source = list(source)  # where the source is (source_identity): a resume must read the same
         self.saved_source: list[str] | None = None  # the interrupted run's (None: an earlier packdata kept none)
         self.classes = list(classes)  # the source's, as scanned: its labels number them
-        self.saved_classes: list[str] | None = None  # the interrupted run's (None: an earlier packdata kept none)
+        self.saved_classes: list[str] | None = None  # the interrupted run's (None until loaded)
         self.files_done = 0
         self.samples_done = 0
         self.walk = hashlib.sha256()
@@ -91,6 +100,7 @@ class _Checkpoint:
     def state(self) -> dict[str, Any]:
         """What :meth:`save` writes, as of now."""
         return {
+            "version": _VERSION,
             "options": self.options,
             "classes": self.classes,
             "source": self.source,
@@ -131,10 +141,10 @@ class _Checkpoint:
         self.skip_examples = state["skip_examples"]
         self.shards = [ShardInfo(**s) for s in state["shards"]]
         self.walk_expected = state[_WALK]
-        self.finishing = state.get("finishing", False)
-        self.field_names = state.get("field_names", [])
-        self.index_files = state.get("index_files")  # None from an earlier packdata
-        self.saved_classes = state.get("classes")
+        self.finishing = state["finishing"]
+        self.field_names = state["field_names"]
+        self.index_files = state["index_files"]  # None: no index file kept yet
+        self.saved_classes = state["classes"]
         self.saved_source = state.get("source")
         self.probes = state.get("probes", [])  # none from an earlier packdata
         self.copied_journal = state.get("copied_journal")  # None from an earlier packdata, or not a copy
@@ -296,7 +306,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
             path=path.parent,
             hint="Start again with overwrite=True",
         )
-    for name in _REQUIRED:
+    for name in _required(path, state):
         if name not in state:
             raise _damaged(path, f"it lacks {name}")
     if state["options"] != options:
@@ -314,20 +324,20 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
         raise _bad(path, "files_done", f"samples_done plus the files skipped ({walked})", state["files_done"])
     if not is_skip_lines(state["skip_examples"]):
         raise _bad(path, "skip_examples", f"a list of at most {MAX_SKIP_EXAMPLES} skip lines", state["skip_examples"])
-    finishing = state.get("finishing", False)  # absent from an earlier packdata's
+    finishing = state["finishing"]
     if not isinstance(finishing, bool):
         raise _bad(path, "finishing", "true or false", finishing)
     _check_shards(path, state, shard_name)
-    names = state.get("field_names", [])
+    names = state["field_names"]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise _bad(path, "field_names", "a list of distinct strings", names)
     source = state.get("source", [])  # absent from an earlier packdata's
     if not isinstance(source, list) or not all(isinstance(s, str) for s in source):
         raise _bad(path, "source", "a list of strings", source)
-    classes = state.get("classes", [])  # absent from an earlier packdata's
+    classes = state["classes"]
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         raise _bad(path, "classes", "a list of strings", classes)
-    kept = state.get("index_files")
+    kept = state["index_files"]
     if kept is not None and not (
         isinstance(kept, dict)
         and all(isinstance(v, list) and len(v) == 2 and is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
@@ -348,6 +358,23 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     if state["skip_report_bytes"] > size:
         raise _bad(path, "skip_report_bytes", f"at most the {size} bytes of {SKIP_REPORT}", state["skip_report_bytes"])
     return state
+
+
+def _required(path: Path, state: dict[str, Any]) -> tuple[str, ...]:
+    """The fields ``state`` must hold: all with ``version``; without it (an earlier packdata's), those it held then.
+
+    An earlier packdata's holds the fields of :data:`_ADDED` up to the last
+    one it holds, so one that lacks a field it held (a damaged file) is named.
+
+    Raises:
+        PackFormatError: its ``version`` is not this packdata's.
+    """
+    if "version" in state:
+        if state["version"] != _VERSION or not is_count(state["version"]):
+            raise _bad(path, "version", str(_VERSION), state["version"])
+        return (*_REQUIRED, *_ADDED)
+    held = max((i + 1 for i, name in enumerate(_ADDED) if name in state), default=0)
+    return (*_REQUIRED, *_ADDED[:held])
 
 
 def _check_shards(path: Path, state: dict[str, Any], shard_name: Callable[[int], str]) -> None:
