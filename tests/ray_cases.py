@@ -794,6 +794,33 @@ def test_ray_resume_reruns_a_finished_task_whose_list_labels_changed(ray_local, 
     assert [ds.classes[ds.targets[i]] for i in range(6)] == labels
 
 
+@pytest.mark.ray
+def test_ray_tasks_in_flight_when_one_fails_for_good_end_and_are_kept(ray_local, tmp_path: Path) -> None:
+    """A task failing for good cancelled every task still in flight, so those were packed again by the resume,
+    however far they had got (and a test counting on the finished tasks' results failed by chance when one was
+    still running). The tasks in flight now end, for up to DRAIN_SECONDS, before the error is raised: each keeps
+    its shard and result for the resume; only those still running then are cancelled (never a finished one)."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / "out"
+    partial = partial_path(dst)
+    opts = _Options("tfrecord", "text", "skip", False, None, 90, None, 2)
+    _prepare_partial(partial, dst, opts, overwrite=False, resume=False)
+    (partial / "part-00000.tfindex").mkdir()  # the first task fails for good at once; three more are in flight
+    options = {"format": "tfrecord", "shard_samples": 2, "progress": False, "engine": "ray"}
+    with pytest.raises(EngineError, match=r"shard task 0 .* failed for good"):
+        packdata.convert(tmp_path / "src", dst, resume=True, **options)
+    assert sorted(p.parent.name for p in (partial / TASKS_DIR).glob("*/result.json")) == ["00001", "00002", "00003"]
+    (partial / "part-00000.tfindex").rmdir()
+    assert packdata.convert(tmp_path / "src", dst, resume=True, **options).packed == 8
+
+
 def test_ray_refuses_tar_shards(tmp_path: Path) -> None:
     import tarfile
 

@@ -63,6 +63,7 @@ from packdata.progress import progress as show_progress
 __all__ = [
     "DEFAULT_TASK_SAMPLES",
     "DEFAULT_TASK_THREADS",
+    "DRAIN_SECONDS",
     "MAX_RETRIES",
     "convert_on_ray",
     "require_ray",
@@ -71,6 +72,8 @@ __all__ = [
 DEFAULT_TASK_SAMPLES = 10_000
 DEFAULT_TASK_THREADS = 4
 MAX_RETRIES = 3
+DRAIN_SECONDS = 60.0
+"""How long the tasks in flight may go on once one failed for good: those that end keep their shards for a resume."""
 _INSTALL_HINT = "Install it with: pip install 'packdata[ray]'"
 
 
@@ -337,7 +340,7 @@ def _run_tasks(
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    _abort(ray, in_flight)
+                    _drain(ray, in_flight)
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and target is None:
                         where = cause.filename or partial  # a task's write into the partial pack: its disk is named
@@ -396,6 +399,21 @@ def _run_tasks(
     except BaseException:
         _abort(ray, in_flight)
         raise
+
+
+def _drain(ray: Any, in_flight: dict[Any, Any]) -> None:
+    """Let the tasks in flight end, for up to :data:`DRAIN_SECONDS`, then stop only those still running.
+
+    A task writes its own shard and result, so each one that ends is kept for a
+    resume; one cancelled would be packed again, however far it had got. A task
+    that ended is never cancelled: Ray's core worker dies on cancelling a finished
+    task it is completing (a fatal check, 'Tried to complete task that was not pending').
+    """
+    if in_flight:
+        ready, _ = ray.wait(list(in_flight), num_returns=len(in_flight), timeout=DRAIN_SECONDS)
+        for ref in ready:
+            del in_flight[ref]
+    _abort(ray, in_flight)
 
 
 def _abort(ray: Any, in_flight: dict[Any, Any]) -> None:
