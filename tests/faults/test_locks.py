@@ -29,13 +29,16 @@ from packdata.pack.lock import hold_lock
 REPO = Path(__file__).parents[2]
 
 _SLOW_CONVERT = """
-import importlib, sys, time
+import importlib, os, sys, time
 c = importlib.import_module("packdata.conversion.convert")
 local = importlib.import_module("packdata.conversion.local")
 ld = importlib.import_module("packdata.conversion.load")
 local._COMMIT_SAMPLES = 2
 load = ld._load
+held = importlib.import_module("packdata.conversion.destination").partial_path(sys.argv[2]) / "progress.json"
 def slow_load(entry, opts):
+    while len(sys.argv) > 4 and held.exists() and not os.path.exists(sys.argv[4]):  # held once it checkpointed
+        time.sleep(0.01)
     time.sleep(float(sys.argv[3]))
     return load(entry, opts)
 ld._load = slow_load
@@ -92,7 +95,8 @@ def _contents(pack: Path) -> dict[str, tuple[bytes, int]]:
 def test_a_second_convert_into_the_same_dst_is_refused_naming_the_holder(image_folder: Path, tmp_path: Path) -> None:
     dst = tmp_path / "out.lmdb"
     lock = tmp_path / ".out.lmdb.lock"
-    first = _spawn(_SLOW_CONVERT, image_folder, dst, 0.15)
+    release = tmp_path / "release"  # the first convert holds its lock until the second has met it
+    first = _spawn(_SLOW_CONVERT, image_folder, dst, 0.15, release)
     try:
         _wait_for(lambda: (partial_path(dst) / "progress.json").exists(), first, "the first checkpoint")
         holder = rf"pid {first.pid} on host {socket.gethostname()} \(packdata convert, local engine, since"
@@ -104,6 +108,7 @@ def test_a_second_convert_into_the_same_dst_is_refused_naming_the_holder(image_f
         assert result.exit_code == 1
         assert result.output.count("\n") == 1 and result.output.startswith("Error: ")
         assert f"pid {first.pid}" in result.output
+        release.touch()
         assert first.wait(timeout=60) == 0
     finally:
         first.kill()
