@@ -154,7 +154,9 @@ def test_file_growing_while_read_is_refused(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            f"f=open({os.fspath(path)!r},'ab',buffering=0)\nfor _ in range(20000): f.write(b'y'*1024)",
+            # until killed, 1 KiB a millisecond: it outlives any stall of this process, and never fills the disk
+            f"import time\nf=open({os.fspath(path)!r},'ab',buffering=0)\n"
+            "while True: f.write(b'y'*1024); time.sleep(0.001)",
         ]
     )
     try:
