@@ -120,6 +120,31 @@ def test_a_resume_refuses_the_last_file_packed_rewritten_once_the_probes_were_th
     assert len(progress["probes"]) <= 4
 
 
+def test_a_tar_read_over_several_commits_is_probed_once_and_a_resume_names_it_rewritten(tmp_path: Path) -> None:
+    """A tar packed over several commits was probed once a commit, the same probe each time: the list (here at
+    most 3) filled with copies of the first tar's, and thinning it dropped the second tar's, the latest commit's,
+    so a resume over that tar rewritten since was refused only as 'the source folder changed', naming no tar. A
+    probe equal to the last one is now kept once: the checkpoint probes each tar read, and the refusal names
+    the second."""
+    (tmp_path / "src").mkdir()
+    for n in range(3):
+        _tar(tmp_path / "src" / f"d-{n}.tar", [f"a{n}{i}" for i in range(3)])
+    src, dst = str(tmp_path / "src" / "d-{0..2}.tar"), tmp_path / "out.lmdb"
+    args = [sys.executable, "-c", _KILLED_AT_CHECKPOINT, src, str(dst), "5", '{"max_probes": 3}']
+    assert subprocess.run(args, check=False).returncode == -signal.SIGKILL
+    progress = json.loads((tmp_path / ".out.lmdb.partial" / "progress.json").read_text(encoding="utf-8"))
+    tars = [str(tmp_path / "src" / f"d-{n}.tar") for n in range(2)]
+    assert progress["samples_done"] == 4 and [p[0] for p in progress["probes"]] == tars  # 3 of d-0, 1 of d-1
+    _tar(Path(tars[1]), ["b10", "b11", "b12"])
+    os.utime(tars[1], ns=(1, 1))  # a time it surely did not have (a coarse clock could repeat one)
+    with pytest.raises(SourceError) as raised:
+        packdata.convert(src, dst, workers=1, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{tars[1]}: a tar read before the interruption changed since (10240 bytes then, 10240 bytes now; or its "
+        "modification time differs). Restore it as it was and resume, or start again with overwrite=True"
+    )
+
+
 def _refused_naming(src: str, dst: Path, options: dict, url: str, size: int = 2) -> None:
     """Assert a resume of ``src`` into ``dst`` is refused naming the object at ``url``, ``size`` bytes when packed."""
     with pytest.raises(SourceError) as raised:

@@ -176,15 +176,21 @@ class _Checkpoint:
         one dropped when full, and probes kept half as often), and always the
         latest commit's, the file likeliest to be rewritten still (by a producer
         writing the source as it is packed): a stat a commit (thousands of
-        samples) while converting, as many at a resume.
+        samples) while converting, as many at a resume. A probe equal to the
+        last one (the same tar, read on) is not kept twice: it would take the
+        place of the files probed before it when the list is thinned.
         """
         self._commits += 1
         probe = stat_probe(path)
         if probe is None:
             return
+        kept = self._commits % self._probe_every == 0
+        if self.probes and self.probes[-1] == probe:  # the last one's file as it was (a tar read on): one probe
+            self._tail = self._tail and not kept
+            return
         if self._tail:
             self.probes.pop()
-        self._tail = self._commits % self._probe_every != 0
+        self._tail = not kept
         self.probes.append(probe)
         if len(self.probes) > MAX_PROBES:
             self.probes = self.probes[::2]  # the first and the latest kept
