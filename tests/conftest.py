@@ -79,17 +79,35 @@ packdata.convert(sys.argv[1], sys.argv[2], shard_samples=1, workers=1, progress=
 """``python -c`` it with SRC DST: a conversion into DST SIGKILLed as it writes its second checkpoint."""
 
 
-def kill_at_files_done(proc: subprocess.Popen, progress: Path, files: int, timeout: float = 60) -> None:
-    """SIGKILL a conversion in ``proc`` once its checkpoint ``progress`` counts ``files`` files done (or at timeout)."""
-    import time
+_KILL_AT_FILES_DONE = r"""
+import os as _os, signal as _signal
+from packdata.conversion import checkpoint as _checkpoint
+_save = _checkpoint._Checkpoint.save
+def _save_then_kill(self, state=None):  # SIGKILL right after the first checkpoint counting FILES files done is saved
+    _save(self, state)
+    if (self.state() if state is None else state)["files_done"] >= FILES:
+        _os.kill(_os.getpid(), _signal.SIGKILL)
+_checkpoint._Checkpoint.save = _save_then_kill
+"""
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text())["files_done"] >= files:
-            break
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+
+def killed_at_files_done(script: str, args: list[str], files: int, timeout: float = 600) -> None:
+    """Run the conversion ``python -c script *args``, SIGKILLed by itself right after it saves the first checkpoint
+    counting ``files`` files done or more: at that instant whatever the machine's load.
+
+    Fails the test with the output's tail if the run ended otherwise (finished before, failed) or ran ``timeout``
+    seconds (a hang guard, never a kill instant).
+    """
+    code = _KILL_AT_FILES_DONE.replace("FILES", str(int(files))) + script
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the conversion to kill at {files} files done hung for {timeout}s: {str(exc.stderr)[-4000:]}")
+    assert done.returncode == -signal.SIGKILL, (
+        f"not killed at {files} files done: {done.returncode}\n{done.stderr[-4000:]}"
+    )
 
 
 def interrupted_convert(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, after: int = 5, **options) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 import pytest
 from click.testing import CliRunner
-from conftest import KILLED_AT_SECOND_CHECKPOINT, kill_at_files_done, tree_digest
+from conftest import KILLED_AT_SECOND_CHECKPOINT, killed_at_files_done, tree_digest
 
 import packdata
 from packdata.cli import main as cli
@@ -259,8 +259,7 @@ def test_a_list_conversion_killed_with_keys_spilled_resumes_to_the_clean_runs_pa
     the same repeats, and publishes what an uninterrupted run does, without the spill folder."""
     listing = _list_with_repeats(tmp_path, 600)
     dst = tmp_path / "out.lmdb"
-    progress = partial_path(dst) / "progress.json"
-    kill_at_files_done(subprocess.Popen([sys.executable, "-c", _SLOW_LIST, str(listing), str(dst)]), progress, 300, 120)
+    killed_at_files_done(_SLOW_LIST, [str(listing), str(dst)], 300)
     assert not dst.exists() and _runs(partial_path(dst) / SPILL_DIR)  # killed with runs on disk
     subprocess.run([sys.executable, "-c", _SLOW_LIST, str(listing), str(dst), "resume"], check=True)
     assert not (dst / SPILL_DIR).exists() and not partial_path(dst).exists()
