@@ -370,6 +370,10 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
         yield options, fs
     finally:
         server.stop()
+        # s3fs keeps a filesystem per options, its listings with it: a later server given this port (the kernel
+        # hands a freed port out again) got this server's filesystem back, listing 'packs' and what it held (its
+        # mkdir('packs') raised FileExistsError, a read saw objects that are gone). A server's filesystems go with it
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")
