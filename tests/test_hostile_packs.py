@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from packdata import LMDBDataset, PackFormatError, convert
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
 
 @pytest.mark.timeout(30)
@@ -47,6 +48,36 @@ def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_wait
     assert str(raised.value) == (
         f"{journal}: the plan of an interrupted append is unreadable ({why}). Remove .append-a1.json from the pack, "
         "then append again without resume"
+    )
+    assert len(LMDBDataset(pack)) == 4
+    convert(more, pack, progress=False, append=True)
+    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
+
+
+@pytest.mark.timeout(60)
+def test_an_append_plan_longer_than_packdata_writes_is_named_never_read(tmp_path: Path) -> None:
+    """A pack holding ``.append-a1.json`` (the plan an interrupted append leaves) of 1 GiB and a byte, more than a
+    plan of two manifests at their longest and its moves can be, was read whole (a 10 GB file too) before it was
+    found not JSON. It is now refused by its size, never read, naming it with the remedy; the pack is untouched,
+    and an append without resume goes on."""
+    src, more = tmp_path / "src", tmp_path / "more"
+    src.mkdir()
+    more.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    for i in range(4, 6):
+        (more / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    pack = tmp_path / "out.lmdb"
+    convert(src, pack, progress=False)
+    journal = pack / ".append-a1.json"
+    most = 4 * MAX_MANIFEST_BYTES
+    with open(journal, "wb") as f:
+        f.truncate(most + 1)  # sparse: no disk taken
+    with pytest.raises(PackFormatError) as raised:
+        convert(more, pack, progress=False, append=True, resume=True)
+    assert str(raised.value) == (
+        f"{journal}: the plan of an interrupted append is {most + 1} bytes, more than the {most} packdata writes at "
+        "most. Remove .append-a1.json from the pack, then append again without resume"
     )
     assert len(LMDBDataset(pack)) == 4
     convert(more, pack, progress=False, append=True)

@@ -56,6 +56,7 @@ from packdata.pack.manifest import (
     validate_manifest,
     write_manifest,
 )
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
 __all__ = ["append_pack", "interrupted_append", "next_generation"]
 
@@ -222,7 +223,11 @@ def _read_journal(dst: Path, path: Path) -> _Journal:
     hint = f"Remove {path.name} from the pack, then append again without resume"
     try:  # a FIFO in its place would block the read for ever, a link lead out of the pack
         with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
-            data = json.loads(file.read())
+            if (size := os.fstat(file.fileno()).st_size) > _PLAN_MOST:  # a stranger's file: never read
+                raise PackFormatError(
+                    f"the plan of an interrupted append is {size} bytes, {_OVER}", path=path, hint=hint
+                )
+            data = json.loads(file.read(_PLAN_MOST + 1))
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
         raise PackFormatError(f"the plan of an interrupted append is unreadable ({exc})", path=path, hint=hint) from exc
     if not isinstance(data, dict) or set(data) != {"manifest", "appended", "moves", "drop"}:
@@ -241,6 +246,12 @@ def _read_journal(dst: Path, path: Path) -> _Journal:
     ):
         raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)
     return _Journal(path, manifest, appended, [(a, b) for a, b in moves], drop)
+
+
+# An append's plan at its longest: two manifests, and its moves (a pair of names per file of the appended pack's
+# shards: less than twice what its manifest, at its longest, says of them)
+_PLAN_MOST = 4 * MAX_MANIFEST_BYTES
+_OVER = f"more than the {_PLAN_MOST} packdata writes at most"
 
 
 def _relative_in_pack(path: object) -> bool:
