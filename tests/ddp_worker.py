@@ -86,13 +86,27 @@ def _open_around_append(args: argparse.Namespace, rank: int) -> tuple[DataLoader
     """Rank 0's loader over the pack before ``convert SRC PACK --append``, rank 1's after it."""
     if rank == 0:
         built = _loader(args.pack, args.format, args.workers, args.batch_size)
-    dist.barrier()
-    if rank == 0:
         convert(args.append, args.pack, append=True, progress=False)
-    dist.barrier()
-    if rank != 0:
+        _launcher_store().set("ddp-worker/appended", "1")
+    else:  # waits at torchrun's store: the group's short --timeout bounds the check, not how long an append takes
+        _launcher_store().wait(["ddp-worker/appended"])
         built = _loader(args.pack, args.format, args.workers, args.batch_size)
     return built
+
+
+def _launcher_store() -> dist.TCPStore:
+    """A client of torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), waiting as long as torch's default 30 minutes
+    (the test's run timeout fails a hang first)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=30), wait_for_workers=False)
+
+
+def _meet(rank: int, world: int) -> None:
+    """Wait at torchrun's store until every rank is up: ranks whose start load set apart by more than the group's
+    short --timeout (their imports) then never fail init_process_group, which waits for its peers that long."""
+    store = _launcher_store()
+    store.set(f"ddp-worker/up/{rank}", "1")
+    store.wait([f"ddp-worker/up/{r}" for r in range(world)])
 
 
 def main() -> None:
@@ -119,8 +133,10 @@ def main() -> None:
         rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
         del os.environ["LOCAL_RANK"]
         loader, epoch_owner, dataset = _loader(args.pack, args.format, args.workers, args.batch_size, spawn=args.spawn)
+        _meet(rank, world)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     else:
+        _meet(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         dist.init_process_group("gloo", timeout=timeout)
         if args.public_store:
             del dist.distributed_c10d._get_default_store
