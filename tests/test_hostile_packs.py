@@ -13,6 +13,31 @@ from packdata import LMDBDataset, PackFormatError, convert
 from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
 
+def _pack_and_more(tmp: Path) -> tuple[Path, Path]:
+    """A pack of 4 texts (t0..t3) and a folder of 2 more (t4, t5) to append."""
+    src, more = tmp / "src", tmp / "more"
+    src.mkdir()
+    more.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    for i in range(4, 6):
+        (more / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    pack = tmp / "out.lmdb"
+    convert(src, pack, progress=False)
+    return pack, more
+
+
+def _refused_then_appended(pack: Path, more: Path, said: str) -> None:
+    """An append resumed over the planted plan is refused with ``PLAN: {said}then append again without resume``;
+    the pack keeps its 4 samples, and an append without resume adds ``more``'s 2."""
+    with pytest.raises(PackFormatError) as raised:
+        convert(more, pack, progress=False, append=True, resume=True)
+    assert str(raised.value) == f"{pack / '.append-a1.json'}: {said}then append again without resume"
+    assert len(LMDBDataset(pack)) == 4
+    convert(more, pack, progress=False, append=True)
+    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("plan", ["fifo", "nested", "link"])
 def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_waited_on(
@@ -22,15 +47,7 @@ def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_wait
     --append --resume`` for ever (the plan was read with a plain open); one of ``[[[[...`` (100,000 deep) stopped it
     with a bare RecursionError; a link to a plan outside the pack was read through. Each is now named as an
     unreadable plan, with the remedy; the pack is untouched, and an append without resume goes on."""
-    src, more = tmp_path / "src", tmp_path / "more"
-    src.mkdir()
-    more.mkdir()
-    for i in range(4):
-        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
-    for i in range(4, 6):
-        (more / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
-    pack = tmp_path / "out.lmdb"
-    convert(src, pack, progress=False)
+    pack, more = _pack_and_more(tmp_path)
     journal = pack / ".append-a1.json"
     if plan == "fifo":
         os.mkfifo(journal)
@@ -43,15 +60,9 @@ def test_an_append_plan_that_is_a_fifo_nested_json_or_a_link_is_named_never_wait
         outside.write_text("{}", encoding="utf-8")
         journal.symlink_to(outside)
         why = f"[Errno 40] Too many levels of symbolic links: '{journal}'"
-    with pytest.raises(PackFormatError) as raised:
-        convert(more, pack, progress=False, append=True, resume=True)
-    assert str(raised.value) == (
-        f"{journal}: the plan of an interrupted append is unreadable ({why}). Remove .append-a1.json from the pack, "
-        "then append again without resume"
+    _refused_then_appended(
+        pack, more, f"the plan of an interrupted append is unreadable ({why}). Remove .append-a1.json from the pack, "
     )
-    assert len(LMDBDataset(pack)) == 4
-    convert(more, pack, progress=False, append=True)
-    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
 
 
 @pytest.mark.timeout(60)
@@ -60,28 +71,17 @@ def test_an_append_plan_longer_than_packdata_writes_is_named_never_read(tmp_path
     plan of two manifests at their longest and its moves can be, was read whole (a 10 GB file too) before it was
     found not JSON. It is now refused by its size, never read, naming it with the remedy; the pack is untouched,
     and an append without resume goes on."""
-    src, more = tmp_path / "src", tmp_path / "more"
-    src.mkdir()
-    more.mkdir()
-    for i in range(4):
-        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
-    for i in range(4, 6):
-        (more / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
-    pack = tmp_path / "out.lmdb"
-    convert(src, pack, progress=False)
+    pack, more = _pack_and_more(tmp_path)
     journal = pack / ".append-a1.json"
     most = 4 * MAX_MANIFEST_BYTES
     with open(journal, "wb") as f:
         f.truncate(most + 1)  # sparse: no disk taken
-    with pytest.raises(PackFormatError) as raised:
-        convert(more, pack, progress=False, append=True, resume=True)
-    assert str(raised.value) == (
-        f"{journal}: the plan of an interrupted append is {most + 1} bytes, more than the {most} packdata writes at "
-        "most. Remove .append-a1.json from the pack, then append again without resume"
+    _refused_then_appended(
+        pack,
+        more,
+        f"the plan of an interrupted append is {most + 1} bytes, more than the {most} packdata writes at "
+        "most. Remove .append-a1.json from the pack, ",
     )
-    assert len(LMDBDataset(pack)) == 4
-    convert(more, pack, progress=False, append=True)
-    assert [s[0] for s in LMDBDataset(pack)] == [f"t{i}" for i in range(6)]
 
 
 def test_a_cached_copys_record_of_deeply_nested_json_is_downloaded_again(tmp_path: Path) -> None:
