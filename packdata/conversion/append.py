@@ -8,7 +8,7 @@ prepares the new index and skip report in that folder, then
 writes its plan, ``.append-aN.json`` (the manifest to publish, the files to move,
 the index folder to delete). It then moves the index and the new shards' files
 in, replaces the manifest atomically (the append takes effect), cleans up, and
-deletes the plan last.
+deletes the plan last (the plan file: :mod:`packdata.conversion.append_plan`).
 The index folder the old manifest named is kept (one generation), so a reader
 opened before the append keeps reading the pack it opened.
 
@@ -26,9 +26,18 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
+from packdata.conversion.append_plan import (
+    STAGING,
+    AppendPlan,
+    generation_of,
+    plan_fits,
+    plan_path,
+    plans_in,
+    read_plan,
+)
 from packdata.conversion.combine import (
     MergeResult,
     _manifest,
@@ -44,19 +53,16 @@ from packdata.conversion.publish import SKIP_REPORT
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format, shard_writer
 from packdata.host.disks import raise_if_full
-from packdata.pack.files import atomic_write, fsync_dir, open_regular
+from packdata.pack.files import atomic_write, fsync_dir
 from packdata.pack.index import ALL_FILES, INDEX_DIR
 from packdata.pack.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
-    plain_name_problem,
     read_manifest,
     resolve_in_pack,
-    validate_manifest,
     write_manifest,
 )
-from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
 __all__ = ["append_pack", "interrupted_append", "next_generation"]
 
@@ -138,11 +144,11 @@ def append_pack(dst: str | os.PathLike, new: str | os.PathLike, *, resume: bool 
         "moves": [list(pair) for pair in moves],
         "drop": drop,
     }
-    journal = _journal_path(dst, generation)
+    journal = plan_path(dst, generation)
     atomic_write(staging / journal.name, json.dumps(plan, indent=1, ensure_ascii=False).encode("utf-8"))
     os.rename(staging / journal.name, journal)  # the plan is written: from here on it is carried out, as read back
     fsync_dir(dst)
-    return _roll_forward(dst, new, _read_journal(dst, journal))
+    return _roll_forward(dst, new, read_plan(dst, journal))
 
 
 _MAX_GENERATION = 10**12
@@ -155,8 +161,8 @@ def next_generation(dst: str | os.PathLike, manifest: Manifest) -> int:
     Raises:
         PackFormatError: the pack's names give a generation too large to name the next one's files.
     """
-    generation = 1 + max((_generation(s.file) for s in manifest.shards), default=0)
-    generation = max(generation, 1 + _generation(manifest.index_dir))
+    generation = 1 + max((generation_of(s.file) for s in manifest.shards), default=0)
+    generation = max(generation, 1 + generation_of(manifest.index_dir))
     if generation > _MAX_GENERATION:
         raise PackFormatError(
             f"the pack's names (index.dir or a shard's file) count {generation - 1} appends, "
@@ -167,15 +173,8 @@ def next_generation(dst: str | os.PathLike, manifest: Manifest) -> int:
     return generation
 
 
-_STAGING = ".append-a"
-"""An append's files are prepared in ``.append-aN.partial`` in the pack (N: the append's generation)."""
 _FULL_HINT = "The pack is as it was: free space on that disk, then append again with resume=True"
 _RESTART = "Append again without resume: the pack holds nothing of that append yet"
-
-
-def _journal_path(dst: Path, generation: int) -> Path:
-    """Where an append writes its plan, once complete: ``.append-aN.json`` in the pack, deleted last."""
-    return dst / f"{_STAGING}{generation}.json"
 
 
 def _staging_of(dst: Path, generation: int) -> Path:
@@ -196,107 +195,23 @@ def _staging_of(dst: Path, generation: int) -> Path:
 
 
 def _staging_path(dst: Path, generation: int) -> Path:
-    return dst / f"{_STAGING}{generation}.partial"
+    return dst / f"{STAGING}{generation}.partial"
 
 
-@dataclass
-class _Journal:
-    """An append's plan, read back from its file (every name checked)."""
-
-    path: Path
-    manifest: Manifest  # the pack's manifest once the append took effect
-    appended: Manifest  # the appended pack's manifest (what the append adds)
-    moves: list[tuple[str, str]]  # (path in the appended pack, path in the pack) of every file it moves
-    drop: str | None  # the index folder two appends old, deleted once this one took effect
-
-    @property
-    def generation(self) -> int:
-        return _generation(self.manifest.index_dir)
-
-
-def _read_journal(dst: Path, path: Path) -> _Journal:
-    """The plan of an append into ``dst``, from the file ``path``.
-
-    Raises:
-        PackFormatError: the plan is damaged.
-    """
-    hint = f"Remove {path.name} from the pack, then append again without resume"
-    try:  # a FIFO in its place would block the read for ever, a link lead out of the pack
-        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
-            if (size := os.fstat(file.fileno()).st_size) > _PLAN_MOST:  # a stranger's file: never read
-                raise PackFormatError(
-                    f"the plan of an interrupted append is {size} bytes, {_OVER}", path=path, hint=hint
-                )
-            data = json.loads(file.read(_PLAN_MOST + 1))
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
-        raise PackFormatError(f"the plan of an interrupted append is unreadable ({exc})", path=path, hint=hint) from exc
-    if not isinstance(data, dict) or set(data) != {"manifest", "appended", "moves", "drop"}:
-        raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)
-    manifest = validate_manifest(data["manifest"], path)
-    appended = validate_manifest(data["appended"], path)
-    moves, drop = data["moves"], data["drop"]
-    generation = _generation(manifest.index_dir)
-    if not (
-        isinstance(moves, list)
-        and all(isinstance(m, list) and len(m) == 2 and all(map(_relative_in_pack, m)) for m in moves)
-        and all(m[1].startswith(f"shard-a{generation}-") for m in moves)  # the new shards' files only
-        and (drop is None or plain_name_problem(drop) is None)
-        and generation > 0
-        and path == _journal_path(dst, generation)
-    ):
-        raise PackFormatError("the plan of an interrupted append is not one packdata wrote", path=path, hint=hint)
-    return _Journal(path, manifest, appended, [(a, b) for a, b in moves], drop)
-
-
-# An append's plan at its longest: two manifests, and its moves (a pair of names per file of the appended pack's
-# shards: less than twice what its manifest, at its longest, says of them)
-_PLAN_MOST = 4 * MAX_MANIFEST_BYTES
-_OVER = f"more than the {_PLAN_MOST} packdata writes at most"
-
-
-def _relative_in_pack(path: object) -> bool:
-    """Whether ``path`` is a file name in a pack, or a name in a shard folder there (``NAME/FILE``)."""
-    if not isinstance(path, str):
-        return False
-    parts = path.split("/")
-    return len(parts) <= 2 and all(plain_name_problem(part) is None for part in parts)
-
-
-def _fits(journal: _Journal, manifest: Manifest) -> bool:
-    """Whether an append's plan grows the pack as it is now (its shards kept, its index the one replaced)."""
-    kept = journal.manifest.shards[: len(manifest.shards)]
-    return (
-        kept == manifest.shards
-        and journal.manifest.index.get("previous") == manifest.index_dir
-        and journal.generation > _generation(manifest.index_dir)
-        and (journal.manifest.format, journal.manifest.kind) == (manifest.format, manifest.kind)
-    )
-
-
-def _journals(dst: Path) -> list[Path]:
-    """The plans of appends in ``dst`` (``.append-aN.json``), newest first."""
-    found = []
-    for entry in os.scandir(dst):
-        digits = entry.name[len(_STAGING) : -len(".json")]
-        if entry.name.startswith(_STAGING) and entry.name.endswith(".json") and digits.isdigit():
-            found.append((int(digits), Path(entry.path)))
-    return [path for _, path in sorted(found, reverse=True)]
-
-
-def _interrupted(dst: Path, manifest: Manifest, *, resume: bool) -> tuple[_Journal, bool] | None:
+def _interrupted(dst: Path, manifest: Manifest, *, resume: bool) -> tuple[AppendPlan, bool] | None:
     """The plan of an interrupted append in ``dst``, and whether that append took effect.
 
     One that took effect (the manifest names its index) comes first; else,
     with ``resume``, the newest plan that fits the pack.
     """
-    journals = _journals(dst)
+    journals = plans_in(dst)
     for path in journals:
-        if path == _journal_path(dst, _generation(manifest.index_dir)):
-            return _read_journal(dst, path), True
+        if path == plan_path(dst, generation_of(manifest.index_dir)):
+            return read_plan(dst, path), True
     if resume:
         for path in journals:
-            journal = _read_journal(dst, path)
-            if _fits(journal, manifest):
+            journal = read_plan(dst, path)
+            if plan_fits(journal, manifest):
                 return journal, False
     return None
 
@@ -336,7 +251,7 @@ def _recover(dst: Path, new: Path, *, resume: bool) -> MergeResult | None:
     return result
 
 
-def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
+def _roll_forward(dst: Path, new: Path, journal: AppendPlan) -> MergeResult:
     """Carry out an append's plan from wherever it stopped: every step is done once, whatever ran before."""
     index = _staging_of(dst, journal.generation) / INDEX_DIR
     target = dst / journal.manifest.index_dir
@@ -376,7 +291,7 @@ def _roll_forward(dst: Path, new: Path, journal: _Journal) -> MergeResult:
     return _merge_result(dst, journal)
 
 
-def _finish(dst: Path, journal: _Journal, new: Path | None) -> None:
+def _finish(dst: Path, journal: AppendPlan, new: Path | None) -> None:
     """What follows an append taking effect: its skip report, the index two appends old, ``new``, the plan last."""
     staging = _staging_of(dst, journal.generation)
     report = staging / SKIP_REPORT
@@ -392,7 +307,7 @@ def _finish(dst: Path, journal: _Journal, new: Path | None) -> None:
     fsync_dir(dst)
 
 
-def _merge_result(dst: Path, journal: _Journal) -> MergeResult:
+def _merge_result(dst: Path, journal: AppendPlan) -> MergeResult:
     manifest = journal.manifest
     return MergeResult(
         dst,
@@ -454,16 +369,6 @@ def _drop_index(dst: Path, name: str) -> None:
     os.rmdir(path)  # fails rather than delete what is not an index file
 
 
-def _generation(name: str) -> int:
-    """N of a name an append gave (``shard-aN-...``, ``index-aN``), else 0."""
-    for prefix in ("shard-a", f"{INDEX_DIR}-a"):
-        if name.startswith(prefix):
-            digits = name[len(prefix) :].split("-", 1)[0]
-            if digits.isdigit():
-                return int(digits)
-    return 0
-
-
 def _remove_leftovers(dst: Path) -> None:
     """Delete what an interrupted append left in ``dst``: the names it writes, exactly, that the manifest does not list.
 
@@ -471,7 +376,7 @@ def _remove_leftovers(dst: Path) -> None:
     the plans left (``.append-aN.json``) are of appends that did not take effect.
     """
     manifest = read_manifest(dst)
-    for journal in _journals(dst):  # first: an append not taken effect cannot be resumed once this starts
+    for journal in plans_in(dst):  # first: an append not taken effect cannot be resumed once this starts
         journal.unlink()
     known = {s.file for s in manifest.shards} | {manifest.index_dir, manifest.index.get("previous", "")}
     layout_of = get_format(manifest.format).shard_layout
