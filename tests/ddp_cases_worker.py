@@ -3,7 +3,9 @@
 Every rank runs the cases of ``CONFIG`` (a JSON file) in order, on the gloo
 backend, and writes ``OUT/rank{RANK}.json``: per case, what its loader yielded
 (the samples' identities, per epoch) or the ``PackdataError`` it raised. Ranks
-meet at a barrier after each case, so one case's refusal never leaks into the next.
+meet at torchrun's store before ``init_process_group`` and after each case, so one
+case's refusal never leaks into the next, and the group's timeout bounds only the
+checks under test, never how far apart load sets the ranks' start or their cases.
 
 Cases (``kind``):
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -128,6 +131,16 @@ def _public_store_case(case: dict[str, Any], rank: int, out: Path) -> dict[str, 
         dist.distributed_c10d._get_default_store = private
 
 
+def _meet(name: str, rank: int, world: int) -> None:
+    """Wait at torchrun's store (``MASTER_ADDR``/``MASTER_PORT``) until every rank set the key ``name``: as long as
+    torch's default 30 minutes (the test's run timeout fails a hang first), not the group's 60 s, which ranks whose
+    start (their imports) or case load delays by more than that would otherwise fail at init or at a barrier."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=30), wait_for_workers=False)
+    store.set(f"ddp-cases/{name}/{rank}", "1")
+    store.wait([f"ddp-cases/{name}/{r}" for r in range(world)])
+
+
 CASES = {
     "sampler": _sampler_case,
     "stream": _stream_case,
@@ -141,6 +154,7 @@ def main() -> None:
     for case in config.values():  # built from torchrun's RANK and WORLD_SIZE, before the group exists
         if case.get("before_init"):
             case["built"] = _stream_dataset(case)
+    _meet("up", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     report: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(), "cases": {}}
@@ -150,7 +164,7 @@ def main() -> None:
         except PackdataError as exc:
             result = {"error": str(exc)}
         report["cases"][name] = result
-        dist.barrier()
+        _meet(f"done/{name}", rank, report["world"])
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
