@@ -430,3 +430,36 @@ def test_an_earlier_packdatas_checkpoint_resumes_and_one_with_a_gap_is_named(
         f"{progress}: the interrupted conversion's checkpoint is damaged: it lacks {_ADDED[held - 2]}. "
         "Start the conversion again with overwrite=True"
     )
+
+
+def test_a_current_checkpoint_whose_index_digests_were_nulled_is_named_damaged_not_hashed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """progress.json of this packdata (it says its version) lists closed shards and the kept sample index's sizes and
+    SHA-256s. Edited to null them (``"index_files": null``, as an earlier packdata's could hold), with a kept key
+    changed in the index, it was read as an earlier packdata's: the kept index hashed again rather than compared,
+    and the changed key went into the published pack. It is now damaged, named; the partial is kept, nothing
+    published."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(src, dst, monkeypatch, after=5, shard_samples=2)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_bytes())
+    assert state["version"] == 1 and state["shards"] and state["index_files"]
+    state["index_files"] = None
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    keys = partial_path(dst) / "index" / "keys.utf8"
+    kept = keys.read_bytes()
+    assert kept.startswith(b"0")
+    keys.write_bytes(b"9" + kept[1:])  # the first sample's key, edited within the part kept
+    checkpoint = progress.read_bytes()
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True, shard_samples=2)
+    assert str(raised.value) == (
+        f"{progress}: the interrupted conversion's checkpoint is damaged: index_files is null, but this packdata "
+        "records the kept sample index's SHA-256s. Start the conversion again with overwrite=True"
+    )
+    assert progress.read_bytes() == checkpoint and not dst.exists()

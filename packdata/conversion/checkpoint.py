@@ -349,6 +349,8 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
         and all(isinstance(v, list) and len(v) == 2 and is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
     ):
         raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
+    if kept is None and "version" in state and (state["shards"] or state["samples_done"]):  # this packdata's: kept
+        raise _damaged(path, "index_files is null, but this packdata records the kept sample index's SHA-256s")
     probes = state.get("probes", [])  # absent from an earlier packdata's
     if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(is_probe(p) for p in probes):
         should = f"a list of at most {MAX_PROBES} [path, size, mtime_ns] or [URL, size, version]"
