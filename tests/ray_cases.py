@@ -1214,3 +1214,38 @@ def test_ray_tasks_retry_a_5xx_reply_but_not_a_denied_request(
     got = _download(fs, "s3://packs/flaky.lmdb", tmp_path / "got" / "flaky.lmdb")
     packdata.convert(clean_folder, tmp_path / "local" / "flaky.lmdb", shard_samples=20, progress=False)
     assert _lmdb_content(got) == _lmdb_content(tmp_path / "local" / "flaky.lmdb")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("refused", ["index/labels.i32", "manifest.json"])
+def test_ray_into_s3_failed_upload_resumes_by_uploading_without_running_a_task_again(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch, refused: str
+) -> None:
+    """The driver's upload (index, skip report, manifest) ran after the plan was removed: a failed one said resume,
+    but the resume found no plan and ran every task again. Now the plan (never uploaded) stays until the upload
+    ends: the store refusing one object, the resume only uploads, and the pack at the URL is the local engine's."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url, root = f"s3://packs/upfail-{refused[:5]}.lmdb", f"/packs/upfail-{refused[:5]}.lmdb"
+    run = {"shard_samples": 10, "progress": False, "engine": "ray"}
+    with faulty_s3(options) as (faulty, rules, hits):
+        rules[("PUT", f"{root}/{refused}")] = [403, 1]
+        with pytest.raises(PackFormatError) as raised:
+            packdata.convert(clean_folder, url, storage_options=faulty, **run)
+        assert str(raised.value) == (
+            f"{url}: uploading {refused} failed (PermissionError). Run again with resume=True: uploaded files are kept"
+        )
+        shard_puts = {key: n for key, n in hits.items() if key[0] == "PUT" and "/shard-" in key[1]}
+        assert len(shard_puts) == 8 and set(shard_puts.values()) == {1}  # each task uploaded its shard's 2 once
+        result = packdata.convert(clean_folder, url, storage_options=faulty, resume=True, **run)
+        assert {key: n for key, n in hits.items() if key[0] == "PUT" and "/shard-" in key[1]} == shard_puts
+        assert hits[("PUT", f"{root}/{refused}")] == 2 and rules[("PUT", f"{root}/{refused}")][1] == 0
+        assert not any("ray-plan" in path for _, path in hits)  # the plan is never uploaded
+    assert result.resumed and result.packed_before == result.packed == N_CLASSES * PER_CLASS + 1
+    local = tmp_path / "local" / f"upfail-{refused[:5]}.lmdb"
+    packdata.convert(clean_folder, local, shard_samples=10, progress=False)
+    got = _download(fs, url, tmp_path / "got" / local.name)
+    assert _files(got) == _files(local)
+    _assert_same_pack(local, got)
+    assert _lmdb_content(local) == _lmdb_content(got)
+    assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the work folder is gone

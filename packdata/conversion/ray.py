@@ -181,7 +181,7 @@ def convert_on_ray(
     _finish(partial, writer_cls, manifest, record["written"], local=target is None)
     if target is None:
         _publish(partial, dst, overwrite=overwrite)
-    else:  # index and skip report, then the manifest
+    else:  # index and skip report, then the manifest; the plan (never uploaded) stays until then, for a resume
         upload_pack(partial, target.url, storage_options=target.storage_options, workers=workers, progress=progress)
         shutil.rmtree(partial)
     return make_result(
@@ -288,7 +288,8 @@ def _commit(
 def _finish(partial: Path, writer_cls: Any, manifest: Manifest, written: list[str], *, local: bool) -> None:
     """Give the shards their final names, remove the tasks' folder and strays, then the plan, last.
 
-    Each step is repeatable, so a run killed at any of them resumes here (:func:`_finishing_state`).
+    Each step is repeatable, so a run killed at any of them resumes here (:func:`_finishing_state`). Into a URL
+    (not ``local``) the plan stays until the upload ends: a failed upload resumes by uploading, no task runs.
 
     Raises:
         PackFormatError: a shard the manifest lists is under neither its written nor its final name.
@@ -305,7 +306,8 @@ def _finish(partial: Path, writer_cls: Any, manifest: Manifest, written: list[st
                     hint="Start the conversion again with overwrite=True",
                 )
     _drop_strays(partial, manifest.shards)
-    (partial / RAY_PLAN_FILE).unlink()
+    if local:
+        (partial / RAY_PLAN_FILE).unlink()
     fsync_dir(partial)
 
 

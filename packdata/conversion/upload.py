@@ -47,6 +47,7 @@ from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import (
     PROGRESS_FILE,
+    RAY_PLAN_FILE,
     private_folder,
     private_temp_folder,
 )
@@ -277,7 +278,8 @@ def upload_pack(
     shown = display_url(url)
     manifest = f"{root}/{MANIFEST_NAME}"
     end_remote_pack(url, storage_options, work=local)
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    unsent = (local / MANIFEST_NAME, local / RAY_PLAN_FILE)  # the manifest goes last; a Ray plan, never
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p not in unsent and p.name != MANIFEST_NAME)
     early = dict(early or {})
     journal = UploadJournal(local.parent)
     _move_renamed(fs, root, local, files, early, journal)
