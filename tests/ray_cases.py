@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -410,6 +411,58 @@ def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, dam
         packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
 
 
+def _resume_refuses_by_size(src: Path, dst: Path, path: Path, size: int, problem: str, **options: Any) -> None:
+    """With ``path`` replaced by a sparse file of ``size`` zero bytes, a resume into ``dst`` is refused naming it:
+    ``problem``, a bound below ``size``, then overwrite=True; the file is left as it was, nothing published."""
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(size)
+    with pytest.raises(PackFormatError) as raised:
+        packdata.convert(src, dst, shard_samples=10, resume=True, progress=False, engine="ray", **options)
+    message = str(raised.value)
+    head, tail = (re.escape(part) for part in problem.split("{}"))
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: {head}[0-9]+{tail}\. Start the conversion again with overwrite=True", message
+    ), message
+    assert int(message.split("more than the ")[1].split(" ")[0]) < size
+    assert path.stat().st_size == size and not dst.exists()
+
+
+@pytest.mark.ray
+def test_ray_resume_names_a_plan_longer_than_packdata_writes_never_read_whole(
+    clean_folder: Path, tmp_path: Path
+) -> None:
+    """ray-plan.json was read whole whatever its size (a 10 GB file in its place taken into memory), then refused
+    only as not JSON. A plan holds this run's options, classes and source, and a finishing record (a name per shard,
+    counts, skip lines), each less than a manifest: one longer than that is refused by its size, naming it."""
+    from packdata.conversion.load import _Options
+    from packdata.conversion.ray_gather import _prepare_partial
+    from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
+
+    dst = tmp_path / "out.lmdb"
+    opts = _Options("lmdb", "image", "skip", False, None, 90, None, 10)
+    _prepare_partial(partial_path(dst), dst, opts, overwrite=False, resume=False)
+    plan = partial_path(dst) / "ray-plan.json"
+    problem = "the interrupted conversion's plan is damaged: it holds more than the {} bytes packdata writes there"
+    _resume_refuses_by_size(clean_folder, dst, plan, 2 * MAX_MANIFEST_BYTES + (1 << 20), problem)
+
+
+@pytest.mark.ray
+def test_ray_resume_names_a_saved_result_longer_than_its_task_writes_never_read_whole(
+    ray_local, clean_folder: Path, tmp_path: Path
+) -> None:
+    """A task's result.json was read whole whatever its size, then taken as unreadable (the task ran again). A
+    result holds counts, digests, its shard's objects, 2 probes, the skip lines kept and a name per field: one
+    longer than that is not packdata's, refused by its size, naming it, before any task runs."""
+    from packdata.conversion.ray_tasks import TASKS_DIR
+
+    dst = tmp_path / "out"
+    partial = _interrupted_tfrecord_run(clean_folder, dst)
+    result = sorted((partial / TASKS_DIR).glob("*/result.json"))[0]
+    problem = "this task's saved result holds more than the {} bytes its task writes: it is not packdata's"
+    _resume_refuses_by_size(clean_folder, dst, result, 5 << 20, problem, format="tfrecord")
+
+
 @pytest.mark.ray
 def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
     ray_local, clean_folder: Path, tmp_path: Path
@@ -423,7 +476,7 @@ def test_ray_resume_reruns_a_task_whose_saved_result_does_not_add_up(
     results = {int(p.parent.name): p for p in (partial / TASKS_DIR).glob("*/result.json")}
     assert len(results) >= 2  # with 2 CPUs, two tasks had finished when the last one started
     first, second = sorted(results)[:2]
-    saved = {n: load_result(results[n]) for n in (first, second)}
+    saved = {n: load_result(results[n], most=1 << 30) for n in (first, second)}
     assert saved[first]["samples"] == saved[first]["shard"]["num_samples"] == 10
     saved[first]["samples"] = "10"  # a string: a raw TypeError in the gather
     saved[second]["samples"] = saved[second]["shard"]["num_samples"] = 9  # one sample short of its index
@@ -451,7 +504,7 @@ def test_ray_resume_never_stats_a_file_a_saved_result_probes_outside_its_task(
     results = sorted((partial / TASKS_DIR).glob("*/result.json"))
     assert results
     for result in results:
-        saved = load_result(result)
+        saved = load_result(result, most=1 << 30)
         assert saved is not None
         saved["probes"] = [[str(secret), 1, secret.stat().st_mtime_ns]]  # a size it lacks: a stat would tell its own
         save_result(result.parent, saved)  # its digest made again: anyone can

@@ -38,7 +38,15 @@ from packdata.conversion.ray_remote import (
     check_object_name,
     objects_complete,
 )
-from packdata.conversion.ray_tasks import _RESULT, TASKS_DIR, ShardTask, _task_dir, load_result, save_result
+from packdata.conversion.ray_tasks import (
+    _RESULT,
+    TASKS_DIR,
+    ShardTask,
+    _task_dir,
+    load_result,
+    result_most,
+    save_result,
+)
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import (
     PROGRESS_FILE,
@@ -47,6 +55,7 @@ from packdata.pack.files import (
     discard_partial,
     file_sha256,
     fsync_named,
+    read_regular,
 )
 from packdata.pack.index import (
     FIELD_OFFSETS_FILE,
@@ -60,6 +69,7 @@ from packdata.pack.index import (
     index_files,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
 __all__: list[str] = []
 
@@ -94,7 +104,7 @@ def _saved_result(
     and version; and its fragment files (of a pack of ``kind``) still have the
     sizes and SHA-256 it recorded.
     """
-    saved = load_result(_task_dir(partial, task.number) / _RESULT)
+    saved = load_result(_task_dir(partial, task.number) / _RESULT, most=result_most(task))
     if saved is None or saved.get("fingerprint") != task.fingerprint or saved.get("number") != task.number:
         return None
     shard = saved.get("shard")
@@ -295,13 +305,29 @@ def _prepare_partial(
     source is (:func:`~packdata.conversion.publish.source_identity`; a resume reading another is refused).
     """
     state = {"engine": "ray", "options": asdict(opts)}
+    recorded = {
+        **state,
+        **({} if classes is None else {"classes": classes}),
+        **({} if places is None else {"source": places}),
+    }
     plan = partial / RAY_PLAN_FILE
     if resume and os.path.lexists(partial):
         check_resumable(partial)
     if os.path.lexists(partial):
         if resume and plan.is_file():
+            # this run's plan twice (the options and source recorded), the classes an earlier run recorded and the
+            # finishing record (a name per shard, counts, MAX_SKIP_EXAMPLES skip lines): each less than a manifest
+            most = 2 * len(json.dumps(recorded)) + 2 * MAX_MANIFEST_BYTES
+            data = read_regular(plan, most, follow_symlinks=False)
+            if len(data) > most:
+                raise PackFormatError(
+                    f"the interrupted conversion's plan is damaged: it holds more than the {most} bytes packdata "
+                    "writes there",
+                    path=plan,
+                    hint="Start the conversion again with overwrite=True",
+                )
             try:
-                saved = json.loads(plan.read_bytes())
+                saved = json.loads(data)
             except (ValueError, RecursionError) as exc:
                 raise PackFormatError(
                     f"the interrupted conversion's plan is damaged: not JSON ({exc})",
@@ -341,11 +367,6 @@ def _prepare_partial(
             raise interrupted_error(dst, partial)
         discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
-    recorded = {
-        **state,
-        **({} if classes is None else {"classes": classes}),
-        **({} if places is None else {"source": places}),
-    }
     plan.write_text(json.dumps(recorded), encoding="utf-8")
     return False
 

@@ -36,14 +36,14 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
-from packdata.errors import ConfigError, EngineError
+from packdata.errors import ConfigError, EngineError, PackFormatError
 from packdata.formats import shard_writer
-from packdata.pack.files import atomic_write, fsync_named
+from packdata.pack.files import atomic_write, fsync_named, read_regular
 from packdata.pack.index import INDEX_DIR
 from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.records import Sample
 
-__all__ = ["TASKS_DIR", "ShardTask", "load_result", "plan_tasks", "run_shard_task", "save_result"]
+__all__ = ["TASKS_DIR", "ShardTask", "load_result", "plan_tasks", "result_most", "run_shard_task", "save_result"]
 
 TASKS_DIR = "tasks"
 _RESULT = "result.json"
@@ -253,14 +253,40 @@ def save_result(work: Path, result: dict[str, Any]) -> None:
     atomic_write(work / _RESULT, json.dumps({**body, _RESULT_SHA256: digest}, ensure_ascii=False).encode("utf-8"))
 
 
-def load_result(path: Path) -> dict[str, Any] | None:
+# A result at its longest but for its field names: counts, digests, its shard and the few objects uploaded of it,
+# 2 probes and MAX_SKIP_EXAMPLES skip lines (each a path or URL, a version, a message: under 100 KiB JSON-escaped)
+_RESULT_FIXED = 4 << 20
+
+
+def result_most(task: ShardTask) -> int:
+    """The most bytes ``result.json`` of ``task`` can hold: :data:`_RESULT_FIXED` and a name per field of its groups
+    (JSON-escaped, up to 6 bytes a byte)."""
+    names = (name for e in task.entries if isinstance(e, SourceGroup) for name, _ in (*e.files, *e.values))
+    return _RESULT_FIXED + sum(6 * len(name.encode("utf-8")) + 4 for name in names)
+
+
+def load_result(path: Path, *, most: int) -> dict[str, Any] | None:
     """A saved ``result.json`` whose content still has the SHA-256 it was saved with, else None.
 
     None also for one that cannot be read or parsed, or one of an earlier packdata (no digest): its task runs again.
+
+    Raises:
+        PackFormatError: it holds more than ``most`` bytes (:func:`result_most`), more than its task writes
+            (never read whole).
     """
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = read_regular(path, most, follow_symlinks=False)
+    except OSError:
+        return None
+    if len(data) > most:
+        raise PackFormatError(
+            f"this task's saved result holds more than the {most} bytes its task writes: it is not packdata's",
+            path=path,
+            hint="Start the conversion again with overwrite=True",
+        )
+    try:
+        saved = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):
         return None
     if not isinstance(saved, dict):
         return None
