@@ -143,7 +143,7 @@ def test_eviction_moves_a_copy_aside_past_a_leftover_under_its_own_pid(s3, remot
                             cache_limit=int(1.5 * size))  # fmt: skip
     assert result.downloaded and not first.exists() and _samples(result.staged) == _samples(local)
     assert (leftover / "sub" / "data.mdb").read_bytes() == b"left by a killed eviction"  # not this eviction's
-    assert sorted(p.name for p in cache.iterdir()) == [leftover.name, "second.lmdb"]
+    assert sorted(p.name for p in cache.iterdir()) == [".train.lmdb.evicted", leftover.name, "second.lmdb"]
 
 
 def test_a_copy_moved_aside_under_a_numbered_name_is_still_its_copys_to_evict(s3, remote_pack, tmp_path: Path) -> None:
@@ -372,6 +372,29 @@ def test_a_dataset_opened_while_its_copy_is_evicted_says_so(s3, remote_pack, tmp
         f"{first}: the staged copy was evicted from its cache (a stage with a cache limit needed the room) or "
         "unstaged. Stage the pack again, then recreate the dataset"
     )
+
+
+def test_a_copy_opened_after_its_eviction_names_the_eviction_until_it_is_staged_again(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """A dataset opened on a copy a cache limit had evicted said 'no such pack. Convert a folder with `packdata
+    convert SRC DST` first'. Eviction now leaves .NAME.evicted beside it, so the refusal names the eviction and
+    says to open the URL again; staging it again removes that mark, and a copy unstaged since is plainly missing."""
+    options, _, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                   cache_limit=int(1.5 * size))  # fmt: skip
+    assert not first.exists() and (cache / ".train.lmdb.evicted").is_file()
+    with pytest.raises(PackFormatError) as refused:
+        packdata.LMDBDataset(first)
+    assert str(refused.value) == (
+        f"{first}: no such pack: the staged copy was evicted from its cache (a stage with a cache limit needed the "
+        "room). Open the pack's URL again, or stage it again, to fetch a new copy"
+    )
+    again = packdata.stage(remote_pack[0], to=cache, storage_options=options, progress=False).staged
+    assert again == first and not (cache / ".train.lmdb.evicted").exists()
+    packdata.unstage(first)
+    with pytest.raises(PackFormatError, match=re.escape(f"{first}: no such pack. Convert a folder")):
+        packdata.LMDBDataset(first)
 
 
 def _open_files() -> str:

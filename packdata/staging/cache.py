@@ -30,7 +30,7 @@ from packdata.pack.lock import (
     exclude_readers,
     hold_lock,
 )
-from packdata.pack.manifest import MANIFEST_NAME
+from packdata.pack.manifest import MANIFEST_NAME, evicted_mark
 from packdata.pack.urls import (
     is_url,
     open_url,
@@ -112,6 +112,8 @@ def evict_for(
                     if delete_unread(entry, owner):
                         evicted.append(entry)
                         total -= size
+                        if entry == owner:
+                            _mark_evicted(owner)
                     else:
                         kept_because.append("read")
                 except ConfigError as exc:  # its .readers.lock is not one a stage made
@@ -128,6 +130,14 @@ def evict_for(
             hint="Raise cache_limit=SIZE, stop the readers of older copies, or unstage them",
         )
     return evicted
+
+
+def _mark_evicted(copy: Path) -> None:
+    """Leave :func:`~packdata.pack.manifest.evicted_mark` beside the evicted ``copy`` (an empty file; whatever
+    already stands there is left unopened). One that cannot be made only leaves the plainer 'no such pack'."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    with contextlib.suppress(OSError):
+        os.close(os.open(evicted_mark(copy), flags, 0o644))
 
 
 _KEPT = {  # why evict_for kept a staged copy, in the words of its CapacityError

@@ -66,7 +66,7 @@ from packdata.pack.lock import (
     create_readers_lock,
     wait_for_lock,
 )
-from packdata.pack.manifest import MANIFEST_NAME, Manifest
+from packdata.pack.manifest import MANIFEST_NAME, Manifest, evicted_mark
 from packdata.pack.urls import (
     conditional_reads,
     display_url,
@@ -304,6 +304,8 @@ def _stage_locked(
         fsync_dir(cache)
     elif not delete_unread(dest, successor=partial):
         raise _still_read(dest, shown)  # again: a reader may have opened it while downloading
+    with contextlib.suppress(OSError):  # a copy stands there again: not evicted (a mark left only words a refusal)
+        evicted_mark(dest).unlink()
     return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
 
 

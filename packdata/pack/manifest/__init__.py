@@ -23,6 +23,7 @@ from packdata.pack.manifest.model import (
     STAGED_FILE,
     Manifest,
     ShardInfo,
+    evicted_mark,
     manifest_checksum,
     write_manifest,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "ShardInfo",
     "check_field_counts",
     "classes_problem",
+    "evicted_mark",
     "file_sha256",
     "first_repeated",
     "is_sha256",

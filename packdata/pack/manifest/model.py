@@ -22,6 +22,7 @@ __all__ = [
     "STAGED_FILE",
     "Manifest",
     "ShardInfo",
+    "evicted_mark",
     "manifest_checksum",
     "write_manifest",
 ]
@@ -37,6 +38,16 @@ SKIP_REPORT = "skipped.jsonl"
 """The skip report a conversion writes (``skipped.report`` names it)."""
 STAGED_FILE = "staged.json"
 """The marker ``packdata stage`` writes in a staged copy (written and read by :mod:`packdata.staging.marker`)."""
+
+
+def evicted_mark(copy: str | os.PathLike) -> Path:
+    """``.NAME.evicted`` beside the staged copy ``copy`` of a URL: an empty file a cache limit's eviction of the
+    copy leaves (:func:`packdata.staging.cache.evict_for`), removed when a stage puts a copy there again, so that
+    opening the copy names its eviction, not a missing pack."""
+    copy = Path(copy)
+    return copy.parent / f".{copy.name}.evicted"
+
+
 CHECKSUM_KEY = "checksum"
 """The manifest's own SHA-256 (:func:`manifest_checksum`); manifests of packdata before 0.2 have none."""
 

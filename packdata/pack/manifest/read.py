@@ -16,6 +16,7 @@ from packdata.pack.manifest.model import (
     STAGED_FILE,
     Manifest,
     ShardInfo,
+    evicted_mark,
     manifest_checksum,
 )
 from packdata.pack.manifest.schema import (
@@ -142,6 +143,11 @@ def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
         elif _exists(pack / STAGED_FILE):  # a stage's marker, written before its first manifest
             hint = "A stage into it was interrupted before its manifest was written: stage the pack again"
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if mode is not None else "no such pack"
+        if mode is None and not_a_file(evicted_mark(pack)) is None:  # the cache's record of evicting it
+            problem = (
+                "no such pack: the staged copy was evicted from its cache (a stage with a cache limit needed the room)"
+            )
+            hint = "Open the pack's URL again, or stage it again, to fetch a new copy"
         raise PackFormatError(problem, path=pack, hint=hint)
     data = parse_manifest(path)
     version = data.get("format_version", SINGLE_FIELD_VERSION)
