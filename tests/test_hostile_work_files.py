@@ -3,21 +3,24 @@ source is looked at, nothing outside the pack's prefix is deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from conftest import interrupted_convert, moto_s3
 
 from packdata import ConfigError, LMDBDataset, LockedError, PackFormatError, convert
+from packdata.conversion import checkpoint
 from packdata.conversion.destination import partial_path
 from packdata.conversion.download import copied_again, journal_mark
 from packdata.conversion.replace import remove_replaced
-from packdata.conversion.upload import work_folder
+from packdata.conversion.upload import ShardUploader, work_folder
 from packdata.conversion.upload_journal import UploadJournal, check_job
 from packdata.pack.urls import object_version
 
@@ -294,6 +297,70 @@ def test_a_checkpoint_replaced_by_a_fifo_dev_zero_or_a_huge_file_is_named_never_
     assert sorted(p.read_text(encoding="utf-8") for p in src.iterdir()) == [f"t{i}" for i in range(8)]
     convert(src, dst, progress=False, overwrite=True)
     assert len(LMDBDataset(dst)) == 8
+
+
+@pytest.mark.parametrize("planted", ["fifo", "devzero", "oversized"])
+def test_a_checkpoint_replaced_while_a_conversion_into_a_url_runs_ends_it_named_never_hangs(
+    s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """The early uploader's watcher reads the running conversion's progress.json to upload the shards it lists.
+    Replaced by a FIFO once the first checkpoint exists, its plain read blocked the watcher for ever, and the
+    conversion, which waits for the watcher at its end, hung; a link to /dev/zero or a huge file was read whole.
+    It is now read as a resume reads it: the refusal ends the conversion with a line naming the file (nothing
+    uploaded), and a run with resume=True uploads the pack packed in the work folder."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    monkeypatch.setattr(ShardUploader, "PERIOD", 0.005)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    url = f"s3://packs/watched-{planted}"
+    progress = partial_path(work_folder(url)) / "progress.json"
+    most = getattr(checkpoint, "MAX_WATCHED_BYTES", 0)  # none before: read whatever its size
+    planted_now, looked = threading.Event(), threading.Event()
+    real_save, real_look = checkpoint._Checkpoint.save, ShardUploader._closed_shard_files
+
+    def save(self: checkpoint._Checkpoint, state: dict | None = None) -> None:
+        real_save(self, state)
+        if not planted_now.is_set():  # the first checkpoint: replaced, then looked at by the watcher
+            _plant(progress, planted, most + 1)
+            planted_now.set()
+            if not looked.wait(60):  # the watcher is blocked in its look (the FIFO's open): a writer's open ends it
+                with contextlib.suppress(OSError):
+                    os.close(os.open(progress, os.O_WRONLY | os.O_NONBLOCK))
+                pytest.fail(f"the watcher's look at {progress} never ended")
+
+    def look(self: ShardUploader) -> list[Path]:
+        after = planted_now.is_set()
+        try:
+            return real_look(self)
+        finally:
+            if after:
+                looked.set()
+
+    monkeypatch.setattr(checkpoint._Checkpoint, "save", save)
+    monkeypatch.setattr(ShardUploader, "_closed_shard_files", look)
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, url, storage_options=options, shard_samples=2, progress=False)
+    what = {
+        "fifo": "it is not a regular file: a FIFO",
+        "devzero": "it is a symlink, not the file packdata wrote",
+        "oversized": f"it holds more than the {most} bytes a checkpoint of this conversion can hold",
+    }[planted]
+    assert str(raised.value) == (
+        f"{progress}: the running conversion's checkpoint was replaced by a file packdata never writes: {what}. "
+        "Nothing was read from it, and nothing published: the pack waits in the work folder. Check what else writes "
+        "there, then run again with resume=True"
+    )
+    fs.invalidate_cache()
+    assert not fs.exists(f"packs/watched-{planted}/manifest.json")
+    monkeypatch.undo()
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    convert(src, url, storage_options=options, shard_samples=2, progress=False, resume=True)
+    fs.invalidate_cache()
+    assert fs.exists(f"packs/watched-{planted}/manifest.json")
+    fs.rm(f"packs/watched-{planted}", recursive=True)
 
 
 _OVERSIZED = (

@@ -36,8 +36,9 @@ from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write, open_regular
 from packdata.pack.index import FIELD_SIZES_FILE, field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
-__all__ = ["MAX_PROBES"]
+__all__ = ["MAX_PROBES", "MAX_WATCHED_BYTES", "closed_shard_names"]
 
 _COUNTS = ("files_done", "samples_done", "skip_report_bytes", "bytes_in", "reencoded", "shard_first", "shard_bytes")
 _WALK = "walk_labels_sha256"  # of walk_record(entry) over the walk (earlier: "walk_sha256", of keys only)
@@ -54,6 +55,10 @@ holds the first few, each up to the last it holds."""
 _SHARD_KEYS = {f.name for f in dataclasses.fields(ShardInfo)}
 MAX_PROBES = 256
 """Packed files whose size and modification time a checkpoint keeps, spread over the walk, for a resume to stat."""
+
+MAX_WATCHED_BYTES = 4 * MAX_MANIFEST_BYTES
+"""The most bytes :func:`closed_shard_names` reads of a running conversion's ``progress.json``: a checkpoint holds
+what its manifest will (classes, fields, shards: at most ``MAX_MANIFEST_BYTES``) and a bounded rest."""
 
 # The most bytes JSON writes of what a checkpoint holds (every byte of a string at most 6: "\u001f"):
 _PATH_JSON = 6 * 4096 + 2  # a path (PATH_MAX bytes), a URL or a version, quoted
@@ -270,24 +275,54 @@ def _bad(path: Path, field: str, should: str, value: object) -> PackFormatError:
     return _damaged(path, f"{field} should be {should}, but got {field}={reprlib.repr(value)}")
 
 
-def _read(path: Path, most: int) -> bytes:
-    """The bytes of ``progress.json``: a regular file, never through a link, of at most ``most`` bytes (no more read).
+def _read(path: Path, most: int, damaged: Callable[[Path, str], PackFormatError] = _damaged) -> bytes:
+    """The bytes of ``progress.json``: a regular file, never through a link, of at most ``most`` bytes (a longer one
+    is refused by its size, unread; one that grows past it is read no further).
+
+    Raises:
+        PackFormatError: ``damaged(path, what)``: it is a link, FIFO, device or folder, or longer.
+    """
+    over = f"it holds more than the {most} bytes a checkpoint of this conversion can hold"
+    try:  # a FIFO in its place would block the read for ever, a link to /dev/zero never end it
+        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
+            if os.fstat(file.fileno()).st_size > most:
+                raise damaged(path, over)
+            data = file.read(most + 1)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise damaged(path, "it is a symlink, not the file packdata wrote") from exc
+        if exc.errno == errno.EINVAL:  # "not a regular file: a FIFO"
+            raise damaged(path, f"it is {exc.strerror}") from exc
+        raise
+    if len(data) > most:
+        raise damaged(path, over)
+    return data
+
+
+def closed_shard_names(path: Path) -> list[str]:
+    """The shard files listed by ``path``, the checkpoint of a conversion running now, for a watcher in another thread
+    (:class:`~packdata.conversion.upload.ShardUploader`); none while it is not written yet or not a checkpoint.
+
+    Read as a resume reads it, to at most :data:`MAX_WATCHED_BYTES`: a FIFO in its place never blocks the watcher
+    (which the conversion waits for at its end), a link to ``/dev/zero`` or a huge file never fills memory.
 
     Raises:
         PackFormatError: it is a link, FIFO, device or folder, or longer (naming it).
     """
-    try:  # a FIFO in its place would block the read for ever, a link to /dev/zero never end it
-        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
-            data = file.read(most + 1)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _damaged(path, "it is a symlink, not the file packdata wrote") from exc
-        if exc.errno == errno.EINVAL:  # "not a regular file: a FIFO"
-            raise _damaged(path, f"it is {exc.strerror}") from exc
-        raise
-    if len(data) > most:
-        raise _damaged(path, f"it holds more than the {most} bytes a checkpoint of this conversion can hold")
-    return data
+    try:
+        state = json.loads(_read(path, MAX_WATCHED_BYTES, _replaced))
+        return [shard["file"] for shard in state["shards"]]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return []  # not written yet, or not a checkpoint: the next look sees the next one
+
+
+def _replaced(path: Path, what: str) -> PackFormatError:
+    return PackFormatError(
+        f"the running conversion's checkpoint was replaced by a file packdata never writes: {what}",
+        path=path,
+        hint="Nothing was read from it, and nothing published: the pack waits in the work folder. "
+        "Check what else writes there, then run again with resume=True",
+    )
 
 
 def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[int], str], most: int) -> dict[str, Any]:

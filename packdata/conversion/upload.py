@@ -30,7 +30,6 @@ kept by :mod:`packdata.conversion.upload_journal`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import threading
@@ -40,6 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from packdata.conversion.checkpoint import closed_shard_names
 from packdata.conversion.replace import record_replaced, remove_replaced
 from packdata.conversion.upload_journal import UploadJournal, object_matches
 from packdata.errors import ConfigError, PackdataError, PackFormatError, SourceError
@@ -190,7 +190,9 @@ class ShardUploader:
     start: a failed or interrupted upload is left for
     :func:`upload_pack`, which checks every object before the manifest goes
     up. An object counts as uploaded when the journal says this conversion
-    uploaded it (see :class:`UploadJournal`).
+    uploaded it (see :class:`UploadJournal`). A checkpoint replaced by a link,
+    FIFO, device or huge file stops the watching, and is raised when the
+    conversion ends (it cannot stop the conversion's thread).
     """
 
     PERIOD = 1.0
@@ -203,6 +205,7 @@ class ShardUploader:
         self.uploaded: dict[str, int] = {}  # path relative to the pack -> bytes, uploaded or found there
         self.journal = UploadJournal(partial.parent)
         self._seen: set[str] = set()
+        self.refused: PackFormatError | None = None  # the watcher's refusal of the checkpoint, raised at the end
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="packdata-upload-early")
         self._thread = threading.Thread(target=self._watch, name="packdata-upload-watch", daemon=True)
@@ -211,24 +214,32 @@ class ShardUploader:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """Stop watching, wait for the uploads under way; raise the watcher's refusal if the conversion ended well.
+
+        Raises:
+            PackFormatError: the checkpoint was replaced by a link, FIFO, device or huge file while the
+                conversion ran (see :func:`~packdata.conversion.checkpoint.closed_shard_names`).
+        """
         self._stop.set()
         self._thread.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.refused is not None and kind is None:
+            raise self.refused
 
     def _watch(self) -> None:
         while not self._stop.wait(self.PERIOD):
-            for path in self._closed_shard_files():
+            try:
+                new = self._closed_shard_files()
+            except PackFormatError as exc:  # the conversion goes on; its end raises this
+                self.refused = exc
+                return
+            for path in new:
                 self._pool.submit(self._put, path)
 
     def _closed_shard_files(self) -> list[Path]:
-        try:
-            state = json.loads((self.partial / PROGRESS_FILE).read_text(encoding="utf-8"))
-            names = [shard["file"] for shard in state["shards"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            return []  # not written yet, or replaced while read: the next look sees it
         new = []
-        for name in names:
+        for name in closed_shard_names(self.partial / PROGRESS_FILE):
             if plain_name_problem(name) is not None or name in self._seen:
                 continue  # a shard is a plain name in the work pack: never a path out of it
             self._seen.add(name)
