@@ -453,15 +453,16 @@ def read_own_bytes(path: Path, *, hint: str, most: int | None = None, over_hint:
 
     Raises:
         ConfigError: as :func:`append_own_file`; or it holds more than ``most`` bytes, more than packdata
-            writes there (never read whole; ``over_hint`` says what to do).
+            writes there (refused by its size unread, or read no further; ``over_hint`` says what to do).
     """
     try:
         fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, hint)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read() if most is None else f.read(most + 1)
-    if most is not None and len(data) > most:
+    with os.fdopen(fd, "rb") as f:  # a longer file is refused by its size, unread; one growing, read no further
+        over = most is not None and os.fstat(f.fileno()).st_size > most
+        data = b"" if over else f.read() if most is None else f.read(most + 1)
+    if most is not None and (over or len(data) > most):
         problem = f"holds more than the {most} bytes packdata writes there at most: it is not packdata's file"
         raise ConfigError(problem, path=path, hint=over_hint or hint)
     return data
