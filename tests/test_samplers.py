@@ -323,7 +323,7 @@ def test_read_ahead_brings_the_next_window_into_the_page_cache(big_texts: Path, 
     # WILLNEED starts the reads and returns; some hosts reclaim unused cache pages within a second, so the
     # pages are looked for as they arrive, not after a wait
     best_asked = best_rest = 0.0
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 10  # ends as soon as 90% is in: the bound is only for a loaded disk
     while best_asked < 0.9 and time.monotonic() < deadline:
         best_asked = max(best_asked, _resident_share(data, *asked))
         best_rest = max(best_rest, _resident_share(data, *rest))
