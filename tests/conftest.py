@@ -365,8 +365,12 @@ def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]
     urllib.request.urlopen(reset, timeout=30).close()
     try:
         options = {**credentials, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+        # the bucket made here, with a long timeout: moto loads its S3 code on the first S3 request, which took
+        # up to 7 s under load, half of s3fs's 15 s read timeout
+        urllib.request.urlopen(
+            urllib.request.Request(f"http://127.0.0.1:{port}/packs", method="PUT"), timeout=60
+        ).close()
         fs = s3fs.S3FileSystem(**options)
-        fs.mkdir("packs")
         yield options, fs
     finally:
         server.stop()
