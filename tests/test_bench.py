@@ -169,19 +169,23 @@ def test_the_table_shows_private_memory_as_the_sum_of_the_peaks() -> None:
     assert "800.0 MiB" in table and "600.0 MiB" not in table
 
 
-def test_one_run_s_advice_says_repeats_to_python_and_the_flag_to_the_cli(pack: Path) -> None:
-    """The table of one run advised 'rerun with --repeat 3', a flag of the CLI, to run_bench's caller, who passes
-    repeats=3; bench's CLI, which maps it (repeats is --repeat's keyword), still says --repeat 3."""
-    from packdata.measure.bench import BenchResult
-
+def _measured(config: LoaderConfig) -> ConfigResult:
+    """A setting of p.lmdb measured at 10 samples/s in 1 MiB, for a table built without running a bench."""
     memory = {
         "main": {"uss_peak": 1 << 20},
         "workers": {"uss_peak": 0},
         "total": {"uss_peak": 1 << 20, "file_peak": 0},
         "mem_available_min": 8 << 30,
     }
-    config = LoaderConfig(num_workers=0, batch_size=BATCH)
-    result = ConfigResult("p.lmdb", "lmdb", **asdict(config), samples_per_s=10.0, memory=memory)
+    return ConfigResult("p.lmdb", "lmdb", **asdict(config), samples_per_s=10.0, memory=memory)
+
+
+def test_one_run_s_advice_says_repeats_to_python_and_the_flag_to_the_cli(pack: Path) -> None:
+    """The table of one run advised 'rerun with --repeat 3', a flag of the CLI, to run_bench's caller, who passes
+    repeats=3; bench's CLI, which maps it (repeats is --repeat's keyword), still says --repeat 3."""
+    from packdata.measure.bench import BenchResult
+
+    result = _measured(LoaderConfig(num_workers=0, batch_size=BATCH))
     advice = "median of 1 run; spread: (max - min) / median (one run: run again with {} for a noise estimate)"
     assert advice.format("repeats=3") in BenchResult([result], [], {}, {}).table()
     args = ["bench", str(pack), "--workers", "0", "--batch-size", str(BATCH), "--batches", str(BATCHES)]
@@ -406,8 +410,28 @@ def test_bench_json_names_the_best_setting_the_table_names(pack: Path, folder: P
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     best = data["results"][data["best"]]
-    said = f"best: {best['source']} with num_workers={best['num_workers']}, batch_size={best['batch_size']}: "
+    said = f"best: {best['source']} with --workers {best['num_workers']} --batch-size {best['batch_size']}: "
     assert said in result.stdout and best["source"] != CEILING
+
+
+def test_bench_cli_says_the_best_setting_as_flags_to_paste_and_the_library_as_keywords(pack: Path) -> None:
+    """The CLI's 'best:' line said the library's 'num_workers=2, batch_size=64', which bench's command line does
+    not take (--workers, --batch-size): it now says the flags, which a second bench takes as pasted; run_bench's
+    table still says the DataLoader's keywords."""
+    from packdata.measure.bench import BenchResult
+
+    result = _measured(LoaderConfig(num_workers=2, batch_size=BATCH))
+    said = BenchResult([result], [], {}, {}).table().splitlines()[-1]
+    assert said == f"best: p.lmdb with num_workers=2, batch_size={BATCH}: 10 samples/s"
+    args = ["bench", str(pack), "--workers", "0,1", "--batch-size", f"{BATCH},{2 * BATCH}", "--batches", "1", "-q"]
+    first = CliRunner().invoke(cli_main, args)
+    assert first.exit_code == 0, first.output
+    best = first.stdout.splitlines()[-1]
+    pasted = re.fullmatch(rf"best: {re.escape(str(pack))} with (--workers [01] --batch-size [0-9]+): .*", best)
+    assert pasted is not None, best
+    again = CliRunner().invoke(cli_main, ["bench", str(pack), *pasted.group(1).split(), "--batches", "1", "-q"])
+    assert again.exit_code == 0, again.output
+    assert again.stdout.splitlines()[-1].startswith(f"best: {pack} with {pasted.group(1)}: ")
 
 
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:

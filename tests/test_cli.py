@@ -302,6 +302,9 @@ def test_library_keywords_are_said_as_the_commands_flags() -> None:
     assert as_flags("keep shard_size=256MB and x.to=1", flags) == "keep shard_size=256MB and x.to=1"
     assert as_flags("to should be a folder; to should", flags) == "--to should be a folder; to should"
     assert as_flags("format should be lmdb", flags) == "format should be lmdb"
+    both = "best with batch_size=4, to=DIR: fast"  # keywords listed: a command line to paste
+    assert as_flags(both, flags) == "best with --batch-size 4 --to DIR: fast"
+    assert as_flags("with batch_size=4, shards=2", flags) == "with --batch-size 4, shards=2"  # one has no flag
 
 
 def test_a_keyword_that_ends_a_clause_is_said_as_its_flag_without_the_punctuation() -> None:

@@ -27,6 +27,8 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     A message that opens with a keyword's name (``shards should be ...``) opens
     with its flag (``--shards should be ...``). ``flags`` maps keyword arguments
     to the command's options (``{"to": "--to"}``); other words are left as they are.
+    Keywords listed with commas that all have a flag are said as one command line
+    (``num_workers=2, batch_size=64`` -> ``--workers 2 --batch-size 64``), to be pasted.
     """
 
     def flag(match: re.Match[str]) -> str:
@@ -41,7 +43,11 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     def subject(match: re.Match[str]) -> str:
         return flags.get(match.group(1), match.group(1)) + match.group(2)
 
-    return _SUBJECT.sub(subject, _KEYWORD.sub(flag, message), count=1)
+    def keywords(match: re.Match[str]) -> str:
+        found = list(_KEYWORD.finditer(match.group(0)))
+        return (" " if all(k.group(1) in flags for k in found) else ", ").join(flag(k) for k in found)
+
+    return _SUBJECT.sub(subject, _KEYWORDS.sub(keywords, message), count=1)
 
 
 CLOSED_STDOUT_STATUS = 128 + signal.SIGPIPE
@@ -79,6 +85,7 @@ def _reader_gone(stream: Any) -> bool:
 
 
 _KEYWORD = re.compile(r"(?<![\w.-])([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)]+)")
+_KEYWORDS = re.compile(rf"{_KEYWORD.pattern}(?:, {_KEYWORD.pattern})*")
 _SUBJECT = re.compile(r"\A([a-z][a-z0-9_]*)( should )")
 
 
@@ -120,10 +127,13 @@ def _said(exc: PackdataError) -> str:
     return _in_flags(str(exc))
 
 
-def _in_flags(message: str) -> str:
-    """A library ``message`` as the running command says it: in its flags, a control character escaped."""
+def _in_flags(message: str, *, also: dict[str, str] | None = None) -> str:
+    """A library ``message`` as the running command says it: in its flags, a control character escaped.
+
+    ``also`` maps more keywords to its flags (bench's ``num_workers``, the DataLoader's word, is ``--workers``).
+    """
     command = click.get_current_context().command
-    flags: dict[str, str] = {}
+    flags: dict[str, str] = dict(also or {})
     for param in command.params:
         if isinstance(param, click.Option):
             flags[param.opts[0].lstrip("-").replace("-", "_")] = param.opts[0]

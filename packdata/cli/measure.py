@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -169,7 +170,7 @@ def bench(
     if json_file == "-":
         click.echo(result.to_json())
     else:
-        click.echo(result.table(wide=wide, say=_in_flags))
+        click.echo(result.table(wide=wide, say=functools.partial(_in_flags, also={"num_workers": "--workers"})))
         if json_file:
             try:
                 result.to_json(json_file)

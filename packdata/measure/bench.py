@@ -90,7 +90,8 @@ class BenchResult:
 
         The default table has the columns that decide a setting; ``wide`` adds
         MB/s, CPU time, first-batch time, wait percentiles and every memory
-        figure. ``say`` rewords the error of a setting that failed and the advice to repeat (the CLI: in its flags).
+        figure. ``say`` rewords the error of a setting that failed, the advice to repeat and the best
+        setting (the CLI: in its flags, the best one as options to paste).
         """
         width = max([len(r.source) for r in self.results] + [6])
         waiting = any(r.step_ms for r in self.results)
@@ -149,8 +150,9 @@ class BenchResult:
         best = self.best()
         if best is not None:
             lines.append(
-                f"best: {best.source} with num_workers={best.num_workers}, batch_size={best.batch_size}: "
-                f"{best.samples_per_s:,.0f} samples/s"
+                f"best: {best.source} with "
+                + say(f"num_workers={best.num_workers}, batch_size={best.batch_size}:")
+                + f" {best.samples_per_s:,.0f} samples/s"
                 + (f" ({best.vs_ceiling:.2f}x the ceiling)" if best.vs_ceiling is not None else "")
             )
         return "\n".join(lines)
