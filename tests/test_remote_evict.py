@@ -397,6 +397,36 @@ def test_a_copy_opened_after_its_eviction_names_the_eviction_until_it_is_staged_
         packdata.LMDBDataset(first)
 
 
+def test_unstage_removes_the_eviction_mark_of_a_copy_no_longer_there_and_only_packdata_s(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """Eviction's .NAME.evicted marks stayed behind an unstage: of the cache, which removed every copy in it, and
+    of a copy staged since into an evicted copy's name (a local pack's: only a stage of the URL removed the mark).
+    Unstage now removes the mark once no copy stands at NAME; a link, folder or file with content of that name is
+    not packdata's mark and is kept (the link's target untouched)."""
+    options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
+    packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
+                   cache_limit=int(1.5 * size))  # fmt: skip
+    mark = cache / ".train.lmdb.evicted"
+    assert not first.exists() and mark.is_file()
+    packdata.stage(local, to=cache, name="train.lmdb", progress=False)  # a local pack's copy, in the evicted name
+    assert mark.is_file()
+    packdata.unstage(first)
+    assert not first.exists() and not mark.exists()
+    packdata.stage(remote_pack[0], to=cache, storage_options=options, progress=False,
+                   cache_limit=int(1.5 * size))  # fmt: skip
+    assert (cache / ".second.lmdb.evicted").is_file()
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (cache / ".gone.lmdb.evicted").symlink_to(target)
+    (cache / ".folder.lmdb.evicted").mkdir()
+    (cache / ".notes.lmdb.evicted").write_text("a user's")
+    packdata.unstage(cache)
+    left = sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+    assert left == [".folder.lmdb.evicted", ".gone.lmdb.evicted", ".notes.lmdb.evicted"]
+    assert target.read_text() == "kept"
+
+
 def _open_files() -> str:
     """The paths this process has open, one a line."""
     links = (f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd"))

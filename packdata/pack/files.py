@@ -365,7 +365,7 @@ def aside_path(dest: Path) -> Path:
     return aside
 
 
-_TEMPORARY = {"old": r"old-[0-9]+(?:-[0-9]+)?", "partial": "partial"}  # .NAME.old-PID[-N], .NAME.partial
+_TEMPORARY = {"old": r"old-[0-9]+(?:-[0-9]+)?", "partial": "partial", "evicted": "evicted"}  # .NAME.KIND
 
 
 def temporary_owner(entry: Path, *kinds: str) -> Path | None:
@@ -373,7 +373,8 @@ def temporary_owner(entry: Path, *kinds: str) -> Path | None:
 
     ``"old"``: ``.NAME.old-PID`` or ``-PID-N``, a copy moved aside before its
     deletion (:func:`aside_path`); ``"partial"``: ``.NAME.partial``, a stage's
-    download. NAME is a plain name, whatever characters it holds (a newline
+    download; ``"evicted"``: ``.NAME.evicted``, the mark a cache limit's eviction of NAME left
+    (:func:`~packdata.pack.manifest.evicted_mark`). NAME is a plain name, whatever characters it holds (a newline
     too): ``...partial`` or ``....old-1`` stand for no folder beside them
     (``.``, ``..``) and give None.
     """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from packdata.errors import ConfigError, LockedError
 from packdata.pack.files import discard_partial, file_kind, holds_conversion, stale_siblings, temporary_owner
 from packdata.pack.lock import convert_lock_path, hold_lock
+from packdata.pack.manifest import evicted_mark
 from packdata.staging.cache import delete_copy, delete_unread, discard_aside
 from packdata.staging.folder import dir_bytes, locked, remove_empty
 from packdata.staging.marker import STAGED_FILE, is_staged_copy, unreadable_named
@@ -54,7 +56,10 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
     ``.NAME.lock`` (a live run holding it keeps its own): beside the staged
     pack NAME, and in an area any that is a staged copy, whoever's NAME it was,
     and the ``.NAME.partial`` download of a stage from a URL that was killed
-    (one a live stage still writes is its own: kept). Unmounting removes the
+    (one a live stage still writes is its own: kept). The ``.NAME.evicted`` mark a cache limit's eviction left
+    (:func:`~packdata.pack.manifest.evicted_mark`) goes too once no copy stands at NAME, holding its lock: beside
+    the staged pack NAME, and in an area every one (an empty regular file; anything else of that name is kept).
+    Unmounting removes the
     mount point only where packdata created it, and the folders above it that
     the mount created while each is empty (:func:`~packdata.staging.tmpfs.made_folders`).
 
@@ -112,6 +117,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             )
         asides: list[Path] = []  # in an area: staged copies killed runs left moved aside, whoever's NAME they were
         downloads: list[Path] = []  # in an area: the .NAME.partial downloads of stages from a URL
+        evicted: list[Path] = []  # in an area: the NAMEs whose .NAME.evicted marks are left, no copy there
         if is_staged_copy(target):
             packs, area = [target], target.parent
         else:
@@ -123,8 +129,9 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                 for d in entries
                 if temporary_owner(d, "partial") and d.is_dir() and not d.is_symlink() and not holds_conversion(d)
             ]
+            evicted = [o for d in entries if (o := temporary_owner(d, "evicted")) and not os.path.lexists(o)]
             area = target
-            if not packs and not asides and not downloads and not unmount:
+            if not packs and not asides and not downloads and not evicted and not unmount:
                 raise ConfigError(
                     "is not a staged pack and holds none",
                     path=target,
@@ -162,6 +169,7 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
             except ConfigError as exc:  # its .readers.lock is not one a stage made: its readers cannot be told
                 unknown = unknown or exc
             freed += _sweep(pack, removed, staged_only=False)
+            _drop_mark(pack)
     owners = [temporary_owner(d, "old", "partial") for d in (*asides, *downloads)]
     for owner in dict.fromkeys(filter(None, owners)):
         try:
@@ -176,6 +184,12 @@ def unstage(path: str | os.PathLike, *, unmount: bool = False, force: bool = Fal
                         freed += size
         except (LockedError, ConfigError):
             continue  # a live stage, unstage or convert of NAME holds its lock: what is aside is its own
+    for owner in evicted:  # a stage of NAME under way (holding its lock) removes the mark itself
+        with (
+            contextlib.suppress(LockedError, ConfigError),
+            hold_lock(convert_lock_path(owner), what="packdata unstage", target=owner),
+        ):
+            _drop_mark(owner)
     if read:
         more = f"; {len(read) - 1} more staged packs here are not either" if len(read) > 1 else ""
         raise LockedError(
@@ -219,3 +233,14 @@ def _sweep(copy: Path, removed: list[Path], *, staged_only: bool) -> int:
             removed.append(aside)
             freed += size
     return freed
+
+
+def _drop_mark(copy: Path) -> None:
+    """Remove :func:`~packdata.pack.manifest.evicted_mark` beside ``copy`` when no copy stands there; call it holding
+    ``copy``'s lock. Only the empty regular file an eviction makes: a link (never followed), folder or file with
+    content of that name is not packdata's, and is kept; one that cannot be removed costs nothing but the mark."""
+    mark = evicted_mark(copy)
+    with contextlib.suppress(OSError):
+        info = os.lstat(mark)
+        if stat.S_ISREG(info.st_mode) and info.st_size == 0 and not os.path.lexists(copy):
+            mark.unlink()
