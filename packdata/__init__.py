@@ -59,7 +59,7 @@ _EXPORTS = {
     "worker_init_fn": "reading.loader",
     "TokenBucketSampler": "reading.text",
     "pad_collate": "reading.text",
-    "StageResult": "staging.stage",
+    "StageResult": "staging.result",
     "StageStatus": "staging.status",
     "UnstageResult": "staging.unstage",
     "prepare_tmpfs": "staging.tmpfs",
