@@ -19,6 +19,7 @@ __all__ = [
     "DecodeError",
     "ImageFormatError",
     "LockedError",
+    "MissingFieldError",
     "PackFormatError",
     "PackdataError",
     "RankMismatchError",
@@ -108,6 +109,13 @@ class CapacityError(PackdataError):
 
 class ConfigError(PackdataError, ValueError):
     """Options that contradict each other or a destination that must not be used (also a ``ValueError``)."""
+
+
+class MissingFieldError(PackdataError, KeyError):
+    """A multi-field sample read as a dict, or a batch of them, holds no such field (also a ``KeyError``)."""
+
+    def __str__(self) -> str:  # a KeyError's repr()s its argument: keep the message one plain line
+        return str(self.args[0]) if self.args else ""
 
 
 class RankMismatchError(PackdataError):

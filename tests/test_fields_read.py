@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import rewrite_manifest
@@ -627,3 +628,70 @@ def test_a_sample_without_a_field_asked_for_with_missing_reads_only_its_director
     assert ds.raw_fields(0, ["txt"]) == {}
     with pytest.raises(PackFormatError, match="record 0 is damaged"):
         packdata.LMDBDataset(pack, fields=("jpg",))[0]
+
+
+def _masked_for_some(root: Path, keys: range) -> Path:
+    """A grouped folder: every sample has a jpg and a json, the even-numbered ones a mask.png too (WebDataset-style)."""
+    root.mkdir(parents=True)
+    for i in keys:
+        (root / f"m{i}.jpg").write_bytes(image_bytes(i))
+        (root / f"m{i}.json").write_text(json.dumps({"n": i}), encoding="utf-8")
+        if i % 2 == 0:
+            (root / f"m{i}.mask.png").write_bytes(image_bytes(50 + i, size=(8, 6), fmt="PNG"))
+    return root
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_samples_of_different_fields_batch_with_fields_collate_and_the_default_collate_names_the_field(
+    tmp_path: Path, method: str
+) -> None:
+    """A pack whose samples do not all hold a mask, read as dicts through a DataLoader with torch's default collate,
+    raised a bare KeyError: 'mask.png' from default_collate (and a batch whose first sample lacked it dropped the
+    field without a word). Now the lookup names the pack, the sample and the way out (MissingFieldError, a KeyError
+    too), and collate_fn=packdata.fields_collate batches them: a field some samples lack is a list with None."""
+    src = _masked_for_some(tmp_path / "src", range(6))
+    pack = packdata.convert(src, tmp_path / "p.lmdb", layout="grouped", progress=False).pack
+    ds = packdata.LMDBDataset(pack, decode="bytes")
+    way_out = (
+        "The pack's samples do not all hold the same fields: batch them with collate_fn=packdata.fields_collate "
+        "(a field a sample lacks reads None), or pass missing={'mask.png': VALUE} to the dataset"
+    )
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=method)
+    lacking = f"{pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'). {way_out}"
+    with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking)):
+        list(loader)
+    first_lacks = DataLoader(ds, batch_size=2, sampler=[1, 0], num_workers=2, multiprocessing_context=method)
+    (batch,) = list(first_lacks)
+    assert batch["__key__"] == ["m1", "m0"]
+    with pytest.raises(KeyError, match=re.escape(f"{pack}: the batch holds no field 'mask.png': torch's default")):
+        batch["mask.png"]
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, collate_fn=packdata.fields_collate, multiprocessing_context=method
+    )
+    got: dict[str, tuple] = {}
+    for batch in loader:
+        assert set(batch) == {"__key__", "jpg", "json", "mask.png"}
+        assert len(batch["mask.png"]) == len(batch["__key__"])
+        for i, key in enumerate(batch["__key__"]):
+            got[key] = (batch["jpg"][i], batch["json"][i], batch["mask.png"][i])
+    assert sorted(got) == sorted(f"m{i}" for i in range(6))
+    for key, (jpg, meta, mask) in got.items():
+        fields = _fields_of(src, key)
+        assert (jpg, meta, mask) == (fields["jpg"], fields["json"], fields.get("mask.png"))
+
+
+def test_fields_collate_stacks_what_every_sample_holds_and_lists_the_rest() -> None:
+    """Numbers and arrays of one shape that every sample holds are stacked as the default collate would; text,
+    arrays of different shapes and a field some samples lack stay lists, missing= filling the gaps."""
+    batch = [
+        {"__key__": "a", "cls": 1, "npy": np.zeros((2, 3), np.float32), "seg": np.zeros(2), "txt": "x"},
+        {"__key__": "b", "cls": 0, "npy": np.ones((2, 3), np.float32), "seg": np.zeros(3), "box": [1]},
+    ]
+    out = packdata.FieldsCollate(missing=-1)(batch)
+    assert list(out) == ["__key__", "cls", "npy", "seg", "txt", "box"]
+    assert out["__key__"] == ["a", "b"] and out["txt"] == ["x", -1] and out["box"] == [-1, [1]]
+    assert out["cls"].dtype == torch.int64 and out["cls"].tolist() == [1, 0]
+    assert out["npy"].shape == (2, 2, 3) and out["npy"].dtype == torch.float32
+    assert [len(seg) for seg in out["seg"]] == [2, 3]
+    with pytest.raises(TypeError, match=re.escape("fields_collate collates samples read as dicts (fields=None)")):
+        packdata.fields_collate([("a", 1)])

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from packdata.errors import ConfigError, DecodeError, ImageFormatError, PackFormatError, sample_error
+from packdata.errors import ConfigError, DecodeError, ImageFormatError, MissingFieldError, PackFormatError, sample_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
 from packdata.pack.images import decoding_sample
 from packdata.pack.index import unlabelled
@@ -20,7 +20,40 @@ from packdata.pack.manifest import Manifest
 from packdata.reading.decode import CODEC_DECODERS, DecodeFn, resolve_decoder
 from packdata.reading.pack_info import PackInfo
 
-__all__ = ["FieldSpec"]
+__all__ = ["FieldSpec", "SampleDict"]
+
+
+class SampleDict(dict):
+    """A multi-field sample read with ``fields=None``: a dict whose lookup of a field it lacks names the field.
+
+    ``sample["mask"]`` on a sample without a mask raises :class:`~packdata.errors.MissingFieldError`
+    (a ``KeyError`` too) naming the pack, the sample's key and the fields it holds, with the ways out;
+    torch's default collate, which looks up the first sample's fields in every other, raises it too,
+    and a batch it made (a copy of the first sample) names that first sample for a field it dropped.
+    """
+
+    def __init__(self, fields: dict[str, Any], pack: str | None) -> None:
+        super().__init__(fields)
+        self.pack = pack
+
+    def __missing__(self, name: str) -> Any:
+        key = self.get(KEY_FIELD)
+        held = ", ".join(repr(field) for field in self if field != KEY_FIELD) or "none"
+        if isinstance(key, list):  # a batch torch's default collate made: the fields of its first sample
+            first = f", {key[0]!r}," if key else ""
+            what = (
+                f"the batch holds no field {name!r}: torch's default collate keeps the fields of a batch's first "
+                f"sample, and the first{first} lacks it (the batch holds {held})"
+            )
+        else:
+            what = f"sample {key!r} holds no field {name!r} (it holds {held})"
+        raise MissingFieldError(
+            what,
+            path=self.pack,
+            hint="The pack's samples do not all hold the same fields: batch them with "
+            f"collate_fn=packdata.fields_collate (a field a sample lacks reads None), or pass missing={{{name!r}: "
+            f"VALUE}} to the dataset to read VALUE in its place",
+        )
 
 
 class FieldSpec:
@@ -165,7 +198,7 @@ class FieldSpec:
         if label >= 0:
             sample[LABEL_FIELD] = self.transforms[LABEL_FIELD](label) if LABEL_FIELD in self.transforms else label
         if self.fields is None:
-            return sample | {name: value for name, value in self.missing.items() if name not in sample}
+            return SampleDict(sample | {n: value for n, value in self.missing.items() if n not in sample}, self.path)
         absent = [name for name in self.fields if name not in sample and name not in self.missing]
         if absent:
             raise PackFormatError(
