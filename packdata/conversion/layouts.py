@@ -136,7 +136,7 @@ class GroupedSource:
                 check_field_name(given)
             except FieldError as exc:
                 return Skip(key, "bad field name", f"file {name!r}: {exc}")
-        return SourceGroup(key, label, tuple((given, cast("str", path)) for _, given, path in files))
+        return SourceGroup(key, label, tuple((given, cast("str", path)) for _, given, path in files), walked=True)
 
 
 def _group_key(rel: str) -> str | None:

@@ -228,8 +228,8 @@ def _load_group(group: SourceGroup, opts: _Options) -> Sample | Skip:
             data: bytes | Skip = source
         elif isinstance(source, RemoteFile):
             data = source.read(group.key)
-        else:  # a list file's row names any path: its type is looked at before any open
-            data = _read_or_skip(group.key, source, stat_first=True)
+        else:  # a list file's row names any path: its type is looked at before any open (a walk's was)
+            data = _read_or_skip(group.key, source, stat_first=not group.walked)
         if isinstance(data, Skip):
             return Skip(group.key, data.reason, f"field {name!r}: {data.detail}")
         problem = _field_problem(name, data, opts)

@@ -106,6 +106,7 @@ class SourceGroup:
     files: tuple[tuple[str, str | RemoteFile], ...]
     values: tuple[tuple[str, bytes], ...] = ()  # fields already in memory (list columns, tar members)
     origin: str | RemoteFile = ""  # the tar its members were read from ("" elsewhere): a resume probes it
+    walked: bool = False  # its files were found regular by a folder's walk (a list's rows were not: stat before open)
 
 
 @dataclass(frozen=True)
