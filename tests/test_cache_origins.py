@@ -3,11 +3,16 @@ in the store of the pack being staged."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +66,8 @@ def test_eviction_never_contacts_an_origin_a_planted_staged_json_names_in_anothe
         assert asked == []
         assert error is not None and re.fullmatch(  # the planted copy is kept, not evicted, and said so
             rf"{re.escape(str(cache))}: the cache limit of [\d,]+ bytes cannot hold the pack \([\d,]+ bytes\) beside "
-            r"the staged copies kept: 1 whose origin is in another store than the pack staged \(never looked up\); "
+            r"the staged copies kept: 1 whose origin is in another store than the pack staged, or may be: staged with "
+            r"storage_options for another endpoint \(never looked up\); "
             r"[\d,]+ bytes in all\. Raise cache_limit=SIZE, stop the readers of older copies, or unstage them",
             error,
         ), error
@@ -97,9 +103,81 @@ def test_the_cache_limit_error_says_why_each_copy_was_kept(remote_pack, tmp_path
         assert str(caught.value) == (
             f"{cache}: the cache limit of {limit:,} bytes cannot hold the pack ({incoming:,} bytes) beside the staged "
             "copies kept: 1 whose origin is gone (the last copy); 1 whose origin is in another store than the pack "
-            f"staged (never looked up); {total:,} bytes in all. Raise cache_limit=SIZE, stop the readers of older "
-            "copies, or unstage them"
+            "staged, or may be: staged with storage_options for another endpoint (never looked up); "
+            f"{total:,} bytes in all. Raise cache_limit=SIZE, stop the readers of older copies, or unstage them"
         )
         assert first.is_dir() and other.is_dir()
     finally:
         memory.rm("/h-kept", recursive=True)
+
+
+_SECOND_SERVER = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+server.start()
+print("port", server.get_host_and_port()[1], flush=True)
+sys.stdin.read()  # until the test closes it
+server.stop()
+"""
+
+
+@contextlib.contextmanager
+def _moto_in_another_process() -> Iterator[dict[str, Any]]:
+    """A moto S3 server of its own process (one of this process shares its buckets with the fixtures' server):
+    another endpoint, holding other objects; yields its storage options (credentials from the environment)."""
+    pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[server] (the dev extra)")
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SECOND_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None and server.stdin is not None
+        line = server.stdout.readline()  # 'port N' once the server listens (moto prints a line of its own first)
+        while line and not line.startswith("port "):
+            line = server.stdout.readline()
+        port = int(line.split()[1])
+        yield {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_eviction_never_looks_up_a_copy_staged_from_another_endpoint_in_this_one(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """Eviction looked every S3 copy's origin up with the storage_options of the stage under way: the last copy of
+    s3://packs/train.lmdb staged from another endpoint (its origin there removed) was evicted, as this endpoint
+    holds a pack at that path too."""
+    import s3fs
+
+    options, fs = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    with _moto_in_another_process() as elsewhere:
+        other = s3fs.S3FileSystem(**elsewhere)
+        other.mkdir("packs")
+        other.put(str(local), "packs/train.lmdb", recursive=True)
+        first = packdata.stage(url, to=cache, progress=False, storage_options=elsewhere).staged
+        other.rm("packs/train.lmdb", recursive=True)  # gone there: the staged copy is its last one
+    fs.put(str(local), "packs/h-second", recursive=True)  # this endpoint's s3://packs/train.lmdb is another pack's
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    try:
+        with pytest.raises(packdata.CapacityError) as caught:
+            packdata.stage(
+                "s3://packs/h-second", to=cache, progress=False, storage_options=options, cache_limit=int(1.5 * size)
+            )
+        assert re.fullmatch(
+            rf"{re.escape(str(cache))}: the cache limit of [\d,]+ bytes cannot hold the pack \([\d,]+ bytes\) beside "
+            r"the staged copies kept: 1 whose origin is in another store than the pack staged, or may be: staged with "
+            r"storage_options for another endpoint \(never looked up\); "
+            r"[\d,]+ bytes in all\. Raise cache_limit=SIZE, stop the readers of older copies, or unstage them",
+            str(caught.value),
+        ), caught.value
+        assert (first / STAGED_FILE).is_file() and read_manifest(first).total_bytes == read_manifest(local).total_bytes
+    finally:
+        fs.rm("packs/h-second", recursive=True)

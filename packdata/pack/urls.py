@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 import re
 import tempfile
 import time
@@ -42,6 +44,7 @@ __all__ = [
     "remote_size",
     "remove_at_version",
     "retry_transient",
+    "store_digest",
     "url_place",
     "version_now",
 ]
@@ -91,6 +94,34 @@ def user_digest(url: str) -> str:
     """
     user = urlsplit(url).username
     return hashlib.sha256(user.encode("utf-8")).hexdigest()[:16] if user else ""
+
+
+# storage options that say who asks, never where: a rotated token must not make a staged copy another store's
+_CREDENTIAL_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "session_token", "sas_token", "account_key", "client_secret"}
+    | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
+)
+# the environment that picks an S3 endpoint (botocore) when the storage options name none
+_ENDPOINT_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
+
+
+def store_digest(storage_options: dict[str, Any] | None) -> str:
+    """A hash of where ``storage_options`` (and the environment) send a URL's requests: its endpoint, profile, ...
+
+    Two stages whose digests differ may reach two stores holding the same path (two
+    S3 endpoints), so one never looks up the other's origin. Credentials are left out
+    (the same store with other keys holds the same objects); an option that is no
+    JSON value counts by its ``repr``. Only the hash is written (markers), never an option.
+    """
+
+    def plain(options: dict[str, Any]) -> dict[str, Any]:
+        return {
+            str(k): plain(v) if isinstance(v, dict) else v for k, v in options.items() if k not in _CREDENTIAL_OPTIONS
+        }
+
+    where = {"options": plain(storage_options or {}), "env": {k: os.environ.get(k) for k in _ENDPOINT_ENVIRONMENT}}
+    text = json.dumps(where, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def local_name(url: str) -> str:

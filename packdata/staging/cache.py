@@ -34,6 +34,7 @@ from packdata.pack.manifest import MANIFEST_NAME, evicted_mark
 from packdata.pack.urls import (
     is_url,
     open_url,
+    store_digest,
     user_digest,
 )
 from packdata.staging.copy import LOCK as STAGE_LOCK
@@ -67,10 +68,13 @@ def evict_for(
     reads it: no dataset holds its ``.readers.lock`` and no process visibly has
     a file of it open (:func:`delete_unread`, which renames it aside before
     deleting it). An origin is looked up only in the store of ``source`` (the URL being staged, whose
-    ``storage_options`` these are): same scheme, and same host for ``http(s)``; a copy whose
-    ``staged.json`` names another store (a folder planted in the cache can name any URL) is
-    kept, never contacted. ``keep`` (the copy being staged) and its partial or old
-    folders are never evicted.
+    ``storage_options`` these are): same scheme, and same host for ``http(s)``, staged with storage
+    options that send requests to the same place (:func:`~packdata.pack.urls.store_digest`: endpoint,
+    profile; credentials aside). A copy whose ``staged.json`` names another store (a folder planted
+    in the cache can name any URL), or whose stage sent its requests elsewhere (another S3 endpoint
+    can hold the same bucket and path: asking this one would take its origin for there, or gone),
+    or does not say where (staged before packdata recorded it), is kept, never contacted.
+    ``keep`` (the copy being staged) and its partial or old folders are never evicted.
 
     Returns:
         The copies deleted, oldest first.
@@ -146,7 +150,8 @@ _KEPT = {  # why evict_for kept a staged copy, in the words of its CapacityError
     "untold": "whose readers cannot be told",
     "local": "of a local pack, or incomplete",
     "gone": "whose origin is gone (the last copy)",
-    "store": "whose origin is in another store than the pack staged (never looked up)",
+    "store": "whose origin is in another store than the pack staged, or may be: staged with storage_options for "
+    "another endpoint (never looked up)",
     "user": "whose origin's URL had a user part it does not show (never looked up)",
     "unreachable": "whose origin could not be looked up",
 }
@@ -275,7 +280,7 @@ def _evictable(entry: Path, storage_options: dict[str, Any] | None, source: str 
         reason = "busy"  # replaced or removed before its lock was taken
     elif user_digest(marker["origin"]) != marker.get("origin_user", ""):
         reason = "user"  # its URL had a user part the origin does not show: it names another place
-    elif not _same_store(marker["origin"], source):
+    elif not _same_store(marker["origin"], source) or marker.get("origin_store") != store_digest(storage_options):
         reason = "store"  # never sent these storage_options, nor a request a planted marker names
     else:
         try:

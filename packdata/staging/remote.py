@@ -78,6 +78,7 @@ from packdata.pack.urls import (
     read_url_manifest,
     remote_error,
     remote_object,
+    store_digest,
     user_digest,
     version_now,
 )
@@ -291,7 +292,7 @@ def _stage_locked(
                 complete=True,
             )
             stamps = {rel: file_stamp(partial / rel) for rel, _, _, _ in files if os.path.lexists(partial / rel)}
-            _add_to_marker(partial, manifest_sha256=digest, stamps=stamps)
+            _add_to_marker(partial, manifest_sha256=digest, stamps=stamps, origin_store=store_digest(storage_options))
             create_readers_lock(partial)
             fsync_dir(partial)
         except OSError as exc:
