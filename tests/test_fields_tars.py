@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import gzip
 import io
 import os
 import shutil
@@ -423,3 +424,41 @@ def test_a_tar_member_left_unread_skips_its_sample_not_packed_without_it(tmp_pat
         assert result.skip_examples[0]["key"] == f"{tar_name}:{skipped_key}"
         assert result.skip_examples[0]["detail"].endswith("is a link or device in the tar: the sample is skipped whole")
         assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / f"{tar_name}.lmdb")] == [kept]
+
+
+def _member(name: str, data: bytes, fmt: int = tarfile.PAX_FORMAT, pax: dict[str, str] | None = None) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.pax_headers = pax or {}
+    return info.tobuf(format=fmt) + data.ljust(-(-len(data) // 512) * 512, b"\0")
+
+
+@pytest.mark.parametrize("header", ["pax", "global pax", "gnu long name"])
+def test_a_tar_header_claiming_more_than_a_header_holds_is_a_corrupt_tar_not_read_into_memory(
+    tmp_path: Path, header: str
+) -> None:
+    """17 MiB of pax records or long name, gzipped to KiBs: tarfile read them whole, thrice over (400 MB: 1.2 GB)."""
+    big = 17 << 20
+    at, what = 2048, "a GNU long name" if header == "gnu long name" else "pax records"  # after a1 and a2
+    if header == "pax":
+        damaged = _member("b.txt", b"b", pax={"comment": "x" * big})
+    elif header == "gnu long name":
+        damaged = _member("b" * big + ".txt", b"b", fmt=tarfile.GNU_FORMAT)
+    else:  # each global header under the limit, both together past it
+        damaged = tarfile.TarInfo.create_pax_global_header({"comment": "x" * (big // 2)})
+        at, what = (
+            2048 + len(damaged),
+            f"pax records (with the {len('comment') + big // 2:,} bytes of global ones before)",
+        )
+        damaged += tarfile.TarInfo.create_pax_global_header({"packdata.other": "y" * (big // 2)})
+        damaged += _member("b.txt", b"b")
+    plain = _member("a1.txt", b"1") + _member("a2.txt", b"2") + damaged + _member("c.txt", b"c") + bytes(1024)
+    (tmp_path / "t.tar.gz").write_bytes(gzip.compress(plain))
+    result = packdata.convert(str(tmp_path / "t.tar.gz"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 1 and result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    assert skip["key"] == "t.tar.gz:a2"  # its next member's header is unread: a2 may lack a field, so it is dropped
+    assert skip["detail"].startswith(f"the header at byte {at} claims ")
+    assert f" bytes of {what}" in skip["detail"]
+    assert ", more than the 16,777,216 read of them: a damaged tar?" in skip["detail"]
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1"]

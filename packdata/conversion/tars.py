@@ -18,7 +18,8 @@ size is only claimed: tarfile reads their holes as zeros) and other non-file
 members are skipped and reported, with their sample (never packed without
 that field); the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
-before the member that passes it is read.
+before the member that passes it is read. A header claiming more than 16 MiB of
+pax records or long name (a key holds 64 KiB) ends its tar as damaged, unread.
 
 Shards at a URL (``s3://bucket/shards/data-{000000..000009}.tar``; brace
 ranges expanded here, globs by the URL's fsspec filesystem, sorted) are
@@ -62,6 +63,10 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _CHOICE = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _MAX_SHARDS = 1_000_000
 _BLOCK = 8 << 20  # bytes per read of a tar at a URL
+_MAX_HEADER_BYTES = 16 << 20
+"""The bytes a tar's pax records (a member's, or all its global ones together) or a GNU long name may take:
+tarfile reads them whole into memory (three times over), so a 400 KB tar.gz whose pax header claimed 400 MB of
+zeros took 1.2 GB. A key holds at most 64 KiB, an extended attribute 64 KiB."""
 _OUTSIDE = "its '..' leads out of the tar's top folder: a key is a relative path inside it (tar refuses it too)"
 
 
@@ -397,6 +402,23 @@ class _CheckedTarInfo(tarfile.TarInfo):
             raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
         except ValueError as exc:  # a pax record tarfile parses with int() unguarded (GNU.sparse.map, a sparse map)
             raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        """Read a member as tarfile does, but pax records or a long name past :data:`_MAX_HEADER_BYTES` unread."""
+        if self.type in _LONG_HEADERS:
+            held = sum(len(k) + len(v) for k, v in tar.pax_headers.items()) if self.type == tarfile.XGLTYPE else 0
+            if held + self.size > _MAX_HEADER_BYTES:
+                what = "a GNU long name" if self.type in _GNU_LONG else "pax records"
+                also = f" (with the {held:,} bytes of global ones before)" if held else ""
+                raise tarfile.ReadError(
+                    f"the header at byte {self.offset} claims {self.size:,} bytes of {what}{also}, more than the "
+                    f"{_MAX_HEADER_BYTES:,} read of them: a damaged tar?"
+                )
+        return cast("tarfile.TarInfo", tarfile.TarInfo._proc_member(self, tar))  # type: ignore[attr-defined]
+
+
+_GNU_LONG = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_LONG_HEADERS = (*_GNU_LONG, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 
 
 def _check_end(tar: tarfile.TarFile) -> None:
