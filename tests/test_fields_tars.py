@@ -462,3 +462,24 @@ def test_a_tar_header_claiming_more_than_a_header_holds_is_a_corrupt_tar_not_rea
     assert f" bytes of {what}" in skip["detail"]
     assert ", more than the 16,777,216 read of them: a damaged tar?" in skip["detail"]
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1"]
+
+
+def test_a_tar_of_pax_headers_chained_past_tarfiles_recursion_is_a_corrupt_tar_not_a_failed_request(
+    tmp_path: Path,
+) -> None:
+    """3,000 pax headers in a row (12 KB gzipped): tarfile's RecursionError stopped the run, 'rerun with resume'."""
+    one = tarfile.TarInfo("b.txt")
+    one.pax_headers = {"comment": "c"}
+    pax_header = one.tobuf(format=tarfile.PAX_FORMAT)[:1024]  # the 'x' header and its records, without b's own
+    plain = _member("a1.txt", b"1") + _member("a2.txt", b"2") + pax_header * 3000 + _member("b.txt", b"b")
+    (tmp_path / "t.tar.gz").write_bytes(gzip.compress(plain + bytes(1024)))
+    (tmp_path / "u.tar.gz").write_bytes(gzip.compress(_member("u.txt", b"u") + bytes(1024)))
+    result = packdata.convert(str(tmp_path / "{t,u}.tar.gz"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    assert skip["key"] == "t.tar.gz:a2"
+    assert skip["detail"] == (
+        "damaged member header at byte 2048: more pax or long-name headers in a row than tarfile reads (one or two "
+        "come before a member); the samples before this one in the tar are kept"
+    )
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "u"]

@@ -383,8 +383,9 @@ class _CheckedTarInfo(tarfile.TarInfo):
     tarfile's stream mode ends the archive, silently, at a header that is
     truncated, fails its checksum or is missing (a file cut at a member's
     end): the samples after it were lost without a word. A pax header whose
-    sparse map is not numbers raised a bare ValueError, which stopped the
-    whole conversion as a failed request; it is a damaged header too.
+    sparse map is not numbers raised a bare ValueError, and thousands of pax
+    headers in a row a RecursionError, which stopped the whole conversion as
+    a failed request; they are damaged headers too.
     """
 
     @classmethod
@@ -402,6 +403,11 @@ class _CheckedTarInfo(tarfile.TarInfo):
             raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
         except ValueError as exc:  # a pax record tarfile parses with int() unguarded (GNU.sparse.map, a sparse map)
             raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
+        except RecursionError:  # tarfile reads each pax or long-name header by recursion: 400 in a row stopped the run
+            raise tarfile.ReadError(
+                f"damaged member header at byte {tar.offset}: more pax or long-name headers in a row than tarfile "
+                "reads (one or two come before a member)"
+            ) from None
 
     def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
         """Read a member as tarfile does, but pax records or a long name past :data:`_MAX_HEADER_BYTES` unread."""
