@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray_cases as cases
+from remote_helpers import _resume_a_refused_removal
 
 import packdata
 from packdata.conversion.destination import partial_path
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.timeout(480)
 ray_local = cases.ray_local
 clean_folder = cases.clean_folder
 poisoned_folder = cases.poisoned_folder
+s3 = cases.s3
 
 _OPTIONS = {"format": "tfrecord", "shard_samples": 10, "progress": False, "engine": "ray"}
 
@@ -204,3 +206,30 @@ def test_ray_resume_while_finishing_refuses_a_damaged_finishing_record_or_a_miss
         "Start the conversion again with overwrite=True"
     )
     assert (partial_path(dst) / "manifest.json").is_file() and not dst.exists()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_ray_resume_after_the_new_manifest_is_up_only_removes_the_replaced_objects_never_unpublishing(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch, overwrite: bool
+) -> None:
+    """A Ray publish that failed after the new manifest was up (an old object's DELETE refused) said to resume;
+    the resume refused the pack at the URL without overwrite=True, and with it deleted the new pack's manifest and
+    put it again. Now the resume keeps it, runs no task, uploads nothing and removes the rest of the old pack."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url, root = f"s3://packs/ray-finish-removal-{overwrite}.lmdb", f"packs/ray-finish-removal-{overwrite}.lmdb"
+    packdata.convert(clean_folder, url, shard_samples=5, storage_options=options, progress=False)  # 8 shards
+    old = f"/{root}/shard-00007.lmdb/data.mdb"
+    run = {"shard_samples": 20, "progress": False, "engine": "ray"}
+    result, sent, published = _resume_a_refused_removal(
+        clean_folder, url, s3, old, resume=True, overwrite=overwrite, **run
+    )
+    assert result.resumed and result.packed_before == result.packed == cases.N_CLASSES * cases.PER_CLASS + 1
+    rest = [("DELETE", old), ("DELETE", old.replace("data.mdb", "records.i64"))]  # the rest of the old shard
+    assert sent == rest  # no task ran, nothing uploaded again; the new manifest never removed nor put again
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/manifest.json") == published
+    local = packdata.convert(clean_folder, tmp_path / "local" / url.rsplit("/", 1)[1], **{**run, "engine": "local"})
+    assert sorted(p.removeprefix(f"{root}/") for p in fs.find(root)) == cases._files(local.pack)
+    assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the work folder is gone

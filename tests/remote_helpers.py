@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import faulty_s3, image_bytes
 
 import packdata
 from packdata.cli import main
+from packdata.errors import SourceError
 
 
 def _samples(pack: Path) -> list[tuple[str, bytes, int]]:
@@ -50,3 +53,29 @@ def _convert_to_s3(root: Path, tag: str, url: str, options: dict, fmt: str = "tf
             (root / c / f"{i}.txt").write_text(f"{tag}{c}{i}" * 100)
     packdata.convert(root, url, format=fmt, shard_samples=12, overwrite=True, storage_options=options,
                      progress=False)  # fmt: skip
+
+
+def _resume_a_refused_removal(
+    src: Path, url: str, s3: tuple[dict, Any], old: str, **options: Any
+) -> tuple[Any, list[tuple[str, str]], bytes]:
+    """Convert ``src`` into ``url`` with overwrite=True, the store refusing once the DELETE of the old pack's object
+    ``old`` (a path on the store) after the new manifest is up; the error checked, resume as it says (``options``
+    hold resume=True and the conversion's). Returns the resume's result, the PUTs and DELETEs it sent (the write
+    check's left out) and the manifest's bytes before it."""
+    storage, fs = s3
+    first = {k: v for k, v in options.items() if k not in ("resume", "overwrite")}
+    with faulty_s3(storage) as (faulty, rules, hits):
+        rules["DELETE", old] = [403, 1]
+        with pytest.raises(SourceError) as raised:
+            packdata.convert(src, url, storage_options=faulty, overwrite=True, **first)
+        assert str(raised.value) == (
+            f"{url}: the new pack is published, but the objects of the pack it replaced could not all be removed "
+            "(PermissionError). Check the URL, the endpoint and the credentials (environment, profile or "
+            "storage_options), then rerun with resume=True to remove the rest (nothing is uploaded again)"
+        )
+        published = fs.cat_file(f"{url.removeprefix('s3://')}/manifest.json")
+        before = hits.copy()
+        result = packdata.convert(src, url, storage_options=faulty, **options)
+        during = hits - before
+    sent = [key for key in during if key[0] in ("PUT", "DELETE") and "/.packdata-write-check-" not in key[1]]
+    return result, sorted(sent), published

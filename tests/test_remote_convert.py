@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import faulty_s3, image_bytes
-from remote_helpers import _cli, _samples, _two_classes
+from remote_helpers import _cli, _resume_a_refused_removal, _samples, _two_classes
 
 import packdata
 from packdata.errors import ConfigError, PackFormatError, SourceError
@@ -119,6 +119,35 @@ def test_an_old_object_that_cannot_be_removed_after_an_overwrite_says_the_new_pa
         packdata.convert(src, url, shard_samples=5, storage_options=faulty, progress=False, overwrite=True, resume=True)
     fs.invalidate_cache()
     assert not fs.exists(f"{root}/shard-00004.lmdb/data.mdb") and fs.exists(f"{root}/shard-00001.lmdb/data.mdb")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_resume_after_the_new_manifest_is_up_only_removes_the_replaced_objects_never_unpublishing(
+    s3, tmp_path: Path, monkeypatch, overwrite: bool
+) -> None:
+    """A publish that failed after the new manifest was up (an old object's DELETE refused) said to resume; the
+    resume refused the pack at the URL without overwrite=True, and with it deleted the new pack's manifest and put it
+    again: the new pack ceased to exist until then. Now the resume keeps it, uploads nothing, removes the rest."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    url, root = f"s3://packs/finish-removal-{overwrite}.lmdb", f"packs/finish-removal-{overwrite}.lmdb"
+    packdata.convert(src, url, shard_samples=2, storage_options=options, progress=False)
+    old = f"/{root}/shard-00004.lmdb/data.mdb"
+    run = {"shard_samples": 5, "progress": False}
+    result, sent, published = _resume_a_refused_removal(src, url, s3, old, resume=True, overwrite=overwrite, **run)
+    assert result.pack == url and result.packed == 10
+    local = packdata.convert(src, tmp_path / url.rsplit("/", 1)[1], **run).pack
+    rest = [("DELETE", old), ("DELETE", old.replace("data.mdb", "records.i64"))]  # the rest of the old shard
+    assert sent == rest  # nothing uploaded again; the new manifest never removed nor put again
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{root}/manifest.json") == published
+    assert sorted(p.removeprefix(f"{root}/") for p in fs.find(root)) == sorted(
+        p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and p.name != "lock.mdb"
+    )
+    assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the work folder is gone
+    with pytest.raises(ConfigError, match=rf"^{url}: a pack already exists there\. Pass overwrite=True"):
+        packdata.convert(src, url, storage_options=options, resume=True, **run)  # no longer this work folder's
 
 
 def test_a_finished_conversion_removes_only_the_objects_its_earlier_unfinished_run_uploaded(

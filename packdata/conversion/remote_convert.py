@@ -71,10 +71,12 @@ def _pack_and_upload(
     """The local engine's conversion into ``url``, its work folder ``local`` held (see :func:`convert_to_url`)."""
     from packdata.conversion.convert import _result_of, convert  # the entry, which imports this module
 
-    check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held: another may have published
+    resume_of = local if options["resume"] else None  # a pack this work folder published: its resume finishes it
+    # again, held: another may have published
+    check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
-    end_remote_pack(url, storage, work=local)  # with overwrite: the old pack ends before its files are replaced
+    end_remote_pack(url, storage, work=local, resume_of=resume_of)  # the old pack ends before its files are replaced
     early: dict[str, int] = {}
     if local.exists():  # packed before an interruption, from this source with these options: upload it
         check_job(local, src, kwargs, url)
@@ -106,7 +108,8 @@ def _into_url(url: str, options: dict[str, Any]) -> tuple[dict[str, Any] | None,
     from packdata.conversion.convert import _CONVERT_OPTIONS  # the entry, which imports this module
 
     storage = options["storage_options"]
-    check_remote_destination(url, storage, overwrite=options["overwrite"])
+    # a resume's destination is checked once its work folder is held: the pack there may be the one it publishes
+    check_remote_destination(url, storage, overwrite=options["overwrite"] or options["resume"])
     check_writable(url, storage)  # a missing bucket is named now, not after the packing
     local = work_folder(url)
     local.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +127,9 @@ def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, 
 
     storage, local, kwargs = _into_url(url, options)
     with _hold_work_folder(local, url):
-        check_remote_destination(url, storage, overwrite=options["overwrite"])  # again, held
-        end_remote_pack(url, storage, work=local)  # with overwrite: the old pack ends before its files are replaced
+        resume_of = partial_path(local) if options["resume"] else None  # the plan's pack, which it may have published
+        check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)  # again, held
+        end_remote_pack(url, storage, work=local, resume_of=resume_of)  # the old pack ends before its files go
         token = UPLOAD_TO.set((local, RemoteTarget(url, storage)))
         try:
             result = convert(src, local, **kwargs)

@@ -122,7 +122,7 @@ def _not_all_removed(shown: str, exc: Exception) -> SourceError:
     error = remote_error(
         shown, "the new pack is published, but the objects of the pack it replaced could not all be removed", exc
     )
-    hint = f"{error.hint} with overwrite=True and resume=True to remove the rest (nothing else is uploaded again)"
+    hint = f"{error.hint} with resume=True to remove the rest (nothing is uploaded again)"
     return cast(SourceError, error.with_hint(hint))
 
 

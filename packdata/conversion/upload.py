@@ -50,11 +50,14 @@ from packdata.pack.files import (
     RAY_PLAN_FILE,
     private_folder,
     private_temp_folder,
+    read_regular,
 )
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 from packdata.pack.urls import (
     display_url,
     local_name,
+    manifest_kept,
     open_url,
     remote_error,
     remove_at_version,
@@ -94,8 +97,11 @@ def work_folder(url: str, *, kind: str = "") -> Path:
     return base / tag / local_name(display_url(url))  # never the tag folder or above it
 
 
-def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *, overwrite: bool) -> None:
-    """Refuse a URL that already holds a pack, unless ``overwrite``.
+def check_remote_destination(
+    url: str, storage_options: dict[str, Any] | None, *, overwrite: bool, resume_of: Path | None = None
+) -> None:
+    """Refuse a URL that already holds a pack, unless ``overwrite``, or ``resume_of`` (the work pack a resume
+    finishes) published it: a publish that failed after the manifest went up (see :func:`_published_from`).
 
     Raises:
         ConfigError: a manifest is there and ``overwrite`` is off, or the
@@ -112,7 +118,7 @@ def check_remote_destination(url: str, storage_options: dict[str, Any] | None, *
         exists = _manifest_there(fs, f"{root.rstrip('/')}/{MANIFEST_NAME}")
     except Exception as exc:
         raise remote_error(display_url(url), "cannot reach the destination", exc) from exc
-    if exists and not overwrite:
+    if exists and not overwrite and not _published_from(fs, root, display_url(url), resume_of):
         raise ConfigError(
             f"{display_url(url)}: a pack already exists there",
             hint="Pass overwrite=True to replace it, or choose another URL",
@@ -148,18 +154,21 @@ def check_writable(url: str, storage_options: dict[str, Any] | None) -> None:
 _WRITE_CHECK = ".packdata-write-check-"
 
 
-def end_remote_pack(url: str, storage_options: dict[str, Any] | None, work: Path | None = None) -> None:
+def end_remote_pack(
+    url: str, storage_options: dict[str, Any] | None, work: Path | None = None, *, resume_of: Path | None = None
+) -> None:
     """Delete the manifest at ``url``: the pack there ends, before any of its files is replaced.
 
     With ``work`` (the conversion's work folder), its objects are recorded
     first, beside it, for :func:`upload_pack` to remove those the new pack
-    does not have (:mod:`packdata.conversion.replace`).
+    does not have (:mod:`packdata.conversion.replace`). A pack that ``resume_of``
+    (the work pack a resume finishes) published is kept (see :func:`_published_from`).
     """
     fs, root = open_url(url, storage_options)
     root = root.rstrip("/")
     manifest = f"{root}/{MANIFEST_NAME}"
     try:
-        if _manifest_there(fs, manifest):
+        if _manifest_there(fs, manifest) and not _published_from(fs, root, display_url(url), resume_of):
             if work is not None:
                 record_replaced(fs, root, display_url(url), work)
             retry_transient(partial(fs.rm_file, manifest))
@@ -167,6 +176,25 @@ def end_remote_pack(url: str, storage_options: dict[str, Any] | None, work: Path
         raise
     except Exception as exc:
         raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
+
+
+def _published_from(fs: Any, root: str, shown: str, local: Path | None) -> bool:
+    """Whether the pack at ``root`` is the one in the work folder ``local``: its manifest has the bytes of ``local``'s.
+
+    A publish that failed once that manifest was up (an object of the pack it replaced could not be removed) left
+    it published: its resume keeps it, uploads nothing and removes the rest (:func:`upload_pack`). False when
+    ``local`` is None or holds no manifest (not packed yet).
+
+    Raises:
+        SourceError: the manifest at ``root`` could not be read.
+    """
+    if local is None:
+        return False
+    try:
+        raw = read_regular(local / MANIFEST_NAME, MAX_MANIFEST_BYTES, follow_symlinks=False)
+    except OSError:  # missing, a link, not a regular file: no pack of this work folder's
+        return False
+    return len(raw) <= MAX_MANIFEST_BYTES and manifest_kept(fs, root.rstrip("/"), raw, shown)
 
 
 def _manifest_there(fs: Any, manifest: str) -> bool:
@@ -288,6 +316,9 @@ def upload_pack(
     root = root.rstrip("/")
     shown = display_url(url)
     manifest = f"{root}/{MANIFEST_NAME}"
+    if _published_from(fs, root, shown, local):  # published before a later step failed: only the removal is left
+        _remove_replaced(fs, root, shown, local)
+        return 0
     end_remote_pack(url, storage_options, work=local)
     unsent = (local / MANIFEST_NAME, local / RAY_PLAN_FILE)  # the manifest goes last; a Ray plan, never
     files = sorted(p for p in local.rglob("*") if p.is_file() and p not in unsent and p.name != MANIFEST_NAME)
@@ -324,9 +355,15 @@ def upload_pack(
         retry_transient(partial(fs.put_file, os.fspath(local / MANIFEST_NAME), manifest))  # the pack exists from here
     except Exception as exc:
         raise _upload_error(shown, MANIFEST_NAME, exc) from exc
-    keep = {p.relative_to(local).as_posix() for p in files} | set(pack_objects(read_manifest(local)))
-    remove_replaced(fs, root, shown, local, keep | {MANIFEST_NAME})  # the new pack's, Ray tasks' shards too
+    _remove_replaced(fs, root, shown, local)
     return total
+
+
+def _remove_replaced(fs: Any, root: str, shown: str, local: Path) -> None:
+    """Remove the objects of the pack that the one published from ``local`` replaced, but the new pack's own (its
+    files and its manifest's objects: a Ray task's shards too); see :mod:`packdata.conversion.replace`."""
+    keep = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
+    remove_replaced(fs, root, shown, local, keep | set(pack_objects(read_manifest(local))) | {MANIFEST_NAME})
 
 
 def _upload_error(shown: str, rel: str, exc: BaseException) -> PackFormatError:
