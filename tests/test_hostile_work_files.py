@@ -530,3 +530,24 @@ def test_a_current_checkpoint_whose_index_digests_were_nulled_is_named_damaged_n
         "records the kept sample index's SHA-256s. Start the conversion again with overwrite=True"
     )
     assert progress.read_bytes() == checkpoint and not dst.exists()
+
+
+def test_a_resumed_append_s_source_record_longer_than_packdata_writes_is_refused_unread(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """The record of an interrupted append's source (.NAME.append.source, the source's place) replaced by a file of
+    1 GiB was read to 64 KiB + 1 and named as 'the interrupted append read another source (' followed by 4096 of
+    its bytes; it is now refused by its size, unread, as a record packdata never writes, and nothing is appended."""
+    dst = tmp_path / "p.lmdb"
+    convert(image_folder, dst, progress=False)
+    (tmp_path / ".p.lmdb.append").mkdir()  # the pack an interrupted append converted beside dst
+    record = tmp_path / ".p.lmdb.append.source"
+    with open(record, "wb") as f:
+        f.truncate(1 << 30)  # sparse: no disk used
+    with pytest.raises(PackFormatError) as refused:
+        convert(image_folder, dst, append=True, resume=True, progress=False)
+    assert str(refused.value) == (
+        f"{record}: the record of the interrupted append's source is unreadable (it holds more than the 65536 "
+        "bytes it may hold). Remove it, then resume"
+    )
+    assert len(LMDBDataset(dst)) == 19

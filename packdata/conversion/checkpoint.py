@@ -33,7 +33,7 @@ from packdata.conversion.publish import (
 )
 from packdata.conversion.sources import RemoteFile
 from packdata.errors import ConfigError, PackFormatError
-from packdata.pack.files import atomic_write, open_regular
+from packdata.pack.files import atomic_write, read_regular
 from packdata.pack.index import FIELD_SIZES_FILE, field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
 from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
@@ -282,21 +282,15 @@ def _read(path: Path, most: int, damaged: Callable[[Path, str], PackFormatError]
     Raises:
         PackFormatError: ``damaged(path, what)``: it is a link, FIFO, device or folder, or longer.
     """
-    over = f"it holds more than the {most} bytes a checkpoint of this conversion can hold"
+    over = damaged(path, f"it holds more than the {most} bytes a checkpoint of this conversion can hold")
     try:  # a FIFO in its place would block the read for ever, a link to /dev/zero never end it
-        with os.fdopen(open_regular(path, follow_symlinks=False), "rb") as file:
-            if os.fstat(file.fileno()).st_size > most:
-                raise damaged(path, over)
-            data = file.read(most + 1)
+        return read_regular(path, most, follow_symlinks=False, too_long=over)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise damaged(path, "it is a symlink, not the file packdata wrote") from exc
         if exc.errno == errno.EINVAL:  # "not a regular file: a FIFO"
             raise damaged(path, f"it is {exc.strerror}") from exc
         raise
-    if len(data) > most:
-        raise damaged(path, over)
-    return data
 
 
 def closed_shard_names(path: Path) -> list[str]:

@@ -27,7 +27,7 @@ from packdata.conversion.upload_journal import _read_journal
 from packdata.errors import CapacityError, SourceError
 from packdata.host.disks import filesystem_named
 from packdata.host.facts import disk_free
-from packdata.pack.files import append_own_file, read_own_bytes
+from packdata.pack.own_files import append_own_file, read_own_bytes
 from packdata.pack.urls import display_url, object_version, remote_error, retry_transient
 from packdata.progress import progress as show_progress
 from packdata.units import format_size

@@ -318,14 +318,13 @@ def _prepare_partial(
             # this run's plan twice (the options and source recorded), the classes an earlier run recorded and the
             # finishing record (a name per shard, counts, MAX_SKIP_EXAMPLES skip lines): each less than a manifest
             most = 2 * len(json.dumps(recorded)) + 2 * MAX_MANIFEST_BYTES
-            data = read_regular(plan, most, follow_symlinks=False)
-            if len(data) > most:
-                raise PackFormatError(
-                    f"the interrupted conversion's plan is damaged: it holds more than the {most} bytes packdata "
-                    "writes there",
-                    path=plan,
-                    hint="Start the conversion again with overwrite=True",
-                )
+            too_long = PackFormatError(
+                f"the interrupted conversion's plan is damaged: it holds more than the {most} bytes packdata "
+                "writes there",
+                path=plan,
+                hint="Start the conversion again with overwrite=True",
+            )
+            data = read_regular(plan, most, follow_symlinks=False, too_long=too_long)
             try:
                 saved = json.loads(data)
             except (ValueError, RecursionError) as exc:

@@ -274,16 +274,15 @@ def load_result(path: Path, *, most: int) -> dict[str, Any] | None:
         PackFormatError: it holds more than ``most`` bytes (:func:`result_most`), more than its task writes
             (never read whole).
     """
+    too_long = PackFormatError(
+        f"this task's saved result holds more than the {most} bytes its task writes: it is not packdata's",
+        path=path,
+        hint="Start the conversion again with overwrite=True",
+    )
     try:
-        data = read_regular(path, most, follow_symlinks=False)
+        data = read_regular(path, most, follow_symlinks=False, too_long=too_long)
     except OSError:
         return None
-    if len(data) > most:
-        raise PackFormatError(
-            f"this task's saved result holds more than the {most} bytes its task writes: it is not packdata's",
-            path=path,
-            hint="Start the conversion again with overwrite=True",
-        )
     try:
         saved = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError):

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from packdata.errors import PackFormatError, SourceError
 from packdata.formats.remote_pack import pack_objects
-from packdata.pack.files import append_own_file, read_own_file
+from packdata.pack.own_files import append_own_file, read_own_file
 from packdata.pack.urls import object_version, read_url_manifest, remote_error, remove_at_version, retry_transient
 
 __all__ = [

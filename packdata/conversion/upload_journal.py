@@ -20,7 +20,8 @@ from typing import Any
 
 from packdata.conversion.replace import OVERSIZED_WORK_FILE_HINT, WORK_FILE_HINT, files_under, journal_most
 from packdata.errors import ConfigError
-from packdata.pack.files import append_own_file, atomic_write, file_sha256, read_own_file
+from packdata.pack.files import atomic_write, file_sha256
+from packdata.pack.own_files import append_own_file, read_own_file
 from packdata.pack.urls import display_url, is_url, object_version
 
 __all__ = ["UploadJournal", "check_job", "file_md5", "journal_task_objects", "object_matches", "record_job"]

@@ -130,8 +130,17 @@ def read_index(
     path = index_path(shard)
     lines = [n for n in (count, None if size is None else size // 16) if n is not None]  # a record is 16 bytes on
     most = _INDEX_LINE * (min(lines) + 1) if lines else None
-    try:
-        raw = read_regular(path, most, follow_symlinks=False)  # a link could lead out of the pack: never followed
+    too_long = (
+        None
+        if not lines
+        else PackFormatError(
+            f"offsets index is longer than the lines of the {min(lines)} records it can list ({most} bytes)",
+            path=path,
+            hint="The index is damaged or belongs to another shard: convert or stage the pack again",
+        )
+    )
+    try:  # a link could lead out of the pack: never followed
+        raw = read_regular(path, most, follow_symlinks=False, too_long=too_long)
     except OSError as exc:
         if too_many_open_files(exc):
             raise out_of_files_error(path) from exc
@@ -141,12 +150,6 @@ def read_index(
             path=path,
             hint="Convert or stage the pack again",
         ) from exc
-    if most is not None and len(raw) > most:
-        raise PackFormatError(
-            f"offsets index is longer than the lines of the {min(lines)} records it can list ({most} bytes)",
-            path=path,
-            hint="The index is damaged or belongs to another shard: convert or stage the pack again",
-        )
     try:
         table = np.array(raw.split(), dtype=np.int64).reshape(-1, 2)
     except (ValueError, OverflowError) as exc:

@@ -29,7 +29,6 @@ from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error
 __all__ = [
     "PROGRESS_FILE",
     "RAY_PLAN_FILE",
-    "append_own_file",
     "aside_path",
     "atomic_write",
     "discard_partial",
@@ -49,8 +48,7 @@ __all__ = [
     "open_regular",
     "private_folder",
     "private_temp_folder",
-    "read_own_bytes",
-    "read_own_file",
+    "read_bounded",
     "read_regular",
     "stream_sha256",
     "temporary_owner",
@@ -289,15 +287,39 @@ def open_pack_file(path: str | os.PathLike, *, shown: str | os.PathLike | None =
         raise PackFormatError(problem, path=shown if shown is not None else path, hint=hint) from exc
 
 
-def read_regular(path: str | os.PathLike, most: int | None = None, *, follow_symlinks: bool = True) -> bytes:
+def read_regular(
+    path: str | os.PathLike,
+    most: int | None = None,
+    *,
+    follow_symlinks: bool = True,
+    too_long: Exception | None = None,
+) -> bytes:
     """The bytes of the regular file at ``path`` (a FIFO, device or folder raises ``OSError``, never blocks).
 
-    With ``most``, at most ``most + 1`` bytes are read: more than ``most`` returned says the file is longer
-    (a side table whose size would allocate that much is never read whole). ``follow_symlinks=False``
-    refuses a symlink (``ELOOP``): a pack's side file that could lead out of the pack.
+    With ``most``, a longer file is never read whole: one whose size is over it is refused unread, one that grows
+    past it while read is read no further than ``most + 1`` bytes; either raises ``too_long`` (the caller's words;
+    default: ``OSError`` ``EFBIG`` naming ``path``). ``follow_symlinks=False`` refuses a symlink (``ELOOP``): a
+    pack's side file that could lead out of the pack.
     """
     with os.fdopen(open_regular(path, follow_symlinks=follow_symlinks), "rb") as f:
-        return f.read() if most is None else f.read(max(most, 0) + 1)
+        data = read_bounded(f, most)
+    if data is None:
+        if too_long is not None:
+            raise too_long
+        raise OSError(errno.EFBIG, f"it holds more than the {most} bytes it may hold", os.fspath(path))
+    return data
+
+
+def read_bounded(f: BufferedReader, most: int | None) -> bytes | None:
+    """All of the open regular file ``f``, or None when it holds more than ``most`` bytes: by its size, unread, or
+    (growing while read) read no further than ``most + 1`` bytes: :func:`read_regular`'s and
+    :func:`~packdata.pack.own_files.read_own_bytes`'s read."""
+    if most is None:
+        return f.read()
+    if os.fstat(f.fileno()).st_size > most:
+        return None
+    data = f.read(most + 1)
+    return None if len(data) > most else data
 
 
 def map_int64(path: str | os.PathLike, *, follow_symlinks: bool = True) -> np.ndarray | None:
@@ -425,67 +447,3 @@ def private_folder(folder: Path, *, hint: str) -> Path:
     else:
         return folder
     raise ConfigError(f"{problem}: packdata keeps no files there (others could change them)", path=folder, hint=hint)
-
-
-def append_own_file(path: Path, text: str, *, hint: str, sync: bool = False) -> None:
-    """Append ``text`` to ``path`` (made, mode 0600, when missing): a regular file of this user's, never a link's
-    target (``O_NOFOLLOW``), so a link planted where packdata keeps a journal never has it write elsewhere.
-
-    Raises:
-        ConfigError: a link, FIFO or folder is there, or another user's file (``hint`` says what to do).
-    """
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    with os.fdopen(_open_own(path, flags, hint), "a", encoding="utf-8") as f:
-        f.write(text)
-        if sync:
-            f.flush()
-            fsync_named(f.fileno(), path)
-
-
-def read_own_file(path: Path, *, hint: str, most: int | None = None, over_hint: str = "") -> str | None:
-    """The text of ``path`` (None when there is nothing there), a regular file of this user's, never through a
-    link; raises as :func:`append_own_file`, and as :func:`read_own_bytes` over ``most`` bytes."""
-    data = read_own_bytes(path, hint=hint, most=most, over_hint=over_hint)
-    return None if data is None else data.decode("utf-8", errors="replace")
-
-
-def read_own_bytes(path: Path, *, hint: str, most: int | None = None, over_hint: str = "") -> bytes | None:
-    """The bytes of ``path`` (None when there is nothing there), as :func:`read_own_file` reads it.
-
-    Raises:
-        ConfigError: as :func:`append_own_file`; or it holds more than ``most`` bytes, more than packdata
-            writes there (refused by its size unread, or read no further; ``over_hint`` says what to do).
-    """
-    try:
-        fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, hint)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as f:  # a longer file is refused by its size, unread; one growing, read no further
-        over = most is not None and os.fstat(f.fileno()).st_size > most
-        data = b"" if over else f.read() if most is None else f.read(most + 1)
-    if most is not None and (over or len(data) > most):
-        problem = f"holds more than the {most} bytes packdata writes there at most: it is not packdata's file"
-        raise ConfigError(problem, path=path, hint=over_hint or hint)
-    return data
-
-
-def _open_own(path: Path, flags: int, hint: str) -> int:
-    """``os.open(path, flags, 0o600)``, kept only if it is this user's regular file; ConfigError if not."""
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise  # missing (a reader says what that means), or a disk's failure
-        mode = os.lstat(path).st_mode
-        raise ConfigError(_not_own(f"is {file_kind(mode)}, not a regular file"), path=path, hint=hint) from exc
-    info = os.fstat(fd)
-    if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
-        os.set_blocking(fd, True)
-        return fd
-    os.close(fd)
-    problem = f"is {file_kind(info.st_mode)}, not a regular file" if not stat.S_ISREG(info.st_mode) else ""
-    raise ConfigError(_not_own(problem or "is another user's file"), path=path, hint=hint)
-
-
-def _not_own(problem: str) -> str:
-    return f"{problem}: packdata never reads or writes its own files through it (another user may have put it there)"
