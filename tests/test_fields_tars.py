@@ -483,3 +483,45 @@ def test_a_tar_of_pax_headers_chained_past_tarfiles_recursion_is_a_corrupt_tar_n
         "come before a member); the samples before this one in the tar are kept"
     )
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "u"]
+
+
+def _gnu_sparse_member(name: str, extension_blocks: int) -> bytes:
+    """An old GNU sparse header ('S') and its map's extension blocks, each of 21 chunks of 1 byte (none of its data)."""
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.GNUTYPE_SPARSE
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[482] = 1  # isextended: extension blocks follow
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    chunks = b"00000000001\0" * 2 * 21
+    block = chunks + bytes(512 - len(chunks))
+    more = block[:504] + b"\1" + block[505:]  # another extension block follows
+    return bytes(header) + more * (extension_blocks - 1) + block * (extension_blocks > 0)
+
+
+@pytest.mark.parametrize("sparse", ["gnu map", "pax map", "gnu map cut short"])
+def test_a_tar_sparse_map_past_what_a_header_holds_or_cut_short_is_a_corrupt_tar_not_read_into_memory(
+    tmp_path: Path, sparse: str
+) -> None:
+    """tarfile kept every chunk of a sparse map (40 MB, 39 KB gzipped: 1.1 GB); one cut short was an IndexError."""
+    if sparse == "gnu map":
+        damaged = _gnu_sparse_member("b.txt", 33_000) + _member("c.txt", b"c") + bytes(1024)
+    elif sparse == "pax map":
+        line = b"0" * 255 + b"1\n"  # the number 1 in 256 bytes: fewer lines to parse than "1\n"
+        chunks = (17 << 20) // len(line * 2)
+        pax = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "b.txt"}
+        damaged = _member("GNUSparseFile.0/b.txt", b"%d\n" % chunks + line * 2 * chunks, pax=pax) + bytes(1024)
+    else:
+        damaged = _gnu_sparse_member("b.txt", 0)  # the tar ends where the map's first extension block should be
+    plain = _member("a1.txt", b"1") + _member("a2.txt", b"2") + damaged
+    (tmp_path / "t.tar.gz").write_bytes(gzip.compress(plain))
+    (tmp_path / "u.tar.gz").write_bytes(gzip.compress(_member("u.txt", b"u") + bytes(1024)))
+    result = packdata.convert(str(tmp_path / "{t,u}.tar.gz"), tmp_path / "out.lmdb", progress=False)
+    assert result.packed == 2 and result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    assert skip["key"] == "t.tar.gz:a2"
+    problem = "the sparse member at byte 2048 has a map of more than 16,777,216 bytes: a damaged tar?"
+    if sparse == "gnu map cut short":
+        problem = "the tar ends in the sparse map of the member at byte 2048"
+    assert skip["detail"] == f"{problem}; the samples before this one in the tar are kept"
+    assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "u"]

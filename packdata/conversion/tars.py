@@ -19,7 +19,8 @@ members are skipped and reported, with their sample (never packed without
 that field); the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
 before the member that passes it is read. A header claiming more than 16 MiB of
-pax records or long name (a key holds 64 KiB) ends its tar as damaged, unread.
+pax records, long name or sparse map (a key holds 64 KiB) ends its tar as
+damaged, unread (:mod:`packdata.conversion.tar_headers`).
 
 Shards at a URL (``s3://bucket/shards/data-{000000..000009}.tar``; brace
 ranges expanded here, globs by the URL's fsspec filesystem, sorted) are
@@ -46,9 +47,10 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Self, cast
+from typing import Any, BinaryIO, cast
 
 from packdata.conversion.sources import RemoteFile, Skip, SourceGroup, _is_utf8, _printable, too_large
+from packdata.conversion.tar_headers import CheckedTarInfo, check_end
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind, open_regular
@@ -63,10 +65,6 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _CHOICE = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _MAX_SHARDS = 1_000_000
 _BLOCK = 8 << 20  # bytes per read of a tar at a URL
-_MAX_HEADER_BYTES = 16 << 20
-"""The bytes a tar's pax records (a member's, or all its global ones together) or a GNU long name may take:
-tarfile reads them whole into memory (three times over), so a 400 KB tar.gz whose pax header claimed 400 MB of
-zeros took 1.2 GB. A key holds at most 64 KiB, an extended attribute 64 KiB."""
 _OUTSIDE = "its '..' leads out of the tar's top folder: a key is a relative path inside it (tar refuses it too)"
 
 
@@ -231,7 +229,7 @@ class TarSource:
             with (
                 self._open(shard) as stream,
                 _decompressed(stream) as plain,
-                tarfile.open(fileobj=plain, mode="r|", tarinfo=_CheckedTarInfo, encoding="utf-8") as tar,
+                tarfile.open(fileobj=plain, mode="r|", tarinfo=CheckedTarInfo, encoding="utf-8") as tar,
             ):
                 offsets: dict[str, tuple[int, int]] | None = {} if plain is stream else None  # name -> data's span
                 for member in tar:
@@ -295,7 +293,7 @@ class TarSource:
                         continue
                     extracted = tar.extractfile(member)
                     fields[ext] = extracted.read() if extracted is not None else b""
-                _check_end(tar)
+                check_end(tar)
         except corrupt as exc:
             # The sample being read may lack members or hold a cut one: it is dropped, never packed partly.
             if key is None:
@@ -375,64 +373,6 @@ def _decompressed(stream: BinaryIO) -> BinaryIO:
     if magic == b"\xfd7zXZ\x00":
         return cast(BinaryIO, lzma.LZMAFile(stream))
     return stream
-
-
-class _CheckedTarInfo(tarfile.TarInfo):
-    """Member headers as tarfile reads them, but a damaged or missing one past the first is an error.
-
-    tarfile's stream mode ends the archive, silently, at a header that is
-    truncated, fails its checksum or is missing (a file cut at a member's
-    end): the samples after it were lost without a word. A pax header whose
-    sparse map is not numbers raised a bare ValueError, and thousands of pax
-    headers in a row a RecursionError, which stopped the whole conversion as
-    a failed request; they are damaged headers too.
-    """
-
-    @classmethod
-    def fromtarfile(cls, tar: tarfile.TarFile) -> Self:
-        try:
-            return super().fromtarfile(tar)
-        except tarfile.HeaderError as exc:
-            kind = type(exc).__name__
-            if tar.offset == 0 or kind == "EOFHeaderError":  # EOF: a zero block, the end-of-archive marker
-                raise
-            if kind == "EmptyHeaderError":
-                raise tarfile.ReadError(
-                    f"the tar ends at byte {tar.offset} without its end-of-archive blocks (cut short?)"
-                ) from None
-            raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
-        except ValueError as exc:  # a pax record tarfile parses with int() unguarded (GNU.sparse.map, a sparse map)
-            raise tarfile.ReadError(f"damaged member header at byte {tar.offset}: {exc}") from None
-        except RecursionError:  # tarfile reads each pax or long-name header by recursion: 400 in a row stopped the run
-            raise tarfile.ReadError(
-                f"damaged member header at byte {tar.offset}: more pax or long-name headers in a row than tarfile "
-                "reads (one or two come before a member)"
-            ) from None
-
-    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
-        """Read a member as tarfile does, but pax records or a long name past :data:`_MAX_HEADER_BYTES` unread."""
-        if self.type in _LONG_HEADERS:
-            held = sum(len(k) + len(v) for k, v in tar.pax_headers.items()) if self.type == tarfile.XGLTYPE else 0
-            if held + self.size > _MAX_HEADER_BYTES:
-                what = "a GNU long name" if self.type in _GNU_LONG else "pax records"
-                also = f" (with the {held:,} bytes of global ones before)" if held else ""
-                raise tarfile.ReadError(
-                    f"the header at byte {self.offset} claims {self.size:,} bytes of {what}{also}, more than the "
-                    f"{_MAX_HEADER_BYTES:,} read of them: a damaged tar?"
-                )
-        return cast("tarfile.TarInfo", tarfile.TarInfo._proc_member(self, tar))  # type: ignore[attr-defined]
-
-
-_GNU_LONG = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
-_LONG_HEADERS = (*_GNU_LONG, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
-
-
-def _check_end(tar: tarfile.TarFile) -> None:
-    """Raise unless only zero bytes follow the end-of-archive marker (reading on to the end checks a gzip's CRC)."""
-    assert tar.fileobj is not None
-    while chunk := tar.fileobj.read(1 << 16):
-        if chunk.strip(b"\0"):
-            raise tarfile.ReadError(f"data follows a zero block at byte {tar.offset}: a damaged member header?")
 
 
 def _relative(name: str) -> str | None:
