@@ -140,6 +140,21 @@ def test_a_jsonl_line_past_the_limit_is_refused_unread(tmp_path: Path, monkeypat
     assert not (tmp_path / "out.lmdb").exists()
 
 
+@pytest.mark.parametrize("row", ["commas", "quoted lines"])
+def test_a_csv_row_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: str) -> None:
+    """csv limits a field (128 Ki), not a row: 100 MB of commas, a row of 100 M fields, took 1.5 GB.
+    Now a CSV or TSV row, its lines together, is read to MAX_JSONL_LINE characters at most (100 here)."""
+    from packdata.conversion import list_rows as rows_module
+
+    monkeypatch.setattr(rows_module, "MAX_JSONL_LINE", 100)
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    long_row = "a.txt,x" + "," * 150 if row == "commas" else 'a.txt,"' + "x\n" * 75 + '"'
+    (tmp_path / "l.csv").write_text(f"path,caption\na.txt,short\n{long_row}\n", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"l\.csv: the row at line 3 is longer than 100 characters. Store large"):
+        packdata.convert(tmp_path / "l.csv", tmp_path / "out.lmdb", progress=False)
+    assert not (tmp_path / "out.lmdb").exists()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
 def test_list_rows_naming_a_device_or_fifo_are_skipped_without_opening_them(tmp_path: Path) -> None:
     """A list from elsewhere names any path: a device is refused from its type, never opened (a tape rewinds)."""

@@ -30,7 +30,9 @@ __all__ = ["EXTRA", "LIST_SUFFIXES", "MAX_JSONL_LINE", "SHORT", "read_list_rows"
 LIST_SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None}
 _LIST_NAMES = {",": "CSV", "\t": "TSV"}
 MAX_JSONL_LINE = 64 << 20
-"""Characters a JSONL list's line may hold (a CSV field may hold 128 Ki: csv's own limit)."""
+"""Characters a list's row may hold: a JSONL line, or a CSV or TSV row, its lines together (a CSV field may hold
+128 Ki: csv's own limit, but a row any number of fields: 50 MB of commas took 800 MB)."""
+_LONG_ROW_HINT = "Store large values in files beside the list and name them in a column"
 
 
 def _open_text(list_file: Path | str, fs: Any) -> TextIO:
@@ -80,7 +82,7 @@ def _read_rows(
                     raise SourceError(
                         f"line {number} is longer than {MAX_JSONL_LINE:,} characters",
                         path=where,
-                        hint="Store large values in files beside the list and name them in a column",
+                        hint=_LONG_ROW_HINT,
                     )
                 if not line.strip():
                     continue
@@ -100,7 +102,8 @@ def _read_rows(
             # quotes, and an unclosed one swallowed the rows after it into its value), or the list is refused
             # csv.DictReader's rows, made here (a row a third quicker): a value past the header's columns goes
             # under EXTRA, a column not given is None (counted in SHORT), blank lines are no rows
-            reader = csv.reader(f, delimiter=delimiter, strict=True)
+            lines = _RowLines(f, where)
+            reader = csv.reader(lines, delimiter=delimiter, strict=True)
             header = next(reader, None)
             if header is None:
                 return
@@ -112,6 +115,7 @@ def _read_rows(
             columns, done = len(header), reader.line_num  # done: the lines of the rows read whole
             while True:
                 start = reader.line_num + 1
+                lines.start_row(start)
                 try:
                     values = next(reader)
                     while not values:
@@ -135,6 +139,38 @@ def _read_rows(
                     _check_merged(cells, start, delimiter, column, folder, where)
                 done = reader.line_num
                 yield done, cells
+
+
+class _RowLines:
+    """A CSV or TSV list's lines for ``csv.reader``, read so that no row passes :data:`MAX_JSONL_LINE` characters.
+
+    csv limits a field, not a row: a line of commas was read whole, its
+    fields all held. Each line is read with what is left of its row's
+    characters, one more at most; a row longer is refused there, unread further.
+    """
+
+    def __init__(self, f: TextIO, where: str | Path) -> None:
+        self.f, self.where = f, where
+        self.held, self.first = 0, 1  # the row's characters so far, and its first line
+
+    def start_row(self, line: int) -> None:
+        self.held, self.first = 0, line
+
+    def __iter__(self) -> _RowLines:
+        return self
+
+    def __next__(self) -> str:
+        line = self.f.readline(MAX_JSONL_LINE + 1 - self.held)
+        if not line:
+            raise StopIteration
+        self.held += len(line)
+        if self.held > MAX_JSONL_LINE:
+            raise SourceError(
+                f"the row at line {self.first} is longer than {MAX_JSONL_LINE:,} characters",
+                path=self.where,
+                hint=_LONG_ROW_HINT,
+            )
+        return line
 
 
 def _check_merged(row: dict[str, Any], start: int, delimiter: str, column: int, folder: str, where: str | Path) -> None:
