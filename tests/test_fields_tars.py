@@ -525,3 +525,14 @@ def test_a_tar_sparse_map_past_what_a_header_holds_or_cut_short_is_a_corrupt_tar
         problem = "the tar ends in the sparse map of the member at byte 2048"
     assert skip["detail"] == f"{problem}; the samples before this one in the tar are kept"
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "u"]
+
+
+def test_every_tarfile_method_the_checked_headers_override_is_one_tarfile_still_calls() -> None:
+    """CheckedTarInfo bounds hostile headers by overriding tarfile's private readers: a Python whose tarfile
+    renamed one would call its own, and the bound would be gone without a word. This names the rename."""
+    from packdata.conversion.tar_headers import CheckedTarInfo
+
+    overridden = [name for name in vars(CheckedTarInfo) if name.startswith("_proc")]
+    assert sorted(overridden) == ["_proc_gnusparse_10", "_proc_member", "_proc_sparse"]
+    missing = [name for name in overridden if not callable(getattr(tarfile.TarInfo, name, None))]
+    assert not missing, f"this Python's tarfile.TarInfo has no {missing}: the tar header bounds do not apply"
