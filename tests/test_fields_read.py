@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import assert_index_digests, flip_label, image_bytes
 from faults.hostile import rewrite_manifest
 from fields_helpers import KEYS, _fields_of, _grouped, _listed, _same_tree
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 import packdata
 from packdata.cli import main as cli
@@ -695,3 +695,19 @@ def test_fields_collate_stacks_what_every_sample_holds_and_lists_the_rest() -> N
     assert [len(seg) for seg in out["seg"]] == [2, 3]
     with pytest.raises(TypeError, match=re.escape("fields_collate collates samples read as dicts (fields=None)")):
         packdata.fields_collate([("a", 1)])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_every_dataset_s_dict_samples_name_the_field_they_lack_to_the_default_collate(tmp_path: Path, fmt: str) -> None:
+    """LMDBDataset, TFRecordIndexedDataset and TFRecordDataset read a sample as a dict whose lookup of a field it
+    lacks names the pack, the sample and the way out; fields_collate batches the same samples."""
+    pack = packdata.convert(_masked_for_some(tmp_path / "src", range(3)), tmp_path / "p", format=fmt, progress=False)
+    for ds in _datasets(pack.pack, fmt, decode="bytes"):
+        samples = list(ds)
+        assert [sample["__key__"] for sample in samples] == ["m0", "m1", "m2"]
+        lacking = f"{pack.pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'). The pack's samples"
+        with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking)):
+            default_collate(samples)
+        assert samples[1].get("mask.png") is None and "mask.png" not in samples[1]
+        batch = packdata.fields_collate(samples)
+        assert batch["__key__"] == ["m0", "m1", "m2"] and batch["mask.png"][1] is None
