@@ -15,8 +15,9 @@ keeps the bytes): packdata with ``decode="bytes"``; WebDataset with
 (the way WebDataset's documentation reads S3; skipped without the AWS CLI) and
 over an fsspec (s3fs) ``gopen`` handler registered for ``s3://``. The same
 reads from the local pack and tars (warm page cache) are measured in the same
-run, and two rows that tell the reader from the server: packdata again with
-one request per shard (``--big-chunk-mb``, ``RemoteShardReader.CHUNK``), and the
+run, and rows that tell the reader from the server: packdata again with
+requests of ``--big-chunk-mb`` (``RemoteShardReader.CHUNK``), packdata with a GET
+per 8 MiB chunk as before the span GETs (``--per-chunk``), and the
 server alone (s3fs ``cat_file`` of the pack's shards, whole and in 8 MiB
 ranges: moto reads the whole object for every ranged GET, which real object
 stores do not). Every pass yields every sample once (checked). Each
@@ -44,11 +45,13 @@ from bench_tfrecord import make_images
 from torch.utils.data import DataLoader
 
 import packdata
+from packdata.formats.remote_reads import SpanRequest
 from packdata.formats.tfrecord_remote import RemoteShardReader
 
 BATCH = 64
 TARGET = 1.5  # the target: packdata at least 1.5x WebDataset over S3
 _DEFAULT_CHUNK = RemoteShardReader.CHUNK
+_SPANS = SpanRequest.possible  # one GET per shard's run on S3 (the ``--per-chunk`` row turns it off)
 _S3_OPTIONS: dict[str, Any] = {}  # for the fsspec gopen handler (set before the loaders fork their workers)
 
 
@@ -107,9 +110,10 @@ def _loaders(
     _S3_OPTIONS.update(options)
     endpoint = options["client_kwargs"]["endpoint_url"]
 
-    def streamed(chunk: int) -> Callable[[], Any]:
+    def streamed(chunk: int, spans: bool = True) -> Callable[[], Any]:
         def make() -> Any:
             RemoteShardReader.CHUNK = chunk  # before the loader forks its workers
+            SpanRequest.possible = staticmethod(_SPANS if spans else lambda fs: False)  # type: ignore[method-assign]
             return packdata.TFRecordDataset(
                 "s3://bench/pack", decode="bytes", shuffle=False, storage_options=options, cache_dir=work / "cache"
             )
@@ -117,6 +121,8 @@ def _loaders(
         return make
 
     sources: dict[tuple[str, str], Callable[[], Any]] = {("S3", "packdata TFRecordDataset"): streamed(_DEFAULT_CHUNK)}
+    if args.per_chunk:
+        sources["S3", "packdata, a GET per 8 MiB chunk"] = streamed(_DEFAULT_CHUNK, spans=False)
     if args.big_chunk_mb:
         sources["S3", f"packdata, {args.big_chunk_mb} MiB requests"] = streamed(args.big_chunk_mb << 20)
     if shutil.which("aws"):
@@ -187,6 +193,9 @@ def main() -> None:
     parser.add_argument("--workers", type=lambda s: [int(w) for w in s.split(",")], default=[0, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--big-chunk-mb", type=int, default=64, help="also stream with requests this large (0: not)")
+    parser.add_argument(
+        "--per-chunk", action="store_true", help="also stream with a GET per chunk, no span GET (packdata before)"
+    )
     parser.add_argument("--data", type=Path, help="keep the generated images here (reused when present)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-stream-"))

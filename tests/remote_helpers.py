@@ -42,8 +42,10 @@ def _cli(*args: str, options: dict) -> object:
     return CliRunner().invoke(main, [*args, "--storage-options", json.dumps(options)])
 
 
-def _convert_to_s3(root: Path, tag: str, url: str, options: dict, fmt: str = "tfrecord") -> None:
-    """Convert 12 text samples of 300 bytes starting with ``tag`` into ``url`` (one shard), over any pack there.
+def _convert_to_s3(
+    root: Path, tag: str, url: str, options: dict, fmt: str = "tfrecord", shard_samples: int = 12
+) -> None:
+    """Convert 12 text samples of 300 bytes starting with ``tag`` into ``url`` (``shard_samples`` a shard), over it.
 
     Every tag gives records of the same lengths, keys and labels: only their bytes differ.
     """
@@ -51,7 +53,7 @@ def _convert_to_s3(root: Path, tag: str, url: str, options: dict, fmt: str = "tf
         (root / c).mkdir(parents=True)
         for i in range(6):
             (root / c / f"{i}.txt").write_text(f"{tag}{c}{i}" * 100)
-    packdata.convert(root, url, format=fmt, shard_samples=12, overwrite=True, storage_options=options,
+    packdata.convert(root, url, format=fmt, shard_samples=shard_samples, overwrite=True, storage_options=options,
                      progress=False)  # fmt: skip
 
 

@@ -10,6 +10,11 @@ A reader that names the manifest it opened reads each shard object at the
 version pinned at its first access in the process (:func:`pinned_version`), so
 a pack uploaded again while it reads (``convert ... --overwrite``) stops it
 with one error instead of mixing two packs' records.
+
+:class:`SpanRequest` reads a whole span of an S3 object (a reader's run of
+records in one shard) in one GET, taken in pieces in order: an object store
+that reads the whole object for every ranged GET (moto) then reads it once,
+and a real one is asked once per shard rather than once per 8 MiB.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from packdata.pack.urls import (
     remote_size,
 )
 
-__all__ = ["RemoteStream", "check_not_short", "fetch_range", "pinned_version"]
+__all__ = ["RemoteStream", "SpanRequest", "check_not_short", "fetch_range", "pinned_version"]
 
 _CHUNK = 8 << 20  # bytes per ranged request while streaming a shard
 
@@ -237,3 +242,61 @@ class RemoteStream:
             self._pos = len(self._buf)
             self.read(_CHUNK)
         return self._sha.hexdigest()
+
+
+class SpanRequest:
+    """Bytes ``[start, end)`` of an S3 object in one GET, taken in order in pieces (:meth:`take`).
+
+    The GET carries ``If-Match`` with the version pinned for ``opened`` (see
+    :func:`fetch_range`), so the whole span comes from that version. Only a
+    store where :func:`~packdata.pack.urls.conditional_reads` holds (s3fs) is
+    read this way. Nothing here retries or explains: a request or a piece that
+    fails raises whatever the client raised, and the caller reads that piece
+    with :func:`fetch_range`, which does both. Used from one thread at a time.
+    """
+
+    def __init__(self, fs: Any, path: str, where: str, start: int, end: int, *, opened: Manifest | None) -> None:
+        from fsspec.asyn import sync
+
+        self.fs, self.at, self.end = fs, start, end
+        version = "" if opened is None else pinned_version(fs, path, where, opened)
+        bucket, key, _ = fs.split_path(path)
+        extra = {"IfMatch": version} if version else {}
+        byte_range = f"bytes={start}-{end - 1}"
+        self._body = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=byte_range, **extra)["Body"]
+
+    @staticmethod
+    def possible(fs: Any) -> bool:
+        """Whether ``fs`` is read this way (s3fs: :func:`~packdata.pack.urls.conditional_reads`)."""
+        return conditional_reads(fs)
+
+    def take(self, n: int) -> bytes:
+        """The next ``n`` bytes of the span (all of them, or an error)."""
+        from fsspec.asyn import sync
+
+        if n > self.end - self.at:
+            raise ValueError(f"{n} bytes asked, {self.end - self.at} left in the span")
+        data: bytes = sync(self.fs.loop, _take, self._body, n)
+        self.at += n
+        return data
+
+    def close(self) -> None:
+        """Drop the response (its connection with it when not read to the end)."""
+        from fsspec.asyn import sync
+
+        sync(self.fs.loop, _close_body, self._body)
+
+
+async def _take(body: Any, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = await body.read(n - got)
+        if not part:
+            raise EOFError(f"the response ended {n - got} bytes short")
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _close_body(body: Any) -> None:
+    body.close()

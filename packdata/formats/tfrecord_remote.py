@@ -3,10 +3,13 @@
 :class:`RemoteShardReader` streams a run of records of one shard the way the
 local reader does (whole records in chunks of about 8 MB, the same framing and
 CRC checks on each, see :meth:`TFRecordShardReader.check_chunk`), fetching the
-chunks with ranged requests two ahead of the one being checked, in a
-background thread. :func:`stream_ahead` does the same for a reader's whole run
-of shards, so the read-ahead carries on into the next shard while the current
-one is checked: a shard boundary costs no round trip. A request that fails (a
+chunks two ahead of the one being checked, in a background thread: on S3 from
+one GET of the run's whole byte span, read a chunk at a time
+(:class:`~packdata.formats.remote_reads.SpanRequest`; memory stays bounded),
+elsewhere, or once that GET fails, with a ranged request a chunk.
+:func:`stream_ahead` does the same for a reader's whole run of shards, so
+the read-ahead carries on into the next shard while the current one is
+checked: a shard boundary costs no round trip. A request that fails (a
 dropped connection, a throttled read) is retried with backoff; a chunk that
 still cannot be read raises one :class:`~packdata.errors.PackFormatError`
 naming the shard's URL and byte range, when the reader gets to that chunk, so
@@ -18,6 +21,7 @@ stops it with one error (see :func:`~packdata.formats.remote_reads.fetch_range`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -32,7 +36,7 @@ import numpy as np
 
 from packdata.errors import ConfigError, PackFormatError
 from packdata.formats.remote_pack import fetch_pack_skeleton
-from packdata.formats.remote_reads import fetch_range
+from packdata.formats.remote_reads import SpanRequest, fetch_range
 from packdata.formats.tfrecord import NAME
 from packdata.formats.tfrecord_framing import check_record
 from packdata.formats.tfrecord_reader import TFRecordShardReader, chunk_plan
@@ -47,7 +51,8 @@ class RemoteShardReader(TFRecordShardReader):
     """Reads records of one remote shard (see the module docstring).
 
     ``BACKOFF`` (0.5 s) is the first retry's delay; four tries wait 0.5 + 1 + 2 s in all.
-    ``CHUNK`` (8 MiB) is the size of one ranged request (whole records, at least one).
+    ``CHUNK`` (8 MiB) is the size of one chunk checked at a time (whole records, at least one), and of
+    one ranged request where a run is not read in one GET (see the module docstring).
 
     Args:
         fs: the fsspec filesystem.
@@ -153,8 +158,9 @@ def stream_ahead(
 ) -> Generator[tuple[ShardRun, Iterator[memoryview]], None, None]:
     """Each run with an iterator of its checked records (data, or payloads), chunks fetched ahead across runs.
 
-    One background thread fetches the chunks of all the runs in order, at most
-    ``ahead + 1`` requests queued or running beyond the chunk being checked
+    One background thread fetches the chunks of all the runs in order (on S3 a
+    run's chunks from one GET of its span), at most ``ahead + 1`` chunks queued
+    or being read beyond the chunk being checked
     (with ``CHUNK`` of 8 MiB and ``ahead=2``: 24 MiB fetched and not read yet),
     whether they belong to the current run or to the next ones. ``runs`` is
     read lazily, one run ahead of the requests that need it, so the first
@@ -202,6 +208,9 @@ class _ReadAhead:
         self._pending: deque[tuple[ShardRun, _Chunk, Future[bytes]]] = deque()
         self._failure: Exception | None = None  # producing the next run failed: raised when the caller gets there
         self._done = False
+        # id(run) -> [its span's end, its open SpanRequest or None, whether one may still be opened]: made in
+        # _pull, then read, changed and dropped only in the pool's thread
+        self._spans: dict[int, list[Any]] = {}
 
     def _pull(self) -> bool:
         """Take the next run from the caller; False when there is none (or producing it failed)."""
@@ -220,6 +229,8 @@ class _ReadAhead:
             raise TypeError(f"stream_ahead reads remote shards, but got a {type(reader).__name__}")
         plan = deque(chunk_plan(run.offsets, run.lengths, run.start, run.stop, reader.size, reader.CHUNK))
         self._chunks[id(run)] = len(plan)
+        if plan:
+            self._spans[id(run)] = [plan[-1][3], None, SpanRequest.possible(reader.fs)]
         self._ready.append(run)
         self._unrequested.append((run, plan))
         return True
@@ -234,8 +245,48 @@ class _ReadAhead:
                 self._unrequested.popleft()
                 continue
             chunk = plan.popleft()
-            fetch = cast(RemoteShardReader, run.reader).fetch  # checked in _pull
-            self._pending.append((run, chunk, self._pool.submit(fetch, chunk[2], chunk[3], self._stop)))
+            self._pending.append((run, chunk, self._pool.submit(self._fetch, run, chunk[2], chunk[3])))
+
+    def _fetch(self, run: ShardRun, base: int, end: int) -> bytes:
+        """Bytes ``[base, end)`` of ``run``'s shard (in the pool's thread, chunks in order).
+
+        On S3 the run's chunks come from one GET of its whole span (:class:`SpanRequest`);
+        once that GET fails, or where it cannot be made, each chunk is its own ranged
+        request (:meth:`RemoteShardReader.fetch`: retried, errors explained).
+        """
+        reader = cast(RemoteShardReader, run.reader)  # checked in _pull
+        span = self._spans.get(id(run))
+        data = None
+        if span is not None and not self._stop.is_set():
+            stream: SpanRequest | None = span[1]
+            if stream is None and span[2]:
+                span[2] = False  # one GET a run: a failed one is not made again
+                try:
+                    stream = span[1] = SpanRequest(
+                        reader.fs, reader.remote_path, reader.path, base, span[0], opened=reader.opened
+                    )
+                except Exception:  # the chunk's own request tells what is wrong (or succeeds)
+                    stream = None
+            if stream is not None:
+                try:
+                    data = stream.take(end - base) if stream.at == base else None
+                except Exception:
+                    data = None
+                if data is None or stream.at >= stream.end:
+                    span[1] = None
+                    with contextlib.suppress(Exception):
+                        stream.close()
+        if span is not None and end >= span[0]:
+            del self._spans[id(run)]
+        return data if data is not None else reader.fetch(base, end, self._stop)
+
+    def _drop_spans(self) -> None:
+        """Close the GETs left open (a run not read to its end)."""
+        for span in list(self._spans.values()):
+            if span[1] is not None:
+                with contextlib.suppress(Exception):
+                    span[1].close()
+        self._spans.clear()
 
     def next_run(self) -> ShardRun | None:
         """The next run, or None after the last; raises the error that producing it raised."""
@@ -270,7 +321,9 @@ class _ReadAhead:
         for _, _, future in self._pending:
             future.cancel()
         self._pending.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(RuntimeError):  # closed twice: the pool is shut down already
+            self._pool.submit(self._drop_spans)  # after the request running, in the thread that owns the GETs
+        self._pool.shutdown(wait=False, cancel_futures=False)
 
 
 def fetch_skeleton(url: str, storage_options: dict[str, Any] | None, cache_dir: str | os.PathLike | None) -> Path:
