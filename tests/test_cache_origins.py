@@ -181,3 +181,25 @@ def test_eviction_never_looks_up_a_copy_staged_from_another_endpoint_in_this_one
         assert (first / STAGED_FILE).is_file() and read_manifest(first).total_bytes == read_manifest(local).total_bytes
     finally:
         fs.rm("packs/h-second", recursive=True)
+
+
+def test_eviction_still_looks_up_a_copy_staged_with_other_credentials_of_the_same_endpoint(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """Where a copy came from is its endpoint, not who asked: a copy staged with keys since rotated is still looked
+    up (its origin there: evicted), never kept as another store's."""
+    options, fs = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    before = {**options, "key": "rotated-key-id", "secret": "rotated-secret"}
+    first = packdata.stage(url, to=cache, progress=False, storage_options=before).staged
+    fs.put(str(local), "packs/h-rotated", recursive=True)
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    now = {**options, "key": "new-key-id", "secret": "new-secret"}
+    try:
+        second = packdata.stage(
+            "s3://packs/h-rotated", to=cache, progress=False, storage_options=now, cache_limit=int(1.5 * size)
+        )
+        assert not first.exists() and second.staged.is_dir()  # the older copy made room
+    finally:
+        fs.rm("packs/h-rotated", recursive=True)
