@@ -181,8 +181,9 @@ def measure_loader(
     after each batch, as a training step would occupy it, and
     ``data_wait_share`` is the share of the timed wall clock spent waiting for data.
     ``cpu_ms_per_sample`` is the CPU time (user + system) the main process and
-    the workers alive at the end spent per timed sample (approximate with workers:
-    batches prefetched at either edge of the timed window shift it): unlike samples/s it
+    all its descendants spent per timed sample, workers that ended in the window
+    (an epoch's end) included, their start-up too (approximate with workers: batches
+    prefetched at either edge of the timed window shift it): unlike samples/s it
     hardly moves when other work shares the machine, so compare routes with it there.
 
     Raises:

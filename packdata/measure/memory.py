@@ -15,6 +15,7 @@ and ``/proc/PID/status`` on Linux):
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from typing import Any
@@ -37,8 +38,6 @@ class _MemorySampler:
         # (main's memory, each readable descendant's memory, MemAvailable cut to the cgroup's headroom, swap used,
         # descendants seen)
         self.ticks: list[tuple[dict[str, int], list[dict[str, int]], int, int, int]] = []
-        self._procs: dict[int, psutil.Process] = {}
-        self._cpu: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds last seen: exited ones kept
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -48,10 +47,8 @@ class _MemorySampler:
         main = process_memory(self.main) or {}
         workers = []
         children = worker_processes(self.main)
-        self._note_cpu(children)
         for child in children:
-            proc = self._procs.setdefault(child.pid, child)
-            mem = process_memory(proc)
+            mem = process_memory(child)
             if mem is not None:
                 workers.append(mem)
         available = read_cgroup_memory().available(psutil.virtual_memory().available)  # in a container: its own
@@ -60,30 +57,35 @@ class _MemorySampler:
             self.ticks.append(tick)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the main process and its descendants so far.
+        """User + system CPU seconds of the main process and all its descendants so far, ended ones included.
 
-        The main process is read with ``time.process_time`` (nanosecond clock), the
-        workers with psutil (clock ticks, 10 ms on most Linux systems). A worker that
-        has exited (an epoch's end) counts with its time as last seen (here or at a
-        sample), so the total never falls between two calls.
+        A descendant still running (or ended and not yet reaped) is read from ``/proc`` (psutil: clock ticks,
+        10 ms on most Linux systems), with what its own reaped children spent; one that has been reaped counts
+        in its parent's children's times, as the kernel adds it there: the main process's from
+        ``getrusage(RUSAGE_CHILDREN)`` (microseconds), a fork server's from its ``/proc`` entry. So a worker
+        that ended between two calls, seen or not, counts whole, and no process is told apart by its pid and
+        start time (a new process given an ended worker's pid in its start's clock tick is another). The
+        total never falls between two calls made by the thread that reaps the workers (the main thread).
         """
-        total = time.process_time() if self.main.pid == os.getpid() else 0.0
-        procs = worker_processes(self.main)
-        if self.main.pid != os.getpid():
-            procs.append(self.main)
-        self._note_cpu(procs)
-        with self._lock:
-            return total + sum(self._cpu.values())
-
-    def _note_cpu(self, procs: list[psutil.Process]) -> None:
-        """Record the CPU seconds of each of ``procs`` as of now (those gone already keep what was seen)."""
-        for proc in procs:
+        live = 0.0
+        try:
+            descendants = self.main.children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        for proc in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
             try:
-                key, times = (proc.pid, proc.create_time()), proc.cpu_times()
-            except psutil.Error:
+                times = proc.cpu_times()
+            except psutil.Error:  # reaped since: its parent's children's times hold it
                 continue
-            with self._lock:
-                self._cpu[key] = max(times.user + times.system, self._cpu.get(key, 0.0))
+            live += times.user + times.system + times.children_user + times.children_system
+        if self.main.pid == os.getpid():  # read after the descendants: one reaped in between counts there
+            reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return live + time.process_time() + reaped.ru_utime + reaped.ru_stime
+        try:
+            own = self.main.cpu_times()
+        except psutil.Error:
+            return live
+        return live + own.user + own.system + own.children_user + own.children_system
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
