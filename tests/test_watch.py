@@ -180,6 +180,36 @@ def test_a_cpu_burning_dataset_with_one_worker_is_data_bound() -> None:
     assert summary.diagnosis is not None and summary.diagnosis.kind == "data-bound", summary.diagnosis
 
 
+def _start_slowly(worker_id: int) -> None:
+    time.sleep(1)  # the worker's start-up (imports, opening files): far longer than all the steps after it
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loop_that_waits_only_for_its_workers_to_start_is_named_start_up_not_data_bound(persistent: bool) -> None:
+    """An epoch whose only wait was its first batch (the workers starting) was diagnosed data-bound ('decoding
+    is the limit -> decode less', or more workers, which start slower still): its wait share counted the start.
+    The wait after the first batch decides now; a start-up that recurs each epoch advises persistent workers."""
+    stream = io.StringIO()
+    loader = DataLoader(
+        _Instant(), batch_size=4, num_workers=1, worker_init_fn=_start_slowly, persistent_workers=persistent
+    )
+    watched = packdata.monitor(loader, every=3600, stream=stream)
+    for _ in watched:
+        time.sleep(0.03)  # a step far longer than the worker takes for its next batch of 4 indices
+    diagnosis = watched.summaries[0].diagnosis
+    assert diagnosis is not None and diagnosis.kind == "start-up", diagnosis
+    if persistent:
+        assert diagnosis.next_step == (
+            "the steps after the first do not wait: nothing to change per step (longer epochs amortise it)"
+        )
+    else:
+        assert (
+            diagnosis.next_step
+            == "keep the workers from one epoch to the next: DataLoader(..., persistent_workers=True)"
+        )
+    assert "for the first batch and" in diagnosis.message and "diagnosis: start-up: the step waits" in stream.getvalue()
+
+
 def test_an_epoch_shorter_than_the_period_reports_its_workers_and_their_memory() -> None:
     """An epoch that ended before its first period was summed up from one sample taken after the loop, when
     the workers had exited: 'epoch: ..., 0 workers' beside a diagnosis of '1 worker', and no per-worker

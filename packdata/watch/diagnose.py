@@ -8,6 +8,9 @@ The rules follow the Linux data-loading guide this project follows, first match 
    fewer workers or ``pin_memory=False``.
 2. **compute-bound**: the training step waits for data less than 10% of the
    time: the loader is not the bottleneck.
+   **start-up**: it waits 10% or more, but under 10% after the first batch:
+   the wait is the loader's start (workers starting, files opening), which
+   recurs each epoch unless the workers persist -> ``persistent_workers=True``.
 3. **I/O-bound**: the step waits, and iowait is 20% or more of CPU time ->
    stage the pack onto NVMe or a tmpfs; but when the job read nothing from
    storage meanwhile (its pages were cached), the iowait is another process's ->
@@ -52,11 +55,13 @@ class Measurements:
     job_private: int = 0  # private memory of the training process and its workers together
     memory_budget: int | None = None  # what the job may use, when the user gave one
     read_bytes: int | None = None  # what the job read from storage (page cache hits not counted); None: unknown
+    startup_share: float = 0.0  # share of the loop's time spent waiting for its first batch (part of wait_share)
+    persistent_workers: bool = False  # the loader keeps its workers from one epoch to the next
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The bottleneck (``memory``, ``compute-bound``, ``io-bound``, ``data-bound``), why, and what to do."""
+    """The bottleneck (``memory``, ``compute-bound``, ``start-up``, ``io-bound``, ``data-bound``), why, what to do."""
 
     kind: str
     message: str
@@ -92,6 +97,16 @@ def diagnose(m: Measurements) -> Diagnosis:
     waiting = f"the step waits {100 * m.wait_share:.0f}% of the time"
     if m.wait_share < WAIT_LOW:
         return Diagnosis("compute-bound", waiting, "the loader is not the bottleneck: nothing to change")
+    after = max(0.0, m.wait_share - m.startup_share)
+    if after < WAIT_LOW:
+        return Diagnosis(
+            "start-up",
+            f"{waiting}, {100 * m.startup_share:.0f}% for the first batch and {100 * after:.0f}% after it: the "
+            "loader's start (workers starting, the dataset opening its files) is the wait",
+            "keep the workers from one epoch to the next: DataLoader(..., persistent_workers=True)"
+            if m.num_workers and not m.persistent_workers
+            else "the steps after the first do not wait: nothing to change per step (longer epochs amortise it)",
+        )
     if m.iowait >= IOWAIT_HIGH and m.read_bytes == 0:
         return Diagnosis(
             "io-bound",

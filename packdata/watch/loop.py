@@ -82,6 +82,7 @@ class EpochSummary:
     samples: int = 0
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    first_wait: float = 0.0  # of wait_seconds, the wait for the epoch's first batch (the loader starting)
     diagnosis: Diagnosis | None = None
     snapshots: list[Snapshot] = field(default_factory=list)
 
@@ -119,6 +120,8 @@ class _Monitor:
             if self.num_workers and not summary.steps:  # the workers, while they run: they exit as the epoch ends
                 summary.snapshots.append(probe.sample())
             n = _batch_len(batch)
+            if not summary.steps:
+                summary.first_wait = period.first_wait = after - before
             for s in (summary, period):
                 s.wait_seconds += after - before
                 s.steps += 1
@@ -134,10 +137,12 @@ class _Monitor:
         self._report(probe.sample(), summary, summary, final=True, started=started)
         self.summaries.append(summary)
 
-    def _measurements(self, snap: Snapshot, wait_share: float) -> Measurements:
+    def _measurements(self, snap: Snapshot, part: EpochSummary) -> Measurements:
         workers = snap.workers
         return Measurements(
-            wait_share=wait_share,
+            wait_share=part.wait_share,
+            startup_share=part.first_wait / part.seconds if part.seconds else 0.0,
+            persistent_workers=bool(getattr(self.loader, "persistent_workers", False)),
             cpu_busy=snap.cpu_busy,
             iowait=snap.iowait,
             num_workers=self.num_workers or len(workers),
@@ -173,7 +178,7 @@ class _Monitor:
                 max(snaps, key=lambda s: len(s.workers)).processes,  # the workers exit as the epoch ends
                 read_bytes=None if any(s.read_bytes is None for s in snaps) else sum(s.read_bytes or 0 for s in snaps),
             )
-        diagnosis = diagnose(self._measurements(snap, part.wait_share))
+        diagnosis = diagnose(self._measurements(snap, part))
         if final:
             epoch.diagnosis = diagnosis
         rate = part.samples / part.seconds if part.seconds else 0.0
