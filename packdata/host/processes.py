@@ -1,16 +1,19 @@
-"""Memory of one process as the kernel sees it: private, proportional, anonymous, file-backed and shared pages."""
+"""Memory of one process as the kernel sees it (private, proportional, anonymous, file-backed and shared pages),
+and the CPU time of a process tree."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import resource
+import time
 from collections.abc import Collection
 from pathlib import Path
 
 import psutil
 
-__all__ = ["open_by_any_process", "process_memory", "worker_processes"]
+__all__ = ["open_by_any_process", "process_memory", "tree_cpu_seconds", "worker_processes"]
 
 _ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
 
@@ -42,6 +45,38 @@ def worker_processes(proc: psutil.Process) -> list[psutil.Process]:
         if not helper:
             workers.append(child)
     return workers
+
+
+def tree_cpu_seconds(proc: psutil.Process) -> float:
+    """User + system CPU seconds of ``proc`` and all its descendants so far, the ended ones included.
+
+    A descendant still running (or ended and not yet reaped) is read from ``/proc`` (psutil: clock ticks,
+    10 ms on most Linux systems), with what its own reaped children spent; one that has been reaped counts
+    in its parent's children's times, as the kernel adds it there: this process's from
+    ``getrusage(RUSAGE_CHILDREN)`` (microseconds), another's (a fork server's) from its ``/proc`` entry. So a
+    worker that ended between two calls counts whole, and no process is told apart by its pid and start time
+    (a new process given an ended worker's pid in its start's clock tick is another). The total never falls
+    between two calls made by the thread that reaps the children.
+    """
+    live = 0.0
+    try:
+        descendants = proc.children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    for child in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # reaped since: its parent's children's times hold it
+            continue
+        live += times.user + times.system + times.children_user + times.children_system
+    if proc.pid == os.getpid():  # read after the descendants: one reaped in between counts there
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return live + time.process_time() + reaped.ru_utime + reaped.ru_stime
+    try:
+        own = proc.cpu_times()
+    except psutil.Error:
+        return live
+    return live + own.user + own.system + own.children_user + own.children_system
 
 
 def process_memory(proc: psutil.Process) -> dict[str, int] | None:

@@ -14,17 +14,14 @@ and ``/proc/PID/status`` on Linux):
 
 from __future__ import annotations
 
-import os
-import resource
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import psutil
 
 from packdata.host.facts import read_cgroup_memory
-from packdata.host.processes import process_memory, worker_processes
+from packdata.host.processes import process_memory, tree_cpu_seconds, worker_processes
 
 __all__: list[str] = []
 
@@ -57,35 +54,9 @@ class _MemorySampler:
             self.ticks.append(tick)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the main process and all its descendants so far, ended ones included.
-
-        A descendant still running (or ended and not yet reaped) is read from ``/proc`` (psutil: clock ticks,
-        10 ms on most Linux systems), with what its own reaped children spent; one that has been reaped counts
-        in its parent's children's times, as the kernel adds it there: the main process's from
-        ``getrusage(RUSAGE_CHILDREN)`` (microseconds), a fork server's from its ``/proc`` entry. So a worker
-        that ended between two calls, seen or not, counts whole, and no process is told apart by its pid and
-        start time (a new process given an ended worker's pid in its start's clock tick is another). The
-        total never falls between two calls made by the thread that reaps the workers (the main thread).
-        """
-        live = 0.0
-        try:
-            descendants = self.main.children(recursive=True)
-        except psutil.Error:
-            descendants = []
-        for proc in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:  # reaped since: its parent's children's times hold it
-                continue
-            live += times.user + times.system + times.children_user + times.children_system
-        if self.main.pid == os.getpid():  # read after the descendants: one reaped in between counts there
-            reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-            return live + time.process_time() + reaped.ru_utime + reaped.ru_stime
-        try:
-            own = self.main.cpu_times()
-        except psutil.Error:
-            return live
-        return live + own.user + own.system + own.children_user + own.children_system
+        """User + system CPU seconds of the main process and all its descendants so far, ended ones included
+        (:func:`packdata.host.processes.tree_cpu_seconds`)."""
+        return tree_cpu_seconds(self.main)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

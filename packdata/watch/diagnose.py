@@ -17,7 +17,9 @@ The rules follow the Linux data-loading guide this project follows, first match 
    find it (staging would not help).
 4. **data-bound, CPU saturated**: the step waits and the CPUs are 85% busy
    or more -> cheaper decoding (reduced-size JPEG decode, a pack re-encoded
-   with ``--max-side``) or more CPUs.
+   with ``--max-side``) or more CPUs; but when the job's own processes used
+   under a quarter of a CPU per worker, its workers wait on something else and
+   other processes keep the CPUs busy -> find them.
 5. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
    workers, as many as the free cores and the memory allow.
 """
@@ -36,6 +38,9 @@ MEMORY_LOW = 0.10
 WAIT_LOW = 0.10
 IOWAIT_HIGH = 0.20
 CPU_SATURATED = 0.85
+OTHERS_HOLD = 0.25
+"""A job whose processes use under this many CPUs' worth per worker (its main process without workers) is not
+decoding: on busy CPUs, other processes are the ones busy."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Measurements:
     read_bytes: int | None = None  # what the job read from storage (page cache hits not counted); None: unknown
     startup_share: float = 0.0  # share of the loop's time spent waiting for its first batch (part of wait_share)
     persistent_workers: bool = False  # the loader keeps its workers from one epoch to the next
+    job_cores: float | None = None  # CPUs' worth of time the job's own processes used; None: unknown
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,16 @@ def diagnose(m: Measurements) -> Diagnosis:
             "stage the pack onto fast local storage: packdata stage PACK --to /nvme/cache (or --tmpfs SIZE)",
         )
     busy = f"CPUs {100 * m.cpu_busy:.0f}% busy"
+    idle_job = m.job_cores is not None and m.job_cores < OTHERS_HOLD * max(1, min(w, m.cores))
+    if m.cpu_busy >= CPU_SATURATED and idle_job:
+        return Diagnosis(
+            "data-bound",
+            f"{waiting} while {busy}, but the job's own processes used {m.job_cores:.2f} CPUs' worth: other "
+            "processes keep the CPUs busy, and its workers wait on something else than their CPU (storage, the "
+            "network, a lock)",
+            "find what else runs on the job's CPUs (top, pidstat -u) and move it or give the job CPUs of its own; "
+            "decoding less would not help",
+        )
     if m.cpu_busy >= CPU_SATURATED:
         return Diagnosis(
             "data-bound",

@@ -155,6 +155,7 @@ class _Monitor:
             job_private=sum(p.private for p in snap.processes),
             memory_budget=self.memory_budget,
             read_bytes=snap.read_bytes,
+            job_cores=snap.job_cores,
         )
 
     def _report(
@@ -177,6 +178,9 @@ class _Monitor:
                 snap.cores,
                 max(snaps, key=lambda s: len(s.workers)).processes,  # the workers exit as the epoch ends
                 read_bytes=None if any(s.read_bytes is None for s in snaps) else sum(s.read_bytes or 0 for s in snaps),
+                job_cores=None
+                if any(s.job_cores is None for s in snaps)
+                else sum(w * (s.job_cores or 0.0) for w, s in zip(weights, snaps, strict=True)),
             )
         diagnosis = diagnose(self._measurements(snap, part))
         if final:

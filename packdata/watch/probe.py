@@ -30,7 +30,7 @@ from packdata.host.facts import (
     read_meminfo,
 )
 from packdata.host.gpus import nvml_gpus
-from packdata.host.processes import process_memory, worker_processes
+from packdata.host.processes import process_memory, tree_cpu_seconds, worker_processes
 from packdata.pack.manifest import STAGED_FILE
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
@@ -63,6 +63,7 @@ class Snapshot:
     gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, utilization, used and total bytes
     packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
     read_bytes: int | None = None  # what the job's processes read from storage since the previous sample
+    job_cores: float | None = None  # CPUs' worth of time the job's own processes used since the previous sample
 
     @property
     def workers(self) -> list[ProcessMemory]:
@@ -191,6 +192,7 @@ class SystemProbe:
         facts.cpu_quota = self._quota
         self._cores = usable_cores(facts)
         self._read = {p.pid: _read_bytes(p) for _, p in self._processes()}  # each one's counter at the last sample
+        self._job_cpu = (time.monotonic(), tree_cpu_seconds(self.process))
 
     def _processes(self) -> list[tuple[str, psutil.Process]]:
         children = [c for c in worker_processes(self.process) if _worker_like(c)]
@@ -211,6 +213,8 @@ class SystemProbe:
         (then, used), self._usage = self._usage, (now, usage)
         if self._quota and usage is not None and used is not None and now > then:
             busy = max(busy, (usage - used) / (self._quota * (now - then)))
+        (since, spent), self._job_cpu = self._job_cpu, (now, tree_cpu_seconds(self.process))
+        job_cores = (self._job_cpu[1] - spent) / (now - since) if now > since else None
         mem = read_meminfo(self.root)
         cgroup = read_cgroup_memory(self.root, self._cgroup)
         processes = []
@@ -242,4 +246,5 @@ class SystemProbe:
             [asdict(g) for g in (nvml_gpus() or [])] if self._gpus else [],
             packs_in_use([p.pid for p in processes], self.root) if self._packs else [],
             read_bytes,
+            None if job_cores is None else max(0.0, job_cores),
         )
