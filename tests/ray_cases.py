@@ -448,19 +448,33 @@ def test_ray_resume_names_a_plan_longer_than_packdata_writes_never_read_whole(
 
 
 @pytest.mark.ray
-def test_ray_resume_names_a_saved_result_longer_than_its_task_writes_never_read_whole(
+def test_ray_resume_reruns_only_the_task_whose_saved_result_is_longer_than_its_task_writes(
     ray_local, clean_folder: Path, tmp_path: Path
 ) -> None:
-    """A task's result.json was read whole whatever its size, then taken as unreadable (the task ran again). A
-    result holds counts, digests, its shard's objects, 2 probes, the skip lines kept and a name per field: one
-    longer than that is not packdata's, refused by its size, naming it, before any task runs."""
+    """A task's result.json longer than its task writes (read to that bound, no further) was refused with
+    overwrite=True, which threw every finished task away, though a damaged result only ran its task again. Now
+    that task runs again, as for a damaged one, and the other finished tasks are kept."""
     from packdata.conversion.ray_tasks import TASKS_DIR
 
     dst = tmp_path / "out"
     partial = _interrupted_tfrecord_run(clean_folder, dst)
-    result = sorted((partial / TASKS_DIR).glob("*/result.json"))[0]
-    problem = "this task's saved result holds more than the {} bytes its task writes: it is not packdata's"
-    _resume_refuses_by_size(clean_folder, dst, result, 5 << 20, problem, format="tfrecord")
+    done = sorted(int(p.parent.name) for p in (partial / TASKS_DIR).glob("*/result.json"))
+    assert len(done) >= 2  # with 2 CPUs, two tasks had finished when the last one started
+    shards = {n: (partial / f"part-{n:05d}.tfrecord").stat() for n in done}
+    oversized = partial / TASKS_DIR / f"{done[0]:05d}" / "result.json"
+    oversized.unlink()
+    with open(oversized, "wb") as f:
+        f.truncate(5 << 20)  # sparse: over result_most (4 MiB and a name per field), never read whole
+    result = packdata.convert(
+        clean_folder, dst, format="tfrecord", shard_samples=10, resume=True, progress=False, engine="ray"
+    )
+    assert result.resumed and result.packed_before == 10 * (len(done) - 1)  # each kept task packed 10
+    files = [dst / shard.file for shard in read_manifest(dst).shards]
+    for n, before in shards.items():  # the kept tasks' shards are the files they wrote; the other was written again
+        after = files[n].stat()
+        assert ((after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)) == (n != done[0]), n
+    packdata.convert(clean_folder, tmp_path / "local", format="tfrecord", shard_samples=10, progress=False)
+    _assert_same_pack(tmp_path / "local", dst)
 
 
 @pytest.mark.ray

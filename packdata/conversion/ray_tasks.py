@@ -36,7 +36,7 @@ from packdata.conversion.ray_remote import (
 )
 from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
-from packdata.errors import ConfigError, EngineError, PackFormatError
+from packdata.errors import ConfigError, EngineError
 from packdata.formats import shard_writer
 from packdata.pack.files import atomic_write, fsync_named, read_regular
 from packdata.pack.index import INDEX_DIR
@@ -268,19 +268,11 @@ def result_most(task: ShardTask) -> int:
 def load_result(path: Path, *, most: int) -> dict[str, Any] | None:
     """A saved ``result.json`` whose content still has the SHA-256 it was saved with, else None.
 
-    None also for one that cannot be read or parsed, or one of an earlier packdata (no digest): its task runs again.
-
-    Raises:
-        PackFormatError: it holds more than ``most`` bytes (:func:`result_most`), more than its task writes
-            (never read whole).
+    None also for one that cannot be read or parsed, one of an earlier packdata (no digest), or one longer than
+    ``most`` bytes (:func:`result_most`: more than its task writes, read no further): its task runs again.
     """
-    too_long = PackFormatError(
-        f"this task's saved result holds more than the {most} bytes its task writes: it is not packdata's",
-        path=path,
-        hint="Start the conversion again with overwrite=True",
-    )
-    try:
-        data = read_regular(path, most, follow_symlinks=False, too_long=too_long)
+    try:  # one longer than most raises OSError (EFBIG) too: not its task's, it runs again as a damaged one does
+        data = read_regular(path, most, follow_symlinks=False)
     except OSError:
         return None
     try:
