@@ -233,3 +233,29 @@ def test_ray_resume_after_the_new_manifest_is_up_only_removes_the_replaced_objec
     local = packdata.convert(clean_folder, tmp_path / "local" / url.rsplit("/", 1)[1], **{**run, "engine": "local"})
     assert sorted(p.removeprefix(f"{root}/") for p in fs.find(root)) == cases._files(local.pack)
     assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the work folder is gone
+
+
+@pytest.mark.ray
+def test_ray_finishing_never_reads_the_plan_again_after_its_check(
+    ray_local, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The finishing record was added to the plan read again whole, unbounded, after _prepare_partial had checked
+    it: a file put in its place while the tasks ran (here a sparse 64 MiB one) was read into memory and failed
+    as a raw JSONDecodeError. The plan as checked is passed down: the driver writes its own over that file."""
+    from packdata.conversion import ray as ray_engine
+
+    real_gather = ray_engine._gather
+    plan = partial_path(tmp_path / "out") / "ray-plan.json"
+
+    def gather_then_replace_the_plan(*args, **kwargs):
+        gatherer = real_gather(*args, **kwargs)
+        plan.unlink()
+        with open(plan, "wb") as f:
+            f.truncate(64 << 20)
+        return gatherer
+
+    monkeypatch.setattr(ray_engine, "_gather", gather_then_replace_the_plan)
+    result = packdata.convert(clean_folder, tmp_path / "out", **_OPTIONS)
+    reference = packdata.convert(clean_folder, tmp_path / "ref" / "out", **{**_OPTIONS, "engine": "local"})
+    assert result.packed == reference.packed == cases.N_CLASSES * cases.PER_CLASS + 1
+    _assert_equal_packs(tmp_path / "ref" / "out", tmp_path / "out")

@@ -159,7 +159,7 @@ def convert_on_ray(
     if opts.shard_samples is None and opts.shard_size is None:
         opts = replace(opts, shard_samples=DEFAULT_TASK_SAMPLES)
     partial = partial_path(dst)
-    resumed = _prepare_partial(
+    resumed, plan = _prepare_partial(
         partial,
         dst,
         opts,
@@ -170,10 +170,10 @@ def convert_on_ray(
         places=source_identity(source),
     )
     writer_cls = shard_writer(opts.format)
-    finishing = _finishing_state(partial, writer_cls.shard_name) if resumed else None
+    finishing = _finishing_state(partial, plan, writer_cls.shard_name) if resumed else None
     if finishing is None:
         gatherer = _gather(ray, source, partial, opts, workers, resumed, progress, address, target)
-        manifest, record = _commit(source, partial, opts, gatherer, target)
+        manifest, record = _commit(source, partial, opts, gatherer, target, plan)
         packed_before = gatherer.samples_before
     else:  # killed while finishing: every task was gathered, the manifest written
         manifest, record = finishing
@@ -245,9 +245,15 @@ def _gather(
 
 
 def _commit(
-    source: AnySource, partial: Path, opts: _Options, gatherer: _Gatherer, target: RemoteTarget | None
+    source: AnySource,
+    partial: Path,
+    opts: _Options,
+    gatherer: _Gatherer,
+    target: RemoteTarget | None,
+    plan: dict[str, Any],
 ) -> tuple[Manifest, dict[str, Any]]:
-    """Record what finishing needs in the plan, then write the manifest: from then on, a resume only finishes.
+    """Record what finishing needs in the plan (``plan``: as :func:`_prepare_partial` wrote or checked it), then
+    write the manifest: from then on, a resume only finishes.
 
     Nothing is removed or renamed before: a run stopped here (a full disk) resumes from its tasks' results.
     """
@@ -277,7 +283,7 @@ def _commit(
         "skip_examples": gatherer.skip_examples,
     }
     try:
-        _mark_finishing(partial, record)
+        _mark_finishing(partial, plan, record)
         write_manifest(partial, manifest)
     except OSError as exc:  # nothing published (atomic_write removed its temporary); every task's result is kept
         raise_if_full(exc, partial, of="of the partial pack", hint=_FULL_HINT)

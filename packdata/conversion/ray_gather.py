@@ -297,8 +297,10 @@ def _prepare_partial(
     classes: list[str] | None = None,
     source: Path | str = "",
     places: list[str] | None = None,
-) -> bool:
-    """Make the partial folder ready; True when an interrupted Ray run into it is resumed.
+) -> tuple[bool, dict[str, Any]]:
+    """Make the partial folder ready; whether an interrupted Ray run into it is resumed, and the plan (as written
+    now, or as read back and checked: :func:`_mark_finishing` and :func:`_finishing_state` take it, never reading
+    the file again).
 
     ``classes``: the source's, as scanned (recorded in the plan; a resume whose
     source, at ``source``, numbers them otherwise is refused). ``places``: where the
@@ -333,6 +335,7 @@ def _prepare_partial(
                     path=plan,
                     hint="Start the conversion again with overwrite=True",
                 ) from exc
+            plan_read = dict(saved) if isinstance(saved, dict) else {}  # all of it, for the finishing steps
             saved_classes = saved.pop("classes", None) if isinstance(saved, dict) else None
             saved_places = saved.pop("source", None) if isinstance(saved, dict) else None
             if isinstance(saved, dict):
@@ -355,7 +358,7 @@ def _prepare_partial(
             if changed is not None:
                 raise changed
             (partial / TASKS_DIR).mkdir(exist_ok=True)
-            return True
+            return True, plan_read
         if resume and (partial / PROGRESS_FILE).is_file():
             raise ConfigError(
                 "the interrupted conversion into it ran on the local engine",
@@ -367,7 +370,7 @@ def _prepare_partial(
         discard_partial(partial)
     (partial / TASKS_DIR).mkdir(parents=True)
     plan.write_text(json.dumps(recorded), encoding="utf-8")
-    return False
+    return False, recorded
 
 
 def _drop_strays(partial: Path, shards: list[ShardInfo]) -> None:
@@ -383,24 +386,24 @@ def _drop_strays(partial: Path, shards: list[ShardInfo]) -> None:
             path.unlink()
 
 
-def _mark_finishing(partial: Path, record: dict[str, Any]) -> None:
+def _mark_finishing(partial: Path, plan: dict[str, Any], record: dict[str, Any]) -> None:
     """Add ``record`` to the plan, atomically: what the finishing steps need (the shards' names as written, the
-    result's counts), kept until the plan goes; written before the manifest, whose presence says it is complete."""
-    plan = partial / RAY_PLAN_FILE
-    saved = json.loads(plan.read_bytes())  # this run's own plan, written or checked by _prepare_partial
-    atomic_write(plan, json.dumps({**saved, _FINISHING: record}).encode("utf-8"))
+    result's counts), kept until the plan goes; written before the manifest, whose presence says it is complete.
+    ``plan``: this run's own, as :func:`_prepare_partial` wrote or checked it."""
+    atomic_write(partial / RAY_PLAN_FILE, json.dumps({**plan, _FINISHING: record}).encode("utf-8"))
 
 
-def _finishing_state(partial: Path, shard_name: Callable[[int], str]) -> tuple[Manifest, dict[str, Any]] | None:
+def _finishing_state(
+    partial: Path, saved: dict[str, Any], shard_name: Callable[[int], str]
+) -> tuple[Manifest, dict[str, Any]] | None:
     """The manifest and finishing record of a resumed run killed while finishing (every task gathered, the manifest
-    written, the plan not yet removed), or None when the tasks are to be gathered (again). ``shard_name``: the
-    format's name of a shard as a task writes it.
+    written, the plan not yet removed), or None when the tasks are to be gathered (again). ``saved``: the plan as
+    :func:`_prepare_partial` read and checked it; ``shard_name``: the format's name of a shard as a task writes it.
 
     Raises:
         PackFormatError: the manifest or the plan's finishing record is damaged.
     """
     plan = partial / RAY_PLAN_FILE
-    saved = json.loads(plan.read_bytes())  # checked by _prepare_partial
     if not (partial / MANIFEST_NAME).is_file() or _FINISHING not in saved:
         return None  # killed before the manifest: the tasks' results are all there
     manifest = read_manifest(partial)
