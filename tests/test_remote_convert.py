@@ -150,6 +150,39 @@ def test_a_resume_after_the_new_manifest_is_up_only_removes_the_replaced_objects
         packdata.convert(src, url, storage_options=options, resume=True, **run)  # no longer this work folder's
 
 
+def test_a_manifest_upload_whose_reply_was_lost_resumes_by_keeping_the_pack_it_put(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """The manifest's PUT reached the store but its reply was lost: the error said to resume, and the resume was
+    refused ('a pack already exists there'). The manifest there has the work folder's bytes: it is kept as it is."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    url, manifest = "s3://packs/lost-reply.lmdb", "packs/lost-reply.lmdb/manifest.json"
+    real_put = fs.put_file  # fsspec caches filesystems: convert gets this very instance
+    sent: list[str] = []
+
+    def lost_reply(lpath, rpath, *args, **kwargs):  # the first PUT of the manifest is written, its reply lost
+        sent.append(rpath)
+        real_put(lpath, rpath, *args, **kwargs)
+        if rpath.endswith("manifest.json") and sent.count(rpath) == 1:
+            raise OSError("connection reset after the write")
+
+    monkeypatch.setattr(fs, "put_file", lost_reply)
+    with pytest.raises(PackFormatError) as raised:
+        packdata.convert(src, url, shard_samples=5, storage_options=options, progress=False)
+    assert str(raised.value) == (
+        f"{url}: uploading manifest.json failed (OSError). Run again with resume=True: uploaded files are kept"
+    )
+    published, before = fs.cat_file(manifest), len(sent)
+    result = packdata.convert(src, url, shard_samples=5, storage_options=options, progress=False, resume=True)
+    assert result.pack == url and result.packed == 10
+    assert sent[before:] == []  # nothing uploaded again
+    fs.invalidate_cache()
+    assert fs.cat_file(manifest) == published
+    assert not any(p.is_file() for p in (tmp_path / "work").rglob("*"))  # the work folder is gone
+
+
 def test_a_finished_conversion_removes_only_the_objects_its_earlier_unfinished_run_uploaded(
     s3, tmp_path: Path, monkeypatch
 ) -> None:
