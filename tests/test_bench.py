@@ -434,6 +434,40 @@ def test_bench_cli_says_the_best_setting_as_flags_to_paste_and_the_library_as_ke
     assert again.stdout.splitlines()[-1].startswith(f"best: {pack} with {pasted.group(1)}: ")
 
 
+def test_the_best_line_names_every_swept_setting_so_a_pasted_one_measures_the_same(pack: Path, tmp_path: Path) -> None:
+    """The 'best:' line named only the workers and batch size: with --prefetch-factor 3,4, --pin-memory and
+    --persistent-workers a pasted line fell back to prefetch 2, no pinning, no persistent workers. It now names
+    each setting swept or set off its default (the library: DataLoader keywords; not those a setting without
+    workers ignores), and a second bench given the pasted flags measures exactly the best setting."""
+    from packdata.measure.bench import BenchResult
+
+    rows = [_measured(LoaderConfig(2, BATCH, pin, factor, True)) for pin, factor in [(False, 3), (True, 4)]]
+    rows[1].samples_per_s = rows[1].samples_per_s_min = 20.0
+    said = BenchResult(rows, [], {}, {}).table().splitlines()[-1]
+    keywords = f"num_workers=2, batch_size={BATCH}, pin_memory=True, prefetch_factor=4, persistent_workers=True"
+    assert said == f"best: p.lmdb with {keywords}: 20 samples/s"
+    rows[0].num_workers = 0
+    said = BenchResult(rows[:1], [], {}, {}).table().splitlines()[-1]
+    assert said == f"best: p.lmdb with num_workers=0, batch_size={BATCH}: 10 samples/s"
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    args = ["--batch-size", str(BATCH), "--prefetch-factor", "3,4", "--pin-memory", "--persistent-workers"]
+    ran = CliRunner().invoke(
+        cli_main, ["bench", str(pack), "--workers", "1", *args, "--batches", "1", "-q", "--json", str(first)]
+    )
+    assert ran.exit_code == 0, ran.output
+    best = ran.stdout.splitlines()[-1]
+    flags = rf"--workers 1 --batch-size {BATCH} --pin-memory --prefetch-factor [34] --persistent-workers"
+    pasted = re.fullmatch(rf"best: {re.escape(str(pack))} with ({flags}): .*", best)
+    assert pasted is not None, best
+    data = json.loads(first.read_text())
+    setting = {k: data["results"][data["best"]][k] for k in asdict(LoaderConfig())}
+    pasted_args = [*pasted.group(1).split(), "--batches", "1", "-q", "--json", str(again)]
+    ran = CliRunner().invoke(cli_main, ["bench", str(pack), *pasted_args])
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(again.read_text())["settings"]["configs"] == [setting]
+    assert ran.stdout.splitlines()[-1].startswith(f"best: {pack} with {pasted.group(1)}: ")
+
+
 def test_bench_cli_refuses_a_plot_format_matplotlib_does_not_know_before_measuring(pack: Path, tmp_path: Path) -> None:
     """--plot bench.out ran the whole bench, then matplotlib's savefig raised a raw ValueError (a traceback)."""
     pytest.importorskip("matplotlib")

@@ -151,11 +151,23 @@ class BenchResult:
         if best is not None:
             lines.append(
                 f"best: {best.source} with "
-                + say(f"num_workers={best.num_workers}, batch_size={best.batch_size}:")
+                + say(f"{self._setting(best)}:")
                 + f" {best.samples_per_s:,.0f} samples/s"
                 + (f" ({best.vs_ceiling:.2f}x the ceiling)" if best.vs_ceiling is not None else "")
             )
         return "\n".join(lines)
+
+    def _setting(self, best: ConfigResult) -> str:
+        """The best row's DataLoader keywords: its workers and batch size, and each other setting the bench swept
+        or set off its default (a line pasted without it would fall back to the default)."""
+        default = LoaderConfig()
+        said = [f"num_workers={best.num_workers}", f"batch_size={best.batch_size}"]
+        with_workers = [r for r in self.results if r.num_workers] if best.num_workers else []
+        for name in ("pin_memory", "prefetch_factor", "persistent_workers"):
+            rows = self.results if name == "pin_memory" else with_workers  # no workers: nothing prefetched or kept
+            if rows and {getattr(r, name) for r in rows} != {getattr(default, name)}:
+                said.append(f"{name}={getattr(best, name)}")
+        return ", ".join(said)
 
     def best(self) -> ConfigResult | None:
         """The fastest setting of any source but the ceiling (the cheaper one when two are within their spread)."""
