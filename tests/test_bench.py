@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,38 @@ def test_one_run_s_advice_says_repeats_to_python_and_the_flag_to_the_cli(pack: P
     said = CliRunner().invoke(cli_main, [*args, "--warmup", "1", "-q"])
     assert said.exit_code == 0, said.output
     assert advice.format("--repeat 3") in said.output, said.output
+
+
+def test_the_demo_says_the_bench_command_to_repeat_it_not_a_keyword_its_user_cannot_pass(pack: Path) -> None:
+    """make demo printed run_bench's 'run again with repeats=3 for a noise estimate': its user passes no keyword
+    (nor a flag). It now says 'run the command below' and ends with the packdata bench command line of the
+    demo's settings with --repeat 3, which runs as printed (here with --batches 1 and a batch size that the
+    small pack fills added)."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("demo", Path(__file__).resolve().parents[1] / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    from packdata.measure.bench import BenchResult
+
+    text = demo.bench_table(BenchResult([_measured(LoaderConfig(2, BATCH))], [], {}, {}), [pack])
+    assert "repeats=" not in text and "(one run: for a noise estimate, run the command below)" in text
+    *_, said, command = text.splitlines()
+    assert said == "For a noise estimate (every setting run 3 times, interleaved), run:"
+    words = shlex.split(command)
+    assert words[words.index("bench") :] == [
+        *("bench", str(pack), "--workers", "2", "--batch-size", "64", "--seconds", "4", "--repeat", "3")
+    ]
+    quick = ["--batches", "1", "--batch-size", str(BATCH), "-q"]  # the last --batch-size counts: the pack holds 30
+    repo = str(Path(__file__).resolve().parents[1])  # the packdata under test, not the one the venv installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([*words, *quick], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "samples/s: median of 3 runs" in done.stdout
+    repeated = BenchResult([replace(_measured(LoaderConfig(2, BATCH)), repeats=3)], [], {}, {})
+    assert demo.bench_table(repeated, [pack]) == repeated.table()  # no advice, no command
 
 
 def test_bench_step_ms_reports_the_data_wait_share(pack: Path) -> None:
