@@ -335,6 +335,9 @@ def test_a_checkpoint_replaced_while_a_conversion_into_a_url_runs_ends_it_named_
         after = planted_now.is_set()
         try:
             return real_look(self)
+        except PackFormatError:  # the refusal ends the watching: also a look begun just before the planting
+            looked.set()
+            raise
         finally:
             if after:
                 looked.set()
