@@ -1,4 +1,5 @@
-"""Runs the Ray engine tests (``tests/ray_cases.py``, ``tests/ray_finish_cases.py``) in a child pytest.
+"""Runs the Ray engine tests (``tests/ray_cases.py``, ``tests/ray_url_cases.py``, ``tests/ray_finish_cases.py``)
+in a child pytest.
 
 A Ray driver exits its whole process with status 1 and no Python exception when
 it loses its raylet or GCS (Ray's own ``QuickExit``): run in this process, one
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 CASES = Path(__file__).with_name("ray_cases.py")
-FILES = [str(CASES), str(CASES.with_name("ray_finish_cases.py"))]
+FILES = [str(CASES), str(CASES.with_name("ray_url_cases.py")), str(CASES.with_name("ray_finish_cases.py"))]
 RAY_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")
 
 
