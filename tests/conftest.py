@@ -240,6 +240,14 @@ def expected_samples(root: Path, extensions: set[str]) -> dict[str, tuple[bytes,
     return out
 
 
+def pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
+    """An LMDB pack's samples, key -> (bytes, label), as packdata reads them back."""
+    from packdata import LMDBDataset
+
+    ds = LMDBDataset(pack, decode="bytes")
+    return {ds.keys[i]: ds[i] for i in range(len(ds))}
+
+
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp"}
 
 

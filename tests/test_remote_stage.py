@@ -100,7 +100,7 @@ def test_stage_from_s3_refuses_to_download_into_an_interrupted_conversion(
     s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A killed convert's ``.NAME.partial`` was taken for the stage's own download: files were fetched into it."""
-    from tests.test_convert import _interrupted_convert
+    from conftest import interrupted_convert as _interrupted_convert
 
     options, _ = s3
     url, _local = remote_pack

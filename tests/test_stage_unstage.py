@@ -122,7 +122,7 @@ def test_unstage_of_an_area_keeps_an_interrupted_conversion_into_it(
     lmdb_pack: Path, noise_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A killed convert's ``.NAME.partial`` was taken for a killed stage's download and deleted: its work was lost."""
-    from tests.test_convert import _interrupted_convert
+    from conftest import interrupted_convert as _interrupted_convert
 
     area = tmp_path / "nvme"
     stage(lmdb_pack, to=area, progress=False)
