@@ -248,6 +248,29 @@ def pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
     return {ds.keys[i]: ds[i] for i in range(len(ds))}
 
 
+def classes_folder(root: Path, classes: dict[str, list[str]]) -> Path:
+    """A folder of class folders ``{class: [file names]}``, each file a small JPEG."""
+    for name, files in classes.items():
+        (root / name).mkdir(parents=True)
+        for i, file in enumerate(files):
+            (root / name / file).write_bytes(image_bytes(hash((name, file)) % 1000 + i))
+    return root
+
+
+def pack_samples(pack: Path) -> list[tuple[str, bytes, str]]:
+    """(key, stored bytes, class name) of every sample, in pack order."""
+    from packdata.pack.manifest import read_manifest
+
+    lmdb_pack = read_manifest(pack).format == "lmdb"
+    ds = (packdata.LMDBDataset if lmdb_pack else packdata.TFRecordIndexedDataset)(pack, decode="bytes")
+    return [(ds.keys[i], data, ds.classes[label]) for i, (data, label) in enumerate(ds)]
+
+
+def pack_tree(pack: Path) -> dict[str, str]:
+    """Every file of a pack -> SHA-256 (LMDB's lock files aside: readers make them)."""
+    return {name: digest for name, digest in tree_digest(pack).items() if not name.endswith("lock.mdb")}
+
+
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp"}
 
 
