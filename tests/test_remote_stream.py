@@ -278,43 +278,106 @@ def test_a_transient_failure_at_a_shard_boundary_loses_and_repeats_nothing(
     assert drops == {shards[1][0]: 0, shards[4][0]: 0} and log.count((shards[1][0], 0)) == 3
 
 
+class _Dropping:
+    """A GET's body whose connection drops once ``limit`` bytes were read.
+
+    ``limit`` None: the size of the first piece asked for (a chunk of a span's GET); a body read whole at once
+    (a request a chunk) is never dropped.
+    """
+
+    def __init__(self, body, limit: int | None) -> None:
+        self.body, self.limit, self.read_so_far = body, limit, 0
+
+    async def read(self, n: int = -1) -> bytes:
+        if self.limit is None:
+            self.limit = n if n >= 0 else 1 << 62
+        if self.read_so_far >= self.limit:
+            raise ConnectionResetError("reset by peer")
+        data = await self.body.read(self.limit - self.read_so_far if n < 0 else min(n, self.limit - self.read_so_far))
+        self.read_so_far += len(data)
+        return data
+
+    def close(self) -> None:
+        self.body.close()
+
+
+def _drop_gets(monkeypatch, fs, log: _Requests, shard: str, limit: int | None, every=False) -> list[_Dropping]:
+    """Drop the body of ``shard``'s first GET (``every``: of each) after ``limit`` bytes (see :class:`_Dropping`).
+
+    Returns the bodies wrapped, in the order of their GETs.
+    """
+    logged, dropped = fs._call_s3, []
+
+    async def call_s3(method, *args, **kwargs):
+        response = await logged(method, *args, **kwargs)
+        first = kwargs.get("Range", "").startswith("bytes=0-") and log.count((shard, 0)) == 1
+        if method == "get_object" and kwargs["Key"].endswith(shard) and (every or first):
+            response["Body"] = _Dropping(response["Body"], limit)
+            dropped.append(response["Body"])
+        return response
+
+    monkeypatch.setattr(fs, "_call_s3", call_s3)
+    return dropped
+
+
 def test_a_shards_get_dropped_mid_body_reads_the_rest_by_chunks_losing_and_repeating_nothing(
     s3, remote_shards, small_chunks, monkeypatch, tmp_path
 ):
-    """On S3 a shard is one GET read a chunk at a time: a connection dropped mid-body has the rest of the shard
-    read a ranged request a chunk (retried, explained), every record still once and in order."""
+    """On S3 a shard is one GET read a chunk at a time: a connection dropped before that GET gave a whole chunk
+    has the rest of the shard read a ranged request a chunk (retried, explained), every record still once and in
+    order."""
     options, fs = s3
     url, local, shards = remote_shards
     expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
     dropped = shards[2][0]
     log = _logged(monkeypatch, fs)
-    logged = fs._call_s3
+    bodies = _drop_gets(monkeypatch, fs, log, dropped, limit=100)  # part of the first record only
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    assert [data for data, _ in ds] == expected
+    assert len(bodies) == 1 and bodies[0].read_so_far == 100
+    assert [start for name, start in log if name != dropped] == [0] * (len(shards) - 1)  # one GET a shard
+    starts = [start for name, start in log if name == dropped]
+    assert starts[:2] == [0, 0] and len(starts) > 2  # the GET, then a request a chunk from the first
+    assert starts[1:] == sorted(set(starts[1:]))  # each chunk asked once, in order
 
-    class _Dropping:  # the body of the shard's first GET: the connection drops once some of it was read
-        def __init__(self, body) -> None:
-            self.body, self.read_so_far = body, 0
 
-        async def read(self, n: int = -1) -> bytes:
-            if self.read_so_far:
-                raise ConnectionResetError("reset by peer")
-            data = await self.body.read(n)
-            self.read_so_far += len(data)
-            return data
-
-        def close(self) -> None:
-            self.body.close()
-
-    async def call_s3(method, *args, **kwargs):
-        response = await logged(method, *args, **kwargs)
-        if method == "get_object" and kwargs["Key"].endswith(dropped) and log.count((dropped, 0)) == 1:
-            response["Body"] = _Dropping(response["Body"])
-        return response
-
-    monkeypatch.setattr(fs, "_call_s3", call_s3)
+def test_a_shards_get_dropped_after_a_chunk_is_made_again_from_the_next_unread_byte(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path
+):
+    """A connection dropped after its GET gave the first chunk is one more GET of the span, from the first byte
+    not read (the first chunk's end), not a request a chunk: every record once and in order."""
+    options, fs = s3
+    url, local, shards = remote_shards
+    expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
+    dropped = shards[2][0]
+    log = _logged(monkeypatch, fs)
+    bodies = _drop_gets(monkeypatch, fs, log, dropped, limit=None)  # after the first chunk
     ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
     assert [data for data, _ in ds] == expected
     assert [start for name, start in log if name != dropped] == [0] * (len(shards) - 1)  # one GET a shard
-    assert len([start for name, start in log if name == dropped]) > 2  # the GET, then a request a chunk
+    assert len(bodies) == 1 and 0 < bodies[0].read_so_far < (local / dropped).stat().st_size
+    assert [start for name, start in log if name == dropped] == [0, bodies[0].read_so_far]  # two GETs in all
+
+
+def test_a_span_whose_every_get_drops_after_a_chunk_is_made_again_three_times_then_read_by_chunks(
+    s3, remote_shards, small_chunks, monkeypatch, tmp_path
+):
+    """A flapping store does not loop: a run's span is opened 1 + 3 times, each GET from the first byte the one
+    before did not give, then the rest is a request a chunk; every byte asked once, every record once in order."""
+    options, fs = s3
+    url, local, shards = remote_shards
+    expected = [data for data, _ in packdata.TFRecordDataset(local, decode="bytes", shuffle=False)]
+    dropped = shards[2][0]
+    log = _logged(monkeypatch, fs)
+    bodies = _drop_gets(monkeypatch, fs, log, dropped, limit=None, every=True)
+    ds = packdata.TFRecordDataset(url, decode="bytes", shuffle=False, storage_options=options, cache_dir=tmp_path)
+    assert [data for data, _ in ds] == expected
+    assert [start for name, start in log if name != dropped] == [0] * (len(shards) - 1)  # one GET a shard
+    starts = [start for name, start in log if name == dropped]
+    spans = [body for body in bodies if body.limit < 1 << 62]  # read in pieces: the span's GETs
+    assert len(spans) == 4 and len(starts) > 5  # the GET and 3 more, then at least 2 requests a chunk
+    assert all(starts[i + 1] == starts[i] + spans[i].read_so_far for i in range(4))  # each from the next byte
+    assert starts == sorted(set(starts))  # nothing asked twice
 
 
 def test_a_next_shard_that_keeps_failing_ends_the_epoch_after_the_current_one(

@@ -251,14 +251,15 @@ class SpanRequest:
     :func:`fetch_range`), so the whole span comes from that version. Only a
     store where :func:`~packdata.pack.urls.conditional_reads` holds (s3fs) is
     read this way. Nothing here retries or explains: a request or a piece that
-    fails raises whatever the client raised, and the caller reads that piece
+    fails raises whatever the client raised (``at`` stays at the piece's first
+    byte), and the caller opens the span again from there or reads that piece
     with :func:`fetch_range`, which does both. Used from one thread at a time.
     """
 
     def __init__(self, fs: Any, path: str, where: str, start: int, end: int, *, opened: Manifest | None) -> None:
         from fsspec.asyn import sync
 
-        self.fs, self.at, self.end = fs, start, end
+        self.fs, self.start, self.at, self.end = fs, start, start, end
         version = "" if opened is None else pinned_version(fs, path, where, opened)
         bucket, key, _ = fs.split_path(path)
         extra = {"IfMatch": version} if version else {}

@@ -5,8 +5,10 @@ local reader does (whole records in chunks of about 8 MB, the same framing and
 CRC checks on each, see :meth:`TFRecordShardReader.check_chunk`), fetching the
 chunks two ahead of the one being checked, in a background thread: on S3 from
 one GET of the run's whole byte span, read a chunk at a time
-(:class:`~packdata.formats.remote_reads.SpanRequest`; memory stays bounded),
-elsewhere, or once that GET fails, with a ranged request a chunk.
+(:class:`~packdata.formats.remote_reads.SpanRequest`; memory stays bounded;
+a GET dropped after it gave a chunk is made again from the next unread byte,
+three times a run at most), elsewhere, or once a GET of the span gives
+nothing, with a ranged request a chunk.
 :func:`stream_ahead` does the same for a reader's whole run of shards, so
 the read-ahead carries on into the next shard while the current one is
 checked: a shard boundary costs no round trip. A request that fails (a
@@ -193,6 +195,18 @@ def stream_ahead(
 _Chunk = tuple[int, int, int, int]  # first record, end record, first byte, end byte
 
 
+_REOPENS = 3  # GETs of a run's span made again after a drop, at most: a flapping store does not loop
+
+
+@dataclasses.dataclass
+class _Span:
+    """A run's span: its end, its GET open now (or None), and how many more GETs of it may be made."""
+
+    end: int
+    opens_left: int
+    stream: SpanRequest | None = None
+
+
 class _ReadAhead:
     """The state of :func:`stream_ahead`: runs pulled, chunks to request, requests in flight."""
 
@@ -208,9 +222,8 @@ class _ReadAhead:
         self._pending: deque[tuple[ShardRun, _Chunk, Future[bytes]]] = deque()
         self._failure: Exception | None = None  # producing the next run failed: raised when the caller gets there
         self._done = False
-        # id(run) -> [its span's end, its open SpanRequest or None, whether one may still be opened]: made in
-        # _pull, then read, changed and dropped only in the pool's thread
-        self._spans: dict[int, list[Any]] = {}
+        # id(run) -> its span's GET: made in _pull, then read, changed and dropped only in the pool's thread
+        self._spans: dict[int, _Span] = {}
 
     def _pull(self) -> bool:
         """Take the next run from the caller; False when there is none (or producing it failed)."""
@@ -230,7 +243,7 @@ class _ReadAhead:
         plan = deque(chunk_plan(run.offsets, run.lengths, run.start, run.stop, reader.size, reader.CHUNK))
         self._chunks[id(run)] = len(plan)
         if plan:
-            self._spans[id(run)] = [plan[-1][3], None, SpanRequest.possible(reader.fs)]
+            self._spans[id(run)] = _Span(plan[-1][3], 1 + _REOPENS if SpanRequest.possible(reader.fs) else 0)
         self._ready.append(run)
         self._unrequested.append((run, plan))
         return True
@@ -251,41 +264,54 @@ class _ReadAhead:
         """Bytes ``[base, end)`` of ``run``'s shard (in the pool's thread, chunks in order).
 
         On S3 the run's chunks come from one GET of its whole span (:class:`SpanRequest`);
-        once that GET fails, or where it cannot be made, each chunk is its own ranged
-        request (:meth:`RemoteShardReader.fetch`: retried, errors explained).
+        a GET dropped after it gave a chunk is made again from the next unread byte
+        (``_REOPENS`` times a run at most); once one gives nothing, or where it cannot be
+        made, each chunk is its own ranged request (:meth:`RemoteShardReader.fetch`:
+        retried, errors explained).
         """
         reader = cast(RemoteShardReader, run.reader)  # checked in _pull
         span = self._spans.get(id(run))
-        data = None
-        if span is not None and not self._stop.is_set():
-            stream: SpanRequest | None = span[1]
-            if stream is None and span[2]:
-                span[2] = False  # one GET a run: a failed one is not made again
-                try:
-                    stream = span[1] = SpanRequest(
-                        reader.fs, reader.remote_path, reader.path, base, span[0], opened=reader.opened
-                    )
-                except Exception:  # the chunk's own request tells what is wrong (or succeeds)
-                    stream = None
-            if stream is not None:
-                try:
-                    data = stream.take(end - base) if stream.at == base else None
-                except Exception:
-                    data = None
-                if data is None or stream.at >= stream.end:
-                    span[1] = None
-                    with contextlib.suppress(Exception):
-                        stream.close()
-        if span is not None and end >= span[0]:
+        data = None if span is None else self._from_span(reader, span, base, end)
+        if span is not None and end >= span.end:
             del self._spans[id(run)]
         return data if data is not None else reader.fetch(base, end, self._stop)
+
+    def _from_span(self, reader: RemoteShardReader, span: _Span, base: int, end: int) -> bytes | None:
+        """Bytes ``[base, end)`` from ``span``'s GET, opened or made again as needed; None: read them by chunk."""
+        while not self._stop.is_set():
+            stream = span.stream
+            if stream is None:
+                if span.opens_left <= 0:
+                    return None
+                span.opens_left -= 1
+                try:
+                    stream = span.stream = SpanRequest(
+                        reader.fs, reader.remote_path, reader.path, base, span.end, opened=reader.opened
+                    )
+                except Exception:  # the chunk's own request tells what is wrong (or succeeds)
+                    span.opens_left = 0
+                    return None
+            try:
+                data = stream.take(end - base) if stream.at == base else None
+            except Exception:
+                data = None
+            if data is None or stream.at >= stream.end:
+                span.stream = None
+                with contextlib.suppress(Exception):
+                    stream.close()
+            if data is not None:
+                return data
+            if stream.at == stream.start or stream.at != base:  # gave nothing (or not this chunk): by chunk
+                span.opens_left = 0
+                return None
+        return None
 
     def _drop_spans(self) -> None:
         """Close the GETs left open (a run not read to its end)."""
         for span in list(self._spans.values()):
-            if span[1] is not None:
+            if span.stream is not None:
                 with contextlib.suppress(Exception):
-                    span[1].close()
+                    span.stream.close()
         self._spans.clear()
 
     def next_run(self) -> ShardRun | None:
