@@ -449,6 +449,15 @@ def _interrupted_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return src, dst, progress, json.loads(progress.read_bytes())
 
 
+def _refused_resume(src: Path, dst: Path, progress: Path, error: type[Exception]) -> str:
+    """The message of the ``error`` a resume raises, progress.json unchanged and nothing published."""
+    checkpoint = progress.read_bytes()
+    with pytest.raises(error) as raised:
+        convert(src, dst, progress=False, resume=True)
+    assert progress.read_bytes() == checkpoint and not dst.exists()
+    return str(raised.value)
+
+
 @pytest.mark.parametrize(
     "dropped", ["copied_journal_sha256", "copied_journal", "probes", "source", "finishing", "index_files", "classes"]
 )
@@ -463,14 +472,10 @@ def test_a_checkpoint_that_lost_a_field_this_packdata_writes_is_named_damaged(
     src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
     del state[dropped]
     progress.write_text(json.dumps(state), encoding="utf-8")
-    checkpoint = progress.read_bytes()
-    with pytest.raises(PackFormatError) as raised:
-        convert(src, dst, progress=False, resume=True)
-    assert str(raised.value) == (
+    assert _refused_resume(src, dst, progress, PackFormatError) == (
         f"{progress}: the interrupted conversion's checkpoint is damaged: it lacks {dropped}. "
         "Start the conversion again with overwrite=True"
     )
-    assert progress.read_bytes() == checkpoint and not dst.exists()
 
 
 @pytest.mark.parametrize("held", [4, 3, 2, 1, 0])
@@ -499,6 +504,72 @@ def test_an_earlier_packdatas_checkpoint_resumes_and_one_with_a_gap_is_named(
     assert str(raised.value) == (
         f"{progress}: the interrupted conversion's checkpoint is damaged: it lacks {_ADDED[held - 2]}. "
         "Start the conversion again with overwrite=True"
+    )
+
+
+def test_a_checkpoint_of_a_newer_version_is_refused_naming_the_file_and_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """progress.json of version 2 (a newer packdata's, with a field this one does not know) was refused as damaged
+    ('version should be 1'), as if no packdata wrote it. It is now a newer packdata's, named with its version and
+    what to do; the partial is kept, nothing published."""
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
+    state["version"] = 2
+    state["shard_offsets"] = [0, 4096]  # what a newer packdata might add
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    assert _refused_resume(src, dst, progress, ConfigError) == (
+        f"{progress}: the interrupted conversion's checkpoint is of version 2, written by a newer packdata: this one "
+        "reads version 1 and earlier. Resume with the packdata that wrote it, or start the conversion again with "
+        "overwrite=True"
+    )
+
+
+_EXTRA_FIELDS = {  # a field added to progress.json by a newer or tampered writer -> what the error names
+    "a field beside version 1": (lambda state: {**state, "shard_offsets": [0]}, "it holds 'shard_offsets'"),
+    "a field in an earlier packdata's": (
+        lambda state: {k: v for k, v in state.items() if k != "version"} | {"shard_offsets": [0]},
+        "it holds 'shard_offsets'",
+    ),
+    "an index file no pack holds": (
+        lambda state: {**state, "index_files": {**state["index_files"], "../../x": [0, "0" * 64]}},
+        "index_files should be an object of file name -> .size, SHA-256.",
+    ),
+}
+
+
+@pytest.mark.parametrize("extra", list(_EXTRA_FIELDS))
+def test_a_checkpoint_holding_a_field_its_version_never_holds_is_named_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: str
+) -> None:
+    """A field no checkpoint of its version holds (added by a newer packdata that kept the version, or by hand) was
+    dropped, the rest read as that version: a resume went on without what the field said. It is now damaged, named
+    (an index file's name too: only the pack's index files are checkpointed); the partial is kept."""
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
+    assert state["index_files"]
+    edit, named = _EXTRA_FIELDS[extra]
+    progress.write_text(json.dumps(edit(state)), encoding="utf-8")
+    message = _refused_resume(src, dst, progress, PackFormatError)
+    assert re.fullmatch(
+        f"{re.escape(str(progress))}: the interrupted conversion's checkpoint is damaged: {named}.*"
+        r"\. Start the conversion again with overwrite=True",
+        message,
+    ), message
+    convert(src, dst, progress=False, overwrite=True)
+    assert sorted(s[0] for s in LMDBDataset(dst)) == [f"t{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("version", ["1", 1.5, True, 0, -1, None])
+def test_a_checkpoint_whose_version_is_no_packdatas_is_named_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: object
+) -> None:
+    """A version no packdata writes (text, a fraction, a boolean, 0 or below, null) is damaged, not newer."""
+    src, dst, progress, state = _interrupted_checkpoint(tmp_path, monkeypatch)
+    progress.write_text(json.dumps({**state, "version": version}), encoding="utf-8")
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{progress}: the interrupted conversion's checkpoint is damaged: version should be 1, but got "
+        f"version={version!r}. Start the conversion again with overwrite=True"
     )
 
 

@@ -34,7 +34,7 @@ from packdata.conversion.publish import (
 from packdata.conversion.sources import RemoteFile
 from packdata.errors import ConfigError, PackFormatError
 from packdata.pack.files import atomic_write, read_regular
-from packdata.pack.index import FIELD_SIZES_FILE, field_file_problem
+from packdata.pack.index import ALL_FILES, FIELD_SIZES_FILE, field_file_problem
 from packdata.pack.manifest import ShardInfo, is_sha256
 from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 
@@ -136,7 +136,7 @@ class _Checkpoint:
         """Take the saved state, every value checked first (``shard_name``: the format's name of shard ``i``).
 
         Raises:
-            ConfigError: the interrupted conversion used other options, or an earlier packdata made it.
+            ConfigError: the interrupted conversion used other options, or an earlier or newer packdata made it.
             PackFormatError: ``progress.json`` is not a checkpoint packdata wrote (naming the first bad field).
         """
         state = _checked_state(self.path, self.options, shard_name, self._most_bytes())
@@ -341,9 +341,13 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
             path=path.parent,
             hint="Start again with overwrite=True",
         )
-    for name in _required(path, state):
+    fields = _required(path, state)
+    for name in fields:
         if name not in state:
             raise _damaged(path, f"it lacks {name}")
+    extra = next((name for name in state if name not in fields), None)
+    if extra is not None:  # a newer or tampered writer's: never read as this version with it dropped
+        raise _damaged(path, f"it holds {reprlib.repr(extra)}, which no checkpoint of its version holds")
     if state["options"] != options:
         raise other_options_error(state["options"], options, path.parent)
     for name in _COUNTS:
@@ -375,6 +379,7 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
     kept = state["index_files"]
     if kept is not None and not (
         isinstance(kept, dict)
+        and all(name in ALL_FILES for name in kept)
         and all(isinstance(v, list) and len(v) == 2 and is_count(v[0]) and is_sha256(v[1]) for v in kept.values())
     ):
         raise _bad(path, "index_files", "an object of file name -> [size, SHA-256]", kept)
@@ -398,18 +403,28 @@ def _checked_state(path: Path, options: dict[str, Any], shard_name: Callable[[in
 
 
 def _required(path: Path, state: dict[str, Any]) -> tuple[str, ...]:
-    """The fields ``state`` must hold: all with ``version``; without it (an earlier packdata's), those it held then.
+    """The fields ``state`` holds, no more, no fewer: all with ``version``; without it (an earlier packdata's), those
+    it held then.
 
     An earlier packdata's holds the fields of :data:`_ADDED` up to the last
     one it holds, so one that lacks a field it held (a damaged file) is named.
 
     Raises:
-        PackFormatError: its ``version`` is not this packdata's.
+        ConfigError: its ``version`` is a newer packdata's (naming the file and the version).
+        PackFormatError: its ``version`` is no packdata's (not an integer, or below this one's).
     """
     if "version" in state:
-        if state["version"] != _VERSION or not is_count(state["version"]):
-            raise _bad(path, "version", str(_VERSION), state["version"])
-        return (*_REQUIRED, *_ADDED)
+        version = state["version"]
+        if is_count(version) and version > _VERSION:
+            raise ConfigError(
+                f"the interrupted conversion's checkpoint is of version {version}, written by a newer packdata: "
+                f"this one reads version {_VERSION} and earlier",
+                path=path,
+                hint="Resume with the packdata that wrote it, or start the conversion again with overwrite=True",
+            )
+        if version != _VERSION or not is_count(version):
+            raise _bad(path, "version", str(_VERSION), version)
+        return ("version", *_REQUIRED, *_ADDED)
     held = max((i + 1 for i, name in enumerate(_ADDED) if name in state), default=0)
     return (*_REQUIRED, *_ADDED[:held])
 
