@@ -485,6 +485,53 @@ def test_a_tar_of_pax_headers_chained_past_tarfiles_recursion_is_a_corrupt_tar_n
     assert [s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["a1", "u"]
 
 
+_NO_DATA_MEMBERS = {  # a member whose type holds no data, its header claiming 1024 bytes -> its name, kind, key
+    "folder": (tarfile.DIRTYPE, "b", "folder", "b"),
+    "hard link": (tarfile.LNKTYPE, "b.txt", "hard link", "b"),
+    "symlink": (tarfile.SYMTYPE, "b.txt", "symlink", "b"),
+    "symlink sized by pax": (tarfile.SYMTYPE, "b.txt", "symlink", "b"),
+    "symlink of the sample before": (tarfile.SYMTYPE, "a2.cls", "symlink", "a2"),
+    "character device": (tarfile.CHRTYPE, "b.txt", "character device", "b"),
+    "block device": (tarfile.BLKTYPE, "b.txt", "block device", "b"),
+    "fifo": (tarfile.FIFOTYPE, "b.txt", "FIFO", "b"),
+}
+
+
+@pytest.mark.parametrize("member", list(_NO_DATA_MEMBERS))
+def test_a_folder_link_or_device_whose_header_claims_data_is_a_corrupt_tar_not_read_as_members(
+    tmp_path: Path, member: str
+) -> None:
+    """A folder, link, device or FIFO header with a size: tarfile skips no data after those types, so the 1024 bytes
+    it claims (a hidden member c.txt) were packed as a sample, where GNU tar -t skips them after a symlink, device or
+    FIFO: one tar, other samples. It is a corrupt tar now, named at that member, the samples before it kept (the one
+    it belongs to dropped), the next tar read."""
+    kind, name, said, key = _NO_DATA_MEMBERS[member]
+    header = tarfile.TarInfo(name)
+    header.type, header.size = kind, 1024
+    if kind in (tarfile.LNKTYPE, tarfile.SYMTYPE):
+        header.linkname = "a1.txt"
+    fmt = tarfile.USTAR_FORMAT
+    if member == "symlink sized by pax":  # the ustar header says 0, its pax record 1024
+        header.size, header.pax_headers, fmt = 0, {"size": "1024"}, tarfile.PAX_FORMAT
+    special = header.tobuf(format=fmt)
+    hidden = _member("c.txt", b"hidden", fmt=tarfile.USTAR_FORMAT)
+    assert len(hidden) == 1024
+    plain = _member("a1.txt", b"1") + _member("a2.txt", b"2") + special + hidden + _member("d.txt", b"d")
+    (tmp_path / "t.tar").write_bytes(plain + bytes(1024))
+    (tmp_path / "u.tar").write_bytes(_member("u.txt", b"u") + bytes(1024))
+    result = packdata.convert(str(tmp_path / "{t,u}.tar"), tmp_path / "out.lmdb", progress=False)
+    kept = ["a1", "u"] if key == "a2" else ["a1", "a2", "u"]
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")) == kept
+    assert result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    assert skip["key"] == f"t.tar:{key}"
+    assert skip["detail"] == (
+        f"the {said} {name!r} at byte 2048 claims 1,024 bytes of data, which a {said} never holds: tarfile reads "
+        "them as the next members, tar -t may skip them (a damaged or crafted tar?); the samples before this one in "
+        "the tar are kept"
+    )
+
+
 def _gnu_sparse_member(name: str, extension_blocks: int) -> bytes:
     """An old GNU sparse header ('S') and its map's extension blocks, each of 21 chunks of 1 byte (none of its data)."""
     info = tarfile.TarInfo(name)

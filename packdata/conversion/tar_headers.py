@@ -1,7 +1,8 @@
 """How packdata reads a tar's member headers: tarfile's reading, but a damaged or hostile header named.
 
 :class:`CheckedTarInfo` is the ``tarinfo`` class :mod:`packdata.conversion.tars`
-opens tars with; :func:`check_end` checks what follows the end-of-archive marker.
+opens tars with; :func:`check_end` checks what follows the end-of-archive marker,
+:func:`data_problem` a member whose following bytes readers read otherwise.
 Each refusal is a :class:`tarfile.ReadError`, which the tar source reports as a
 ``"corrupt tar"`` skip (the samples before it kept).
 """
@@ -12,7 +13,7 @@ import tarfile
 from collections.abc import Callable
 from typing import Self, cast
 
-__all__ = ["MAX_HEADER_BYTES", "CheckedTarInfo", "check_end"]
+__all__ = ["MAX_HEADER_BYTES", "CheckedTarInfo", "check_end", "data_problem"]
 
 MAX_HEADER_BYTES = 16 << 20
 """The bytes a tar's pax records (a member's, or all its global ones together) or a GNU long name may take:
@@ -125,6 +126,35 @@ def _long_map(offset: int) -> str:
 _number = cast("Callable[[bytes], int]", tarfile.nti)  # type: ignore[attr-defined]  # tarfile's header numbers
 _GNU_LONG = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 _LONG_HEADERS = (*_GNU_LONG, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+
+
+_NO_DATA = {
+    tarfile.DIRTYPE: "folder",
+    tarfile.LNKTYPE: "hard link",
+    tarfile.SYMTYPE: "symlink",
+    tarfile.CHRTYPE: "character device",
+    tarfile.BLKTYPE: "block device",
+    tarfile.FIFOTYPE: "FIFO",
+}
+
+
+def data_problem(member: tarfile.TarInfo) -> str | None:
+    """Why readers disagree on the tar from ``member`` on, in words: a folder, link, device or FIFO whose header (or
+    pax ``size`` record) claims bytes of data; None for any other member.
+
+    tarfile (and WebDataset, which reads with it) skips no data after those
+    headers: it reads the claimed bytes as the next members. GNU tar 1.34's
+    ``-t`` skips them after a symlink, device or FIFO (its ``-x`` does not), so
+    one tar gave other samples in packdata than in the tool a user checks it
+    with. Call before the next member is read: that read would parse the bytes.
+    """
+    kind = _NO_DATA.get(member.type)
+    if kind is None or member.size == 0:
+        return None
+    return (
+        f"the {kind} {member.name!r} at byte {member.offset} claims {member.size:,} bytes of data, which a {kind} "
+        "never holds: tarfile reads them as the next members, tar -t may skip them (a damaged or crafted tar?)"
+    )
 
 
 def check_end(tar: tarfile.TarFile) -> None:

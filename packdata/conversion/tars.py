@@ -20,7 +20,9 @@ that field); the tars are only read, never extracted to
 disk. A sample whose members together pass the sample limit is skipped whole
 before the member that passes it is read. A header claiming more than 16 MiB of
 pax records, long name or sparse map (a key holds 64 KiB) ends its tar as
-damaged, unread (:mod:`packdata.conversion.tar_headers`).
+damaged, unread (:mod:`packdata.conversion.tar_headers`); so does a folder,
+link, device or FIFO whose header claims data (tarfile reads those bytes as
+members, ``tar -t`` may skip them: the samples would depend on the reader).
 
 Shards at a URL (``s3://bucket/shards/data-{000000..000009}.tar``; brace
 ranges expanded here, globs by the URL's fsspec filesystem, sorted) are
@@ -50,7 +52,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from packdata.conversion.sources import RemoteFile, Skip, SourceGroup, _is_utf8, _printable, too_large
-from packdata.conversion.tar_headers import CheckedTarInfo, check_end
+from packdata.conversion.tar_headers import CheckedTarInfo, check_end, data_problem
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind, open_regular
@@ -233,14 +235,16 @@ class TarSource:
             ):
                 offsets: dict[str, tuple[int, int]] | None = {} if plain is stream else None  # name -> data's span
                 for member in tar:
-                    if end is not None and tar.offset > end:  # tarfile would read on to that offset, forever
+                    problem = data_problem(member)
+                    if problem is None and end is not None and tar.offset > end:  # tarfile would read on, forever
+                        problem = f"member {member.name!r} claims {member.size} bytes, past the tar's end (byte {end})"
+                    if problem is not None:
                         base, _ = _split(_relative(member.name) or "")
-                        if base not in (None, key) and key is not None and fields is not None:
-                            yield _group(key, fields, origin)  # whole: this member starts the next sample
-                            key, fields = base, {}
-                        raise tarfile.ReadError(
-                            f"member {member.name!r} claims {member.size} bytes, past the tar's end (byte {end})"
-                        )
+                        if base != key and key is not None:  # the sample before is whole: this member is not its
+                            if fields is not None:
+                                yield _group(key, fields, origin)
+                            key, fields = base or member.name, {}
+                        raise tarfile.ReadError(problem)
                     where = f"{name}:{member.name}"
                     if member.isdir():
                         continue
