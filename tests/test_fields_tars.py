@@ -6,6 +6,7 @@ import filecmp
 import gzip
 import io
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -577,9 +578,58 @@ def test_a_tar_sparse_map_past_what_a_header_holds_or_cut_short_is_a_corrupt_tar
 def test_every_tarfile_method_the_checked_headers_override_is_one_tarfile_still_calls() -> None:
     """CheckedTarInfo bounds hostile headers by overriding tarfile's private readers: a Python whose tarfile
     renamed one would call its own, and the bound would be gone without a word. This names the rename."""
-    from packdata.conversion.tar_headers import CheckedTarInfo
+    from packdata.conversion.tar_headers import CheckedTarInfo, check_tarfile
 
     overridden = [name for name in vars(CheckedTarInfo) if name.startswith("_proc")]
     assert sorted(overridden) == ["_proc_gnusparse_10", "_proc_member", "_proc_sparse"]
     missing = [name for name in overridden if not callable(getattr(tarfile.TarInfo, name, None))]
     assert not missing, f"this Python's tarfile.TarInfo has no {missing}: the tar header bounds do not apply"
+    check_tarfile("t.tar")  # the runtime guard passes this Python's tarfile: it calls each of them
+
+
+_TARFILE_CHANGED = {  # how a future Python's tarfile differs -> what the refusal names
+    "a method renamed": (
+        "delattr(tarfile.TarInfo, '_proc_sparse')",
+        "tarfile.TarInfo has no _proc_sparse(self, tarfile)",
+    ),
+    "a method reshaped": (
+        "tarfile.TarInfo._proc_gnusparse_10 = lambda self, member, headers, tar: None",
+        "tarfile.TarInfo has no _proc_gnusparse_10(self, next, pax_headers, tarfile)",
+    ),
+    "a method no longer called": (  # _proc_member reads an old GNU sparse member as a plain one
+        "own = tarfile.TarInfo._proc_member\n"
+        "def _proc_member(self, tarfile):\n"
+        "    return self._proc_builtin(tarfile) if self.type == b'S' else own(self, tarfile)\n"
+        "tarfile_module.TarInfo._proc_member = _proc_member",
+        "tarfile no longer calls TarInfo._proc_sparse reading a member of its kind",
+    ),
+}
+
+
+@pytest.mark.parametrize("changed", list(_TARFILE_CHANGED))
+def test_a_python_whose_tarfile_bypasses_the_header_bounds_refuses_tars_naming_its_version(
+    tmp_path: Path, changed: str
+) -> None:
+    """CheckedTarInfo bounds hostile headers by overriding three private tarfile methods; a Python that renamed,
+    reshaped or stopped calling one would read tars unbounded without a word. Such a tarfile (patched so in a child
+    Python: no real one differs yet) is now refused before any tar is read, in one line naming the Python version."""
+    patch, problem = _TARFILE_CHANGED[changed]
+    tar = tmp_path / "t.tar"
+    tar.write_bytes(_member("a.txt", b"a") + bytes(1024))
+    dst = tmp_path / "out.lmdb"
+    code = f"import sys, tarfile, tarfile as tarfile_module\n{patch}\nfrom packdata.cli import main\nmain(sys.argv[1:])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(tar), str(dst), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    version = platform.python_version()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == (
+        f"Error: {tar}: this Python's tarfile ({version}) is not the one packdata bounds hostile tar headers in "
+        f"({problem}): its tars are not read, rather than read unbounded. Convert with a Python whose tarfile "
+        "packdata knows (3.11 to 3.13), or extract the tars with tar and convert the folder\n"
+    )
+    assert not dst.exists() and not partial_path(dst).exists()

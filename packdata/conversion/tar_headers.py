@@ -2,18 +2,26 @@
 
 :class:`CheckedTarInfo` is the ``tarinfo`` class :mod:`packdata.conversion.tars`
 opens tars with; :func:`check_end` checks what follows the end-of-archive marker,
-:func:`data_problem` a member whose following bytes readers read otherwise.
+:func:`data_problem` a member whose following bytes readers read otherwise;
+:func:`check_tarfile` that this Python's tarfile still calls what :class:`CheckedTarInfo` overrides.
 Each refusal is a :class:`tarfile.ReadError`, which the tar source reports as a
 ``"corrupt tar"`` skip (the samples before it kept).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import io
+import platform
 import tarfile
 from collections.abc import Callable
-from typing import Self, cast
+from typing import Any, Self, cast
 
-__all__ = ["MAX_HEADER_BYTES", "CheckedTarInfo", "check_end", "data_problem"]
+from packdata.errors import SourceError
+
+__all__ = ["MAX_HEADER_BYTES", "CheckedTarInfo", "check_end", "check_tarfile", "data_problem"]
 
 MAX_HEADER_BYTES = 16 << 20
 """The bytes a tar's pax records (a member's, or all its global ones together) or a GNU long name may take:
@@ -117,6 +125,84 @@ class CheckedTarInfo(tarfile.TarInfo):
             stored += value if n % 2 else 0
         member.offset_data = tar.fileobj.tell()
         member.sparse = cast("bytes", [(0, stored)])
+
+
+_OVERRIDDEN = {
+    "_proc_member": ("self", "tarfile"),
+    "_proc_sparse": ("self", "tarfile"),
+    "_proc_gnusparse_10": ("self", "next", "pax_headers", "tarfile"),
+}
+"""tarfile's private readers :class:`CheckedTarInfo` overrides, with their parameters (Python 3.11 to 3.13)."""
+
+
+def check_tarfile(where: str) -> None:
+    """Refuse to read WebDataset tars (at ``where``, for the message) on a Python whose tarfile would bypass
+    :class:`CheckedTarInfo`'s bounds: a tar would be read unbounded.
+
+    Raises:
+        SourceError: naming the Python version and the method that is missing, reshaped or no longer called.
+    """
+    problem = _tarfile_problem()
+    if problem is not None:
+        raise SourceError(
+            f"this Python's tarfile ({platform.python_version()}) is not the one packdata bounds hostile tar headers "
+            f"in ({problem}): its tars are not read, rather than read unbounded",
+            path=where,
+            hint="Convert with a Python whose tarfile packdata knows (3.11 to 3.13), or extract the tars with tar "
+            "and convert the folder",
+        )
+
+
+@functools.cache
+def _tarfile_problem() -> str | None:
+    """What stops :class:`CheckedTarInfo`'s overrides from applying, in words; None when nothing does.
+
+    Each must be on ``tarfile.TarInfo`` with the same parameters, and tarfile
+    must call each reading a tar of one member of each kind, made here (once).
+    """
+    for name, params in _OVERRIDDEN.items():
+        method = getattr(tarfile.TarInfo, name, None)
+        try:
+            found = tuple(inspect.signature(method).parameters) if callable(method) else None
+        except (TypeError, ValueError):  # a callable whose signature is not told
+            found = None
+        if found != params:
+            return f"tarfile.TarInfo has no {name}({', '.join(params)})"
+    called = _calls()
+    missing = next((name for name in _OVERRIDDEN if name not in called), None)
+    return None if missing is None else f"tarfile no longer calls TarInfo.{missing} reading a member of its kind"
+
+
+def _calls() -> set[str]:
+    """The overridden methods tarfile calls reading an old GNU sparse member and a pax (GNU 1.0) sparse one."""
+    called: set[str] = set()
+
+    class Recording(CheckedTarInfo):
+        def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+            called.add("_proc_member")
+            return super()._proc_member(tar)
+
+        def _proc_sparse(self, tar: tarfile.TarFile) -> Self:
+            called.add("_proc_sparse")
+            return super()._proc_sparse(tar)
+
+        def _proc_gnusparse_10(self, member: tarfile.TarInfo, pax_headers: dict[str, str], tar: Any) -> None:
+            called.add("_proc_gnusparse_10")
+            super()._proc_gnusparse_10(member, pax_headers, tar)
+
+    old = tarfile.TarInfo("old")
+    old.type = tarfile.GNUTYPE_SPARSE  # a map of no chunks, no extension block
+    pax = tarfile.TarInfo("GNUSparseFile.0/new")
+    pax.size, pax.pax_headers = 512, {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "new"}
+    made = old.tobuf(format=tarfile.GNU_FORMAT) + pax.tobuf(format=tarfile.PAX_FORMAT)
+    made += b"0\n".ljust(tarfile.BLOCKSIZE, b"\0") + bytes(2 * tarfile.BLOCKSIZE)  # a map of no chunks; the end
+    with (
+        contextlib.suppress(Exception),  # a tarfile that reads it otherwise: what it called is what counts
+        tarfile.open(fileobj=io.BytesIO(made), mode="r|", tarinfo=Recording) as tar,
+    ):
+        for _ in tar:
+            pass
+    return called
 
 
 def _long_map(offset: int) -> str:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from packdata.conversion.sources import RemoteFile, Skip, SourceGroup, _is_utf8, _printable, too_large
-from packdata.conversion.tar_headers import CheckedTarInfo, check_end, data_problem
+from packdata.conversion.tar_headers import CheckedTarInfo, check_end, check_tarfile, data_problem
 from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind, open_regular
@@ -187,7 +187,11 @@ class TarSource:
         """Yield one group per sample, tar by tar, and skips for members that are not samples.
 
         ``spill``: a folder where the keys seen spill past a memory budget (:class:`~packdata.pack.keyset.KeySet`).
+
+        Raises:
+            SourceError: this Python's tarfile would bypass the header bounds (a Ray worker's Python too).
         """
+        check_tarfile(os.fspath(self.root))
         with KeySet(spill=spill) as seen:  # key -> the shard that gave it first
             for number, shard in enumerate(self.shards):
                 for entry in self._read(shard):
@@ -416,7 +420,13 @@ def _group(key: str, fields: dict[str, bytes], origin: str | RemoteFile = "") ->
 
 
 def scan_tars(pattern: str, storage_options: dict[str, Any] | None = None) -> TarSource:
-    """A tar source over the shards ``pattern`` names (checked to exist); a URL pattern streams through fsspec."""
+    """A tar source over the shards ``pattern`` names (checked to exist); a URL pattern streams through fsspec.
+
+    Raises:
+        SourceError: a shard is missing, or this Python's tarfile would bypass the header bounds
+            (:func:`~packdata.conversion.tar_headers.check_tarfile`).
+    """
+    check_tarfile(display_url(pattern) if is_url(pattern) else pattern)
     if is_url(pattern):
         scheme = pattern.split("://", 1)[0]
         fs, path = open_url(pattern, storage_options)
