@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import image_bytes
+from conftest import image_bytes, interrupted_convert
 
 from packdata.cli import main
+from packdata.conversion.destination import partial_path
 
 
 def _run(*args: str):
@@ -314,6 +315,35 @@ def test_a_keyword_that_ends_a_clause_is_said_as_its_flag_without_the_punctuatio
     flags = {"resume": "--resume", "to": "--to"}
     said = as_flags("Run again with resume=True: files are kept. Or give to=DIR.", flags)
     assert said == "Run again with --resume: files are kept. Or give --to DIR."
+
+
+def test_a_false_keyword_is_said_as_the_off_flag_or_left_out_never_as_flag_false() -> None:
+    """``x=False`` was said ``--x False``: no command takes that (a boolean flag is ``--no-x``, or not given)."""
+    from packdata.cli import as_flags
+
+    flags = {"pin_memory": "--pin-memory/--no-pin-memory", "overwrite": "--overwrite", "num_workers": "--workers"}
+    assert as_flags("pass pin_memory=False to save memory", flags) == "pass --no-pin-memory to save memory"
+    assert as_flags("pass pin_memory=True.", flags) == "pass --pin-memory."
+    assert as_flags("with overwrite=False (this run: True)", flags) == "with no --overwrite (this run: True)"
+    assert as_flags("run overwrite=False:", flags) == "run no --overwrite:"
+    line = "best: with num_workers=2, pin_memory=False, overwrite=False: fast"  # a command line to paste
+    assert as_flags(line, flags) == "best: with --workers 2 --no-pin-memory: fast"
+    assert as_flags("with num_workers=2, overwrite=False.", flags) == "with --workers 2."
+    assert as_flags("pin_memory should be a bool", flags) == "--pin-memory should be a bool"
+
+
+def test_a_resume_with_another_flag_says_the_interrupted_runs_as_a_flag_not_flag_false(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """convert --resume --verify-images of a run without it said '--verify-images False (this run: True)'."""
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(image_folder, dst, monkeypatch)
+    result = _run("convert", str(image_folder), str(dst), "--resume", "--verify-images", "-q")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {partial_path(dst)}: the interrupted conversion used other options: "
+        "no --verify-images (this run: True). Resume with the same options, or start again with --overwrite\n"
+    )
 
 
 def test_a_resume_of_a_complete_pack_says_overwrite_to_python_and_the_flag_to_the_cli(

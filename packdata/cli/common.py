@@ -29,23 +29,38 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     to the command's options (``{"to": "--to"}``); other words are left as they are.
     Keywords listed with commas that all have a flag are said as one command line
     (``num_workers=2, batch_size=64`` -> ``--workers 2 --batch-size 64``), to be pasted.
+
+    A boolean flag with an off form is given as click declares it (``{"pin_memory":
+    "--pin-memory/--no-pin-memory"}``): ``pin_memory=False`` -> ``--no-pin-memory``. A flag
+    without one (``--overwrite``) has no way to say ``False``: ``overwrite=False`` is left out
+    of a command line and said ``no --overwrite`` elsewhere; ``True`` is the flag alone.
     """
 
-    def flag(match: re.Match[str]) -> str:
-        option = flags.get(match.group(1))
-        if option is None:
-            return match.group(0)
+    def said(match: re.Match[str], *, pasted: bool) -> tuple[str, str]:
+        """The flag for one ``keyword=value`` (empty: left out of a command line) and the sentence's punctuation."""
+        option = flags[match.group(1)]
         value, end = match.group(2), ""
         if len(value) > 1 and value[-1] in ".:" and not value.startswith("'"):  # the sentence's, not the value's
             value, end = value[:-1], value[-1]
-        return (option if value == "True" else f"{option} {value.strip(chr(39))}") + end
+        on, _, off = option.partition("/")
+        if value == "True":
+            return on, end
+        if value == "False":
+            return off or ("" if pasted else f"no {on}"), end
+        return f"{on} {value.strip(chr(39))}", end
+
+    def flag(match: re.Match[str]) -> str:
+        return "".join(said(match, pasted=False)) if match.group(1) in flags else match.group(0)
 
     def subject(match: re.Match[str]) -> str:
-        return flags.get(match.group(1), match.group(1)) + match.group(2)
+        return flags.get(match.group(1), match.group(1)).partition("/")[0] + match.group(2)
 
     def keywords(match: re.Match[str]) -> str:
         found = list(_KEYWORD.finditer(match.group(0)))
-        return (" " if all(k.group(1) in flags for k in found) else ", ").join(flag(k) for k in found)
+        if len(found) == 1 or not all(k.group(1) in flags for k in found):
+            return ", ".join(flag(k) for k in found)
+        line = [said(k, pasted=True) for k in found]  # a command line: a False without an off form is left out
+        return " ".join(text for text, _ in line if text) + line[-1][1]
 
     return _SUBJECT.sub(subject, _KEYWORDS.sub(keywords, message), count=1)
 
@@ -136,8 +151,9 @@ def _in_flags(message: str, *, also: dict[str, str] | None = None) -> str:
     flags: dict[str, str] = dict(also or {})
     for param in command.params:
         if isinstance(param, click.Option):
-            flags[param.opts[0].lstrip("-").replace("-", "_")] = param.opts[0]
-            flags.setdefault(param.name or "", param.opts[0])  # the keyword it passes on: repeats= is --repeat
+            said = "/".join([param.opts[0], *param.secondary_opts[:1]])  # --pin-memory/--no-pin-memory
+            flags[param.opts[0].lstrip("-").replace("-", "_")] = said
+            flags.setdefault(param.name or "", said)  # the keyword it passes on: repeats= is --repeat
     message = as_flags(message, flags)
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
