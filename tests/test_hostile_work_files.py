@@ -573,6 +573,36 @@ def test_a_checkpoint_whose_version_is_no_packdatas_is_named_damaged(
     )
 
 
+@pytest.mark.parametrize("shard_bytes", [0, 10**15])
+def test_a_checkpoint_whose_open_shard_bytes_differ_from_the_kept_index_is_named_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_bytes: int
+) -> None:
+    """shard_bytes (the bytes of the open shard's samples, which decide where a shard_size limit closes it) was
+    taken as written: edited, the resume closed shards elsewhere than an uninterrupted conversion does (10**15: the
+    open shard at once; 0: past the limit). It is now checked against the sizes the kept sample index gives those
+    samples, and a count that differs is damaged, named; the partial is kept."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"t{i}" * 10, encoding="utf-8")  # 20 bytes a sample
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(src, dst, monkeypatch, after=5, shard_size=70)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_bytes())
+    assert state["shard_bytes"] == 20 * (state["samples_done"] - state["shard_first"]) > 0
+    progress.write_text(json.dumps({**state, "shard_bytes": shard_bytes}), encoding="utf-8")
+    checkpoint = progress.read_bytes()
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True, shard_size=70)
+    assert str(raised.value) == (
+        f"{progress}: the interrupted conversion's checkpoint is damaged: shard_bytes should be the "
+        f"{state['shard_bytes']} bytes the kept sample index gives the open shard's "
+        f"{state['samples_done'] - state['shard_first']} samples, but got shard_bytes={shard_bytes}. Start the "
+        "conversion again with overwrite=True"
+    )
+    assert progress.read_bytes() == checkpoint and not dst.exists()
+
+
 def test_a_current_checkpoint_whose_index_digests_were_nulled_is_named_damaged_not_hashed_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,6 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from packdata.conversion.probes import Lookup, check_probes, is_probe, stat_probe
 from packdata.conversion.publish import (
     MAX_SKIP_EXAMPLES,
@@ -248,6 +250,26 @@ class _Checkpoint:
         error = classes_changed_error(self.saved_classes, self.classes, source)
         if error is not None:
             raise error
+
+    def check_shard_bytes(self, sizes: Path) -> None:
+        """Refuse a ``shard_bytes`` other than the sizes the kept sample index gives the open shard's samples (those
+        from ``shard_first`` to ``samples_done``): it decides where a ``shard_size`` limit closes the shard.
+
+        Call once the kept index files matched the SHA-256s the checkpoint records (``sizes``: its ``sizes.i64``).
+
+        Raises:
+            PackFormatError: naming ``progress.json``'s ``shard_bytes``.
+        """
+        if self.finishing:  # every shard is closed: none is open
+            return
+        count, total = self.samples_done - self.shard_first, 0
+        with open(sizes, "rb") as f:
+            f.seek(8 * self.shard_first)
+            for start in range(0, count, 1 << 20):  # flat memory, whatever the count
+                total += int(np.fromfile(f, dtype="<i8", count=min(1 << 20, count - start)).sum())
+        if total != self.shard_bytes:
+            should = f"the {total} bytes the kept sample index gives the open shard's {count} samples"
+            raise _bad(self.path, "shard_bytes", should, self.shard_bytes)
 
     def check_field_names(self, field_sizes: Path) -> None:
         """Refuse ``field_names`` that do not name every field number of the field sizes a resume kept.

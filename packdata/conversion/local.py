@@ -50,7 +50,7 @@ from packdata.errors import (
 from packdata.formats import ShardWriter, get_format, shard_writer
 from packdata.host.disks import raise_if_full, write_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
-from packdata.pack.index import FIELD_SIZES_FILE
+from packdata.pack.index import FIELD_SIZES_FILE, SIZES_FILE
 from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
 from packdata.pack.records import Sample
@@ -225,9 +225,11 @@ class _Packer:
             fields=source.kind == "fields",
             kept=cp.index_files if resumed else None,
         )
-        if resumed and source.kind == "fields":
+        if resumed:
             try:
-                cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
+                cp.check_shard_bytes(self.index.dir / SIZES_FILE)
+                if source.kind == "fields":
+                    cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
             except PackFormatError:
                 self.index.close()
                 raise
