@@ -388,6 +388,7 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
     [
         ("{", r"ray-plan.json: the interrupted conversion's plan is damaged: not JSON"),
         ("[1]", r"other options: \[1\]"),
+        ('+{"version": 2}', r"ray-plan.json: the interrupted conversion's plan is damaged: it holds 'version', which"),
     ],
 )
 def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, damaged: str, error: str) -> None:
@@ -404,7 +405,9 @@ def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, dam
         overwrite=False,
         resume=False,
     )
-    (partial_path(dst) / "ray-plan.json").write_text(damaged)
+    plan = partial_path(dst) / "ray-plan.json"  # "+{...}": those fields added to the plan written
+    added = json.loads(damaged[1:]) if damaged[0] == "+" else None
+    plan.write_text(damaged if added is None else json.dumps({**json.loads(plan.read_text()), **added}))
     with pytest.raises((PackFormatError, ConfigError), match=rf"{error}.*overwrite=True"):
         packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
 

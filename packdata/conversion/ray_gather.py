@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -340,6 +341,15 @@ def _prepare_partial(
             saved_places = saved.pop("source", None) if isinstance(saved, dict) else None
             if isinstance(saved, dict):
                 saved.pop(_FINISHING, None)  # what finishing needs: read by _finishing_state
+                extra = next((key for key in saved if key not in state), None)
+                if extra is not None:  # never taken for other options: no option of this run differs
+                    raise PackFormatError(
+                        f"the interrupted conversion's plan is damaged: it holds {reprlib.repr(extra)}, which this "
+                        "packdata never writes there (a newer packdata's plan, or an edited one)",
+                        path=plan,
+                        hint="Resume with the packdata that wrote it, or start the conversion again with "
+                        "overwrite=True",
+                    )
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
                 raise other_options_error(options, asdict(opts), partial)
