@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 import threading
 import urllib.request
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,11 +250,14 @@ def pack_contents(pack: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def classes_folder(root: Path, classes: dict[str, list[str]]) -> Path:
-    """A folder of class folders ``{class: [file names]}``, each file a small JPEG."""
+    """A folder of class folders ``{class: [file names]}``, each file a small JPEG, the same bytes in every run.
+
+    Each image is seeded by a CRC-32 of its path: ``hash()`` of a string changes with ``PYTHONHASHSEED``.
+    """
     for name, files in classes.items():
         (root / name).mkdir(parents=True)
         for i, file in enumerate(files):
-            (root / name / file).write_bytes(image_bytes(hash((name, file)) % 1000 + i))
+            (root / name / file).write_bytes(image_bytes(zlib.crc32(f"{name}/{file}".encode()) % 1000 + i))
     return root
 
 
