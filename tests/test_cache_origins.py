@@ -203,3 +203,29 @@ def test_eviction_still_looks_up_a_copy_staged_with_other_credentials_of_the_sam
         assert not first.exists() and second.staged.is_dir()  # the older copy made room
     finally:
         fs.rm("packs/h-rotated", recursive=True)
+
+
+def test_a_copy_staged_before_origin_store_is_recorded_when_a_stage_reuses_it_so_eviction_looks_it_up(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """A stage that reused a complete copy left its staged.json as it was: a copy staged by a packdata that wrote no
+    origin_store stayed unrecorded however often it was reused, so eviction never looked its origin up and kept it
+    for good ('staged with storage_options for another endpoint')."""
+    options, fs = s3
+    url, local = remote_pack
+    cache = tmp_path / "cache"
+    first = packdata.stage(url, to=cache, progress=False, storage_options=options).staged
+    marker = json.loads((first / STAGED_FILE).read_text())
+    del marker["origin_store"]  # as an older packdata wrote it
+    (first / STAGED_FILE).write_text(json.dumps(marker))
+    again = packdata.stage(url, to=cache, progress=False, storage_options=options)
+    assert again.staged == first and not again.downloaded  # reused: its manifest is the store's
+    fs.put(str(local), "packs/h-reused", recursive=True)
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    try:
+        second = packdata.stage(
+            "s3://packs/h-reused", to=cache, progress=False, storage_options=options, cache_limit=int(1.5 * size)
+        )
+        assert not first.exists() and second.staged.is_dir()  # the reused copy, looked up in its store, made room
+    finally:
+        fs.rm("packs/h-reused", recursive=True)

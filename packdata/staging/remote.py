@@ -242,6 +242,10 @@ def _stage_locked(
     ):
         os.utime(dest / STAGED_FILE)  # used now: the least recently used copies are evicted first
         create_readers_lock(dest)  # a copy staged before readers' locks gets one
+        store = store_digest(storage_options)
+        if marker.get("origin_store") != store:  # its manifest is this store's: eviction may look it up there
+            with contextlib.suppress(OSError):  # unrecorded, it is only kept from eviction, as it was
+                _add_to_marker(dest, marker, origin_store=store)
         return RemoteStageResult(shown, dest, False, 0, 0, time.monotonic() - start, 0.0)
     if dest.is_dir():
         with unread_copy(dest) as unread:
@@ -349,11 +353,12 @@ def _still_read(dest: Path, shown: str) -> LockedError:
     )
 
 
-def _add_to_marker(folder: Path, **items: Any) -> None:
+def _add_to_marker(folder: Path, marker: dict[str, Any] | None = None, **items: Any) -> None:
+    """Write ``folder``'s ``staged.json`` again with ``items``: over ``marker`` (as :func:`read_marker` read it),
+    or over the file this stage has just written."""
     path = folder / STAGED_FILE
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data.update(items)
-    atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8")) if marker is None else marker
+    atomic_write(path, json.dumps({**data, **items}, indent=1).encode("utf-8"))
 
 
 def _remote_size(fs: Any, path: str, required: bool) -> tuple[int | None, str]:
