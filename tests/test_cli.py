@@ -671,3 +671,44 @@ def test_merge_of_one_pack_is_a_usage_error(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "Usage: main merge" in result.output
     assert result.output.endswith("Error: merge needs at least two PACKS, but got 1\n")
     assert not (tmp_path / "all.lmdb").exists()
+
+
+def _help(command: str) -> str:
+    """``packdata COMMAND --help`` with its lines joined: a phrase click wrapped reads whole."""
+    result = CliRunner().invoke(main, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split()).replace("- ", "-")
+
+
+def test_convert_help_says_the_ray_engines_own_defaults() -> None:
+    """--shard-size said 'Default: 256MB' and --workers '4 per CPU, at most 32' with --engine ray too, whose shards
+    are DEFAULT_TASK_SAMPLES samples each (no size) and whose tasks read with DEFAULT_TASK_THREADS threads."""
+    from packdata.conversion.ray import DEFAULT_TASK_SAMPLES, DEFAULT_TASK_THREADS
+    from packdata.formats import DEFAULT_SHARD_BYTES
+
+    text = _help("convert")
+    assert f"Default: {DEFAULT_SHARD_BYTES // 10**6}MB (the unit stage copies); with --engine ray, none" in text
+    assert f"with --engine ray and no --shard-size, {DEFAULT_TASK_SAMPLES:,} (one task a shard)" in text
+    assert f"with --engine ray, {DEFAULT_TASK_THREADS} per task" in text
+
+
+def test_stage_help_says_the_default_copy_threads_and_downloads_of_a_url() -> None:
+    """--workers said 'Default: up to 4' for a PACK URL too, which a stage downloads with 16 requests at a time."""
+    from packdata.staging.copy import COPY_WORKERS
+    from packdata.staging.remote import FETCH_WORKERS
+
+    text = _help("stage")
+    assert f"Default: up to {COPY_WORKERS}; from a PACK URL, {FETCH_WORKERS} range downloads at a time." in text
+
+
+def test_bench_help_says_the_plot_is_written_in_its_suffixs_format() -> None:
+    """--plot said 'to this PNG': a plot is written in the format its file's suffix names (bench.svg is an SVG)."""
+    pytest.importorskip("matplotlib")
+    from packdata.measure.plot import check_plot_path
+
+    text = _help("bench")
+    said = re.search(r"in the format its suffix names \(((?:\.\w+, )+)\.\.\.; PNG without one", text)
+    assert said is not None, text
+    for suffix in said.group(1).rstrip(", ").split(", "):
+        check_plot_path(f"bench{suffix}")  # a format matplotlib writes: no ConfigError
+    assert "to this PNG" not in text

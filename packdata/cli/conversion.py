@@ -60,7 +60,7 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--workers",
     type=click.IntRange(min=1),
     help="Most parallel reader threads (a warm source of small files is read in the writer's own thread when that "
-    "measures faster). Default: 4 per CPU, at most 32.",
+    "measures faster). Default: 4 per CPU, at most 32; with --engine ray, 4 per task.",
 )
 @click.option(
     "--on-error",
@@ -84,13 +84,14 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--shard-size",
     callback=_size,
-    help="Start a new shard before this size, e.g. 256MB or 1GiB. Default: 256MB (the unit stage copies). "
-    + _SIZE_HELP,
+    help="Start a new shard before this size, e.g. 256MB or 1GiB. Default: 256MB (the unit stage copies); with "
+    "--engine ray, none (--shard-samples decides). " + _SIZE_HELP,
 )
 @click.option(
     "--shard-samples",
     type=click.IntRange(min=1),
-    help="At most N samples per shard. Default: no limit (--shard-size decides).",
+    help="At most N samples per shard. Default: no limit (--shard-size decides); with --engine ray and no "
+    "--shard-size, 10,000 (one task a shard).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing pack at DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")

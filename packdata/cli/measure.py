@@ -117,7 +117,8 @@ _decode_option = click.option(
     "plot_file",
     type=click.Path(dir_okay=False, path_type=str),
     callback=_output_file,
-    help="Plot throughput and memory against num_workers to this PNG (needs matplotlib).",
+    help="Plot throughput and peak private memory against num_workers to this file, in the format its suffix "
+    "names (.png, .svg, .pdf, ...; PNG without one; needs matplotlib).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines (the setting being measured) on stderr.")
 @_friendly

@@ -42,7 +42,11 @@ def _rate(bytes_per_second: float) -> str:
 )
 @click.option("--shards", help="Shards to stage, by number or name, comma-separated, hottest first.")
 @click.option("--name", help="Folder name of the staged pack in the area. Default: the pack's name.")
-@click.option("--workers", type=click.IntRange(min=1), help="Parallel copy threads. Default: up to 4.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Parallel copy threads. Default: up to 4; from a PACK URL, 16 range downloads at a time.",
+)
 @click.option("--force", is_flag=True, help="Go ahead even when the memory checks refuse the tmpfs size.")
 @click.option(
     "--reserve",

@@ -37,6 +37,7 @@ from packdata.units import format_size
 
 __all__ = [
     "CHUNK",
+    "COPY_WORKERS",
     "EXTRA_FILES",
     "LOCK",
     "PARTIAL",
@@ -55,6 +56,8 @@ __all__ = [
 
 PARTIAL = ".partial"
 LOCK = ".stage.lock"
+COPY_WORKERS = 4
+"""The most parallel copy threads a stage uses when it is given no ``workers``."""
 CHUNK = 8 << 20
 EXTRA_FILES = ("skipped.jsonl",)
 
@@ -310,7 +313,7 @@ def copy_all(units: list[ShardFiles], total: int, workers: int | None, progress:
     bar = show_progress(
         total=total, unit="B", desc=f"stage {len(units)} shard{'s' * (len(units) != 1)}", disable=progress is False
     )
-    pool = ThreadPoolExecutor(max_workers=workers or min(4, len(units)), thread_name_prefix="packdata-stage")
+    pool = ThreadPoolExecutor(max_workers=workers or min(COPY_WORKERS, len(units)), thread_name_prefix="packdata-stage")
     futures = [pool.submit(copy_unit, u, stop, bar) for u in units]
     try:
         wait(futures, return_when=FIRST_EXCEPTION)

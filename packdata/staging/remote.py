@@ -89,7 +89,10 @@ from packdata.staging.marker import STAGED_FILE, check_destination, check_name, 
 from packdata.staging.space import FULL_DISK_ERRNOS, area_error, no_space_error
 from packdata.staging.tmpfs import mount_of
 
-__all__ = ["RemoteStageResult", "stage_remote"]
+__all__ = ["FETCH_WORKERS", "RemoteStageResult", "stage_remote"]
+
+FETCH_WORKERS = 16
+"""The parallel range downloads a stage from a URL makes when it is given no ``workers``."""
 
 _FULL_HINT = (
     "A pack is staged whole from a URL: free space or stage into another cache, then stage again "
@@ -336,7 +339,7 @@ def _download(
         ranges += [(rel, offset, min(offset + _RANGE, size), size, version) for offset in range(0, size, _RANGE)]
     with (
         show_progress(desc=f"download {name}", unit="B", total=needed, disable=not progress) as bar,
-        ThreadPoolExecutor(max_workers=workers or 16, thread_name_prefix="packdata-fetch") as pool,
+        ThreadPoolExecutor(max_workers=workers or FETCH_WORKERS, thread_name_prefix="packdata-fetch") as pool,
     ):
         for got in pool.map(lambda r: _fetch_range(fs, root, partial, r[0], r[1], r[2], r[3], r[4], shown), ranges):
             bar.update(got)
