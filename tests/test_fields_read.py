@@ -646,25 +646,21 @@ def test_samples_of_different_fields_batch_with_fields_collate_and_the_default_c
     tmp_path: Path, method: str
 ) -> None:
     """A pack whose samples do not all hold a mask, read as dicts through a DataLoader with torch's default collate,
-    raised a bare KeyError: 'mask.png' from default_collate (and a batch whose first sample lacked it dropped the
-    field without a word). Now the lookup names the pack, the sample and the way out (MissingFieldError, a KeyError
-    too), and collate_fn=packdata.fields_collate batches them: a field some samples lack is a list with None."""
+    raised a bare KeyError: 'mask.png' from default_collate. Now it names the pack, the sample and the way out
+    (MissingFieldError, a KeyError too), and collate_fn=packdata.fields_collate batches them: a field some samples
+    lack is a list with None."""
     src = _masked_for_some(tmp_path / "src", range(6))
     pack = packdata.convert(src, tmp_path / "p.lmdb", layout="grouped", progress=False).pack
     ds = packdata.LMDBDataset(pack, decode="bytes")
     way_out = (
         "The pack's samples do not all hold the same fields: batch them with collate_fn=packdata.fields_collate "
-        "(a field a sample lacks reads None), or pass missing={'mask.png': VALUE} to the dataset"
+        "(a field a sample lacks reads None; packdata.FieldsCollate(missing=VALUE) reads VALUE), or pass "
+        "missing={'mask.png': VALUE} to the dataset"
     )
     loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=method)
-    lacking = f"{pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'). {way_out}"
-    with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking)):
+    lacking = f"{pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'), which sample 'm0' of the same"
+    with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking) + ".*" + re.escape(way_out)):
         list(loader)
-    first_lacks = DataLoader(ds, batch_size=2, sampler=[1, 0], num_workers=2, multiprocessing_context=method)
-    (batch,) = list(first_lacks)
-    assert batch["__key__"] == ["m1", "m0"]
-    with pytest.raises(KeyError, match=re.escape(f"{pack}: the batch holds no field 'mask.png': torch's default")):
-        batch["mask.png"]
     loader = DataLoader(
         ds, batch_size=4, num_workers=2, collate_fn=packdata.fields_collate, multiprocessing_context=method
     )
@@ -705,9 +701,52 @@ def test_every_dataset_s_dict_samples_name_the_field_they_lack_to_the_default_co
     for ds in _datasets(pack.pack, fmt, decode="bytes"):
         samples = list(ds)
         assert [sample["__key__"] for sample in samples] == ["m0", "m1", "m2"]
-        lacking = f"{pack.pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'). The pack's samples"
+        lacking = f"{pack.pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'), which sample 'm0'"
         with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking)):
             default_collate(samples)
         assert samples[1].get("mask.png") is None and "mask.png" not in samples[1]
         batch = packdata.fields_collate(samples)
         assert batch["__key__"] == ["m0", "m1", "m2"] and batch["mask.png"][1] is None
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_batch_whose_first_sample_lacks_a_field_is_refused_by_the_default_collate_not_dropped(
+    tmp_path: Path, fmt: str, num_workers: int
+) -> None:
+    """Torch's default collate keeps the fields of a batch's first sample: a batch whose first sample had no mask
+    while the next had one came out without 'mask.png', the mask lost without a word. Now the default collate of
+    such a batch raises MissingFieldError naming the pack, the sample, the field and the ways out, through every
+    dataset and DataLoader workers; a batch whose samples hold the same fields collates as before, and
+    fields_collate or a collate of one's own gets every field (no false alarm)."""
+    src = _masked_for_some(tmp_path / "src", range(1, 5))  # m1 and m3 lack the mask, m2 and m4 hold one
+    pack = packdata.convert(src, tmp_path / "p", format=fmt, progress=False).pack
+    lacking = (
+        f"{pack}: sample 'm1' holds no field 'mask.png' (it holds 'jpg', 'json'), which sample 'm2' of the same "
+        "batch holds: torch's default collate cannot batch dicts of different fields (it keeps the first sample's). "
+        "The pack's samples do not all hold the same fields: batch them with collate_fn=packdata.fields_collate "
+        "(a field a sample lacks reads None; packdata.FieldsCollate(missing=VALUE) reads VALUE), or pass "
+        "missing={'mask.png': VALUE} to the dataset to read VALUE in its place"
+    )
+    for ds in _datasets(pack, fmt, decode="bytes"):
+        loader = DataLoader(ds, batch_size=2, num_workers=num_workers)
+        with pytest.raises(packdata.MissingFieldError, match=re.escape(lacking)):
+            list(loader)
+        loader = DataLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=packdata.fields_collate)
+        masks = {key: mask for batch in loader for key, mask in zip(batch["__key__"], batch["mask.png"], strict=True)}
+        held = {key: (src / f"{key}.mask.png").read_bytes() for key in ("m2", "m4")}
+        assert masks == {"m1": None, "m3": None} | held
+        loader = DataLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=_listed)
+        got = {sample["__key__"]: sorted(sample) for batch in loader for sample in batch}
+        assert got["m1"] == ["__key__", "jpg", "json"] and got["m2"] == ["__key__", "jpg", "json", "mask.png"]
+        if not isinstance(ds, packdata.TFRecordDataset):  # map-style: a batch of samples of the same fields
+            (batch,) = DataLoader(ds, batch_size=2, sampler=[0, 2], num_workers=num_workers)
+            assert (
+                batch["__key__"] == ["m1", "m3"]
+                and "mask.png" not in batch
+                and [json.loads(meta) for meta in batch["json"]] == [{"n": 1}, {"n": 3}]
+            )
+            with pytest.raises(
+                KeyError, match=re.escape(f"{pack}: the batch holds no field 'mask.png': none of its 2")
+            ):
+                batch["mask.png"]

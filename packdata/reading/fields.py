@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
 from packdata.errors import ConfigError, DecodeError, ImageFormatError, MissingFieldError, PackFormatError, sample_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD
 from packdata.pack.images import decoding_sample
@@ -27,9 +29,11 @@ class SampleDict(dict):
     """A multi-field sample read with ``fields=None``: a dict whose lookup of a field it lacks names the field.
 
     ``sample["mask"]`` on a sample without a mask raises :class:`~packdata.errors.MissingFieldError`
-    (a ``KeyError`` too) naming the pack, the sample's key and the fields it holds, with the ways out;
-    torch's default collate, which looks up the first sample's fields in every other, raises it too,
-    and a batch it made (a copy of the first sample) names that first sample for a field it dropped.
+    (a ``KeyError`` too) naming the pack, the sample's key and the fields it holds, with the ways out.
+    Torch's default collate batches samples that all hold the same fields and raises it for a batch whose
+    samples differ (it would keep only the first sample's fields): this module registers that check in
+    torch's ``default_collate_fn_map``, for SampleDicts only, so ``collate_fn=packdata.fields_collate`` or
+    a collate of one's own sees the samples as they are.
     """
 
     def __init__(self, fields: dict[str, Any], pack: str | None) -> None:
@@ -39,21 +43,53 @@ class SampleDict(dict):
     def __missing__(self, name: str) -> Any:
         key = self.get(KEY_FIELD)
         held = ", ".join(repr(field) for field in self if field != KEY_FIELD) or "none"
-        if isinstance(key, list):  # a batch torch's default collate made: the fields of its first sample
-            first = f", {key[0]!r}," if key else ""
-            what = (
-                f"the batch holds no field {name!r}: torch's default collate keeps the fields of a batch's first "
-                f"sample, and the first{first} lacks it (the batch holds {held})"
-            )
+        if isinstance(key, list):  # a batch torch's default collate made: every sample of it holds its fields
+            first = f" (the first: {key[0]!r})" if key else ""
+            what = f"the batch holds no field {name!r}: none of its {len(key)} samples{first} holds it"
+            what += f" (they hold {held})"
         else:
             what = f"sample {key!r} holds no field {name!r} (it holds {held})"
+        raise MissingFieldError(what, path=self.pack, hint=_ways_out(name))
+
+
+def _ways_out(name: str) -> str:
+    """The hint of a :class:`MissingFieldError` about field ``name``."""
+    return (
+        "The pack's samples do not all hold the same fields: batch them with collate_fn=packdata.fields_collate "
+        "(a field a sample lacks reads None; packdata.FieldsCollate(missing=VALUE) reads VALUE), or pass "
+        f"missing={{{name!r}: VALUE}} to the dataset to read VALUE in its place"
+    )
+
+
+def _collate_sample_dicts(batch: Sequence[Any], *, collate_fn_map: dict[Any, Callable[..., Any]] | None) -> Any:
+    """Torch's default collate of SampleDicts: each field collated as torch would, the batch a SampleDict too.
+
+    Raises:
+        MissingFieldError: the samples do not all hold the same fields, naming the first sample that lacks
+            a field another holds.
+    """
+    first = batch[0]
+    dicts = [sample for sample in batch if isinstance(sample, Mapping)]
+    if any(sample.keys() != first.keys() for sample in dicts):
+        names = dict.fromkeys(name for sample in dicts for name in sample)
+        lacking = next(sample for sample in dicts if sample.keys() != names.keys())
+        name = next(name for name in names if name not in lacking)
+        holder = next(sample for sample in dicts if name in sample)
+        held = ", ".join(repr(field) for field in lacking if field != KEY_FIELD) or "none"
         raise MissingFieldError(
-            what,
-            path=self.pack,
-            hint="The pack's samples do not all hold the same fields: batch them with "
-            f"collate_fn=packdata.fields_collate (a field a sample lacks reads None), or pass missing={{{name!r}: "
-            f"VALUE}} to the dataset to read VALUE in its place",
+            f"sample {lacking.get(KEY_FIELD)!r} holds no field {name!r} (it holds {held}), which sample "
+            f"{holder.get(KEY_FIELD)!r} of the same batch holds: torch's default collate cannot batch dicts of "
+            "different fields (it keeps the first sample's)",
+            path=first.pack,
+            hint=_ways_out(name),
         )
+    out = SampleDict({}, first.pack)
+    for name in first:
+        out[name] = collate([sample[name] for sample in batch], collate_fn_map=collate_fn_map)
+    return out
+
+
+default_collate_fn_map[SampleDict] = _collate_sample_dicts  # torch's documented way to extend default_collate
 
 
 class FieldSpec:
