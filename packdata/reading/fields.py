@@ -208,7 +208,8 @@ class FieldSpec:
                 ``fields`` asks for without a ``missing`` value (its record is not the index's).
             ImageFormatError, DecodeError: a field cannot be decoded (naming the sample and field).
         """
-        sample: dict[str, Any] = {KEY_FIELD: self.transforms[KEY_FIELD](key) if KEY_FIELD in self.transforms else key}
+        sample: dict[str, Any] = SampleDict({}, self.path) if self.fields is None else {}  # built once, returned
+        sample[KEY_FIELD] = self.transforms[KEY_FIELD](key) if KEY_FIELD in self.transforms else key
         which = f"sample {key!r}" + (f" (index {index})" if index is not None else "")
         for name, data in stored.items():
             decode = self.decoders.get(name)
@@ -234,7 +235,10 @@ class FieldSpec:
         if label >= 0:
             sample[LABEL_FIELD] = self.transforms[LABEL_FIELD](label) if LABEL_FIELD in self.transforms else label
         if self.fields is None:
-            return SampleDict(sample | {n: value for n, value in self.missing.items() if n not in sample}, self.path)
+            for name, value in self.missing.items():
+                if name not in sample:
+                    sample[name] = value
+            return sample
         absent = [name for name in self.fields if name not in sample and name not in self.missing]
         if absent:
             raise PackFormatError(
