@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fields_helpers import KEYS, _fields_of, _grouped, _same_tree
 import packdata
 from packdata.cli import main as cli
 from packdata.formats.contents import export_pack, list_samples, read_field
+from packdata.pack.manifest import read_manifest
 
 
 def test_ls_cat_export_round_trip(tmp_path: Path) -> None:
@@ -195,3 +197,34 @@ def test_export_whose_folder_a_full_disk_refuses_names_the_disk(tmp_path: Path, 
     )
     assert done.exit_code == 1 and re.fullmatch(pattern, done.output), done.output
     assert os.listdir(disk) == []
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_export_of_a_multi_field_pack_tarred_in_name_order_is_a_webdataset_shard_of_the_same_samples(
+    tmp_path: Path, fmt: str
+) -> None:
+    """The KEY.FIELD files `packdata export` writes, put in a tar in name order, are a shard the webdataset package
+    reads: the same keys (spaces, unicode, a class folder with a dot), each with the same fields and bytes as the
+    pack's dataset reads (a field some samples lack included); a label its class folder gives stays the folder."""
+    wds = pytest.importorskip("webdataset")
+    src = _grouped(tmp_path / "src")
+    pack = packdata.convert(src, tmp_path / "p", format=fmt, layout="grouped", progress=False).pack
+    done = CliRunner().invoke(cli, ["export", str(pack), str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    files = [path for path in (tmp_path / "out").rglob("*") if path.is_file()]
+    names = sorted(path.relative_to(tmp_path / "out").as_posix() for path in files)
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        for name in names:
+            tar.add(tmp_path / "out" / name, arcname=name)
+    read = {sample.pop("__key__"): sample for sample in wds.WebDataset(str(tmp_path / "shard.tar"), shardshuffle=False)}
+    ds = (
+        packdata.LMDBDataset(pack, decode="bytes")
+        if fmt == "lmdb"
+        else packdata.TFRecordIndexedDataset(pack, decode="bytes")
+    )
+    classes = read_manifest(pack).classes
+    assert sorted(read) == sorted([*KEYS, "lonely", "dogs.v2/d"])
+    for sample in ds:
+        key, label = sample.pop("__key__"), sample.pop("cls", -1)
+        assert {name: read[key][name] for name in read[key] if not name.startswith("__")} == sample, key
+        assert (classes[label] if label >= 0 else None) == (key.split("/")[0] if "/" in key else None)
