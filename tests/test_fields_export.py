@@ -122,6 +122,43 @@ def test_export_refuses_keys_that_leave_the_folder(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "fine" / "one.txt").read_text() == "z"
 
 
+def test_export_of_a_multi_field_pack_refuses_a_key_whose_last_part_holds_a_dot(tmp_path: Path) -> None:
+    """A key written with a dot in its last part ('a.b', through PackWriter) was exported as a.b.txt and a.b.cls,
+    which a grouped convert, a tar and WebDataset read back as key 'a' with fields 'b.txt' and 'b.cls': another
+    sample, without a word. Now such a key is refused and listed with what it would read back as; a dot in a
+    folder of the key is fine."""
+    with packdata.PackWriter(tmp_path / "dots.lmdb") as writer:
+        writer.write({"__key__": "a.b", "txt": "x", "cls": 3})
+        writer.write({"__key__": "c", "txt": "y"})
+        writer.write({"__key__": "v1.2/d.e", "txt": "z"})
+        writer.write({"__key__": "v1.2/.f", "txt": "hidden"})
+        writer.write({"__key__": "v1.2/g", "txt": "w"})
+    result = export_pack(tmp_path / "dots.lmdb", tmp_path / "out")
+    assert (result.samples, result.files) == (2, 2)
+    assert result.refused == [
+        {"key": "a.b", "reason": "the key's last part holds a dot: its files a.b.FIELD read back as key 'a'"},
+        {
+            "key": "v1.2/d.e",
+            "reason": "the key's last part holds a dot: its files v1.2/d.e.FIELD read back as key 'v1.2/d'",
+        },
+        {
+            "key": "v1.2/.f",
+            "reason": "the key's last part starts with a dot: its files v1.2/.f.FIELD are hidden and "
+            "read back as no sample",
+        },
+    ]
+    assert sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob("*.txt")) == [
+        "c.txt",
+        "v1.2/g.txt",
+    ]
+    back = packdata.convert(tmp_path / "out", tmp_path / "back.lmdb", layout="grouped", progress=False).pack
+    assert [sample["__key__"] for sample in packdata.LMDBDataset(back)] == ["c", "v1.2/g"]
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "dots.lmdb"), str(tmp_path / "cli")])
+    assert done.exit_code == 1 and "a.b: the key's last part holds a dot: its files a.b.FIELD read back as key 'a'" in (
+        done.output
+    )
+
+
 def test_export_refuses_a_key_the_file_system_rejects_and_goes_on(tmp_path: Path) -> None:
     with packdata.PackWriter(tmp_path / "long.lmdb") as writer:
         writer.write({"__key__": "a", "txt": "first"})

@@ -271,7 +271,9 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
     Returns:
         What was written, and the samples refused with their reasons: a key that
         is not a plain path inside ``dst``, that clashes with another key's
-        files, or that the file system rejects (a name too long). A refused
+        files, that the file system rejects (a name too long), or, for a
+        multi-field pack in grouped files, whose last part holds a dot (its
+        ``KEY.FIELD`` files would read back as another key). A refused
         sample leaves no file behind; the export goes on.
 
     Raises:
@@ -304,6 +306,10 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
         for i, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
             _match_index(index, i, sample.key, sample.label, len(sample.data), path)  # as a dataset reads it
+            dotted = _read_back_as(sample.key) if layout == "grouped" and manifest.kind == "fields" else None
+            if dotted is not None:
+                result.refused.append({"key": sample.key, "reason": dotted})
+                continue
             files = _files_of(sample, manifest, layout, pack)
             targets = [(_inside(dst, name), data) for name, data in files]
             if any(target is None for target, _ in targets):
@@ -335,6 +341,20 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             result.samples += 1
     fsync_dir(dst)
     return result
+
+
+def _read_back_as(key: str) -> str | None:
+    """Why the ``KEY.FIELD`` files of ``key`` would not read back as its sample (a dot in its last part), or None.
+
+    A grouped folder, a tar and WebDataset take a sample's key up to the first dot of a file's name.
+    """
+    folder, slash, name = key.rpartition("/")
+    if "." not in name:
+        return None
+    stem = name.partition(".")[0]
+    if not stem:
+        return f"the key's last part starts with a dot: its files {key}.FIELD are hidden and read back as no sample"
+    return f"the key's last part holds a dot: its files {key}.FIELD read back as key {folder + slash + stem!r}"
 
 
 def _make_folders(dst: Path, folder: Path) -> None:
