@@ -47,36 +47,73 @@ def worker_processes(proc: psutil.Process) -> list[psutil.Process]:
     return workers
 
 
+_READS = 5
+"""Walks of the process tree :func:`tree_cpu_seconds` makes at most, while processes are reaped during one."""
+
+
 def tree_cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of ``proc`` and all its descendants so far, the ended ones included.
+
+    Every descendant counts, whatever it runs: DataLoader workers, multiprocessing's helpers (a fork server
+    holds its workers' times) and any child the job started (a decoder run as a subprocess is the job's CPU
+    use), as the kernel's times of reaped children cannot tell one child from another.
 
     A descendant still running (or ended and not yet reaped) is read from ``/proc`` (psutil: clock ticks,
     10 ms on most Linux systems), with what its own reaped children spent; one that has been reaped counts
     in its parent's children's times, as the kernel adds it there: this process's from
     ``getrusage(RUSAGE_CHILDREN)`` (microseconds), another's (a fork server's) from its ``/proc`` entry. So a
     worker that ended between two calls counts whole, and no process is told apart by its pid and start time
-    (a new process given an ended worker's pid in its start's clock tick is another). The total never falls
-    between two calls made by the thread that reaps the children.
+    (a new process given an ended worker's pid in its start's clock tick is another). A descendant reaped while
+    the tree is read would count twice (read live, then in its parent's children's times) or not at all (its
+    parent read first, then it gone): the tree is read again while one was (this process's children's times
+    changed, or a descendant listed before the reading is gone after it), up to 5 times, then the last reading
+    counts. The total never falls between two calls made by the thread that reaps the children.
     """
-    live = 0.0
-    try:
-        descendants = proc.children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    for child in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
+    total = 0.0
+    for _ in range(_READS):
+        before = _reaped_seconds(proc)
         try:
-            times = child.cpu_times()
-        except psutil.Error:  # reaped since: its parent's children's times hold it
-            continue
-        live += times.user + times.system + times.children_user + times.children_system
-    if proc.pid == os.getpid():  # read after the descendants: one reaped in between counts there
-        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return live + time.process_time() + reaped.ru_utime + reaped.ru_stime
+            descendants = proc.children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        total = 0.0
+        for child in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
+            try:
+                times = child.cpu_times()
+            except psutil.Error:  # reaped since: its parent's children's times hold it, and the tree is read again
+                continue
+            total += times.user + times.system + times.children_user + times.children_system
+        own = _own_seconds(proc)
+        if own is None:
+            return total
+        total += own
+        try:
+            after = {child.pid for child in proc.children(recursive=True)}
+        except psutil.Error:
+            after = set()
+        if _reaped_seconds(proc) == before and all(child.pid in after for child in descendants):
+            break
+    return total
+
+
+def _reaped_seconds(proc: psutil.Process) -> float | None:
+    """What this process's reaped children spent (``getrusage``), when ``proc`` is this process; else None."""
+    if proc.pid != os.getpid():
+        return None
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return reaped.ru_utime + reaped.ru_stime
+
+
+def _own_seconds(proc: psutil.Process) -> float | None:
+    """``proc``'s own CPU seconds and its reaped children's, or None when it is gone."""
+    reaped = _reaped_seconds(proc)
+    if reaped is not None:
+        return time.process_time() + reaped
     try:
         own = proc.cpu_times()
     except psutil.Error:
-        return live
-    return live + own.user + own.system + own.children_user + own.children_system
+        return None
+    return own.user + own.system + own.children_user + own.children_system
 
 
 def process_memory(proc: psutil.Process) -> dict[str, int] | None:
