@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import psutil
 import pytest
 import torch
 from click.testing import CliRunner
+from held_cpu import cpu_held_by_another
 from torch.utils.data import DataLoader, Dataset
 
 import packdata
@@ -220,40 +220,16 @@ class _Waiting(_Instant):
         return 32
 
 
-_HOLD_CPU = (
-    "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint('on', flush=True)\nwhile True:\n    pass\n"
-)
-
-
 @pytest.mark.timeout(120)
 def test_a_loop_whose_cpus_another_process_holds_is_not_told_to_decode_less() -> None:
     """A loop whose workers waited on something else than their CPU, on CPUs another process kept busy, was
     'data-bound: ... CPUs 100% busy: decoding is the limit -> decode less': the busy share is the CPUs', whoever
     uses them. The CPU time of the job's own processes now tells. Here the job runs on one CPU another process
     spins on."""
-    if not hasattr(os, "sched_setaffinity"):
-        pytest.skip("needs sched_setaffinity to share one CPU with another process")
-    allowed = os.sched_getaffinity(0)
-    cpu = min(allowed)
-    # started through a shell that exits at once: the holder is no process of this job's, only on its CPU
-    shell = [sys.executable, "-c", _HOLD_CPU, str(cpu)]
-    starter = subprocess.Popen(["sh", "-c", '"$@" & echo "$!"', "sh", *shell], stdout=subprocess.PIPE, text=True)
-    assert starter.stdout is not None
-    said = {starter.stdout.readline().strip(), starter.stdout.readline().strip()}  # its pid, and 'on' once it spins
-    starter.stdout.close()
-    starter.wait()
-    holder = int(next(line for line in said if line != "on"))
     stream = io.StringIO()
-    try:
-        assert "on" in said
-        os.sched_setaffinity(0, {cpu})  # this thread, and the worker it forks
-        try:
-            watched = packdata.monitor(DataLoader(_Waiting(), batch_size=4, num_workers=1), every=3600, stream=stream)
-            assert sum(1 for _ in watched) == 8
-        finally:
-            os.sched_setaffinity(0, allowed)
-    finally:
-        os.kill(holder, signal.SIGKILL)
+    with cpu_held_by_another():  # this thread, and the worker it forks
+        watched = packdata.monitor(DataLoader(_Waiting(), batch_size=4, num_workers=1), every=3600, stream=stream)
+        assert sum(1 for _ in watched) == 8
     diagnosis = watched.summaries[0].diagnosis
     assert diagnosis is not None and diagnosis.kind == "data-bound", diagnosis
     assert (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["open_by_any_process", "process_memory", "tree_cpu_seconds", "worker_processes"]
+__all__ = ["open_by_any_process", "process_memory", "run_queue_seconds", "tree_cpu_seconds", "worker_processes"]
 
 _ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
 
@@ -114,6 +114,20 @@ def _own_seconds(proc: psutil.Process) -> float | None:
     except psutil.Error:
         return None
     return own.user + own.system + own.children_user + own.children_system
+
+
+def run_queue_seconds(pid: int, root: str = "/") -> float | None:
+    """Seconds process ``pid`` has spent runnable but waiting for a CPU (its run-queue wait, the second field of
+    ``/proc/PID/schedstat``), or None when it is gone or the kernel does not keep it.
+
+    A process that uses little CPU either waits for one (other processes hold them: this grows) or waits on
+    something else, storage, the network or a lock, asleep (this does not)."""
+    try:
+        with open(os.path.join(root, f"proc/{pid}/schedstat"), encoding="ascii") as f:
+            fields = f.read().split()
+        return int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_memory(proc: psutil.Process) -> dict[str, int] | None:

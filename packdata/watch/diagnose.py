@@ -19,7 +19,11 @@ The rules follow the Linux data-loading guide this project follows, first match 
    or more -> cheaper decoding (reduced-size JPEG decode, a pack re-encoded
    with ``--max-side``) or more CPUs; but when the job's own processes used
    under a quarter of a CPU per worker, its workers wait on something else and
-   other processes keep the CPUs busy -> find them.
+   other processes keep the CPUs busy -> find them; but when they also waited
+   for a CPU under half a CPU per worker (their run-queue wait in
+   ``/proc/PID/schedstat``) and read 1 MiB or more from storage, they wait on
+   the disk (iowait does not show it: it counts idle CPUs' time only) ->
+   **I/O-bound**, stage the pack.
 5. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
    workers, as many as the free cores and the memory allow.
 """
@@ -41,6 +45,13 @@ CPU_SATURATED = 0.85
 OTHERS_HOLD = 0.25
 """A job whose processes use under this many CPUs' worth per worker (its main process without workers) is not
 decoding: on busy CPUs, other processes are the ones busy."""
+CPU_KEPT = 0.5
+"""Workers that waited for a CPU this much per worker or more (their run-queue wait) are kept from their CPUs: ones
+using under OTHERS_HOLD of a CPU and kept from it wait for it most of the time; ones waiting under this are asleep
+on something else most of the time."""
+_STAGE = "stage the pack onto fast local storage: packdata stage PACK --to /nvme/cache (or --tmpfs SIZE)"
+DISK_READ = 1 << 20
+"""What a job whose processes neither ran nor waited for a CPU has read from storage for its wait to be the disk's."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class Measurements:
     startup_share: float = 0.0  # share of the loop's time spent waiting for its first batch (part of wait_share)
     persistent_workers: bool = False  # the loader keeps its workers from one epoch to the next
     job_cores: float | None = None  # CPUs' worth of time the job's own processes used; None: unknown
+    cpu_wait: float | None = None  # CPUs' worth of time the job's processes waited for a CPU; None: unknown
 
 
 @dataclass(frozen=True)
@@ -124,10 +136,21 @@ def diagnose(m: Measurements) -> Diagnosis:
         return Diagnosis(
             "io-bound",
             f"{waiting}, iowait {100 * m.iowait:.0f}% of CPU time: the pack's storage cannot keep up",
-            "stage the pack onto fast local storage: packdata stage PACK --to /nvme/cache (or --tmpfs SIZE)",
+            _STAGE,
         )
     busy = f"CPUs {100 * m.cpu_busy:.0f}% busy"
-    idle_job = m.job_cores is not None and m.job_cores < OTHERS_HOLD * max(1, min(w, m.cores))
+    hold = OTHERS_HOLD * max(1, min(w, m.cores))
+    idle_job = m.job_cores is not None and m.job_cores < hold
+    kept = CPU_KEPT * max(1, min(w, m.cores))
+    on_disk = m.cpu_wait is not None and m.cpu_wait < kept and (m.read_bytes or 0) >= DISK_READ
+    if m.cpu_busy >= CPU_SATURATED and idle_job and on_disk:
+        return Diagnosis(
+            "io-bound",
+            f"{waiting} while {busy}, but the job's own processes used {m.job_cores:.2f} CPUs' worth, waited for a "
+            f"CPU {m.cpu_wait:.2f} CPUs' worth and read {format_size(m.read_bytes or 0)} from storage: its workers "
+            "wait on the disk (iowait does not show it while other processes keep the CPUs busy)",
+            _STAGE,
+        )
     if m.cpu_busy >= CPU_SATURATED and idle_job:
         return Diagnosis(
             "data-bound",

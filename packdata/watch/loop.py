@@ -44,6 +44,13 @@ def _seconds(every: float | str) -> float:
     return value
 
 
+def _known_mean(figures: list[tuple[float, float | None]]) -> float | None:
+    """The weighted mean of the figures known (a worker that ended in a sample's span leaves its figure unknown)."""
+    known = [(w, f) for w, f in figures if f is not None]
+    total = sum(w for w, _ in known)
+    return sum(w * f for w, f in known) / total if known and total > 0 else None
+
+
 def _is_sample(value: Any) -> bool:
     """What a collated column never is: one string, number, image or 0-d tensor (so it is one sample)."""
     if isinstance(value, (str, bytes, bytearray)) or getattr(value, "ndim", None) == 0:
@@ -156,6 +163,7 @@ class _Monitor:
             memory_budget=self.memory_budget,
             read_bytes=snap.read_bytes,
             job_cores=snap.job_cores,
+            cpu_wait=snap.cpu_wait,
         )
 
     def _report(
@@ -181,6 +189,7 @@ class _Monitor:
                 job_cores=None
                 if any(s.job_cores is None for s in snaps)
                 else sum(w * (s.job_cores or 0.0) for w, s in zip(weights, snaps, strict=True)),
+                cpu_wait=_known_mean([(w, s.cpu_wait) for w, s in zip(weights, snaps, strict=True)]),
             )
         diagnosis = diagnose(self._measurements(snap, part))
         if final:

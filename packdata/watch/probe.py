@@ -5,7 +5,11 @@ and :func:`packdata.host.processes.process_memory`; the CPU and iowait shares ar
 the deltas of ``/proc/stat`` between two samples, over the CPUs the process may run on;
 under a cgroup CPU quota (``cpu.max``) the busy share is also the cgroup's CPU time
 against that quota, and the larger of the two counts (a container held to 2 CPUs of 64
-is saturated when it uses its 2, while the machine looks idle).
+is saturated when it uses its 2, while the machine looks idle). The workers' run-queue wait
+(``/proc/PID/schedstat``) tells a worker kept from its CPU from one asleep on storage, which
+iowait misses on busy CPUs (it counts idle CPUs' time only); the kernel's per-process block I/O
+delay (``delayacct_blkio_ticks``) would be direct, but it is off unless ``kernel.task_delayacct``
+is set, so it is not read.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from packdata.host.facts import (
     read_meminfo,
 )
 from packdata.host.gpus import nvml_gpus
-from packdata.host.processes import process_memory, tree_cpu_seconds, worker_processes
+from packdata.host.processes import process_memory, run_queue_seconds, tree_cpu_seconds, worker_processes
 from packdata.pack.manifest import STAGED_FILE
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
@@ -64,6 +68,7 @@ class Snapshot:
     packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
     read_bytes: int | None = None  # what the job's processes read from storage since the previous sample
     job_cores: float | None = None  # CPUs' worth of time the job's own processes used since the previous sample
+    cpu_wait: float | None = None  # CPUs' worth of time its workers (or main process) waited for a CPU since then
 
     @property
     def workers(self) -> list[ProcessMemory]:
@@ -191,12 +196,19 @@ class SystemProbe:
             facts.cores_allowed = count_physical_cores(tuple(sorted(self._cpus)), root)
         facts.cpu_quota = self._quota
         self._cores = usable_cores(facts)
-        self._read = {p.pid: _read_bytes(p) for _, p in self._processes()}  # each one's counter at the last sample
+        job = self._processes()
+        self._read = {p.pid: _read_bytes(p) for _, p in job}  # each one's counter at the last sample
+        self._queued = self._run_queue(job)  # and the loading processes' run-queue wait
         self._job_cpu = (time.monotonic(), tree_cpu_seconds(self.process))
 
     def _processes(self) -> list[tuple[str, psutil.Process]]:
         children = [c for c in worker_processes(self.process) if _worker_like(c)]
         return [("main", self.process), *(("worker", c) for c in children)]
+
+    def _run_queue(self, job: list[tuple[str, psutil.Process]]) -> dict[int, float | None]:
+        """Each loading process's run-queue wait: the workers', or the main process's when it has none."""
+        loading = [p for role, p in job if role == "worker"] or [p for _, p in job]
+        return {p.pid: run_queue_seconds(p.pid, self.root) for p in loading}
 
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
@@ -224,6 +236,12 @@ class SystemProbe:
         if all(n is not None for n in read.values()):  # a worker new since the last sample: all its reads count
             read_bytes = sum(max(0, (n or 0) - (self._read.get(pid) or 0)) for pid, n in read.items())
         self._read = read
+        queued = self._run_queue(job)
+        cpu_wait = None  # a worker new since the last sample: all its waiting counts; one ended: unknown
+        if now > since and None not in queued.values() and set(self._queued) - {self.pid} <= set(queued):
+            cpu_wait = sum(max(0.0, (n or 0.0) - (self._queued.get(pid) or 0.0)) for pid, n in queued.items())
+            cpu_wait /= now - since
+        self._queued = queued
         for role, proc in job:
             figures = process_memory(proc)
             if figures is None:
@@ -247,4 +265,5 @@ class SystemProbe:
             packs_in_use([p.pid for p in processes], self.root) if self._packs else [],
             read_bytes,
             None if job_cores is None else max(0.0, job_cores),
+            cpu_wait,
         )

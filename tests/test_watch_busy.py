@@ -1,0 +1,140 @@
+"""The monitor on a machine whose CPUs other processes keep busy: waiting on the disk told from waiting for a CPU."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from held_cpu import cpu_held_by_another
+from torch.utils.data import DataLoader, Dataset
+
+import packdata
+from packdata.watch.diagnose import Measurements, diagnose
+
+GiB = 1 << 30
+
+_READ = 64 << 10  # one O_DIRECT read a sample: past the page cache, to the device
+_IOPS = 10  # what the cgroup lets through: each read waits about 100 ms for the throttled device
+
+
+def _whole_disk(path: Path) -> str:
+    """``MAJOR:MINOR`` of the disk holding ``path`` (a partition's disk: cgroups throttle whole disks)."""
+    dev = os.stat(path).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not block.exists():
+        pytest.skip(f"{path} is on no block device (tmpfs, overlay, a network filesystem)")
+    if (block / "partition").exists():
+        block = block.resolve().parent
+    return (block / "dev").read_text().strip()
+
+
+@pytest.fixture
+def throttled_reads(tmp_path: Path) -> Iterator[Path]:
+    """A cgroup whose processes read ``tmp_path``'s disk at 10 I/O a second: yields its ``cgroup.procs``."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup that throttles a disk")
+    disk = _whole_disk(tmp_path)
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").is_file():
+        group, file, limit = root / f"packdata-test-io-{os.getpid()}", "io.max", f"{disk} riops={_IOPS}"
+        if "io" not in (root / "cgroup.subtree_control").read_text().split():
+            pytest.skip("the cgroup v2 io controller is not enabled at /sys/fs/cgroup")
+    else:
+        group = root / "blkio" / f"packdata-test-io-{os.getpid()}"
+        file, limit = "blkio.throttle.read_iops_device", f"{disk} {_IOPS}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup at {group}: {exc}")
+    try:
+        (group / file).write_text(limit)
+        yield group / "cgroup.procs"
+    except OSError as exc:
+        pytest.skip(f"cannot throttle {disk} in {group}: {exc}")
+    finally:
+        group.rmdir()  # the workers have ended: the loader's iteration joined them
+
+
+class _DiskReads(Dataset):
+    """Each sample is one 64 KiB O_DIRECT read of a file, made by a worker that joined the throttled cgroup."""
+
+    def __init__(self, path: Path, procs: Path, samples: int) -> None:
+        self.path, self.procs, self.samples = path, procs, samples
+        self._fd: int | None = None
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, i: int) -> int:
+        if self._fd is None:
+            self.procs.write_text(str(os.getpid()))
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            self._buf = mmap.mmap(-1, _READ)  # page-aligned, as O_DIRECT needs
+        return os.preadv(self._fd, [self._buf], i * _READ)
+
+
+@pytest.mark.root
+@pytest.mark.timeout(120)
+def test_a_loop_waiting_on_its_disk_on_cpus_another_process_holds_is_io_bound(
+    tmp_path: Path, throttled_reads: Path
+) -> None:
+    """A loop whose worker waited on a slow disk, on CPUs another process kept busy, was 'data-bound: ... other
+    processes keep the CPUs busy, and its workers wait on something else': iowait counts idle CPUs' time only,
+    and its CPU was never idle. The run-queue wait of the job's processes (/proc/PID/schedstat) now tells: they
+    hardly waited for a CPU and read from storage, so they wait on the disk. A real worker reads its samples
+    past the page cache from a disk a cgroup throttles to 10 reads a second, on the one CPU a spinning process
+    outside the job holds."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(64 * _READ))
+    if not Path(f"/proc/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no run-queue wait per process (/proc/PID/schedstat)")
+    try:
+        os.close(os.open(data, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        pytest.skip(f"{tmp_path}'s filesystem takes no O_DIRECT reads: {exc}")
+    stream = io.StringIO()
+    with cpu_held_by_another():
+        loader = DataLoader(_DiskReads(data, throttled_reads, 64), batch_size=4, num_workers=1)
+        watched = packdata.monitor(loader, every=1, stream=stream)  # samples while the worker reads
+        assert sum(1 for _ in watched) == 16
+    diagnosis = watched.summaries[0].diagnosis
+    assert diagnosis is not None and diagnosis.kind == "io-bound", diagnosis
+    assert "from storage: its workers wait on the disk (iowait does not show it while other processes keep" in (
+        diagnosis.message
+    )
+    assert diagnosis.next_step.startswith("stage the pack onto fast local storage: packdata stage PACK")
+
+
+def _busy(**changes: float | None) -> Measurements:
+    """A loop waiting 60% of the time on CPUs 100% busy, its one worker using 0.05 CPUs' worth."""
+    base: dict[str, float | int | None] = dict(
+        wait_share=0.6, cpu_busy=1.0, iowait=0.0, num_workers=1, cores=2, mem_available=20 * GiB,
+        mem_total=32 * GiB, swap_used=0, worker_private=GiB, job_cores=0.05, read_bytes=8 << 20, cpu_wait=0.02,
+    )  # fmt: skip
+    return Measurements(**{**base, **changes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"cpu_wait": 0.5},
+        {"cpu_wait": 0.8},
+        {"cpu_wait": None},
+        {"read_bytes": 0},
+        {"read_bytes": None},
+        {"read_bytes": (1 << 20) - 1},
+    ],
+)
+def test_a_loop_waiting_for_its_cpu_or_reading_nothing_is_not_told_its_disk_is_the_wait(
+    changes: dict[str, float | None],
+) -> None:
+    """Workers kept from their CPU (their run-queue wait half a CPU or more each), or whose wait is unknown,
+    or that read under 1 MiB from storage are told what they were: other processes keep the CPUs busy."""
+    assert diagnose(_busy()).kind == "io-bound"
+    diagnosis = diagnose(_busy(**changes))
+    assert diagnosis.kind == "data-bound", diagnosis
+    assert "other processes keep the CPUs busy, and its workers wait on something else" in diagnosis.message
