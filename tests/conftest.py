@@ -504,13 +504,15 @@ class _FaultyRelay(http.server.BaseHTTPRequestHandler):
         body, path = self._body(), urlsplit(self.path).path
         self.server.hits[self.command, path] += 1
         rule = self.server.rules.get((self.command, path))
-        if rule and rule[1] > 0:
+        sent = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+        if rule and rule[0] == "no-range":  # a store or proxy that ignores Range: the whole object answers
+            sent = {k: v for k, v in sent.items() if k.lower() != "range"}
+        if rule and rule[0] != "no-range" and rule[1] > 0:
             rule[1] -= 1
             status, data = rule[0], f"<Error><Code>{_S3_ERRORS[rule[0]]}</Code><Message>test</Message></Error>".encode()
             headers = {"Content-Type": "application/xml"}
         else:
             upstream = http.client.HTTPConnection(*self.server.upstream, timeout=60)
-            sent = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
             upstream.request(self.command, self.path, body=body, headers={**sent, "Content-Length": str(len(body))})
             response = upstream.getresponse()
             status, data = response.status, response.read()
@@ -533,7 +535,9 @@ def faulty_s3(options: dict):
     """A relay on loopback in front of the moto server of ``options``; yields (its storage options, rules, hits).
 
     ``rules[(method, path)] = [status, times]`` answers the next ``times``
-    requests for that object with that HTTP error; ``hits`` counts every
+    requests for that object with that HTTP error (``["no-range", 0]``: every
+    request for it is relayed without its ``Range`` header, as a store or proxy
+    that ignores ranges would answer it: the whole object); ``hits`` counts every
     request by (method, path). botocore's own retries are off in the options,
     so what reaches packdata is what a client sees once the library gave up.
     """

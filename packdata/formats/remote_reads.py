@@ -28,6 +28,7 @@ from typing import Any
 from packdata.errors import PackFormatError, SourceError
 from packdata.formats import get_format
 from packdata.pack.manifest import Manifest
+from packdata.pack.ranges import check_range_reply, range_ignored
 from packdata.pack.urls import (
     conditional_reads,
     object_version,
@@ -74,6 +75,8 @@ def fetch_range(
         PackFormatError: the bytes could not be read in ``retries`` tries
             (``where`` names the object), the object is missing or shorter, or
             it was replaced since it was pinned.
+        SourceError: the store answered other bytes than the range asked for
+            (it, or a proxy, ignores ``Range``): not retried.
     """
     delay = backoff
     problem = ""
@@ -81,7 +84,7 @@ def fetch_range(
     for tries in range(1, retries + 1):
         try:
             version = "" if opened is None else pinned_version(fs, path, where, opened)
-            data = read_at_version(fs, path, version, start, end)
+            data = read_at_version(fs, path, version, start, end, where=where)
             if len(data) == end - start:
                 if version and not conditional_reads(fs):
                     _check_version(fs, path, where, version)
@@ -89,6 +92,10 @@ def fetch_range(
             problem = f"got {len(data)} of {end - start} bytes"
         except PackFormatError:  # the pack was replaced: no retry helps
             raise
+        except SourceError as exc:
+            if range_ignored(exc):  # the store answers other bytes than asked for: no retry helps
+                raise
+            problem = type(exc).__name__
         except FileNotFoundError as exc:  # no retry helps
             raise PackFormatError(
                 "is missing (removed, or its pack is being converted again)",
@@ -264,7 +271,13 @@ class SpanRequest:
         bucket, key, _ = fs.split_path(path)
         extra = {"IfMatch": version} if version else {}
         byte_range = f"bytes={start}-{end - 1}"
-        self._body = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=byte_range, **extra)["Body"]
+        response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, Range=byte_range, **extra)
+        self._body = response["Body"]
+        try:
+            check_range_reply(response, where, start, end)
+        except SourceError:
+            sync(fs.loop, _close_body, self._body)
+            raise
 
     @staticmethod
     def possible(fs: Any) -> bool:

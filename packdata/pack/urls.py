@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.manifest import schema as manifest_schema
+from packdata.pack.ranges import check_range_length, check_range_reply
 
 __all__ = [
     "EXTRAS",
@@ -191,20 +192,33 @@ def conditional_reads(fs: Any) -> bool:
     return "s3" in ((protocol,) if isinstance(protocol, str) else protocol) and hasattr(fs, "_call_s3")
 
 
-def read_at_version(fs: Any, path: str, version: str, start: int = 0, end: int | None = None) -> bytes:
+def read_at_version(
+    fs: Any, path: str, version: str, start: int = 0, end: int | None = None, *, where: str | None = None
+) -> bytes:
     """Bytes ``[start, end)`` of ``path`` (to its end when ``end`` is None); on S3, only from ``version`` (an ETag).
 
     On S3 with a ``version``, the request carries ``If-Match``: an object
     replaced since answers HTTP 412 (see :func:`precondition_failed`), at no
     extra request. Elsewhere, or without a version, the bytes are read as they are now.
+    A ranged read's reply is checked (:mod:`packdata.pack.ranges`): on S3 its
+    status and ``Content-Range``, elsewhere that it is no longer than asked for;
+    ``where`` names the object in that error (default: its URL as ``fs`` names it).
+
+    Raises:
+        SourceError: the store answered other bytes than the range asked for
+            (:func:`~packdata.pack.ranges.range_ignored` holds for it).
     """
-    if not version or not conditional_reads(fs):
-        return bytes(fs.cat_file(path, start=start or None, end=end))
+    ranged = bool(start) or end is not None
+    where = where or display_url(fs.unstrip_protocol(path))
+    if not conditional_reads(fs) or not (version or ranged):
+        data = bytes(fs.cat_file(path, start=start or None, end=end))
+        if ranged:
+            check_range_length(len(data), where, start, end)
+        return data
     from fsspec.asyn import sync
 
     bucket, key, _ = fs.split_path(path)
-    byte_range = {} if not start and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-    return bytes(sync(fs.loop, _s3_get, fs, bucket, key, version, byte_range))
+    return bytes(sync(fs.loop, _s3_get, fs, bucket, key, version, where, start, end))
 
 
 @contextlib.contextmanager
@@ -239,10 +253,16 @@ class _ReaderAt:
         return data
 
 
-async def _s3_get(fs: Any, bucket: str, key: str, etag: str, byte_range: dict[str, str]) -> bytes:
-    """One GET through s3fs (its credentials, endpoint and request options) with ``If-Match: etag``."""
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag, **byte_range)
+async def _s3_get(fs: Any, bucket: str, key: str, etag: str, where: str, start: int, end: int | None) -> bytes:
+    """One GET through s3fs (its credentials, endpoint and request options), with ``If-Match: etag`` when given;
+    a ranged one's reply checked before its body is read (:func:`~packdata.pack.ranges.check_range_reply`)."""
+    ranged = bool(start) or end is not None
+    byte_range = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if ranged else {}
+    condition = {"IfMatch": etag} if etag else {}
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **condition, **byte_range)
     try:
+        if ranged:
+            check_range_reply(response, where, start, end)
         return await response["Body"].read()
     finally:
         response["Body"].close()
