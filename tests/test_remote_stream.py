@@ -51,6 +51,33 @@ def test_tfrecord_streams_from_s3_exactly_once_through_workers(s3, tmp_path: Pat
     assert len(held) == 20 and all(type(data) is bytes for data, _, _ in held)
 
 
+def test_forked_workers_make_their_s3_clients_from_the_models_the_main_process_decoded(
+    s3, remote_tfrecord, tmp_path: Path, monkeypatch
+) -> None:
+    """Every forked worker of every epoch decoded botocore's JSON service models again (0.3-0.4 s of CPU) first."""
+    from botocore.loaders import JSONFileLoader
+
+    options, _ = s3
+    url, local = remote_tfrecord
+    log = tmp_path / "model-loads"
+    real = JSONFileLoader.load_file
+
+    def load_file(self, file_path):  # the real loader, each file it decodes noted with the process that did
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {file_path}\n")
+        return real(self, file_path)
+
+    monkeypatch.setattr(JSONFileLoader, "load_file", load_file)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=tmp_path / "cache")
+    for epoch in range(2):  # workers forked afresh each epoch
+        ds.set_epoch(epoch)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        assert sorted(data for data, _ in loader) == expected
+    loads = log.read_text().splitlines() if log.exists() else []
+    assert [line for line in loads if int(line.split()[0]) != os.getpid()] == []
+
+
 def test_a_url_never_reads_a_local_folder_named_like_it(s3, remote_pack, remote_tfrecord, tmp_path, monkeypatch):
     """LMDBDataset('s3://packs/train.lmdb') (and open_dataset) read ./s3:/packs/train.lmdb, another pack, silently."""
     from packdata.reading.open import open_dataset

@@ -24,6 +24,7 @@ from packdata.errors import ConfigError, PackFormatError, SourceError
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packdata.pack.manifest import schema as manifest_schema
 from packdata.pack.ranges import check_range_length, check_range_reply
+from packdata.pack.s3_models import share_models
 
 __all__ = [
     "EXTRAS",
@@ -349,6 +350,7 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
         ) from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{display_url(url)}: cannot open the URL ({type(exc).__name__})") from exc
+    share_models(fs)  # S3: a forked worker's client reuses the models this process decoded
     return fs, path
 
 
