@@ -346,6 +346,26 @@ def test_a_resume_with_another_flag_says_the_interrupted_runs_as_a_flag_not_flag
     )
 
 
+def test_a_resume_without_an_option_the_interrupted_run_had_unset_says_no_flag_never_flag_none(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """convert --resume --max-side 16 of a run without --max-side said '--max-side None (this run: 16)': no command
+    takes 'None' (an option left unset is not given)."""
+    from packdata.cli import as_flags
+
+    dst = tmp_path / "out.lmdb"
+    interrupted_convert(image_folder, dst, monkeypatch)
+    result = _run("convert", str(image_folder), str(dst), "--resume", "--max-side", "16", "-q")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {partial_path(dst)}: the interrupted conversion used other options: "
+        "no --max-side (this run: 16). Resume with the same options, or start again with --overwrite\n"
+    )
+    flags = {"max_side": "--max-side", "shuffle": "--shuffle/--no-shuffle", "num_workers": "--workers"}
+    assert as_flags("with num_workers=2, max_side=None.", flags) == "with --workers 2."  # a command line to paste
+    assert as_flags("pass shuffle=None:", flags) == "pass no --shuffle:"  # None is unset, not the off form
+
+
 def test_a_resume_of_a_complete_pack_says_overwrite_to_python_and_the_flag_to_the_cli(
     image_folder: Path, tmp_path: Path
 ) -> None:

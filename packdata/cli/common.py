@@ -33,7 +33,8 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     A boolean flag with an off form is given as click declares it (``{"pin_memory":
     "--pin-memory/--no-pin-memory"}``): ``pin_memory=False`` -> ``--no-pin-memory``. A flag
     without one (``--overwrite``) has no way to say ``False``: ``overwrite=False`` is left out
-    of a command line and said ``no --overwrite`` elsewhere; ``True`` is the flag alone.
+    of a command line and said ``no --overwrite`` elsewhere; ``True`` is the flag alone. ``x=None``
+    (an option left unset: ``max_side=None``) is said as such a ``False``, whatever the flag.
     """
 
     def said(match: re.Match[str], *, pasted: bool) -> tuple[str, str]:
@@ -45,8 +46,8 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
         on, _, off = option.partition("/")
         if value == "True":
             return on, end
-        if value == "False":
-            return off or ("" if pasted else f"no {on}"), end
+        if value in ("False", "None"):  # None: the option left unset (no command takes 'None'), never its off form
+            return (off if value == "False" else "") or ("" if pasted else f"no {on}"), end
         return f"{on} {value.strip(chr(39))}", end
 
     def flag(match: re.Match[str]) -> str:
