@@ -109,6 +109,62 @@ def test_the_probe_counts_what_the_job_reads_from_storage_not_the_page_cache(tmp
     assert figures[0] is not None and figures[0] >= 8 << 20 and figures[1] == 0
 
 
+_READ_THEN_WAIT = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: read from the disk
+while os.read(fd, 1 << 20):
+    pass
+print("done", flush=True)
+sys.stdin.read()
+"""
+
+_STARTS_A_WORKER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+print(worker.stdout.readline().decode().strip(), flush=True)
+sys.stdin.readline()
+worker.stdin.close()
+worker.wait()  # reaped: the kernel adds what it read to this process's /proc/PID/io
+print("reaped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_probe_counts_a_workers_reads_once_when_it_is_reaped(tmp_path: Path) -> None:
+    """A worker's reads from storage counted in the sample that saw it running counted again in the next one
+    once its parent reaped it: the kernel adds a reaped child's I/O to its parent's /proc/PID/io, and the probe
+    summed each process's counter. The probe now reads the tree's total. A real job starts a worker that reads
+    8 MiB from the disk, then reaps it between two samples: the second sample counts none of it."""
+    from packdata.watch.probe import SystemProbe
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(8 << 20))
+    os.sync()  # written back: the worker's reads go to the disk once the pages are dropped
+    job = subprocess.Popen(
+        [sys.executable, "-c", _STARTS_A_WORKER, _READ_THEN_WAIT, str(data)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert job.stdin is not None and job.stdout is not None
+    try:
+        probe = SystemProbe(job.pid, gpus=False, packs=False)
+        assert job.stdout.readline() == "done\n"
+        running = probe.sample()
+        job.stdin.write("\n")
+        job.stdin.flush()
+        assert job.stdout.readline() == "reaped\n"
+        reaped = probe.sample()
+    finally:
+        job.kill()
+        job.wait()
+    if running.read_bytes == 0:
+        pytest.skip(f"{tmp_path} is not on a block device the kernel counts reads of (tmpfs, a network filesystem)")
+    assert running.read_bytes is not None and running.read_bytes >= 8 << 20
+    assert reaped.read_bytes == 0
+
+
 class _Instant(Dataset):
     def __len__(self) -> int:
         return 64

@@ -8,12 +8,19 @@ import os
 import re
 import resource
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import psutil
 
-__all__ = ["open_by_any_process", "process_memory", "run_queue_seconds", "tree_cpu_seconds", "worker_processes"]
+__all__ = [
+    "open_by_any_process",
+    "process_memory",
+    "run_queue_seconds",
+    "tree_cpu_seconds",
+    "tree_read_bytes",
+    "worker_processes",
+]
 
 _ROLLUP = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
 
@@ -69,31 +76,74 @@ def tree_cpu_seconds(proc: psutil.Process) -> float:
     changed, or a descendant listed before the reading is gone after it), up to 5 times, then the last reading
     counts. The total never falls between two calls made by the thread that reaps the children.
     """
-    total = 0.0
+    return _tree_total(proc, _cpu_seconds, _own_seconds, _reaped_seconds) or 0.0
+
+
+def tree_read_bytes(proc: psutil.Process) -> int | None:
+    """Bytes ``proc`` and all its descendants have had read from storage so far, the ended ones included; None
+    where the kernel gives no I/O counters (macOS) or ``proc`` is gone.
+
+    ``read_bytes`` of ``/proc/PID/io``: page cache hits are not in it, and a process's holds what its reaped
+    children read (the kernel adds them there, as it adds their CPU times). The descendants that count, and a
+    descendant reaped while the tree is read, are as in :func:`tree_cpu_seconds`.
+    """
+    total = _tree_total(proc, _read_bytes, _own_read_bytes, lambda _: None)
+    return None if total is None else int(total)
+
+
+def _tree_total(
+    proc: psutil.Process,
+    figure: Callable[[psutil.Process], float],
+    own: Callable[[psutil.Process], float | None],
+    reaped: Callable[[psutil.Process], float | None],
+) -> float | None:
+    """``own(proc)`` plus ``figure`` of each descendant, read again while a process was reaped during a reading
+    (``reaped(proc)`` changed, or a listed descendant is gone after it); None when ``own`` is unknown."""
+    total: float | None = None
     for _ in range(_READS):
-        before = _reaped_seconds(proc)
+        before = reaped(proc)
         try:
             descendants = proc.children(recursive=True)
         except psutil.Error:
             descendants = []
-        total = 0.0
-        for child in descendants:  # multiprocessing's helpers too: a fork server holds its workers' times
+        live = 0.0
+        for child in descendants:  # multiprocessing's helpers too: a fork server holds its workers' figures
             try:
-                times = child.cpu_times()
-            except psutil.Error:  # reaped since: its parent's children's times hold it, and the tree is read again
+                live += figure(child)
+            except psutil.Error:  # reaped since: its parent's figure holds it, and the tree is read again
                 continue
-            total += times.user + times.system + times.children_user + times.children_system
-        own = _own_seconds(proc)
-        if own is None:
-            return total
-        total += own
+        mine = own(proc)  # read after the descendants: one reaped in between counts there
+        if mine is None:
+            return None
+        total = live + mine
         try:
             after = {child.pid for child in proc.children(recursive=True)}
         except psutil.Error:
             after = set()
-        if _reaped_seconds(proc) == before and all(child.pid in after for child in descendants):
+        if reaped(proc) == before and all(child.pid in after for child in descendants):
             break
     return total
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    """``proc``'s CPU seconds and its reaped children's, from ``/proc`` (psutil.Error when it is gone)."""
+    times = proc.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _read_bytes(proc: psutil.Process) -> float:
+    """``read_bytes`` of ``proc``'s ``/proc/PID/io`` (psutil.Error when it is gone or the kernel has none)."""
+    try:
+        return float(proc.io_counters().read_bytes)
+    except AttributeError as exc:  # no I/O counters on macOS
+        raise psutil.Error(str(exc)) from exc
+
+
+def _own_read_bytes(proc: psutil.Process) -> float | None:
+    try:
+        return _read_bytes(proc)
+    except psutil.Error:
+        return None
 
 
 def _reaped_seconds(proc: psutil.Process) -> float | None:
@@ -110,10 +160,9 @@ def _own_seconds(proc: psutil.Process) -> float | None:
     if reaped is not None:
         return time.process_time() + reaped
     try:
-        own = proc.cpu_times()
+        return _cpu_seconds(proc)
     except psutil.Error:
         return None
-    return own.user + own.system + own.children_user + own.children_system
 
 
 def run_queue_seconds(pid: int, root: str = "/") -> float | None:

@@ -34,7 +34,13 @@ from packdata.host.facts import (
     read_meminfo,
 )
 from packdata.host.gpus import nvml_gpus
-from packdata.host.processes import process_memory, run_queue_seconds, tree_cpu_seconds, worker_processes
+from packdata.host.processes import (
+    process_memory,
+    run_queue_seconds,
+    tree_cpu_seconds,
+    tree_read_bytes,
+    worker_processes,
+)
 from packdata.pack.manifest import STAGED_FILE
 
 __all__ = ["ProcessMemory", "Snapshot", "SystemProbe", "packs_in_use"]
@@ -66,7 +72,7 @@ class Snapshot:
     processes: list[ProcessMemory] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, utilization, used and total bytes
     packs: list[dict[str, Any]] = field(default_factory=list)  # packs the job has open: path, staged, origin
-    read_bytes: int | None = None  # what the job's processes read from storage since the previous sample
+    read_bytes: int | None = None  # what the job's process tree read from storage since the previous sample
     job_cores: float | None = None  # CPUs' worth of time the job's own processes used since the previous sample
     cpu_wait: float | None = None  # CPUs' worth of time its workers (or main process) waited for a CPU since then
 
@@ -105,14 +111,6 @@ def _worker_like(proc: psutil.Process) -> bool:
         return "python" in proc.name().lower() or "python" in " ".join(proc.cmdline()[:1]).lower()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-
-
-def _read_bytes(proc: psutil.Process) -> int | None:
-    """Bytes ``proc`` has had read from storage (``read_bytes`` of /proc/PID/io: page cache hits are not), or None."""
-    try:
-        return proc.io_counters().read_bytes
-    except (psutil.Error, AttributeError):  # no I/O counters on macOS
-        return None
 
 
 def packs_in_use(pids: list[int], root: str = "/") -> list[dict[str, Any]]:
@@ -197,7 +195,7 @@ class SystemProbe:
         facts.cpu_quota = self._quota
         self._cores = usable_cores(facts)
         job = self._processes()
-        self._read = {p.pid: _read_bytes(p) for _, p in job}  # each one's counter at the last sample
+        self._read = tree_read_bytes(self.process)  # the job's reads from storage so far, the ended workers' too
         self._queued = self._run_queue(job)  # and the loading processes' run-queue wait
         self._job_cpu = (time.monotonic(), tree_cpu_seconds(self.process))
 
@@ -231,11 +229,8 @@ class SystemProbe:
         cgroup = read_cgroup_memory(self.root, self._cgroup)
         processes = []
         job = self._processes()
-        read = {p.pid: _read_bytes(p) for _, p in job}
-        read_bytes = None
-        if all(n is not None for n in read.values()):  # a worker new since the last sample: all its reads count
-            read_bytes = sum(max(0, (n or 0) - (self._read.get(pid) or 0)) for pid, n in read.items())
-        self._read = read
+        read, self._read = self._read, tree_read_bytes(self.process)
+        read_bytes = None if read is None or self._read is None else max(0, self._read - read)
         queued = self._run_queue(job)
         cpu_wait = None  # a worker new since the last sample: all its waiting counts; one ended: unknown
         if now > since and None not in queued.values() and set(self._queued) - {self.pid} <= set(queued):
