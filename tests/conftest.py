@@ -380,6 +380,51 @@ def cgroup(request: pytest.FixtureRequest):
     return make
 
 
+def killed_at_staged_json_delete(imports: str, call: str) -> str:
+    """A child script: ``imports``, then ``call`` with os.unlink made to SIGKILL the process as it comes to a
+    ``staged.json`` (no clean-up runs), as a kill at the last step of a copy's delete leaves it."""
+    return f"""import os, signal, sys
+{imports}
+unlink = os.unlink
+def dying(path, *args, **kwargs):  # killed as the delete comes to staged.json: no clean-up runs
+    if os.path.basename(path) == "staged.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    unlink(path, *args, **kwargs)
+os.unlink = dying
+{call}
+"""
+
+
+_LOCK_HOLDER = """
+import sys
+from packdata.pack.lock import hold_lock
+with hold_lock(sys.argv[1], what="another stage", target=sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(lock: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding ``lock`` (packdata's own lock, taken as another stage takes it) for the block.
+
+    Yields that process once it holds the lock; afterwards it lets the lock go (its stdin closed) and is reaped.
+    """
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        try:
+            holder.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.communicate()
+            raise
+
+
 @contextlib.contextmanager
 def moto_s3(credentials: dict[str, str]) -> Iterator[tuple[dict[str, Any], Any]]:
     """A moto S3 server on loopback with a ``packs`` bucket; yields (storage_options, s3fs filesystem).

@@ -16,12 +16,3 @@ needs_root = pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root
 def _all_bytes(path: Path) -> list[tuple[bytes, int]]:
     ds = LMDBDataset(path, decode="bytes")
     return [ds[i] for i in range(len(ds))]
-
-
-_HOLDER = """
-import sys
-from packdata.pack.lock import hold_lock
-with hold_lock(sys.argv[1], what="another stage", target=sys.argv[1]):
-    print("held", flush=True)
-    sys.stdin.readline()
-"""

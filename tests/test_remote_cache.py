@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import killed_at_staged_json_delete
 from faults.hostile import rewrite_manifest
 from remote_helpers import _samples, _two_classes
 
@@ -398,17 +399,10 @@ else:
 """
 
 
-_KILLED_SWEEP = """
-import json, os, signal, sys
-import packdata
-unlink = os.unlink
-def dying(path, *args, **kwargs):  # killed as the delete comes to staged.json: no clean-up runs
-    if os.path.basename(path) == "staged.json":
-        os.kill(os.getpid(), signal.SIGKILL)
-    unlink(path, *args, **kwargs)
-os.unlink = dying
-packdata.stage(sys.argv[1], to=sys.argv[3], storage_options=json.loads(sys.argv[2]), progress=False)
-"""
+_KILLED_SWEEP = killed_at_staged_json_delete(
+    "import json\nimport packdata",
+    "packdata.stage(sys.argv[1], to=sys.argv[3], storage_options=json.loads(sys.argv[2]), progress=False)",
+)
 
 
 def test_a_stage_killed_while_it_sweeps_an_old_copy_leaves_it_marked(s3, remote_pack, tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from remote_helpers import _HOLDER, _samples
+from conftest import lock_held_elsewhere
+from remote_helpers import _samples
 from torch.utils.data import DataLoader
 
 import packdata
@@ -151,36 +152,22 @@ def test_a_copy_moved_aside_under_a_numbered_name_is_still_its_copys_to_evict(s3
     options, _, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
     aside = cache / f".train.lmdb.old-{os.getpid()}-1"
     os.rename(first, aside)  # as an eviction holding .train.lmdb.lock leaves it, deleting it
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(cache / ".train.lmdb.lock"):
         with pytest.raises(packdata.CapacityError, match="cache limit"):
             packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
                            cache_limit=int(1.5 * size))  # fmt: skip
         assert (aside / "staged.json").is_file() and not (cache / "second.lmdb").exists()
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_cache_limit_never_evicts_a_copy_whose_lock_another_process_holds(s3, remote_pack, tmp_path: Path) -> None:
     """A copy another process is staging, replacing or unstaging (it holds .NAME.lock) is skipped, never deleted."""
     options, local, cache, first, size = _staged_and_second(s3, remote_pack, tmp_path)
     limit = int(1.5 * size)  # one copy fits, not two: the first must go for the second
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(cache / ".train.lmdb.lock")], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(cache / ".train.lmdb.lock"):
         with pytest.raises(packdata.CapacityError, match="cache limit"):
             packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
                            cache_limit=limit)  # fmt: skip
         assert _samples(first) == _samples(local) and not (cache / "second.lmdb").exists()
-    finally:
-        holder.kill()
-        holder.wait()
     result = packdata.stage("s3://packs/second.lmdb", to=cache, storage_options=options, progress=False,
                             cache_limit=limit)  # fmt: skip
     assert result.downloaded and not first.exists() and _samples(result.staged) == _samples(local)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from stage_helpers import _HOLDER, _all_bytes, needs_root
+from conftest import lock_held_elsewhere
+from stage_helpers import _all_bytes, needs_root
 
 import packdata
 import packdata.staging.folder as folder_module
@@ -91,17 +92,11 @@ def test_a_stage_refused_by_the_lock_leaves_nothing_it_created(lmdb_pack: Path, 
     area = tmp_path / "area"
     area.mkdir()
     lock = area / f".{lmdb_pack.name}.lock"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(lock) as holder:
         held = rf"pid {holder.pid} on host .*\(another stage.*{re.escape(str(lock))}\), still after waiting 0.2 s"
         with pytest.raises(LockedError, match=held):
             stage(lmdb_pack, to=area, progress=False, wait_seconds=0.2)
         assert sorted(p.name for p in area.iterdir()) == [lock.name]  # the holder's lock file only
-    finally:
-        holder.communicate("\n", timeout=30)
     assert stage(lmdb_pack, to=area, progress=False).copied
     assert _all_bytes(area / lmdb_pack.name) == _all_bytes(lmdb_pack)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import _noise_jpeg, tree_digest
-from stage_helpers import _HOLDER, _all_bytes
+from conftest import _noise_jpeg, killed_at_staged_json_delete, lock_held_elsewhere, tree_digest
+from stage_helpers import _all_bytes
 
 import packdata
 import packdata.staging.folder as folder_module
@@ -45,17 +45,9 @@ def test_a_copy_an_unstage_left_aside_is_removed_by_the_next_stage(lmdb_pack: Pa
     assert _all_bytes(staged) == _all_bytes(lmdb_pack)
 
 
-_INTERRUPTED_DELETE = """
-import os, signal, sys
-from packdata.staging.unstage import unstage
-unlink = os.unlink
-def dying(path, *args, **kwargs):  # killed as the delete comes to staged.json: no clean-up runs
-    if os.path.basename(path) == "staged.json":
-        os.kill(os.getpid(), signal.SIGKILL)
-    unlink(path, *args, **kwargs)
-os.unlink = dying
-unstage(sys.argv[1])
-"""
+_INTERRUPTED_DELETE = killed_at_staged_json_delete(
+    "from packdata.staging.unstage import unstage", "unstage(sys.argv[1])"
+)
 
 
 def test_an_unstage_killed_mid_delete_leaves_a_copy_the_area_unstage_still_knows(
@@ -71,9 +63,9 @@ def test_an_unstage_killed_mid_delete_leaves_a_copy_the_area_unstage_still_knows
     assert list((tmp_path / "nvme").iterdir()) == []
 
 
-_INTERRUPTED_SWEEP = _INTERRUPTED_DELETE.replace(  # the same kill, in a stage
-    "from packdata.staging.unstage import unstage", "from packdata.staging.stage import stage"
-).replace("unstage(sys.argv[1])", "stage(sys.argv[1], to=sys.argv[2], progress=False)")
+_INTERRUPTED_SWEEP = killed_at_staged_json_delete(  # the same kill, in a stage
+    "from packdata.staging.stage import stage", "stage(sys.argv[1], to=sys.argv[2], progress=False)"
+)
 
 
 def test_a_stage_killed_while_it_sweeps_a_copy_left_aside_leaves_it_marked(lmdb_pack: Path, tmp_path: Path) -> None:
@@ -381,19 +373,10 @@ def test_unstaging_an_area_leaves_a_live_downloads_partial_and_removes_a_killed_
     download = area / ".val.lmdb.partial"
     shutil.copytree(area / lmdb_pack.name, download)  # a finished download: files, staged.json, readers' lock
     before = _all_bytes(download)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(area / ".val.lmdb.lock")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(area / ".val.lmdb.lock"):
         result = unstage(area)
         assert result.removed == [area / lmdb_pack.name] and not (area / lmdb_pack.name).exists()
         assert _all_bytes(download) == before  # the live stage's download, untouched
-    finally:
-        holder.communicate("\n", timeout=30)
     assert unstage(area).removed == [download] and not download.exists()
     assert not (area / "val.lmdb").exists() and not (area / ".val.lmdb.lock").exists()
 
