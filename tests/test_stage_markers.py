@@ -268,3 +268,28 @@ def test_a_marker_another_user_put_into_a_shared_area_never_makes_unstage_delete
         with pytest.raises(ConfigError, match="is not a staged pack and holds none"):
             unstage(area)
         assert [p.name for p in area.iterdir()] == [planted]
+
+
+def test_a_staged_json_over_the_marker_bound_is_no_marker_and_never_read(tmp_path: Path) -> None:
+    """A planted staged.json of 257 MiB (sparse: no disk used) was read whole, twice over (its bytes, then their
+    text), before it was found no marker: a stranger's file in a shared area cost every `stage --status` and
+    unstage half a GiB. It is now refused by its size, unread: a child's peak memory stays far under its size."""
+    from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES as MAX_MARKER_BYTES  # the bound read_marker keeps
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    with open(odd / STAGED_FILE, "wb") as file:
+        file.truncate(MAX_MARKER_BYTES + 1)
+    script = (
+        "import resource, sys; from pathlib import Path; from packdata.staging.marker import read_marker;"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "print(read_marker(Path(sys.argv[1])), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(odd)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    marker, grown_kib = done.stdout.split()
+    assert marker == "None"
+    assert int(grown_kib) * 1024 < MAX_MARKER_BYTES // 4, f"read_marker grew the process by {grown_kib} KiB"

@@ -17,8 +17,9 @@ from typing import Any
 
 from packdata._version import __version__
 from packdata.errors import ConfigError
-from packdata.pack.files import open_regular, temporary_owner
+from packdata.pack.files import open_regular, read_bounded, temporary_owner
 from packdata.pack.manifest import STAGED_FILE
+from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 from packdata.staging.copy import LOCK, PARTIAL
 from packdata.staging.folder import write_json
 
@@ -74,6 +75,10 @@ def write_marker(
     )
 
 
+MAX_MARKER_BYTES = MAX_MANIFEST_BYTES
+"""The largest ``staged.json`` read: its shard names are a part of the manifest's."""
+
+
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The marker of a staged pack at ``folder``, or None when there is none or it is not well-formed.
 
@@ -81,13 +86,17 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     out of the folder, or block the read forever) holding a JSON object with every field
     :func:`write_marker` writes, each of its type; a ``staged.json`` of anything else
     (a project's own file of that name) is no marker, nor is one the folder's owner did not write
-    (another user's, dropped into a shared area such as ``/dev/shm``, would make the area a staged pack).
+    (another user's, dropped into a shared area such as ``/dev/shm``, would make the area a staged pack), nor
+    is one over :data:`MAX_MARKER_BYTES` (never read: it names fewer shards than a manifest, which is bounded so).
     """
     try:
         with os.fdopen(open_regular(folder / STAGED_FILE, follow_symlinks=False), "rb") as file:
             if os.fstat(file.fileno()).st_uid != folder.lstat().st_uid:
                 return None
-            data = json.loads(file.read().decode("utf-8"))
+            text = read_bounded(file, MAX_MARKER_BYTES)
+            if text is None:
+                return None
+            data = json.loads(text.decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
