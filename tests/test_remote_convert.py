@@ -706,3 +706,89 @@ def test_a_failed_upload_says_resume_in_the_library_s_words_and_the_cli_s_flag(s
         "Error: s3://packs/denied-hint.lmdb: uploading manifest.json failed (PermissionError). Run again with "
         "--resume: uploaded files are kept"
     )
+
+
+def _published_then_refused_removal(s3, tmp_path: Path, monkeypatch, url: str, faulty: dict, rules: dict) -> Path:
+    """Convert a source into ``url`` (no relay), then over it (overwrite=True) through the relay of ``faulty``, its
+    first DELETE of an old object refused after the new manifest is up: the new pack is published from the work
+    folder, a resume (shard_samples=5) to finish it. Returns the source."""
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    packdata.convert(src, url, shard_samples=2, storage_options=s3[0], progress=False)
+    rules["DELETE", f"/{url.removeprefix('s3://')}/shard-00004.lmdb/data.mdb"] = [403, 1]
+    with pytest.raises(SourceError, match=r": the new pack is published, but the objects of the pack it replaced"):
+        packdata.convert(src, url, storage_options=faulty, overwrite=True, shard_samples=5, progress=False)
+    return src
+
+
+def test_a_resume_into_a_url_reads_its_manifest_once(s3, tmp_path: Path, monkeypatch) -> None:
+    """A resume whose work folder's pack is published at the URL read the URL's manifest 3 times: in the check,
+    as the old pack ended and as the upload began, each time deciding anew what the pack there was."""
+    options, fs = s3
+    url, manifest = "s3://packs/read-once.lmdb", "/packs/read-once.lmdb/manifest.json"
+    with faulty_s3(options) as (faulty, rules, hits):
+        src = _published_then_refused_removal(s3, tmp_path, monkeypatch, url, faulty, rules)
+        published, before = fs.cat_file(manifest), hits.copy()
+        result = packdata.convert(src, url, storage_options=faulty, resume=True, shard_samples=5, progress=False)
+        during = hits - before
+    assert result.pack == url and result.packed == 10
+    assert during["GET", manifest] == 1, sorted(during.items())
+    assert during["PUT", manifest] == 0 and during["DELETE", manifest] == 0
+    fs.invalidate_cache()
+    assert fs.cat_file(manifest) == published
+
+
+def _stranger_publishes(monkeypatch, faulty: dict, fs, manifest: str, when: str) -> bytes:
+    """Have a stranger put a manifest of its own at ``manifest`` (through ``fs``, another client) right after the
+    conversion's first call of ``when`` (``cat_file`` of that manifest, or ``put_file`` of anything) returns."""
+    s3fs.S3FileSystem(**faulty).exists(manifest)  # botocore adds its retry mode into the options at a first request
+    client = s3fs.S3FileSystem(**faulty)  # fsspec caches filesystems: the conversion gets this very instance
+    real = getattr(client, when)
+    stranger = b'{"a stranger": "published this"}'
+    done: list[str] = []
+
+    def then_a_stranger(path, *args, **kwargs):
+        out = real(path, *args, **kwargs)
+        if not done and (when == "put_file" or str(path).endswith(manifest)):
+            done.append(path)
+            fs.pipe_file(manifest, stranger)
+        return out
+
+    monkeypatch.setattr(client, when, then_a_stranger)
+    return stranger
+
+
+def test_a_manifest_replaced_after_a_resumes_check_is_refused_not_overwritten(s3, tmp_path: Path, monkeypatch) -> None:
+    """A stranger's manifest put at the URL once the resume had found its own pack there: the next read found the
+    pack was not its own any more, removed the stranger's manifest and put its own, without overwrite=True."""
+    options, fs = s3
+    url, manifest = "s3://packs/replaced-after-check.lmdb", "packs/replaced-after-check.lmdb/manifest.json"
+    with faulty_s3(options) as (faulty, rules, _):
+        src = _published_then_refused_removal(s3, tmp_path, monkeypatch, url, faulty, rules)
+        stranger = _stranger_publishes(monkeypatch, faulty, fs, manifest, "cat_file")
+        with pytest.raises(ConfigError) as raised:
+            packdata.convert(src, url, storage_options=faulty, resume=True, shard_samples=5, progress=False)
+    assert str(raised.value) == (
+        f"{url}: the manifest there changed since this conversion checked the destination (another conversion "
+        "published there?): it was not overwritten. Run again to check it anew (with resume=True, nothing packed is "
+        "lost); pass overwrite=True to replace it"
+    )
+    fs.invalidate_cache()
+    assert fs.cat_file(manifest) == stranger
+
+
+def test_a_pack_published_at_the_url_while_a_conversion_packs_is_refused_not_overwritten(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """The check found no pack at the URL; a stranger published one while the conversion packed: its manifest was
+    removed (end_remote_pack looked again) and the conversion's put over it, without overwrite=True."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    src = _two_classes(tmp_path / "src", 7)
+    url, manifest = "s3://packs/published-meanwhile.lmdb", "packs/published-meanwhile.lmdb/manifest.json"
+    with faulty_s3(options) as (faulty, _, _):
+        stranger = _stranger_publishes(monkeypatch, faulty, fs, manifest, "put_file")
+        with pytest.raises(ConfigError, match=rf"^{url}: the manifest there changed since this conversion checked"):
+            packdata.convert(src, url, storage_options=faulty, shard_samples=5, progress=False)
+    fs.invalidate_cache()
+    assert fs.cat_file(manifest) == stranger

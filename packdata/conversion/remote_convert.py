@@ -73,10 +73,10 @@ def _pack_and_upload(
 
     resume_of = local if options["resume"] else None  # a pack this work folder published: its resume finishes it
     # again, held: another may have published
-    check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)
+    found = check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)
     if local.exists() and not options["resume"]:
         shutil.rmtree(local)  # packed by an earlier run that was not resumed: pack again
-    end_remote_pack(url, storage, work=local, resume_of=resume_of)  # the old pack ends before its files are replaced
+    end_remote_pack(url, storage, work=local, found=found)  # the old pack ends before its files are replaced
     early: dict[str, int] = {}
     if local.exists():  # packed before an interruption, from this source with these options: upload it
         check_job(local, src, kwargs, url)
@@ -95,8 +95,14 @@ def _pack_and_upload(
                 "or set PACKDATA_TMP to a disk with room and run again",
             ) from exc
         early = uploader.uploaded
-    upload_pack(
-        local, url, storage_options=storage, workers=options["workers"], progress=options["progress"], early=early
+    upload_pack(  # acts on what the check found: the manifest is not read again
+        local,
+        url,
+        storage_options=storage,
+        workers=options["workers"],
+        progress=options["progress"],
+        early=early,
+        found=found,
     )
     clean_work_folder(local)
     result.pack = display_url(url)
@@ -128,8 +134,8 @@ def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, 
     storage, local, kwargs = _into_url(url, options)
     with _hold_work_folder(local, url):
         resume_of = partial_path(local) if options["resume"] else None  # the plan's pack, which it may have published
-        check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)  # again, held
-        end_remote_pack(url, storage, work=local, resume_of=resume_of)  # the old pack ends before its files go
+        found = check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)  # held
+        end_remote_pack(url, storage, work=local, found=found)  # the old pack ends before its files go
         token = UPLOAD_TO.set((local, RemoteTarget(url, storage)))
         try:
             result = convert(src, local, **kwargs)

@@ -25,6 +25,9 @@ store still reports it as the journal recorded it.
 A resume uploads a pack finished in the work folder only for the source and
 options it was packed with (``job.json`` beside the work folder). Both records are
 kept by :mod:`packdata.conversion.upload_journal`.
+The destination is checked once (:mod:`packdata.conversion.url_destination`): the
+old pack is ended and the new manifest put on what that check found, so a manifest a
+stranger put there since is refused, never removed or overwritten.
 """
 
 from __future__ import annotations
@@ -33,16 +36,24 @@ import hashlib
 import os
 import shutil
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from packdata.conversion.checkpoint import closed_shard_names
-from packdata.conversion.replace import record_replaced, remove_replaced
+from packdata.conversion.replace import remove_replaced
 from packdata.conversion.upload_journal import UploadJournal, object_matches
-from packdata.errors import ConfigError, PackdataError, PackFormatError, SourceError
+from packdata.conversion.url_destination import (
+    Destination,
+    changed_since,
+    check_remote_destination,
+    check_writable,
+    end_remote_pack,
+    manifest_version,
+    published_from,
+)
+from packdata.errors import PackFormatError
 from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import (
@@ -50,14 +61,11 @@ from packdata.pack.files import (
     RAY_PLAN_FILE,
     private_folder,
     private_temp_folder,
-    read_regular,
 )
 from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manifest
-from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 from packdata.pack.urls import (
     display_url,
     local_name,
-    manifest_kept,
     open_url,
     remote_error,
     remove_at_version,
@@ -67,6 +75,7 @@ from packdata.pack.urls import (
 from packdata.progress import progress as show_progress
 
 __all__ = [
+    "Destination",
     "ShardUploader",
     "check_remote_destination",
     "check_writable",
@@ -95,117 +104,6 @@ def work_folder(url: str, *, kind: str = "") -> Path:
     place = f"{kind}:{url_place(url)}" if kind else url_place(url)
     tag = hashlib.sha256(place.encode("utf-8")).hexdigest()[:16]
     return base / tag / local_name(display_url(url))  # never the tag folder or above it
-
-
-def check_remote_destination(
-    url: str, storage_options: dict[str, Any] | None, *, overwrite: bool, resume_of: Path | None = None
-) -> None:
-    """Refuse a URL that already holds a pack, unless ``overwrite``, or ``resume_of`` (the work pack a resume
-    finishes) published it: a publish that failed after the manifest went up (see :func:`_published_from`).
-
-    Raises:
-        ConfigError: a manifest is there and ``overwrite`` is off, or the
-            URL's path has ``.`` or ``..`` parts (object stores keep them as
-            names, so the pack would not be where the URL seems to say).
-    """
-    fs, root = open_url(url, storage_options)
-    if any(part in (".", "..") for part in root.split("/")):
-        raise ConfigError(
-            f"{display_url(url)}: a destination URL's path cannot have '.' or '..' parts",
-            hint="Name the pack's folder plainly, e.g. s3://bucket/packs/train",
-        )
-    try:
-        exists = _manifest_there(fs, f"{root.rstrip('/')}/{MANIFEST_NAME}")
-    except Exception as exc:
-        raise remote_error(display_url(url), "cannot reach the destination", exc) from exc
-    if exists and not overwrite and not _published_from(fs, root, display_url(url), resume_of):
-        raise ConfigError(
-            f"{display_url(url)}: a pack already exists there",
-            hint="Pass overwrite=True to replace it, or choose another URL",
-        )
-
-
-def check_writable(url: str, storage_options: dict[str, Any] | None) -> None:
-    """Write one empty object into ``url`` and remove it, so a destination that takes no pack is named before any work.
-
-    The object's name is this run's own (``.packdata-write-check-<random>``): no pack or stranger has it.
-
-    Raises:
-        SourceError: the write failed (no such bucket, access denied, an unreachable endpoint), or the removal did.
-    """
-    fs, root = open_url(url, storage_options)
-    shown = display_url(url)
-    probe = f"{root.rstrip('/')}/{_WRITE_CHECK}{uuid.uuid4().hex}"
-    try:
-        fs.pipe_file(probe, b"")
-    except FileNotFoundError as exc:
-        raise SourceError(
-            f"{shown}: cannot write there: its bucket does not exist ({type(exc).__name__})",
-            hint="Create the bucket, or check the URL and the endpoint",
-        ) from exc
-    except Exception as exc:
-        raise remote_error(shown, "cannot write there, so nothing was converted", exc) from exc
-    try:
-        fs.rm_file(probe)
-    except Exception as exc:
-        raise remote_error(shown, f"cannot remove {probe.rsplit('/', 1)[-1]}, written to check access", exc) from exc
-
-
-_WRITE_CHECK = ".packdata-write-check-"
-
-
-def end_remote_pack(
-    url: str, storage_options: dict[str, Any] | None, work: Path | None = None, *, resume_of: Path | None = None
-) -> None:
-    """Delete the manifest at ``url``: the pack there ends, before any of its files is replaced.
-
-    With ``work`` (the conversion's work folder), its objects are recorded
-    first, beside it, for :func:`upload_pack` to remove those the new pack
-    does not have (:mod:`packdata.conversion.replace`). A pack that ``resume_of``
-    (the work pack a resume finishes) published is kept (see :func:`_published_from`).
-    """
-    fs, root = open_url(url, storage_options)
-    root = root.rstrip("/")
-    manifest = f"{root}/{MANIFEST_NAME}"
-    try:
-        if _manifest_there(fs, manifest) and not _published_from(fs, root, display_url(url), resume_of):
-            if work is not None:
-                record_replaced(fs, root, display_url(url), work)
-            retry_transient(partial(fs.rm_file, manifest))
-    except PackdataError:
-        raise
-    except Exception as exc:
-        raise remote_error(display_url(url), "cannot remove the old manifest", exc) from exc
-
-
-def _published_from(fs: Any, root: str, shown: str, local: Path | None) -> bool:
-    """Whether the pack at ``root`` is the one in the work folder ``local``: its manifest has the bytes of ``local``'s.
-
-    A publish that failed once that manifest was up (an object of the pack it replaced could not be removed) left
-    it published: its resume keeps it, uploads nothing and removes the rest (:func:`upload_pack`). False when
-    ``local`` is None or holds no manifest (not packed yet).
-
-    Raises:
-        SourceError: the manifest at ``root`` could not be read.
-    """
-    if local is None:
-        return False
-    try:
-        raw = read_regular(local / MANIFEST_NAME, MAX_MANIFEST_BYTES, follow_symlinks=False)
-    except OSError:  # missing, a link, not a regular file: no pack of this work folder's
-        return False
-    return len(raw) <= MAX_MANIFEST_BYTES and manifest_kept(fs, root.rstrip("/"), raw, shown)
-
-
-def _manifest_there(fs: Any, manifest: str) -> bool:
-    """Whether ``manifest`` exists now: asked of the store, not of a listing this process cached earlier.
-
-    fsspec keeps one filesystem per URL and options, with its listings, for the
-    whole process: one made before another process uploaded a pack there would
-    say no pack is there, and the old pack would not end before its files are replaced.
-    """
-    fs.invalidate_cache(manifest)
-    return bool(retry_transient(partial(fs.exists, manifest)))
 
 
 class ShardUploader:
@@ -299,6 +197,7 @@ def upload_pack(
     workers: int | None = None,
     progress: bool = True,
     early: dict[str, int] | None = None,
+    found: Destination | None = None,
 ) -> int:
     """Upload the pack at ``local`` to ``url``, the manifest last; returns the bytes uploaded.
 
@@ -309,17 +208,26 @@ def upload_pack(
     skipped only when the journal beside ``local`` holds it (see
     :class:`UploadJournal`).
 
+    ``found``: what :func:`check_remote_destination` found, once :func:`end_remote_pack` acted on it: the
+    manifest is not read again; a pack published from ``local`` is kept only while its manifest is the one
+    found, and the new manifest goes up only while none is there.
+
     Raises:
         PackFormatError: an upload failed (rerun with resume to continue).
+        ConfigError: with ``found``, the manifest at ``url`` is not the one found (another conversion published).
     """
     fs, root = open_url(url, storage_options)
     root = root.rstrip("/")
     shown = display_url(url)
     manifest = f"{root}/{MANIFEST_NAME}"
-    if _published_from(fs, root, shown, local):  # published before a later step failed: only the removal is left
+    if found is not None and found.ours and _still(fs, manifest, shown, found.version):
+        _remove_replaced(fs, root, shown, local)  # published before a later step failed: only the removal is left
+        return 0
+    if found is None and published_from(fs, root, shown, local):
         _remove_replaced(fs, root, shown, local)
         return 0
-    end_remote_pack(url, storage_options, work=local)
+    if found is None:
+        end_remote_pack(url, storage_options, work=local)
     unsent = (local / MANIFEST_NAME, local / RAY_PLAN_FILE)  # the manifest goes last; a Ray plan, never
     files = sorted(p for p in local.rglob("*") if p.is_file() and p not in unsent and p.name != MANIFEST_NAME)
     early = dict(early or {})
@@ -351,12 +259,29 @@ def upload_pack(
         for done in pool.map(put, todo):
             bar.update(done)
     _remove_strays(fs, root, shown, local, files, journal)
+    if found is not None:
+        _still(fs, manifest, shown, None)  # ended by end_remote_pack: another's published since is never overwritten
     try:
         retry_transient(partial(fs.put_file, os.fspath(local / MANIFEST_NAME), manifest))  # the pack exists from here
     except Exception as exc:
         raise _upload_error(shown, MANIFEST_NAME, exc) from exc
     _remove_replaced(fs, root, shown, local)
     return total
+
+
+def _still(fs: Any, manifest: str, shown: str, version: str | None) -> bool:
+    """True if ``manifest`` is at ``version`` (None: missing) now, asked of the store.
+
+    Raises:
+        ConfigError: it is not (see :func:`~packdata.conversion.url_destination.changed_since`).
+    """
+    try:
+        now = manifest_version(fs, manifest)
+    except Exception as exc:
+        raise remote_error(shown, f"cannot look up {MANIFEST_NAME}", exc, resumable=True) from exc
+    if now != version:
+        raise changed_since(shown)
+    return True
 
 
 def _remove_replaced(fs: Any, root: str, shown: str, local: Path) -> None:
