@@ -92,3 +92,20 @@ def test_a_reply_longer_than_the_range_asked_for_is_refused_never_cut(s3, tmp_pa
         "byte range. The endpoint, or a proxy in front of it, does not honour Range requests"
     ), str(raised.value)
     assert hits["GET", "/packs/ranges-plain"] == 1 and sliced == (bytes(range(256)) * 4)[100:200]
+
+
+def test_a_stage_through_a_store_that_ignores_range_is_refused_naming_the_store(s3, tmp_path: Path, monkeypatch):
+    """stage's ranged download of a shard got the whole object: the store's refusal was wrapped as a failed request
+    ('cannot read ...; rerun to resume (_RangeIgnored)'), which no rerun helps. Now it is raised as it is."""
+    import packdata.staging.remote as remote
+
+    options, fs = s3
+    url = "s3://packs/ranges-stage"
+    _convert_to_s3(tmp_path / "src", "C", url, options, fmt="lmdb")
+    monkeypatch.setattr(remote, "_RANGE", 4096)  # every shard in several ranged requests
+    with faulty_s3(options) as (faulty, rules, _):
+        (shard,) = _no_range(rules, fs, "packs/ranges-stage", "/data.mdb")
+        with pytest.raises(SourceError) as raised:
+            packdata.stage(url, to=tmp_path / "cache", storage_options=faulty, progress=False, workers=1)
+    found = re.fullmatch(rf"s3://{shard}: {_IGNORED} {_HINT}.*", str(raised.value))
+    assert found and int(found[2]) - int(found[1]) == 4095 and int(found[3]) == fs.size(shard) > 4096, str(raised.value)

@@ -67,6 +67,7 @@ from packdata.pack.lock import (
     wait_for_lock,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, evicted_mark
+from packdata.pack.ranges import range_ignored
 from packdata.pack.urls import (
     conditional_reads,
     display_url,
@@ -452,7 +453,7 @@ def _fetch_range(
     where = f"{shown}/{rel}"
     asked = end + 1 if end == size else end
     try:
-        chunk = read_at_version(fs, f"{root}/{rel}", version, start, asked)
+        chunk = read_at_version(fs, f"{root}/{rel}", version, start, asked, where=where)
     except FileNotFoundError as exc:  # the manifest names it: no rerun helps
         raise PackFormatError(
             "is missing", path=where, hint="The pack is incomplete: convert or upload it again"
@@ -462,6 +463,8 @@ def _fetch_range(
             raise _changed(where, "was rewritten") from exc
         if range_not_satisfiable(exc):  # S3's answer to a range past the end
             check_not_short(fs, f"{root}/{rel}", where, start, end)
+        if range_ignored(exc):  # the store answered other bytes than the range: no rerun helps
+            raise
         raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
     if len(chunk) > end - start:
         raise _changed(where, f"is larger than the {size} bytes the stage began with")
