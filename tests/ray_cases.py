@@ -389,6 +389,8 @@ def test_ray_resume_reruns_a_task_whose_saved_shard_was_altered_or_cut(
         ("{", r"ray-plan.json: the interrupted conversion's plan is damaged: not JSON"),
         ("[1]", r"other options: \[1\]"),
         ('+{"version": 2}', r"ray-plan.json: the interrupted conversion's plan is damaged: it holds 'version', which"),
+        ("-engine", r"ray-plan.json: the interrupted conversion's plan is damaged: it lacks 'engine', but every plan"),
+        ('+{"engine": "local"}', r"ray-plan.json: the interrupted conversion's plan is damaged: its engine is 'local'"),
     ],
 )
 def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, damaged: str, error: str) -> None:
@@ -405,9 +407,13 @@ def test_ray_resume_names_a_damaged_plan(clean_folder: Path, tmp_path: Path, dam
         overwrite=False,
         resume=False,
     )
-    plan = partial_path(dst) / "ray-plan.json"  # "+{...}": those fields added to the plan written
-    added = json.loads(damaged[1:]) if damaged[0] == "+" else None
-    plan.write_text(damaged if added is None else json.dumps({**json.loads(plan.read_text()), **added}))
+    plan = partial_path(dst) / "ray-plan.json"  # "+{...}": those fields added to (or set in) the plan written
+    written = json.loads(plan.read_text())  # "-name": that field removed from it
+    if damaged[0] == "+":
+        damaged = json.dumps({**written, **json.loads(damaged[1:])})
+    elif damaged[0] == "-":
+        damaged = json.dumps({key: value for key, value in written.items() if key != damaged[1:]})
+    plan.write_text(damaged)
     with pytest.raises((PackFormatError, ConfigError), match=rf"{error}.*overwrite=True"):
         packdata.convert(clean_folder, dst, shard_samples=10, resume=True, progress=False, engine="ray")
 

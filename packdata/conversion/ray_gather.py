@@ -350,6 +350,16 @@ def _prepare_partial(
                         hint="Resume with the packdata that wrote it, or start the conversion again with "
                         "overwrite=True",
                     )
+                lost = next((key for key in state if key not in saved), None)  # every plan written holds both
+                wrong = None if lost is not None or saved["engine"] == "ray" else saved["engine"]
+                if lost is not None or wrong is not None:  # never taken for other options: none may differ
+                    what = f"it lacks {lost!r}" if lost is not None else f"its engine is {reprlib.repr(wrong)}"
+                    raise PackFormatError(
+                        f"the interrupted conversion's plan is damaged: {what}, but every plan packdata writes "
+                        "there holds 'engine': 'ray' and the options",
+                        path=plan,
+                        hint="Start the conversion again with overwrite=True",
+                    )
             if saved != state:
                 options = saved.get("options") if isinstance(saved, dict) else saved
                 raise other_options_error(options, asdict(opts), partial)
