@@ -22,6 +22,7 @@ from packdata.conversion.download import copied_again, journal_mark
 from packdata.conversion.replace import remove_replaced
 from packdata.conversion.upload import ShardUploader, work_folder
 from packdata.conversion.upload_journal import UploadJournal, check_job
+from packdata.formats import get_format
 from packdata.pack.urls import object_version
 
 
@@ -655,3 +656,33 @@ def test_a_resumed_append_s_source_record_longer_than_packdata_writes_is_refused
         "bytes it may hold). Remove it, then resume"
     )
     assert len(LMDBDataset(dst)) == 19
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_checkpoint_whose_closed_shards_counts_differ_from_their_files_is_refused_not_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """progress.json's closed shards listed with 2 and 4 samples (their files hold 3 and 3, the total the same)
+    resumed and published a pack whose manifest every reader refuses ('shard holds 3 records, the manifest says
+    2'): a resume now counts the records of each closed shard, naming the shard; the partial is kept."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"{i}.txt").write_text(f"t{i}", encoding="utf-8")
+    dst = tmp_path / ("out.lmdb" if fmt == "lmdb" else "out")
+    interrupted_convert(src, dst, monkeypatch, after=8, format=fmt, shard_samples=3)
+    progress = partial_path(dst) / "progress.json"
+    state = json.loads(progress.read_bytes())
+    assert [(s["num_samples"], s["first_index"]) for s in state["shards"]] == [(3, 0), (3, 3)]
+    state["shards"][0]["num_samples"], state["shards"][1]["num_samples"] = 2, 4
+    state["shards"][1]["first_index"] = 2
+    progress.write_text(json.dumps(state), encoding="utf-8")
+    checkpoint = progress.read_bytes()
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, progress=False, resume=True, format=fmt, shard_samples=3)
+    assert progress.read_bytes() == checkpoint and not dst.exists()
+    data = get_format(fmt).data_name(state["shards"][0]["file"])
+    assert str(raised.value) == (
+        f"{partial_path(dst) / data}: a shard of the interrupted conversion holds 3 records, but progress.json "
+        "lists it with 2. Start the conversion again with overwrite=True"
+    )

@@ -147,13 +147,16 @@ def _convert_local(
     )
 
 
-def _check_shard_files(partial: Path, fmt: str, shards: list[ShardInfo], final: list[ShardInfo]) -> None:
-    """Each shard's data file is a regular file of the size closing it recorded (a resume trusts no earlier run's).
+def _check_shard_files(
+    partial: Path, fmt: str, shards: list[ShardInfo], final: list[ShardInfo], *, records: bool = False
+) -> None:
+    """Each shard's data file is a regular file of the size closing it recorded (a resume trusts no earlier run's),
+    and with ``records`` (a resume, for the shards its checkpoint lists) holds the records it lists.
 
     A shard is under its name while written or, once a killed run renamed it, its ``final`` name.
 
     Raises:
-        PackFormatError: a shard file is missing, not a regular file, or of another size.
+        PackFormatError: a shard file is missing, not a regular file, or of another size or record count.
     """
     data_name = get_format(fmt).data_name
     for shard, named in zip(shards, final, strict=True):
@@ -166,6 +169,8 @@ def _check_shard_files(partial: Path, fmt: str, shards: list[ShardInfo], final: 
             raise _shard_changed(partial / data_name(shard.file), "is missing") from None
         if not stat.S_ISREG(st.st_mode) or st.st_size != shard.bytes:
             raise _shard_changed(path, f"is {file_kind(st.st_mode)} of {st.st_size} bytes, closed at {shard.bytes}")
+        if records and (held := get_format(fmt).closed_records(path)) != shard.num_samples:
+            raise _shard_changed(path, f"holds {held} records, but progress.json lists it with {shard.num_samples}")
 
 
 def _shard_changed(path: Path, what: str) -> PackFormatError:
@@ -228,6 +233,9 @@ class _Packer:
         if resumed:
             try:
                 cp.check_shard_bytes(self.index.dir / SIZES_FILE)
+                if not cp.finishing:  # else finishing checks them (a shard may be half renamed)
+                    final = self.writer_cls.final_shards(partial, list(cp.shards))
+                    _check_shard_files(partial, opts.format, cp.shards, final, records=True)
                 if source.kind == "fields":
                     cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
             except PackFormatError:

@@ -105,7 +105,7 @@ class PackFormat:
     """One storage format: its name, destination suffixes, defaults and implementation module.
 
     The module provides ``SHARD_WRITER``, ``shard_layout(name)``,
-    ``iter_samples(shard, first_index)`` and ``check_side_tables(shard, info)``.
+    ``iter_samples(shard, first_index)``, ``closed_records(data)`` and ``check_side_tables(shard, info)``.
     """
 
     name: str
@@ -158,6 +158,11 @@ class PackFormat:
     def iter_samples(self, shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
         """``(global index, Sample)`` of every record in file order, every check made (for verify)."""
         return self._impl().iter_samples(shard, first_index)
+
+    def closed_records(self, data: Path) -> int:
+        """The records a closed shard holds, read from its data file ``data`` (or the index beside it), not its
+        records: what a resume checks a checkpoint's shard counts against."""
+        return self._impl().closed_records(data)
 
     def check_side_tables(self, shard: Path, info: ShardInfo) -> None:
         """Check the shard's side tables row by row against the shard (for verify)."""

@@ -29,6 +29,7 @@ from fastcrc.crc32 import iscsi as crc32c
 from packdata.errors import DAMAGED_PACK_HINT, ConfigError, PackFormatError
 from packdata.formats import ByteStream, ShardLayout
 from packdata.formats.lmdb_env import DATA_FILE
+from packdata.formats.lmdb_pages import read_lmdb_meta
 from packdata.formats.lmdb_reader import LMDBShardReader
 from packdata.formats.lmdb_tables import (
     RECORDS_FILE,
@@ -48,6 +49,7 @@ __all__ = [
     "SHARD_WRITER",
     "check_remote_side_tables",
     "check_side_tables",
+    "closed_records",
     "iter_samples",
     "read_remote_payload",
     "record_spans",  # the registry finds it here (lmdb_tables reads the table)
@@ -76,6 +78,15 @@ def iter_samples(shard: Path, first_index: int) -> Iterator[tuple[int, Sample]]:
                 raise PackFormatError(f"record {i} is damaged: {exc}", path=shard) from exc
     finally:
         reader.close()
+
+
+def closed_records(data: Path) -> int:
+    """The records a closed shard holds, from its ``data.mdb``'s meta page (two pages read).
+
+    Raises:
+        PackFormatError: the file is not an LMDB environment packdata writes.
+    """
+    return read_lmdb_meta(data).entries
 
 
 def check_side_tables(shard: Path, info: ShardInfo) -> None:

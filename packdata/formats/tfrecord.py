@@ -95,6 +95,7 @@ __all__ = [
     "SHARD_WRITER",
     "check_payload_table",
     "check_side_tables",
+    "closed_records",
     "iter_samples",
     "iter_shard_samples",
     "iter_stream_samples",
@@ -237,6 +238,15 @@ def shard_layout(name: str) -> ShardLayout:
     """A TFRecord shard is one file, with its ``.tfindex`` (needed) and ``.tfpayload`` tables beside it."""
     index = index_path(name).name
     return ShardLayout(folder=False, data=name, side=(index, payload_path(name).name), needed=(index,))
+
+
+def closed_records(data: Path) -> int:
+    """The records a closed shard holds, from its ``.tfindex`` (checked to tile the shard: read whole, no record).
+
+    Raises:
+        PackFormatError: the index is missing, malformed, or does not tile the shard.
+    """
+    return len(read_index(data, size=os.path.getsize(data))[0])
 
 
 def check_side_tables(shard: Path, info: ShardInfo) -> None:
