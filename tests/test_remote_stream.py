@@ -78,6 +78,42 @@ def test_forked_workers_make_their_s3_clients_from_the_models_the_main_process_d
     assert [line for line in loads if int(line.split()[0]) != os.getpid()] == []
 
 
+def test_each_worker_pins_a_small_packs_shards_from_one_listing_and_one_manifest_read(
+    s3, remote_shards, tmp_path: Path, monkeypatch
+) -> None:
+    """Every forked worker of every epoch looked each of its shards up (HEAD) and read the manifest again for each."""
+    import s3fs
+
+    options, _ = s3
+    url, local, shards = remote_shards
+    log = tmp_path / "requests"
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call_s3(self, method, *args, **kwargs):  # every request of every process, noted with its process
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {method} {kwargs.get('Key', '')}\n")
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    ds = packdata.TFRecordDataset(url, decode="bytes", storage_options=options, cache_dir=tmp_path / "cache")
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert sorted(data for data, _ in loader) == expected
+    workers: dict[str, list[tuple[str, str]]] = {}
+    for line in log.read_text().splitlines():
+        pid, method, key = line.split(" ", 2)
+        if int(pid) != os.getpid():
+            workers.setdefault(pid, []).append((method, key.rsplit("/", 1)[-1]))
+    assert len(workers) == 2
+    names = {name for name, _ in shards}
+    for requests in workers.values():
+        read = [key for method, key in requests if method == "get_object" and key in names]
+        assert len(read) == len(set(read)) >= 3  # one GET a shard it reads (7 shards, 2 workers)
+        assert [method for method, key in requests if key in names and method != "get_object"] == []  # no HEAD
+        assert [key for method, key in requests if key == "manifest.json"] == ["manifest.json"]
+        assert [method for method, _ in requests].count("list_objects_v2") == 1
+
+
 def test_a_url_never_reads_a_local_folder_named_like_it(s3, remote_pack, remote_tfrecord, tmp_path, monkeypatch):
     """LMDBDataset('s3://packs/train.lmdb') (and open_dataset) read ./s3:/packs/train.lmdb, another pack, silently."""
     from packdata.reading.open import open_dataset
@@ -798,7 +834,7 @@ def test_a_pack_uploaded_again_after_the_dataset_opened_is_refused_at_its_first_
         ds._shard_reader(0).read(int(table.offsets[0]), int(table.lengths[0]))
 
 
-def test_an_unchanged_remote_pack_costs_one_version_lookup_per_shard_and_no_request_per_chunk(
+def test_an_unchanged_remote_pack_costs_one_listing_and_no_request_per_chunk(
     s3, remote_shards, small_chunks, monkeypatch, tmp_path: Path
 ) -> None:
     options, fs = s3
@@ -817,12 +853,12 @@ def test_an_unchanged_remote_pack_costs_one_version_lookup_per_shard_and_no_requ
         assert sorted(log) == [(name, 0) for name, _ in shards]  # one GET a shard, whatever its chunks
         heads = sorted(kwargs["Key"] for method, kwargs in calls if method == "head_object")
         manifests = [kwargs for method, kwargs in calls if method == "get_object" and kwargs["Key"].endswith(".json")]
-        if epoch == 0:  # each shard pinned at its first read: its version, then the manifest read again
-            assert [key for key in heads if key.endswith(".tfrecord")] == [f"pinned/{name}" for name, _ in shards]
-            assert len(manifests) == len(shards)
+        if epoch == 0:  # every shard pinned at the first read: their versions from one listing, the manifest again
+            assert [key for key in heads if key.endswith(".tfrecord")] == []
+            assert len(manifests) == 1 and [method for method, _ in calls].count("list_objects_v2") == 1
         else:  # pinned already: nothing but the chunks
-            assert heads == [] and manifests == []
+            assert heads == [] and manifests == [] and "list_objects_v2" not in {method for method, _ in calls}
         gets = [kwargs for method, kwargs in calls if method == "get_object" and kwargs["Key"].endswith(".tfrecord")]
         assert len(gets) == len(log) and all(kwargs["IfMatch"] for kwargs in gets)  # every read from the version
-        assert {method for method, _ in calls} <= {"head_object", "get_object"}
+        assert {method for method, _ in calls} <= {"head_object", "get_object", "list_objects_v2"}
         calls.clear()

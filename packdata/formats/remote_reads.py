@@ -136,7 +136,9 @@ def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
 
     The first call for ``path`` and ``opened`` in a process (forked children
     inherit the pins) asks the store for the object's version
-    (:func:`~packdata.pack.urls.object_version`), then reads the pack's
+    (:func:`~packdata.pack.urls.object_version`; on S3, for a pack of at most
+    ``_LISTED_SHARDS`` shards, every shard's version from one listing, all
+    pinned together), then reads the pack's
     manifest again: packdata replaces a pack in object storage manifest first
     (``convert --overwrite`` deletes the old manifest before it uploads any
     shard, and puts the new one last), so the same manifest after the lookup
@@ -151,17 +153,50 @@ def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
     held = _PINS.get((fs, path))
     if held is not None and held[0] == opened:
         return held[1]
-    fs.invalidate_cache(path)  # a listing cached earlier may predate the object
-    version = object_version(fs.info(path))
     root, shown = _pack_of(path, where, opened)
+    versions = _listed_versions(fs, root, opened)
+    if path not in versions:  # not listed (a large pack, a shard in a folder, not S3): looked up alone
+        fs.invalidate_cache(path)  # a listing cached earlier may predate the object
+        versions = {path: object_version(fs.info(path))}
     try:
         current, _ = read_url_manifest(fs, root, shown)
     except PackFormatError as exc:  # no manifest: a new pack is being uploaded
         raise _replaced(where) from exc
     if current != opened:
         raise _replaced(where)
-    _PINS[fs, path] = (opened, version)  # a pin for another manifest (an older dataset's) is replaced
-    return version
+    for shard, version in versions.items():  # a pin for another manifest (an older dataset's) is replaced
+        _PINS[fs, shard] = (opened, version)
+    return versions[path]
+
+
+_LISTED_SHARDS = 300
+"""On S3, a pack of at most this many shards has all its shards pinned from one listing (one LIST page)."""
+
+
+def _listed_versions(fs: Any, root: str, opened: Manifest) -> dict[str, str]:
+    """Object path -> version of the shards of a small pack on S3 directly under ``root``, from one listing.
+
+    One LIST and one manifest read then pin every shard a process reads (a
+    DataLoader worker of each epoch), where a lookup and a manifest read a
+    shard did. Empty where the pack is larger, its shards lie in folders, the
+    store is not S3, or the listing fails.
+    """
+    if len(opened.shards) > _LISTED_SHARDS or not conditional_reads(fs):
+        return {}
+    fmt = get_format(opened.format)
+    names = [fmt.data_name(shard.file) for shard in opened.shards]
+    if any("/" in name for name in names):  # in folders (LMDB's NAME.lmdb/data.mdb): not in the listing of root
+        return {}
+    wanted = {f"{root}/{name}" for name in names}
+    try:
+        entries = fs.ls(root, detail=True, refresh=True)
+    except Exception:  # each shard is looked up alone, which tells what is wrong
+        return {}
+    return {
+        entry["name"]: object_version(entry)
+        for entry in entries
+        if entry.get("name") in wanted and entry.get("type", "file") == "file" and object_version(entry)
+    }
 
 
 def _pack_of(path: str, where: str, opened: Manifest) -> tuple[str, str]:
