@@ -17,7 +17,11 @@ over an fsspec (s3fs) ``gopen`` handler registered for ``s3://``. The same
 reads from the local pack and tars (warm page cache) are measured in the same
 run, and rows that tell the reader from the server: packdata again with
 requests of ``--big-chunk-mb`` (``RemoteShardReader.CHUNK``), packdata with a GET
-per 8 MiB chunk as before the span GETs (``--per-chunk``), and the
+per 8 MiB chunk as before the span GETs (``--per-chunk``), packdata with
+each worker's set-up as before (``--per-worker-setup``: each worker decoding
+botocore's S3 models itself, no :func:`~packdata.pack.s3_models.share_models`,
+and looking each of its shards up and reading the manifest again to pin it,
+no listing), and the
 server alone (s3fs ``cat_file`` of the pack's shards, whole and in 8 MiB
 ranges: moto reads the whole object for every ranged GET, which real object
 stores do not). Every pass yields every sample once (checked). Each
@@ -45,13 +49,17 @@ from bench_tfrecord import make_images
 from torch.utils.data import DataLoader
 
 import packdata
+from packdata.formats import remote_reads
 from packdata.formats.remote_reads import SpanRequest
 from packdata.formats.tfrecord_remote import RemoteShardReader
+from packdata.pack import urls as pack_urls
 
 BATCH = 64
 TARGET = 1.5  # the target: packdata at least 1.5x WebDataset over S3
 _DEFAULT_CHUNK = RemoteShardReader.CHUNK
 _SPANS = SpanRequest.possible  # one GET per shard's run on S3 (the ``--per-chunk`` row turns it off)
+_SHARE_MODELS = pack_urls.share_models  # forked workers reuse the S3 models (``--per-worker-setup``: not)
+_LISTED = remote_reads._LISTED_SHARDS  # shards pinned from one listing (``--per-worker-setup``: none)
 _S3_OPTIONS: dict[str, Any] = {}  # for the fsspec gopen handler (set before the loaders fork their workers)
 
 
@@ -110,10 +118,12 @@ def _loaders(
     _S3_OPTIONS.update(options)
     endpoint = options["client_kwargs"]["endpoint_url"]
 
-    def streamed(chunk: int, spans: bool = True) -> Callable[[], Any]:
+    def streamed(chunk: int, spans: bool = True, shared: bool = True) -> Callable[[], Any]:
         def make() -> Any:
             RemoteShardReader.CHUNK = chunk  # before the loader forks its workers
             SpanRequest.possible = staticmethod(_SPANS if spans else lambda fs: False)  # type: ignore[method-assign]
+            pack_urls.share_models = _SHARE_MODELS if shared else lambda fs: None
+            remote_reads._LISTED_SHARDS = _LISTED if shared else 0
             return packdata.TFRecordDataset(
                 "s3://bench/pack", decode="bytes", shuffle=False, storage_options=options, cache_dir=work / "cache"
             )
@@ -123,6 +133,8 @@ def _loaders(
     sources: dict[tuple[str, str], Callable[[], Any]] = {("S3", "packdata TFRecordDataset"): streamed(_DEFAULT_CHUNK)}
     if args.per_chunk:
         sources["S3", "packdata, a GET per 8 MiB chunk"] = streamed(_DEFAULT_CHUNK, spans=False)
+    if args.per_worker_setup:
+        sources["S3", "packdata, per-worker set-up as before"] = streamed(_DEFAULT_CHUNK, shared=False)
     if args.big_chunk_mb:
         sources["S3", f"packdata, {args.big_chunk_mb} MiB requests"] = streamed(args.big_chunk_mb << 20)
     if shutil.which("aws"):
@@ -195,6 +207,11 @@ def main() -> None:
     parser.add_argument("--big-chunk-mb", type=int, default=64, help="also stream with requests this large (0: not)")
     parser.add_argument(
         "--per-chunk", action="store_true", help="also stream with a GET per chunk, no span GET (packdata before)"
+    )
+    parser.add_argument(
+        "--per-worker-setup",
+        action="store_true",
+        help="also stream with each worker decoding the S3 models and pinning shard by shard (packdata before)",
     )
     parser.add_argument("--data", type=Path, help="keep the generated images here (reused when present)")
     args = parser.parse_args()
