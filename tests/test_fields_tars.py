@@ -97,9 +97,9 @@ def test_tars_are_read_once_even_with_a_progress_bar(tmp_path: Path, monkeypatch
     reads: list[str] = []
     real = TarSource._read
 
-    def counting(self, shard):
+    def counting(self, shard, keys):
         reads.append(shard)
-        return real(self, shard)
+        return real(self, shard, keys)
 
     monkeypatch.setattr(TarSource, "_read", counting)
     result = packdata.convert(str(tmp_path / "tars" / "data-*.tar"), tmp_path / "out.lmdb", progress=True)
@@ -385,6 +385,68 @@ def test_a_tar_sample_with_two_members_of_one_field_is_skipped_whole(tmp_path: P
     assert list(packdata.LMDBDataset(tmp_path / "out.lmdb", decode="bytes")) == [
         {"__key__": "b", "bin": b"only", "txt": b"b"}
     ]
+
+
+def _tar_in_order(path: Path, members: list[tuple[str, bytes | None]]) -> None:
+    """A tar of ``members`` in this order (as an unsorted ``tar -c`` of a folder may write them); None: a FIFO."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.FIFOTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _apart(key: str, member: str, done: str) -> str:
+    return (
+        f"the tar's members of sample {key!r} are not next to each other: {member!r} comes after other samples' "
+        f"members, and the members before them were {done}; these later members are skipped, never added to it "
+        "(sort the tar: tar --sort=name)"
+    )
+
+
+def test_a_sample_whose_tar_members_are_apart_is_never_packed_in_part_under_a_report_of_it_skipped_whole(
+    tmp_path: Path,
+) -> None:
+    """A sample's members apart in a tar (an unsorted tar -c: a.bin, b.bin, a.json) were read as two samples of
+    one key: with a FIFO among them, c.json was packed as sample c while the report said c was 'skipped whole'
+    (c.json before the FIFO), or c's FIFO skipped c 'whole' and its later c.json was packed as sample c. Now the
+    first run of a key's members is the sample (packed whole, or skipped with its reason) and every later run is a
+    'duplicate key' skip that says what was done with the sample: the pack and the report agree."""
+    packed = "packed as the sample"
+    skipped = "skipped as the sample (reported)"
+    fifo = "member 'c.cls' is a link or device in the tar: the sample is skipped whole"
+    cases = {
+        "fifo first": (
+            [("c.cls", None), ("d.json", b"[4]"), ("c.json", b"[3]")],
+            [{"__key__": "d", "json": b"[4]"}],
+            [("c", "not a regular file", fifo), ("c", "duplicate key", _apart("c", "c.json", skipped))],
+        ),
+        "split": (
+            [("a.bin", b"A"), ("b.bin", b"B"), ("a.json", b"[1]"), ("b.json", b"[2]")],
+            [{"__key__": "a", "bin": b"A"}, {"__key__": "b", "bin": b"B"}],
+            [
+                ("a", "duplicate key", _apart("a", "a.json", packed)),
+                ("b", "duplicate key", _apart("b", "b.json", packed)),
+            ],
+        ),
+        "fifo later": (
+            [("c.json", b"[3]"), ("d.json", b"[4]"), ("c.cls", None), ("c.txt", b"t")],
+            [{"__key__": "c", "json": b"[3]"}, {"__key__": "d", "json": b"[4]"}],
+            [("c", "duplicate key", _apart("c", "c.cls", packed))],
+        ),
+    }
+    for case, (members, samples, skips) in cases.items():
+        _tar_in_order(tmp_path / f"{case}.tar", members)
+        out = tmp_path / f"{case}.lmdb"
+        result = packdata.convert(str(tmp_path / f"{case}.tar"), out, progress=False)
+        assert list(packdata.LMDBDataset(out, decode="bytes")) == samples, case
+        examples = [(s["key"], s["reason"], s["detail"]) for s in result.skip_examples]
+        assert examples == [(f"{case}.tar:{key}", reason, detail) for key, reason, detail in skips], case
+        assert (result.packed, sum(result.skipped.values())) == (len(samples), len(skips)), case
 
 
 def test_a_hard_link_in_a_tar_is_read_from_the_member_it_names(tmp_path: Path) -> None:

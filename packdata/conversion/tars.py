@@ -6,7 +6,11 @@ consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
 tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
-whole. A member's name is its path as tar extracts it (``./a.jpg``, ``/a.jpg``
+whole. A key's members apart in a tar (an unsorted ``tar -c``: ``a.jpg``,
+``b.jpg``, ``a.json``) are read as WebDataset reads them, the first run as the
+sample (packed whole or skipped whole, with its reason), and each later run is a
+``"duplicate key"`` skip that says what was done with the sample: never packed
+in part, nor as a second sample of one key. A member's name is its path as tar extracts it (``./a.jpg``, ``/a.jpg``
 and ``b/../a.jpg`` are ``a.jpg``: keys are relative POSIX paths); one whose
 ``..`` leads out of the tar's top is a ``"bad key"`` skip. Member names are
 read as UTF-8 on every machine, never in the locale's encoding; a member
@@ -67,6 +71,7 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _CHOICE = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _MAX_SHARDS = 1_000_000
 _BLOCK = 8 << 20  # bytes per read of a tar at a URL
+_TAR_KEYS_BUDGET = 32 << 20  # bytes of memory for one tar's sample keys (more spill to disk)
 _OUTSIDE = "its '..' leads out of the tar's top folder: a key is a relative path inside it (tar refuses it too)"
 
 
@@ -194,13 +199,8 @@ class TarSource:
         check_tarfile(os.fspath(self.root))
         with KeySet(spill=spill) as seen:  # key -> the shard that gave it first
             for number, shard in enumerate(self.shards):
-                for entry in self._read(shard):
-                    if isinstance(entry, SourceGroup):
-                        first = seen.add(entry.key, number)
-                        if first is not None:
-                            detail = f"an earlier sample in {self.shards[first]} has this key ({shard})"
-                            entry = Skip(entry.key, "duplicate key", detail)
-                    yield entry
+                with KeySet(spill=spill, budget=_TAR_KEYS_BUDGET) as ended:
+                    yield from self._read(shard, _Keys(self.shards, number, seen, ended))
 
     def _origin(self, shard: str) -> str | RemoteFile:
         """What a resume probes of ``shard``: a local tar's path, or the object of a tar in the folder at ``root``.
@@ -219,7 +219,7 @@ class TarSource:
             return os.fdopen(open_regular(shard), "rb")
         return self.fs.open(shard, "rb", block_size=_BLOCK, cache_type="readahead")
 
-    def _read(self, shard: str) -> Iterator[SourceGroup | Skip]:
+    def _read(self, shard: str, keys: _Keys) -> Iterator[SourceGroup | Skip]:
         name = os.path.basename(shard)
         origin = self._origin(shard)
         key: str | None = None
@@ -246,7 +246,7 @@ class TarSource:
                         base, _ = _split(_relative(member.name) or "")
                         if base != key and key is not None:  # the sample before is whole: this member is not its
                             if fields is not None:
-                                yield _group(key, fields, origin)
+                                yield keys.ended_sample(key, fields, origin)
                             key, fields = base or member.name, {}
                         raise tarfile.ReadError(problem)
                     where = f"{name}:{member.name}"
@@ -274,9 +274,16 @@ class TarSource:
                         yield Skip(where, "no field", "a tar member is named KEY.FIELD", problem=False)
                         continue
                     if base != key:
-                        if key is not None and fields is not None:
-                            yield _group(key, fields, origin)
+                        if key is not None:
+                            if fields is not None:
+                                yield keys.ended_sample(key, fields, origin)
+                            else:
+                                keys.ended.add(key, 0)
                         key, fields, total = base, {}, 0
+                        apart = keys.apart(base, member.name)
+                        if apart is not None:  # WebDataset reads a second sample of one key: never packed, nor added
+                            yield Skip(f"{name}:{base}", "duplicate key", apart)
+                            fields = None
                     if fields is None:
                         continue
                     if unread is not None:  # the sample lacks that field: never packed without it
@@ -315,7 +322,7 @@ class TarSource:
             shown = display_url(f"{self.scheme}://{shard}")
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None and fields is not None:
-            yield _group(key, fields, origin)
+            yield keys.ended_sample(key, fields, origin)
 
     def _read_span(self, shard: str, stream: BinaryIO, offset: int, size: int) -> bytes:
         """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
@@ -326,6 +333,38 @@ class TarSource:
         if len(data) != size:
             raise tarfile.ReadError(f"a hard link's member holds {len(data)} of its {size} bytes")
         return data
+
+
+@dataclass
+class _Keys:
+    """The sample keys a walk has met: in every tar so far, and in the tar being read."""
+
+    shards: list[str]
+    number: int  # the tar being read
+    seen: KeySet  # key -> the tar that packed it first
+    ended: KeySet  # key -> 1 if this tar's sample of that key was packed, 0 if it was skipped
+
+    def ended_sample(self, key: str, fields: dict[str, bytes], origin: str | RemoteFile) -> SourceGroup | Skip:
+        """The sample of ``key`` whose members were all read: a group, or why it is skipped; noted as either."""
+        entry = _group(key, fields, origin)
+        if isinstance(entry, SourceGroup):
+            first = self.seen.add(key, self.number)
+            if first is not None:
+                detail = f"an earlier sample in {self.shards[first]} has this key ({self.shards[self.number]})"
+                entry = Skip(key, "duplicate key", detail)
+        self.ended.add(key, int(isinstance(entry, SourceGroup)))
+        return entry
+
+    def apart(self, key: str, member: str) -> str | None:
+        """Why ``member`` is skipped if this tar's sample ``key`` ended before it (after other samples' members)."""
+        if key not in self.ended:
+            return None
+        done = "packed as the sample" if self.ended.add(key) else "skipped as the sample (reported)"
+        return (
+            f"the tar's members of sample {key!r} are not next to each other: {member!r} comes after other "
+            f"samples' members, and the members before them were {done}; these later members are skipped, "
+            "never added to it (sort the tar: tar --sort=name)"
+        )
 
 
 def _unread(member: tarfile.TarInfo) -> str | None:
