@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import faulty_s3
+from conftest import faulty_s3, tar_with_a_hard_link
 from remote_helpers import _cli, _convert_to_s3
 
 import packdata
@@ -109,3 +109,25 @@ def test_a_stage_through_a_store_that_ignores_range_is_refused_naming_the_store(
             packdata.stage(url, to=tmp_path / "cache", storage_options=faulty, progress=False, workers=1)
     found = re.fullmatch(rf"s3://{shard}: {_IGNORED} {_HINT}.*", str(raised.value))
     assert found and int(found[2]) - int(found[1]) == 4095 and int(found[3]) == fs.size(shard) > 4096, str(raised.value)
+
+
+def test_a_hard_link_in_a_tar_read_through_a_store_that_ignores_range_is_refused_naming_the_store(
+    s3, tmp_path: Path
+) -> None:
+    """A hard link's ranged read of its target's bytes got the whole tar: sample b was skipped as a 'corrupt tar'
+    ("a hard link's member holds N of its 11 bytes", N the tar's size), blaming the tar. Now the store's refusal
+    is raised, as it is, naming the tar's URL."""
+    options, fs = s3
+    tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
+    fs.put_file(str(tmp_path / "data.tar"), "packs/ranges-tar/data.tar")
+    with faulty_s3(options) as (faulty, rules, _):
+        (tar,) = _no_range(rules, fs, "packs/ranges-tar", ".tar")
+        with pytest.raises(SourceError) as raised:
+            packdata.convert(f"s3://{tar}", tmp_path / "out.lmdb", storage_options=faulty, progress=False)
+    said = str(raised.value)
+    found = re.fullmatch(
+        rf"s3://{tar}: asked for bytes (\d+)-(\d+), the store answered (\d+) bytes: it ignored {_HINT}.*", said
+    )
+    target = (tmp_path / "data.tar").read_bytes().index(b"one caption")  # a.txt's bytes, which b.txt links to
+    assert found and (int(found[1]), int(found[2])) == (target, target + len("one caption") - 1), said
+    assert int(found[3]) == fs.size(tar), said  # the whole tar answered

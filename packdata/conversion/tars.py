@@ -35,7 +35,9 @@ to local disk. A request that still fails after the filesystem's own retries
 stops the conversion with a resumable :class:`~packdata.errors.SourceError`
 (``resume=True`` continues; the tars are streamed again up to where it
 stopped), rather than skip a shard on a transient failure; a tar whose bytes
-are not a tar is skipped and reported as locally.
+are not a tar is skipped and reported as locally. A hard link's ranged read
+answered with more bytes than asked (a store that ignores Range) stops it with
+the store named (:mod:`packdata.pack.ranges`), never blaming the tar.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import file_kind, open_regular
 from packdata.pack.keyset import KeySet
+from packdata.pack.ranges import check_range_length, range_ignored
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES
 from packdata.pack.urls import display_url, is_url, open_url, remote_error
 
@@ -317,6 +320,8 @@ class TarSource:
                 yield Skip(f"{name}:{key}", "corrupt tar", f"{exc}; the samples before this one in the tar are kept")
             return
         except Exception as exc:  # a request that failed: stop, resumable, rather than skip on a transient failure
+            if range_ignored(exc):  # the store answered other bytes than the range: no rerun helps
+                raise
             if self.fs is None:  # a local file (a path, not a URL): no endpoint or credentials to check
                 raise _local_error(shard, exc) from exc
             shown = display_url(f"{self.scheme}://{shard}")
@@ -328,6 +333,8 @@ class TarSource:
         """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
         if self.fs is not None:
             data = bytes(self.fs.cat_file(shard, start=offset, end=offset + size))
+            where = display_url(f"{self.scheme}://{shard}")
+            check_range_length(len(data), where, offset, offset + size)  # a store that ignores Range: named
         else:
             data = os.pread(stream.fileno(), size, offset)
         if len(data) != size:
