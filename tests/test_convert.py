@@ -682,3 +682,36 @@ def test_a_shard_limit_that_is_not_a_whole_number_from_1_is_refused_before_anyth
         with pytest.raises(ConfigError, match=message):
             PackWriter(tmp_path / "w.lmdb", **{limit: value})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+_POOL_SIZES = """
+import concurrent.futures, json, os, sys
+from packdata import convert, write_pack
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this process may run on one CPU of the host's
+sizes = {}
+real_init = concurrent.futures.ThreadPoolExecutor.__init__
+def init(self, max_workers=None, thread_name_prefix="", *args, **kwargs):  # the real pool, its size noted
+    sizes[thread_name_prefix] = max_workers
+    real_init(self, max_workers, thread_name_prefix, *args, **kwargs)
+concurrent.futures.ThreadPoolExecutor.__init__ = init
+convert(sys.argv[1], os.path.join(sys.argv[2], "a.lmdb"), progress=False)
+write_pack([{"__key__": str(i), "bin": b"x"} for i in range(4)], os.path.join(sys.argv[2], "b.lmdb"), progress=False)
+print(json.dumps(sizes))
+"""
+
+
+def test_default_read_threads_follow_the_cpus_the_process_may_use_not_the_hosts(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs at least 2 CPUs to allow the conversion fewer")
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_SIZES, str(image_folder), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sizes = json.loads(done.stdout.splitlines()[-1])
+    assert sizes["packdata-read"] == 4  # 4 per usable CPU: 1 allowed, whatever the host has
+    assert sizes["packdata-encode"] == 1

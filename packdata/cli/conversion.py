@@ -60,7 +60,7 @@ def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--workers",
     type=click.IntRange(min=1),
     help="Most parallel reader threads (a warm source of small files is read in the writer's own thread when that "
-    "measures faster). Default: 4 per CPU, at most 32; with --engine ray, 4 per task.",
+    "measures faster). Default: 4 per CPU this process may use, at most 32; with --engine ray, 4 per task.",
 )
 @click.option(
     "--on-error",

@@ -90,7 +90,7 @@ def convert(
             task uploads its own shard (:mod:`packdata.conversion.ray_remote`).
         format: a name from :data:`packdata.formats.FORMATS`; by default from ``dst``'s suffix, else the first.
         kind: ``"image"``, ``"text"`` or ``"auto"``.
-        workers: parallel reader threads (default: 4 per CPU, at most 32).
+        workers: parallel reader threads (default: 4 per CPU this process may use, at most 32).
         on_error: ``"skip"`` corrupt, empty or unreadable files (listed in the
             summary and in ``skipped.jsonl``), or ``"fail"`` at the first.
         verify_images: fully decode every image (catches truncated files).

@@ -48,6 +48,7 @@ from packdata.errors import (
     SourceError,
 )
 from packdata.formats import ShardWriter, get_format, shard_writer
+from packdata.host.cores import usable_cpus
 from packdata.host.disks import raise_if_full, write_error
 from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE, SIZES_FILE
@@ -98,7 +99,7 @@ def _convert_local(
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise write_error(exc, partial, folder=dst.parent, of=MAKING_PARTIAL, hint=_FULL_HINT) from exc
-    workers = workers or min(32, 4 * (os.cpu_count() or 1))
+    workers = workers or min(32, 4 * usable_cpus())  # the CPUs this process may use, not the host's
 
     packer = _Packer(source, partial, opts, checkpoint, resumed)
     try:

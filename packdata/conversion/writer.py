@@ -37,6 +37,7 @@ from packdata.conversion.publish import ConvertResult, _publish, make_result, re
 from packdata.conversion.sources import FREE_CLASSES
 from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
+from packdata.host.cores import usable_cpus
 from packdata.host.disks import write_error
 from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
 from packdata.pack.files import PROGRESS_FILE, discard_partial
@@ -296,7 +297,7 @@ def write_pack(
             dataset (``__len__`` and ``__getitem__``) is read in index order.
         dst: the pack to create.
         workers: fetching and encoding threads for a list or map-style dataset
-            (default: the CPU count, at most 8; 0 does everything in the calling thread).
+            (default: the CPUs this process may use, at most 8; 0 does everything in the calling thread).
         progress: show a progress bar on stderr.
         **options: :class:`PackWriter`'s options.
 
@@ -304,7 +305,7 @@ def write_pack(
         A :class:`~packdata.conversion.publish.ConvertResult`.
     """
     if workers is None:
-        workers = min(8, os.cpu_count() or 1)
+        workers = min(8, usable_cpus())  # the CPUs this process may use, not the host's
     if workers < 0:
         raise ConfigError(f"workers should be 0 or more, but got workers={workers}")
     total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
