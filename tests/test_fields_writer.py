@@ -198,7 +198,7 @@ def test_a_pil_image_its_field_cannot_hold_exactly_is_refused_not_changed(tmp_pa
     with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
         for name, image in refused.items():
             with pytest.raises(ConfigError, match=rf"field {re.escape(repr(name))}: .*cannot hold"):
-                writer.write({"__key__": name, name: image})
+                writer.write({"__key__": name.replace(".", "_"), name: image})  # no dot in a key
         writer.write({"__key__": "kept", "depth.png": depth, "depth.tif": depth, "rgba.webp": rgba})
     stored = packdata.LMDBDataset(tmp_path / "w.lmdb", decode="bytes")[0]
     for name, image in (("depth.png", depth), ("depth.tif", depth), ("rgba.webp", rgba)):
@@ -311,3 +311,29 @@ def test_pack_writer_refuses_an_array_whose_npy_it_could_not_read_back(tmp_path:
             writer.write({"__key__": "wide", "npy": wide})
         writer.write({"__key__": "narrow", "npy": wide[names[:2]]})
     assert packdata.LMDBDataset(tmp_path / "w.lmdb")[0]["npy"].dtype.names == tuple(names[:2])
+
+
+def test_pack_writer_refuses_a_key_whose_last_part_holds_a_dot_and_writes_the_rest(tmp_path: Path) -> None:
+    """PackWriter took '__key__': 'a.b' and wrote a sample whose files a.b.txt a grouped folder, a tar and WebDataset
+    read back as key 'a' (export then refused it); '.f' gave hidden files. Both are refused as they are written;
+    a dot in a folder of the key is fine, and the writer goes on."""
+    dst = tmp_path / "dots.lmdb"
+    rule = (
+        r"\. A grouped folder, a tar and WebDataset take a sample's key as its files' name up to the first dot: "
+        r"keep dots out of the key's last part \(a folder's, as in 'v1\.2/a', is fine\)$"
+    )
+    with packdata.PackWriter(dst) as writer:
+        with pytest.raises(ConfigError) as held:
+            writer.write({"__key__": "a.b", "txt": "x", "cls": 3})
+        assert re.fullmatch(
+            re.escape(f"{dst}: sample 'a.b': the key's last part holds a dot: its files a.b.FIELD read back as key 'a'")
+            + rule,
+            str(held.value),
+        )
+        with pytest.raises(ConfigError, match=re.escape("sample 'v1.2/.f': the key's last part starts with a dot")):
+            writer.write({"__key__": "v1.2/.f", "txt": "hidden"})
+        writer.write({"__key__": "v1.2/g", "txt": "w"})
+    assert [sample["__key__"] for sample in packdata.LMDBDataset(dst)] == ["v1.2/g"]
+    with pytest.raises(ConfigError, match=re.escape("sample 'x/c.d': the key's last part holds a dot")):
+        packdata.write_pack([{"__key__": "x/c", "txt": "y"}, {"__key__": "x/c.d", "txt": "z"}], tmp_path / "t.lmdb")
+    assert not (tmp_path / "t.lmdb").exists()

@@ -39,7 +39,15 @@ from packdata.errors import CapacityError, ConfigError
 from packdata.formats import FORMATS, format_from_path, get_format
 from packdata.host.cores import usable_cpus
 from packdata.host.disks import write_error
-from packdata.pack.fields import KEY_FIELD, LABEL_FIELD, FieldError, check_field_name, encode_block, encode_value
+from packdata.pack.fields import (
+    KEY_FIELD,
+    LABEL_FIELD,
+    FieldError,
+    check_field_name,
+    dotted_key_problem,
+    encode_block,
+    encode_value,
+)
 from packdata.pack.files import PROGRESS_FILE, discard_partial
 from packdata.pack.keyset import KeySet
 from packdata.pack.lock import convert_lock_path, hold_lock
@@ -139,7 +147,8 @@ class PackWriter:
         """Add one sample (see the class docstring); its values are encoded by their field names.
 
         Raises:
-            ConfigError: not a dict, no ``__key__``, a repeated key, a bad label, or a value
+            ConfigError: not a dict, no ``__key__``, a key with a dot in its last part (its files
+                ``KEY.FIELD`` would read back as another key), a repeated key, a bad label, or a value
                 its field name cannot encode (nothing is written then).
         """
         self._append(self._encode(sample))
@@ -162,6 +171,14 @@ class PackWriter:
             raise ConfigError(f"key {key!r} is not valid UTF-8 ({exc.reason})", path=self.dst) from exc
         if size > MAX_KEY_BYTES:
             raise ConfigError(f"key {key[:100]!r}... is longer than {MAX_KEY_BYTES} bytes in UTF-8", path=self.dst)
+        dotted = dotted_key_problem(key)
+        if dotted is not None:
+            raise ConfigError(
+                f"sample {key!r}: {dotted}",
+                path=self.dst,
+                hint="A grouped folder, a tar and WebDataset take a sample's key as its files' name up to the first "
+                "dot: keep dots out of the key's last part (a folder's, as in 'v1.2/a', is fine)",
+            )
         given = sample.get(LABEL_FIELD, -1)
         label = int(given) if isinstance(given, numbers.Integral) and not isinstance(given, bool) else -2  # NumPy's too
         if not -1 <= label < 2**31:

@@ -20,7 +20,7 @@ from packdata.errors import ConfigError, PackdataError, PackFormatError, raise_a
 from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton, forget_skeleton
 from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
-from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block
+from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block, dotted_key_problem
 from packdata.pack.files import fsync_dir, is_inside
 from packdata.pack.index import SampleIndex, check_index_digests
 from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
@@ -306,7 +306,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
         for i, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
             _match_index(index, i, sample.key, sample.label, len(sample.data), path)  # as a dataset reads it
-            dotted = _read_back_as(sample.key) if layout == "grouped" and manifest.kind == "fields" else None
+            dotted = dotted_key_problem(sample.key) if layout == "grouped" and manifest.kind == "fields" else None
             if dotted is not None:
                 result.refused.append({"key": sample.key, "reason": dotted})
                 continue
@@ -341,20 +341,6 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
             result.samples += 1
     fsync_dir(dst)
     return result
-
-
-def _read_back_as(key: str) -> str | None:
-    """Why the ``KEY.FIELD`` files of ``key`` would not read back as its sample (a dot in its last part), or None.
-
-    A grouped folder, a tar and WebDataset take a sample's key up to the first dot of a file's name.
-    """
-    folder, slash, name = key.rpartition("/")
-    if "." not in name:
-        return None
-    stem = name.partition(".")[0]
-    if not stem:
-        return f"the key's last part starts with a dot: its files {key}.FIELD are hidden and read back as no sample"
-    return f"the key's last part holds a dot: its files {key}.FIELD read back as key {folder + slash + stem!r}"
 
 
 def _make_folders(dst: Path, folder: Path) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "check_npy",
     "codec_of",
     "decode_block",
+    "dotted_key_problem",
     "encode_block",
     "encode_value",
     "read_directory",
@@ -114,6 +115,22 @@ def check_field_name(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise FieldError(f"field name {name!r} is not valid UTF-8") from exc
     return name
+
+
+def dotted_key_problem(key: str) -> str | None:
+    """Why the ``KEY.FIELD`` files of a multi-field sample's ``key`` would not read back as it, or None.
+
+    A grouped folder, a tar and WebDataset take a sample's key up to the first
+    dot of a file's name, so a dot in the key's last part gives another key
+    (or, leading, hidden files); a dot in a folder of the key is fine.
+    """
+    folder, slash, name = key.rpartition("/")
+    if "." not in name:
+        return None
+    stem = name.partition(".")[0]
+    if not stem:
+        return f"the key's last part starts with a dot: its files {key}.FIELD are hidden and read back as no sample"
+    return f"the key's last part holds a dot: its files {key}.FIELD read back as key {folder + slash + stem!r}"
 
 
 def check_npy(data: bytes | memoryview) -> int:
