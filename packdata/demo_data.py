@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw
 
+from packdata.host.cores import usable_cpus
 from packdata.pack.files import atomic_write
 
 __all__ = ["make_sample_images", "make_sample_texts"]
@@ -100,14 +101,6 @@ def _class_names(stems: tuple[str, ...], prefix: str, num_classes: int) -> list[
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a hidden temporary file and :func:`os.replace`."""
     atomic_write(path, data, tmp_suffix=f".{os.getpid()}.tmp")
-
-
-def _default_workers() -> int:
-    """The number of CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 # ----------------------------------------------------------------------------- images
@@ -287,8 +280,8 @@ def make_sample_images(
         num_images: how many images to write.
         num_classes: how many class folders to spread them over (round-robin).
         seed: seed of the whole dataset.
-        workers: processes to render with; ``None`` uses every available CPU
-            and ``1`` renders in the calling process.
+        workers: processes to render with; ``None`` uses every CPU this process may use (its affinity,
+            cut to a cgroup CPU quota) and ``1`` renders in the calling process.
 
     Returns:
         The number of files written (``num_images``).
@@ -300,7 +293,7 @@ def make_sample_images(
     num_images = _check_count("num_images", num_images, 0)
     num_classes = _check_count("num_classes", num_classes, 1)
     seed = _check_count("seed", seed, 0)
-    workers = _default_workers() if workers is None else _check_count("workers", workers, 1)
+    workers = usable_cpus() if workers is None else _check_count("workers", workers, 1)
     root = Path(root)
     names = _class_names(_IMAGE_THEMES, "n", num_classes)
     for name in names[: min(num_classes, num_images)]:

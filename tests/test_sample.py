@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,3 +137,37 @@ def test_texts_mix_formats_and_reject_bad_arguments(tmp_path: Path) -> None:
         make_sample_texts(tmp_path / "bad", num_files=-1)
     with pytest.raises(ValueError):
         make_sample_texts(tmp_path / "bad", num_classes=0)
+
+
+_POOLS = """
+import concurrent.futures, json, os, sys
+open(sys.argv[1], "w").write(str(os.getpid()))  # join the cgroup: 1 CPU's worth of time, whatever the affinity
+from packdata.demo_data import make_sample_images
+sizes = []
+real_init = concurrent.futures.ProcessPoolExecutor.__init__
+def init(self, max_workers=None, *args, **kwargs):  # the real pool, its size noted
+    sizes.append(max_workers)
+    real_init(self, max_workers, *args, **kwargs)
+concurrent.futures.ProcessPoolExecutor.__init__ = init
+make_sample_images(sys.argv[2], num_images=8, num_classes=2)
+print(json.dumps(sizes))
+"""
+
+
+def test_sample_images_render_with_the_cpus_a_cgroup_quota_leaves_not_the_affinitys(
+    tmp_path: Path, cgroup: Any
+) -> None:
+    """make_sample_images' default workers counted the affinity's CPUs only: under a cgroup quota of 1 CPU on a
+    2-CPU host it started 2 processes that the quota then throttled."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs at least 2 CPUs for the quota to allow fewer")
+    groups = cgroup(**{"cpu.max": "100000 100000"})
+    done = subprocess.run(
+        [sys.executable, "-c", _POOLS, str(groups[0] / "cgroup.procs"), str(tmp_path / "images")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []  # 1 worker: rendered in the calling process, no pool
+    assert len(list((tmp_path / "images").rglob("*.jpg"))) == 8
