@@ -732,3 +732,20 @@ def test_bench_help_says_the_plot_is_written_in_its_suffixs_format() -> None:
     for suffix in said.group(1).rstrip(", ").split(", "):
         check_plot_path(f"bench{suffix}")  # a format matplotlib writes: no ConfigError
     assert "to this PNG" not in text
+
+
+def test_a_bench_whose_every_source_cannot_be_opened_prints_one_error_line_and_no_empty_table(tmp_path: Path) -> None:
+    """It printed the table's header and its legend with no row under them, then the error: a run that measured."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    plot = tmp_path / "bench.png"
+    result = CliRunner().invoke(
+        main, ["bench", str(notes), "--workers", "0", "--batches", "1", "-q", "--plot", str(plot)]
+    )
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        f"Error: could not measure {notes}: is a regular file, not a pack or a folder. "
+        "Pass a pack made by `packdata convert` or a folder\n"
+    )
+    assert not plot.exists()

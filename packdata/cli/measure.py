@@ -168,21 +168,24 @@ def bench(
         progress=None if quiet else _progress_line,
         **options,
     )
+    failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
+    # No source opened: the error below says why, with no table of headers and no row before it, nor a plot of none.
+    measured = any(s["name"] != "ceiling" and not s.get("error") for s in result.sources)
     if json_file == "-":
         click.echo(result.to_json())
     else:
-        click.echo(result.table(wide=wide, say=functools.partial(_in_flags, also={"num_workers": "--workers"})))
+        if measured:
+            click.echo(result.table(wide=wide, say=functools.partial(_in_flags, also={"num_workers": "--workers"})))
         if json_file:
             try:
                 result.to_json(json_file)
             except OSError as exc:
                 raise _write_failed(json_file, exc) from exc
-    failed = [s for s in result.sources if s.get("error") and s["name"] != "ceiling"]
     for warning in result.warnings:
         if failed and warning == failed[0]["error"]:
             continue  # said once, as the error below
         click.secho(f"warning: {warning}", fg="yellow", err=True)
-    if plot_file:
+    if plot_file and measured:
         try:
             plotted = plot_bench(result, plot_file)
             click.echo(
