@@ -150,6 +150,29 @@ def test_errors_name_the_path_and_what_to_do(pack: Path, tmp_path: Path) -> None
         LMDBDataset(pack)
 
 
+def test_a_pack_of_the_other_format_names_the_datasets_that_read_it(
+    pack: Path, image_folder: Path, tmp_path: Path
+) -> None:
+    """The hint said 'Open it with the tfrecord dataset instead': no class is called that."""
+    from packdata import TFRecordDataset
+
+    records = tmp_path / "records"
+    convert(image_folder, records, format="tfrecord", progress=False)
+    with pytest.raises(PackFormatError) as lmdb_on_tfrecord:
+        LMDBDataset(records)
+    assert str(lmdb_on_tfrecord.value) == (
+        f"{records}: pack is in tfrecord format, not lmdb. Open it with packdata.TFRecordIndexedDataset or "
+        "packdata.TFRecordDataset, or with packdata.open_dataset, which picks the dataset by the pack's format"
+    )
+    for reader in (TFRecordDataset, TFRecordIndexedDataset):
+        with pytest.raises(PackFormatError) as tfrecord_on_lmdb:
+            reader(pack)
+        assert str(tfrecord_on_lmdb.value) == (
+            f"{pack}: pack is in lmdb format, not tfrecord. Open it with packdata.LMDBDataset, "
+            "or with packdata.open_dataset, which picks the dataset by the pack's format"
+        )
+
+
 @pytest.mark.parametrize("stand_in", ["fifo", "dir", "link", "gone"])
 def test_a_shard_file_that_is_not_a_file_is_named_as_such_by_readers_and_verify(pack: Path, stand_in: str) -> None:
     """A FIFO, a folder or a broken link where data.mdb should be is named; a FIFO is never opened (it would block)."""

@@ -12,10 +12,16 @@ from packdata.reading.datasets import LMDBDataset
 from packdata.reading.streaming import TFRecordDataset
 from packdata.reading.tfrecord_indexed import TFRecordIndexedDataset
 
-__all__ = ["open_dataset"]
+__all__ = ["datasets_for", "open_dataset"]
 
 _MAP_STYLE = {cls.pack_format: cls for cls in (LMDBDataset, TFRecordIndexedDataset)}
 _STREAMING = {cls.pack_format: cls for cls in (TFRecordDataset,)}
+
+
+def datasets_for(fmt: str) -> str:
+    """The datasets that read packs of format ``fmt``, as a hint names them (``packdata.LMDBDataset``)."""
+    names = [f"packdata.{cls.__name__}" for table in (_MAP_STYLE, _STREAMING) if (cls := table.get(fmt))]
+    return " or ".join(names) or f"no dataset of this packdata (format {fmt!r})"
 
 
 def open_dataset(path: str | os.PathLike, *, streaming: bool = False, **kwargs: Any) -> Any:

@@ -60,10 +60,13 @@ class PackInfo:
         if _manifest_identity(self.path) != self._generation:
             raise PackFormatError("pack was replaced while it was being opened", path=self.path, hint="Open it again")
         if expected_format and self.manifest.format != expected_format:
+            from packdata.reading.open import datasets_for  # imported here: open.py imports the datasets
+
             raise PackFormatError(
                 f"pack is in {self.manifest.format} format, not {expected_format}",
                 path=self.path,
-                hint=f"Open it with the {self.manifest.format} dataset instead",
+                hint=f"Open it with {datasets_for(self.manifest.format)}, or with packdata.open_dataset, "
+                "which picks the dataset by the pack's format",
             )
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
