@@ -125,6 +125,30 @@ def test_a_file_given_for_the_pack_is_named_as_such(image_folder: Path, tmp_path
         )
 
 
+@pytest.mark.parametrize("command", ["info", "verify", "ls", "doctor", "stage"])
+def test_a_shard_or_a_file_inside_a_pack_given_for_the_pack_names_the_pack(tmp_path: Path, command: str) -> None:
+    """A shard's folder said 'not a packdata pack (no manifest.json). Convert a folder with `packdata convert SRC DST`
+    first', and a shard's file 'Pass the pack's folder', of a pack right above them."""
+    folder = tmp_path / "src" / "c"
+    folder.mkdir(parents=True)
+    (folder / "a.jpg").write_bytes(image_bytes(0))
+    for fmt, pack in (("lmdb", tmp_path / "out.lmdb"), ("tfrecord", tmp_path / "records")):
+        assert _run("convert", str(tmp_path / "src"), str(pack), "--format", fmt, "-q").exit_code == 0
+    shard_folder = tmp_path / "out.lmdb" / "shard-00000.lmdb"
+    record_file = next((tmp_path / "records").glob("*.tfrecord"))
+    regular = "is a regular file, not a packdata pack (a folder holding manifest.json)"
+    for given, what, pack in (
+        (shard_folder, "not a packdata pack (no manifest.json)", tmp_path / "out.lmdb"),
+        (shard_folder / "data.mdb", regular, tmp_path / "out.lmdb"),
+        (record_file, regular, tmp_path / "records"),
+    ):
+        args = [command, str(given)] + (["--to", str(tmp_path / "area")] if command == "stage" else [])
+        result = _run(*args)
+        assert result.exit_code == 1
+        assert result.output == f"Error: {given}: {what}. It lies inside the pack {pack}: pass that folder\n"
+    assert not (tmp_path / "area").exists()
+
+
 @pytest.mark.parametrize("command", ["export", "stage"])
 def test_a_destination_that_cannot_be_made_is_one_line(image_folder: Path, tmp_path: Path, command: str) -> None:
     """export DST and stage --to DIR under a file (or read-only): mkdir's raw OSError was a traceback."""

@@ -113,6 +113,14 @@ def _exists(path: Path) -> bool:
         return False
 
 
+def _pack_around(path: Path) -> Path | None:
+    """The pack that ``path`` (a shard, a file of one) lies inside, if one of its nearest folders is a pack."""
+    for parent in list(path.parents)[:3]:  # a shard file, or a file in a shard's folder (LMDB's data.mdb)
+        if not_a_file(parent / MANIFEST_NAME) is None:
+            return parent
+    return None
+
+
 def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
     path = pack / MANIFEST_NAME
     try:
@@ -127,6 +135,8 @@ def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
         hint = "Pass the pack's folder"
         if pack.name == MANIFEST_NAME:
             hint = f"Pass the folder that holds it: {pack.parent}"
+        elif around := _pack_around(pack):
+            hint = f"It lies inside the pack {around}: pass that folder"
         raise PackFormatError(
             f"is {file_kind(mode)}, not a packdata pack (a folder holding {MANIFEST_NAME})", path=pack, hint=hint
         )
@@ -142,6 +152,8 @@ def _read(pack: Path, *, external: bool, staged: bool = True) -> Manifest:
             )
         elif _exists(pack / STAGED_FILE):  # a stage's marker, written before its first manifest
             hint = "A stage into it was interrupted before its manifest was written: stage the pack again"
+        elif mode is not None and (around := _pack_around(pack)):  # a shard's folder given for its pack
+            hint = f"It lies inside the pack {around}: pass that folder"
         problem = f"not a packdata pack (no {MANIFEST_NAME})" if mode is not None else "no such pack"
         if mode is None and not_a_file(evicted_mark(pack)) is None:  # the cache's record of evicting it
             problem = (
