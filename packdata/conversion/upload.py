@@ -27,7 +27,9 @@ options it was packed with (``job.json`` beside the work folder). Both records a
 kept by :mod:`packdata.conversion.upload_journal`.
 The destination is checked once (:mod:`packdata.conversion.url_destination`): the
 old pack is ended and the new manifest put on what that check found, so a manifest a
-stranger put there since is refused, never removed or overwritten.
+stranger put there since is refused, never removed or overwritten: on S3 exactly (the
+manifest's PUT carries ``If-None-Match: *``), elsewhere up to the moment between a
+last look and the PUT.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from packdata.conversion.url_destination import (
     manifest_version,
     published_from,
 )
-from packdata.errors import PackFormatError
+from packdata.errors import PackdataError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import (
@@ -66,7 +68,9 @@ from packdata.pack.manifest import MANIFEST_NAME, plain_name_problem, read_manif
 from packdata.pack.urls import (
     display_url,
     local_name,
+    manifest_kept,
     open_url,
+    put_new,
     remote_error,
     remove_at_version,
     retry_transient,
@@ -210,11 +214,13 @@ def upload_pack(
 
     ``found``: what :func:`check_remote_destination` found, once :func:`end_remote_pack` acted on it: the
     manifest is not read again; a pack published from ``local`` is kept only while its manifest is the one
-    found, and the new manifest goes up only while none is there.
+    found. The new manifest goes up only where none is there: exactly on S3 (a PUT with ``If-None-Match: *``),
+    elsewhere looked up just before the PUT (see :func:`_put_manifest`).
 
     Raises:
         PackFormatError: an upload failed (rerun with resume to continue).
-        ConfigError: with ``found``, the manifest at ``url`` is not the one found (another conversion published).
+        ConfigError: the manifest at ``url`` is not the one found, or one is there when this one goes up
+            (another conversion published).
     """
     fs, root = open_url(url, storage_options)
     root = root.rstrip("/")
@@ -259,12 +265,7 @@ def upload_pack(
         for done in pool.map(put, todo):
             bar.update(done)
     _remove_strays(fs, root, shown, local, files, journal)
-    if found is not None:
-        _still(fs, manifest, shown, None)  # ended by end_remote_pack: another's published since is never overwritten
-    try:
-        retry_transient(partial(fs.put_file, os.fspath(local / MANIFEST_NAME), manifest))  # the pack exists from here
-    except Exception as exc:
-        raise _upload_error(shown, MANIFEST_NAME, exc) from exc
+    _put_manifest(fs, root, shown, local)  # the pack exists from here
     _remove_replaced(fs, root, shown, local)
     return total
 
@@ -282,6 +283,29 @@ def _still(fs: Any, manifest: str, shown: str, version: str | None) -> bool:
     if now != version:
         raise changed_since(shown)
     return True
+
+
+def _put_manifest(fs: Any, root: str, shown: str, local: Path) -> None:
+    """Put ``local``'s manifest at ``root`` only where none is there (the old one ended by :func:`end_remote_pack`).
+
+    On S3 the PUT carries ``If-None-Match: *``: a manifest a stranger put there at any moment before is kept,
+    exactly; elsewhere it is looked up first, and one put between that look and the PUT is overwritten
+    (:func:`~packdata.pack.urls.put_new`). A manifest found there with this one's bytes is this PUT's, its reply
+    lost and the PUT tried again.
+
+    Raises:
+        ConfigError: another manifest is there (:func:`~packdata.conversion.url_destination.changed_since`).
+        PackFormatError: the upload failed.
+    """
+    path = local / MANIFEST_NAME
+    try:
+        put = retry_transient(partial(put_new, fs, os.fspath(path), f"{root}/{MANIFEST_NAME}"))
+        if not put and not manifest_kept(fs, root, path.read_bytes(), shown):
+            raise changed_since(shown)
+    except PackdataError:
+        raise
+    except Exception as exc:
+        raise _upload_error(shown, MANIFEST_NAME, exc) from exc
 
 
 def _remove_replaced(fs: Any, root: str, shown: str, local: Path) -> None:

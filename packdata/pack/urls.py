@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -38,6 +39,7 @@ __all__ = [
     "open_at_version",
     "open_url",
     "precondition_failed",
+    "put_new",
     "range_not_satisfiable",
     "read_at_version",
     "read_url_manifest",
@@ -295,6 +297,33 @@ def remove_at_version(fs: Any, path: str, version: str) -> bool:
             fs.invalidate_cache(path)
             return True
     fs.rm_file(path)
+    return True
+
+
+def put_new(fs: Any, lpath: str, path: str) -> bool:
+    """Upload the local file ``lpath`` to ``path`` only where no object is there; whether it was put (False: one is).
+
+    On S3 (s3fs) the write itself carries ``If-None-Match: *`` (s3fs's ``mode="create"``: on the PUT, or on the
+    completion of a multi-part upload): an object written there at any moment before, however near, answers
+    HTTP 412 and is kept as it was (False). A store that refuses the header (HTTP 501 ``NotImplemented``, or 400
+    ``InvalidArgument``/``InvalidRequest``), an s3fs too old to send it, and any other store are asked first
+    (a HEAD) and written plainly: there, an object written between the two is overwritten.
+    """
+    if conditional_reads(fs) and "mode" in inspect.signature(fs._put_file).parameters:
+        try:
+            fs.put_file(lpath, path, mode="create")
+        except Exception as exc:
+            if precondition_failed(exc):
+                fs.invalidate_cache(path)
+                return False
+            if not _header_refused(exc):
+                raise
+        else:
+            return True
+    fs.invalidate_cache(path)
+    if fs.exists(path):
+        return False
+    fs.put_file(lpath, path)
     return True
 
 
