@@ -27,10 +27,11 @@ from ray_cases import (
     _lmdb_content,
     _tiny_jpeg,
 )
+from remote_helpers import changed_since_message
 
 import packdata
 from packdata.conversion.destination import partial_path
-from packdata.errors import EngineError, PackFormatError, SourceError
+from packdata.errors import ConfigError, EngineError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,6 +113,36 @@ def test_ray_into_s3_removes_only_the_shards_its_earlier_unfinished_run_uploaded
     fs.invalidate_cache()
     left = sorted(p.removeprefix(f"{root}/") for p in fs.find(root))
     assert left == sorted([*_files(local), "shard-00009.lmdb/data.mdb"])  # the stranger's object stays
+
+
+@pytest.mark.ray
+def test_ray_into_s3_refuses_a_pack_published_while_its_tasks_ran_and_keeps_it(
+    ray_local, s3, clean_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The Ray driver's upload_pack decided anew what the URL held (check_remote_destination's answer was not
+    passed on): a stranger's manifest published there while the tasks ran was taken for an old pack and removed,
+    and the conversion's put in its place, without overwrite=True. Now it acts on what the check found."""
+    options, fs = s3
+    monkeypatch.setenv("PACKDATA_TMP", str(tmp_path / "work"))
+    url, manifest = "s3://packs/ray-published-meanwhile.lmdb", "packs/ray-published-meanwhile.lmdb/manifest.json"
+    stranger = b'{"a stranger": "published this"}'
+    import packdata.conversion.ray as ray_engine
+
+    real_upload = ray_engine.upload_pack
+    published: list[str] = []
+
+    def a_stranger_publishes_first(*args, **kwargs):  # the tasks are done; the driver's upload is next
+        fs.pipe_file(manifest, stranger)
+        published.append(manifest)
+        return real_upload(*args, **kwargs)
+
+    monkeypatch.setattr(ray_engine, "upload_pack", a_stranger_publishes_first)
+    with pytest.raises(ConfigError) as raised:
+        packdata.convert(clean_folder, url, shard_samples=8, storage_options=options, progress=False, engine="ray")
+    assert published == [manifest]
+    assert str(raised.value) == changed_since_message(url)
+    fs.invalidate_cache()
+    assert fs.cat_file(manifest) == stranger
 
 
 _DRIVER = """

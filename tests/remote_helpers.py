@@ -15,6 +15,15 @@ from packdata.cli import main
 from packdata.errors import SourceError
 
 
+def changed_since_message(url: str) -> str:
+    """The one line a conversion into ``url`` refuses with when the manifest there is no longer the one it found."""
+    return (
+        f"{url}: the manifest there changed since this conversion checked the destination (another conversion "
+        "published there?): it was not overwritten. Run again to check it anew (with resume=True, nothing packed is "
+        "lost); pass overwrite=True to replace it"
+    )
+
+
 def _samples(pack: Path) -> list[tuple[str, bytes, int]]:
     ds = packdata.LMDBDataset(pack, decode="bytes")
     return [(ds.keys[i], *ds[i]) for i in range(len(ds))]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import faulty_s3, image_bytes
-from remote_helpers import _cli, _resume_a_refused_removal, _samples, _two_classes
+from remote_helpers import _cli, _resume_a_refused_removal, _samples, _two_classes, changed_since_message
 
 import packdata
 from packdata.errors import ConfigError, PackFormatError, SourceError
@@ -768,11 +768,7 @@ def test_a_manifest_replaced_after_a_resumes_check_is_refused_not_overwritten(s3
         stranger = _stranger_publishes(monkeypatch, faulty, fs, manifest, "cat_file")
         with pytest.raises(ConfigError) as raised:
             packdata.convert(src, url, storage_options=faulty, resume=True, shard_samples=5, progress=False)
-    assert str(raised.value) == (
-        f"{url}: the manifest there changed since this conversion checked the destination (another conversion "
-        "published there?): it was not overwritten. Run again to check it anew (with resume=True, nothing packed is "
-        "lost); pass overwrite=True to replace it"
-    )
+    assert str(raised.value) == changed_since_message(url)
     fs.invalidate_cache()
     assert fs.cat_file(manifest) == stranger
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from conftest import faulty_s3
-from remote_helpers import _two_classes
+from remote_helpers import _two_classes, changed_since_message
 
 import packdata
 from packdata.errors import ConfigError
@@ -15,14 +15,6 @@ pytest.importorskip("moto.server", reason="the tests' S3 server needs moto[serve
 s3fs = pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install 'packdata[s3]')")
 
 STRANGER = b'{"a stranger": "published this"}'
-
-
-def _changed_since(url: str) -> str:
-    return (
-        f"{url}: the manifest there changed since this conversion checked the destination (another conversion "
-        "published there?): it was not overwritten. Run again to check it anew (with resume=True, nothing packed is "
-        "lost); pass overwrite=True to replace it"
-    )
 
 
 def _stranger_puts_first(monkeypatch, fs, key: str) -> list[str]:
@@ -55,7 +47,7 @@ def test_a_manifest_put_between_the_last_look_and_the_publish_is_refused_not_ove
     with pytest.raises(ConfigError) as raised:
         packdata.convert(src, url, storage_options=options, shard_samples=5, progress=False)
     assert put == [key]
-    assert str(raised.value) == _changed_since(url)
+    assert str(raised.value) == changed_since_message(url)
     fs.invalidate_cache()
     assert fs.cat_file(f"packs/{key}") == STRANGER
 

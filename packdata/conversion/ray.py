@@ -182,7 +182,14 @@ def convert_on_ray(
     if target is None:
         _publish(partial, dst, overwrite=overwrite)
     else:  # index and skip report, then the manifest; the plan (never uploaded) stays until then, for a resume
-        upload_pack(partial, target.url, storage_options=target.storage_options, workers=workers, progress=progress)
+        upload_pack(  # acts on what the driver's check found, as the local engine does: the manifest is not read again
+            partial,
+            target.url,
+            storage_options=target.storage_options,
+            workers=workers,
+            progress=progress,
+            found=target.found,
+        )
         shutil.rmtree(partial)
     return make_result(
         dst,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from packdata.conversion.upload_journal import file_md5, object_matches
+from packdata.conversion.url_destination import Destination
 from packdata.errors import EngineError, PackdataError, PackFormatError
 from packdata.pack.lock import hold_lock
 from packdata.pack.manifest import ShardInfo
@@ -95,10 +96,15 @@ def _sweep_dead_tasks(base: Path) -> None:
 
 @dataclass(frozen=True)
 class RemoteTarget:
-    """Where the tasks of a Ray conversion upload: the pack's URL and its fsspec options (never shown)."""
+    """Where the tasks of a Ray conversion upload: the pack's URL and its fsspec options (never shown).
+
+    ``found``: what the driver's :func:`~packdata.conversion.url_destination.check_remote_destination` found
+    there, which its :func:`~packdata.conversion.upload.upload_pack` acts on (the manifest is not read again).
+    """
 
     url: str
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    found: Destination | None = None
 
     @property
     def shown(self) -> str:

@@ -136,7 +136,7 @@ def _convert_to_url_on_ray(src: str | os.PathLike, url: str, options: dict[str, 
         resume_of = partial_path(local) if options["resume"] else None  # the plan's pack, which it may have published
         found = check_remote_destination(url, storage, overwrite=options["overwrite"], resume_of=resume_of)  # held
         end_remote_pack(url, storage, work=local, found=found)  # the old pack ends before its files go
-        token = UPLOAD_TO.set((local, RemoteTarget(url, storage)))
+        token = UPLOAD_TO.set((local, RemoteTarget(url, storage, found)))  # the upload acts on what was found
         try:
             result = convert(src, local, **kwargs)
         finally:
