@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from packdata import (
     LMDBDataset,
     PackFormatError,
     SourceError,
+    TFRecordIndexedDataset,
     convert,
     verify_pack,
 )
@@ -706,3 +708,60 @@ def test_a_resume_refuses_a_source_rewritten_since_the_interruption(
     convert(given, dst, progress=False, overwrite=True)
     texts = [s["txt"] if isinstance(s, dict) else s[0] for s in LMDBDataset(dst)]
     assert texts == [f"new{i}" for i in range(8)]
+
+
+_CLOSING_SHARDS = """
+import importlib, sys
+c = importlib.import_module("packdata.conversion.convert")
+importlib.import_module("packdata.conversion.local")._COMMIT_SAMPLES = 2
+c.convert(sys.argv[1], sys.argv[2], format=sys.argv[3], shard_samples=4, workers=2, progress=False, resume=True)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_resume_refuses_a_closed_shard_whose_bytes_are_not_the_ones_its_checkpoint_lists(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A closed shard was checked at resume by its size and record count only: one byte flipped in it (same size)
+    was carried into the manifest with the SHA-256 the checkpoint listed, a pack verify refuses. A resume hashes
+    the closed shards now: a shard whose bytes differ is named, nothing published; an untouched resume still
+    gives the uninterrupted run's pack."""
+    src = tmp_path / "src"
+    samples = []  # what every pack of it holds: (key, bytes, label)
+    for c in range(2):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(12):
+            samples.append((f"c{c}/{i:03d}.txt", f"sample {c} {i} ".encode() * (i + 1), c))
+            (src / samples[-1][0]).write_bytes(samples[-1][1])
+    runs = {name: tmp_path / name / f"out.{fmt}" for name in ("damaged", "intact", "clean")}
+    for name in ("damaged", "intact"):
+        runs[name].parent.mkdir()
+        killed_at_files_done(_CLOSING_SHARDS, [str(src), str(runs[name]), fmt], 13)
+    state = json.loads((partial_path(runs["damaged"]) / "progress.json").read_text())
+    assert len(state["shards"]) >= 2 and not state["finishing"]  # killed with shards closed, one open
+    listed = state["shards"][1]
+    data = partial_path(runs["damaged"]) / (f"{listed['file']}/data.mdb" if fmt == "lmdb" else listed["file"])
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x55  # same size, other bytes
+    data.write_bytes(bytes(blob))
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, runs["damaged"], format=fmt, shard_samples=4, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{data}: a shard of the interrupted conversion holds other bytes than progress.json lists (SHA-256 "
+        f"{hashlib.sha256(blob).hexdigest()}, listed as {listed['sha256']}). A resume cannot continue past a "
+        "damaged shard: start the conversion again with overwrite=True"
+    )
+    assert not runs["damaged"].exists() and data.read_bytes() == blob  # nothing published, nothing rewritten
+    convert(src, runs["intact"], format=fmt, shard_samples=4, progress=False, resume=True)
+    runs["clean"].parent.mkdir()
+    convert(src, runs["clean"], format=fmt, shard_samples=4, progress=False)
+    verify_pack(runs["intact"], progress=False)
+    packs = [runs["intact"], runs["clean"]]
+    shards = [
+        [(s["file"], s["num_samples"], s["first_index"]) for s in json.loads(p.read_text())["shards"]]
+        for p in (pack / "manifest.json" for pack in packs)
+    ]
+    assert shards[0] == shards[1] and len(shards[0]) == 6
+    datasets = [(LMDBDataset if fmt == "lmdb" else TFRecordIndexedDataset)(pack, decode="bytes") for pack in packs]
+    assert [[(ds.keys[i], *ds[i]) for i in range(len(ds))] for ds in datasets] == [samples, samples]
+    assert tree_digest(runs["intact"] / "index") == tree_digest(runs["clean"] / "index")

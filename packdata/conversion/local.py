@@ -50,7 +50,7 @@ from packdata.errors import (
 from packdata.formats import ShardWriter, get_format, shard_writer
 from packdata.host.cores import usable_cpus
 from packdata.host.disks import raise_if_full, write_error
-from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, fsync_dir, fsync_named
+from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, file_sha256, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE, SIZES_FILE
 from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
@@ -149,15 +149,23 @@ def _convert_local(
 
 
 def _check_shard_files(
-    partial: Path, fmt: str, shards: list[ShardInfo], final: list[ShardInfo], *, records: bool = False
+    partial: Path,
+    fmt: str,
+    shards: list[ShardInfo],
+    final: list[ShardInfo],
+    *,
+    records: bool = False,
+    digests: bool = False,
 ) -> None:
     """Each shard's data file is a regular file of the size closing it recorded (a resume trusts no earlier run's),
-    and with ``records`` (a resume, for the shards its checkpoint lists) holds the records it lists.
+    with ``records`` holds the records it lists, and with ``digests`` has the SHA-256 it lists.
 
+    A resume checks the shards its checkpoint lists so (the manifest lists that SHA-256: a shard damaged since, same
+    size and other bytes, is never published), at the cost of reading them once, as a verify does, before packing.
     A shard is under its name while written or, once a killed run renamed it, its ``final`` name.
 
     Raises:
-        PackFormatError: a shard file is missing, not a regular file, or of another size or record count.
+        PackFormatError: a shard file is missing, not a regular file, or of another size, record count or SHA-256.
     """
     data_name = get_format(fmt).data_name
     for shard, named in zip(shards, final, strict=True):
@@ -172,14 +180,18 @@ def _check_shard_files(
             raise _shard_changed(path, f"is {file_kind(st.st_mode)} of {st.st_size} bytes, closed at {shard.bytes}")
         if records and (held := get_format(fmt).closed_records(path)) != shard.num_samples:
             raise _shard_changed(path, f"holds {held} records, but progress.json lists it with {shard.num_samples}")
+        if digests and (digest := file_sha256(path)) != shard.sha256:
+            raise _shard_changed(
+                path,
+                f"holds other bytes than progress.json lists (SHA-256 {digest}, listed as {shard.sha256})",
+                hint="A resume cannot continue past a damaged shard: start the conversion again with overwrite=True",
+            )
 
 
-def _shard_changed(path: Path, what: str) -> PackFormatError:
-    return PackFormatError(
-        f"a shard of the interrupted conversion {what}",
-        path=path,
-        hint="Start the conversion again with overwrite=True",
-    )
+def _shard_changed(
+    path: Path, what: str, hint: str = "Start the conversion again with overwrite=True"
+) -> PackFormatError:
+    return PackFormatError(f"a shard of the interrupted conversion {what}", path=path, hint=hint)
 
 
 def _refuse_copied_again(entry: Entry, again: dict[str, str], folder: Path, url: str) -> None:
@@ -234,9 +246,9 @@ class _Packer:
         if resumed:
             try:
                 cp.check_shard_bytes(self.index.dir / SIZES_FILE)
-                if not cp.finishing:  # else finishing checks them (a shard may be half renamed)
-                    final = self.writer_cls.final_shards(partial, list(cp.shards))
-                    _check_shard_files(partial, opts.format, cp.shards, final, records=True)
+                final = self.writer_cls.final_shards(partial, list(cp.shards))
+                # finishing, a TFRecord shard may be half renamed (apart from its index): its records are not counted
+                _check_shard_files(partial, opts.format, cp.shards, final, records=not cp.finishing, digests=True)
                 if source.kind == "fields":
                     cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
             except PackFormatError:
