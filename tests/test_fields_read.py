@@ -750,3 +750,37 @@ def test_a_batch_whose_first_sample_lacks_a_field_is_refused_by_the_default_coll
                 KeyError, match=re.escape(f"{pack}: the batch holds no field 'mask.png': none of its 2")
             ):
                 batch["mask.png"]
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_misspelt_field_names_the_packs_fields_and_the_closest_not_a_lacking_field(tmp_path: Path, fmt: str) -> None:
+    """sample["jgp"] raised MissingFieldError saying the sample holds no field 'jgp' and advising fields_collate
+    or missing= for samples that do not all hold the same fields: a field no sample of the pack holds is a typo.
+    Now it names the pack's fields and the closest of them, in a dict read through DataLoader workers, in a batch
+    of them and at fields=; `in` and get() stay a dict's; a field some samples lack keeps its message."""
+    pack = packdata.convert(_masked_for_some(tmp_path / "src", range(2)), tmp_path / "p", format=fmt, progress=False)
+    typo = (
+        f"{pack.pack}: the pack has no field 'jgp' (its fields: '__key__', 'cls', 'jpg', 'json', 'mask.png'). "
+        "Did you mean 'jpg'? Name one of the pack's fields (`packdata info` lists them)"
+    )
+    for ds in _datasets(pack.pack, fmt, decode="bytes"):
+        samples = list(DataLoader(ds, batch_size=None, num_workers=2))
+        assert [sample["__key__"] for sample in samples] == ["m0", "m1"]
+        for sample in samples:
+            assert "jgp" not in sample and sample.get("jgp") is None
+            with pytest.raises(packdata.MissingFieldError, match=re.escape(typo)) as raised:
+                sample["jgp"]
+            assert isinstance(raised.value, KeyError)
+        with pytest.raises(packdata.MissingFieldError, match=re.escape("holds no field 'mask.png' (it holds")):
+            samples[1]["mask.png"]  # a field the pack holds, this sample not: as before
+        for batch in (packdata.fields_collate(samples), default_collate(samples[:1])):
+            with pytest.raises(KeyError, match=re.escape(typo)):
+                batch["jgp"]
+        with pytest.raises(
+            KeyError, match=re.escape(typo.replace("'jgp'", "'zzz'", 1).replace("Did you mean 'jpg'? ", ""))
+        ):
+            samples[0]["zzz"]
+    with pytest.raises(
+        ConfigError, match=re.escape(typo.replace("'jgp'", "'mask'", 1).replace("'jpg'?", "'mask.png'?"))
+    ):
+        _datasets(pack.pack, fmt, fields=("__key__", "mask"))

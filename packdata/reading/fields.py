@@ -8,6 +8,7 @@ workers with the dataset.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,20 +30,26 @@ class SampleDict(dict):
     """A multi-field sample read with ``fields=None``: a dict whose lookup of a field it lacks names the field.
 
     ``sample["mask"]`` on a sample without a mask raises :class:`~packdata.errors.MissingFieldError`
-    (a ``KeyError`` too) naming the pack, the sample's key and the fields it holds, with the ways out.
+    (a ``KeyError`` too) naming the pack, the sample's key and the fields it holds, with the ways out;
+    ``sample["jgp"]``, a name no sample of the pack holds, raises it naming the pack's fields and the
+    closest of them (``in`` and ``get`` are a dict's: no error).
     Torch's default collate batches samples that all hold the same fields and raises it for a batch whose
     samples differ (it would keep only the first sample's fields): this module registers that check in
     torch's ``default_collate_fn_map``, for SampleDicts only, so ``collate_fn=packdata.fields_collate`` or
     a collate of one's own sees the samples as they are.
     """
 
-    def __init__(self, fields: dict[str, Any], pack: str | None) -> None:
+    def __init__(self, fields: dict[str, Any], pack: str | None, known: tuple[str, ...] | None = None) -> None:
         super().__init__(fields)
         self.pack = pack
+        self.known = known  # the pack's stored fields (its manifest's), when known
 
     def __missing__(self, name: str) -> Any:
         key = self.get(KEY_FIELD)
         held = ", ".join(repr(field) for field in self if field != KEY_FIELD) or "none"
+        if self.known is not None and name not in (*self.known, KEY_FIELD, LABEL_FIELD):
+            what, hint = _unknown_field(name, self.known)
+            raise MissingFieldError(what, path=self.pack, hint=hint)
         if isinstance(key, list):  # a batch torch's default collate made: every sample of it holds its fields
             first = f" (the first: {key[0]!r})" if key else ""
             what = f"the batch holds no field {name!r}: none of its {len(key)} samples{first} holds it"
@@ -50,6 +57,15 @@ class SampleDict(dict):
         else:
             what = f"sample {key!r} holds no field {name!r} (it holds {held})"
         raise MissingFieldError(what, path=self.pack, hint=_ways_out(name))
+
+
+def _unknown_field(name: object, known: Sequence[str]) -> tuple[str, str]:
+    """The message and hint of an error about field ``name``, which none of ``known`` (the pack's fields) is."""
+    names = sorted({*known, KEY_FIELD, LABEL_FIELD})
+    close = difflib.get_close_matches(name, names, n=1) if isinstance(name, str) else []
+    guess = f"Did you mean {close[0]!r}? " if close else ""
+    what = f"the pack has no field {name!r} (its fields: {', '.join(repr(n) for n in names)})"
+    return what, f"{guess}Name one of the pack's fields (`packdata info` lists them)"
 
 
 def _ways_out(name: str) -> str:
@@ -83,7 +99,7 @@ def _collate_sample_dicts(batch: Sequence[Any], *, collate_fn_map: dict[Any, Cal
             path=first.pack,
             hint=_ways_out(name),
         )
-    out = SampleDict({}, first.pack)
+    out = SampleDict({}, first.pack, first.known)
     for name in first:
         out[name] = collate([sample[name] for sample in batch], collate_fn_map=collate_fn_map)
     return out
@@ -134,10 +150,8 @@ class FieldSpec:
         names = (*(self.fields or ()), *(decode if isinstance(decode, Mapping) else ()), *(transforms or ()))
         for name in (*names, *self.missing):
             if name not in known:
-                raise ConfigError(
-                    f"the pack has no field {name!r}; its fields are {', '.join(sorted(known))}",
-                    hint="Name one of them (see `packdata info` or `packdata ls`)",
-                )
+                what, hint = _unknown_field(name, manifest.fields)
+                raise ConfigError(what, path=path, hint=hint)
         for name in (KEY_FIELD, LABEL_FIELD):
             if isinstance(decode, Mapping) and name in decode:  # it was taken, and never used
                 raise ConfigError(
@@ -157,6 +171,7 @@ class FieldSpec:
                 choice = CODEC_DECODERS[manifest.codecs[name]]
             self.decoders[name] = resolve_decoder(choice)
         self.transforms = dict(transforms or {})
+        self.known = tuple(manifest.fields)
         self.image_fields = frozenset(name for name in manifest.fields if manifest.codecs[name] == "image")
 
     def check_present(self, pack: PackInfo) -> None:
@@ -208,7 +223,7 @@ class FieldSpec:
                 ``fields`` asks for without a ``missing`` value (its record is not the index's).
             ImageFormatError, DecodeError: a field cannot be decoded (naming the sample and field).
         """
-        sample: dict[str, Any] = SampleDict({}, self.path) if self.fields is None else {}  # built once, returned
+        sample: dict[str, Any] = SampleDict({}, self.path, self.known) if self.fields is None else {}  # returned
         sample[KEY_FIELD] = self.transforms[KEY_FIELD](key) if KEY_FIELD in self.transforms else key
         which = f"sample {key!r}" + (f" (index {index})" if index is not None else "")
         for name, data in stored.items():

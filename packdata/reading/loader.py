@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from packdata.reading.fields import SampleDict
 from packdata.reading.transforms import uint8_hwc
 
 __all__ = [
@@ -159,7 +160,8 @@ class FieldsCollate:
                     f"{type(sample).__name__}: for tuples (fields=(...)) use the default collate or list_collate"
                 )
             names.update(dict.fromkeys(sample))
-        out: dict[str, Any] = {}
+        first = batch[0]  # a pack's dicts: the batch too, its lookup of a field no sample holds naming it
+        out: dict[str, Any] = SampleDict({}, first.pack, first.known) if isinstance(first, SampleDict) else {}
         for name in names:
             values = [sample.get(name, _ABSENT) for sample in batch]
             if any(value is _ABSENT for value in values):
