@@ -8,6 +8,10 @@ loopback, in its own process; needs ``pip install 'moto[server]' s3fs``)::
 Both download the same pack into fresh folders; packdata also checks every
 shard's SHA-256 against the manifest. Repeats are interleaved; medians with
 min-max are printed, with the local-disk copy (``shutil.copytree``) as the floor.
+The ceiling rows read the same objects from the same server with plain boto3
+GETs in 16 threads, bytes discarded: one GET an object, and 16 MiB ranges. The
+server (moto reads a whole object for every ranged GET) may be the limit:
+packdata's and s3fs's ratios to the ceiling say how much is left to the client.
 """
 
 from __future__ import annotations
@@ -70,6 +74,38 @@ def s3_server() -> Iterator[tuple[dict[str, Any], Any]]:
         server.wait()
 
 
+def _ceiling(options: dict[str, Any], bucket: str, prefix: str, part: int | None) -> None:
+    """Every object under ``prefix`` read with plain boto3 GETs in 16 threads, bytes discarded.
+
+    ``part``: None reads each object in one GET; else in ranges of ``part`` bytes.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=options["client_kwargs"]["endpoint_url"], config=Config(max_pool_connections=16)
+    )
+    objects = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    reads = [
+        (o["Key"], None if part is None else f"bytes={start}-{min(start + part, o['Size']) - 1}")
+        for o in objects
+        for start in ([0] if part is None else range(0, o["Size"], part))
+    ]
+
+    def read(item: tuple[str, str | None]) -> int:
+        key, byte_range = item
+        body = client.get_object(Bucket=bucket, Key=key, **({"Range": byte_range} if byte_range else {}))["Body"]
+        got = 0
+        while chunk := body.read(1 << 20):
+            got += len(chunk)
+        return got
+
+    with ThreadPoolExecutor(16) as pool:
+        sum(pool.map(read, reads))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=300, help="pack size in MB (text samples of 1 MB)")
@@ -92,7 +128,13 @@ def _run(args: argparse.Namespace, options: dict[str, Any], fs: Any, work: Path)
     packdata.convert(work / "src", work / "train.lmdb", shard_size=64 * 10**6, progress=False)
     fs.mkdir("bench")
     fs.put(str(work / "train.lmdb"), "bench/train.lmdb", recursive=True)
-    times: dict[str, list[float]] = {"packdata stage": [], "s3fs fs.get(recursive)": [], "local copytree": []}
+    times: dict[str, list[float]] = {
+        "packdata stage": [],
+        "s3fs fs.get(recursive)": [],
+        "ceiling: GET an object": [],
+        "ceiling: 16 MiB ranges": [],
+        "local copytree": [],
+    }
     for n in range(args.repeats):
         start = time.perf_counter()
         packdata.stage("s3://bench/train.lmdb", to=work / f"p{n}", storage_options=options, progress=False)
@@ -101,18 +143,25 @@ def _run(args: argparse.Namespace, options: dict[str, Any], fs: Any, work: Path)
         fs.get("bench/train.lmdb", str(work / f"g{n}"), recursive=True)
         times["s3fs fs.get(recursive)"].append(time.perf_counter() - start)
         start = time.perf_counter()
+        _ceiling(options, "bench", "train.lmdb/", None)
+        times["ceiling: GET an object"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _ceiling(options, "bench", "train.lmdb/", 16 << 20)
+        times["ceiling: 16 MiB ranges"].append(time.perf_counter() - start)
+        start = time.perf_counter()
         shutil.copytree(work / "train.lmdb", work / f"c{n}")
         times["local copytree"].append(time.perf_counter() - start)
         for prefix in ("p", "g", "c"):
             shutil.rmtree(work / f"{prefix}{n}")
     size = sum(p.stat().st_size for p in (work / "train.lmdb").rglob("*") if p.is_file())
     reference = statistics.median(times["s3fs fs.get(recursive)"])
+    ceiling = statistics.median(times["ceiling: GET an object"])
     print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {os.cpu_count()} CPUs, {args.repeats} repeats")
     for name, values in times.items():
         median = statistics.median(values)
         print(
             f"  {name:<26} {median:6.2f} s [{min(values):.2f} - {max(values):.2f}]  {size / 1e6 / median:7.1f} MB/s"
-            f"  {reference / median:5.2f}x s3fs"
+            f"  {reference / median:5.2f}x s3fs  {ceiling / median:5.2f}x ceiling"
         )
 
 
