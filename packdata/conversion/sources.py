@@ -320,14 +320,24 @@ def _file_type(path: str) -> str:
 def _detect_kind(root: Path) -> str:
     """'image' if the first files found are images, 'text' if text (sampling the walk)."""
     counts = {"image": 0, "text": 0}
+    unlisted, first = 0, ""  # folders that could not be listed, which may hold the files, and the first of them
     for n, (rel, _, problem) in enumerate(_walk_files(root)):
         if problem is not None:
+            if problem[0] == "unreadable folder":
+                unlisted, first = unlisted + 1, first or f"{rel!r}: {problem[1]}"
             continue
         ext = os.path.splitext(rel)[1].lower()
         for kind, extensions in _EXTENSIONS.items():
             counts[kind] += ext in extensions
         if n >= 1000 and max(counts.values()) > 0:
             break
+    if not any(counts.values()) and unlisted:
+        folders = f"{unlisted:,} folders" if unlisted > 1 else "1 folder"
+        raise SourceError(
+            f"no image or text files found, and {folders} could not be listed ({first})",
+            path=root,
+            hint="Check the folders' permissions, or convert as a user who may read them",
+        )
     if not any(counts.values()):
         raise SourceError(
             "no image or text files found",

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import image_bytes
 
 from packdata import LMDBDataset, convert
 from packdata.conversion.destination import partial_path
@@ -184,6 +185,18 @@ def _drop_dac_caps() -> None:
             raise OSError(ctypes.get_errno(), "prctl")
 
 
+def _convert_without_dac(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``packdata convert SRC DST`` as root without the permission-override capabilities (so modes count)."""
+    return subprocess.run(
+        [sys.executable, "-m", "packdata.cli", "convert", str(src), str(dst), *args],
+        preexec_fn=_drop_dac_caps,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+
+
 @pytest.mark.root
 def test_unreadable_subfolder_is_skipped_not_a_traceback(image_folder: Path, tmp_path: Path) -> None:
     """Root reads everything, so the CLI runs as root without the permission-override capabilities."""
@@ -194,14 +207,7 @@ def test_unreadable_subfolder_is_skipped_not_a_traceback(image_folder: Path, tmp
     (locked / "x.jpg").write_bytes((image_folder / "cat" / "a.jpg").read_bytes())
     locked.chmod(0)
     try:
-        run = subprocess.run(
-            [sys.executable, "-m", "packdata.cli", "convert", str(image_folder), str(tmp_path / "out.lmdb")],
-            preexec_fn=_drop_dac_caps,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-            timeout=120,
-        )
+        run = _convert_without_dac(image_folder, tmp_path / "out.lmdb")
     finally:
         locked.chmod(0o755)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -209,6 +215,30 @@ def test_unreadable_subfolder_is_skipped_not_a_traceback(image_folder: Path, tmp
     report = _report(tmp_path / "out.lmdb")
     assert report["zebra/locked"]["reason"] == "unreadable folder"
     assert "Permission denied" in report["zebra/locked"]["detail"]
+
+
+@pytest.mark.root
+def test_a_source_whose_every_class_folder_cannot_be_listed_says_so_not_that_it_holds_no_files(tmp_path: Path) -> None:
+    """It said 'no image or text files found. Images are .bmp, ...', as of an empty folder, though the files were
+    there in folders this user may not list."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop capabilities in a child")
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "x.jpg").write_bytes(image_bytes(0))
+        (src / name).chmod(0)
+    try:
+        run = _convert_without_dac(src, tmp_path / "out.lmdb", "-q")
+    finally:
+        for name in ("a", "b"):
+            (src / name).chmod(0o755)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr == (
+        f"Error: {src}: no image or text files found, and 2 folders could not be listed ('a': Permission denied). "
+        "Check the folders' permissions, or convert as a user who may read them\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no pack, no .out.lmdb.partial
 
 
 def _engine_params() -> list:
