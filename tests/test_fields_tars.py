@@ -449,6 +449,50 @@ def test_a_sample_whose_tar_members_are_apart_is_never_packed_in_part_under_a_re
         assert (result.packed, sum(result.skipped.values())) == (len(samples), len(skips)), case
 
 
+def test_a_key_skipped_in_one_tar_is_never_packed_from_a_later_tar(tmp_path: Path) -> None:
+    """Across tars only a packed key was remembered: a sample skipped in the first tar (a FIFO member, two members
+    of one field, a tar cut in its data) was then packed from the second tar under that key, while the report said
+    the key was skipped. Now the first tar's sample of a key is the sample, packed or skipped: a later tar's is a
+    'duplicate key' skip naming both tars and saying what was done with the first, as for one tar's members apart."""
+    first, second = tmp_path / "t-0.tar", tmp_path / "t-1.tar"
+    big = b"D" * 3000
+    _tar_in_order(
+        first,
+        [("a.bin", None), ("a.json", b"[0]"), ("b.bin", b"B0"), ("c.bin", b"C0"), ("c.BIN", b"C1"), ("d.bin", big)],
+    )
+    with tarfile.open(first) as tar:
+        cut = tar.getmember("d.bin").offset_data + 1000  # inside d's data: d is the sample the tar ends in
+    first.write_bytes(first.read_bytes()[:cut])
+    _tar_in_order(second, [(f"{key}.bin", key.encode()) for key in "abcde"])
+    out = tmp_path / "out.lmdb"
+    result = packdata.convert(str(tmp_path / "t-{0..1}.tar"), out, progress=False)
+    assert list(packdata.LMDBDataset(out, decode="bytes")) == [
+        {"__key__": "b", "bin": b"B0"},
+        {"__key__": "e", "bin": b"e"},
+    ]
+    earlier = f"an earlier sample in {first} has this key ({second})"
+    skipped = f"{earlier}; that one was skipped (reported): this one is never packed in its place"
+    cut_detail = f"member 'd.bin' claims 3000 bytes, past the tar's end (byte {cut}); the samples before this one"
+    cut_detail += " in the tar are kept"
+    assert [(s["key"], s["reason"], s["detail"]) for s in result.skip_examples] == [
+        (
+            "t-0.tar:a",
+            "not a regular file",
+            "member 'a.bin' is a link or device in the tar: the sample is skipped whole",
+        ),
+        ("t-0.tar:c", "duplicate field", "two members give field 'bin', the second 'c.BIN'"),
+        ("t-0.tar:d", "corrupt tar", cut_detail),
+        ("a", "duplicate key", skipped),
+        ("b", "duplicate key", earlier),
+        ("c", "duplicate key", skipped),
+        ("d", "duplicate key", skipped),
+    ]
+    assert (result.packed, result.skipped) == (
+        2,
+        {"not a regular file": 1, "duplicate field": 1, "corrupt tar": 1, "duplicate key": 4},
+    )
+
+
 def test_a_hard_link_in_a_tar_is_read_from_the_member_it_names(tmp_path: Path) -> None:
     """tar and tarfile.add store a file's second name as a hard link member: b.txt was skipped as 'not a regular
     file' and sample b packed without its caption. It is now read from a.txt's bytes in the tar."""

@@ -5,12 +5,14 @@ ranges in order, glob matches sorted), and grouped by WebDataset's rule:
 consecutive members whose names share the part before the first dot of the
 basename form one sample (``a/0001.jpg`` + ``a/0001.json`` -> key ``a/0001``,
 fields ``jpg`` and ``json``, field names lower-cased); a sample never spans two
-tars; a sample with two members of one field (``a.jpg``, ``a.JPG``) is skipped
-whole. A key's members apart in a tar (an unsorted ``tar -c``: ``a.jpg``,
-``b.jpg``, ``a.json``) are read as WebDataset reads them, the first run as the
-sample (packed whole or skipped whole, with its reason), and each later run is a
-``"duplicate key"`` skip that says what was done with the sample: never packed
-in part, nor as a second sample of one key. A member's name is its path as tar extracts it (``./a.jpg``, ``/a.jpg``
+tars: the first tar's sample of a key is the sample (packed, or skipped with its
+reason), a later tar's a ``"duplicate key"`` skip naming both tars. A sample
+with two members of one field (``a.jpg``, ``a.JPG``) is skipped whole. A key's
+members apart in a tar (an unsorted ``tar -c``: ``a.jpg``, ``b.jpg``, ``a.json``)
+are read as WebDataset reads them, the first run as the sample (packed whole or
+skipped whole, with its reason), and each later run is a ``"duplicate key"``
+skip that says what was done with the sample: never packed in part, nor as a
+second sample of one key. A member's name is its path as tar extracts it (``./a.jpg``, ``/a.jpg``
 and ``b/../a.jpg`` are ``a.jpg``: keys are relative POSIX paths); one whose
 ``..`` leads out of the tar's top is a ``"bad key"`` skip. Member names are
 read as UTF-8 on every machine, never in the locale's encoding; a member
@@ -250,6 +252,8 @@ class TarSource:
                         if base != key and key is not None:  # the sample before is whole: this member is not its
                             if fields is not None:
                                 yield keys.ended_sample(key, fields, origin)
+                            else:
+                                keys.end(key, packed=False)
                             key, fields = base or member.name, {}
                         raise tarfile.ReadError(problem)
                     where = f"{name}:{member.name}"
@@ -281,11 +285,14 @@ class TarSource:
                             if fields is not None:
                                 yield keys.ended_sample(key, fields, origin)
                             else:
-                                keys.ended.add(key, 0)
+                                keys.end(key, packed=False)
                         key, fields, total = base, {}, 0
                         apart = keys.apart(base, member.name)
                         if apart is not None:  # WebDataset reads a second sample of one key: never packed, nor added
                             yield Skip(f"{name}:{base}", "duplicate key", apart)
+                            fields = None
+                        elif (earlier := keys.earlier(base)) is not None:  # an earlier tar's, packed or skipped
+                            yield Skip(base, "duplicate key", earlier)
                             fields = None
                     if fields is None:
                         continue
@@ -314,6 +321,8 @@ class TarSource:
                 check_end(tar)
         except corrupt as exc:
             # The sample being read may lack members or hold a cut one: it is dropped, never packed partly.
+            if key is not None and key not in keys.ended:  # a later tar's sample of it is never packed instead
+                keys.end(key, packed=False)
             if key is None:
                 yield Skip(name, "corrupt tar", f"{exc}; no sample of this tar is packed")
             else:
@@ -328,6 +337,8 @@ class TarSource:
             raise remote_error(shown, "cannot read the tar; rerun with resume", exc, resumable=True) from exc
         if key is not None and fields is not None:
             yield keys.ended_sample(key, fields, origin)
+        elif key is not None:
+            keys.end(key, packed=False)
 
     def _read_span(self, shard: str, stream: BinaryIO, offset: int, size: int) -> bytes:
         """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
@@ -348,19 +359,27 @@ class _Keys:
 
     shards: list[str]
     number: int  # the tar being read
-    seen: KeySet  # key -> the tar that packed it first
+    seen: KeySet  # key -> 2 * the tar that gave it first, + 1 if that tar's sample was packed (0: skipped)
     ended: KeySet  # key -> 1 if this tar's sample of that key was packed, 0 if it was skipped
 
     def ended_sample(self, key: str, fields: dict[str, bytes], origin: str | RemoteFile) -> SourceGroup | Skip:
         """The sample of ``key`` whose members were all read: a group, or why it is skipped; noted as either."""
         entry = _group(key, fields, origin)
-        if isinstance(entry, SourceGroup):
-            first = self.seen.add(key, self.number)
-            if first is not None:
-                detail = f"an earlier sample in {self.shards[first]} has this key ({self.shards[self.number]})"
-                entry = Skip(key, "duplicate key", detail)
-        self.ended.add(key, int(isinstance(entry, SourceGroup)))
+        self.end(key, packed=isinstance(entry, SourceGroup))
         return entry
+
+    def end(self, key: str, *, packed: bool) -> None:
+        """Note this tar's sample of ``key`` as ended, packed or skipped (the first of a key: later ones are not)."""
+        self.ended.add(key, int(packed))
+        self.seen.add(key, 2 * self.number + int(packed))
+
+    def earlier(self, key: str) -> str | None:
+        """Why this tar's sample ``key`` is skipped if an earlier tar gave it (packed or skipped there); else None."""
+        if key not in self.seen:
+            return None
+        first, packed = divmod(cast(int, self.seen.add(key)), 2)  # the first value is kept
+        detail = f"an earlier sample in {self.shards[first]} has this key ({self.shards[self.number]})"
+        return detail if packed else f"{detail}; that one was skipped (reported): this one is never packed in its place"
 
     def apart(self, key: str, member: str) -> str | None:
         """Why ``member`` is skipped if this tar's sample ``key`` ended before it (after other samples' members)."""
