@@ -6,8 +6,9 @@ so checkpoints are frequent), ``engine``, and ``scenarios``: each a ``dst`` and
 a list of ``kills`` applied to successive runs into it. A kill is
 ``["after" | "before", n]`` (SIGKILL the run right after, or right before, its
 n-th ``os.replace`` of a path beside or inside DST: every checkpoint save,
-TFRecord shard rename, manifest write and publish rename is one) or ``["at", seconds]`` (SIGKILL a run whose
-reads are slowed from outside, after that many seconds) or
+TFRecord shard rename, manifest write and publish rename is one) or ``["closed", n]`` (SIGKILL the run once
+its n-th shard is closed, right before the checkpoint that lists it is saved) or ``["at", seconds]`` (SIGKILL a
+run whose reads are slowed from outside, after that many seconds) or
 ``["tasks-rmtree", 0]`` (the Ray driver dies while deleting its task results). After its kills a
 scenario resumes with no kill until a run finishes; ``["after", 0]`` runs once
 without a kill and reports how many ``os.replace`` calls a whole run makes.
@@ -44,6 +45,8 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
 
     scope = os.path.dirname(os.path.abspath(dst)) + os.sep  # only the conversion's own renames count
 
+    closed = 0  # shards closed so far (a shard closes in a thread: the checkpoint listing it is saved after)
+
     def replace(a, b, *args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal calls
         if not os.path.abspath(a).startswith(scope):  # Ray's own files, if any
@@ -51,11 +54,24 @@ def _child(plan: dict, dst: str, kill: list, slow: float) -> None:
         calls += 1
         if side == "before" and calls == n:
             os.kill(os.getpid(), signal.SIGKILL)
+        if side == "closed" and closed >= n and os.path.basename(b) == "progress.json":
+            os.kill(os.getpid(), signal.SIGKILL)  # the n-th shard is closed, no checkpoint lists it yet
         real_replace(a, b, *args, **kwargs)
         if side == "after" and calls == n:
             os.kill(os.getpid(), signal.SIGKILL)
 
     os.replace = replace  # type: ignore[assignment]
+    if side == "closed":
+        writer = importlib.import_module("packdata.formats").shard_writer(plan["format"])
+        real_close = writer.close
+
+        def close(self):  # type: ignore[no-untyped-def]
+            nonlocal closed
+            done = real_close(self)
+            closed += 1
+            return done
+
+        writer.close = close
     if side == "tasks-rmtree":  # the Ray driver, killed while deleting its task results
         real_rmtree = shutil.rmtree
 

@@ -220,16 +220,20 @@ def _tar_source(root: Path) -> str:
     return str(root / "data-{000000..000002}.tar")
 
 
-def _fields_content(pack: Path) -> dict[str, Any]:
-    ds = LMDBDataset(pack, decode="bytes")
+def _fields_content(pack: Path, fmt: str = "lmdb") -> dict[str, Any]:
+    ds = LMDBDataset(pack, decode="bytes") if fmt == "lmdb" else TFRecordIndexedDataset(pack, decode="bytes")
     manifest = read_manifest(pack)
     return {
         "records": [ds[i] for i in range(len(ds))],
         "index": sorted((p.name, p.read_bytes()) for p in (pack / "index").iterdir()),
         "skip_report": (pack / "skipped.jsonl").read_bytes(),
-        # LMDB pages of records cut back at a resume are reused, not freed: bytes and checksums may differ
         "manifest": {k: v for k, v in manifest.to_dict().items() if k not in ("packdata_version", "shards")},
-        "shards": [(s.file, s.num_samples, s.first_index) for s in manifest.shards],
+        # LMDB pages of records cut back at a resume are reused, not freed: bytes and checksums may differ
+        "shards": [
+            (s.file, s.num_samples, s.first_index) + ((s.bytes, s.sha256) if fmt == "tfrecord" else ())
+            for s in manifest.shards
+        ],
+        "files": sorted(p.name for p in pack.iterdir()),
     }
 
 
@@ -261,3 +265,37 @@ def test_multi_field_sources_killed_then_resumed_give_the_clean_pack(tmp_path: P
             assert got[part] == clean[part], (part, scenario["kills"], runs, got[part] if part == "manifest" else "")
         verify_pack(dst, progress=False)
     assert sum(runs.count("killed") for runs in outcomes) >= events
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tfrecord_grouped_conversion_killed_between_a_shard_close_and_its_checkpoint_resumes_to_the_clean_pack(
+    tmp_path: Path,
+) -> None:
+    """A multi-field TFRecord conversion (a grouped folder: Examples of several fields, a record table without
+    spans) SIGKILLed once each shard is closed (its index and record table's header written) but before the
+    checkpoint listing it is saved, once per shard and chained, then at every other replace: each resume gives
+    the uninterrupted run's pack, shards byte for byte."""
+    src = _grouped_source(tmp_path / "src")
+    clean_dst = tmp_path / "clean" / "out.tfrecord"
+    clean_dst.parent.mkdir()
+    assert _drive(tmp_path, src, "tfrecord", [{"dst": str(clean_dst), "kills": [["after", 0]]}]) == [["done"]]
+    clean = _fields_content(clean_dst, "tfrecord")
+    events = json.loads(Path(f"{clean_dst}.result.json").read_text())["replace_calls"]
+    assert len(clean["records"]) == 23 and len(clean["shards"]) == 6
+    plans: list[list[list[Any]]] = [[["closed", n]] for n in range(1, 7)]  # the 6th: the last, closed by finish
+    plans.append([["closed", 1]] * 8)  # 8 runs, each killed after its first close (of the shard it resumed)
+    plans += [[["after", n]] for n in range(1, events + 1)] + [[["before", n]] for n in range(1, events + 1)]
+    scenarios = []
+    for number, kills in enumerate(plans):
+        (tmp_path / f"s{number}").mkdir()
+        scenarios.append({"dst": str(tmp_path / f"s{number}" / "out.tfrecord"), "kills": kills})
+    outcomes = _drive(tmp_path, src, "tfrecord", scenarios)
+    assert all(runs[0] == "killed" for runs in outcomes[:7]), outcomes[:7]  # each kill at a close landed
+    for scenario, runs in zip(scenarios, outcomes, strict=True):
+        dst = Path(scenario["dst"])
+        assert dst.is_dir() and not partial_path(dst).exists(), runs
+        got = _fields_content(dst, "tfrecord")
+        for part in clean:
+            assert got[part] == clean[part], (part, scenario["kills"], runs)
+        verify_pack(dst, progress=False)
