@@ -11,6 +11,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import flip_label, image_bytes
@@ -270,3 +271,83 @@ def test_export_of_a_multi_field_pack_tarred_in_name_order_is_a_webdataset_shard
         key, label = sample.pop("__key__"), sample.pop("cls", -1)
         assert {name: read[key][name] for name in read[key] if not name.startswith("__")} == sample, key
         assert (classes[label] if label >= 0 else None) == (key.split("/")[0] if "/" in key else None)
+
+
+def _samples(pack: Path) -> dict[str, dict]:
+    """Every sample of ``pack`` as its dataset reads it, by key: its fields' stored bytes and its label (-1: none).
+
+    A single-field pack's one field is named as a grouped convert names it: its key's extension, lower-cased.
+    """
+    out = {}
+    for row, sample in zip(list_samples(pack), packdata.LMDBDataset(pack, decode="bytes"), strict=True):
+        if isinstance(sample, tuple):  # (bytes, label)
+            sample = {"__key__": row["key"], row["key"].rpartition("/")[2].partition(".")[2].lower(): sample[0]}
+            sample["cls"] = row["label"]
+        key = sample.pop("__key__")
+        out[key] = {"cls": -1, **sample}
+    return out
+
+
+def _files(folder: Path) -> dict[str, bytes | None]:
+    """Every file and folder under ``folder`` by its path there: a file's bytes, a folder's None."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def test_a_grouped_export_refuses_a_key_whose_first_folder_would_relabel_it_and_converts_back_exactly(
+    tmp_path: Path,
+) -> None:
+    """A grouped convert reads an export's first-level folders as classes, numbered in name order: in a pack whose
+    keys lie in class folders, a PackWriter sample 'x/y' without a label came back labelled 3 (folder x's number),
+    'cats/3' with label 1 (cats being class 0) was skipped as a label conflict, and a class none of whose samples
+    was exported ('dogs') shifted the numbers of the classes after it ('owls/2' came back labelled 1). Now every
+    class folder is made before any sample, a sample whose first folder would read back as another label is
+    refused, and export, convert, export gives the same files and each exported sample's fields and label byte
+    for byte."""
+    with packdata.PackWriter(tmp_path / "p.lmdb", classes=["cats", "dogs", "owls"]) as writer:
+        writer.write({"__key__": "cats/1", "txt": "a cat", "cls": 0})
+        writer.write({"__key__": "cats/3", "txt": "labelled as a dog", "cls": 1})
+        writer.write({"__key__": "owls/2", "txt": "an owl", "npy": np.arange(3), "cls": 2})
+        writer.write({"__key__": "plain", "txt": "no label"})
+        writer.write({"__key__": "top", "json": {"a": 1}, "cls": 1})
+        writer.write({"__key__": "x/y", "txt": "no label, in a folder"})
+    result = export_pack(tmp_path / "p.lmdb", tmp_path / "out")
+    why = "a grouped convert reads its first folder {!r} as its class (label {}: first-level folders are classes, "
+    why += "numbered in name order), but it has {}"
+    assert result.refused == [
+        {"key": "cats/3", "reason": why.format("cats", 0, "label 1")},
+        {"key": "x/y", "reason": why.format("x", 3, "no label")},
+    ]
+    assert (result.samples, result.files) == (4, 6)
+    back = packdata.convert(tmp_path / "out", tmp_path / "back.lmdb", layout="grouped", progress=False)
+    assert back.skipped == {}
+    original = _samples(tmp_path / "p.lmdb")
+    assert _samples(back.pack) == {key: original[key] for key in ("cats/1", "owls/2", "plain", "top")}
+    export_pack(back.pack, tmp_path / "again")
+    assert _files(tmp_path / "again") == _files(tmp_path / "out")
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "p.lmdb"), str(tmp_path / "cli")])
+    assert done.exit_code == 1 and f"x/y: {why.format('x', 3, 'no label')}" in done.output, done.output
+
+
+def test_a_single_field_pack_exported_as_grouped_files_converts_back_to_its_samples_and_exports_the_same(
+    tmp_path: Path,
+) -> None:
+    """A class-folder pack exported with layout='grouped' wrote cats/1.jpg.image: a grouped convert read it back as
+    field 'jpg.image' (bytes, not an image), and 'dogs/3.JPG.image' exported again as 'dogs/3.jpg.image'. Now its
+    files are named as a grouped convert reads them (cats/1.jpg: key cats/1, field jpg), and export, convert, export
+    gives the same files, each sample's bytes and label."""
+    src = tmp_path / "src"
+    for rel, seed, fmt in [("cats/1.jpg", 1, "JPEG"), ("dogs/2.png", 2, "PNG"), ("dogs/3.JPG", 3, "JPEG")]:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(image_bytes(seed, fmt=fmt))
+    (src / "top.jpg").write_bytes(image_bytes(4))  # a file at the top: no class
+    pack = packdata.convert(src, tmp_path / "p.lmdb", progress=False).pack
+    assert read_manifest(pack).kind == "image"
+    result = export_pack(pack, tmp_path / "out", layout="grouped")
+    assert (result.samples, result.files, result.refused) == (4, 4, [])
+    back = packdata.convert(tmp_path / "out", tmp_path / "back.lmdb", layout="grouped", progress=False).pack
+    original = {key.partition(".")[0]: sample for key, sample in _samples(pack).items()}
+    assert _samples(back) == original
+    assert sorted(original) == ["cats/1", "dogs/2", "dogs/3", "top"]
+    export_pack(back, tmp_path / "again")
+    assert _files(tmp_path / "again") == _files(tmp_path / "out")
+    assert sorted(_files(tmp_path / "out")) == ["cats", "cats/1.jpg", "dogs", "dogs/2.png", "dogs/3.jpg", "top.jpg"]

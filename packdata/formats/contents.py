@@ -9,6 +9,7 @@ re-encoding (the round trip a user runs before trusting a format).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 from collections.abc import Iterator
@@ -265,16 +266,17 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         pack: the pack.
         dst: the folder to write into; created if missing, must be empty.
         layout: ``"imagefolder"`` (one file per sample at its key: single-field
-            packs) or ``"grouped"`` (``KEY.FIELD`` files; a ``KEY.cls`` file
-            holds a label its class folder does not already give). Default: by the pack's kind.
+            packs) or ``"grouped"`` (``KEY.FIELD`` files that a grouped convert
+            reads back as the same samples: class folders made first, a ``KEY.cls``
+            file for a label at the top; a single-field pack's key names its file,
+            ``cats/1.jpg``). Default: by the pack's kind.
 
     Returns:
         What was written, and the samples refused with their reasons: a key that
         is not a plain path inside ``dst``, that clashes with another key's
-        files, that the file system rejects (a name too long), or, for a
-        multi-field pack in grouped files, whose last part holds a dot (its
-        ``KEY.FIELD`` files would read back as another key). A refused
-        sample leaves no file behind; the export goes on.
+        files, that the file system rejects (a name too long), or, in grouped
+        files, whose files a grouped convert would read back as another sample
+        (see :func:`_reread_problem`). A refused sample leaves no file behind; the export goes on.
 
     Raises:
         ConfigError: ``dst`` is not empty, is inside the pack or cannot be made, or the layout does not fit the pack.
@@ -302,18 +304,19 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
     except OSError as exc:  # a full disk, read-only, a file on the way, no permission
         raise write_error(exc, dst, folder=dst.parent, of="(the export's folder)", hint=_EXPORT_AGAIN) from exc
     result = ExportResult(dst)
+    folders = _class_folders(dst, manifest, index) if layout == "grouped" else None
     for shard in manifest.shards:
         path = resolve_in_pack(pack, shard.file, field="shard", manifest=pack / "manifest.json")
         for i, sample in get_format(manifest.format).iter_samples(path, shard.first_index):
             _match_index(index, i, sample.key, sample.label, len(sample.data), path)  # as a dataset reads it
-            dotted = dotted_key_problem(sample.key) if layout == "grouped" and manifest.kind == "fields" else None
-            if dotted is not None:
-                result.refused.append({"key": sample.key, "reason": dotted})
-                continue
-            files = _files_of(sample, manifest, layout, pack)
+            files = _files_of(sample, manifest, layout, pack, folders)
             targets = [(_inside(dst, name), data) for name, data in files]
             if any(target is None for target, _ in targets):
                 result.refused.append({"key": sample.key, "reason": "key is not a plain path inside the folder"})
+                continue
+            reread = _reread_problem(sample.key, sample.label, manifest.kind, folders) if layout == "grouped" else None
+            if reread is not None:  # its files would read back as another sample
+                result.refused.append({"key": sample.key, "reason": reread})
                 continue
             written: list[Path] = []
             try:
@@ -324,11 +327,11 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
                         written.append(target)
                         f.write(data)
             except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-                _undo(dst, written, targets)  # no half sample is left behind
+                _undo(dst, written, targets, folders or [])  # no half sample is left behind
                 result.refused.append({"key": sample.key, "reason": f"clashes with another key's files ({exc})"})
                 continue
             except OSError as exc:
-                _undo(dst, written, targets)
+                _undo(dst, written, targets, folders or [])
                 if exc.errno in FULL_DISK_ERRNOS:
                     of = f"of the export, after {result.samples} samples were exported"
                     hint = "Free space, delete the partial export and run it again"
@@ -357,14 +360,15 @@ def _make_folders(dst: Path, folder: Path) -> None:
         path.mkdir(exist_ok=True)  # a file in the way: FileExistsError, a clash
 
 
-def _undo(dst: Path, written: list[Path], targets: list[tuple[Path | None, bytes]]) -> None:
-    """Remove one sample's files ``written`` and the folders made for it that are left empty."""
+def _undo(dst: Path, written: list[Path], targets: list[tuple[Path | None, bytes]], kept: list[str]) -> None:
+    """Remove one sample's files ``written`` and the folders made for it that are left empty (not ``kept``:
+    the first-level folders made before any sample)."""
     for path in written:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     for target, _ in targets:
         folder = target.parent if target is not None else dst
-        while folder != dst and dst in folder.parents:
+        while folder != dst and dst in folder.parents and not (folder.parent == dst and folder.name in kept):
             try:
                 folder.rmdir()
             except OSError:  # not empty (another sample's files), or never made
@@ -372,14 +376,93 @@ def _undo(dst: Path, written: list[Path], targets: list[tuple[Path | None, bytes
             folder = folder.parent
 
 
-def _files_of(sample: Sample, manifest: Manifest, layout: str, pack: Path) -> list[tuple[str, bytes]]:
-    """The ``(relative path, bytes)`` files one sample exports to."""
+def _class_folders(dst: Path, manifest: Manifest, index: SampleIndex) -> list[str] | None:
+    """The class folders a grouped export makes in ``dst`` before any file, in name order, or None: no key lies in
+    a folder named after a class of the pack (a tar's, a ``PackWriter``'s keys: folders are paths, labels in
+    ``KEY.cls``, as WebDataset reads them).
+
+    A grouped folder convert reads every first-level folder as a class, numbered
+    in name order, empty ones included: made up front (every key's first folder
+    and every class a folder can be named after), each sample's label read back
+    is known before it is written (:func:`_reread_problem`), whatever samples are refused.
+    """
+    keys = index.keys
+    tops = {keys[i].split("/", 1)[0] for i in range(len(keys)) if "/" in keys[i]}
+    tops = {top for top in tops if _folder_name(top)}
+    classes = {name for name in manifest.classes if _folder_name(name)}
+    if not tops & classes:
+        return None
+    names = sorted(tops | classes)
+    made = []
+    for name in names:
+        try:
+            (dst / name).mkdir()
+        except OSError as exc:
+            if exc.errno in FULL_DISK_ERRNOS:
+                raise no_space_error(exc, dst / name, folder=dst, of="(a class folder)", hint=_EXPORT_AGAIN) from exc
+            continue  # a name too long: no folder, and the samples in it refused
+        made.append(name)
+    return made
+
+
+def _folder_name(name: str) -> bool:
+    """Whether ``name`` can name a first-level folder a grouped convert reads as a class."""
+    if not name or "/" in name or "\x00" in name or name.startswith("."):
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _reread_problem(key: str, label: int, kind: str, folders: list[str] | None) -> str | None:
+    """Why the grouped files of sample ``key`` would not read back as it (its key and label), or None.
+
+    A grouped convert takes a file's key up to the first dot of its name and
+    skips hidden files; a single-field pack's key names its field (``cats/1.jpg``
+    is key ``cats/1``, field ``jpg``); a key in a folder takes the class of its
+    first folder, numbered in name order among ``folders`` (:func:`_class_folders`; None: not checked).
+    """
+    folder, _, name = key.rpartition("/")
+    if kind == "fields":
+        dotted = dotted_key_problem(key)
+        if dotted is not None:
+            return dotted
+    elif "." not in name:
+        return f"its key's last part names no field: a grouped convert reads files named KEY.FIELD ({key}.jpg)"
+    if folders is None:  # folders are paths: WebDataset (a tar of the files) reads the key and KEY.cls back
+        return None
+    if any(part.startswith(".") for part in key.split("/")):
+        return "a part of its key starts with a dot: a grouped convert skips its files as hidden"
+    if not folder:
+        return None
+    top = key.split("/", 1)[0]
+    at = bisect.bisect_left(folders, top)
+    back = at if at < len(folders) and folders[at] == top else None
+    if back == label:
+        return None
+    got = f"label {back}" if back is not None else "a class of its own"
+    has = f"label {label}" if label >= 0 else "no label"
+    return (
+        f"a grouped convert reads its first folder {top!r} as its class ({got}: first-level folders are classes, "
+        f"numbered in name order), but it has {has}"
+    )
+
+
+def _files_of(
+    sample: Sample, manifest: Manifest, layout: str, pack: Path, folders: list[str] | None
+) -> list[tuple[str, bytes]]:
+    """The ``(relative path, bytes)`` files one sample exports to (grouped: checked by :func:`_reread_problem`)."""
     if layout == "imagefolder":
         return [(sample.key, sample.data)]
-    fields = _fields(sample, pack) if manifest.kind == "fields" else {manifest.kind: sample.data}
-    files = [(f"{sample.key}.{name}", data) for name, data in sorted(fields.items())]
-    top = sample.key.split("/", 1)[0] if "/" in sample.key else None
-    from_folder = 0 <= sample.label < len(manifest.classes) and top == manifest.classes[sample.label]
-    if sample.label >= 0 and not from_folder:
-        files.append((f"{sample.key}.{LABEL_FIELD}", str(sample.label).encode("ascii")))
+    if manifest.kind == "fields":
+        files = [(f"{sample.key}.{name}", data) for name, data in sorted(_fields(sample, pack).items())]
+        stem = sample.key
+    else:  # the key names its file and field already: cats/1.JPG is key cats/1, field jpg, to a grouped convert
+        folder, slash, name = sample.key.rpartition("/")
+        stem = folder + slash + name.partition(".")[0]
+        files = [(f"{stem}.{name.partition('.')[2].lower()}", sample.data)]  # as a grouped convert names the field
+    if sample.label >= 0 and ("/" not in sample.key or folders is None):  # else labelled by its class folder
+        files.append((f"{stem}.{LABEL_FIELD}", str(sample.label).encode("ascii")))
     return files
