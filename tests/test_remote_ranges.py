@@ -97,12 +97,12 @@ def test_a_reply_longer_than_the_range_asked_for_is_refused_never_cut(s3, tmp_pa
 def test_a_stage_through_a_store_that_ignores_range_is_refused_naming_the_store(s3, tmp_path: Path, monkeypatch):
     """stage's ranged download of a shard got the whole object: the store's refusal was wrapped as a failed request
     ('cannot read ...; rerun to resume (_RangeIgnored)'), which no rerun helps. Now it is raised as it is."""
-    import packdata.staging.remote as remote
+    import packdata.staging.fetch as fetch
 
     options, fs = s3
     url = "s3://packs/ranges-stage"
     _convert_to_s3(tmp_path / "src", "C", url, options, fmt="lmdb")
-    monkeypatch.setattr(remote, "_RANGE", 4096)  # every shard in several ranged requests
+    monkeypatch.setattr(fetch, "_RANGE", 4096)  # every shard in several ranged requests
     with faulty_s3(options) as (faulty, rules, _):
         (shard,) = _no_range(rules, fs, "packs/ranges-stage", "/data.mdb")
         with pytest.raises(SourceError) as raised:

@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SECRET, flip_label, image_bytes, tree_digest
+from conftest import SECRET, faulty_s3, flip_label, image_bytes, tree_digest
 from faults.hostile import rewrite_manifest
 from remote_helpers import _cli, _samples, _two_classes
 
 import packdata
 from packdata.cli import main
 from packdata.conversion.upload import work_folder
-from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError
+from packdata.errors import CapacityError, ConfigError, PackdataError, PackFormatError, SourceError
 from packdata.pack.manifest import read_manifest
 from packdata.pack.urls import display_url
 
@@ -225,6 +225,62 @@ def test_a_damaged_remote_shard_is_named_and_never_staged(s3, remote_pack, tmp_p
     with pytest.raises(PackFormatError, match=r"s3://packs/flip\.lmdb: index/labels\.i32 does not match"):
         packdata.stage("s3://packs/flip.lmdb", to=tmp_path / "cache", storage_options=options, progress=False)
     assert not (tmp_path / "cache" / "flip.lmdb").exists()
+
+
+def test_a_stage_that_fails_on_one_shard_keeps_the_shards_it_checked_and_a_rerun_fetches_only_the_rest(
+    s3, remote_pack, tmp_path: Path
+) -> None:
+    """Every shard was checked and given its name only once all had downloaded: a request that failed for one shard
+    left the others as unchecked .part files, and the rerun downloaded the whole pack again. Each shard is now
+    checked and named as soon as its last byte has arrived: the rerun fetches only the shard whose request failed."""
+    options, fs = s3
+    _, local = remote_pack
+    fs.put(str(local), "packs/resumed.lmdb", recursive=True)
+    shards = sorted(p.relative_to(local).as_posix() for p in local.glob("shard-*/data.mdb"))
+    assert len(shards) == 3
+    cache = tmp_path / "cache"
+    with faulty_s3(options) as (faulty, rules, hits):
+        rules["GET", f"/packs/resumed.lmdb/{shards[1]}"] = [403, 1]
+        with pytest.raises(SourceError, match=rf"^s3://packs/resumed\.lmdb: cannot read {shards[1]}; rerun to resume"):
+            packdata.stage("s3://packs/resumed.lmdb", to=cache, storage_options=faulty, progress=False)
+        first = {shard: hits["GET", f"/packs/resumed.lmdb/{shard}"] for shard in shards}
+        packdata.stage("s3://packs/resumed.lmdb", to=cache, storage_options=faulty, progress=False)
+        again = {shard: hits["GET", f"/packs/resumed.lmdb/{shard}"] - first[shard] for shard in shards}
+    assert first == dict.fromkeys(shards, 1)
+    assert again == {shard: int(shard == shards[1]) for shard in shards}
+    assert _samples(cache / "resumed.lmdb") == _samples(local)
+
+
+def test_a_shard_fetched_in_many_ranges_is_hashed_from_them_in_order_whatever_order_they_arrive_in(
+    s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard's SHA-256 is taken from its ranges as they arrive: ranges of 1 KiB from 8 threads land out of
+    order, past the 8 KiB the download holds in memory (the rest are read back from the file). The staged copy is
+    the pack, byte for byte, and a shard with one byte changed in its middle is still refused."""
+    from packdata.staging import fetch
+
+    options, fs = s3
+    _, local = remote_pack
+    monkeypatch.setattr(fetch, "_RANGE", 1024)
+    fs.put(str(local), "packs/ranges.lmdb", recursive=True)
+    staged = packdata.stage(
+        "s3://packs/ranges.lmdb", to=tmp_path / "cache", storage_options=options, progress=False, workers=8
+    ).staged
+    for shard in local.glob("shard-*/data.mdb"):
+        assert (staged / shard.relative_to(local)).read_bytes() == shard.read_bytes()
+    assert _samples(staged) == _samples(local)
+    fs.put(str(local), "packs/ranges-bad.lmdb", recursive=True)
+    data = bytearray(fs.cat_file("packs/ranges-bad.lmdb/shard-00001.lmdb/data.mdb"))
+    assert len(data) > 8 * 1024
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file("packs/ranges-bad.lmdb/shard-00001.lmdb/data.mdb", bytes(data))
+    with pytest.raises(
+        PackFormatError, match=r"s3://packs/ranges-bad\.lmdb: shard-00001\.lmdb/data\.mdb does not match"
+    ):
+        packdata.stage(
+            "s3://packs/ranges-bad.lmdb", to=tmp_path / "cache", storage_options=options, progress=False, workers=8
+        )
+    assert not (tmp_path / "cache" / "ranges-bad.lmdb").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
@@ -520,8 +576,8 @@ def test_a_remote_manifest_past_the_size_limit_is_refused_without_downloading_it
 _STALLED_URL_STAGE = """
 import json, sys, threading
 import packdata
-from packdata.staging import remote
-fetch, gate, released = remote._fetch_range, threading.Lock(), []
+from packdata.staging import fetch as fetching
+fetch, gate, released = fetching._fetch_range, threading.Lock(), []
 def stalled(*args):  # the first range waits for a line on stdin; the stage holds its locks meanwhile
     with gate:
         if not released:
@@ -529,7 +585,7 @@ def stalled(*args):  # the first range waits for a line on stdin; the stage hold
             sys.stdin.readline()
             released.append(True)
     return fetch(*args)
-remote._fetch_range = stalled
+fetching._fetch_range = stalled
 packdata.stage(sys.argv[1], to=sys.argv[2], storage_options=json.loads(sys.argv[3]), progress=False)
 print("staged", flush=True)
 """

@@ -14,7 +14,7 @@ and an unstage is refused while one runs. The steps:
    nothing is downloaded.
 3. Otherwise every file of the pack (shards with their side tables, the sample
    index, the skip report) is downloaded into ``CACHE/.NAME.partial``: in
-   parallel, large files in parallel byte ranges, each shard's SHA-256
+   parallel, large files in parallel byte ranges (:mod:`packdata.staging.fetch`), each shard's SHA-256
    checked against the manifest before it takes its name. Files already there
    from an interrupted run are kept when their size (and, for shards, hash) is
    right, so a rerun resumes.
@@ -41,23 +41,19 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from packdata.errors import CapacityError, ConfigError, LockedError, PackFormatError
 from packdata.formats import get_format
-from packdata.formats.remote_reads import check_not_short
 from packdata.host.facts import gather_facts, read_mounts
 from packdata.host.memory import memory_warnings
 from packdata.pack.files import (
     atomic_write,
     discard_partial,
-    file_sha256,
     file_stamp,
     fsync_dir,
-    fsync_named,
     holds_conversion,
 )
 from packdata.pack.index import index_files
@@ -67,24 +63,17 @@ from packdata.pack.lock import (
     wait_for_lock,
 )
 from packdata.pack.manifest import MANIFEST_NAME, Manifest, evicted_mark
-from packdata.pack.ranges import range_ignored
 from packdata.pack.urls import (
-    conditional_reads,
     display_url,
     manifest_kept,
     open_url,
-    precondition_failed,
-    range_not_satisfiable,
-    read_at_version,
     read_url_manifest,
-    remote_error,
     remote_object,
     store_digest,
     user_digest,
-    version_now,
 )
-from packdata.progress import progress as show_progress
 from packdata.staging.cache import delete_unread, discard_stale_copies, evict_for, unread_copy
+from packdata.staging.fetch import FETCH_WORKERS, complete, download, pack_changed
 from packdata.staging.folder import missing_folders, removed_if_refused
 from packdata.staging.marker import STAGED_FILE, check_destination, check_name, read_marker, write_marker
 from packdata.staging.space import FULL_DISK_ERRNOS, area_error, no_space_error
@@ -92,14 +81,10 @@ from packdata.staging.tmpfs import mount_of
 
 __all__ = ["FETCH_WORKERS", "RemoteStageResult", "stage_remote"]
 
-FETCH_WORKERS = 16
-"""The parallel range downloads a stage from a URL makes when it is given no ``workers``."""
-
 _FULL_HINT = (
     "A pack is staged whole from a URL: free space or stage into another cache, then stage again "
     "(what was downloaded is kept)"
 )
-_RANGE = 16 << 20  # bytes per ranged request; a download holds at most workers x this in memory
 
 
 @dataclass
@@ -273,12 +258,12 @@ def _stage_locked(
                 for rel, size, _, req in files
             }
             if not manifest_kept(fs, root, raw, shown):  # a pack uploaded again since the manifest was read
-                raise _changed(f"{shown}/{MANIFEST_NAME}", "was rewritten or removed")
+                raise pack_changed(f"{shown}/{MANIFEST_NAME}", "was rewritten or removed")
             todo = [
                 (rel, size, sha, version)
                 for rel, _, sha, _ in files
                 for size, version in [looked[rel]]
-                if size is not None and not _complete(partial / rel, size, sha)
+                if size is not None and not complete(partial / rel, size, sha)
             ]
             needed = sum(size for _, size, _, _ in todo)
             if cache_limit is not None:
@@ -286,7 +271,7 @@ def _stage_locked(
                     cache, manifest.total_bytes, cache_limit, keep=dest, storage_options=storage_options, source=shown
                 )
             _check_room(cache, needed, reserve, force)
-            _download(fs, root, partial, todo, shown, name, needed, workers, progress)
+            download(fs, root, partial, todo, shown, name, needed, workers, progress)
             atomic_write(partial / MANIFEST_NAME, raw)
             write_marker(
                 partial,
@@ -318,36 +303,6 @@ def _stage_locked(
     return RemoteStageResult(shown, dest, True, len(todo), needed, time.monotonic() - start, 0.0)
 
 
-def _download(
-    fs: Any,
-    root: str,
-    partial: Path,
-    todo: list[tuple[str, int, str | None, str]],
-    shown: str,
-    name: str,
-    needed: int,
-    workers: int | None,
-    progress: bool,
-) -> None:
-    """Download the files ``todo`` (``(relative path, size, sha256, version)``) into ``partial``, each checked and
-    renamed (see :func:`_fetch_range` for ``version``)."""
-    ranges = []
-    for rel, size, _, version in todo:  # every file cut into ranges: a big shard downloads in parallel too
-        tmp = _part(partial / rel)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.truncate(size)
-        ranges += [(rel, offset, min(offset + _RANGE, size), size, version) for offset in range(0, size, _RANGE)]
-    with (
-        show_progress(desc=f"download {name}", unit="B", total=needed, disable=not progress) as bar,
-        ThreadPoolExecutor(max_workers=workers or FETCH_WORKERS, thread_name_prefix="packdata-fetch") as pool,
-    ):
-        for got in pool.map(lambda r: _fetch_range(fs, root, partial, r[0], r[1], r[2], r[3], r[4], shown), ranges):
-            bar.update(got)
-    for rel, _, sha, _ in todo:
-        _finish_file(partial / rel, sha, shown, rel)
-
-
 def _still_read(dest: Path, shown: str) -> LockedError:
     return LockedError(
         f"holds a copy of an older version of {shown} that is still read (a dataset holds it, or a process has "
@@ -371,10 +326,6 @@ def _remote_size(fs: Any, path: str, required: bool) -> tuple[int | None, str]:
     if found is None and required:
         raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing")
     return found or (None, "")
-
-
-def _part(local: Path) -> Path:
-    return local.with_name(f".{local.name}.part")
 
 
 def _intact(dest: Path, files: list[tuple[str, int | None, str | None, bool]], stamps: object) -> bool:
@@ -404,19 +355,6 @@ def _intact(dest: Path, files: list[tuple[str, int | None, str | None, bool]], s
     return True
 
 
-def _complete(local: Path, size: int, sha256: str | None) -> bool:
-    """A file already downloaded by an interrupted run: right size and right hash.
-
-    A file the manifest gives no hash (a side table, the skip report, an older
-    pack's index file) is never taken from a partial folder: an interrupted
-    stage of another pack, or of this URL before it was converted again, may
-    have left one of the same size.
-    """
-    if sha256 is None or not (local.is_file() and not local.is_symlink() and local.stat().st_size == size):
-        return False
-    return file_sha256(local) == sha256
-
-
 def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> None:
     free = shutil.disk_usage(cache).free
     if needed > free:
@@ -431,73 +369,3 @@ def _check_room(cache: Path, needed: int, reserve: int | None, force: bool) -> N
         refused = [w for w in warnings if w.severity == "refuse"]
         if refused and not force:
             raise CapacityError(refused[0].message, path=cache, hint="Stage onto disk, or pass force=True")
-
-
-def _fetch_range(
-    fs: Any, root: str, partial: Path, rel: str, start: int, end: int, size: int, version: str, shown: str
-) -> int:
-    """Download bytes ``[start, end)`` of ``rel`` (``size`` bytes) into its ``.part`` file; returns the bytes written.
-
-    The last range asks for one byte more: an object now larger than ``size``
-    (rewritten at the origin) is named, never cut to a prefix of another
-    file. With a ``version`` (a file the manifest gives no size or SHA-256,
-    looked up when the stage began) the bytes come only from that version on
-    S3 (``If-Match``; elsewhere its version is looked up again after each
-    read): an object rewritten since, even at the same size, is named.
-
-    Raises:
-        PackFormatError: the object is missing, shorter or larger than the manifest (a shard) or its look-up
-            says, or was rewritten since its look-up.
-        SourceError: the request failed (a rerun resumes).
-    """
-    where = f"{shown}/{rel}"
-    asked = end + 1 if end == size else end
-    try:
-        chunk = read_at_version(fs, f"{root}/{rel}", version, start, asked, where=where)
-    except FileNotFoundError as exc:  # the manifest names it: no rerun helps
-        raise PackFormatError(
-            "is missing", path=where, hint="The pack is incomplete: convert or upload it again"
-        ) from exc
-    except Exception as exc:
-        if precondition_failed(exc):
-            raise _changed(where, "was rewritten") from exc
-        if range_not_satisfiable(exc):  # S3's answer to a range past the end
-            check_not_short(fs, f"{root}/{rel}", where, start, end)
-        if range_ignored(exc):  # the store answered other bytes than the range: no rerun helps
-            raise
-        raise remote_error(shown, f"cannot read {rel}; rerun to resume", exc) from exc
-    if len(chunk) > end - start:
-        raise _changed(where, f"is larger than the {size} bytes the stage began with")
-    if len(chunk) != end - start:
-        check_not_short(fs, f"{root}/{rel}", where, start, end)  # the object itself ends early: named
-        raise PackFormatError(f"{shown}: {rel} is shorter than expected (it changed while staging)", hint="Rerun")
-    if version and not conditional_reads(fs) and version_now(fs, f"{root}/{rel}") != version:
-        raise _changed(where, "was rewritten")  # elsewhere than S3: its version looked up again after the read
-    fd = os.open(_part(partial / rel), os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.pwrite(fd, chunk, start)
-    finally:
-        os.close(fd)
-    return len(chunk)
-
-
-def _changed(where: str, what: str) -> PackFormatError:
-    return PackFormatError(
-        f"{what} (the pack at the URL changed while staging): nothing was staged from it",
-        path=where,
-        hint="Stage again once the pack at the URL is complete (converted or uploaded again?)",
-    )
-
-
-def _finish_file(local: Path, sha256: str | None, shown: str, rel: str) -> None:
-    """Check a downloaded file against the manifest's SHA-256 (if it has one), make it durable and give it its name."""
-    tmp = _part(local)
-    with open(tmp, "rb+") as f:
-        fsync_named(f.fileno(), tmp, full_disk_as_oserror=True)  # a full disk: the stage's words, the file named
-    if sha256 is not None and file_sha256(tmp) != sha256:
-        tmp.unlink()
-        raise PackFormatError(
-            f"{shown}: {rel} does not match the manifest's SHA-256 (damaged, or the pack changed while staging)",
-            hint="Rerun; if it persists, verify the pack at its origin",
-        )
-    os.replace(tmp, local)
