@@ -283,6 +283,44 @@ def test_a_shard_fetched_in_many_ranges_is_hashed_from_them_in_order_whatever_or
     assert not (tmp_path / "cache" / "ranges-bad.lmdb").exists()
 
 
+def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_not_mixed(
+    s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another version of a shard (one byte changed near its end) uploaded once its first range has been read: the
+    copy would hold the old version's first KiB and the new one's rest. It is refused by the manifest's SHA-256,
+    the shard never takes its name in the download and nothing is staged."""
+    from packdata.staging import fetch
+
+    options, fs = s3
+    _, local = remote_pack
+    root = "packs/rewritten-mid-stage.lmdb"
+    fs.put(str(local), root, recursive=True)
+    shard = f"{root}/shard-00001.lmdb/data.mdb"
+    new = bytearray(fs.cat_file(shard))
+    new[-100] ^= 0xFF
+    read, rewritten = fetch.read_at_version, []
+
+    def rewritten_after_the_first_range(store_fs, path, *args, **kwargs):
+        data = read(store_fs, path, *args, **kwargs)
+        if path.endswith(shard) and not rewritten:
+            fs.pipe_file(shard, bytes(new))
+            rewritten.append(True)
+        return data
+
+    monkeypatch.setattr(fetch, "_RANGE", 1024)
+    monkeypatch.setattr(fetch, "read_at_version", rewritten_after_the_first_range)
+    cache = tmp_path / "cache"
+    with pytest.raises(
+        PackFormatError,
+        match=rf"^s3://{root}: shard-00001\.lmdb/data\.mdb does not match the manifest's SHA-256 \(damaged, or the "
+        r"pack changed while staging\)",
+    ):
+        packdata.stage(f"s3://{root}", to=cache, storage_options=options, progress=False, workers=1)
+    assert rewritten
+    assert not (cache / "rewritten-mid-stage.lmdb").exists()
+    assert not (cache / ".rewritten-mid-stage.lmdb.partial" / "shard-00001.lmdb" / "data.mdb").exists()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
 def test_a_shard_object_shorter_than_its_manifest_or_missing_is_named_by_its_url_at_stage(
     s3, remote_pack, tmp_path: Path, damage: str
