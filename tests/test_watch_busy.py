@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +141,87 @@ def test_a_loop_waiting_for_its_cpu_or_reading_nothing_is_not_told_its_disk_is_t
     diagnosis = diagnose(_busy(**changes))
     assert diagnosis.kind == "data-bound", diagnosis
     assert "other processes keep the CPUs busy, and its workers wait on something else" in diagnosis.message
+
+
+_SPINS_IN_A_THREAD = """
+import sys, threading, time
+done = threading.Event()
+def spin():
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+    print(threading.get_native_id(), flush=True)
+    done.wait()
+sys.stdin.readline()
+threading.Thread(target=spin).start()
+sys.stdin.readline()
+done.set()
+"""
+
+
+def _run_queue_wait(pid: int, tid: int) -> float:
+    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+
+
+@pytest.mark.timeout(60)
+def test_a_processs_run_queue_wait_counts_its_threads_not_its_first_one_alone() -> None:
+    """The probe read a process's run-queue wait from /proc/PID/schedstat, its first thread's alone: a training
+    process (or worker) whose other thread waited for its CPU read as waiting for none. A real process's second
+    thread spins for 0.3 s of CPU on the one CPU a spinning process outside the job holds, its first thread
+    asleep: the probe's wait counts the second thread's."""
+    from packdata.watch.probe import SystemProbe
+
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no run-queue wait per thread (/proc/PID/task/TID/schedstat)")
+    with cpu_held_by_another():  # the job started here runs on the held CPU, held throughout
+        job = subprocess.Popen(
+            [sys.executable, "-c", _SPINS_IN_A_THREAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert job.stdin is not None and job.stdout is not None
+        try:
+            started = time.monotonic()  # the sample's span lies within started..ended
+            probe = SystemProbe(job.pid, gpus=False, packs=False)
+            job.stdin.write("\n")
+            job.stdin.flush()
+            tid = int(job.stdout.readline())  # spun, now asleep
+            thread_waited = _run_queue_wait(job.pid, tid)
+            snap = probe.sample()
+            ended = time.monotonic()
+        finally:
+            job.kill()
+            job.wait()
+    assert thread_waited > 0.05, "the thread never waited for the held CPU"
+    assert snap.cpu_wait is not None and snap.cpu_wait * (ended - started) >= thread_waited
+
+
+_THREADS = """
+import sys, threading
+done = threading.Event()
+for _ in range(int(sys.argv[1])):
+    threading.Thread(target=done.wait).start()
+print("ready", flush=True)
+sys.stdin.readline()
+done.set()
+"""
+
+
+def test_a_process_of_many_threads_has_the_run_queue_wait_of_its_oldest_threads_read() -> None:
+    """A process of more threads than THREADS_READ has that many threads' waits read, its first thread's among
+    them: a process of 10,000 threads costs a sample 256 file reads."""
+    from packdata.host.processes import THREADS_READ, run_queue_waits
+
+    job = subprocess.Popen(
+        [sys.executable, "-c", _THREADS, str(THREADS_READ + 40)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert job.stdin is not None and job.stdout is not None
+    try:
+        assert job.stdout.readline() == "ready\n"
+        assert len(os.listdir(f"/proc/{job.pid}/task")) == THREADS_READ + 41
+        waits = run_queue_waits(job.pid)
+    finally:
+        job.kill()
+        job.wait()
+    assert waits is not None and len(waits) == THREADS_READ and job.pid in waits

@@ -4,6 +4,7 @@ and the CPU time of a process tree."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import resource
@@ -14,9 +15,11 @@ from pathlib import Path
 import psutil
 
 __all__ = [
+    "THREADS_READ",
     "open_by_any_process",
     "process_memory",
     "run_queue_seconds",
+    "run_queue_waits",
     "tree_cpu_seconds",
     "tree_read_bytes",
     "worker_processes",
@@ -165,18 +168,49 @@ def _own_seconds(proc: psutil.Process) -> float | None:
         return None
 
 
+THREADS_READ = 256
+"""Threads of one process whose run-queue wait :func:`run_queue_waits` reads at most: the oldest ones (the kernel
+lists a process's threads in the order they started), so a process of 10,000 threads costs a sample 256 file
+reads, not 10,000; the wait of its later threads is not counted."""
+
+
+def run_queue_waits(pid: int, root: str = "/") -> dict[int, float] | None:
+    """Seconds each thread of process ``pid`` has spent runnable but waiting for a CPU (its run-queue wait, the
+    second field of ``/proc/PID/task/TID/schedstat``), by thread id; None when the process is gone or the kernel
+    does not keep it.
+
+    ``/proc/PID/schedstat`` is the process's first thread's alone: a worker's or the training process's other
+    threads (torch's intra-op threads, a pin-memory or prefetch thread) wait in their own. At most
+    :data:`THREADS_READ` threads are read. A thread that has ended is in no reading: what it waited is lost (the
+    kernel adds it nowhere), so a caller counts it to its last reading.
+    """
+    task = os.path.join(root, f"proc/{pid}/task")
+    waits: dict[int, float] = {}
+    try:
+        with os.scandir(task) as entries:  # stopped early: a process's 10,000 threads are never all listed
+            tids = [int(e.name) for e in itertools.islice(entries, THREADS_READ) if e.name.isdigit()]
+    except (OSError, ValueError):
+        return None
+    for tid in tids:
+        try:
+            with open(os.path.join(task, str(tid), "schedstat"), encoding="ascii") as f:
+                waits[tid] = int(f.read().split()[1]) / 1e9
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+        except (OSError, ValueError, IndexError):
+            return None
+    return waits or None
+
+
 def run_queue_seconds(pid: int, root: str = "/") -> float | None:
-    """Seconds process ``pid`` has spent runnable but waiting for a CPU (its run-queue wait, the second field of
-    ``/proc/PID/schedstat``), or None when it is gone or the kernel does not keep it.
+    """Seconds the threads of process ``pid`` have spent runnable but waiting for a CPU (their run-queue wait,
+    summed over at most :data:`THREADS_READ` threads, see :func:`run_queue_waits`), or None when it is gone or the
+    kernel does not keep it.
 
     A process that uses little CPU either waits for one (other processes hold them: this grows) or waits on
     something else, storage, the network or a lock, asleep (this does not)."""
-    try:
-        with open(os.path.join(root, f"proc/{pid}/schedstat"), encoding="ascii") as f:
-            fields = f.read().split()
-        return int(fields[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
+    waits = run_queue_waits(pid, root)
+    return None if waits is None else sum(waits.values())
 
 
 def process_memory(proc: psutil.Process) -> dict[str, int] | None:

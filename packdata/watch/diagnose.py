@@ -21,8 +21,9 @@ The rules follow the Linux data-loading guide this project follows, first match 
    under a quarter of a CPU per worker, its workers wait on something else and
    other processes keep the CPUs busy -> find them; but when they also waited
    for a CPU under half a CPU per worker (their run-queue wait in
-   ``/proc/PID/schedstat``) and read 1 MiB or more from storage, they wait on
-   the disk (iowait does not show it: it counts idle CPUs' time only) ->
+   ``/proc/PID/task/TID/schedstat``, every thread's) and read 1 MiB or more
+   from storage, they wait on the disk (iowait does not show it: it counts
+   idle CPUs' time only) ->
    **I/O-bound**, stage the pack.
 5. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
    workers, as many as the free cores and the memory allow.

@@ -6,8 +6,9 @@ the deltas of ``/proc/stat`` between two samples, over the CPUs the process may 
 under a cgroup CPU quota (``cpu.max``) the busy share is also the cgroup's CPU time
 against that quota, and the larger of the two counts (a container held to 2 CPUs of 64
 is saturated when it uses its 2, while the machine looks idle). The workers' run-queue wait
-(``/proc/PID/schedstat``) tells a worker kept from its CPU from one asleep on storage, which
-iowait misses on busy CPUs (it counts idle CPUs' time only); the kernel's per-process block I/O
+(``/proc/PID/task/TID/schedstat``, summed over each process's threads, at most 256 of them)
+tells a worker kept from its CPU from one asleep on storage, which iowait misses on busy
+CPUs (it counts idle CPUs' time only); the kernel's per-process block I/O
 delay (``delayacct_blkio_ticks``) would be direct, but it is off unless ``kernel.task_delayacct``
 is set, so it is not read.
 """
@@ -36,7 +37,7 @@ from packdata.host.facts import (
 from packdata.host.gpus import nvml_gpus
 from packdata.host.processes import (
     process_memory,
-    run_queue_seconds,
+    run_queue_waits,
     tree_cpu_seconds,
     tree_read_bytes,
     worker_processes,
@@ -196,17 +197,39 @@ class SystemProbe:
         self._cores = usable_cores(facts)
         job = self._processes()
         self._read = tree_read_bytes(self.process)  # the job's reads from storage so far, the ended workers' too
-        self._queued = self._run_queue(job)  # and the loading processes' run-queue wait
+        self._queued: dict[int, dict[int, float]] = {}  # the loading processes' run-queue waits, by thread
+        self._queued = self._baseline(self._run_queue(job))
         self._job_cpu = (time.monotonic(), tree_cpu_seconds(self.process))
 
     def _processes(self) -> list[tuple[str, psutil.Process]]:
         children = [c for c in worker_processes(self.process) if _worker_like(c)]
         return [("main", self.process), *(("worker", c) for c in children)]
 
-    def _run_queue(self, job: list[tuple[str, psutil.Process]]) -> dict[int, float | None]:
-        """Each loading process's run-queue wait: the workers', or the main process's when it has none."""
+    def _run_queue(self, job: list[tuple[str, psutil.Process]]) -> dict[int, dict[int, float] | None]:
+        """Each loading process's run-queue wait by thread: the workers', or the main process's when it has none."""
         loading = [p for role, p in job if role == "worker"] or [p for _, p in job]
-        return {p.pid: run_queue_seconds(p.pid, self.root) for p in loading}
+        return {p.pid: run_queue_waits(p.pid, self.root) for p in loading}
+
+    def _baseline(self, queued: dict[int, dict[int, float] | None]) -> dict[int, dict[int, float]]:
+        """The readings the next sample counts from: a process unreadable now keeps its last one."""
+        return {pid: waits or self._queued.get(pid, {}) for pid, waits in queued.items()}
+
+    def _waited(self, queued: dict[int, dict[int, float] | None]) -> float | None:
+        """Seconds the loading processes waited for a CPU since the previous sample, or None when unknown.
+
+        A process or thread new since counts all its wait. A thread that ended counts to its last reading (the
+        kernel adds its wait nowhere); a worker that ended leaves the figure unknown; the main process does not
+        count once it has workers (they load the data)."""
+        waited = 0.0
+        for pid in set(self._queued) | set(queued):
+            if pid == self.pid and pid not in queued:
+                continue  # the main process, no longer the loading one: its workers are
+            before = self._queued.get(pid, {})
+            now = queued.get(pid)
+            if now is None:  # ended, or unreadable
+                return None
+            waited += sum(max(0.0, n - before.get(tid, 0.0)) for tid, n in now.items())
+        return waited
 
     def sample(self) -> Snapshot:
         """Measure now (CPU shares cover the time since the previous sample or construction)."""
@@ -232,11 +255,9 @@ class SystemProbe:
         read, self._read = self._read, tree_read_bytes(self.process)
         read_bytes = None if read is None or self._read is None else max(0, self._read - read)
         queued = self._run_queue(job)
-        cpu_wait = None  # a worker new since the last sample: all its waiting counts; one ended: unknown
-        if now > since and None not in queued.values() and set(self._queued) - {self.pid} <= set(queued):
-            cpu_wait = sum(max(0.0, (n or 0.0) - (self._queued.get(pid) or 0.0)) for pid, n in queued.items())
-            cpu_wait /= now - since
-        self._queued = queued
+        waited = self._waited(queued)
+        cpu_wait = waited / (now - since) if waited is not None and now > since else None
+        self._queued = self._baseline(queued)
         for role, proc in job:
             figures = process_memory(proc)
             if figures is None:
