@@ -84,7 +84,7 @@ def _pack_and_upload(
     else:  # pack (resuming a partial conversion), shards going up as they close
         record_job(local, src, kwargs)
         try:
-            with ShardUploader(partial_path(local), url, storage) as uploader:
+            with ShardUploader(partial_path(local), url, storage, exclusive=not found.overwrite) as uploader:
                 result = convert(src, local, **kwargs)
         except CapacityError as exc:  # the work folder's disk, which the user never named
             raise CapacityError(

@@ -29,7 +29,11 @@ The destination is checked once (:mod:`packdata.conversion.url_destination`): th
 old pack is ended and the new manifest put on what that check found, so a manifest a
 stranger put there since is refused, never removed or overwritten: on S3 exactly (the
 manifest's PUT carries ``If-None-Match: *``), elsewhere up to the moment between a
-last look and the PUT.
+last look and the PUT. Without ``overwrite``, every file goes up the same way unless the
+journal holds the object there (:meth:`UploadJournal.put`): a stranger's pack uploading at
+the URL meanwhile keeps its objects, and the conversion is refused. Written plainly still:
+with ``overwrite``, objects under the new pack's names; a TFRecord shard's early upload
+moved to its ``-of-N`` name (a copy on the store); a Ray task's shard uploads.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from packdata.conversion.url_destination import (
     manifest_version,
     published_from,
 )
-from packdata.errors import PackdataError, PackFormatError
+from packdata.errors import ConfigError, PackdataError, PackFormatError
 from packdata.formats import shard_writer
 from packdata.formats.remote_pack import pack_objects
 from packdata.pack.files import (
@@ -128,8 +132,17 @@ class ShardUploader:
     PERIOD = 1.0
     """Seconds between two looks at the checkpoint."""
 
-    def __init__(self, partial: Path, url: str, storage_options: dict[str, Any] | None, *, workers: int = 4) -> None:
+    def __init__(
+        self,
+        partial: Path,
+        url: str,
+        storage_options: dict[str, Any] | None,
+        *,
+        workers: int = 4,
+        exclusive: bool = False,
+    ) -> None:
         self.partial = partial
+        self.exclusive = exclusive  # an object there that this conversion did not upload is kept (UploadJournal.put)
         self.fs, root = open_url(url, storage_options)
         self.root = root.rstrip("/")
         self.uploaded: dict[str, int] = {}  # path relative to the pack -> bytes, uploaded or found there
@@ -186,9 +199,10 @@ class ShardUploader:
         target = f"{self.root}/{rel}"
         try:
             size = path.stat().st_size
-            if not self.journal.holds(self.fs, target, rel, path):
-                self.journal.put(self.fs, path, target, rel)
-            self.uploaded[rel] = size
+            if self.journal.holds(self.fs, target, rel, path) or self.journal.put(
+                self.fs, path, target, rel, exclusive=self.exclusive
+            ):
+                self.uploaded[rel] = size  # else another's object is there: upload_pack refuses it
         except Exception:  # a head start only: upload_pack uploads, and reports, what failed here
             return
 
@@ -250,12 +264,20 @@ def upload_pack(
         raise remote_error(shown, "cannot look up the files uploaded before", exc, resumable=True) from exc
     total = sum(p.stat().st_size for p in todo)
 
+    exclusive = found is not None and not found.overwrite  # nothing there that this conversion did not put
+
     def put(path: Path) -> int:
         rel = path.relative_to(local).as_posix()
         try:
-            retry_transient(partial(journal.put, fs, path, f"{root}/{rel}", rel))
+            there = retry_transient(partial(journal.put, fs, path, f"{root}/{rel}", rel, exclusive=exclusive))
         except Exception as exc:
             raise _upload_error(shown, rel, exc) from exc
+        if not there:
+            raise ConfigError(
+                f"{shown}: {rel} is there, and this conversion did not upload it (another conversion uploading "
+                "there now?): it was not overwritten",
+                hint="Choose another URL, or pass overwrite=True to replace what is there",
+            )
         return path.stat().st_size
 
     with (

@@ -22,7 +22,7 @@ from packdata.conversion.replace import OVERSIZED_WORK_FILE_HINT, WORK_FILE_HINT
 from packdata.errors import ConfigError
 from packdata.pack.files import atomic_write, file_sha256
 from packdata.pack.own_files import append_own_file, read_own_file
-from packdata.pack.urls import display_url, is_url, object_version
+from packdata.pack.urls import display_url, is_url, object_version, put_new
 
 __all__ = ["UploadJournal", "check_job", "file_md5", "journal_task_objects", "object_matches", "record_job"]
 
@@ -43,11 +43,24 @@ class UploadJournal:
         self.entries = _read_journal(self.path, ("size", "sha256", "md5", "version"), most)
         self._lock = threading.Lock()
 
-    def put(self, fs: Any, path: Path, target: str, rel: str) -> None:
-        """Upload ``path`` to ``target`` and journal it as ``rel``."""
-        digests = [path.stat().st_size, file_sha256(path), file_md5(path)]
-        fs.put_file(os.fspath(path), target)
+    def put(self, fs: Any, path: Path, target: str, rel: str, *, exclusive: bool = False) -> bool:
+        """Upload ``path`` to ``target`` and journal it as ``rel``; whether it is there now.
+
+        ``exclusive``: an object at ``target`` that the journal does not hold as the store reports it now (an
+        earlier run's upload) is kept, never overwritten: on S3 exactly, the PUT carrying ``If-None-Match: *``
+        (see :func:`~packdata.pack.urls.put_new`), and False is returned; unless it holds ``path``'s bytes (a
+        single-part object whose ETag is their MD5: this conversion's PUT whose journal line was lost), which is
+        journaled as uploaded.
+        """
+        size, md5 = path.stat().st_size, file_md5(path)
+        digests = [size, file_sha256(path), md5]
+        entry = self.entries.get(rel)
+        if not exclusive or (entry is not None and object_matches(fs, target, entry[0], entry[3], entry[2])):
+            fs.put_file(os.fspath(path), target)
+        elif not put_new(fs, os.fspath(path), target) and not _holds_bytes(fs, target, size, md5):
+            return False
         self.record(fs, target, rel, digests)
+        return True
 
     def record(self, fs: Any, target: str, rel: str, digests: list[Any]) -> None:
         """Journal ``target`` as ``rel``: ``[size, sha256, md5]``, with the version the store reports now."""
@@ -107,6 +120,16 @@ def object_matches(fs: Any, target: str, size: int, version: str, md5: str) -> b
         return False
     etag = found.strip('"')
     return len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag) or etag == md5
+
+
+def _holds_bytes(fs: Any, target: str, size: int, md5: str) -> bool:
+    """Whether ``target`` is a single-part object of ``size`` bytes whose ETag is ``md5``: bytes of that MD5."""
+    fs.invalidate_cache(target)
+    try:
+        info = fs.info(target)
+    except FileNotFoundError:
+        return False
+    return int(info.get("size", -1)) == size and object_version(info).strip('"') == md5
 
 
 def file_md5(path: Path) -> str:

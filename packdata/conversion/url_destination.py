@@ -47,11 +47,13 @@ class Destination:
     """What :func:`check_remote_destination` found at a URL: the decision the later steps act on, never read again.
 
     ``version``: the manifest's (its ETag, or what the store gives), None when none was there;
-    ``ours``: it is the one the work folder a resume finishes published.
+    ``ours``: it is the one the work folder a resume finishes published;
+    ``overwrite``: the conversion was asked to replace what is there (objects of the pack's names included).
     """
 
     version: str | None
     ours: bool = False
+    overwrite: bool = False
 
 
 def check_remote_destination(
@@ -84,7 +86,7 @@ def check_remote_destination(
             f"{display_url(url)}: a pack already exists there",
             hint="Pass overwrite=True to replace it, or choose another URL",
         )
-    return Destination(version, ours)
+    return Destination(version, ours, overwrite)
 
 
 def check_writable(url: str, storage_options: dict[str, Any] | None) -> None:
