@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -773,3 +775,61 @@ def test_a_bench_whose_every_source_cannot_be_opened_prints_one_error_line_and_n
         "Pass a pack made by `packdata convert` or a folder\n"
     )
     assert not plot.exists()
+
+
+@pytest.mark.root
+def test_a_source_or_destination_behind_a_folder_the_user_may_not_search_is_one_line(tmp_path: Path) -> None:
+    """As a user who may not search a folder above it (mode 700, root's), convert's SRC or DST, and merge's
+    --output, raised PermissionError with a traceback (from Path.is_file, Path.is_symlink)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the command as another user")
+    hidden = tmp_path / "hidden"
+    (hidden / "src" / "c").mkdir(parents=True)
+    (hidden / "src" / "c" / "a.jpg").write_bytes(image_bytes(0))
+    hidden.chmod(0o700)  # root's: the user nobody may not look inside
+    shared = Path(tempfile.mkdtemp(prefix="packdata_shared_"))  # where nobody may write, outside the hidden one
+    try:
+        shared.chmod(0o777)
+        (shared / "src" / "c").mkdir(parents=True)
+        (shared / "src" / "c" / "a.jpg").write_bytes(image_bytes(0))
+        (shared / "src").chmod(0o755)
+        (shared / "src" / "c").chmod(0o755)
+        assert _run("convert", str(shared / "src"), str(shared / "a.lmdb"), "-q").exit_code == 0
+        assert _run("convert", str(shared / "src"), str(shared / "b.lmdb"), "-q").exit_code == 0
+        for pack in ("a.lmdb", "b.lmdb"):
+            subprocess.run(["chmod", "-R", "a+rX", str(shared / pack)], check=True)
+        cases = (
+            (
+                ["convert", str(hidden / "src"), str(shared / "out.lmdb"), "-q"],
+                hidden / "src",
+                "cannot be looked at",
+                "Check the permissions of the folders above it: each needs search (x) permission for this user",
+            ),
+            (
+                ["convert", str(shared / "src"), str(hidden / "out.lmdb"), "-q"],
+                hidden / "out.lmdb",
+                "the destination cannot be looked at",
+                "Choose a destination whose folders this user may search and write",
+            ),
+            (
+                ["merge", str(shared / "a.lmdb"), str(shared / "b.lmdb"), "-o", str(hidden / "ab.lmdb")],
+                hidden / "ab.lmdb",
+                "the destination cannot be looked at",
+                "Choose a destination whose folders this user may search and write",
+            ),
+        )
+        as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m"]
+        for args, named, what, hint in cases:
+            run = subprocess.run(
+                [*as_nobody, "packdata.cli", *args],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                timeout=120,
+            )
+            assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+            assert run.stderr == f"Error: {named}: {what} (Permission denied). {hint}\n"
+        assert sorted(p.name for p in shared.iterdir()) == ["a.lmdb", "b.lmdb", "src"]  # nothing written
+        assert sorted(p.name for p in hidden.iterdir()) == ["src"]
+    finally:
+        shutil.rmtree(shared)

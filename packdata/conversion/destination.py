@@ -266,8 +266,18 @@ def check_real_destination(dst: Path) -> None:
     would hold two locks.
 
     Raises:
-        ConfigError: naming ``dst`` and what it is.
+        ConfigError: naming ``dst`` and what it is, or that it cannot be looked at.
     """
+    try:
+        os.lstat(dst)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # a new destination
+    except OSError as exc:  # a folder above it this process may not search: one line, not a traceback
+        raise ConfigError(
+            f"the destination cannot be looked at ({exc.strerror or exc})",
+            path=dst,
+            hint="Choose a destination whose folders this user may search and write",
+        ) from exc
     if dst.name == "..":
         raise ConfigError(
             "destination ends in '..'; packdata writes a pack only at a path that names it",
