@@ -225,3 +225,38 @@ def test_a_process_of_many_threads_has_the_run_queue_wait_of_its_oldest_threads_
         job.kill()
         job.wait()
     assert waits is not None and len(waits) == THREADS_READ and job.pid in waits
+
+
+class _Decoding(Dataset):
+    """Each sample burns 15 ms of CPU, as a decode does."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> int:
+        end = time.process_time() + 0.015
+        while time.process_time() < end:
+            pass
+        return i
+
+
+@pytest.mark.timeout(120)
+def test_the_workers_that_exit_as_an_epoch_ends_have_their_run_queue_wait_counted() -> None:
+    """The epoch's last span (its last period, or the whole epoch after the first batch) read its workers'
+    run-queue wait as unknown: a DataLoader without persistent workers ends them as the epoch ends, before the
+    monitor's last sample, and the kernel adds a reaped child's wait nowhere. The monitor now reads their wait
+    at the epoch's last batch. Two real epochs of a worker decoding on the one CPU a spinning process outside
+    the job holds: each epoch's last sample counts the wait of its worker, which had exited, and not the
+    training process's (no longer the loading one), whose whole life's wait once read as 11 CPUs' worth."""
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no run-queue wait per thread (/proc/PID/task/TID/schedstat)")
+    with cpu_held_by_another():  # this thread, and the workers it forks
+        loader = DataLoader(_Decoding(), batch_size=4, num_workers=1, persistent_workers=False)
+        watched = packdata.monitor(loader, every=3600, stream=io.StringIO())
+        for _ in range(2):
+            assert sum(1 for _ in watched) == 8
+    for summary in watched.summaries:
+        first, last = summary.snapshots[0], summary.snapshots[-1]
+        assert first.workers and not last.workers  # the worker had exited by the last sample
+        # waited, and at most a CPU's worth for each of its two threads (its result queue's feeder thread)
+        assert last.cpu_wait is not None and 0 < last.cpu_wait <= 2, last

@@ -11,7 +11,8 @@ the DataLoader's worker processes (:mod:`packdata.watch.probe`), writes one
 plain line to stderr and one JSON record to ``log``; when the loader is
 exhausted it writes an epoch summary with the diagnosis
 (:mod:`packdata.watch.diagnose`). The cost is two ``perf_counter`` calls per
-step and one sample per period.
+step and one sample per period (and, at an epoch's last batch, a reading of
+the workers' run-queue wait, so the workers that exit as it ends count).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ class _Monitor:
         period = EpochSummary()
         start = period_start = time.perf_counter()
         it = iter(self.loader)
+        try:  # the last batch: the workers' run-queue wait is read then, before they exit
+            batches = len(self.loader)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            batches = 0
         while True:
             before = time.perf_counter()
             try:
@@ -137,6 +142,8 @@ class _Monitor:
                 period.seconds = after - period_start
                 self._report(probe.sample(), period, summary, final=False)
                 period, period_start = EpochSummary(), after
+            if self.num_workers and 0 < batches <= summary.steps:  # the last batch (or a loader longer than its len)
+                probe.note_run_queue()
             yield batch
         end = time.perf_counter()
         summary.seconds = end - start

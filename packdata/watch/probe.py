@@ -198,6 +198,7 @@ class SystemProbe:
         job = self._processes()
         self._read = tree_read_bytes(self.process)  # the job's reads from storage so far, the ended workers' too
         self._queued: dict[int, dict[int, float]] = {}  # the loading processes' run-queue waits, by thread
+        self._latest: dict[int, dict[int, float]] = {}  # their waits read again since (note_run_queue)
         self._queued = self._baseline(self._run_queue(job))
         self._job_cpu = (time.monotonic(), tree_cpu_seconds(self.process))
 
@@ -212,23 +213,33 @@ class SystemProbe:
 
     def _baseline(self, queued: dict[int, dict[int, float] | None]) -> dict[int, dict[int, float]]:
         """The readings the next sample counts from: a process unreadable now keeps its last one."""
-        return {pid: waits or self._queued.get(pid, {}) for pid, waits in queued.items()}
+        return {pid: waits or self._latest.get(pid) or self._queued.get(pid, {}) for pid, waits in queued.items()}
+
+    def note_run_queue(self) -> None:
+        """Read the loading processes of the last sample again, for the next sample: a worker that ends before it
+        (a DataLoader's workers exit as its epoch ends) counts what it had waited by then. A few file reads."""
+        for pid in self._queued:
+            waits = run_queue_waits(pid, self.root)
+            if waits is not None:
+                self._latest[pid] = waits
 
     def _waited(self, queued: dict[int, dict[int, float] | None]) -> float | None:
         """Seconds the loading processes waited for a CPU since the previous sample, or None when unknown.
 
-        A process or thread new since counts all its wait. A thread that ended counts to its last reading (the
-        kernel adds its wait nowhere); a worker that ended leaves the figure unknown; the main process does not
+        A process or thread new since counts all its wait. One that ended counts to its last reading, the previous
+        sample's or :meth:`note_run_queue`'s (the kernel adds a reaped child's or an ended thread's wait nowhere);
+        a worker that ended unread since the previous sample leaves the figure unknown. The main process does not
         count once it has workers (they load the data)."""
         waited = 0.0
         for pid in set(self._queued) | set(queued):
-            if pid == self.pid and pid not in queued:
-                continue  # the main process, no longer the loading one: its workers are
+            if pid == self.pid and not (pid in queued and pid in self._queued):
+                continue  # the main process, not the loading one throughout: its workers were
             before = self._queued.get(pid, {})
-            now = queued.get(pid)
-            if now is None:  # ended, or unreadable
+            now = queued.get(pid) or self._latest.get(pid)  # ended (or unreadable): its last reading
+            if now is None:
                 return None
-            waited += sum(max(0.0, n - before.get(tid, 0.0)) for tid, n in now.items())
+            last = {**self._latest.get(pid, {}), **now}  # a thread ended since note_run_queue: its reading then
+            waited += sum(max(0.0, n - before.get(tid, 0.0)) for tid, n in last.items())
         return waited
 
     def sample(self) -> Snapshot:
@@ -258,6 +269,7 @@ class SystemProbe:
         waited = self._waited(queued)
         cpu_wait = waited / (now - since) if waited is not None and now > since else None
         self._queued = self._baseline(queued)
+        self._latest = {}
         for role, proc in job:
             figures = process_memory(proc)
             if figures is None:
