@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tracemalloc
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from packdata import (
     LMDBDataset,
     PackWriter,
     SourceError,
+    TFRecordDataset,
     convert,
     verify_pack,
 )
@@ -715,3 +717,39 @@ def test_default_read_threads_follow_the_cpus_the_process_may_use_not_the_hosts(
     sizes = json.loads(done.stdout.splitlines()[-1])
     assert sizes["packdata-read"] == 4  # 4 per usable CPU: 1 allowed, whatever the host has
     assert sizes["packdata-encode"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_conversion_holds_a_few_mib_of_samples_before_its_commit_not_the_commits_128_mib(
+    fmt: str, tmp_path: Path
+) -> None:
+    """Samples reach the shard's writer every few MiB, not all of a 128 MiB commit held, then copied, at once.
+
+    42 MB of 640 two-field samples fit one commit: before, the conversion held
+    all of them, and (LMDB) a copy of each as its record, while the writer ran.
+    Every sample still comes back byte for byte, in order. One read thread:
+    at most two chunks of 16 samples read ahead, whatever the machine.
+    """
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(7)
+    expected = {}
+    for n in range(640):
+        blob, caption = rng.bytes(64 << 10), f"caption {n}".encode()
+        (src / f"{n:04d}.bin").write_bytes(blob)
+        (src / f"{n:04d}.txt").write_bytes(caption)
+        expected[f"{n:04d}"] = (blob, caption)
+    pack = tmp_path / ("out.lmdb" if fmt == "lmdb" else "out")
+    tracemalloc.start()
+    try:
+        result = convert(src, pack, layout="grouped", format=fmt, workers=1, progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (result.packed, result.skipped) == (640, {})
+    reader = LMDBDataset if fmt == "lmdb" else TFRecordDataset
+    options = {} if fmt == "lmdb" else {"shuffle": False}
+    got = [(s["__key__"], (bytes(s["bin"]), bytes(s["txt"]))) for s in reader(pack, decode="bytes", **options)]
+    assert got == list(expected.items())
+    source_bytes = sum(len(b) + len(c) for b, c in expected.values())
+    assert peak < source_bytes / 2, f"{peak:,} bytes held at the peak, for {source_bytes:,} bytes of samples"

@@ -68,6 +68,11 @@ _COMMIT_BYTES = 128 << 20
 
 _COMMIT_SAMPLES = 20_000
 
+_WRITE_BYTES = 4 << 20
+"""Samples are handed to the shard's writer every this many bytes, between commits: a commit's 128 MiB held
+as samples, then copied whole into records, cost as much again in fresh memory (page faults) and stayed in the
+cache of no CPU. Written early, they are not yet durable: a resume cuts the shard back to the last checkpoint."""
+
 
 def _convert_local(
     source: AnySource,
@@ -265,6 +270,8 @@ class _Packer:
             self.writer = self._open_shard(cp.samples_done - cp.shard_first if resumed else None)
         self.batch: list[tuple[int, Sample]] = []
         self.batch_bytes = 0
+        self.batch_samples = 0
+        self.unwritten_bytes = 0
         self.packed_file: str | RemoteFile | None = None  # the last file (or listed object) packed: to probe
         self.shard_samples = cp.samples_done - cp.shard_first
         # a full shard closing in a thread, and the checkpoint to save once it is closed
@@ -372,15 +379,21 @@ class _Packer:
         self.shard_samples += 1
         self.cp.shard_bytes += size
         self.batch_bytes += size
-        if self.batch_bytes >= _COMMIT_BYTES or len(self.batch) >= _COMMIT_SAMPLES:
+        self.batch_samples += 1
+        self.unwritten_bytes += size
+        if self.batch_bytes >= _COMMIT_BYTES or self.batch_samples >= _COMMIT_SAMPLES:
             self._commit()
+        elif self.unwritten_bytes >= _WRITE_BYTES:  # handed on early, made durable by the commit
+            assert self.writer is not None  # internal invariant: only called while packing
+            self.writer.write(self.batch)
+            self.batch, self.unwritten_bytes = [], 0
 
     def _write_batch(self) -> None:
         """Hand the batch to the shard, and the index and skip report to the disk (a checkpoint comes after)."""
         assert self.writer is not None  # internal invariant: only called while packing
         if self.batch:
             self.writer.write(self.batch)
-            self.batch, self.batch_bytes = [], 0
+        self.batch, self.batch_bytes, self.batch_samples, self.unwritten_bytes = [], 0, 0, 0
         self.index.flush()
         self.cp.index_files = self.index.checkpoint()
         self.report.flush()
