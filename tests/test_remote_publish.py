@@ -82,9 +82,15 @@ def test_a_strangers_object_at_a_shards_name_is_refused_not_overwritten(s3, tmp_
     assert refused == (
         f"{url}: shard-00001.lmdb/data.mdb is there, and this conversion did not upload it (another conversion "
         "uploading there now?): it was not overwritten. Choose another URL, or pass overwrite=True to replace what "
-        "is there"
+        "is there (with resume=True, nothing packed is lost)"
     )
-    assert not s3[1].exists("packs/strangers-shard.lmdb/manifest.json")
+    options, fs = s3
+    assert not fs.exists("packs/strangers-shard.lmdb/manifest.json")
+    again = {"storage_options": options, "shard_samples": 5, "progress": False}  # as the hint says: the pack waits
+    result = packdata.convert(tmp_path / "src", url, resume=True, overwrite=True, **again)
+    assert result.packed == 10
+    fs.invalidate_cache()
+    assert fs.cat_file("packs/strangers-shard.lmdb/shard-00001.lmdb/data.mdb") != STRANGER
 
 
 def test_an_object_with_this_conversions_bytes_at_a_shards_name_is_taken_not_refused(

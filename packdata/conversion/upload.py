@@ -276,7 +276,8 @@ def upload_pack(
             raise ConfigError(
                 f"{shown}: {rel} is there, and this conversion did not upload it (another conversion uploading "
                 "there now?): it was not overwritten",
-                hint="Choose another URL, or pass overwrite=True to replace what is there",
+                hint="Choose another URL, or pass overwrite=True to replace what is there (with resume=True, "
+                "nothing packed is lost)",
             )
         return path.stat().st_size
 
