@@ -765,3 +765,52 @@ def test_a_resume_refuses_a_closed_shard_whose_bytes_are_not_the_ones_its_checkp
     datasets = [(LMDBDataset if fmt == "lmdb" else TFRecordIndexedDataset)(pack, decode="bytes") for pack in packs]
     assert [[(ds.keys[i], *ds[i]) for i in range(len(ds))] for ds in datasets] == [samples, samples]
     assert tree_digest(runs["intact"] / "index") == tree_digest(runs["clean"] / "index")
+
+
+_KILLED_FINISHING = """
+import os, signal, sys
+from packdata import convert
+from packdata.conversion import checkpoint
+save, replace, finishing = checkpoint._Checkpoint.save, os.replace, []
+def save_then_kill(self, state=None):  # LMDB: SIGKILL right after the checkpoint listing every shard (finishing)
+    save(self, state)
+    finishing.append((self.state() if state is None else state)["finishing"])
+    if finishing[-1] and sys.argv[3] == "lmdb":
+        os.kill(os.getpid(), signal.SIGKILL)
+def replace_then_kill(a, b, *args, **kwargs):  # TFRecord: SIGKILL once finishing renamed shard 0's records file
+    replace(a, b, *args, **kwargs)
+    if finishing[-1:] == [True] and os.fspath(b).endswith(".tfrecord"):
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._Checkpoint.save, os.replace = save_then_kill, replace_then_kill
+convert(sys.argv[1], sys.argv[2], format=sys.argv[3], shard_samples=4, workers=2, progress=False)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+def test_a_resume_of_a_finishing_conversion_refuses_a_shard_whose_bytes_are_not_the_ones_listed(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Killed once every shard was closed and listed (finishing: a TFRecord shard may be renamed already), a
+    resume checked each shard's size only: a byte flipped in one was published under the listed SHA-256."""
+    src = tmp_path / "src"
+    for i in range(10):
+        (src / "c0").mkdir(parents=True, exist_ok=True)
+        (src / f"c0/{i:03d}.txt").write_text(f"sample {i} " * (i + 1))
+    dst = tmp_path / f"out.{fmt}"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_FINISHING, str(src), str(dst), fmt], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    state = json.loads((partial_path(dst) / "progress.json").read_text())
+    assert state["finishing"] and len(state["shards"]) == 3
+    name = "shard-00000.lmdb/data.mdb" if fmt == "lmdb" else "out-00000-of-00003.tfrecord"  # renamed already
+    data = partial_path(dst) / name
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x55
+    data.write_bytes(bytes(blob))
+    with pytest.raises(PackFormatError) as raised:
+        convert(src, dst, format=fmt, shard_samples=4, progress=False, resume=True)
+    assert str(raised.value) == (
+        f"{data}: a shard of the interrupted conversion holds other bytes than progress.json lists (SHA-256 "
+        f"{hashlib.sha256(blob).hexdigest()}, listed as {state['shards'][0]['sha256']}). A resume cannot continue "
+        "past a damaged shard: start the conversion again with overwrite=True"
+    )
+    assert not dst.exists() and data.read_bytes() == blob
