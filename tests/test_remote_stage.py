@@ -321,6 +321,36 @@ def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_not_m
     assert not (cache / ".rewritten-mid-stage.lmdb.partial" / "shard-00001.lmdb" / "data.mdb").exists()
 
 
+def test_a_stage_looks_up_the_files_its_manifest_gives_no_size_in_parallel(
+    s3, remote_tfrecord, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files a manifest gives no size (each TFRecord shard's .tfindex, the sample index's files) were looked up
+    one request after another before the download: a pack of 1,000 shards waited for 1,000 HEADs in turn. They are
+    looked up in parallel now: a second look-up begins while the first is still in flight."""
+    import threading
+
+    from packdata.staging import remote
+
+    options, _ = s3
+    url, local = remote_tfrecord
+    look_up, lock, begun, second = remote.remote_object, threading.Lock(), [], threading.Event()
+
+    def meets_another(store_fs, path, where):
+        with lock:
+            begun.append(path)
+            if len(begun) == 2:
+                second.set()
+        if len(begun) == 1:
+            begun.append(second.wait(30))  # the first look-up waits, up to 30 s, for a second to begin
+        return look_up(store_fs, path, where)
+
+    monkeypatch.setattr(remote, "remote_object", meets_another)
+    staged = packdata.stage(url, to=tmp_path / "cache", storage_options=options, progress=False).staged
+    assert True in begun, "the second look-up began only once the first had returned"
+    for file in (f for f in local.rglob("*") if f.is_file()):
+        assert (staged / file.relative_to(local)).read_bytes() == file.read_bytes(), file
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
 def test_a_shard_object_shorter_than_its_manifest_or_missing_is_named_by_its_url_at_stage(
     s3, remote_pack, tmp_path: Path, damage: str

@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -253,10 +254,7 @@ def _stage_locked(
     with removed_if_refused(made):  # refused before a download began (no room, the cache limit): it goes
         try:  # the disk may fill after the check (another stage into the cache): what is downloaded is kept
             partial.mkdir(exist_ok=True)
-            looked = {  # a file the manifest gives no size: its size and version now, read at that version
-                rel: (size, "") if size is not None else _remote_size(fs, f"{root}/{rel}", req)
-                for rel, size, _, req in files
-            }
+            looked = _look_up(fs, root, files, workers)
             if not manifest_kept(fs, root, raw, shown):  # a pack uploaded again since the manifest was read
                 raise pack_changed(f"{shown}/{MANIFEST_NAME}", "was rewritten or removed")
             todo = [
@@ -318,6 +316,17 @@ def _add_to_marker(folder: Path, marker: dict[str, Any] | None = None, **items: 
     path = folder / STAGED_FILE
     data = json.loads(path.read_text(encoding="utf-8")) if marker is None else marker
     atomic_write(path, json.dumps({**data, **items}, indent=1).encode("utf-8"))
+
+
+def _look_up(
+    fs: Any, root: str, files: list[tuple[str, int | None, str | None, bool]], workers: int | None
+) -> dict[str, tuple[int | None, str]]:
+    """Relative path -> (size, version) of each of ``files`` (see :func:`_pack_files`): the manifest's size (no
+    version) or, for a file it gives none, its size and version now, looked up in parallel (one request each)."""
+    unsized = [(rel, required) for rel, size, _, required in files if size is None]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(unsized), workers or FETCH_WORKERS))) as pool:
+        found = dict(zip(unsized, pool.map(lambda f: _remote_size(fs, f"{root}/{f[0]}", f[1]), unsized), strict=True))
+    return {rel: (size, "") if size is not None else found[rel, required] for rel, size, _, required in files}
 
 
 def _remote_size(fs: Any, path: str, required: bool) -> tuple[int | None, str]:
