@@ -3,7 +3,8 @@
     python benchmarks/bench_monitor.py [--steps 400] [--repeats 5]
 
 Target: under 1% of a 5 ms step. The loader is a list of ready batches, so all
-the difference is the monitor's own work (two clock reads per step and one
+the difference is the monitor's own work (two clock reads and two reads of its
+thread's /proc/thread-self/schedstat per step and one
 system sample per period, by default every 10 s; ``--every 1s`` samples ten times as often).
 """
 

@@ -267,6 +267,43 @@ def test_a_loop_that_waits_only_for_its_workers_to_start_is_named_start_up_not_d
     assert "for the first batch and" in diagnosis.message and "diagnosis: start-up: the step waits" in stream.getvalue()
 
 
+class _CollatedHere:
+    """A loader wrapper that collates in the training process, after the workers: 30 ms of CPU a batch."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.num_workers = loader, loader.num_workers
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            end = time.thread_time() + 0.03
+            while time.thread_time() < end:
+                pass
+            yield batch
+
+
+def test_a_loop_held_up_by_work_in_the_training_process_is_not_told_to_add_workers_or_decode_less() -> None:
+    """A loop whose workers kept up while work done in the training process after them (a collate, a transform)
+    held each step up was 'data-bound': 'decoding is the limit -> decode less' on busy CPUs, 'num_workers=N' on
+    idle ones, neither of which helps. The monitor now times how long its own thread is runnable inside next():
+    through half of the wait or more, it names the main process."""
+    stream = io.StringIO()
+    watched = packdata.monitor(
+        _CollatedHere(DataLoader(_Instant(), batch_size=4, num_workers=1)), every=3600, stream=stream
+    )
+    assert sum(1 for _ in watched) == 16
+    diagnosis = watched.summaries[0].diagnosis
+    assert diagnosis is not None and diagnosis.kind == "main-process-bound", diagnosis
+    assert "the training process was busy itself (computing, or waiting for its CPU) through" in diagnosis.message
+    assert diagnosis.next_step == (
+        "move that work into the workers (the dataset's __getitem__ or the DataLoader's collate_fn): more "
+        "workers, or decoding less in them, would not help"
+    )
+    assert "diagnosis: main-process-bound: the step waits" in stream.getvalue()
+
+
 class _Waiting(_Instant):
     def __getitem__(self, i: int) -> int:
         time.sleep(0.05)  # the worker waits on storage or the network, using no CPU

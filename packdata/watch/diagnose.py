@@ -15,7 +15,12 @@ The rules follow the Linux data-loading guide this project follows, first match 
    stage the pack onto NVMe or a tmpfs; but when the job read nothing from
    storage meanwhile (its pages were cached), the iowait is another process's ->
    find it (staging would not help).
-4. **data-bound, CPU saturated**: the step waits and the CPUs are 85% busy
+4. **main-process-bound**: the step waits, the loader has workers, and the
+   training process's own thread was runnable (computing, or waiting for its
+   CPU) through half of that wait or more (a collate, transform or copy run
+   after the workers hand a batch over) ->
+   move that work into the workers; more workers would not help.
+5. **data-bound, CPU saturated**: the step waits and the CPUs are 85% busy
    or more -> cheaper decoding (reduced-size JPEG decode, a pack re-encoded
    with ``--max-side``) or more CPUs; but when the job's own processes used
    under a quarter of a CPU per worker, its workers wait on something else and
@@ -25,7 +30,7 @@ The rules follow the Linux data-loading guide this project follows, first match 
    from storage, they wait on the disk (iowait does not show it: it counts
    idle CPUs' time only) ->
    **I/O-bound**, stage the pack.
-5. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
+6. **data-bound, CPUs idle**: the step waits and CPUs are free -> more
    workers, as many as the free cores and the memory allow.
 """
 
@@ -46,6 +51,9 @@ CPU_SATURATED = 0.85
 OTHERS_HOLD = 0.25
 """A job whose processes use under this many CPUs' worth per worker (its main process without workers) is not
 decoding: on busy CPUs, other processes are the ones busy."""
+MAIN_BUSY = 0.5
+"""A loop whose own thread was runnable through this share of its wait after the first batch or more is held up
+by work done in the training process, not by its workers."""
 CPU_KEPT = 0.5
 """Workers that waited for a CPU this much per worker or more (their run-queue wait) are kept from their CPUs: ones
 using under OTHERS_HOLD of a CPU and kept from it wait for it most of the time; ones waiting under this are asleep
@@ -76,11 +84,13 @@ class Measurements:
     persistent_workers: bool = False  # the loader keeps its workers from one epoch to the next
     job_cores: float | None = None  # CPUs' worth of time the job's own processes used; None: unknown
     cpu_wait: float | None = None  # CPUs' worth of time the job's processes waited for a CPU; None: unknown
+    main_busy: float = 0.0  # share of the wait after the first batch the loop's own thread was runnable
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The bottleneck (``memory``, ``compute-bound``, ``start-up``, ``io-bound``, ``data-bound``), why, what to do."""
+    """The bottleneck (``memory``, ``compute-bound``, ``start-up``, ``io-bound``, ``main-process-bound``,
+    ``data-bound``), why, what to do."""
 
     kind: str
     message: str
@@ -138,6 +148,15 @@ def diagnose(m: Measurements) -> Diagnosis:
             "io-bound",
             f"{waiting}, iowait {100 * m.iowait:.0f}% of CPU time: the pack's storage cannot keep up",
             _STAGE,
+        )
+    if w and m.main_busy >= MAIN_BUSY:
+        return Diagnosis(
+            "main-process-bound",
+            f"{waiting}, and the training process was busy itself (computing, or waiting for its CPU) through "
+            f"{100 * m.main_busy:.0f}% of that wait: work done in it after the workers hand a batch over (a collate, "
+            "a transform, a copy) is the limit",
+            "move that work into the workers (the dataset's __getitem__ or the DataLoader's collate_fn): more "
+            "workers, or decoding less in them, would not help",
         )
     busy = f"CPUs {100 * m.cpu_busy:.0f}% busy"
     hold = OTHERS_HOLD * max(1, min(w, m.cores))

@@ -10,15 +10,18 @@ rest of the loop (the training step). Every period it samples the machine and
 the DataLoader's worker processes (:mod:`packdata.watch.probe`), writes one
 plain line to stderr and one JSON record to ``log``; when the loader is
 exhausted it writes an epoch summary with the diagnosis
-(:mod:`packdata.watch.diagnose`). The cost is two ``perf_counter`` calls per
-step and one sample per period (and, at an epoch's last batch, a reading of
-the workers' run-queue wait, so the workers that exit as it ends count).
+(:mod:`packdata.watch.diagnose`). The cost is two ``perf_counter`` calls and
+two reads of this thread's ``/proc/thread-self/schedstat`` per step, one sample
+per period, and at an epoch's last batch a reading of the workers' run-queue
+wait (so the workers that exit as it ends count).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -82,6 +85,30 @@ def _batch_len(batch: Any) -> int:
         return 1
 
 
+class _RunnableClock:
+    """Seconds this thread has been runnable, on a CPU or waiting for one (``/proc/thread-self/schedstat``, kept
+    open: a loop computing on a busy machine waits for its CPU too), or its CPU seconds where there is none."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def seconds(self) -> float:
+        if self._fd is not None:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ran, waited = os.pread(self._fd, 128, 0).split()[:2]
+                return (int(ran) + int(waited)) / 1e9
+            self.close()  # unreadable: CPU seconds from now on (the steps measured across the switch are off once)
+        return time.thread_time()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 @dataclass
 class EpochSummary:
     """What one pass over the loader measured, and the diagnosis."""
@@ -91,6 +118,7 @@ class EpochSummary:
     seconds: float = 0.0
     wait_seconds: float = 0.0
     first_wait: float = 0.0  # of wait_seconds, the wait for the epoch's first batch (the loader starting)
+    main_runnable: float = 0.0  # seconds this thread was runnable inside next() after the first batch (_RunnableClock)
     diagnosis: Diagnosis | None = None
     snapshots: list[Snapshot] = field(default_factory=list)
 
@@ -122,29 +150,34 @@ class _Monitor:
             batches = len(self.loader)  # type: ignore[arg-type]
         except (TypeError, NotImplementedError):
             batches = 0
-        while True:
-            before = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            after = time.perf_counter()
-            if self.num_workers and not summary.steps:  # the workers, while they run: they exit as the epoch ends
-                summary.snapshots.append(probe.sample())
-            n = _batch_len(batch)
-            if not summary.steps:
-                summary.first_wait = period.first_wait = after - before
-            for s in (summary, period):
-                s.wait_seconds += after - before
-                s.steps += 1
-                s.samples += n
-            if after - period_start >= self.every:
-                period.seconds = after - period_start
-                self._report(probe.sample(), period, summary, final=False)
-                period, period_start = EpochSummary(), after
-            if self.num_workers and 0 < batches <= summary.steps:  # the last batch (or a loader longer than its len)
-                probe.note_run_queue()
-            yield batch
+        clock = _RunnableClock()
+        try:
+            while True:
+                before, computed = time.perf_counter(), clock.seconds()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                after, computed = time.perf_counter(), clock.seconds() - computed
+                if self.num_workers and not summary.steps:  # the workers, while they run: they exit as the epoch ends
+                    summary.snapshots.append(probe.sample())
+                n = _batch_len(batch)
+                if not summary.steps:
+                    summary.first_wait = period.first_wait = after - before
+                for s in (summary, period):
+                    s.wait_seconds += after - before
+                    s.main_runnable += computed if summary.steps else 0.0
+                    s.steps += 1
+                    s.samples += n
+                if after - period_start >= self.every:
+                    period.seconds = after - period_start
+                    self._report(probe.sample(), period, summary, final=False)
+                    period, period_start = EpochSummary(), after
+                if self.num_workers and 0 < batches <= summary.steps:  # the last batch (or past a wrong len)
+                    probe.note_run_queue()
+                yield batch
+        finally:
+            clock.close()
         end = time.perf_counter()
         summary.seconds = end - start
         period.seconds = end - period_start
@@ -153,9 +186,11 @@ class _Monitor:
 
     def _measurements(self, snap: Snapshot, part: EpochSummary) -> Measurements:
         workers = snap.workers
+        later = part.wait_seconds - part.first_wait
         return Measurements(
             wait_share=part.wait_share,
             startup_share=part.first_wait / part.seconds if part.seconds else 0.0,
+            main_busy=min(1.0, part.main_runnable / later) if later > 0 else 0.0,
             persistent_workers=bool(getattr(self.loader, "persistent_workers", False)),
             cpu_busy=snap.cpu_busy,
             iowait=snap.iowait,
