@@ -114,6 +114,35 @@ def test_each_worker_pins_a_small_packs_shards_from_one_listing_and_one_manifest
         assert [method for method, _ in requests].count("list_objects_v2") == 1
 
 
+@pytest.mark.timeout(300)  # 1,000 objects put to moto: minutes on a loaded machine
+def test_a_small_pack_beside_many_objects_is_pinned_from_one_listing_page_not_the_roots_whole_listing(
+    s3, remote_shards, tmp_path: Path, monkeypatch
+) -> None:
+    """The one-listing pin listed the pack's root to its end (s3fs pages through all of it) in every process: a pack
+    at a root holding 1,000 other objects cost 2 LISTs, a root of a million 1,000, per worker per epoch."""
+    import s3fs
+
+    options, fs = s3
+    _, local, _ = remote_shards
+    fs.put(str(local), "packs/crowded", recursive=True)
+    fs.pipe({f"packs/crowded/zz-{i:04d}.txt": b"a stranger's" for i in range(1000)})  # listed after the pack's
+    requests: list[tuple[str, str]] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call_s3(self, method, *args, **kwargs):  # every request, as s3fs makes it
+        requests.append((method, kwargs.get("Key", "")))
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
+    expected = sorted(data for data, _ in packdata.TFRecordIndexedDataset(local, decode="bytes"))
+    ds = packdata.TFRecordDataset(
+        "s3://packs/crowded", decode="bytes", storage_options=options, cache_dir=tmp_path / "cache"
+    )
+    assert sorted(data for data, _ in ds) == expected
+    assert [method for method, _ in requests].count("list_objects_v2") == 1
+    assert [key for method, key in requests if method == "head_object" and key.endswith(".tfrecord")] == []
+
+
 def test_a_url_never_reads_a_local_folder_named_like_it(s3, remote_pack, remote_tfrecord, tmp_path, monkeypatch):
     """LMDBDataset('s3://packs/train.lmdb') (and open_dataset) read ./s3:/packs/train.lmdb, another pack, silently."""
     from packdata.reading.open import open_dataset

@@ -174,12 +174,15 @@ _LISTED_SHARDS = 300
 
 
 def _listed_versions(fs: Any, root: str, opened: Manifest) -> dict[str, str]:
-    """Object path -> version of the shards of a small pack on S3 directly under ``root``, from one listing.
+    """Object path -> version of the shards of a small pack on S3 directly under ``root``, from one LIST page.
 
     One LIST and one manifest read then pin every shard a process reads (a
     DataLoader worker of each epoch), where a lookup and a manifest read a
-    shard did. Empty where the pack is larger, its shards lie in folders, the
-    store is not S3, or the listing fails.
+    shard did. Only the first page (at most 1,000 objects, S3's) is asked
+    for: a root that holds more objects beside the pack is never listed to its
+    end in every process, and the shards that page misses are looked up alone.
+    Nothing is kept in ``fs``'s listings cache. Empty where the pack is
+    larger, its shards lie in folders, the store is not S3, or the listing fails.
     """
     if len(opened.shards) > _LISTED_SHARDS or not conditional_reads(fs):
         return {}
@@ -187,15 +190,19 @@ def _listed_versions(fs: Any, root: str, opened: Manifest) -> dict[str, str]:
     names = [fmt.data_name(shard.file) for shard in opened.shards]
     if any("/" in name for name in names):  # in folders (LMDB's NAME.lmdb/data.mdb): not in the listing of root
         return {}
-    wanted = {f"{root}/{name}" for name in names}
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(root)
+    prefix = f"{key.strip('/')}/" if key.strip("/") else ""
+    wanted = {f"{prefix}{name}" for name in names}
     try:
-        entries = fs.ls(root, detail=True, refresh=True)
+        page = sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/")
     except Exception:  # each shard is looked up alone, which tells what is wrong
         return {}
     return {
-        entry["name"]: object_version(entry)
-        for entry in entries
-        if entry.get("name") in wanted and entry.get("type", "file") == "file" and object_version(entry)
+        f"{root}/{entry['Key'][len(prefix) :]}": object_version(entry)
+        for entry in page.get("Contents", [])
+        if entry.get("Key") in wanted and object_version(entry)
     }
 
 
