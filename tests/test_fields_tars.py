@@ -639,6 +639,44 @@ def test_a_folder_link_or_device_whose_header_claims_data_is_a_corrupt_tar_not_r
     )
 
 
+@pytest.mark.parametrize("header", ["base-256 -256", "base-256 -1024", "pax size -1024", "gnu long name -256"])
+def test_a_tar_member_header_claiming_a_negative_size_is_a_corrupt_tar_not_an_empty_field(
+    tmp_path: Path, header: str
+) -> None:
+    """tarfile takes a base-256 size or a pax size record below 0 (GNU tar refuses the header): -256 moved no byte,
+    so b.txt was packed as an empty field and the tar read on; -1024 failed on the next header as 'seeking backwards
+    is not allowed'; a GNU long name of -256 bytes renamed b.txt to a name of no field, skipped as 'no field'. Each is
+    a corrupt tar now, named with the size it claims; a member's (its name known) keeps the whole sample before it."""
+    size = int(header.rsplit(" ", 1)[1])
+    if header.startswith("pax"):
+        damaged = _member("b.txt", b"", pax={"size": str(size)})
+    else:
+        info = tarfile.TarInfo("././@LongLink" if header.startswith("gnu") else "b.txt")
+        info.type = tarfile.GNUTYPE_LONGNAME if header.startswith("gnu") else tarfile.REGTYPE
+        block = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+        block[124:136] = b"\xff" + (size % 256**11).to_bytes(11, "big")  # GNU base-256: the number's two's complement
+        block[148:156] = b" " * 8
+        block[148:156] = b"%06o\0 " % sum(block)
+        assert tarfile.TarInfo.frombuf(bytes(block), "utf-8", "strict").size == size
+        damaged = bytes(block) + (_member("b.txt", b"b") if header.startswith("gnu") else b"")
+    plain = _member("a1.txt", b"1") + _member("a2.txt", b"2") + damaged + _member("c.txt", b"c") + bytes(1024)
+    (tmp_path / "t.tar").write_bytes(plain)
+    (tmp_path / "u.tar").write_bytes(_member("u.txt", b"u") + bytes(1024))
+    result = packdata.convert(str(tmp_path / "{t,u}.tar"), tmp_path / "out.lmdb", progress=False)
+    header_only = header.startswith("gnu")  # the long name's header: no member's name known, a2 may go on after it
+    kept = ["a1", "u"] if header_only else ["a1", "a2", "u"]
+    assert sorted(s["__key__"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")) == kept
+    assert result.skipped == {"corrupt tar": 1}
+    [skip] = result.skip_examples
+    if header_only:
+        assert skip["key"] == "t.tar:a2"
+        said = f"damaged member header at byte 2048: it claims {size:,} bytes"
+    else:
+        assert skip["key"] == "t.tar:b"
+        said = f"the member 'b.txt' at byte 2048 claims {size:,} bytes: a damaged or crafted tar?"
+    assert skip["detail"] == f"{said}; the samples before this one in the tar are kept"
+
+
 def _gnu_sparse_member(name: str, extension_blocks: int) -> bytes:
     """An old GNU sparse header ('S') and its map's extension blocks, each of 21 chunks of 1 byte (none of its data)."""
     info = tarfile.TarInfo(name)

@@ -64,6 +64,8 @@ class CheckedTarInfo(tarfile.TarInfo):
     def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
         """Read a member as tarfile does, but pax records or a long name past :data:`MAX_HEADER_BYTES` unread."""
         if self.type in _LONG_HEADERS:
+            if self.size < 0:  # tarfile would read() a negative count: the rest of what it buffered
+                raise tarfile.ReadError(f"damaged member header at byte {self.offset}: it claims {self.size:,} bytes")
             held = sum(len(k) + len(v) for k, v in tar.pax_headers.items()) if self.type == tarfile.XGLTYPE else 0
             if held + self.size > MAX_HEADER_BYTES:
                 what = "a GNU long name" if self.type in _GNU_LONG else "pax records"
@@ -233,7 +235,15 @@ def data_problem(member: tarfile.TarInfo) -> str | None:
     ``-t`` skips them after a symlink, device or FIFO (its ``-x`` does not), so
     one tar gave other samples in packdata than in the tool a user checks it
     with. Call before the next member is read: that read would parse the bytes.
+
+    A member of any type whose header (a base-256 number, or a pax ``size``
+    record) claims fewer than 0 bytes is named too: tarfile took it, a size
+    above -512 as an empty member (where GNU tar refuses the header), a lower
+    one sending the next header's read back into the tar.
     """
+    if member.size < 0:
+        said = f"the member {member.name!r} at byte {member.offset} claims {member.size:,} bytes"
+        return f"{said}: a damaged or crafted tar?"
     kind = _NO_DATA.get(member.type)
     if kind is None or member.size == 0:
         return None
