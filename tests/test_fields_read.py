@@ -6,6 +6,7 @@ import filecmp
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import tarfile
@@ -199,12 +200,13 @@ _GOOD = {"txt": b"fine", "json": b'{"a": 1}', "npy": _GOOD_NPY.getvalue()}
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
-def test_a_field_of_the_cls_codec_reads_as_its_bytes(tmp_path: Path, fmt: str) -> None:
-    """A field named ``x.cls`` (codec cls, not the label): its pack failed to open with a bare KeyError 'cls'."""
+def test_a_field_of_the_cls_codec_opens_and_reads_as_an_int(tmp_path: Path, fmt: str) -> None:
+    """A field named ``x.cls`` (codec cls, not the label): its pack failed to open with a bare KeyError 'cls'.
+    It reads as an int, as WebDataset's default decoder reads it (its bytes before)."""
     pack = tmp_path / "p"
     packdata.write_pack([{"__key__": "a", "txt": "hi", "x.cls": 3, "cls": 1}], pack, format=fmt, progress=False)
     indexed = packdata.LMDBDataset if fmt == "lmdb" else packdata.TFRecordIndexedDataset
-    assert indexed(pack)[0] == {"__key__": "a", "txt": "hi", "x.cls": b"3", "cls": 1}
+    assert indexed(pack)[0] == {"__key__": "a", "txt": "hi", "x.cls": 3, "cls": 1}
 
 
 def test_a_single_field_pack_read_with_a_decoder_that_refuses_names_the_sample(
@@ -784,3 +786,59 @@ def test_a_misspelt_field_names_the_packs_fields_and_the_closest_not_a_lacking_f
         ConfigError, match=re.escape(typo.replace("'jgp'", "'mask'", 1).replace("'jpg'?", "'mask.png'?"))
     ):
         _datasets(pack.pack, fmt, fields=("__key__", "mask"))
+
+
+class _Touch:
+    """Unpickled, it creates the file at ``path``: what a pickle in a pack could do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in sorted(members.items()):  # a sample's members together, as WebDataset shards hold them
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_webdataset_s_integer_fields_read_as_ints_as_webdataset_reads_them_and_pickles_as_bytes_never_unpickled(
+    tmp_path: Path, num_workers: int
+) -> None:
+    """A WebDataset shard's seg.cls field (checked an integer at convert) read back as bytes (b'3\\n'), where
+    webdataset's default decoder gives 3, and decode= had no integer decoder for its cls2 or index fields. Now a cls
+    field reads as an int and decode={'cls2': 'int'} gives one, equal to what webdataset reads from the same
+    members, through DataLoader workers; a cls field PackWriter is given that is no integer is refused. The pyd,
+    pickle, pkl and pth fields webdataset unpickles read as their bytes, and no decoder name unpickles."""
+    wds = pytest.importorskip("webdataset")
+    marker = tmp_path / "unpickled"
+    evil = pickle.dumps(_Touch(str(marker)))
+    safe: dict[str, bytes] = {}
+    for i in range(3):
+        safe |= {f"s{i}.jpg": image_bytes(i), f"s{i}.seg.cls": b"%d\n" % (i + 3), f"s{i}.cls2": b"%d" % (10 + i)}
+    pickles = {f"s{i}.{ext}": evil for i in range(3) for ext in ("pyd", "pickle", "pkl", "pth")}
+    pack = packdata.convert(_tar(tmp_path / "all.tar", safe | pickles), tmp_path / "p.lmdb", progress=False).pack
+    ds = packdata.LMDBDataset(pack, decode={"jpg": "bytes", "cls2": "int"})
+    got = {sample["__key__"]: sample for sample in DataLoader(ds, batch_size=None, num_workers=num_workers)}
+    theirs = {
+        s["__key__"]: s for s in wds.WebDataset(str(_tar(tmp_path / "safe.tar", safe)), shardshuffle=False).decode()
+    }
+    assert sorted(got) == sorted(theirs) == ["s0", "s1", "s2"]
+    for i, key in enumerate(sorted(got)):
+        assert type(got[key]["seg.cls"]) is int and got[key]["seg.cls"] == theirs[key]["seg.cls"] == i + 3
+        assert type(got[key]["cls2"]) is int and got[key]["cls2"] == theirs[key]["cls2"] == 10 + i
+        assert {ext: got[key][ext] for ext in ("pyd", "pickle", "pkl", "pth")} == dict.fromkeys(
+            ("pyd", "pickle", "pkl", "pth"), evil
+        )
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=re.escape("'npy', 'int' or a callable, but got decode='pickle'")):
+        packdata.LMDBDataset(pack, decode={"pyd": "pickle"})
+    refused = "field 'seg.cls': a cls field holds a decimal integer, read as an int, not b'three'"
+    with pytest.raises(packdata.PackdataError, match=re.escape(refused)), packdata.PackWriter(tmp_path / "w") as writer:
+        writer.write({"__key__": "a", "seg.cls": "three"})

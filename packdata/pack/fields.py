@@ -31,6 +31,7 @@ import io
 import json
 import math
 import numbers
+import re
 import struct
 import sys
 from collections.abc import Iterable, Mapping
@@ -46,6 +47,7 @@ from packdata.pack.images import IMAGE_EXTENSIONS, encode_image
 __all__ = [
     "BLOCK_MAGIC",
     "CODECS",
+    "DECIMAL_INTEGER",
     "FieldEntry",
     "FieldError",
     "LABEL_FIELD",
@@ -70,6 +72,8 @@ _TEXT_EXTENSIONS = frozenset({"txt", "text", "md", "csv", "tsv", "xml", "html", 
 _HEAD = struct.Struct("<4sH")
 _ENTRY = struct.Struct("<QI")
 _MAX_FIELDS = 0xFFFF
+DECIMAL_INTEGER = re.compile(rb"\s*[+-]?[0-9]+\s*")
+"""What a ``cls`` field holds (``fullmatch``): a decimal integer, spaces around it allowed (``int()`` takes more)."""
 
 
 class FieldError(ValueError):
@@ -175,12 +179,16 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     that format would not read back as the image); for a ``json`` field any JSON-able value is
     dumped (sorted keys, no NaN); an ``npy`` field takes a numpy array (saved
     with ``allow_pickle=False``); a ``cls`` field takes an int; an int or float
-    in a ``txt`` field is stored as its decimal text.
+    in a ``txt`` field is stored as its decimal text; a ``cls`` field (``seg.cls``) holds a decimal integer.
 
     Raises:
         FieldError: the value cannot be stored under this name.
     """
     codec = codec or codec_of(name)
+    if codec == "cls" and isinstance(value, str | bytes | bytearray | memoryview):  # read back as an int
+        given = value.encode("utf-8", "replace") if isinstance(value, str) else bytes(value)
+        if not DECIMAL_INTEGER.fullmatch(given):
+            raise FieldError(f"field {name!r}: a cls field holds a decimal integer, read as an int, not {given[:20]!r}")
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
     if codec == "json":

@@ -1,4 +1,4 @@
-"""Turn stored bytes into what a model reads: a PIL image, text, or bytes.
+"""Turn stored bytes into what a model reads: a PIL image, text, JSON, an array, an int, or bytes.
 
 Decoders are plain picklable callables, so a dataset that holds one can go to
 ``spawn``-ed DataLoader workers.
@@ -17,7 +17,7 @@ import numpy.lib.format as npy_format
 from PIL import Image
 
 from packdata.errors import DecodeError
-from packdata.pack.fields import check_npy
+from packdata.pack.fields import DECIMAL_INTEGER, check_npy
 from packdata.pack.images import IMAGE_FORMATS, JPEG_FORMATS, decoding_errors, open_image
 from packdata.pack.turbo import decoded_rgb
 
@@ -26,6 +26,7 @@ __all__ = [
     "DecodeFn",
     "CODEC_DECODERS",
     "DecodeJPEG",
+    "decode_int",
     "decode_json",
     "decode_npy",
     "decode_pil",
@@ -151,26 +152,45 @@ def decode_npy(data: bytes) -> np.ndarray:
         raise DecodeError(f".npy array cannot be read ({exc})", hint=_DAMAGED) from exc
 
 
+def decode_int(data: bytes) -> int:
+    """Parse a decimal integer (ASCII, spaces around it allowed), as WebDataset reads ``cls``, ``cls2``, ``index``.
+
+    Raises:
+        DecodeError: not a decimal integer, or more digits than Python converts.
+    """
+    if not DECIMAL_INTEGER.fullmatch(data):  # int() takes more: '1_000', non-ASCII digits
+        raise DecodeError(f"not a decimal integer: {bytes(data[:20])!r}", hint=_DAMAGED)
+    try:
+        return int(data)
+    except ValueError as exc:  # past sys.get_int_max_str_digits
+        raise DecodeError(f"integer cannot be read ({exc})", hint=_DAMAGED) from exc
+
+
 _DECODERS: dict[str, DecodeFn] = {
     "pil": decode_pil,
     "text": decode_text,
     "bytes": _identity,
     "json": decode_json,
     "npy": decode_npy,
+    "int": decode_int,
 }
 CODEC_DECODERS: dict[str, str] = {
     "image": "pil",
     "txt": "text",
     "json": "json",
     "npy": "npy",
-    "cls": "bytes",  # a field such as ``x.cls`` (the label itself is never a stored field)
+    "cls": "int",  # a field such as ``seg.cls``, as WebDataset reads it (the label itself is never a stored field)
     "bytes": "bytes",
 }
 """The default decoder of each field codec (:data:`packdata.pack.fields.CODECS`)."""
 
 
 def resolve_decoder(decode: str | DecodeFn) -> DecodeFn:
-    """Map ``"pil"``, ``"text"``, ``"bytes"``, ``"json"``, ``"npy"`` or a callable to a decoder."""
+    """Map ``"pil"``, ``"text"``, ``"bytes"``, ``"json"``, ``"npy"``, ``"int"`` or a callable to a decoder.
+
+    No name unpickles (a pack never runs code): WebDataset's ``pyd``, ``pkl``,
+    ``pickle`` and ``pth`` fields read as their bytes.
+    """
     if callable(decode):
         return decode
     try:

@@ -117,7 +117,8 @@ class FieldSpec:
             ``"cls"`` included); None returns a dict of every field the sample has.
         decode: one decoder name or callable for every field, or a mapping of
             field name -> decoder; fields not named get their codec's default
-            (images -> RGB PIL, ``txt`` -> str, ``json`` -> parsed, ``npy`` -> array, else bytes).
+            (images -> RGB PIL, ``txt`` -> str, ``json`` -> parsed, ``npy`` -> array, ``seg.cls`` -> int,
+            else bytes; no decoder unpickles).
         transforms: field name -> callable applied to that field after decoding.
         path: the pack, named in errors about a sample.
         missing: field name -> the value a sample that lacks the field reads
