@@ -728,15 +728,16 @@ def test_bench_cli_says_what_to_do_and_fails_on_a_missing_input(pack: Path, tmp_
 
 
 def test_bench_and_tune_name_a_file_given_as_a_source_once(pack: Path, tmp_path: Path) -> None:
-    """It was 'warning: F: F: no such pack or folder', then 'Error: could not measure F: F: no such pack or folder'."""
+    """It was 'warning: F: F: no such pack or folder', then 'Error: could not measure F: F: no such pack or folder';
+    bench now refuses it before measuring the others, as it does a missing source."""
     notes = tmp_path / "notes.txt"
     notes.write_text("x")
     said = f"{notes}: is a regular file, not a pack or a folder. Pass a pack made by `packdata convert` or a folder"
     args = ["bench", str(pack), str(notes), "--workers", "0", "--batch-size", str(BATCH), "--batches", "1", "-q"]
     bench = CliRunner().invoke(cli_main, args)
     assert bench.exit_code == 1
-    assert bench.stderr == f"Error: could not measure {said}\n"  # no warning saying it first
-    assert "best: " in bench.stdout  # the pack was measured
+    assert bench.stderr == f"Error: {said}\n"  # no warning saying it first
+    assert bench.stdout == ""  # nothing was measured
     tune = CliRunner().invoke(cli_main, ["tune", str(notes)])
     assert tune.exit_code == 1 and tune.output == f"Error: {said}\n"
 

@@ -762,19 +762,29 @@ def test_bench_help_says_the_plot_is_written_in_its_suffixs_format() -> None:
 
 def test_a_bench_whose_every_source_cannot_be_opened_prints_one_error_line_and_no_empty_table(tmp_path: Path) -> None:
     """It printed the table's header and its legend with no row under them, then the error: a run that measured."""
-    notes = tmp_path / "notes.txt"
-    notes.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
     plot = tmp_path / "bench.png"
     result = CliRunner().invoke(
-        main, ["bench", str(notes), "--workers", "0", "--batches", "1", "-q", "--plot", str(plot)]
+        main, ["bench", str(empty), "--workers", "0", "--batches", "1", "-q", "--plot", str(plot)]
     )
     assert result.exit_code == 1
     assert result.stdout == ""
-    assert result.stderr == (
-        f"Error: could not measure {notes}: is a regular file, not a pack or a folder. "
-        "Pass a pack made by `packdata convert` or a folder\n"
-    )
+    assert result.stderr.startswith(f"Error: could not measure {empty}: no image or text files found. Images are ")
+    assert result.stderr.count("\n") == 1
     assert not plot.exists()
+
+
+def _as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+    """``packdata ARGS`` run by root as the user nobody (setpriv), who may not search root's mode-700 folders."""
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    return subprocess.run(
+        [*as_nobody, sys.executable, "-m", "packdata.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
 
 
 @pytest.mark.root
@@ -818,18 +828,32 @@ def test_a_source_or_destination_behind_a_folder_the_user_may_not_search_is_one_
                 "Choose a destination whose folders this user may search and write",
             ),
         )
-        as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m"]
         for args, named, what, hint in cases:
-            run = subprocess.run(
-                [*as_nobody, "packdata.cli", *args],
-                capture_output=True,
-                text=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                timeout=120,
-            )
+            run = _as_nobody(*args)
             assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
             assert run.stderr == f"Error: {named}: {what} (Permission denied). {hint}\n"
         assert sorted(p.name for p in shared.iterdir()) == ["a.lmdb", "b.lmdb", "src"]  # nothing written
         assert sorted(p.name for p in hidden.iterdir()) == ["src"]
     finally:
         shutil.rmtree(shared)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_bench_and_tune_of_a_pack_behind_a_folder_the_user_may_not_search_is_one_line(
+    tmp_path: Path, command: str
+) -> None:
+    """bench said 'no such pack or folder' of a pack that is there, and tune raised PermissionError with a traceback."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the command as another user")
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    (tmp_path / "src" / "c" / "a.jpg").write_bytes(image_bytes(0))
+    pack = tmp_path / "hidden" / "train.lmdb"
+    assert _run("convert", str(tmp_path / "src"), str(pack), "-q").exit_code == 0
+    (tmp_path / "hidden").chmod(0o700)  # root's: the user nobody may not look inside
+    run = _as_nobody(command, str(pack), "--batches", "1", "-q")
+    assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+    assert run.stderr == (
+        f"Error: {pack}: cannot be looked at (Permission denied). "
+        "Check the permissions of the folders above it: each needs search (x) permission for this user\n"
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any
 
 import click
@@ -150,14 +149,14 @@ def bench(
     """
     from packdata.measure.bench import run_bench
     from packdata.measure.plot import plot_bench
+    from packdata.measure.sources import check_source
 
     if plot_file:
         from packdata.measure.plot import check_plot_path
 
         check_plot_path(plot_file)  # before minutes of measuring
-    missing = [s for s in sources if not os.path.exists(s)]
-    if missing:
-        raise click.ClickException(f"{missing[0]}: no such pack or folder (nothing was measured)")
+    for given in sources:  # before minutes of measuring the others
+        check_source(given)
     result = run_bench(
         list(sources),
         workers=workers,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -13,13 +14,13 @@ from torch.utils.data import Dataset
 
 from packdata.conversion.sources import SourceFile, scan_source
 from packdata.errors import ConfigError, DecodeError, ImageFormatError, SourceError
-from packdata.pack.files import file_kind
+from packdata.pack.files import file_kind, source_mode
 from packdata.pack.manifest import MANIFEST_NAME, read_manifest
 from packdata.reading.crop import DecodeCrop
 from packdata.reading.decode import DecodeFn, DecodeJPEG, resolve_decoder
 from packdata.reading.open import open_dataset
 
-__all__ = ["DECODE_CHOICES", "FolderDataset", "InMemoryDataset", "open_source"]
+__all__ = ["DECODE_CHOICES", "FolderDataset", "InMemoryDataset", "check_source", "open_source"]
 
 
 class _Blob:
@@ -213,6 +214,20 @@ def _decoder(decode: str | DecodeFn, kind: str, size: int) -> DecodeFn | str:
     return DecodeCrop(size, output="tensor") if decode == "crop" else decode
 
 
+def check_source(path: str | os.PathLike) -> None:
+    """Refuse, before measuring, a source that is missing, not a folder, or behind a folder this user may not search.
+
+    Raises:
+        SourceError: naming the path, what it is, and what to pass.
+    """
+    hint = "Pass a pack made by `packdata convert` or a folder"
+    mode = source_mode(path)
+    if mode is None:
+        raise SourceError("no such pack or folder", path=path, hint=hint)
+    if not stat.S_ISDIR(mode):
+        raise SourceError(f"is {file_kind(mode)}, not a pack or a folder", path=path, hint=hint)
+
+
 def open_source(
     path: str | os.PathLike,
     *,
@@ -238,6 +253,7 @@ def open_source(
         PackdataError: the path is neither a readable pack nor a usable folder,
             or the pack's reader is not available.
     """
+    check_source(path)
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
         manifest = read_manifest(path)
@@ -258,13 +274,6 @@ def open_source(
             "skipped": dict(manifest.skipped.get("by_reason", {}) or {}),
         }
         return dataset, facts
-    if not path.is_dir():
-        problem = (
-            f"is {file_kind(path.stat().st_mode)}, not a pack or a folder"
-            if path.exists()
-            else "no such pack or folder"
-        )
-        raise SourceError(problem, path=path, hint="Pass a pack made by `packdata convert` or a folder")
     kind = scan_source(path).kind
     decoder = _decoder(decode, kind, size)
     folder = FolderDataset(path, transform if kind == "image" and decode != "bytes" else None, decoder, kind=kind)

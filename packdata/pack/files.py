@@ -19,6 +19,7 @@ import numpy as np
 from packdata.errors import (
     ConfigError,
     PackFormatError,
+    SourceError,
     out_of_files_error,
     out_of_maps,
     out_of_maps_error,
@@ -50,6 +51,7 @@ __all__ = [
     "private_temp_folder",
     "read_bounded",
     "read_regular",
+    "source_mode",
     "stream_sha256",
     "temporary_owner",
 ]
@@ -205,6 +207,25 @@ def not_a_file(path: str | os.PathLike) -> str | None:
     except OSError as exc:
         return f"cannot be looked at ({exc.strerror or exc})"
     return None if stat.S_ISREG(mode) else f"is not a regular file (mode {stat.filemode(mode)}, {file_kind(mode)})"
+
+
+def source_mode(path: str | os.PathLike) -> int | None:
+    """The ``st_mode`` of a source to read (links followed), or None when nothing is there.
+
+    Raises:
+        SourceError: a folder above ``path`` may not be searched by this user (mode 700, another's), named
+            in one line where ``Path.exists`` and ``Path.is_file`` would raise ``PermissionError``.
+    """
+    try:
+        return os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise SourceError(
+            f"cannot be looked at ({exc.strerror or exc})",
+            path=path,
+            hint="Check the permissions of the folders above it: each needs search (x) permission for this user",
+        ) from exc
 
 
 def sha256_prefix(sha256_hex: str) -> int:
