@@ -857,3 +857,22 @@ def test_bench_and_tune_of_a_pack_behind_a_folder_the_user_may_not_search_is_one
         f"Error: {pack}: cannot be looked at (Permission denied). "
         "Check the permissions of the folders above it: each needs search (x) permission for this user\n"
     )
+
+
+def test_help_names_what_an_options_value_is_not_its_click_type() -> None:
+    """--help showed '--shard-size TEXT', '--seconds FINITE FLOAT RANGE', '--workers TEXT' (a list) and
+    '--storage-options TEXT', which say nothing of what to write."""
+    said = {
+        "convert": ["--shard-size SIZE", "--storage-options JSON"],
+        "bench": ["--workers N,N,...", "--batch-size N,N,...", "--seconds SECONDS", "--step-ms MS"],
+        "tune": ["--memory-budget SIZE", "--batch-size N,N,...", "--seconds SECONDS"],
+        "stage": ["--tmpfs SIZE", "--budget SIZE", "--reserve SIZE", "--cache-limit SIZE", "--storage-options JSON"],
+        "monitor": ["--interval SECONDS"],
+        "info": ["--storage-options JSON"],
+    }
+    for name in main.commands:
+        result = _run(name, "--help")
+        assert result.exit_code == 0
+        assert "FINITE FLOAT RANGE" not in result.output, name
+        for option in said.get(name, []):
+            assert re.search(rf"^  {re.escape(option)}  ", result.output, re.M), (name, option)

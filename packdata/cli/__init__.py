@@ -20,7 +20,7 @@ import click
 
 from packdata._version import __version__
 from packdata.cli import conversion, inspection, measure, staging, watch
-from packdata.cli.common import _Main, as_flags
+from packdata.cli.common import _Main, _teach_metavars, as_flags
 
 __all__ = ["as_flags", "main"]
 
@@ -52,3 +52,4 @@ main.add_command(staging.stage)
 main.add_command(staging.unstage)
 main.add_command(staging.doctor)
 main.add_command(watch.monitor_command)
+_teach_metavars(main)

@@ -177,6 +177,38 @@ def _json_text(value: Any, *, indent: int | None = None) -> str:
     return _C1.sub(lambda m: f"\\u{ord(m[0]):04x}", json.dumps(value, indent=indent, ensure_ascii=False))
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """Comma-separated integers: at least 0 for ``--workers``, at least 1 for batch sizes and prefetch factors."""
+    if value is None:
+        return None
+    least = 0 if param.name == "workers" else 1
+    try:
+        values = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"should be comma-separated integers, but got {value!r}") from None
+    if min(values) < least:
+        raise click.BadParameter(f"should be comma-separated integers >= {least}, but got {value!r}")
+    return values
+
+
+def _teach_metavars(group: click.Group) -> None:
+    """Name what an option's value is in --help: ``--shard-size SIZE``, ``--seconds SECONDS``, ``--workers N,N,...``.
+
+    click names the type instead (``TEXT``, ``FINITE FLOAT RANGE``), which teaches nothing about what to write.
+    An option that names its own metavar keeps it.
+    """
+    by_callback = {_size: "SIZE", _json_object: "JSON", _int_list: "N,N,..."}
+    for command in group.commands.values():
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.metavar is not None:
+                continue
+            if param.callback in by_callback:
+                param.metavar = by_callback[param.callback]
+            elif isinstance(param.type, _FiniteFloat):
+                name = param.name or ""
+                param.metavar = "MS" if name.endswith("_ms") else "SECONDS" if name in ("seconds", "interval") else "N"
+
+
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None

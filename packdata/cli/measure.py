@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from packdata.cli.common import _FiniteFloat, _friendly, _in_flags, _mb, _output_file, _size, _write_failed
+from packdata.cli.common import _FiniteFloat, _friendly, _in_flags, _int_list, _mb, _output_file, _size, _write_failed
 from packdata.errors import PackdataError
 
 __all__ = ["bench", "tune"]
@@ -16,20 +16,6 @@ __all__ = ["bench", "tune"]
 
 def _progress_line(line: str) -> None:
     click.echo(line, err=True)
-
-
-def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    """Comma-separated integers: at least 0 for ``--workers``, at least 1 for batch sizes and prefetch factors."""
-    if value is None:
-        return None
-    least = 0 if param.name == "workers" else 1
-    try:
-        values = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"should be comma-separated integers, but got {value!r}") from None
-    if min(values) < least:
-        raise click.BadParameter(f"should be comma-separated integers >= {least}, but got {value!r}")
-    return values
 
 
 _decode_option = click.option(
