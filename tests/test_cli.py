@@ -876,3 +876,17 @@ def test_help_names_what_an_options_value_is_not_its_click_type() -> None:
         assert "FINITE FLOAT RANGE" not in result.output, name
         for option in said.get(name, []):
             assert re.search(rf"^  {re.escape(option)}  ", result.output, re.M), (name, option)
+
+
+def test_a_file_given_as_convert_source_says_what_it_is_and_what_convert_takes(tmp_path: Path) -> None:
+    """It said 'notes.txt: not a folder. Pass the folder that holds the files', though convert also takes a list file
+    or tar shards: a user who meant one of them was not told."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a photo of a cat\n")
+    result = _run("convert", str(notes), str(tmp_path / "out.lmdb"), "-q")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {notes}: is a regular file, not a folder. Pass the folder that holds the files, a list file "
+        "(.csv, .tsv or .jsonl) or WebDataset tar shards (.tar, .tar.gz or .tgz)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

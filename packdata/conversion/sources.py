@@ -362,7 +362,12 @@ def scan_source(root: str | os.PathLike, kind: str = "auto") -> Source:
     if not root.exists():
         raise SourceError("no such folder", path=root, hint="Check the path")
     if not root.is_dir():
-        raise SourceError("not a folder", path=root, hint="Pass the folder that holds the files")
+        raise SourceError(
+            f"is {_file_type(os.fspath(root))}, not a folder",
+            path=root,
+            hint="Pass the folder that holds the files, a list file (.csv, .tsv or .jsonl) or WebDataset tar shards "
+            "(.tar, .tar.gz or .tgz)",
+        )
     if not os.access(root, os.R_OK | os.X_OK):
         raise SourceError("folder is not readable", path=root, hint="Check its permissions")
     if kind == "auto":
