@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-__all__ = ["SIZE_RULE", "describe_size", "format_rate", "format_size", "parse_size", "shown"]
+__all__ = ["SIZE_RULE", "describe_size", "exact_size", "format_rate", "format_size", "parse_size", "shown"]
 
 SIZE_RULE = "KB/MB/GB/TB are powers of 1000; K/M/G/T and KiB/MiB/GiB/TiB powers of 1024 (as tmpfs and ls -h)"
 """The one rule for size units, quoted in every ``--help`` that takes a size."""
@@ -59,6 +59,19 @@ def format_size(n: int) -> str:
         if abs(round(value, 1)) < 1024:
             return f"{value:.1f} {unit}"
     return f"{value / 1024:.1f} {units[-1]}"
+
+
+def exact_size(n: int) -> str:
+    """``n`` bytes as one word that :func:`parse_size` reads back exactly: ``30G``, ``30GB``, ``4097B``.
+
+    For a size pasted into a command line (``--tmpfs 30G``), where :func:`format_size`'s ``30.0 GiB`` would be two
+    words, rounded.
+    """
+    for suffix, unit in (("E", 1 << 60), ("P", 1 << 50), ("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1024)):
+        for word, base in ((suffix, unit), (f"{suffix}B", 1000 ** (unit.bit_length() // 10))):
+            if n >= base and n % base == 0:
+                return f"{n // base}{word}"
+    return f"{n}B"
 
 
 def format_rate(bytes_per_second: float) -> str:

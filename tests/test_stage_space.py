@@ -239,6 +239,32 @@ def test_a_tmpfs_is_never_mounted_over_a_folder_that_holds_files(
     assert _all_bytes(lmdb_pack)  # the pack is still there to read
 
 
+@pytest.mark.root
+@pytest.mark.parametrize(("asked", "said"), [("30GB", "30GB"), ("1G", "1G"), ("1536MiB", "1536M")])
+def test_without_root_the_command_to_run_as_root_can_be_pasted(tmp_path: Path, asked: str, said: str) -> None:
+    """The hint said 'Run `sudo packdata stage --tmpfs 27.9 GiB --mount M`': pasted, '--tmpfs 27.9' and a stray
+    argument 'GiB' (refused), and 27.9 GiB is not the 30GB asked for. Run as the user nobody (setpriv)."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the command as another user")
+    area = Path("/tmp") / f"packdata-not-root-{os.getpid()}"  # a folder nobody may create; never made here
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m"]
+    run = subprocess.run(
+        [*as_nobody, "packdata.cli", "stage", "--tmpfs", asked, "--mount", str(area), "--force"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+    assert run.stderr == (
+        f"Error: {area}: mounting a tmpfs needs root. Run `sudo packdata stage --tmpfs {said} --mount {area}` once, "
+        "or stage into RAM without mounting: `packdata stage PACK --to /dev/shm`\n"
+    )
+    assert not area.exists()
+
+
 def test_without_root_one_line_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"needs root. Run `sudo packdata stage --tmpfs .*/dev/shm"):

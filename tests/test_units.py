@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from packdata.cli import main
-from packdata.units import format_size, parse_size
+from packdata.units import exact_size, format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -108,3 +108,23 @@ def test_parse_format_round_trip() -> None:
     for n in (KiB, 7 * MiB, 3 * GiB, 5 * TiB):
         value, unit = format_size(n).split()
         assert parse_size(value + unit) == n
+
+
+def test_exact_size_is_one_word_parse_size_reads_back_exactly() -> None:
+    """For a size put in a command line to paste: format_size's '27.9 GiB' is two words, and rounded."""
+    import random
+
+    assert [exact_size(n) for n in (1 << 30, 30 * 10**9, 4097, 1536 << 20, 10**12, 3 << 40)] == [
+        "1G",
+        "30GB",
+        "4097B",
+        "1536M",
+        "1TB",
+        "3T",
+    ]
+    rng = random.Random(0)
+    for n in [1, 1023, 1024, (1 << 63) - 1] + [
+        rng.randrange(1, 1 << 63) >> rng.randrange(63) or 1 for _ in range(2000)
+    ]:
+        word = exact_size(n)
+        assert " " not in word and parse_size(word) == n, (n, word)

@@ -18,7 +18,7 @@ from packdata.host.facts import Mount, find_mount, gather_facts, read_mounts
 from packdata.host.memory import SafetyWarning, memory_warnings
 from packdata.pack.lock import convert_lock_path, wait_for_lock
 from packdata.staging.folder import missing_folders, removed_if_refused
-from packdata.units import format_size
+from packdata.units import exact_size, format_size
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs sizes are whole pages
 
@@ -135,7 +135,7 @@ def _not_root_error(size: int, path: Path) -> ConfigError:
     return ConfigError(
         "mounting a tmpfs needs root",
         path=path,
-        hint=f"Run `sudo packdata stage --tmpfs {format_size(size)} --mount {path}` once, "
+        hint=f"Run `sudo packdata stage --tmpfs {exact_size(size)} --mount {path}` once, "
         f"or stage into RAM without mounting: `packdata stage PACK --to /dev/shm`",
     )
 
