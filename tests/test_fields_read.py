@@ -502,6 +502,7 @@ def _datasets(pack: Path, fmt: str, **options: object) -> list:
     return [packdata.TFRecordIndexedDataset(pack, **options), packdata.TFRecordDataset(pack, shuffle=False, **options)]
 
 
+@pytest.mark.timeout(300)  # many DataLoaders of 2 workers, spawned ones too: 123 s once at load average 19
 @pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_a_field_some_samples_lack_is_refused_when_the_dataset_opens_or_read_with_its_missing_value(
     tmp_path: Path, fmt: str
@@ -643,6 +644,7 @@ def _masked_for_some(root: Path, keys: range) -> Path:
     return root
 
 
+@pytest.mark.timeout(300)  # many DataLoaders of 2 workers, spawned ones too: 113 s once under heavy load
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_samples_of_different_fields_batch_with_fields_collate_and_the_default_collate_names_the_field(
     tmp_path: Path, method: str
