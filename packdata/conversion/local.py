@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from packdata.conversion.destination import (
 from packdata.conversion.download import COPIED_FROM, copied_again, journal_mark
 from packdata.conversion.layouts import AnySource
 from packdata.conversion.load import Entry, _Options, _pipeline, _source_bytes, number_fields
-from packdata.conversion.probes import REWRITTEN, probe_path, probe_place, refuse_changed, remote_lookup
+from packdata.conversion.probes import probe_path, probe_place, refuse_copied_again, remote_lookup
 from packdata.conversion.publish import (
     SKIP_REPORT,
     ConvertResult,
@@ -41,16 +40,17 @@ from packdata.conversion.publish import (
     skip_line,
     source_identity,
 )
-from packdata.conversion.sources import RemoteFile, Skip, SourceFile, SourceGroup, walk_record
+from packdata.conversion.resume_shards import check_shard_files
+from packdata.conversion.sources import RemoteFile, Skip, walk_record
 from packdata.errors import (
     PackdataError,
     PackFormatError,
     SourceError,
 )
-from packdata.formats import ShardWriter, get_format, shard_writer
+from packdata.formats import ShardWriter, shard_writer
 from packdata.host.cores import usable_cpus
 from packdata.host.disks import raise_if_full, write_error
-from packdata.pack.files import PROGRESS_FILE, discard_partial, file_kind, file_sha256, fsync_dir, fsync_named
+from packdata.pack.files import PROGRESS_FILE, discard_partial, fsync_dir, fsync_named
 from packdata.pack.index import FIELD_SIZES_FILE, SIZES_FILE
 from packdata.pack.index_writer import SampleIndexWriter
 from packdata.pack.manifest import Manifest, ShardInfo, write_manifest
@@ -153,70 +153,6 @@ def _convert_local(
     )
 
 
-def _check_shard_files(
-    partial: Path,
-    fmt: str,
-    shards: list[ShardInfo],
-    final: list[ShardInfo],
-    *,
-    records: bool = False,
-    digests: bool = False,
-) -> None:
-    """Each shard's data file is a regular file of the size closing it recorded (a resume trusts no earlier run's),
-    with ``records`` holds the records it lists, and with ``digests`` has the SHA-256 it lists.
-
-    A resume checks the shards its checkpoint lists so (the manifest lists that SHA-256: a shard damaged since, same
-    size and other bytes, is never published), at the cost of reading them once, as a verify does, before packing.
-    A shard is under its name while written or, once a killed run renamed it, its ``final`` name.
-
-    Raises:
-        PackFormatError: a shard file is missing, not a regular file, or of another size, record count or SHA-256.
-    """
-    data_name = get_format(fmt).data_name
-    for shard, named in zip(shards, final, strict=True):
-        path = partial / data_name(shard.file)
-        if not os.path.lexists(path):
-            path = partial / data_name(named.file)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise _shard_changed(partial / data_name(shard.file), "is missing") from None
-        if not stat.S_ISREG(st.st_mode) or st.st_size != shard.bytes:
-            raise _shard_changed(path, f"is {file_kind(st.st_mode)} of {st.st_size} bytes, closed at {shard.bytes}")
-        if records and (held := get_format(fmt).closed_records(path)) != shard.num_samples:
-            raise _shard_changed(path, f"holds {held} records, but progress.json lists it with {shard.num_samples}")
-        if digests and (digest := file_sha256(path)) != shard.sha256:
-            raise _shard_changed(
-                path,
-                f"holds other bytes than progress.json lists (SHA-256 {digest}, listed as {shard.sha256})",
-                hint="A resume cannot continue past a damaged shard: start the conversion again with overwrite=True",
-            )
-
-
-def _shard_changed(
-    path: Path, what: str, hint: str = "Start the conversion again with overwrite=True"
-) -> PackFormatError:
-    return PackFormatError(f"a shard of the interrupted conversion {what}", path=path, hint=hint)
-
-
-def _refuse_copied_again(entry: Entry, again: dict[str, str], folder: Path, url: str) -> None:
-    """Refuse a resume where ``entry``, packed, is a file of ``folder`` downloaded again from ``url`` as another object.
-
-    Raises:
-        SourceError: naming the object's URL (resumable: the partial is kept).
-    """
-    if isinstance(entry, SourceFile):
-        paths = [entry.path]
-    elif isinstance(entry, SourceGroup):
-        paths = [path for _, path in entry.files if isinstance(path, str)]
-    else:
-        return
-    for path in paths:
-        name = Path(os.path.relpath(path, folder)).as_posix()
-        if name in again:
-            refuse_changed(f"{url}/{name}", REWRITTEN.format(again[name]))
-
-
 def _count_walk(source: AnySource, bar: Any, stop: threading.Event) -> None:
     """Count the source's entries in a second walk and give the bar its total (runs in a thread)."""
     count = 0
@@ -253,7 +189,7 @@ class _Packer:
                 cp.check_shard_bytes(self.index.dir / SIZES_FILE)
                 final = self.writer_cls.final_shards(partial, list(cp.shards))
                 # finishing, a TFRecord shard may be half renamed (apart from its index): its records are not counted
-                _check_shard_files(partial, opts.format, cp.shards, final, records=not cp.finishing, digests=True)
+                check_shard_files(partial, opts.format, cp.shards, final, records=not cp.finishing, digests=True)
                 if source.kind == "fields":
                     cp.check_field_names(self.index.dir / FIELD_SIZES_FILE)
             except PackFormatError:
@@ -330,7 +266,7 @@ class _Packer:
                 if packed is not None and (place := probe_place(packed)) in probed:
                     walked.add(place)
                 if again:
-                    _refuse_copied_again(entry, again, *copy)  # type: ignore[misc]
+                    refuse_copied_again(entry, again, *copy)  # type: ignore[misc]
             covered = getattr(self.source, "walk_covers_content", False)  # tars: the members' bytes are walked
             what = "a tar read" if covered else "a file packed"
             if check.hexdigest() != self.cp.walk_expected:
@@ -494,7 +430,7 @@ class _Packer:
             self.cp.save()
         extend_classes(self.source, self.partial)
         final = self.writer_cls.final_shards(self.partial, list(self.cp.shards))
-        _check_shard_files(self.partial, self.opts.format, self.cp.shards, final)
+        check_shard_files(self.partial, self.opts.format, self.cp.shards, final)
         shards = self.writer_cls.finalize(self.partial, list(self.cp.shards))
         manifest = _make_manifest(
             self.source,

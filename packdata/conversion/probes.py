@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from packdata.conversion.publish import is_count
@@ -24,6 +25,7 @@ __all__ = [
     "probe_path",
     "probe_place",
     "refuse_changed",
+    "refuse_copied_again",
     "remote_lookup",
     "stat_probe",
 ]
@@ -126,3 +128,21 @@ def is_probe(probe: object) -> bool:
     if isinstance(then, str):
         return is_url(place)
     return os.path.isabs(place) and "\0" not in place and isinstance(then, int) and not isinstance(then, bool)
+
+
+def refuse_copied_again(entry: SourceFile | SourceGroup | Skip, again: dict[str, str], folder: Path, url: str) -> None:
+    """Refuse a resume where ``entry``, packed, is a file of ``folder`` downloaded again from ``url`` as another object.
+
+    Raises:
+        SourceError: naming the object's URL (resumable: the partial is kept).
+    """
+    if isinstance(entry, SourceFile):
+        paths = [entry.path]
+    elif isinstance(entry, SourceGroup):
+        paths = [path for _, path in entry.files if isinstance(path, str)]
+    else:
+        return
+    for path in paths:
+        name = Path(os.path.relpath(path, folder)).as_posix()
+        if name in again:
+            refuse_changed(f"{url}/{name}", REWRITTEN.format(again[name]))
