@@ -21,8 +21,27 @@ import numpy as np
 from PIL import Image
 
 from packdata.formats.lmdb_env import encode_key
+from packdata.host.cores import usable_cpus
 
-__all__ = ["NaiveLMDB", "drop_caches", "import_streaming", "in_fresh_process", "make_images", "make_texts"]
+__all__ = [
+    "NaiveLMDB",
+    "cpus_note",
+    "drop_caches",
+    "import_streaming",
+    "in_fresh_process",
+    "make_images",
+    "make_texts",
+]
+
+
+def cpus_note() -> str:
+    """The CPUs a run may use, in words, with the host's count beside it where it differs.
+
+    Counted as convert and tune count them (:func:`packdata.host.cores.usable_cpus`: the affinity cut to the
+    cgroup's CPU quota): ``2 CPUs``, or ``2 CPUs (the host has 8)``.
+    """
+    usable, host = usable_cpus(), os.cpu_count()
+    return f"{usable} CPUs" if usable == host else f"{usable} CPUs (the host has {host})"
 
 
 def drop_caches() -> bool:

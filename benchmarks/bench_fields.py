@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import import_streaming
+from _common import cpus_note, import_streaming
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -157,7 +157,7 @@ def main() -> None:
     write_wds(folder, data / "wds-src")  # the tar source packdata converts from
     tars = str(data / "wds-src" / "data-*.tar")
     size = sum(len(j) + len(t) + len(m) for _, j, t, m in samples)
-    print(f"{args.samples} samples (jpg + txt + json), {size / 1e6:.1f} MB; {os.cpu_count()} CPUs")
+    print(f"{args.samples} samples (jpg + txt + json), {size / 1e6:.1f} MB; {cpus_note()}")
 
     convert_times: dict[str, list[float]] = {k: [] for k in ("packdata folder", "packdata tars", "wds", "mds")}
     for _ in range(args.repeats):

@@ -51,13 +51,14 @@ from typing import Any
 
 import lmdb
 import torch
-from _common import NaiveLMDB, drop_caches, import_streaming, in_fresh_process, make_images, make_texts
+from _common import NaiveLMDB, cpus_note, drop_caches, import_streaming, in_fresh_process, make_images, make_texts
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import packdata
 from packdata.formats.lmdb_env import encode_key
 from packdata.host.allocator import keep_freed_memory
+from packdata.host.cores import usable_cpus
 from packdata.measure.memory import _MemorySampler
 from packdata.reading.decode import decode_pil
 from packdata.reading.transforms import standard_transform
@@ -130,7 +131,7 @@ def _generate(kind: str, count: int, root: Path) -> Data:
         if kind == "text":
             make_texts(src, count, sizes=(1000, 8200), classes=10)  # 4.6 KB mean
         else:
-            parts = max(1, len(os.sched_getaffinity(0)))
+            parts = usable_cpus()
             with ProcessPoolExecutor(parts) as pool:
                 jobs = [pool.submit(make_images, src, count, sides=(320, 420), part=(k, parts)) for k in range(parts)]
                 for job in jobs:
@@ -198,7 +199,7 @@ def write_litdata(data: Data, out: Path) -> None:
         inputs=inputs,
         output_dir=str(out),
         chunk_bytes=SHARD,
-        num_workers=len(os.sched_getaffinity(0)),
+        num_workers=usable_cpus(),
         verbose=False,
     )
 
@@ -681,7 +682,7 @@ def main() -> None:
     if not args.skip_cold and not cold:
         print("cannot drop the page cache (not root?): no cold reads, converts read a warm source", file=sys.stderr)
     args.data.mkdir(parents=True, exist_ok=True)
-    cpus = len(os.sched_getaffinity(0))
+    cpus = cpus_note()
     command = " ".join(["python benchmarks/bench_peers.py", *sys.argv[1:]])
     tables = []
     for kind, count in (("text", args.text), ("images", args.images)):
@@ -690,7 +691,7 @@ def main() -> None:
             kept = [r for r in readers if kind == "images" or r != "lmdb-crop"]  # DecodeCrop decodes images
             tables.append(bench(data, kept, args, cold))
             print(tables[-1] + "\n", file=sys.stderr)
-    print(f"`{command}`: {cpus} CPUs, {args.repeats} interleaved repeats, medians [min-max]")
+    print(f"`{command}`: {cpus}, {args.repeats} interleaved repeats, medians [min-max]")
     print(f"cold: {'page cache dropped' if cold else 'skipped'}; batch {BATCH}; shards of {SHARD >> 20} MiB\n")
     print("\n\n".join(tables))
 

@@ -17,13 +17,13 @@ import argparse
 import io
 import json
 import logging
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import cpus_note
 from PIL import Image
 
 from packdata import convert
@@ -76,7 +76,7 @@ def main() -> None:
         _make_images(src, args.images)
     nbytes = _warm(src)
     print(f"# {args.images} JPEGs, {nbytes / 1e6:.0f} MB, {args.shard_samples} per shard, "
-          f"{os.cpu_count()} CPUs", file=sys.stderr)  # fmt: skip
+          f"{cpus_note()}", file=sys.stderr)  # fmt: skip
 
     figures: dict[str, dict] = {"local": _timed(src, out / "local.lmdb", shard_samples=args.shard_samples)}
     for cpus in (1, 2):

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _common import cpus_note
+
 import packdata
 
 
@@ -156,7 +158,7 @@ def _run(args: argparse.Namespace, options: dict[str, Any], fs: Any, work: Path)
     size = sum(p.stat().st_size for p in (work / "train.lmdb").rglob("*") if p.is_file())
     reference = statistics.median(times["s3fs fs.get(recursive)"])
     ceiling = statistics.median(times["ceiling: GET an object"])
-    print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {os.cpu_count()} CPUs, {args.repeats} repeats")
+    print(f"pack of {size / 1e6:.0f} MB from a local moto S3 server, {cpus_note()}, {args.repeats} repeats")
     for name, values in times.items():
         median = statistics.median(values)
         print(

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import shutil
 import statistics
 import sys
@@ -44,6 +43,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from _common import cpus_note
 from bench_remote import s3_server
 from bench_tfrecord import make_images
 from torch.utils.data import DataLoader
@@ -242,7 +242,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in pack.glob("*.tfrecord"))
         print(
             f"{count} JPEGs ({size / 1e6:.0f} MB) in {len(tars)} shards, a local moto S3 server in its own process, "
-            f"{os.cpu_count()} CPUs, batch {BATCH}, raw bytes, no shuffle, {args.repeats} interleaved repeats "
+            f"{cpus_note()}, batch {BATCH}, raw bytes, no shuffle, {args.repeats} interleaved repeats "
             "(median [min-max] samples/s):\n"
         )
         print(_table(results, count, args.workers))
