@@ -337,3 +337,40 @@ def test_pack_writer_refuses_a_key_whose_last_part_holds_a_dot_and_writes_the_re
     with pytest.raises(ConfigError, match=re.escape("sample 'x/c.d': the key's last part holds a dot")):
         packdata.write_pack([{"__key__": "x/c", "txt": "y"}, {"__key__": "x/c.d", "txt": "z"}], tmp_path / "t.lmdb")
     assert not (tmp_path / "t.lmdb").exists()
+
+
+def test_a_cls_field_holds_one_rule_in_pack_writer_and_convert_and_round_trips_through_export(tmp_path: Path) -> None:
+    """PackWriter stored x.cls = -1 (and 2**64, which no DataLoader collates), while convert refused '-1' in a cls
+    field as 'not a non-negative integer': the export of a PackWriter's pack did not convert back. Now one rule
+    (pack.fields.cls_problem): a cls field such as x.cls holds a decimal integer within int64, negative or not, as
+    webdataset's int(text) reads it; the label (the field named cls) is also at least 0, in both paths."""
+    from packdata.formats.contents import export_pack
+
+    with packdata.PackWriter(tmp_path / "w.lmdb") as writer:
+        writer.write({"__key__": "a", "cls": 2, "x.cls": -1, "txt": "a"})
+        writer.write({"__key__": "b", "x.cls": "-9223372036854775808", "txt": "b"})
+        int64 = "an integer within int64, read as an int, not "
+        for bad, says in (
+            (2**63, int64 + "9223372036854775808"),
+            (-(2**300), int64 + "an integer of 301 bits"),
+            ("1e3", "a decimal integer, read as an int, not b'1e3'"),
+        ):
+            with pytest.raises(ConfigError, match=re.escape(f"sample 'bad': field 'x.cls': a cls field holds {says}")):
+                writer.write({"__key__": "bad", "x.cls": bad})
+        with pytest.raises(ConfigError, match="cls should be an integer >= 0, but got -2"):
+            writer.write({"__key__": "bad", "cls": -2, "txt": "x"})
+    export_pack(tmp_path / "w.lmdb", tmp_path / "out")
+    src = tmp_path / "out"
+    (src / "c.x.cls").write_bytes(b"9223372036854775808\n")  # past int64: refused as PackWriter refuses it
+    (src / "c.txt").write_bytes(b"c")
+    (src / "d.cls").write_bytes(b"-1\n")  # the label itself is at least 0, as PackWriter's
+    (src / "d.txt").write_bytes(b"d")
+    result = packdata.convert(src, tmp_path / "back.lmdb", layout="grouped", progress=False)
+    assert result.packed == 2 and result.skipped == {"bad label": 2}
+    assert sorted((e["key"], e["detail"]) for e in result.skip_examples) == [
+        ("c", "field 'x.cls': cls file holds b'9223372036854775808\\n', not a decimal integer within int64"),
+        ("d", "field 'cls': cls file holds b'-1\\n', not a non-negative integer"),
+    ]
+    for pack in (tmp_path / "w.lmdb", tmp_path / "back.lmdb"):
+        got = list(packdata.LMDBDataset(pack, fields=("__key__", "cls", "x.cls"), missing={"cls": -1}))
+        assert got == [("a", 2, -1), ("b", -1, -(2**63))]

@@ -20,7 +20,7 @@ from packdata.conversion.pool_map import ordered_map
 from packdata.conversion.remote_folder import RemoteSourceFile
 from packdata.conversion.sources import FREE_CLASSES, RemoteFile, Skip, SourceFile, SourceGroup, too_large
 from packdata.errors import ConfigError, ImageFormatError
-from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, codec_of, encode_block
+from packdata.pack.fields import LABEL_FIELD, FieldError, check_npy, cls_problem, codec_of, encode_block
 from packdata.pack.images import decoding_errors, decoding_sample, deep_mode, jpeg_frame, open_image
 from packdata.pack.records import MAX_SAMPLE_BYTES, Sample
 from packdata.pack.turbo import decoded_rgb
@@ -269,12 +269,13 @@ def _field_problem(name: str, data: bytes, opts: _Options) -> tuple[str, str] | 
             return "not JSON", str(exc)
         except RecursionError:
             return "not JSON", "nested deeper than the JSON parser goes"
-    if codec == "cls":
-        text = data.strip()
-        if not text.isdigit() or len(text) > 9:
+    if codec == "cls":  # as PackWriter stores it: any int64 (seg.cls may hold -1), the label itself from 0
+        if cls_problem(data):
+            return "bad label", f"cls file holds {data[:20]!r}, not a decimal integer within int64"
+        if name == LABEL_FIELD and int(data) < 0:
             return "bad label", f"cls file holds {data[:20]!r}, not a non-negative integer"
-        if int(text) >= FREE_CLASSES:  # classes 0..label would each be named in the manifest
-            return "bad label", f"cls file holds {int(text)}: a cls label is below {FREE_CLASSES}, each class named"
+        if name == LABEL_FIELD and int(data) >= FREE_CLASSES:  # classes 0..label would each be named in the manifest
+            return "bad label", f"cls file holds {int(data)}: a cls label is below {FREE_CLASSES}, each class named"
     if codec == "npy":
         try:
             check_npy(data)  # the header, against the bytes that follow: no array is allocated

@@ -54,6 +54,7 @@ __all__ = [
     "KEY_FIELD",
     "check_field_name",
     "check_npy",
+    "cls_problem",
     "codec_of",
     "decode_block",
     "dotted_key_problem",
@@ -74,6 +75,7 @@ _ENTRY = struct.Struct("<QI")
 _MAX_FIELDS = 0xFFFF
 DECIMAL_INTEGER = re.compile(rb"\s*[+-]?[0-9]+\s*")
 """What a ``cls`` field holds (``fullmatch``): a decimal integer, spaces around it allowed (``int()`` takes more)."""
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class FieldError(ValueError):
@@ -99,6 +101,23 @@ def codec_of(name: str) -> str:
     if ext in ("json", "npy", "cls"):
         return ext
     return "bytes"
+
+
+def cls_problem(data: bytes) -> str | None:
+    """Why ``data`` cannot be a ``cls``-codec field such as ``seg.cls`` (read as an int), or None.
+
+    Such a field holds a decimal integer (ASCII digits, an optional sign,
+    spaces around it), as WebDataset's ``int(text)`` and packdata's
+    ``decode="int"`` read it, negative ones included (a class to ignore is
+    often -1), within int64 (what a DataLoader's collate makes of it). The
+    label itself (the field named ``cls``) is also at least 0: its caller checks that.
+    """
+    if not DECIMAL_INTEGER.fullmatch(data):
+        return f"a cls field holds a decimal integer, read as an int, not {data[:20]!r}"
+    digits = data.strip().lstrip(b"+-").lstrip(b"0")
+    if len(digits) > 19 or not _INT64[0] <= int(data) <= _INT64[1]:  # length first: no int() of a million digits
+        return f"a cls field holds an integer within int64, read as an int, not {data[:20]!r}"
+    return None
 
 
 def check_field_name(name: object) -> str:
@@ -178,17 +197,22 @@ def encode_value(name: str, value: Any, codec: str | None = None) -> bytes:
     :data:`~packdata.pack.images.JPEG_QUALITY`, WebP lossless; refused where
     that format would not read back as the image); for a ``json`` field any JSON-able value is
     dumped (sorted keys, no NaN); an ``npy`` field takes a numpy array (saved
-    with ``allow_pickle=False``); a ``cls`` field takes an int; an int or float
-    in a ``txt`` field is stored as its decimal text; a ``cls`` field (``seg.cls``) holds a decimal integer.
+    with ``allow_pickle=False``); a ``cls`` field (``seg.cls``) takes an int or
+    its decimal text, within int64 (:func:`cls_problem`); an int or float
+    in a ``txt`` field is stored as its decimal text.
 
     Raises:
         FieldError: the value cannot be stored under this name.
     """
     codec = codec or codec_of(name)
-    if codec == "cls" and isinstance(value, str | bytes | bytearray | memoryview):  # read back as an int
-        given = value.encode("utf-8", "replace") if isinstance(value, str) else bytes(value)
-        if not DECIMAL_INTEGER.fullmatch(given):
-            raise FieldError(f"field {name!r}: a cls field holds a decimal integer, read as an int, not {given[:20]!r}")
+    if codec == "cls" and isinstance(value, numbers.Integral) and not isinstance(value, bool):  # read back as an int
+        if not _INT64[0] <= int(value) <= _INT64[1]:
+            shown = int(value) if int(value).bit_length() <= 256 else f"an integer of {int(value).bit_length()} bits"
+            raise FieldError(f"field {name!r}: a cls field holds an integer within int64, read as an int, not {shown}")
+    elif codec == "cls" and isinstance(value, str | bytes | bytearray | memoryview):
+        problem = cls_problem(value.encode("utf-8", "replace") if isinstance(value, str) else bytes(value))
+        if problem:
+            raise FieldError(f"field {name!r}: {problem}")
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
     if codec == "json":
