@@ -777,3 +777,41 @@ def test_a_python_whose_tarfile_bypasses_the_header_bounds_refuses_tars_naming_i
         "packdata knows (3.11 to 3.13), or extract the tars with tar and convert the folder\n"
     )
     assert not dst.exists() and not partial_path(dst).exists()
+
+
+@pytest.mark.parametrize("damage", ["cut in its data", "negative size", "unreadable header"])
+def test_a_tar_damaged_at_its_first_member_remembers_that_members_key_when_its_header_names_one(
+    tmp_path: Path, damage: str
+) -> None:
+    """A tar damaged at its very first member named no key ('t-0.tar', 'no sample of this tar is packed'), so a later
+    tar's sample of that member's key was packed while 997590b skips a later tar's sample of any key skipped before.
+    Now a first member whose header was read (its data cut, or a size below 0) gives its key, skipped and remembered:
+    t-1's a is a 'duplicate key' skip. An unreadable header names nothing: nothing is remembered, a is packed."""
+    first, second = tmp_path / "t-0.tar", tmp_path / "t-1.tar"
+    if damage == "cut in its data":
+        plain = _member("a.bin", b"A" * 3000)[:1536]  # its header and 1,024 of its 3,000 bytes
+        said = "member 'a.bin' claims 3000 bytes, past the tar's end (byte 1536)"
+    else:
+        info = tarfile.TarInfo("a.bin")
+        block = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+        block[124:136] = b"\xff" + (-256 % 256**11).to_bytes(11, "big")  # GNU base-256 -256
+        block[148:156] = b" " * 8
+        block[148:156] = b"%06o\0 " % (sum(block) + (damage == "unreadable header"))  # 1 off: a bad checksum
+        plain = bytes(block) + _member("b.bin", b"B") + bytes(1024)
+        said = "the member 'a.bin' at byte 0 claims -256 bytes: a damaged or crafted tar?"
+    first.write_bytes(plain)
+    second.write_bytes(_member("a.bin", b"a") + _member("c.bin", b"c") + bytes(1024))
+    out = tmp_path / "out.lmdb"
+    result = packdata.convert(str(tmp_path / "t-{0..1}.tar"), out, progress=False)
+    got = [(s["key"], s["reason"], s["detail"]) for s in result.skip_examples]
+    if damage == "unreadable header":
+        assert [s["__key__"] for s in packdata.LMDBDataset(out)] == ["a", "c"]
+        assert [(key, reason) for key, reason, _ in got] == [("t-0.tar", "corrupt tar")]
+        assert got[0][2].endswith("; no sample of this tar is packed")
+        return
+    assert [s["__key__"] for s in packdata.LMDBDataset(out)] == ["c"]
+    earlier = f"an earlier sample in {first} has this key ({second})"
+    assert got == [
+        ("t-0.tar:a", "corrupt tar", f"{said}; the samples before this one in the tar are kept"),
+        ("a", "duplicate key", f"{earlier}; that one was skipped (reported): this one is never packed in its place"),
+    ]

@@ -158,6 +158,8 @@ class TarSource:
                             else:
                                 keys.end(key, packed=False)
                             key, fields = base or member.name, {}
+                        elif key is None and base is not None:  # the first member: its header read names a key
+                            key = base  # skipped, and remembered: a later tar's sample of it is never packed instead
                         raise tarfile.ReadError(problem)
                     where = f"{name}:{member.name}"
                     if member.isdir():
