@@ -844,3 +844,33 @@ def test_webdataset_s_integer_fields_read_as_ints_as_webdataset_reads_them_and_p
     refused = "field 'seg.cls': a cls field holds a decimal integer, read as an int, not b'three'"
     with pytest.raises(packdata.PackdataError, match=re.escape(refused)), packdata.PackWriter(tmp_path / "w") as writer:
         writer.write({"__key__": "a", "seg.cls": "three"})
+
+
+def test_webdataset_s_other_decoded_fields_read_as_bytes_and_as_webdataset_reads_them_when_asked(
+    tmp_path: Path,
+) -> None:
+    """webdataset 1.0.2's default decoders also read inx, index and id as ints, jsn as JSON and transcript as text.
+    packdata keeps their codec bytes, so an id holding no integer (a hash) or a jsn holding no JSON still converts
+    and a pack merges with the packs converted before it (merge refuses a field of two codecs); decode= gives what
+    webdataset gives, through a DataLoader worker."""
+    wds = pytest.importorskip("webdataset")
+    members: dict[str, bytes] = {}
+    for i in range(3):
+        members |= {f"s{i}.inx": b"%d" % i, f"s{i}.index": b" %d\n" % (i - 1), f"s{i}.id": b"%d" % (100 + i)}
+        members |= {f"s{i}.jsn": b'{"i": %d}' % i, f"s{i}.transcript": "caf\u00e9 %d".encode() % i}
+    pack = packdata.convert(_tar(tmp_path / "t.tar", members), tmp_path / "p.lmdb", progress=False).pack
+    names = ("inx", "index", "id", "jsn", "transcript")
+    assert {name: read_manifest(pack).codecs[name] for name in names} == dict.fromkeys(names, "bytes")
+    asked = {"inx": "int", "index": "int", "id": "int", "jsn": "json", "transcript": "text"}
+    ds = packdata.LMDBDataset(pack, decode=asked)
+    got = {sample["__key__"]: sample for sample in DataLoader(ds, batch_size=None, num_workers=1)}
+    theirs = {s["__key__"]: s for s in wds.WebDataset(str(tmp_path / "t.tar"), shardshuffle=False).decode()}
+    assert sorted(got) == sorted(theirs) == ["s0", "s1", "s2"]
+    for key in got:
+        assert {name: got[key][name] for name in names} == {name: theirs[key][name] for name in names}
+    assert packdata.LMDBDataset(pack)[0]["id"] == b"100"  # by default: its bytes, as in a pack written before
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "a.id").write_bytes(b"9f86d081")  # an id that is a hash, not an integer: packed, as before
+    (tmp_path / "u" / "a.jsn").write_bytes(b"not json")
+    assert packdata.convert(tmp_path / "u", tmp_path / "u.lmdb", layout="grouped", progress=False).packed == 1
+    assert packdata.merge_packs([pack, tmp_path / "u.lmdb"], tmp_path / "m.lmdb").samples == 4
