@@ -283,12 +283,15 @@ def test_a_shard_fetched_in_many_ranges_is_hashed_from_them_in_order_whatever_or
     assert not (tmp_path / "cache" / "ranges-bad.lmdb").exists()
 
 
-def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_not_mixed(
+def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_at_the_next_range_not_mixed(
     s3, remote_pack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another version of a shard (one byte changed near its end) uploaded once its first range has been read: the
-    copy would hold the old version's first KiB and the new one's rest. It is refused by the manifest's SHA-256,
-    the shard never takes its name in the download and nothing is staged."""
+    copy would hold the old version's first KiB and the new one's rest. Its ranges were read with no version (only a
+    file without a size in the manifest was pinned), so every range of the new object was downloaded and the mix
+    caught only by the manifest's SHA-256 at the end. Every range is read at the version the stage looked up now
+    (S3's If-Match): the next range answers 412, no byte of the new object is taken, the shard is named at once and
+    nothing is staged."""
     from packdata.staging import fetch
 
     options, fs = s3
@@ -298,13 +301,16 @@ def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_not_m
     shard = f"{root}/shard-00001.lmdb/data.mdb"
     new = bytearray(fs.cat_file(shard))
     new[-100] ^= 0xFF
-    read, rewritten = fetch.read_at_version, []
+    read, rewritten, taken_after = fetch.read_at_version, [], []
 
     def rewritten_after_the_first_range(store_fs, path, *args, **kwargs):
         data = read(store_fs, path, *args, **kwargs)
-        if path.endswith(shard) and not rewritten:
-            fs.pipe_file(shard, bytes(new))
-            rewritten.append(True)
+        if path.endswith(shard):
+            if rewritten:
+                taken_after.append(len(data))
+            else:
+                fs.pipe_file(shard, bytes(new))
+                rewritten.append(True)
         return data
 
     monkeypatch.setattr(fetch, "_RANGE", 1024)
@@ -312,13 +318,41 @@ def test_a_shard_rewritten_at_the_url_between_two_of_its_ranges_is_refused_not_m
     cache = tmp_path / "cache"
     with pytest.raises(
         PackFormatError,
-        match=rf"^s3://{root}: shard-00001\.lmdb/data\.mdb does not match the manifest's SHA-256 \(damaged, or the "
-        r"pack changed while staging\)",
+        match=rf"^s3://{root}/shard-00001\.lmdb/data\.mdb: was rewritten \(the pack at the URL changed while "
+        r"staging\): nothing was staged from it",
     ):
         packdata.stage(f"s3://{root}", to=cache, storage_options=options, progress=False, workers=1)
     assert rewritten
+    assert taken_after == [], "ranges of the rewritten object were downloaded"
     assert not (cache / "rewritten-mid-stage.lmdb").exists()
     assert not (cache / ".rewritten-mid-stage.lmdb.partial" / "shard-00001.lmdb" / "data.mdb").exists()
+
+
+def test_a_pack_uploaded_again_by_another_client_after_this_process_listed_it_stages_the_new_pack(
+    s3, tmp_path: Path
+) -> None:
+    """A stage looks each file's version up before it downloads; s3fs answered that look-up from a listing this
+    process had cached, so a pack uploaded again by another client since was pinned at the old objects' ETags and
+    refused as 'was rewritten' at every stage in this process. The look-up asks the store now."""
+    import s3fs
+
+    options, fs = s3
+    root = "packs/relisted.lmdb"
+    packs = []
+    for seed in (0, 50):
+        (tmp_path / f"src{seed}" / "a").mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / f"src{seed}" / "a" / f"{i}.jpg").write_bytes(image_bytes(seed + i))
+        packs.append(packdata.convert(tmp_path / f"src{seed}", tmp_path / f"p{seed}.lmdb", progress=False).pack)
+    fs.put(str(packs[0]), root, recursive=True)
+    for folder in {root, *(f.rsplit("/", 1)[0] for f in fs.find(root))}:
+        fs.ls(folder, detail=True)  # this process's listings of the first pack
+    other = s3fs.S3FileSystem(skip_instance_cache=True, **options)  # another client: this one's listings stay
+    other.rm(root, recursive=True)
+    other.put(str(packs[1]), root, recursive=True)
+    staged = packdata.stage(f"s3://{root}", to=tmp_path / "cache", storage_options=options, progress=False).staged
+    for file in (f for f in packs[1].rglob("*") if f.is_file()):
+        assert (staged / file.relative_to(packs[1])).read_bytes() == file.read_bytes(), file
 
 
 def test_a_stage_looks_up_the_files_its_manifest_gives_no_size_in_parallel(

@@ -166,10 +166,11 @@ def _fetch_range(fs: Any, root: str, file: _File, start: int, end: int, shown: s
 
     The last range asks for one byte more: an object now larger than ``size``
     (rewritten at the origin) is named, never cut to a prefix of another
-    file. With a ``version`` (a file the manifest gives no size or SHA-256,
-    looked up when the stage began) the bytes come only from that version on
-    S3 (``If-Match``; elsewhere its version is looked up again after each
-    read): an object rewritten since, even at the same size, is named.
+    file. With a ``version`` (every file found when the stage looked it up,
+    shards included) the bytes come only from that version on S3
+    (``If-Match``; elsewhere its version is looked up again after each read):
+    an object rewritten since, even at the same size, is named at its first
+    range read after the change, before the rest of it is downloaded.
 
     Raises:
         PackFormatError: the object is missing, shorter or larger than the manifest (a shard) or its look-up

@@ -321,16 +321,25 @@ def _add_to_marker(folder: Path, marker: dict[str, Any] | None = None, **items: 
 def _look_up(
     fs: Any, root: str, files: list[tuple[str, int | None, str | None, bool]], workers: int | None
 ) -> dict[str, tuple[int | None, str]]:
-    """Relative path -> (size, version) of each of ``files`` (see :func:`_pack_files`): the manifest's size (no
-    version) or, for a file it gives none, its size and version now, looked up in parallel (one request each)."""
-    unsized = [(rel, required) for rel, size, _, required in files if size is None]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(unsized), workers or FETCH_WORKERS))) as pool:
-        found = dict(zip(unsized, pool.map(lambda f: _remote_size(fs, f"{root}/{f[0]}", f[1]), unsized), strict=True))
-    return {rel: (size, "") if size is not None else found[rel, required] for rel, size, _, required in files}
+    """Relative path -> (size, version) of each of ``files`` (see :func:`_pack_files`), looked up in parallel (one
+    request each): the manifest's size, or its size now for a file it gives none, and its version now.
+
+    Every range of the download is read at that version (:func:`~packdata.staging.fetch.download`), so a file
+    replaced after its look-up is named at its first range read since, not after all of it is downloaded. A
+    file of the manifest's size missing here keeps that size and no version: its download names it missing.
+    """
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), workers or FETCH_WORKERS))) as pool:
+        found = pool.map(lambda f: _remote_size(fs, f"{root}/{f[0]}", f[3] and f[1] is None), files)
+        return {
+            rel: (found_size if size is None else size, version)
+            for (rel, size, _, _), (found_size, version) in zip(files, found, strict=True)
+        }
 
 
 def _remote_size(fs: Any, path: str, required: bool) -> tuple[int | None, str]:
-    """The size (None: no such object) and version (:func:`~packdata.pack.urls.object_version`) of ``path``."""
+    """The size (None: no such object) and version (:func:`~packdata.pack.urls.object_version`) of ``path``, asked
+    of the store now: not of a listing this process cached earlier (another client may have written it since)."""
+    fs.invalidate_cache(path)
     found = remote_object(fs, path, display_url(path))
     if found is None and required:
         raise PackFormatError(f"{display_url(path)}: a file the manifest needs is missing")
