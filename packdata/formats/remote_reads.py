@@ -134,8 +134,9 @@ _PINS: dict[tuple[Any, str], tuple[Manifest, str]] = {}
 def pinned_version(fs: Any, path: str, where: str, opened: Manifest) -> str:
     """The version of the shard object ``path`` this process reads for the pack whose manifest is ``opened``.
 
-    The first call for ``path`` and ``opened`` in a process (forked children
-    inherit the pins) asks the store for the object's version
+    The first call for ``path`` and ``opened`` in a process (pins are keyed by
+    the filesystem instance, which a reader opens anew in each process: a
+    forked worker inherits none it uses and pins again) asks the store for the object's version
     (:func:`~packdata.pack.urls.object_version`; on S3, for a pack of at most
     ``_LISTED_SHARDS`` shards, every shard's version from one listing, all
     pinned together), then reads the pack's
