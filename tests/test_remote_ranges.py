@@ -116,7 +116,8 @@ def test_a_hard_link_in_a_tar_read_through_a_store_that_ignores_range_is_refused
 ) -> None:
     """A hard link's ranged read of its target's bytes got the whole tar: sample b was skipped as a 'corrupt tar'
     ("a hard link's member holds N of its 11 bytes", N the tar's size), blaming the tar. Now the store's refusal
-    is raised, as it is, naming the tar's URL."""
+    is raised, as it is, naming the tar's URL: the read goes through packdata's own GET at the tar's version, so
+    the reply's status and headers are checked (HTTP 200, no Content-Range), not only its length."""
     options, fs = s3
     tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
     fs.put_file(str(tmp_path / "data.tar"), "packs/ranges-tar/data.tar")
@@ -125,9 +126,7 @@ def test_a_hard_link_in_a_tar_read_through_a_store_that_ignores_range_is_refused
         with pytest.raises(SourceError) as raised:
             packdata.convert(f"s3://{tar}", tmp_path / "out.lmdb", storage_options=faulty, progress=False)
     said = str(raised.value)
-    found = re.fullmatch(
-        rf"s3://{tar}: asked for bytes (\d+)-(\d+), the store answered (\d+) bytes: it ignored {_HINT}.*", said
-    )
+    found = re.fullmatch(rf"s3://{tar}: {_IGNORED} {_HINT}.*", said)  # the reply's headers checked, read at its version
     target = (tmp_path / "data.tar").read_bytes().index(b"one caption")  # a.txt's bytes, which b.txt links to
     assert found and (int(found[1]), int(found[2])) == (target, target + len("one caption") - 1), said
     assert int(found[3]) == fs.size(tar), said  # the whole tar answered

@@ -422,3 +422,36 @@ def test_a_hard_link_in_a_tar_at_a_url_is_read_from_the_member_it_names(s3, tmp_
     )
     assert (result.packed, result.skipped) == (2, {})
     assert [s["txt"] for s in packdata.LMDBDataset(tmp_path / "out.lmdb")] == ["one caption", "one caption"]
+
+
+def test_a_tar_at_a_url_replaced_before_its_hard_link_is_read_stops_rather_than_read_the_new_tar(
+    s3, tmp_path: Path, monkeypatch
+) -> None:
+    """b.txt, a hard link to a.txt, is read with a ranged request of a.txt's bytes when the walk reaches it. That
+    request carried no version: a tar replaced (a.txt's caption changed, same length) after the walk had read its
+    members gave sample b the new tar's caption, checked only for length. It is read at the version the tar was
+    opened at now (S3's If-Match): the replaced tar fails the read and the conversion stops, resumable."""
+    import tarfile
+
+    options, fs = s3
+    tar_with_a_hard_link(tmp_path / "src", tmp_path / "data.tar")
+    fs.put_file(str(tmp_path / "data.tar"), "packs/relinked/data.tar")
+    with tarfile.open(tmp_path / "data.tar") as tar:
+        caption = tar.getmember("a.txt").offset_data
+    new = bytearray((tmp_path / "data.tar").read_bytes())
+    new[caption : caption + 11] = b"ONE CAPTION"
+    real, replaced, ranges = fs._call_s3, [], []
+
+    async def replaced_at_the_link_read(method, *args, **kwargs):
+        if method == "get_object" and kwargs.get("Key") == "relinked/data.tar":
+            ranges.append(kwargs.get("Range", ""))
+            if kwargs.get("Range", "").startswith(f"bytes={caption}-") and not replaced:
+                replaced.append(True)
+                await real("put_object", Bucket="packs", Key="relinked/data.tar", Body=bytes(new))
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", replaced_at_the_link_read)
+    with pytest.raises(SourceError, match=r"^s3://packs/relinked/data\.tar: cannot read the tar; rerun with resume"):
+        packdata.convert("s3://packs/relinked/data.tar", tmp_path / "out.lmdb", storage_options=options, progress=False)
+    assert replaced, ranges
+    assert not (tmp_path / "out.lmdb").exists()

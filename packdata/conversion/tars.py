@@ -65,9 +65,9 @@ from packdata.errors import SourceError
 from packdata.pack.fields import FieldError, check_field_name
 from packdata.pack.files import open_regular
 from packdata.pack.keyset import KeySet
-from packdata.pack.ranges import check_range_length, range_ignored
+from packdata.pack.ranges import range_ignored
 from packdata.pack.records import MAX_KEY_BYTES, MAX_SAMPLE_BYTES
-from packdata.pack.urls import display_url, is_url, open_url, remote_error
+from packdata.pack.urls import display_url, is_url, object_version, open_url, read_at_version, remote_error
 
 __all__ = ["TarSource", "expand_shards", "is_tar_pattern", "scan_tars"]  # expand_shards, is_tar_pattern: tar_patterns
 
@@ -246,11 +246,15 @@ class TarSource:
             keys.end(key, packed=False)
 
     def _read_span(self, shard: str, stream: BinaryIO, offset: int, size: int) -> bytes:
-        """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is."""
+        """``size`` bytes of an uncompressed tar from ``offset`` (a hard link's target), the stream left where it is.
+
+        At a URL, read at the version ``stream`` was opened at (s3fs's ETag: ``If-Match``), so a tar replaced
+        since fails the read (HTTP 412) rather than give the new object's bytes; the reply's range is checked.
+        """
         if self.fs is not None:
-            data = bytes(self.fs.cat_file(shard, start=offset, end=offset + size))
             where = display_url(f"{self.scheme}://{shard}")
-            check_range_length(len(data), where, offset, offset + size)  # a store that ignores Range: named
+            version = object_version(getattr(stream, "details", None) or {})
+            data = read_at_version(self.fs, shard, version, offset, offset + size, where=where)
         else:
             data = os.pread(stream.fileno(), size, offset)
         if len(data) != size:
