@@ -77,6 +77,14 @@ def check_range_length(size: int, where: str, start: int, end: int | None) -> No
     """Raise if a reply of ``size`` bytes to a read of bytes ``[start, end)`` is longer than asked for.
 
     For a client that shows no headers (fsspec's ``cat_file``): a shorter reply is the caller's to explain.
+    Only the length is seen, so a store that ignores ``Range`` (answering the whole object: Python's
+    ``http.server`` through fsspec's HTTP filesystem, for one) is caught only where the object is longer
+    than the range asked for. Not caught: ``start`` > 0 with ``end`` past the object's end by ``start``
+    bytes or more (bytes 100-1199 of a 1,000-byte object: its 1,000 bytes are taken), and ``end`` None
+    (nothing to compare with). packdata's callers never ask either: every range lies inside an object whose
+    size is known (a tar's hard-link target within the tar; a reader's records within its shard, a reply
+    shorter than asked then named by its length check), and a stage's last range asks one byte past the
+    manifest's size, so a whole-object reply to any range after its first is longer than asked.
 
     Raises:
         SourceError: it is longer.

@@ -204,7 +204,9 @@ def read_at_version(
     replaced since answers HTTP 412 (see :func:`precondition_failed`), at no
     extra request. Elsewhere, or without a version, the bytes are read as they are now.
     A ranged read's reply is checked (:mod:`packdata.pack.ranges`): on S3 its
-    status and ``Content-Range``, elsewhere that it is no longer than asked for;
+    status and ``Content-Range``, elsewhere that it is no longer than asked for (which
+    does not catch every reply that ignores ``Range``: see
+    :func:`~packdata.pack.ranges.check_range_length`);
     ``where`` names the object in that error (default: its URL as ``fs`` names it).
 
     Raises:
