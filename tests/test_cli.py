@@ -859,6 +859,53 @@ def test_bench_and_tune_of_a_pack_behind_a_folder_the_user_may_not_search_is_one
     )
 
 
+@pytest.mark.root
+def test_export_and_stage_into_a_folder_the_user_may_not_search_is_one_line(tmp_path: Path) -> None:
+    """export DST, stage --to DIR and stage --status --mount DIR behind a folder this user may not search (mode 700,
+    root's) raised PermissionError with a traceback (from Path.is_symlink, Path.exists)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the command as another user")
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    (tmp_path / "src" / "c" / "a.jpg").write_bytes(image_bytes(0))
+    shared = Path(tempfile.mkdtemp(prefix="packdata_shared_"))  # one nobody may search, outside tmp_path's
+    try:
+        shared.chmod(0o755)
+        pack = shared / "train.lmdb"
+        assert _run("convert", str(tmp_path / "src"), str(pack), "-q").exit_code == 0
+        subprocess.run(["chmod", "-R", "a+rX", str(pack)], check=True)
+        hidden = shared / "hidden"
+        hidden.mkdir(mode=0o700)  # root's: the user nobody may not look inside
+        _refused_as_nobody(pack, hidden)
+        assert sorted(p.name for p in hidden.iterdir()) == []  # nothing written
+    finally:
+        shutil.rmtree(shared)
+
+
+def _refused_as_nobody(pack: Path, hidden: Path) -> None:
+    """export, stage --to and stage --status --mount into ``hidden`` as nobody: one line each, exit 1."""
+    cases = (
+        (
+            ["export", str(pack), str(hidden / "out")],
+            f"{hidden / 'out'}: the export destination cannot be looked at (Permission denied). "
+            "Choose a folder this user may search and write",
+        ),
+        (
+            ["stage", str(pack), "--to", str(hidden / "area"), "-q"],
+            f"{hidden / 'area' / 'train.lmdb'}: the staging destination cannot be looked at (Permission denied). "
+            "Give a --to DIR whose folders this user may search",
+        ),
+        (
+            ["stage", "--status", "--mount", str(hidden / "area")],
+            f"{hidden / 'area'}: cannot be read (Permission denied). "
+            "Name a staging area or staged pack that you may read",
+        ),
+    )
+    for args, said in cases:
+        run = _as_nobody(*args)
+        assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+        assert run.stderr == f"Error: {said}\n"
+
+
 def test_help_names_what_an_options_value_is_not_its_click_type() -> None:
     """--help showed '--shard-size TEXT', '--seconds FINITE FLOAT RANGE', '--workers TEXT' (a list) and
     '--storage-options TEXT', which say nothing of what to write."""

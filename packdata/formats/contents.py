@@ -22,7 +22,7 @@ from packdata.formats import get_format
 from packdata.formats.remote_pack import fetch_pack_skeleton, forget_skeleton
 from packdata.host.disks import FULL_DISK_ERRNOS, no_space_error, write_error
 from packdata.pack.fields import LABEL_FIELD, FieldError, decode_block, dotted_key_problem
-from packdata.pack.files import fsync_dir, is_inside
+from packdata.pack.files import check_visible, fsync_dir, is_inside
 from packdata.pack.index import SampleIndex, check_index_digests
 from packdata.pack.manifest import Manifest, read_manifest, resolve_in_pack
 from packdata.pack.records import Sample
@@ -293,6 +293,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
     index = _index(pack, manifest)  # read as a dataset reads the pack: keys and labels from the index
     check_index_digests(pack / manifest.index_dir, manifest.index_sha256)  # a damaged index: before dst is made
+    check_visible(dst, what="the export destination", hint="Choose a folder this user may search and write")
     if is_inside(dst, pack):  # its files would become part of the pack's folder
         raise ConfigError(
             "export destination is inside the pack being exported", path=dst, hint="Choose a folder outside it"

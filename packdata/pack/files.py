@@ -52,6 +52,7 @@ __all__ = [
     "read_bounded",
     "read_regular",
     "source_mode",
+    "check_visible",
     "stream_sha256",
     "temporary_owner",
 ]
@@ -226,6 +227,26 @@ def source_mode(path: str | os.PathLike) -> int | None:
             path=path,
             hint="Check the permissions of the folders above it: each needs search (x) permission for this user",
         ) from exc
+
+
+def check_visible(path: str | os.PathLike, *, what: str, hint: str) -> None:
+    """Refuse a path to write that cannot be looked at (a folder above it this user may not search); missing passes.
+
+    Args:
+        path: the destination (a pack, a staged pack, an export's folder), which need not exist yet.
+        what: what it is, opening the message (``the destination``).
+        hint: what to do, naming keyword arguments.
+
+    Raises:
+        ConfigError: ``path``: ``WHAT cannot be looked at (Permission denied)``, where ``Path.exists`` and
+            ``Path.is_symlink`` would raise ``PermissionError`` with a traceback.
+    """
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # a new destination
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be looked at ({exc.strerror or exc})", path=path, hint=hint) from exc
 
 
 def sha256_prefix(sha256_hex: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from packdata._version import __version__
 from packdata.errors import ConfigError
-from packdata.pack.files import open_regular, read_bounded, temporary_owner
+from packdata.pack.files import check_visible, open_regular, read_bounded, temporary_owner
 from packdata.pack.manifest import STAGED_FILE
 from packdata.pack.manifest.schema import MAX_MANIFEST_BYTES
 from packdata.staging.copy import LOCK, PARTIAL
@@ -188,6 +188,7 @@ def check_destination(source: Path | str, dest: Path, *, user: str = "") -> None
         ConfigError: ``dest`` must not be written; only an empty folder, one a killed stage left
             holding only its lock, or a staged copy of ``source`` may be, each of this user's own.
     """
+    check_visible(dest, what="the staging destination", hint="Give a to=DIR whose folders this user may search")
     if isinstance(source, Path):
         real_source, real_dest = source.resolve(), dest.resolve()
         if real_dest == real_source:

@@ -181,9 +181,9 @@ def stage_status(area: str | os.PathLike | None = None) -> StageStatus:
     mounts = read_mounts()
     if area is not None:
         paths = [Path(area).absolute()]
-        if paths[0].is_symlink():  # reported where it leads, as unstage names it
-            paths = [paths[0].resolve()]
         with unreadable_named(paths[0]):
+            if paths[0].is_symlink():  # reported where it leads, as unstage names it
+                paths = [paths[0].resolve()]
             if not paths[0].is_dir():
                 raise ConfigError("no such staging area", path=paths[0])
     else:
