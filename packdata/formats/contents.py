@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +99,10 @@ def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> i
     if which.startswith("#") and digits.isascii() and digits.isdigit():  # ASCII: isdigit alone takes '²'
         if len(digits) > 18 or int(digits) >= manifest.num_samples:  # int() refuses over 4,300 digits
             shown = digits if len(digits) <= 18 else f"{digits[:18]}..."
-            raise ConfigError(f"index {shown} is out of range for {manifest.num_samples} samples", path=where)
+            n = manifest.num_samples
+            listed = f"`packdata ls {shlex.quote(str(where))}` lists them"
+            hint = f"Pick #0 to #{n - 1}, or a key ({listed})" if n else "The pack is empty"
+            raise ConfigError(f"index {shown} is out of range for {n} samples", path=where, hint=hint)
         return int(digits)
     keys = _index(pack, manifest, where).keys
     for i in range(len(keys)):
