@@ -907,20 +907,40 @@ def _refused_as_nobody(pack: Path, hidden: Path) -> None:
 
 
 def test_help_names_what_an_options_value_is_not_its_click_type() -> None:
-    """--help showed '--shard-size TEXT', '--seconds FINITE FLOAT RANGE', '--workers TEXT' (a list) and
-    '--storage-options TEXT', which say nothing of what to write."""
+    """--help showed '--shard-size TEXT', '--seconds FINITE FLOAT RANGE', '--workers TEXT' (a list),
+    '--storage-options TEXT', '--require TEXT', '--shards TEXT' and '--limit INTEGER RANGE', which say nothing of
+    what to write."""
     said = {
-        "convert": ["--shard-size SIZE", "--storage-options JSON"],
-        "bench": ["--workers N,N,...", "--batch-size N,N,...", "--seconds SECONDS", "--step-ms MS"],
-        "tune": ["--memory-budget SIZE", "--batch-size N,N,...", "--seconds SECONDS"],
-        "stage": ["--tmpfs SIZE", "--budget SIZE", "--reserve SIZE", "--cache-limit SIZE", "--storage-options JSON"],
-        "monitor": ["--interval SECONDS"],
+        "convert": [
+            "--shard-size SIZE",
+            "--storage-options JSON",
+            "--require FIELD,FIELD,...",
+            "--path-column COLUMN",
+            "--label-column COLUMN",
+            "--address ADDRESS",
+            "--workers N",
+        ],
+        "bench": ["--workers N,N,...", "--batch-size N,N,...", "--seconds SECONDS", "--step-ms MS", "--batches N"],
+        "tune": ["--memory-budget SIZE", "--batch-size N,N,...", "--seconds SECONDS", "--device DEVICE"],
+        "stage": [
+            "--tmpfs SIZE",
+            "--budget SIZE",
+            "--reserve SIZE",
+            "--cache-limit SIZE",
+            "--storage-options JSON",
+            "--shards SHARD,SHARD,...",
+            "--name NAME",
+        ],
+        "monitor": ["--interval SECONDS", "--name WORD"],
         "info": ["--storage-options JSON"],
+        "cat": ["--field FIELD"],
+        "ls": ["--limit N"],
     }
     for name in main.commands:
         result = _run(name, "--help")
         assert result.exit_code == 0
-        assert "FINITE FLOAT RANGE" not in result.output, name
+        for generic in ("FINITE FLOAT RANGE", "INTEGER RANGE", " TEXT "):  # click's types, not what to write
+            assert generic not in result.output, (name, generic)
         for option in said.get(name, []):
             assert re.search(rf"^  {re.escape(option)}  ", result.output, re.M), (name, option)
 

@@ -198,15 +198,33 @@ def _teach_metavars(group: click.Group) -> None:
     An option that names its own metavar keeps it.
     """
     by_callback = {_size: "SIZE", _json_object: "JSON", _int_list: "N,N,..."}
-    for command in group.commands.values():
+    for command_name, command in group.commands.items():
         for param in command.params:
             if not isinstance(param, click.Option) or param.metavar is not None:
                 continue
+            name = param.name or ""
             if param.callback in by_callback:
                 param.metavar = by_callback[param.callback]
             elif isinstance(param.type, _FiniteFloat):
-                name = param.name or ""
                 param.metavar = "MS" if name.endswith("_ms") else "SECONDS" if name in ("seconds", "interval") else "N"
+            elif (command_name, name) in _TEXT_METAVARS or name in _TEXT_METAVARS:
+                param.metavar = _TEXT_METAVARS.get((command_name, name)) or _TEXT_METAVARS[name]
+            elif isinstance(param.type, click.IntRange):
+                param.metavar = "N"
+
+
+_TEXT_METAVARS: dict[str | tuple[str, str], str] = {
+    "require": "FIELD,FIELD,...",
+    "path_column": "COLUMN",
+    "label_column": "COLUMN",
+    "address": "ADDRESS",
+    "shards": "SHARD,SHARD,...",
+    "field_name": "FIELD",
+    "device": "DEVICE",
+    ("stage", "name"): "NAME",
+    ("monitor", "name"): "WORD",
+}
+"""What a free-text option's value is, by its keyword (or its command and keyword), where click says TEXT."""
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
