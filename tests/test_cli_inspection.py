@@ -37,3 +37,48 @@ def test_cat_of_an_index_out_of_range_says_the_valid_range_and_how_to_list_keys(
         f"Pick #0 to #5, or a key (`packdata ls '{pack}'` lists them)\n"
     )
     assert _run("cat", str(pack), "#5").exit_code == 0  # the last one the hint names is there
+
+
+def test_cat_of_a_missing_key_names_the_command_that_lists_keys_and_the_indices(pack: Path) -> None:
+    """It said 'List keys with `packdata ls`', without the pack, and nothing of which #N there are."""
+    result = _run("cat", str(pack), "c/9.jpg")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"Error: {pack}: no sample has the key 'c/9.jpg'. "
+        f"List keys with `packdata ls '{pack}'`; #N picks by index (#0 to #5)\n"
+    )
+
+
+def test_cat_of_a_field_a_sample_lacks_or_of_no_field_says_how_to_name_one(pack: Path, tmp_path: Path) -> None:
+    """'this pack holds one image per sample, not field 'txt'', 'sample 's0' has fields jpg, txt: name one' and
+    'has no field 'png' (jpg, txt)' said nothing of --field."""
+    grouped = tmp_path / "grouped"
+    grouped.mkdir()
+    (grouped / "s0.jpg").write_bytes(image_bytes(0))
+    (grouped / "s0.txt").write_text("a cat\n")
+    fields = tmp_path / "fields.lmdb"
+    assert _run("convert", str(grouped), str(fields), "--layout", "grouped", "-q").exit_code == 0
+    cases = (
+        (["cat", str(pack), "#0", "--field", "txt"], pack, "this pack holds one image per sample, not field 'txt'. "
+         "Leave the field out, or pass --field image"),
+        (["cat", str(fields), "s0"], fields, "sample 's0' has fields jpg, txt: name one. Pass --field NAME (such as "
+         "--field jpg)"),
+        (["cat", str(fields), "s0", "--field", "png"], fields, "sample 's0' has no field 'png' (jpg, txt). "
+         "Pass --field NAME (such as --field jpg)"),
+        (["export", str(fields), str(tmp_path / "out"), "--layout", "imagefolder"], fields,
+         "a multi-field pack exports as grouped files. Pass --layout grouped"),
+    )  # fmt: skip
+    for args, named, said in cases:
+        result = _run(*args)
+        assert (result.exit_code, result.stdout) == (1, ""), result.output
+        assert result.stderr == f"Error: {named}: {said}\n"
+    assert _run("cat", str(fields), "s0", "--field", "txt").stdout == "a cat\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_ls_limit_1_says_the_first_sample(pack: Path) -> None:
+    """It said '(the first 1 samples; ...)'."""
+    result = _run("ls", str(pack), "--limit", "1")
+    assert result.exit_code == 0
+    assert result.stdout.count("\n") == 1
+    assert result.stderr == "(the first sample; more follow: --limit 0 lists all)\n"

@@ -178,7 +178,8 @@ def ls(pack: str, limit: int, as_json: bool, storage_options: dict[str, Any] | N
 
     for row in list_samples(pack, limit=limit + 1 if limit else None, storage_options=storage_options):
         if limit and row["index"] == limit:  # one more than asked for: say the list is cut, off stdout
-            click.echo(f"(the first {limit:,} samples; more follow: --limit 0 lists all)", err=True)
+            first = "the first sample" if limit == 1 else f"the first {limit:,} samples"
+            click.echo(f"({first}; more follow: --limit 0 lists all)", err=True)
             break
         if as_json:
             click.echo(_json_text(row))

@@ -100,8 +100,7 @@ def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> i
         if len(digits) > 18 or int(digits) >= manifest.num_samples:  # int() refuses over 4,300 digits
             shown = digits if len(digits) <= 18 else f"{digits[:18]}..."
             n = manifest.num_samples
-            listed = f"`packdata ls {shlex.quote(str(where))}` lists them"
-            hint = f"Pick #0 to #{n - 1}, or a key ({listed})" if n else "The pack is empty"
+            hint = f"Pick #0 to #{n - 1}, or a key ({_ls(where)} lists them)" if n else "The pack is empty"
             raise ConfigError(f"index {shown} is out of range for {n} samples", path=where, hint=hint)
         return int(digits)
     keys = _index(pack, manifest, where).keys
@@ -109,8 +108,15 @@ def _resolve(pack: Path, manifest: Manifest, which: str, where: str | Path) -> i
         if keys[i] == which:
             return i
     raise ConfigError(
-        f"no sample has the key {which!r}", path=where, hint="List keys with `packdata ls`; #N picks by index"
+        f"no sample has the key {which!r}",
+        path=where,
+        hint=f"List keys with {_ls(where)}; #N picks by index (#0 to #{len(keys) - 1})",
     )
+
+
+def _ls(where: str | Path) -> str:
+    """The command that lists a pack's keys, quoted to paste."""
+    return f"`packdata ls {shlex.quote(str(where))}`"
 
 
 def _record(pack: Path, manifest: Manifest, i: int) -> Sample:
@@ -221,15 +227,24 @@ def _field_of(sample: Sample, manifest: Manifest, field_name: str | None, pack: 
         return str(sample.label).encode("ascii")
     if manifest.kind != "fields":
         if field_name not in (None, manifest.kind):
-            raise ConfigError(f"this pack holds one {manifest.kind} per sample, not field {field_name!r}", path=pack)
+            raise ConfigError(
+                f"this pack holds one {manifest.kind} per sample, not field {field_name!r}",
+                path=pack,
+                hint=f"Leave the field out, or pass field={manifest.kind}",
+            )
         return sample.data
     fields = _fields(sample, pack)
+    named = f"Pass field=NAME (such as field={min(fields)})" if fields else None
     if field_name is None:
         if len(fields) != 1:
-            raise ConfigError(f"sample {sample.key!r} has fields {', '.join(sorted(fields))}: name one", path=pack)
+            raise ConfigError(
+                f"sample {sample.key!r} has fields {', '.join(sorted(fields))}: name one", path=pack, hint=named
+            )
         field_name = next(iter(fields))
     if field_name not in fields:
-        raise ConfigError(f"sample {sample.key!r} has no field {field_name!r} ({', '.join(sorted(fields))})", path=pack)
+        raise ConfigError(
+            f"sample {sample.key!r} has no field {field_name!r} ({', '.join(sorted(fields))})", path=pack, hint=named
+        )
     return fields[field_name]
 
 
@@ -294,7 +309,7 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
     if layout not in ("imagefolder", "grouped"):
         raise ConfigError(f"layout should be 'imagefolder' or 'grouped', but got layout={layout!r}")
     if layout == "imagefolder" and manifest.kind == "fields":
-        raise ConfigError("a multi-field pack exports as grouped files", hint="Pass layout='grouped'")
+        raise ConfigError("a multi-field pack exports as grouped files", path=pack, hint="Pass layout='grouped'")
     index = _index(pack, manifest)  # read as a dataset reads the pack: keys and labels from the index
     check_index_digests(pack / manifest.index_dir, manifest.index_sha256)  # a damaged index: before dst is made
     check_visible(dst, what="the export destination", hint="Choose a folder this user may search and write")
