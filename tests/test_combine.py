@@ -413,8 +413,37 @@ def test_merge_refuses_mixed_formats(tmp_path: Path) -> None:
     a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
     packdata.convert(a, tmp_path / "a.lmdb", progress=False)
     packdata.convert(a, tmp_path / "a.tfrecord", progress=False)
-    with pytest.raises(ConfigError, match="one format and kind"):
+    with pytest.raises(ConfigError, match="Merge packs of one format: convert this one's source again with format="):
         packdata.merge_packs([tmp_path / "a.lmdb", tmp_path / "a.tfrecord"], tmp_path / "x.lmdb")
+
+
+def test_a_merge_of_packs_of_another_format_or_kind_says_which_differs_and_what_to_do(tmp_path: Path) -> None:
+    """Packs of one format and two kinds were told 'is a lmdb pack of fields samples, the first is lmdb/image ...
+    (convert one again with format=FORMAT, `packdata convert --format FORMAT`)': a format was no fix."""
+    a = _folder(tmp_path / "a", {"cat": ["1.jpg"]})
+    grouped = tmp_path / "grouped"
+    grouped.mkdir()
+    (grouped / "s0.jpg").write_bytes((a / "cat" / "1.jpg").read_bytes())
+    (grouped / "s0.txt").write_text("a cat\n")
+    images, fields, records = tmp_path / "a.lmdb", tmp_path / "fields.lmdb", tmp_path / "a.tfrecord"
+    packdata.convert(a, images, progress=False)
+    packdata.convert(grouped, fields, layout="grouped", progress=False)
+    packdata.convert(a, records, format="tfrecord", progress=False)
+    runner = CliRunner()
+    kinds = runner.invoke(cli, ["merge", str(images), str(fields), "-o", str(tmp_path / "x.lmdb")])
+    assert (kinds.exit_code, kinds.stdout) == (1, "")
+    assert kinds.stderr == (
+        f"Error: {fields}: holds multi-field samples, but the first pack ({images}) holds image samples. "
+        "Merge packs of one kind: images with images, texts with texts, multi-field samples (a grouped convert's) "
+        "with multi-field samples\n"
+    )
+    formats = runner.invoke(cli, ["merge", str(images), str(records), "-o", str(tmp_path / "x.lmdb")])
+    assert (formats.exit_code, formats.stdout) == (1, "")
+    assert formats.stderr == (
+        f"Error: {records}: is a tfrecord pack, but the first pack ({images}) is lmdb. Merge packs of one format: "
+        f"convert this one's source again with format='lmdb' (`packdata convert SRC DST --format lmdb`)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.lmdb", "a.tfrecord", "fields.lmdb", "grouped"]
 
 
 _READER = """

@@ -118,12 +118,21 @@ def _plan(
         for number, path in enumerate(paths):
             manifest, index = _open(path)
             first = first or manifest
-            if (manifest.format, manifest.kind) != (first.format, first.kind):
+            if manifest.format != first.format:
                 raise ConfigError(
-                    f"is a {manifest.format} pack of {manifest.kind} samples, the first is {first.format}/{first.kind}",
+                    f"is a {manifest.format} pack, but the first pack ({paths[0]}) is {first.format}",
                     path=path,
-                    hint="Merge packs of one format and kind "
-                    "(convert one again with format=FORMAT, `packdata convert --format FORMAT`)",
+                    hint=f"Merge packs of one format: convert this one's source again with format='{first.format}' "
+                    f"(`packdata convert SRC DST --format {first.format}`)",
+                )
+            if manifest.kind != first.kind:
+                said = {"fields": "multi-field"}
+                raise ConfigError(
+                    f"holds {said.get(manifest.kind, manifest.kind)} samples, but the first pack ({paths[0]}) "
+                    f"holds {said.get(first.kind, first.kind)} samples",
+                    path=path,
+                    hint="Merge packs of one kind: images with images, texts with texts, "
+                    "multi-field samples (a grouped convert's) with multi-field samples",
                 )
             for name in manifest.classes:
                 classes.setdefault(name, len(classes))
