@@ -167,6 +167,14 @@ def unwritable_error(exc: OSError, path: str | os.PathLike) -> ConfigError:
     mount, size and free space by ``packdata.host.disks.write_error`` (which calls this
     for anything else), as this layer knows no mounts. Raise it ``from exc``.
     """
+    if exc.errno == errno.ENOTDIR:  # a file where a folder above it should be: name it, not 'Not a directory'
+        above = next((p for p in Path(path).parents if os.path.lexists(p) and not os.path.isdir(p)), None)
+        if above is not None:
+            return ConfigError(
+                f"cannot write the destination: {above} is a file, not a folder",
+                path=path,
+                hint="Choose a destination whose parents are folders (or can be made)",
+            )
     return ConfigError(
         f"cannot write the destination ({exc.strerror or exc})",
         path=path,

@@ -153,7 +153,8 @@ def test_a_shard_or_a_file_inside_a_pack_given_for_the_pack_names_the_pack(tmp_p
 
 @pytest.mark.parametrize("command", ["export", "stage"])
 def test_a_destination_that_cannot_be_made_is_one_line(image_folder: Path, tmp_path: Path, command: str) -> None:
-    """export DST and stage --to DIR under a file (or read-only): mkdir's raw OSError was a traceback."""
+    """export DST and stage --to DIR under a file (or read-only): mkdir's raw OSError was a traceback, then
+    'cannot write the destination (Not a directory)', which named no file."""
     pack = tmp_path / "out.lmdb"
     assert _run("convert", str(image_folder), str(pack), "-q").exit_code == 0
     (tmp_path / "a-file").write_text("x")
@@ -162,8 +163,8 @@ def test_a_destination_that_cannot_be_made_is_one_line(image_folder: Path, tmp_p
     result = _run(*args)
     assert result.exit_code == 1
     assert result.output == (
-        f"Error: {dest}: cannot write the destination (Not a directory). "
-        "Choose a destination on a writable local or network file system\n"
+        f"Error: {dest}: cannot write the destination: {tmp_path / 'a-file'} is a file, not a folder. "
+        "Choose a destination whose parents are folders (or can be made)\n"
     )
 
 
