@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,19 @@ def test_ls_limit_1_says_the_first_sample(pack: Path) -> None:
     assert result.exit_code == 0
     assert result.stdout.count("\n") == 1
     assert result.stderr == "(the first sample; more follow: --limit 0 lists all)\n"
+
+
+def test_export_to_a_file_or_a_link_says_what_is_there(pack: Path, tmp_path: Path) -> None:
+    """A file or a link given as DST was called 'not an empty folder'; a folder holding files still is."""
+    (tmp_path / "notes.txt").write_text("keep me\n")
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for name, what in [("notes.txt", "a file, not a folder"), ("link", "a symbolic link, not a folder"),
+                       ("full", "not an empty folder")]:  # fmt: skip
+        result = _run("export", str(pack), str(tmp_path / name))
+        assert (result.exit_code, result.stdout) == (1, ""), result.output
+        assert result.stderr == f"Error: {tmp_path / name}: export destination is {what}. Choose a new folder\n"
+    assert (tmp_path / "notes.txt").read_text() == "keep me\n"
+    assert not (tmp_path / "elsewhere").exists()
+    assert os.listdir(tmp_path / "full") == ["x"]

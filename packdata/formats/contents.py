@@ -317,7 +317,10 @@ def export_pack(pack: str | os.PathLike, dst: str | os.PathLike, *, layout: str 
         raise ConfigError(
             "export destination is inside the pack being exported", path=dst, hint="Choose a folder outside it"
         )
-    if dst.is_symlink() or (dst.exists() and (not dst.is_dir() or any(dst.iterdir()))):
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        what = "a symbolic link" if dst.is_symlink() else "a file"
+        raise ConfigError(f"export destination is {what}, not a folder", path=dst, hint="Choose a new folder")
+    if dst.exists() and any(dst.iterdir()):
         raise ConfigError("export destination is not an empty folder", path=dst, hint="Choose a new folder")
     try:
         dst.mkdir(parents=True, exist_ok=True)
