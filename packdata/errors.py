@@ -175,10 +175,13 @@ def unwritable_error(exc: OSError, path: str | os.PathLike) -> ConfigError:
                 path=path,
                 hint="Choose a destination whose parents are folders (or can be made)",
             )
+    permissions = exc.errno in (errno.EACCES, errno.EPERM)  # not the file system: this user's rights in a folder
     return ConfigError(
         f"cannot write the destination ({exc.strerror or exc})",
         path=path,
-        hint="Choose a destination on a writable local or network file system",
+        hint="Choose a destination in a folder this user may write"
+        if permissions
+        else "Choose a destination on a writable local or network file system",
     )
 
 

@@ -861,9 +861,10 @@ def test_bench_and_tune_of_a_pack_behind_a_folder_the_user_may_not_search_is_one
 
 
 @pytest.mark.root
-def test_export_and_stage_into_a_folder_the_user_may_not_search_is_one_line(tmp_path: Path) -> None:
+def test_export_and_stage_into_a_folder_the_user_may_not_search_or_write_is_one_line(tmp_path: Path) -> None:
     """export DST, stage --to DIR and stage --status --mount DIR behind a folder this user may not search (mode 700,
-    root's) raised PermissionError with a traceback (from Path.is_symlink, Path.exists)."""
+    root's) raised PermissionError with a traceback (from Path.is_symlink, Path.exists); into a folder it may search
+    but not write, the hint sent it to 'a writable local or network file system'."""
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv to run the command as another user")
     (tmp_path / "src" / "c").mkdir(parents=True)
@@ -877,7 +878,18 @@ def test_export_and_stage_into_a_folder_the_user_may_not_search_is_one_line(tmp_
         hidden = shared / "hidden"
         hidden.mkdir(mode=0o700)  # root's: the user nobody may not look inside
         _refused_as_nobody(pack, hidden)
+        for args, named in (
+            (["export", str(pack), str(shared / "out")], shared / "out"),
+            (["stage", str(pack), "--to", str(shared / "area"), "-q"], shared / "area"),
+        ):  # a folder nobody may search but not write (root's, 755): it is the rights, not the file system
+            run = _as_nobody(*args)
+            assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+            assert run.stderr == (
+                f"Error: {named}: cannot write the destination (Permission denied). "
+                "Choose a destination in a folder this user may write\n"
+            )
         assert sorted(p.name for p in hidden.iterdir()) == []  # nothing written
+        assert sorted(p.name for p in shared.iterdir()) == ["hidden", "train.lmdb"]
     finally:
         shutil.rmtree(shared)
 
