@@ -636,3 +636,18 @@ def tfrecord_pack(noise_folder: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "train"
     packdata.convert(noise_folder, dst, format="tfrecord", shard_samples=6, progress=False)
     return dst
+
+
+def packdata_as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+    """``packdata ARGS`` run by root as the user nobody (setpriv), who may not search root's mode-700 folders.
+
+    Callers mark their test ``root`` and skip it unless ``os.geteuid() == 0`` and ``setpriv`` is on PATH.
+    """
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    return subprocess.run(
+        [*as_nobody, sys.executable, "-m", "packdata.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )

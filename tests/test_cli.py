@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import image_bytes, interrupted_convert
+from conftest import packdata_as_nobody as _as_nobody
 
 from packdata.cli import main
 from packdata.conversion.destination import partial_path
@@ -774,18 +775,6 @@ def test_a_bench_whose_every_source_cannot_be_opened_prints_one_error_line_and_n
     assert result.stderr.startswith(f"Error: could not measure {empty}: no image or text files found. Images are ")
     assert result.stderr.count("\n") == 1
     assert not plot.exists()
-
-
-def _as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
-    """``packdata ARGS`` run by root as the user nobody (setpriv), who may not search root's mode-700 folders."""
-    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
-    return subprocess.run(
-        [*as_nobody, sys.executable, "-m", "packdata.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        timeout=120,
-    )
 
 
 @pytest.mark.root

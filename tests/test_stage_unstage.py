@@ -8,11 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import _noise_jpeg, killed_at_staged_json_delete, lock_held_elsewhere, tree_digest
+from conftest import _noise_jpeg, killed_at_staged_json_delete, lock_held_elsewhere, packdata_as_nobody, tree_digest
 from stage_helpers import _all_bytes
 
 import packdata
@@ -479,3 +480,31 @@ def test_a_folder_a_stage_left_without_its_manifest_advises_staging_again(lmdb_p
         LMDBDataset(staged)
     stage(lmdb_pack, to=tmp_path / "area", progress=False)
     assert len(LMDBDataset(staged)) == len(LMDBDataset(lmdb_pack))
+
+
+@pytest.mark.root
+def test_unstage_of_another_users_staged_pack_says_whose_folder_it_is(tmp_path: Path) -> None:
+    """As a user who may not write the area (root's, mode 755), unstage said 'cannot create the lock file: Permission
+    denied. Choose a destination on a writable file system': unstage has no destination, and no file system is at
+    fault."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the command as another user")
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "a.jpg").write_bytes(_noise_jpeg(0))
+    pack = packdata.convert(tmp_path / "src", tmp_path / "train.lmdb", progress=False).pack
+    area = Path(tempfile.mkdtemp(prefix="packdata_area_"))  # one nobody may search, outside tmp_path's
+    try:
+        area.chmod(0o755)
+        staged = stage(pack, to=area, progress=False).staged
+        before = tree_digest(area)
+        run = packdata_as_nobody("unstage", str(staged))
+        assert (run.returncode, run.stdout) == (1, ""), run.stderr[-2000:]
+        assert run.stderr == (
+            f"Error: {area}/.{staged.name}.lock: cannot create the lock file: Permission denied. "
+            f"{area} is not this user's to write (uid 0's): "
+            "run it as its owner, or choose a folder this user may write\n"
+        )
+        assert tree_digest(area) == before
+    finally:
+        shutil.rmtree(area)

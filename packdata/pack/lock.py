@@ -107,6 +107,14 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def _owned_by(folder: Path) -> str:
+    """`` (uid N's)`` for a folder's owner, or nothing when it cannot be looked at."""
+    try:
+        return f" (uid {os.stat(folder).st_uid}'s)"
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) -> Iterator[Path]:
     """Hold the lock file ``path`` for the duration of the block, or fail at once.
@@ -138,13 +146,15 @@ def hold_lock(path: str | os.PathLike, *, what: str, target: str | os.PathLike) 
                 raise no_space_error(exc, path, folder=path.parent, of=of, hint=RERUN_HINT) from exc
             reason = "a symlink is in its place" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
             in_place = exists or exc.errno == errno.ELOOP  # a file stands there, else the folder refuses a new one
-            raise ConfigError(
-                f"cannot create the lock file: {reason}",
-                path=path,
-                hint="Remove it if it is not packdata's, or choose another destination"
-                if in_place
-                else "Choose a destination on a writable file system",
-            ) from exc
+            hint = "Choose a destination on a writable file system"
+            if in_place:
+                hint = "Remove it if it is not packdata's, or choose another destination"
+            elif exc.errno in (errno.EACCES, errno.EPERM):  # this user's rights in the folder, not the file system
+                hint = (
+                    f"{path.parent} is not this user's to write{_owned_by(path.parent)}: "
+                    "run it as its owner, or choose a folder this user may write"
+                )
+            raise ConfigError(f"cannot create the lock file: {reason}", path=path, hint=hint) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
