@@ -162,3 +162,22 @@ def test_cli_doctor(tf_pack: Path) -> None:
         "Error: s3://bucket/train.lmdb: doctor looks at a pack on this machine's disks (its file system and "
         "shards). Stage it first (packdata stage s3://bucket/train.lmdb --to DIR) and run doctor on the staged copy\n"
     )
+
+
+def test_doctor_warns_of_more_ranks_than_samples(tmp_path: Path) -> None:
+    """--ranks 8 for a pack of 6 samples said nothing: a DistributedSampler-style split pads each rank to one sample,
+    so 2 samples are read twice each epoch (and drop_last leaves every rank none)."""
+    (tmp_path / "src" / "notes").mkdir(parents=True)
+    for i in range(6):
+        (tmp_path / "src" / "notes" / f"{i}.txt").write_text(f"note {i}")
+    pack = packdata.convert(tmp_path / "src", tmp_path / "p.lmdb", progress=False).pack
+    said = (
+        "warning [more-ranks-than-samples]: the pack holds 6 samples for 8 ranks: every epoch repeats 2 samples so "
+        "that each rank reads one (with drop_last=True no rank reads any); run fewer ranks or pack more samples"
+    )
+    out = CliRunner().invoke(main, ["doctor", os.fspath(pack), "--ranks", "8"])
+    assert out.exit_code == 0, out.output
+    assert said in out.output.splitlines()
+    for ranks in ("6", "1"):
+        out = CliRunner().invoke(main, ["doctor", os.fspath(pack), "--ranks", ranks])
+        assert out.exit_code == 0 and "more-ranks-than-samples" not in out.output, out.output

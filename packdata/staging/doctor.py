@@ -171,6 +171,15 @@ def _pack_report(
                 f"stage it again: packdata stage {manifest.staged_from} --to {path.parent} --name {path.name}",
             )
         )
+    if ranks > manifest.num_samples:  # each rank is padded to one sample a step: the extra ones are repeats
+        n, repeats = manifest.num_samples, ranks - manifest.num_samples
+        warnings.append(
+            SafetyWarning(
+                "more-ranks-than-samples",
+                f"the pack holds {n:,} samples for {ranks:,} ranks: every epoch repeats {repeats:,} samples so that "
+                "each rank reads one (with drop_last=True no rank reads any); run fewer ranks or pack more samples",
+            )
+        )
     readers = report.readers
     streams = get_format(manifest.format).streams_by_shard
     if streams and report.shards < readers:
