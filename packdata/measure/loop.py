@@ -214,7 +214,9 @@ def measure_loader(
         try:
             for _ in range(warmup):
                 epochs.next()
-                first = time.perf_counter() - started if first is None else first
+                if first is None:
+                    first = time.perf_counter() - started
+                    sampler.sample()  # every worker is started now: a short run's ticks may all miss one alive
                 if step_ms:
                     time.sleep(step_ms / 1000)
             timed_start = time.perf_counter()
