@@ -10,7 +10,7 @@ from pathlib import Path
 from packdata.errors import CapacityError, ConfigError, PackFormatError
 from packdata.formats import get_format
 from packdata.host.disks import filesystem_named
-from packdata.pack.files import discard_partial, file_kind, holds_conversion, is_inside
+from packdata.pack.files import check_visible, discard_partial, file_kind, holds_conversion, is_inside
 from packdata.pack.index import ALL_FILES, index_files
 from packdata.pack.lock import convert_lock_path
 from packdata.pack.manifest import MANIFEST_NAME, SKIP_REPORT, Manifest, read_manifest
@@ -268,16 +268,7 @@ def check_real_destination(dst: Path) -> None:
     Raises:
         ConfigError: naming ``dst`` and what it is, or that it cannot be looked at.
     """
-    try:
-        os.lstat(dst)
-    except (FileNotFoundError, NotADirectoryError):
-        pass  # a new destination
-    except OSError as exc:  # a folder above it this process may not search: one line, not a traceback
-        raise ConfigError(
-            f"the destination cannot be looked at ({exc.strerror or exc})",
-            path=dst,
-            hint="Choose a destination whose folders this user may search and write",
-        ) from exc
+    check_visible(dst, what="the destination", hint="Choose a destination whose folders this user may search and write")
     if dst.name == "..":
         raise ConfigError(
             "destination ends in '..'; packdata writes a pack only at a path that names it",
